@@ -1,0 +1,156 @@
+//! Worker threads that move pages between tiers asynchronously.
+//!
+//! The cache submits a job with a ticket and polls completions; until a ticket is acknowledged
+//! its pages stay locked in the tree, so no other party reads or frees them.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::hash::PageHash;
+use crate::pool::{copy_pages, DevicePool, Direction, HostPool};
+use crate::storage::Storage;
+
+/// Work for a copy worker.
+#[derive(Debug)]
+pub enum JobKind {
+    /// (device page, host page) pairs.
+    Copy { dir: Direction, pairs: Vec<(u32, u32)> },
+    /// Host pages to L3 under their hashes.
+    Put { host_pages: Vec<u32>, hashes: Vec<PageHash> },
+    /// L3 pages into host pages, in order; stops at the first miss.
+    Get { hashes: Vec<PageHash>, host_pages: Vec<u32> },
+}
+
+/// A finished job.
+#[derive(Debug)]
+pub struct Done {
+    pub ticket: u64,
+    pub bytes: u64,
+    /// Pages that completed (for `Get`, the leading run that was found and intact).
+    pub pages_ok: usize,
+    pub nanos: u64,
+    pub errors: u64,
+}
+
+/// The pools and the storage backend a job touches; `None` pools mean metadata-only (no bytes).
+#[derive(Clone)]
+pub struct Planes {
+    pub device: Option<Arc<DevicePool>>,
+    pub host: Option<Arc<HostPool>>,
+    pub storage: Option<Arc<dyn Storage>>,
+}
+
+impl Planes {
+    /// Runs one job on the calling thread.
+    pub fn run(&self, ticket: u64, job: &JobKind) -> Done {
+        let t0 = Instant::now();
+        let mut done = Done { ticket, bytes: 0, pages_ok: 0, nanos: 0, errors: 0 };
+        match job {
+            JobKind::Copy { dir, pairs } => {
+                if let (Some(d), Some(h)) = (&self.device, &self.host) {
+                    done.bytes = copy_pages(d, h, *dir, pairs);
+                }
+                done.pages_ok = pairs.len();
+            }
+            JobKind::Put { host_pages, hashes } => {
+                let st = self.storage.as_ref().expect("put without storage");
+                let mut buf = vec![0u8; self.host.as_ref().map_or(0, |h| h.layout_page_bytes())];
+                for (&p, h) in host_pages.iter().zip(hashes) {
+                    if let Some(host) = &self.host {
+                        host.read_page(p, &mut buf);
+                    }
+                    match st.put(h, &buf) {
+                        Ok(()) => {
+                            done.pages_ok += 1;
+                            done.bytes += buf.len() as u64;
+                        }
+                        Err(_) => done.errors += 1,
+                    }
+                }
+            }
+            JobKind::Get { hashes, host_pages } => {
+                let st = self.storage.as_ref().expect("get without storage");
+                let want = self.host.as_ref().map_or(0, |h| h.layout_page_bytes());
+                for (h, &p) in hashes.iter().zip(host_pages) {
+                    match st.get(h) {
+                        Ok(Some(data)) if data.len() == want => {
+                            if let Some(host) = &self.host {
+                                host.write_page(p, &data);
+                            }
+                            done.pages_ok += 1;
+                            done.bytes += data.len() as u64;
+                        }
+                        Ok(Some(_)) => {
+                            // Intact file of the wrong size: a layout mismatch, never used.
+                            done.errors += 1;
+                            break;
+                        }
+                        Ok(None) => break,
+                        Err(_) => {
+                            done.errors += 1;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        done.nanos = t0.elapsed().as_nanos() as u64;
+        done
+    }
+}
+
+/// A pool of copy threads.
+pub struct CopyEngine {
+    tx: Option<Sender<(u64, JobKind)>>,
+    done: Receiver<Done>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl CopyEngine {
+    pub fn start(planes: Planes, threads: usize) -> CopyEngine {
+        let (tx, rx) = crossbeam_channel::unbounded::<(u64, JobKind)>();
+        let (dtx, drx) = crossbeam_channel::unbounded();
+        let workers = (0..threads.max(1))
+            .map(|i| {
+                let rx = rx.clone();
+                let dtx = dtx.clone();
+                let planes = planes.clone();
+                std::thread::Builder::new()
+                    .name(format!("strata-copy-{i}"))
+                    .spawn(move || {
+                        for (t, job) in rx {
+                            if dtx.send(planes.run(t, &job)).is_err() {
+                                break;
+                            }
+                        }
+                    })
+                    .expect("spawn copy worker")
+            })
+            .collect();
+        CopyEngine { tx: Some(tx), done: drx, workers }
+    }
+
+    pub fn submit(&self, ticket: u64, job: JobKind) {
+        self.tx.as_ref().expect("engine running").send((ticket, job)).expect("copy workers alive");
+    }
+
+    pub fn try_recv(&self) -> Option<Done> {
+        self.done.try_recv().ok()
+    }
+
+    pub fn recv(&self) -> Done {
+        self.done.recv().expect("copy workers alive")
+    }
+}
+
+impl Drop for CopyEngine {
+    fn drop(&mut self) {
+        self.tx.take();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! `strata-kv`: cached KV data across tiers.
+//!
+//! * [`layout`]: pool kinds and page layouts (device layer-first, host page-first).
+//! * [`pages`], [`memory`], [`pool`]: page allocation and the byte pools.
+//! * [`tree`]: the radix tree with per-tier residency, locks and eviction order.
+//! * [`policy`]: write policies and eviction policies.
+//! * [`hash`]: stable chained page hashes (keys for L3 and routing).
+//! * [`storage`]: the L3 trait with disk and memory backends.
+//! * [`copy`]: asynchronous copy workers.
+//! * [`cache`]: [`TieredCache`], which ties it all together and keeps [`CacheStats`].
+//!
+//! No async runtime here: callers own a `TieredCache` on one thread; copies run on workers.
+
+pub mod cache;
+pub mod copy;
+pub mod hash;
+pub mod layout;
+pub mod memory;
+pub mod pages;
+pub mod policy;
+pub mod pool;
+pub mod stats;
+pub mod storage;
+pub mod tree;
+pub mod units;
+
+pub use cache::{CacheConfig, CacheError, CacheMatch, Ticket, TieredCache};
+pub use hash::{HashNamespace, PageHash};
+pub use layout::{PageLayout, PoolKind};
+pub use policy::{EvictionPolicy, WritePolicy};
+pub use stats::{CacheStats, TierUsage, Transfer};
+pub use tree::{NodeId, RadixTree, Slot, ROOT};

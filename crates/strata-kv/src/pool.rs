@@ -1,0 +1,230 @@
+//! Byte pools of one tier: the device (L1) pool in layer-first layout and the host (L2) pool in
+//! page-first layout, plus the page copy between them.
+
+use std::sync::Arc;
+
+use crate::layout::PageLayout;
+use crate::memory::{HostAllocator, MemError, Region};
+
+/// L1: per kind, per layer, per plane, one contiguous run of chunks for all pages.
+pub struct DevicePool {
+    layout: Arc<PageLayout>,
+    pages: u32,
+    /// One region per pool kind.
+    regions: Vec<Region>,
+}
+
+impl DevicePool {
+    pub fn new(
+        layout: Arc<PageLayout>,
+        pages: u32,
+        alloc: &dyn HostAllocator,
+    ) -> Result<DevicePool, MemError> {
+        let mut regions = Vec::new();
+        for k in layout.kinds() {
+            let bytes = k
+                .bytes_per_token()
+                .checked_mul(layout.page_size() * pages as usize)
+                .ok_or_else(|| MemError::Alloc {
+                    bytes: usize::MAX,
+                    allocator: alloc.name(),
+                    reason: format!("device pool `{}` size overflows", k.name),
+                })?;
+            regions.push(alloc.allocate(bytes)?);
+        }
+        Ok(DevicePool { layout, pages, regions })
+    }
+
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    pub fn layout(&self) -> &PageLayout {
+        &self.layout
+    }
+
+    /// Total bytes held by this pool.
+    pub fn bytes(&self) -> usize {
+        self.regions.iter().map(Region::len).sum()
+    }
+
+    /// Pointer to the chunk (kind, layer, plane) of `page`; `chunk_bytes` long.
+    fn chunk_ptr(&self, kind: usize, layer: usize, plane: usize, page: u32) -> *mut u8 {
+        assert!(page < self.pages, "device page {page} out of range");
+        let k = &self.layout.kinds()[kind];
+        let chunk = self.layout.page_size() * k.plane_bytes_per_token;
+        let run = (layer * k.planes + plane) * self.pages as usize + page as usize;
+        // SAFETY: run < layers × planes × pages, so the offset stays inside the region.
+        unsafe { self.regions[kind].as_ptr().add(run * chunk) }
+    }
+
+    /// All pages of one (kind, layer, plane): the slab attention reads. Caller must not read
+    /// pages that a copy job is writing (wait for its ticket first).
+    pub fn plane(&self, kind: usize, layer: usize, plane: usize) -> &[u8] {
+        let k = &self.layout.kinds()[kind];
+        let len = self.pages as usize * self.layout.page_size() * k.plane_bytes_per_token;
+        let ptr = self.chunk_ptr_base(kind, layer, plane);
+        // SAFETY: ptr..ptr+len lies inside the region; see the ownership note above.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+
+    fn chunk_ptr_base(&self, kind: usize, layer: usize, plane: usize) -> *mut u8 {
+        let k = &self.layout.kinds()[kind];
+        let chunk = self.layout.page_size() * k.plane_bytes_per_token;
+        let run = (layer * k.planes + plane) * self.pages as usize;
+        // SAFETY: inside the region (see chunk_ptr).
+        unsafe { self.regions[kind].as_ptr().add(run * chunk) }
+    }
+
+    /// Copies one chunk out.
+    pub fn read_chunk(&self, kind: usize, layer: usize, plane: usize, page: u32, out: &mut [u8]) {
+        let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;
+        assert_eq!(out.len(), n);
+        // SAFETY: source chunk is n bytes inside the region, out is a distinct n-byte buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.chunk_ptr(kind, layer, plane, page), out.as_mut_ptr(), n) }
+    }
+
+    /// Writes one chunk (the model's new K/V for a page). The page must be owned by the caller.
+    pub fn write_chunk(&self, kind: usize, layer: usize, plane: usize, page: u32, data: &[u8]) {
+        let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;
+        assert_eq!(data.len(), n);
+        // SAFETY: destination chunk is n bytes inside the region and owned by the caller.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.chunk_ptr(kind, layer, plane, page), n) }
+    }
+}
+
+/// L2: page-first; page `p` is the blob `[p × page_bytes, (p+1) × page_bytes)`.
+pub struct HostPool {
+    layout: Arc<PageLayout>,
+    pages: u32,
+    region: Region,
+}
+
+impl HostPool {
+    pub fn new(
+        layout: Arc<PageLayout>,
+        pages: u32,
+        alloc: &dyn HostAllocator,
+    ) -> Result<HostPool, MemError> {
+        let bytes = layout.page_bytes().checked_mul(pages as usize).ok_or_else(|| MemError::Alloc {
+            bytes: usize::MAX,
+            allocator: alloc.name(),
+            reason: "host pool size overflows".into(),
+        })?;
+        let region = alloc.allocate(bytes)?;
+        Ok(HostPool { layout, pages, region })
+    }
+
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Where the memory came from (allocator, NUMA placement).
+    pub fn origin(&self) -> &str {
+        self.region.origin()
+    }
+
+    fn page_ptr(&self, page: u32) -> *mut u8 {
+        assert!(page < self.pages, "host page {page} out of range");
+        // SAFETY: page < pages, so the blob lies inside the region.
+        unsafe { self.region.as_ptr().add(page as usize * self.layout.page_bytes()) }
+    }
+
+    /// Copies one page blob out.
+    pub fn read_page(&self, page: u32, out: &mut [u8]) {
+        let n = self.layout.page_bytes();
+        assert_eq!(out.len(), n);
+        // SAFETY: n-byte blob inside the region into a distinct n-byte buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.page_ptr(page), out.as_mut_ptr(), n) }
+    }
+
+    /// Writes one page blob. The page must be owned by the caller.
+    pub fn write_page(&self, page: u32, data: &[u8]) {
+        let n = self.layout.page_bytes();
+        assert_eq!(data.len(), n);
+        // SAFETY: n-byte blob inside the region, owned by the caller.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.page_ptr(page), n) }
+    }
+}
+
+/// Direction of a tier copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Backup: L1 → L2.
+    DeviceToHost,
+    /// Load-back: L2 → L1.
+    HostToDevice,
+}
+
+/// Copies pages between the pools: `pairs` are (device page, host page). Returns bytes moved.
+/// Every pair's pages must be owned by the caller for the duration (locked in the tree).
+pub fn copy_pages(device: &DevicePool, host: &HostPool, dir: Direction, pairs: &[(u32, u32)]) -> u64 {
+    let layout = &*host.layout;
+    let mut bytes = 0u64;
+    for &(d, h) in pairs {
+        let blob = host.page_ptr(h);
+        for c in layout.chunks() {
+            let dp = device.chunk_ptr(c.kind, c.layer, c.plane, d);
+            // SAFETY: both ranges are c.bytes long inside their regions (checked by the
+            // pointer helpers) and belong to different regions, so they do not overlap.
+            unsafe {
+                let hp = blob.add(c.host_offset);
+                match dir {
+                    Direction::DeviceToHost => std::ptr::copy_nonoverlapping(dp, hp, c.bytes),
+                    Direction::HostToDevice => std::ptr::copy_nonoverlapping(hp, dp, c.bytes),
+                }
+            }
+            bytes += c.bytes as u64;
+        }
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::PoolKind;
+    use crate::memory::HeapAllocator;
+
+    #[test]
+    fn device_host_roundtrip_is_exact() {
+        let layout = Arc::new(
+            PageLayout::new(2, vec![PoolKind::kv("kv", 3, 1, 4, 2), PoolKind::aux("idx", 3, 5)]).unwrap(),
+        );
+        let dev = DevicePool::new(layout.clone(), 4, &HeapAllocator).unwrap();
+        let host = HostPool::new(layout.clone(), 4, &HeapAllocator).unwrap();
+        let mut v = 0u8;
+        for c in layout.chunks() {
+            let data: Vec<u8> = (0..c.bytes).map(|_| { v = v.wrapping_add(7); v }).collect();
+            dev.write_chunk(c.kind, c.layer, c.plane, 1, &data);
+        }
+        let b = copy_pages(&dev, &host, Direction::DeviceToHost, &[(1, 3)]);
+        assert_eq!(b as usize, layout.page_bytes());
+        copy_pages(&dev, &host, Direction::HostToDevice, &[(2, 3)]);
+        for c in layout.chunks() {
+            let mut a = vec![0; c.bytes];
+            let mut b = vec![0; c.bytes];
+            dev.read_chunk(c.kind, c.layer, c.plane, 1, &mut a);
+            dev.read_chunk(c.kind, c.layer, c.plane, 2, &mut b);
+            assert_eq!(a, b);
+        }
+        // The host blob is the chunks in page-first order.
+        let mut blob = vec![0; layout.page_bytes()];
+        host.read_page(3, &mut blob);
+        let c = layout.chunks()[4];
+        let mut a = vec![0; c.bytes];
+        dev.read_chunk(c.kind, c.layer, c.plane, 1, &mut a);
+        assert_eq!(&blob[c.host_offset..c.host_offset + c.bytes], &a[..]);
+    }
+}
+
+impl HostPool {
+    /// Bytes of one page blob.
+    pub fn layout_page_bytes(&self) -> usize {
+        self.layout.page_bytes()
+    }
+}

@@ -1,0 +1,91 @@
+//! Counters every cache operation updates; the server turns them into metrics.
+
+/// Count, pages, bytes and time of one kind of transfer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Transfer {
+    pub ops: u64,
+    pub pages: u64,
+    pub bytes: u64,
+    pub nanos: u64,
+}
+
+impl Transfer {
+    pub fn add(&mut self, pages: u64, bytes: u64, nanos: u64) {
+        self.ops += 1;
+        self.pages += pages;
+        self.bytes += bytes;
+        self.nanos += nanos;
+    }
+
+    /// Bytes per second over the time spent (0 when none).
+    pub fn bandwidth(&self) -> f64 {
+        if self.nanos == 0 {
+            0.0
+        } else {
+            self.bytes as f64 * 1e9 / self.nanos as f64
+        }
+    }
+}
+
+/// Cumulative cache counters. `hit_device + hit_host + hit_storage + miss == queried`, always.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub queries: u64,
+    pub queried_tokens: u64,
+    pub hit_device_tokens: u64,
+    pub hit_host_tokens: u64,
+    pub hit_storage_tokens: u64,
+    pub miss_tokens: u64,
+    pub inserted_tokens: u64,
+    pub evicted_device_tokens: u64,
+    pub evicted_host_tokens: u64,
+    pub evicted_device_nodes: u64,
+    pub evicted_host_nodes: u64,
+    pub load_back: Transfer,
+    pub backup: Transfer,
+    pub storage_get: Transfer,
+    pub storage_put: Transfer,
+    /// Pages not backed up because the host tier was full of pages still on device.
+    pub backup_skipped_pages: u64,
+    /// Host-matched tokens not loaded back because the device tier had no room.
+    pub load_back_skipped_tokens: u64,
+    /// Storage-matched pages that turned out missing or corrupt at read time.
+    pub storage_read_misses: u64,
+    pub storage_errors: u64,
+}
+
+impl CacheStats {
+    /// Hit tokens over all tiers.
+    pub fn hit_tokens(&self) -> u64 {
+        self.hit_device_tokens + self.hit_host_tokens + self.hit_storage_tokens
+    }
+
+    /// Fraction of queried tokens served from any tier.
+    pub fn hit_rate(&self) -> f64 {
+        if self.queried_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens() as f64 / self.queried_tokens as f64
+        }
+    }
+
+    /// `hits + miss == queried`.
+    pub fn balanced(&self) -> bool {
+        self.hit_tokens() + self.miss_tokens == self.queried_tokens
+    }
+}
+
+/// Pages used and free in one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    pub pages_total: u64,
+    pub pages_used: u64,
+    /// Bytes per page over all pool kinds (0 in metadata-only mode... still the layout's size).
+    pub page_bytes: u64,
+}
+
+impl TierUsage {
+    pub fn pages_free(&self) -> u64 {
+        self.pages_total - self.pages_used
+    }
+}

@@ -1,0 +1,319 @@
+//! Local-disk L3 backend: one file per page under `<dir>/<2 hex>/<32 hex>.page`.
+//!
+//! File = header (magic `STRATAPG`, format version, payload length, BLAKE3 of the payload, the
+//! page hash) + payload. Writes go to `<dir>/tmp/` and are renamed into place, so a reader never
+//! sees a partial file under a page's name. A file whose header, length, hash or checksum is wrong
+//! is a miss, counted as corrupt, and deleted. A byte cap evicts least recently used pages.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use super::lru::LruIndex;
+use super::{Storage, StorageError, StorageStats};
+use crate::hash::PageHash;
+
+const MAGIC: &[u8; 8] = b"STRATAPG";
+const VERSION: u32 = 1;
+const HEADER: usize = 8 + 4 + 8 + 32 + 16;
+
+/// One-file-per-page disk store with a byte cap.
+pub struct DiskStorage {
+    dir: PathBuf,
+    cap_bytes: u64,
+    sync: bool,
+    index: Mutex<LruIndex>,
+    stats: Mutex<StorageStats>,
+    seq: AtomicU64,
+}
+
+fn io(path: &Path, source: std::io::Error) -> StorageError {
+    StorageError::Io { path: path.display().to_string(), source }
+}
+
+impl DiskStorage {
+    /// Opens (or creates) `dir`, indexing the pages already there, oldest modification first.
+    /// `sync` makes every put fsync before the rename (durable across power loss).
+    pub fn open(dir: impl Into<PathBuf>, cap_bytes: u64, sync: bool) -> Result<DiskStorage, StorageError> {
+        let dir = dir.into();
+        let tmp = dir.join("tmp");
+        fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        // Leftovers of writes interrupted by a crash are never visible; clear them.
+        for e in fs::read_dir(&tmp).map_err(|e| io(&tmp, e))?.flatten() {
+            let _ = fs::remove_file(e.path());
+        }
+        let mut found = Vec::new();
+        for sub in fs::read_dir(&dir).map_err(|e| io(&dir, e))?.flatten() {
+            if sub.file_name() == "tmp" || !sub.path().is_dir() {
+                continue;
+            }
+            for f in fs::read_dir(sub.path()).map_err(|e| io(&sub.path(), e))?.flatten() {
+                let name = f.file_name();
+                let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(".page")) else { continue };
+                let (Some(h), Ok(md)) = (PageHash::from_hex(hex), f.metadata()) else { continue };
+                found.push((md.modified().ok(), h, md.len()));
+            }
+        }
+        found.sort_by_key(|x| x.0);
+        let s = DiskStorage {
+            dir,
+            cap_bytes,
+            sync,
+            index: Mutex::new(LruIndex::default()),
+            stats: Mutex::new(StorageStats::default()),
+            seq: AtomicU64::new(0),
+        };
+        {
+            let mut ix = s.index();
+            for (_, h, len) in found {
+                ix.touch(h, len);
+            }
+        }
+        s.enforce_cap(None)?;
+        Ok(s)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of a page's file.
+    pub fn path_of(&self, h: &PageHash) -> PathBuf {
+        let hex = h.to_hex();
+        self.dir.join(&hex[..2]).join(format!("{hex}.page"))
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, LruIndex> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count(&self, f: impl FnOnce(&mut StorageStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Evicts least recently used pages until under the cap (never `keep`).
+    fn enforce_cap(&self, keep: Option<PageHash>) -> Result<(), StorageError> {
+        loop {
+            let victim = {
+                let mut ix = self.index();
+                if ix.bytes <= self.cap_bytes {
+                    return Ok(());
+                }
+                let Some(v) = ix.oldest() else { return Ok(()) };
+                if Some(v) == keep {
+                    return Ok(());
+                }
+                ix.remove(&v);
+                v
+            };
+            let p = self.path_of(&victim);
+            match fs::remove_file(&p) {
+                Ok(()) => self.count(|s| s.evictions += 1),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&p, e)),
+            }
+        }
+    }
+
+    fn decode(h: &PageHash, bytes: &[u8]) -> Option<Vec<u8>> {
+        if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+            return None;
+        }
+        let version = u32::from_le_bytes(bytes[8..12].try_into().ok()?);
+        let len = u64::from_le_bytes(bytes[12..20].try_into().ok()?);
+        if version != VERSION || len != (bytes.len() - HEADER) as u64 || bytes[52..68] != h.0 {
+            return None;
+        }
+        let payload = &bytes[HEADER..];
+        (blake3::hash(payload).as_bytes()[..] == bytes[20..52]).then(|| payload.to_vec())
+    }
+}
+
+impl Storage for DiskStorage {
+    fn tier(&self) -> &'static str {
+        "disk"
+    }
+
+    fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
+        let ix = self.index();
+        Ok(hashes.iter().map(|h| ix.contains(h)).collect())
+    }
+
+    fn get(&self, h: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
+        self.count(|s| s.gets += 1);
+        let p = self.path_of(h);
+        let bytes = match fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.index().remove(h);
+                return Ok(None);
+            }
+            Err(e) => {
+                self.count(|s| s.errors += 1);
+                return Err(io(&p, e));
+            }
+        };
+        match Self::decode(h, &bytes) {
+            Some(payload) => {
+                self.index().touch(*h, bytes.len() as u64);
+                self.count(|s| s.hits += 1);
+                Ok(Some(payload))
+            }
+            None => {
+                self.count(|s| s.corrupt += 1);
+                self.index().remove(h);
+                let _ = fs::remove_file(&p);
+                Ok(None)
+            }
+        }
+    }
+
+    fn put(&self, h: &PageHash, data: &[u8]) -> Result<(), StorageError> {
+        let total = (HEADER + data.len()) as u64;
+        if total > self.cap_bytes {
+            return Err(StorageError::TooLarge { bytes: total, capacity: self.cap_bytes });
+        }
+        self.count(|s| s.puts += 1);
+        let final_path = self.path_of(h);
+        if self.index().contains(h) && final_path.exists() {
+            self.index().touch(*h, total);
+            return Ok(());
+        }
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join("tmp").join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = fs::File::create(&tmp)?;
+            let mut header = Vec::with_capacity(HEADER);
+            header.extend_from_slice(MAGIC);
+            header.extend_from_slice(&VERSION.to_le_bytes());
+            header.extend_from_slice(&(data.len() as u64).to_le_bytes());
+            header.extend_from_slice(blake3::hash(data).as_bytes());
+            header.extend_from_slice(&h.0);
+            f.write_all(&header)?;
+            f.write_all(data)?;
+            if self.sync {
+                f.sync_all()?;
+            }
+            Ok(())
+        };
+        let parent = final_path.parent().expect("page path has a parent");
+        let res = write()
+            .and_then(|_| fs::create_dir_all(parent))
+            .and_then(|_| fs::rename(&tmp, &final_path));
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            self.count(|s| s.errors += 1);
+            return Err(io(&final_path, e));
+        }
+        self.index().touch(*h, total);
+        self.enforce_cap(Some(*h))
+    }
+
+    fn delete(&self, h: &PageHash) -> Result<bool, StorageError> {
+        let had = self.index().remove(h);
+        let p = self.path_of(h);
+        match fs::remove_file(&p) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let _ = had;
+                Ok(false)
+            },
+            Err(e) => Err(io(&p, e)),
+        }
+    }
+
+    fn stats(&self) -> StorageStats {
+        let ix = self.index();
+        let s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        StorageStats { entries: ix.len() as u64, bytes: ix.bytes, capacity_bytes: self.cap_bytes, ..s }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(i: u8) -> PageHash {
+        PageHash([i; 16])
+    }
+
+    #[test]
+    fn put_get_roundtrip_and_reopen() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"hello page").unwrap();
+        assert_eq!(s.get(&h(1)).unwrap().as_deref(), Some(&b"hello page"[..]));
+        assert_eq!(s.get(&h(2)).unwrap(), None);
+        drop(s);
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        assert_eq!(s.exists(&[h(1), h(2)]).unwrap(), vec![true, false]);
+        assert_eq!(s.get(&h(1)).unwrap().as_deref(), Some(&b"hello page"[..]));
+        // No temp files remain after successful writes.
+        assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn corruption_and_truncation_are_misses_and_counted() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), &[7u8; 100]).unwrap();
+        s.put(&h(2), &[8u8; 100]).unwrap();
+        s.put(&h(3), &[9u8; 100]).unwrap();
+        // Flip one payload byte.
+        let p = s.path_of(&h(1));
+        let mut b = fs::read(&p).unwrap();
+        b[HEADER + 5] ^= 1;
+        fs::write(&p, b).unwrap();
+        // Truncate another.
+        let p2 = s.path_of(&h(2));
+        let b2 = fs::read(&p2).unwrap();
+        fs::write(&p2, &b2[..b2.len() - 1]).unwrap();
+        // A file of page 3 stored under page 4's name.
+        fs::create_dir_all(s.path_of(&h(4)).parent().unwrap()).unwrap();
+        fs::copy(s.path_of(&h(3)), s.path_of(&h(4))).unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        assert_eq!(s.get(&h(1)).unwrap(), None);
+        assert_eq!(s.get(&h(2)).unwrap(), None);
+        assert_eq!(s.get(&h(4)).unwrap(), None);
+        assert_eq!(s.get(&h(3)).unwrap(), Some(vec![9u8; 100]));
+        let st = s.stats();
+        assert_eq!(st.corrupt, 3);
+        assert_eq!(s.exists(&[h(1), h(2), h(3), h(4)]).unwrap(), vec![false, false, true, false]);
+        assert!(!s.path_of(&h(1)).exists());
+    }
+
+    #[test]
+    fn cap_is_respected_with_lru_eviction() {
+        let d = tempfile::tempdir().unwrap();
+        let one = (HEADER + 1000) as u64;
+        let s = DiskStorage::open(d.path(), 3 * one, false).unwrap();
+        for i in 0..3 {
+            s.put(&h(i), &[i; 1000]).unwrap();
+        }
+        s.get(&h(0)).unwrap();
+        s.put(&h(3), &[3; 1000]).unwrap();
+        assert_eq!(s.exists(&[h(0), h(1), h(2), h(3)]).unwrap(), vec![true, false, true, true]);
+        let st = s.stats();
+        assert!(st.bytes <= 3 * one);
+        assert_eq!(st.evictions, 1);
+        let on_disk: u64 = walk(d.path());
+        assert_eq!(on_disk, st.bytes);
+        assert!(matches!(s.put(&h(9), &[0; 4000]), Err(StorageError::TooLarge { .. })));
+        // Reopening with a smaller cap trims to it.
+        drop(s);
+        let s = DiskStorage::open(d.path(), one, false).unwrap();
+        assert_eq!(s.stats().entries, 1);
+        assert_eq!(walk(d.path()), one);
+    }
+
+    fn walk(p: &Path) -> u64 {
+        let mut n = 0;
+        for e in fs::read_dir(p).unwrap().flatten() {
+            let md = e.metadata().unwrap();
+            n += if md.is_dir() { walk(&e.path()) } else { md.len() };
+        }
+        n
+    }
+}

@@ -1,0 +1,82 @@
+//! Sizes with units: `150GB` = 150×10^9 bytes, `140GiB` = 140×2^30. A bare number is refused so
+//! nobody has to guess which unit was meant.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SizeError {
+    #[error("size `{0}` has no unit: write e.g. `150GB` (10^9 bytes) or `140GiB` (2^30 bytes)")]
+    NoUnit(String),
+    #[error("size `{0}`: unknown unit `{1}` (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")]
+    BadUnit(String, String),
+    #[error("size `{0}` is not a number followed by a unit")]
+    BadNumber(String),
+    #[error("size `{0}` is too large")]
+    Overflow(String),
+}
+
+/// Parses a byte size with a unit; decimals allowed (`1.5GiB`).
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    if num.is_empty() {
+        return Err(SizeError::BadNumber(s.into()));
+    }
+    if unit.is_empty() {
+        return Err(SizeError::NoUnit(s.into()));
+    }
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(SizeError::BadUnit(s.into(), unit.into())),
+    };
+    let v: f64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
+    let bytes = v * mult as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(SizeError::Overflow(s.into()));
+    }
+    if num.contains('.') {
+        Ok(bytes.round() as u64)
+    } else {
+        let n: u64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
+        n.checked_mul(mult).ok_or_else(|| SizeError::Overflow(s.into()))
+    }
+}
+
+/// `12.00 GiB (12884901888 bytes)`: binary units, with exact bytes.
+pub fn format_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.2} {} ({b} bytes)", U[i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units() {
+        assert_eq!(parse_size("150GB"), Ok(150_000_000_000));
+        assert_eq!(parse_size("140GiB"), Ok(140 << 30));
+        assert_eq!(parse_size("1.5KiB"), Ok(1536));
+        assert_eq!(parse_size(" 8 MiB "), Ok(8 << 20));
+        assert_eq!(parse_size("150"), Err(SizeError::NoUnit("150".into())));
+        assert!(matches!(parse_size("10XB"), Err(SizeError::BadUnit(..))));
+        assert!(matches!(parse_size("GiB"), Err(SizeError::BadNumber(..))));
+        assert!(matches!(parse_size("99999999999TiB"), Err(SizeError::Overflow(..))));
+        assert_eq!(format_bytes(1536), "1.50 KiB (1536 bytes)");
+    }
+}
