@@ -112,8 +112,6 @@ pub struct TieredCache {
     /// Pages handed to callers and not yet inserted or freed.
     held_device: usize,
     held_host: usize,
-    /// Device pages whose write-back is in flight and that free on completion.
-    evicting_pages: usize,
     stats: CacheStats,
 }
 
@@ -152,7 +150,6 @@ impl TieredCache {
             next_ticket: 1,
             held_device: 0,
             held_host: 0,
-            evicting_pages: 0,
             stats: CacheStats::default(),
         })
     }
@@ -277,11 +274,16 @@ impl TieredCache {
 
     /// `n` device pages for new tokens, evicting per policy; None if they cannot be freed.
     pub fn alloc_device(&mut self, n: usize) -> Option<Vec<u32>> {
-        let avail = self.device_alloc.available() as usize;
-        if avail < n {
+        loop {
+            let avail = self.device_alloc.available() as usize;
+            if avail >= n {
+                break;
+            }
             self.evict_device(n - avail);
-        }
-        while (self.device_alloc.available() as usize) < n && self.evicting_pages > 0 {
+            if self.device_alloc.available() as usize >= n || self.pending.is_empty() {
+                break;
+            }
+            // Victims may be locked by copies in flight (backups, write-backs): let one land.
             self.complete_one();
         }
         let p = self.device_alloc.alloc(n)?;
@@ -414,7 +416,6 @@ impl TieredCache {
             if needs_copy {
                 // Keep the data reachable: copy first, free on completion.
                 if self.backup_nodes(vec![v], true).is_some() {
-                    self.evicting_pages += np;
                     got += np;
                 } else {
                     skip.push(v);
@@ -510,7 +511,6 @@ impl TieredCache {
                 self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
                 self.tree.unlock(lock);
                 if evict_after {
-                    self.evicting_pages -= d.pages_ok;
                     for &n in &nodes {
                         // A request may have matched it meanwhile; then it stays on device.
                         let v = self.tree.view(n);
@@ -608,3 +608,7 @@ impl TieredCache {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "cache_tests.rs"]
+mod tests;

@@ -299,6 +299,30 @@ impl RadixTree {
         m
     }
 
+    /// Like [`RadixTree::match_prefix`] without any change: no split, no hit, no clock.
+    /// Returns (device tokens, host tokens) of the longest cached whole-page prefix.
+    pub fn peek(&self, tokens: &[u32]) -> (usize, usize) {
+        let ps = self.page_size;
+        let n = tokens.len() / ps * ps;
+        let (mut dev, mut host, mut pos, mut cur) = (0, 0, 0, 0u32);
+        while pos < n {
+            let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else { break };
+            let node = &self.nodes[c as usize];
+            let common = common_prefix(&node.tokens, &tokens[pos..n]) / ps * ps;
+            if node.device.is_empty() {
+                host += common;
+            } else {
+                dev += common;
+            }
+            pos += common;
+            cur = c;
+            if common < node.tokens.len() {
+                break;
+            }
+        }
+        (dev, host)
+    }
+
     /// Inserts `tokens` (whole pages; a trailing partial page is ignored) with one page index per
     /// page for `slot`. Nodes already holding that slot keep their pages (the given ones come
     /// back in `unused`); nodes lacking it adopt the given pages; the rest becomes a new leaf.
@@ -738,3 +762,7 @@ impl RadixTree {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "tree_tests.rs"]
+mod tests;

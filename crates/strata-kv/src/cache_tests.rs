@@ -1,0 +1,236 @@
+use std::sync::Arc;
+
+use super::*;
+use crate::layout::PoolKind;
+use crate::storage::{DiskStorage, MemoryStorage};
+
+/// Test fixture: a "model" whose K/V bytes for a page are a function of the page's identity, so
+/// any page read back anywhere can be checked.
+struct Fx {
+    cache: TieredCache,
+    ns: HashNamespace,
+}
+
+fn layout() -> PageLayout {
+    PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 8, 2), PoolKind::aux("indexer", 2, 4)]).unwrap()
+}
+
+fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
+    let mut x = blake3::Hasher::new();
+    x.update(&h.0);
+    x.update(&(chunk as u64).to_le_bytes());
+    let mut out = vec![0; len];
+    x.finalize_xof().fill(&mut out);
+    out
+}
+
+impl Fx {
+    fn new(dev: u32, host: u32, wp: WritePolicy, storage: Option<Arc<dyn Storage>>) -> Fx {
+        let mut cfg = CacheConfig::new(layout(), dev, host);
+        cfg.write_policy = wp;
+        cfg.hashing = true;
+        cfg.model_id = "fx".into();
+        let ns = HashNamespace::new("fx", &cfg.layout);
+        Fx { cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(), ns }
+    }
+
+    /// Computes `tokens` beyond the cached device prefix: writes K/V, inserts. Returns the match.
+    fn run(&mut self, tokens: &[u32]) -> CacheMatch {
+        let m = self.cache.match_prefix(tokens);
+        self.cache.lock(m.last);
+        if let Some(t) = self.cache.prefetch(tokens, &m) {
+            self.cache.wait(t);
+        }
+        let m2 = self.cache.tree.match_prefix(tokens);
+        let mm = CacheMatch { path: m2.path.clone(), last: m2.last, ..CacheMatch::default() };
+        self.cache.lock(m2.last);
+        if let Some(t) = self.cache.load_back(&mm) {
+            self.cache.wait(t);
+        }
+        let ps = self.cache.page_size();
+        let have = m2.tokens() / ps;
+        let total = tokens.len() / ps;
+        let pages = self.cache.alloc_device(total - have).expect("room");
+        let hashes = self.ns.chain(PageHash::ROOT, &tokens[..total * ps], ps);
+        for (i, &p) in pages.iter().enumerate() {
+            self.write_page(p, &hashes[have + i]);
+        }
+        let ins = self.cache.insert(tokens, &pages, have);
+        self.cache.unlock(m2.last);
+        self.cache.unlock(m.last);
+        let _ = ins;
+        self.cache.check().unwrap();
+        m
+    }
+
+    fn write_page(&self, page: u32, h: &PageHash) {
+        let dev = self.cache.device_pool().unwrap();
+        for (i, c) in dev.layout().chunks().iter().enumerate() {
+            dev.write_chunk(c.kind, c.layer, c.plane, page, &expected_chunk(h, i, c.bytes));
+        }
+    }
+
+    /// Every device and host page in the tree holds exactly the bytes its identity implies.
+    fn verify_all_bytes(&self) {
+        let t = self.cache.tree();
+        let dev = self.cache.device_pool().unwrap();
+        let host = self.cache.host_pool().unwrap();
+        let l = dev.layout();
+        let mut blob = vec![0; l.page_bytes()];
+        for n in t.node_ids() {
+            let v = t.view(n);
+            for (i, h) in v.hashes.iter().enumerate() {
+                for (ci, c) in l.chunks().iter().enumerate() {
+                    let want = expected_chunk(h, ci, c.bytes);
+                    if let Some(&p) = v.device.get(i) {
+                        let mut got = vec![0; c.bytes];
+                        dev.read_chunk(c.kind, c.layer, c.plane, p, &mut got);
+                        assert_eq!(got, want, "device page {p} of node {n:?}");
+                    }
+                    if let Some(&p) = v.host.get(i) {
+                        host.read_page(p, &mut blob);
+                        assert_eq!(&blob[c.host_offset..c.host_offset + c.bytes], &want[..], "host page {p}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn seq(base: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| base * 1000 + i).collect()
+}
+
+#[test]
+fn write_through_backs_up_on_insert_with_exact_bytes() {
+    let mut f = Fx::new(16, 32, WritePolicy::WriteThrough, None);
+    f.run(&seq(1, 12));
+    f.cache.wait_all();
+    assert_eq!(f.cache.host_usage().pages_used, 3);
+    assert_eq!(f.cache.stats().backup.pages, 3);
+    f.verify_all_bytes();
+}
+
+#[test]
+fn write_back_copies_only_on_eviction_then_loads_back_exactly() {
+    let mut f = Fx::new(4, 8, WritePolicy::WriteBack, None);
+    f.run(&seq(1, 16));
+    assert_eq!(f.cache.host_usage().pages_used, 0);
+    // A second prompt needs the whole device: the first is written back, then dropped.
+    f.run(&seq(2, 16));
+    f.cache.wait_all();
+    assert_eq!(f.cache.stats().backup.pages, 4);
+    f.verify_all_bytes();
+    let m = f.cache.match_prefix(&seq(1, 16));
+    assert_eq!((m.device_tokens, m.host_tokens), (0, 16));
+    f.cache.lock(m.last);
+    let t = f.cache.load_back(&m).expect("load-back starts");
+    f.cache.wait(t);
+    f.cache.unlock(m.last);
+    f.verify_all_bytes();
+    assert_eq!(f.cache.tree().peek(&seq(1, 16)), (16, 0));
+    assert_eq!(f.cache.stats().load_back.pages, 4);
+    f.cache.check().unwrap();
+}
+
+#[test]
+fn selective_write_through_waits_for_the_hit_threshold() {
+    let mut f = Fx::new(16, 16, WritePolicy::WriteThroughSelective { threshold: 2 }, None);
+    f.run(&seq(1, 8));
+    f.cache.match_prefix(&seq(1, 8));
+    f.cache.wait_all();
+    assert_eq!(f.cache.host_usage().pages_used, 0);
+    f.cache.match_prefix(&seq(1, 8));
+    f.cache.wait_all();
+    assert_eq!(f.cache.host_usage().pages_used, 2);
+    f.verify_all_bytes();
+}
+
+#[test]
+fn stats_balance_per_tier() {
+    let mut f = Fx::new(4, 16, WritePolicy::WriteThrough, None);
+    f.run(&seq(1, 16));
+    f.run(&seq(2, 16));
+    f.cache.wait_all();
+    let m = f.run(&[seq(1, 16), vec![5, 5]].concat());
+    assert_eq!((m.device_tokens, m.host_tokens, m.queried_tokens), (0, 16, 18));
+    let s = f.cache.stats();
+    assert!(s.balanced());
+    assert_eq!(s.queried_tokens, 50);
+    assert_eq!(s.hit_host_tokens, 16);
+    assert_eq!(s.miss_tokens, 34);
+}
+
+#[test]
+fn locked_prefix_survives_pressure_and_allocation_fails_cleanly() {
+    let mut f = Fx::new(4, 4, WritePolicy::WriteThrough, None);
+    f.run(&seq(1, 16));
+    let m = f.cache.match_prefix(&seq(1, 16));
+    f.cache.lock(m.last);
+    assert!(f.cache.alloc_device(1).is_none());
+    f.cache.check().unwrap();
+    assert_eq!(f.cache.tree().peek(&seq(1, 16)), (16, 0));
+    f.cache.unlock(m.last);
+    assert!(f.cache.alloc_device(4).is_some());
+}
+
+#[test]
+fn l3_roundtrip_through_disk_with_corruption_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk: Arc<dyn Storage> = Arc::new(DiskStorage::open(dir.path(), 1 << 30, false).unwrap());
+    let mut f = Fx::new(4, 8, WritePolicy::WriteThrough, Some(disk.clone()));
+    f.run(&seq(1, 16));
+    f.cache.wait_all();
+    assert_eq!(disk.stats().entries, 4, "{:?} {:?}", disk.stats(), f.cache.stats());
+    // Push it out of device and host.
+    f.run(&seq(2, 16));
+    f.cache.wait_all();
+    f.run(&seq(3, 16));
+    f.cache.wait_all();
+    f.run(&seq(4, 16));
+    f.cache.wait_all();
+    assert_eq!(f.cache.tree().peek(&seq(1, 16)), (0, 0));
+    let m = f.cache.match_prefix(&seq(1, 16));
+    assert_eq!(m.storage_tokens, 16);
+    // Full path back: L3 → host → device, bytes exact.
+    f.run(&seq(1, 16));
+    f.cache.wait_all();
+    f.verify_all_bytes();
+    assert_eq!(f.cache.stats().storage_get.pages, 4);
+    // Corrupt the third page of prompt 3 on disk, then evict prompt 3 from the tree.
+    let hs = f.ns.chain(PageHash::ROOT, &seq(3, 16), 4);
+    let p = dir.path().join(&hs[2].to_hex()[..2]).join(format!("{}.page", hs[2].to_hex()));
+    let mut b = std::fs::read(&p).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0xff;
+    std::fs::write(&p, b).unwrap();
+    for i in 4..7 {
+        f.run(&seq(i, 16));
+        f.cache.wait_all();
+    }
+    assert_eq!(f.cache.tree().peek(&seq(3, 16)), (0, 0));
+    let m = f.cache.match_prefix(&seq(3, 16));
+    assert_eq!(m.storage_tokens, 16, "index still lists it");
+    f.run(&seq(3, 16));
+    f.cache.wait_all();
+    // Only the two intact leading pages came from L3; the rest was recomputed.
+    assert_eq!(f.cache.stats().storage_read_misses, 2);
+    assert_eq!(disk.stats().corrupt, 1);
+    f.verify_all_bytes();
+}
+
+#[test]
+fn metadata_only_mode_runs_copies_inline() {
+    let mut cfg = CacheConfig::new(layout(), 4, 8);
+    cfg.with_data = false;
+    cfg.write_policy = WritePolicy::WriteBack;
+    let st: Arc<dyn Storage> = Arc::new(MemoryStorage::new(u64::MAX, 100));
+    let mut c = TieredCache::new(cfg, &HeapAllocator, Some(st)).unwrap();
+    let t = seq(1, 16);
+    let p = c.alloc_device(4).unwrap();
+    c.insert(&t, &p, 0);
+    assert_eq!(c.evict_device(4), 4);
+    assert_eq!(c.in_flight(), 0);
+    assert_eq!(c.tree().peek(&t), (0, 16));
+    c.check().unwrap();
+}

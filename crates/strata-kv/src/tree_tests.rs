@@ -1,0 +1,159 @@
+use super::*;
+use crate::layout::{PageLayout, PoolKind};
+
+fn tree(ps: usize, policy: EvictionPolicy) -> RadixTree {
+    let layout = PageLayout::new(ps, vec![PoolKind::aux("kv", 1, 1)]).unwrap();
+    RadixTree::new(ps, policy, Some(HashNamespace::new("t", &layout)))
+}
+
+fn ins(t: &mut RadixTree, tokens: &[u32], first_page: u32) -> Inserted {
+    let n = tokens.len() / t.page_size();
+    let pages: Vec<u32> = (first_page..first_page + n as u32).collect();
+    t.insert(tokens, &pages, Slot::Device, 0)
+}
+
+#[test]
+fn match_splits_nodes_at_page_boundaries() {
+    let mut t = tree(2, EvictionPolicy::Lru);
+    let r = ins(&mut t, &[1, 2, 3, 4, 5, 6, 7, 8], 0);
+    assert_eq!(r.filled.len(), 1);
+    assert_eq!(t.node_count(), 2);
+    // Diverges inside the third page: two whole pages match, the node splits after them.
+    let m = t.match_prefix(&[1, 2, 3, 4, 5, 9, 7]);
+    assert_eq!(m.device_tokens, 4);
+    assert_eq!(m.path.len(), 1);
+    assert_eq!(t.node_count(), 3);
+    let prefix = t.view(m.last);
+    assert_eq!(prefix.tokens, &[1, 2, 3, 4]);
+    assert_eq!(prefix.device, &[0, 1]);
+    // The deeper half kept the original id and the rest of the pages and hashes.
+    let suffix = t.view(r.last);
+    assert_eq!(suffix.tokens, &[5, 6, 7, 8]);
+    assert_eq!(suffix.device, &[2, 3]);
+    assert_eq!(suffix.parent, m.last);
+    t.check().unwrap();
+    // A trailing partial page never matches.
+    assert_eq!(t.match_prefix(&[1, 2, 3]).device_tokens, 2);
+}
+
+#[test]
+fn insert_returns_duplicates_and_adds_the_new_suffix() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    ins(&mut t, &[1, 2, 3], 0);
+    let r = ins(&mut t, &[1, 2, 4, 5], 10);
+    assert_eq!(r.unused, vec![10, 11]);
+    assert_eq!(t.view(r.last).device, &[12, 13]);
+    assert_eq!(r.tokens, 4);
+    t.check().unwrap();
+    assert_eq!(t.pages_in(Slot::Device), 5);
+}
+
+#[test]
+fn lru_evicts_least_recent_leaf_and_locks_protect() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    let a = ins(&mut t, &[1, 2], 0).last;
+    let b = ins(&mut t, &[3, 4], 2).last;
+    t.match_prefix(&[1, 2]);
+    assert_eq!(t.device_victim(), Some(b));
+    t.lock(b);
+    assert_eq!(t.device_victim(), Some(a));
+    t.lock(a);
+    assert_eq!(t.device_victim(), None);
+    t.unlock(b);
+    assert_eq!(t.device_victim(), Some(b));
+    t.unlock(a);
+    let pages = t.take_device(b);
+    assert_eq!(pages, vec![2, 3]);
+    assert!(!t.is_live(b));
+    t.check().unwrap();
+}
+
+#[test]
+fn inner_nodes_are_evicted_only_after_their_children() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    ins(&mut t, &[1, 2, 3], 0);
+    let child = ins(&mut t, &[1, 2, 9], 10).last;
+    let parent = t.view(child).parent;
+    // Parent [1,2] has two device children: never a victim before them.
+    for _ in 0..2 {
+        let v = t.device_victim().unwrap();
+        assert_ne!(v, parent);
+        t.take_device(v);
+    }
+    assert_eq!(t.device_victim(), Some(parent));
+    t.check().unwrap();
+}
+
+#[test]
+fn host_eviction_only_touches_nodes_off_device() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    let a = ins(&mut t, &[1, 2], 0).last;
+    t.set_pages(a, Slot::Host, vec![7, 8]);
+    assert_eq!(t.host_victim(), None, "still on device");
+    assert_eq!(t.take_device(a), vec![0, 1]);
+    assert!(t.is_live(a), "backed-up node stays, host only");
+    assert_eq!(t.match_prefix(&[1, 2]).host_tokens, 2);
+    assert_eq!(t.host_victim(), Some(a));
+    t.lock(a);
+    assert_eq!(t.host_victim(), None);
+    t.unlock(a);
+    assert_eq!(t.take_host(a), vec![7, 8]);
+    assert_eq!(t.node_count(), 1);
+    t.check().unwrap();
+}
+
+#[test]
+fn gdsf_keeps_frequent_prefix_over_recent_one_offs() {
+    let mut t = tree(1, EvictionPolicy::Gdsf);
+    let hot = ins(&mut t, &[1, 1], 0).last;
+    for _ in 0..5 {
+        t.match_prefix(&[1, 1]);
+    }
+    let cold = ins(&mut t, &[2, 2], 2).last;
+    assert_eq!(t.device_victim(), Some(cold));
+    // Under LRU the same history evicts the hot prefix first once it is older.
+    let mut l = tree(1, EvictionPolicy::Lru);
+    let hot_l = ins(&mut l, &[1, 1], 0).last;
+    for _ in 0..5 {
+        l.match_prefix(&[1, 1]);
+    }
+    ins(&mut l, &[2, 2], 2);
+    assert_eq!(l.device_victim(), Some(hot_l));
+    let _ = hot;
+}
+
+#[test]
+fn gdsf_remembers_frequency_of_evicted_pages() {
+    let mut t = tree(1, EvictionPolicy::Gdsf);
+    let hot = ins(&mut t, &[1, 1], 0).last;
+    for _ in 0..5 {
+        t.match_prefix(&[1, 1]);
+    }
+    t.take_device(hot);
+    // Re-inserted after eviction, it is still ranked above a fresh one-off.
+    ins(&mut t, &[1, 1], 0);
+    let cold = ins(&mut t, &[3, 3], 2).last;
+    assert_eq!(t.device_victim(), Some(cold));
+    t.check().unwrap();
+}
+
+#[test]
+fn hashes_chain_across_splits_and_match_namespace() {
+    let mut t = tree(2, EvictionPolicy::Lru);
+    let r = ins(&mut t, &[1, 2, 3, 4], 0);
+    let ns = t.namespace().unwrap().clone();
+    let want = ns.chain(PageHash::ROOT, &[1, 2, 3, 4], 2);
+    assert_eq!(t.view(r.last).hashes, &want[..]);
+    t.match_prefix(&[1, 2, 9, 9]);
+    assert_eq!(t.view(r.last).hashes, &want[1..]);
+    assert_eq!(t.last_hash(r.last), Some(want[1]));
+    t.check().unwrap();
+}
+
+#[test]
+fn peek_does_not_change_anything() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    ins(&mut t, &[1, 2, 3], 0);
+    assert_eq!(t.peek(&[1, 2, 7]), (2, 0));
+    assert_eq!(t.node_count(), 2);
+}
