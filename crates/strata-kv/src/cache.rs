@@ -92,10 +92,24 @@ impl CacheMatch {
 }
 
 enum Pending {
-    LoadBack { lock: NodeId, pages: u64 },
-    Backup { lock: NodeId, nodes: Vec<NodeId>, evict_after: bool },
-    Put { nodes: Vec<NodeId> },
-    Prefetch { lock: NodeId, tokens: Vec<u32>, host_pages: Vec<u32>, skip: usize },
+    LoadBack {
+        lock: NodeId,
+        pages: u64,
+    },
+    Backup {
+        lock: NodeId,
+        nodes: Vec<NodeId>,
+        evict_after: bool,
+    },
+    Put {
+        nodes: Vec<NodeId>,
+    },
+    Prefetch {
+        lock: NodeId,
+        tokens: Vec<u32>,
+        host_pages: Vec<u32>,
+        skip: usize,
+    },
 }
 
 /// The tiered prefix cache.
@@ -136,8 +150,14 @@ impl TieredCache {
         } else {
             (None, None)
         };
-        let planes = Planes { device, host, storage };
-        let engine = cfg.with_data.then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
+        let planes = Planes {
+            device,
+            host,
+            storage,
+        };
+        let engine = cfg
+            .with_data
+            .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
         Ok(TieredCache {
             tree,
             layout,
@@ -303,7 +323,9 @@ impl TieredCache {
     /// Under `write_through` the new nodes are backed up at once.
     pub fn insert(&mut self, tokens: &[u32], pages: &[u32], skip: usize) -> Inserted {
         let ins = self.tree.insert(tokens, pages, Slot::Device, skip);
-        self.device_alloc.free(&ins.unused).expect("unused pages were held by the caller");
+        self.device_alloc
+            .free(&ins.unused)
+            .expect("unused pages were held by the caller");
         self.held_device -= pages.len();
         let ps = self.page_size() as u64;
         self.stats.inserted_tokens += (pages.len() - ins.unused.len()) as u64 * ps;
@@ -343,8 +365,17 @@ impl TieredCache {
             pairs.extend(dev.iter().copied().zip(host));
             self.tree.set_pages(n, Slot::Device, dev);
         }
-        let job = JobKind::Copy { dir: Direction::HostToDevice, pairs };
-        Some(self.submit(job, Pending::LoadBack { lock: m.last, pages: need as u64 }))
+        let job = JobKind::Copy {
+            dir: Direction::HostToDevice,
+            pairs,
+        };
+        Some(self.submit(
+            job,
+            Pending::LoadBack {
+                lock: m.last,
+                pages: need as u64,
+            },
+        ))
     }
 
     /// Starts reading the L3-held part of a match into host pages; when it completes the pages
@@ -362,9 +393,20 @@ impl TieredCache {
         self.held_host += n;
         let ps = self.page_size();
         let skip = (m.device_tokens + m.host_tokens) / ps;
-        let job = JobKind::Get { hashes: m.storage_hashes.clone(), host_pages: host_pages.clone() };
+        let job = JobKind::Get {
+            hashes: m.storage_hashes.clone(),
+            host_pages: host_pages.clone(),
+        };
         let tokens = tokens[..(skip + n) * ps].to_vec();
-        Some(self.submit(job, Pending::Prefetch { lock: m.last, tokens, host_pages, skip }))
+        Some(self.submit(
+            job,
+            Pending::Prefetch {
+                lock: m.last,
+                tokens,
+                host_pages,
+                skip,
+            },
+        ))
     }
 
     /// Backs up device-resident nodes lying on one root path (root-most first). Nodes that do
@@ -391,8 +433,18 @@ impl TieredCache {
         }
         let lock = lock?;
         self.tree.lock(lock);
-        let job = JobKind::Copy { dir: Direction::DeviceToHost, pairs };
-        Some(self.submit(job, Pending::Backup { lock, nodes: chosen, evict_after }))
+        let job = JobKind::Copy {
+            dir: Direction::DeviceToHost,
+            pairs,
+        };
+        Some(self.submit(
+            job,
+            Pending::Backup {
+                lock,
+                nodes: chosen,
+                evict_after,
+            },
+        ))
     }
 
     fn alloc_host(&mut self, n: usize) -> Option<Vec<u32>> {
@@ -409,10 +461,13 @@ impl TieredCache {
         let mut got = 0;
         let mut skip: Vec<NodeId> = Vec::new();
         while got < n {
-            let Some(v) = self.tree.device_victim_excluding(&skip) else { break };
+            let Some(v) = self.tree.device_victim_excluding(&skip) else {
+                break;
+            };
             let view = self.tree.view(v);
             let np = view.device.len();
-            let needs_copy = view.host.is_empty() && (self.write_policy == WritePolicy::WriteBack || view.children > 0);
+            let needs_copy = view.host.is_empty()
+                && (self.write_policy == WritePolicy::WriteBack || view.children > 0);
             if needs_copy {
                 // Keep the data reachable: copy first, free on completion.
                 if self.backup_nodes(vec![v], true).is_some() {
@@ -432,19 +487,25 @@ impl TieredCache {
         let pages = self.tree.take_device(v);
         self.stats.evicted_device_nodes += 1;
         self.stats.evicted_device_tokens += (pages.len() * self.page_size()) as u64;
-        self.device_alloc.free(&pages).expect("tree pages are allocated");
+        self.device_alloc
+            .free(&pages)
+            .expect("tree pages are allocated");
     }
 
     /// Frees at least `n` host pages if possible (only nodes already off device).
     pub fn evict_host(&mut self, n: usize) -> usize {
         let mut got = 0;
         while got < n {
-            let Some(v) = self.tree.host_victim() else { break };
+            let Some(v) = self.tree.host_victim() else {
+                break;
+            };
             let pages = self.tree.take_host(v);
             got += pages.len();
             self.stats.evicted_host_nodes += 1;
             self.stats.evicted_host_tokens += (pages.len() * self.page_size()) as u64;
-            self.host_alloc.free(&pages).expect("tree pages are allocated");
+            self.host_alloc
+                .free(&pages)
+                .expect("tree pages are allocated");
         }
         got
     }
@@ -501,13 +562,20 @@ impl TieredCache {
     }
 
     fn complete(&mut self, d: Done) {
-        let p = self.pending.remove(&d.ticket).expect("completion for a known ticket");
+        let p = self
+            .pending
+            .remove(&d.ticket)
+            .expect("completion for a known ticket");
         match p {
             Pending::LoadBack { lock, pages } => {
                 self.stats.load_back.add(pages, d.bytes, d.nanos);
                 self.tree.unlock(lock);
             }
-            Pending::Backup { lock, nodes, evict_after } => {
+            Pending::Backup {
+                lock,
+                nodes,
+                evict_after,
+            } => {
                 self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
                 self.tree.unlock(lock);
                 if evict_after {
@@ -524,7 +592,9 @@ impl TieredCache {
                 }
             }
             Pending::Put { nodes } => {
-                self.stats.storage_put.add(d.pages_ok as u64, d.bytes, d.nanos);
+                self.stats
+                    .storage_put
+                    .add(d.pages_ok as u64, d.bytes, d.nanos);
                 self.stats.storage_errors += d.errors;
                 for n in nodes {
                     self.tree.host_unlock(n);
@@ -533,16 +603,32 @@ impl TieredCache {
                     }
                 }
             }
-            Pending::Prefetch { lock, tokens, host_pages, skip } => {
-                self.stats.storage_get.add(d.pages_ok as u64, d.bytes, d.nanos);
+            Pending::Prefetch {
+                lock,
+                tokens,
+                host_pages,
+                skip,
+            } => {
+                self.stats
+                    .storage_get
+                    .add(d.pages_ok as u64, d.bytes, d.nanos);
                 self.stats.storage_errors += d.errors;
                 let ok = d.pages_ok;
                 self.stats.storage_read_misses += (host_pages.len() - ok) as u64;
-                self.host_alloc.free(&host_pages[ok..]).expect("prefetch pages are held");
+                self.host_alloc
+                    .free(&host_pages[ok..])
+                    .expect("prefetch pages are held");
                 self.held_host -= host_pages.len();
                 let ps = self.page_size();
-                let ins = self.tree.insert(&tokens[..(skip + ok) * ps], &host_pages[..ok], Slot::Host, skip);
-                self.host_alloc.free(&ins.unused).expect("prefetch pages are held");
+                let ins = self.tree.insert(
+                    &tokens[..(skip + ok) * ps],
+                    &host_pages[..ok],
+                    Slot::Host,
+                    skip,
+                );
+                self.host_alloc
+                    .free(&ins.unused)
+                    .expect("prefetch pages are held");
                 for &n in &ins.filled {
                     self.tree.set_in_storage(n, true);
                 }
@@ -570,7 +656,10 @@ impl TieredCache {
         for &n in &locked {
             self.tree.host_lock(n);
         }
-        self.submit(JobKind::Put { host_pages, hashes }, Pending::Put { nodes: locked });
+        self.submit(
+            JobKind::Put { host_pages, hashes },
+            Pending::Put { nodes: locked },
+        );
     }
 
     /// Checks tree invariants plus page accounting: every tree page is allocated, owned once,
@@ -598,7 +687,10 @@ impl TieredCache {
                 return Err(format!("a {name} page is owned by two nodes"));
             }
             if alloc.used() as usize != n + held {
-                return Err(format!("{name}: {} pages allocated, tree holds {n}, callers {held}", alloc.used()));
+                return Err(format!(
+                    "{name}: {} pages allocated, tree holds {n}, callers {held}",
+                    alloc.used()
+                ));
             }
         }
         if !self.stats.balanced() {

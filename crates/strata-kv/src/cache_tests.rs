@@ -12,7 +12,14 @@ struct Fx {
 }
 
 fn layout() -> PageLayout {
-    PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 8, 2), PoolKind::aux("indexer", 2, 4)]).unwrap()
+    PageLayout::new(
+        4,
+        vec![
+            PoolKind::kv("kv", 2, 1, 8, 2),
+            PoolKind::aux("indexer", 2, 4),
+        ],
+    )
+    .unwrap()
 }
 
 fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
@@ -31,7 +38,10 @@ impl Fx {
         cfg.hashing = true;
         cfg.model_id = "fx".into();
         let ns = HashNamespace::new("fx", &cfg.layout);
-        Fx { cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(), ns }
+        Fx {
+            cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(),
+            ns,
+        }
     }
 
     /// Computes `tokens` beyond the cached device prefix: writes K/V, inserts. Returns the match.
@@ -42,7 +52,11 @@ impl Fx {
             self.cache.wait(t);
         }
         let m2 = self.cache.tree.match_prefix(tokens);
-        let mm = CacheMatch { path: m2.path.clone(), last: m2.last, ..CacheMatch::default() };
+        let mm = CacheMatch {
+            path: m2.path.clone(),
+            last: m2.last,
+            ..CacheMatch::default()
+        };
         self.cache.lock(m2.last);
         if let Some(t) = self.cache.load_back(&mm) {
             self.cache.wait(t);
@@ -66,7 +80,13 @@ impl Fx {
     fn write_page(&self, page: u32, h: &PageHash) {
         let dev = self.cache.device_pool().unwrap();
         for (i, c) in dev.layout().chunks().iter().enumerate() {
-            dev.write_chunk(c.kind, c.layer, c.plane, page, &expected_chunk(h, i, c.bytes));
+            dev.write_chunk(
+                c.kind,
+                c.layer,
+                c.plane,
+                page,
+                &expected_chunk(h, i, c.bytes),
+            );
         }
     }
 
@@ -89,7 +109,11 @@ impl Fx {
                     }
                     if let Some(&p) = v.host.get(i) {
                         host.read_page(p, &mut blob);
-                        assert_eq!(&blob[c.host_offset..c.host_offset + c.bytes], &want[..], "host page {p}");
+                        assert_eq!(
+                            &blob[c.host_offset..c.host_offset + c.bytes],
+                            &want[..],
+                            "host page {p}"
+                        );
                     }
                 }
             }
@@ -135,7 +159,12 @@ fn write_back_copies_only_on_eviction_then_loads_back_exactly() {
 
 #[test]
 fn selective_write_through_waits_for_the_hit_threshold() {
-    let mut f = Fx::new(16, 16, WritePolicy::WriteThroughSelective { threshold: 2 }, None);
+    let mut f = Fx::new(
+        16,
+        16,
+        WritePolicy::WriteThroughSelective { threshold: 2 },
+        None,
+    );
     f.run(&seq(1, 8));
     f.cache.match_prefix(&seq(1, 8));
     f.cache.wait_all();
@@ -153,7 +182,10 @@ fn stats_balance_per_tier() {
     f.run(&seq(2, 16));
     f.cache.wait_all();
     let m = f.run(&[seq(1, 16), vec![5, 5]].concat());
-    assert_eq!((m.device_tokens, m.host_tokens, m.queried_tokens), (0, 16, 18));
+    assert_eq!(
+        (m.device_tokens, m.host_tokens, m.queried_tokens),
+        (0, 16, 18)
+    );
     let s = f.cache.stats();
     assert!(s.balanced());
     assert_eq!(s.queried_tokens, 50);
@@ -181,7 +213,13 @@ fn l3_roundtrip_through_disk_with_corruption_detected() {
     let mut f = Fx::new(4, 8, WritePolicy::WriteThrough, Some(disk.clone()));
     f.run(&seq(1, 16));
     f.cache.wait_all();
-    assert_eq!(disk.stats().entries, 4, "{:?} {:?}", disk.stats(), f.cache.stats());
+    assert_eq!(
+        disk.stats().entries,
+        4,
+        "{:?} {:?}",
+        disk.stats(),
+        f.cache.stats()
+    );
     // Push it out of device and host.
     f.run(&seq(2, 16));
     f.cache.wait_all();
@@ -199,7 +237,10 @@ fn l3_roundtrip_through_disk_with_corruption_detected() {
     assert_eq!(f.cache.stats().storage_get.pages, 4);
     // Corrupt the third page of prompt 3 on disk, then evict prompt 3 from the tree.
     let hs = f.ns.chain(PageHash::ROOT, &seq(3, 16), 4);
-    let p = dir.path().join(&hs[2].to_hex()[..2]).join(format!("{}.page", hs[2].to_hex()));
+    let p = dir
+        .path()
+        .join(&hs[2].to_hex()[..2])
+        .join(format!("{}.page", hs[2].to_hex()));
     let mut b = std::fs::read(&p).unwrap();
     let last = b.len() - 1;
     b[last] ^= 0xff;

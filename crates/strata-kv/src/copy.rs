@@ -17,11 +17,20 @@ use crate::storage::Storage;
 #[derive(Debug)]
 pub enum JobKind {
     /// (device page, host page) pairs.
-    Copy { dir: Direction, pairs: Vec<(u32, u32)> },
+    Copy {
+        dir: Direction,
+        pairs: Vec<(u32, u32)>,
+    },
     /// Host pages to L3 under their hashes.
-    Put { host_pages: Vec<u32>, hashes: Vec<PageHash> },
+    Put {
+        host_pages: Vec<u32>,
+        hashes: Vec<PageHash>,
+    },
     /// L3 pages into host pages, in order; stops at the first miss.
-    Get { hashes: Vec<PageHash>, host_pages: Vec<u32> },
+    Get {
+        hashes: Vec<PageHash>,
+        host_pages: Vec<u32>,
+    },
 }
 
 /// A finished job.
@@ -47,7 +56,13 @@ impl Planes {
     /// Runs one job on the calling thread.
     pub fn run(&self, ticket: u64, job: &JobKind) -> Done {
         let t0 = Instant::now();
-        let mut done = Done { ticket, bytes: 0, pages_ok: 0, nanos: 0, errors: 0 };
+        let mut done = Done {
+            ticket,
+            bytes: 0,
+            pages_ok: 0,
+            nanos: 0,
+            errors: 0,
+        };
         match job {
             JobKind::Copy { dir, pairs } => {
                 if let (Some(d), Some(h)) = (&self.device, &self.host) {
@@ -130,11 +145,19 @@ impl CopyEngine {
                     .expect("spawn copy worker")
             })
             .collect();
-        CopyEngine { tx: Some(tx), done: drx, workers }
+        CopyEngine {
+            tx: Some(tx),
+            done: drx,
+            workers,
+        }
     }
 
     pub fn submit(&self, ticket: u64, job: JobKind) {
-        self.tx.as_ref().expect("engine running").send((ticket, job)).expect("copy workers alive");
+        self.tx
+            .as_ref()
+            .expect("engine running")
+            .send((ticket, job))
+            .expect("copy workers alive");
     }
 
     pub fn try_recv(&self) -> Option<Done> {

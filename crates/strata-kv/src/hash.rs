@@ -65,7 +65,11 @@ pub struct HashNamespace {
 
 impl fmt::Debug for HashNamespace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HashNamespace({})", blake3::Hash::from(self.key).to_hex())
+        write!(
+            f,
+            "HashNamespace({})",
+            blake3::Hash::from(self.key).to_hex()
+        )
     }
 }
 
@@ -149,7 +153,10 @@ mod tests {
         let h2 = ns.page_hash(h1, &[5, 6, 7, 8]);
         assert_eq!(h1.to_hex(), "8d75425af6ed3387f5f5b170eb34fe0b");
         assert_eq!(h2.to_hex(), "29bbadc61476884ab1e4e3de5c94b6bb");
-        assert_eq!(ns.chain(PageHash::ROOT, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4), vec![h1, h2]);
+        assert_eq!(
+            ns.chain(PageHash::ROOT, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4),
+            vec![h1, h2]
+        );
     }
 
     #[test]
@@ -162,8 +169,14 @@ mod tests {
             &PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 4, 2)]).unwrap(),
         );
         let t = [1, 2, 3, 4];
-        assert_ne!(a.page_hash(PageHash::ROOT, &t), b.page_hash(PageHash::ROOT, &t));
-        assert_ne!(a.page_hash(PageHash::ROOT, &t), c.page_hash(PageHash::ROOT, &t));
+        assert_ne!(
+            a.page_hash(PageHash::ROOT, &t),
+            b.page_hash(PageHash::ROOT, &t)
+        );
+        assert_ne!(
+            a.page_hash(PageHash::ROOT, &t),
+            c.page_hash(PageHash::ROOT, &t)
+        );
     }
 
     #[test]

@@ -38,7 +38,13 @@ pub struct PoolKind {
 
 impl PoolKind {
     /// Attention KV: K and V planes of `kv_heads × head_dim × dtype_bytes` per token per layer.
-    pub fn kv(name: &str, layers: usize, kv_heads: usize, head_dim: usize, dtype_bytes: usize) -> Self {
+    pub fn kv(
+        name: &str,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype_bytes: usize,
+    ) -> Self {
         PoolKind {
             name: name.to_string(),
             layers,
@@ -105,12 +111,25 @@ impl PageLayout {
                 .ok_or(LayoutError::Overflow(page_size))?;
             for layer in 0..k.layers {
                 for plane in 0..k.planes {
-                    chunks.push(Chunk { kind: ki, layer, plane, host_offset: off, bytes });
-                    off = off.checked_add(bytes).ok_or(LayoutError::Overflow(page_size))?;
+                    chunks.push(Chunk {
+                        kind: ki,
+                        layer,
+                        plane,
+                        host_offset: off,
+                        bytes,
+                    });
+                    off = off
+                        .checked_add(bytes)
+                        .ok_or(LayoutError::Overflow(page_size))?;
                 }
             }
         }
-        Ok(PageLayout { page_size, kinds, chunks, page_bytes: off })
+        Ok(PageLayout {
+            page_size,
+            kinds,
+            chunks,
+            page_bytes: off,
+        })
     }
 
     pub fn page_size(&self) -> usize {
@@ -155,7 +174,10 @@ mod tests {
     fn aux_pool_is_part_of_every_page() {
         let l = PageLayout::new(
             2,
-            vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("indexer", 2, 3)],
+            vec![
+                PoolKind::kv("kv", 2, 1, 4, 2),
+                PoolKind::aux("indexer", 2, 3),
+            ],
         )
         .unwrap();
         assert_eq!(l.bytes_per_token(), 2 * 2 * 8 + 2 * 3);
@@ -166,7 +188,10 @@ mod tests {
 
     #[test]
     fn bad_layouts_are_refused() {
-        assert_eq!(PageLayout::new(0, vec![PoolKind::aux("a", 1, 1)]), Err(LayoutError::ZeroPageSize));
+        assert_eq!(
+            PageLayout::new(0, vec![PoolKind::aux("a", 1, 1)]),
+            Err(LayoutError::ZeroPageSize)
+        );
         assert_eq!(PageLayout::new(1, vec![]), Err(LayoutError::NoPools));
         assert!(matches!(
             PageLayout::new(1, vec![PoolKind::aux("a", 0, 1)]),

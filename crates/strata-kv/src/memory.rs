@@ -10,7 +10,11 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum MemError {
     #[error("cannot allocate {bytes} bytes with {allocator}: {reason}")]
-    Alloc { bytes: usize, allocator: String, reason: String },
+    Alloc {
+        bytes: usize,
+        allocator: String,
+        reason: String,
+    },
 }
 
 type Release = Box<dyn FnOnce(NonNull<u8>, usize) + Send + Sync>;
@@ -37,8 +41,18 @@ impl Region {
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` bytes until `release` runs, must not be
     /// used by anyone else, and must be zero-initialised or otherwise fully initialised.
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize, origin: String, release: Release) -> Region {
-        Region { ptr, len, release: Some(release), origin }
+    pub unsafe fn from_raw(
+        ptr: NonNull<u8>,
+        len: usize,
+        origin: String,
+        release: Release,
+    ) -> Region {
+        Region {
+            ptr,
+            len,
+            release: Some(release),
+            origin,
+        }
     }
 
     pub fn as_ptr(&self) -> *mut u8 {

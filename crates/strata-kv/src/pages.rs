@@ -67,7 +67,10 @@ impl PageAllocator {
     pub fn free(&mut self, pages: &[u32]) -> Result<(), PageError> {
         for (i, &p) in pages.iter().enumerate() {
             let bad = if p >= self.capacity {
-                Some(PageError::OutOfRange { page: p, capacity: self.capacity })
+                Some(PageError::OutOfRange {
+                    page: p,
+                    capacity: self.capacity,
+                })
             } else if !self.is_allocated(p) {
                 Some(PageError::DoubleFree { page: p })
             } else {
@@ -113,8 +116,17 @@ mod tests {
         a.free(&x[..1]).unwrap();
         assert_eq!(a.free(&x), Err(PageError::DoubleFree { page: x[0] }));
         assert_eq!(a.available(), 3);
-        assert_eq!(a.free(&[9]), Err(PageError::OutOfRange { page: 9, capacity: 4 }));
-        assert_eq!(a.free(&[x[1], x[1]]), Err(PageError::DoubleFree { page: x[1] }));
+        assert_eq!(
+            a.free(&[9]),
+            Err(PageError::OutOfRange {
+                page: 9,
+                capacity: 4
+            })
+        );
+        assert_eq!(
+            a.free(&[x[1], x[1]]),
+            Err(PageError::DoubleFree { page: x[1] })
+        );
         assert_eq!(a.available(), 3);
     }
 }

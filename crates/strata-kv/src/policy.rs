@@ -68,7 +68,11 @@ pub struct FrequencyHistory {
 
 impl FrequencyHistory {
     pub fn new(cap: usize) -> FrequencyHistory {
-        FrequencyHistory { counts: FxHashMap::default(), cap: cap.max(16), since_aging: 0 }
+        FrequencyHistory {
+            counts: FxHashMap::default(),
+            cap: cap.max(16),
+            since_aging: 0,
+        }
     }
 
     pub fn record(&mut self, key: u64, count: u32) {
@@ -120,7 +124,10 @@ mod tests {
 
     #[test]
     fn parse_policies() {
-        assert_eq!(WritePolicy::parse("write_back"), Some(WritePolicy::WriteBack));
+        assert_eq!(
+            WritePolicy::parse("write_back"),
+            Some(WritePolicy::WriteBack)
+        );
         assert_eq!(
             WritePolicy::parse("write_through_selective:3"),
             Some(WritePolicy::WriteThroughSelective { threshold: 3 })

@@ -32,7 +32,11 @@ impl DevicePool {
                 })?;
             regions.push(alloc.allocate(bytes)?);
         }
-        Ok(DevicePool { layout, pages, regions })
+        Ok(DevicePool {
+            layout,
+            pages,
+            regions,
+        })
     }
 
     pub fn pages(&self) -> u32 {
@@ -81,7 +85,13 @@ impl DevicePool {
         let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;
         assert_eq!(out.len(), n);
         // SAFETY: source chunk is n bytes inside the region, out is a distinct n-byte buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.chunk_ptr(kind, layer, plane, page), out.as_mut_ptr(), n) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.chunk_ptr(kind, layer, plane, page),
+                out.as_mut_ptr(),
+                n,
+            )
+        }
     }
 
     /// Writes one chunk (the model's new K/V for a page). The page must be owned by the caller.
@@ -89,7 +99,13 @@ impl DevicePool {
         let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;
         assert_eq!(data.len(), n);
         // SAFETY: destination chunk is n bytes inside the region and owned by the caller.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.chunk_ptr(kind, layer, plane, page), n) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.chunk_ptr(kind, layer, plane, page),
+                n,
+            )
+        }
     }
 }
 
@@ -106,13 +122,20 @@ impl HostPool {
         pages: u32,
         alloc: &dyn HostAllocator,
     ) -> Result<HostPool, MemError> {
-        let bytes = layout.page_bytes().checked_mul(pages as usize).ok_or_else(|| MemError::Alloc {
-            bytes: usize::MAX,
-            allocator: alloc.name(),
-            reason: "host pool size overflows".into(),
-        })?;
+        let bytes = layout
+            .page_bytes()
+            .checked_mul(pages as usize)
+            .ok_or_else(|| MemError::Alloc {
+                bytes: usize::MAX,
+                allocator: alloc.name(),
+                reason: "host pool size overflows".into(),
+            })?;
         let region = alloc.allocate(bytes)?;
-        Ok(HostPool { layout, pages, region })
+        Ok(HostPool {
+            layout,
+            pages,
+            region,
+        })
     }
 
     pub fn pages(&self) -> u32 {
@@ -123,6 +146,11 @@ impl HostPool {
         self.region.len()
     }
 
+    /// Bytes of one page blob.
+    pub fn layout_page_bytes(&self) -> usize {
+        self.layout.page_bytes()
+    }
+
     /// Where the memory came from (allocator, NUMA placement).
     pub fn origin(&self) -> &str {
         self.region.origin()
@@ -131,7 +159,11 @@ impl HostPool {
     fn page_ptr(&self, page: u32) -> *mut u8 {
         assert!(page < self.pages, "host page {page} out of range");
         // SAFETY: page < pages, so the blob lies inside the region.
-        unsafe { self.region.as_ptr().add(page as usize * self.layout.page_bytes()) }
+        unsafe {
+            self.region
+                .as_ptr()
+                .add(page as usize * self.layout.page_bytes())
+        }
     }
 
     /// Copies one page blob out.
@@ -162,7 +194,12 @@ pub enum Direction {
 
 /// Copies pages between the pools: `pairs` are (device page, host page). Returns bytes moved.
 /// Every pair's pages must be owned by the caller for the duration (locked in the tree).
-pub fn copy_pages(device: &DevicePool, host: &HostPool, dir: Direction, pairs: &[(u32, u32)]) -> u64 {
+pub fn copy_pages(
+    device: &DevicePool,
+    host: &HostPool,
+    dir: Direction,
+    pairs: &[(u32, u32)],
+) -> u64 {
     let layout = &*host.layout;
     let mut bytes = 0u64;
     for &(d, h) in pairs {
@@ -193,13 +230,22 @@ mod tests {
     #[test]
     fn device_host_roundtrip_is_exact() {
         let layout = Arc::new(
-            PageLayout::new(2, vec![PoolKind::kv("kv", 3, 1, 4, 2), PoolKind::aux("idx", 3, 5)]).unwrap(),
+            PageLayout::new(
+                2,
+                vec![PoolKind::kv("kv", 3, 1, 4, 2), PoolKind::aux("idx", 3, 5)],
+            )
+            .unwrap(),
         );
         let dev = DevicePool::new(layout.clone(), 4, &HeapAllocator).unwrap();
         let host = HostPool::new(layout.clone(), 4, &HeapAllocator).unwrap();
         let mut v = 0u8;
         for c in layout.chunks() {
-            let data: Vec<u8> = (0..c.bytes).map(|_| { v = v.wrapping_add(7); v }).collect();
+            let data: Vec<u8> = (0..c.bytes)
+                .map(|_| {
+                    v = v.wrapping_add(7);
+                    v
+                })
+                .collect();
             dev.write_chunk(c.kind, c.layer, c.plane, 1, &data);
         }
         let b = copy_pages(&dev, &host, Direction::DeviceToHost, &[(1, 3)]);
@@ -219,12 +265,5 @@ mod tests {
         let mut a = vec![0; c.bytes];
         dev.read_chunk(c.kind, c.layer, c.plane, 1, &mut a);
         assert_eq!(&blob[c.host_offset..c.host_offset + c.bytes], &a[..]);
-    }
-}
-
-impl HostPool {
-    /// Bytes of one page blob.
-    pub fn layout_page_bytes(&self) -> usize {
-        self.layout.page_bytes()
     }
 }

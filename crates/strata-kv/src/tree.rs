@@ -154,9 +154,16 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 impl RadixTree {
     /// `namespace` enables stable page hashes (needed for L3 storage, routing events and the
     /// GDSF history); without it pages carry no hash.
-    pub fn new(page_size: usize, policy: EvictionPolicy, namespace: Option<HashNamespace>) -> RadixTree {
+    pub fn new(
+        page_size: usize,
+        policy: EvictionPolicy,
+        namespace: Option<HashNamespace>,
+    ) -> RadixTree {
         assert!(page_size >= 1, "page size must be at least 1");
-        let root = Node { live: true, ..Node::default() };
+        let root = Node {
+            live: true,
+            ..Node::default()
+        };
         RadixTree {
             page_size,
             nodes: vec![root],
@@ -274,14 +281,23 @@ impl RadixTree {
         self.clock += 1;
         let ps = self.page_size;
         let n = tokens.len() / ps * ps;
-        let mut m = TreeMatch { last: ROOT, ..TreeMatch::default() };
+        let mut m = TreeMatch {
+            last: ROOT,
+            ..TreeMatch::default()
+        };
         let mut cur = 0u32;
         let mut pos = 0;
         while pos < n {
-            let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else { break };
+            let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else {
+                break;
+            };
             let clen = self.nodes[c as usize].tokens.len();
             let common = common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
-            let c = if common < clen { self.split(c, common) } else { c };
+            let c = if common < clen {
+                self.split(c, common)
+            } else {
+                c
+            };
             self.touch(c, true);
             if self.nodes[c as usize].device.is_empty() {
                 m.host_tokens += common;
@@ -306,7 +322,9 @@ impl RadixTree {
         let n = tokens.len() / ps * ps;
         let (mut dev, mut host, mut pos, mut cur) = (0, 0, 0, 0u32);
         while pos < n {
-            let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else { break };
+            let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else {
+                break;
+            };
             let node = &self.nodes[c as usize];
             let common = common_prefix(&node.tokens, &tokens[pos..n]) / ps * ps;
             if node.device.is_empty() {
@@ -337,8 +355,14 @@ impl RadixTree {
         let ps = self.page_size;
         let n = tokens.len() / ps * ps;
         let skip_tok = skip * ps;
-        assert!(skip_tok <= n && pages.len() == (n - skip_tok) / ps, "one page index per whole page");
-        let mut out = Inserted { last: ROOT, ..Inserted::default() };
+        assert!(
+            skip_tok <= n && pages.len() == (n - skip_tok) / ps,
+            "one page index per whole page"
+        );
+        let mut out = Inserted {
+            last: ROOT,
+            ..Inserted::default()
+        };
         let page_at = |pos: usize| (pos - skip_tok) / ps;
         let mut cur = 0u32;
         let mut pos = 0;
@@ -346,11 +370,16 @@ impl RadixTree {
             match self.child_of(cur, &tokens[pos..pos + ps]) {
                 Some(c) => {
                     let clen = self.nodes[c as usize].tokens.len();
-                    let mut common = common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
+                    let mut common =
+                        common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
                     if pos < skip_tok {
                         common = common.min(skip_tok - pos);
                     }
-                    let c = if common < clen { self.split(c, common) } else { c };
+                    let c = if common < clen {
+                        self.split(c, common)
+                    } else {
+                        c
+                    };
                     if pos >= skip_tok {
                         let pg = &pages[page_at(pos)..page_at(pos + common)];
                         if self.slot(c, slot).is_empty() {
@@ -380,7 +409,8 @@ impl RadixTree {
                 }
             }
         }
-        out.unused.extend_from_slice(&pages[page_at(pos.max(skip_tok))..]);
+        out.unused
+            .extend_from_slice(&pages[page_at(pos.max(skip_tok))..]);
         out.last = NodeId(cur);
         out.tokens = pos;
         out
@@ -402,10 +432,12 @@ impl RadixTree {
             }
             None => Vec::new(),
         };
-        let mut freq = 0;
+        // This insertion is an access too: a page that comes back after eviction then carries
+        // its earlier accesses plus this one, which is how reuse beyond the cache is detected.
+        let mut freq = 1;
         if self.policy == EvictionPolicy::Gdsf {
             for h in &hashes {
-                freq = freq.max(self.history.take(h.low64()));
+                freq = freq.max(self.history.take(h.low64()).saturating_add(1));
             }
         }
         let node = Node {
@@ -434,13 +466,25 @@ impl RadixTree {
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
-        debug_assert!(at > 0 && at % ps == 0 && at < self.nodes[id as usize].tokens.len());
+        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[id as usize].tokens.len());
         let p = at / ps;
         let n = &mut self.nodes[id as usize];
         let tokens: Vec<u32> = n.tokens.drain(..at).collect();
-        let hashes: Vec<PageHash> = if n.hashes.is_empty() { Vec::new() } else { n.hashes.drain(..p).collect() };
-        let device: Vec<u32> = if n.device.is_empty() { Vec::new() } else { n.device.drain(..p).collect() };
-        let host: Vec<u32> = if n.host.is_empty() { Vec::new() } else { n.host.drain(..p).collect() };
+        let hashes: Vec<PageHash> = if n.hashes.is_empty() {
+            Vec::new()
+        } else {
+            n.hashes.drain(..p).collect()
+        };
+        let device: Vec<u32> = if n.device.is_empty() {
+            Vec::new()
+        } else {
+            n.device.drain(..p).collect()
+        };
+        let host: Vec<u32> = if n.host.is_empty() {
+            Vec::new()
+        } else {
+            n.host.drain(..p).collect()
+        };
         let on_device = !n.device.is_empty();
         let suffix_key = page_key(&n.tokens[..ps]);
         let parent = n.parent;
@@ -507,7 +551,11 @@ impl RadixTree {
     fn refresh(&mut self, id: u32) {
         let n = &self.nodes[id as usize];
         let key = (n.priority, n.last_access, id);
-        let dev = (id != 0 && n.live && !n.device.is_empty() && n.lock_ref == 0 && n.device_children == 0)
+        let dev = (id != 0
+            && n.live
+            && !n.device.is_empty()
+            && n.lock_ref == 0
+            && n.device_children == 0)
             .then_some(key);
         let host = (id != 0
             && n.live
@@ -540,7 +588,10 @@ impl RadixTree {
     }
 
     fn fill(&mut self, id: u32, slot: Slot, pages: Vec<u32>) {
-        debug_assert_eq!(pages.len() * self.page_size, self.nodes[id as usize].tokens.len());
+        debug_assert_eq!(
+            pages.len() * self.page_size,
+            self.nodes[id as usize].tokens.len()
+        );
         let np = pages.len();
         match slot {
             Slot::Device => {
@@ -565,7 +616,10 @@ impl RadixTree {
         assert!(self.slot(id.0, slot).is_empty(), "slot already filled");
         if slot == Slot::Device {
             let p = self.nodes[id.0 as usize].parent;
-            assert!(p == 0 || !self.nodes[p as usize].device.is_empty(), "device residency must stay prefix-closed");
+            assert!(
+                p == 0 || !self.nodes[p as usize].device.is_empty(),
+                "device residency must stay prefix-closed"
+            );
         }
         self.fill(id.0, slot, pages);
     }
@@ -623,7 +677,10 @@ impl RadixTree {
 
     /// First device victim not in `skip`.
     pub fn device_victim_excluding(&self, skip: &[NodeId]) -> Option<NodeId> {
-        self.device_leaves.iter().map(|k| NodeId(k.2)).find(|n| !skip.contains(n))
+        self.device_leaves
+            .iter()
+            .map(|k| NodeId(k.2))
+            .find(|n| !skip.contains(n))
     }
 
     /// Next host victim: off device, unlocked, childless.
@@ -636,8 +693,14 @@ impl RadixTree {
     pub fn take_device(&mut self, id: NodeId) -> Vec<u32> {
         let i = id.0;
         let n = &self.nodes[i as usize];
-        assert!(n.lock_ref == 0 && n.device_children == 0, "device eviction of a locked or inner node");
-        assert!(!n.host.is_empty() || n.children.is_empty(), "evicting an unbacked node with children");
+        assert!(
+            n.lock_ref == 0 && n.device_children == 0,
+            "device eviction of a locked or inner node"
+        );
+        assert!(
+            !n.host.is_empty() || n.children.is_empty(),
+            "evicting an unbacked node with children"
+        );
         self.bump_inflation(i);
         let pages = std::mem::take(&mut self.nodes[i as usize].device);
         self.device_pages -= pages.len();
@@ -656,7 +719,9 @@ impl RadixTree {
     pub fn take_host(&mut self, id: NodeId) -> Vec<u32> {
         let i = id.0;
         let n = &self.nodes[i as usize];
-        assert!(n.device.is_empty() && n.children.is_empty() && n.lock_ref == 0 && n.host_lock == 0);
+        assert!(
+            n.device.is_empty() && n.children.is_empty() && n.lock_ref == 0 && n.host_lock == 0
+        );
         self.bump_inflation(i);
         let pages = std::mem::take(&mut self.nodes[i as usize].host);
         self.host_pages -= pages.len();
@@ -695,7 +760,10 @@ impl RadixTree {
 
     /// Every live node id, root excluded.
     pub fn node_ids(&self) -> Vec<NodeId> {
-        (1..self.nodes.len() as u32).filter(|&i| self.nodes[i as usize].live).map(NodeId).collect()
+        (1..self.nodes.len() as u32)
+            .filter(|&i| self.nodes[i as usize].live)
+            .map(NodeId)
+            .collect()
     }
 
     /// Verifies every structural invariant; returns the first violation.
@@ -706,19 +774,28 @@ impl RadixTree {
             let i = id.0 as usize;
             let n = &self.nodes[i];
             let pages = n.tokens.len() / ps;
-            if n.tokens.is_empty() || n.tokens.len() % ps != 0 {
-                return Err(format!("node {i}: {} tokens is not a whole number of pages", n.tokens.len()));
+            if n.tokens.is_empty() || !n.tokens.len().is_multiple_of(ps) {
+                return Err(format!(
+                    "node {i}: {} tokens is not a whole number of pages",
+                    n.tokens.len()
+                ));
             }
             if n.device.is_empty() && n.host.is_empty() {
                 return Err(format!("node {i} holds no pages"));
             }
             for (name, v) in [("device", &n.device), ("host", &n.host)] {
                 if !v.is_empty() && v.len() != pages {
-                    return Err(format!("node {i}: {} {name} pages for {pages} pages of tokens", v.len()));
+                    return Err(format!(
+                        "node {i}: {} {name} pages for {pages} pages of tokens",
+                        v.len()
+                    ));
                 }
             }
             if self.namespace.is_some() && n.hashes.len() != pages {
-                return Err(format!("node {i}: {} hashes for {pages} pages", n.hashes.len()));
+                return Err(format!(
+                    "node {i}: {} hashes for {pages} pages",
+                    n.hashes.len()
+                ));
             }
             let p = &self.nodes[n.parent as usize];
             if !p.live || p.children.get(&page_key(&n.tokens[..ps])) != Some(&id.0) {
@@ -727,18 +804,34 @@ impl RadixTree {
             if !n.device.is_empty() && n.parent != 0 && p.device.is_empty() {
                 return Err(format!("node {i} on device under a parent that is not"));
             }
-            let dc = n.children.values().filter(|&&c| !self.nodes[c as usize].device.is_empty()).count();
+            let dc = n
+                .children
+                .values()
+                .filter(|&&c| !self.nodes[c as usize].device.is_empty())
+                .count();
             if dc as u32 != n.device_children {
-                return Err(format!("node {i}: device_children {} but {dc} counted", n.device_children));
+                return Err(format!(
+                    "node {i}: device_children {} but {dc} counted",
+                    n.device_children
+                ));
             }
-            let locks: u32 = n.children.values().map(|&c| self.nodes[c as usize].lock_ref).sum();
+            let locks: u32 = n
+                .children
+                .values()
+                .map(|&c| self.nodes[c as usize].lock_ref)
+                .sum();
             if n.lock_ref < locks {
-                return Err(format!("node {i}: lock_ref {} below its children's {locks}", n.lock_ref));
+                return Err(format!(
+                    "node {i}: lock_ref {} below its children's {locks}",
+                    n.lock_ref
+                ));
             }
             if let Some(ns) = &self.namespace {
                 let parent_hash = self.last_hash(NodeId(n.parent)).unwrap_or(PageHash::ROOT);
                 if ns.chain(parent_hash, &n.tokens, ps) != n.hashes {
-                    return Err(format!("node {i}: page hashes do not chain from its parent"));
+                    return Err(format!(
+                        "node {i}: page hashes do not chain from its parent"
+                    ));
                 }
             }
             dp += n.device.len();
@@ -753,9 +846,16 @@ impl RadixTree {
         for (set, name) in [(&self.device_leaves, "device"), (&self.host_leaves, "host")] {
             for k in set {
                 let n = &self.nodes[k.2 as usize];
-                let key = if name == "device" { n.dev_key } else { n.host_key };
+                let key = if name == "device" {
+                    n.dev_key
+                } else {
+                    n.host_key
+                };
                 if !n.live || key != Some(*k) {
-                    return Err(format!("{name} eviction set holds stale entry for node {}", k.2));
+                    return Err(format!(
+                        "{name} eviction set holds stale entry for node {}",
+                        k.2
+                    ));
                 }
             }
         }

@@ -18,7 +18,9 @@ pub enum SizeError {
 /// Parses a byte size with a unit; decimals allowed (`1.5GiB`).
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = (&t[..split], t[split..].trim());
     if num.is_empty() {
         return Err(SizeError::BadNumber(s.into()));
@@ -47,7 +49,8 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
         Ok(bytes.round() as u64)
     } else {
         let n: u64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
-        n.checked_mul(mult).ok_or_else(|| SizeError::Overflow(s.into()))
+        n.checked_mul(mult)
+            .ok_or_else(|| SizeError::Overflow(s.into()))
     }
 }
 
@@ -76,7 +79,10 @@ mod tests {
         assert_eq!(parse_size("150"), Err(SizeError::NoUnit("150".into())));
         assert!(matches!(parse_size("10XB"), Err(SizeError::BadUnit(..))));
         assert!(matches!(parse_size("GiB"), Err(SizeError::BadNumber(..))));
-        assert!(matches!(parse_size("99999999999TiB"), Err(SizeError::Overflow(..))));
+        assert!(matches!(
+            parse_size("99999999999TiB"),
+            Err(SizeError::Overflow(..))
+        ));
         assert_eq!(format_bytes(1536), "1.50 KiB (1536 bytes)");
     }
 }

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::storage::{MemoryStorage, Storage};
 use strata_kv::{
-    CacheConfig, CacheMatch, EvictionPolicy, HashNamespace, NodeId, PageHash, PageLayout, PoolKind, Ticket,
-    TieredCache, WritePolicy,
+    CacheConfig, CacheMatch, EvictionPolicy, HashNamespace, NodeId, PageHash, PageLayout, PoolKind,
+    Ticket, TieredCache, WritePolicy,
 };
 
 #[derive(Clone, Debug)]
@@ -43,7 +43,15 @@ fn op() -> impl Strategy<Value = Op> {
 /// Sequences share prefixes by group so nodes split and share.
 fn tokens(s: u8, len: u8) -> Vec<u32> {
     let g = (s % 3) as u32;
-    (0..len as u32).map(|i| if i < 10 { g * 100 + i } else { 10_000 + s as u32 * 100 + i }).collect()
+    (0..len as u32)
+        .map(|i| {
+            if i < 10 {
+                g * 100 + i
+            } else {
+                10_000 + s as u32 * 100 + i
+            }
+        })
+        .collect()
 }
 
 fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
@@ -76,8 +84,14 @@ impl World {
 
     fn check_match(&self, t: &[u32], m: &CacheMatch) {
         let tree_part = m.device_tokens + m.host_tokens;
-        assert!(tree_part <= self.longest_computed(t), "false hit: {tree_part} tokens of {t:?}");
-        assert!(m.cached_tokens() <= self.longest_computed(t), "false L3 hit");
+        assert!(
+            tree_part <= self.longest_computed(t),
+            "false hit: {tree_part} tokens of {t:?}"
+        );
+        assert!(
+            m.cached_tokens() <= self.longest_computed(t),
+            "false L3 hit"
+        );
     }
 
     fn run(&mut self, t: &[u32]) {
@@ -97,11 +111,19 @@ impl World {
         let have = self.cache.tree().peek(t).0 / self.ps;
         let total = t.len() / self.ps;
         if let Some(pages) = self.cache.alloc_device(total - have) {
-            let hashes = self.ns.chain(PageHash::ROOT, &t[..total * self.ps], self.ps);
+            let hashes = self
+                .ns
+                .chain(PageHash::ROOT, &t[..total * self.ps], self.ps);
             let dev = self.cache.device_pool().unwrap();
             for (i, &p) in pages.iter().enumerate() {
                 for (ci, c) in dev.layout().chunks().iter().enumerate() {
-                    dev.write_chunk(c.kind, c.layer, c.plane, p, &expected_chunk(&hashes[have + i], ci, c.bytes));
+                    dev.write_chunk(
+                        c.kind,
+                        c.layer,
+                        c.plane,
+                        p,
+                        &expected_chunk(&hashes[have + i], ci, c.bytes),
+                    );
                 }
             }
             self.cache.insert(t, &pages, have);
@@ -131,7 +153,11 @@ impl World {
                     }
                     if let Some(&p) = v.host.get(i) {
                         host.read_page(p, &mut blob);
-                        assert_eq!(&blob[c.host_offset..c.host_offset + c.bytes], &want[..], "host bytes");
+                        assert_eq!(
+                            &blob[c.host_offset..c.host_offset + c.bytes],
+                            &want[..],
+                            "host bytes"
+                        );
                     }
                 }
             }
@@ -190,19 +216,28 @@ impl World {
         // Locked prefixes stay cached.
         for (_, t, have, _) in &self.held {
             let (d, h) = self.cache.tree().peek(t);
-            assert!(d + h >= *have, "locked prefix lost: had {have}, now {}", d + h);
+            assert!(
+                d + h >= *have,
+                "locked prefix lost: had {have}, now {}",
+                d + h
+            );
         }
     }
 }
 
 fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool) -> World {
-    let layout = PageLayout::new(ps, vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("idx", 1, 3)]).unwrap();
+    let layout = PageLayout::new(
+        ps,
+        vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("idx", 1, 3)],
+    )
+    .unwrap();
     let mut cfg = CacheConfig::new(layout.clone(), 24 / ps as u32 + 4, 48 / ps as u32 + 4);
     cfg.write_policy = wp;
     cfg.eviction = ev;
     cfg.hashing = true;
     cfg.copy_threads = 2;
-    let storage: Option<Arc<dyn Storage>> = l3.then(|| Arc::new(MemoryStorage::new(u64::MAX, 20)) as Arc<dyn Storage>);
+    let storage: Option<Arc<dyn Storage>> =
+        l3.then(|| Arc::new(MemoryStorage::new(u64::MAX, 20)) as Arc<dyn Storage>);
     World {
         cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(),
         ns: HashNamespace::new("model", &layout),

@@ -30,13 +30,20 @@ pub struct DiskStorage {
 }
 
 fn io(path: &Path, source: std::io::Error) -> StorageError {
-    StorageError::Io { path: path.display().to_string(), source }
+    StorageError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 impl DiskStorage {
     /// Opens (or creates) `dir`, indexing the pages already there, oldest modification first.
     /// `sync` makes every put fsync before the rename (durable across power loss).
-    pub fn open(dir: impl Into<PathBuf>, cap_bytes: u64, sync: bool) -> Result<DiskStorage, StorageError> {
+    pub fn open(
+        dir: impl Into<PathBuf>,
+        cap_bytes: u64,
+        sync: bool,
+    ) -> Result<DiskStorage, StorageError> {
         let dir = dir.into();
         let tmp = dir.join("tmp");
         fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
@@ -49,10 +56,17 @@ impl DiskStorage {
             if sub.file_name() == "tmp" || !sub.path().is_dir() {
                 continue;
             }
-            for f in fs::read_dir(sub.path()).map_err(|e| io(&sub.path(), e))?.flatten() {
+            for f in fs::read_dir(sub.path())
+                .map_err(|e| io(&sub.path(), e))?
+                .flatten()
+            {
                 let name = f.file_name();
-                let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(".page")) else { continue };
-                let (Some(h), Ok(md)) = (PageHash::from_hex(hex), f.metadata()) else { continue };
+                let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(".page")) else {
+                    continue;
+                };
+                let (Some(h), Ok(md)) = (PageHash::from_hex(hex), f.metadata()) else {
+                    continue;
+                };
                 found.push((md.modified().ok(), h, md.len()));
             }
         }
@@ -173,7 +187,10 @@ impl Storage for DiskStorage {
     fn put(&self, h: &PageHash, data: &[u8]) -> Result<(), StorageError> {
         let total = (HEADER + data.len()) as u64;
         if total > self.cap_bytes {
-            return Err(StorageError::TooLarge { bytes: total, capacity: self.cap_bytes });
+            return Err(StorageError::TooLarge {
+                bytes: total,
+                capacity: self.cap_bytes,
+            });
         }
         self.count(|s| s.puts += 1);
         let final_path = self.path_of(h);
@@ -182,7 +199,10 @@ impl Storage for DiskStorage {
             return Ok(());
         }
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join("tmp").join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
+        let tmp =
+            self.dir
+                .join("tmp")
+                .join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
             let mut f = fs::File::create(&tmp)?;
             let mut header = Vec::with_capacity(HEADER);
@@ -219,7 +239,7 @@ impl Storage for DiskStorage {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let _ = had;
                 Ok(false)
-            },
+            }
             Err(e) => Err(io(&p, e)),
         }
     }
@@ -227,7 +247,12 @@ impl Storage for DiskStorage {
     fn stats(&self) -> StorageStats {
         let ix = self.index();
         let s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        StorageStats { entries: ix.len() as u64, bytes: ix.bytes, capacity_bytes: self.cap_bytes, ..s }
+        StorageStats {
+            entries: ix.len() as u64,
+            bytes: ix.bytes,
+            capacity_bytes: self.cap_bytes,
+            ..s
+        }
     }
 }
 
@@ -280,7 +305,10 @@ mod tests {
         assert_eq!(s.get(&h(3)).unwrap(), Some(vec![9u8; 100]));
         let st = s.stats();
         assert_eq!(st.corrupt, 3);
-        assert_eq!(s.exists(&[h(1), h(2), h(3), h(4)]).unwrap(), vec![false, false, true, false]);
+        assert_eq!(
+            s.exists(&[h(1), h(2), h(3), h(4)]).unwrap(),
+            vec![false, false, true, false]
+        );
         assert!(!s.path_of(&h(1)).exists());
     }
 
@@ -294,13 +322,19 @@ mod tests {
         }
         s.get(&h(0)).unwrap();
         s.put(&h(3), &[3; 1000]).unwrap();
-        assert_eq!(s.exists(&[h(0), h(1), h(2), h(3)]).unwrap(), vec![true, false, true, true]);
+        assert_eq!(
+            s.exists(&[h(0), h(1), h(2), h(3)]).unwrap(),
+            vec![true, false, true, true]
+        );
         let st = s.stats();
         assert!(st.bytes <= 3 * one);
         assert_eq!(st.evictions, 1);
         let on_disk: u64 = walk(d.path());
         assert_eq!(on_disk, st.bytes);
-        assert!(matches!(s.put(&h(9), &[0; 4000]), Err(StorageError::TooLarge { .. })));
+        assert!(matches!(
+            s.put(&h(9), &[0; 4000]),
+            Err(StorageError::TooLarge { .. })
+        ));
         // Reopening with a smaller cap trims to it.
         drop(s);
         let s = DiskStorage::open(d.path(), one, false).unwrap();
@@ -312,7 +346,11 @@ mod tests {
         let mut n = 0;
         for e in fs::read_dir(p).unwrap().flatten() {
             let md = e.metadata().unwrap();
-            n += if md.is_dir() { walk(&e.path()) } else { md.len() };
+            n += if md.is_dir() {
+                walk(&e.path())
+            } else {
+                md.len()
+            };
         }
         n
     }

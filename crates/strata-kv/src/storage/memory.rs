@@ -26,7 +26,11 @@ pub struct MemoryStorage {
 impl MemoryStorage {
     /// `cap_bytes` / `cap_entries`: whichever binds first; `u64::MAX` for none.
     pub fn new(cap_bytes: u64, cap_entries: u64) -> MemoryStorage {
-        MemoryStorage { inner: Mutex::new(Inner::default()), cap_bytes, cap_entries }
+        MemoryStorage {
+            inner: Mutex::new(Inner::default()),
+            cap_bytes,
+            cap_entries,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -59,7 +63,10 @@ impl Storage for MemoryStorage {
     fn put(&self, hash: &PageHash, data: &[u8]) -> Result<(), StorageError> {
         let n = data.len() as u64;
         if n > self.cap_bytes || self.cap_entries == 0 {
-            return Err(StorageError::TooLarge { bytes: n, capacity: self.cap_bytes });
+            return Err(StorageError::TooLarge {
+                bytes: n,
+                capacity: self.cap_bytes,
+            });
         }
         let mut g = self.lock();
         g.stats.puts += 1;
@@ -107,10 +114,16 @@ mod tests {
         }
         s.get(&h(0)).unwrap();
         s.put(&h(3), &[3]).unwrap();
-        assert_eq!(s.exists(&[h(0), h(1), h(2), h(3)]).unwrap(), vec![true, false, true, true]);
+        assert_eq!(
+            s.exists(&[h(0), h(1), h(2), h(3)]).unwrap(),
+            vec![true, false, true, true]
+        );
         s.put(&h(4), &[0; 9]).unwrap();
         assert!(s.stats().bytes <= 10);
-        assert!(matches!(s.put(&h(5), &[0; 11]), Err(StorageError::TooLarge { .. })));
+        assert!(matches!(
+            s.put(&h(5), &[0; 11]),
+            Err(StorageError::TooLarge { .. })
+        ));
         assert_eq!(s.prefix_len(&[h(4), h(9), h(3)]).unwrap(), 1);
     }
 }

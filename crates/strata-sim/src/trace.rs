@@ -1,0 +1,182 @@
+//! Mooncake-format request traces: one JSON object per line with `timestamp` (ms),
+//! `input_length`, `output_length` and `hash_ids` (one id per block of `block_tokens` tokens;
+//! an id stands for the block and its whole prefix).
+
+use std::io::BufRead;
+
+use serde_json::Value;
+use thiserror::Error;
+
+/// A malformed trace, with the line (1-based) and the field at fault.
+#[derive(Debug, Error)]
+pub enum TraceError {
+    #[error("trace line {line}: {msg}")]
+    Line { line: usize, msg: String },
+    #[error("trace line {line}, field `{field}`: {msg}")]
+    Field {
+        line: usize,
+        field: &'static str,
+        msg: String,
+    },
+    #[error("cannot read trace: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("trace is empty")]
+    Empty,
+}
+
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceRequest {
+    pub timestamp_ms: u64,
+    pub input_length: usize,
+    pub output_length: usize,
+    pub hash_ids: Vec<u64>,
+}
+
+fn uint(
+    obj: &serde_json::Map<String, Value>,
+    line: usize,
+    field: &'static str,
+) -> Result<u64, TraceError> {
+    let v = obj.get(field).ok_or_else(|| TraceError::Field {
+        line,
+        field,
+        msg: "missing".into(),
+    })?;
+    v.as_u64().ok_or_else(|| TraceError::Field {
+        line,
+        field,
+        msg: format!("expected a non-negative integer, got {v}"),
+    })
+}
+
+/// Parses one line (1-based `line` for messages).
+pub fn parse_line(
+    text: &str,
+    line: usize,
+    block_tokens: usize,
+) -> Result<TraceRequest, TraceError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| TraceError::Line {
+        line,
+        msg: format!("not valid JSON: {e}"),
+    })?;
+    let obj = v.as_object().ok_or_else(|| TraceError::Line {
+        line,
+        msg: "expected a JSON object".into(),
+    })?;
+    let timestamp_ms = uint(obj, line, "timestamp")?;
+    let input_length = uint(obj, line, "input_length")? as usize;
+    let output_length = uint(obj, line, "output_length")? as usize;
+    let field = "hash_ids";
+    let ids = obj.get(field).ok_or_else(|| TraceError::Field {
+        line,
+        field,
+        msg: "missing".into(),
+    })?;
+    let arr = ids.as_array().ok_or_else(|| TraceError::Field {
+        line,
+        field,
+        msg: "expected an array".into(),
+    })?;
+    let mut hash_ids = Vec::with_capacity(arr.len());
+    for (i, x) in arr.iter().enumerate() {
+        hash_ids.push(x.as_u64().ok_or_else(|| TraceError::Field {
+            line,
+            field,
+            msg: format!("element {i} is {x}, expected a non-negative integer"),
+        })?);
+    }
+    let want = input_length.div_ceil(block_tokens);
+    if hash_ids.len() != want {
+        return Err(TraceError::Field {
+            line,
+            field,
+            msg: format!(
+                "{} ids for input_length {input_length}; blocks of {block_tokens} tokens need {want}",
+                hash_ids.len()
+            ),
+        });
+    }
+    Ok(TraceRequest {
+        timestamp_ms,
+        input_length,
+        output_length,
+        hash_ids,
+    })
+}
+
+/// Reads a whole trace; blank lines are skipped.
+pub fn read_trace(r: impl BufRead, block_tokens: usize) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    for (i, l) in r.lines().enumerate() {
+        let l = l?;
+        if l.trim().is_empty() {
+            continue;
+        }
+        out.push(parse_line(&l, i + 1, block_tokens)?);
+    }
+    if out.is_empty() {
+        return Err(TraceError::Empty);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_line() {
+        let r = parse_line(
+            r#"{"timestamp": 40, "input_length": 1000, "output_length": 3, "hash_ids": [4, 5]}"#,
+            1,
+            512,
+        )
+        .unwrap();
+        assert_eq!(r.hash_ids, vec![4, 5]);
+        assert_eq!(r.timestamp_ms, 40);
+    }
+
+    #[test]
+    fn errors_name_line_and_field() {
+        let text = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\n{\"timestamp\": 0, \"input_length\": \"ten\", \"output_length\": 1, \"hash_ids\": [1]}\n";
+        let e = read_trace(text.as_bytes(), 512).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "trace line 3, field `input_length`: expected a non-negative integer, got \"ten\""
+        );
+        let e = parse_line(
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}"#,
+            7,
+            512,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("trace line 7, field `hash_ids`: 1 ids for input_length 600"),
+            "{e}"
+        );
+        let e = parse_line(
+            r#"{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}"#,
+            2,
+            512,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("field `hash_ids`: element 0 is -1"), "{e}");
+        let e = parse_line("{oops", 5, 512).unwrap_err().to_string();
+        assert!(e.starts_with("trace line 5: not valid JSON"), "{e}");
+        let e = parse_line(
+            r#"{"input_length": 1, "output_length": 1, "hash_ids": [1]}"#,
+            9,
+            512,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "trace line 9, field `timestamp`: missing");
+        assert!(matches!(
+            read_trace("\n".as_bytes(), 512),
+            Err(TraceError::Empty)
+        ));
+    }
+}

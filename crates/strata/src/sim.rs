@@ -1,0 +1,313 @@
+//! `strata sim`: trace replay and capacity sweeps.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use strata_kv::units::{format_bytes, parse_size};
+use strata_kv::{EvictionPolicy, PageLayout, PoolKind, WritePolicy};
+use strata_sim::belady::PageTrace;
+use strata_sim::replay::{replay, SimConfig, SimResult};
+use strata_sim::trace::read_trace;
+use strata_sim::{plot, sweep};
+use tracing::info;
+
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    /// Mooncake-format JSONL trace (`timestamp`, `input_length`, `output_length`, `hash_ids`).
+    #[arg(long, help_heading = "Trace")]
+    trace: PathBuf,
+    /// Tokens per trace block (one hash id per block).
+    #[arg(long, default_value_t = 512, help_heading = "Trace")]
+    block_tokens: usize,
+    /// Vocabulary size the synthetic token ids are drawn from.
+    #[arg(long, default_value_t = 49152, help_heading = "Trace")]
+    vocab: u32,
+
+    /// Device (L1) capacity: tokens (`200000`), bytes with a unit (`4GiB`, `4GB`), or a percent of
+    /// the trace's distinct tokens (`5%`).
+    #[arg(long, default_value = "5%", help_heading = "Capacities")]
+    device: String,
+    /// Host (L2) capacity, same forms; `0` turns the tier off.
+    #[arg(long, default_value = "0", help_heading = "Capacities")]
+    host: String,
+    /// L3 storage capacity, same forms; `0` turns the tier off.
+    #[arg(long, default_value = "0", help_heading = "Capacities")]
+    storage: String,
+    /// KV bytes per token, to turn byte capacities into tokens (default: SmolLM2-135M, f16:
+    /// 30 layers × 2 × 3 KV heads × 64 × 2 bytes).
+    #[arg(long, default_value_t = 23040, help_heading = "Capacities")]
+    bytes_per_token: usize,
+
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16, help_heading = "Cache")]
+    page_size: usize,
+    /// `write_through`, `write_through_selective[:N]` or `write_back`.
+    #[arg(long, default_value = "write_through", help_heading = "Cache")]
+    write_policy: String,
+    /// `lru`, `gdsf`, or `all` (each, side by side).
+    #[arg(long, default_value = "all", help_heading = "Cache")]
+    eviction: String,
+
+    /// Sweep the device capacity and print the miss-ratio curve with Belady's bound.
+    #[arg(long, help_heading = "Sweep")]
+    sweep: bool,
+    /// Capacities of the sweep, as fractions of the trace's distinct pages.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.01,0.02,0.05,0.1,0.25,0.5,1",
+        help_heading = "Sweep"
+    )]
+    fractions: Vec<f64>,
+    /// Where to write the sweep plot (SVG).
+    #[arg(long, default_value = "sim-sweep.svg", help_heading = "Sweep")]
+    plot: PathBuf,
+}
+
+/// Parses a capacity into tokens.
+fn capacity(s: &str, distinct_tokens: u64, bytes_per_token: usize, what: &str) -> Result<u64> {
+    let t = s.trim();
+    if let Some(p) = t.strip_suffix('%') {
+        let v: f64 = p
+            .trim()
+            .parse()
+            .with_context(|| format!("--{what} `{s}`: not a percentage"))?;
+        if !(0.0..=100.0).contains(&v) {
+            bail!("--{what} `{s}`: a percentage must be between 0 and 100");
+        }
+        return Ok((distinct_tokens as f64 * v / 100.0).round() as u64);
+    }
+    let digits = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
+    let unit = t[digits.len()..].trim().to_ascii_lowercase();
+    if unit.is_empty() || unit == "tok" || unit == "tokens" {
+        return digits
+            .parse()
+            .with_context(|| format!("--{what} `{s}`: expected tokens (`200000`), bytes with a unit (`4GiB`) or a percent (`5%`)"));
+    }
+    let bytes = parse_size(t).with_context(|| format!("--{what}"))?;
+    Ok(bytes / bytes_per_token as u64)
+}
+
+fn policies(s: &str) -> Result<Vec<EvictionPolicy>> {
+    if s == "all" {
+        return Ok(vec![EvictionPolicy::Lru, EvictionPolicy::Gdsf]);
+    }
+    s.split(',')
+        .map(|p| {
+            EvictionPolicy::parse(p.trim())
+                .with_context(|| format!("--eviction `{p}`: expected lru, gdsf or all"))
+        })
+        .collect()
+}
+
+fn pct(x: u64, of: u64) -> f64 {
+    if of == 0 {
+        0.0
+    } else {
+        x as f64 * 100.0 / of as f64
+    }
+}
+
+pub fn run(a: SimArgs) -> Result<()> {
+    let write_policy = WritePolicy::parse(&a.write_policy).with_context(|| {
+        format!("--write-policy `{}`: expected write_through, write_through_selective[:N] or write_back", a.write_policy)
+    })?;
+    let evictions = policies(&a.eviction)?;
+    if a.bytes_per_token == 0 {
+        bail!("--bytes-per-token must be at least 1");
+    }
+    if a.block_tokens == 0 {
+        bail!("--block-tokens must be at least 1");
+    }
+    // The layout only matters for byte figures; one pool with the given bytes per token.
+    let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, a.bytes_per_token)])
+        .with_context(|| format!("--page-size {}", a.page_size))?;
+    let f =
+        File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
+    let reqs = read_trace(BufReader::new(f), a.block_tokens)
+        .with_context(|| format!("in {}", a.trace.display()))?;
+    if !a.block_tokens.is_multiple_of(a.page_size) {
+        bail!(
+            "--page-size {} must divide --block-tokens {}",
+            a.page_size,
+            a.block_tokens
+        );
+    }
+    let pt = PageTrace::new(&reqs, a.block_tokens, a.page_size);
+    let distinct_tokens = (pt.distinct_pages * a.page_size) as u64;
+    info!(
+        requests = reqs.len(),
+        queried_tokens = pt.queried_tokens(),
+        distinct_pages = pt.distinct_pages,
+        "trace loaded: {} requests, {} prompt tokens, {} distinct pages of {} tokens",
+        reqs.len(),
+        pt.queried_tokens(),
+        pt.distinct_pages,
+        a.page_size
+    );
+    let base = SimConfig {
+        layout: layout.clone(),
+        block_tokens: a.block_tokens,
+        vocab: a.vocab,
+        device_tokens: capacity(&a.device, distinct_tokens, a.bytes_per_token, "device")?,
+        host_tokens: capacity(&a.host, distinct_tokens, a.bytes_per_token, "host")?,
+        storage_tokens: capacity(&a.storage, distinct_tokens, a.bytes_per_token, "storage")?,
+        write_policy,
+        eviction: evictions[0],
+    };
+    if a.sweep {
+        return run_sweep(&a, &reqs, &base, &evictions, &pt);
+    }
+    let bpt = a.bytes_per_token as u64;
+    println!(
+        "trace: {} ({} requests, {} prompt tokens, {} distinct tokens in whole pages)",
+        a.trace.display(),
+        reqs.len(),
+        pt.queried_tokens(),
+        distinct_tokens
+    );
+    for (tier, t) in [
+        ("device", base.device_tokens),
+        ("host", base.host_tokens),
+        ("storage", base.storage_tokens),
+    ] {
+        println!(
+            "{tier:>8} capacity: {t} tokens = {} at {bpt} B/token ({:.2}% of distinct)",
+            format_bytes(t * bpt),
+            pct(t, distinct_tokens)
+        );
+    }
+    println!(
+        "page size {} tokens, write policy {}",
+        a.page_size, a.write_policy
+    );
+    println!();
+    println!(
+        "{:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10}",
+        "policy",
+        "device%",
+        "host%",
+        "storage%",
+        "total%",
+        "miss%",
+        "ops/s",
+        "requests/s",
+        "match µs"
+    );
+    let belady_cap =
+        (base.device_tokens + base.host_tokens + base.storage_tokens) / a.page_size as u64;
+    for &p in &evictions {
+        let cfg = SimConfig {
+            eviction: p,
+            ..base.clone()
+        };
+        let r = replay(&reqs, &cfg, |n| tracing::debug!("{n} requests replayed"))?;
+        print_row(p, &r);
+    }
+    let q = pt.queried_tokens();
+    println!(
+        "{:<6} {:>44.2}   (offline MIN with room for all tiers' {} pages)",
+        "belady",
+        pct(pt.belady_hit_tokens(belady_cap as usize), q),
+        belady_cap
+    );
+    println!("{:<6} {:>44.2}", "inf", pct(pt.infinite_hit_tokens(), q));
+    Ok(())
+}
+
+fn print_row(p: EvictionPolicy, r: &SimResult) {
+    let s = &r.stats;
+    let q = s.queried_tokens;
+    println!(
+        "{:<6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.0} {:>12.0} {:>10.2}",
+        p.name(),
+        pct(s.hit_device_tokens, q),
+        pct(s.hit_host_tokens, q),
+        pct(s.hit_storage_tokens, q),
+        pct(s.hit_tokens(), q),
+        pct(s.miss_tokens, q),
+        r.ops_per_sec(),
+        r.requests_per_sec(),
+        r.match_nanos as f64 / r.match_calls.max(1) as f64 / 1e3,
+    );
+}
+
+fn run_sweep(
+    a: &SimArgs,
+    reqs: &[strata_sim::trace::TraceRequest],
+    base: &SimConfig,
+    ev: &[EvictionPolicy],
+    pt: &PageTrace,
+) -> Result<()> {
+    for &f in &a.fractions {
+        if !(f > 0.0 && f <= 1.0) {
+            bail!("--fractions: {f} is not in (0, 1]");
+        }
+    }
+    let pts = sweep::sweep(reqs, base, &a.fractions, ev, |m| info!("{m}"))?;
+    println!("miss-ratio curve: {} ({} requests), page size {}, device tier only; hit rates in % of prompt tokens", a.trace.display(), reqs.len(), a.page_size);
+    print!("{:>9} {:>12}", "capacity", "tokens");
+    for p in ev {
+        print!(" {:>8}", p.name());
+    }
+    println!(
+        " {:>8} {:>8}   {}",
+        "belady",
+        "infinite",
+        ev.iter()
+            .map(|p| format!("{}/belady", p.name()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    for p in &pts {
+        print!("{:>8.1}% {:>12}", p.fraction * 100.0, p.capacity_tokens);
+        for &(_, r) in &p.policies {
+            print!(" {:>8.2}", r * 100.0);
+        }
+        print!(" {:>8.2} {:>8.2}  ", p.belady * 100.0, p.infinite * 100.0);
+        for &(_, r) in &p.policies {
+            print!(
+                " {:>10.1}%",
+                if p.belady > 0.0 {
+                    r / p.belady * 100.0
+                } else {
+                    0.0
+                }
+            );
+        }
+        println!();
+    }
+    let title = format!(
+        "Miss-ratio curve: {} requests, page {} tokens",
+        reqs.len(),
+        a.page_size
+    );
+    std::fs::write(&a.plot, plot::sweep_svg(&title, &pts))
+        .with_context(|| format!("cannot write {}", a.plot.display()))?;
+    println!("plot written to {}", a.plot.display());
+    let _ = pt;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacities_in_tokens_bytes_and_percent() {
+        assert_eq!(capacity("200000", 1000, 100, "device").unwrap(), 200_000);
+        assert_eq!(capacity("5000 tokens", 1000, 100, "device").unwrap(), 5000);
+        assert_eq!(capacity("1MB", 1000, 100, "device").unwrap(), 10_000);
+        assert_eq!(capacity("1MiB", 1000, 1024, "device").unwrap(), 1024);
+        assert_eq!(capacity("5%", 1000, 100, "device").unwrap(), 50);
+        assert!(capacity("150%", 1000, 100, "host")
+            .unwrap_err()
+            .to_string()
+            .contains("between 0 and 100"));
+        assert!(capacity("12XB", 1000, 100, "host").is_err());
+        assert!(capacity("lots", 1000, 100, "host").is_err());
+    }
+}
