@@ -139,7 +139,7 @@ impl TieredCache {
             return Err(CacheError::NoDevicePages);
         }
         let layout = Arc::new(cfg.layout);
-        let hashing = cfg.hashing || storage.is_some() || cfg.eviction == EvictionPolicy::Gdsf;
+        let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
         tree.set_history_cap(4 * (cfg.device_pages as usize + cfg.host_pages as usize));

@@ -42,6 +42,8 @@ struct Node {
     parent: u32,
     tokens: Vec<u32>,
     hashes: Vec<PageHash>,
+    /// In-process chained key after this node's last page (GDSF history only; 0 otherwise).
+    chain: u64,
     device: Vec<u32>,
     host: Vec<u32>,
     in_storage: bool,
@@ -130,6 +132,17 @@ fn page_key(page: &[u32]) -> u64 {
         return page[0] as u64;
     }
     let mut h = FxHasher::default();
+    for &t in page {
+        h.write_u32(t);
+    }
+    h.finish()
+}
+
+/// One step of the in-process page chain used to key the eviction history (never leaves the
+/// process, so a fast non-cryptographic hash is fine).
+fn chain_step(prev: u64, page: &[u32]) -> u64 {
+    let mut h = FxHasher::default();
+    h.write_u64(prev);
     for &t in page {
         h.write_u32(t);
     }
@@ -435,15 +448,19 @@ impl RadixTree {
         // This insertion is an access too: a page that comes back after eviction then carries
         // its earlier accesses plus this one, which is how reuse beyond the cache is detected.
         let mut freq = 1;
+        let mut chain = 0;
         if self.policy == EvictionPolicy::Gdsf {
-            for h in &hashes {
-                freq = freq.max(self.history.take(h.low64()).saturating_add(1));
+            chain = self.nodes[parent as usize].chain;
+            for page in tokens.chunks_exact(self.page_size) {
+                chain = chain_step(chain, page);
+                freq = freq.max(self.history.take(chain).saturating_add(1));
             }
         }
         let node = Node {
             parent,
             tokens: tokens.to_vec(),
             hashes,
+            chain,
             freq,
             live: true,
             ..Node::default()
@@ -488,10 +505,18 @@ impl RadixTree {
         let on_device = !n.device.is_empty();
         let suffix_key = page_key(&n.tokens[..ps]);
         let parent = n.parent;
+        let chain = if self.policy == EvictionPolicy::Gdsf {
+            let start = self.nodes[parent as usize].chain;
+            tokens.chunks_exact(ps).fold(start, chain_step)
+        } else {
+            0
+        };
+        let n = &mut self.nodes[id as usize];
         let node = Node {
             parent,
             tokens,
             hashes,
+            chain,
             device,
             host,
             in_storage: n.in_storage,
@@ -744,10 +769,13 @@ impl RadixTree {
         let parent = n.parent;
         if self.policy == EvictionPolicy::Gdsf {
             let f = n.freq;
-            let keys: Vec<u64> = n.hashes.iter().map(PageHash::low64).collect();
-            for k in keys {
-                self.history.record(k, f);
+            let mut chain = self.nodes[parent as usize].chain;
+            let tokens = std::mem::take(&mut self.nodes[i as usize].tokens);
+            for page in tokens.chunks_exact(self.page_size) {
+                chain = chain_step(chain, page);
+                self.history.record(chain, f);
             }
+            self.nodes[i as usize].tokens = tokens;
         }
         // Drop from the sets before the slot is recycled.
         self.nodes[i as usize].live = false;
@@ -831,6 +859,14 @@ impl RadixTree {
                 if ns.chain(parent_hash, &n.tokens, ps) != n.hashes {
                     return Err(format!(
                         "node {i}: page hashes do not chain from its parent"
+                    ));
+                }
+            }
+            if self.policy == EvictionPolicy::Gdsf {
+                let start = self.nodes[n.parent as usize].chain;
+                if n.tokens.chunks_exact(ps).fold(start, chain_step) != n.chain {
+                    return Err(format!(
+                        "node {i}: history chain key does not follow its parent"
                     ));
                 }
             }

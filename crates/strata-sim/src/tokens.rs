@@ -10,7 +10,17 @@ fn mix(mut z: u64) -> u64 {
 }
 
 /// Appends the first `n` tokens of block `id` (a block has `block_tokens` tokens).
+/// `vocab == 0` is the identity mapping for one-token blocks: the token is the id itself
+/// (the way peers replay traces at block granularity); ids must then fit in 32 bits.
 pub fn block_tokens(id: u64, n: usize, vocab: u32, out: &mut Vec<u32>) {
+    if vocab == 0 {
+        assert!(
+            n <= 1 && id <= u32::MAX as u64,
+            "identity tokens need one-token blocks and 32-bit ids"
+        );
+        out.extend(std::iter::repeat_n(id as u32, n));
+        return;
+    }
     let seed = mix(id ^ 0x5354_5241_5441_0001);
     out.extend((0..n as u64).map(|i| (mix(seed.wrapping_add(i)) % vocab as u64) as u32));
 }

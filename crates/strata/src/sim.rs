@@ -25,6 +25,10 @@ pub struct SimArgs {
     /// Vocabulary size the synthetic token ids are drawn from.
     #[arg(long, default_value_t = 49152, help_heading = "Trace")]
     vocab: u32,
+    /// Replay at block granularity: each hash id is one token (page size 1), as peers' tree
+    /// benchmarks do. Prompt lengths become the number of blocks.
+    #[arg(long, help_heading = "Trace")]
+    ids_as_tokens: bool,
 
     /// Device (L1) capacity: tokens (`200000`), bytes with a unit (`4GiB`, `4GB`), or a percent of
     /// the trace's distinct tokens (`5%`).
@@ -127,8 +131,22 @@ pub fn run(a: SimArgs) -> Result<()> {
         .with_context(|| format!("--page-size {}", a.page_size))?;
     let f =
         File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
-    let reqs = read_trace(BufReader::new(f), a.block_tokens)
+    let mut reqs = read_trace(BufReader::new(f), a.block_tokens)
         .with_context(|| format!("in {}", a.trace.display()))?;
+    let (block_tokens, vocab) = if a.ids_as_tokens {
+        if a.page_size != 1 {
+            bail!("--ids-as-tokens replays one token per block and needs --page-size 1");
+        }
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if let Some(id) = r.hash_ids.iter().find(|&&id| id > u32::MAX as u64) {
+                bail!("trace request {}: hash id {id} does not fit in 32 bits (needed by --ids-as-tokens)", i + 1);
+            }
+            r.input_length = r.hash_ids.len();
+        }
+        (1, 0)
+    } else {
+        (a.block_tokens, a.vocab)
+    };
     if !a.block_tokens.is_multiple_of(a.page_size) {
         bail!(
             "--page-size {} must divide --block-tokens {}",
@@ -136,7 +154,7 @@ pub fn run(a: SimArgs) -> Result<()> {
             a.block_tokens
         );
     }
-    let pt = PageTrace::new(&reqs, a.block_tokens, a.page_size);
+    let pt = PageTrace::new(&reqs, block_tokens, a.page_size);
     let distinct_tokens = (pt.distinct_pages * a.page_size) as u64;
     info!(
         requests = reqs.len(),
@@ -150,8 +168,8 @@ pub fn run(a: SimArgs) -> Result<()> {
     );
     let base = SimConfig {
         layout: layout.clone(),
-        block_tokens: a.block_tokens,
-        vocab: a.vocab,
+        block_tokens,
+        vocab,
         device_tokens: capacity(&a.device, distinct_tokens, a.bytes_per_token, "device")?,
         host_tokens: capacity(&a.host, distinct_tokens, a.bytes_per_token, "host")?,
         storage_tokens: capacity(&a.storage, distinct_tokens, a.bytes_per_token, "storage")?,
