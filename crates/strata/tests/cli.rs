@@ -1,0 +1,204 @@
+//! The `strata` binary end to end: real trace files in, reports and plots out, bad input refused
+//! with messages that name the problem.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A small multi-turn trace: 30 conversations of growing prompts plus a shared system prompt.
+fn write_trace(dir: &Path) -> PathBuf {
+    let mut lines = Vec::new();
+    let mut next_id = 1000u64;
+    let mut convs: Vec<Vec<u64>> = (0..30).map(|_| vec![0, 1]).collect();
+    for turn in 0..4 {
+        for (c, ids) in convs.iter_mut().enumerate() {
+            ids.push(next_id);
+            next_id += 1;
+            let len = ids.len() * 512 - 100;
+            lines.push(format!(
+                r#"{{"timestamp": {}, "input_length": {len}, "output_length": 10, "hash_ids": {:?}}}"#,
+                turn * 1000 + c,
+                ids
+            ));
+        }
+    }
+    let p = dir.join("trace.jsonl");
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    p
+}
+
+#[test]
+fn sim_reports_per_tier_hit_rates() {
+    let d = tempfile::tempdir().unwrap();
+    let t = write_trace(d.path());
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t.to_str().unwrap(),
+        "--device",
+        "20%",
+        "--host",
+        "40%",
+        "--storage",
+        "100%",
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    for want in [
+        "device capacity:",
+        "host capacity:",
+        "storage capacity:",
+        "lru ",
+        "gdsf ",
+        "belady",
+        "inf",
+    ] {
+        assert!(s.contains(want), "missing `{want}` in:\n{s}");
+    }
+    // Every turn after the first re-reads the conversation: the total hit rate is substantial.
+    let lru = s.lines().find(|l| l.starts_with("lru ")).unwrap();
+    let total: f64 = lru.split_whitespace().nth(4).unwrap().parse().unwrap();
+    assert!(total > 40.0, "{lru}");
+}
+
+#[test]
+fn sweep_writes_a_plot_with_belady() {
+    let d = tempfile::tempdir().unwrap();
+    let t = write_trace(d.path());
+    let plot = d.path().join("curve.svg");
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t.to_str().unwrap(),
+        "--sweep",
+        "--fractions",
+        "0.1,0.5,1",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(s.contains("belady") && s.contains("lru/belady"), "{s}");
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains("Belady (offline MIN)") && svg.matches("<polyline").count() == 4);
+}
+
+#[test]
+fn malformed_trace_names_line_and_field() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("bad.jsonl");
+    std::fs::write(
+        &p,
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": \"x\"}\n",
+    )
+    .unwrap();
+    let o = strata(&["sim", "--trace", p.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("trace line 2, field `hash_ids`: expected an array"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn impossible_capacities_and_bad_flags_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let t = write_trace(d.path());
+    let t = t.to_str().unwrap();
+    let o = strata(&["sim", "--trace", t, "--device", "3"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("device capacity of 3 tokens is smaller than one page (16 tokens)"),
+        "{}",
+        text(&o)
+    );
+    let o = strata(&["sim", "--trace", t, "--device", "0"]);
+    assert!(
+        text(&o).contains("device capacity of 0 tokens"),
+        "{}",
+        text(&o)
+    );
+    let o = strata(&["sim", "--trace", t, "--host", "12XB"]);
+    assert!(text(&o).contains("unknown unit `XB`"), "{}", text(&o));
+    let o = strata(&["sim", "--trace", t, "--write-policy", "sometimes"]);
+    assert!(
+        text(&o).contains("--write-policy `sometimes`"),
+        "{}",
+        text(&o)
+    );
+    let o = strata(&["sim", "--trace", t, "--page-size", "0"]);
+    assert!(
+        text(&o).contains("page size must be at least 1"),
+        "{}",
+        text(&o)
+    );
+    let o = strata(&["sim", "--trace", t, "--page-size", "24"]);
+    assert!(
+        text(&o).contains("--page-size 24 must divide --block-tokens 512"),
+        "{}",
+        text(&o)
+    );
+    let o = strata(&["sim", "--trace", "/nonexistent/trace.jsonl"]);
+    assert!(
+        text(&o).contains("cannot open trace /nonexistent/trace.jsonl"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// The shared Mooncake trace at block granularity (fast in a debug build).
+#[test]
+fn shared_mooncake_trace_replays() {
+    let t = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces/mooncake_synthetic_trace.jsonl");
+    assert!(
+        t.exists(),
+        "the shared trace is expected beside the checkout at {}",
+        t.display()
+    );
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t.to_str().unwrap(),
+        "--page-size",
+        "1",
+        "--ids-as-tokens",
+        "--device",
+        "5%",
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(s.contains("3993 requests"), "{s}");
+    let rate = |name: &str| -> f64 {
+        let l = s.lines().find(|l| l.starts_with(name)).unwrap();
+        l.split_whitespace()
+            .nth(if name == "belady" || name == "inf" {
+                1
+            } else {
+                4
+            })
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (lru, gdsf, belady, inf) = (rate("lru "), rate("gdsf "), rate("belady"), rate("inf"));
+    assert!(
+        lru > 10.0 && gdsf > lru && belady > gdsf && inf >= belady,
+        "{s}"
+    );
+}
