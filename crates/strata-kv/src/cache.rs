@@ -142,7 +142,7 @@ impl TieredCache {
         let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
-        tree.set_history_cap(4 * (cfg.device_pages as usize + cfg.host_pages as usize));
+        tree.set_history_cap(64 * (cfg.device_pages as usize + cfg.host_pages as usize));
         let (device, host) = if cfg.with_data {
             let d = DevicePool::new(layout.clone(), cfg.device_pages, &HeapAllocator)?;
             let h = HostPool::new(layout.clone(), cfg.host_pages, host_alloc)?;
@@ -464,6 +464,8 @@ impl TieredCache {
             let Some(v) = self.tree.device_victim_excluding(&skip) else {
                 break;
             };
+            // Free only what is still needed: the head of the node stays cached.
+            self.tree.split_tail(v, n - got);
             let view = self.tree.view(v);
             let np = view.device.len();
             let needs_copy = view.host.is_empty()
@@ -499,6 +501,7 @@ impl TieredCache {
             let Some(v) = self.tree.host_victim() else {
                 break;
             };
+            self.tree.split_tail(v, n - got);
             let pages = self.tree.take_host(v);
             got += pages.len();
             self.stats.evicted_host_nodes += 1;

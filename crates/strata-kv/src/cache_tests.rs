@@ -275,3 +275,20 @@ fn metadata_only_mode_runs_copies_inline() {
     assert_eq!(c.tree().peek(&t), (0, 16));
     c.check().unwrap();
 }
+
+#[test]
+fn eviction_frees_only_what_is_needed_and_keeps_the_head() {
+    let mut cfg = CacheConfig::new(layout(), 8, 0);
+    cfg.with_data = false;
+    cfg.write_policy = WritePolicy::WriteThroughSelective {
+        threshold: u32::MAX,
+    };
+    let mut c = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+    let t = seq(1, 16);
+    let p = c.alloc_device(4).unwrap();
+    c.insert(&t, &p, 0);
+    assert_eq!(c.evict_device(1), 1);
+    assert_eq!(c.tree().peek(&t), (12, 0));
+    assert_eq!(c.stats().evicted_device_tokens, 4);
+    c.check().unwrap();
+}

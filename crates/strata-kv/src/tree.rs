@@ -480,6 +480,17 @@ impl RadixTree {
         id
     }
 
+    /// Splits `id` so that it keeps only its last `tail_pages` pages (its head becomes a new
+    /// parent node). Eviction uses it to free just what is needed, keeping the more valuable
+    /// head of a prefix. No-op when the node is not longer than that.
+    pub fn split_tail(&mut self, id: NodeId, tail_pages: usize) {
+        let len = self.nodes[id.0 as usize].tokens.len();
+        let keep = tail_pages.saturating_mul(self.page_size);
+        if tail_pages > 0 && keep < len {
+            self.split(id.0, len - keep);
+        }
+    }
+
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
