@@ -149,6 +149,15 @@ fn chain_step(prev: u64, page: &[u32]) -> u64 {
     h.finish()
 }
 
+/// The history remembers one page in [`HISTORY_SAMPLE`], chosen by content so that recording
+/// and lookup agree whatever the node boundaries: a quarter of the hash-map traffic, while a
+/// prefix of more than a few pages is still recognised.
+const HISTORY_SAMPLE: u64 = 4;
+
+fn sampled(chain: u64) -> bool {
+    chain.is_multiple_of(HISTORY_SAMPLE)
+}
+
 /// Length of the common prefix of `a` and `b`.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     let n = a.len().min(b.len());
@@ -453,7 +462,9 @@ impl RadixTree {
             chain = self.nodes[parent as usize].chain;
             for page in tokens.chunks_exact(self.page_size) {
                 chain = chain_step(chain, page);
-                freq = freq.max(self.history.take(chain).saturating_add(1));
+                if sampled(chain) {
+                    freq = freq.max(self.history.take(chain).saturating_add(1));
+                }
             }
         }
         let node = Node {
@@ -497,22 +508,21 @@ impl RadixTree {
         debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[id as usize].tokens.len());
         let p = at / ps;
         let n = &mut self.nodes[id as usize];
-        let tokens: Vec<u32> = n.tokens.drain(..at).collect();
-        let hashes: Vec<PageHash> = if n.hashes.is_empty() {
-            Vec::new()
-        } else {
-            n.hashes.drain(..p).collect()
-        };
-        let device: Vec<u32> = if n.device.is_empty() {
-            Vec::new()
-        } else {
-            n.device.drain(..p).collect()
-        };
-        let host: Vec<u32> = if n.host.is_empty() {
-            Vec::new()
-        } else {
-            n.host.drain(..p).collect()
-        };
+        // The head keeps the original allocation and only the tail is copied: O(tail), which
+        // is what eviction (a small tail off a long node) needs.
+        fn cut<T>(v: &mut Vec<T>, at: usize) -> Vec<T> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            let tail = v.split_off(at);
+            let mut head = std::mem::replace(v, tail);
+            head.shrink_to_fit();
+            head
+        }
+        let tokens = cut(&mut n.tokens, at);
+        let hashes = cut(&mut n.hashes, p);
+        let device = cut(&mut n.device, p);
+        let host = cut(&mut n.host, p);
         let on_device = !n.device.is_empty();
         let suffix_key = page_key(&n.tokens[..ps]);
         let parent = n.parent;
@@ -784,7 +794,9 @@ impl RadixTree {
             let tokens = std::mem::take(&mut self.nodes[i as usize].tokens);
             for page in tokens.chunks_exact(self.page_size) {
                 chain = chain_step(chain, page);
-                self.history.record(chain, f);
+                if sampled(chain) {
+                    self.history.record(chain, f);
+                }
             }
             self.nodes[i as usize].tokens = tokens;
         }

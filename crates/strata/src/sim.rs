@@ -204,7 +204,7 @@ pub fn run(a: SimArgs) -> Result<()> {
     );
     println!();
     println!(
-        "{:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10}",
+        "{:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>10}",
         "policy",
         "device%",
         "host%",
@@ -213,7 +213,9 @@ pub fn run(a: SimArgs) -> Result<()> {
         "miss%",
         "ops/s",
         "requests/s",
-        "match µs"
+        "match µs",
+        "evict µs",
+        "meta B/tok"
     );
     let belady_cap =
         (base.device_tokens + base.host_tokens + base.storage_tokens) / a.page_size as u64;
@@ -240,7 +242,7 @@ fn print_row(p: EvictionPolicy, r: &SimResult) {
     let s = &r.stats;
     let q = s.queried_tokens;
     println!(
-        "{:<6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.0} {:>12.0} {:>10.2}",
+        "{:<6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>12.0} {:>12.0} {:>10.2} {:>10.2} {:>10.2}",
         p.name(),
         pct(s.hit_device_tokens, q),
         pct(s.hit_host_tokens, q),
@@ -250,6 +252,8 @@ fn print_row(p: EvictionPolicy, r: &SimResult) {
         r.ops_per_sec(),
         r.requests_per_sec(),
         r.match_nanos as f64 / r.match_calls.max(1) as f64 / 1e3,
+        r.evict_nanos as f64 / r.evict_calls.max(1) as f64 / 1e3,
+        r.metadata_bytes as f64 / r.tree_tokens as f64,
     );
 }
 
