@@ -2,7 +2,8 @@
 //!
 //! * match_prefix / insert of an 8K-token prompt in a tree holding 1M tokens (page 16);
 //! * eviction of 10K pages;
-//! * device↔host copy of 64 MiB next to a plain memcpy of the same size.
+//! * device↔host copy of 64 MiB next to a plain memcpy of the same size and a contiguous
+//!   streaming copy.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use strata_kv::memory::HeapAllocator;
-use strata_kv::pool::{copy_pages, DevicePool, Direction, HostPool};
+use strata_kv::pool::{copy_pages, copy_slice_streaming, DevicePool, Direction, HostPool};
 use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, PoolKind, TieredCache, WritePolicy};
 
 const PAGE: usize = 16;
@@ -153,6 +154,10 @@ fn bench_copy(c: &mut Criterion) {
     let mut dst = vec![0u8; bytes];
     g.bench_function("memcpy", |b| {
         b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
+    // The same bytes, contiguous, with the streaming stores copy_pages uses: the layout's cost.
+    g.bench_function("streaming_contiguous", |b| {
+        b.iter(|| copy_slice_streaming(black_box(&src), &mut dst))
     });
     g.finish();
 }

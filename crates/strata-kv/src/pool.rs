@@ -243,6 +243,23 @@ unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, stream: bool) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
 }
 
+/// Copies `src` into `dst` (equal lengths) the way large tier copies do (streaming stores when
+/// the CPU allows). The benchmarks use it as the contiguous baseline for `copy_pages`.
+pub fn copy_slice_streaming(src: &[u8], dst: &mut [u8]) {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "copy_slice_streaming needs equal lengths"
+    );
+    // SAFETY: two distinct borrows of equal length cannot overlap.
+    unsafe { copy_bytes(src.as_ptr(), dst.as_mut_ptr(), src.len(), true) };
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    // SAFETY: sfence has no memory operands.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 /// Copies pages between the pools: `pairs` are (device page, host page). Returns bytes moved.
 /// Every pair's pages must be owned by the caller for the duration (locked in the tree).
 pub fn copy_pages(
