@@ -17,7 +17,7 @@ use crate::memory::{HeapAllocator, HostAllocator, MemError};
 use crate::pages::{PageAllocator, PageError};
 use crate::policy::{EvictionPolicy, WritePolicy};
 use crate::pool::{DevicePool, Direction, HostPool};
-use crate::stats::{CacheStats, TierUsage};
+use crate::stats::{CacheStats, PoolUsage, TierUsage};
 use crate::storage::Storage;
 use crate::tree::{Inserted, NodeId, RadixTree, Slot, ROOT};
 
@@ -217,6 +217,25 @@ impl TieredCache {
             pages_used: self.host_alloc.used() as u64,
             page_bytes: self.layout.page_bytes() as u64,
         }
+    }
+
+    /// Bytes used and total per tier and pool kind (every kind of a page moves together, so
+    /// each kind's share follows its bytes per token).
+    pub fn pool_usage(&self) -> Vec<PoolUsage> {
+        let ps = self.layout.page_size() as u64;
+        let mut out = Vec::new();
+        for (tier, u) in [("device", self.device_usage()), ("host", self.host_usage())] {
+            for k in self.layout.kinds() {
+                let per_page = ps * k.bytes_per_token() as u64;
+                out.push(PoolUsage {
+                    tier,
+                    kind: k.name.clone(),
+                    bytes_total: u.pages_total * per_page,
+                    bytes_used: u.pages_used * per_page,
+                });
+            }
+        }
+        out
     }
 
     /// Copies still in flight.

@@ -292,3 +292,30 @@ fn eviction_frees_only_what_is_needed_and_keeps_the_head() {
     assert_eq!(c.stats().evicted_device_tokens, 4);
     c.check().unwrap();
 }
+
+#[test]
+fn pool_usage_covers_every_kind_in_every_tier() {
+    let mut f = Fx::new(16, 32, WritePolicy::WriteThrough, None);
+    f.run(&seq(1, 12));
+    f.cache.wait_all();
+    let u = f.cache.pool_usage();
+    assert_eq!(u.len(), 4);
+    let kv_dev = u
+        .iter()
+        .find(|x| x.tier == "device" && x.kind == "kv")
+        .unwrap();
+    // 3 pages of 4 tokens × (2 layers × 2 planes × 16 bytes).
+    assert_eq!(kv_dev.bytes_used, 3 * 4 * 64);
+    let idx_host = u
+        .iter()
+        .find(|x| x.tier == "host" && x.kind == "indexer")
+        .unwrap();
+    assert_eq!(idx_host.bytes_used, 3 * 4 * 8);
+    assert_eq!(idx_host.bytes_total, 32 * 4 * 8);
+    let total: u64 = u
+        .iter()
+        .filter(|x| x.tier == "host")
+        .map(|x| x.bytes_total)
+        .sum();
+    assert_eq!(total as usize, f.cache.host_pool().unwrap().bytes());
+}

@@ -28,5 +28,5 @@ pub use cache::{CacheConfig, CacheError, CacheMatch, Ticket, TieredCache};
 pub use hash::{HashNamespace, PageHash};
 pub use layout::{PageLayout, PoolKind};
 pub use policy::{EvictionPolicy, WritePolicy};
-pub use stats::{CacheStats, TierUsage, Transfer};
+pub use stats::{CacheStats, PoolUsage, TierUsage, Transfer};
 pub use tree::{NodeId, RadixTree, Slot, ROOT};

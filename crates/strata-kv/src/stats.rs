@@ -80,8 +80,17 @@ impl CacheStats {
 pub struct TierUsage {
     pub pages_total: u64,
     pub pages_used: u64,
-    /// Bytes per page over all pool kinds (0 in metadata-only mode... still the layout's size).
+    /// Bytes per page over all pool kinds (the layout's size, also in metadata-only mode).
     pub page_bytes: u64,
+}
+
+/// Bytes one pool kind uses in one tier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub tier: &'static str,
+    pub kind: String,
+    pub bytes_total: u64,
+    pub bytes_used: u64,
 }
 
 impl TierUsage {

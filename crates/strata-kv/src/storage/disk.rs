@@ -280,6 +280,25 @@ mod tests {
     }
 
     #[test]
+    fn interrupted_writes_are_never_visible_and_are_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"complete").unwrap();
+        drop(s);
+        // A crash mid-put leaves only a temp file: not under any page's name.
+        let tmp = d
+            .path()
+            .join("tmp")
+            .join(format!("{}.1.0.tmp", h(2).to_hex()));
+        fs::write(&tmp, b"STRATAPG partial").unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        assert!(!tmp.exists());
+        assert_eq!(s.exists(&[h(1), h(2)]).unwrap(), vec![true, false]);
+        assert_eq!(s.get(&h(2)).unwrap(), None);
+        assert_eq!(s.stats().corrupt, 0);
+    }
+
+    #[test]
     fn corruption_and_truncation_are_misses_and_counted() {
         let d = tempfile::tempdir().unwrap();
         let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
