@@ -1,0 +1,19 @@
+//! `strata-mem`: memory you can trust.
+//!
+//! * [`topology`]: NUMA nodes, CPUs and memory from sysfs (fake trees in tests).
+//! * [`model`]: a model's pool kinds per rank under tensor parallelism; presets.
+//! * [`plan`]: the sizing planner: every number, which flag decided it, validated before any
+//!   allocation, with warnings such as the ratio-sized tiny host pool.
+//! * [`numa`]: NUMA-bound, pre-faulted, verified host pools (a `HostAllocator`).
+
+pub mod model;
+pub mod numa;
+pub mod plan;
+pub mod topology;
+
+pub use model::{preset, KindSpec, ModelSpec, PRESETS};
+pub use numa::{NumaAllocator, Placement};
+pub use plan::{
+    make_plan, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError, PlanRequest,
+};
+pub use topology::Topology;

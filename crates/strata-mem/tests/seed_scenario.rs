@@ -1,0 +1,193 @@
+//! The deployment that started the project, on a fake sysfs tree: 2 NUMA nodes × 240 GB, TP 4,
+//! a model with a KV pool and an auxiliary indexer pool; prefill bound to node 0, decode to node 1.
+
+use std::sync::Arc;
+
+use strata_kv::pool::HostPool;
+use strata_kv::{PageLayout, PoolKind};
+use strata_mem::topology::write_fake_sysfs;
+use strata_mem::*;
+
+const GB: u64 = 1_000_000_000;
+
+fn topo() -> (tempfile::TempDir, Topology) {
+    let d = tempfile::tempdir().unwrap();
+    let kb = |b: u64| b / 1024;
+    write_fake_sysfs(
+        d.path(),
+        &[
+            (0, "0-47", kb(240 * GB), kb(232 * GB)),
+            (1, "48-95", kb(240 * GB), kb(231 * GB)),
+        ],
+    )
+    .unwrap();
+    let t = Topology::from_root(d.path(), &d.path().join("no-proc")).unwrap();
+    (d, t)
+}
+
+fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
+    PlanRequest {
+        role: role.into(),
+        model: preset("dsv4-like").unwrap(),
+        tp: 4,
+        page_size: 64,
+        device: DeviceBudget::Bytes(2 << 30),
+        host,
+        numa: NumaChoice::Node(node),
+        policy: NumaPolicy::Bind,
+        reserve: None,
+        device_in_host_memory: false,
+        allowed_cpus: vec![0, 1],
+    }
+}
+
+#[test]
+fn prefill_and_decode_get_what_was_asked_on_their_nodes() {
+    let (_d, t) = topo();
+    for (role, node) in [("prefill", 0), ("decode", 1)] {
+        let p = make_plan(&req(role, node, Some(HostBudget::Total(150 * GB))), &t).unwrap();
+        assert_eq!(p.numa.nodes, vec![node]);
+        // Whole pages of whole tokens: at most one page per rank below the budget, never above.
+        let page_bytes = 64 * p.bytes_per_token;
+        assert!(
+            p.server_host_bytes <= 150 * GB && p.server_host_bytes > 150 * GB - 4 * page_bytes,
+            "{}",
+            p.render()
+        );
+        // Both pools are in the budget, each in proportion to its bytes per token.
+        assert_eq!(p.pools.len(), 2);
+        let sum: u64 = p.pools.iter().map(|x| x.host_bytes).sum();
+        assert_eq!(sum, p.host_bytes_per_rank);
+        for x in &p.pools {
+            assert_eq!(x.host_bytes, x.host_tokens * x.bytes_per_token);
+            assert_eq!(x.host_tokens, p.host_tokens_per_rank);
+        }
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        assert!(p
+            .render()
+            .contains("--hicache-total 150.00GB split over 4 ranks = 37.50GB per rank"));
+        assert!(p.numa.headroom_bytes > 60 * GB);
+    }
+}
+
+#[test]
+fn ratio_on_a_small_device_pool_warns_with_the_flag_that_fixes_it() {
+    let (_d, t) = topo();
+    let p = make_plan(&req("prefill", 0, Some(HostBudget::Ratio(2.0))), &t).unwrap();
+    assert_eq!(p.host_tokens_per_rank, 2 * p.device_tokens_per_rank);
+    assert!(p.server_host_bytes < 20 * GB);
+    assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
+    let w = &p.warnings[0];
+    assert!(
+        w.contains("--hicache-ratio 2 sized the host cache from the device pool"),
+        "{w}"
+    );
+    assert!(
+        w.contains("--hicache-total") && w.contains("--hicache-size"),
+        "{w}"
+    );
+    assert!(p.render().contains("WARNING: --hicache-ratio 2"));
+}
+
+#[test]
+fn three_hundred_gb_on_one_node_is_refused_with_alternatives() {
+    let (_d, t) = topo();
+    let e = make_plan(&req("prefill", 0, Some(HostBudget::Total(300 * GB))), &t)
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains('\n'), "one line: {e}");
+    assert!(
+        e.starts_with(
+            "--hicache-total 300.00GB (4 ranks × 75.00GB) does not fit NUMA node 0 (bind)"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("--hicache-total") && e.contains("fits"), "{e}");
+    assert!(e.contains("--numa-policy interleave"), "{e}");
+    assert!(
+        e.contains("split the cache over servers bound to different nodes"),
+        "{e}"
+    );
+    // Interleaving over both nodes fits.
+    let mut r = req("prefill", 0, Some(HostBudget::Total(300 * GB)));
+    r.policy = NumaPolicy::Interleave;
+    let p = make_plan(&r, &t).unwrap();
+    assert_eq!(p.numa.nodes, vec![0, 1]);
+}
+
+#[test]
+fn per_rank_size_refusal_suggests_a_per_rank_size() {
+    let (_d, t) = topo();
+    let e = make_plan(&req("prefill", 0, Some(HostBudget::PerRank(150 * GB))), &t)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a smaller size (--hicache-size") && e.contains("per rank fits"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_inputs_are_refused_before_anything_else() {
+    let (_d, t) = topo();
+    let mut r = req("prefill", 7, Some(HostBudget::Total(GB)));
+    assert_eq!(
+        make_plan(&r, &t).unwrap_err().to_string(),
+        "--numa-node 7: no such NUMA node (this machine has 0, 1)"
+    );
+    r.numa = NumaChoice::Node(0);
+    r.host = Some(HostBudget::Ratio(f64::NAN));
+    assert!(matches!(make_plan(&r, &t), Err(PlanError::Ratio(_))));
+    r.host = None;
+    r.device = DeviceBudget::Bytes(1000);
+    assert!(make_plan(&r, &t)
+        .unwrap_err()
+        .to_string()
+        .contains("less than one page"));
+    r.device = DeviceBudget::FractionOfFree(1.5);
+    assert!(matches!(make_plan(&r, &t), Err(PlanError::Fraction(_))));
+    r.device = DeviceBudget::Bytes(GB);
+    r.tp = 0;
+    assert_eq!(make_plan(&r, &t), Err(PlanError::Tp));
+}
+
+#[test]
+fn auto_node_follows_the_cpus_the_process_may_use() {
+    let (_d, t) = topo();
+    let mut r = req("decode", 0, Some(HostBudget::Total(10 * GB)));
+    r.numa = NumaChoice::Auto;
+    r.allowed_cpus = vec![50, 51];
+    let p = make_plan(&r, &t).unwrap();
+    assert_eq!(p.numa.nodes, vec![1]);
+    assert!(p.render().contains("node 1's CPUs"));
+}
+
+/// The prefill plan, scaled down 1000×, allocated for real on this machine's node 0 through
+/// the cache's HostPool; decode's node 1 does not exist here and is refused clearly.
+#[test]
+fn scaled_down_allocation_as_planned() {
+    let (_d, t) = topo();
+    let p = make_plan(&req("prefill", 0, Some(HostBudget::Total(150 * GB))), &t).unwrap();
+    let model = preset("dsv4-like").unwrap();
+    let kinds: Vec<PoolKind> = model.kinds.iter().map(|k| k.per_rank(4)).collect();
+    let layout = Arc::new(PageLayout::new(64, kinds).unwrap());
+    let pages = (p.host_tokens_per_rank / 64 / 1000) as u32;
+    let alloc = NumaAllocator::new(p.numa.nodes.clone(), NumaPolicy::Bind);
+    let pool = HostPool::new(layout.clone(), pages, &alloc).unwrap();
+    assert_eq!(pool.bytes() as u64, pages as u64 * 64 * p.bytes_per_token);
+    assert_eq!(
+        pool.bytes() as u64 * 1000 / 1000,
+        p.host_bytes_per_rank / 1000 / (64 * p.bytes_per_token) * 64 * p.bytes_per_token
+    );
+    let (_r, placed) = alloc.allocate_verified(pool.bytes()).unwrap();
+    assert!(placed.all_on(&[0]), "{}", placed.describe());
+    let d = make_plan(&req("decode", 1, Some(HostBudget::Total(150 * GB))), &t).unwrap();
+    let alloc1 = NumaAllocator::new(d.numa.nodes.clone(), NumaPolicy::Bind);
+    if Topology::detect().unwrap().node(1).is_none() {
+        let e = HostPool::new(layout, pages, &alloc1)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("mbind(bind to node(s) [1]) failed"), "{e}");
+    }
+}
