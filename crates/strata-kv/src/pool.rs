@@ -151,6 +151,11 @@ impl HostPool {
         self.layout.page_bytes()
     }
 
+    /// The memory behind the pool (for placement checks).
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
     /// Where the memory came from (allocator, NUMA placement).
     pub fn origin(&self) -> &str {
         self.region.origin()

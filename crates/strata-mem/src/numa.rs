@@ -231,6 +231,11 @@ pub fn placement_of(region: &Region, samples: usize) -> Placement {
     p
 }
 
+/// Where a host pool's pages are.
+pub fn placement_of_pool(pool: &strata_kv::pool::HostPool) -> Placement {
+    placement_of(pool.region(), 1024)
+}
+
 impl HostAllocator for NumaAllocator {
     fn allocate(&self, bytes: usize) -> Result<Region, MemError> {
         let (region, placement) = self.allocate_verified(bytes)?;

@@ -483,7 +483,7 @@ impl Plan {
     pub fn render(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
-        let _ = writeln!(s, "plan for {} server: model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
+        let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
         let _ = writeln!(
             s,
             "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",

@@ -1,6 +1,8 @@
 //! `strata`: the command-line entry point.
 
+mod plan;
 mod sim;
+mod sizing;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +19,9 @@ enum Command {
     /// Replay a request trace through the tiered cache and report per-tier hit rates;
     /// `--sweep` draws the miss-ratio curve next to Belady's optimum.
     Sim(sim::SimArgs),
+    /// Size every pool (per rank, per pool kind, per NUMA node) from the flags, check it fits,
+    /// and print which flag decided each number. Exit code 2 when it does not fit.
+    Plan(plan::PlanArgs),
 }
 
 fn main() {
@@ -27,9 +32,22 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            // One line: clap's error without the usage block.
+            let text = e.render().to_string();
+            eprintln!(
+                "{}",
+                text.lines().next().unwrap_or("error: invalid arguments")
+            );
+            std::process::exit(2);
+        }
+    };
     let res = match cli.command {
         Command::Sim(a) => sim::run(a),
+        Command::Plan(a) => plan::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

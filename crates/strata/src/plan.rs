@@ -1,0 +1,80 @@
+//! `strata plan`: the sizing dry run (and, with `--allocate`, the real thing).
+
+use std::io::Write;
+use std::sync::Arc;
+
+use anyhow::Result;
+use clap::Args;
+use strata_kv::pool::HostPool;
+use strata_kv::units::format_bytes;
+use strata_kv::{PageLayout, PoolKind};
+use strata_mem::{make_plan, NumaAllocator};
+
+use crate::sizing::SizingArgs;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub sizing: SizingArgs,
+    /// Print the plan as JSON.
+    #[arg(long, help_heading = "Output")]
+    pub json: bool,
+    /// After a valid plan, allocate every rank's host pool as planned (bound, pre-faulted) and
+    /// report where its pages landed; then free it.
+    #[arg(long, help_heading = "Output")]
+    pub allocate: bool,
+}
+
+pub fn run(a: PlanArgs) -> Result<()> {
+    let req = a.sizing.request()?;
+    let topo = a.sizing.topology()?;
+    let plan = make_plan(&req, &topo)?;
+    let mut placements = Vec::new();
+    if a.allocate && plan.host_tokens_per_rank > 0 {
+        let kinds: Vec<PoolKind> = req.model.kinds.iter().map(|k| k.per_rank(req.tp)).collect();
+        let layout = Arc::new(PageLayout::new(req.page_size, kinds)?);
+        let pages = (plan.host_tokens_per_rank / req.page_size as u64) as u32;
+        for rank in 0..req.tp {
+            let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
+            alloc.huge_pages = a.sizing.huge_pages;
+            alloc.progress = Some(Arc::new(move |done, total| {
+                eprint!(
+                    "\rpre-faulting rank {rank} host pool: {:>3}% ({:.2} of {:.2} GiB)",
+                    done * 100 / total.max(1),
+                    done as f64 / (1u64 << 30) as f64,
+                    total as f64 / (1u64 << 30) as f64
+                );
+                if done == total {
+                    eprintln!();
+                }
+                let _ = std::io::stderr().flush();
+            }));
+            let pool = HostPool::new(layout.clone(), pages, &alloc)?;
+            let placement = strata_mem::numa::placement_of_pool(&pool);
+            placements.push((rank, pool.bytes(), alloc.clone(), placement));
+        }
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&plan)?;
+        if !placements.is_empty() {
+            v["allocated"] = serde_json::Value::Array(
+                placements
+                    .iter()
+                    .map(|(rank, bytes, _, p)| serde_json::json!({"rank": rank, "bytes": bytes, "placement": p}))
+                    .collect(),
+            );
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", plan.render());
+        for (rank, bytes, alloc, p) in &placements {
+            println!(
+                "allocated rank {rank}: {} with {} — pages: {}",
+                format_bytes(*bytes as u64),
+                strata_kv::memory::HostAllocator::name(alloc),
+                p.describe()
+            );
+        }
+    }
+    Ok(())
+}

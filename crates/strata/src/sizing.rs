@@ -1,0 +1,161 @@
+//! Sizing flags shared by every command that allocates cache memory (`strata plan`, and the
+//! servers later): model pools, device and host budgets, NUMA placement.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgGroup, Args};
+use strata_kv::units::parse_size;
+use strata_mem::{
+    preset, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, PlanRequest, Topology, PRESETS,
+};
+
+#[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("host_budget").args(["hicache_size", "hicache_total", "hicache_ratio"]).multiple(false)))]
+#[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
+pub struct SizingArgs {
+    /// Built-in model whose pool kinds are sized (smollm2-135m, dsv4-like).
+    #[arg(long, default_value = "smollm2-135m", help_heading = "Model")]
+    pub model_preset: String,
+    /// Tensor-parallel ranks of this server.
+    #[arg(long, default_value_t = 1, help_heading = "Model")]
+    pub tp_size: u32,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 16, help_heading = "Model")]
+    pub page_size: usize,
+    /// What this server does: prefill, decode or server (both). A label in reports.
+    #[arg(long, default_value = "server", help_heading = "Model")]
+    pub role: String,
+
+    /// Device KV pool per rank, with a unit: `8GiB` (2^30) or `8GB` (10^9).
+    #[arg(long, help_heading = "Device pool (one of)")]
+    pub device_mem: Option<String>,
+    /// Device KV pool per rank as a fraction of the free device memory (default 1GiB absolute).
+    #[arg(long, help_heading = "Device pool (one of)")]
+    pub device_mem_fraction: Option<f64>,
+
+    /// Host (L2) cache bytes PER RANK, with a unit (`37.5GB`).
+    #[arg(long, help_heading = "Host cache (one of)")]
+    pub hicache_size: Option<String>,
+    /// Host (L2) cache bytes for the WHOLE SERVER, split evenly over its ranks (`150GB`).
+    #[arg(long, help_heading = "Host cache (one of)")]
+    pub hicache_total: Option<String>,
+    /// Host tokens = R × device tokens. Small on prefill servers: prefer a size.
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        help_heading = "Host cache (one of)"
+    )]
+    pub hicache_ratio: Option<f64>,
+
+    /// NUMA node for the host cache: a number, or `auto` (the node of the CPUs this process may
+    /// use, else the one with the most available memory).
+    #[arg(long, default_value = "auto", help_heading = "NUMA")]
+    pub numa_node: String,
+    /// bind (only that node), interleave (all nodes), preferred (that node, spill elsewhere).
+    #[arg(long, default_value = "bind", help_heading = "NUMA")]
+    pub numa_policy: String,
+    /// Memory left to the OS and everything else on the node (default: 10 % of the node, at
+    /// most 10GiB).
+    #[arg(long, help_heading = "NUMA")]
+    pub host_mem_reserve: Option<String>,
+    /// Back host pools with transparent huge pages.
+    #[arg(long, help_heading = "NUMA")]
+    pub huge_pages: bool,
+    /// Read the NUMA topology from this sysfs root instead of /sys (tests, what-if plans).
+    #[arg(long, hide = true)]
+    pub sysfs_root: Option<PathBuf>,
+    /// System meminfo to use with --sysfs-root.
+    #[arg(long, hide = true)]
+    pub proc_meminfo: Option<PathBuf>,
+}
+
+fn size(flag: &str, v: &str) -> Result<u64> {
+    parse_size(v).with_context(|| format!("--{flag}"))
+}
+
+/// CPUs this process may run on.
+fn allowed_cpus() -> Vec<u32> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for the calling thread.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 = this thread; size and pointer describe `set`.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Vec::new();
+    }
+    // SAFETY: CPU_ISSET reads the set filled above, for indices below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .map(|c| c as u32)
+        .collect()
+}
+
+impl SizingArgs {
+    pub fn topology(&self) -> Result<Topology> {
+        Ok(match &self.sysfs_root {
+            Some(root) => {
+                let proc = self
+                    .proc_meminfo
+                    .clone()
+                    .unwrap_or_else(|| root.join("proc-meminfo"));
+                Topology::from_root(root, &proc)?
+            }
+            None => Topology::detect()?,
+        })
+    }
+
+    /// Parses and checks every flag; nothing is allocated.
+    pub fn request(&self) -> Result<PlanRequest> {
+        let model = preset(&self.model_preset).with_context(|| {
+            format!(
+                "--model-preset `{}`: unknown (known: {})",
+                self.model_preset,
+                PRESETS.join(", ")
+            )
+        })?;
+        let device = match (&self.device_mem, self.device_mem_fraction) {
+            (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
+            (None, Some(f)) => DeviceBudget::FractionOfFree(f),
+            (None, None) => DeviceBudget::Bytes(1 << 30),
+        };
+        let host = match (&self.hicache_size, &self.hicache_total, self.hicache_ratio) {
+            (Some(s), _, _) => Some(HostBudget::PerRank(size("hicache-size", s)?)),
+            (_, Some(s), _) => Some(HostBudget::Total(size("hicache-total", s)?)),
+            (_, _, Some(r)) => Some(HostBudget::Ratio(r)),
+            _ => None,
+        };
+        let numa =
+            match self.numa_node.as_str() {
+                "auto" => NumaChoice::Auto,
+                n => NumaChoice::Node(n.parse().with_context(|| {
+                    format!("--numa-node `{n}`: expected a node number or `auto`")
+                })?),
+            };
+        let Some(policy) = NumaPolicy::parse(&self.numa_policy) else {
+            bail!(
+                "--numa-policy `{}`: expected bind, interleave or preferred",
+                self.numa_policy
+            );
+        };
+        let reserve = self
+            .host_mem_reserve
+            .as_deref()
+            .map(|s| size("host-mem-reserve", s))
+            .transpose()?;
+        Ok(PlanRequest {
+            role: self.role.clone(),
+            model,
+            tp: self.tp_size,
+            page_size: self.page_size,
+            device,
+            host,
+            numa,
+            policy,
+            reserve,
+            // This build computes on the CPU: its device pool is host memory on the same node.
+            device_in_host_memory: true,
+            allowed_cpus: allowed_cpus(),
+        })
+    }
+}

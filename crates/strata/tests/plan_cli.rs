@@ -1,0 +1,179 @@
+//! `strata plan` end to end, on a fake sysfs tree of the seed's machine (2 nodes × 240 GB) and
+//! on this machine for real allocation.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use strata_mem::topology::write_fake_sysfs;
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn seed_machine(dir: &Path) -> String {
+    let kb = |gb: u64| gb * 1_000_000_000 / 1024;
+    write_fake_sysfs(
+        dir,
+        &[
+            (0, "0-47", kb(240), kb(232)),
+            (1, "48-95", kb(240), kb(231)),
+        ],
+    )
+    .unwrap();
+    dir.to_str().unwrap().to_string()
+}
+
+fn seed_args<'a>(root: &'a str, role: &'a str, node: &'a str) -> Vec<&'a str> {
+    vec![
+        "plan",
+        "--sysfs-root",
+        root,
+        "--model-preset",
+        "dsv4-like",
+        "--tp-size",
+        "4",
+        "--page-size",
+        "64",
+        "--device-mem",
+        "2GiB",
+        "--role",
+        role,
+        "--numa-node",
+        node,
+    ]
+}
+
+#[test]
+fn seed_prefill_and_decode_plan_as_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let root = seed_machine(d.path());
+    for (role, node) in [("prefill", "0"), ("decode", "1")] {
+        let mut a = seed_args(&root, role, node);
+        a.extend(["--hicache-total", "150GB", "--json"]);
+        let o = strata(&a);
+        assert!(o.status.success(), "{}", err(&o));
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        let host = v["server_host_bytes"].as_u64().unwrap();
+        assert!(host <= 150_000_000_000 && host > 149_000_000_000, "{v}");
+        assert_eq!(v["numa"]["nodes"][0].as_u64().unwrap().to_string(), node);
+        let pools = v["pools"].as_array().unwrap();
+        assert_eq!(pools.len(), 2, "KV and indexer");
+        assert_eq!(pools[1]["kind"], "indexer");
+        assert!(pools[1]["host_bytes"].as_u64().unwrap() > 0);
+        assert_eq!(v["warnings"].as_array().unwrap().len(), 0);
+    }
+}
+
+#[test]
+fn seed_ratio_warns_and_text_report_names_the_deciding_flags() {
+    let d = tempfile::tempdir().unwrap();
+    let root = seed_machine(d.path());
+    let mut a = seed_args(&root, "prefill", "0");
+    a.extend(["--hicache-ratio", "2"]);
+    let o = strata(&a);
+    assert!(o.status.success(), "{}", err(&o));
+    let s = out(&o);
+    assert!(
+        s.contains("WARNING: --hicache-ratio 2 sized the host cache from the device pool"),
+        "{s}"
+    );
+    assert!(
+        s.contains("decided: host tokens per rank ← --hicache-ratio 2 ×"),
+        "{s}"
+    );
+    assert!(
+        s.contains("decided: device tokens per rank ← --device-mem 2.00 GiB"),
+        "{s}"
+    );
+    assert!(s.contains("indexer"), "{s}");
+}
+
+#[test]
+fn refusals_are_one_line_with_exit_code_2() {
+    let d = tempfile::tempdir().unwrap();
+    let root = seed_machine(d.path());
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--hicache-total", "300GB"],
+            "does not fit NUMA node 0 (bind)",
+        ),
+        (
+            vec!["--hicache-size", "10GB", "--hicache-ratio", "2"],
+            "cannot be used with",
+        ),
+        (
+            vec!["--hicache-size", "10GB", "--hicache-total", "40GB"],
+            "cannot be used with",
+        ),
+        (vec!["--hicache-size", "150"], "has no unit"),
+        (
+            vec!["--hicache-ratio", "-1"],
+            "--hicache-ratio -1 must be a finite number ≥ 0",
+        ),
+        (vec!["--numa-policy", "random"], "--numa-policy `random`"),
+    ];
+    for (extra, want) in cases {
+        let mut a = seed_args(&root, "prefill", "0");
+        a.extend(extra.iter().copied());
+        let o = strata(&a);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", err(&o));
+        let e = err(&o);
+        assert_eq!(e.trim_end().lines().count(), 1, "{extra:?}: {e}");
+        assert!(e.contains(want), "{extra:?}: {e}");
+        assert!(
+            out(&o).is_empty(),
+            "nothing planned or allocated on refusal"
+        );
+    }
+    let mut a = seed_args(&root, "prefill", "5");
+    a.extend(["--hicache-total", "1GB"]);
+    let o = strata(&a);
+    assert!(
+        err(&o).contains("--numa-node 5: no such NUMA node (this machine has 0, 1)"),
+        "{}",
+        err(&o)
+    );
+    let mut a = seed_args(&root, "prefill", "0");
+    a.extend(["--hicache-total", "300GB"]);
+    let e = err(&strata(&a));
+    assert!(
+        e.contains("--numa-policy interleave") && e.contains("split the cache over servers"),
+        "{e}"
+    );
+}
+
+#[test]
+fn allocates_binds_and_verifies_on_this_machine() {
+    let o = strata(&[
+        "plan",
+        "--device-mem",
+        "64MiB",
+        "--hicache-size",
+        "256MiB",
+        "--numa-node",
+        "0",
+        "--allocate",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let s = out(&o);
+    assert!(
+        s.contains("allocated rank 0:") && s.contains("node 0: 1024/1024 sampled pages"),
+        "{s}"
+    );
+    assert!(
+        err(&o).contains("pre-faulting rank 0 host pool: 100%"),
+        "{}",
+        err(&o)
+    );
+}
