@@ -165,6 +165,11 @@ pub struct Plan {
 /// Share of a node below which a ratio-sized host pool is called out.
 pub const SMALL_POOL_SHARE: f64 = 0.10;
 
+/// `150.00GB (150000000000 bytes)`: as typed, and exact.
+fn gbx(b: u64) -> String {
+    format!("{} ({b} bytes)", gb(b))
+}
+
 fn gb(b: u64) -> String {
     // Decimal GB with two decimals, as operators write flags.
     format!("{:.2}GB", b as f64 / 1e9)
@@ -302,7 +307,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         Some(HostBudget::PerRank(b)) => {
             decided.push(Decision {
                 what: "host tokens per rank".into(),
-                by: format!("--hicache-size {} per rank", gb(b)),
+                by: format!("--hicache-size {} per rank", gbx(b)),
             });
             b / bpt / ps * ps
         }
@@ -311,9 +316,9 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
                 what: "host tokens per rank".into(),
                 by: format!(
                     "--hicache-total {} split over {} ranks = {} per rank",
-                    gb(b),
+                    gbx(b),
                     tp,
-                    gb(b / tp)
+                    gbx(b / tp)
                 ),
             });
             b / tp / bpt / ps * ps

@@ -65,7 +65,7 @@ fn prefill_and_decode_get_what_was_asked_on_their_nodes() {
         assert!(p.warnings.is_empty(), "{:?}", p.warnings);
         assert!(p
             .render()
-            .contains("--hicache-total 150.00GB split over 4 ranks = 37.50GB per rank"));
+            .contains("--hicache-total 150.00GB (150000000000 bytes) split over 4 ranks = 37.50GB (37500000000 bytes) per rank"));
         assert!(p.numa.headroom_bytes > 60 * GB);
     }
 }
