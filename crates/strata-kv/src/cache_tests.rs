@@ -3,6 +3,7 @@ use std::sync::Arc;
 use super::*;
 use crate::layout::PoolKind;
 use crate::storage::{DiskStorage, MemoryStorage};
+use crate::testing::{verify_tree_bytes, write_expected_page};
 
 /// Test fixture: a "model" whose K/V bytes for a page are a function of the page's identity, so
 /// any page read back anywhere can be checked.
@@ -20,15 +21,6 @@ fn layout() -> PageLayout {
         ],
     )
     .unwrap()
-}
-
-fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
-    let mut x = blake3::Hasher::new();
-    x.update(&h.0);
-    x.update(&(chunk as u64).to_le_bytes());
-    let mut out = vec![0; len];
-    x.finalize_xof().fill(&mut out);
-    out
 }
 
 impl Fx {
@@ -78,46 +70,12 @@ impl Fx {
     }
 
     fn write_page(&self, page: u32, h: &PageHash) {
-        let dev = self.cache.device_pool().unwrap();
-        for (i, c) in dev.layout().chunks().iter().enumerate() {
-            dev.write_chunk(
-                c.kind,
-                c.layer,
-                c.plane,
-                page,
-                &expected_chunk(h, i, c.bytes),
-            );
-        }
+        write_expected_page(self.cache.device_pool().unwrap(), page, h);
     }
 
     /// Every device and host page in the tree holds exactly the bytes its identity implies.
     fn verify_all_bytes(&self) {
-        let t = self.cache.tree();
-        let dev = self.cache.device_pool().unwrap();
-        let host = self.cache.host_pool().unwrap();
-        let l = dev.layout();
-        let mut blob = vec![0; l.page_bytes()];
-        for n in t.node_ids() {
-            let v = t.view(n);
-            for (i, h) in v.hashes.iter().enumerate() {
-                for (ci, c) in l.chunks().iter().enumerate() {
-                    let want = expected_chunk(h, ci, c.bytes);
-                    if let Some(&p) = v.device.get(i) {
-                        let mut got = vec![0; c.bytes];
-                        dev.read_chunk(c.kind, c.layer, c.plane, p, &mut got);
-                        assert_eq!(got, want, "device page {p} of node {n:?}");
-                    }
-                    if let Some(&p) = v.host.get(i) {
-                        host.read_page(p, &mut blob);
-                        assert_eq!(
-                            &blob[c.host_offset..c.host_offset + c.bytes],
-                            &want[..],
-                            "host page {p}"
-                        );
-                    }
-                }
-            }
-        }
+        verify_tree_bytes(&self.cache);
     }
 }
 

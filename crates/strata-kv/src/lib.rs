@@ -21,6 +21,8 @@ pub mod policy;
 pub mod pool;
 pub mod stats;
 pub mod storage;
+#[doc(hidden)]
+pub mod testing;
 pub mod tree;
 pub mod units;
 

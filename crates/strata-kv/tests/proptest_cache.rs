@@ -8,6 +8,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::storage::{MemoryStorage, Storage};
+use strata_kv::testing::{verify_tree_bytes, write_expected_page};
 use strata_kv::{
     CacheConfig, CacheMatch, EvictionPolicy, HashNamespace, NodeId, PageHash, PageLayout, PoolKind,
     Ticket, TieredCache, WritePolicy,
@@ -52,15 +53,6 @@ fn tokens(s: u8, len: u8) -> Vec<u32> {
             }
         })
         .collect()
-}
-
-fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
-    let mut x = blake3::Hasher::new();
-    x.update(&h.0);
-    x.update(&(chunk as u64).to_le_bytes());
-    let mut out = vec![0; len];
-    x.finalize_xof().fill(&mut out);
-    out
 }
 
 struct World {
@@ -116,15 +108,7 @@ impl World {
                 .chain(PageHash::ROOT, &t[..total * self.ps], self.ps);
             let dev = self.cache.device_pool().unwrap();
             for (i, &p) in pages.iter().enumerate() {
-                for (ci, c) in dev.layout().chunks().iter().enumerate() {
-                    dev.write_chunk(
-                        c.kind,
-                        c.layer,
-                        c.plane,
-                        p,
-                        &expected_chunk(&hashes[have + i], ci, c.bytes),
-                    );
-                }
+                write_expected_page(dev, p, &hashes[have + i]);
             }
             self.cache.insert(t, &pages, have);
             for k in 1..=total {
@@ -136,32 +120,7 @@ impl World {
     }
 
     fn verify_bytes(&self) {
-        let t = self.cache.tree();
-        let dev = self.cache.device_pool().unwrap();
-        let host = self.cache.host_pool().unwrap();
-        let l = dev.layout();
-        let mut blob = vec![0; l.page_bytes()];
-        for n in t.node_ids() {
-            let v = t.view(n);
-            for (i, h) in v.hashes.iter().enumerate() {
-                for (ci, c) in l.chunks().iter().enumerate() {
-                    let want = expected_chunk(h, ci, c.bytes);
-                    if let Some(&p) = v.device.get(i) {
-                        let mut got = vec![0; c.bytes];
-                        dev.read_chunk(c.kind, c.layer, c.plane, p, &mut got);
-                        assert_eq!(got, want, "device bytes of page {p}");
-                    }
-                    if let Some(&p) = v.host.get(i) {
-                        host.read_page(p, &mut blob);
-                        assert_eq!(
-                            &blob[c.host_offset..c.host_offset + c.bytes],
-                            &want[..],
-                            "host bytes"
-                        );
-                    }
-                }
-            }
-        }
+        verify_tree_bytes(&self.cache);
     }
 
     fn step(&mut self, op: &Op) {
