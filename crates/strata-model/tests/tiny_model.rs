@@ -1,0 +1,458 @@
+//! The runtime on tiny random-weight GGUF files written by the test: loading and validation,
+//! tokenizer, chat template, and cache equivalence of the paged forward pass.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use strata_kv::memory::HeapAllocator;
+use strata_kv::pool::DevicePool;
+use strata_kv::{CacheConfig, PageLayout, TieredCache, WritePolicy};
+use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
+use strata_model::*;
+
+fn tiny(dir: &Path, spec: &TinySpec) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    write_tiny(&p, spec).unwrap();
+    p
+}
+
+fn load(spec: &TinySpec) -> (tempfile::TempDir, Gguf, Model) {
+    let d = tempfile::tempdir().unwrap();
+    let p = tiny(d.path(), spec);
+    let mut g = Gguf::open(&p).unwrap();
+    let m = Model::load(&mut g).unwrap();
+    (d, g, m)
+}
+
+fn pool(m: &Model, page: usize, pages: u32) -> DevicePool {
+    let layout = Arc::new(PageLayout::new(page, vec![m.pool_kind()]).unwrap());
+    DevicePool::new(layout, pages, &HeapAllocator).unwrap()
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11) % 280).collect()
+}
+
+/// Largest difference relative to the logit's size (absolute below 1). Different row counts take
+/// different f32 GEMM paths (last-bit differences), and K/V are stored as f16, where such a bit
+/// can round to the neighbouring f16 value: so chunkings agree to ~1e-4, not to the bit. Moving
+/// a page between tiers is exact (see the load-back test).
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+        .fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0 as u32
+}
+
+#[test]
+fn validates_metadata_shapes_and_truncation() {
+    let d = tempfile::tempdir().unwrap();
+    let p = tiny(d.path(), &TinySpec::default());
+    let g = Gguf::open(&p).unwrap();
+    assert_eq!(
+        (
+            g.config.hidden,
+            g.config.heads,
+            g.config.kv_heads,
+            g.config.head_dim,
+            g.config.vocab
+        ),
+        (64, 4, 2, 16, 288)
+    );
+    // Truncated: clear error naming the sizes.
+    let bytes = std::fs::read(&p).unwrap();
+    let t = d.path().join("trunc.gguf");
+    std::fs::write(&t, &bytes[..bytes.len() - 1000]).unwrap();
+    let e = Gguf::open(&t).err().unwrap().to_string();
+    assert!(e.contains("is truncated: tensor data needs"), "{e}");
+    // Cut inside the header.
+    std::fs::write(&t, &bytes[..100]).unwrap();
+    let e = Gguf::open(&t).err().unwrap().to_string();
+    assert!(e.contains("is not a readable GGUF file"), "{e}");
+    // Foreign file.
+    std::fs::write(&t, b"PK\x03\x04 this is a zip, not a model").unwrap();
+    assert!(Gguf::open(&t)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("is not a readable GGUF file"));
+    assert!(Gguf::open(&d.path().join("missing.gguf"))
+        .err()
+        .unwrap()
+        .to_string()
+        .starts_with("cannot open model"));
+}
+
+#[test]
+fn tokenizer_roundtrip_specials_and_digits() {
+    let (_d, g, _m) = load(&TinySpec::default());
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    for s in [
+        "the cat",
+        "héllo wörld ✓",
+        "x=12345",
+        "<|im_start|>user\nhi<|im_end|>",
+    ] {
+        let ids = tk.encode(s).unwrap();
+        assert_eq!(tk.decode(&ids).unwrap(), s);
+    }
+    // The merges apply: " the" is one token; control tokens are single ids; digits split.
+    let ids = tk.encode(" the").unwrap();
+    assert_eq!(ids, vec![258]);
+    assert_eq!(tk.encode("<|im_end|>").unwrap(), vec![261]);
+    assert_eq!(tk.encode("123").unwrap().len(), 3);
+    assert_eq!(tk.stop, vec![259, 261]);
+}
+
+#[test]
+fn chat_template_renders_with_generation_prompt() {
+    let t = ChatTemplate::new(TINY_TEMPLATE).unwrap();
+    let s = t.render(&[Message::new("user", "Hi")], true).unwrap();
+    assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    assert!(ChatTemplate::new("{% for %}").is_err());
+}
+
+/// Logits of a prompt in one pass equal those of a cached prefix plus the rest, for prefix
+/// lengths on and off page boundaries and several chunk sizes.
+#[test]
+fn cache_equivalence_chunks_and_prefixes() {
+    let (_d, _g, m) = load(&TinySpec::default());
+    let ps = 8;
+    let n = 53;
+    let toks = prompt(n);
+    let pl = pool(&m, ps, 64);
+    let pages_a: Vec<u32> = (0..7).collect();
+    let full = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &toks,
+                pos: 0,
+                pages: &pages_a,
+            }],
+            true,
+        )
+        .unwrap()
+        .remove(0);
+    assert_eq!(full.len(), n * 288);
+    for prefix in [8, 13, 16, 31, 40] {
+        for chunk in [1, 5, 16, 64] {
+            let pages_b: Vec<u32> = (20..27).collect();
+            let mut got = m
+                .forward(
+                    &pl,
+                    &[SeqInput {
+                        tokens: &toks[..prefix],
+                        pos: 0,
+                        pages: &pages_b,
+                    }],
+                    true,
+                )
+                .unwrap()
+                .remove(0);
+            let mut pos = prefix;
+            while pos < n {
+                let end = (pos + chunk).min(n);
+                got.extend(
+                    m.forward(
+                        &pl,
+                        &[SeqInput {
+                            tokens: &toks[pos..end],
+                            pos,
+                            pages: &pages_b,
+                        }],
+                        true,
+                    )
+                    .unwrap()
+                    .remove(0),
+                );
+                pos = end;
+            }
+            let d = max_diff(&full, &got);
+            eprintln!("prefix {prefix} chunk {chunk}: max relative diff {d:.2e}");
+            assert!(d < 5e-4, "prefix {prefix} chunk {chunk}: max diff {d}");
+        }
+    }
+}
+
+/// A batch of sequences decodes exactly like each one alone, and greedy continuations from a
+/// cached prefix equal those from a full recompute.
+#[test]
+fn batched_decode_and_greedy_continuations_match() {
+    let (_d, _g, m) = load(&TinySpec::default());
+    let ps = 4;
+    let pl = pool(&m, ps, 128);
+    let greedy = |prompt: &[u32], pages: &[u32], cached: usize| -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut logits = if cached > 0 {
+            m.forward(
+                &pl,
+                &[SeqInput {
+                    tokens: &prompt[cached..],
+                    pos: cached,
+                    pages,
+                }],
+                false,
+            )
+            .unwrap()
+            .remove(0)
+        } else {
+            m.forward(
+                &pl,
+                &[SeqInput {
+                    tokens: prompt,
+                    pos: 0,
+                    pages,
+                }],
+                false,
+            )
+            .unwrap()
+            .remove(0)
+        };
+        for i in 0..10 {
+            let t = argmax(&logits);
+            out.push(t);
+            logits = m
+                .forward(
+                    &pl,
+                    &[SeqInput {
+                        tokens: &[t],
+                        pos: prompt.len() + i,
+                        pages,
+                    }],
+                    false,
+                )
+                .unwrap()
+                .remove(0);
+        }
+        out
+    };
+    let p = prompt(21);
+    let a_pages: Vec<u32> = (0..8).collect();
+    let full = greedy(&p, &a_pages, 0);
+    // Same prompt, prefix of 13 tokens computed earlier into other pages, then continued.
+    let b_pages: Vec<u32> = (40..48).collect();
+    m.forward(
+        &pl,
+        &[SeqInput {
+            tokens: &p[..13],
+            pos: 0,
+            pages: &b_pages,
+        }],
+        false,
+    )
+    .unwrap();
+    assert_eq!(greedy(&p, &b_pages, 13), full);
+    // Batched decode step of two sequences equals each alone.
+    let q = prompt(9);
+    let c_pages: Vec<u32> = (60..70).collect();
+    let d_pages: Vec<u32> = (80..90).collect();
+    m.forward(
+        &pl,
+        &[
+            SeqInput {
+                tokens: &p,
+                pos: 0,
+                pages: &c_pages,
+            },
+            SeqInput {
+                tokens: &q,
+                pos: 0,
+                pages: &d_pages,
+            },
+        ],
+        false,
+    )
+    .unwrap();
+    let both = m
+        .forward(
+            &pl,
+            &[
+                SeqInput {
+                    tokens: &[5],
+                    pos: p.len(),
+                    pages: &c_pages,
+                },
+                SeqInput {
+                    tokens: &[7],
+                    pos: q.len(),
+                    pages: &d_pages,
+                },
+            ],
+            false,
+        )
+        .unwrap();
+    let alone = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &[7],
+                pos: q.len(),
+                pages: &d_pages,
+            }],
+            false,
+        )
+        .unwrap()
+        .remove(0);
+    assert!(max_diff(&both[1], &alone) < 1e-4);
+}
+
+/// Through the tiered cache: a prefix computed, backed up, evicted from the device and loaded
+/// back into different pages continues exactly like a full recompute.
+#[test]
+fn prefix_loaded_back_from_host_gives_identical_logits() {
+    let (_d, _g, m) = load(&TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::default()
+    });
+    let ps = 4;
+    let layout = PageLayout::new(ps, vec![m.pool_kind()]).unwrap();
+    let mut cfg = CacheConfig::new(layout, 16, 64);
+    cfg.write_policy = WritePolicy::WriteThrough;
+    let mut cache = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+    let p = prompt(30);
+    // Reference: one pass in fresh pages.
+    let all = cache.alloc_device(8).unwrap();
+    let want = m
+        .forward(
+            cache.device_pool().unwrap(),
+            &[SeqInput {
+                tokens: &p,
+                pos: 0,
+                pages: &all,
+            }],
+            true,
+        )
+        .unwrap()
+        .remove(0);
+    cache.free_device(&all).unwrap();
+    // Compute the first 24 tokens (6 pages), insert, let the backup land, push them off device.
+    let pages = cache.alloc_device(6).unwrap();
+    m.forward(
+        cache.device_pool().unwrap(),
+        &[SeqInput {
+            tokens: &p[..24],
+            pos: 0,
+            pages: &pages,
+        }],
+        false,
+    )
+    .unwrap();
+    cache.insert(&p[..24], &pages, 0);
+    cache.wait_all();
+    assert_eq!(cache.evict_device(16), 6);
+    let mt = cache.match_prefix(&p);
+    assert_eq!((mt.device_tokens, mt.host_tokens), (0, 24));
+    cache.lock(mt.last);
+    let t = cache.load_back(&mt).unwrap();
+    cache.wait(t);
+    let mut pages: Vec<u32> = cache
+        .tree()
+        .path_to(mt.last)
+        .iter()
+        .flat_map(|&n| cache.tree().view(n).device.to_vec())
+        .collect();
+    assert_eq!(pages.len(), 6);
+    pages.extend(cache.alloc_device(2).unwrap());
+    let got = m
+        .forward(
+            cache.device_pool().unwrap(),
+            &[SeqInput {
+                tokens: &p[24..],
+                pos: 24,
+                pages: &pages,
+            }],
+            true,
+        )
+        .unwrap()
+        .remove(0);
+    let d = max_diff(&want[24 * 288..], &got);
+    assert!(d < 5e-4, "max diff {d}");
+    // Same shapes on the original pages (still on host, recomputed here into fresh pages): the
+    // loaded-back prefix gives bit-identical logits.
+    let fresh = cache.alloc_device(8).unwrap();
+    m.forward(
+        cache.device_pool().unwrap(),
+        &[SeqInput {
+            tokens: &p[..24],
+            pos: 0,
+            pages: &fresh,
+        }],
+        false,
+    )
+    .unwrap();
+    let again = m
+        .forward(
+            cache.device_pool().unwrap(),
+            &[SeqInput {
+                tokens: &p[24..],
+                pos: 24,
+                pages: &fresh,
+            }],
+            true,
+        )
+        .unwrap()
+        .remove(0);
+    assert_eq!(again, got, "load-back must be exact");
+}
+
+#[test]
+fn bad_forward_inputs_are_errors() {
+    let (_d, _g, m) = load(&TinySpec::default());
+    let pl = pool(&m, 4, 8);
+    let e = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &[1, 2, 3, 4, 5],
+                pos: 0,
+                pages: &[0],
+            }],
+            false,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("1 pages of 4 tokens cannot hold 5 tokens"),
+        "{e}"
+    );
+    let e = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &[999],
+                pos: 0,
+                pages: &[0],
+            }],
+            false,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    let e = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &[1],
+                pos: 0,
+                pages: &[99],
+            }],
+            false,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("outside the device pool"), "{e}");
+}
