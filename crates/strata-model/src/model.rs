@@ -8,7 +8,8 @@
 //! batched decode are the same call. Weights are dequantized to f32 once; matrix products use
 //! candle's CPU GEMM.
 
-use candle_core::{Device, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
 use half::f16;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
@@ -16,16 +17,34 @@ use strata_kv::PoolKind;
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
 
+/// Calls with at most this many rows (decode steps) use the Q8_0 weights: they are bound by
+/// memory bandwidth, and Q8_0 reads a quarter of f32's bytes. Longer calls (prefill chunks) are
+/// bound by arithmetic and use f32 GEMM.
+pub const QUANTIZED_MAX_ROWS: usize = 8;
+
+/// A weight matrix `[out, in]` in both formats.
+struct Linear {
+    f32: Tensor,
+    q8: QMatMul,
+}
+
+impl Linear {
+    fn new(f32: Tensor) -> Result<Linear, ModelError> {
+        let q8 = QMatMul::from_qtensor(QTensor::quantize(&f32, GgmlDType::Q8_0)?)?;
+        Ok(Linear { f32, q8 })
+    }
+}
+
 struct Layer {
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
-    wg: Tensor,
-    wu: Tensor,
-    wd: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    wg: Linear,
+    wu: Linear,
+    wd: Linear,
 }
 
 /// One sequence of a forward call.
@@ -42,13 +61,14 @@ pub struct SeqInput<'a> {
 /// A loaded model.
 pub struct Model {
     pub config: Config,
-    embed: Tensor,
+    embed: Linear,
     embed_rows: Vec<f32>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     threads: usize,
+    quantized_decode: bool,
 }
 
 fn vec1(t: &Tensor) -> Result<Vec<f32>, ModelError> {
@@ -70,13 +90,13 @@ impl Model {
             layers.push(Layer {
                 attn_norm: vec1(&w("attn_norm")?)?,
                 ffn_norm: vec1(&w("ffn_norm")?)?,
-                wq: w("attn_q")?,
-                wk: w("attn_k")?,
-                wv: w("attn_v")?,
-                wo: w("attn_output")?,
-                wg: w("ffn_gate")?,
-                wu: w("ffn_up")?,
-                wd: w("ffn_down")?,
+                wq: Linear::new(w("attn_q")?)?,
+                wk: Linear::new(w("attn_k")?)?,
+                wv: Linear::new(w("attn_v")?)?,
+                wo: Linear::new(w("attn_output")?)?,
+                wg: Linear::new(w("ffn_gate")?)?,
+                wu: Linear::new(w("ffn_up")?)?,
+                wd: Linear::new(w("ffn_down")?)?,
             });
         }
         let half_dim = c.head_dim / 2;
@@ -93,13 +113,14 @@ impl Model {
         let embed_rows = vec1(&embed)?;
         Ok(Model {
             config: c,
-            embed,
+            embed: Linear::new(embed)?,
             embed_rows,
             norm,
             layers,
             cos,
             sin,
             threads: 2,
+            quantized_decode: true,
         })
     }
 
@@ -119,10 +140,19 @@ impl Model {
         )
     }
 
-    fn mm(&self, x: &[f32], n: usize, w: &Tensor) -> Result<Vec<f32>, ModelError> {
+    fn mm(&self, x: &[f32], n: usize, w: &Linear) -> Result<Vec<f32>, ModelError> {
         let k = x.len() / n;
         let xt = Tensor::from_slice(x, (n, k), &Device::Cpu)?;
-        vec1(&xt.matmul(&w.t()?)?)
+        if n <= QUANTIZED_MAX_ROWS && self.quantized_decode {
+            vec1(&w.q8.forward(&xt)?)
+        } else {
+            vec1(&xt.matmul(&w.f32.t()?)?)
+        }
+    }
+
+    /// Use Q8_0 weights for calls of at most [`QUANTIZED_MAX_ROWS`] rows (default on).
+    pub fn set_quantized_decode(&mut self, on: bool) {
+        self.quantized_decode = on;
     }
 
     fn rmsnorm(&self, x: &[f32], w: &[f32]) -> Vec<f32> {
@@ -268,7 +298,10 @@ impl Model {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         let sel = self.rmsnorm(&sel, &self.norm);
-        let logits = self.mm(&sel, pick.len(), &self.embed)?;
+        // The output projection stays f32: Q8_0 activations move logits by ~1 %, enough to
+        // flip a close argmax.
+        let st = Tensor::from_slice(&sel, (pick.len(), h), &Device::Cpu)?;
+        let logits = vec1(&st.matmul(&self.embed.f32.t()?)?)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for s in seqs {

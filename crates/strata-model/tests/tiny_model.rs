@@ -21,7 +21,10 @@ fn load(spec: &TinySpec) -> (tempfile::TempDir, Gguf, Model) {
     let d = tempfile::tempdir().unwrap();
     let p = tiny(d.path(), spec);
     let mut g = Gguf::open(&p).unwrap();
-    let m = Model::load(&mut g).unwrap();
+    let mut m = Model::load(&mut g).unwrap();
+    // Equivalence is a property of one weight format; the default switches to Q8_0 for calls
+    // of few rows, which would compare two formats.
+    m.set_quantized_decode(false);
     (d, g, m)
 }
 
@@ -455,4 +458,53 @@ fn bad_forward_inputs_are_errors() {
         .unwrap()
         .to_string();
     assert!(e.contains("outside the device pool"), "{e}");
+}
+
+/// With the default mixed formats, a decode step (Q8_0) stays close to the f32 result.
+#[test]
+fn quantized_decode_stays_close_to_f32() {
+    let (_d, _g, mut m) = load(&TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::default()
+    });
+    let pl = pool(&m, 4, 16);
+    let p = prompt(12);
+    let pages: Vec<u32> = (0..4).collect();
+    m.forward(
+        &pl,
+        &[SeqInput {
+            tokens: &p[..11],
+            pos: 0,
+            pages: &pages,
+        }],
+        false,
+    )
+    .unwrap();
+    let f32_step = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &p[11..],
+                pos: 11,
+                pages: &pages,
+            }],
+            false,
+        )
+        .unwrap()
+        .remove(0);
+    m.set_quantized_decode(true);
+    let q8_step = m
+        .forward(
+            &pl,
+            &[SeqInput {
+                tokens: &p[11..],
+                pos: 11,
+                pages: &pages,
+            }],
+            false,
+        )
+        .unwrap()
+        .remove(0);
+    let d = max_diff(&f32_step, &q8_step);
+    assert!(d > 0.0 && d < 0.5, "Q8_0 decode differs by {d}");
 }

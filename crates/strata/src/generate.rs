@@ -32,6 +32,9 @@ pub struct ModelArgs {
     /// Threads for matrix products and attention.
     #[arg(long, default_value_t = 2, help_heading = "Model")]
     pub threads: usize,
+    /// Use f32 weights for decode steps too (default: Q8_0 for calls of at most 8 rows).
+    #[arg(long, help_heading = "Model")]
+    pub f32_decode: bool,
 }
 
 impl ModelArgs {
@@ -52,6 +55,7 @@ impl ModelArgs {
         let tk = ModelTokenizer::from_gguf(&g)?;
         let mut m = Model::load(&mut g)?;
         m.set_threads(self.threads);
+        m.set_quantized_decode(!self.f32_decode);
         Ok((g, m, tk))
     }
 }
