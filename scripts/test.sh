@@ -12,5 +12,7 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "== strata model fetch (the reference model for end-to-end tests; cached after the first run)"
+cargo run -q -p strata -- model fetch
 echo "== cargo test"
 cargo test --workspace

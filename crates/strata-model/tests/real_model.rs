@@ -1,0 +1,223 @@
+//! End to end on the reference model (SmolLM2-135M-Instruct Q4_1). `scripts/test.sh` fetches it
+//! first (`strata model fetch`); without it these tests fail and say how to get it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use strata_kv::memory::HeapAllocator;
+use strata_kv::pool::DevicePool;
+use strata_kv::PageLayout;
+use strata_model::fetch::{cache_dir, MODEL_FILE};
+use strata_model::*;
+
+fn model_path() -> PathBuf {
+    let p = cache_dir().join(MODEL_FILE);
+    assert!(
+        p.exists(),
+        "{} is missing: run `strata model fetch` (scripts/test.sh does it first)",
+        p.display()
+    );
+    p
+}
+
+fn load() -> (Gguf, Model, ModelTokenizer) {
+    let mut g = Gguf::open(&model_path()).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let m = Model::load(&mut g).unwrap();
+    (g, m, tk)
+}
+
+/// Ids checked against llama.cpp's `llama-tokenize` on the same file.
+#[test]
+fn tokenizer_fixed_vectors_and_roundtrip() {
+    let g = Gguf::open(&model_path()).unwrap();
+    assert_eq!(g.config.layers, 30);
+    assert_eq!(
+        (
+            g.config.heads,
+            g.config.kv_heads,
+            g.config.head_dim,
+            g.config.vocab
+        ),
+        (9, 3, 64, 49152)
+    );
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let cases: [(&str, &[u32]); 7] = [
+        ("Hello world", &[19556, 905]),
+        (
+            "The year 2024 was great!",
+            &[504, 713, 216, 34, 32, 34, 36, 436, 1109, 17],
+        ),
+        (
+            "héllo wörld — ça va?",
+            &[
+                88, 2756, 31394, 267, 29989, 400, 1841, 5549, 117, 81, 46316, 47,
+            ],
+        ),
+        ("<|im_start|>user\nHi<|im_end|>", &[1, 4093, 198, 26843, 2]),
+        (
+            "日本語のテキスト",
+            &[
+                23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                226,
+            ],
+        ),
+        ("  two  spaces\ttab", &[216, 827, 216, 5600, 197, 15999]),
+        ("can't won't I'm", &[4055, 982, 3763, 982, 339, 5248]),
+    ];
+    for (s, want) in cases {
+        let ids = tk.encode(s).unwrap();
+        assert_eq!(ids, want, "{s:?}");
+        assert_eq!(tk.decode(&ids).unwrap(), s);
+    }
+    assert_eq!(tk.stop, vec![2]);
+}
+
+#[test]
+fn chat_template_from_the_file() {
+    let g = Gguf::open(&model_path()).unwrap();
+    let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
+    let s = t.render(&[Message::new("user", "Hi")], true).unwrap();
+    assert_eq!(
+        s,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+fn greedy(
+    m: &Model,
+    pool: &DevicePool,
+    prompt: &[u32],
+    cached: usize,
+    pages: &[u32],
+    n: usize,
+    stop: &[u32],
+) -> Vec<u32> {
+    let mut logits = m
+        .forward(
+            pool,
+            &[SeqInput {
+                tokens: &prompt[cached..],
+                pos: cached,
+                pages,
+            }],
+            false,
+        )
+        .unwrap()
+        .remove(0);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let t = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        if stop.contains(&t) {
+            break;
+        }
+        out.push(t);
+        logits = m
+            .forward(
+                pool,
+                &[SeqInput {
+                    tokens: &[t],
+                    pos: prompt.len() + i,
+                    pages,
+                }],
+                false,
+            )
+            .unwrap()
+            .remove(0);
+    }
+    out
+}
+
+/// A simple chat question gets a sensible answer; a cached prefix (system prompt and question,
+/// computed earlier into other pages) gives the identical greedy answer.
+#[test]
+fn answers_a_simple_question_with_and_without_cached_prefix() {
+    let (g, m, tk) = load();
+    let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
+    let text = t
+        .render(
+            &[Message::new("user", "What is the capital of France?")],
+            true,
+        )
+        .unwrap();
+    let p = tk.encode(&text).unwrap();
+    let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()]).unwrap());
+    let pool = DevicePool::new(layout, 32, &HeapAllocator).unwrap();
+    let a: Vec<u32> = (0..8).collect();
+    let answer = greedy(&m, &pool, &p, 0, &a, 24, &tk.stop);
+    let s = tk.decode(&answer).unwrap();
+    assert!(s.contains("Paris"), "answer: {s}");
+    // The first 21 tokens (off a page boundary) computed earlier, in other pages.
+    let b: Vec<u32> = (16..24).collect();
+    m.forward(
+        &pool,
+        &[SeqInput {
+            tokens: &p[..21],
+            pos: 0,
+            pages: &b,
+        }],
+        false,
+    )
+    .unwrap();
+    assert_eq!(greedy(&m, &pool, &p, 21, &b, 24, &tk.stop), answer);
+}
+
+/// Logits in one pass versus cached prefix + rest, f32 weights throughout.
+#[test]
+fn cache_equivalence_on_the_real_model() {
+    let (_g, mut m, tk) = load();
+    m.set_quantized_decode(false);
+    let p = tk.encode("In 1969, the first humans walked on the Moon. The mission was called Apollo 11, and the astronauts were").unwrap();
+    let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()]).unwrap());
+    let pool = DevicePool::new(layout, 16, &HeapAllocator).unwrap();
+    let a: Vec<u32> = (0..4).collect();
+    let full = m
+        .forward(
+            &pool,
+            &[SeqInput {
+                tokens: &p,
+                pos: 0,
+                pages: &a,
+            }],
+            true,
+        )
+        .unwrap()
+        .remove(0);
+    let vocab = m.config.vocab;
+    for prefix in [16, 13] {
+        let b: Vec<u32> = (8..12).collect();
+        m.forward(
+            &pool,
+            &[SeqInput {
+                tokens: &p[..prefix],
+                pos: 0,
+                pages: &b,
+            }],
+            false,
+        )
+        .unwrap();
+        let rest = m
+            .forward(
+                &pool,
+                &[SeqInput {
+                    tokens: &p[prefix..],
+                    pos: prefix,
+                    pages: &b,
+                }],
+                true,
+            )
+            .unwrap()
+            .remove(0);
+        let d = full[prefix * vocab..]
+            .iter()
+            .zip(&rest)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(d < 5e-4, "prefix {prefix}: max relative diff {d}");
+    }
+}
