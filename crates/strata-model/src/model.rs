@@ -319,8 +319,10 @@ impl Model {
         Ok(out)
     }
 
-    /// Online-softmax attention of every row over its sequence's pages (causal), rows split
-    /// across threads.
+    /// Online-softmax attention of every row over its sequence's pages (causal). Each
+    /// sequence's K/V are first gathered from its pages into f32 (once per layer, not once per
+    /// row); then rows are split across threads and keys are taken in blocks: block scores,
+    /// one rescale per block, vectorised exponentials.
     fn attention(
         &self,
         pool: &DevicePool,
@@ -336,57 +338,81 @@ impl Model {
         let ps = pool.layout().page_size();
         let kp = as_f16(pool.plane(0, layer, 0));
         let vp = as_f16(pool.plane(0, layer, 1));
+        // Gather each sequence's K/V up to the last position this call attends to.
+        let mut ctx = vec![0usize; seqs.len()];
+        for &(si, p) in rows {
+            ctx[si] = ctx[si].max(p + 1);
+        }
+        let gathered: Vec<(Vec<f32>, Vec<f32>)> = seqs
+            .iter()
+            .zip(&ctx)
+            .map(|(s, &n)| {
+                let (mut kf, mut vf) = (Vec::with_capacity(n * kvd), Vec::with_capacity(n * kvd));
+                for t in 0..n {
+                    let base = (s.pages[t / ps] as usize * ps + t % ps) * kvd;
+                    kf.extend(kp[base..base + kvd].iter().map(|x| x.to_f32()));
+                    vf.extend(vp[base..base + kvd].iter().map(|x| x.to_f32()));
+                }
+                (kf, vf)
+            })
+            .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
         let per = rows.len().div_ceil(self.threads);
+        let gathered = &gathered;
         std::thread::scope(|sc| {
             for (ci, chunk) in out.chunks_mut(per * h).enumerate() {
-                let rows = &rows[ci * per..];
                 sc.spawn(move || {
-                    let mut kb = vec![0f32; hd];
+                    const B: usize = 32;
+                    let mut sco = vec![0f32; group * B];
                     let mut m = vec![0f32; group];
                     let mut lsum = vec![0f32; group];
                     let mut acc = vec![0f32; group * hd];
-                    let mut sc_ = vec![0f32; group];
                     for (ri, o) in chunk.chunks_exact_mut(h).enumerate() {
-                        let (si, p) = rows[ri];
-                        let qi = &q[(ci * per + ri) * h..(ci * per + ri + 1) * h];
-                        let pages = seqs[si].pages;
+                        let row = ci * per + ri;
+                        let (si, p) = rows[row];
+                        let qi = &q[row * h..(row + 1) * h];
+                        let (kf, vf) = &gathered[si];
                         for g in 0..c.kv_heads {
                             m.fill(f32::NEG_INFINITY);
                             lsum.fill(0.0);
                             acc.fill(0.0);
-                            for t in 0..=p {
-                                let base = (pages[t / ps] as usize * ps + t % ps) * kvd + g * hd;
-                                for (d, s) in kb.iter_mut().zip(&kp[base..base + hd]) {
-                                    *d = s.to_f32();
-                                }
+                            let mut t0 = 0;
+                            while t0 <= p {
+                                let t1 = (t0 + B).min(p + 1);
+                                let nb = t1 - t0;
                                 for j in 0..group {
                                     let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
-                                    let s: f32 =
-                                        qh.iter().zip(&kb).map(|(a, b)| a * b).sum::<f32>() * scale;
-                                    sc_[j] = s;
-                                }
-                                for (d, s) in kb.iter_mut().zip(&vp[base..base + hd]) {
-                                    *d = s.to_f32();
-                                }
-                                for j in 0..group {
-                                    let s = sc_[j];
-                                    let a = &mut acc[j * hd..(j + 1) * hd];
-                                    if s > m[j] {
-                                        let f = (m[j] - s).exp();
+                                    let sj = &mut sco[j * B..j * B + nb];
+                                    for (b, sv) in sj.iter_mut().enumerate() {
+                                        let k = &kf[(t0 + b) * kvd + g * hd
+                                            ..(t0 + b) * kvd + (g + 1) * hd];
+                                        *sv = dot(qh, k) * scale;
+                                    }
+                                    let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                                    let mnew = m[j].max(bmax);
+                                    if mnew > m[j] {
+                                        let f = (m[j] - mnew).exp();
                                         lsum[j] *= f;
-                                        for x in a.iter_mut() {
+                                        for x in acc[j * hd..(j + 1) * hd].iter_mut() {
                                             *x *= f;
                                         }
-                                        m[j] = s;
+                                        m[j] = mnew;
                                     }
-                                    let e = (s - m[j]).exp();
-                                    lsum[j] += e;
-                                    for (x, &vv) in a.iter_mut().zip(&kb) {
-                                        *x += e * vv;
+                                    for sv in sj.iter_mut() {
+                                        *sv = fast_exp(*sv - mnew);
+                                    }
+                                    lsum[j] += sj.iter().sum::<f32>();
+                                    let a = &mut acc[j * hd..(j + 1) * hd];
+                                    for (b, &e) in sj.iter().enumerate() {
+                                        let v = &vf[(t0 + b) * kvd + g * hd
+                                            ..(t0 + b) * kvd + (g + 1) * hd];
+                                        for (x, &vv) in a.iter_mut().zip(v) {
+                                            *x += e * vv;
+                                        }
                                     }
                                 }
+                                t0 = t1;
                             }
                             for j in 0..group {
                                 let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
@@ -400,6 +426,80 @@ impl Model {
             }
         });
         out
+    }
+}
+
+/// Dot product with 8 independent accumulators, so the compiler can keep it in SIMD lanes.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// e^x for x ≤ 0 (softmax arguments), branch-free so loops over it vectorise: 2^(x·log2 e) by
+/// splitting into integer and fraction, with a degree-8 polynomial for 2^f (relative error
+/// below 1e-5, from rounding x·log2 e in f32); arguments below -87 give about 0.
+#[inline]
+fn fast_exp(x: f32) -> f32 {
+    let x = x.max(-87.0);
+    let y = x * std::f32::consts::LOG2_E;
+    let n = y.floor();
+    let f = y - n;
+    // Taylor series of 2^f = e^(f ln 2) to the 8th power: truncation error below 2e-7.
+    let c = [
+        0.693_147_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355,
+        0.000_154_035_3,
+        0.000_015_252_73,
+        0.000_001_321_548,
+    ];
+    let mut p = c[7];
+    for k in (0..7).rev() {
+        p = c[k] + f * p;
+    }
+    let p = 1.0 + f * p;
+    f32::from_bits(((n as i32 + 127) as u32) << 23) * p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_exp() {
+        let mut worst = 0f32;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let r = (fast_exp(x) - x.exp()).abs() / x.exp();
+            worst = worst.max(r);
+            x += 0.0137;
+        }
+        // Bounded by rounding x·log2(e) in f32 for large |x| (half an ulp of 125 is 4e-6).
+        assert!(worst < 1e-5, "relative error {worst}");
+        assert!(fast_exp(-1000.0) >= 0.0 && fast_exp(-1000.0) < 1e-37);
+        assert!((fast_exp(0.0) - 1.0).abs() < 1e-7);
+    }
+
+    #[test]
+    fn dot_matches_naive() {
+        let a: Vec<f32> = (0..67).map(|i| i as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..67).map(|i| 1.0 - i as f32 * 0.01).collect();
+        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - naive).abs() < 1e-3);
     }
 }
 

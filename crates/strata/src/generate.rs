@@ -107,23 +107,42 @@ pub struct BenchArgs {
 
 fn bench(a: BenchArgs) -> Result<()> {
     let (_g, m, _tk) = a.model.load()?;
-    let max = a.prefill.iter().copied().max().unwrap_or(0).max(a.decode_context + a.decode_tokens);
+    let max = a
+        .prefill
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(a.decode_context + a.decode_tokens);
     let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()])?);
     let pages = max.div_ceil(16) as u32;
     let pool = DevicePool::new(layout, pages, &HeapAllocator)?;
     let page_list: Vec<u32> = (0..pages).collect();
-    let tokens: Vec<u32> = (0..max as u32).map(|i| (i * 7919 + 13) % m.config.vocab as u32).collect();
+    let tokens: Vec<u32> = (0..max as u32)
+        .map(|i| (i * 7919 + 13) % m.config.vocab as u32)
+        .collect();
     let prefill = |n: usize| -> Result<f64> {
         let t = Instant::now();
         let mut pos = 0;
         while pos < n {
             let end = (pos + a.chunk.max(1)).min(n);
-            m.forward(&pool, &[SeqInput { tokens: &tokens[pos..end], pos, pages: &page_list }], false)?;
+            m.forward(
+                &pool,
+                &[SeqInput {
+                    tokens: &tokens[pos..end],
+                    pos,
+                    pages: &page_list,
+                }],
+                false,
+            )?;
             pos = end;
         }
         Ok(n as f64 / t.elapsed().as_secs_f64())
     };
-    println!("model {} layers, {} threads, chunk {}", m.config.layers, a.model.threads, a.chunk);
+    println!(
+        "model {} layers, {} threads, chunk {}",
+        m.config.layers, a.model.threads, a.chunk
+    );
     for &n in &a.prefill {
         let mut best = 0f64;
         for _ in 0..a.reps.max(1) {
@@ -137,11 +156,22 @@ fn bench(a: BenchArgs) -> Result<()> {
         let t = Instant::now();
         for i in 0..a.decode_tokens {
             let pos = a.decode_context + i;
-            m.forward(&pool, &[SeqInput { tokens: &tokens[pos..pos + 1], pos, pages: &page_list }], false)?;
+            m.forward(
+                &pool,
+                &[SeqInput {
+                    tokens: &tokens[pos..pos + 1],
+                    pos,
+                    pages: &page_list,
+                }],
+                false,
+            )?;
         }
         best = best.max(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
     }
-    println!("decode at context {}: {best:>8.1} tok/s ({} tokens)", a.decode_context, a.decode_tokens);
+    println!(
+        "decode at context {}: {best:>8.1} tok/s ({} tokens)",
+        a.decode_context, a.decode_tokens
+    );
     Ok(())
 }
 
