@@ -458,7 +458,7 @@ fn fast_exp(x: f32) -> f32 {
     let f = y - n;
     // Taylor series of 2^f = e^(f ln 2) to the 8th power: truncation error below 2e-7.
     let c = [
-        0.693_147_2,
+        std::f32::consts::LN_2,
         0.240_226_5,
         0.055_504_11,
         0.009_618_129,
@@ -473,6 +473,17 @@ fn fast_exp(x: f32) -> f32 {
     }
     let p = 1.0 + f * p;
     f32::from_bits(((n as i32 + 127) as u32) << 23) * p
+}
+
+fn as_f16(b: &[u8]) -> &[f16] {
+    // SAFETY: f16 is a plain 2-byte value for which every bit pattern is valid; align_to only
+    // reinterprets the aligned middle, and pool planes start 4 KiB aligned with even lengths.
+    let (pre, mid, post) = unsafe { b.align_to::<f16>() };
+    assert!(
+        pre.is_empty() && post.is_empty(),
+        "pool plane is not f16-aligned"
+    );
+    mid
 }
 
 #[cfg(test)]
@@ -501,15 +512,4 @@ mod tests {
         let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot(&a, &b) - naive).abs() < 1e-3);
     }
-}
-
-fn as_f16(b: &[u8]) -> &[f16] {
-    // SAFETY: f16 is a plain 2-byte value for which every bit pattern is valid; align_to only
-    // reinterprets the aligned middle, and pool planes start 4 KiB aligned with even lengths.
-    let (pre, mid, post) = unsafe { b.align_to::<f16>() };
-    assert!(
-        pre.is_empty() && post.is_empty(),
-        "pool plane is not f16-aligned"
-    );
-    mid
 }
