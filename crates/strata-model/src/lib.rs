@@ -12,6 +12,7 @@ pub mod error;
 pub mod fetch;
 pub mod gguf;
 pub mod model;
+pub mod q8;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tokenizer;

@@ -8,29 +8,30 @@
 //! batched decode are the same call. Weights are dequantized to f32 once; matrix products use
 //! candle's CPU GEMM.
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 use half::f16;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
+use crate::q8::Q8Matrix;
 
-/// Calls with at most this many rows (decode steps) use the Q8_0 weights: they are bound by
-/// memory bandwidth, and Q8_0 reads a quarter of f32's bytes. Longer calls (prefill chunks) are
-/// bound by arithmetic and use f32 GEMM.
+/// Calls with at most this many rows (decode steps) use Q8_0 weights with f32 activations
+/// ([`Q8Matrix`]): they are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes.
+/// Longer calls (prefill chunks) are bound by arithmetic and use f32 GEMM.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
 /// A weight matrix `[out, in]` in both formats.
 struct Linear {
     f32: Tensor,
-    q8: QMatMul,
+    q8: Q8Matrix,
 }
 
 impl Linear {
     fn new(f32: Tensor) -> Result<Linear, ModelError> {
-        let q8 = QMatMul::from_qtensor(QTensor::quantize(&f32, GgmlDType::Q8_0)?)?;
+        let (rows, cols) = f32.dims2()?;
+        let q8 = Q8Matrix::quantize(&vec1(&f32)?, rows, cols);
         Ok(Linear { f32, q8 })
     }
 }
@@ -142,10 +143,10 @@ impl Model {
 
     fn mm(&self, x: &[f32], n: usize, w: &Linear) -> Result<Vec<f32>, ModelError> {
         let k = x.len() / n;
-        let xt = Tensor::from_slice(x, (n, k), &Device::Cpu)?;
         if n <= QUANTIZED_MAX_ROWS && self.quantized_decode {
-            vec1(&w.q8.forward(&xt)?)
+            Ok(w.q8.matmul(x, self.threads))
         } else {
+            let xt = Tensor::from_slice(x, (n, k), &Device::Cpu)?;
             vec1(&xt.matmul(&w.f32.t()?)?)
         }
     }
@@ -298,10 +299,7 @@ impl Model {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         let sel = self.rmsnorm(&sel, &self.norm);
-        // The output projection stays f32: Q8_0 activations move logits by ~1 %, enough to
-        // flip a close argmax.
-        let st = Tensor::from_slice(&sel, (pick.len(), h), &Device::Cpu)?;
-        let logits = vec1(&st.matmul(&self.embed.f32.t()?)?)?;
+        let logits = self.mm(&sel, pick.len(), &self.embed)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for s in seqs {
@@ -358,73 +356,80 @@ impl Model {
             .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
-        let per = rows.len().div_ceil(self.threads);
+        // Threads only pay for themselves on enough work (a decode step is done inline).
+        let work: usize = rows.iter().map(|r| r.1 + 1).sum();
+        let threads = if work < 4096 { 1 } else { self.threads };
+        let per = rows.len().div_ceil(threads);
         let gathered = &gathered;
-        std::thread::scope(|sc| {
-            for (ci, chunk) in out.chunks_mut(per * h).enumerate() {
-                sc.spawn(move || {
-                    const B: usize = 32;
-                    let mut sco = vec![0f32; group * B];
-                    let mut m = vec![0f32; group];
-                    let mut lsum = vec![0f32; group];
-                    let mut acc = vec![0f32; group * hd];
-                    for (ri, o) in chunk.chunks_exact_mut(h).enumerate() {
-                        let row = ci * per + ri;
-                        let (si, p) = rows[row];
-                        let qi = &q[row * h..(row + 1) * h];
-                        let (kf, vf) = &gathered[si];
-                        for g in 0..c.kv_heads {
-                            m.fill(f32::NEG_INFINITY);
-                            lsum.fill(0.0);
-                            acc.fill(0.0);
-                            let mut t0 = 0;
-                            while t0 <= p {
-                                let t1 = (t0 + B).min(p + 1);
-                                let nb = t1 - t0;
-                                for j in 0..group {
-                                    let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
-                                    let sj = &mut sco[j * B..j * B + nb];
-                                    for (b, sv) in sj.iter_mut().enumerate() {
-                                        let k = &kf[(t0 + b) * kvd + g * hd
-                                            ..(t0 + b) * kvd + (g + 1) * hd];
-                                        *sv = dot(qh, k) * scale;
-                                    }
-                                    let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                                    let mnew = m[j].max(bmax);
-                                    if mnew > m[j] {
-                                        let f = (m[j] - mnew).exp();
-                                        lsum[j] *= f;
-                                        for x in acc[j * hd..(j + 1) * hd].iter_mut() {
-                                            *x *= f;
-                                        }
-                                        m[j] = mnew;
-                                    }
-                                    for sv in sj.iter_mut() {
-                                        *sv = fast_exp(*sv - mnew);
-                                    }
-                                    lsum[j] += sj.iter().sum::<f32>();
-                                    let a = &mut acc[j * hd..(j + 1) * hd];
-                                    for (b, &e) in sj.iter().enumerate() {
-                                        let v = &vf[(t0 + b) * kvd + g * hd
-                                            ..(t0 + b) * kvd + (g + 1) * hd];
-                                        for (x, &vv) in a.iter_mut().zip(v) {
-                                            *x += e * vv;
-                                        }
-                                    }
-                                }
-                                t0 = t1;
+        let run = |ci: usize, chunk: &mut [f32]| {
+            const B: usize = 32;
+            let mut sco = vec![0f32; group * B];
+            let mut m = vec![0f32; group];
+            let mut lsum = vec![0f32; group];
+            let mut acc = vec![0f32; group * hd];
+            for (ri, o) in chunk.chunks_exact_mut(h).enumerate() {
+                let row = ci * per + ri;
+                let (si, p) = rows[row];
+                let qi = &q[row * h..(row + 1) * h];
+                let (kf, vf) = &gathered[si];
+                for g in 0..c.kv_heads {
+                    m.fill(f32::NEG_INFINITY);
+                    lsum.fill(0.0);
+                    acc.fill(0.0);
+                    let mut t0 = 0;
+                    while t0 <= p {
+                        let t1 = (t0 + B).min(p + 1);
+                        let nb = t1 - t0;
+                        for j in 0..group {
+                            let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
+                            let sj = &mut sco[j * B..j * B + nb];
+                            for (b, sv) in sj.iter_mut().enumerate() {
+                                let k = &kf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
+                                *sv = dot(qh, k) * scale;
                             }
-                            for j in 0..group {
-                                let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
-                                for (d, &a) in dst.iter_mut().zip(&acc[j * hd..(j + 1) * hd]) {
-                                    *d = a / lsum[j];
+                            let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            let mnew = m[j].max(bmax);
+                            if mnew > m[j] {
+                                let f = (m[j] - mnew).exp();
+                                lsum[j] *= f;
+                                for x in acc[j * hd..(j + 1) * hd].iter_mut() {
+                                    *x *= f;
+                                }
+                                m[j] = mnew;
+                            }
+                            for sv in sj.iter_mut() {
+                                *sv = fast_exp(*sv - mnew);
+                            }
+                            lsum[j] += sj.iter().sum::<f32>();
+                            let a = &mut acc[j * hd..(j + 1) * hd];
+                            for (b, &e) in sj.iter().enumerate() {
+                                let v = &vf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
+                                for (x, &vv) in a.iter_mut().zip(v) {
+                                    *x += e * vv;
                                 }
                             }
                         }
+                        t0 = t1;
                     }
-                });
+                    for j in 0..group {
+                        let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
+                        for (d, &a) in dst.iter_mut().zip(&acc[j * hd..(j + 1) * hd]) {
+                            *d = a / lsum[j];
+                        }
+                    }
+                }
             }
-        });
+        };
+        if threads == 1 {
+            run(0, &mut out);
+        } else {
+            let run = &run;
+            std::thread::scope(|sc| {
+                for (ci, chunk) in out.chunks_mut(per * h).enumerate() {
+                    sc.spawn(move || run(ci, chunk));
+                }
+            });
+        }
         out
     }
 }
