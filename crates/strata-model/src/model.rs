@@ -362,62 +362,90 @@ impl Model {
         let per = rows.len().div_ceil(threads);
         let gathered = &gathered;
         let run = |ci: usize, chunk: &mut [f32]| {
+            // Key blocks of B positions are shared by a tile of up to R rows of one sequence,
+            // so each block of K/V is read from memory once per tile, not once per row.
             const B: usize = 32;
-            let mut sco = vec![0f32; group * B];
-            let mut m = vec![0f32; group];
-            let mut lsum = vec![0f32; group];
-            let mut acc = vec![0f32; group * hd];
-            for (ri, o) in chunk.chunks_exact_mut(h).enumerate() {
-                let row = ci * per + ri;
-                let (si, p) = rows[row];
-                let qi = &q[row * h..(row + 1) * h];
+            const R: usize = 8;
+            let n_rows = chunk.len() / h;
+            let mut sco = vec![0f32; B];
+            let mut m = vec![0f32; R * group];
+            let mut lsum = vec![0f32; R * group];
+            let mut acc = vec![0f32; R * group * hd];
+            let mut r0 = 0;
+            while r0 < n_rows {
+                let si = rows[ci * per + r0].0;
+                let mut r1 = r0 + 1;
+                while r1 < n_rows && r1 - r0 < R && rows[ci * per + r1].0 == si {
+                    r1 += 1;
+                }
+                let tile = r1 - r0;
+                let pmax = (r0..r1)
+                    .map(|r| rows[ci * per + r].1)
+                    .max()
+                    .expect("non-empty tile");
                 let (kf, vf) = &gathered[si];
                 for g in 0..c.kv_heads {
                     m.fill(f32::NEG_INFINITY);
                     lsum.fill(0.0);
                     acc.fill(0.0);
                     let mut t0 = 0;
-                    while t0 <= p {
-                        let t1 = (t0 + B).min(p + 1);
-                        let nb = t1 - t0;
-                        for j in 0..group {
-                            let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
-                            let sj = &mut sco[j * B..j * B + nb];
-                            for (b, sv) in sj.iter_mut().enumerate() {
-                                let k = &kf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
-                                *sv = dot(qh, k) * scale;
+                    while t0 <= pmax {
+                        let t1 = (t0 + B).min(pmax + 1);
+                        for r in 0..tile {
+                            let row = ci * per + r0 + r;
+                            let p = rows[row].1;
+                            if t0 > p {
+                                continue;
                             }
-                            let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                            let mnew = m[j].max(bmax);
-                            if mnew > m[j] {
-                                let f = (m[j] - mnew).exp();
-                                lsum[j] *= f;
-                                for x in acc[j * hd..(j + 1) * hd].iter_mut() {
-                                    *x *= f;
+                            let nb = t1.min(p + 1) - t0;
+                            let qi = &q[row * h..(row + 1) * h];
+                            for j in 0..group {
+                                let st = r * group + j;
+                                let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
+                                let sj = &mut sco[..nb];
+                                for (b, sv) in sj.iter_mut().enumerate() {
+                                    let k =
+                                        &kf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
+                                    *sv = dot(qh, k) * scale;
                                 }
-                                m[j] = mnew;
-                            }
-                            for sv in sj.iter_mut() {
-                                *sv = fast_exp(*sv - mnew);
-                            }
-                            lsum[j] += sj.iter().sum::<f32>();
-                            let a = &mut acc[j * hd..(j + 1) * hd];
-                            for (b, &e) in sj.iter().enumerate() {
-                                let v = &vf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
-                                for (x, &vv) in a.iter_mut().zip(v) {
-                                    *x += e * vv;
+                                let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                                let mnew = m[st].max(bmax);
+                                let a = &mut acc[st * hd..(st + 1) * hd];
+                                if mnew > m[st] {
+                                    let f = (m[st] - mnew).exp();
+                                    lsum[st] *= f;
+                                    for x in a.iter_mut() {
+                                        *x *= f;
+                                    }
+                                    m[st] = mnew;
+                                }
+                                for sv in sj.iter_mut() {
+                                    *sv = fast_exp(*sv - mnew);
+                                }
+                                lsum[st] += sj.iter().sum::<f32>();
+                                for (b, &e) in sj.iter().enumerate() {
+                                    let v =
+                                        &vf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
+                                    for (x, &vv) in a.iter_mut().zip(v) {
+                                        *x += e * vv;
+                                    }
                                 }
                             }
                         }
                         t0 = t1;
                     }
-                    for j in 0..group {
-                        let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
-                        for (d, &a) in dst.iter_mut().zip(&acc[j * hd..(j + 1) * hd]) {
-                            *d = a / lsum[j];
+                    for r in 0..tile {
+                        let o = &mut chunk[(r0 + r) * h..(r0 + r + 1) * h];
+                        for j in 0..group {
+                            let st = r * group + j;
+                            let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
+                            for (d, &a) in dst.iter_mut().zip(&acc[st * hd..(st + 1) * hd]) {
+                                *d = a / lsum[st];
+                            }
                         }
                     }
                 }
+                r0 = r1;
             }
         };
         if threads == 1 {
