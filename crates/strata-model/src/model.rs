@@ -367,7 +367,7 @@ impl Model {
             const B: usize = 32;
             const R: usize = 8;
             let n_rows = chunk.len() / h;
-            let mut sco = vec![0f32; B];
+            let mut sco = [0f32; B];
             let mut m = vec![0f32; R * group];
             let mut lsum = vec![0f32; R * group];
             let mut acc = vec![0f32; R * group * hd];
