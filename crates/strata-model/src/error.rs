@@ -36,6 +36,6 @@ pub enum ModelError {
 
 impl From<candle_core::Error> for ModelError {
     fn from(e: candle_core::Error) -> Self {
-        ModelError::Forward(e.to_string())
+        ModelError::Forward(e.to_string().lines().next().unwrap_or("").to_string())
     }
 }

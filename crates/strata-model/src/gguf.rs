@@ -10,6 +10,16 @@ use candle_core::Device;
 
 use crate::error::ModelError;
 
+/// candle errors may carry a backtrace after the message; keep the message.
+fn first_line(e: &impl std::fmt::Display) -> String {
+    e.to_string()
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
 /// Hyper-parameters of a llama-architecture model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -23,6 +33,13 @@ pub struct Config {
     pub context_length: usize,
     pub rope_base: f32,
     pub rms_eps: f32,
+}
+
+impl Config {
+    /// Bytes of K and V one token occupies in the device pool (f16), before TP splitting.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.head_dim * 2
+    }
 }
 
 /// An opened, validated GGUF file.
@@ -40,7 +57,7 @@ impl Gguf {
         let p = path.display().to_string();
         let f = File::open(path).map_err(|e| ModelError::Open {
             path: p.clone(),
-            reason: e.to_string(),
+            reason: first_line(&e),
         })?;
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         let mut file = BufReader::new(f);
@@ -53,7 +70,7 @@ impl Gguf {
                 })?
                 .map_err(|e| ModelError::NotGguf {
                     path: p.clone(),
-                    reason: e.to_string(),
+                    reason: first_line(&e),
                 })?;
         let md = |key: &str| -> Result<&Value, ModelError> {
             content
@@ -70,7 +87,7 @@ impl Gguf {
             .map_err(|e| ModelError::Metadata {
                 path: p.clone(),
                 key: "general.architecture".into(),
-                reason: e.to_string(),
+                reason: first_line(&e),
             })?
             .clone();
         if arch != "llama" {
@@ -88,7 +105,7 @@ impl Gguf {
                 .map_err(|e| ModelError::Metadata {
                     path: p.clone(),
                     key: key.into(),
-                    reason: e.to_string(),
+                    reason: first_line(&e),
                 })?;
             if n == 0 {
                 return Err(ModelError::Metadata {
@@ -103,7 +120,7 @@ impl Gguf {
             md(key)?.to_f32().map_err(|e| ModelError::Metadata {
                 path: p.clone(),
                 key: key.into(),
-                reason: e.to_string(),
+                reason: first_line(&e),
             })
         };
         let hidden = uint("llama.embedding_length")?;
@@ -123,7 +140,7 @@ impl Gguf {
             .map_err(|e| ModelError::Metadata {
                 path: p.clone(),
                 key: "tokenizer.ggml.tokens".into(),
-                reason: e.to_string(),
+                reason: first_line(&e),
             })?
             .len();
         let config = Config {
@@ -222,7 +239,7 @@ impl Gguf {
             .map_err(|e| ModelError::Tensor {
                 path: self.path.display().to_string(),
                 name: name.into(),
-                reason: e.to_string(),
+                reason: first_line(&e),
             })
     }
 
@@ -257,7 +274,7 @@ impl Gguf {
             .map_err(|e| ModelError::Metadata {
                 path: self.path.display().to_string(),
                 key: key.into(),
-                reason: e.to_string(),
+                reason: first_line(&e),
             })
     }
 }

@@ -130,7 +130,7 @@ impl Model {
         self.threads = n.max(1);
     }
 
-    /// The KV pool kind this model computes into: f16 K and V per layer.
+    /// The KV pool kind this model computes into: f16 K and V per layer (one rank).
     pub fn pool_kind(&self) -> PoolKind {
         PoolKind::kv(
             "kv",

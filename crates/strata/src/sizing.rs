@@ -7,7 +7,8 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};
 use strata_kv::units::parse_size;
 use strata_mem::{
-    preset, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, PlanRequest, Topology, PRESETS,
+    preset, DeviceBudget, HostBudget, KindSpec, ModelSpec, NumaChoice, NumaPolicy, PlanRequest,
+    Topology, PRESETS,
 };
 
 #[derive(Args, Debug, Clone)]
@@ -15,8 +16,16 @@ use strata_mem::{
 #[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
 pub struct SizingArgs {
     /// Built-in model whose pool kinds are sized (smollm2-135m, dsv4-like).
-    #[arg(long, default_value = "smollm2-135m", help_heading = "Model")]
+    #[arg(
+        long,
+        default_value = "smollm2-135m",
+        conflicts_with = "model",
+        help_heading = "Model"
+    )]
     pub model_preset: String,
+    /// A GGUF file: its pool kinds (f16 K/V per layer, KV heads split over TP ranks) are sized.
+    #[arg(long, help_heading = "Model")]
+    pub model: Option<PathBuf>,
     /// Tensor-parallel ranks of this server.
     #[arg(long, default_value_t = 1, help_heading = "Model")]
     pub tp_size: u32,
@@ -107,13 +116,35 @@ impl SizingArgs {
 
     /// Parses and checks every flag; nothing is allocated.
     pub fn request(&self) -> Result<PlanRequest> {
-        let model = preset(&self.model_preset).with_context(|| {
-            format!(
-                "--model-preset `{}`: unknown (known: {})",
-                self.model_preset,
-                PRESETS.join(", ")
-            )
-        })?;
+        let model = match &self.model {
+            // The model declares its pools: f16 K/V per layer, KV heads split over TP ranks.
+            Some(path) => {
+                let g = strata_model::Gguf::open(path)?;
+                let c = &g.config;
+                ModelSpec {
+                    name: path
+                        .file_name()
+                        .map(|f| f.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    kinds: vec![KindSpec {
+                        name: "kv".into(),
+                        layers: c.layers,
+                        planes: 2,
+                        heads: c.kv_heads,
+                        head_dim: c.head_dim,
+                        dtype_bytes: 2,
+                        split_across_tp: true,
+                    }],
+                }
+            }
+            None => preset(&self.model_preset).with_context(|| {
+                format!(
+                    "--model-preset `{}`: unknown (known: {})",
+                    self.model_preset,
+                    PRESETS.join(", ")
+                )
+            })?,
+        };
         let device = match (&self.device_mem, self.device_mem_fraction) {
             (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
             (None, Some(f)) => DeviceBudget::FractionOfFree(f),

@@ -202,3 +202,20 @@ fn shared_mooncake_trace_replays() {
         "{s}"
     );
 }
+
+/// The reference model end to end (scripts/test.sh fetches it first).
+#[test]
+fn generate_answers_a_chat_question() {
+    let o = strata(&[
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{s}");
+    assert!(s.contains("tok/s"), "{s}");
+}

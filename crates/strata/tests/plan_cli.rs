@@ -177,3 +177,34 @@ fn allocates_binds_and_verifies_on_this_machine() {
         err(&o)
     );
 }
+
+#[test]
+fn the_model_file_declares_its_pools() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("tiny.gguf");
+    strata_model::tiny::write_tiny(&m, &strata_model::tiny::TinySpec::default()).unwrap();
+    let o = strata(&[
+        "plan",
+        "--model",
+        m.to_str().unwrap(),
+        "--device-mem",
+        "1MiB",
+        "--hicache-size",
+        "4MiB",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    // 2 layers × K,V × 2 KV heads × 16 dims × f16.
+    assert_eq!(v["bytes_per_token"], 256);
+    let bad = d.path().join("bad.gguf");
+    std::fs::write(&bad, b"not a model").unwrap();
+    let o = strata(&["plan", "--model", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(err(&o).trim_end().lines().count(), 1, "{}", err(&o));
+    assert!(
+        err(&o).contains("is not a readable GGUF file"),
+        "{}",
+        err(&o)
+    );
+}
