@@ -187,6 +187,19 @@ impl Model {
         }
     }
 
+    /// One sequence: its logits (last token, or every token with `all_logits`).
+    pub fn forward_one(
+        &self,
+        pool: &DevicePool,
+        tokens: &[u32],
+        pos: usize,
+        pages: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut v = self.forward(pool, &[SeqInput { tokens, pos, pages }], all_logits)?;
+        Ok(v.remove(0))
+    }
+
     /// Runs the model. Returns the logits of each sequence's last token (`all_logits`: of every
     /// token, sequence by sequence).
     pub fn forward(

@@ -11,7 +11,7 @@ use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
 use strata_model::fetch::{cache_dir, ensure_model};
-use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, SeqInput};
+use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer};
 
 #[derive(Subcommand, Debug)]
 pub enum ModelCommand {
@@ -126,15 +126,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         let mut pos = 0;
         while pos < n {
             let end = (pos + a.chunk.max(1)).min(n);
-            m.forward(
-                &pool,
-                &[SeqInput {
-                    tokens: &tokens[pos..end],
-                    pos,
-                    pages: &page_list,
-                }],
-                false,
-            )?;
+            m.forward_one(&pool, &tokens[pos..end], pos, &page_list, false)?;
             pos = end;
         }
         Ok(n as f64 / t.elapsed().as_secs_f64())
@@ -156,15 +148,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         let t = Instant::now();
         for i in 0..a.decode_tokens {
             let pos = a.decode_context + i;
-            m.forward(
-                &pool,
-                &[SeqInput {
-                    tokens: &tokens[pos..pos + 1],
-                    pos,
-                    pages: &page_list,
-                }],
-                false,
-            )?;
+            m.forward_one(&pool, &tokens[pos..pos + 1], pos, &page_list, false)?;
         }
         best = best.max(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
     }
@@ -222,17 +206,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     let mut pos = 0;
     while pos < prompt.len() {
         let end = (pos + a.chunk).min(prompt.len());
-        logits = m
-            .forward(
-                &pool,
-                &[SeqInput {
-                    tokens: &prompt[pos..end],
-                    pos,
-                    pages: &page_list,
-                }],
-                false,
-            )?
-            .remove(0);
+        logits = m.forward_one(&pool, &prompt[pos..end], pos, &page_list, false)?;
         pos = end;
     }
     let prefill = t0.elapsed();
@@ -259,17 +233,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
             printed = s.len();
         }
         if i + 1 < a.max_tokens {
-            logits = m
-                .forward(
-                    &pool,
-                    &[SeqInput {
-                        tokens: &[next],
-                        pos: prompt.len() + i,
-                        pages: &page_list,
-                    }],
-                    false,
-                )?
-                .remove(0);
+            logits = m.forward_one(&pool, &[next], prompt.len() + i, &page_list, false)?;
         }
     }
     println!();
