@@ -94,17 +94,8 @@ fn greedy(
     stop: &[u32],
 ) -> Vec<u32> {
     let mut logits = m
-        .forward(
-            pool,
-            &[SeqInput {
-                tokens: &prompt[cached..],
-                pos: cached,
-                pages,
-            }],
-            false,
-        )
-        .unwrap()
-        .remove(0);
+        .forward_one(pool, &prompt[cached..], cached, pages, false)
+        .unwrap();
     let mut out = Vec::new();
     for i in 0..n {
         let t = logits
@@ -118,17 +109,8 @@ fn greedy(
         }
         out.push(t);
         logits = m
-            .forward(
-                pool,
-                &[SeqInput {
-                    tokens: &[t],
-                    pos: prompt.len() + i,
-                    pages,
-                }],
-                false,
-            )
-            .unwrap()
-            .remove(0);
+            .forward_one(pool, &[t], prompt.len() + i, pages, false)
+            .unwrap();
     }
     out
 }
@@ -176,18 +158,7 @@ fn cache_equivalence_on_the_real_model() {
     let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()]).unwrap());
     let pool = DevicePool::new(layout, 16, &HeapAllocator).unwrap();
     let a: Vec<u32> = (0..4).collect();
-    let full = m
-        .forward(
-            &pool,
-            &[SeqInput {
-                tokens: &p,
-                pos: 0,
-                pages: &a,
-            }],
-            true,
-        )
-        .unwrap()
-        .remove(0);
+    let full = m.forward_one(&pool, &p, 0, &a, true).unwrap();
     let vocab = m.config.vocab;
     for prefix in [16, 13] {
         let b: Vec<u32> = (8..12).collect();
@@ -202,17 +173,8 @@ fn cache_equivalence_on_the_real_model() {
         )
         .unwrap();
         let rest = m
-            .forward(
-                &pool,
-                &[SeqInput {
-                    tokens: &p[prefix..],
-                    pos: prefix,
-                    pages: &b,
-                }],
-                true,
-            )
-            .unwrap()
-            .remove(0);
+            .forward_one(&pool, &p[prefix..], prefix, &b, true)
+            .unwrap();
         let d = full[prefix * vocab..]
             .iter()
             .zip(&rest)

@@ -135,49 +135,20 @@ fn cache_equivalence_chunks_and_prefixes() {
     let toks = prompt(n);
     let pl = pool(&m, ps, 64);
     let pages_a: Vec<u32> = (0..7).collect();
-    let full = m
-        .forward(
-            &pl,
-            &[SeqInput {
-                tokens: &toks,
-                pos: 0,
-                pages: &pages_a,
-            }],
-            true,
-        )
-        .unwrap()
-        .remove(0);
+    let full = m.forward_one(&pl, &toks, 0, &pages_a, true).unwrap();
     assert_eq!(full.len(), n * 288);
     for prefix in [8, 13, 16, 31, 40] {
         for chunk in [1, 5, 16, 64] {
             let pages_b: Vec<u32> = (20..27).collect();
             let mut got = m
-                .forward(
-                    &pl,
-                    &[SeqInput {
-                        tokens: &toks[..prefix],
-                        pos: 0,
-                        pages: &pages_b,
-                    }],
-                    true,
-                )
-                .unwrap()
-                .remove(0);
+                .forward_one(&pl, &toks[..prefix], 0, &pages_b, true)
+                .unwrap();
             let mut pos = prefix;
             while pos < n {
                 let end = (pos + chunk).min(n);
                 got.extend(
-                    m.forward(
-                        &pl,
-                        &[SeqInput {
-                            tokens: &toks[pos..end],
-                            pos,
-                            pages: &pages_b,
-                        }],
-                        true,
-                    )
-                    .unwrap()
-                    .remove(0),
+                    m.forward_one(&pl, &toks[pos..end], pos, &pages_b, true)
+                        .unwrap(),
                 );
                 pos = end;
             }
@@ -198,45 +169,17 @@ fn batched_decode_and_greedy_continuations_match() {
     let greedy = |prompt: &[u32], pages: &[u32], cached: usize| -> Vec<u32> {
         let mut out = Vec::new();
         let mut logits = if cached > 0 {
-            m.forward(
-                &pl,
-                &[SeqInput {
-                    tokens: &prompt[cached..],
-                    pos: cached,
-                    pages,
-                }],
-                false,
-            )
-            .unwrap()
-            .remove(0)
+            m.forward_one(&pl, &prompt[cached..], cached, pages, false)
+                .unwrap()
         } else {
-            m.forward(
-                &pl,
-                &[SeqInput {
-                    tokens: prompt,
-                    pos: 0,
-                    pages,
-                }],
-                false,
-            )
-            .unwrap()
-            .remove(0)
+            m.forward_one(&pl, prompt, 0, pages, false).unwrap()
         };
         for i in 0..10 {
             let t = argmax(&logits);
             out.push(t);
             logits = m
-                .forward(
-                    &pl,
-                    &[SeqInput {
-                        tokens: &[t],
-                        pos: prompt.len() + i,
-                        pages,
-                    }],
-                    false,
-                )
-                .unwrap()
-                .remove(0);
+                .forward_one(&pl, &[t], prompt.len() + i, pages, false)
+                .unwrap();
         }
         out
     };
@@ -295,18 +238,7 @@ fn batched_decode_and_greedy_continuations_match() {
             false,
         )
         .unwrap();
-    let alone = m
-        .forward(
-            &pl,
-            &[SeqInput {
-                tokens: &[7],
-                pos: q.len(),
-                pages: &d_pages,
-            }],
-            false,
-        )
-        .unwrap()
-        .remove(0);
+    let alone = m.forward_one(&pl, &[7], q.len(), &d_pages, false).unwrap();
     assert!(max_diff(&both[1], &alone) < 1e-4);
 }
 
@@ -327,17 +259,8 @@ fn prefix_loaded_back_from_host_gives_identical_logits() {
     // Reference: one pass in fresh pages.
     let all = cache.alloc_device(8).unwrap();
     let want = m
-        .forward(
-            cache.device_pool().unwrap(),
-            &[SeqInput {
-                tokens: &p,
-                pos: 0,
-                pages: &all,
-            }],
-            true,
-        )
-        .unwrap()
-        .remove(0);
+        .forward_one(cache.device_pool().unwrap(), &p, 0, &all, true)
+        .unwrap();
     cache.free_device(&all).unwrap();
     // Compute the first 24 tokens (6 pages), insert, let the backup land, push them off device.
     let pages = cache.alloc_device(6).unwrap();
@@ -368,17 +291,8 @@ fn prefix_loaded_back_from_host_gives_identical_logits() {
     assert_eq!(pages.len(), 6);
     pages.extend(cache.alloc_device(2).unwrap());
     let got = m
-        .forward(
-            cache.device_pool().unwrap(),
-            &[SeqInput {
-                tokens: &p[24..],
-                pos: 24,
-                pages: &pages,
-            }],
-            true,
-        )
-        .unwrap()
-        .remove(0);
+        .forward_one(cache.device_pool().unwrap(), &p[24..], 24, &pages, true)
+        .unwrap();
     let d = max_diff(&want[24 * 288..], &got);
     assert!(d < 5e-4, "max diff {d}");
     // Same shapes on the original pages (still on host, recomputed here into fresh pages): the
@@ -395,17 +309,8 @@ fn prefix_loaded_back_from_host_gives_identical_logits() {
     )
     .unwrap();
     let again = m
-        .forward(
-            cache.device_pool().unwrap(),
-            &[SeqInput {
-                tokens: &p[24..],
-                pos: 24,
-                pages: &fresh,
-            }],
-            true,
-        )
-        .unwrap()
-        .remove(0);
+        .forward_one(cache.device_pool().unwrap(), &p[24..], 24, &fresh, true)
+        .unwrap();
     assert_eq!(again, got, "load-back must be exact");
 }
 
@@ -480,31 +385,9 @@ fn quantized_decode_stays_close_to_f32() {
         false,
     )
     .unwrap();
-    let f32_step = m
-        .forward(
-            &pl,
-            &[SeqInput {
-                tokens: &p[11..],
-                pos: 11,
-                pages: &pages,
-            }],
-            false,
-        )
-        .unwrap()
-        .remove(0);
+    let f32_step = m.forward_one(&pl, &p[11..], 11, &pages, false).unwrap();
     m.set_quantized_decode(true);
-    let q8_step = m
-        .forward(
-            &pl,
-            &[SeqInput {
-                tokens: &p[11..],
-                pos: 11,
-                pages: &pages,
-            }],
-            false,
-        )
-        .unwrap()
-        .remove(0);
+    let q8_step = m.forward_one(&pl, &p[11..], 11, &pages, false).unwrap();
     let d = max_diff(&f32_step, &q8_step);
     assert!(d > 0.0 && d < 0.5, "Q8_0 decode differs by {d}");
 }
