@@ -372,9 +372,8 @@ impl Model {
         // Threads only pay for themselves on enough work (a decode step is done inline).
         let work: usize = rows.iter().map(|r| r.1 + 1).sum();
         let threads = if work < 4096 { 1 } else { self.threads };
-        let per = rows.len().div_ceil(threads);
         let gathered = &gathered;
-        let run = |ci: usize, chunk: &mut [f32]| {
+        let run = |first: usize, chunk: &mut [f32]| {
             // Key blocks of B positions are shared by a tile of up to R rows of one sequence,
             // so each block of K/V is read from memory once per tile, not once per row.
             const B: usize = 32;
@@ -386,14 +385,14 @@ impl Model {
             let mut acc = vec![0f32; R * group * hd];
             let mut r0 = 0;
             while r0 < n_rows {
-                let si = rows[ci * per + r0].0;
+                let si = rows[first + r0].0;
                 let mut r1 = r0 + 1;
-                while r1 < n_rows && r1 - r0 < R && rows[ci * per + r1].0 == si {
+                while r1 < n_rows && r1 - r0 < R && rows[first + r1].0 == si {
                     r1 += 1;
                 }
                 let tile = r1 - r0;
                 let pmax = (r0..r1)
-                    .map(|r| rows[ci * per + r].1)
+                    .map(|r| rows[first + r].1)
                     .max()
                     .expect("non-empty tile");
                 let (kf, vf) = &gathered[si];
@@ -405,7 +404,7 @@ impl Model {
                     while t0 <= pmax {
                         let t1 = (t0 + B).min(pmax + 1);
                         for r in 0..tile {
-                            let row = ci * per + r0 + r;
+                            let row = first + r0 + r;
                             let p = rows[row].1;
                             if t0 > p {
                                 continue;
@@ -464,10 +463,25 @@ impl Model {
         if threads == 1 {
             run(0, &mut out);
         } else {
+            // Split rows so each thread gets the same attention work (a row's work grows with
+            // its position, so equal row counts would leave the last thread the most).
+            let mut bounds = vec![0];
+            let mut acc = 0;
+            for (i, r) in rows.iter().enumerate() {
+                acc += r.1 + 1;
+                if acc * threads >= work * bounds.len() && bounds.len() < threads {
+                    bounds.push(i + 1);
+                }
+            }
+            bounds.push(rows.len());
             let run = &run;
             std::thread::scope(|sc| {
-                for (ci, chunk) in out.chunks_mut(per * h).enumerate() {
-                    sc.spawn(move || run(ci, chunk));
+                let mut rest: &mut [f32] = &mut out;
+                for w in bounds.windows(2) {
+                    let (chunk, tail) = rest.split_at_mut((w[1] - w[0]) * h);
+                    rest = tail;
+                    let first = w[0];
+                    sc.spawn(move || run(first, chunk));
                 }
             });
         }
