@@ -19,7 +19,7 @@ use crate::policy::{EvictionPolicy, WritePolicy};
 use crate::pool::{DevicePool, Direction, HostPool};
 use crate::stats::{CacheStats, PoolUsage, TierUsage};
 use crate::storage::Storage;
-use crate::tree::{Inserted, NodeId, RadixTree, Slot, ROOT};
+use crate::tree::{Inserted, NodeId, RadixTree, Slot};
 
 /// How to build a [`TieredCache`].
 #[derive(Clone, Debug)]
@@ -718,7 +718,6 @@ impl TieredCache {
         if !self.stats.balanced() {
             return Err("hit + miss tokens != queried tokens".into());
         }
-        let _ = ROOT;
         Ok(())
     }
 }

@@ -136,16 +136,7 @@ fn answers_a_simple_question_with_and_without_cached_prefix() {
     assert!(s.contains("Paris"), "answer: {s}");
     // The first 21 tokens (off a page boundary) computed earlier, in other pages.
     let b: Vec<u32> = (16..24).collect();
-    m.forward(
-        &pool,
-        &[SeqInput {
-            tokens: &p[..21],
-            pos: 0,
-            pages: &b,
-        }],
-        false,
-    )
-    .unwrap();
+    m.forward_one(&pool, &p[..21], 0, &b, false).unwrap();
     assert_eq!(greedy(&m, &pool, &p, 21, &b, 24, &tk.stop), answer);
 }
 
@@ -162,16 +153,7 @@ fn cache_equivalence_on_the_real_model() {
     let vocab = m.config.vocab;
     for prefix in [16, 13] {
         let b: Vec<u32> = (8..12).collect();
-        m.forward(
-            &pool,
-            &[SeqInput {
-                tokens: &p[..prefix],
-                pos: 0,
-                pages: &b,
-            }],
-            false,
-        )
-        .unwrap();
+        m.forward_one(&pool, &p[..prefix], 0, &b, false).unwrap();
         let rest = m
             .forward_one(&pool, &p[prefix..], prefix, &b, true)
             .unwrap();

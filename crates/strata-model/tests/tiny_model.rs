@@ -188,16 +188,7 @@ fn batched_decode_and_greedy_continuations_match() {
     let full = greedy(&p, &a_pages, 0);
     // Same prompt, prefix of 13 tokens computed earlier into other pages, then continued.
     let b_pages: Vec<u32> = (40..48).collect();
-    m.forward(
-        &pl,
-        &[SeqInput {
-            tokens: &p[..13],
-            pos: 0,
-            pages: &b_pages,
-        }],
-        false,
-    )
-    .unwrap();
+    m.forward_one(&pl, &p[..13], 0, &b_pages, false).unwrap();
     assert_eq!(greedy(&p, &b_pages, 13), full);
     // Batched decode step of two sequences equals each alone.
     let q = prompt(9);
@@ -264,16 +255,8 @@ fn prefix_loaded_back_from_host_gives_identical_logits() {
     cache.free_device(&all).unwrap();
     // Compute the first 24 tokens (6 pages), insert, let the backup land, push them off device.
     let pages = cache.alloc_device(6).unwrap();
-    m.forward(
-        cache.device_pool().unwrap(),
-        &[SeqInput {
-            tokens: &p[..24],
-            pos: 0,
-            pages: &pages,
-        }],
-        false,
-    )
-    .unwrap();
+    m.forward_one(cache.device_pool().unwrap(), &p[..24], 0, &pages, false)
+        .unwrap();
     cache.insert(&p[..24], &pages, 0);
     cache.wait_all();
     assert_eq!(cache.evict_device(16), 6);
@@ -298,16 +281,8 @@ fn prefix_loaded_back_from_host_gives_identical_logits() {
     // Same shapes on the original pages (still on host, recomputed here into fresh pages): the
     // loaded-back prefix gives bit-identical logits.
     let fresh = cache.alloc_device(8).unwrap();
-    m.forward(
-        cache.device_pool().unwrap(),
-        &[SeqInput {
-            tokens: &p[..24],
-            pos: 0,
-            pages: &fresh,
-        }],
-        false,
-    )
-    .unwrap();
+    m.forward_one(cache.device_pool().unwrap(), &p[..24], 0, &fresh, false)
+        .unwrap();
     let again = m
         .forward_one(cache.device_pool().unwrap(), &p[24..], 24, &fresh, true)
         .unwrap();
@@ -375,16 +350,7 @@ fn quantized_decode_stays_close_to_f32() {
     let pl = pool(&m, 4, 16);
     let p = prompt(12);
     let pages: Vec<u32> = (0..4).collect();
-    m.forward(
-        &pl,
-        &[SeqInput {
-            tokens: &p[..11],
-            pos: 0,
-            pages: &pages,
-        }],
-        false,
-    )
-    .unwrap();
+    m.forward_one(&pl, &p[..11], 0, &pages, false).unwrap();
     let f32_step = m.forward_one(&pl, &p[11..], 11, &pages, false).unwrap();
     m.set_quantized_decode(true);
     let q8_step = m.forward_one(&pl, &p[11..], 11, &pages, false).unwrap();

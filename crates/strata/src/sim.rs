@@ -177,7 +177,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         eviction: evictions[0],
     };
     if a.sweep {
-        return run_sweep(&a, &reqs, &base, &evictions, &pt);
+        return run_sweep(&a, &reqs, &base, &evictions);
     }
     let bpt = a.bytes_per_token as u64;
     println!(
@@ -262,7 +262,6 @@ fn run_sweep(
     reqs: &[strata_sim::trace::TraceRequest],
     base: &SimConfig,
     ev: &[EvictionPolicy],
-    pt: &PageTrace,
 ) -> Result<()> {
     for &f in &a.fractions {
         if !(f > 0.0 && f <= 1.0) {
@@ -310,7 +309,6 @@ fn run_sweep(
     std::fs::write(&a.plot, plot::sweep_svg(&title, &pts))
         .with_context(|| format!("cannot write {}", a.plot.display()))?;
     println!("plot written to {}", a.plot.display());
-    let _ = pt;
     Ok(())
 }
 
