@@ -248,6 +248,15 @@ impl TieredCache {
     /// Longest cached prefix of `tokens` per tier, counting statistics. Under
     /// `write_through_selective`, nodes whose hit count reached the threshold are backed up.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> CacheMatch {
+        let m = self.lookup(tokens);
+        self.record(&m);
+        m
+    }
+
+    /// Like [`TieredCache::match_prefix`] without counting statistics (a scheduler that may
+    /// retry an admission, or re-match after a prefetch, records once with
+    /// [`TieredCache::record`]).
+    pub fn lookup(&mut self, tokens: &[u32]) -> CacheMatch {
         let ps = self.page_size();
         let tm = self.tree.match_prefix(tokens);
         let mut m = CacheMatch {
@@ -255,14 +264,15 @@ impl TieredCache {
             device_tokens: tm.device_tokens,
             host_tokens: tm.host_tokens,
             last: tm.last,
+            path: tm.path,
             ..CacheMatch::default()
         };
         if let Some(st) = self.planes.storage.clone() {
-            let start = tm.tokens();
+            let start = m.device_tokens + m.host_tokens;
             let whole = tokens.len() / ps * ps;
             if whole > start {
                 let ns = self.tree.namespace().expect("storage implies hashing");
-                let parent = self.tree.last_hash(tm.last).unwrap_or(PageHash::ROOT);
+                let parent = self.tree.last_hash(m.last).unwrap_or(PageHash::ROOT);
                 let mut hashes = ns.chain(parent, &tokens[start..whole], ps);
                 match st.prefix_len(&hashes) {
                     Ok(k) => hashes.truncate(k),
@@ -275,19 +285,27 @@ impl TieredCache {
                 m.storage_hashes = hashes;
             }
         }
+        m
+    }
+
+    /// Counts one query's hits and misses per tier (and applies selective write-through).
+    pub fn record(&mut self, m: &CacheMatch) {
         let s = &mut self.stats;
         s.queries += 1;
-        s.queried_tokens += tokens.len() as u64;
+        s.queried_tokens += m.queried_tokens as u64;
         s.hit_device_tokens += m.device_tokens as u64;
         s.hit_host_tokens += m.host_tokens as u64;
         s.hit_storage_tokens += m.storage_tokens as u64;
-        s.miss_tokens += (tokens.len() - m.cached_tokens()) as u64;
+        s.miss_tokens += (m.queried_tokens - m.cached_tokens()) as u64;
         if let WritePolicy::WriteThroughSelective { threshold } = self.write_policy {
-            let due: Vec<NodeId> = tm
+            let due: Vec<NodeId> = m
                 .path
                 .iter()
                 .copied()
                 .filter(|&n| {
+                    if !self.tree.is_live(n) {
+                        return false;
+                    }
                     let v = self.tree.view(n);
                     v.hits >= threshold && v.host.is_empty() && !v.device.is_empty()
                 })
@@ -296,8 +314,6 @@ impl TieredCache {
                 self.backup_nodes(due, false);
             }
         }
-        m.path = tm.path;
-        m
     }
 
     /// Locks `node` and its ancestors against eviction (a running request's prefix).

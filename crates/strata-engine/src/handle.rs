@@ -1,0 +1,275 @@
+//! The engine's thread-safe front: submit with admission control, flush, snapshots, shutdown.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, unbounded, Sender};
+use strata_kv::stats::{CacheStats, PoolUsage, TierUsage};
+use strata_kv::storage::StorageStats;
+use strata_kv::TieredCache;
+use strata_model::Model;
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::request::{FlushScope, RequestStream, SamplingParams, SubmitError};
+use crate::scheduler::{Cmd, NewReq, Scheduler};
+
+/// Scheduling limits.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per model call: one per decoding request, the rest for prefill chunks.
+    pub max_batch_tokens: usize,
+    /// Requests computing at once (prefill or decode).
+    pub max_running: usize,
+    /// Requests waiting for admission; beyond it submissions are refused (HTTP 429).
+    pub max_waiting: usize,
+    /// Prompt + max_tokens summed over accepted, unfinished requests; beyond it submissions
+    /// are refused. 0: four times the device pool's tokens.
+    pub max_tokens_in_flight: usize,
+    /// Token ids that end generation (the model's end-of-sequence tokens).
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch_tokens: 512,
+            max_running: 32,
+            max_waiting: 128,
+            max_tokens_in_flight: 0,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// Requests ended, by outcome.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Finished {
+    pub stop: u64,
+    pub length: u64,
+    pub cancelled: u64,
+    pub aborted: u64,
+    pub error: u64,
+}
+
+/// The engine's state for metrics and tests, refreshed after every step.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub cache: CacheStats,
+    pub storage: Option<StorageStats>,
+    pub device: TierUsage,
+    pub host: TierUsage,
+    pub pools: Vec<PoolUsage>,
+    /// Device pages held by requests (not in the tree): their own pages.
+    pub device_pages_held: u64,
+    pub waiting: usize,
+    /// Requests admitted and not finished (including those waiting for load-back/prefetch).
+    pub running: usize,
+    pub tokens_in_flight: usize,
+    pub steps: u64,
+    /// Prompt tokens of admitted requests, and how each was served: from a cache tier or
+    /// computed (`cached_* + computed == prompt`, always).
+    pub prompt_tokens: u64,
+    pub cached_device_tokens: u64,
+    pub cached_host_tokens: u64,
+    pub cached_storage_tokens: u64,
+    pub computed_prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub finished: Finished,
+}
+
+/// Limits and shapes callers need before submitting.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub context_length: usize,
+    pub vocab: usize,
+    pub page_size: usize,
+    /// Tokens the device pool holds.
+    pub device_tokens: usize,
+    pub max_waiting: usize,
+    pub max_tokens_in_flight: usize,
+}
+
+pub(crate) struct Shared {
+    pub waiting: AtomicUsize,
+    pub tokens_in_flight: AtomicUsize,
+    pub closing: AtomicBool,
+    pub next_id: AtomicU64,
+    pub snapshot: Mutex<Snapshot>,
+}
+
+/// Starts engines.
+pub struct Engine;
+
+impl Engine {
+    /// Moves the model and cache onto a new scheduler thread.
+    pub fn start(model: Model, cache: TieredCache, mut cfg: EngineConfig) -> EngineHandle {
+        let d = cache.device_usage();
+        let device_tokens = d.pages_total as usize * cache.page_size();
+        if cfg.max_tokens_in_flight == 0 {
+            cfg.max_tokens_in_flight = 4 * device_tokens;
+        }
+        let info = EngineInfo {
+            context_length: model.config.context_length,
+            vocab: model.config.vocab,
+            page_size: cache.page_size(),
+            device_tokens,
+            max_waiting: cfg.max_waiting,
+            max_tokens_in_flight: cfg.max_tokens_in_flight,
+        };
+        let shared = Arc::new(Shared {
+            waiting: AtomicUsize::new(0),
+            tokens_in_flight: AtomicUsize::new(0),
+            closing: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            snapshot: Mutex::new(Snapshot::default()),
+        });
+        let (tx, rx) = unbounded();
+        let sched = Scheduler::new(model, cache, cfg, shared.clone(), rx);
+        let thread = std::thread::Builder::new()
+            .name("strata-scheduler".into())
+            .spawn(move || sched.run())
+            .expect("spawn the scheduler thread");
+        EngineHandle {
+            tx,
+            shared,
+            info: Arc::new(info),
+            thread: Arc::new(Mutex::new(Some(thread))),
+        }
+    }
+}
+
+/// Cheap to clone; every clone talks to the same scheduler.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Cmd>,
+    shared: Arc<Shared>,
+    info: Arc<EngineInfo>,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl EngineHandle {
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// Checks and enqueues a request. Refusals are immediate: bad requests, a full queue, too
+    /// many tokens in flight, shutdown.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RequestStream, SubmitError> {
+        let info = &self.info;
+        if prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if params.max_tokens == 0 {
+            return Err(SubmitError::ZeroMaxTokens);
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= info.vocab) {
+            return Err(SubmitError::BadToken {
+                id,
+                vocab: info.vocab,
+            });
+        }
+        let needed = prompt.len() + params.max_tokens;
+        if needed > info.context_length {
+            return Err(SubmitError::TooLongForContext {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                needed,
+                context: info.context_length,
+            });
+        }
+        if needed.div_ceil(info.page_size) * info.page_size > info.device_tokens {
+            return Err(SubmitError::TooLongForPool {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                needed,
+                capacity: info.device_tokens,
+            });
+        }
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let w = self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        if w >= info.max_waiting {
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull {
+                limit: info.max_waiting,
+            });
+        }
+        let before = self
+            .shared
+            .tokens_in_flight
+            .fetch_add(needed, Ordering::SeqCst);
+        // One request that fits the pool is always accepted when nothing else is in flight.
+        if before > 0 && before + needed > info.max_tokens_in_flight {
+            self.shared
+                .tokens_in_flight
+                .fetch_sub(needed, Ordering::SeqCst);
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::TooManyTokens {
+                in_flight: before,
+                wanted: needed,
+                limit: info.max_tokens_in_flight,
+            });
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
+        let (etx, erx) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        let max_tokens = params.max_tokens;
+        let req = NewReq {
+            id,
+            prompt,
+            params,
+            tx: etx,
+        };
+        if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {
+            self.shared
+                .tokens_in_flight
+                .fetch_sub(needed, Ordering::SeqCst);
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(RequestStream {
+            id,
+            prompt_tokens,
+            max_tokens,
+            events: erx,
+        })
+    }
+
+    /// Empties the tiers in `scope` of every page no running request uses; returns the device
+    /// and host pages freed. Blocks until done.
+    pub fn flush(&self, scope: FlushScope) -> Option<(u64, u64)> {
+        let (tx, rx) = bounded(1);
+        self.tx.send(Cmd::Flush(scope, tx)).ok()?;
+        rx.recv().ok()
+    }
+
+    /// The latest state.
+    pub fn snapshot(&self) -> Snapshot {
+        self.shared.snapshot.lock().expect("snapshot lock").clone()
+    }
+
+    /// True once [`EngineHandle::shutdown`] was called.
+    pub fn is_closing(&self) -> bool {
+        self.shared.closing.load(Ordering::SeqCst)
+    }
+
+    /// Stops admitting, lets running requests finish until `grace` has passed, aborts the
+    /// rest, waits for copies in flight and joins the scheduler thread.
+    pub fn shutdown(&self, grace: Duration) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        let _ = self.tx.send(Cmd::Shutdown {
+            deadline: Instant::now() + grace,
+        });
+        let t = self.thread.lock().expect("thread lock").take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+}

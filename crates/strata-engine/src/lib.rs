@@ -1,0 +1,17 @@
+//! `strata-engine`: one scheduler thread owns the model and the tiered cache.
+//!
+//! * [`sampler`]: greedy, temperature, top-k, top-p sampling with a seeded generator.
+//! * [`request`]: what a caller submits and the events it receives.
+//! * [`scheduler`]: admission (prefix match, lock, load-back, L3 prefetch), batches under a
+//!   token budget (chunked prefill + one decode token per running request), sampling,
+//!   insertion of finished sequences, cancellation.
+//! * [`handle`]: the thread-safe front ([`EngineHandle`]): submit with admission control,
+//!   flush, snapshots for metrics, shutdown.
+
+pub mod handle;
+pub mod request;
+pub mod sampler;
+pub mod scheduler;
+
+pub use handle::{Engine, EngineConfig, EngineHandle, Snapshot};
+pub use request::{Event, FinishReason, FlushScope, RequestStream, SamplingParams, SubmitError};

@@ -1,0 +1,148 @@
+//! What a caller submits and what it receives back.
+
+use thiserror::Error;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// How to pick each next token. `temperature == 0` is greedy (top-k/top-p ignored).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Tokens to generate at most (the engine caps it at the context length).
+    pub max_tokens: usize,
+    pub temperature: f32,
+    /// Nucleus: smallest set of tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f32,
+    /// Only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Seed of the request's generator (None: from the request id).
+    pub seed: Option<u64>,
+    /// Token ids that end generation (the model's end-of-sequence tokens are added unless
+    /// `ignore_eos`). The stop token itself is not returned.
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token.
+    Stop,
+    /// `max_tokens` (or the context length) reached.
+    Length,
+    /// The engine shut down before the request finished.
+    Aborted,
+    /// The model failed on this request's batch.
+    Error(String),
+}
+
+/// Prompt tokens served from each cache tier at admission.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CachedTokens {
+    pub device: usize,
+    pub host: usize,
+    pub storage: usize,
+}
+
+impl CachedTokens {
+    pub fn total(&self) -> usize {
+        self.device + self.host + self.storage
+    }
+}
+
+/// Events of one request, in order: `Admitted`, then `Token`s, then one `Done`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The prompt was matched against the cache; computing starts.
+    Admitted { cached: CachedTokens },
+    /// One generated token.
+    Token(u32),
+    /// The request ended; nothing follows.
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached: CachedTokens,
+    },
+}
+
+/// A submitted request: its events. Dropping it cancels the request (its pages return to the
+/// pool at the engine's next step).
+pub struct RequestStream {
+    pub id: u64,
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+    pub events: UnboundedReceiver<Event>,
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("token id {id} is outside the vocabulary ({vocab} tokens)")]
+    BadToken { id: u32, vocab: usize },
+    #[error(
+        "the prompt has {prompt} tokens; with max_tokens {max_tokens} it needs {needed} tokens \
+         but the context length is {context}"
+    )]
+    TooLongForContext {
+        prompt: usize,
+        max_tokens: usize,
+        needed: usize,
+        context: usize,
+    },
+    #[error(
+        "the request needs {needed} tokens of KV ({prompt} prompt + {max_tokens} max_tokens) \
+         but the device pool holds {capacity} tokens"
+    )]
+    TooLongForPool {
+        prompt: usize,
+        max_tokens: usize,
+        needed: usize,
+        capacity: usize,
+    },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("the waiting queue is full ({limit} requests); retry later")]
+    QueueFull { limit: usize },
+    #[error("too many tokens in flight ({in_flight} + {wanted} > {limit}); retry later")]
+    TooManyTokens {
+        in_flight: usize,
+        wanted: usize,
+        limit: usize,
+    },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+impl SubmitError {
+    /// True for refusals that a later retry may pass (HTTP 429 / 503).
+    pub fn is_overload(&self) -> bool {
+        matches!(
+            self,
+            SubmitError::QueueFull { .. } | SubmitError::TooManyTokens { .. }
+        )
+    }
+}
+
+/// Which tiers `flush` empties (only pages no running request uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlushScope {
+    /// The device tier: prefixes stay cached in host (and L3) where they were backed up.
+    Device,
+    /// Device and host tiers; L3 storage is kept (it may be shared).
+    All,
+}

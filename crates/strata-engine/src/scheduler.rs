@@ -1,0 +1,555 @@
+//! The scheduler thread: admission, batching, sampling, insertion, cancellation.
+//!
+//! Each step: take commands; acknowledge finished copies; drop requests whose client went
+//! away; admit waiting requests in order (match the prompt, lock the prefix, reserve device
+//! pages for the whole request, start load-back of host-resident pages and L3 prefetch);
+//! promote requests whose copies landed; run one model call over a batch of at most
+//! `max_batch_tokens` tokens (one decode token per running request first, then prefill
+//! chunks); sample; finish requests (their whole pages join the tree, which backs them up
+//! per the write policy; the rest return to the pool).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use strata_kv::cache::{CacheMatch, Ticket};
+use strata_kv::tree::{NodeId, ROOT};
+use strata_kv::TieredCache;
+use strata_model::{Model, SeqInput};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::handle::{EngineConfig, Shared, Snapshot};
+use crate::request::{CachedTokens, Event, FinishReason, FlushScope, SamplingParams};
+use crate::sampler::{sample, Rng};
+
+pub(crate) struct NewReq {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub tx: UnboundedSender<Event>,
+}
+
+pub(crate) enum Cmd {
+    Submit(Box<NewReq>),
+    Flush(FlushScope, Sender<(u64, u64)>),
+    Shutdown { deadline: Instant },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// L3 → host copy in flight; then load-back.
+    Prefetch(Ticket),
+    /// Host → device copy in flight.
+    Loading(Option<Ticket>),
+    Running,
+}
+
+struct Req {
+    id: u64,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    params: SamplingParams,
+    tx: UnboundedSender<Event>,
+    rng: Rng,
+    phase: Phase,
+    /// Deepest tree node of the prefix in use (locked; ROOT if none).
+    lock: NodeId,
+    matched: CacheMatch,
+    cached: CachedTokens,
+    /// Device pages in position order: the prefix's (tree-owned), then the request's own.
+    pages: Vec<u32>,
+    prefix_pages: usize,
+    /// Positions whose K/V are in `pages`.
+    computed: usize,
+    generated: usize,
+    /// Prompt + max_tokens, counted in the tokens-in-flight bound.
+    budget: usize,
+}
+
+impl Req {
+    fn own_pages(&self) -> &[u32] {
+        &self.pages[self.prefix_pages..]
+    }
+}
+
+pub(crate) struct Scheduler {
+    model: Model,
+    cache: TieredCache,
+    cfg: EngineConfig,
+    shared: Arc<Shared>,
+    rx: Receiver<Cmd>,
+    waiting: VecDeque<Req>,
+    active: Vec<Req>,
+    deadline: Option<Instant>,
+    snap: Snapshot,
+}
+
+impl Scheduler {
+    pub fn new(
+        model: Model,
+        cache: TieredCache,
+        cfg: EngineConfig,
+        shared: Arc<Shared>,
+        rx: Receiver<Cmd>,
+    ) -> Scheduler {
+        let mut s = Scheduler {
+            model,
+            cache,
+            cfg,
+            shared,
+            rx,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            deadline: None,
+            snap: Snapshot::default(),
+        };
+        s.publish();
+        s
+    }
+
+    pub fn run(mut self) {
+        loop {
+            let idle = self.waiting.is_empty() && self.active.is_empty();
+            if idle && self.deadline.is_some() {
+                break;
+            }
+            if idle {
+                // Wake for commands; poll copies (backups) while some are in flight.
+                let cmd = if self.cache.in_flight() == 0 {
+                    self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                } else {
+                    self.rx.recv_timeout(Duration::from_millis(2))
+                };
+                match cmd {
+                    Ok(c) => self.command(c),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            while let Ok(c) = self.rx.try_recv() {
+                self.command(c);
+            }
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                self.abort_all();
+                break;
+            }
+            self.cache.poll();
+            self.reap_cancelled();
+            self.admit();
+            self.promote();
+            let ran = self.step();
+            if !ran {
+                // Only copies (or freed pages) to wait for: let one land instead of spinning.
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            self.publish();
+        }
+        self.cache.wait_all();
+        self.publish();
+    }
+
+    fn command(&mut self, c: Cmd) {
+        match c {
+            Cmd::Submit(r) => {
+                let NewReq {
+                    id,
+                    prompt,
+                    params,
+                    tx,
+                } = *r;
+                let budget = prompt.len() + params.max_tokens;
+                let seed = params
+                    .seed
+                    .unwrap_or(id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+                self.waiting.push_back(Req {
+                    id,
+                    prompt_len: prompt.len(),
+                    tokens: prompt,
+                    params,
+                    tx,
+                    rng: Rng::new(seed),
+                    phase: Phase::Loading(None),
+                    lock: ROOT,
+                    matched: CacheMatch::default(),
+                    cached: CachedTokens::default(),
+                    pages: Vec::new(),
+                    prefix_pages: 0,
+                    computed: 0,
+                    generated: 0,
+                    budget,
+                });
+            }
+            Cmd::Flush(scope, reply) => {
+                let _ = reply.send(self.flush(scope));
+                self.publish();
+            }
+            Cmd::Shutdown { deadline } => self.deadline = Some(deadline),
+        }
+    }
+
+    fn flush(&mut self, scope: FlushScope) -> (u64, u64) {
+        self.cache.wait_all();
+        let dev_before = self.cache.device_usage().pages_used;
+        let host_before = self.cache.host_usage().pages_used;
+        let all = self.cache.device_usage().pages_total as usize;
+        self.cache.evict_device(all);
+        // Write-back victims are freed when their copies land.
+        self.cache.wait_all();
+        if scope == FlushScope::All {
+            let all = self.cache.host_usage().pages_total as usize;
+            self.cache.evict_host(all);
+        }
+        let dev = dev_before.saturating_sub(self.cache.device_usage().pages_used);
+        let host = host_before.saturating_sub(self.cache.host_usage().pages_used);
+        tracing::info!(
+            device_pages = dev,
+            host_pages = host,
+            ?scope,
+            "cache flushed (pages, not bytes)"
+        );
+        (dev, host)
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].tx.is_closed() {
+                let r = self.waiting.remove(i).expect("index in range");
+                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                self.shared
+                    .tokens_in_flight
+                    .fetch_sub(r.budget, Ordering::SeqCst);
+                self.snap.finished.cancelled += 1;
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].tx.is_closed() {
+                let r = self.active.swap_remove(i);
+                self.finish(r, None);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn abort_all(&mut self) {
+        for r in std::mem::take(&mut self.active) {
+            self.finish(r, Some(FinishReason::Aborted));
+        }
+        while let Some(r) = self.waiting.pop_front() {
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.shared
+                .tokens_in_flight
+                .fetch_sub(r.budget, Ordering::SeqCst);
+            self.snap.finished.aborted += 1;
+            let _ = r.tx.send(Event::Done {
+                reason: FinishReason::Aborted,
+                prompt_tokens: r.prompt_len,
+                completion_tokens: 0,
+                cached: CachedTokens::default(),
+            });
+        }
+    }
+
+    /// Admits waiting requests in arrival order while device pages can be reserved.
+    fn admit(&mut self) {
+        let ps = self.cache.page_size();
+        while self.active.len() < self.cfg.max_running {
+            let Some(r) = self.waiting.front_mut() else {
+                break;
+            };
+            // The last prompt token is always computed: its logits give the first token.
+            let m = self.cache.lookup(&r.tokens[..r.prompt_len - 1]);
+            self.cache.lock(m.last);
+            let dev_pages = m.device_tokens / ps;
+            let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
+            // Reserve the worst case (nothing loaded back); the surplus returns at once when
+            // a load-back starts.
+            let Some(own) = self.cache.alloc_device(total - dev_pages) else {
+                self.cache.unlock(m.last);
+                break;
+            };
+            let mut r = self.waiting.pop_front().expect("front exists");
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.cache.record(&m);
+            r.lock = m.last;
+            r.pages = own;
+            r.phase = if m.storage_tokens > 0 {
+                match self.cache.prefetch(&r.tokens, &m) {
+                    Some(t) => Phase::Prefetch(t),
+                    None => Phase::Loading(None),
+                }
+            } else {
+                Phase::Loading(None)
+            };
+            r.matched = m;
+            if matches!(r.phase, Phase::Loading(_)) {
+                self.start_load_back(&mut r);
+            }
+            self.active.push(r);
+        }
+    }
+
+    /// Starts copying the host-only part of the request's match to the device.
+    fn start_load_back(&mut self, r: &mut Req) {
+        let ps = self.cache.page_size();
+        let m = &r.matched;
+        let host_pages = m.host_tokens / ps;
+        let mut ticket = None;
+        if host_pages > 0 {
+            if let Some(t) = self.cache.load_back(m) {
+                ticket = Some(t);
+                // Those positions come from the tree now: give back the reserved pages.
+                let surplus: Vec<u32> = r.pages.drain(..host_pages).collect();
+                self.cache
+                    .free_device(&surplus)
+                    .expect("reserved pages are held");
+            }
+        }
+        r.phase = Phase::Loading(ticket);
+    }
+
+    /// Moves requests whose copies landed forward: prefetched → load-back → running.
+    fn promote(&mut self) {
+        let ps = self.cache.page_size();
+        for i in 0..self.active.len() {
+            match self.active[i].phase {
+                Phase::Prefetch(t) if self.cache.is_done(t) => {
+                    let mut r = std::mem::replace(&mut self.active[i], placeholder());
+                    // The prefetched pages joined the tree as host nodes: match again.
+                    let m = self.cache.lookup(&r.tokens[..r.prompt_len - 1]);
+                    self.cache.lock(m.last);
+                    self.cache.unlock(r.lock);
+                    r.lock = m.last;
+                    let tree_pages = (m.device_tokens + m.host_tokens) / ps;
+                    let before = (r.matched.device_tokens + r.matched.host_tokens) / ps;
+                    r.cached.storage = tree_pages.saturating_sub(before) * ps;
+                    // Host tokens now include the prefetched ones.
+                    r.matched = m;
+                    self.start_load_back(&mut r);
+                    self.active[i] = r;
+                }
+                Phase::Loading(t) if t.is_none_or(|t| self.cache.is_done(t)) => {
+                    let r = &mut self.active[i];
+                    let m = &r.matched;
+                    // Prefix device pages along the path, root first.
+                    let mut prefix = Vec::new();
+                    for &n in &m.path {
+                        let v = self.cache.tree().view(n);
+                        if v.device.is_empty() {
+                            break;
+                        }
+                        prefix.extend_from_slice(v.device);
+                    }
+                    let limit = (r.prompt_len - 1) / ps;
+                    prefix.truncate(limit);
+                    // Pages loaded back beyond the reservation's assumption cannot happen;
+                    // pages not loaded (no room) are computed into the reserved pages.
+                    let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
+                    let own_needed = total - prefix.len();
+                    if r.pages.len() > own_needed {
+                        let extra: Vec<u32> = r.pages.drain(own_needed..).collect();
+                        self.cache
+                            .free_device(&extra)
+                            .expect("reserved pages are held");
+                    }
+                    let mut pages = prefix;
+                    r.prefix_pages = pages.len();
+                    pages.append(&mut r.pages);
+                    r.pages = pages;
+                    r.computed = r.prefix_pages * ps;
+                    let dev = m.device_tokens.min(r.computed);
+                    let storage = r.cached.storage.min(r.computed - dev);
+                    r.cached = CachedTokens {
+                        device: dev,
+                        host: r.computed - dev - storage,
+                        storage,
+                    };
+                    let s = &mut self.snap;
+                    s.prompt_tokens += r.prompt_len as u64;
+                    s.cached_device_tokens += r.cached.device as u64;
+                    s.cached_host_tokens += r.cached.host as u64;
+                    s.cached_storage_tokens += r.cached.storage as u64;
+                    s.computed_prompt_tokens += (r.prompt_len - r.computed) as u64;
+                    r.phase = Phase::Running;
+                    let _ = r.tx.send(Event::Admitted { cached: r.cached });
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// One model call. Returns false when nothing was ready to compute.
+    fn step(&mut self) -> bool {
+        let mut budget = self.cfg.max_batch_tokens.max(1);
+        // (active index, first position, tokens)
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, r) in self.active.iter().enumerate() {
+            if r.phase == Phase::Running && r.computed >= r.prompt_len && budget > 0 {
+                plan.push((i, r.computed, 1));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.active.iter().enumerate() {
+            if r.phase == Phase::Running && r.computed < r.prompt_len && budget > 0 {
+                let n = (r.prompt_len - r.computed).min(budget);
+                plan.push((i, r.computed, n));
+                budget -= n;
+            }
+        }
+        if plan.is_empty() {
+            return false;
+        }
+        let seqs: Vec<SeqInput> = plan
+            .iter()
+            .map(|&(i, at, n)| {
+                let r = &self.active[i];
+                SeqInput {
+                    tokens: &r.tokens[at..at + n],
+                    pos: at,
+                    pages: &r.pages,
+                }
+            })
+            .collect();
+        let pool = self
+            .cache
+            .device_pool()
+            .expect("the engine's cache holds data");
+        let out = self.model.forward(pool, &seqs, false);
+        self.snap.steps += 1;
+        let logits = match out {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "model call failed; its requests end with an error");
+                let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                idx.sort_unstable_by_key(|&i| std::cmp::Reverse(i));
+                for i in idx {
+                    let r = self.active.swap_remove(i);
+                    self.finish(r, Some(FinishReason::Error(e.to_string())));
+                }
+                return true;
+            }
+        };
+        let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        for (&(i, _, n), l) in plan.iter().zip(&logits) {
+            let r = &mut self.active[i];
+            r.computed += n;
+            if r.computed < r.tokens.len() {
+                continue; // a prefill chunk that did not reach the end of the prompt
+            }
+            let next = sample(l, &r.params, &mut r.rng);
+            let stop = r.params.stop_token_ids.contains(&next)
+                || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
+            if stop {
+                done.push((i, FinishReason::Stop));
+                continue;
+            }
+            r.tokens.push(next);
+            r.generated += 1;
+            self.snap.generated_tokens += 1;
+            let _ = r.tx.send(Event::Token(next));
+            if r.generated >= r.params.max_tokens {
+                done.push((i, FinishReason::Length));
+            }
+        }
+        done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
+        for (i, reason) in done {
+            let r = self.active.swap_remove(i);
+            self.finish(r, Some(reason));
+        }
+        true
+    }
+
+    /// Ends a request: on success its whole pages join the tree; everything else it holds
+    /// returns to the pool. `None` = cancelled by the client (no event is sent).
+    fn finish(&mut self, r: Req, reason: Option<FinishReason>) {
+        let ps = self.cache.page_size();
+        let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
+        if let Phase::Prefetch(t) | Phase::Loading(Some(t)) = r.phase {
+            // The copy writes into pages the tree owns; let it land before unlocking.
+            self.cache.wait(t);
+        }
+        let own = r.own_pages().to_vec();
+        if ok && r.phase == Phase::Running {
+            let whole = (r.computed / ps).max(r.prefix_pages);
+            let give = whole - r.prefix_pages;
+            self.cache
+                .insert(&r.tokens[..whole * ps], &own[..give], r.prefix_pages);
+            self.cache
+                .free_device(&own[give..])
+                .expect("request pages are held");
+        } else {
+            self.cache
+                .free_device(&own)
+                .expect("request pages are held");
+        }
+        self.cache.unlock(r.lock);
+        self.shared
+            .tokens_in_flight
+            .fetch_sub(r.budget, Ordering::SeqCst);
+        let f = &mut self.snap.finished;
+        match &reason {
+            None => f.cancelled += 1,
+            Some(FinishReason::Stop) => f.stop += 1,
+            Some(FinishReason::Length) => f.length += 1,
+            Some(FinishReason::Aborted) => f.aborted += 1,
+            Some(FinishReason::Error(_)) => f.error += 1,
+        }
+        if let Some(reason) = reason {
+            tracing::debug!(
+                id = r.id,
+                ?reason,
+                generated = r.generated,
+                "request finished"
+            );
+            let _ = r.tx.send(Event::Done {
+                reason,
+                prompt_tokens: r.prompt_len,
+                completion_tokens: r.generated,
+                cached: r.cached,
+            });
+        }
+    }
+
+    fn publish(&mut self) {
+        let s = &mut self.snap;
+        s.cache = *self.cache.stats();
+        s.storage = self.cache.storage().map(|st| st.stats());
+        s.device = self.cache.device_usage();
+        s.host = self.cache.host_usage();
+        s.pools = self.cache.pool_usage();
+        s.device_pages_held = self.active.iter().map(|r| r.own_pages().len() as u64).sum();
+        s.waiting = self.shared.waiting.load(Ordering::SeqCst);
+        s.running = self.active.len();
+        s.tokens_in_flight = self.shared.tokens_in_flight.load(Ordering::SeqCst);
+        *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
+    }
+}
+
+/// A request-shaped value to move out of the active list briefly.
+fn placeholder() -> Req {
+    let (tx, _) = tokio::sync::mpsc::unbounded_channel();
+    Req {
+        id: 0,
+        tokens: Vec::new(),
+        prompt_len: 0,
+        params: SamplingParams::default(),
+        tx,
+        rng: Rng::new(0),
+        phase: Phase::Running,
+        lock: ROOT,
+        matched: CacheMatch::default(),
+        cached: CachedTokens::default(),
+        pages: Vec::new(),
+        prefix_pages: 0,
+        computed: 0,
+        generated: 0,
+        budget: 0,
+    }
+}
