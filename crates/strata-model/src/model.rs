@@ -18,9 +18,9 @@ use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
 use crate::q8::Q8Matrix;
 
-/// Calls with at most this many rows (decode steps) use Q8_0 weights with f32 activations
+/// Sequences with at most this many tokens in a call (decode steps) use Q8_0 weights
 /// ([`Q8Matrix`]): they are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes.
-/// Longer calls (prefill chunks) are bound by arithmetic and use f32 GEMM.
+/// Longer ones (prefill chunks) are bound by arithmetic and use f32 GEMM.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
 /// A weight matrix `[out, in]` in both formats.
@@ -156,17 +156,47 @@ impl Model {
         )
     }
 
-    fn mm(&self, x: &[f32], n: usize, w: &Linear) -> Result<Vec<f32>, ModelError> {
+    /// `x · wᵀ` for the rows of `x`; rows flagged in `q8` (those of sequences with few tokens
+    /// in this call: decode steps) use the Q8_0 weights, the others f32 GEMM. The choice is per
+    /// sequence, so a sequence's result does not depend on what else is in the batch.
+    fn mm(&self, x: &[f32], q8: &[bool], w: &Linear, vocab: bool) -> Result<Vec<f32>, ModelError> {
+        let n = q8.len();
         let k = x.len() / n;
-        if n <= QUANTIZED_MAX_ROWS && self.quantized_decode {
-            Ok(w.q8.matmul(x, self.threads))
-        } else {
-            let xt = Tensor::from_slice(x, (n, k), &Device::Cpu)?;
+        let quant = |x: &[f32]| {
+            if vocab {
+                w.q8.matmul_f32(x, self.threads)
+            } else {
+                w.q8.matmul(x, self.threads)
+            }
+        };
+        let gemm = |x: &[f32], rows: usize| -> Result<Vec<f32>, ModelError> {
+            let xt = Tensor::from_slice(x, (rows, k), &Device::Cpu)?;
             vec1(&xt.matmul(&w.f32.t()?)?)
+        };
+        let nq = q8.iter().filter(|&&b| b).count();
+        if nq == n {
+            return Ok(quant(x));
         }
+        if nq == 0 {
+            return gemm(x, n);
+        }
+        let (mut xq, mut xf) = (Vec::with_capacity(nq * k), Vec::with_capacity((n - nq) * k));
+        for (row, &b) in x.chunks_exact(k).zip(q8) {
+            if b { &mut xq } else { &mut xf }.extend_from_slice(row);
+        }
+        let (oq, of) = (quant(&xq), gemm(&xf, n - nq)?);
+        let m = oq.len() / nq;
+        let mut out = Vec::with_capacity(n * m);
+        let (mut iq, mut jf) = (oq.chunks_exact(m), of.chunks_exact(m));
+        for &b in q8 {
+            let r = if b { iq.next() } else { jf.next() };
+            out.extend_from_slice(r.expect("one output row per input row"));
+        }
+        Ok(out)
     }
 
-    /// Use Q8_0 weights for calls of at most [`QUANTIZED_MAX_ROWS`] rows (default on).
+    /// Use Q8_0 weights for sequences with at most [`QUANTIZED_MAX_ROWS`] tokens in a call
+    /// (default on).
     pub fn set_quantized_decode(&mut self, on: bool) {
         self.quantized_decode = on;
     }
@@ -278,6 +308,11 @@ impl Model {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
         let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        // Weight format per row, decided per sequence (see `mm`).
+        let q8: Vec<bool> = rows
+            .iter()
+            .map(|r| self.quantized_decode && seqs[r.0].tokens.len() <= QUANTIZED_MAX_ROWS)
+            .collect();
         let h = c.hidden;
         let kvd = c.kv_heads * c.head_dim;
         let mut x = Vec::with_capacity(n * h);
@@ -288,9 +323,9 @@ impl Model {
         }
         for (l, w) in self.layers.iter().enumerate() {
             let hn = self.rmsnorm(&x, &w.attn_norm);
-            let mut q = self.mm(&hn, n, &w.wq)?;
-            let mut k = self.mm(&hn, n, &w.wk)?;
-            let v = self.mm(&hn, n, &w.wv)?;
+            let mut q = self.mm(&hn, &q8, &w.wq, false)?;
+            let mut k = self.mm(&hn, &q8, &w.wk, false)?;
+            let v = self.mm(&hn, &q8, &w.wv, false)?;
             self.rope(&mut q, c.heads, &positions);
             self.rope(&mut k, c.kv_heads, &positions);
             let mut buf = vec![0u8; kvd * 2];
@@ -304,19 +339,19 @@ impl Model {
                 }
             }
             let attn = self.attention(pool, l, seqs, &rows, &q);
-            let o = self.mm(&attn, n, &w.wo)?;
+            let o = self.mm(&attn, &q8, &w.wo, false)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let hn = self.rmsnorm(&x, &w.ffn_norm);
-            let g = self.mm(&hn, n, &w.wg)?;
-            let u = self.mm(&hn, n, &w.wu)?;
+            let g = self.mm(&hn, &q8, &w.wg, false)?;
+            let u = self.mm(&hn, &q8, &w.wu, false)?;
             let act: Vec<f32> = g
                 .iter()
                 .zip(&u)
                 .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
                 .collect();
-            let d = self.mm(&act, n, &w.wd)?;
+            let d = self.mm(&act, &q8, &w.wd, false)?;
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
@@ -338,11 +373,8 @@ impl Model {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         let sel = self.rmsnorm(&sel, &self.norm);
-        let logits = if pick.len() <= QUANTIZED_MAX_ROWS && self.quantized_decode {
-            self.embed.q8.matmul_f32(&sel, self.threads)
-        } else {
-            self.mm(&sel, pick.len(), &self.embed)?
-        };
+        let pick_q8: Vec<bool> = pick.iter().map(|&r| q8[r]).collect();
+        let logits = self.mm(&sel, &pick_q8, &self.embed, true)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for s in seqs {
