@@ -501,6 +501,8 @@ impl Scheduler {
             Some(FinishReason::Aborted) => f.aborted += 1,
             Some(FinishReason::Error(_)) => f.error += 1,
         }
+        // Callers that saw Done see the counters that include it.
+        self.publish();
         if let Some(reason) = reason {
             tracing::debug!(
                 id = r.id,

@@ -1,0 +1,259 @@
+//! The scheduler end to end on a tiny random-weight model: outputs equal the plain forward
+//! pass, prefixes from every tier give identical tokens, cancellation and refusals.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_engine::request::CachedTokens;
+use strata_engine::*;
+use strata_kv::memory::HeapAllocator;
+use strata_kv::pool::DevicePool;
+use strata_kv::storage::DiskStorage;
+use strata_kv::storage::Storage;
+use strata_kv::{CacheConfig, PageLayout, TieredCache};
+use strata_model::tiny::{write_tiny, TinySpec};
+use strata_model::{Gguf, Model};
+
+const PS: usize = 16;
+
+fn model(path: &Path) -> Model {
+    let mut g = Gguf::open(path).unwrap();
+    Model::load(&mut g).unwrap()
+}
+
+fn start(
+    path: &Path,
+    device_pages: u32,
+    host_pages: u32,
+    storage: Option<Arc<dyn Storage>>,
+    cfg: EngineConfig,
+) -> EngineHandle {
+    let m = model(path);
+    let layout = PageLayout::new(PS, vec![m.pool_kind()]).unwrap();
+    let mut cc = CacheConfig::new(layout, device_pages, host_pages);
+    cc.model_id = "tiny".into();
+    let cache = TieredCache::new(cc, &HeapAllocator, storage).unwrap();
+    Engine::start(m, cache, cfg)
+}
+
+fn tiny_file(dir: &Path) -> std::path::PathBuf {
+    let p = dir.join("tiny.gguf");
+    write_tiny(&p, &TinySpec::default()).unwrap();
+    p
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11 + salt) % 280).collect()
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+/// Runs a request to the end: (tokens, cached tokens, finish reason).
+fn run(e: &EngineHandle, p: &[u32], params: SamplingParams) -> (Vec<u32>, CachedTokens, FinishReason) {
+    let mut s = e.submit(p.to_vec(), params).unwrap();
+    let mut out = Vec::new();
+    let mut cached = None;
+    while let Some(ev) = s.events.blocking_recv() {
+        match ev {
+            Event::Admitted { cached: c } => cached = Some(c),
+            Event::Token(t) => out.push(t),
+            Event::Done {
+                reason,
+                completion_tokens,
+                cached: c,
+                ..
+            } => {
+                assert_eq!(completion_tokens, out.len());
+                assert_eq!(Some(c), cached);
+                return (out, c, reason);
+            }
+        }
+    }
+    panic!("stream ended without Done");
+}
+
+/// The same greedy tokens through the plain forward pass (prefill at once, then one by one).
+fn reference(path: &Path, p: &[u32], n: usize) -> Vec<u32> {
+    let m = model(path);
+    let layout = Arc::new(PageLayout::new(PS, vec![m.pool_kind()]).unwrap());
+    let pages = (p.len() + n).div_ceil(PS) as u32;
+    let pool = DevicePool::new(layout, pages, &HeapAllocator).unwrap();
+    let table: Vec<u32> = (0..pages).collect();
+    let mut logits = m.forward_one(&pool, p, 0, &table, false).unwrap();
+    let mut out = Vec::new();
+    for i in 0..n {
+        let t = strata_engine::sampler::argmax(&logits);
+        out.push(t);
+        logits = m.forward_one(&pool, &[t], p.len() + i, &table, false).unwrap();
+    }
+    out
+}
+
+#[test]
+fn greedy_equals_the_forward_pass_and_repeats_hit_the_device_tier() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 64, 64, None, EngineConfig::default());
+    let p = prompt(45, 0);
+    let (a, c, r) = run(&e, &p, greedy(12));
+    assert_eq!(r, FinishReason::Length);
+    assert_eq!(c.total(), 0);
+    assert_eq!(a, reference(&path, &p, 12));
+    let (b, c, _) = run(&e, &p, greedy(12));
+    // Whole pages of the prompt minus its last token: 44 → 32.
+    assert_eq!(c.device, 32);
+    assert_eq!(b, a);
+    let s = e.snapshot();
+    assert_eq!(s.prompt_tokens, 90);
+    assert_eq!(
+        s.cached_device_tokens + s.cached_host_tokens + s.cached_storage_tokens
+            + s.computed_prompt_tokens,
+        s.prompt_tokens
+    );
+    assert_eq!(s.finished.length, 2);
+    assert_eq!(s.device_pages_held, 0);
+    e.shutdown(Duration::from_secs(5));
+}
+
+#[test]
+fn prefix_from_device_host_and_disk_gives_identical_tokens() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let disk: Arc<dyn Storage> =
+        Arc::new(DiskStorage::open(d.path().join("l3"), 1 << 30, false).unwrap());
+    let e = start(&path, 64, 64, Some(disk), EngineConfig::default());
+    let p = prompt(70, 5);
+    let (cold, _, _) = run(&e, &p, greedy(10));
+    let (dev, c, _) = run(&e, &p, greedy(10));
+    assert_eq!(c.device, 64);
+    assert_eq!(e.flush(FlushScope::Device).map(|f| f.0 > 0), Some(true));
+    let (host, c, _) = run(&e, &p, greedy(10));
+    assert_eq!((c.device, c.host), (0, 64));
+    e.flush(FlushScope::All).unwrap();
+    let (disk, c, _) = run(&e, &p, greedy(10));
+    assert_eq!((c.device, c.host, c.storage), (0, 0, 64));
+    assert_eq!(dev, host);
+    assert_eq!(dev, disk);
+    // A cached prefix leaves 6 prompt tokens to compute (a decode-sized call); cold computes
+    // 70 at once. Both are close; the tiers are exact copies of each other.
+    assert_eq!(cold.len(), dev.len());
+    e.shutdown(Duration::from_secs(5));
+}
+
+#[test]
+fn dropping_the_stream_cancels_and_frees_pages() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 64, 0, None, EngineConfig::default());
+    let before = e.snapshot().device.pages_used;
+    let mut s = e.submit(prompt(40, 9), greedy(400)).unwrap();
+    loop {
+        if let Some(Event::Token(_)) = s.events.blocking_recv() {
+            break;
+        }
+    }
+    assert!(e.snapshot().device_pages_held > 0);
+    drop(s);
+    let t = Instant::now();
+    while e.snapshot().running > 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "cancel not seen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let snap = e.snapshot();
+    assert_eq!(snap.device_pages_held, 0);
+    assert_eq!(snap.device.pages_used, before);
+    assert_eq!(snap.finished.cancelled, 1);
+    e.shutdown(Duration::from_secs(5));
+}
+
+#[test]
+fn refusals_are_immediate_and_name_the_numbers() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 8, 0, None, EngineConfig::default());
+    assert_eq!(e.submit(vec![], greedy(1)).err(), Some(SubmitError::EmptyPrompt));
+    assert_eq!(
+        e.submit(vec![1, 999], greedy(1)).err(),
+        Some(SubmitError::BadToken { id: 999, vocab: 288 })
+    );
+    assert_eq!(e.submit(vec![1], greedy(0)).err(), Some(SubmitError::ZeroMaxTokens));
+    let err = e.submit(prompt(500, 0), greedy(100)).err().unwrap();
+    assert!(matches!(err, SubmitError::TooLongForContext { needed: 600, context: 512, .. }));
+    // 8 pages of 16 tokens = 128 tokens of KV.
+    let err = e.submit(prompt(100, 0), greedy(40)).err().unwrap();
+    assert_eq!(
+        err.to_string(),
+        "the request needs 140 tokens of KV (100 prompt + 40 max_tokens) but the device pool \
+         holds 128 tokens"
+    );
+    e.shutdown(Duration::from_secs(5));
+    assert_eq!(e.submit(vec![1], greedy(1)).err(), Some(SubmitError::ShuttingDown));
+}
+
+#[test]
+fn a_flood_beyond_the_queue_is_refused_and_accepted_requests_complete() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let cfg = EngineConfig {
+        max_running: 2,
+        max_waiting: 3,
+        ..EngineConfig::default()
+    };
+    let e = start(&path, 64, 0, None, cfg);
+    let mut accepted = Vec::new();
+    let mut refused = 0;
+    for i in 0..30 {
+        match e.submit(prompt(30, i), greedy(20)) {
+            Ok(s) => accepted.push(s),
+            Err(err) => {
+                assert!(err.is_overload(), "{err}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(refused > 0 && accepted.len() >= 3);
+    for mut s in accepted {
+        let mut done = false;
+        while let Some(ev) = s.events.blocking_recv() {
+            if let Event::Done { reason, .. } = ev {
+                assert_eq!(reason, FinishReason::Length);
+                done = true;
+            }
+        }
+        assert!(done);
+    }
+    let snap = e.snapshot();
+    assert_eq!(snap.tokens_in_flight, 0);
+    assert_eq!(snap.waiting, 0);
+    e.shutdown(Duration::from_secs(5));
+}
+
+#[test]
+fn shutdown_finishes_running_requests_within_the_grace() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 64, 0, None, EngineConfig::default());
+    let mut s = e.submit(prompt(20, 1), greedy(30)).unwrap();
+    let e2 = e.clone();
+    let t = std::thread::spawn(move || e2.shutdown(Duration::from_secs(30)));
+    let mut last = None;
+    while let Some(ev) = s.events.blocking_recv() {
+        last = Some(ev);
+    }
+    t.join().unwrap();
+    assert!(matches!(
+        last,
+        Some(Event::Done {
+            reason: FinishReason::Length,
+            completion_tokens: 30,
+            ..
+        })
+    ));
+}
