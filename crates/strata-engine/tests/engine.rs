@@ -56,7 +56,11 @@ fn greedy(max_tokens: usize) -> SamplingParams {
 }
 
 /// Runs a request to the end: (tokens, cached tokens, finish reason).
-fn run(e: &EngineHandle, p: &[u32], params: SamplingParams) -> (Vec<u32>, CachedTokens, FinishReason) {
+fn run(
+    e: &EngineHandle,
+    p: &[u32],
+    params: SamplingParams,
+) -> (Vec<u32>, CachedTokens, FinishReason) {
     let mut s = e.submit(p.to_vec(), params).unwrap();
     let mut out = Vec::new();
     let mut cached = None;
@@ -91,7 +95,9 @@ fn reference(path: &Path, p: &[u32], n: usize) -> Vec<u32> {
     for i in 0..n {
         let t = strata_engine::sampler::argmax(&logits);
         out.push(t);
-        logits = m.forward_one(&pool, &[t], p.len() + i, &table, false).unwrap();
+        logits = m
+            .forward_one(&pool, &[t], p.len() + i, &table, false)
+            .unwrap();
     }
     out
 }
@@ -113,7 +119,9 @@ fn greedy_equals_the_forward_pass_and_repeats_hit_the_device_tier() {
     let s = e.snapshot();
     assert_eq!(s.prompt_tokens, 90);
     assert_eq!(
-        s.cached_device_tokens + s.cached_host_tokens + s.cached_storage_tokens
+        s.cached_device_tokens
+            + s.cached_host_tokens
+            + s.cached_storage_tokens
             + s.computed_prompt_tokens,
         s.prompt_tokens
     );
@@ -178,14 +186,30 @@ fn refusals_are_immediate_and_name_the_numbers() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_file(d.path());
     let e = start(&path, 8, 0, None, EngineConfig::default());
-    assert_eq!(e.submit(vec![], greedy(1)).err(), Some(SubmitError::EmptyPrompt));
+    assert_eq!(
+        e.submit(vec![], greedy(1)).err(),
+        Some(SubmitError::EmptyPrompt)
+    );
     assert_eq!(
         e.submit(vec![1, 999], greedy(1)).err(),
-        Some(SubmitError::BadToken { id: 999, vocab: 288 })
+        Some(SubmitError::BadToken {
+            id: 999,
+            vocab: 288
+        })
     );
-    assert_eq!(e.submit(vec![1], greedy(0)).err(), Some(SubmitError::ZeroMaxTokens));
+    assert_eq!(
+        e.submit(vec![1], greedy(0)).err(),
+        Some(SubmitError::ZeroMaxTokens)
+    );
     let err = e.submit(prompt(500, 0), greedy(100)).err().unwrap();
-    assert!(matches!(err, SubmitError::TooLongForContext { needed: 600, context: 512, .. }));
+    assert!(matches!(
+        err,
+        SubmitError::TooLongForContext {
+            needed: 600,
+            context: 512,
+            ..
+        }
+    ));
     // 8 pages of 16 tokens = 128 tokens of KV.
     let err = e.submit(prompt(100, 0), greedy(40)).err().unwrap();
     assert_eq!(
@@ -194,7 +218,10 @@ fn refusals_are_immediate_and_name_the_numbers() {
          holds 128 tokens"
     );
     e.shutdown(Duration::from_secs(5));
-    assert_eq!(e.submit(vec![1], greedy(1)).err(), Some(SubmitError::ShuttingDown));
+    assert_eq!(
+        e.submit(vec![1], greedy(1)).err(),
+        Some(SubmitError::ShuttingDown)
+    );
 }
 
 #[test]

@@ -1,1 +1,15 @@
-//! placeholder
+//! `strata-server`: the OpenAI-compatible HTTP API over one engine.
+//!
+//! * [`api`]: request and response bodies (OpenAI's shapes; unknown fields ignored, wrong
+//!   types refused).
+//! * [`error`]: OpenAI-style JSON errors with the right status.
+//! * [`text`]: incremental detokenization and stop strings.
+//! * [`app`]: the routes, the shared state and graceful shutdown.
+
+pub mod api;
+pub mod app;
+pub mod error;
+pub mod text;
+
+pub use app::{router, AppState};
+pub use error::ApiError;

@@ -1,0 +1,688 @@
+//! Routes, shared state, and the serve loop with graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use strata_engine::request::CachedTokens;
+use strata_engine::{EngineHandle, Event, FinishReason, FlushScope, RequestStream, SamplingParams};
+use strata_model::{ChatTemplate, Message, ModelTokenizer};
+use tokio::net::TcpListener;
+
+use crate::api::{ChatRequest, CompletionRequest, Content, Prompt, Sampling, Usage};
+use crate::error::ApiError;
+use crate::text::TextStream;
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<ModelTokenizer>,
+    pub template: Option<Arc<ChatTemplate>>,
+    /// The name `/v1/models` lists and requests may give as `model`.
+    pub model_name: String,
+    /// Bearer token for admin endpoints (`/flush_cache`); None: open.
+    pub admin_key: Option<String>,
+    /// `max_tokens` when a request gives none (capped by the context and the pool).
+    pub default_max_tokens: usize,
+    /// Largest accepted request body in bytes.
+    pub body_limit: usize,
+    pub created: u64,
+}
+
+impl AppState {
+    pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, model_name: String) -> Self {
+        AppState {
+            engine,
+            tokenizer,
+            template: None,
+            model_name,
+            admin_key: None,
+            default_max_tokens: 1024,
+            body_limit: 4 << 20,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        }
+    }
+}
+
+type St = State<Arc<AppState>>;
+
+/// The HTTP API.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.body_limit;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/health_generate", get(health_generate))
+        .route("/flush_cache", post(flush_cache))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Serves until `signal` resolves; then refuses new requests (503), lets running ones finish
+/// for up to `grace`, aborts the rest and returns.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    signal: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let engine = state.engine.clone();
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            signal.await;
+            tracing::info!(
+                grace_s = grace.as_secs_f64(),
+                "shutting down: new requests get 503; running requests may finish within the grace (seconds)"
+            );
+            let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
+        })
+        .await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+}
+
+fn parse<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("the request body exceeds the limit of {limit} bytes"),
+            )
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+        }
+    })?;
+    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let param = (path != ".").then_some(path.as_str());
+        ApiError::bad_request(format!("invalid request body: {}", e.inner()), param)
+    })
+}
+
+fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != &st.model_name => Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    st.model_name
+                ),
+            )
+            .with_code("model_not_found")
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Checks the sampling fields and fills defaults.
+fn sampling(
+    st: &AppState,
+    s: &Sampling,
+    prompt_len: usize,
+) -> Result<(SamplingParams, Vec<String>), ApiError> {
+    if let Some(n) = s.n {
+        if n != 1 {
+            return Err(ApiError::bad_request(
+                format!("n = {n}: only n = 1 is supported"),
+                Some("n"),
+            ));
+        }
+    }
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad_request(
+            format!("temperature {temperature} is outside [0, 2]"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(
+            format!("top_p {top_p} is outside (0, 1]"),
+            Some("top_p"),
+        ));
+    }
+    let top_k = match s.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::bad_request(
+                format!("top_k {k}: use a positive number, or -1 / 0 for no limit"),
+                Some("top_k"),
+            ))
+        }
+    };
+    let stops = s.stop.clone().map(|v| v.into_vec()).unwrap_or_default();
+    if stops.len() > 16 {
+        return Err(ApiError::bad_request(
+            format!("{} stop strings: at most 16", stops.len()),
+            Some("stop"),
+        ));
+    }
+    let info = st.engine.info();
+    let max_tokens = match s.max_completion_tokens.or(s.max_tokens) {
+        Some(0) => {
+            return Err(ApiError::bad_request(
+                "max_tokens must be at least 1",
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => m,
+        None => {
+            let room = info
+                .context_length
+                .min(info.device_tokens)
+                .saturating_sub(prompt_len);
+            st.default_max_tokens.min(room).max(1)
+        }
+    };
+    let params = SamplingParams {
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed: s.seed,
+        stop_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+    };
+    Ok((params, stops))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+struct Job {
+    kind: Kind,
+    id: String,
+    stream: bool,
+    include_usage: bool,
+    stops: Vec<String>,
+}
+
+async fn completions(
+    State(st): St,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(body, st.body_limit)?;
+    check_model(&st, &req.model)?;
+    let ids = match &req.prompt {
+        Prompt::Text(t) => encode(&st, t)?,
+        Prompt::Texts(v) if v.len() == 1 => encode(&st, &v[0])?,
+        Prompt::Texts(v) => {
+            return Err(ApiError::bad_request(
+                format!(
+                    "{} prompts in one request: send one prompt per request",
+                    v.len()
+                ),
+                Some("prompt"),
+            ))
+        }
+        Prompt::Tokens(t) => t.clone(),
+    };
+    start(st, ids, &req.sampling, Kind::Completion).await
+}
+
+async fn chat(State(st): St, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(body, st.body_limit)?;
+    check_model(&st, &req.model)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("messages is empty", Some("messages")));
+    }
+    let Some(tpl) = &st.template else {
+        return Err(ApiError::bad_request(
+            "this model has no chat template: use /v1/completions",
+            Some("messages"),
+        ));
+    };
+    let mut msgs = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(ApiError::bad_request(
+                format!("messages[{i}].role `{}` is not one of system, user, assistant, developer, tool", m.role),
+                Some("messages"),
+            ));
+        }
+        let text = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(p)) => {
+                let mut s = String::new();
+                for (j, part) in p.iter().enumerate() {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::bad_request(
+                                format!(
+                                    "messages[{i}].content[{j}]: only text parts are supported"
+                                ),
+                                Some("messages"),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            &m.role
+        };
+        msgs.push(Message::new(role, &text));
+    }
+    let text = tpl
+        .render(&msgs, true)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
+    let ids = encode(&st, &text)?;
+    start(st, ids, &req.sampling, Kind::Chat).await
+}
+
+fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    st.tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+}
+
+async fn start(
+    st: Arc<AppState>,
+    ids: Vec<u32>,
+    s: &Sampling,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let (params, stops) = sampling(&st, s, ids.len())?;
+    let rs = st
+        .engine
+        .submit(ids, params)
+        .map_err(|e| ApiError::from_submit(&e))?;
+    let prefix = if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    let job = Job {
+        kind,
+        id: format!("{prefix}-{:016x}", rs.id),
+        stream: s.stream,
+        include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        stops,
+    };
+    if job.stream {
+        Ok(stream_response(st, rs, job).into_response())
+    } else {
+        whole_response(st, rs, job).await
+    }
+}
+
+fn finish_name(r: &FinishReason, stopped_by_string: bool) -> &'static str {
+    if stopped_by_string {
+        return "stop";
+    }
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Aborted => "abort",
+        FinishReason::Error(_) => "error",
+    }
+}
+
+fn engine_error(msg: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        format!("generation failed: {msg}"),
+    )
+}
+
+async fn whole_response(
+    st: Arc<AppState>,
+    mut rs: RequestStream,
+    job: Job,
+) -> Result<Response, ApiError> {
+    let mut text = TextStream::new(job.stops.clone());
+    let mut out = String::new();
+    let mut completion = 0;
+    let mut cached = CachedTokens::default();
+    let prompt = rs.prompt_tokens;
+    let reason = loop {
+        match rs.events.recv().await {
+            Some(Event::Admitted { cached: c }) => cached = c,
+            Some(Event::Token(t)) => {
+                completion += 1;
+                out += &text.push(&st.tokenizer, t);
+                if text.stopped() {
+                    break "stop"; // dropping `rs` cancels the rest
+                }
+            }
+            Some(Event::Done {
+                reason,
+                completion_tokens,
+                cached: c,
+                ..
+            }) => {
+                if let FinishReason::Error(m) = &reason {
+                    return Err(engine_error(m));
+                }
+                if reason == FinishReason::Aborted {
+                    return Err(ApiError::from_submit(
+                        &strata_engine::SubmitError::ShuttingDown,
+                    ));
+                }
+                completion = completion_tokens;
+                cached = c;
+                out += &text.finish();
+                break finish_name(&reason, false);
+            }
+            None => return Err(engine_error("the engine stopped")),
+        }
+    };
+    let usage = Usage::new(prompt, completion, cached.total());
+    let choice = match job.kind {
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out},
+                              "logprobs": null, "finish_reason": reason}),
+        Kind::Completion => {
+            json!({"index": 0, "text": out, "logprobs": null, "finish_reason": reason})
+        }
+    };
+    let object = if job.kind == Kind::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    Ok(Json(json!({
+        "id": job.id, "object": object, "created": st.created, "model": st.model_name,
+        "choices": [choice], "usage": usage,
+    }))
+    .into_response())
+}
+
+struct Streaming {
+    st: Arc<AppState>,
+    rs: Option<RequestStream>,
+    job: Job,
+    text: TextStream,
+    completion: usize,
+    cached: CachedTokens,
+    started: bool,
+    done: bool,
+}
+
+impl Streaming {
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> SseEvent {
+        let (object, choice) = match self.job.kind {
+            Kind::Chat => {
+                let delta = match (text, self.started) {
+                    (Some(t), false) => json!({"role": "assistant", "content": t}),
+                    (Some(t), true) => json!({"content": t}),
+                    (None, _) => json!({}),
+                };
+                (
+                    "chat.completion.chunk",
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                )
+            }
+            Kind::Completion => (
+                "text_completion",
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+            ),
+        };
+        let mut v = json!({"id": self.job.id, "object": object, "created": self.st.created,
+                           "model": self.st.model_name, "choices": [choice]});
+        if self.job.include_usage {
+            v["usage"] = Value::Null;
+        }
+        SseEvent::default().data(v.to_string())
+    }
+
+    fn usage_chunk(&self) -> SseEvent {
+        let object = if self.job.kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let usage = Usage::new(self.rs_prompt(), self.completion, self.cached.total());
+        SseEvent::default().data(
+            json!({"id": self.job.id, "object": object, "created": self.st.created,
+                   "model": self.st.model_name, "choices": [], "usage": usage})
+            .to_string(),
+        )
+    }
+
+    fn rs_prompt(&self) -> usize {
+        self.rs.as_ref().map(|r| r.prompt_tokens).unwrap_or(0)
+    }
+
+    fn end(&mut self, reason: &str) -> Vec<SseEvent> {
+        let mut ev = vec![self.chunk(None, Some(reason))];
+        if self.job.include_usage {
+            ev.push(self.usage_chunk());
+        }
+        ev.push(SseEvent::default().data("[DONE]"));
+        self.done = true;
+        // Dropping the engine stream cancels whatever is left (a stop string was found).
+        self.rs = None;
+        ev
+    }
+
+    /// The SSE events for the next engine event (None: the stream is over).
+    async fn next(&mut self) -> Option<Vec<SseEvent>> {
+        if self.done {
+            return None;
+        }
+        let ev = self.rs.as_mut()?.events.recv().await;
+        let mut out = Vec::new();
+        match ev {
+            Some(Event::Admitted { cached }) => {
+                self.cached = cached;
+                if self.job.kind == Kind::Chat {
+                    out.push(self.chunk(Some(""), None));
+                    self.started = true;
+                }
+            }
+            Some(Event::Token(t)) => {
+                self.completion += 1;
+                let d = self.text.push(&self.st.tokenizer, t);
+                if !d.is_empty() {
+                    out.push(self.chunk(Some(&d), None));
+                    self.started = true;
+                }
+                if self.text.stopped() {
+                    out.extend(self.end("stop"));
+                }
+            }
+            Some(Event::Done {
+                reason,
+                completion_tokens,
+                cached,
+                ..
+            }) => {
+                self.completion = completion_tokens;
+                self.cached = cached;
+                if let FinishReason::Error(m) = &reason {
+                    out.push(SseEvent::default().data(engine_error(m).body().to_string()));
+                }
+                let d = self.text.finish();
+                if !d.is_empty() {
+                    out.push(self.chunk(Some(&d), None));
+                }
+                out.extend(self.end(finish_name(&reason, false)));
+            }
+            None => {
+                out.push(
+                    SseEvent::default().data(engine_error("the engine stopped").body().to_string()),
+                );
+                out.push(SseEvent::default().data("[DONE]"));
+                self.done = true;
+            }
+        }
+        Some(out)
+    }
+}
+
+fn stream_response(
+    st: Arc<AppState>,
+    rs: RequestStream,
+    job: Job,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let s = Streaming {
+        st,
+        text: TextStream::new(job.stops.clone()),
+        rs: Some(rs),
+        job,
+        completion: 0,
+        cached: CachedTokens::default(),
+        started: false,
+        done: false,
+    };
+    let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
+        .flat_map(|v| stream::iter(v.into_iter().map(Ok)));
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+async fn models(State(st): St) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "strata",
+        "max_model_len": st.engine.info().context_length,
+    }]}))
+}
+
+async fn health(State(st): St) -> Response {
+    if st.engine.is_closing() {
+        return ApiError::from_submit(&strata_engine::SubmitError::ShuttingDown).into_response();
+    }
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// Generates one real token through the engine.
+async fn health_generate(State(st): St) -> Result<Json<Value>, ApiError> {
+    let first = st
+        .tokenizer
+        .encode("OK")
+        .ok()
+        .and_then(|v| v.first().copied())
+        .unwrap_or(0);
+    let params = SamplingParams {
+        max_tokens: 1,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut rs = st
+        .engine
+        .submit(vec![first], params)
+        .map_err(|e| ApiError::from_submit(&e))?;
+    let wait = async {
+        while let Some(ev) = rs.events.recv().await {
+            if let Event::Done {
+                reason,
+                completion_tokens,
+                ..
+            } = ev
+            {
+                return (reason, completion_tokens);
+            }
+        }
+        (FinishReason::Error("the engine stopped".into()), 0)
+    };
+    match tokio::time::timeout(Duration::from_secs(60), wait).await {
+        Ok((FinishReason::Length, 1)) => Ok(Json(json!({"status": "ok", "generated_tokens": 1}))),
+        Ok((r, _)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("generation check failed: {r:?}"),
+        )),
+        Err(_) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "generation check timed out after 60 s",
+        )),
+    }
+}
+
+#[derive(Deserialize)]
+struct FlushQuery {
+    tier: Option<String>,
+}
+
+fn check_admin(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &st.admin_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "this endpoint needs the admin key: Authorization: Bearer <key>",
+        )
+        .with_code("invalid_api_key"))
+    }
+}
+
+/// Empties the cache tiers of pages no running request uses.
+async fn flush_cache(
+    State(st): St,
+    headers: HeaderMap,
+    q: Query<FlushQuery>,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&st, &headers)?;
+    let scope = match q.tier.as_deref() {
+        None | Some("all") => FlushScope::All,
+        Some("device") => FlushScope::Device,
+        Some(t) => {
+            return Err(ApiError::bad_request(
+                format!("tier `{t}`: expected `device` or `all`"),
+                Some("tier"),
+            ))
+        }
+    };
+    let e = st.engine.clone();
+    let r = tokio::task::spawn_blocking(move || e.flush(scope))
+        .await
+        .ok()
+        .flatten()
+        .ok_or_else(|| engine_error("the engine stopped"))?;
+    Ok(Json(
+        json!({"flushed": if scope == FlushScope::All { "all" } else { "device" },
+                   "device_pages_freed": r.0, "host_pages_freed": r.1}),
+    ))
+}

@@ -1,0 +1,101 @@
+//! Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use strata_engine::SubmitError;
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (429 / 503).
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: param.map(str::to_string),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    /// The body as JSON (also used inside SSE streams).
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// A refused submission: 400 for requests that can never run, 429 for overload, 503 while
+    /// shutting down.
+    pub fn from_submit(e: &SubmitError) -> ApiError {
+        match e {
+            SubmitError::QueueFull { .. } | SubmitError::TooManyTokens { .. } => ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    e.to_string(),
+                )
+                .with_code("rate_limit_exceeded")
+            },
+            SubmitError::ShuttingDown => ApiError {
+                retry_after: Some(5),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    e.to_string(),
+                )
+            },
+            SubmitError::ZeroMaxTokens => ApiError::bad_request(e.to_string(), Some("max_tokens")),
+            SubmitError::TooLongForContext { .. } | SubmitError::TooLongForPool { .. } => {
+                ApiError::bad_request(e.to_string(), Some("messages"))
+                    .with_code("context_length_exceeded")
+            }
+            SubmitError::EmptyPrompt | SubmitError::BadToken { .. } => {
+                ApiError::bad_request(e.to_string(), Some("prompt"))
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}

@@ -1,0 +1,150 @@
+//! Generated ids → text deltas, as they come: multi-byte characters split over tokens are held
+//! until complete, and text that may be the start of a stop string is held until it is known
+//! not to be (a stop string found ends the text before it).
+
+use strata_model::ModelTokenizer;
+
+/// Incremental detokenizer for one completion.
+pub struct TextStream {
+    ids: Vec<u32>,
+    /// Decoding restarts at `prefix` (a few tokens back, for context) and text from `read`
+    /// onwards is new.
+    prefix: usize,
+    read: usize,
+    /// Decoded text not released yet (possible start of a stop string).
+    held: String,
+    stops: Vec<String>,
+    stopped: bool,
+}
+
+impl TextStream {
+    pub fn new(stops: Vec<String>) -> TextStream {
+        TextStream {
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+            held: String::new(),
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            stopped: false,
+        }
+    }
+
+    /// True once a stop string was found: nothing more will be released.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Adds one token; returns the text that can be released now.
+    pub fn push(&mut self, tk: &ModelTokenizer, id: u32) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        self.ids.push(id);
+        let before = tk
+            .decode(&self.ids[self.prefix..self.read])
+            .unwrap_or_default();
+        let now = tk.decode(&self.ids[self.prefix..]).unwrap_or_default();
+        if now.len() <= before.len()
+            || now.ends_with('\u{fffd}')
+            || !now.is_char_boundary(before.len())
+        {
+            return String::new(); // an incomplete character: wait for the next token
+        }
+        let delta = &now[before.len()..];
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        self.held.push_str(delta);
+        self.release()
+    }
+
+    /// Text still held at the end of generation (no stop string came).
+    pub fn finish(&mut self) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        std::mem::take(&mut self.held)
+    }
+
+    fn release(&mut self) -> String {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            self.stopped = true;
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return out;
+        }
+        // Keep the longest tail that is a prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (i, _) in self.held.char_indices() {
+                let tail = &self.held[i..];
+                if tail.len() > keep && s.starts_with(tail) {
+                    keep = tail.len();
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_model::tiny::{write_tiny, TinySpec};
+    use strata_model::Gguf;
+
+    fn tk() -> (tempfile::TempDir, ModelTokenizer) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.gguf");
+        write_tiny(&p, &TinySpec::default()).unwrap();
+        let g = Gguf::open(&p).unwrap();
+        let t = ModelTokenizer::from_gguf(&g).unwrap();
+        (d, t)
+    }
+
+    fn stream_all(tk: &ModelTokenizer, text: &str, stops: &[&str]) -> (String, bool) {
+        let ids = tk.encode(text).unwrap();
+        let mut s = TextStream::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for id in ids {
+            out += &s.push(tk, id);
+        }
+        out += &s.finish();
+        (out, s.stopped())
+    }
+
+    #[test]
+    fn deltas_concatenate_to_the_text_even_for_multibyte_characters() {
+        let (_d, tk) = tk();
+        for text in ["hello world", "héllo wörld — ½ 東京", "a\nb\tc  d"] {
+            let (out, stopped) = stream_all(&tk, text, &[]);
+            assert_eq!(out, tk.decode(&tk.encode(text).unwrap()).unwrap());
+            assert!(!stopped);
+        }
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_partial_matches_are_released() {
+        let (_d, tk) = tk();
+        assert_eq!(
+            stream_all(&tk, "one two three", &["two"]),
+            ("one ".into(), true)
+        );
+        assert_eq!(
+            stream_all(&tk, "one two three", &["thr", "o t"]),
+            ("one tw".into(), true)
+        );
+        // "tw" looked like the start of "twice" but was not: released in full.
+        assert_eq!(
+            stream_all(&tk, "one two", &["twice"]),
+            ("one two".into(), false)
+        );
+    }
+}
