@@ -2,6 +2,7 @@
 
 mod generate;
 mod plan;
+mod serve;
 mod sim;
 mod sizing;
 
@@ -28,6 +29,9 @@ enum Command {
     Model(generate::ModelCommand),
     /// Generate text from a prompt with the model, printing tokens as they come.
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI-compatible API from one worker (model, tiered cache, engine). The
+    /// memory plan is printed before anything is allocated.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() {
@@ -56,6 +60,7 @@ fn main() {
         Command::Plan(a) => plan::run(a),
         Command::Model(c) => generate::run_model(c),
         Command::Generate(a) => generate::run_generate(a),
+        Command::Serve(a) => serve::run(*a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

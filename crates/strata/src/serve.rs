@@ -1,0 +1,254 @@
+//! `strata serve`: one worker (model + tiered cache + engine) behind the OpenAI API.
+//!
+//! Order: every flag is checked and the memory plan printed before anything is allocated; a
+//! bad flag or a plan that does not fit exits once with the reason (exit code 2), never a loop.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use strata_engine::{Engine, EngineConfig};
+use strata_kv::storage::{DiskStorage, Storage};
+use strata_kv::units::{format_bytes, parse_size};
+use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
+use strata_mem::{make_plan, NumaAllocator};
+use strata_model::fetch::{cache_dir, ensure_model};
+use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_server::AppState;
+
+use crate::sizing::SizingArgs;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub sizing: SizingArgs,
+
+    /// Address to listen on (loopback unless you mean it).
+    #[arg(long, default_value = "127.0.0.1", help_heading = "Server")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000, help_heading = "Server")]
+    pub port: u16,
+    /// Name clients use as `model` (default: the GGUF file name without extension).
+    #[arg(long, help_heading = "Server")]
+    pub served_model_name: Option<String>,
+    /// Bearer token required by admin endpoints (/flush_cache). Also $STRATA_ADMIN_KEY.
+    #[arg(
+        long,
+        env = "STRATA_ADMIN_KEY",
+        hide_env_values = true,
+        help_heading = "Server"
+    )]
+    pub admin_key: Option<String>,
+    /// Largest request body, with a unit.
+    #[arg(long, default_value = "4MiB", help_heading = "Server")]
+    pub body_limit: String,
+    /// Seconds running requests may take to finish after SIGTERM / Ctrl-C.
+    #[arg(long, default_value_t = 30.0, help_heading = "Server")]
+    pub shutdown_grace: f64,
+
+    /// Threads for matrix products and attention.
+    #[arg(long, default_value_t = 2, help_heading = "Compute")]
+    pub threads: usize,
+    /// Use f32 weights for decode steps too (default: Q8_0).
+    #[arg(long, help_heading = "Compute")]
+    pub f32_decode: bool,
+
+    /// Tokens per model call (decode tokens first, then prefill chunks).
+    #[arg(long, default_value_t = 512, help_heading = "Scheduling")]
+    pub max_batch_tokens: usize,
+    /// Requests computing at once.
+    #[arg(long, default_value_t = 32, help_heading = "Scheduling")]
+    pub max_running: usize,
+    /// Requests waiting for admission; beyond it: 429 with Retry-After.
+    #[arg(long, default_value_t = 128, help_heading = "Scheduling")]
+    pub max_waiting: usize,
+    /// Prompt + max_tokens over accepted unfinished requests; beyond it: 429 (0: 4 × the
+    /// device pool's tokens).
+    #[arg(long, default_value_t = 0, help_heading = "Scheduling")]
+    pub max_tokens_in_flight: usize,
+    /// max_tokens for requests that give none.
+    #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
+    pub default_max_tokens: usize,
+
+    /// write_through, write_through_selective or write_back (device → host backup).
+    #[arg(long, default_value = "write_through", help_heading = "Cache")]
+    pub write_policy: String,
+    /// lru or gdsf.
+    #[arg(long, default_value = "lru", help_heading = "Cache")]
+    pub eviction: String,
+    /// L3 storage: `disk:PATH`.
+    #[arg(long, help_heading = "Cache")]
+    pub l3: Option<String>,
+    /// Bytes the L3 disk tier may use, with a unit.
+    #[arg(long, default_value = "10GiB", help_heading = "Cache")]
+    pub l3_size: String,
+    /// Threads copying pages between tiers.
+    #[arg(long, default_value_t = 1, help_heading = "Cache")]
+    pub copy_threads: usize,
+}
+
+fn l3_storage(a: &ServeArgs) -> Result<Option<Arc<dyn Storage>>> {
+    let Some(spec) = &a.l3 else { return Ok(None) };
+    let cap = parse_size(&a.l3_size).context("--l3-size")?;
+    match spec.split_once(':') {
+        Some(("disk", path)) if !path.is_empty() => {
+            let d = DiskStorage::open(PathBuf::from(path), cap, false)
+                .with_context(|| format!("--l3 {spec}"))?;
+            tracing::info!(
+                path,
+                capacity_bytes = cap,
+                "L3 disk tier ready (capacity in bytes)"
+            );
+            Ok(Some(Arc::new(d)))
+        }
+        _ => bail!("--l3 `{spec}`: expected disk:PATH"),
+    }
+}
+
+pub fn run(mut a: ServeArgs) -> Result<()> {
+    // Check everything cheap first.
+    let write_policy = WritePolicy::parse(&a.write_policy).with_context(|| {
+        format!(
+            "--write-policy `{}`: expected write_through, write_through_selective or write_back",
+            a.write_policy
+        )
+    })?;
+    let eviction = EvictionPolicy::parse(&a.eviction)
+        .with_context(|| format!("--eviction `{}`: expected lru or gdsf", a.eviction))?;
+    let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
+    if a.sizing.tp_size != 1 {
+        bail!(
+            "--tp-size {}: a worker serves one rank on this CPU build; use `strata plan` to size TP servers",
+            a.sizing.tp_size
+        );
+    }
+    if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
+        bail!(
+            "--shutdown-grace {}: expected seconds ≥ 0",
+            a.shutdown_grace
+        );
+    }
+    if a.max_batch_tokens == 0 || a.max_running == 0 {
+        bail!("--max-batch-tokens and --max-running must be at least 1");
+    }
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let path = match &a.sizing.model {
+        Some(p) => p.clone(),
+        None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+    };
+    a.sizing.model = Some(path.clone());
+    let req = a.sizing.request()?;
+    let topo = a.sizing.topology()?;
+    let plan = make_plan(&req, &topo)?;
+    eprint!("{}", plan.render());
+    let storage = l3_storage(&a)?;
+
+    // Model.
+    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
+    let mut g = Gguf::open(&path)?;
+    let tk = ModelTokenizer::from_gguf(&g)?;
+    let template = match g.string("tokenizer.chat_template") {
+        Some(t) => Some(Arc::new(ChatTemplate::new(t)?)),
+        None => None,
+    };
+    let mut model = Model::load(&mut g)?;
+    model.set_threads(a.threads);
+    model.set_quantized_decode(!a.f32_decode);
+
+    // Pools, as planned.
+    let ps = req.page_size;
+    let layout = PageLayout::new(ps, vec![model.pool_kind()])?;
+    let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
+    let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
+    let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
+    alloc.huge_pages = a.sizing.huge_pages;
+    let mut cc = CacheConfig::new(layout, device_pages, host_pages);
+    cc.model_id = model_id(&path);
+    cc.write_policy = write_policy;
+    cc.eviction = eviction;
+    cc.hashing = true;
+    cc.copy_threads = a.copy_threads.max(1);
+    let cache = TieredCache::new(cc, &alloc, storage)?;
+    if let Some(h) = cache.host_pool() {
+        let p = strata_mem::numa::placement_of_pool(h);
+        tracing::info!(
+            bytes = h.bytes(),
+            size = %format_bytes(h.bytes() as u64),
+            placement = %p.describe(),
+            "host pool allocated (bytes)"
+        );
+    }
+    let mut cfg = EngineConfig {
+        max_batch_tokens: a.max_batch_tokens,
+        max_running: a.max_running,
+        max_waiting: a.max_waiting,
+        max_tokens_in_flight: a.max_tokens_in_flight,
+        stop_token_ids: tk.stop.clone(),
+    };
+    cfg.stop_token_ids.dedup();
+    let engine = Engine::start(model, cache, cfg);
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let mut st = AppState::new(engine, Arc::new(tk), name.clone());
+    st.template = template;
+    st.admin_key = a.admin_key.clone();
+    st.default_max_tokens = a.default_max_tokens;
+    st.body_limit = body_limit;
+    let grace = Duration::from_secs_f64(a.shutdown_grace);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
+        eprintln!("strata serve: ready on http://{addr} (model `{name}`)");
+        strata_server::app::serve(listener, Arc::new(st), shutdown_signal(), grace).await?;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+/// The model's id in page hashes: file name plus size, so two different files never share
+/// cache entries.
+pub fn model_id(path: &std::path::Path) -> String {
+    let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    format!(
+        "{}:{len}",
+        path.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    )
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

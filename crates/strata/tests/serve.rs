@@ -1,0 +1,134 @@
+//! `strata serve` as an operator runs it: bad flags fail once with the reason; the real model
+//! answers a chat question over HTTP; SIGTERM exits 0.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_model::fetch::{cache_dir, MODEL_FILE};
+
+fn strata() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A one-shot HTTP/1.1 request; returns (status, body).
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (status, body)
+}
+
+#[test]
+fn bad_flags_fail_once_with_the_reason() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
+        (
+            &["--write-policy", "sometimes"],
+            "--write-policy `sometimes`",
+        ),
+        (&["--tp-size", "2"], "--tp-size 2"),
+        (&["--hicache-ratio", "-1"], "hicache-ratio"),
+    ];
+    for (args, want) in cases {
+        let out = strata()
+            .args(["serve", "--model-preset", "smollm2-135m", "--port", "1"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
+    let model = cache_dir().join(MODEL_FILE);
+    assert!(
+        model.exists(),
+        "{} is missing: run `strata model fetch` (scripts/test.sh does it first)",
+        model.display()
+    );
+    let port = free_port();
+    let mut child = strata()
+        .args(["serve", "--device-mem", "64MiB", "--hicache-size", "128MiB"])
+        .args(["--port", &port.to_string(), "--model"])
+        .arg(&model)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let t = Instant::now();
+    let mut log = String::new();
+    loop {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap() == 0 {
+            panic!("serve exited before it was ready:\n{log}");
+        }
+        log.push_str(&line);
+        if line.contains("ready on http://") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "not ready:\n{log}");
+    }
+    // The plan was printed before serving.
+    assert!(
+        log.contains("decided: host tokens per rank ← --hicache-size"),
+        "{log}"
+    );
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    let (status, body) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0,"max_tokens":30}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "answer: {answer}");
+    let (status, _) = http(port, "GET", "/health_generate", "");
+    assert_eq!(status, 200);
+    // SAFETY: kill(2) with a pid this test spawned and still owns.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let t = Instant::now();
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, Some(0));
+}
