@@ -204,10 +204,14 @@ impl Scheduler {
         }
         let dev = dev_before.saturating_sub(self.cache.device_usage().pages_used);
         let host = host_before.saturating_sub(self.cache.host_usage().pages_used);
+        let st = self.cache.stats();
         tracing::info!(
             device_pages = dev,
             host_pages = host,
             ?scope,
+            backup_skipped_pages = st.backup_skipped_pages,
+            storage_put_pages = st.storage_put.pages,
+            storage_errors = st.storage_errors,
             "cache flushed (pages, not bytes)"
         );
         (dev, host)
@@ -264,10 +268,11 @@ impl Scheduler {
             let Some(r) = self.waiting.front_mut() else {
                 break;
             };
-            // The last prompt token is always computed: its logits give the first token.
-            let m = self.cache.lookup(&r.tokens[..r.prompt_len - 1]);
+            let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
             self.cache.lock(m.last);
-            let dev_pages = m.device_tokens / ps;
+            // The last prompt token is always computed (its logits give the first token): at
+            // most the pages before it are used as they are.
+            let dev_pages = (m.device_tokens / ps).min((r.prompt_len - 1) / ps);
             let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
             // Reserve the worst case (nothing loaded back); the surplus returns at once when
             // a load-back starts.
@@ -278,6 +283,14 @@ impl Scheduler {
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             self.cache.record(&m);
+            tracing::debug!(
+                id = r.id,
+                prompt = r.prompt_len,
+                device = m.device_tokens,
+                host = m.host_tokens,
+                storage = m.storage_tokens,
+                "admitted (tokens per tier)"
+            );
             r.lock = m.last;
             r.pages = own;
             r.phase = if m.storage_tokens > 0 {
@@ -300,7 +313,9 @@ impl Scheduler {
     fn start_load_back(&mut self, r: &mut Req) {
         let ps = self.cache.page_size();
         let m = &r.matched;
-        let host_pages = m.host_tokens / ps;
+        // Loaded pages the request will use in place of reserved ones (see `promote`).
+        let usable = (r.prompt_len - 1) / ps;
+        let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
         let mut ticket = None;
         if host_pages > 0 {
             if let Some(t) = self.cache.load_back(m) {
@@ -323,13 +338,18 @@ impl Scheduler {
                 Phase::Prefetch(t) if self.cache.is_done(t) => {
                     let mut r = std::mem::replace(&mut self.active[i], placeholder());
                     // The prefetched pages joined the tree as host nodes: match again.
-                    let m = self.cache.lookup(&r.tokens[..r.prompt_len - 1]);
+                    let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
                     self.cache.lock(m.last);
                     self.cache.unlock(r.lock);
                     r.lock = m.last;
                     let tree_pages = (m.device_tokens + m.host_tokens) / ps;
                     let before = (r.matched.device_tokens + r.matched.host_tokens) / ps;
                     r.cached.storage = tree_pages.saturating_sub(before) * ps;
+                    tracing::debug!(
+                        id = r.id,
+                        prefetched = r.cached.storage,
+                        "prefetch landed (tokens)"
+                    );
                     // Host tokens now include the prefetched ones.
                     r.matched = m;
                     self.start_load_back(&mut r);
@@ -347,10 +367,14 @@ impl Scheduler {
                         }
                         prefix.extend_from_slice(v.device);
                     }
-                    let limit = (r.prompt_len - 1) / ps;
-                    prefix.truncate(limit);
-                    // Pages loaded back beyond the reservation's assumption cannot happen;
-                    // pages not loaded (no room) are computed into the reserved pages.
+                    // Pages used as they are: those before the last prompt token's page.
+                    let keep = (r.prompt_len - 1) / ps;
+                    // A page-aligned prompt matched in full: its last page also holds the last
+                    // token, which is computed again. Copy the page (copy-on-write: the tree's
+                    // page stays untouched) and compute only that token.
+                    let cow = prefix.get(keep).copied();
+                    prefix.truncate(keep);
+                    // Pages not loaded (no room) are computed into the reserved pages.
                     let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
                     let own_needed = total - prefix.len();
                     if r.pages.len() > own_needed {
@@ -361,9 +385,14 @@ impl Scheduler {
                     }
                     let mut pages = prefix;
                     r.prefix_pages = pages.len();
+                    r.computed = r.prefix_pages * ps;
+                    if let Some(src) = cow {
+                        let pool = self.cache.device_pool().expect("the cache holds data");
+                        pool.copy_page(src, r.pages[0]);
+                        r.computed = r.prompt_len - 1;
+                    }
                     pages.append(&mut r.pages);
                     r.pages = pages;
-                    r.computed = r.prefix_pages * ps;
                     let dev = m.device_tokens.min(r.computed);
                     let storage = r.cached.storage.min(r.computed - dev);
                     r.cached = CachedTokens {

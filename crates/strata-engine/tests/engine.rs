@@ -167,7 +167,14 @@ fn dropping_the_stream_cancels_and_frees_pages() {
             break;
         }
     }
-    assert!(e.snapshot().device_pages_held > 0);
+    let t = Instant::now();
+    while e.snapshot().device_pages_held == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the request holds no pages"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     drop(s);
     let t = Instant::now();
     while e.snapshot().running > 0 {
@@ -283,4 +290,31 @@ fn shutdown_finishes_running_requests_within_the_grace() {
             ..
         })
     ));
+}
+
+#[test]
+fn a_page_aligned_prompt_matched_in_full_computes_only_its_last_token() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 64, 64, None, EngineConfig::default());
+    let p = prompt(48, 3);
+    let (_, c, _) = run(&e, &p, greedy(8));
+    assert_eq!(c.total(), 0);
+    let used = e.snapshot().device.pages_used;
+    let (a, c, _) = run(&e, &p, greedy(8));
+    // 47 of 48 tokens from the cache: the third page is copied, not shared, for the last token.
+    assert_eq!(c.device, 47);
+    let (b, c, _) = run(&e, &p, greedy(8));
+    assert_eq!(c.device, 47);
+    assert_eq!(a, b);
+    let s = e.snapshot();
+    assert_eq!(s.device_pages_held, 0);
+    assert_eq!(s.computed_prompt_tokens, 48 + 1 + 1);
+    // The copies were returned; only the generated tokens' new whole pages joined the tree.
+    assert!(
+        s.device.pages_used <= used + 1,
+        "{} vs {used}",
+        s.device.pages_used
+    );
+    e.shutdown(Duration::from_secs(5));
 }

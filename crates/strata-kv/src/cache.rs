@@ -103,6 +103,9 @@ enum Pending {
     },
     Put {
         nodes: Vec<NodeId>,
+        /// Heads split off `nodes` while the put was in flight: their pages were written too,
+        /// but they hold no host pin of their own.
+        heads: Vec<NodeId>,
     },
     Prefetch {
         lock: NodeId,
@@ -551,6 +554,8 @@ impl TieredCache {
     // ---- completions -------------------------------------------------------------------
 
     fn submit(&mut self, job: JobKind, p: Pending) -> Ticket {
+        // Splits so far belong to the copies already in flight, not to this one.
+        self.absorb_splits();
         let t = self.next_ticket;
         self.next_ticket += 1;
         self.pending.insert(t, p);
@@ -599,7 +604,33 @@ impl TieredCache {
         }
     }
 
+    /// Follows splits made since the last call into the node lists of copies in flight: a
+    /// node split while its backup or put was in flight has its head covered by the same copy.
+    fn absorb_splits(&mut self) {
+        let splits = self.tree.take_splits();
+        if splits.is_empty() || self.pending.is_empty() {
+            return;
+        }
+        for (suffix, head) in splits {
+            for p in self.pending.values_mut() {
+                match p {
+                    Pending::Backup { nodes, .. } if nodes.contains(&suffix) => {
+                        let at = nodes.iter().position(|&n| n == suffix).expect("present");
+                        nodes.insert(at, head);
+                    }
+                    Pending::Put { nodes, heads }
+                        if nodes.contains(&suffix) || heads.contains(&suffix) =>
+                    {
+                        heads.push(head);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
     fn complete(&mut self, d: Done) {
+        self.absorb_splits();
         let p = self
             .pending
             .remove(&d.ticket)
@@ -629,7 +660,7 @@ impl TieredCache {
                     self.put_to_storage(nodes);
                 }
             }
-            Pending::Put { nodes } => {
+            Pending::Put { nodes, heads } => {
                 self.stats
                     .storage_put
                     .add(d.pages_ok as u64, d.bytes, d.nanos);
@@ -638,6 +669,13 @@ impl TieredCache {
                     self.tree.host_unlock(n);
                     if d.errors == 0 {
                         self.tree.set_in_storage(n, true);
+                    }
+                }
+                if d.errors == 0 {
+                    for n in heads {
+                        if self.tree.is_live(n) {
+                            self.tree.set_in_storage(n, true);
+                        }
                     }
                 }
             }
@@ -696,7 +734,10 @@ impl TieredCache {
         }
         self.submit(
             JobKind::Put { host_pages, hashes },
-            Pending::Put { nodes: locked },
+            Pending::Put {
+                nodes: locked,
+                heads: Vec::new(),
+            },
         );
     }
 

@@ -277,3 +277,30 @@ fn pool_usage_covers_every_kind_in_every_tier() {
         .sum();
     assert_eq!(total as usize, f.cache.host_pool().unwrap().bytes());
 }
+
+/// A node split while its write-through backup is in flight (a request matching part of it
+/// before the copy lands) still reaches L3 in full: the split-off head is followed.
+#[test]
+fn a_node_split_during_its_backup_reaches_storage_in_full() {
+    let st: Arc<dyn Storage> = Arc::new(MemoryStorage::new(u64::MAX, 100));
+    let mut f = Fx::new(16, 16, WritePolicy::WriteThrough, Some(st.clone()));
+    let t = seq(7, 24); // 6 pages of 4 tokens
+    let pages = f.cache.alloc_device(6).unwrap();
+    let hashes = f.ns.chain(PageHash::ROOT, &t, 4);
+    for (p, h) in pages.iter().zip(&hashes) {
+        f.write_page(*p, h);
+    }
+    f.cache.insert(&t, &pages, 0);
+    // The backup is submitted, not yet acknowledged: split the node at 3 pages now.
+    let m = f.cache.match_prefix(&t[..12]);
+    assert_eq!(m.device_tokens, 12);
+    f.cache.wait_all();
+    assert_eq!(st.prefix_len(&hashes).unwrap(), 6, "{:?}", st.stats());
+    // Both halves know they are stored, so eviction to nothing keeps them reachable.
+    f.cache.evict_device(16);
+    f.cache.wait_all();
+    f.cache.evict_host(16);
+    let m = f.cache.match_prefix(&t);
+    assert_eq!(m.storage_tokens, 24);
+    f.cache.check().unwrap();
+}

@@ -121,6 +121,31 @@ impl DevicePool {
         }
     }
 
+    /// Copies every chunk of page `src` into page `dst` (copy-on-write of a shared page).
+    /// `dst` must be owned by the caller and differ from `src`.
+    pub fn copy_page(&self, src: u32, dst: u32) {
+        assert!(
+            src != dst && src < self.pages && dst < self.pages,
+            "bad page copy"
+        );
+        for (kind, k) in self.layout.kinds().iter().enumerate() {
+            let n = self.layout.page_size() * k.plane_bytes_per_token;
+            for layer in 0..k.layers {
+                for plane in 0..k.planes {
+                    // SAFETY: both chunks are n bytes inside the region and distinct pages do
+                    // not overlap; the caller owns `dst`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.chunk_ptr(kind, layer, plane, src),
+                            self.chunk_ptr(kind, layer, plane, dst),
+                            n,
+                        )
+                    }
+                }
+            }
+        }
+    }
+
     /// Writes one chunk (the model's new K/V for a page). The page must be owned by the caller.
     pub fn write_chunk(&self, kind: usize, layer: usize, plane: usize, page: u32, data: &[u8]) {
         let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;

@@ -125,6 +125,9 @@ pub struct RadixTree {
     namespace: Option<HashNamespace>,
     device_pages: usize,
     host_pages: usize,
+    /// (suffix, new head) of every split since the last [`RadixTree::take_splits`]: lets the
+    /// owner of lists of node ids (copies in flight) follow nodes that were split meanwhile.
+    splits: Vec<(NodeId, NodeId)>,
 }
 
 fn page_key(page: &[u32]) -> u64 {
@@ -190,6 +193,7 @@ impl RadixTree {
             page_size,
             nodes: vec![root],
             free_ids: Vec::new(),
+            splits: Vec::new(),
             device_leaves: BTreeSet::new(),
             host_leaves: BTreeSet::new(),
             clock: 0,
@@ -568,9 +572,16 @@ impl RadixTree {
         self.nodes[id as usize].parent = new_id;
         let pkey = page_key(&self.nodes[new_id as usize].tokens[..ps]);
         self.nodes[parent as usize].children.insert(pkey, new_id);
+        self.splits.push((NodeId(id), NodeId(new_id)));
         // The suffix's residency did not change, so its set membership holds; the new node has a
         // child on every tier the suffix uses and so is in no set.
         new_id
+    }
+
+    /// Splits since the last call, oldest first: (the suffix, which kept its id; its new
+    /// head, which took the first part of its pages).
+    pub fn take_splits(&mut self) -> Vec<(NodeId, NodeId)> {
+        std::mem::take(&mut self.splits)
     }
 
     fn priority_of(&self, n: &Node) -> u64 {

@@ -1,5 +1,6 @@
 //! `strata`: the command-line entry point.
 
+mod bench;
 mod generate;
 mod plan;
 mod serve;
@@ -32,6 +33,9 @@ enum Command {
     /// Serve the OpenAI-compatible API from one worker (model, tiered cache, engine). The
     /// memory plan is printed before anything is allocated.
     Serve(Box<serve::ServeArgs>),
+    /// Measure a running server: TTFT per cache tier, decode throughput per concurrency.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 fn main() {
@@ -61,6 +65,7 @@ fn main() {
         Command::Model(c) => generate::run_model(c),
         Command::Generate(a) => generate::run_generate(a),
         Command::Serve(a) => serve::run(*a),
+        Command::Bench(c) => bench::run(c),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
