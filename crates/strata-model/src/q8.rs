@@ -7,6 +7,8 @@
 use rayon::prelude::*;
 
 const QK: usize = 32;
+/// Activation rows sharing one read of each weight block.
+const ROWS_PER_PASS: usize = 8;
 
 /// A `[rows, cols]` matrix in Q8_0 blocks along each row.
 pub struct Q8Matrix {
@@ -44,29 +46,33 @@ impl Q8Matrix {
     /// whose argmax matters more than speed (the vocabulary projection).
     pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
         let n = x.len() / self.cols;
-        let mut out = vec![0f32; n * self.rows];
         let bpr = self.cols / QK;
+        let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
         let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
-        for (xr, orow) in x
-            .chunks_exact(self.cols)
-            .zip(out.chunks_exact_mut(self.rows))
-        {
-            orow.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-                for (k, dst) in o.iter_mut().enumerate() {
+        out_t
+            .par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                for (k, dst) in o.chunks_exact_mut(n).enumerate() {
                     let i = ci * chunk + k;
                     let sc = &self.scales[i * bpr..(i + 1) * bpr];
                     let q = &self.qs[i * self.cols..(i + 1) * self.cols];
-                    *dst = dot_row_f32(sc, q, xr);
+                    let mut r = 0;
+                    while r < n {
+                        let g = (n - r).min(4);
+                        let xs = &x[r * self.cols..(r + g) * self.cols];
+                        dot_rows_f32(sc, q, xs, &mut dst[r..r + g]);
+                        r += g;
+                    }
                 }
             });
-        }
-        out
+        transpose(&out_t, n, self.rows)
     }
 
     /// `out[r][i] = Σ_j x[r][j] · w[i][j]` for each of the `x.len() / cols` rows of `x`.
     /// Activations are quantized to Q8_0 per 32-block (as llama.cpp does for its quantized
     /// dot products) so each block is one integer dot product; every weight block is read
-    /// once for up to four activation rows.
+    /// once for up to eight activation rows.
     pub fn matmul(&self, x: &[f32], threads: usize) -> Vec<f32> {
         let n = x.len() / self.cols;
         let bpr = self.cols / QK;
@@ -83,7 +89,7 @@ impl Q8Matrix {
                     let wq = &self.qs[i * self.cols..(i + 1) * self.cols];
                     let mut r = 0;
                     while r < n {
-                        let g = (n - r).min(4);
+                        let g = (n - r).min(ROWS_PER_PASS);
                         let xs = &xd[r * bpr..(r + g) * bpr];
                         let xs_q = &xq[r * self.cols..(r + g) * self.cols];
                         dot_rows(wd, wq, xs, xs_q, &mut dst[r..r + g]);
@@ -91,14 +97,19 @@ impl Q8Matrix {
                     }
                 }
             });
-        let mut out = vec![0f32; n * self.rows];
-        for (i, v) in out_t.chunks_exact(n).enumerate() {
-            for (r, &x) in v.iter().enumerate() {
-                out[r * self.rows + i] = x;
-            }
-        }
-        out
+        transpose(&out_t, n, self.rows)
     }
+}
+
+/// `[rows][n]` → `[n][rows]`.
+fn transpose(t: &[f32], n: usize, rows: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * rows];
+    for (i, v) in t.chunks_exact(n).enumerate() {
+        for (r, &x) in v.iter().enumerate() {
+            out[r * rows + i] = x;
+        }
+    }
+    out
 }
 
 /// [`dot_rows`] for exactly G activation rows, accumulators in registers.
@@ -144,37 +155,25 @@ unsafe fn dot_rows_avx<const G: usize>(
     }
 }
 
-/// One output: Σ over blocks of scale × (int8 block · f32 block).
-#[inline]
-fn dot_row_f32(scales: &[f32], q: &[i8], x: &[f32]) -> f32 {
+/// One weight row against `out.len()` (≤ 4) f32 activation rows: Σ over blocks of scale ×
+/// (int8 block · f32 block); each weight block is widened once for all rows.
+fn dot_rows_f32(scales: &[f32], q: &[i8], x: &[f32], out: &mut [f32]) {
+    let (bpr, g) = (scales.len(), out.len());
+    assert!(q.len() == bpr * QK && x.len() == g * q.len() && g <= 4);
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
     {
-        // SAFETY: the build targets x86-64-v3, so AVX2 and FMA are present; every load reads 8
-        // i8 or 8 f32 inside `q` / `x`, whose lengths are scales.len() × 32 (checked below).
-        assert!(q.len() == scales.len() * QK && x.len() == q.len());
+        // SAFETY: the build targets x86-64-v3 (AVX2, FMA); lengths were checked above.
         unsafe {
-            use std::arch::x86_64::*;
-            let mut total = _mm256_setzero_ps();
-            for (b, &d) in scales.iter().enumerate() {
-                let qp = q.as_ptr().add(b * QK);
-                let xp = x.as_ptr().add(b * QK);
-                let mut acc = _mm256_setzero_ps();
-                for l in 0..4 {
-                    let q8 = _mm_loadl_epi64(qp.add(l * 8) as *const __m128i);
-                    let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-                    acc = _mm256_fmadd_ps(qf, _mm256_loadu_ps(xp.add(l * 8)), acc);
-                }
-                total = _mm256_fmadd_ps(_mm256_set1_ps(d), acc, total);
+            match g {
+                1 => dot_rows_f32_avx::<1>(scales, q, x, out),
+                2 => dot_rows_f32_avx::<2>(scales, q, x, out),
+                3 => dot_rows_f32_avx::<3>(scales, q, x, out),
+                _ => dot_rows_f32_avx::<4>(scales, q, x, out),
             }
-            let hi = _mm256_extractf128_ps(total, 1);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(total), hi);
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-            _mm_cvtss_f32(s1)
         }
     }
     #[cfg(not(all(
@@ -182,16 +181,57 @@ fn dot_row_f32(scales: &[f32], q: &[i8], x: &[f32]) -> f32 {
         target_feature = "avx2",
         target_feature = "fma"
     )))]
-    {
+    for (r, o) in out.iter_mut().enumerate() {
+        let xr = &x[r * q.len()..(r + 1) * q.len()];
         let mut total = 0f32;
         for ((&d, qb), xb) in scales
             .iter()
             .zip(q.chunks_exact(QK))
-            .zip(x.chunks_exact(QK))
+            .zip(xr.chunks_exact(QK))
         {
             total += d * qb.iter().zip(xb).map(|(&a, &b)| a as f32 * b).sum::<f32>();
         }
-        total
+        *o = total;
+    }
+}
+
+/// [`dot_rows_f32`] for exactly G rows.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `q` holds bpr·32 values, `x` G·bpr·32, `out` G.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline]
+unsafe fn dot_rows_f32_avx<const G: usize>(scales: &[f32], q: &[i8], x: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let cols = q.len();
+    let mut acc = [_mm256_setzero_ps(); G];
+    for (b, &d) in scales.iter().enumerate() {
+        let qp = q.as_ptr().add(b * QK);
+        let mut w = [_mm256_setzero_ps(); 4];
+        for (l, wl) in w.iter_mut().enumerate() {
+            let q8 = _mm_loadl_epi64(qp.add(l * 8) as *const __m128i);
+            *wl = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+        }
+        let dv = _mm256_set1_ps(d);
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xp = x.as_ptr().add(r * cols + b * QK);
+            let mut t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+            t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), t);
+            t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), t);
+            t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), t);
+            *a = _mm256_fmadd_ps(dv, t, *a);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        let hi = _mm256_extractf128_ps(a, 1);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(a), hi);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        *o = _mm_cvtss_f32(s1);
     }
 }
 
@@ -209,12 +249,17 @@ fn quantize_rows(x: &[f32]) -> (Vec<f32>, Vec<i8>) {
     (d, q)
 }
 
-/// One weight row against `out.len()` (≤ 4) quantized activation rows: Σ over blocks of
+/// One weight row against `out.len()` (≤ 8) quantized activation rows: Σ over blocks of
 /// wd × xd × (int8 block · int8 block).
 #[inline]
 fn dot_rows(wd: &[f32], wq: &[i8], xd: &[f32], xq: &[i8], out: &mut [f32]) {
     let (bpr, g) = (wd.len(), out.len());
-    assert!(wq.len() == bpr * QK && xd.len() == g * bpr && xq.len() == g * bpr * QK && g <= 4);
+    assert!(
+        wq.len() == bpr * QK
+            && xd.len() == g * bpr
+            && xq.len() == g * bpr * QK
+            && g <= ROWS_PER_PASS
+    );
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -228,7 +273,11 @@ fn dot_rows(wd: &[f32], wq: &[i8], xd: &[f32], xq: &[i8], out: &mut [f32]) {
                 1 => dot_rows_avx::<1>(wd, wq, xd, xq, out),
                 2 => dot_rows_avx::<2>(wd, wq, xd, xq, out),
                 3 => dot_rows_avx::<3>(wd, wq, xd, xq, out),
-                _ => dot_rows_avx::<4>(wd, wq, xd, xq, out),
+                4 => dot_rows_avx::<4>(wd, wq, xd, xq, out),
+                5 => dot_rows_avx::<5>(wd, wq, xd, xq, out),
+                6 => dot_rows_avx::<6>(wd, wq, xd, xq, out),
+                7 => dot_rows_avx::<7>(wd, wq, xd, xq, out),
+                _ => dot_rows_avx::<8>(wd, wq, xd, xq, out),
             }
         }
     }
@@ -263,6 +312,7 @@ mod tests {
             .map(|i| ((i * 31 % 97) as f32 - 48.0) / 50.0)
             .collect();
         let q = Q8Matrix::quantize(&w, rows, cols);
+        let exact = q.matmul_f32(&x, 2);
         let got = q.matmul(&x, 2);
         for r in 0..6 {
             for i in 0..rows {
@@ -271,6 +321,11 @@ mod tests {
                     (got[r * rows + i] - want).abs() < 0.02 * want.abs().max(1.0),
                     "{r},{i}: {} vs {want}",
                     got[r * rows + i]
+                );
+                assert!(
+                    (exact[r * rows + i] - want).abs() < 0.01 * want.abs().max(1.0),
+                    "f32 activations {r},{i}: {} vs {want}",
+                    exact[r * rows + i]
                 );
             }
         }
