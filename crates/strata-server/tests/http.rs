@@ -225,6 +225,24 @@ async fn chat_and_completions_with_and_without_streaming() {
     assert_eq!(st, 200, "{y}");
     assert_eq!(y["usage"]["prompt_tokens"], 4);
 
+    // A stop string cuts the text before it, with finish_reason "stop".
+    let full = x["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut: String = full.chars().skip(3).take(2).collect();
+    if !cut.is_empty() {
+        let mut cs = c.clone();
+        cs["stop"] = json!([cut.clone()]);
+        let (_, z) = post(&format!("{}/v1/completions", s.url), cs).await;
+        let want = &full[..full.find(&cut).unwrap()];
+        assert_eq!(z["choices"][0]["text"], want);
+        assert_eq!(z["choices"][0]["finish_reason"], "stop");
+    }
+    // Sampling with a seed is repeatable.
+    let sampled = json!({"prompt": long, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9,
+                         "top_k": 50, "seed": 42, "ignore_eos": true});
+    let (_, s1) = post(&format!("{}/v1/completions", s.url), sampled.clone()).await;
+    let (_, s2) = post(&format!("{}/v1/completions", s.url), sampled).await;
+    assert_eq!(s1["choices"][0]["text"], s2["choices"][0]["text"]);
+
     // Models, health, a real token.
     let m: Value = client()
         .get(format!("{}/v1/models", s.url))
