@@ -12,7 +12,7 @@ use strata_kv::TieredCache;
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::request::{FlushScope, RequestStream, SamplingParams, SubmitError};
+use crate::request::{FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError};
 use crate::scheduler::{Cmd, NewReq, Scheduler};
 
 /// Scheduling limits.
@@ -29,6 +29,8 @@ pub struct EngineConfig {
     pub max_tokens_in_flight: usize,
     /// Token ids that end generation (the model's end-of-sequence tokens).
     pub stop_token_ids: Vec<u32>,
+    /// The model's id (as in the cache's page hashes), stated at KV-transfer handshakes.
+    pub model_id: String,
 }
 
 impl Default for EngineConfig {
@@ -39,6 +41,7 @@ impl Default for EngineConfig {
             max_waiting: 128,
             max_tokens_in_flight: 0,
             stop_token_ids: Vec::new(),
+            model_id: String::new(),
         }
     }
 }
@@ -68,13 +71,15 @@ pub struct Snapshot {
     pub running: usize,
     pub tokens_in_flight: usize,
     pub steps: u64,
-    /// Prompt tokens of admitted requests, and how each was served: from a cache tier or
-    /// computed (`cached_* + computed == prompt`, always).
+    /// Prompt tokens of admitted requests, and how each was served: from a cache tier,
+    /// computed, or transferred (`cached_* + computed + transferred == prompt`, always).
     pub prompt_tokens: u64,
     pub cached_device_tokens: u64,
     pub cached_host_tokens: u64,
     pub cached_storage_tokens: u64,
     pub computed_prompt_tokens: u64,
+    /// Prompt tokens whose K/V arrived from a prefill worker.
+    pub transferred_prompt_tokens: u64,
     pub generated_tokens: u64,
     pub finished: Finished,
 }
@@ -85,6 +90,12 @@ pub struct EngineInfo {
     pub context_length: usize,
     pub vocab: usize,
     pub page_size: usize,
+    /// Bytes of one page in the host layout (what a KV transfer carries).
+    pub page_bytes: usize,
+    /// The page layout in words (compared at KV-transfer handshakes).
+    pub layout: String,
+    /// The model id of page hashes.
+    pub model_id: String,
     /// Tokens the device pool holds.
     pub device_tokens: usize,
     pub max_waiting: usize,
@@ -114,6 +125,9 @@ impl Engine {
             context_length: model.config.context_length,
             vocab: model.config.vocab,
             page_size: cache.page_size(),
+            page_bytes: cache.layout().page_bytes(),
+            layout: format!("{:?}", cache.layout().kinds()),
+            model_id: cfg.model_id.clone(),
             device_tokens,
             max_waiting: cfg.max_waiting,
             max_tokens_in_flight: cfg.max_tokens_in_flight,
@@ -160,6 +174,53 @@ impl EngineHandle {
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
+    ) -> Result<RequestStream, SubmitError> {
+        self.submit_with(prompt, params, false, None)
+    }
+
+    /// Like [`EngineHandle::submit`]; the prompt's K/V come back as an [`crate::Event::Kv`]
+    /// before `Done` (a prefill worker ships them to a decode worker).
+    pub fn submit_export(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RequestStream, SubmitError> {
+        self.submit_with(prompt, params, true, None)
+    }
+
+    /// A request whose prompt K/V were computed elsewhere: they are written into this pool and
+    /// generation continues after `kv.first_token` (which counts toward `max_tokens`).
+    pub fn submit_prefilled(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        kv: ImportedKv,
+    ) -> Result<RequestStream, SubmitError> {
+        let want = prompt.len().div_ceil(self.info.page_size);
+        if kv.pages.len() != want {
+            return Err(SubmitError::BadKv(format!(
+                "{} pages received for a {}-token prompt ({want} pages of {})",
+                kv.pages.len(),
+                prompt.len(),
+                self.info.page_size
+            )));
+        }
+        if let Some(p) = kv.pages.iter().find(|p| p.len() != self.info.page_bytes) {
+            return Err(SubmitError::BadKv(format!(
+                "a page of {} bytes, this pool's pages have {}",
+                p.len(),
+                self.info.page_bytes
+            )));
+        }
+        self.submit_with(prompt, params, false, Some(kv))
+    }
+
+    fn submit_with(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        export: bool,
+        import: Option<ImportedKv>,
     ) -> Result<RequestStream, SubmitError> {
         let info = &self.info;
         if prompt.is_empty() {
@@ -226,6 +287,8 @@ impl EngineHandle {
             prompt,
             params,
             tx: etx,
+            export,
+            import,
         };
         if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {
             self.shared

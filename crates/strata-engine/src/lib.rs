@@ -12,6 +12,10 @@ pub mod handle;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+pub mod transfer;
 
 pub use handle::{Engine, EngineConfig, EngineHandle, Snapshot};
-pub use request::{Event, FinishReason, FlushScope, RequestStream, SamplingParams, SubmitError};
+pub use request::{
+    CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, RequestStream,
+    SamplingParams, SubmitError,
+};

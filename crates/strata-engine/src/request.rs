@@ -1,5 +1,7 @@
 //! What a caller submits and what it receives back.
 
+use std::sync::Arc;
+
 use thiserror::Error;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -62,6 +64,22 @@ impl CachedTokens {
     }
 }
 
+/// A prompt's K/V, out of (or into) a device pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedKv {
+    pub pages: Vec<Vec<u8>>,
+    pub hashes: Vec<[u8; 16]>,
+}
+
+/// K/V computed elsewhere (a prefill worker) for a prompt, and the first token it sampled.
+#[derive(Clone, Debug)]
+pub struct ImportedKv {
+    pub pages: Vec<Vec<u8>>,
+    pub first_token: u32,
+    /// How the prefill worker served the prompt (reported as this request's cached tokens).
+    pub cached: CachedTokens,
+}
+
 /// Events of one request, in order: `Admitted`, then `Token`s, then one `Done`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
@@ -69,6 +87,10 @@ pub enum Event {
     Admitted { cached: CachedTokens },
     /// One generated token.
     Token(u32),
+    /// The prompt's K/V (requests submitted with `export_kv`), sent before `Done`: one blob per
+    /// page in the host layout, with the chained page hash of each whole page (zero for a
+    /// partial last page).
+    Kv(Arc<ExportedKv>),
     /// The request ended; nothing follows.
     Done {
         reason: FinishReason,
@@ -126,6 +148,8 @@ pub enum SubmitError {
     },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("transferred KV refused: {0}")]
+    BadKv(String),
 }
 
 impl SubmitError {

@@ -16,12 +16,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use strata_kv::cache::{CacheMatch, Ticket};
 use strata_kv::tree::{NodeId, ROOT};
-use strata_kv::TieredCache;
+use strata_kv::{PageHash, TieredCache};
 use strata_model::{Model, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::handle::{EngineConfig, Shared, Snapshot};
-use crate::request::{CachedTokens, Event, FinishReason, FlushScope, SamplingParams};
+use crate::request::{
+    CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
+};
 use crate::sampler::{sample, Rng};
 
 pub(crate) struct NewReq {
@@ -29,6 +31,8 @@ pub(crate) struct NewReq {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub tx: UnboundedSender<Event>,
+    pub export: bool,
+    pub import: Option<ImportedKv>,
 }
 
 pub(crate) enum Cmd {
@@ -67,6 +71,10 @@ struct Req {
     generated: usize,
     /// Prompt + max_tokens, counted in the tokens-in-flight bound.
     budget: usize,
+    /// Send the prompt's K/V before `Done`.
+    export: bool,
+    /// K/V computed elsewhere, written at admission instead of matching the cache.
+    import: Option<ImportedKv>,
 }
 
 impl Req {
@@ -159,6 +167,8 @@ impl Scheduler {
                     prompt,
                     params,
                     tx,
+                    export,
+                    import,
                 } = *r;
                 let budget = prompt.len() + params.max_tokens;
                 let seed = params
@@ -180,6 +190,8 @@ impl Scheduler {
                     computed: 0,
                     generated: 0,
                     budget,
+                    export,
+                    import,
                 });
             }
             Cmd::Flush(scope, reply) => {
@@ -268,6 +280,12 @@ impl Scheduler {
             let Some(r) = self.waiting.front_mut() else {
                 break;
             };
+            if r.import.is_some() {
+                if !self.admit_imported() {
+                    break;
+                }
+                continue;
+            }
             let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
             self.cache.lock(m.last);
             // The last prompt token is always computed (its logits give the first token): at
@@ -307,6 +325,80 @@ impl Scheduler {
             }
             self.active.push(r);
         }
+    }
+
+    /// Admits the waiting request at the front, whose K/V arrived from a prefill worker:
+    /// reserves its pages, writes the K/V, and starts decoding after the first token. False
+    /// when the pages cannot be reserved now.
+    fn admit_imported(&mut self) -> bool {
+        let ps = self.cache.page_size();
+        let r = self.waiting.front().expect("front exists");
+        let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
+        let Some(own) = self.cache.alloc_device(total) else {
+            return false;
+        };
+        let mut r = self.waiting.pop_front().expect("front exists");
+        self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        let kv = r.import.take().expect("imported request");
+        let pool = self.cache.device_pool().expect("the cache holds data");
+        let layout = self.cache.layout();
+        for (blob, &page) in kv.pages.iter().zip(&own) {
+            for c in layout.chunks() {
+                let src = &blob[c.host_offset..c.host_offset + c.bytes];
+                pool.write_chunk(c.kind, c.layer, c.plane, page, src);
+            }
+        }
+        r.pages = own;
+        r.computed = r.prompt_len;
+        r.cached = kv.cached;
+        r.phase = Phase::Running;
+        self.snap.prompt_tokens += r.prompt_len as u64;
+        self.snap.transferred_prompt_tokens += r.prompt_len as u64;
+        let _ = r.tx.send(Event::Admitted { cached: r.cached });
+        let first = kv.first_token;
+        let stop = r.params.stop_token_ids.contains(&first)
+            || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&first));
+        if stop {
+            self.finish(r, Some(FinishReason::Stop));
+            return true;
+        }
+        r.tokens.push(first);
+        r.generated = 1;
+        self.snap.generated_tokens += 1;
+        let _ = r.tx.send(Event::Token(first));
+        if r.generated >= r.params.max_tokens {
+            self.finish(r, Some(FinishReason::Length));
+        } else {
+            self.active.push(r);
+        }
+        true
+    }
+
+    /// The prompt's pages out of the device pool, in the host layout, with their hashes.
+    fn export_kv(&self, r: &Req) -> ExportedKv {
+        let ps = self.cache.page_size();
+        let pool = self.cache.device_pool().expect("the cache holds data");
+        let layout = self.cache.layout();
+        let n = r.prompt_len.div_ceil(ps);
+        let mut pages = Vec::with_capacity(n);
+        for &page in &r.pages[..n] {
+            let mut blob = vec![0u8; layout.page_bytes()];
+            for c in layout.chunks() {
+                let dst = &mut blob[c.host_offset..c.host_offset + c.bytes];
+                pool.read_chunk(c.kind, c.layer, c.plane, page, dst);
+            }
+            pages.push(blob);
+        }
+        let mut hashes: Vec<[u8; 16]> = match self.cache.tree().namespace() {
+            Some(ns) => ns
+                .chain(PageHash::ROOT, &r.tokens[..r.prompt_len], ps)
+                .into_iter()
+                .map(|h| h.0)
+                .collect(),
+            None => Vec::new(),
+        };
+        hashes.resize(n, [0; 16]);
+        ExportedKv { pages, hashes }
     }
 
     /// Starts copying the host-only part of the request's match to the device.
@@ -476,6 +568,10 @@ impl Scheduler {
             let stop = r.params.stop_token_ids.contains(&next)
                 || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
             if stop {
+                if r.export {
+                    // A prefill worker forwards the first token, whatever it is, with the K/V.
+                    let _ = r.tx.send(Event::Token(next));
+                }
                 done.push((i, FinishReason::Stop));
                 continue;
             }
@@ -503,6 +599,10 @@ impl Scheduler {
         if let Phase::Prefetch(t) | Phase::Loading(Some(t)) = r.phase {
             // The copy writes into pages the tree owns; let it land before unlocking.
             self.cache.wait(t);
+        }
+        if ok && r.export && r.phase == Phase::Running && r.computed >= r.prompt_len {
+            let kv = self.export_kv(&r);
+            let _ = r.tx.send(Event::Kv(Arc::new(kv)));
         }
         let own = r.own_pages().to_vec();
         if ok && r.phase == Phase::Running {
@@ -582,5 +682,7 @@ fn placeholder() -> Req {
         computed: 0,
         generated: 0,
         budget: 0,
+        export: false,
+        import: None,
     }
 }

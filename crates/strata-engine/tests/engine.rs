@@ -67,6 +67,7 @@ fn run(
     while let Some(ev) = s.events.blocking_recv() {
         match ev {
             Event::Admitted { cached: c } => cached = Some(c),
+            Event::Kv(_) => {}
             Event::Token(t) => out.push(t),
             Event::Done {
                 reason,
@@ -317,4 +318,62 @@ fn a_page_aligned_prompt_matched_in_full_computes_only_its_last_token() {
         s.device.pages_used
     );
     e.shutdown(Duration::from_secs(5));
+}
+
+/// Prefill on one engine, K/V exported and imported into another, decode there: the tokens
+/// equal one engine doing both.
+#[test]
+fn exported_kv_continues_on_another_engine_with_identical_tokens() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let single = start(&path, 64, 0, None, EngineConfig::default());
+    let prefill = start(&path, 64, 0, None, EngineConfig::default());
+    let decode = start(&path, 64, 0, None, EngineConfig::default());
+    let p = prompt(37, 2);
+    let (want, _, _) = run(&single, &p, greedy(10));
+    let mut s = prefill.submit_export(p.clone(), greedy(1)).unwrap();
+    let (mut first, mut kv) = (None, None);
+    while let Some(ev) = s.events.blocking_recv() {
+        match ev {
+            Event::Token(t) => first = Some(t),
+            Event::Kv(k) => kv = Some(k),
+            _ => {}
+        }
+    }
+    let kv = kv.expect("K/V exported");
+    assert_eq!(kv.pages.len(), 3);
+    let imported = ImportedKv {
+        pages: kv.pages.clone(),
+        first_token: first.unwrap(),
+        cached: CachedTokens::default(),
+    };
+    let mut s = decode
+        .submit_prefilled(p.clone(), greedy(10), imported)
+        .unwrap();
+    let mut got = Vec::new();
+    while let Some(ev) = s.events.blocking_recv() {
+        if let Event::Token(t) = ev {
+            got.push(t);
+        }
+    }
+    assert_eq!(got, want);
+    assert_eq!(decode.snapshot().transferred_prompt_tokens, 37);
+    // Wrong page count or size is refused with the numbers.
+    let bad = ImportedKv {
+        pages: kv.pages[..2].to_vec(),
+        first_token: 1,
+        cached: CachedTokens::default(),
+    };
+    let e = decode
+        .submit_prefilled(p.clone(), greedy(2), bad)
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string()
+            .contains("2 pages received for a 37-token prompt"),
+        "{e}"
+    );
+    for e in [single, prefill, decode] {
+        e.shutdown(Duration::from_secs(5));
+    }
 }
