@@ -274,28 +274,33 @@ pub fn read_frame(r: &mut dyn Read) -> Result<Frame, TransferError> {
     Frame::decode(payload[0], &payload[1..])
 }
 
-fn check_hello(me: &Hello, peer: &Hello) -> Result<(), String> {
+/// Compares the two sides' hellos; the message names each side's value.
+fn check_hello(me: &Hello, peer: &Hello, me_receiver: bool) -> Result<(), String> {
+    let (r, s) = if me_receiver { (me, peer) } else { (peer, me) };
     let mut diffs = Vec::new();
-    if me.model_id != peer.model_id {
-        diffs.push(format!("model `{}` vs `{}`", me.model_id, peer.model_id));
-    }
-    if me.page_size != peer.page_size {
+    if r.model_id != s.model_id {
         diffs.push(format!(
-            "page size {} vs {} tokens",
-            me.page_size, peer.page_size
+            "model: receiver `{}`, sender `{}`",
+            r.model_id, s.model_id
         ));
     }
-    if me.page_bytes != peer.page_bytes || me.layout != peer.layout {
+    if r.page_size != s.page_size {
         diffs.push(format!(
-            "layout `{}` ({} bytes/page) vs `{}` ({} bytes/page)",
-            me.layout, me.page_bytes, peer.layout, peer.page_bytes
+            "page size: receiver {} tokens, sender {} tokens",
+            r.page_size, s.page_size
+        ));
+    }
+    if r.page_bytes != s.page_bytes || r.layout != s.layout {
+        diffs.push(format!(
+            "layout: receiver {} ({} bytes/page), sender {} ({} bytes/page)",
+            r.layout, r.page_bytes, s.layout, s.page_bytes
         ));
     }
     if diffs.is_empty() {
         Ok(())
     } else {
         Err(format!(
-            "this worker and its peer differ: {}",
+            "the workers' KV formats differ: {}",
             diffs.join("; ")
         ))
     }
@@ -305,7 +310,7 @@ fn check_hello(me: &Hello, peer: &Hello) -> Result<(), String> {
 pub fn handshake_connect(link: &mut dyn Link, me: &Hello) -> Result<(), TransferError> {
     write_frame(link, &Frame::Hello(me.clone()))?;
     match read_frame(link)? {
-        Frame::Hello(peer) => check_hello(me, &peer).map_err(TransferError::Refused),
+        Frame::Hello(peer) => check_hello(me, &peer, false).map_err(TransferError::Refused),
         Frame::Refuse(r) => Err(TransferError::Refused(r)),
         f => Err(TransferError::Protocol(format!(
             "expected Hello, got {f:?}"
@@ -323,7 +328,7 @@ pub fn handshake_accept(link: &mut dyn Link, me: &Hello) -> Result<(), TransferE
             )))
         }
     };
-    match check_hello(me, &peer) {
+    match check_hello(me, &peer, true) {
         Ok(()) => write_frame(link, &Frame::Hello(me.clone())),
         Err(reason) => {
             let _ = write_frame(link, &Frame::Refuse(reason.clone()));
@@ -592,9 +597,17 @@ mod tests {
         let (mut c, mut s) = pair();
         let rx = std::thread::spawn(move || handshake_accept(&mut s, &hello(32)).unwrap_err());
         let e = handshake_connect(&mut c, &hello(16)).unwrap_err();
-        assert!(e.to_string().contains("page size 32 vs 16 tokens"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("page size: receiver 32 tokens, sender 16 tokens"),
+            "{e}"
+        );
         let e = rx.join().unwrap();
-        assert!(e.to_string().contains("page size 32 vs 16 tokens"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("page size: receiver 32 tokens, sender 16 tokens"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -26,6 +27,9 @@ use crate::api::{ChatRequest, CompletionRequest, Content, Prompt, Sampling, Usag
 use crate::error::ApiError;
 use crate::text::TextStream;
 
+/// Header by which the router names the prefill worker of a request sent to a decode worker.
+pub const PREFILL_HEADER: &str = "x-strata-prefill";
+
 /// What every handler shares.
 pub struct AppState {
     pub engine: EngineHandle,
@@ -40,6 +44,15 @@ pub struct AppState {
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
     pub created: u64,
+    /// This worker's KV listener (decode role): where prefill workers send K/V.
+    pub kv: Option<Arc<crate::pd::KvInbox>>,
+    /// How long a KV transfer may take, end to end.
+    pub kv_deadline: Duration,
+    /// Client for calls to prefill workers.
+    pub http: reqwest::Client,
+    pub transfers_sent: AtomicU64,
+    pub transfer_bytes_sent: AtomicU64,
+    pub transfer_failures: AtomicU64,
 }
 
 impl AppState {
@@ -56,6 +69,12 @@ impl AppState {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            kv: None,
+            kv_deadline: Duration::from_secs(30),
+            http: reqwest::Client::new(),
+            transfers_sent: AtomicU64::new(0),
+            transfer_bytes_sent: AtomicU64::new(0),
+            transfer_failures: AtomicU64::new(0),
         }
     }
 }
@@ -72,6 +91,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/flush_cache", post(flush_cache))
+        .route("/pd/prefill", post(crate::pd::prefill))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -233,6 +253,7 @@ struct Job {
 
 async fn completions(
     State(st): St,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(body, st.body_limit)?;
@@ -251,10 +272,14 @@ async fn completions(
         }
         Prompt::Tokens(t) => t.clone(),
     };
-    start(st, ids, &req.sampling, Kind::Completion).await
+    start(st, ids, &req.sampling, Kind::Completion, &headers).await
 }
 
-async fn chat(State(st): St, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat(
+    State(st): St,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let req: ChatRequest = parse(body, st.body_limit)?;
     check_model(&st, &req.model)?;
     if req.messages.is_empty() {
@@ -309,7 +334,7 @@ async fn chat(State(st): St, body: Result<Bytes, BytesRejection>) -> Result<Resp
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
     let ids = encode(&st, &text)?;
-    start(st, ids, &req.sampling, Kind::Chat).await
+    start(st, ids, &req.sampling, Kind::Chat, &headers).await
 }
 
 fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -323,12 +348,20 @@ async fn start(
     ids: Vec<u32>,
     s: &Sampling,
     kind: Kind,
+    headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
     let (params, stops) = sampling(&st, s, ids.len())?;
-    let rs = st
-        .engine
-        .submit(ids, params)
-        .map_err(|e| ApiError::from_submit(&e))?;
+    let prefill = headers
+        .get(PREFILL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let rs = match prefill {
+        Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,
+        None => st
+            .engine
+            .submit(ids, params)
+            .map_err(|e| ApiError::from_submit(&e))?,
+    };
     let prefix = if kind == Kind::Chat {
         "chatcmpl"
     } else {
@@ -381,6 +414,7 @@ async fn whole_response(
     let reason = loop {
         match rs.events.recv().await {
             Some(Event::Admitted { cached: c }) => cached = c,
+            Some(Event::Kv(_)) => {}
             Some(Event::Token(t)) => {
                 completion += 1;
                 out += &text.push(&st.tokenizer, t);
@@ -506,6 +540,7 @@ impl Streaming {
         let ev = self.rs.as_mut()?.events.recv().await;
         let mut out = Vec::new();
         match ev {
+            Some(Event::Kv(_)) => {}
             Some(Event::Admitted { cached }) => {
                 self.cached = cached;
                 if self.job.kind == Kind::Chat {

@@ -5,10 +5,13 @@
 //! * [`error`]: OpenAI-style JSON errors with the right status.
 //! * [`text`]: incremental detokenization and stop strings.
 //! * [`app`]: the routes, the shared state and graceful shutdown.
+//! * [`pd`]: prefill/decode disaggregation: the KV listener, `/pd/prefill`, the decode side.
 
 pub mod api;
 pub mod app;
 pub mod error;
+pub mod pd;
+pub mod router;
 pub mod text;
 
 pub use app::{router, AppState};

@@ -1,0 +1,343 @@
+//! The router: an OpenAI-compatible front door over workers addressed by URL. For each request
+//! it picks a prefill and a decode worker (PD) or one worker doing both, forwards the request
+//! (the decode worker coordinates the K/V handoff), and streams the answer back. Workers are
+//! health-checked; a request that has not started streaming is retried once on another pair.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use serde_json::json;
+
+use crate::app::PREFILL_HEADER;
+use crate::error::ApiError;
+
+/// How to pick workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    RoundRobin,
+    LeastLoad,
+}
+
+impl Policy {
+    pub fn parse(s: &str) -> Option<Policy> {
+        match s {
+            "round_robin" => Some(Policy::RoundRobin),
+            "least_load" => Some(Policy::LeastLoad),
+            _ => None,
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoad => "least_load",
+        }
+    }
+}
+
+/// One worker as the router sees it.
+pub struct Worker {
+    pub url: String,
+    pub healthy: AtomicBool,
+    pub in_flight: AtomicUsize,
+    pub requests: AtomicU64,
+    pub failures: AtomicU64,
+}
+
+impl Worker {
+    fn new(url: &str) -> Arc<Worker> {
+        Arc::new(Worker {
+            url: url.trim_end_matches('/').to_string(),
+            healthy: AtomicBool::new(true),
+            in_flight: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        })
+    }
+}
+
+pub struct RouterState {
+    /// Prefill workers (empty: no PD, `decode` workers do both).
+    pub prefill: Vec<Arc<Worker>>,
+    /// Decode workers, or workers doing both.
+    pub decode: Vec<Arc<Worker>>,
+    pub policy: Policy,
+    pub api_keys: HashSet<String>,
+    pub client: reqwest::Client,
+    rr: AtomicUsize,
+    pub retries: AtomicU64,
+    pub body_limit: usize,
+}
+
+impl RouterState {
+    pub fn new(prefill: &[String], decode: &[String], policy: Policy) -> RouterState {
+        RouterState {
+            prefill: prefill.iter().map(|u| Worker::new(u)).collect(),
+            decode: decode.iter().map(|u| Worker::new(u)).collect(),
+            policy,
+            api_keys: HashSet::new(),
+            client: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .build()
+                .expect("HTTP client"),
+            rr: AtomicUsize::new(0),
+            retries: AtomicU64::new(0),
+            body_limit: 4 << 20,
+        }
+    }
+
+    fn pick(&self, pool: &[Arc<Worker>], avoid: Option<&Arc<Worker>>) -> Option<Arc<Worker>> {
+        let up: Vec<&Arc<Worker>> = pool
+            .iter()
+            .filter(|w| w.healthy.load(Ordering::Relaxed))
+            .filter(|w| avoid.is_none_or(|a| !Arc::ptr_eq(a, w)) || pool.len() == 1)
+            .collect();
+        if up.is_empty() {
+            return None;
+        }
+        let w = match self.policy {
+            Policy::RoundRobin => up[self.rr.fetch_add(1, Ordering::Relaxed) % up.len()],
+            Policy::LeastLoad => up
+                .iter()
+                .min_by_key(|w| w.in_flight.load(Ordering::Relaxed))
+                .expect("non-empty"),
+        };
+        Some(w.clone())
+    }
+}
+
+/// The router's HTTP API.
+pub fn router(state: Arc<RouterState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(forward_chat))
+        .route("/v1/completions", post(forward_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/workers", get(workers))
+        .with_state(state)
+}
+
+/// Marks workers down and up from their `/health`, every `every`.
+pub async fn health_loop(state: Arc<RouterState>, every: Duration) {
+    loop {
+        for w in state.prefill.iter().chain(&state.decode) {
+            let ok = state
+                .client
+                .get(format!("{}/health", w.url))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false);
+            let was = w.healthy.swap(ok, Ordering::Relaxed);
+            if was != ok {
+                if ok {
+                    tracing::info!(worker = %w.url, "worker up");
+                } else {
+                    tracing::warn!(worker = %w.url, "worker down");
+                }
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+type St = State<Arc<RouterState>>;
+
+fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if st.api_keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(k) if st.api_keys.contains(k) => Ok(()),
+        _ => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "a valid API key is needed: Authorization: Bearer <key>",
+        )
+        .with_code("invalid_api_key")),
+    }
+}
+
+async fn forward_chat(st: St, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    forward(st, headers, body, "/v1/chat/completions").await
+}
+
+async fn forward_completions(
+    st: St,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    forward(st, headers, body, "/v1/completions").await
+}
+
+/// Decrements a worker's in-flight count when the response body is done (or dropped).
+struct InFlight(Vec<Arc<Worker>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for w in &self.0 {
+            w.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn forward(
+    State(st): St,
+    headers: HeaderMap,
+    body: Bytes,
+    path: &str,
+) -> Result<Response, ApiError> {
+    check_key(&st, &headers)?;
+    if body.len() > st.body_limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!(
+                "the request body exceeds the limit of {} bytes",
+                st.body_limit
+            ),
+        ));
+    }
+    let mut last_err = None;
+    let (mut avoid_p, mut avoid_d) = (None, None);
+    for attempt in 0..2 {
+        let d = st.pick(&st.decode, avoid_d.as_ref());
+        let p = if st.prefill.is_empty() {
+            None
+        } else {
+            st.pick(&st.prefill, avoid_p.as_ref())
+        };
+        let (Some(d), true) = (d, st.prefill.is_empty() || p.is_some()) else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no healthy worker to route to",
+            ));
+        };
+        let mut guard = vec![d.clone()];
+        d.in_flight.fetch_add(1, Ordering::Relaxed);
+        d.requests.fetch_add(1, Ordering::Relaxed);
+        let mut req = st
+            .client
+            .post(format!("{}{path}", d.url))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
+        if let Some(p) = &p {
+            p.in_flight.fetch_add(1, Ordering::Relaxed);
+            p.requests.fetch_add(1, Ordering::Relaxed);
+            guard.push(p.clone());
+            req = req.header(PREFILL_HEADER, &p.url);
+        }
+        let guard = InFlight(guard);
+        match req.send().await {
+            // Worker-side failures before any token (bad gateway, unavailable) are retried.
+            Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
+                let text = r.text().await.unwrap_or_default();
+                tracing::warn!(decode = %d.url, prefill = ?p.as_ref().map(|w| &w.url), %text, "retrying on another pair");
+                d.failures.fetch_add(1, Ordering::Relaxed);
+                last_err = Some(text);
+            }
+            Ok(r) => {
+                let status = r.status();
+                let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+                let stream = r.bytes_stream().map(move |c| {
+                    let _keep = &guard;
+                    c
+                });
+                let mut resp = Response::new(Body::from_stream(stream));
+                *resp.status_mut() =
+                    StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+                if let Some(c) = ctype {
+                    resp.headers_mut().insert(header::CONTENT_TYPE, c);
+                }
+                return Ok(resp);
+            }
+            Err(e) => {
+                tracing::warn!(decode = %d.url, error = %e, "worker unreachable; retrying on another pair");
+                d.failures.fetch_add(1, Ordering::Relaxed);
+                if e.is_connect() {
+                    d.healthy.store(false, Ordering::Relaxed);
+                }
+                last_err = Some(e.to_string());
+            }
+        }
+        st.retries.fetch_add(1, Ordering::Relaxed);
+        avoid_d = Some(d);
+        avoid_p = p;
+    }
+    Err(ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        format!(
+            "the request failed on two worker pairs: {}",
+            last_err.unwrap_or_default()
+        ),
+    ))
+}
+
+async fn models(State(st): St) -> Response {
+    for w in &st.decode {
+        if let Ok(r) = st.client.get(format!("{}/v1/models", w.url)).send().await {
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                return Json(v).into_response();
+            }
+        }
+    }
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        "no worker answered",
+    )
+    .into_response()
+}
+
+async fn health(State(st): St) -> Response {
+    let up = st.decode.iter().any(|w| w.healthy.load(Ordering::Relaxed))
+        && (st.prefill.is_empty() || st.prefill.iter().any(|w| w.healthy.load(Ordering::Relaxed)));
+    let code = if up {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        code,
+        Json(json!({"status": if up { "ok" } else { "no healthy worker pair" }})),
+    )
+        .into_response()
+}
+
+async fn workers(State(st): St) -> Json<serde_json::Value> {
+    let list = |ws: &[Arc<Worker>], role: &str| -> Vec<serde_json::Value> {
+        ws.iter()
+            .map(|w| {
+                json!({"url": w.url, "role": role, "healthy": w.healthy.load(Ordering::Relaxed),
+                       "in_flight": w.in_flight.load(Ordering::Relaxed),
+                       "requests": w.requests.load(Ordering::Relaxed),
+                       "failures": w.failures.load(Ordering::Relaxed)})
+            })
+            .collect()
+    };
+    let role = if st.prefill.is_empty() {
+        "both"
+    } else {
+        "decode"
+    };
+    let mut all = list(&st.prefill, "prefill");
+    all.extend(list(&st.decode, role));
+    Json(
+        json!({"policy": st.policy.name(), "retries": st.retries.load(Ordering::Relaxed), "workers": all}),
+    )
+}

@@ -1,0 +1,241 @@
+//! Prefill/decode disaggregation over real sockets with the tiny model: router → decode worker
+//! → prefill worker → K/V over the transfer channel → decode, against one worker doing both.
+
+use std::net::TcpListener as StdListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use strata_engine::transfer::Hello;
+use strata_engine::{Engine, EngineConfig};
+use strata_kv::memory::HeapAllocator;
+use strata_kv::{CacheConfig, PageLayout, TieredCache};
+use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
+use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_server::app::serve;
+use strata_server::pd::KvInbox;
+use strata_server::router::{router, Policy, RouterState};
+use strata_server::AppState;
+use tokio::sync::oneshot;
+
+struct Worker {
+    url: String,
+    state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Worker {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let _ = self.task.await;
+    }
+}
+
+async fn worker(path: &std::path::Path, page_size: usize, kv: bool) -> Worker {
+    let mut g = Gguf::open(path).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let m = Model::load(&mut g).unwrap();
+    let layout = PageLayout::new(page_size, vec![m.pool_kind()]).unwrap();
+    let mut cc = CacheConfig::new(layout, 128, 128);
+    cc.model_id = "tiny".into();
+    let cache = TieredCache::new(cc, &HeapAllocator, None).unwrap();
+    let cfg = EngineConfig {
+        stop_token_ids: tk.stop.clone(),
+        model_id: "tiny".into(),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(m, cache, cfg);
+    let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
+    st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
+    st.kv_deadline = Duration::from_secs(5);
+    if kv {
+        let info = st.engine.info().clone();
+        let hello = Hello {
+            model_id: info.model_id.clone(),
+            page_size: info.page_size as u32,
+            page_bytes: info.page_bytes as u64,
+            layout: info.layout.clone(),
+        };
+        let l = StdListener::bind("127.0.0.1:0").unwrap();
+        st.kv = Some(KvInbox::start(l, hello, info.page_bytes as u64, 1 << 30));
+    }
+    let state = Arc::new(st);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel();
+    let task = tokio::spawn(serve(
+        listener,
+        state.clone(),
+        async move {
+            let _ = rx.await;
+        },
+        Duration::from_secs(5),
+    ));
+    Worker {
+        url,
+        state,
+        stop: Some(tx),
+        task,
+    }
+}
+
+async fn start_router(prefill: &[String], decode: &[String]) -> String {
+    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    url
+}
+
+fn chat(content: &str, max: usize) -> Value {
+    json!({"messages": [{"role": "system", "content": "A shared system prompt for everyone."},
+           {"role": "user", "content": content}],
+           "max_tokens": max, "temperature": 0, "ignore_eos": true})
+}
+
+async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_output_equals_one_worker_and_failures_are_clean() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("tiny.gguf");
+    write_tiny(&path, &TinySpec::default()).unwrap();
+    let single = worker(&path, 16, false).await;
+    let prefill = worker(&path, 16, false).await;
+    let decode = worker(&path, 16, true).await;
+    let r = start_router(&[prefill.url.clone()], &[decode.url.clone()]).await;
+
+    let q = "tell me about the weather in a long sentence please";
+    let (s1, want) = post(&format!("{}/v1/chat/completions", single.url), &chat(q, 12)).await;
+    assert_eq!(s1, 200, "{want}");
+    let (s2, got) = post(&format!("{r}/v1/chat/completions"), &chat(q, 12)).await;
+    assert_eq!(s2, 200, "{got}");
+    assert_eq!(
+        got["choices"][0]["message"]["content"],
+        want["choices"][0]["message"]["content"]
+    );
+    assert_eq!(got["usage"]["completion_tokens"], 12);
+    // Again: the prefill worker's cache serves the prefix, and says so.
+    let (_, again) = post(&format!("{r}/v1/chat/completions"), &chat(q, 12)).await;
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert_eq!(
+        again["choices"][0]["message"]["content"],
+        want["choices"][0]["message"]["content"]
+    );
+    assert_eq!(
+        decode.state.engine.snapshot().transferred_prompt_tokens > 0,
+        true
+    );
+    // Streaming through the router.
+    let mut sb = chat(q, 5);
+    sb["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(format!("{r}/v1/chat/completions"))
+        .json(&sb)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+
+    // A decode side that dies mid-transfer: the prefill worker answers a clean error, holds
+    // no pages, and keeps serving.
+    let fake = StdListener::bind("127.0.0.1:0").unwrap();
+    let fake_addr = fake.local_addr().unwrap().to_string();
+    let info = prefill.state.engine.info().clone();
+    std::thread::spawn(move || {
+        let (mut c, _) = fake.accept().unwrap();
+        let hello = Hello {
+            model_id: info.model_id.clone(),
+            page_size: info.page_size as u32,
+            page_bytes: info.page_bytes as u64,
+            layout: info.layout.clone(),
+        };
+        strata_engine::transfer::handshake_accept(&mut c, &hello).unwrap();
+        let _ = strata_engine::transfer::read_frame(&mut c); // Begin
+        let _ = strata_engine::transfer::write_frame(
+            &mut c,
+            &strata_engine::transfer::Frame::Ack {
+                id: 1,
+                ok: true,
+                reason: String::new(),
+            },
+        );
+        let _ = strata_engine::transfer::read_frame(&mut c); // one page, then die
+    });
+    let (st, e) = post(
+        &format!("{}/pd/prefill", prefill.url),
+        &json!({"id": 1, "tokens": (0..40).collect::<Vec<u32>>(), "kv_target": fake_addr}),
+    )
+    .await;
+    assert_eq!(st, 502, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV transfer to"),
+        "{e}"
+    );
+    let t = Instant::now();
+    while prefill.state.engine.snapshot().running > 0 {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(prefill.state.engine.snapshot().device_pages_held, 0);
+    let (st, _) = post(
+        &format!("{r}/v1/chat/completions"),
+        &chat("still there?", 3),
+    )
+    .await;
+    assert_eq!(st, 200);
+
+    // A decode worker with another page size: the handshake is refused, with the reason.
+    let other = worker(&path, 32, true).await;
+    let (st, e) = post(
+        &format!("{}/pd/prefill", prefill.url),
+        &json!({"id": 2, "tokens": [1, 2, 3],
+                "kv_target": other.state.kv.as_ref().unwrap().addr.to_string()}),
+    )
+    .await;
+    assert_eq!(st, 502);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("page size: receiver 32 tokens, sender 16 tokens"),
+        "{e}"
+    );
+
+    // Two decode workers, one stopped: the router routes around it.
+    let decode2 = worker(&path, 16, true).await;
+    let dead_url = decode.url.clone();
+    decode.stop().await;
+    let r2 = start_router(&[prefill.url.clone()], &[dead_url, decode2.url.clone()]).await;
+    for i in 0..4 {
+        let (st, v) = post(
+            &format!("{r2}/v1/chat/completions"),
+            &chat(&format!("q{i}"), 3),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    for w in [single, prefill, other, decode2] {
+        w.stop().await;
+    }
+}
