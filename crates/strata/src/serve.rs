@@ -88,6 +88,20 @@ pub struct ServeArgs {
     /// Threads copying pages between tiers.
     #[arg(long, default_value_t = 1, help_heading = "Cache")]
     pub copy_threads: usize,
+
+    /// Address the KV-transfer listener binds (decode and both roles); prefill workers send
+    /// K/V there.
+    #[arg(long, default_value = "127.0.0.1", help_heading = "PD disaggregation")]
+    pub kv_host: String,
+    /// Port of the KV-transfer listener (0: any free port; the worker tells prefill workers).
+    #[arg(long, default_value_t = 0, help_heading = "PD disaggregation")]
+    pub kv_port: u16,
+    /// Received K/V held at most before transfers are told to retry, with a unit.
+    #[arg(long, default_value = "1GiB", help_heading = "PD disaggregation")]
+    pub kv_staging: String,
+    /// Seconds a KV transfer may take end to end.
+    #[arg(long, default_value_t = 30.0, help_heading = "PD disaggregation")]
+    pub kv_deadline: f64,
 }
 
 fn l3_storage(a: &ServeArgs) -> Result<Option<Arc<dyn Storage>>> {
@@ -119,6 +133,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let eviction = EvictionPolicy::parse(&a.eviction)
         .with_context(|| format!("--eviction `{}`: expected lru or gdsf", a.eviction))?;
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
+    let role = a.sizing.role.as_str();
+    if !matches!(role, "prefill" | "decode" | "both" | "server") {
+        bail!("--role `{role}`: expected prefill, decode or both");
+    }
+    let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
+    if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
+        bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
+    }
     if a.sizing.tp_size != 1 {
         bail!(
             "--tp-size {}: a worker serves one rank on this CPU build; use `strata plan` to size TP servers",
@@ -189,6 +211,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_waiting: a.max_waiting,
         max_tokens_in_flight: a.max_tokens_in_flight,
         stop_token_ids: tk.stop.clone(),
+        model_id: model_id(&path),
     };
     cfg.stop_token_ids.dedup();
     let engine = Engine::start(model, cache, cfg);
@@ -202,8 +225,25 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.admin_key = a.admin_key.clone();
     st.default_max_tokens = a.default_max_tokens;
     st.body_limit = body_limit;
+    st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
+    if matches!(role, "decode" | "both") {
+        let info = st.engine.info().clone();
+        let hello = strata_engine::transfer::Hello {
+            model_id: info.model_id.clone(),
+            page_size: info.page_size as u32,
+            page_bytes: info.page_bytes as u64,
+            layout: info.layout.clone(),
+        };
+        let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
+        let l = std::net::TcpListener::bind(&kv_addr)
+            .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
+        let inbox = strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, kv_staging);
+        tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
+        st.kv = Some(inbox);
+    }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
 
+    let role_s = role.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -213,7 +253,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
-        eprintln!("strata serve: ready on http://{addr} (model `{name}`)");
+        eprintln!("strata serve: ready on http://{addr} (model `{name}`, role {role_s})");
         strata_server::app::serve(listener, Arc::new(st), shutdown_signal(), grace).await?;
         tracing::info!("stopped");
         Ok(())
@@ -232,7 +272,7 @@ pub fn model_id(path: &std::path::Path) -> String {
     )
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -32,7 +32,8 @@ pub struct SizingArgs {
     /// Tokens per KV page.
     #[arg(long, default_value_t = 16, help_heading = "Model")]
     pub page_size: usize,
-    /// What this server does: prefill, decode or server (both). A label in reports.
+    /// What this server does: prefill, decode, both (PD roles; decode and both listen for K/V)
+    /// or server (one worker, no PD). Also a label in reports.
     #[arg(long, default_value = "server", help_heading = "Model")]
     pub role: String,
 

@@ -1,0 +1,158 @@
+//! `strata up` with the tiny model: a refused flag stops everything once with the worker's
+//! message; a worker killed while serving is restarted and the router answers again.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use strata_model::tiny::{write_tiny, TinySpec};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn config(dir: &std::path::Path, prefill_args: &str) -> (std::path::PathBuf, u16) {
+    let (r, p, d) = (free_port(), free_port(), free_port());
+    let text = format!(
+        r#"host = "127.0.0.1"
+smoke_test = true
+[router]
+port = {r}
+[[prefill]]
+port = {p}
+args = ["--device-mem", "16MiB", {prefill_args}]
+[[decode]]
+port = {d}
+args = ["--device-mem", "16MiB", "--hicache-size", "16MiB"]
+"#
+    );
+    let path = dir.join("up.toml");
+    std::fs::write(&path, text).unwrap();
+    (path, r)
+}
+
+fn up(dir: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
+    let model = dir.join("tiny.gguf");
+    write_tiny(&model, &TinySpec::default()).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["up", "--startup-timeout", "60", "--config"])
+        .arg(cfg)
+        .arg("--model")
+        .arg(&model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    for s in [
+        Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stdout.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(s).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+    }
+    (child, rx)
+}
+
+fn wait_for(rx: &mpsc::Receiver<String>, log: &mut Vec<String>, what: &str, secs: u64) -> String {
+    let t = Instant::now();
+    loop {
+        let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                log.push(l.clone());
+                if l.contains(what) {
+                    return l;
+                }
+            }
+            Err(_) => panic!("no `{what}` within {secs} s:\n{}", log.join("\n")),
+        }
+    }
+}
+
+#[test]
+fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#);
+    let (mut child, rx) = up(d.path(), &cfg);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "strata up did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let log: Vec<String> = rx.try_iter().collect();
+    let text = log.join("\n");
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("prefill-0 exited during start-up (exit code 2)"),
+        "{text}"
+    );
+    assert!(text.contains("--hicache-size"), "{text}");
+    assert_eq!(text.matches("starting prefill-0").count(), 1, "{text}");
+    assert!(!text.contains("restarted (pid"), "{text}");
+    assert!(text.contains("nothing is restarted after a start-up failure"), "{text}");
+}
+
+#[test]
+fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, router_port) = config(d.path(), r#""--hicache-size", "16MiB""#);
+    let (mut child, rx) = up(d.path(), &cfg);
+    let mut log = Vec::new();
+    wait_for(&rx, &mut log, "smoke test through the router", 90);
+    let line = wait_for(&rx, &mut log, "decode-0: http", 10);
+    let pid: i32 = line
+        .split("pid ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches(')')
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) on the decode worker `strata up` started (its pid was printed).
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    wait_for(&rx, &mut log, "decode-0 crashed", 20);
+    wait_for(&rx, &mut log, "decode-0 restarted", 20);
+    let t = Instant::now();
+    loop {
+        let out = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "content-type: application/json"])
+            .arg("-d")
+            .arg(r#"{"messages":[{"role":"user","content":"again"}],"max_tokens":3,"temperature":0}"#)
+            .arg(format!("http://127.0.0.1:{router_port}/v1/chat/completions"))
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&out.stdout) == "200" {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the router never answered again"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // SAFETY: kill(2) on the `strata up` this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
