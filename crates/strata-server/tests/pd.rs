@@ -112,7 +112,11 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let single = worker(&path, 16, false).await;
     let prefill = worker(&path, 16, false).await;
     let decode = worker(&path, 16, true).await;
-    let r = start_router(&[prefill.url.clone()], &[decode.url.clone()]).await;
+    let r = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
 
     let q = "tell me about the weather in a long sentence please";
     let (s1, want) = post(&format!("{}/v1/chat/completions", single.url), &chat(q, 12)).await;
@@ -136,10 +140,7 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         again["choices"][0]["message"]["content"],
         want["choices"][0]["message"]["content"]
     );
-    assert_eq!(
-        decode.state.engine.snapshot().transferred_prompt_tokens > 0,
-        true
-    );
+    assert!(decode.state.engine.snapshot().transferred_prompt_tokens > 0);
     // Streaming through the router.
     let mut sb = chat(q, 5);
     sb["stream"] = json!(true);
@@ -226,7 +227,11 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let decode2 = worker(&path, 16, true).await;
     let dead_url = decode.url.clone();
     decode.stop().await;
-    let r2 = start_router(&[prefill.url.clone()], &[dead_url, decode2.url.clone()]).await;
+    let r2 = start_router(
+        std::slice::from_ref(&prefill.url),
+        &[dead_url, decode2.url.clone()],
+    )
+    .await;
     for i in 0..4 {
         let (st, v) = post(
             &format!("{r2}/v1/chat/completions"),

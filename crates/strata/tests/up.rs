@@ -107,7 +107,10 @@ fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
     assert!(text.contains("--hicache-size"), "{text}");
     assert_eq!(text.matches("starting prefill-0").count(), 1, "{text}");
     assert!(!text.contains("restarted (pid"), "{text}");
-    assert!(text.contains("nothing is restarted after a start-up failure"), "{text}");
+    assert!(
+        text.contains("nothing is restarted after a start-up failure"),
+        "{text}"
+    );
 }
 
 #[test]
