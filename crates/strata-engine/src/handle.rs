@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, unbounded, Sender};
 use strata_kv::stats::{CacheStats, PoolUsage, TierUsage};
 use strata_kv::storage::StorageStats;
-use strata_kv::TieredCache;
+use strata_kv::{CacheEvent, TieredCache};
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -96,13 +96,72 @@ pub struct EngineInfo {
     pub layout: String,
     /// The model id of page hashes.
     pub model_id: String,
+    /// Key of the page-hash namespace (None: the cache computes no hashes).
+    pub hash_key: Option<[u8; 32]>,
     /// Tokens the device pool holds.
     pub device_tokens: usize,
     pub max_waiting: usize,
     pub max_tokens_in_flight: usize,
 }
 
+/// Cache events with sequence numbers, kept in a bounded log for routers to poll.
+pub struct EventLog {
+    /// Differs on every start: a router that sees a new epoch resynchronises.
+    pub epoch: u64,
+    /// Sequence number of the oldest event still held.
+    pub first: u64,
+    /// Sequence number the next event will get.
+    pub next: u64,
+    items: std::collections::VecDeque<CacheEvent>,
+    cap: usize,
+}
+
+impl EventLog {
+    fn new(cap: usize) -> EventLog {
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+            ^ ((std::process::id() as u64) << 40);
+        EventLog {
+            epoch,
+            first: 0,
+            next: 0,
+            items: std::collections::VecDeque::new(),
+            cap,
+        }
+    }
+
+    pub(crate) fn push(&mut self, e: CacheEvent) {
+        self.items.push_back(e);
+        self.next += 1;
+        while self.items.len() > self.cap {
+            self.items.pop_front();
+            self.first += 1;
+        }
+    }
+
+    /// Events from `since` on (at most `max`); None when `since` is older than the log holds
+    /// (a gap: resynchronise from a snapshot).
+    pub fn since(&self, since: u64, max: usize) -> Option<Vec<(u64, CacheEvent)>> {
+        if since < self.first || since > self.next {
+            return None;
+        }
+        let skip = (since - self.first) as usize;
+        Some(
+            self.items
+                .iter()
+                .skip(skip)
+                .take(max)
+                .enumerate()
+                .map(|(i, e)| (since + i as u64, e.clone()))
+                .collect(),
+        )
+    }
+}
+
 pub(crate) struct Shared {
+    pub events: Mutex<EventLog>,
     pub waiting: AtomicUsize,
     pub tokens_in_flight: AtomicUsize,
     pub closing: AtomicBool,
@@ -128,11 +187,13 @@ impl Engine {
             page_bytes: cache.layout().page_bytes(),
             layout: format!("{:?}", cache.layout().kinds()),
             model_id: cfg.model_id.clone(),
+            hash_key: cache.tree().namespace().map(|n| n.key()),
             device_tokens,
             max_waiting: cfg.max_waiting,
             max_tokens_in_flight: cfg.max_tokens_in_flight,
         };
         let shared = Arc::new(Shared {
+            events: Mutex::new(EventLog::new(100_000)),
             waiting: AtomicUsize::new(0),
             tokens_in_flight: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
@@ -310,6 +371,25 @@ impl EngineHandle {
     pub fn flush(&self, scope: FlushScope) -> Option<(u64, u64)> {
         let (tx, rx) = bounded(1);
         self.tx.send(Cmd::Flush(scope, tx)).ok()?;
+        rx.recv().ok()
+    }
+
+    /// Cache events from `since`: (epoch, first held, next, events), or the epoch and None
+    /// when `since` fell out of the log.
+    pub fn events_since(
+        &self,
+        since: u64,
+        max: usize,
+    ) -> (u64, u64, u64, Option<Vec<(u64, CacheEvent)>>) {
+        let log = self.shared.events.lock().expect("event log lock");
+        (log.epoch, log.first, log.next, log.since(since, max))
+    }
+
+    /// Every page in the device and host tiers now, and the sequence number events continue
+    /// from. Blocks until the scheduler answers.
+    pub fn cache_snapshot(&self) -> Option<(u64, u64, Vec<CacheEvent>)> {
+        let (tx, rx) = bounded(1);
+        self.tx.send(Cmd::CacheSnapshot(tx)).ok()?;
         rx.recv().ok()
     }
 

@@ -38,7 +38,11 @@ pub(crate) struct NewReq {
 pub(crate) enum Cmd {
     Submit(Box<NewReq>),
     Flush(FlushScope, Sender<(u64, u64)>),
-    Shutdown { deadline: Instant },
+    /// (epoch, next sequence number, pages per tier).
+    CacheSnapshot(Sender<(u64, u64, Vec<strata_kv::CacheEvent>)>),
+    Shutdown {
+        deadline: Instant,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,6 +203,11 @@ impl Scheduler {
                 self.publish();
             }
             Cmd::Shutdown { deadline } => self.deadline = Some(deadline),
+            Cmd::CacheSnapshot(reply) => {
+                self.publish();
+                let log = self.shared.events.lock().expect("event log lock");
+                let _ = reply.send((log.epoch, log.next, self.cache.snapshot()));
+            }
         }
     }
 
@@ -649,6 +658,13 @@ impl Scheduler {
     }
 
     fn publish(&mut self) {
+        let events = self.cache.take_events();
+        if !events.is_empty() {
+            let mut log = self.shared.events.lock().expect("event log lock");
+            for e in events {
+                log.push(e);
+            }
+        }
         let s = &mut self.snap;
         s.cache = *self.cache.stats();
         s.storage = self.cache.storage().map(|st| st.stats());

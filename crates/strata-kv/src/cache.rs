@@ -54,6 +54,31 @@ impl CacheConfig {
     }
 }
 
+/// A tier of the cache, as cache events name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Device,
+    Host,
+}
+
+impl Tier {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+        }
+    }
+}
+
+/// Pages that entered or left the device or host tier (by their chained hashes): what a
+/// cache-aware router follows. Emitted only when the cache computes hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheEvent {
+    pub stored: bool,
+    pub tier: Tier,
+    pub hashes: Vec<PageHash>,
+}
+
 /// A cache that cannot be built or an operation that was refused.
 #[derive(Debug, Error)]
 pub enum CacheError {
@@ -130,6 +155,7 @@ pub struct TieredCache {
     held_device: usize,
     held_host: usize,
     stats: CacheStats,
+    events: Vec<CacheEvent>,
 }
 
 impl TieredCache {
@@ -174,6 +200,7 @@ impl TieredCache {
             held_device: 0,
             held_host: 0,
             stats: CacheStats::default(),
+            events: Vec::new(),
         })
     }
 
@@ -244,6 +271,54 @@ impl TieredCache {
     /// Copies still in flight.
     pub fn in_flight(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn emit(&mut self, stored: bool, tier: Tier, nodes: &[NodeId]) {
+        if self.tree.namespace().is_none() {
+            return;
+        }
+        let mut hashes = Vec::new();
+        for &n in nodes {
+            if self.tree.is_live(n) {
+                hashes.extend_from_slice(self.tree.view(n).hashes);
+            }
+        }
+        if !hashes.is_empty() {
+            self.events.push(CacheEvent {
+                stored,
+                tier,
+                hashes,
+            });
+        }
+    }
+
+    /// Every page the device and host tiers hold now (a router resynchronising its index).
+    /// L3 is not listed: it may hold pages beyond the tree and may be shared.
+    pub fn snapshot(&self) -> Vec<CacheEvent> {
+        let mut by_tier = [Vec::new(), Vec::new()];
+        for n in self.tree.node_ids() {
+            let v = self.tree.view(n);
+            if !v.device.is_empty() {
+                by_tier[0].extend_from_slice(v.hashes);
+            }
+            if !v.host.is_empty() {
+                by_tier[1].extend_from_slice(v.hashes);
+            }
+        }
+        [Tier::Device, Tier::Host]
+            .into_iter()
+            .zip(by_tier)
+            .map(|(tier, hashes)| CacheEvent {
+                stored: true,
+                tier,
+                hashes,
+            })
+            .collect()
     }
 
     // ---- lookups -------------------------------------------------------------------------
@@ -367,6 +442,7 @@ impl TieredCache {
         self.held_device -= pages.len();
         let ps = self.page_size() as u64;
         self.stats.inserted_tokens += (pages.len() - ins.unused.len()) as u64 * ps;
+        self.emit(true, Tier::Device, &ins.filled);
         if self.write_policy == WritePolicy::WriteThrough && !ins.filled.is_empty() {
             self.backup_nodes(ins.filled.clone(), false);
         }
@@ -403,6 +479,13 @@ impl TieredCache {
             pairs.extend(dev.iter().copied().zip(host));
             self.tree.set_pages(n, Slot::Device, dev);
         }
+        let loaded: Vec<NodeId> = m
+            .path
+            .iter()
+            .copied()
+            .filter(|&n| self.tree.is_live(n))
+            .collect();
+        self.emit(true, Tier::Device, &loaded);
         let job = JobKind::Copy {
             dir: Direction::HostToDevice,
             pairs,
@@ -470,6 +553,7 @@ impl TieredCache {
             lock = Some(n);
         }
         let lock = lock?;
+        self.emit(true, Tier::Host, &chosen);
         self.tree.lock(lock);
         let job = JobKind::Copy {
             dir: Direction::DeviceToHost,
@@ -524,6 +608,7 @@ impl TieredCache {
     }
 
     fn drop_device(&mut self, v: NodeId) {
+        self.emit(false, Tier::Device, &[v]);
         let pages = self.tree.take_device(v);
         self.stats.evicted_device_nodes += 1;
         self.stats.evicted_device_tokens += (pages.len() * self.page_size()) as u64;
@@ -540,6 +625,7 @@ impl TieredCache {
                 break;
             };
             self.tree.split_tail(v, n - got);
+            self.emit(false, Tier::Host, &[v]);
             let pages = self.tree.take_host(v);
             got += pages.len();
             self.stats.evicted_host_nodes += 1;
@@ -665,14 +751,15 @@ impl TieredCache {
                     .storage_put
                     .add(d.pages_ok as u64, d.bytes, d.nanos);
                 self.stats.storage_errors += d.errors;
-                for n in nodes {
+                for &n in &nodes {
                     self.tree.host_unlock(n);
                     if d.errors == 0 {
                         self.tree.set_in_storage(n, true);
                     }
                 }
+
                 if d.errors == 0 {
-                    for n in heads {
+                    for &n in &heads {
                         if self.tree.is_live(n) {
                             self.tree.set_in_storage(n, true);
                         }
@@ -708,6 +795,8 @@ impl TieredCache {
                 for &n in &ins.filled {
                     self.tree.set_in_storage(n, true);
                 }
+                let filled = ins.filled.clone();
+                self.emit(true, Tier::Host, &filled);
                 self.tree.unlock(lock);
             }
         }

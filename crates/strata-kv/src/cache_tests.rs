@@ -304,3 +304,42 @@ fn a_node_split_during_its_backup_reaches_storage_in_full() {
     assert_eq!(m.storage_tokens, 24);
     f.cache.check().unwrap();
 }
+
+/// Replaying the events gives exactly the pages per tier the cache holds (what a router's
+/// index relies on), through inserts, backups, evictions, load-backs and L3 prefetches.
+#[test]
+fn events_replayed_equal_the_snapshot() {
+    use crate::cache::Tier;
+    use std::collections::HashSet;
+    let st: Arc<dyn Storage> = Arc::new(MemoryStorage::new(u64::MAX, 100));
+    let mut f = Fx::new(6, 6, WritePolicy::WriteThrough, Some(st));
+    let mut index: [HashSet<PageHash>; 2] = Default::default();
+    let slot = |t: Tier| match t {
+        Tier::Device => 0,
+        Tier::Host => 1,
+    };
+    for round in 0..3 {
+        for i in 0..5u32 {
+            f.run(&seq(i, 8 + 4 * (i as usize % 3)));
+            f.cache.wait_all();
+        }
+        for e in f.cache.take_events() {
+            for h in e.hashes {
+                if e.stored {
+                    index[slot(e.tier)].insert(h);
+                } else {
+                    index[slot(e.tier)].remove(&h);
+                }
+            }
+        }
+        for snap in f.cache.snapshot() {
+            let want: HashSet<PageHash> = snap.hashes.into_iter().collect();
+            assert_eq!(
+                index[slot(snap.tier)],
+                want,
+                "round {round} tier {:?}",
+                snap.tier
+            );
+        }
+    }
+}

@@ -91,6 +91,16 @@ impl HashNamespace {
         }
     }
 
+    /// The 32-byte key (to hand the namespace to another process, e.g. the router).
+    pub fn key(&self) -> [u8; 32] {
+        self.key
+    }
+
+    /// A namespace from a key obtained with [`HashNamespace::key`].
+    pub fn from_key(key: [u8; 32]) -> HashNamespace {
+        HashNamespace { key }
+    }
+
     /// Hash of one page given its parent's hash.
     pub fn page_hash(&self, parent: PageHash, tokens: &[u32]) -> PageHash {
         let mut h = blake3::Hasher::new_keyed(&self.key);

@@ -26,7 +26,7 @@ pub mod testing;
 pub mod tree;
 pub mod units;
 
-pub use cache::{CacheConfig, CacheError, CacheMatch, Ticket, TieredCache};
+pub use cache::{CacheConfig, CacheError, CacheEvent, CacheMatch, Ticket, Tier, TieredCache};
 pub use hash::{HashNamespace, PageHash};
 pub use layout::{PageLayout, PoolKind};
 pub use policy::{EvictionPolicy, WritePolicy};

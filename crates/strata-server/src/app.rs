@@ -92,6 +92,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health_generate", get(health_generate))
         .route("/flush_cache", post(flush_cache))
         .route("/pd/prefill", post(crate::pd::prefill))
+        .route("/cache/info", get(cache_info))
+        .route("/cache/events", get(cache_events))
+        .route("/cache/snapshot", get(cache_snapshot))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -720,4 +723,57 @@ async fn flush_cache(
         json!({"flushed": if scope == FlushScope::All { "all" } else { "device" },
                    "device_pages_freed": r.0, "host_pages_freed": r.1}),
     ))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn event_json(seq: Option<u64>, e: &strata_kv::CacheEvent) -> Value {
+    json!({"seq": seq, "stored": e.stored, "tier": e.tier.name(),
+           "hashes": e.hashes.iter().map(|h| hex(&h.0)).collect::<Vec<_>>()})
+}
+
+/// What a router needs to hash prompts as this worker does.
+async fn cache_info(State(st): St) -> Json<Value> {
+    let i = st.engine.info();
+    let (epoch, _, next, _) = st.engine.events_since(0, 0);
+    Json(json!({"model_id": i.model_id, "page_size": i.page_size,
+                "hash_key": i.hash_key.map(|k| hex(&k)), "epoch": epoch, "next": next}))
+}
+
+#[derive(Deserialize)]
+struct SinceQuery {
+    since: Option<u64>,
+}
+
+/// Cache events (pages stored / removed per tier) from `since`; `resync: true` when they
+/// fell out of the log.
+async fn cache_events(State(st): St, q: Query<SinceQuery>) -> Json<Value> {
+    let since = q.since.unwrap_or(0);
+    let (epoch, first, next, events) = st.engine.events_since(since, 10_000);
+    let resync = events.is_none();
+    let events: Vec<Value> = events
+        .unwrap_or_default()
+        .iter()
+        .map(|(seq, e)| event_json(Some(*seq), e))
+        .collect();
+    let next = if resync {
+        next
+    } else {
+        since + events.len() as u64
+    };
+    Json(json!({"epoch": epoch, "first": first, "next": next, "resync": resync, "events": events}))
+}
+
+/// Every page in the device and host tiers, and the sequence number events continue from.
+async fn cache_snapshot(State(st): St) -> Result<Json<Value>, ApiError> {
+    let e = st.engine.clone();
+    let (epoch, next, tiers) = tokio::task::spawn_blocking(move || e.cache_snapshot())
+        .await
+        .ok()
+        .flatten()
+        .ok_or_else(|| engine_error("the engine stopped"))?;
+    let tiers: Vec<Value> = tiers.iter().map(|e| event_json(None, e)).collect();
+    Ok(Json(json!({"epoch": epoch, "next": next, "tiers": tiers})))
 }

@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod app;
+pub mod cache_index;
 pub mod error;
 pub mod pd;
 pub mod router;

@@ -18,6 +18,7 @@ use futures_util::StreamExt;
 use serde_json::json;
 
 use crate::app::PREFILL_HEADER;
+use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS};
 use crate::error::ApiError;
 
 /// How to pick workers.
@@ -25,6 +26,9 @@ use crate::error::ApiError;
 pub enum Policy {
     RoundRobin,
     LeastLoad,
+    /// Most cached prefix (device pages weigh more than host pages) minus load, from the
+    /// workers' cache events.
+    CacheAware,
 }
 
 impl Policy {
@@ -32,6 +36,7 @@ impl Policy {
         match s {
             "round_robin" => Some(Policy::RoundRobin),
             "least_load" => Some(Policy::LeastLoad),
+            "cache_aware" => Some(Policy::CacheAware),
             _ => None,
         }
     }
@@ -39,6 +44,7 @@ impl Policy {
         match self {
             Policy::RoundRobin => "round_robin",
             Policy::LeastLoad => "least_load",
+            Policy::CacheAware => "cache_aware",
         }
     }
 }
@@ -75,6 +81,14 @@ pub struct RouterState {
     rr: AtomicUsize,
     pub retries: AtomicU64,
     pub body_limit: usize,
+    /// The cache index (cache_aware policy).
+    pub index: Option<Arc<CacheIndex>>,
+    /// Cache-aware decisions that found a cached prefix / found none.
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    /// Cached pages on the chosen worker at decision time, by tier.
+    pub hit_pages_device: AtomicU64,
+    pub hit_pages_host: AtomicU64,
 }
 
 impl RouterState {
@@ -91,7 +105,57 @@ impl RouterState {
             rr: AtomicUsize::new(0),
             retries: AtomicU64::new(0),
             body_limit: 4 << 20,
+            index: None,
+            cache_hits: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+            hit_pages_device: AtomicU64::new(0),
+            hit_pages_host: AtomicU64::new(0),
         }
+    }
+
+    /// The workers whose caches serve prompts: prefill workers under PD, else the workers.
+    pub fn cache_pool(&self) -> &[Arc<Worker>] {
+        if self.prefill.is_empty() {
+            &self.decode
+        } else {
+            &self.prefill
+        }
+    }
+
+    /// Cache-aware choice in the cache pool: most weighted cached prefix minus load.
+    fn pick_cached(&self, body: &[u8], avoid: Option<&Arc<Worker>>) -> Option<Arc<Worker>> {
+        let index = self.index.as_ref()?;
+        let hashes = index.hashes(&index.prompt_tokens(body)?);
+        let ps = index.page_size() as f64;
+        let pool = self.cache_pool();
+        let mut best: Option<(f64, usize, usize, usize)> = None; // (score, worker, dev, host)
+        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        for k in 0..pool.len() {
+            let i = (start + k) % pool.len();
+            let w = &pool[i];
+            if !w.healthy.load(Ordering::Relaxed)
+                || (avoid.is_some_and(|a| Arc::ptr_eq(a, w)) && pool.len() > 1)
+            {
+                continue;
+            }
+            let (dev, host) = index.cached_prefix(i, &hashes);
+            let score = (dev as f64 * DEVICE_WEIGHT + host as f64 * HOST_WEIGHT) * ps
+                - LOAD_TOKENS * w.in_flight.load(Ordering::Relaxed) as f64;
+            if best.is_none_or(|b| score > b.0) {
+                best = Some((score, i, dev, host));
+            }
+        }
+        let (_, i, dev, host) = best?;
+        if dev + host > 0 {
+            self.cache_hits.fetch_add(1, Ordering::Relaxed);
+            self.hit_pages_device
+                .fetch_add(dev as u64, Ordering::Relaxed);
+            self.hit_pages_host
+                .fetch_add(host as u64, Ordering::Relaxed);
+        } else {
+            self.cache_misses.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(pool[i].clone())
     }
 
     fn pick(&self, pool: &[Arc<Worker>], avoid: Option<&Arc<Worker>>) -> Option<Arc<Worker>> {
@@ -105,7 +169,7 @@ impl RouterState {
         }
         let w = match self.policy {
             Policy::RoundRobin => up[self.rr.fetch_add(1, Ordering::Relaxed) % up.len()],
-            Policy::LeastLoad => up
+            Policy::LeastLoad | Policy::CacheAware => up
                 .iter()
                 .min_by_key(|w| w.in_flight.load(Ordering::Relaxed))
                 .expect("non-empty"),
@@ -123,6 +187,21 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/health", get(health))
         .route("/workers", get(workers))
         .with_state(state)
+}
+
+/// Follows the cache events of the cache pool's workers, every `every`.
+pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
+    let Some(index) = state.index.clone() else {
+        return;
+    };
+    loop {
+        for (i, w) in state.cache_pool().iter().enumerate() {
+            if let Err(e) = index.poll(&state.client, i, &w.url).await {
+                tracing::debug!(worker = %w.url, error = %e, "cache events not read");
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// Marks workers down and up from their `/health`, every `every`.
@@ -214,11 +293,24 @@ async fn forward(
     let mut last_err = None;
     let (mut avoid_p, mut avoid_d) = (None, None);
     for attempt in 0..2 {
-        let d = st.pick(&st.decode, avoid_d.as_ref());
-        let p = if st.prefill.is_empty() {
-            None
+        let cached = if st.policy == Policy::CacheAware {
+            let avoid = if st.prefill.is_empty() {
+                avoid_d.as_ref()
+            } else {
+                avoid_p.as_ref()
+            };
+            st.pick_cached(&body, avoid)
         } else {
-            st.pick(&st.prefill, avoid_p.as_ref())
+            None
+        };
+        let (d, p) = match (cached, st.prefill.is_empty()) {
+            (Some(w), true) => (Some(w), None),
+            (Some(w), false) => (st.pick(&st.decode, avoid_d.as_ref()), Some(w)),
+            (None, true) => (st.pick(&st.decode, avoid_d.as_ref()), None),
+            (None, false) => (
+                st.pick(&st.decode, avoid_d.as_ref()),
+                st.pick(&st.prefill, avoid_p.as_ref()),
+            ),
         };
         let (Some(d), true) = (d, st.prefill.is_empty() || p.is_some()) else {
             return Err(ApiError::new(
@@ -337,7 +429,13 @@ async fn workers(State(st): St) -> Json<serde_json::Value> {
     };
     let mut all = list(&st.prefill, "prefill");
     all.extend(list(&st.decode, role));
+    let ca = json!({"hits": st.cache_hits.load(Ordering::Relaxed),
+                    "misses": st.cache_misses.load(Ordering::Relaxed),
+                    "hit_pages_device": st.hit_pages_device.load(Ordering::Relaxed),
+                    "hit_pages_host": st.hit_pages_host.load(Ordering::Relaxed),
+                    "resyncs": st.index.as_ref().map(|i| i.resyncs()).unwrap_or(0)});
     Json(
-        json!({"policy": st.policy.name(), "retries": st.retries.load(Ordering::Relaxed), "workers": all}),
+        json!({"policy": st.policy.name(), "retries": st.retries.load(Ordering::Relaxed),
+                "cache_aware": ca, "workers": all}),
     )
 }

@@ -39,6 +39,7 @@ async fn worker(path: &std::path::Path, page_size: usize, kv: bool) -> Worker {
     let layout = PageLayout::new(page_size, vec![m.pool_kind()]).unwrap();
     let mut cc = CacheConfig::new(layout, 128, 128);
     cc.model_id = "tiny".into();
+    cc.hashing = true;
     let cache = TieredCache::new(cc, &HeapAllocator, None).unwrap();
     let cfg = EngineConfig {
         stop_token_ids: tk.stop.clone(),
@@ -241,6 +242,96 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         assert_eq!(st, 200, "{v}");
     }
     for w in [single, prefill, other, decode2] {
+        w.stop().await;
+    }
+}
+
+/// Two prefill workers: a repeated long prefix goes to the one that holds it, also once it sits
+/// only in that worker's host tier; the router counts the hits by tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_routing_follows_the_prefix() {
+    use strata_server::cache_index::CacheIndex;
+    use strata_server::router::index_loop;
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("tiny.gguf");
+    write_tiny(&path, &TinySpec::default()).unwrap();
+    let p0 = worker(&path, 16, false).await;
+    let p1 = worker(&path, 16, false).await;
+    let dec = worker(&path, 16, true).await;
+    let g = Gguf::open(&path).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let mut rs = RouterState::new(
+        &[p0.url.clone(), p1.url.clone()],
+        std::slice::from_ref(&dec.url),
+        Policy::CacheAware,
+    );
+    rs.index = Some(Arc::new(CacheIndex::new(
+        Arc::new(tk),
+        Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
+        2,
+    )));
+    let rs = Arc::new(rs);
+    tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn({
+        let rs = rs.clone();
+        async move { axum::serve(l, router(rs)).await }
+    });
+    let long = "a long shared document that many requests ask about, ".repeat(6);
+    let prefills = [&p0, &p1];
+    let holder = |i: usize| prefills[i].state.engine.snapshot();
+    let (st, _) = post(&format!("{r}/v1/chat/completions"), &chat(&long, 4)).await;
+    assert_eq!(st, 200);
+    let first = if holder(0).prompt_tokens > 0 { 0 } else { 1 };
+    let wait_index = || async {
+        // Let the router read the events of the finished request.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    wait_index().await;
+    for _ in 0..3 {
+        let (st, v) = post(&format!("{r}/v1/chat/completions"), &chat(&long, 4)).await;
+        assert_eq!(st, 200, "{v}");
+        assert!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+    }
+    assert_eq!(
+        holder(1 - first).prompt_tokens,
+        0,
+        "the other worker got a repeat"
+    );
+    assert!(holder(first).cached_device_tokens > 0);
+    // Only in the holder's host tier now: still routed there, counted as host hits.
+    let flushed = reqwest::Client::new()
+        .post(format!("{}/flush_cache?tier=device", prefills[first].url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(flushed.status(), 200);
+    wait_index().await;
+    let (st, _) = post(&format!("{r}/v1/chat/completions"), &chat(&long, 4)).await;
+    assert_eq!(st, 200);
+    assert_eq!(holder(1 - first).prompt_tokens, 0);
+    assert!(holder(first).cached_host_tokens > 0);
+    let w: Value = reqwest::get(format!("{r}/workers"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(w["cache_aware"]["hits"].as_u64().unwrap() >= 4, "{w}");
+    assert!(
+        w["cache_aware"]["hit_pages_host"].as_u64().unwrap() > 0,
+        "{w}"
+    );
+    // A different prompt is free to go anywhere (the load term breaks ties).
+    let (st, _) = post(&format!("{r}/v1/chat/completions"), &chat("short", 2)).await;
+    assert_eq!(st, 200);
+    for w in [p0, p1, dec] {
         w.stop().await;
     }
 }

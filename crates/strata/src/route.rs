@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use strata_server::router::{health_loop, router, Policy, RouterState};
+use strata_server::router::{health_loop, index_loop, router, Policy, RouterState};
 
 #[derive(Args, Debug, Clone)]
 pub struct RouteArgs {
@@ -23,9 +23,16 @@ pub struct RouteArgs {
     /// A decode worker's URL (repeat), or a worker doing both when no --prefill is given.
     #[arg(long, help_heading = "Workers")]
     pub decode: Vec<String>,
-    /// round_robin or least_load.
+    /// round_robin, least_load or cache_aware (needs --model: prompts are hashed as the
+    /// workers hash them, and scored against the workers' cache events).
     #[arg(long, default_value = "round_robin", help_heading = "Workers")]
     pub policy: String,
+    /// The workers' GGUF file (its tokenizer and chat template), for cache_aware.
+    #[arg(long, help_heading = "Workers")]
+    pub model: Option<PathBuf>,
+    /// Seconds between reads of the workers' cache events (cache_aware).
+    #[arg(long, default_value_t = 0.05, help_heading = "Workers")]
+    pub index_interval: f64,
     /// Seconds between health checks of every worker.
     #[arg(long, default_value_t = 1.0, help_heading = "Workers")]
     pub health_interval: f64,
@@ -84,6 +91,30 @@ pub fn run(a: RouteArgs) -> Result<()> {
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;
+    if policy == Policy::CacheAware {
+        let Some(path) = &a.model else {
+            bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
+        };
+        if !(a.index_interval > 0.0 && a.index_interval.is_finite()) {
+            bail!(
+                "--index-interval {}: expected seconds > 0",
+                a.index_interval
+            );
+        }
+        let g = strata_model::Gguf::open(path)?;
+        let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
+        let tpl = match g.string("tokenizer.chat_template") {
+            Some(t) => Some(strata_model::ChatTemplate::new(t)?),
+            None => None,
+        };
+        let n = st.cache_pool().len();
+        st.index = Some(Arc::new(strata_server::cache_index::CacheIndex::new(
+            Arc::new(tk),
+            tpl,
+            n,
+        )));
+    }
+    let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let st = Arc::new(st);
     let every = Duration::from_secs_f64(a.health_interval);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -95,6 +126,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         tokio::spawn(health_loop(st.clone(), every));
+        tokio::spawn(index_loop(st.clone(), index_every));
         eprintln!(
             "strata route: ready on http://{addr} ({} prefill, {} decode workers, policy {})",
             a.prefill.len(),

@@ -285,6 +285,8 @@ pub fn run(a: UpArgs) -> Result<()> {
         d.router.port.to_string(),
         "--policy".into(),
         d.router.policy.clone(),
+        "--model".into(),
+        model.display().to_string(),
     ];
     for p in &procs {
         let flag = if p.name.starts_with("prefill") {

@@ -65,6 +65,10 @@ fn up(dir: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<St
 }
 
 fn wait_for(rx: &mpsc::Receiver<String>, log: &mut Vec<String>, what: &str, secs: u64) -> String {
+    // stdout and stderr interleave in any order: look at what came already first.
+    if let Some(l) = log.iter().find(|l| l.contains(what)) {
+        return l.clone();
+    }
     let t = Instant::now();
     loop {
         let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
