@@ -160,6 +160,17 @@ impl EventLog {
     }
 }
 
+/// An answer to [`EngineHandle::events_since`].
+pub struct EventsPage {
+    pub epoch: u64,
+    /// Oldest sequence number held.
+    pub first: u64,
+    /// Sequence number of the next event.
+    pub next: u64,
+    /// (sequence number, event); None when `since` fell out of the log (resynchronise).
+    pub events: Option<Vec<(u64, CacheEvent)>>,
+}
+
 pub(crate) struct Shared {
     pub events: Mutex<EventLog>,
     pub waiting: AtomicUsize,
@@ -374,15 +385,15 @@ impl EngineHandle {
         rx.recv().ok()
     }
 
-    /// Cache events from `since`: (epoch, first held, next, events), or the epoch and None
-    /// when `since` fell out of the log.
-    pub fn events_since(
-        &self,
-        since: u64,
-        max: usize,
-    ) -> (u64, u64, u64, Option<Vec<(u64, CacheEvent)>>) {
+    /// Cache events from `since` (at most `max`).
+    pub fn events_since(&self, since: u64, max: usize) -> EventsPage {
         let log = self.shared.events.lock().expect("event log lock");
-        (log.epoch, log.first, log.next, log.since(since, max))
+        EventsPage {
+            epoch: log.epoch,
+            first: log.first,
+            next: log.next,
+            events: log.since(since, max),
+        }
     }
 
     /// Every page in the device and host tiers now, and the sequence number events continue

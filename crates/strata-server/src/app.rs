@@ -737,7 +737,8 @@ fn event_json(seq: Option<u64>, e: &strata_kv::CacheEvent) -> Value {
 /// What a router needs to hash prompts as this worker does.
 async fn cache_info(State(st): St) -> Json<Value> {
     let i = st.engine.info();
-    let (epoch, _, next, _) = st.engine.events_since(0, 0);
+    let page = st.engine.events_since(0, 0);
+    let (epoch, next) = (page.epoch, page.next);
     Json(json!({"model_id": i.model_id, "page_size": i.page_size,
                 "hash_key": i.hash_key.map(|k| hex(&k)), "epoch": epoch, "next": next}))
 }
@@ -751,7 +752,8 @@ struct SinceQuery {
 /// fell out of the log.
 async fn cache_events(State(st): St, q: Query<SinceQuery>) -> Json<Value> {
     let since = q.since.unwrap_or(0);
-    let (epoch, first, next, events) = st.engine.events_since(since, 10_000);
+    let page = st.engine.events_since(since, 10_000);
+    let (epoch, first, next, events) = (page.epoch, page.first, page.next, page.events);
     let resync = events.is_none();
     let events: Vec<Value> = events
         .unwrap_or_default()
