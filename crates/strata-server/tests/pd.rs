@@ -335,3 +335,39 @@ async fn cache_aware_routing_follows_the_prefix() {
         w.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_api_keys_are_checked_in_the_openai_error_format() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("tiny.gguf");
+    write_tiny(&path, &TinySpec::default()).unwrap();
+    let w = worker(&path, 16, false).await;
+    let mut rs = RouterState::new(&[], std::slice::from_ref(&w.url), Policy::LeastLoad);
+    rs.api_keys.insert("sesame".into());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(rs))).await });
+    let c = reqwest::Client::new();
+    for key in [None, Some("wrong")] {
+        let mut req = c
+            .post(format!("{r}/v1/chat/completions"))
+            .json(&chat("hi", 2));
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401);
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("API key"));
+    }
+    let ok = c
+        .post(format!("{r}/v1/chat/completions"))
+        .bearer_auth("sesame")
+        .json(&chat("hi", 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    w.stop().await;
+}

@@ -16,6 +16,33 @@ pub enum BenchCommand {
     Tiers(TiersArgs),
     /// Decode throughput with several concurrent streams.
     Streams(StreamsArgs),
+    /// KV transfer protocol on loopback vs a plain TCP copy of the same bytes (in-process).
+    Transfer(TransferArgs),
+    /// Latency the router adds, open loop, against a fake instant backend (in-process).
+    Router(RouterArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TransferArgs {
+    /// Pages per transfer.
+    #[arg(long, default_value_t = 128)]
+    pub pages: usize,
+    /// Bytes per page (default: SmolLM2-135M's 16-token page, 368,640 bytes).
+    #[arg(long, default_value_t = 368_640)]
+    pub page_bytes: usize,
+    /// Transfers to time (best and median reported).
+    #[arg(long, default_value_t = 20)]
+    pub reps: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct RouterArgs {
+    /// Requests per second (Poisson arrivals).
+    #[arg(long, default_value_t = 200.0)]
+    pub rate: f64,
+    /// Seconds of load per configuration.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -64,6 +91,8 @@ pub fn run(c: BenchCommand) -> Result<()> {
         match c {
             BenchCommand::Tiers(a) => tiers(a).await,
             BenchCommand::Streams(a) => streams(a).await,
+            BenchCommand::Transfer(a) => transfer(a).await,
+            BenchCommand::Router(a) => router_latency(a).await,
         }
     })
 }
@@ -212,5 +241,219 @@ async fn streams(a: StreamsArgs) -> Result<()> {
             total as f64 / wall / n as f64
         );
     }
+    Ok(())
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+async fn transfer(a: TransferArgs) -> Result<()> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use strata_engine::transfer::{self, Hello, OutPage};
+    if a.pages == 0 || a.page_bytes == 0 || a.reps == 0 {
+        bail!("--pages, --page-bytes and --reps must be at least 1");
+    }
+    let hello = Hello {
+        model_id: "bench".into(),
+        page_size: 16,
+        page_bytes: a.page_bytes as u64,
+        layout: "bench".into(),
+    };
+    let blobs: Vec<Vec<u8>> = (0..a.pages)
+        .map(|i| (0..a.page_bytes).map(|j| (i * 31 + j) as u8).collect())
+        .collect();
+    let total = (a.pages * a.page_bytes) as f64;
+    let (pb, reps, h2) = (a.page_bytes as u64, a.reps, hello.clone());
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        // The protocol: one connection, `reps` transfers.
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let addr = l.local_addr()?;
+        let rx = std::thread::spawn(move || -> Result<()> {
+            let (mut c, _) = l.accept()?;
+            c.set_nodelay(true)?;
+            transfer::handshake_accept(&mut c, &h2)?;
+            for _ in 0..reps {
+                transfer::recv_kv(&mut c, pb, &mut |_| true)?;
+            }
+            Ok(())
+        });
+        let mut c = TcpStream::connect(addr)?;
+        c.set_nodelay(true)?;
+        transfer::handshake_connect(&mut c, &hello)?;
+        let pages: Vec<OutPage> = blobs.iter().map(|d| OutPage { hash: [1; 16], data: d }).collect();
+        let mut proto = Vec::new();
+        for r in 0..reps {
+            let st = transfer::send_kv(&mut c, r as u64, &[1, 2, 3], &pages, Duration::from_secs(60))?;
+            proto.push(st.bytes as f64 / st.seconds / 1e9);
+        }
+        rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        // Plain TCP: the same bytes, written and read back to back, acknowledged by one byte.
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let addr = l.local_addr()?;
+        let n = (total as usize) * reps;
+        let rx = std::thread::spawn(move || -> Result<()> {
+            let (mut c, _) = l.accept()?;
+            let mut buf = vec![0u8; 1 << 20];
+            let per = n / reps;
+            for _ in 0..reps {
+                let mut got = 0;
+                while got < per {
+                    let k = c.read(&mut buf[..(per - got).min(1 << 20)])?;
+                    if k == 0 {
+                        bail!("plain copy: early EOF");
+                    }
+                    got += k;
+                }
+                c.write_all(&[1])?;
+            }
+            Ok(())
+        });
+        let mut c = TcpStream::connect(addr)?;
+        c.set_nodelay(true)?;
+        let mut plain = Vec::new();
+        for _ in 0..reps {
+            let t = Instant::now();
+            for b in &blobs {
+                c.write_all(b)?;
+            }
+            let mut ack = [0u8; 1];
+            c.read_exact(&mut ack)?;
+            plain.push(total / t.elapsed().as_secs_f64() / 1e9);
+        }
+        rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        let (pm, qm) = (median(&mut proto.clone()), median(&mut plain.clone()));
+        println!(
+            "KV transfer on loopback: {} pages × {} bytes = {:.1} MB per transfer, {reps} transfers",
+            blobs.len(),
+            pb,
+            total / 1e6
+        );
+        println!("| path | median GB/s | best GB/s |");
+        println!("|---|---|---|");
+        println!("| plain TCP copy | {qm:.2} | {:.2} |", pct(&mut plain, 1.0));
+        println!("| Strata KV protocol (framed, xxh3-128 per frame, handshake, acks) | {pm:.2} | {:.2} |", pct(&mut proto, 1.0));
+        println!("protocol / plain (median): {:.2}", pm / qm);
+        Ok(())
+    })
+    .await??;
+    Ok(())
+}
+
+async fn router_latency(a: RouterArgs) -> Result<()> {
+    use std::sync::Arc;
+    use strata_server::router::{router, Policy, RouterState};
+    if !(a.rate > 0.0 && a.seconds > 0.0) {
+        bail!("--rate and --seconds must be > 0");
+    }
+    // The fake backend: answers every completion at once with a fixed body.
+    let fake = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|| async {
+            axum::Json(
+                json!({"id": "x", "object": "chat.completion", "choices": [{"index": 0,
+                "message": {"role": "assistant", "content": "OK"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}),
+            )
+        }),
+    );
+    let fl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let backend = format!("http://{}", fl.local_addr()?);
+    tokio::spawn(async move { axum::serve(fl, fake).await });
+    let st = Arc::new(RouterState::new(
+        &[],
+        std::slice::from_ref(&backend),
+        Policy::RoundRobin,
+    ));
+    let rl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let front = format!("http://{}", rl.local_addr()?);
+    tokio::spawn(async move { axum::serve(rl, router(st)).await });
+    let c = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()?;
+    let body = json!({"messages": [{"role": "user", "content": "say OK"}], "max_tokens": 1});
+    let run = |url: String| {
+        let (c, body) = (c.clone(), body.clone());
+        async move {
+            let n = (a.rate * a.seconds) as usize;
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            let start = Instant::now();
+            let mut at = 0.0f64;
+            let mut tasks = Vec::with_capacity(n);
+            for _ in 0..n {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = ((x >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
+                at += -u.ln() / a.rate;
+                let due = start + Duration::from_secs_f64(at);
+                tokio::time::sleep_until(due.into()).await;
+                let (c, body, url) = (c.clone(), body.clone(), url.clone());
+                tasks.push(tokio::spawn(async move {
+                    let t = Instant::now();
+                    let r = c
+                        .post(format!("{url}/v1/chat/completions"))
+                        .json(&body)
+                        .send()
+                        .await?;
+                    let ok = r.status().is_success();
+                    r.bytes().await?;
+                    anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
+                }));
+            }
+            let mut lat = Vec::new();
+            let mut fails = 0;
+            for t in tasks {
+                match t.await? {
+                    Ok((true, ms)) => lat.push(ms),
+                    _ => fails += 1,
+                }
+            }
+            anyhow::Ok((lat, fails))
+        }
+    };
+    // Warm both paths' connection pools.
+    for _ in 0..20 {
+        c.post(format!("{backend}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await?
+            .bytes()
+            .await?;
+        c.post(format!("{front}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await?
+            .bytes()
+            .await?;
+    }
+    let (mut direct, f1) = run(backend.clone()).await?;
+    let (mut routed, f2) = run(front.clone()).await?;
+    println!(
+        "router latency, open loop {} req/s for {} s each, fake instant backend ({} + {} failures)",
+        a.rate, a.seconds, f1, f2
+    );
+    println!("| path | p50 ms | p90 ms | p99 ms |");
+    println!("|---|---|---|---|");
+    let (d50, d90, d99) = (
+        pct(&mut direct, 0.5),
+        pct(&mut direct, 0.9),
+        pct(&mut direct, 0.99),
+    );
+    let (r50, r90, r99) = (
+        pct(&mut routed, 0.5),
+        pct(&mut routed, 0.9),
+        pct(&mut routed, 0.99),
+    );
+    println!("| client → backend | {d50:.3} | {d90:.3} | {d99:.3} |");
+    println!("| client → router → backend | {r50:.3} | {r90:.3} | {r99:.3} |");
+    println!(
+        "| added by the router | {:.3} | {:.3} | {:.3} |",
+        r50 - d50,
+        r90 - d90,
+        r99 - d99
+    );
     Ok(())
 }
