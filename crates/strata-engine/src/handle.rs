@@ -171,6 +171,18 @@ pub struct EventsPage {
     pub events: Option<Vec<(u64, CacheEvent)>>,
 }
 
+impl EngineInfo {
+    /// What this engine states at a KV-transfer handshake.
+    pub fn hello(&self) -> crate::transfer::Hello {
+        crate::transfer::Hello {
+            model_id: self.model_id.clone(),
+            page_size: self.page_size as u32,
+            page_bytes: self.page_bytes as u64,
+            layout: self.layout.clone(),
+        }
+    }
+}
+
 pub(crate) struct Shared {
     pub events: Mutex<EventLog>,
     pub waiting: AtomicUsize,

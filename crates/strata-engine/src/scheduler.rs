@@ -82,6 +82,36 @@ struct Req {
 }
 
 impl Req {
+    fn new(
+        id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        tx: UnboundedSender<Event>,
+        seed: u64,
+        export: bool,
+        import: Option<ImportedKv>,
+    ) -> Req {
+        Req {
+            id,
+            prompt_len: prompt.len(),
+            budget: prompt.len() + params.max_tokens,
+            tokens: prompt,
+            params,
+            tx,
+            rng: Rng::new(seed),
+            phase: Phase::Loading(None),
+            lock: ROOT,
+            matched: CacheMatch::default(),
+            cached: CachedTokens::default(),
+            pages: Vec::new(),
+            prefix_pages: 0,
+            computed: 0,
+            generated: 0,
+            export,
+            import,
+        }
+    }
+
     fn own_pages(&self) -> &[u32] {
         &self.pages[self.prefix_pages..]
     }
@@ -174,29 +204,11 @@ impl Scheduler {
                     export,
                     import,
                 } = *r;
-                let budget = prompt.len() + params.max_tokens;
                 let seed = params
                     .seed
                     .unwrap_or(id.wrapping_mul(0x2545_F491_4F6C_DD1D));
-                self.waiting.push_back(Req {
-                    id,
-                    prompt_len: prompt.len(),
-                    tokens: prompt,
-                    params,
-                    tx,
-                    rng: Rng::new(seed),
-                    phase: Phase::Loading(None),
-                    lock: ROOT,
-                    matched: CacheMatch::default(),
-                    cached: CachedTokens::default(),
-                    pages: Vec::new(),
-                    prefix_pages: 0,
-                    computed: 0,
-                    generated: 0,
-                    budget,
-                    export,
-                    import,
-                });
+                self.waiting
+                    .push_back(Req::new(id, prompt, params, tx, seed, export, import));
             }
             Cmd::Flush(scope, reply) => {
                 let _ = reply.send(self.flush(scope));
@@ -682,23 +694,5 @@ impl Scheduler {
 /// A request-shaped value to move out of the active list briefly.
 fn placeholder() -> Req {
     let (tx, _) = tokio::sync::mpsc::unbounded_channel();
-    Req {
-        id: 0,
-        tokens: Vec::new(),
-        prompt_len: 0,
-        params: SamplingParams::default(),
-        tx,
-        rng: Rng::new(0),
-        phase: Phase::Running,
-        lock: ROOT,
-        matched: CacheMatch::default(),
-        cached: CachedTokens::default(),
-        pages: Vec::new(),
-        prefix_pages: 0,
-        computed: 0,
-        generated: 0,
-        budget: 0,
-        export: false,
-        import: None,
-    }
+    Req::new(0, Vec::new(), SamplingParams::default(), tx, 0, false, None)
 }

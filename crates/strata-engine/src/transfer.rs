@@ -469,6 +469,17 @@ pub struct Received {
     pub pages: Vec<Vec<u8>>,
 }
 
+fn ack(link: &mut dyn Link, id: u64, ok: bool, reason: &str) -> Result<(), TransferError> {
+    write_frame(
+        link,
+        &Frame::Ack {
+            id,
+            ok,
+            reason: reason.to_string(),
+        },
+    )
+}
+
 /// Receives one transfer on an open link. `admit(pages)` says whether there is room (false:
 /// busy, the sender retries). Pages must arrive in order with the agreed size; anything else
 /// aborts the transfer and nothing of it is kept.
@@ -481,24 +492,10 @@ pub fn recv_kv(
         match read_frame(link)? {
             Frame::Begin { id, tokens, pages } => {
                 if admit(pages) {
-                    write_frame(
-                        link,
-                        &Frame::Ack {
-                            id,
-                            ok: true,
-                            reason: String::new(),
-                        },
-                    )?;
+                    ack(link, id, true, "")?;
                     break (id, tokens, pages);
                 }
-                write_frame(
-                    link,
-                    &Frame::Ack {
-                        id,
-                        ok: false,
-                        reason: "receiver has no room now".into(),
-                    },
-                )?;
+                ack(link, id, false, "receiver has no room now")?;
             }
             f => {
                 return Err(TransferError::Protocol(format!(
@@ -558,14 +555,7 @@ pub fn recv_kv(
                     );
                     return Err(TransferError::Protocol(reason));
                 }
-                write_frame(
-                    link,
-                    &Frame::Ack {
-                        id,
-                        ok: true,
-                        reason: String::new(),
-                    },
-                )?;
+                ack(link, id, true, "")?;
                 return Ok(r);
             }
             Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),

@@ -45,7 +45,41 @@ impl Q8Matrix {
     /// Like [`Q8Matrix::matmul`] with f32 activations (no activation rounding): for outputs
     /// whose argmax matters more than speed (the vocabulary projection).
     pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
-        let n = x.len() / self.cols;
+        let cols = self.cols;
+        self.passes(x.len() / cols, threads, 4, |sc, q, r, dst| {
+            dot_rows_f32(sc, q, &x[r * cols..(r + dst.len()) * cols], dst)
+        })
+    }
+
+    /// `out[r][i] = Σ_j x[r][j] · w[i][j]` for each of the `x.len() / cols` rows of `x`.
+    /// Activations are quantized to Q8_0 per 32-block (as llama.cpp does for its quantized
+    /// dot products) so each block is one integer dot product; every weight block is read
+    /// once for up to eight activation rows.
+    pub fn matmul(&self, x: &[f32], threads: usize) -> Vec<f32> {
+        let (cols, bpr) = (self.cols, self.cols / QK);
+        let (xd, xq) = quantize_rows(x);
+        self.passes(x.len() / cols, threads, ROWS_PER_PASS, |wd, wq, r, dst| {
+            let g = dst.len();
+            dot_rows(
+                wd,
+                wq,
+                &xd[r * bpr..(r + g) * bpr],
+                &xq[r * cols..(r + g) * cols],
+                dst,
+            )
+        })
+    }
+
+    /// Runs `kernel(scales, weights, first activation row, outputs)` for every weight row and
+    /// every group of at most `group` of the `n` activation rows, weight rows split over
+    /// threads; returns `[n][rows]`.
+    fn passes(
+        &self,
+        n: usize,
+        threads: usize,
+        group: usize,
+        kernel: impl Fn(&[f32], &[i8], usize, &mut [f32]) + Sync,
+    ) -> Vec<f32> {
         let bpr = self.cols / QK;
         let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
         let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
@@ -59,40 +93,8 @@ impl Q8Matrix {
                     let q = &self.qs[i * self.cols..(i + 1) * self.cols];
                     let mut r = 0;
                     while r < n {
-                        let g = (n - r).min(4);
-                        let xs = &x[r * self.cols..(r + g) * self.cols];
-                        dot_rows_f32(sc, q, xs, &mut dst[r..r + g]);
-                        r += g;
-                    }
-                }
-            });
-        transpose(&out_t, n, self.rows)
-    }
-
-    /// `out[r][i] = Σ_j x[r][j] · w[i][j]` for each of the `x.len() / cols` rows of `x`.
-    /// Activations are quantized to Q8_0 per 32-block (as llama.cpp does for its quantized
-    /// dot products) so each block is one integer dot product; every weight block is read
-    /// once for up to eight activation rows.
-    pub fn matmul(&self, x: &[f32], threads: usize) -> Vec<f32> {
-        let n = x.len() / self.cols;
-        let bpr = self.cols / QK;
-        let (xd, xq) = quantize_rows(x);
-        let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
-        let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
-        out_t
-            .par_chunks_mut(chunk * n)
-            .enumerate()
-            .for_each(|(ci, o)| {
-                for (k, dst) in o.chunks_exact_mut(n).enumerate() {
-                    let i = ci * chunk + k;
-                    let wd = &self.scales[i * bpr..(i + 1) * bpr];
-                    let wq = &self.qs[i * self.cols..(i + 1) * self.cols];
-                    let mut r = 0;
-                    while r < n {
-                        let g = (n - r).min(ROWS_PER_PASS);
-                        let xs = &xd[r * bpr..(r + g) * bpr];
-                        let xs_q = &xq[r * self.cols..(r + g) * self.cols];
-                        dot_rows(wd, wq, xs, xs_q, &mut dst[r..r + g]);
+                        let g = (n - r).min(group);
+                        kernel(sc, q, r, &mut dst[r..r + g]);
                         r += g;
                     }
                 }

@@ -235,12 +235,7 @@ pub async fn prefill(
         return Err(bad_gateway("prefill produced no token".into()));
     };
     let info = st.engine.info().clone();
-    let hello = Hello {
-        model_id: info.model_id.clone(),
-        page_size: info.page_size as u32,
-        page_bytes: info.page_bytes as u64,
-        layout: info.layout.clone(),
-    };
+    let hello = info.hello();
     let target = req.kv_target.clone();
     let (id, tokens) = (req.id, req.tokens);
     let deadline = st.kv_deadline;

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_engine::transfer::Hello;
 use strata_engine::{Engine, EngineConfig};
 use strata_kv::memory::HeapAllocator;
 use strata_kv::{CacheConfig, PageLayout, TieredCache};
@@ -52,12 +51,7 @@ async fn worker(path: &std::path::Path, page_size: usize, kv: bool) -> Worker {
     st.kv_deadline = Duration::from_secs(5);
     if kv {
         let info = st.engine.info().clone();
-        let hello = Hello {
-            model_id: info.model_id.clone(),
-            page_size: info.page_size as u32,
-            page_bytes: info.page_bytes as u64,
-            layout: info.layout.clone(),
-        };
+        let hello = info.hello();
         let l = StdListener::bind("127.0.0.1:0").unwrap();
         st.kv = Some(KvInbox::start(l, hello, info.page_bytes as u64, 1 << 30));
     }
@@ -163,12 +157,7 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let info = prefill.state.engine.info().clone();
     std::thread::spawn(move || {
         let (mut c, _) = fake.accept().unwrap();
-        let hello = Hello {
-            model_id: info.model_id.clone(),
-            page_size: info.page_size as u32,
-            page_bytes: info.page_bytes as u64,
-            layout: info.layout.clone(),
-        };
+        let hello = info.hello();
         strata_engine::transfer::handshake_accept(&mut c, &hello).unwrap();
         let _ = strata_engine::transfer::read_frame(&mut c); // Begin
         let _ = strata_engine::transfer::write_frame(

@@ -228,12 +228,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     if matches!(role, "decode" | "both") {
         let info = st.engine.info().clone();
-        let hello = strata_engine::transfer::Hello {
-            model_id: info.model_id.clone(),
-            page_size: info.page_size as u32,
-            page_bytes: info.page_bytes as u64,
-            layout: info.layout.clone(),
-        };
+        let hello = info.hello();
         let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
         let l = std::net::TcpListener::bind(&kv_addr)
             .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
