@@ -53,6 +53,14 @@ pub struct AppState {
     pub transfers_sent: AtomicU64,
     pub transfer_bytes_sent: AtomicU64,
     pub transfer_failures: AtomicU64,
+    /// Latencies and outcomes the HTTP layer measures.
+    pub metrics: crate::metrics::ServerMetrics,
+    /// The memory plan, exported as gauges.
+    pub plan: Option<crate::metrics::PlanGauges>,
+    /// prefill, decode, both or server (a label of strata_build_info).
+    pub role: String,
+    /// Name of the L3 tier in metrics (`disk`, `remote`).
+    pub storage_tier: String,
 }
 
 impl AppState {
@@ -75,6 +83,10 @@ impl AppState {
             transfers_sent: AtomicU64::new(0),
             transfer_bytes_sent: AtomicU64::new(0),
             transfer_failures: AtomicU64::new(0),
+            metrics: crate::metrics::ServerMetrics::default(),
+            plan: None,
+            role: "server".into(),
+            storage_tier: "disk".into(),
         }
     }
 }
@@ -93,10 +105,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/flush_cache", post(flush_cache))
         .route("/pd/prefill", post(crate::pd::prefill))
         .route("/cache/info", get(cache_info))
+        .route("/metrics", get(metrics))
         .route("/cache/events", get(cache_events))
         .route("/cache/snapshot", get(cache_snapshot))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_outcome,
+        ))
         .with_state(state)
 }
 
@@ -119,6 +136,31 @@ pub async fn serve(
             let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
         })
         .await
+}
+
+/// Counts the outcome of every API request by status.
+async fn count_outcome(
+    State(st): St,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let api = req.uri().path().starts_with("/v1/");
+    let r = next.run(req).await;
+    if api {
+        st.metrics.count_status(r.status().as_u16());
+    }
+    r
+}
+
+async fn metrics(State(st): St) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        crate::metrics::worker(&st),
+    )
+        .into_response()
 }
 
 async fn not_found() -> ApiError {
@@ -248,6 +290,8 @@ enum Kind {
 
 struct Job {
     kind: Kind,
+    /// When the request arrived (TTFT and duration are measured from here).
+    started: std::time::Instant,
     id: String,
     stream: bool,
     include_usage: bool,
@@ -353,6 +397,7 @@ async fn start(
     kind: Kind,
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
+    let started = std::time::Instant::now();
     let (params, stops) = sampling(&st, s, ids.len())?;
     let prefill = headers
         .get(PREFILL_HEADER)
@@ -372,6 +417,7 @@ async fn start(
     };
     let job = Job {
         kind,
+        started,
         id: format!("{prefix}-{:016x}", rs.id),
         stream: s.stream,
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
@@ -382,6 +428,20 @@ async fn start(
     } else {
         whole_response(st, rs, job).await
     }
+}
+
+/// Records a token's latency: TTFT for the first, inter-token latency after.
+fn token_time(
+    m: &crate::metrics::ServerMetrics,
+    started: std::time::Instant,
+    last: &mut Option<std::time::Instant>,
+) {
+    let now = std::time::Instant::now();
+    match last {
+        None => m.ttft.observe((now - started).as_secs_f64()),
+        Some(t) => m.itl.observe((now - *t).as_secs_f64()),
+    }
+    *last = Some(now);
 }
 
 fn finish_name(r: &FinishReason, stopped_by_string: bool) -> &'static str {
@@ -414,12 +474,14 @@ async fn whole_response(
     let mut completion = 0;
     let mut cached = CachedTokens::default();
     let prompt = rs.prompt_tokens;
+    let mut last = None;
     let reason = loop {
         match rs.events.recv().await {
             Some(Event::Admitted { cached: c }) => cached = c,
             Some(Event::Kv(_)) => {}
             Some(Event::Token(t)) => {
                 completion += 1;
+                token_time(&st.metrics, job.started, &mut last);
                 out += &text.push(&st.tokenizer, t);
                 if text.stopped() {
                     break "stop"; // dropping `rs` cancels the rest
@@ -442,6 +504,7 @@ async fn whole_response(
                 completion = completion_tokens;
                 cached = c;
                 out += &text.finish();
+                st.metrics.e2e.observe(job.started.elapsed().as_secs_f64());
                 break finish_name(&reason, false);
             }
             None => return Err(engine_error("the engine stopped")),
@@ -476,6 +539,7 @@ struct Streaming {
     cached: CachedTokens,
     started: bool,
     done: bool,
+    last: Option<std::time::Instant>,
 }
 
 impl Streaming {
@@ -553,6 +617,7 @@ impl Streaming {
             }
             Some(Event::Token(t)) => {
                 self.completion += 1;
+                token_time(&self.st.metrics, self.job.started, &mut self.last);
                 let d = self.text.push(&self.st.tokenizer, t);
                 if !d.is_empty() {
                     out.push(self.chunk(Some(&d), None));
@@ -570,6 +635,10 @@ impl Streaming {
             }) => {
                 self.completion = completion_tokens;
                 self.cached = cached;
+                self.st
+                    .metrics
+                    .e2e
+                    .observe(self.job.started.elapsed().as_secs_f64());
                 if let FinishReason::Error(m) = &reason {
                     out.push(SseEvent::default().data(engine_error(m).body().to_string()));
                 }
@@ -605,6 +674,7 @@ fn stream_response(
         cached: CachedTokens::default(),
         started: false,
         done: false,
+        last: None,
     };
     let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)));

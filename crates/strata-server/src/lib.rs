@@ -3,6 +3,7 @@
 //! * [`api`]: request and response bodies (OpenAI's shapes; unknown fields ignored, wrong
 //!   types refused).
 //! * [`error`]: OpenAI-style JSON errors with the right status.
+//! * [`metrics`]: every metric (names, help, Prometheus text) of workers and the router.
 //! * [`text`]: incremental detokenization and stop strings.
 //! * [`app`]: the routes, the shared state and graceful shutdown.
 //! * [`pd`]: prefill/decode disaggregation: the KV listener, `/pd/prefill`, the decode side.
@@ -11,6 +12,7 @@ pub mod api;
 pub mod app;
 pub mod cache_index;
 pub mod error;
+pub mod metrics;
 pub mod pd;
 pub mod router;
 pub mod text;

@@ -80,6 +80,8 @@ pub struct RouterState {
     pub client: reqwest::Client,
     rr: AtomicUsize,
     pub retries: AtomicU64,
+    /// Requests forwarded (first attempts).
+    pub forwarded: AtomicU64,
     pub body_limit: usize,
     /// The cache index (cache_aware policy).
     pub index: Option<Arc<CacheIndex>>,
@@ -104,6 +106,7 @@ impl RouterState {
                 .expect("HTTP client"),
             rr: AtomicUsize::new(0),
             retries: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
             body_limit: 4 << 20,
             index: None,
             cache_hits: AtomicU64::new(0),
@@ -186,6 +189,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/workers", get(workers))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -290,6 +294,7 @@ async fn forward(
             ),
         ));
     }
+    st.forwarded.fetch_add(1, Ordering::Relaxed);
     let mut last_err = None;
     let (mut avoid_p, mut avoid_d) = (None, None);
     for attempt in 0..2 {
@@ -378,6 +383,14 @@ async fn forward(
             last_err.unwrap_or_default()
         ),
     ))
+}
+
+async fn metrics(State(st): St) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::metrics::router(&st),
+    )
+        .into_response()
 }
 
 async fn models(State(st): St) -> Response {

@@ -196,8 +196,32 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
     let cache = TieredCache::new(cc, &alloc, storage)?;
+    let mut gauges = strata_server::metrics::PlanGauges {
+        pools: plan
+            .pools
+            .iter()
+            .map(|p| (p.kind.clone(), p.device_bytes, p.host_bytes))
+            .collect(),
+        ranks: plan.tp,
+        host_flag: plan
+            .decided_by
+            .iter()
+            .find(|d| d.what.starts_with("host"))
+            .map(|d| d.by.split_whitespace().next().unwrap_or("").to_string())
+            .unwrap_or_else(|| "none".into()),
+        numa_policy: plan.numa.policy.name().into(),
+        numa_nodes: plan.numa.nodes.clone(),
+        placement: Vec::new(),
+    };
     if let Some(h) = cache.host_pool() {
         let p = strata_mem::numa::placement_of_pool(h);
+        let sampled = p.sampled_pages.max(1);
+        gauges.placement = p
+            .pages_per_node
+            .iter()
+            .filter(|(n, _)| **n >= 0)
+            .map(|(n, k)| (*n as u32, h.bytes() as u64 * k / sampled))
+            .collect();
         tracing::info!(
             bytes = h.bytes(),
             size = %format_bytes(h.bytes() as u64),
@@ -226,6 +250,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.default_max_tokens = a.default_max_tokens;
     st.body_limit = body_limit;
     st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
+    st.plan = Some(gauges);
+    st.role = role.to_string();
     if matches!(role, "decode" | "both") {
         let info = st.engine.info().clone();
         let hello = info.hello();

@@ -1,0 +1,550 @@
+//! Every metric Strata exports, in one place: names (one prefix, `strata_`; base units;
+//! `_total` counters), their help lines, and the Prometheus text rendering of a worker's and
+//! the router's state. docs/METRICS.md lists them.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Name, type, help: the catalogue (docs/METRICS.md is generated from the same list by a test).
+pub const CATALOGUE: &[(&str, &str, &str)] = &[
+    // Cache.
+    ("strata_prompt_tokens_total", "counter", "Prompt tokens of requests admitted by this worker's cache (transferred prompts excluded)."),
+    ("strata_cache_hit_tokens_total", "counter", "Prompt tokens served from a cache tier, by tier (device, host, disk); with strata_cache_miss_tokens_total they sum to strata_prompt_tokens_total."),
+    ("strata_cache_miss_tokens_total", "counter", "Prompt tokens computed because no tier held them."),
+    ("strata_cache_capacity_bytes", "gauge", "Bytes a cache tier can hold, by tier and pool kind."),
+    ("strata_cache_used_bytes", "gauge", "Bytes of a cache tier in use, by tier and pool kind."),
+    ("strata_cache_pages", "gauge", "Pages of a cache tier, by tier and state (used, total)."),
+    ("strata_cache_evicted_tokens_total", "counter", "Tokens evicted from a tier."),
+    ("strata_cache_copy_bytes_total", "counter", "Bytes moved between tiers, by operation (load_back, backup, prefetch, l3_put)."),
+    ("strata_cache_copy_operations_total", "counter", "Copies between tiers, by operation."),
+    ("strata_cache_copy_seconds_total", "counter", "Time spent in copies between tiers, by operation."),
+    ("strata_l3_errors_total", "counter", "L3 storage errors by kind (corrupt: a checksum or header mismatch, treated as a miss; unavailable: a failed operation)."),
+    ("strata_l3_entries", "gauge", "Pages held by the L3 tier."),
+    ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
+    // Sizing.
+    ("strata_plan_device_bytes", "gauge", "Device pool bytes per rank by pool kind, as planned."),
+    ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes per rank by pool kind, as planned."),
+    ("strata_plan_info", "gauge", "The flag that decided the host pool size, the NUMA policy and node (value 1)."),
+    ("strata_host_pool_node_bytes", "gauge", "Host pool bytes found on each NUMA node (sampled page placement after allocation)."),
+    // Serving.
+    ("strata_requests_total", "counter", "Finished HTTP requests by outcome (ok, 4xx, 429, 5xx) and requests whose client went away (cancelled)."),
+    ("strata_queue_depth", "gauge", "Requests waiting for admission."),
+    ("strata_running_requests", "gauge", "Requests admitted and not finished."),
+    ("strata_tokens_in_flight", "gauge", "Prompt + max_tokens of accepted unfinished requests."),
+    ("strata_generation_tokens_total", "counter", "Tokens generated."),
+    ("strata_time_to_first_token_seconds", "histogram", "Time from receiving a request to its first token."),
+    ("strata_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request."),
+    ("strata_request_duration_seconds", "histogram", "Time from receiving a request to its last token."),
+    // PD.
+    ("strata_kv_transfers_total", "counter", "KV transfers by direction (sent, received) and outcome (ok, failed)."),
+    ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
+    // Router.
+    ("strata_router_requests_total", "counter", "Requests the router forwarded, by policy and reason (cache_hit, no_cache_hit, policy)."),
+    ("strata_router_cache_hit_pages_total", "counter", "Cached pages on the chosen worker at cache-aware decisions, by tier."),
+    ("strata_router_retries_total", "counter", "Requests retried on another worker pair."),
+    ("strata_router_worker_up", "gauge", "1 when the router's health check of a worker passes."),
+    ("strata_router_worker_in_flight", "gauge", "Requests in flight on a worker, as the router counts them."),
+    // Node health.
+    ("strata_numa_node_memory_bytes", "gauge", "Memory of a NUMA node by state (total, available), from sysfs."),
+    ("strata_process_resident_memory_bytes", "gauge", "Resident memory of this process."),
+    ("strata_process_cpu_seconds_total", "counter", "CPU time of this process (user + system)."),
+    ("strata_process_open_fds", "gauge", "Open file descriptors of this process."),
+    ("strata_build_info", "gauge", "Version of this binary and the role of this process (value 1)."),
+];
+
+/// Seconds buckets for latency histograms.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// A fixed-bucket histogram of seconds, lock-free.
+pub struct Histogram {
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            counts: LATENCY_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, seconds: f64) {
+        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| seconds <= b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_ns
+            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str) {
+        let mut cum = 0;
+        for (b, c) in LATENCY_BUCKETS.iter().zip(&self.counts) {
+            cum += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+        }
+        let n = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
+        );
+        let _ = writeln!(out, "{name}_count {n}");
+    }
+}
+
+/// What the HTTP layer measures itself.
+#[derive(Default)]
+pub struct ServerMetrics {
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    /// ok, 4xx, 429, 5xx.
+    pub outcomes: [AtomicU64; 4],
+}
+
+impl ServerMetrics {
+    pub fn count_status(&self, status: u16) {
+        let i = match status {
+            429 => 2,
+            400..=499 => 1,
+            500..=599 => 3,
+            _ => 0,
+        };
+        self.outcomes[i].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The memory plan, as gauges.
+#[derive(Clone, Debug, Default)]
+pub struct PlanGauges {
+    /// (pool kind, device bytes per rank, host bytes per rank).
+    pub pools: Vec<(String, u64, u64)>,
+    pub ranks: u32,
+    /// The flag that decided the host size (`--hicache-size`, ...; `none`).
+    pub host_flag: String,
+    pub numa_policy: String,
+    pub numa_nodes: Vec<u32>,
+    /// (node, bytes of the host pool found there).
+    pub placement: Vec<(u32, u64)>,
+}
+
+/// Builds the text of one `/metrics` answer.
+pub struct Text {
+    out: String,
+    declared: Vec<&'static str>,
+}
+
+impl Default for Text {
+    fn default() -> Self {
+        Text::new()
+    }
+}
+
+impl Text {
+    pub fn new() -> Text {
+        Text {
+            out: String::with_capacity(16 << 10),
+            declared: Vec::new(),
+        }
+    }
+
+    fn head(&mut self, name: &'static str) {
+        if self.declared.contains(&name) {
+            return;
+        }
+        let (_, kind, help) = CATALOGUE
+            .iter()
+            .find(|m| m.0 == name)
+            .unwrap_or_else(|| panic!("metric {name} is not in the catalogue"));
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+        self.declared.push(name);
+    }
+
+    /// One sample; `labels` as (name, value) pairs.
+    pub fn sample(&mut self, name: &'static str, labels: &[(&str, &str)], value: f64) {
+        self.head(name);
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let v = v
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\"")
+                    .replace('\n', "\\n");
+                let _ = write!(self.out, "{k}=\"{v}\"");
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+
+    pub fn histogram(&mut self, name: &'static str, h: &Histogram) {
+        self.head(name);
+        h.render(&mut self.out, name);
+    }
+
+    pub fn finish(self) -> String {
+        self.out
+    }
+}
+
+/// Node health: NUMA memory, this process's RSS, CPU time, fds; build info.
+pub fn node_health(t: &mut Text, role: &str) {
+    if let Ok(topo) = strata_mem::Topology::detect() {
+        for n in &topo.nodes {
+            let id = n.id.to_string();
+            t.sample(
+                "strata_numa_node_memory_bytes",
+                &[("node", &id), ("state", "total")],
+                n.total_bytes as f64,
+            );
+            t.sample(
+                "strata_numa_node_memory_bytes",
+                &[("node", &id), ("state", "available")],
+                n.available_bytes as f64,
+            );
+        }
+    }
+    // SAFETY: sysconf has no preconditions.
+    let (page, ticks) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PAGESIZE),
+            libc::sysconf(libc::_SC_CLK_TCK),
+        )
+    };
+    if let Ok(statm) = std::fs::read_to_string("/proc/self/statm") {
+        if let Some(rss) = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|x| x.parse::<f64>().ok())
+        {
+            t.sample(
+                "strata_process_resident_memory_bytes",
+                &[],
+                rss * page as f64,
+            );
+        }
+    }
+    if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+        // Fields after the command name (which may hold spaces) start after the last ')'.
+        let rest = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if let (Some(u), Some(s)) = (f.get(11), f.get(12)) {
+            let secs = (u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0))
+                / ticks.max(1) as f64;
+            t.sample("strata_process_cpu_seconds_total", &[], secs);
+        }
+    }
+    if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
+        t.sample("strata_process_open_fds", &[], d.count() as f64);
+    }
+    t.sample(
+        "strata_build_info",
+        &[("version", env!("CARGO_PKG_VERSION")), ("role", role)],
+        1.0,
+    );
+}
+
+/// A worker's `/metrics`.
+pub fn worker(st: &crate::app::AppState) -> String {
+    let s = st.engine.snapshot();
+    let mut t = Text::new();
+    let c = &s.cache;
+    let prompt = s.prompt_tokens - s.transferred_prompt_tokens;
+    t.sample("strata_prompt_tokens_total", &[], prompt as f64);
+    let l3 = st.storage_tier.as_str();
+    for (tier, v) in [
+        ("device", s.cached_device_tokens),
+        ("host", s.cached_host_tokens),
+        (l3, s.cached_storage_tokens),
+    ] {
+        t.sample("strata_cache_hit_tokens_total", &[("tier", tier)], v as f64);
+    }
+    t.sample(
+        "strata_cache_miss_tokens_total",
+        &[],
+        s.computed_prompt_tokens as f64,
+    );
+    for p in &s.pools {
+        let l = [("tier", p.tier), ("pool", p.kind.as_str())];
+        t.sample("strata_cache_capacity_bytes", &l, p.bytes_total as f64);
+        t.sample("strata_cache_used_bytes", &l, p.bytes_used as f64);
+    }
+    for (tier, u) in [("device", &s.device), ("host", &s.host)] {
+        t.sample(
+            "strata_cache_pages",
+            &[("tier", tier), ("state", "used")],
+            u.pages_used as f64,
+        );
+        t.sample(
+            "strata_cache_pages",
+            &[("tier", tier), ("state", "total")],
+            u.pages_total as f64,
+        );
+    }
+    t.sample(
+        "strata_cache_evicted_tokens_total",
+        &[("tier", "device")],
+        c.evicted_device_tokens as f64,
+    );
+    t.sample(
+        "strata_cache_evicted_tokens_total",
+        &[("tier", "host")],
+        c.evicted_host_tokens as f64,
+    );
+    for (op, x) in [
+        ("load_back", &c.load_back),
+        ("backup", &c.backup),
+        ("prefetch", &c.storage_get),
+        ("l3_put", &c.storage_put),
+    ] {
+        t.sample(
+            "strata_cache_copy_bytes_total",
+            &[("op", op)],
+            x.bytes as f64,
+        );
+        t.sample(
+            "strata_cache_copy_operations_total",
+            &[("op", op)],
+            x.ops as f64,
+        );
+        t.sample(
+            "strata_cache_copy_seconds_total",
+            &[("op", op)],
+            x.nanos as f64 / 1e9,
+        );
+    }
+    let st_stats = s.storage.unwrap_or_default();
+    t.sample(
+        "strata_l3_errors_total",
+        &[("kind", "corrupt")],
+        st_stats.corrupt as f64,
+    );
+    t.sample(
+        "strata_l3_errors_total",
+        &[("kind", "unavailable")],
+        (st_stats.errors + c.storage_errors) as f64,
+    );
+    t.sample("strata_l3_entries", &[], st_stats.entries as f64);
+    t.sample(
+        "strata_transferred_prompt_tokens_total",
+        &[],
+        s.transferred_prompt_tokens as f64,
+    );
+    if let Some(p) = &st.plan {
+        for (pool, dev, host) in &p.pools {
+            for rank in 0..p.ranks.max(1) {
+                let r = rank.to_string();
+                t.sample(
+                    "strata_plan_device_bytes",
+                    &[("pool", pool), ("rank", &r)],
+                    *dev as f64,
+                );
+                t.sample(
+                    "strata_plan_host_bytes",
+                    &[("pool", pool), ("rank", &r)],
+                    *host as f64,
+                );
+            }
+        }
+        let nodes: Vec<String> = p.numa_nodes.iter().map(|n| n.to_string()).collect();
+        t.sample(
+            "strata_plan_info",
+            &[
+                ("host_flag", &p.host_flag),
+                ("numa_policy", &p.numa_policy),
+                ("numa_nodes", &nodes.join(",")),
+            ],
+            1.0,
+        );
+        for (node, bytes) in &p.placement {
+            t.sample(
+                "strata_host_pool_node_bytes",
+                &[("node", &node.to_string())],
+                *bytes as f64,
+            );
+        }
+    }
+    let m = &st.metrics;
+    for (i, outcome) in ["ok", "4xx", "429", "5xx"].iter().enumerate() {
+        t.sample(
+            "strata_requests_total",
+            &[("outcome", outcome)],
+            m.outcomes[i].load(Ordering::Relaxed) as f64,
+        );
+    }
+    t.sample(
+        "strata_requests_total",
+        &[("outcome", "cancelled")],
+        s.finished.cancelled as f64,
+    );
+    t.sample("strata_queue_depth", &[], s.waiting as f64);
+    t.sample("strata_running_requests", &[], s.running as f64);
+    t.sample("strata_tokens_in_flight", &[], s.tokens_in_flight as f64);
+    t.sample(
+        "strata_generation_tokens_total",
+        &[],
+        s.generated_tokens as f64,
+    );
+    t.histogram("strata_time_to_first_token_seconds", &m.ttft);
+    t.histogram("strata_inter_token_latency_seconds", &m.itl);
+    t.histogram("strata_request_duration_seconds", &m.e2e);
+    let sent = st.transfers_sent.load(Ordering::Relaxed) as f64;
+    let sent_failed = st.transfer_failures.load(Ordering::Relaxed) as f64;
+    t.sample(
+        "strata_kv_transfers_total",
+        &[("direction", "sent"), ("outcome", "ok")],
+        sent,
+    );
+    t.sample(
+        "strata_kv_transfers_total",
+        &[("direction", "sent"), ("outcome", "failed")],
+        sent_failed,
+    );
+    t.sample(
+        "strata_kv_transfer_bytes_total",
+        &[("direction", "sent")],
+        st.transfer_bytes_sent.load(Ordering::Relaxed) as f64,
+    );
+    if let Some(k) = &st.kv {
+        let (ok, failed, bytes) = (
+            k.received.load(Ordering::Relaxed),
+            k.failed.load(Ordering::Relaxed),
+            k.bytes.load(Ordering::Relaxed),
+        );
+        t.sample(
+            "strata_kv_transfers_total",
+            &[("direction", "received"), ("outcome", "ok")],
+            ok as f64,
+        );
+        t.sample(
+            "strata_kv_transfers_total",
+            &[("direction", "received"), ("outcome", "failed")],
+            failed as f64,
+        );
+        t.sample(
+            "strata_kv_transfer_bytes_total",
+            &[("direction", "received")],
+            bytes as f64,
+        );
+    }
+    node_health(&mut t, &st.role);
+    t.finish()
+}
+
+/// The router's `/metrics`.
+pub fn router(st: &crate::router::RouterState) -> String {
+    let mut t = Text::new();
+    let p = st.policy.name();
+    let hits = st.cache_hits.load(Ordering::Relaxed);
+    let misses = st.cache_misses.load(Ordering::Relaxed);
+    let all = st.forwarded.load(Ordering::Relaxed);
+    t.sample(
+        "strata_router_requests_total",
+        &[("policy", p), ("reason", "cache_hit")],
+        hits as f64,
+    );
+    t.sample(
+        "strata_router_requests_total",
+        &[("policy", p), ("reason", "no_cache_hit")],
+        misses as f64,
+    );
+    t.sample(
+        "strata_router_requests_total",
+        &[("policy", p), ("reason", "policy")],
+        all.saturating_sub(hits + misses) as f64,
+    );
+    t.sample(
+        "strata_router_cache_hit_pages_total",
+        &[("tier", "device")],
+        st.hit_pages_device.load(Ordering::Relaxed) as f64,
+    );
+    t.sample(
+        "strata_router_cache_hit_pages_total",
+        &[("tier", "host")],
+        st.hit_pages_host.load(Ordering::Relaxed) as f64,
+    );
+    t.sample(
+        "strata_router_retries_total",
+        &[],
+        st.retries.load(Ordering::Relaxed) as f64,
+    );
+    let role = if st.prefill.is_empty() {
+        "both"
+    } else {
+        "decode"
+    };
+    for (ws, role) in [(&st.prefill, "prefill"), (&st.decode, role)] {
+        for w in ws.iter() {
+            let l = [("worker", w.url.as_str()), ("role", role)];
+            t.sample(
+                "strata_router_worker_up",
+                &l,
+                w.healthy.load(Ordering::Relaxed) as u8 as f64,
+            );
+            t.sample(
+                "strata_router_worker_in_flight",
+                &l,
+                w.in_flight.load(Ordering::Relaxed) as f64,
+            );
+        }
+    }
+    node_health(&mut t, "router");
+    t.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catalogue_follows_the_conventions_and_docs_list_every_metric() {
+        let docs = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/METRICS.md"
+        ))
+        .expect("docs/METRICS.md");
+        for (name, kind, help) in CATALOGUE {
+            assert!(name.starts_with("strata_"), "{name}");
+            assert_eq!(
+                *kind == "counter",
+                name.ends_with("_total"),
+                "{name}: counters and only counters end in _total"
+            );
+            assert!(!help.is_empty());
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "docs/METRICS.md does not list {name}"
+            );
+        }
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::default();
+        for s in [0.0005, 0.003, 0.003, 7.0, 100.0] {
+            h.observe(s);
+        }
+        let mut t = Text::new();
+        t.histogram("strata_time_to_first_token_seconds", &h);
+        let out = t.finish();
+        assert!(out.contains("strata_time_to_first_token_seconds_bucket{le=\"0.001\"} 1"));
+        assert!(out.contains("strata_time_to_first_token_seconds_bucket{le=\"0.005\"} 3"));
+        assert!(out.contains("strata_time_to_first_token_seconds_bucket{le=\"10\"} 4"));
+        assert!(out.contains("strata_time_to_first_token_seconds_bucket{le=\"+Inf\"} 5"));
+        assert!(out.contains("strata_time_to_first_token_seconds_count 5"));
+    }
+}
