@@ -8,6 +8,13 @@ if ! command -v cargo >/dev/null; then
 fi
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+# The observability test runs a real Prometheus (and promtool) from Debian's package.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "== installing Debian's prometheus package (for the observability test)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus curl
+fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"

@@ -489,7 +489,7 @@ pub fn router(st: &crate::router::RouterState) -> String {
     };
     for (ws, role) in [(&st.prefill, "prefill"), (&st.decode, role)] {
         for w in ws.iter() {
-            let l = [("worker", w.url.as_str()), ("role", role)];
+            let l = [("worker", w.url.as_str()), ("worker_role", role)];
             t.sample(
                 "strata_router_worker_up",
                 &l,

@@ -1,0 +1,237 @@
+//! A `strata up` deployment (tiny model) scraped by a real Prometheus: every PromQL expression
+//! of every dashboard panel returns data, `promtool check metrics` accepts every `/metrics`,
+//! and the tier counters sum to the prompt tokens after a mixed workload.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use strata_model::tiny::{write_tiny, TinySpec};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn curl(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .arg("-s")
+        .args(args)
+        .output()
+        .expect("curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn need(bin: &str) {
+    let ok = Command::new("sh")
+        .args(["-c", &format!("command -v {bin}")])
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "`{bin}` is missing: install the Debian package prometheus (scripts/test.sh does)"
+    );
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on a child this test started.
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn value(metrics: &str, line_prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(line_prefix))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+#[test]
+fn dashboards_query_real_prometheus_and_counters_balance() {
+    need("prometheus");
+    need("promtool");
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("tiny.gguf");
+    write_tiny(&model, &TinySpec::default()).unwrap();
+    let (r, p, dd, prom) = (free_port(), free_port(), free_port(), free_port());
+    let cfg = d.path().join("up.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "smoke_test = true\n[router]\nport = {r}\npolicy = \"cache_aware\"\n\
+             [[prefill]]\nport = {p}\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\"]\n\
+             [[decode]]\nport = {dd}\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\"]\n",
+            d.path().join("l3").display()
+        ),
+    )
+    .unwrap();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["up", "--startup-timeout", "60", "--config"])
+        .arg(&cfg)
+        .arg("--model")
+        .arg(&model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = up.stdout.take().unwrap();
+    let up = Kill(up);
+    let mut ready = false;
+    for l in BufReader::new(out).lines().map_while(Result::ok) {
+        if l.contains("strata up: ready") {
+            ready = true;
+            break;
+        }
+    }
+    assert!(ready, "strata up did not come up");
+    let pcfg = d.path().join("prometheus.yml");
+    std::fs::write(
+        &pcfg,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: strata\n    static_configs:\n\
+             \x20     - targets: [\"127.0.0.1:{r}\"]\n        labels: {{role: router}}\n\
+             \x20     - targets: [\"127.0.0.1:{p}\"]\n        labels: {{role: prefill}}\n\
+             \x20     - targets: [\"127.0.0.1:{dd}\"]\n        labels: {{role: decode}}\n"
+        ),
+    )
+    .unwrap();
+    let prometheus = Kill(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", pcfg.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                d.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // A mixed workload: repeated prefixes, new prompts, streaming, an error, a flush.
+    let chat = |content: &str, stream: bool| {
+        curl(&[
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &format!(
+                r#"{{"messages":[{{"role":"system","content":"You answer questions about a long shared document that every request carries along with it."}},{{"role":"user","content":"{content}"}}],"max_tokens":6,"temperature":0,"stream":{stream}}}"#
+            ),
+            &format!("http://127.0.0.1:{r}/v1/chat/completions"),
+        ])
+    };
+    for round in 0..6 {
+        for q in ["first question", "second question", "third"] {
+            chat(&format!("{q} {}", round % 2), round % 3 == 0);
+        }
+        if round == 3 {
+            curl(&[
+                "-X",
+                "POST",
+                &format!("http://127.0.0.1:{p}/flush_cache?tier=device"),
+            ]);
+        }
+        curl(&[
+            "-d",
+            "{not json",
+            &format!("http://127.0.0.1:{r}/v1/chat/completions"),
+        ]);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // Every /metrics passes promtool; the tier counters balance on every worker.
+    for port in [r, p, dd] {
+        let m = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);
+        let mut c = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut c.stdin.take().unwrap(), m.as_bytes()).unwrap();
+        let o = c.wait_with_output().unwrap();
+        assert!(
+            o.status.success() && o.stdout.is_empty() && o.stderr.is_empty(),
+            "promtool on :{port}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        if port != r {
+            let prompt = value(&m, "strata_prompt_tokens_total");
+            let hits = value(&m, "strata_cache_hit_tokens_total{");
+            let miss = value(&m, "strata_cache_miss_tokens_total");
+            assert_eq!(
+                hits + miss,
+                prompt,
+                ":{port} hits {hits} + miss {miss} != prompt {prompt}"
+            );
+            if port == p {
+                assert!(
+                    prompt > 0.0 && hits > 0.0,
+                    "prefill served no cached tokens:\n{m}"
+                );
+                assert!(
+                    value(&m, "strata_cache_hit_tokens_total{tier=\"host\"}") > 0.0,
+                    "{m}"
+                );
+            }
+        }
+    }
+    // Let Prometheus scrape a few times after the traffic, then ask every panel's queries.
+    std::thread::sleep(
+        Duration::from_secs(4).saturating_sub(t0.elapsed().min(Duration::from_secs(4))),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for f in ["node-health", "cache", "serving-pd"] {
+        let path = repo().join(format!("deploy/grafana/dashboards/{f}.json"));
+        let dash: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for panel in dash["panels"].as_array().unwrap() {
+            for t in panel["targets"].as_array().unwrap() {
+                let expr = t["expr"]
+                    .as_str()
+                    .unwrap()
+                    .replace("$instance", ".*")
+                    .replace("$role", ".*")
+                    .replace("$__rate_interval", "1m");
+                let ans = curl(&[
+                    "--get",
+                    "--data-urlencode",
+                    &format!("query={expr}"),
+                    &format!("http://127.0.0.1:{prom}/api/v1/query"),
+                ]);
+                let v: Value = serde_json::from_str(&ans).unwrap_or(Value::Null);
+                checked += 1;
+                let n = v["data"]["result"].as_array().map(|a| a.len()).unwrap_or(0);
+                if v["status"] != "success" || n == 0 {
+                    failures.push(format!("{f} / {}: {expr} → {ans}", panel["title"]));
+                }
+            }
+        }
+    }
+    assert!(checked >= 30, "only {checked} expressions");
+    assert!(
+        failures.is_empty(),
+        "panels without data:\n{}",
+        failures.join("\n")
+    );
+    drop(prometheus);
+    drop(up);
+}
