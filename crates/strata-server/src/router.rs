@@ -91,6 +91,60 @@ pub struct RouterState {
     /// Cached pages on the chosen worker at decision time, by tier.
     pub hit_pages_device: AtomicU64,
     pub hit_pages_host: AtomicU64,
+    /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
+    pub scraped: std::sync::Mutex<std::collections::HashMap<String, WorkerStats>>,
+}
+
+/// What the dashboard shows of a worker, from its `/metrics`.
+#[derive(Clone, Debug, Default, serde::Serialize, PartialEq)]
+pub struct WorkerStats {
+    pub prompt_tokens: f64,
+    pub hit_device: f64,
+    pub hit_host: f64,
+    pub hit_l3: f64,
+    pub miss: f64,
+    pub device_used: f64,
+    pub device_total: f64,
+    pub host_used: f64,
+    pub host_total: f64,
+    pub ttft_sum: f64,
+    pub ttft_count: f64,
+    pub running: f64,
+    pub queued: f64,
+}
+
+impl WorkerStats {
+    /// Reads the figures from a Prometheus text exposition.
+    pub fn parse(text: &str) -> WorkerStats {
+        let mut w = WorkerStats::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((key, v)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(v) = v.parse::<f64>() else { continue };
+            let (name, labels) = key.split_once('{').unwrap_or((key, ""));
+            let has = |l: &str| labels.contains(l);
+            match name {
+                "strata_prompt_tokens_total" => w.prompt_tokens = v,
+                "strata_cache_hit_tokens_total" if has("tier=\"device\"") => w.hit_device = v,
+                "strata_cache_hit_tokens_total" if has("tier=\"host\"") => w.hit_host = v,
+                "strata_cache_hit_tokens_total" => w.hit_l3 += v,
+                "strata_cache_miss_tokens_total" => w.miss = v,
+                "strata_cache_pages" if has("tier=\"device\"") && has("state=\"used\"") => {
+                    w.device_used = v
+                }
+                "strata_cache_pages" if has("tier=\"device\"") => w.device_total = v,
+                "strata_cache_pages" if has("state=\"used\"") => w.host_used = v,
+                "strata_cache_pages" => w.host_total = v,
+                "strata_time_to_first_token_seconds_sum" => w.ttft_sum = v,
+                "strata_time_to_first_token_seconds_count" => w.ttft_count = v,
+                "strata_running_requests" => w.running = v,
+                "strata_queue_depth" => w.queued = v,
+                _ => {}
+            }
+        }
+        w
+    }
 }
 
 impl RouterState {
@@ -113,6 +167,7 @@ impl RouterState {
             cache_misses: AtomicU64::new(0),
             hit_pages_device: AtomicU64::new(0),
             hit_pages_host: AtomicU64::new(0),
+            scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -190,6 +245,8 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/health", get(health))
         .route("/workers", get(workers))
         .route("/metrics", get(metrics))
+        .route("/dashboard", get(dashboard))
+        .route("/dashboard/data", get(dashboard_data))
         .with_state(state)
 }
 
@@ -220,6 +277,24 @@ pub async fn health_loop(state: Arc<RouterState>, every: Duration) {
                 .await
                 .map(|r| r.status().is_success())
                 .unwrap_or(false);
+            if ok {
+                if let Ok(r) = state
+                    .client
+                    .get(format!("{}/metrics", w.url))
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await
+                {
+                    if let Ok(text) = r.text().await {
+                        let stats = WorkerStats::parse(&text);
+                        state
+                            .scraped
+                            .lock()
+                            .expect("scrape lock")
+                            .insert(w.url.clone(), stats);
+                    }
+                }
+            }
             let was = w.healthy.swap(ok, Ordering::Relaxed);
             if was != ok {
                 if ok {
@@ -383,6 +458,30 @@ async fn forward(
             last_err.unwrap_or_default()
         ),
     ))
+}
+
+/// The built-in dashboard (one page, no external assets).
+async fn dashboard() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("dashboard.html"))
+}
+
+/// What the dashboard shows: each worker's health and its latest scraped figures.
+async fn dashboard_data(State(st): St) -> Json<serde_json::Value> {
+    let scraped = st.scraped.lock().expect("scrape lock").clone();
+    let role = if st.prefill.is_empty() {
+        "both"
+    } else {
+        "decode"
+    };
+    let mut workers = Vec::new();
+    for (ws, role) in [(&st.prefill, "prefill"), (&st.decode, role)] {
+        for w in ws.iter() {
+            workers.push(json!({"url": w.url, "role": role,
+                                "healthy": w.healthy.load(Ordering::Relaxed),
+                                "stats": scraped.get(&w.url)}));
+        }
+    }
+    Json(json!({"policy": st.policy.name(), "workers": workers}))
 }
 
 async fn metrics(State(st): St) -> Response {

@@ -229,6 +229,109 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
         "panels without data:\n{}",
         failures.join("\n")
     );
+    check_dashboard(r, &[p, dd], d.path());
     drop(prometheus);
     drop(up);
+}
+
+/// The router's built-in page in headless Chromium: no console messages, no error shown, and
+/// per worker the same numbers as that worker's /metrics. The screenshot is kept in
+/// `target/ci-artifacts/dashboard.png` (or `$STRATA_ARTIFACTS`).
+fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
+    let chromium = ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|b| {
+            Command::new("sh")
+                .args(["-c", &format!("command -v {b}")])
+                .output()
+                .unwrap()
+                .status
+                .success()
+        })
+        .expect("Chromium is missing: install the Debian package chromium (scripts/test.sh does)");
+    // The router scrapes every second; the traffic is over, so its figures are final.
+    std::thread::sleep(Duration::from_millis(2500));
+    let url = format!("http://127.0.0.1:{router}/dashboard");
+    let base = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--window-size=1500,400",
+        "--virtual-time-budget=4000",
+        "--enable-logging=stderr",
+        "--v=0",
+    ];
+    let profile = format!("--user-data-dir={}", tmp.join("chromium").display());
+    let out = Command::new(chromium)
+        .args(base)
+        .arg(&profile)
+        .args(["--dump-dom", &url])
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    let console: Vec<&str> = log.lines().filter(|l| l.contains("CONSOLE")).collect();
+    assert!(
+        console.is_empty(),
+        "console messages:\n{}",
+        console.join("\n")
+    );
+    assert!(
+        dom.contains("<tbody id=\"rows\"><tr"),
+        "no rows rendered:\n{dom}"
+    );
+    assert!(
+        dom.contains("<div id=\"err\"></div>"),
+        "the page shows an error:\n{dom}"
+    );
+    for port in workers {
+        let m = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);
+        let start = dom
+            .find(&format!("data-worker=\"http://127.0.0.1:{port}\""))
+            .unwrap_or_else(|| panic!("no row for :{port}:\n{dom}"));
+        let end = start + dom[start..].find("</tr>").unwrap();
+        let row = &dom[start..end];
+        let shown = |k: &str| -> f64 {
+            let key = format!("data-k=\"{k}\" data-raw=\"");
+            let at = row.find(&key).unwrap_or_else(|| panic!("no {k} in {row}"));
+            let rest = &row[at + key.len()..];
+            rest[..rest.find('"').unwrap()].parse().unwrap()
+        };
+        let hit = |tier: &str| {
+            value(
+                &m,
+                &format!("strata_cache_hit_tokens_total{{tier=\"{tier}\"}}"),
+            )
+        };
+        assert_eq!(
+            shown("prompt"),
+            value(&m, "strata_prompt_tokens_total"),
+            ":{port} {row}"
+        );
+        assert_eq!(shown("hit_device"), hit("device"), ":{port} {row}");
+        assert_eq!(shown("hit_host"), hit("host"), ":{port} {row}");
+        let ttft = value(&m, "strata_time_to_first_token_seconds_count");
+        assert_eq!(shown("ttft"), ttft, ":{port} {row}");
+        assert!(row.contains(">up<"), "{row}");
+    }
+    let dir = std::env::var_os("STRATA_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/ci-artifacts"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let png = dir.join("dashboard.png");
+    let shot = Command::new(chromium)
+        .args(base)
+        .arg(&profile)
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(&url)
+        .output()
+        .unwrap();
+    assert!(
+        shot.status.success() && png.exists(),
+        "no screenshot: {}",
+        String::from_utf8_lossy(&shot.stderr)
+    );
+    eprintln!("dashboard screenshot: {}", png.display());
 }
