@@ -53,6 +53,7 @@ pub struct AppState {
     pub transfers_sent: AtomicU64,
     pub transfer_bytes_sent: AtomicU64,
     pub transfer_failures: AtomicU64,
+    pub transfer_nanos_sent: AtomicU64,
     /// Latencies and outcomes the HTTP layer measures.
     pub metrics: crate::metrics::ServerMetrics,
     /// The memory plan, exported as gauges.
@@ -83,6 +84,7 @@ impl AppState {
             transfers_sent: AtomicU64::new(0),
             transfer_bytes_sent: AtomicU64::new(0),
             transfer_failures: AtomicU64::new(0),
+            transfer_nanos_sent: AtomicU64::new(0),
             metrics: crate::metrics::ServerMetrics::default(),
             plan: None,
             role: "server".into(),

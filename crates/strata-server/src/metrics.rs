@@ -38,6 +38,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     // PD.
     ("strata_kv_transfers_total", "counter", "KV transfers by direction (sent, received) and outcome (ok, failed)."),
     ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
+    ("strata_kv_transfer_seconds_total", "counter", "Time spent sending K/V to decode workers (handshake to acknowledgement)."),
     // Router.
     ("strata_router_requests_total", "counter", "Requests the router forwarded, by policy and reason (cache_hit, no_cache_hit, policy)."),
     ("strata_router_cache_hit_pages_total", "counter", "Cached pages on the chosen worker at cache-aware decisions, by tier."),
@@ -418,6 +419,11 @@ pub fn worker(st: &crate::app::AppState) -> String {
         "strata_kv_transfer_bytes_total",
         &[("direction", "sent")],
         st.transfer_bytes_sent.load(Ordering::Relaxed) as f64,
+    );
+    t.sample(
+        "strata_kv_transfer_seconds_total",
+        &[("direction", "sent")],
+        st.transfer_nanos_sent.load(Ordering::Relaxed) as f64 / 1e9,
     );
     if let Some(k) = &st.kv {
         let (ok, failed, bytes) = (
