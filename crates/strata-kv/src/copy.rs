@@ -72,41 +72,55 @@ impl Planes {
             }
             JobKind::Put { host_pages, hashes } => {
                 let st = self.storage.as_ref().expect("put without storage");
-                let mut buf = vec![0u8; self.host.as_ref().map_or(0, |h| h.layout_page_bytes())];
-                for (&p, h) in host_pages.iter().zip(hashes) {
-                    if let Some(host) = &self.host {
-                        host.read_page(p, &mut buf);
-                    }
-                    match st.put(h, &buf) {
-                        Ok(()) => {
-                            done.pages_ok += 1;
-                            done.bytes += buf.len() as u64;
+                let page_bytes = self.host.as_ref().map_or(0, |h| h.layout_page_bytes());
+                // Batches keep round trips few (pipelined backends) and memory bounded.
+                for (ps, hs) in host_pages.chunks(BATCH).zip(hashes.chunks(BATCH)) {
+                    let batch: Vec<(PageHash, Vec<u8>)> = ps
+                        .iter()
+                        .zip(hs)
+                        .map(|(&p, h)| {
+                            let mut buf = vec![0u8; page_bytes];
+                            if let Some(host) = &self.host {
+                                host.read_page(p, &mut buf);
+                            }
+                            (*h, buf)
+                        })
+                        .collect();
+                    for r in st.put_many(&batch) {
+                        match r {
+                            Ok(()) => {
+                                done.pages_ok += 1;
+                                done.bytes += page_bytes as u64;
+                            }
+                            Err(_) => done.errors += 1,
                         }
-                        Err(_) => done.errors += 1,
                     }
                 }
             }
             JobKind::Get { hashes, host_pages } => {
                 let st = self.storage.as_ref().expect("get without storage");
                 let want = self.host.as_ref().map_or(0, |h| h.layout_page_bytes());
-                for (h, &p) in hashes.iter().zip(host_pages) {
-                    match st.get(h) {
-                        Ok(Some(data)) if data.len() == want => {
-                            if let Some(host) = &self.host {
-                                host.write_page(p, &data);
+                // Only a consecutive run from the start is usable: stop at the first miss.
+                'batches: for (hs, ps) in hashes.chunks(BATCH).zip(host_pages.chunks(BATCH)) {
+                    for (r, &p) in st.get_many(hs).into_iter().zip(ps) {
+                        match r {
+                            Ok(Some(data)) if data.len() == want => {
+                                if let Some(host) = &self.host {
+                                    host.write_page(p, &data);
+                                }
+                                done.pages_ok += 1;
+                                done.bytes += data.len() as u64;
                             }
-                            done.pages_ok += 1;
-                            done.bytes += data.len() as u64;
-                        }
-                        Ok(Some(_)) => {
-                            // Intact file of the wrong size: a layout mismatch, never used.
-                            done.errors += 1;
-                            break;
-                        }
-                        Ok(None) => break,
-                        Err(_) => {
-                            done.errors += 1;
-                            break;
+                            Ok(Some(_)) => {
+                                // Intact entry of the wrong size: a layout mismatch, never used.
+                                done.errors += 1;
+                                break 'batches;
+                            }
+                            Ok(None) => break 'batches,
+                            Err(_) => {
+                                done.errors += 1;
+                                break 'batches;
+                            }
                         }
                     }
                 }
@@ -116,6 +130,9 @@ impl Planes {
         done
     }
 }
+
+/// Pages per storage round trip.
+const BATCH: usize = 16;
 
 /// A pool of copy threads.
 pub struct CopyEngine {

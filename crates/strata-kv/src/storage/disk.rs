@@ -15,9 +15,7 @@ use super::lru::LruIndex;
 use super::{Storage, StorageError, StorageStats};
 use crate::hash::PageHash;
 
-const MAGIC: &[u8; 8] = b"STRATAPG";
-const VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 8 + 32 + 16;
+use super::blob::{self, HEADER};
 
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
@@ -130,19 +128,6 @@ impl DiskStorage {
             }
         }
     }
-
-    fn decode(h: &PageHash, bytes: &[u8]) -> Option<Vec<u8>> {
-        if bytes.len() < HEADER || &bytes[..8] != MAGIC {
-            return None;
-        }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().ok()?);
-        let len = u64::from_le_bytes(bytes[12..20].try_into().ok()?);
-        if version != VERSION || len != (bytes.len() - HEADER) as u64 || bytes[52..68] != h.0 {
-            return None;
-        }
-        let payload = &bytes[HEADER..];
-        (blake3::hash(payload).as_bytes()[..] == bytes[20..52]).then(|| payload.to_vec())
-    }
 }
 
 impl Storage for DiskStorage {
@@ -169,7 +154,7 @@ impl Storage for DiskStorage {
                 return Err(io(&p, e));
             }
         };
-        match Self::decode(h, &bytes) {
+        match blob::decode(h, &bytes) {
             Some(payload) => {
                 self.index().touch(*h, bytes.len() as u64);
                 self.count(|s| s.hits += 1);
@@ -205,13 +190,7 @@ impl Storage for DiskStorage {
                 .join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
             let mut f = fs::File::create(&tmp)?;
-            let mut header = Vec::with_capacity(HEADER);
-            header.extend_from_slice(MAGIC);
-            header.extend_from_slice(&VERSION.to_le_bytes());
-            header.extend_from_slice(&(data.len() as u64).to_le_bytes());
-            header.extend_from_slice(blake3::hash(data).as_bytes());
-            header.extend_from_slice(&h.0);
-            f.write_all(&header)?;
+            f.write_all(&blob::header(h, data))?;
             f.write_all(data)?;
             if self.sync {
                 f.sync_all()?;

@@ -4,6 +4,7 @@
 //! backend holds ([`Storage::prefix_len`]). Backends must never return bad bytes: a corrupt or
 //! truncated entry is a miss plus a counted error.
 
+pub mod blob;
 mod disk;
 mod lru;
 mod memory;
@@ -28,6 +29,8 @@ pub enum StorageError {
     TooLarge { bytes: u64, capacity: u64 },
     #[error("storage backend unavailable: {0}")]
     Unavailable(String),
+    #[error("storage operation timed out after {0:?}")]
+    Timeout(std::time::Duration),
 }
 
 /// Counters every backend keeps.
@@ -44,6 +47,8 @@ pub struct StorageStats {
     pub corrupt: u64,
     /// Failed operations.
     pub errors: u64,
+    /// Operations that ran past their time limit (also counted in `errors`).
+    pub timeouts: u64,
 }
 
 /// A page store keyed by page hash. Implementations are thread-safe; the cache calls them from
@@ -65,6 +70,16 @@ pub trait Storage: Send + Sync {
 
     /// Stores a page; storing a hash that is present refreshes it.
     fn put(&self, hash: &PageHash, data: &[u8]) -> Result<(), StorageError>;
+
+    /// Several pages in one round trip where the backend can (default: one by one).
+    fn get_many(&self, hashes: &[PageHash]) -> Vec<Result<Option<Vec<u8>>, StorageError>> {
+        hashes.iter().map(|h| self.get(h)).collect()
+    }
+
+    /// Stores several pages in one round trip where the backend can (default: one by one).
+    fn put_many(&self, pages: &[(PageHash, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
+        pages.iter().map(|(h, d)| self.put(h, d)).collect()
+    }
 
     /// Removes a page; true if it was there.
     fn delete(&self, hash: &PageHash) -> Result<bool, StorageError>;
