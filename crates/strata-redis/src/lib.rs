@@ -1,0 +1,249 @@
+//! `strata-redis`: an L3 [`Storage`] on Redis, shared by every worker that points at it.
+//!
+//! Pages are keyed `strata:v1:{namespace}:{page hash}` (the namespace: model id, page size and
+//! layout, so foreign pages never match) and stored in the shared page format (header with
+//! format version, length, BLAKE3 checksum and the page hash): a corrupt or foreign value is a
+//! miss, counted and deleted, never used. Every operation is bounded by a timeout; batches go
+//! in one pipelined round trip; an optional TTL lets Redis expire pages; Redis' own eviction
+//! (maxmemory) is simply a miss here. The connection reconnects by itself with backoff
+//! (redis' `ConnectionManager`); while Redis is down, operations fail fast as errors (counted)
+//! and the worker serves the affected prompts as misses.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
+use strata_kv::PageHash;
+
+/// Settings of the remote tier.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// `redis://host:port[/db]`.
+    pub url: String,
+    /// Part of every key: pages of other models or layouts never match.
+    pub namespace: String,
+    /// Expire pages after this long (None: keep until Redis evicts them).
+    pub ttl: Option<Duration>,
+    /// Bound on every operation.
+    pub timeout: Duration,
+}
+
+/// The remote tier.
+pub struct RedisStorage {
+    rt: tokio::runtime::Runtime,
+    conn: ConnectionManager,
+    prefix: String,
+    ttl: Option<Duration>,
+    timeout: Duration,
+    stats: Mutex<StorageStats>,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StorageError {
+    StorageError::Unavailable(e.to_string())
+}
+
+impl RedisStorage {
+    /// Connects (within the timeout) and checks the server answers; an unreachable Redis is an
+    /// error here, so a worker can start without L3 and say so.
+    pub fn connect(cfg: &RedisConfig) -> Result<RedisStorage, StorageError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("strata-redis")
+            .enable_all()
+            .build()
+            .map_err(unavailable)?;
+        let client = redis::Client::open(cfg.url.as_str())
+            .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
+        let timeout = cfg.timeout;
+        let conn = rt.block_on(async {
+            let mc = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(timeout)
+                .set_response_timeout(timeout)
+                .set_number_of_retries(2)
+                .set_max_delay(1000);
+            let mut conn =
+                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, mc))
+                    .await
+                    .map_err(|_| StorageError::Timeout(timeout))?
+                    .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
+            let pong: String =
+                tokio::time::timeout(timeout, redis::cmd("PING").query_async(&mut conn))
+                    .await
+                    .map_err(|_| StorageError::Timeout(timeout))?
+                    .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
+            if pong != "PONG" {
+                return Err(StorageError::Unavailable(format!(
+                    "{}: PING answered {pong}",
+                    cfg.url
+                )));
+            }
+            Ok(conn)
+        })?;
+        Ok(RedisStorage {
+            rt,
+            conn,
+            prefix: format!("strata:v1:{}:", cfg.namespace),
+            ttl: cfg.ttl,
+            timeout,
+            stats: Mutex::new(StorageStats::default()),
+        })
+    }
+
+    fn key(&self, h: &PageHash) -> String {
+        format!("{}{}", self.prefix, h.to_hex())
+    }
+
+    fn count(&self, f: impl FnOnce(&mut StorageStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Runs one pipeline within the timeout; failures are counted.
+    fn run<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        p: redis::Pipeline,
+    ) -> Result<T, StorageError> {
+        let mut conn = self.conn.clone();
+        let timeout = self.timeout;
+        let r = self.rt.block_on(async move {
+            match tokio::time::timeout(timeout, p.query_async::<T>(&mut conn)).await {
+                Err(_) => Err(StorageError::Timeout(timeout)),
+                Ok(r) => r.map_err(unavailable),
+            }
+        });
+        if let Err(e) = &r {
+            self.count(|s| {
+                s.errors += 1;
+                if matches!(e, StorageError::Timeout(_)) {
+                    s.timeouts += 1;
+                }
+            });
+        }
+        r
+    }
+
+    fn set_pipe(&self, pages: &[(PageHash, &[u8])]) -> redis::Pipeline {
+        let mut p = redis::pipe();
+        for (h, d) in pages {
+            let v = blob::encode(h, d);
+            match self.ttl {
+                Some(t) => p
+                    .cmd("SET")
+                    .arg(self.key(h))
+                    .arg(v)
+                    .arg("PX")
+                    .arg(t.as_millis() as u64),
+                None => p.cmd("SET").arg(self.key(h)).arg(v),
+            };
+            p.ignore();
+        }
+        p
+    }
+}
+
+impl Storage for RedisStorage {
+    fn tier(&self) -> &'static str {
+        "remote"
+    }
+
+    fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut p = redis::pipe();
+        for h in hashes {
+            p.cmd("EXISTS").arg(self.key(h));
+        }
+        let v: Vec<i64> = self.run(p)?;
+        Ok(v.into_iter().map(|x| x > 0).collect())
+    }
+
+    fn get(&self, hash: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
+        self.get_many(std::slice::from_ref(hash)).remove(0)
+    }
+
+    fn get_many(&self, hashes: &[PageHash]) -> Vec<Result<Option<Vec<u8>>, StorageError>> {
+        if hashes.is_empty() {
+            return Vec::new();
+        }
+        let mut p = redis::pipe();
+        for h in hashes {
+            p.cmd("GET").arg(self.key(h));
+        }
+        let vals: Vec<Option<Vec<u8>>> = match self.run(p) {
+            Ok(v) => v,
+            Err(e) => {
+                let msg = e.to_string();
+                return hashes
+                    .iter()
+                    .map(|_| Err(StorageError::Unavailable(msg.clone())))
+                    .collect();
+            }
+        };
+        let mut bad = Vec::new();
+        let out = hashes
+            .iter()
+            .zip(vals)
+            .map(|(h, v)| {
+                self.count(|s| s.gets += 1);
+                match v {
+                    None => Ok(None),
+                    Some(bytes) => match blob::decode(h, &bytes) {
+                        Some(payload) => {
+                            self.count(|s| s.hits += 1);
+                            Ok(Some(payload))
+                        }
+                        None => {
+                            self.count(|s| s.corrupt += 1);
+                            bad.push(*h);
+                            Ok(None)
+                        }
+                    },
+                }
+            })
+            .collect();
+        if !bad.is_empty() {
+            tracing::warn!(
+                pages = bad.len(),
+                "corrupt or foreign L3 values dropped from Redis"
+            );
+            let mut p = redis::pipe();
+            for h in &bad {
+                p.cmd("DEL").arg(self.key(h)).ignore();
+            }
+            let _ = self.run::<()>(p);
+        }
+        out
+    }
+
+    fn put(&self, hash: &PageHash, data: &[u8]) -> Result<(), StorageError> {
+        self.count(|s| s.puts += 1);
+        self.run::<()>(self.set_pipe(&[(*hash, data)]))
+    }
+
+    fn put_many(&self, pages: &[(PageHash, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
+        self.count(|s| s.puts += pages.len() as u64);
+        let refs: Vec<(PageHash, &[u8])> = pages.iter().map(|(h, d)| (*h, d.as_slice())).collect();
+        match self.run::<()>(self.set_pipe(&refs)) {
+            Ok(()) => pages.iter().map(|_| Ok(())).collect(),
+            Err(e) => {
+                let msg = e.to_string();
+                pages
+                    .iter()
+                    .map(|_| Err(StorageError::Unavailable(msg.clone())))
+                    .collect()
+            }
+        }
+    }
+
+    fn delete(&self, hash: &PageHash) -> Result<bool, StorageError> {
+        let mut p = redis::pipe();
+        p.cmd("DEL").arg(self.key(hash));
+        let v: Vec<i64> = self.run(p)?;
+        Ok(v.first().copied().unwrap_or(0) > 0)
+    }
+
+    fn stats(&self) -> StorageStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

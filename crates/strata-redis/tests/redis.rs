@@ -1,0 +1,172 @@
+//! Against a real redis-server (Debian package; scripts/test.sh installs it) on a loopback port.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_kv::storage::Storage;
+use strata_kv::PageHash;
+use strata_redis::{RedisConfig, RedisStorage};
+
+pub struct Redis {
+    pub port: u16,
+    child: Child,
+}
+
+impl Redis {
+    pub fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is missing: install the Debian package redis-server (scripts/test.sh does)");
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Redis { port, child }
+    }
+    pub fn start() -> Redis {
+        Redis::start_on(free_port())
+    }
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn cfg(url: &str) -> RedisConfig {
+    RedisConfig {
+        url: url.into(),
+        namespace: "test".into(),
+        ttl: None,
+        timeout: Duration::from_millis(500),
+    }
+}
+
+fn h(i: u8) -> PageHash {
+    PageHash([i; 16])
+}
+
+#[test]
+fn put_get_exists_round_trips_and_corrupt_values_are_misses() {
+    let r = Redis::start();
+    let s = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    assert_eq!(s.tier(), "remote");
+    let pages: Vec<(PageHash, Vec<u8>)> = (0..20u8).map(|i| (h(i), vec![i; 1000])).collect();
+    assert!(s.put_many(&pages).iter().all(|r| r.is_ok()));
+    assert_eq!(
+        s.exists(&[h(0), h(19), h(50)]).unwrap(),
+        vec![true, true, false]
+    );
+    assert_eq!(s.prefix_len(&[h(0), h(1), h(50), h(2)]).unwrap(), 2);
+    let got = s.get_many(&[h(3), h(50), h(7)]);
+    assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&[3u8; 1000][..]));
+    assert_eq!(got[1].as_ref().unwrap(), &None);
+    assert_eq!(s.get(&h(7)).unwrap(), Some(vec![7; 1000]));
+    // A value that is not this page (garbage, or another page's bytes) is a miss and is removed.
+    let key = format!("strata:v1:test:{}", h(5).to_hex());
+    let out = Command::new("redis-cli")
+        .args(["-p", &r.port.to_string(), "SET", &key, "garbage"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(s.get(&h(5)).unwrap(), None);
+    assert_eq!(s.stats().corrupt, 1);
+    assert_eq!(
+        s.exists(&[h(5)]).unwrap(),
+        vec![false],
+        "the corrupt value was deleted"
+    );
+    assert!(s.delete(&h(6)).unwrap());
+    assert!(!s.delete(&h(6)).unwrap());
+    // Another namespace sees none of these pages.
+    let mut other = cfg(&r.url());
+    other.namespace = "other-model".into();
+    let o = RedisStorage::connect(&other).unwrap();
+    assert_eq!(o.prefix_len(&[h(0)]).unwrap(), 0);
+}
+
+#[test]
+fn an_unreachable_or_silent_redis_fails_within_the_timeout() {
+    let port = free_port();
+    let t = Instant::now();
+    let e = RedisStorage::connect(&cfg(&format!("redis://127.0.0.1:{port}")))
+        .err()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "{e}");
+    // A peer that accepts and never answers.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent = l.local_addr().unwrap().port();
+    let _keep = std::thread::spawn(move || {
+        let conns: Vec<_> = l.incoming().take(8).collect();
+        std::thread::sleep(Duration::from_secs(10));
+        drop(conns);
+    });
+    let t = Instant::now();
+    let e = RedisStorage::connect(&cfg(&format!("redis://127.0.0.1:{silent}")))
+        .err()
+        .unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}: {e}",
+        t.elapsed()
+    );
+    assert!(
+        e.to_string().contains("timed out") || e.to_string().contains("unavailable"),
+        "{e}"
+    );
+}
+
+#[test]
+fn redis_killed_and_restarted_errors_are_counted_then_service_resumes() {
+    let mut r = Redis::start();
+    let port = r.port;
+    let s = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    s.put(&h(1), &[1; 100]).unwrap();
+    r.kill();
+    let t = Instant::now();
+    assert!(s.get(&h(1)).is_err());
+    assert!(s.put(&h(2), &[2; 100]).is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "failing took {:?}",
+        t.elapsed()
+    );
+    assert!(s.stats().errors >= 2);
+    let _r2 = Redis::start_on(port);
+    // The connection comes back by itself; the restarted (empty) Redis answers misses.
+    let t = Instant::now();
+    loop {
+        if let Ok(v) = s.get(&h(1)) {
+            assert_eq!(v, None);
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "no reconnection");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    s.put(&h(3), &[3; 100]).unwrap();
+    assert_eq!(s.get(&h(3)).unwrap(), Some(vec![3; 100]));
+}
