@@ -15,6 +15,17 @@ use tokio::sync::mpsc::unbounded_channel;
 use crate::request::{FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError};
 use crate::scheduler::{Cmd, NewReq, Scheduler};
 
+/// How long admission waits for pages being prefetched from L3 into the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchPolicy {
+    /// Do not wait: compute what has not arrived (the prefetch still lands for later requests).
+    BestEffort,
+    /// Wait until the prefetch completes.
+    WaitComplete,
+    /// Wait at most this long per prefetched token, then compute the rest.
+    Timeout { per_token: std::time::Duration },
+}
+
 /// Scheduling limits.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -31,6 +42,7 @@ pub struct EngineConfig {
     pub stop_token_ids: Vec<u32>,
     /// The model's id (as in the cache's page hashes), stated at KV-transfer handshakes.
     pub model_id: String,
+    pub prefetch: PrefetchPolicy,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +54,7 @@ impl Default for EngineConfig {
             max_tokens_in_flight: 0,
             stop_token_ids: Vec::new(),
             model_id: String::new(),
+            prefetch: PrefetchPolicy::WaitComplete,
         }
     }
 }

@@ -14,7 +14,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod transfer;
 
-pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
+pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, PrefetchPolicy, Snapshot};
 pub use request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, RequestStream,
     SamplingParams, SubmitError,

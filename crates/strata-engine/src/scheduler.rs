@@ -20,7 +20,7 @@ use strata_kv::{PageHash, TieredCache};
 use strata_model::{Model, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::handle::{EngineConfig, Shared, Snapshot};
+use crate::handle::{EngineConfig, PrefetchPolicy, Shared, Snapshot};
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
@@ -47,8 +47,8 @@ pub(crate) enum Cmd {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// L3 → host copy in flight; then load-back.
-    Prefetch(Ticket),
+    /// L3 → host copy in flight (waited for until the deadline, if any); then load-back.
+    Prefetch(Ticket, Option<Instant>),
     /// Host → device copy in flight.
     Loading(Option<Ticket>),
     Running,
@@ -334,7 +334,16 @@ impl Scheduler {
             r.pages = own;
             r.phase = if m.storage_tokens > 0 {
                 match self.cache.prefetch(&r.tokens, &m) {
-                    Some(t) => Phase::Prefetch(t),
+                    Some(t) => {
+                        let deadline = match self.cfg.prefetch {
+                            PrefetchPolicy::WaitComplete => None,
+                            PrefetchPolicy::BestEffort => Some(Instant::now()),
+                            PrefetchPolicy::Timeout { per_token } => {
+                                Some(Instant::now() + per_token * m.storage_tokens as u32)
+                            }
+                        };
+                        Phase::Prefetch(t, deadline)
+                    }
                     None => Phase::Loading(None),
                 }
             } else {
@@ -448,7 +457,9 @@ impl Scheduler {
         let ps = self.cache.page_size();
         for i in 0..self.active.len() {
             match self.active[i].phase {
-                Phase::Prefetch(t) if self.cache.is_done(t) => {
+                Phase::Prefetch(t, deadline)
+                    if self.cache.is_done(t) || deadline.is_some_and(|d| Instant::now() >= d) =>
+                {
                     let mut r = std::mem::replace(&mut self.active[i], placeholder());
                     // The prefetched pages joined the tree as host nodes: match again.
                     let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
@@ -617,7 +628,7 @@ impl Scheduler {
     fn finish(&mut self, r: Req, reason: Option<FinishReason>) {
         let ps = self.cache.page_size();
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
-        if let Phase::Prefetch(t) | Phase::Loading(Some(t)) = r.phase {
+        if let Phase::Prefetch(t, _) | Phase::Loading(Some(t)) = r.phase {
             // The copy writes into pages the tree owns; let it land before unlocking.
             self.cache.wait(t);
         }

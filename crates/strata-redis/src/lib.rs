@@ -47,6 +47,15 @@ impl RedisStorage {
     /// Connects (within the timeout) and checks the server answers; an unreachable Redis is an
     /// error here, so a worker can start without L3 and say so.
     pub fn connect(cfg: &RedisConfig) -> Result<RedisStorage, StorageError> {
+        // On a thread of its own: the caller may itself be inside an async runtime.
+        std::thread::scope(|s| {
+            s.spawn(|| Self::connect_here(cfg))
+                .join()
+                .unwrap_or_else(|_| Err(unavailable("the connecting thread panicked")))
+        })
+    }
+
+    fn connect_here(cfg: &RedisConfig) -> Result<RedisStorage, StorageError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("strata-redis")

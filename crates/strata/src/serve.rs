@@ -79,12 +79,27 @@ pub struct ServeArgs {
     /// lru or gdsf.
     #[arg(long, default_value = "lru", help_heading = "Cache")]
     pub eviction: String,
-    /// L3 storage: `disk:PATH`.
+    /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
+    /// first). A Redis shared by several workers makes one prefix cache for all of them.
     #[arg(long, help_heading = "Cache")]
-    pub l3: Option<String>,
+    pub l3: Vec<String>,
     /// Bytes the L3 disk tier may use, with a unit.
     #[arg(long, default_value = "10GiB", help_heading = "Cache")]
     pub l3_size: String,
+    /// Remote (Redis) pages expire after this many seconds (0: never; Redis' maxmemory
+    /// eviction still applies).
+    #[arg(long, default_value_t = 0, help_heading = "Cache")]
+    pub l3_ttl: u64,
+    /// Bound on every remote (Redis) operation, in milliseconds.
+    #[arg(long, default_value_t = 500, help_heading = "Cache")]
+    pub l3_timeout_ms: u64,
+    /// How long admission waits for L3 → host prefetch: best_effort (not at all),
+    /// wait_complete, or timeout (--prefetch-ms-per-token per prefetched token).
+    #[arg(long, default_value = "wait_complete", help_heading = "Cache")]
+    pub prefetch_policy: String,
+    /// Milliseconds of waiting per prefetched token under --prefetch-policy timeout.
+    #[arg(long, default_value_t = 0.05, help_heading = "Cache")]
+    pub prefetch_ms_per_token: f64,
     /// Threads copying pages between tiers.
     #[arg(long, default_value_t = 1, help_heading = "Cache")]
     pub copy_threads: usize,
@@ -104,11 +119,13 @@ pub struct ServeArgs {
     pub kv_deadline: f64,
 }
 
-fn l3_storage(a: &ServeArgs) -> Result<Option<Arc<dyn Storage>>> {
-    let Some(spec) = &a.l3 else { return Ok(None) };
+/// The L3 tiers of `--l3`, in order. A Redis that cannot be reached at start is left out
+/// (said so in the log); a bad spec or an unusable disk path is an error.
+fn l3_storage(a: &ServeArgs, ns: &str) -> Result<Option<Arc<dyn Storage>>> {
     let cap = parse_size(&a.l3_size).context("--l3-size")?;
-    match spec.split_once(':') {
-        Some(("disk", path)) if !path.is_empty() => {
+    let mut tiers: Vec<Arc<dyn Storage>> = Vec::new();
+    for spec in &a.l3 {
+        if let Some(path) = spec.strip_prefix("disk:").filter(|p| !p.is_empty()) {
             let d = DiskStorage::open(PathBuf::from(path), cap, false)
                 .with_context(|| format!("--l3 {spec}"))?;
             tracing::info!(
@@ -116,10 +133,33 @@ fn l3_storage(a: &ServeArgs) -> Result<Option<Arc<dyn Storage>>> {
                 capacity_bytes = cap,
                 "L3 disk tier ready (capacity in bytes)"
             );
-            Ok(Some(Arc::new(d)))
+            tiers.push(Arc::new(d));
+        } else if spec.starts_with("redis://") || spec.starts_with("rediss://") {
+            let cfg = strata_redis::RedisConfig {
+                url: spec.clone(),
+                namespace: ns.to_string(),
+                ttl: (a.l3_ttl > 0).then(|| Duration::from_secs(a.l3_ttl)),
+                timeout: Duration::from_millis(a.l3_timeout_ms.max(1)),
+            };
+            match strata_redis::RedisStorage::connect(&cfg) {
+                Ok(r) => {
+                    tracing::info!(url = %spec, namespace = ns, "L3 remote tier (Redis) ready");
+                    tiers.push(Arc::new(r));
+                }
+                Err(e) => {
+                    tracing::warn!(url = %spec, error = %e, "L3 remote tier unavailable at start: serving without it");
+                    eprintln!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
+                }
+            }
+        } else {
+            bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
         }
-        _ => bail!("--l3 `{spec}`: expected disk:PATH"),
     }
+    Ok(match tiers.len() {
+        0 => None,
+        1 => tiers.pop(),
+        _ => Some(Arc::new(strata_kv::storage::Chain::new(tiers))),
+    })
 }
 
 pub fn run(mut a: ServeArgs) -> Result<()> {
@@ -168,7 +208,24 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
     eprint!("{}", plan.render());
-    let storage = l3_storage(&a)?;
+    for spec in &a.l3 {
+        if !(spec.starts_with("disk:")
+            || spec.starts_with("redis://")
+            || spec.starts_with("rediss://"))
+        {
+            bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
+        }
+    }
+    let prefetch = match a.prefetch_policy.as_str() {
+        "best_effort" => strata_engine::PrefetchPolicy::BestEffort,
+        "wait_complete" => strata_engine::PrefetchPolicy::WaitComplete,
+        "timeout" if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() => {
+            strata_engine::PrefetchPolicy::Timeout {
+                per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
+            }
+        }
+        p => bail!("--prefetch-policy `{p}`: expected best_effort, wait_complete or timeout (with --prefetch-ms-per-token ≥ 0)"),
+    };
 
     // Model.
     std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
@@ -189,6 +246,10 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
     let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
     alloc.huge_pages = a.sizing.huge_pages;
+    let ns_key = strata_kv::HashNamespace::new(&model_id(&path), &layout).key();
+    let ns: String = ns_key[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let storage = l3_storage(&a, &ns)?;
+    let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
     let mut cc = CacheConfig::new(layout, device_pages, host_pages);
     cc.model_id = model_id(&path);
     cc.write_policy = write_policy;
@@ -236,6 +297,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_tokens_in_flight: a.max_tokens_in_flight,
         stop_token_ids: tk.stop.clone(),
         model_id: model_id(&path),
+        prefetch,
     };
     cfg.stop_token_ids.dedup();
     let engine = Engine::start(model, cache, cfg);
@@ -251,6 +313,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.body_limit = body_limit;
     st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
+    st.storage_tier = storage_tier.to_string();
     st.role = role.to_string();
     if matches!(role, "decode" | "both") {
         let info = st.engine.info().clone();

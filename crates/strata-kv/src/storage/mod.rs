@@ -86,3 +86,116 @@ pub trait Storage: Send + Sync {
 
     fn stats(&self) -> StorageStats;
 }
+
+/// Several backends as one L3, in order (disk first, then remote): a page is held if any holds
+/// it, read from the first that has it intact, written to all.
+pub struct Chain {
+    tiers: Vec<std::sync::Arc<dyn Storage>>,
+    name: &'static str,
+}
+
+impl Chain {
+    pub fn new(tiers: Vec<std::sync::Arc<dyn Storage>>) -> Chain {
+        let name = match tiers
+            .iter()
+            .map(|t| t.tier())
+            .collect::<Vec<_>>()
+            .as_slice()
+        {
+            ["disk", "remote"] => "disk+remote",
+            [one] => one,
+            _ => "l3",
+        };
+        Chain { tiers, name }
+    }
+}
+
+impl Storage for Chain {
+    fn tier(&self) -> &'static str {
+        self.name
+    }
+
+    fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
+        let mut out = vec![false; hashes.len()];
+        let mut last_err = None;
+        let mut any_ok = false;
+        for t in &self.tiers {
+            match t.exists(hashes) {
+                Ok(v) => {
+                    any_ok = true;
+                    for (o, b) in out.iter_mut().zip(v) {
+                        *o |= b;
+                    }
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        match (any_ok, last_err) {
+            (false, Some(e)) => Err(e),
+            _ => Ok(out),
+        }
+    }
+
+    fn get(&self, hash: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
+        let mut last_err = None;
+        for t in &self.tiers {
+            match t.get(hash) {
+                Ok(Some(d)) => return Ok(Some(d)),
+                Ok(None) => {}
+                Err(e) => last_err = Some(e),
+            }
+        }
+        match last_err {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    fn put(&self, hash: &PageHash, data: &[u8]) -> Result<(), StorageError> {
+        let mut res = Ok(());
+        for t in &self.tiers {
+            if let Err(e) = t.put(hash, data) {
+                res = Err(e);
+            }
+        }
+        res
+    }
+
+    fn put_many(&self, pages: &[(PageHash, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
+        let mut out: Vec<Result<(), StorageError>> = pages.iter().map(|_| Ok(())).collect();
+        for t in &self.tiers {
+            for (o, r) in out.iter_mut().zip(t.put_many(pages)) {
+                if r.is_err() {
+                    *o = r;
+                }
+            }
+        }
+        out
+    }
+
+    fn delete(&self, hash: &PageHash) -> Result<bool, StorageError> {
+        let mut any = false;
+        for t in &self.tiers {
+            any |= t.delete(hash)?;
+        }
+        Ok(any)
+    }
+
+    fn stats(&self) -> StorageStats {
+        let mut s = StorageStats::default();
+        for t in &self.tiers {
+            let x = t.stats();
+            s.entries += x.entries;
+            s.bytes += x.bytes;
+            s.capacity_bytes = s.capacity_bytes.saturating_add(x.capacity_bytes);
+            s.gets += x.gets;
+            s.hits += x.hits;
+            s.puts += x.puts;
+            s.evictions += x.evictions;
+            s.corrupt += x.corrupt;
+            s.errors += x.errors;
+            s.timeouts += x.timeouts;
+        }
+        s
+    }
+}
