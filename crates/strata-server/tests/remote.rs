@@ -133,7 +133,7 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
         again["choices"][0]["message"]["content"]
     );
     // Redis dies: requests continue (as misses), errors are counted.
-    rd.0.kill();
+    rd.0.kill().unwrap();
     let _ = rd.0.wait();
     let other = chat(
         &b,
