@@ -59,6 +59,8 @@ impl CacheConfig {
 pub enum Tier {
     Device,
     Host,
+    /// A shared remote L3 (pages written there are reachable by every worker on it).
+    Remote,
 }
 
 impl Tier {
@@ -66,12 +68,15 @@ impl Tier {
         match self {
             Tier::Device => "device",
             Tier::Host => "host",
+            Tier::Remote => "remote",
         }
     }
 }
 
-/// Pages that entered or left the device or host tier (by their chained hashes): what a
-/// cache-aware router follows. Emitted only when the cache computes hashes.
+/// Pages that entered or left the device or host tier, or were written to a shared remote L3
+/// (by their chained hashes): what a cache-aware router follows. Emitted only when the cache
+/// computes hashes. Remote removals are not seen (Redis evicts on its own): remote events are
+/// hints.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheEvent {
     pub stored: bool,
@@ -756,6 +761,16 @@ impl TieredCache {
                     if d.errors == 0 {
                         self.tree.set_in_storage(n, true);
                     }
+                }
+                let shared = self
+                    .planes
+                    .storage
+                    .as_ref()
+                    .is_some_and(|s| s.tier().contains("remote"));
+                if d.errors == 0 && shared {
+                    let mut all = nodes.clone();
+                    all.extend(heads.iter().copied());
+                    self.emit(true, Tier::Remote, &all);
                 }
 
                 if d.errors == 0 {

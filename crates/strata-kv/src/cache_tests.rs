@@ -316,7 +316,7 @@ fn events_replayed_equal_the_snapshot() {
     let mut index: [HashSet<PageHash>; 2] = Default::default();
     let slot = |t: Tier| match t {
         Tier::Device => 0,
-        Tier::Host => 1,
+        Tier::Host | Tier::Remote => 1,
     };
     for round in 0..3 {
         for i in 0..5u32 {

@@ -13,6 +13,8 @@ use strata_model::{ChatTemplate, Message, ModelTokenizer};
 /// Weight of a cached page by tier: a host page must be loaded back first.
 pub const DEVICE_WEIGHT: f64 = 1.0;
 pub const HOST_WEIGHT: f64 = 0.6;
+/// A page in the shared remote L3: reachable by every worker, but fetched over the network.
+pub const REMOTE_WEIGHT: f64 = 0.3;
 /// Tokens of cached prefix one request in flight is worth (the load term of the score).
 pub const LOAD_TOKENS: f64 = 256.0;
 
@@ -32,6 +34,8 @@ pub struct CacheIndex {
     template: Option<ChatTemplate>,
     ns: Mutex<Option<(HashNamespace, usize)>>,
     workers: Vec<Mutex<WorkerIndex>>,
+    /// Pages any worker wrote to the shared remote L3 (hints: Redis evicts silently).
+    remote: Mutex<std::collections::HashSet<[u8; 16]>>,
 }
 
 fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -58,6 +62,7 @@ impl CacheIndex {
             workers: (0..workers)
                 .map(|_| Mutex::new(WorkerIndex::default()))
                 .collect(),
+            remote: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -110,19 +115,21 @@ impl CacheIndex {
             .unwrap_or(0)
     }
 
-    /// (device pages, host pages) of the prefix of `hashes` worker `w` holds, page by page
-    /// from the start.
-    pub fn cached_prefix(&self, w: usize, hashes: &[PageHash]) -> (usize, usize) {
+    /// (device, host, remote) pages of the prefix of `hashes` worker `w` can use, page by page
+    /// from the start: its own tiers first, then the shared remote L3.
+    pub fn cached_prefix(&self, w: usize, hashes: &[PageHash]) -> (usize, usize, usize) {
         let idx = self.workers[w].lock().expect("index lock");
-        let (mut dev, mut host) = (0, 0);
+        let remote = self.remote.lock().expect("remote lock");
+        let (mut dev, mut host, mut rem) = (0, 0, 0);
         for h in hashes {
             match idx.pages.get(&h.0) {
                 Some(b) if b & 1 != 0 => dev += 1,
                 Some(b) if b & 2 != 0 => host += 1,
+                _ if remote.contains(&h.0) => rem += 1,
                 _ => break,
             }
         }
-        (dev, host)
+        (dev, host, rem)
     }
 
     /// Resynchronisations so far (gaps, restarts).
@@ -134,6 +141,21 @@ impl CacheIndex {
     }
 
     fn apply(&self, w: usize, tier: &str, stored: bool, hashes: &[Value]) {
+        if tier == "remote" {
+            let mut r = self.remote.lock().expect("remote lock");
+            for h in hashes
+                .iter()
+                .filter_map(Value::as_str)
+                .filter_map(unhex::<16>)
+            {
+                if stored {
+                    r.insert(h);
+                } else {
+                    r.remove(&h);
+                }
+            }
+            return;
+        }
         let bit = if tier == "device" { 1u8 } else { 2u8 };
         let mut idx = self.workers[w].lock().expect("index lock");
         for h in hashes
@@ -198,6 +220,21 @@ impl CacheIndex {
                     true,
                     t["hashes"].as_array().map(Vec::as_slice).unwrap_or(&[]),
                 );
+            }
+            // Remote writes are not in snapshots (L3 is not indexed by the tree): take them
+            // from the events the worker still holds.
+            let first = ev["first"].as_u64().unwrap_or(0);
+            if let Ok(all) = get(format!("/cache/events?since={first}")).await {
+                for e in all["events"].as_array().into_iter().flatten() {
+                    if e["tier"] == "remote" {
+                        self.apply(
+                            w,
+                            "remote",
+                            e["stored"].as_bool().unwrap_or(false),
+                            e["hashes"].as_array().map(Vec::as_slice).unwrap_or(&[]),
+                        );
+                    }
+                }
             }
             return Ok(());
         }

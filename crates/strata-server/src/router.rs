@@ -18,7 +18,7 @@ use futures_util::StreamExt;
 use serde_json::json;
 
 use crate::app::PREFILL_HEADER;
-use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS};
+use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS, REMOTE_WEIGHT};
 use crate::error::ApiError;
 
 /// How to pick workers.
@@ -91,6 +91,7 @@ pub struct RouterState {
     /// Cached pages on the chosen worker at decision time, by tier.
     pub hit_pages_device: AtomicU64,
     pub hit_pages_host: AtomicU64,
+    pub hit_pages_remote: AtomicU64,
     /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
     pub scraped: std::sync::Mutex<std::collections::HashMap<String, WorkerStats>>,
 }
@@ -167,6 +168,7 @@ impl RouterState {
             cache_misses: AtomicU64::new(0),
             hit_pages_device: AtomicU64::new(0),
             hit_pages_host: AtomicU64::new(0),
+            hit_pages_remote: AtomicU64::new(0),
             scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
@@ -186,7 +188,7 @@ impl RouterState {
         let hashes = index.hashes(&index.prompt_tokens(body)?);
         let ps = index.page_size() as f64;
         let pool = self.cache_pool();
-        let mut best: Option<(f64, usize, usize, usize)> = None; // (score, worker, dev, host)
+        let mut best: Option<(f64, usize, usize, usize, usize)> = None; // score, worker, pages by tier
         let start = self.rr.fetch_add(1, Ordering::Relaxed);
         for k in 0..pool.len() {
             let i = (start + k) % pool.len();
@@ -196,20 +198,25 @@ impl RouterState {
             {
                 continue;
             }
-            let (dev, host) = index.cached_prefix(i, &hashes);
-            let score = (dev as f64 * DEVICE_WEIGHT + host as f64 * HOST_WEIGHT) * ps
+            let (dev, host, rem) = index.cached_prefix(i, &hashes);
+            let score = (dev as f64 * DEVICE_WEIGHT
+                + host as f64 * HOST_WEIGHT
+                + rem as f64 * REMOTE_WEIGHT)
+                * ps
                 - LOAD_TOKENS * w.in_flight.load(Ordering::Relaxed) as f64;
             if best.is_none_or(|b| score > b.0) {
-                best = Some((score, i, dev, host));
+                best = Some((score, i, dev, host, rem));
             }
         }
-        let (_, i, dev, host) = best?;
-        if dev + host > 0 {
+        let (_, i, dev, host, rem) = best?;
+        if dev + host + rem > 0 {
             self.cache_hits.fetch_add(1, Ordering::Relaxed);
             self.hit_pages_device
                 .fetch_add(dev as u64, Ordering::Relaxed);
             self.hit_pages_host
                 .fetch_add(host as u64, Ordering::Relaxed);
+            self.hit_pages_remote
+                .fetch_add(rem as u64, Ordering::Relaxed);
         } else {
             self.cache_misses.fetch_add(1, Ordering::Relaxed);
         }
@@ -545,6 +552,7 @@ async fn workers(State(st): St) -> Json<serde_json::Value> {
                     "misses": st.cache_misses.load(Ordering::Relaxed),
                     "hit_pages_device": st.hit_pages_device.load(Ordering::Relaxed),
                     "hit_pages_host": st.hit_pages_host.load(Ordering::Relaxed),
+                    "hit_pages_remote": st.hit_pages_remote.load(Ordering::Relaxed),
                     "resyncs": st.index.as_ref().map(|i| i.resyncs()).unwrap_or(0)});
     Json(
         json!({"policy": st.policy.name(), "retries": st.retries.load(Ordering::Relaxed),

@@ -132,6 +132,28 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
         second["choices"][0]["message"]["content"],
         again["choices"][0]["message"]["content"]
     );
+    // The router's index sees the prefix in a's own tiers and, for b, in the shared remote
+    // tier (at its lower weight).
+    {
+        use strata_server::cache_index::CacheIndex;
+        let g = Gguf::open(&path).unwrap();
+        let idx = CacheIndex::new(
+            Arc::new(ModelTokenizer::from_gguf(&g).unwrap()),
+            Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
+            3,
+        );
+        let client = reqwest::Client::new();
+        idx.poll(&client, 0, &a).await.unwrap();
+        let body =
+            serde_json::to_vec(&json!({"messages": [{"role": "user", "content": q}]})).unwrap();
+        let hashes = idx.hashes(&idx.prompt_tokens(&body).unwrap());
+        let (dev, _, _) = idx.cached_prefix(0, &hashes);
+        assert!(dev > 0);
+        // Worker index 2 never reported anything: only the remote hints apply to it.
+        let (d2, h2, r2) = idx.cached_prefix(2, &hashes);
+        assert_eq!((d2, h2), (0, 0));
+        assert!(r2 > 0, "remote pages are counted for every worker");
+    }
     // Redis dies: requests continue (as misses), errors are counted.
     rd.0.kill().unwrap();
     let _ = rd.0.wait();

@@ -20,6 +20,27 @@ pub enum BenchCommand {
     Transfer(TransferArgs),
     /// Latency the router adds, open loop, against a fake instant backend (in-process).
     Router(RouterArgs),
+    /// Remote L3 (Redis) page put/get throughput and latency.
+    L3(L3Args),
+}
+
+#[derive(Args, Debug)]
+pub struct L3Args {
+    /// The Redis to measure.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    pub url: String,
+    /// Pages per batch (one pipelined round trip).
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Batches.
+    #[arg(long, default_value_t = 32)]
+    pub batches: usize,
+    /// Bytes per page (default: SmolLM2-135M's 16-token page).
+    #[arg(long, default_value_t = 368_640)]
+    pub page_bytes: usize,
+    /// Single-page operations timed for latency.
+    #[arg(long, default_value_t = 200)]
+    pub single: usize,
 }
 
 #[derive(Args, Debug)]
@@ -93,6 +114,7 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::Streams(a) => streams(a).await,
             BenchCommand::Transfer(a) => transfer(a).await,
             BenchCommand::Router(a) => router_latency(a).await,
+            BenchCommand::L3(a) => l3(a).await,
         }
     })
 }
@@ -455,5 +477,83 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
         r90 - d90,
         r99 - d99
     );
+    Ok(())
+}
+
+async fn l3(a: L3Args) -> Result<()> {
+    use strata_kv::storage::Storage;
+    use strata_kv::PageHash;
+    if a.batch == 0 || a.batches == 0 || a.page_bytes == 0 || a.single == 0 {
+        bail!("--batch, --batches, --page-bytes and --single must be at least 1");
+    }
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let ns = format!("bench-{}", std::process::id());
+        let s = strata_redis::RedisStorage::connect(&strata_redis::RedisConfig {
+            url: a.url.clone(),
+            namespace: ns,
+            ttl: Some(Duration::from_secs(600)),
+            timeout: Duration::from_secs(10),
+        })?;
+        let hash = |i: usize| {
+            let mut h = [0u8; 16];
+            h[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            PageHash(h)
+        };
+        let page: Vec<u8> = (0..a.page_bytes).map(|i| i as u8).collect();
+        let n = a.batch * a.batches;
+        let t = Instant::now();
+        for b in 0..a.batches {
+            let pages: Vec<(PageHash, Vec<u8>)> = (0..a.batch)
+                .map(|i| (hash(b * a.batch + i), page.clone()))
+                .collect();
+            if s.put_many(&pages).iter().any(|r| r.is_err()) {
+                bail!("a put failed");
+            }
+        }
+        let put_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        for b in 0..a.batches {
+            let hs: Vec<PageHash> = (0..a.batch).map(|i| hash(b * a.batch + i)).collect();
+            for r in s.get_many(&hs) {
+                if r?.map(|d| d.len()) != Some(a.page_bytes) {
+                    bail!("a get missed");
+                }
+            }
+        }
+        let get_s = t.elapsed().as_secs_f64();
+        let (mut put_lat, mut get_lat) = (Vec::new(), Vec::new());
+        for i in 0..a.single {
+            let h = hash(n + i);
+            let t = Instant::now();
+            s.put(&h, &page)?;
+            put_lat.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            s.get(&h)?;
+            get_lat.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let bytes = (n * a.page_bytes) as f64;
+        println!(
+            "remote L3 at {}: {n} pages × {} bytes in batches of {}",
+            a.url, a.page_bytes, a.batch
+        );
+        println!("| operation | throughput | pages/s | single-page p50 | single-page p99 |");
+        println!("|---|---|---|---|---|");
+        println!(
+            "| put | {:.2} GB/s | {:.0} | {:.3} ms | {:.3} ms |",
+            bytes / put_s / 1e9,
+            n as f64 / put_s,
+            pct(&mut put_lat, 0.5),
+            pct(&mut put_lat, 0.99)
+        );
+        println!(
+            "| get | {:.2} GB/s | {:.0} | {:.3} ms | {:.3} ms |",
+            bytes / get_s / 1e9,
+            n as f64 / get_s,
+            pct(&mut get_lat, 0.5),
+            pct(&mut get_lat, 0.99)
+        );
+        Ok(())
+    })
+    .await??;
     Ok(())
 }
