@@ -90,7 +90,20 @@ struct Proc {
 
 fn spawn(name: &str, args: &[String]) -> Result<(Child, Arc<Mutex<VecDeque<String>>>)> {
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl(2), which
+    // is async-signal-safe: the worker gets SIGTERM if `strata up` itself dies (even killed),
+    // so no orphan keeps serving.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())

@@ -12,6 +12,16 @@ fn strata() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))
 }
 
+/// Kills the server however the test ends.
+struct Guard(std::process::Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -81,6 +91,7 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut child = Guard(child);
     let t = Instant::now();
     let mut log = String::new();
     loop {
@@ -117,11 +128,11 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
     assert_eq!(status, 200);
     // SAFETY: kill(2) with a pid this test spawned and still owns.
     unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+        libc::kill(child.0.id() as i32, libc::SIGTERM);
     }
     let t = Instant::now();
     let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
+        if let Some(s) = child.0.try_wait().unwrap() {
             break s.code();
         }
         assert!(

@@ -37,6 +37,19 @@ args = ["--device-mem", "16MiB", "--hicache-size", "16MiB"]
     (path, r)
 }
 
+/// Stops `strata up` (and so its workers) however the test ends.
+struct Up(Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the `strata up` this test started.
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.0.wait();
+    }
+}
+
 fn up(dir: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
     let model = dir.join("tiny.gguf");
     write_tiny(&model, &TinySpec::default()).unwrap();
@@ -88,10 +101,11 @@ fn wait_for(rx: &mpsc::Receiver<String>, log: &mut Vec<String>, what: &str, secs
 fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
     let d = tempfile::tempdir().unwrap();
     let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#);
-    let (mut child, rx) = up(d.path(), &cfg);
+    let (child, rx) = up(d.path(), &cfg);
+    let mut child = Up(child);
     let t = Instant::now();
     let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
+        if let Some(s) = child.0.try_wait().unwrap() {
             break s;
         }
         assert!(
@@ -121,7 +135,8 @@ fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
 fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
     let d = tempfile::tempdir().unwrap();
     let (cfg, router_port) = config(d.path(), r#""--hicache-size", "16MiB""#);
-    let (mut child, rx) = up(d.path(), &cfg);
+    let (child, rx) = up(d.path(), &cfg);
+    let mut child = Up(child);
     let mut log = Vec::new();
     wait_for(&rx, &mut log, "smoke test through the router", 90);
     let line = wait_for(&rx, &mut log, "decode-0: http", 10);
@@ -158,8 +173,8 @@ fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
     }
     // SAFETY: kill(2) on the `strata up` this test started.
     unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+        libc::kill(child.0.id() as i32, libc::SIGTERM);
     }
-    let status = child.wait().unwrap();
+    let status = child.0.wait().unwrap();
     assert_eq!(status.code(), Some(0));
 }
