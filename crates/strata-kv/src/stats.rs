@@ -1,12 +1,19 @@
 //! Counters every cache operation updates; the server turns them into metrics.
 
-/// Count, pages, bytes and time of one kind of transfer.
+/// Upper bounds (seconds) of the duration histogram of copies between tiers.
+pub const COPY_BUCKETS: [f64; 12] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// Count, pages, bytes and time of one kind of transfer, with a duration histogram.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Transfer {
     pub ops: u64,
     pub pages: u64,
     pub bytes: u64,
     pub nanos: u64,
+    /// Operations per [`COPY_BUCKETS`] bucket (not cumulative; longer ones only in `ops`).
+    pub buckets: [u64; 12],
 }
 
 impl Transfer {
@@ -15,6 +22,10 @@ impl Transfer {
         self.pages += pages;
         self.bytes += bytes;
         self.nanos += nanos;
+        let s = nanos as f64 / 1e9;
+        if let Some(i) = COPY_BUCKETS.iter().position(|&b| s <= b) {
+            self.buckets[i] += 1;
+        }
     }
 
     /// Bytes per second over the time spent (0 when none).

@@ -18,7 +18,8 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_cache_copy_bytes_total", "counter", "Bytes moved between tiers, by operation (load_back, backup, prefetch, l3_put)."),
     ("strata_cache_copy_operations_total", "counter", "Copies between tiers, by operation."),
     ("strata_cache_copy_seconds_total", "counter", "Time spent in copies between tiers, by operation."),
-    ("strata_l3_errors_total", "counter", "L3 storage errors by kind (corrupt: a checksum or header mismatch, treated as a miss; unavailable: a failed operation)."),
+    ("strata_cache_copy_duration_seconds", "histogram", "Duration of one copy between tiers (a batch of pages), by operation."),
+    ("strata_l3_errors_total", "counter", "L3 storage errors by kind (corrupt: a checksum or header mismatch, treated as a miss; timeout: an operation past its bound; unavailable: any other failed operation)."),
     ("strata_l3_entries", "gauge", "Pages held by the L3 tier."),
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
     // Sizing.
@@ -197,6 +198,28 @@ impl Text {
         h.render(&mut self.out, name);
     }
 
+    /// A histogram from per-bucket counts (not cumulative) with one label.
+    pub fn histogram_counts(
+        &mut self,
+        name: &'static str,
+        label: (&str, &str),
+        bounds: &[f64],
+        counts: &[u64],
+        count: u64,
+        sum: f64,
+    ) {
+        self.head(name);
+        let (k, v) = label;
+        let mut cum = 0;
+        for (b, c) in bounds.iter().zip(counts) {
+            cum += c;
+            let _ = writeln!(self.out, "{name}_bucket{{{k}=\"{v}\",le=\"{b}\"}} {cum}");
+        }
+        let _ = writeln!(self.out, "{name}_bucket{{{k}=\"{v}\",le=\"+Inf\"}} {count}");
+        let _ = writeln!(self.out, "{name}_sum{{{k}=\"{v}\"}} {sum}");
+        let _ = writeln!(self.out, "{name}_count{{{k}=\"{v}\"}} {count}");
+    }
+
     pub fn finish(self) -> String {
         self.out
     }
@@ -328,6 +351,21 @@ pub fn worker(st: &crate::app::AppState) -> String {
             x.nanos as f64 / 1e9,
         );
     }
+    for (op, x) in [
+        ("load_back", &c.load_back),
+        ("backup", &c.backup),
+        ("prefetch", &c.storage_get),
+        ("l3_put", &c.storage_put),
+    ] {
+        t.histogram_counts(
+            "strata_cache_copy_duration_seconds",
+            ("op", op),
+            &strata_kv::stats::COPY_BUCKETS,
+            &x.buckets,
+            x.ops,
+            x.nanos as f64 / 1e9,
+        );
+    }
     let st_stats = s.storage.unwrap_or_default();
     t.sample(
         "strata_l3_errors_total",
@@ -336,8 +374,13 @@ pub fn worker(st: &crate::app::AppState) -> String {
     );
     t.sample(
         "strata_l3_errors_total",
+        &[("kind", "timeout")],
+        st_stats.timeouts as f64,
+    );
+    t.sample(
+        "strata_l3_errors_total",
         &[("kind", "unavailable")],
-        (st_stats.errors + c.storage_errors) as f64,
+        (st_stats.errors - st_stats.timeouts.min(st_stats.errors)) as f64,
     );
     t.sample("strata_l3_entries", &[], st_stats.entries as f64);
     t.sample(
