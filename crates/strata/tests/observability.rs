@@ -193,8 +193,29 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
             }
         }
     }
-    // Let Prometheus scrape a few times after the traffic, then ask every panel's queries.
-    std::thread::sleep(Duration::from_secs(4));
+    // Let Prometheus scrape every target a few times after the traffic (slow machines start it
+    // late), then ask every panel's queries.
+    let prom_query = |q: &str| -> Value {
+        let ans = curl(&[
+            "--get",
+            "--data-urlencode",
+            &format!("query={q}"),
+            &format!("http://127.0.0.1:{prom}/api/v1/query"),
+        ]);
+        serde_json::from_str(&ans).unwrap_or(Value::Null)
+    };
+    let t = std::time::Instant::now();
+    loop {
+        let v = prom_query("count_over_time(up[1m]) >= 4 and up == 1");
+        if v["data"]["result"].as_array().map(|a| a.len()) == Some(3) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "Prometheus did not scrape every target: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let mut failures = Vec::new();
     let mut checked = 0;
     for f in ["node-health", "cache", "serving-pd"] {
