@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const CATALOGUE: &[(&str, &str, &str)] = &[
     // Cache.
     ("strata_prompt_tokens_total", "counter", "Prompt tokens of requests admitted by this worker's cache (transferred prompts excluded)."),
-    ("strata_cache_hit_tokens_total", "counter", "Prompt tokens served from a cache tier, by tier (device, host, disk); with strata_cache_miss_tokens_total they sum to strata_prompt_tokens_total."),
+    ("strata_cache_hit_tokens_total", "counter", "Prompt tokens served from a cache tier, by tier (device, host, and the L3 tier: disk, remote or disk+remote); with strata_cache_miss_tokens_total they sum to strata_prompt_tokens_total."),
     ("strata_cache_miss_tokens_total", "counter", "Prompt tokens computed because no tier held them."),
     ("strata_cache_capacity_bytes", "gauge", "Bytes a cache tier can hold, by tier and pool kind."),
     ("strata_cache_used_bytes", "gauge", "Bytes of a cache tier in use, by tier and pool kind."),
