@@ -149,11 +149,7 @@ unsafe fn dot_rows_avx<const G: usize>(
         }
     }
     for (o, a) in out.iter_mut().zip(acc) {
-        let hi = _mm256_extractf128_ps(a, 1);
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(a), hi);
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-        *o = _mm_cvtss_f32(s1);
+        *o = hsum(a);
     }
 }
 
@@ -197,6 +193,25 @@ fn dot_rows_f32(scales: &[f32], q: &[i8], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Sum of the eight lanes.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline]
+unsafe fn hsum(a: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let hi = _mm256_extractf128_ps(a, 1);
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(a), hi);
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    _mm_cvtss_f32(s1)
+}
+
 /// [`dot_rows_f32`] for exactly G rows.
 ///
 /// # Safety
@@ -229,11 +244,7 @@ unsafe fn dot_rows_f32_avx<const G: usize>(scales: &[f32], q: &[i8], x: &[f32], 
         }
     }
     for (o, a) in out.iter_mut().zip(acc) {
-        let hi = _mm256_extractf128_ps(a, 1);
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(a), hi);
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-        *o = _mm_cvtss_f32(s1);
+        *o = hsum(a);
     }
 }
 
