@@ -32,7 +32,7 @@ impl Rng {
     pub fn new(seed: u64) -> Rng {
         Rng(seed)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -41,7 +41,7 @@ impl Rng {
     }
     /// Uniform in [0, 1).
     pub fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -57,8 +57,8 @@ pub fn words(rng: &mut Rng, n: usize) -> String {
         if i > 0 {
             s.push(' ');
         }
-        for _ in 0..1 + rng.next() % 3 {
-            s.push_str(SYLLABLES[(rng.next() % SYLLABLES.len() as u64) as usize]);
+        for _ in 0..1 + rng.next_u64() % 3 {
+            s.push_str(SYLLABLES[(rng.next_u64() % SYLLABLES.len() as u64) as usize]);
         }
     }
     s
