@@ -24,7 +24,7 @@ fn nonzero(what: &'static str, got: usize) -> Result<(), WorkloadError> {
     }
 }
 
-/// SplitMix64: the generators' only source of randomness.
+/// SplitMix64 (`strata_sim::tokens::mix`): the generators' only source of randomness.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
@@ -33,11 +33,9 @@ impl Rng {
         Rng(seed)
     }
     pub fn next_u64(&mut self) -> u64 {
+        let z = strata_sim::tokens::mix(self.0);
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        z
     }
     /// Uniform in [0, 1).
     pub fn unit(&mut self) -> f64 {

@@ -1,8 +1,9 @@
 //! Deterministic token ids for trace blocks: equal hash ids give equal tokens, so two requests
 //! sharing k ids share their first k blocks of tokens.
 
-/// SplitMix64 step.
-fn mix(mut z: u64) -> u64 {
+/// SplitMix64 step: a fixed, portable mixing function (token ids and generators built on it
+/// are the same on every machine).
+pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
