@@ -22,6 +22,9 @@ pub enum BenchCommand {
     Router(RouterArgs),
     /// Remote L3 (Redis) page put/get throughput and latency.
     L3(L3Args),
+    /// One workload (multi-turn, shared-prefix, trace replay) against a deployment: TTFT, ITL,
+    /// throughput, cached fraction; optional JSON record.
+    Workload(crate::bench_workload::WorkloadArgs),
 }
 
 #[derive(Args, Debug)]
@@ -115,6 +118,7 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::Transfer(a) => transfer(a).await,
             BenchCommand::Router(a) => router_latency(a).await,
             BenchCommand::L3(a) => l3(a).await,
+            BenchCommand::Workload(a) => crate::bench_workload::run(a).await,
         }
     })
 }

@@ -1,6 +1,7 @@
 //! `strata`: the command-line entry point.
 
 mod bench;
+mod bench_workload;
 mod generate;
 mod plan;
 mod route;
