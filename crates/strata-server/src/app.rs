@@ -752,10 +752,7 @@ fn check_admin(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &st.admin_key else {
         return Ok(());
     };
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+    let given = crate::error::bearer(headers);
     if given == Some(key.as_str()) {
         Ok(())
     } else {

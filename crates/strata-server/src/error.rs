@@ -6,6 +6,14 @@ use axum::Json;
 use serde_json::json;
 use strata_engine::SubmitError;
 
+/// The token of an `Authorization: Bearer <token>` header, if any.
+pub fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {

@@ -321,10 +321,7 @@ fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
     if st.api_keys.is_empty() {
         return Ok(());
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+    let given = crate::error::bearer(headers);
     match given {
         Some(k) if st.api_keys.contains(k) => Ok(()),
         _ => Err(ApiError::new(
