@@ -43,6 +43,9 @@ pub struct EngineConfig {
     /// The model's id (as in the cache's page hashes), stated at KV-transfer handshakes.
     pub model_id: String,
     pub prefetch: PrefetchPolicy,
+    /// Reuse cached prefixes. `false` (a baseline for benchmarks): every prompt is computed in
+    /// full and nothing joins the tree; hits stay zero and misses count every prompt token.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -55,6 +58,7 @@ impl Default for EngineConfig {
             stop_token_ids: Vec::new(),
             model_id: String::new(),
             prefetch: PrefetchPolicy::WaitComplete,
+            prefix_cache: true,
         }
     }
 }

@@ -307,7 +307,15 @@ impl Scheduler {
                 }
                 continue;
             }
-            let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
+            let m = if self.cfg.prefix_cache {
+                self.cache.lookup(&r.tokens[..r.prompt_len])
+            } else {
+                CacheMatch {
+                    queried_tokens: r.prompt_len,
+                    last: ROOT,
+                    ..CacheMatch::default()
+                }
+            };
             self.cache.lock(m.last);
             // The last prompt token is always computed (its logits give the first token): at
             // most the pages before it are used as they are.
@@ -637,7 +645,7 @@ impl Scheduler {
             let _ = r.tx.send(Event::Kv(Arc::new(kv)));
         }
         let own = r.own_pages().to_vec();
-        if ok && r.phase == Phase::Running {
+        if ok && r.phase == Phase::Running && self.cfg.prefix_cache {
             let whole = (r.computed / ps).max(r.prefix_pages);
             let give = whole - r.prefix_pages;
             self.cache

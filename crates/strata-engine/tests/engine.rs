@@ -377,3 +377,27 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
         e.shutdown(Duration::from_secs(5));
     }
 }
+
+#[test]
+fn without_the_prefix_cache_every_prompt_is_computed_and_nothing_is_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let cfg = EngineConfig {
+        prefix_cache: false,
+        ..EngineConfig::default()
+    };
+    let e = start(&path, 64, 64, None, cfg);
+    let p = prompt(45, 3);
+    let (a, c1, _) = run(&e, &p, greedy(8));
+    let (b, c2, _) = run(&e, &p, greedy(8));
+    assert_eq!((c1.total(), c2.total()), (0, 0));
+    assert_eq!(a, b);
+    assert_eq!(a, reference(&path, &p, 8));
+    let s = e.snapshot();
+    assert_eq!(s.computed_prompt_tokens, 90);
+    assert_eq!(s.cache.miss_tokens, 90);
+    assert_eq!(s.cache.hit_tokens(), 0);
+    assert_eq!(s.device.pages_used, 0, "nothing joined the tree");
+    assert_eq!(s.device_pages_held, 0);
+    e.shutdown(Duration::from_secs(5));
+}

@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// Milliseconds of waiting per prefetched token under --prefetch-policy timeout.
     #[arg(long, default_value_t = 0.05, help_heading = "Cache")]
     pub prefetch_ms_per_token: f64,
+    /// Reuse no cached prefix: every prompt computed in full (a baseline for benchmarks; the
+    /// pools are still allocated as planned).
+    #[arg(long, help_heading = "Cache")]
+    pub disable_prefix_cache: bool,
     /// Threads copying pages between tiers.
     #[arg(long, default_value_t = 1, help_heading = "Cache")]
     pub copy_threads: usize,
@@ -298,7 +302,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         stop_token_ids: tk.stop.clone(),
         model_id: model_id(&path),
         prefetch,
+        prefix_cache: !a.disable_prefix_cache,
     };
+    if a.disable_prefix_cache {
+        tracing::warn!("prefix cache disabled: every prompt is computed in full");
+        eprintln!("strata serve: prefix cache disabled (--disable-prefix-cache): every prompt is computed in full");
+    }
     cfg.stop_token_ids.dedup();
     let engine = Engine::start(model, cache, cfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
