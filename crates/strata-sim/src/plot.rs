@@ -1,4 +1,4 @@
-//! A dependency-free SVG line chart for miss-ratio curves.
+//! A dependency-free SVG line chart (miss-ratio curves here; `strata bench`'s plots).
 
 use std::fmt::Write;
 
@@ -8,123 +8,217 @@ const W: f64 = 760.0;
 const H: f64 = 460.0;
 const L: f64 = 70.0;
 const R: f64 = 170.0;
-const T: f64 = 40.0;
+const T: f64 = 46.0;
 const B: f64 = 60.0;
-const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+];
+
+/// One line of a chart.
+#[derive(Clone, Debug, Default)]
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+    pub dashed: bool,
+}
+
+/// A line chart: axes with labelled ticks, one polyline (with point markers unless the series
+/// is long) per series, a legend on the right.
+#[derive(Clone, Debug, Default)]
+pub struct Chart {
+    pub title: String,
+    /// A second, smaller title line (e.g. the workload's parameters).
+    pub subtitle: String,
+    pub x_label: String,
+    pub y_label: String,
+    /// Logarithmic x axis (values ≤ 0 are clamped to 1e-6).
+    pub log_x: bool,
+    /// Tick positions on x (default: round numbers over the data's range).
+    pub x_ticks: Option<Vec<f64>>,
+    /// y range (default: 0 to the data's maximum, rounded up).
+    pub y_range: Option<(f64, f64)>,
+    /// Appended to y tick labels (e.g. "%").
+    pub y_unit: String,
+    pub series: Vec<Series>,
+}
+
+/// About `n` round tick values (1, 2 or 5 × 10^k apart) covering [lo, hi].
+pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    let span = (hi - lo).max(1e-12);
+    let raw = span / n.max(1) as f64;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| span / s <= n as f64)
+        .unwrap_or(10.0 * mag);
+    let first = (lo / step).ceil() as i64;
+    let last = (hi / step + 1e-9).floor() as i64;
+    (first..=last).map(|i| i as f64 * step).collect()
+}
+
+impl Chart {
+    pub fn svg(&self) -> String {
+        let pts = || self.series.iter().flat_map(|s| s.points.iter());
+        let fx = |v: f64| if self.log_x { v.max(1e-6).log10() } else { v };
+        let (mut xmin, mut xmax) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+            (a.min(fx(p.0)), b.max(fx(p.0)))
+        });
+        if !xmin.is_finite() {
+            (xmin, xmax) = (0.0, 1.0);
+        }
+        let (ymin, ymax) = self.y_range.unwrap_or_else(|| {
+            let m = pts()
+                .map(|p| p.1)
+                .filter(|v| v.is_finite())
+                .fold(0.0, f64::max);
+            let t = nice_ticks(0.0, if m > 0.0 { m } else { 1.0 }, 5);
+            let top = t.last().copied().unwrap_or(1.0);
+            (0.0, if top < m { top + (t[1] - t[0]) } else { top })
+        });
+        let xspan = (xmax - xmin).max(1e-9);
+        let yspan = (ymax - ymin).max(1e-12);
+        let x = |v: f64| L + (fx(v) - xmin) / xspan * (W - L - R);
+        let y = |v: f64| T + (1.0 - (v - ymin) / yspan) * (H - T - B);
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{0}" y="18" text-anchor="middle" font-size="15">{1}</text><text x="{0}" y="33" text-anchor="middle" font-size="11" fill="#555">{2}</text>"##,
+            W / 2.0,
+            esc(&self.title),
+            esc(&self.subtitle)
+        );
+        for v in nice_ticks(ymin, ymax, 10) {
+            let _ = write!(
+                s,
+                r##"<line x1="{L}" x2="{0}" y1="{1}" y2="{1}" stroke="#ddd"/><text x="{2}" y="{3}" text-anchor="end">{4}{5}</text>"##,
+                W - R,
+                y(v),
+                L - 6.0,
+                y(v) + 4.0,
+                trim(v),
+                esc(&self.y_unit)
+            );
+        }
+        let xt = self.x_ticks.clone().unwrap_or_else(|| {
+            if self.log_x {
+                (xmin.floor() as i32..=xmax.ceil() as i32)
+                    .flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e)))
+                    .filter(|&v| fx(v) >= xmin - 1e-9 && fx(v) <= xmax + 1e-9)
+                    .collect()
+            } else {
+                nice_ticks(xmin, xmax, 8)
+            }
+        });
+        for v in xt {
+            let _ = write!(
+                s,
+                r##"<line x1="{0}" x2="{0}" y1="{T}" y2="{1}" stroke="#eee"/><text x="{0}" y="{2}" text-anchor="middle">{3}</text>"##,
+                x(v),
+                H - B,
+                H - B + 16.0,
+                trim(v)
+            );
+        }
+        let _ = write!(
+            s,
+            r##"<line x1="{L}" x2="{L}" y1="{T}" y2="{0}" stroke="black"/><line x1="{L}" x2="{1}" y1="{0}" y2="{0}" stroke="black"/><text x="{2}" y="{3}" text-anchor="middle">{4}</text><text transform="translate(18,{5}) rotate(-90)" text-anchor="middle">{6}</text>"##,
+            H - B,
+            W - R,
+            (W - R + L) / 2.0,
+            H - 14.0,
+            esc(&self.x_label),
+            (H - B + T) / 2.0,
+            esc(&self.y_label)
+        );
+        for (i, ser) in self.series.iter().enumerate() {
+            let c = COLORS[i % COLORS.len()];
+            let d: Vec<String> = ser
+                .points
+                .iter()
+                .filter(|p| p.1.is_finite())
+                .map(|&(a, b)| format!("{:.1},{:.1}", x(a), y(b)))
+                .collect();
+            let dash = if ser.dashed {
+                r#" stroke-dasharray="6 4""#
+            } else {
+                ""
+            };
+            let _ = write!(
+                s,
+                r#"<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="{}"/>"#,
+                d.join(" ")
+            );
+            if ser.points.len() <= 40 {
+                for &(a, b) in ser.points.iter().filter(|p| p.1.is_finite()) {
+                    let _ = write!(
+                        s,
+                        r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"/>"#,
+                        x(a),
+                        y(b)
+                    );
+                }
+            }
+            let ly = T + 10.0 + i as f64 * 20.0;
+            let _ = write!(
+                s,
+                r#"<line x1="{0}" x2="{1}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{2}" y="{3}">{4}</text>"#,
+                W - R + 12.0,
+                W - R + 36.0,
+                W - R + 42.0,
+                ly + 4.0,
+                esc(&ser.name)
+            );
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
 
 /// Hit rate (%) against capacity (% of distinct pages, log scale).
 pub fn sweep_svg(title: &str, pts: &[SweepPoint]) -> String {
-    let xmin = pts
-        .iter()
-        .map(|p| p.fraction)
-        .fold(f64::INFINITY, f64::min)
-        .max(1e-6)
-        .log10();
-    let xmax = pts
-        .iter()
-        .map(|p| p.fraction)
-        .fold(0.0, f64::max)
-        .max(1e-6)
-        .log10();
-    let span = (xmax - xmin).max(1e-9);
-    let x = |f: f64| L + (f.max(1e-6).log10() - xmin) / span * (W - L - R);
-    let y = |r: f64| T + (1.0 - r) * (H - T - B);
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        (W - R + L) / 2.0,
-        esc(title)
-    );
-    for i in 0..=10 {
-        let r = i as f64 / 10.0;
-        let _ = write!(
-            s,
-            r##"<line x1="{L}" x2="{0}" y1="{1}" y2="{1}" stroke="#ddd"/><text x="{2}" y="{3}" text-anchor="end">{4}%</text>"##,
-            W - R,
-            y(r),
-            L - 6.0,
-            y(r) + 4.0,
-            i * 10
-        );
-    }
-    for p in pts {
-        let _ = write!(
-            s,
-            r##"<line x1="{0}" x2="{0}" y1="{T}" y2="{1}" stroke="#eee"/><text x="{0}" y="{2}" text-anchor="middle">{3}%</text>"##,
-            x(p.fraction),
-            H - B,
-            H - B + 16.0,
-            trim(p.fraction * 100.0)
-        );
-    }
-    let _ = write!(
-        s,
-        r##"<line x1="{L}" x2="{L}" y1="{T}" y2="{0}" stroke="black"/><line x1="{L}" x2="{1}" y1="{0}" y2="{0}" stroke="black"/><text x="{2}" y="{3}" text-anchor="middle">cache capacity (% of the trace's distinct pages, log scale)</text><text transform="translate(18,{4}) rotate(-90)" text-anchor="middle">hit rate (% of prompt tokens)</text>"##,
-        H - B,
-        W - R,
-        (W - R + L) / 2.0,
-        H - 14.0,
-        (H - B + T) / 2.0
-    );
-    let mut series: Vec<(String, Vec<f64>, bool)> = Vec::new();
+    let pct = |f: f64| f * 100.0;
+    let mut series: Vec<Series> = Vec::new();
     if let Some(first) = pts.first() {
         for (i, (pol, _)) in first.policies.iter().enumerate() {
-            series.push((
-                pol.name().to_uppercase(),
-                pts.iter().map(|p| p.policies[i].1).collect(),
-                false,
-            ));
+            series.push(Series {
+                name: pol.name().to_uppercase(),
+                points: pts
+                    .iter()
+                    .map(|p| (pct(p.fraction), pct(p.policies[i].1)))
+                    .collect(),
+                dashed: false,
+            });
         }
     }
-    series.push((
-        "Belady (offline MIN)".into(),
-        pts.iter().map(|p| p.belady).collect(),
-        true,
-    ));
-    series.push((
-        "infinite cache".into(),
-        pts.iter().map(|p| p.infinite).collect(),
-        true,
-    ));
-    for (i, (name, ys, dashed)) in series.iter().enumerate() {
-        let c = COLORS[i % COLORS.len()];
-        let d: Vec<String> = pts
+    series.push(Series {
+        name: "Belady (offline MIN)".into(),
+        points: pts
             .iter()
-            .zip(ys)
-            .map(|(p, &r)| format!("{:.1},{:.1}", x(p.fraction), y(r)))
-            .collect();
-        let dash = if *dashed {
-            r#" stroke-dasharray="6 4""#
-        } else {
-            ""
-        };
-        let _ = write!(
-            s,
-            r#"<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="{}"/>"#,
-            d.join(" ")
-        );
-        for (p, &r) in pts.iter().zip(ys) {
-            let _ = write!(
-                s,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"/>"#,
-                x(p.fraction),
-                y(r)
-            );
-        }
-        let ly = T + 10.0 + i as f64 * 20.0;
-        let _ = write!(
-            s,
-            r#"<line x1="{0}" x2="{1}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{2}" y="{3}">{4}</text>"#,
-            W - R + 12.0,
-            W - R + 36.0,
-            W - R + 42.0,
-            ly + 4.0,
-            esc(name)
-        );
+            .map(|p| (pct(p.fraction), pct(p.belady)))
+            .collect(),
+        dashed: true,
+    });
+    series.push(Series {
+        name: "infinite cache".into(),
+        points: pts
+            .iter()
+            .map(|p| (pct(p.fraction), pct(p.infinite)))
+            .collect(),
+        dashed: true,
+    });
+    Chart {
+        title: title.into(),
+        subtitle: String::new(),
+        x_label: "cache capacity (% of the trace's distinct pages, log scale)".into(),
+        y_label: "hit rate (% of prompt tokens)".into(),
+        log_x: true,
+        x_ticks: Some(pts.iter().map(|p| pct(p.fraction)).collect()),
+        y_range: Some((0.0, 100.0)),
+        y_unit: "%".into(),
+        series,
     }
-    s.push_str("</svg>\n");
-    s
+    .svg()
 }
 
 fn trim(v: f64) -> String {
@@ -163,5 +257,36 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 4);
         assert_eq!(svg.matches("<circle").count(), 12);
         assert!(svg.contains("t &lt;x&gt;") && svg.contains(">LRU<") && svg.contains(">GDSF<"));
+        assert!(svg.contains(">100%<") && svg.contains(">10<"));
+    }
+
+    #[test]
+    fn nice_ticks_are_round_and_cover_the_range() {
+        assert_eq!(
+            nice_ticks(0.0, 100.0, 10),
+            (0..=10).map(|i| i as f64 * 10.0).collect::<Vec<_>>()
+        );
+        assert_eq!(nice_ticks(0.0, 7.3, 5), vec![0.0, 2.0, 4.0, 6.0]);
+        assert_eq!(nice_ticks(0.5, 3.0, 5), vec![0.5, 1.0, 1.5, 2.0, 2.5, 3.0]);
+    }
+
+    #[test]
+    fn a_linear_chart_places_points_inside_the_axes() {
+        let c = Chart {
+            title: "x".into(),
+            series: vec![Series {
+                name: "a".into(),
+                points: vec![(0.0, 0.0), (10.0, 5.0)],
+                dashed: false,
+            }],
+            ..Chart::default()
+        };
+        let svg = c.svg();
+        // First point at the origin (left, bottom), last at the right end.
+        assert!(
+            svg.contains(&format!(r#"cx="{L:.1}" cy="{:.1}""#, H - B)),
+            "{svg}"
+        );
+        assert!(svg.contains(&format!(r#"cx="{:.1}""#, W - R)), "{svg}");
     }
 }

@@ -25,6 +25,9 @@ pub enum BenchCommand {
     /// One workload (multi-turn, shared-prefix, trace replay) against a deployment: TTFT, ITL,
     /// throughput, cached fraction; optional JSON record.
     Workload(crate::bench_workload::WorkloadArgs),
+    /// Starts each configuration itself (no cache / device / +host / +disk / PD) and runs the
+    /// same workload against each: table, JSON, SVG plots.
+    Compare(crate::bench_compare::CompareArgs),
 }
 
 #[derive(Args, Debug)]
@@ -119,6 +122,7 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::Router(a) => router_latency(a).await,
             BenchCommand::L3(a) => l3(a).await,
             BenchCommand::Workload(a) => crate::bench_workload::run(a).await,
+            BenchCommand::Compare(a) => crate::bench_compare::run(a).await,
         }
     })
 }
@@ -387,7 +391,7 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
     );
     let fl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let backend = format!("http://{}", fl.local_addr()?);
-    tokio::spawn(async move { axum::serve(fl, fake).await });
+    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(fl), fake).await });
     let st = Arc::new(RouterState::new(
         &[],
         std::slice::from_ref(&backend),
@@ -395,7 +399,7 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
     ));
     let rl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let front = format!("http://{}", rl.local_addr()?);
-    tokio::spawn(async move { axum::serve(rl, router(st)).await });
+    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(rl), router(st)).await });
     let c = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .build()?;

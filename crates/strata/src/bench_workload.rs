@@ -1,9 +1,10 @@
 //! `strata bench workload`: one workload against one OpenAI-compatible URL, streamed, summarised
-//! (TTFT, ITL, throughput, cached fraction), with a JSON record. The workload is checked before
-//! any request is sent.
+//! (TTFT, ITL, throughput, cached fraction, hit tokens by tier from `/metrics`), with a JSON
+//! record. The workload is built and checked before any request is sent. The pieces here
+//! (prepare, drive, sample, table) are also what `strata bench compare` runs per configuration.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,14 +12,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use strata_bench::stats::{summarize, Outcome};
-use strata_bench::workload::{MultiTurn, SharedPrefix, TraceReplay};
+use strata_bench::stats::{summarize, Outcome, Summary};
+use strata_bench::workload::{Conversation, MultiTurn, Rng, SharedPrefix, TraceReplay};
 
-#[derive(Args, Debug)]
-pub struct WorkloadArgs {
-    /// Base URL of the deployment (any OpenAI-compatible server).
-    #[arg(long, default_value = "http://127.0.0.1:8000")]
-    pub url: String,
+/// What to send: the workload and its shape (shared by `workload` and `compare`).
+#[derive(Args, Debug, Clone)]
+pub struct WorkloadOpts {
     /// multi-turn, shared-prefix or trace.
     #[arg(long)]
     pub workload: String,
@@ -28,10 +27,12 @@ pub struct WorkloadArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
-    /// Requests in flight at once (closed loop; multi-turn: one per client).
-    #[arg(long, default_value_t = 4)]
-    pub concurrency: usize,
-    /// Open loop instead: Poisson arrivals at this many requests per second (shared-prefix).
+    /// Let requests stop at the end-of-sequence token (default: every request generates
+    /// --max-tokens, so configurations do the same decode work).
+    #[arg(long)]
+    pub stop_at_eos: bool,
+    /// Open loop instead of closed: Poisson arrivals at this many requests per second
+    /// (shared-prefix; a trace has its own arrival times).
     #[arg(long)]
     pub rate: Option<f64>,
     #[arg(long, default_value_t = 4, help_heading = "multi-turn")]
@@ -67,36 +68,184 @@ pub struct WorkloadArgs {
     /// Token ids are drawn below this (the model's vocabulary).
     #[arg(long, default_value_t = 49152, help_heading = "trace")]
     pub vocab: u32,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkloadArgs {
+    /// Base URL of the deployment (any OpenAI-compatible server).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// Requests in flight at once (closed loop).
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Strata workers whose `/metrics` give hit tokens by tier (repeat; default: none).
+    #[arg(long)]
+    pub metrics_url: Vec<String>,
     /// Write the summary and every request's outcome here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub w: WorkloadOpts,
 }
 
 /// One request to send.
-enum Job {
+#[derive(Clone)]
+pub enum Job {
     Chat(Vec<Value>),
     Tokens(Vec<u32>, usize),
 }
 
+/// A workload built and checked: the requests, and a line stating every scaling applied.
+pub struct Prepared {
+    pub name: String,
+    pub scaling: String,
+    pub requests: usize,
+    body: Body,
+    max_tokens: usize,
+    ignore_eos: bool,
+}
+
+enum Body {
+    /// Conversations: each client's turns go in order, each after the previous answer.
+    Chats(Vec<Conversation>),
+    /// Independent requests, with arrival times (µs from the start) in open loop.
+    Jobs(Vec<(Job, Option<u64>)>),
+}
+
+/// Builds the workload; every bad parameter is refused here, before any request.
+pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
+    if w.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if let Some(r) = w.rate {
+        if !(r > 0.0 && r.is_finite()) {
+            bail!("--rate {r}: expected requests per second > 0");
+        }
+    }
+    let (scaling, body) = match w.workload.as_str() {
+        "multi-turn" => {
+            let m = MultiTurn {
+                clients: w.clients,
+                rounds: w.rounds,
+                system_words: w.system_words,
+                user_words: w.user_words,
+                max_tokens: w.max_tokens,
+                seed: w.seed,
+            };
+            let convs = m.conversations()?;
+            (
+                format!(
+                    "{} clients × {} rounds, system prompt {} words, user turns {} words",
+                    w.clients, w.rounds, w.system_words, w.user_words
+                ),
+                Body::Chats(convs),
+            )
+        }
+        "trace" => {
+            let path = w
+                .trace
+                .clone()
+                .context("--workload trace needs --trace FILE")?;
+            let t = TraceReplay {
+                path,
+                block_tokens: w.block_tokens,
+                length_scale: w.length_scale,
+                time_scale: w.time_scale,
+                vocab: w.vocab,
+                limit: w.limit,
+                max_tokens: w.max_tokens,
+            };
+            let jobs = t
+                .requests()?
+                .into_iter()
+                .map(|r| (Job::Tokens(r.prompt, r.max_tokens), Some(r.at_us)))
+                .collect::<Vec<_>>();
+            (
+                format!(
+                    "lengths × {} (block {} tokens), arrival times × {}, first {} requests",
+                    w.length_scale, w.block_tokens, w.time_scale, w.limit
+                ),
+                Body::Jobs(jobs),
+            )
+        }
+        "shared-prefix" => {
+            let s = SharedPrefix {
+                groups: w.groups,
+                per_group: w.per_group,
+                prefix_words: w.prefix_words,
+                suffix_words: w.suffix_words,
+                max_tokens: w.max_tokens,
+                seed: w.seed,
+            };
+            let mut rng = Rng::new(w.seed ^ 0x5eed);
+            let mut at = 0.0f64;
+            let jobs = s
+                .requests()?
+                .into_iter()
+                .map(|r| {
+                    let when = w.rate.map(|rate| {
+                        at += -(rng.unit().max(1e-12)).ln() / rate;
+                        (at * 1e6) as u64
+                    });
+                    let text = format!("{}\n\n{}", r.prefix, r.suffix);
+                    (
+                        Job::Chat(vec![json!({"role": "user", "content": text})]),
+                        when,
+                    )
+                })
+                .collect::<Vec<_>>();
+            let arrival = match w.rate {
+                Some(r) => format!(", Poisson arrivals at {r} req/s"),
+                None => String::new(),
+            };
+            (
+                format!(
+                    "{} groups × {} requests, prefix {} words, suffix {} words{arrival}",
+                    w.groups, w.per_group, w.prefix_words, w.suffix_words
+                ),
+                Body::Jobs(jobs),
+            )
+        }
+        x => bail!("--workload `{x}`: expected multi-turn, shared-prefix or trace"),
+    };
+    let requests = match &body {
+        Body::Chats(c) => c.iter().map(|c| c.user_turns.len()).sum(),
+        Body::Jobs(j) => j.len(),
+    };
+    Ok(Prepared {
+        name: w.workload.clone(),
+        scaling,
+        requests,
+        body,
+        max_tokens: w.max_tokens,
+        ignore_eos: !w.stop_at_eos,
+    })
+}
+
 /// Sends one streaming request; returns its outcome and the generated text.
-async fn send(c: &reqwest::Client, url: &str, job: &Job, max_tokens: usize) -> (Outcome, String) {
+async fn send(c: &reqwest::Client, url: &str, job: &Job, p: &Prepared) -> (Outcome, String) {
     let (path, body) = match job {
         Job::Chat(msgs) => (
             "/v1/chat/completions",
-            json!({"messages": msgs, "max_tokens": max_tokens, "temperature": 0,
+            json!({"messages": msgs, "max_tokens": p.max_tokens, "temperature": 0,
+                   "ignore_eos": p.ignore_eos,
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
         Job::Tokens(t, m) => (
             "/v1/completions",
-            json!({"prompt": t, "max_tokens": m, "temperature": 0, "ignore_eos": true,
+            json!({"prompt": t, "max_tokens": m, "temperature": 0, "ignore_eos": p.ignore_eos,
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
     };
     let t0 = Instant::now();
     let mut o = Outcome::default();
     let mut text = String::new();
-    let Ok(r) = c.post(format!("{url}{path}")).json(&body).send().await else {
-        return (o, text);
+    let r = match c.post(format!("{url}{path}")).json(&body).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("\nrequest failed: {e}");
+            return (o, text);
+        }
     };
     if !r.status().is_success() {
         let status = r.status();
@@ -155,59 +304,82 @@ async fn send(c: &reqwest::Client, url: &str, job: &Job, max_tokens: usize) -> (
     (o, text)
 }
 
-fn progress(done: &AtomicUsize, total: usize) {
-    let d = done.fetch_add(1, Ordering::Relaxed) + 1;
-    eprint!("\r{d}/{total} requests");
-    if d == total {
-        eprintln!();
+/// A progress bar on stderr (one line, redrawn).
+struct Progress {
+    done: AtomicUsize,
+    total: usize,
+    label: String,
+    t0: Instant,
+}
+
+impl Progress {
+    fn tick(&self) {
+        let d = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        let w = 30;
+        let filled = d * w / self.total.max(1);
+        eprint!(
+            "\r{} [{}{}] {d}/{} requests, {:.0} s",
+            self.label,
+            "#".repeat(filled),
+            ".".repeat(w - filled),
+            self.total,
+            self.t0.elapsed().as_secs_f64()
+        );
+        if d == self.total {
+            eprintln!();
+        }
     }
 }
 
-pub async fn run(a: WorkloadArgs) -> Result<()> {
-    if a.concurrency == 0 {
+/// What one run of a workload gave.
+pub struct RunResult {
+    pub outcomes: Vec<Outcome>,
+    pub wall: f64,
+}
+
+/// Runs the workload against `url`: closed loop with `concurrency` requests in flight, or
+/// open loop at the prepared arrival times.
+pub async fn drive(
+    c: &reqwest::Client,
+    url: &str,
+    p: &Arc<Prepared>,
+    concurrency: usize,
+    label: &str,
+) -> Result<RunResult> {
+    if concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
-    if let Some(r) = a.rate {
-        if !(r > 0.0 && r.is_finite()) {
-            bail!("--rate {r}: expected requests per second > 0");
-        }
-    }
-    let url = a.url.trim_end_matches('/').to_string();
-    let c = reqwest::Client::builder()
-        .timeout(Duration::from_secs(3600))
-        .build()?;
-    let done = Arc::new(AtomicUsize::new(0));
+    let url = url.trim_end_matches('/').to_string();
     let t0 = Instant::now();
-    let mut outcomes: Vec<Outcome> = Vec::new();
-    let scaling;
-    match a.workload.as_str() {
-        "multi-turn" => {
-            let w = MultiTurn {
-                clients: a.clients,
-                rounds: a.rounds,
-                system_words: a.system_words,
-                user_words: a.user_words,
-                max_tokens: a.max_tokens,
-                seed: a.seed,
-            };
-            let convs = w.conversations()?;
-            scaling = format!(
-                "{} clients × {} rounds, system prompt {} words",
-                a.clients, a.rounds, a.system_words
-            );
-            let total = a.clients * a.rounds;
+    let prog = Arc::new(Progress {
+        done: AtomicUsize::new(0),
+        total: p.requests,
+        label: label.to_string(),
+        t0,
+    });
+    let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let mut outcomes = Vec::new();
+    match &p.body {
+        Body::Chats(convs) => {
             let mut tasks = Vec::new();
-            for conv in convs {
-                let (c, url, done, max) = (c.clone(), url.clone(), done.clone(), a.max_tokens);
+            for (i, _) in convs.iter().enumerate() {
+                let (c, url, prog, sem, p) =
+                    (c.clone(), url.clone(), prog.clone(), sem.clone(), p.clone());
                 tasks.push(tokio::spawn(async move {
+                    let Body::Chats(convs) = &p.body else {
+                        unreachable!()
+                    };
+                    let conv = &convs[i];
                     let mut msgs = vec![json!({"role": "system", "content": conv.system})];
                     let mut out = Vec::new();
-                    for turn in conv.user_turns {
+                    for turn in &conv.user_turns {
                         msgs.push(json!({"role": "user", "content": turn}));
-                        let (o, text) = send(&c, &url, &Job::Chat(msgs.clone()), max).await;
+                        let permit = sem.acquire().await.expect("semaphore open");
+                        let (o, text) = send(&c, &url, &Job::Chat(msgs.clone()), &p).await;
+                        drop(permit);
                         msgs.push(json!({"role": "assistant", "content": text}));
                         out.push(o);
-                        progress(&done, total);
+                        prog.tick();
                     }
                     out
                 }));
@@ -216,73 +388,25 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
                 outcomes.extend(t.await?);
             }
         }
-        "shared-prefix" | "trace" => {
-            let jobs: Vec<(Job, Option<u64>)> = if a.workload == "trace" {
-                let path = a
-                    .trace
-                    .clone()
-                    .context("--workload trace needs --trace FILE")?;
-                let w = TraceReplay {
-                    path,
-                    block_tokens: a.block_tokens,
-                    length_scale: a.length_scale,
-                    time_scale: a.time_scale,
-                    vocab: a.vocab,
-                    limit: a.limit,
-                    max_tokens: a.max_tokens,
-                };
-                scaling = format!(
-                    "lengths × {}, arrival times × {}, first {} requests",
-                    a.length_scale, a.time_scale, a.limit
-                );
-                w.requests()?
-                    .into_iter()
-                    .map(|r| (Job::Tokens(r.prompt, r.max_tokens), Some(r.at_us)))
-                    .collect()
-            } else {
-                let w = SharedPrefix {
-                    groups: a.groups,
-                    per_group: a.per_group,
-                    prefix_words: a.prefix_words,
-                    suffix_words: a.suffix_words,
-                    max_tokens: a.max_tokens,
-                    seed: a.seed,
-                };
-                scaling = format!(
-                    "{} groups × {} requests, prefix {} words",
-                    a.groups, a.per_group, a.prefix_words
-                );
-                let mut rng = strata_bench::workload::Rng::new(a.seed ^ 0x5eed);
-                let mut at = 0.0f64;
-                w.requests()?
-                    .into_iter()
-                    .map(|r| {
-                        let when = a.rate.map(|rate| {
-                            at += -(rng.unit().max(1e-12)).ln() / rate;
-                            (at * 1e6) as u64
-                        });
-                        let msgs = vec![json!({"role": "user", "content": format!("{}\n\n{}", r.prefix, r.suffix)})];
-                        (Job::Chat(msgs), when)
-                    })
-                    .collect()
-            };
-            let total = jobs.len();
-            let sem = Arc::new(tokio::sync::Semaphore::new(a.concurrency));
+        Body::Jobs(jobs) => {
             let mut tasks = Vec::new();
-            for (job, when) in jobs {
+            for (i, (_, when)) in jobs.iter().enumerate() {
                 if let Some(us) = when {
-                    tokio::time::sleep_until((t0 + Duration::from_micros(us)).into()).await;
+                    tokio::time::sleep_until((t0 + Duration::from_micros(*us)).into()).await;
                 }
                 let permit = if when.is_none() {
                     Some(sem.clone().acquire_owned().await?)
                 } else {
                     None
                 };
-                let (c, url, done, max) = (c.clone(), url.clone(), done.clone(), a.max_tokens);
+                let (c, url, prog, p) = (c.clone(), url.clone(), prog.clone(), p.clone());
                 tasks.push(tokio::spawn(async move {
-                    let (o, _) = send(&c, &url, &job, max).await;
+                    let Body::Jobs(jobs) = &p.body else {
+                        unreachable!()
+                    };
+                    let (o, _) = send(&c, &url, &jobs[i].0, &p).await;
                     drop(permit);
-                    progress(&done, total);
+                    prog.tick();
                     o
                 }));
             }
@@ -290,45 +414,273 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
                 outcomes.push(t.await?);
             }
         }
-        w => bail!("--workload `{w}`: expected multi-turn, shared-prefix or trace"),
     }
-    let wall = t0.elapsed().as_secs_f64();
-    let s = summarize(&outcomes, wall);
+    Ok(RunResult {
+        outcomes,
+        wall: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Cumulative prompt-token counters of a deployment at one moment, summed over workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TierCounts {
+    /// Seconds since the run started.
+    pub t: f64,
+    pub device: f64,
+    pub host: f64,
+    /// The L3 tiers (disk, remote).
+    pub l3: f64,
+    pub miss: f64,
+}
+
+impl TierCounts {
+    pub fn minus(&self, b: &TierCounts) -> TierCounts {
+        TierCounts {
+            t: self.t - b.t,
+            device: self.device - b.device,
+            host: self.host - b.host,
+            l3: self.l3 - b.l3,
+            miss: self.miss - b.miss,
+        }
+    }
+    pub fn prompt(&self) -> f64 {
+        self.device + self.host + self.l3 + self.miss
+    }
+}
+
+/// Adds one worker's `/metrics` text to `c`.
+pub fn add_counts(c: &mut TierCounts, text: &str) {
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, v)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = v.parse::<f64>() else { continue };
+        if let Some(labels) = name.strip_prefix("strata_cache_hit_tokens_total") {
+            if labels.contains("tier=\"device\"") {
+                c.device += v;
+            } else if labels.contains("tier=\"host\"") {
+                c.host += v;
+            } else {
+                c.l3 += v;
+            }
+        } else if name == "strata_cache_miss_tokens_total" {
+            c.miss += v;
+        }
+    }
+}
+
+/// Reads the counters of every worker in `urls` now.
+pub async fn counts(c: &reqwest::Client, urls: &[String], t: f64) -> Result<TierCounts> {
+    let mut out = TierCounts {
+        t,
+        ..TierCounts::default()
+    };
+    for u in urls {
+        let u = format!("{}/metrics", u.trim_end_matches('/'));
+        let text = c
+            .get(&u)
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .with_context(|| format!("GET {u}"))?
+            .text()
+            .await?;
+        add_counts(&mut out, &text);
+    }
+    Ok(out)
+}
+
+/// Samples the counters every `every` until `stop` is set; the samples, oldest first.
+pub fn sampler(
+    c: reqwest::Client,
+    urls: Vec<String>,
+    every: Duration,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<TierCounts>> {
+    tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut v = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(s) = counts(&c, &urls, t0.elapsed().as_secs_f64()).await {
+                v.push(s);
+            }
+            tokio::time::sleep(every).await;
+        }
+        if let Ok(s) = counts(&c, &urls, t0.elapsed().as_secs_f64()).await {
+            v.push(s);
+        }
+        v
+    })
+}
+
+/// One row of the results table.
+pub struct Row {
+    pub label: String,
+    pub s: Summary,
+    /// Hit and miss tokens over the run (None: no metrics read).
+    pub tiers: Option<TierCounts>,
+}
+
+pub fn print_table(rows: &[Row]) {
+    println!("| configuration | requests | failures | TTFT p50 | p90 | p99 | ITL p50 | p99 | req/s | output tok/s | cached (usage) | hit device | hit host | hit L3 | miss |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let s = &r.s;
+        let t = |f: fn(&TierCounts) -> f64| match &r.tiers {
+            Some(c) => format!("{:.0}", f(c)),
+            None => "–".into(),
+        };
+        println!(
+            "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.3} | {:.1} | {:.1} % | {} | {} | {} | {} |",
+            r.label,
+            s.requests,
+            s.failures,
+            s.ttft_p50 * 1e3,
+            s.ttft_p90 * 1e3,
+            s.ttft_p99 * 1e3,
+            s.itl_p50 * 1e3,
+            s.itl_p99 * 1e3,
+            s.requests_per_s,
+            s.output_tokens_per_s,
+            100.0 * s.cached_fraction,
+            t(|c| c.device),
+            t(|c| c.host),
+            t(|c| c.l3),
+            t(|c| c.miss),
+        );
+    }
+}
+
+pub fn summary_json(s: &Summary) -> Value {
+    json!({"requests": s.requests, "failures": s.failures,
+           "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "ttft_p99": s.ttft_p99,
+           "itl_p50": s.itl_p50, "itl_p99": s.itl_p99,
+           "requests_per_s": s.requests_per_s,
+           "output_tokens_per_s": s.output_tokens_per_s,
+           "cached_fraction": s.cached_fraction})
+}
+
+pub fn outcomes_json(o: &[Outcome]) -> Value {
+    o.iter()
+        .map(|o| {
+            json!({"ok": o.ok, "ttft": o.ttft, "output_tokens": o.output_tokens,
+                   "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens})
+        })
+        .collect()
+}
+
+pub fn tiers_json(t: &TierCounts) -> Value {
+    json!({"t": t.t, "device": t.device, "host": t.host, "l3": t.l3, "miss": t.miss})
+}
+
+pub fn client() -> Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(3600))
+        .build()?)
+}
+
+pub async fn run(a: WorkloadArgs) -> Result<()> {
+    if a.concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    let p = Arc::new(prepare(&a.w)?);
+    let url = a.url.trim_end_matches('/').to_string();
+    let c = client()?;
+    let before = if a.metrics_url.is_empty() {
+        None
+    } else {
+        Some(counts(&c, &a.metrics_url, 0.0).await?)
+    };
+    let r = drive(&c, &url, &p, a.concurrency, &p.name).await?;
+    let tiers = match before {
+        Some(b) => Some(counts(&c, &a.metrics_url, r.wall).await?.minus(&b)),
+        None => None,
+    };
+    let s = summarize(&r.outcomes, r.wall);
     println!(
-        "workload {} ({scaling}), seed {}, against {url}",
-        a.workload, a.seed
+        "workload {} ({}), seed {}, concurrency {}, max_tokens {}, against {url}",
+        p.name, p.scaling, a.w.seed, a.concurrency, a.w.max_tokens
     );
-    println!("| requests | failures | TTFT p50 | p90 | p99 | ITL p50 | p99 | req/s | output tok/s | cached |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    println!(
-        "| {} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2} | {:.1} | {:.1} % |",
-        s.requests,
-        s.failures,
-        s.ttft_p50 * 1e3,
-        s.ttft_p90 * 1e3,
-        s.ttft_p99 * 1e3,
-        s.itl_p50 * 1e3,
-        s.itl_p99 * 1e3,
-        s.requests_per_s,
-        s.output_tokens_per_s,
-        100.0 * s.cached_fraction
-    );
-    if let Some(p) = &a.json {
+    print_table(&[Row {
+        label: url.clone(),
+        s: s.clone(),
+        tiers,
+    }]);
+    if let Some(path) = &a.json {
         let v = json!({
-            "workload": a.workload, "seed": a.seed, "url": url, "scaling": scaling,
-            "wall_seconds": wall,
-            "summary": {"requests": s.requests, "failures": s.failures,
-                        "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "ttft_p99": s.ttft_p99,
-                        "itl_p50": s.itl_p50, "itl_p99": s.itl_p99,
-                        "requests_per_s": s.requests_per_s,
-                        "output_tokens_per_s": s.output_tokens_per_s,
-                        "cached_fraction": s.cached_fraction},
-            "requests": outcomes.iter().map(|o| json!({"ok": o.ok, "ttft": o.ttft,
-                "output_tokens": o.output_tokens, "prompt_tokens": o.prompt_tokens,
-                "cached_tokens": o.cached_tokens})).collect::<Vec<_>>(),
+            "workload": p.name, "seed": a.w.seed, "url": url, "scaling": p.scaling,
+            "concurrency": a.concurrency, "max_tokens": a.w.max_tokens,
+            "wall_seconds": r.wall,
+            "summary": summary_json(&s),
+            "tiers": tiers.as_ref().map(tiers_json),
+            "requests": outcomes_json(&r.outcomes),
         });
-        std::fs::write(p, serde_json::to_string_pretty(&v)?)
-            .with_context(|| format!("--json {}", p.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("--json {}", path.display()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_by_tier_are_read_from_metrics_text() {
+        let text = "# HELP x\n\
+            strata_cache_hit_tokens_total{tier=\"device\"} 10\n\
+            strata_cache_hit_tokens_total{tier=\"host\"} 20\n\
+            strata_cache_hit_tokens_total{tier=\"disk\"} 5\n\
+            strata_cache_miss_tokens_total 7\n\
+            strata_prompt_tokens_total 42\n";
+        let mut c = TierCounts::default();
+        add_counts(&mut c, text);
+        add_counts(&mut c, text);
+        assert_eq!((c.device, c.host, c.l3, c.miss), (20.0, 40.0, 10.0, 14.0));
+        assert_eq!(c.prompt(), 84.0);
+        let d = c.minus(&TierCounts {
+            device: 1.0,
+            ..TierCounts::default()
+        });
+        assert_eq!(d.device, 19.0);
+    }
+
+    fn opts(workload: &str) -> WorkloadOpts {
+        WorkloadOpts {
+            workload: workload.into(),
+            seed: 1,
+            max_tokens: 4,
+            stop_at_eos: false,
+            rate: None,
+            clients: 3,
+            rounds: 2,
+            system_words: 5,
+            user_words: 2,
+            groups: 2,
+            per_group: 3,
+            prefix_words: 5,
+            suffix_words: 1,
+            trace: None,
+            block_tokens: 16,
+            length_scale: 1.0,
+            time_scale: 1.0,
+            limit: 0,
+            vocab: 100,
+        }
+    }
+
+    #[test]
+    fn prepare_counts_requests_and_refuses_bad_parameters() {
+        assert_eq!(prepare(&opts("multi-turn")).unwrap().requests, 6);
+        assert_eq!(prepare(&opts("shared-prefix")).unwrap().requests, 6);
+        let e = |o: WorkloadOpts| prepare(&o).err().unwrap().to_string();
+        assert!(e(opts("chat")).contains("--workload `chat`"));
+        assert!(e(opts("trace")).contains("--trace FILE"));
+        let mut o = opts("shared-prefix");
+        o.rate = Some(-1.0);
+        assert!(e(o).contains("--rate -1"));
+        let mut o = opts("multi-turn");
+        o.max_tokens = 0;
+        assert!(e(o).contains("--max-tokens"));
+    }
 }

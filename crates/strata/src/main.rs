@@ -1,6 +1,7 @@
 //! `strata`: the command-line entry point.
 
 mod bench;
+mod bench_compare;
 mod bench_workload;
 mod generate;
 mod plan;

@@ -133,7 +133,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
             a.decode.len(),
             policy.name()
         );
-        axum::serve(l, router(st))
+        axum::serve(strata_server::app::no_delay(l), router(st))
             .with_graceful_shutdown(crate::serve::shutdown_signal())
             .await?;
         Ok(())

@@ -1,0 +1,624 @@
+//! `strata bench compare`: starts each configuration itself (no prefix cache, device tier only,
+//! device and host, device, host and disk, PD through the router), runs the same seeded workload against each at every
+//! concurrency level, and writes the table, a JSON record and SVG plots (TTFT CDF per
+//! configuration, hit rate by tier over time, throughput against concurrency).
+//!
+//! Every configuration gets the same device pool (`--device-mem`, per worker), a fresh cache
+//! and fresh ports; the workload is built and checked once, before anything starts.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use strata_bench::stats::{quantile, summarize, Summary};
+use strata_model::fetch::{cache_dir, ensure_model};
+use strata_sim::plot::{Chart, Series};
+
+use crate::bench_workload::{
+    counts, drive, outcomes_json, prepare, print_table, sampler, summary_json, tiers_json, Row,
+    TierCounts, WorkloadOpts,
+};
+
+#[derive(Args, Debug)]
+pub struct CompareArgs {
+    /// Configurations to start, in this order: no-cache, device, host, disk, pd (prefill +
+    /// decode workers behind the router, each with the host tier).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "no-cache,device,host,disk,pd",
+        help_heading = "Configurations"
+    )]
+    pub configs: Vec<String>,
+    /// Concurrency levels (closed loop); the first one is the one plotted over time and as CDF.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4",
+        help_heading = "Configurations"
+    )]
+    pub concurrency: Vec<usize>,
+    /// GGUF file (default: the reference model, fetched if missing).
+    #[arg(long, help_heading = "Configurations")]
+    pub model: Option<PathBuf>,
+    /// Device KV pool of every worker, with a unit (the same in every configuration).
+    #[arg(long, default_value = "256MiB", help_heading = "Configurations")]
+    pub device_mem: String,
+    /// Host (L2) cache per worker in host, disk and pd, with a unit.
+    #[arg(long, default_value = "4GiB", help_heading = "Configurations")]
+    pub hicache_size: String,
+    /// Bytes the L3 disk tier may use in the disk configuration, with a unit.
+    #[arg(long, default_value = "8GiB", help_heading = "Configurations")]
+    pub l3_size: String,
+    /// A flag for every worker (repeat), e.g. `--serve-arg=--threads=2`.
+    #[arg(long, allow_hyphen_values = true, help_heading = "Configurations")]
+    pub serve_arg: Vec<String>,
+    /// First port; run k uses base-port + 10·k (router/worker, +1 prefill, +2 decode).
+    #[arg(long, default_value_t = 18300, help_heading = "Configurations")]
+    pub base_port: u16,
+    /// Seconds a configuration may take to become healthy.
+    #[arg(long, default_value_t = 300.0, help_heading = "Configurations")]
+    pub startup_timeout: f64,
+    /// Folder for results.json, the plots, the table and the workers' logs.
+    #[arg(long, default_value = "bench-results", help_heading = "Output")]
+    pub out: PathBuf,
+    /// Seconds between reads of the workers' /metrics (hit rate by tier over time).
+    #[arg(long, default_value_t = 0.5, help_heading = "Output")]
+    pub sample_interval: f64,
+    #[command(flatten)]
+    pub w: WorkloadOpts,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Config {
+    NoCache,
+    Device,
+    Host,
+    Disk,
+    Pd,
+}
+
+impl Config {
+    fn parse(s: &str) -> Result<Config> {
+        Ok(match s {
+            "no-cache" => Config::NoCache,
+            "device" => Config::Device,
+            "host" => Config::Host,
+            "disk" => Config::Disk,
+            "pd" => Config::Pd,
+            x => bail!("--configs: `{x}` is not one of no-cache, device, host, disk, pd"),
+        })
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Config::NoCache => "no-cache",
+            Config::Device => "device",
+            Config::Host => "host",
+            Config::Disk => "disk",
+            Config::Pd => "pd",
+        }
+    }
+    fn describe(self) -> &'static str {
+        match self {
+            Config::NoCache => "one worker, --disable-prefix-cache",
+            Config::Device => "one worker, device tier only",
+            Config::Host => "one worker, device + host",
+            Config::Disk => "one worker, device + host + L3 disk",
+            Config::Pd => "router + prefill + decode workers, each device + host",
+        }
+    }
+}
+
+/// A started configuration; dropping it stops every process.
+struct Deployment {
+    child: Child,
+    url: String,
+    /// Workers whose cache counters are the deployment's (the prefill worker under PD).
+    metrics: Vec<String>,
+    health: Vec<String>,
+    log: PathBuf,
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid; SIGTERM lets `strata up` stop its workers.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn port_free(p: u16) -> Result<()> {
+    TcpListener::bind(("127.0.0.1", p))
+        .map(drop)
+        .with_context(|| format!("port {p} is in use: pass another --base-port"))
+}
+
+fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deployment> {
+    let port = a.base_port + 10 * k as u16;
+    let exe = std::env::current_exe().context("path of this binary")?;
+    let logs = a.out.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("--out {}", logs.display()))?;
+    let log = logs.join(format!("{k:02}-{}.log", cfg.name()));
+    let mut worker: Vec<String> = vec!["--device-mem".into(), a.device_mem.clone()];
+    match cfg {
+        Config::NoCache => worker.push("--disable-prefix-cache".into()),
+        Config::Device => {}
+        Config::Host | Config::Pd => {
+            worker.extend(["--hicache-size".into(), a.hicache_size.clone()]);
+        }
+        Config::Disk => {
+            let dir = a.out.join(format!("l3-{k:02}"));
+            let _ = std::fs::remove_dir_all(&dir);
+            worker.extend([
+                "--hicache-size".into(),
+                a.hicache_size.clone(),
+                "--l3".into(),
+                format!("disk:{}", dir.display()),
+                "--l3-size".into(),
+                a.l3_size.clone(),
+            ]);
+        }
+    }
+    worker.extend(a.serve_arg.iter().cloned());
+    let logf = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
+    let url = format!("http://127.0.0.1:{port}");
+    let mut cmd = Command::new(&exe);
+    let (metrics, health) = if cfg == Config::Pd {
+        for p in [port, port + 1, port + 2] {
+            port_free(p)?;
+        }
+        let toml = logs.join(format!("{k:02}-pd.toml"));
+        let q = |v: &[String]| serde_json::to_string(v).expect("strings");
+        std::fs::write(
+            &toml,
+            format!(
+                "host = \"127.0.0.1\"\nsmoke_test = false\n\n[router]\nport = {port}\npolicy = \"cache_aware\"\n\n[[prefill]]\nport = {}\nargs = {}\n\n[[decode]]\nport = {}\nargs = {}\n",
+                port + 1,
+                q(&worker),
+                port + 2,
+                q(&worker)
+            ),
+        )?;
+        cmd.arg("up")
+            .arg("--config")
+            .arg(&toml)
+            .arg("--model")
+            .arg(model);
+        let w = |p: u16| format!("http://127.0.0.1:{p}");
+        (
+            vec![w(port + 1)],
+            vec![url.clone(), w(port + 1), w(port + 2)],
+        )
+    } else {
+        port_free(port)?;
+        cmd.args(["serve", "--port", &port.to_string()])
+            .arg("--model")
+            .arg(model)
+            .args(&worker);
+        (vec![url.clone()], vec![url.clone()])
+    };
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone()?)
+        .stderr(logf)
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    Ok(Deployment {
+        child,
+        url,
+        metrics,
+        health,
+        log,
+    })
+}
+
+fn log_tail(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+async fn wait_healthy(c: &reqwest::Client, d: &mut Deployment, timeout: f64) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = d.child.try_wait()? {
+            bail!(
+                "the deployment exited ({st}) before it was healthy; its log {}:\n{}",
+                d.log.display(),
+                log_tail(&d.log)
+            );
+        }
+        let mut ok = true;
+        for h in &d.health {
+            let r = c.get(format!("{h}/health")).send().await;
+            ok &= r.map(|r| r.status().is_success()).unwrap_or(false);
+        }
+        if ok {
+            return Ok(());
+        }
+        if t.elapsed().as_secs_f64() > timeout {
+            bail!(
+                "not healthy after {timeout} s; its log {}:\n{}",
+                d.log.display(),
+                log_tail(&d.log)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One short request unrelated to the workload: weights paged in, code paths warm.
+async fn warm_up(c: &reqwest::Client, url: &str) -> Result<()> {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(
+            &json!({"prompt": [11, 12, 13, 14, 15, 16, 17, 18], "max_tokens": 2,
+                      "temperature": 0, "ignore_eos": true}),
+        )
+        .send()
+        .await?;
+    if !r.status().is_success() {
+        bail!("warm-up request: {} {}", r.status(), r.text().await?);
+    }
+    Ok(())
+}
+
+/// One configuration at one concurrency.
+struct Record {
+    cfg: Config,
+    concurrency: usize,
+    summary: Summary,
+    tiers: TierCounts,
+    /// Counters relative to the start of the run.
+    samples: Vec<TierCounts>,
+    ttft: Vec<f64>,
+    outcomes: Value,
+    wall: f64,
+}
+
+impl Record {
+    fn label(&self) -> String {
+        format!("{} c={}", self.cfg.name(), self.concurrency)
+    }
+}
+
+/// Fraction of prompt tokens served by each tier between consecutive samples (%), skipping
+/// windows in which no prompt was admitted.
+pub fn windowed_rates(samples: &[TierCounts]) -> Vec<(f64, [f64; 3])> {
+    samples
+        .windows(2)
+        .filter_map(|w| {
+            let d = w[1].minus(&w[0]);
+            let p = d.prompt();
+            (p > 0.0).then(|| {
+                (
+                    w[1].t,
+                    [100.0 * d.device / p, 100.0 * d.host / p, 100.0 * d.l3 / p],
+                )
+            })
+        })
+        .collect()
+}
+
+/// (TTFT in ms, % of requests at or below it), one point per request.
+pub fn cdf(ttft: &[f64]) -> Vec<(f64, f64)> {
+    let mut v = ttft.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len() as f64;
+    v.iter()
+        .enumerate()
+        .map(|(i, t)| (t * 1e3, 100.0 * (i + 1) as f64 / n))
+        .collect()
+}
+
+fn plots(a: &CompareArgs, recs: &[Record], title: &str) -> Result<Vec<PathBuf>> {
+    let primary = a.concurrency[0];
+    let first: Vec<&Record> = recs.iter().filter(|r| r.concurrency == primary).collect();
+    let mut out = Vec::new();
+    let cdf_chart = Chart {
+        title: format!("TTFT CDF by configuration, concurrency {primary}"),
+        subtitle: title.to_string(),
+        x_label: "time to first token (ms, log scale)".into(),
+        y_label: "requests (%)".into(),
+        log_x: true,
+        y_range: Some((0.0, 100.0)),
+        y_unit: "%".into(),
+        series: first
+            .iter()
+            .map(|r| Series {
+                name: r.cfg.name().into(),
+                points: cdf(&r.ttft),
+                dashed: false,
+            })
+            .collect(),
+        ..Chart::default()
+    };
+    let p = a.out.join("ttft_cdf.svg");
+    std::fs::write(&p, cdf_chart.svg())?;
+    out.push(p);
+    for r in &first {
+        let rates = windowed_rates(&r.samples);
+        let names = ["device", "host", "L3"];
+        let chart = Chart {
+            title: format!("Hit rate by tier over time: {}", r.label()),
+            subtitle: title.to_string(),
+            x_label: "time since the run started (s)".into(),
+            y_label: format!(
+                "prompt tokens served per {} s window (%)",
+                a.sample_interval
+            ),
+            y_range: Some((0.0, 100.0)),
+            y_unit: "%".into(),
+            series: (0..3)
+                .map(|i| Series {
+                    name: names[i].into(),
+                    points: rates.iter().map(|(t, v)| (*t, v[i])).collect(),
+                    dashed: false,
+                })
+                .collect(),
+            ..Chart::default()
+        };
+        let p = a.out.join(format!("hit_rate_by_tier_{}.svg", r.cfg.name()));
+        std::fs::write(&p, chart.svg())?;
+        out.push(p);
+    }
+    let mut cfgs: Vec<Config> = Vec::new();
+    for r in recs {
+        if !cfgs.contains(&r.cfg) {
+            cfgs.push(r.cfg);
+        }
+    }
+    let mut levels = a.concurrency.clone();
+    levels.sort_unstable();
+    levels.dedup();
+    let chart = Chart {
+        title: "Throughput against concurrency".into(),
+        subtitle: title.to_string(),
+        x_label: "requests in flight (closed loop)".into(),
+        y_label: "output tokens per second".into(),
+        x_ticks: Some(levels.iter().map(|&c| c as f64).collect()),
+        series: cfgs
+            .iter()
+            .map(|&c| {
+                let mut pts: Vec<(f64, f64)> = recs
+                    .iter()
+                    .filter(|r| r.cfg == c)
+                    .map(|r| (r.concurrency as f64, r.summary.output_tokens_per_s))
+                    .collect();
+                pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Series {
+                    name: c.name().into(),
+                    points: pts,
+                    dashed: false,
+                }
+            })
+            .collect(),
+        ..Chart::default()
+    };
+    let p = a.out.join("throughput_vs_concurrency.svg");
+    std::fs::write(&p, chart.svg())?;
+    out.push(p);
+    Ok(out)
+}
+
+/// Ratios against the device-only configuration at the same concurrency.
+fn ratio_lines(recs: &[Record]) -> Vec<String> {
+    let mut v = Vec::new();
+    for r in recs {
+        let Some(base) = recs
+            .iter()
+            .find(|b| b.cfg == Config::Device && b.concurrency == r.concurrency)
+        else {
+            continue;
+        };
+        if r.cfg == Config::Device {
+            continue;
+        }
+        v.push(format!(
+            "{} vs device c={}: throughput {:.2}× (output tok/s), TTFT p50 {:.2}× lower, p99 {:.2}× lower",
+            r.cfg.name(),
+            r.concurrency,
+            r.summary.output_tokens_per_s / base.summary.output_tokens_per_s,
+            base.summary.ttft_p50 / r.summary.ttft_p50,
+            base.summary.ttft_p99 / r.summary.ttft_p99,
+        ));
+    }
+    v
+}
+
+pub async fn run(a: CompareArgs) -> Result<()> {
+    let cfgs: Vec<Config> = a
+        .configs
+        .iter()
+        .map(|s| Config::parse(s))
+        .collect::<Result<_>>()?;
+    if cfgs.is_empty() {
+        bail!("--configs: name at least one configuration");
+    }
+    if a.concurrency.is_empty() || a.concurrency.contains(&0) {
+        bail!("--concurrency: every level must be at least 1");
+    }
+    if !(a.sample_interval > 0.0 && a.sample_interval.is_finite()) {
+        bail!(
+            "--sample-interval {}: expected seconds > 0",
+            a.sample_interval
+        );
+    }
+    for (flag, v) in [
+        ("--device-mem", &a.device_mem),
+        ("--hicache-size", &a.hicache_size),
+        ("--l3-size", &a.l3_size),
+    ] {
+        strata_kv::units::parse_size(v).with_context(|| flag.to_string())?;
+    }
+    let runs = cfgs.len() * a.concurrency.len();
+    if a.base_port as usize + 10 * runs + 2 > u16::MAX as usize {
+        bail!(
+            "--base-port {}: {runs} runs need 10 ports each",
+            a.base_port
+        );
+    }
+    let p = Arc::new(prepare(&a.w)?);
+    std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+    };
+    let title = format!("{} ({})", p.name, p.scaling);
+    eprintln!(
+        "strata bench compare: {title}, seed {}, max_tokens {}; every worker: device pool {}, host {} (host/disk/pd), model {}",
+        a.w.seed,
+        a.w.max_tokens,
+        a.device_mem,
+        a.hicache_size,
+        model.display()
+    );
+    let c = crate::bench_workload::client()?;
+    let mut recs = Vec::new();
+    let mut k = 0;
+    for &conc in &a.concurrency {
+        for &cfg in &cfgs {
+            let mut d = start(&a, cfg, k, &model)?;
+            k += 1;
+            wait_healthy(&c, &mut d, a.startup_timeout).await?;
+            warm_up(&c, &d.url).await?;
+            let before = counts(&c, &d.metrics, 0.0).await?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let h = sampler(
+                c.clone(),
+                d.metrics.clone(),
+                Duration::from_secs_f64(a.sample_interval),
+                stop.clone(),
+            );
+            let label = format!("{} c={conc}", cfg.name());
+            let r = drive(&c, &d.url, &p, conc, &label).await?;
+            stop.store(true, Ordering::Relaxed);
+            let samples: Vec<TierCounts> = h
+                .await?
+                .iter()
+                .map(|s| {
+                    let mut x = s.minus(&before);
+                    x.t = s.t;
+                    x
+                })
+                .collect();
+            let after = counts(&c, &d.metrics, r.wall).await?;
+            drop(d);
+            let summary = summarize(&r.outcomes, r.wall);
+            recs.push(Record {
+                cfg,
+                concurrency: conc,
+                tiers: after.minus(&before),
+                samples,
+                ttft: r.outcomes.iter().filter(|o| o.ok).map(|o| o.ttft).collect(),
+                outcomes: outcomes_json(&r.outcomes),
+                summary,
+                wall: r.wall,
+            });
+        }
+    }
+    println!(
+        "workload {title}, seed {}, max_tokens {}; device pool {} per worker, host {} per worker",
+        a.w.seed, a.w.max_tokens, a.device_mem, a.hicache_size
+    );
+    for cfg in &cfgs {
+        println!("  {}: {}", cfg.name(), cfg.describe());
+    }
+    let rows: Vec<Row> = recs
+        .iter()
+        .map(|r| Row {
+            label: r.label(),
+            s: r.summary.clone(),
+            tiers: Some(r.tiers),
+        })
+        .collect();
+    print_table(&rows);
+    let ratios = ratio_lines(&recs);
+    for l in &ratios {
+        println!("{l}");
+    }
+    let files = plots(&a, &recs, &title)?;
+    let v = json!({
+        "workload": p.name, "scaling": p.scaling, "seed": a.w.seed,
+        "max_tokens": a.w.max_tokens, "device_mem": a.device_mem,
+        "hicache_size": a.hicache_size, "model": model.display().to_string(),
+        "serve_args": a.serve_arg,
+        "ratios": ratios,
+        "runs": recs.iter().map(|r| json!({
+            "configuration": r.cfg.name(), "description": r.cfg.describe(),
+            "concurrency": r.concurrency, "wall_seconds": r.wall,
+            "summary": summary_json(&r.summary),
+            "ttft_p50_from_cdf": quantile(&r.ttft, 0.5),
+            "tiers": tiers_json(&r.tiers),
+            "samples": r.samples.iter().map(tiers_json).collect::<Vec<_>>(),
+            "requests": r.outcomes,
+        })).collect::<Vec<_>>(),
+    });
+    let jp = a.out.join("results.json");
+    std::fs::write(&jp, serde_json::to_string_pretty(&v)?)?;
+    let mut f = std::io::stderr();
+    writeln!(f, "wrote {}", jp.display())?;
+    for p in files {
+        writeln!(f, "wrote {}", p.display())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cdf_is_sorted_and_ends_at_100() {
+        let c = cdf(&[0.3, 0.1, 0.2, 0.4]);
+        assert_eq!(
+            c,
+            vec![(100.0, 25.0), (200.0, 50.0), (300.0, 75.0), (400.0, 100.0)]
+        );
+    }
+
+    #[test]
+    fn windowed_rates_split_each_window_by_tier() {
+        let s = |t, device, host, l3, miss| TierCounts {
+            t,
+            device,
+            host,
+            l3,
+            miss,
+        };
+        let r = windowed_rates(&[
+            s(0.0, 0.0, 0.0, 0.0, 0.0),
+            s(1.0, 0.0, 0.0, 0.0, 100.0),
+            s(2.0, 0.0, 0.0, 0.0, 100.0),
+            s(3.0, 50.0, 25.0, 25.0, 100.0),
+        ]);
+        // The idle window (1 → 2) is skipped.
+        assert_eq!(r, vec![(1.0, [0.0, 0.0, 0.0]), (3.0, [50.0, 25.0, 25.0])]);
+    }
+
+    #[test]
+    fn configurations_parse_by_name_and_refuse_others() {
+        for n in ["no-cache", "device", "host", "disk", "pd"] {
+            assert_eq!(Config::parse(n).unwrap().name(), n);
+        }
+        let e = Config::parse("gpu").unwrap_err().to_string();
+        assert!(e.contains("`gpu`"), "{e}");
+    }
+}
