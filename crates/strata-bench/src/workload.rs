@@ -64,12 +64,16 @@ pub fn words(rng: &mut Rng, n: usize) -> String {
 
 /// N clients × R rounds of chat: every client starts with the same system prompt, and each
 /// round appends the model's answer and a new user turn (the runner fills in the answers).
+/// The first user turn may be longer (a document the conversation is about, private to the
+/// client).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MultiTurn {
     pub clients: usize,
     pub rounds: usize,
     pub system_words: usize,
     pub user_words: usize,
+    /// Words of each client's first user turn (0: `user_words`).
+    pub first_words: usize,
     pub max_tokens: usize,
     pub seed: u64,
 }
@@ -100,7 +104,14 @@ impl MultiTurn {
                 Conversation {
                     system: system.clone(),
                     user_turns: (0..self.rounds)
-                        .map(|_| words(&mut r, self.user_words))
+                        .map(|i| {
+                            let n = if i == 0 && self.first_words > 0 {
+                                self.first_words
+                            } else {
+                                self.user_words
+                            };
+                            words(&mut r, n)
+                        })
                         .collect(),
                 }
             })
@@ -251,9 +262,25 @@ mod tests {
             rounds: 3,
             system_words: 50,
             user_words: 8,
+            first_words: 0,
             max_tokens: 16,
             seed,
         }
+    }
+
+    #[test]
+    fn a_long_first_turn_is_private_to_its_client() {
+        let mut w = mt(1);
+        w.first_words = 300;
+        let a = w.conversations().unwrap();
+        for c in &a {
+            assert_eq!(c.user_turns[0].split(' ').count(), 300);
+            assert!(c.user_turns[1..].iter().all(|t| t.split(' ').count() == 8));
+        }
+        // Two clients' documents share no long run of words.
+        let w0: Vec<&str> = a[0].user_turns[0].split(' ').collect();
+        let w1 = &a[1].user_turns[0];
+        assert!(w0.windows(6).all(|g| !w1.contains(&g.join(" "))));
     }
 
     #[test]

@@ -448,13 +448,24 @@ impl Scheduler {
         let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
         let mut ticket = None;
         if host_pages > 0 {
-            if let Some(t) = self.cache.load_back(m) {
-                ticket = Some(t);
-                // Those positions come from the tree now: give back the reserved pages.
-                let surplus: Vec<u32> = r.pages.drain(..host_pages).collect();
-                self.cache
-                    .free_device(&surplus)
-                    .expect("reserved pages are held");
+            // Those positions will come from the tree: hand the reserved pages back first, so
+            // the load-back can land in them. (Freed after it, a pool sized for one long
+            // request would need room for it twice, and long prompts would be recomputed.)
+            let surplus: Vec<u32> = r.pages.drain(..host_pages).collect();
+            self.cache
+                .free_device(&surplus)
+                .expect("reserved pages are held");
+            match self.cache.load_back(m) {
+                Some(t) => ticket = Some(t),
+                None => {
+                    // Not loaded (no room): take the reservation back; a failed load-back
+                    // allocates nothing, so the pages just freed are still free.
+                    let back = self
+                        .cache
+                        .alloc_device(host_pages)
+                        .expect("the pages just freed are free");
+                    r.pages.splice(0..0, back);
+                }
             }
         }
         r.phase = Phase::Loading(ticket);
@@ -575,6 +586,7 @@ impl Scheduler {
                     tokens: &r.tokens[at..at + n],
                     pos: at,
                     pages: &r.pages,
+                    decode: at >= r.prompt_len,
                 }
             })
             .collect();

@@ -401,3 +401,28 @@ fn without_the_prefix_cache_every_prompt_is_computed_and_nothing_is_kept() {
     assert_eq!(s.device_pages_held, 0);
     e.shutdown(Duration::from_secs(5));
 }
+
+#[test]
+fn a_host_hit_loads_back_into_a_pool_that_holds_the_request_only_once() {
+    // 8 device pages; each request needs 7 (100 prompt + 8 generated tokens, page 16). The
+    // second run of `a` finds most of its prefix in host memory and reserves 7 pages less the
+    // device part: the load-back fits only if it lands in that reservation rather than beside
+    // it. Its tokens equal the first run's: the few prompt tokens left to compute use the same
+    // (f32) weights as a full prefill, never the decode steps' Q8_0.
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let e = start(&path, 8, 64, None, EngineConfig::default());
+    let a = prompt(100, 5);
+    let b = prompt(100, 2);
+    let (first, _, _) = run(&e, &a, greedy(8));
+    assert_eq!(first, reference(&path, &a, 8));
+    run(&e, &b, greedy(8));
+    let (again, c, _) = run(&e, &a, greedy(8));
+    assert_eq!(c.device + c.host, 96, "{c:?}");
+    assert!(c.host >= 64, "{c:?}");
+    assert_eq!(again, first);
+    let s = e.snapshot();
+    assert_eq!(s.cache.load_back_skipped_tokens, 0);
+    assert_eq!(s.device_pages_held, 0);
+    e.shutdown(Duration::from_secs(5));
+}

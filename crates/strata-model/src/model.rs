@@ -18,9 +18,9 @@ use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
 use crate::q8::Q8Matrix;
 
-/// Sequences with at most this many tokens in a call (decode steps) use Q8_0 weights
-/// ([`Q8Matrix`]): they are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes.
-/// Longer ones (prefill chunks) are bound by arithmetic and use f32 GEMM.
+/// Decode steps with at most this many tokens in a call use Q8_0 weights ([`Q8Matrix`]): they
+/// are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes. Prompt tokens (prefill
+/// chunks of any length, including the few left after a cache hit) use f32 GEMM.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
 /// A weight matrix `[out, in]` in both formats.
@@ -58,6 +58,10 @@ pub struct SeqInput<'a> {
     pub pos: usize,
     /// Device pages holding positions `0..pos + tokens.len()`, in order.
     pub pages: &'a [u32],
+    /// Generated tokens (a decode step) rather than prompt tokens. Decode steps of at most
+    /// [`QUANTIZED_MAX_ROWS`] tokens may use Q8_0 weights; prompt tokens always use f32, so a
+    /// prompt's logits (and first token) do not depend on how much of it was cached.
+    pub decode: bool,
 }
 
 /// A loaded model.
@@ -232,7 +236,8 @@ impl Model {
         }
     }
 
-    /// One sequence: its logits (last token, or every token with `all_logits`).
+    /// One sequence: its logits (last token, or every token with `all_logits`). A single token
+    /// after position 0 counts as a decode step (see [`SeqInput::decode`]).
     pub fn forward_one(
         &self,
         pool: &DevicePool,
@@ -241,7 +246,14 @@ impl Model {
         pages: &[u32],
         all_logits: bool,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut v = self.forward(pool, &[SeqInput { tokens, pos, pages }], all_logits)?;
+        let decode = tokens.len() == 1 && pos > 0;
+        let seq = SeqInput {
+            tokens,
+            pos,
+            pages,
+            decode,
+        };
+        let mut v = self.forward(pool, &[seq], all_logits)?;
         Ok(v.remove(0))
     }
 
@@ -311,7 +323,10 @@ impl Model {
         // Weight format per row, decided per sequence (see `mm`).
         let q8: Vec<bool> = rows
             .iter()
-            .map(|r| self.quantized_decode && seqs[r.0].tokens.len() <= QUANTIZED_MAX_ROWS)
+            .map(|r| {
+                let s = &seqs[r.0];
+                self.quantized_decode && s.decode && s.tokens.len() <= QUANTIZED_MAX_ROWS
+            })
             .collect();
         let h = c.hidden;
         let kvd = c.kv_heads * c.head_dim;

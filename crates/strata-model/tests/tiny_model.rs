@@ -201,11 +201,13 @@ fn batched_decode_and_greedy_continuations_match() {
                 tokens: &p,
                 pos: 0,
                 pages: &c_pages,
+                decode: false,
             },
             SeqInput {
                 tokens: &q,
                 pos: 0,
                 pages: &d_pages,
+                decode: false,
             },
         ],
         false,
@@ -219,11 +221,13 @@ fn batched_decode_and_greedy_continuations_match() {
                     tokens: &[5],
                     pos: p.len(),
                     pages: &c_pages,
+                    decode: true,
                 },
                 SeqInput {
                     tokens: &[7],
                     pos: q.len(),
                     pages: &d_pages,
+                    decode: true,
                 },
             ],
             false,
@@ -300,6 +304,7 @@ fn bad_forward_inputs_are_errors() {
                 tokens: &[1, 2, 3, 4, 5],
                 pos: 0,
                 pages: &[0],
+                decode: false,
             }],
             false,
         )
@@ -317,6 +322,7 @@ fn bad_forward_inputs_are_errors() {
                 tokens: &[999],
                 pos: 0,
                 pages: &[0],
+                decode: false,
             }],
             false,
         )
@@ -331,6 +337,7 @@ fn bad_forward_inputs_are_errors() {
                 tokens: &[1],
                 pos: 0,
                 pages: &[99],
+                decode: false,
             }],
             false,
         )

@@ -38,6 +38,7 @@ pub struct CompareArgs {
     )]
     pub configs: Vec<String>,
     /// Concurrency levels (closed loop); the first one is the one plotted over time and as CDF.
+    /// Open-loop workloads (a trace, --rate) run once per configuration at their arrival times.
     #[arg(
         long,
         value_delimiter = ',',
@@ -280,7 +281,16 @@ async fn warm_up(c: &reqwest::Client, url: &str) -> Result<()> {
     Ok(())
 }
 
-/// One configuration at one concurrency.
+/// `c=N`, or `open` for an open-loop run (concurrency 0).
+fn level(c: usize) -> String {
+    if c == 0 {
+        "open".into()
+    } else {
+        format!("c={c}")
+    }
+}
+
+/// One configuration at one concurrency (0: open loop).
 struct Record {
     cfg: Config,
     concurrency: usize,
@@ -295,7 +305,7 @@ struct Record {
 
 impl Record {
     fn label(&self) -> String {
-        format!("{} c={}", self.cfg.name(), self.concurrency)
+        format!("{} {}", self.cfg.name(), level(self.concurrency))
     }
 }
 
@@ -328,12 +338,12 @@ pub fn cdf(ttft: &[f64]) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn plots(a: &CompareArgs, recs: &[Record], title: &str) -> Result<Vec<PathBuf>> {
-    let primary = a.concurrency[0];
+fn plots(a: &CompareArgs, levels: &[usize], recs: &[Record], title: &str) -> Result<Vec<PathBuf>> {
+    let primary = levels[0];
     let first: Vec<&Record> = recs.iter().filter(|r| r.concurrency == primary).collect();
     let mut out = Vec::new();
     let cdf_chart = Chart {
-        title: format!("TTFT CDF by configuration, concurrency {primary}"),
+        title: format!("TTFT CDF by configuration, {}", level(primary)),
         subtitle: title.to_string(),
         x_label: "time to first token (ms, log scale)".into(),
         y_label: "requests (%)".into(),
@@ -385,7 +395,10 @@ fn plots(a: &CompareArgs, recs: &[Record], title: &str) -> Result<Vec<PathBuf>> 
             cfgs.push(r.cfg);
         }
     }
-    let mut levels = a.concurrency.clone();
+    if primary == 0 {
+        return Ok(out);
+    }
+    let mut levels = levels.to_vec();
     levels.sort_unstable();
     levels.dedup();
     let chart = Chart {
@@ -432,9 +445,9 @@ fn ratio_lines(recs: &[Record]) -> Vec<String> {
             continue;
         }
         v.push(format!(
-            "{} vs device c={}: throughput {:.2}× (output tok/s), TTFT p50 {:.2}× lower, p99 {:.2}× lower",
+            "{} vs device {}: throughput {:.2}× (output tok/s), TTFT p50 {:.2}× lower, p99 {:.2}× lower",
             r.cfg.name(),
-            r.concurrency,
+            level(r.concurrency),
             r.summary.output_tokens_per_s / base.summary.output_tokens_per_s,
             base.summary.ttft_p50 / r.summary.ttft_p50,
             base.summary.ttft_p99 / r.summary.ttft_p99,
@@ -468,14 +481,19 @@ pub async fn run(a: CompareArgs) -> Result<()> {
     ] {
         strata_kv::units::parse_size(v).with_context(|| flag.to_string())?;
     }
-    let runs = cfgs.len() * a.concurrency.len();
+    let p = Arc::new(prepare(&a.w)?);
+    let levels: Vec<usize> = if p.open_loop {
+        vec![0]
+    } else {
+        a.concurrency.clone()
+    };
+    let runs = cfgs.len() * levels.len();
     if a.base_port as usize + 10 * runs + 2 > u16::MAX as usize {
         bail!(
             "--base-port {}: {runs} runs need 10 ports each",
             a.base_port
         );
     }
-    let p = Arc::new(prepare(&a.w)?);
     std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -493,7 +511,7 @@ pub async fn run(a: CompareArgs) -> Result<()> {
     let c = crate::bench_workload::client()?;
     let mut recs = Vec::new();
     let mut k = 0;
-    for &conc in &a.concurrency {
+    for &conc in &levels {
         for &cfg in &cfgs {
             let mut d = start(&a, cfg, k, &model)?;
             k += 1;
@@ -507,8 +525,8 @@ pub async fn run(a: CompareArgs) -> Result<()> {
                 Duration::from_secs_f64(a.sample_interval),
                 stop.clone(),
             );
-            let label = format!("{} c={conc}", cfg.name());
-            let r = drive(&c, &d.url, &p, conc, &label).await?;
+            let label = format!("{} {}", cfg.name(), level(conc));
+            let r = drive(&c, &d.url, &p, conc.max(1), &label).await?;
             stop.store(true, Ordering::Relaxed);
             let samples: Vec<TierCounts> = h
                 .await?
@@ -554,9 +572,9 @@ pub async fn run(a: CompareArgs) -> Result<()> {
     for l in &ratios {
         println!("{l}");
     }
-    let files = plots(&a, &recs, &title)?;
+    let files = plots(&a, &levels, &recs, &title)?;
     let v = json!({
-        "workload": p.name, "scaling": p.scaling, "seed": a.w.seed,
+        "workload": p.name, "scaling": p.scaling, "seed": a.w.seed, "open_loop": p.open_loop,
         "max_tokens": a.w.max_tokens, "device_mem": a.device_mem,
         "hicache_size": a.hicache_size, "model": model.display().to_string(),
         "serve_args": a.serve_arg,

@@ -43,6 +43,9 @@ pub struct WorkloadOpts {
     pub system_words: usize,
     #[arg(long, default_value_t = 20, help_heading = "multi-turn")]
     pub user_words: usize,
+    /// Words of each client's first user turn, a document private to it (0: --user-words).
+    #[arg(long, default_value_t = 0, help_heading = "multi-turn")]
+    pub first_words: usize,
     #[arg(long, default_value_t = 4, help_heading = "shared-prefix")]
     pub groups: usize,
     #[arg(long, default_value_t = 4, help_heading = "shared-prefix")]
@@ -98,6 +101,8 @@ pub enum Job {
 /// A workload built and checked: the requests, and a line stating every scaling applied.
 pub struct Prepared {
     pub name: String,
+    /// Requests go at their arrival times (a trace, or --rate), not at a fixed concurrency.
+    pub open_loop: bool,
     pub scaling: String,
     pub requests: usize,
     body: Body,
@@ -129,14 +134,19 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
                 rounds: w.rounds,
                 system_words: w.system_words,
                 user_words: w.user_words,
+                first_words: w.first_words,
                 max_tokens: w.max_tokens,
                 seed: w.seed,
             };
             let convs = m.conversations()?;
             (
                 format!(
-                    "{} clients × {} rounds, system prompt {} words, user turns {} words",
-                    w.clients, w.rounds, w.system_words, w.user_words
+                    "{} clients × {} rounds, system prompt {} words, first turn {} words, later turns {} words",
+                    w.clients,
+                    w.rounds,
+                    w.system_words,
+                    if w.first_words > 0 { w.first_words } else { w.user_words },
+                    w.user_words
                 ),
                 Body::Chats(convs),
             )
@@ -212,7 +222,9 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
         Body::Chats(c) => c.iter().map(|c| c.user_turns.len()).sum(),
         Body::Jobs(j) => j.len(),
     };
+    let open_loop = matches!(&body, Body::Jobs(j) if j.iter().any(|(_, at)| at.is_some()));
     Ok(Prepared {
+        open_loop,
         name: w.workload.clone(),
         scaling,
         requests,
@@ -656,6 +668,7 @@ mod tests {
             rounds: 2,
             system_words: 5,
             user_words: 2,
+            first_words: 0,
             groups: 2,
             per_group: 3,
             prefix_words: 5,
