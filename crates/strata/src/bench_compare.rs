@@ -70,6 +70,9 @@ pub struct CompareArgs {
     /// Folder for results.json, the plots, the table and the workers' logs.
     #[arg(long, default_value = "bench-results", help_heading = "Output")]
     pub out: PathBuf,
+    /// Redraw the plots of an earlier run from its results.json into --out; nothing starts.
+    #[arg(long, help_heading = "Output")]
+    pub replot: Option<PathBuf>,
     /// Seconds between reads of the workers' /metrics (hit rate by tier over time).
     #[arg(long, default_value_t = 0.5, help_heading = "Output")]
     pub sample_interval: f64,
@@ -309,22 +312,29 @@ impl Record {
     }
 }
 
-/// Fraction of prompt tokens served by each tier between consecutive samples (%), skipping
-/// windows in which no prompt was admitted.
-pub fn windowed_rates(samples: &[TierCounts]) -> Vec<(f64, [f64; 3])> {
-    samples
-        .windows(2)
-        .filter_map(|w| {
-            let d = w[1].minus(&w[0]);
-            let p = d.prompt();
-            (p > 0.0).then(|| {
-                (
-                    w[1].t,
-                    [100.0 * d.device / p, 100.0 * d.host / p, 100.0 * d.l3 / p],
-                )
-            })
-        })
-        .collect()
+/// Fraction of prompt tokens served by each tier (%) per window of `bucket` seconds (a window
+/// ends at the first sample at or past its end), skipping windows in which no prompt was
+/// admitted. Points are at the window's end.
+pub fn windowed_rates(samples: &[TierCounts], bucket: f64) -> Vec<(f64, [f64; 3])> {
+    let mut out = Vec::new();
+    let Some(mut start) = samples.first() else {
+        return out;
+    };
+    for (i, s) in samples.iter().enumerate().skip(1) {
+        if s.t - start.t + 1e-9 < bucket && i + 1 < samples.len() {
+            continue;
+        }
+        let d = s.minus(start);
+        let p = d.prompt();
+        if p > 0.0 {
+            out.push((
+                s.t,
+                [100.0 * d.device / p, 100.0 * d.host / p, 100.0 * d.l3 / p],
+            ));
+        }
+        start = s;
+    }
+    out
 }
 
 /// (TTFT in ms, % of requests at or below it), one point per request.
@@ -364,16 +374,15 @@ fn plots(a: &CompareArgs, levels: &[usize], recs: &[Record], title: &str) -> Res
     std::fs::write(&p, cdf_chart.svg())?;
     out.push(p);
     for r in &first {
-        let rates = windowed_rates(&r.samples);
+        // About 30 windows over the run, at least one sample interval each.
+        let bucket = (r.wall / 30.0).max(a.sample_interval);
+        let rates = windowed_rates(&r.samples, bucket);
         let names = ["device", "host", "L3"];
         let chart = Chart {
             title: format!("Hit rate by tier over time: {}", r.label()),
             subtitle: title.to_string(),
             x_label: "time since the run started (s)".into(),
-            y_label: format!(
-                "prompt tokens served per {} s window (%)",
-                a.sample_interval
-            ),
+            y_label: format!("prompt tokens per tier, {bucket:.1} s windows (%)"),
             y_range: Some((0.0, 100.0)),
             y_unit: "%".into(),
             series: (0..3)
@@ -456,7 +465,77 @@ fn ratio_lines(recs: &[Record]) -> Vec<String> {
     v
 }
 
+/// The records of an earlier results.json (what the plots need).
+fn records_from_json(v: &Value) -> Result<(Vec<usize>, Vec<Record>, String)> {
+    let title = format!(
+        "{} ({})",
+        v["workload"].as_str().unwrap_or("?"),
+        v["scaling"].as_str().unwrap_or("?")
+    );
+    let mut levels = Vec::new();
+    let mut recs = Vec::new();
+    let f = |x: &Value| x.as_f64().unwrap_or(f64::NAN);
+    for r in v["runs"].as_array().context("no `runs` array")? {
+        let cfg = Config::parse(
+            r["configuration"]
+                .as_str()
+                .context("a run without configuration")?,
+        )?;
+        let concurrency = r["concurrency"]
+            .as_u64()
+            .context("a run without concurrency")? as usize;
+        if !levels.contains(&concurrency) {
+            levels.push(concurrency);
+        }
+        let t = |x: &Value| TierCounts {
+            t: f(&x["t"]),
+            device: f(&x["device"]),
+            host: f(&x["host"]),
+            l3: f(&x["l3"]),
+            miss: f(&x["miss"]),
+        };
+        let reqs = r["requests"].as_array().cloned().unwrap_or_default();
+        recs.push(Record {
+            cfg,
+            concurrency,
+            summary: Summary {
+                output_tokens_per_s: f(&r["summary"]["output_tokens_per_s"]),
+                ..Summary::default()
+            },
+            tiers: t(&r["tiers"]),
+            samples: r["samples"]
+                .as_array()
+                .map(|s| s.iter().map(t).collect())
+                .unwrap_or_default(),
+            ttft: reqs
+                .iter()
+                .filter(|q| q["ok"].as_bool() == Some(true))
+                .map(|q| f(&q["ttft"]))
+                .collect(),
+            outcomes: Value::Null,
+            wall: f(&r["wall_seconds"]),
+        });
+    }
+    if recs.is_empty() {
+        bail!("no runs recorded");
+    }
+    Ok((levels, recs, title))
+}
+
 pub async fn run(a: CompareArgs) -> Result<()> {
+    if let Some(p) = &a.replot {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("--replot {}", p.display()))?;
+        let v: Value =
+            serde_json::from_str(&text).with_context(|| format!("--replot {}", p.display()))?;
+        let (levels, recs, title) =
+            records_from_json(&v).with_context(|| format!("--replot {}", p.display()))?;
+        std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
+        for f in plots(&a, &levels, &recs, &title)? {
+            eprintln!("wrote {}", f.display());
+        }
+        return Ok(());
+    }
     let cfgs: Vec<Config> = a
         .configs
         .iter()
@@ -621,14 +700,18 @@ mod tests {
             l3,
             miss,
         };
-        let r = windowed_rates(&[
+        let v = [
             s(0.0, 0.0, 0.0, 0.0, 0.0),
             s(1.0, 0.0, 0.0, 0.0, 100.0),
             s(2.0, 0.0, 0.0, 0.0, 100.0),
             s(3.0, 50.0, 25.0, 25.0, 100.0),
-        ]);
+        ];
         // The idle window (1 → 2) is skipped.
+        let r = windowed_rates(&v, 1.0);
         assert_eq!(r, vec![(1.0, [0.0, 0.0, 0.0]), (3.0, [50.0, 25.0, 25.0])]);
+        // Two-second windows: 0 → 2 all misses; the last window ends at the last sample.
+        let r = windowed_rates(&v, 2.0);
+        assert_eq!(r, vec![(2.0, [0.0, 0.0, 0.0]), (3.0, [50.0, 25.0, 25.0])]);
     }
 
     #[test]

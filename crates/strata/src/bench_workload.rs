@@ -19,7 +19,7 @@ use strata_bench::workload::{Conversation, MultiTurn, Rng, SharedPrefix, TraceRe
 #[derive(Args, Debug, Clone)]
 pub struct WorkloadOpts {
     /// multi-turn, shared-prefix or trace.
-    #[arg(long)]
+    #[arg(long, default_value = "multi-turn")]
     pub workload: String,
     /// Seed of the generators (same seed, same requests).
     #[arg(long, default_value_t = 1)]
@@ -35,28 +35,37 @@ pub struct WorkloadOpts {
     /// (shared-prefix; a trace has its own arrival times).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Conversations, each with its own turns.
     #[arg(long, default_value_t = 4, help_heading = "multi-turn")]
     pub clients: usize,
+    /// Turns per conversation (each appends the answer and a new user turn).
     #[arg(long, default_value_t = 3, help_heading = "multi-turn")]
     pub rounds: usize,
+    /// Words of the system prompt every conversation shares.
     #[arg(long, default_value_t = 200, help_heading = "multi-turn")]
     pub system_words: usize,
+    /// Words of each user turn.
     #[arg(long, default_value_t = 20, help_heading = "multi-turn")]
     pub user_words: usize,
     /// Words of each client's first user turn, a document private to it (0: --user-words).
     #[arg(long, default_value_t = 0, help_heading = "multi-turn")]
     pub first_words: usize,
+    /// Groups; a group's requests share one long prefix, groups share nothing.
     #[arg(long, default_value_t = 4, help_heading = "shared-prefix")]
     pub groups: usize,
+    /// Requests per group (groups interleave, round-robin).
     #[arg(long, default_value_t = 4, help_heading = "shared-prefix")]
     pub per_group: usize,
+    /// Words of each group's shared prefix.
     #[arg(long, default_value_t = 300, help_heading = "shared-prefix")]
     pub prefix_words: usize,
+    /// Words of each request's own suffix.
     #[arg(long, default_value_t = 10, help_heading = "shared-prefix")]
     pub suffix_words: usize,
     /// Mooncake-format trace (JSONL).
     #[arg(long, help_heading = "trace")]
     pub trace: Option<PathBuf>,
+    /// Tokens per hash id in the trace (before --length-scale).
     #[arg(long, default_value_t = 512, help_heading = "trace")]
     pub block_tokens: usize,
     /// Multiplies every prompt and output length (and block size).
@@ -252,11 +261,20 @@ async fn send(c: &reqwest::Client, url: &str, job: &Job, p: &Prepared) -> (Outco
     let t0 = Instant::now();
     let mut o = Outcome::default();
     let mut text = String::new();
-    let r = match c.post(format!("{url}{path}")).json(&body).send().await {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("\nrequest failed: {e}");
-            return (o, text);
+    // A pooled connection the server closed while idle fails before the request reaches it
+    // (llama.cpp's server closes idle keep-alive connections after 5 s): send once more on a
+    // fresh connection. Anything that got an answer is never sent twice.
+    let mut tries = 0;
+    let r = loop {
+        match c.post(format!("{url}{path}")).json(&body).send().await {
+            Ok(r) => break r,
+            Err(e) if tries == 0 && (e.is_request() || e.is_connect()) && e.status().is_none() => {
+                tries += 1;
+            }
+            Err(e) => {
+                eprintln!("\nrequest failed: {e}");
+                return (o, text);
+            }
         }
     };
     if !r.status().is_success() {
@@ -588,6 +606,9 @@ pub fn tiers_json(t: &TierCounts) -> Value {
 pub fn client() -> Result<reqwest::Client> {
     Ok(reqwest::Client::builder()
         .timeout(Duration::from_secs(3600))
+        // Below the keep-alive timeouts servers commonly use (5 s), so idle connections are
+        // dropped here before the server drops them.
+        .pool_idle_timeout(Duration::from_secs(4))
         .build()?)
 }
 

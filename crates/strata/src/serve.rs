@@ -278,7 +278,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         numa_nodes: plan.numa.nodes.clone(),
         placement: Vec::new(),
     };
-    if let Some(h) = cache.host_pool() {
+    if let Some(h) = cache.host_pool().filter(|h| h.bytes() > 0) {
         let p = strata_mem::numa::placement_of_pool(h);
         let sampled = p.sampled_pages.max(1);
         gauges.placement = p

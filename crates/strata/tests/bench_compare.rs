@@ -122,6 +122,21 @@ fn compare_starts_every_configuration_and_reports_hits_by_tier() {
     }
     let cdf = std::fs::read_to_string(out.join("ttft_cdf.svg")).unwrap();
     assert_eq!(cdf.matches("<polyline").count(), 5);
+    // The plots can be drawn again from results.json alone.
+    let again = d.path().join("again");
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["bench", "compare", "--replot"])
+        .arg(out.join("results.json"))
+        .arg("--out")
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(again.join("ttft_cdf.svg")).unwrap(),
+        cdf
+    );
+    assert!(again.join("throughput_vs_concurrency.svg").exists());
     // Bad configuration names are refused before anything starts.
     let o = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args([
