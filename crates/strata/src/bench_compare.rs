@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
-use strata_bench::stats::{quantile, summarize, Summary};
+use strata_bench::stats::{quantile, summarize};
 use strata_model::fetch::{cache_dir, ensure_model};
-use strata_sim::plot::{Chart, Series};
 
+use crate::bench_report::{level, plots, ratio_lines, records_from_json, Record};
 use crate::bench_workload::{
     counts, drive, outcomes_json, prepare, print_table, sampler, summary_json, tiers_json, Row,
     TierCounts, WorkloadOpts,
@@ -81,7 +81,7 @@ pub struct CompareArgs {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Config {
+pub enum Config {
     NoCache,
     Device,
     Host,
@@ -90,7 +90,7 @@ enum Config {
 }
 
 impl Config {
-    fn parse(s: &str) -> Result<Config> {
+    pub fn parse(s: &str) -> Result<Config> {
         Ok(match s {
             "no-cache" => Config::NoCache,
             "device" => Config::Device,
@@ -100,7 +100,7 @@ impl Config {
             x => bail!("--configs: `{x}` is not one of no-cache, device, host, disk, pd"),
         })
     }
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Config::NoCache => "no-cache",
             Config::Device => "device",
@@ -109,7 +109,7 @@ impl Config {
             Config::Pd => "pd",
         }
     }
-    fn describe(self) -> &'static str {
+    pub fn describe(self) -> &'static str {
         match self {
             Config::NoCache => "one worker, --disable-prefix-cache",
             Config::Device => "one worker, device tier only",
@@ -284,244 +284,6 @@ async fn warm_up(c: &reqwest::Client, url: &str) -> Result<()> {
     Ok(())
 }
 
-/// `c=N`, or `open` for an open-loop run (concurrency 0).
-fn level(c: usize) -> String {
-    if c == 0 {
-        "open".into()
-    } else {
-        format!("c={c}")
-    }
-}
-
-/// One configuration at one concurrency (0: open loop).
-struct Record {
-    cfg: Config,
-    concurrency: usize,
-    summary: Summary,
-    tiers: TierCounts,
-    /// Counters relative to the start of the run.
-    samples: Vec<TierCounts>,
-    ttft: Vec<f64>,
-    outcomes: Value,
-    wall: f64,
-}
-
-impl Record {
-    fn label(&self) -> String {
-        format!("{} {}", self.cfg.name(), level(self.concurrency))
-    }
-}
-
-/// Fraction of prompt tokens served by each tier (%) per window of `bucket` seconds (a window
-/// ends at the first sample at or past its end), skipping windows in which no prompt was
-/// admitted. Points are at the window's end.
-pub fn windowed_rates(samples: &[TierCounts], bucket: f64) -> Vec<(f64, [f64; 3])> {
-    let mut out = Vec::new();
-    let Some(mut start) = samples.first() else {
-        return out;
-    };
-    for (i, s) in samples.iter().enumerate().skip(1) {
-        if s.t - start.t + 1e-9 < bucket && i + 1 < samples.len() {
-            continue;
-        }
-        let d = s.minus(start);
-        let p = d.prompt();
-        if p > 0.0 {
-            out.push((
-                s.t,
-                [100.0 * d.device / p, 100.0 * d.host / p, 100.0 * d.l3 / p],
-            ));
-        }
-        start = s;
-    }
-    out
-}
-
-/// (TTFT in ms, % of requests at or below it), one point per request.
-pub fn cdf(ttft: &[f64]) -> Vec<(f64, f64)> {
-    let mut v = ttft.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len() as f64;
-    v.iter()
-        .enumerate()
-        .map(|(i, t)| (t * 1e3, 100.0 * (i + 1) as f64 / n))
-        .collect()
-}
-
-fn plots(a: &CompareArgs, levels: &[usize], recs: &[Record], title: &str) -> Result<Vec<PathBuf>> {
-    let primary = levels[0];
-    let first: Vec<&Record> = recs.iter().filter(|r| r.concurrency == primary).collect();
-    let mut out = Vec::new();
-    let cdf_chart = Chart {
-        title: format!("TTFT CDF by configuration, {}", level(primary)),
-        subtitle: title.to_string(),
-        x_label: "time to first token (ms, log scale)".into(),
-        y_label: "requests (%)".into(),
-        log_x: true,
-        y_range: Some((0.0, 100.0)),
-        y_unit: "%".into(),
-        series: first
-            .iter()
-            .map(|r| Series {
-                name: r.cfg.name().into(),
-                points: cdf(&r.ttft),
-                dashed: false,
-            })
-            .collect(),
-        ..Chart::default()
-    };
-    let p = a.out.join("ttft_cdf.svg");
-    std::fs::write(&p, cdf_chart.svg())?;
-    out.push(p);
-    for r in &first {
-        // About 30 windows over the run, at least one sample interval each.
-        let bucket = (r.wall / 30.0).max(a.sample_interval);
-        let rates = windowed_rates(&r.samples, bucket);
-        let names = ["device", "host", "L3"];
-        let chart = Chart {
-            title: format!("Hit rate by tier over time: {}", r.label()),
-            subtitle: title.to_string(),
-            x_label: "time since the run started (s)".into(),
-            y_label: format!("prompt tokens per tier, {bucket:.1} s windows (%)"),
-            y_range: Some((0.0, 100.0)),
-            y_unit: "%".into(),
-            series: (0..3)
-                .map(|i| Series {
-                    name: names[i].into(),
-                    points: rates.iter().map(|(t, v)| (*t, v[i])).collect(),
-                    dashed: false,
-                })
-                .collect(),
-            ..Chart::default()
-        };
-        let p = a.out.join(format!("hit_rate_by_tier_{}.svg", r.cfg.name()));
-        std::fs::write(&p, chart.svg())?;
-        out.push(p);
-    }
-    let mut cfgs: Vec<Config> = Vec::new();
-    for r in recs {
-        if !cfgs.contains(&r.cfg) {
-            cfgs.push(r.cfg);
-        }
-    }
-    if primary == 0 {
-        return Ok(out);
-    }
-    let mut levels = levels.to_vec();
-    levels.sort_unstable();
-    levels.dedup();
-    let chart = Chart {
-        title: "Throughput against concurrency".into(),
-        subtitle: title.to_string(),
-        x_label: "requests in flight (closed loop)".into(),
-        y_label: "output tokens per second".into(),
-        x_ticks: Some(levels.iter().map(|&c| c as f64).collect()),
-        series: cfgs
-            .iter()
-            .map(|&c| {
-                let mut pts: Vec<(f64, f64)> = recs
-                    .iter()
-                    .filter(|r| r.cfg == c)
-                    .map(|r| (r.concurrency as f64, r.summary.output_tokens_per_s))
-                    .collect();
-                pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-                Series {
-                    name: c.name().into(),
-                    points: pts,
-                    dashed: false,
-                }
-            })
-            .collect(),
-        ..Chart::default()
-    };
-    let p = a.out.join("throughput_vs_concurrency.svg");
-    std::fs::write(&p, chart.svg())?;
-    out.push(p);
-    Ok(out)
-}
-
-/// Ratios against the device-only configuration at the same concurrency.
-fn ratio_lines(recs: &[Record]) -> Vec<String> {
-    let mut v = Vec::new();
-    for r in recs {
-        let Some(base) = recs
-            .iter()
-            .find(|b| b.cfg == Config::Device && b.concurrency == r.concurrency)
-        else {
-            continue;
-        };
-        if r.cfg == Config::Device {
-            continue;
-        }
-        v.push(format!(
-            "{} vs device {}: throughput {:.2}× (output tok/s), TTFT p50 {:.2}× lower, p99 {:.2}× lower",
-            r.cfg.name(),
-            level(r.concurrency),
-            r.summary.output_tokens_per_s / base.summary.output_tokens_per_s,
-            base.summary.ttft_p50 / r.summary.ttft_p50,
-            base.summary.ttft_p99 / r.summary.ttft_p99,
-        ));
-    }
-    v
-}
-
-/// The records of an earlier results.json (what the plots need).
-fn records_from_json(v: &Value) -> Result<(Vec<usize>, Vec<Record>, String)> {
-    let title = format!(
-        "{} ({})",
-        v["workload"].as_str().unwrap_or("?"),
-        v["scaling"].as_str().unwrap_or("?")
-    );
-    let mut levels = Vec::new();
-    let mut recs = Vec::new();
-    let f = |x: &Value| x.as_f64().unwrap_or(f64::NAN);
-    for r in v["runs"].as_array().context("no `runs` array")? {
-        let cfg = Config::parse(
-            r["configuration"]
-                .as_str()
-                .context("a run without configuration")?,
-        )?;
-        let concurrency = r["concurrency"]
-            .as_u64()
-            .context("a run without concurrency")? as usize;
-        if !levels.contains(&concurrency) {
-            levels.push(concurrency);
-        }
-        let t = |x: &Value| TierCounts {
-            t: f(&x["t"]),
-            device: f(&x["device"]),
-            host: f(&x["host"]),
-            l3: f(&x["l3"]),
-            miss: f(&x["miss"]),
-        };
-        let reqs = r["requests"].as_array().cloned().unwrap_or_default();
-        recs.push(Record {
-            cfg,
-            concurrency,
-            summary: Summary {
-                output_tokens_per_s: f(&r["summary"]["output_tokens_per_s"]),
-                ..Summary::default()
-            },
-            tiers: t(&r["tiers"]),
-            samples: r["samples"]
-                .as_array()
-                .map(|s| s.iter().map(t).collect())
-                .unwrap_or_default(),
-            ttft: reqs
-                .iter()
-                .filter(|q| q["ok"].as_bool() == Some(true))
-                .map(|q| f(&q["ttft"]))
-                .collect(),
-            outcomes: Value::Null,
-            wall: f(&r["wall_seconds"]),
-        });
-    }
-    if recs.is_empty() {
-        bail!("no runs recorded");
-    }
-    Ok((levels, recs, title))
-}
-
 pub async fn run(a: CompareArgs) -> Result<()> {
     if let Some(p) = &a.replot {
         let text =
@@ -531,7 +293,7 @@ pub async fn run(a: CompareArgs) -> Result<()> {
         let (levels, recs, title) =
             records_from_json(&v).with_context(|| format!("--replot {}", p.display()))?;
         std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
-        for f in plots(&a, &levels, &recs, &title)? {
+        for f in plots(&a.out, a.sample_interval, &levels, &recs, &title)? {
             eprintln!("wrote {}", f.display());
         }
         return Ok(());
@@ -651,7 +413,7 @@ pub async fn run(a: CompareArgs) -> Result<()> {
     for l in &ratios {
         println!("{l}");
     }
-    let files = plots(&a, &levels, &recs, &title)?;
+    let files = plots(&a.out, a.sample_interval, &levels, &recs, &title)?;
     let v = json!({
         "workload": p.name, "scaling": p.scaling, "seed": a.w.seed, "open_loop": p.open_loop,
         "max_tokens": a.w.max_tokens, "device_mem": a.device_mem,
@@ -681,38 +443,6 @@ pub async fn run(a: CompareArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cdf_is_sorted_and_ends_at_100() {
-        let c = cdf(&[0.3, 0.1, 0.2, 0.4]);
-        assert_eq!(
-            c,
-            vec![(100.0, 25.0), (200.0, 50.0), (300.0, 75.0), (400.0, 100.0)]
-        );
-    }
-
-    #[test]
-    fn windowed_rates_split_each_window_by_tier() {
-        let s = |t, device, host, l3, miss| TierCounts {
-            t,
-            device,
-            host,
-            l3,
-            miss,
-        };
-        let v = [
-            s(0.0, 0.0, 0.0, 0.0, 0.0),
-            s(1.0, 0.0, 0.0, 0.0, 100.0),
-            s(2.0, 0.0, 0.0, 0.0, 100.0),
-            s(3.0, 50.0, 25.0, 25.0, 100.0),
-        ];
-        // The idle window (1 → 2) is skipped.
-        let r = windowed_rates(&v, 1.0);
-        assert_eq!(r, vec![(1.0, [0.0, 0.0, 0.0]), (3.0, [50.0, 25.0, 25.0])]);
-        // Two-second windows: 0 → 2 all misses; the last window ends at the last sample.
-        let r = windowed_rates(&v, 2.0);
-        assert_eq!(r, vec![(2.0, [0.0, 0.0, 0.0]), (3.0, [50.0, 25.0, 25.0])]);
-    }
 
     #[test]
     fn configurations_parse_by_name_and_refuse_others() {
