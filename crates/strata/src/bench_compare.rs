@@ -132,19 +132,8 @@ struct Deployment {
 
 impl Drop for Deployment {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; SIGTERM lets `strata up` stop its workers.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // SIGTERM lets `strata up` stop its workers.
+        crate::up::stop_all([&mut self.child], Duration::from_secs(10));
     }
 }
 
@@ -251,8 +240,7 @@ async fn wait_healthy(c: &reqwest::Client, d: &mut Deployment, timeout: f64) -> 
         }
         let mut ok = true;
         for h in &d.health {
-            let r = c.get(format!("{h}/health")).send().await;
-            ok &= r.map(|r| r.status().is_success()).unwrap_or(false);
+            ok &= crate::up::healthy(c, h).await;
         }
         if ok {
             return Ok(());

@@ -480,23 +480,11 @@ impl TierCounts {
 
 /// Adds one worker's `/metrics` text to `c`.
 pub fn add_counts(c: &mut TierCounts, text: &str) {
-    for l in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some((name, v)) = l.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(v) = v.parse::<f64>() else { continue };
-        if let Some(labels) = name.strip_prefix("strata_cache_hit_tokens_total") {
-            if labels.contains("tier=\"device\"") {
-                c.device += v;
-            } else if labels.contains("tier=\"host\"") {
-                c.host += v;
-            } else {
-                c.l3 += v;
-            }
-        } else if name == "strata_cache_miss_tokens_total" {
-            c.miss += v;
-        }
-    }
+    let w = strata_server::router::WorkerStats::parse(text);
+    c.device += w.hit_device;
+    c.host += w.hit_host;
+    c.l3 += w.hit_l3;
+    c.miss += w.miss;
 }
 
 /// Reads the counters of every worker in `urls` now.

@@ -127,18 +127,27 @@ fn spawn(name: &str, args: &[String]) -> Result<(Child, Arc<Mutex<VecDeque<Strin
 }
 
 fn terminate(procs: &mut [Proc]) {
-    for p in procs.iter() {
+    stop_all(
+        procs.iter_mut().map(|p| &mut p.child),
+        Duration::from_secs(40),
+    );
+}
+
+/// SIGTERM to every child, then waits up to `grace` in all for them to exit; kills the rest.
+pub fn stop_all<'a>(children: impl IntoIterator<Item = &'a mut Child>, grace: Duration) {
+    let mut children: Vec<&mut Child> = children.into_iter().collect();
+    for c in children.iter() {
         // SAFETY: kill(2) on a child this process spawned (its pid is still ours until waited).
         unsafe {
-            libc::kill(p.child.id() as i32, libc::SIGTERM);
+            libc::kill(c.id() as i32, libc::SIGTERM);
         }
     }
     let t = Instant::now();
-    for p in procs.iter_mut() {
-        while p.child.try_wait().ok().flatten().is_none() {
-            if t.elapsed() > Duration::from_secs(40) {
-                let _ = p.child.kill();
-                let _ = p.child.wait();
+    for c in children.iter_mut() {
+        while c.try_wait().ok().flatten().is_none() {
+            if t.elapsed() > grace {
+                let _ = c.kill();
+                let _ = c.wait();
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -146,7 +155,7 @@ fn terminate(procs: &mut [Proc]) {
     }
 }
 
-async fn healthy(client: &reqwest::Client, url: &str) -> bool {
+pub async fn healthy(client: &reqwest::Client, url: &str) -> bool {
     client
         .get(format!("{url}/health"))
         .timeout(Duration::from_secs(2))
