@@ -8,12 +8,27 @@ if ! command -v cargo >/dev/null; then
 fi
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
-# The observability test runs a real Prometheus (and promtool) from Debian's package.
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
-  echo "== installing Debian's prometheus package (for the observability test)"
+# Every external program the code and the tests start is listed, with its Debian package, in
+# scripts/programs.txt (a test keeps that list complete); install whatever is missing, once.
+has() {
+  if [ "$1" = pip ]; then python3 -m pip --version >/dev/null 2>&1; else command -v "$1" >/dev/null; fi
+}
+missing=()
+while read -r prog pkg; do
+  case "$prog" in ''|'#'*) continue ;; esac
+  has "$prog" || missing+=("$pkg")
+done < scripts/programs.txt
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus curl
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # A Python outside Debian's (e.g. pyenv) gets its pip from ensurepip instead.
+  has pip || python3 -m ensurepip --upgrade
+  while read -r prog pkg; do
+    case "$prog" in ''|'#'*) continue ;; esac
+    has "$prog" || { echo "$prog is still missing after installing $pkg" >&2; exit 1; }
+  done < scripts/programs.txt
 fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

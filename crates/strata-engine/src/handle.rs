@@ -12,7 +12,10 @@ use strata_kv::{CacheEvent, TieredCache};
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::request::{FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError};
+use crate::request::{
+    EngineHealth, FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError,
+    MAX_STOP_TOKEN_IDS,
+};
 use crate::scheduler::{Cmd, NewReq, Scheduler};
 
 /// How long admission waits for pages being prefetched from L3 into the host tier.
@@ -46,6 +49,15 @@ pub struct EngineConfig {
     /// Reuse cached prefixes. `false` (a baseline for benchmarks): every prompt is computed in
     /// full and nothing joins the tree; hits stay zero and misses count every prompt token.
     pub prefix_cache: bool,
+    /// A request still waiting for admission after this long is answered
+    /// [`crate::FinishReason::QueueTimeout`] (None: it waits as long as it takes).
+    pub max_queue_time: Option<Duration>,
+    /// The scheduler counts as stalled when one pass of its loop takes longer than this.
+    pub stall_after: Duration,
+    /// Test hook (fault injection): the scheduler thread panics when it receives a prompt that
+    /// starts with this token id. Never set in production; it exists so that tests can check
+    /// what a dead engine does to `/health` and to a supervisor.
+    pub fault_panic_token: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +71,9 @@ impl Default for EngineConfig {
             model_id: String::new(),
             prefetch: PrefetchPolicy::WaitComplete,
             prefix_cache: true,
+            max_queue_time: None,
+            stall_after: Duration::from_secs(60),
+            fault_panic_token: None,
         }
     }
 }
@@ -71,6 +86,8 @@ pub struct Finished {
     pub cancelled: u64,
     pub aborted: u64,
     pub error: u64,
+    /// Waited longer than `max_queue_time` for admission.
+    pub queue_timeout: u64,
 }
 
 /// The engine's state for metrics and tests, refreshed after every step.
@@ -207,6 +224,40 @@ pub(crate) struct Shared {
     pub closing: AtomicBool,
     pub next_id: AtomicU64,
     pub snapshot: Mutex<Snapshot>,
+    /// Milliseconds since `epoch` at the scheduler's latest pass round its loop.
+    pub beat_ms: AtomicU64,
+    pub epoch: Instant,
+    /// Set when the scheduler thread ended other than by shutdown: why.
+    pub dead: Mutex<Option<String>>,
+}
+
+impl Shared {
+    pub(crate) fn beat(&self) {
+        self.beat_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Marks the engine dead as soon as the scheduler thread starts unwinding (before the
+/// scheduler's pools and copy threads are torn down), so `/health` says so at once.
+pub(crate) struct DeadOnUnwind(pub Arc<Shared>);
+
+impl Drop for DeadOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut d = self.0.dead.lock().unwrap_or_else(|p| p.into_inner());
+            if d.is_none() {
+                *d = Some("the scheduler thread panicked".into());
+            }
+        }
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Starts engines.
@@ -239,18 +290,36 @@ impl Engine {
             closing: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             snapshot: Mutex::new(Snapshot::default()),
+            beat_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            dead: Mutex::new(None),
         });
+        let stall_after = cfg.stall_after;
         let (tx, rx) = unbounded();
         let sched = Scheduler::new(model, cache, cfg, shared.clone(), rx);
+        let watched = shared.clone();
         let thread = std::thread::Builder::new()
             .name("strata-scheduler".into())
-            .spawn(move || sched.run())
+            .spawn(move || {
+                let shared = watched;
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sched.run()));
+                if let Err(p) = r {
+                    let msg = format!("the scheduler thread panicked: {}", panic_message(&*p));
+                    tracing::error!(reason = %msg, "engine dead");
+                    // Replaces the short reason set while unwinding with the panic's message.
+                    *shared.dead.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
+                } else if !shared.closing.load(Ordering::SeqCst) {
+                    *shared.dead.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some("the scheduler thread ended without a shutdown".into());
+                }
+            })
             .expect("spawn the scheduler thread");
         EngineHandle {
             tx,
             shared,
             info: Arc::new(info),
             thread: Arc::new(Mutex::new(Some(thread))),
+            stall_after,
         }
     }
 }
@@ -262,11 +331,36 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     info: Arc<EngineInfo>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    stall_after: Duration,
 }
 
 impl EngineHandle {
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// Whether the scheduler thread is alive and coming round its loop (it passes at least
+    /// once a second while idle).
+    pub fn health(&self) -> EngineHealth {
+        if let Some(why) = self
+            .shared
+            .dead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return EngineHealth::Dead(why);
+        }
+        if self.is_closing() {
+            return EngineHealth::Closing;
+        }
+        let now = self.shared.epoch.elapsed().as_millis() as u64;
+        let since =
+            Duration::from_millis(now.saturating_sub(self.shared.beat_ms.load(Ordering::Relaxed)));
+        if since > self.stall_after {
+            return EngineHealth::Stalled(since);
+        }
+        EngineHealth::Alive
     }
 
     /// Checks and enqueues a request. Refusals are immediate: bad requests, a full queue, too
@@ -330,13 +424,39 @@ impl EngineHandle {
         if params.max_tokens == 0 {
             return Err(SubmitError::ZeroMaxTokens);
         }
+        if let EngineHealth::Dead(why) = self.health() {
+            return Err(SubmitError::EngineDead(why));
+        }
+        // Sizes first, so that no sum below can overflow.
+        if params.max_tokens > info.context_length {
+            return Err(SubmitError::MaxTokensTooLarge {
+                max_tokens: params.max_tokens,
+                context: info.context_length,
+            });
+        }
+        if params.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(SubmitError::TooManyStopTokens {
+                count: params.stop_token_ids.len(),
+                limit: MAX_STOP_TOKEN_IDS,
+            });
+        }
+        if let Some(&id) = params
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= info.vocab)
+        {
+            return Err(SubmitError::BadStopToken {
+                id,
+                vocab: info.vocab,
+            });
+        }
         if let Some(&id) = prompt.iter().find(|&&t| t as usize >= info.vocab) {
             return Err(SubmitError::BadToken {
                 id,
                 vocab: info.vocab,
             });
         }
-        let needed = prompt.len() + params.max_tokens;
+        let needed = prompt.len().saturating_add(params.max_tokens);
         if needed > info.context_length {
             return Err(SubmitError::TooLongForContext {
                 prompt: prompt.len(),

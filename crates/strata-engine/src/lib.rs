@@ -16,6 +16,6 @@ pub mod transfer;
 
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, PrefetchPolicy, Snapshot};
 pub use request::{
-    CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, RequestStream,
-    SamplingParams, SubmitError,
+    CachedTokens, EngineHealth, Event, ExportedKv, FinishReason, FlushScope, ImportedKv,
+    RequestStream, SamplingParams, SubmitError, MAX_STOP_TOKEN_IDS,
 };

@@ -48,6 +48,9 @@ pub enum FinishReason {
     Aborted,
     /// The model failed on this request's batch.
     Error(String),
+    /// It waited for admission longer than the engine's queueing-time limit (nothing was
+    /// computed; a retry may pass).
+    QueueTimeout { waited: std::time::Duration },
 }
 
 /// Prompt tokens served from each cache tier at admission.
@@ -138,6 +141,14 @@ pub enum SubmitError {
     },
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
+    #[error("max_tokens {max_tokens} exceeds the context length ({context} tokens)")]
+    MaxTokensTooLarge { max_tokens: usize, context: usize },
+    #[error("{count} stop_token_ids: at most {limit}")]
+    TooManyStopTokens { count: usize, limit: usize },
+    #[error("stop_token_ids: token id {id} is outside the vocabulary ({vocab} tokens)")]
+    BadStopToken { id: u32, vocab: usize },
+    #[error("the engine is not running: {0}")]
+    EngineDead(String),
     #[error("the waiting queue is full ({limit} requests); retry later")]
     QueueFull { limit: usize },
     #[error("too many tokens in flight ({in_flight} + {wanted} > {limit}); retry later")]
@@ -159,6 +170,27 @@ impl SubmitError {
             self,
             SubmitError::QueueFull { .. } | SubmitError::TooManyTokens { .. }
         )
+    }
+}
+
+/// Most `stop_token_ids` one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// Whether the scheduler thread is working.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineHealth {
+    Alive,
+    /// The scheduler thread ended without a shutdown (it panicked): nothing more will run.
+    Dead(String),
+    /// The scheduler thread has not come round its loop for this long.
+    Stalled(std::time::Duration),
+    /// Shutting down on request.
+    Closing,
+}
+
+impl EngineHealth {
+    pub fn is_alive(&self) -> bool {
+        *self == EngineHealth::Alive
     }
 }
 

@@ -79,6 +79,8 @@ struct Req {
     export: bool,
     /// K/V computed elsewhere, written at admission instead of matching the cache.
     import: Option<ImportedKv>,
+    /// When it was submitted (the queueing-time limit counts from here).
+    arrived: Instant,
 }
 
 impl Req {
@@ -109,6 +111,7 @@ impl Req {
             generated: 0,
             export,
             import,
+            arrived: Instant::now(),
         }
     }
 
@@ -153,7 +156,13 @@ impl Scheduler {
     }
 
     pub fn run(mut self) {
+        // Declared first, dropped last of run's locals but before `self`: on a panic the engine
+        // is marked dead before its pools and copy threads are torn down.
+        let _dead = crate::handle::DeadOnUnwind(self.shared.clone());
         loop {
+            // The heartbeat `/health` reads: one pass round this loop at least every 0.5 s
+            // while idle, one per step while busy.
+            self.shared.beat();
             let idle = self.waiting.is_empty() && self.active.is_empty();
             if idle && self.deadline.is_some() {
                 break;
@@ -161,7 +170,7 @@ impl Scheduler {
             if idle {
                 // Wake for commands; poll copies (backups) while some are in flight.
                 let cmd = if self.cache.in_flight() == 0 {
-                    self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                    self.rx.recv_timeout(Duration::from_millis(500))
                 } else {
                     self.rx.recv_timeout(Duration::from_millis(2))
                 };
@@ -204,6 +213,11 @@ impl Scheduler {
                     export,
                     import,
                 } = *r;
+                if self.cfg.fault_panic_token.is_some()
+                    && prompt.first() == self.cfg.fault_panic_token.as_ref()
+                {
+                    panic!("fault injection: a prompt starting with the fault-panic token");
+                }
                 let seed = params
                     .seed
                     .unwrap_or(id.wrapping_mul(0x2545_F491_4F6C_DD1D));
@@ -252,14 +266,27 @@ impl Scheduler {
 
     fn reap_cancelled(&mut self) {
         let mut i = 0;
+        let limit = self.cfg.max_queue_time;
         while i < self.waiting.len() {
-            if self.waiting[i].tx.is_closed() {
+            let waited = self.waiting[i].arrived.elapsed();
+            let late = limit.is_some_and(|l| waited > l);
+            if self.waiting[i].tx.is_closed() || late {
                 let r = self.waiting.remove(i).expect("index in range");
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 self.shared
                     .tokens_in_flight
                     .fetch_sub(r.budget, Ordering::SeqCst);
-                self.snap.finished.cancelled += 1;
+                if late {
+                    self.snap.finished.queue_timeout += 1;
+                    let _ = r.tx.send(Event::Done {
+                        reason: FinishReason::QueueTimeout { waited },
+                        prompt_tokens: r.prompt_len,
+                        completion_tokens: 0,
+                        cached: CachedTokens::default(),
+                    });
+                } else {
+                    self.snap.finished.cancelled += 1;
+                }
             } else {
                 i += 1;
             }
@@ -681,6 +708,7 @@ impl Scheduler {
             Some(FinishReason::Length) => f.length += 1,
             Some(FinishReason::Aborted) => f.aborted += 1,
             Some(FinishReason::Error(_)) => f.error += 1,
+            Some(FinishReason::QueueTimeout { .. }) => f.queue_timeout += 1,
         }
         // Callers that saw Done see the counters that include it.
         self.publish();

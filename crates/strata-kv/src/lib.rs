@@ -11,6 +11,7 @@
 //!
 //! No async runtime here: callers own a `TieredCache` on one thread; copies run on workers.
 
+pub mod auth;
 pub mod cache;
 pub mod copy;
 pub mod hash;

@@ -1,7 +1,7 @@
 //! GGUF loading and validation (llama architecture), through candle's reader.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Seek};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -61,6 +61,17 @@ impl Gguf {
         })?;
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         let mut file = BufReader::new(f);
+        // Every length and count in the header must fit in the file before candle's reader
+        // allocates for it (a hostile length would abort the process, not fail).
+        crate::gguf_scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
+            path: p.clone(),
+            reason,
+        })?;
+        file.seek(std::io::SeekFrom::Start(0))
+            .map_err(|e| ModelError::Open {
+                path: p.clone(),
+                reason: first_line(&e),
+            })?;
         // candle's reader may panic on some malformed headers; turn that into an error too.
         let content =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
@@ -160,6 +171,27 @@ impl Gguf {
             rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
             rms_eps: float("llama.attention.layer_norm_rms_epsilon")?,
         };
+        // Sizes that steer allocation and arithmetic, bounded before use: every layer has 9
+        // tensors in the file; contexts beyond 2^24 tokens are not a model of this runtime.
+        let bound = |key: &str, v: usize, max: usize| -> Result<(), ModelError> {
+            if v > max {
+                return Err(ModelError::Metadata {
+                    path: p.clone(),
+                    key: key.into(),
+                    reason: format!(
+                        "{v} is beyond what this file or runtime can hold (at most {max})"
+                    ),
+                });
+            }
+            Ok(())
+        };
+        bound(
+            "llama.block_count",
+            config.layers,
+            content.tensor_infos.len() / 9,
+        )?;
+        bound("llama.context_length", config.context_length, 1 << 24)?;
+        bound("llama.attention.head_count", config.heads, config.hidden)?;
         let c = &config;
         let mut want: Vec<(String, Vec<usize>)> = vec![
             ("token_embd.weight".into(), vec![c.vocab, c.hidden]),

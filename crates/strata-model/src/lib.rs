@@ -13,6 +13,7 @@ pub mod chat;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod gguf_scan;
 pub mod model;
 pub mod q8;
 #[doc(hidden)]

@@ -27,7 +27,32 @@ pub struct RedisConfig {
     pub ttl: Option<Duration>,
     /// Bound on every operation.
     pub timeout: Duration,
+    /// Key of the page MACs ([`blob::BlobKey::from_cluster`] with a cluster key: pages
+    /// forged or moved between keys are misses).
+    pub page_key: blob::BlobKey,
+    /// Largest value read back (header + one page); anything bigger is not a page of ours.
+    pub max_value_bytes: u64,
 }
+
+/// Reads pages one key at a time inside Redis, so that a key holding something else (another
+/// type: WRONGTYPE; an oversized value) is a miss for that key only, and is deleted, instead of
+/// failing the batch. Returns, per key, the value or false.
+const GET_SCRIPT: &str = r#"
+local out = {}
+local max = tonumber(ARGV[1])
+for i, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  if t == 'string' and redis.call('STRLEN', k) <= max then
+    out[i] = redis.call('GET', k)
+  elseif t == 'none' then
+    out[i] = false
+  else
+    redis.call('DEL', k)
+    out[i] = 0
+  end
+end
+return out
+"#;
 
 /// The remote tier.
 pub struct RedisStorage {
@@ -36,6 +61,8 @@ pub struct RedisStorage {
     prefix: String,
     ttl: Option<Duration>,
     timeout: Duration,
+    key: blob::BlobKey,
+    max_value: u64,
     stats: Mutex<StorageStats>,
 }
 
@@ -95,6 +122,8 @@ impl RedisStorage {
             prefix: format!("strata:v1:{}:", cfg.namespace),
             ttl: cfg.ttl,
             timeout,
+            key: cfg.page_key,
+            max_value: cfg.max_value_bytes,
             stats: Mutex::new(StorageStats::default()),
         })
     }
@@ -134,7 +163,7 @@ impl RedisStorage {
     fn set_pipe(&self, pages: &[(PageHash, &[u8])]) -> redis::Pipeline {
         let mut p = redis::pipe();
         for (h, d) in pages {
-            let v = blob::encode(h, d);
+            let v = blob::encode(&self.key, h, d);
             match self.ttl {
                 Some(t) => p
                     .cmd("SET")
@@ -176,10 +205,12 @@ impl Storage for RedisStorage {
             return Vec::new();
         }
         let mut p = redis::pipe();
+        let cmd = p.cmd("EVAL").arg(GET_SCRIPT).arg(hashes.len());
         for h in hashes {
-            p.cmd("GET").arg(self.key(h));
+            cmd.arg(self.key(h));
         }
-        let vals: Vec<Option<Vec<u8>>> = match self.run(p) {
+        cmd.arg(self.max_value);
+        let vals: Vec<redis::Value> = match self.run(p) {
             Ok(v) => v,
             Err(e) => {
                 let msg = e.to_string();
@@ -189,15 +220,24 @@ impl Storage for RedisStorage {
                     .collect();
             }
         };
+        let Some(redis::Value::Array(vals)) = vals.into_iter().next() else {
+            return hashes
+                .iter()
+                .map(|_| {
+                    Err(StorageError::Unavailable(
+                        "unexpected answer to the read script".into(),
+                    ))
+                })
+                .collect();
+        };
         let mut bad = Vec::new();
         let out = hashes
             .iter()
-            .zip(vals)
+            .zip(vals.into_iter().chain(std::iter::repeat(redis::Value::Nil)))
             .map(|(h, v)| {
                 self.count(|s| s.gets += 1);
                 match v {
-                    None => Ok(None),
-                    Some(bytes) => match blob::decode(h, &bytes) {
+                    redis::Value::BulkString(bytes) => match blob::decode(&self.key, h, &bytes) {
                         Some(payload) => {
                             self.count(|s| s.hits += 1);
                             Ok(Some(payload))
@@ -208,6 +248,12 @@ impl Storage for RedisStorage {
                             Ok(None)
                         }
                     },
+                    // Not a string, or too big: deleted by the script already.
+                    redis::Value::Int(_) => {
+                        self.count(|s| s.corrupt += 1);
+                        Ok(None)
+                    }
+                    _ => Ok(None),
                 }
             })
             .collect();

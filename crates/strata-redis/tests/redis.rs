@@ -63,6 +63,8 @@ fn cfg(url: &str) -> RedisConfig {
         namespace: "test".into(),
         ttl: None,
         timeout: Duration::from_millis(500),
+        page_key: strata_kv::storage::blob::BlobKey::public(),
+        max_value_bytes: 1 << 20,
     }
 }
 
@@ -169,4 +171,82 @@ fn redis_killed_and_restarted_errors_are_counted_then_service_resumes() {
     }
     s.put(&h(3), &[3; 100]).unwrap();
     assert_eq!(s.get(&h(3)).unwrap(), Some(vec![3; 100]));
+}
+
+fn cli(r: &Redis, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &r.port.to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A valid page copied under another page's key with its hash field rewritten (the attack on an
+/// unkeyed checksum) is a miss under a cluster key, counted and deleted; so is a value written
+/// by someone without the key.
+#[test]
+fn a_transplanted_or_forged_page_is_a_miss_under_a_cluster_key() {
+    let r = Redis::start();
+    let ck = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).unwrap();
+    let mut c = cfg(&r.url());
+    c.page_key = strata_kv::storage::blob::BlobKey::from_cluster(&ck);
+    let s = RedisStorage::connect(&c).unwrap();
+    s.put(&h(1), &[1u8; 100]).unwrap();
+    let src = format!("strata:v1:test:{}", h(1).to_hex());
+    let dst = format!("strata:v1:test:{}", h(2).to_hex());
+    // COPY the value, then rewrite the 16-byte hash field (bytes 52..68) to page 2's.
+    assert_eq!(cli(&r, &["COPY", &src, &dst]), "1");
+    let out = Command::new("redis-cli")
+        .args(["-p", &r.port.to_string(), "-x", "SETRANGE", &dst, "52"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut ch| {
+            use std::io::Write;
+            ch.stdin.take().unwrap().write_all(&h(2).0)?;
+            ch.wait_with_output()
+        })
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        s.get(&h(2)).unwrap(),
+        None,
+        "a transplanted page was accepted"
+    );
+    assert_eq!(s.stats().corrupt, 1);
+    assert_eq!(s.exists(&[h(2)]).unwrap(), vec![false], "not deleted");
+    // A page made with the public key (no cluster key) is not ours either.
+    let public = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    public.put(&h(3), &[3u8; 100]).unwrap();
+    assert_eq!(s.get(&h(3)).unwrap(), None);
+    assert_eq!(s.get(&h(1)).unwrap(), Some(vec![1u8; 100]));
+}
+
+/// A key of another Redis type (or an oversized value) is a miss for that key only, and is
+/// removed; the rest of the batch is served.
+#[test]
+fn a_wrong_type_key_is_a_miss_for_that_key_not_the_batch() {
+    let r = Redis::start();
+    let s = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    for i in 1..=3u8 {
+        s.put(&h(i), &[i; 100]).unwrap();
+    }
+    let k2 = format!("strata:v1:test:{}", h(2).to_hex());
+    cli(&r, &["DEL", &k2]);
+    cli(&r, &["LPUSH", &k2, "x"]);
+    let k3 = format!("strata:v1:test:{}", h(3).to_hex());
+    cli(&r, &["SETRANGE", &k3, "2000000", "x"]); // past max_value_bytes (1 MiB)
+    let got = s.get_many(&[h(1), h(2), h(3), h(4)]);
+    assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&[1u8; 100][..]));
+    assert_eq!(got[1].as_ref().unwrap(), &None);
+    assert_eq!(got[2].as_ref().unwrap(), &None);
+    assert_eq!(got[3].as_ref().unwrap(), &None);
+    assert_eq!(s.stats().corrupt, 2);
+    assert_eq!(
+        cli(&r, &["EXISTS", &k2, &k3]),
+        "0",
+        "foreign keys left behind"
+    );
+    assert_eq!(s.stats().errors, 0);
 }

@@ -19,7 +19,9 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use strata_engine::request::CachedTokens;
-use strata_engine::{EngineHandle, Event, FinishReason, FlushScope, RequestStream, SamplingParams};
+use strata_engine::{
+    EngineHandle, EngineHealth, Event, FinishReason, FlushScope, RequestStream, SamplingParams,
+};
 use strata_model::{ChatTemplate, Message, ModelTokenizer};
 use tokio::net::TcpListener;
 
@@ -62,6 +64,15 @@ pub struct AppState {
     pub role: String,
     /// Name of the L3 tier in metrics (`disk`, `remote`).
     pub storage_tier: String,
+    /// Bounds CPU work done for requests outside the engine (tokenizing, template
+    /// rendering): it runs on blocking threads, this many at once, never on the async
+    /// workers that answer `/health`.
+    pub cpu_gate: tokio::sync::Semaphore,
+    /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
+    /// they hold it. None: this worker listens on loopback only.
+    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
+    pub prefill_workers: Vec<String>,
 }
 
 impl AppState {
@@ -89,6 +100,11 @@ impl AppState {
             plan: None,
             role: "server".into(),
             storage_tier: "disk".into(),
+            cpu_gate: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            ),
+            cluster_key: None,
+            prefill_workers: Vec::new(),
         }
     }
 }
@@ -111,6 +127,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/cache/events", get(cache_events))
         .route("/cache/snapshot", get(cache_snapshot))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -179,11 +196,41 @@ async fn metrics(State(st): St) -> Response {
         .into_response()
 }
 
-async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!("no route {}", uri.path()),
+    )
 }
 
-fn parse<T: DeserializeOwned>(
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} is not allowed on {}", method, uri.path()),
+    )
+}
+
+/// Runs CPU work for a request (tokenizing, rendering) on a blocking thread, at most
+/// `cpu_gate` at once, so the async workers keep answering (`/health` within milliseconds
+/// while megabyte prompts are tokenized).
+pub async fn off_async<T: Send + 'static>(
+    st: &Arc<AppState>,
+    f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _permit = st
+        .cpu_gate
+        .acquire()
+        .await
+        .map_err(|_| engine_error("the server is closing"))?;
+    let st = st.clone();
+    tokio::task::spawn_blocking(move || f(&st))
+        .await
+        .map_err(|e| engine_error(&format!("request preparation failed: {e}")))?
+}
+
+pub fn parse<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     limit: usize,
 ) -> Result<T, ApiError> {
@@ -201,9 +248,28 @@ fn parse<T: DeserializeOwned>(
     let de = &mut serde_json::Deserializer::from_slice(&bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let param = (path != ".").then_some(path.as_str());
-        ApiError::bad_request(format!("invalid request body: {}", e.inner()), param)
+        let param = if path != "." {
+            Some(path)
+        } else {
+            failing_sampling_field(&bytes)
+        };
+        ApiError::bad_request(
+            format!("invalid request body: {}", e.inner()),
+            param.as_deref(),
+        )
     })
+}
+
+/// serde loses the path of an error inside a flattened struct (the sampling fields): the
+/// field that fails on its own is the one to name.
+fn failing_sampling_field(bytes: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(bytes).ok()?;
+    v.as_object()?
+        .iter()
+        .find(|(k, val)| {
+            serde_json::from_value::<crate::api::Sampling>(json!({ k.as_str(): val })).is_err()
+        })
+        .map(|(k, _)| k.clone())
 }
 
 fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {
@@ -277,6 +343,16 @@ fn sampling(
                 Some("max_tokens"),
             ))
         }
+        Some(m) if m > info.context_length => {
+            return Err(ApiError::bad_request(
+                format!(
+                    "max_tokens {m} exceeds the context length ({} tokens)",
+                    info.context_length
+                ),
+                Some("max_tokens"),
+            )
+            .with_code("context_length_exceeded"))
+        }
         Some(m) => m,
         None => {
             let room = info
@@ -286,13 +362,24 @@ fn sampling(
             st.default_max_tokens.min(room).max(1)
         }
     };
+    let stop_token_ids = s.stop_token_ids.clone().unwrap_or_default();
+    if stop_token_ids.len() > strata_engine::MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::bad_request(
+            format!(
+                "{} stop_token_ids: at most {}",
+                stop_token_ids.len(),
+                strata_engine::MAX_STOP_TOKEN_IDS
+            ),
+            Some("stop_token_ids"),
+        ));
+    }
     let params = SamplingParams {
         max_tokens,
         temperature,
         top_p,
         top_k,
         seed: s.seed,
-        stop_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
+        stop_token_ids,
         ignore_eos: s.ignore_eos.unwrap_or(false),
     };
     Ok((params, stops))
@@ -321,10 +408,8 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(body, st.body_limit)?;
     check_model(&st, &req.model)?;
-    let ids = match &req.prompt {
-        Prompt::Text(t) => encode(&st, t)?,
-        Prompt::Texts(v) if v.len() == 1 => encode(&st, &v[0])?,
-        Prompt::Texts(v) => {
+    let prompt = match req.prompt {
+        Prompt::Texts(v) if v.len() != 1 => {
             return Err(ApiError::bad_request(
                 format!(
                     "{} prompts in one request: send one prompt per request",
@@ -333,7 +418,15 @@ async fn completions(
                 Some("prompt"),
             ))
         }
-        Prompt::Tokens(t) => t.clone(),
+        p => p,
+    };
+    let ids = match prompt {
+        Prompt::Tokens(t) => t,
+        Prompt::Text(t) => off_async(&st, move |st| encode(st, &t)).await?,
+        Prompt::Texts(mut v) => {
+            let t = v.pop().expect("one prompt");
+            off_async(&st, move |st| encode(st, &t)).await?
+        }
     };
     start(st, ids, &req.sampling, Kind::Completion, &headers).await
 }
@@ -348,14 +441,30 @@ async fn chat(
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty", Some("messages")));
     }
+    if st.template.is_none() {
+        return Err(ApiError::bad_request(
+            "this model has no chat template: use /v1/completions",
+            Some("messages"),
+        ));
+    }
+    let ChatRequest {
+        messages, sampling, ..
+    } = req;
+    let ids = off_async(&st, move |st| chat_prompt(st, &messages)).await?;
+    start(st, ids, &sampling, Kind::Chat, &headers).await
+}
+
+/// The chat messages rendered with the model's template and tokenized (CPU work: run it
+/// through [`off_async`]).
+fn chat_prompt(st: &AppState, messages: &[crate::api::ChatMessage]) -> Result<Vec<u32>, ApiError> {
     let Some(tpl) = &st.template else {
         return Err(ApiError::bad_request(
             "this model has no chat template: use /v1/completions",
             Some("messages"),
         ));
     };
-    let mut msgs = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
+    let mut msgs = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
         if !matches!(
             m.role.as_str(),
             "system" | "user" | "assistant" | "developer" | "tool"
@@ -396,8 +505,7 @@ async fn chat(
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-    let ids = encode(&st, &text)?;
-    start(st, ids, &req.sampling, Kind::Chat, &headers).await
+    encode(st, &text)
 }
 
 fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -415,17 +523,28 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let (params, stops) = sampling(&st, s, ids.len())?;
-    let prefill = headers
-        .get(PREFILL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let rs = match prefill {
+    let prefill = match headers.get(PREFILL_HEADER) {
+        None => None,
+        Some(v) => {
+            let url = v.to_str().map_err(|_| {
+                ApiError::bad_request(format!("{PREFILL_HEADER} is not ASCII"), None)
+            })?;
+            let path = match kind {
+                Kind::Chat => "/v1/chat/completions",
+                Kind::Completion => "/v1/completions",
+            };
+            crate::pd::check_prefill_header(&st, headers, path, url)?;
+            Some(url.to_string())
+        }
+    };
+    let mut rs = match prefill {
         Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,
         None => st
             .engine
             .submit(ids, params)
             .map_err(|e| ApiError::from_submit(&e))?,
     };
+    let first = first_event(&mut rs).await?;
     let prefix = if kind == Kind::Chat {
         "chatcmpl"
     } else {
@@ -440,9 +559,31 @@ async fn start(
         stops,
     };
     if job.stream {
-        Ok(stream_response(st, rs, job).into_response())
+        Ok(stream_response(st, rs, job, first).into_response())
     } else {
-        whole_response(st, rs, job).await
+        whole_response(st, rs, job, first).await
+    }
+}
+
+/// Waits for a request's first event before any status is sent, so that a request refused
+/// after submission (queueing-time limit, shutdown, a dead engine) gets its own status and
+/// `Retry-After` rather than a 200 stream that ends at once.
+async fn first_event(rs: &mut RequestStream) -> Result<Event, ApiError> {
+    match rs.events.recv().await {
+        Some(Event::Done {
+            reason: FinishReason::QueueTimeout { waited },
+            ..
+        }) => Err(ApiError::queue_timeout(waited)),
+        Some(Event::Done {
+            reason: FinishReason::Aborted,
+            ..
+        }) => Err(ApiError::from_submit(
+            &strata_engine::SubmitError::ShuttingDown,
+        )),
+        Some(ev) => Ok(ev),
+        None => Err(ApiError::from_submit(
+            &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
+        )),
     }
 }
 
@@ -467,7 +608,7 @@ fn finish_name(r: &FinishReason, stopped_by_string: bool) -> &'static str {
     match r {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
-        FinishReason::Aborted => "abort",
+        FinishReason::Aborted | FinishReason::QueueTimeout { .. } => "abort",
         FinishReason::Error(_) => "error",
     }
 }
@@ -484,7 +625,9 @@ async fn whole_response(
     st: Arc<AppState>,
     mut rs: RequestStream,
     job: Job,
+    first: Event,
 ) -> Result<Response, ApiError> {
+    let mut pending = Some(first);
     let mut text = TextStream::new(job.stops.clone());
     let mut out = String::new();
     let mut completion = 0;
@@ -492,7 +635,11 @@ async fn whole_response(
     let prompt = rs.prompt_tokens;
     let mut last = None;
     let reason = loop {
-        match rs.events.recv().await {
+        let ev = match pending.take() {
+            Some(e) => Some(e),
+            None => rs.events.recv().await,
+        };
+        match ev {
             Some(Event::Admitted { cached: c }) => cached = c,
             Some(Event::Kv(_)) => {}
             Some(Event::Token(t)) => {
@@ -512,7 +659,10 @@ async fn whole_response(
                 if let FinishReason::Error(m) = &reason {
                     return Err(engine_error(m));
                 }
-                if reason == FinishReason::Aborted {
+                if matches!(
+                    reason,
+                    FinishReason::Aborted | FinishReason::QueueTimeout { .. }
+                ) {
                     return Err(ApiError::from_submit(
                         &strata_engine::SubmitError::ShuttingDown,
                     ));
@@ -523,7 +673,11 @@ async fn whole_response(
                 st.metrics.e2e.observe(job.started.elapsed().as_secs_f64());
                 break finish_name(&reason, false);
             }
-            None => return Err(engine_error("the engine stopped")),
+            None => {
+                return Err(ApiError::from_submit(
+                    &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
+                ))
+            }
         }
     };
     let usage = Usage::new(prompt, completion, cached.total());
@@ -556,6 +710,8 @@ struct Streaming {
     started: bool,
     done: bool,
     last: Option<std::time::Instant>,
+    /// The first event, read before the response started.
+    pending: Option<Event>,
 }
 
 impl Streaming {
@@ -620,7 +776,10 @@ impl Streaming {
         if self.done {
             return None;
         }
-        let ev = self.rs.as_mut()?.events.recv().await;
+        let ev = match self.pending.take() {
+            Some(e) => Some(e),
+            None => self.rs.as_mut()?.events.recv().await,
+        };
         let mut out = Vec::new();
         match ev {
             Some(Event::Kv(_)) => {}
@@ -680,6 +839,7 @@ fn stream_response(
     st: Arc<AppState>,
     rs: RequestStream,
     job: Job,
+    first: Event,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let s = Streaming {
         st,
@@ -691,6 +851,7 @@ fn stream_response(
         started: false,
         done: false,
         last: None,
+        pending: Some(first),
     };
     let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)));
@@ -704,15 +865,49 @@ async fn models(State(st): St) -> Json<Value> {
     }]}))
 }
 
+/// 200 while the scheduler thread is alive and coming round its loop; 503 when it is dead
+/// (the process exits too: see `watch_engine`), stalled, or shutting down.
 async fn health(State(st): St) -> Response {
-    if st.engine.is_closing() {
-        return ApiError::from_submit(&strata_engine::SubmitError::ShuttingDown).into_response();
+    match st.engine.health() {
+        EngineHealth::Alive => Json(json!({"status": "ok"})).into_response(),
+        h => engine_unhealthy(&h).into_response(),
     }
-    Json(json!({"status": "ok"})).into_response()
+}
+
+fn engine_unhealthy(h: &EngineHealth) -> ApiError {
+    let msg = match h {
+        EngineHealth::Alive => "ok".to_string(),
+        EngineHealth::Dead(why) => format!("the engine is dead: {why}"),
+        EngineHealth::Stalled(d) => format!(
+            "the engine has not come round its loop for {:.1} s",
+            d.as_secs_f64()
+        ),
+        EngineHealth::Closing => "the server is shutting down".to_string(),
+    };
+    ApiError {
+        retry_after: Some(5),
+        ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg)
+    }
+}
+
+/// Resolves with the reason once the engine is dead (its scheduler thread panicked): the
+/// server then exits non-zero so that a supervisor restarts it, instead of answering 503s
+/// forever.
+pub async fn watch_engine(engine: EngineHandle) -> String {
+    loop {
+        if let EngineHealth::Dead(why) = engine.health() {
+            return why;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Generates one real token through the engine.
 async fn health_generate(State(st): St) -> Result<Json<Value>, ApiError> {
+    let h = st.engine.health();
+    if !h.is_alive() {
+        return Err(engine_unhealthy(&h));
+    }
     let first = st
         .tokenizer
         .encode("OK")
@@ -762,12 +957,39 @@ struct FlushQuery {
     tier: Option<String>,
 }
 
+/// Internal endpoints (`/cache/*`): with a cluster key, only the deployment's own processes.
+fn check_cluster(
+    st: &AppState,
+    headers: &HeaderMap,
+    method: &str,
+    path: &str,
+) -> Result<(), ApiError> {
+    match &st.cluster_key {
+        Some(k) => {
+            crate::auth::verify(k, headers, method, path).map_err(|e| crate::auth::unauthorized(&e))
+        }
+        None => Ok(()),
+    }
+}
+
+/// Admin endpoints: the admin key, or the cluster's own processes; open only on a loopback
+/// worker with neither key.
 fn check_admin(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if let Some(k) = &st.cluster_key {
+        if crate::auth::verify(k, headers, "POST", "/flush_cache").is_ok() {
+            return Ok(());
+        }
+        if st.admin_key.is_none() {
+            return Err(crate::auth::unauthorized(
+                "no cluster authentication (set --admin-key for operators)",
+            ));
+        }
+    }
     let Some(key) = &st.admin_key else {
         return Ok(());
     };
     let given = crate::error::bearer(headers);
-    if given == Some(key.as_str()) {
+    if given.is_some_and(|g| crate::error::secret_eq(g, key)) {
         Ok(())
     } else {
         Err(ApiError::new(
@@ -818,12 +1040,15 @@ fn event_json(seq: Option<u64>, e: &strata_kv::CacheEvent) -> Value {
 }
 
 /// What a router needs to hash prompts as this worker does.
-async fn cache_info(State(st): St) -> Json<Value> {
+async fn cache_info(State(st): St, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    check_cluster(&st, &headers, "GET", "/cache/info")?;
     let i = st.engine.info();
     let page = st.engine.events_since(0, 0);
     let (epoch, next) = (page.epoch, page.next);
-    Json(json!({"model_id": i.model_id, "page_size": i.page_size,
-                "hash_key": i.hash_key.map(|k| hex(&k)), "epoch": epoch, "next": next}))
+    Ok(Json(
+        json!({"model_id": i.model_id, "page_size": i.page_size,
+                "hash_key": i.hash_key.map(|k| hex(&k)), "epoch": epoch, "next": next}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -833,7 +1058,12 @@ struct SinceQuery {
 
 /// Cache events (pages stored / removed per tier) from `since`; `resync: true` when they
 /// fell out of the log.
-async fn cache_events(State(st): St, q: Query<SinceQuery>) -> Json<Value> {
+async fn cache_events(
+    State(st): St,
+    headers: HeaderMap,
+    q: Query<SinceQuery>,
+) -> Result<Json<Value>, ApiError> {
+    check_cluster(&st, &headers, "GET", "/cache/events")?;
     let since = q.since.unwrap_or(0);
     let page = st.engine.events_since(since, 10_000);
     let (epoch, first, next, events) = (page.epoch, page.first, page.next, page.events);
@@ -848,11 +1078,14 @@ async fn cache_events(State(st): St, q: Query<SinceQuery>) -> Json<Value> {
     } else {
         since + events.len() as u64
     };
-    Json(json!({"epoch": epoch, "first": first, "next": next, "resync": resync, "events": events}))
+    Ok(Json(
+        json!({"epoch": epoch, "first": first, "next": next, "resync": resync, "events": events}),
+    ))
 }
 
 /// Every page in the device and host tiers, and the sequence number events continue from.
-async fn cache_snapshot(State(st): St) -> Result<Json<Value>, ApiError> {
+async fn cache_snapshot(State(st): St, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    check_cluster(&st, &headers, "GET", "/cache/snapshot")?;
     let e = st.engine.clone();
     let (epoch, next, tiers) = tokio::task::spawn_blocking(move || e.cache_snapshot())
         .await

@@ -175,13 +175,25 @@ impl CacheIndex {
     }
 
     /// One poll of worker `w` at `url`: learn the namespace, follow events, resync on a gap.
-    pub async fn poll(&self, client: &reqwest::Client, w: usize, url: &str) -> Result<(), String> {
+    pub async fn poll(
+        &self,
+        client: &reqwest::Client,
+        key: Option<&strata_kv::auth::ClusterKey>,
+        w: usize,
+        url: &str,
+    ) -> Result<(), String> {
         let get = |path: String| async move {
-            client
+            let mut req = client
                 .get(format!("{url}{path}"))
-                .timeout(Duration::from_secs(5))
-                .send()
+                .timeout(Duration::from_secs(5));
+            if let Some(k) = key {
+                let route = path.split('?').next().unwrap_or("");
+                req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, "GET", route));
+            }
+            req.send()
                 .await
+                .map_err(|e| e.to_string())?
+                .error_for_status()
                 .map_err(|e| e.to_string())?
                 .json::<Value>()
                 .await

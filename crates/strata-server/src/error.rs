@@ -6,12 +6,20 @@ use axum::Json;
 use serde_json::json;
 use strata_engine::SubmitError;
 
-/// The token of an `Authorization: Bearer <token>` header, if any.
+/// The token of an `Authorization: Bearer <token>` header, if any (the scheme is
+/// case-insensitive, as RFC 9110 says).
 pub fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, token) = v.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start())
+        .filter(|t| !t.is_empty())
+}
+
+/// Compares a secret in time that does not depend on where the inputs differ.
+pub fn secret_eq(given: &str, expected: &str) -> bool {
+    constant_time_eq::constant_time_eq(given.as_bytes(), expected.as_bytes())
 }
 
 /// An error answer.
@@ -77,6 +85,21 @@ impl ApiError {
                 )
                 .with_code("rate_limit_exceeded")
             },
+            SubmitError::EngineDead(_) => ApiError {
+                retry_after: Some(5),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    e.to_string(),
+                )
+            },
+            SubmitError::MaxTokensTooLarge { .. } => {
+                ApiError::bad_request(e.to_string(), Some("max_tokens"))
+                    .with_code("context_length_exceeded")
+            }
+            SubmitError::TooManyStopTokens { .. } | SubmitError::BadStopToken { .. } => {
+                ApiError::bad_request(e.to_string(), Some("stop_token_ids"))
+            }
             SubmitError::ShuttingDown => ApiError {
                 retry_after: Some(5),
                 ..ApiError::new(
@@ -96,6 +119,24 @@ impl ApiError {
             SubmitError::BadKv(_) => {
                 ApiError::new(StatusCode::BAD_GATEWAY, "server_error", e.to_string())
             }
+        }
+    }
+}
+
+impl ApiError {
+    /// A request that waited longer than `--max-queue-time` for admission: 503, retry soon.
+    pub fn queue_timeout(waited: std::time::Duration) -> ApiError {
+        ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                format!(
+                    "the request waited {:.1} s for admission, longer than the server's queueing-time limit; retry later",
+                    waited.as_secs_f64()
+                ),
+            )
+            .with_code("queue_timeout")
         }
     }
 }

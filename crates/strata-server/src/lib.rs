@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod cache_index;
 pub mod error;
 pub mod metrics;

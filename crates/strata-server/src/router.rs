@@ -94,6 +94,8 @@ pub struct RouterState {
     pub hit_pages_remote: AtomicU64,
     /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
     pub scraped: std::sync::Mutex<std::collections::HashMap<String, WorkerStats>>,
+    /// The deployment's cluster key: every call to a worker carries proof of it.
+    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
 }
 
 /// What the dashboard shows of a worker, from its `/metrics`.
@@ -170,6 +172,7 @@ impl RouterState {
             hit_pages_host: AtomicU64::new(0),
             hit_pages_remote: AtomicU64::new(0),
             scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
+            cluster_key: None,
         }
     }
 
@@ -245,6 +248,7 @@ impl RouterState {
 
 /// The router's HTTP API.
 pub fn router(state: Arc<RouterState>) -> Router {
+    let limit = state.body_limit;
     Router::new()
         .route("/v1/chat/completions", post(forward_chat))
         .route("/v1/completions", post(forward_completions))
@@ -254,6 +258,9 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/dashboard", get(dashboard))
         .route("/dashboard/data", get(dashboard_data))
+        .fallback(crate::app::not_found)
+        .method_not_allowed_fallback(crate::app::method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
@@ -264,7 +271,10 @@ pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
     };
     loop {
         for (i, w) in state.cache_pool().iter().enumerate() {
-            if let Err(e) = index.poll(&state.client, i, &w.url).await {
+            if let Err(e) = index
+                .poll(&state.client, state.cluster_key.as_ref(), i, &w.url)
+                .await
+            {
                 tracing::debug!(worker = %w.url, error = %e, "cache events not read");
             }
         }
@@ -322,9 +332,16 @@ fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
         return Ok(());
     }
     let given = crate::error::bearer(headers);
-    match given {
-        Some(k) if st.api_keys.contains(k) => Ok(()),
-        _ => Err(ApiError::new(
+    // Every key is compared, each in constant time: the answer's timing says nothing about
+    // which key or which byte was close.
+    let ok = given.is_some_and(|g| {
+        st.api_keys
+            .iter()
+            .fold(false, |ok, k| crate::error::secret_eq(g, k) | ok)
+    });
+    match ok {
+        true => Ok(()),
+        false => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             "a valid API key is needed: Authorization: Bearer <key>",
@@ -333,16 +350,94 @@ fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn forward_chat(st: St, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+type Body_ = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn forward_chat(st: St, headers: HeaderMap, body: Body_) -> Result<Response, ApiError> {
     forward(st, headers, body, "/v1/chat/completions").await
 }
 
 async fn forward_completions(
     st: St,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body_,
 ) -> Result<Response, ApiError> {
     forward(st, headers, body, "/v1/completions").await
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        format!("the request body exceeds the limit of {limit} bytes"),
+    )
+}
+
+/// The SSE event a client gets when the worker's stream broke before its end: an error in
+/// OpenAI's shape, then `[DONE]`, so that no client mistakes a truncated answer for a whole
+/// one.
+pub fn broken_stream_tail(why: &str) -> Bytes {
+    let e = ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        format!("the worker's stream broke before the end of the answer: {why}"),
+    );
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
+}
+
+/// The worker's SSE body, passed through; if it fails (the worker died) or ends without
+/// `[DONE]`, the client gets [`broken_stream_tail`] and a clean end of stream.
+fn guard_sse<S>(
+    upstream: S,
+    keep: InFlight,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
+where
+    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
+{
+    struct G<S> {
+        up: S,
+        done_seen: bool,
+        tail: [u8; 16],
+        over: bool,
+        _keep: InFlight,
+    }
+    futures_util::stream::unfold(
+        G {
+            up: upstream,
+            done_seen: false,
+            tail: [0; 16],
+            over: false,
+            _keep: keep,
+        },
+        |mut g| async move {
+            if g.over {
+                return None;
+            }
+            match g.up.next().await {
+                Some(Ok(b)) => {
+                    // `[DONE]` may straddle two chunks: look at the last bytes of both.
+                    let mut w = g.tail.to_vec();
+                    w.extend_from_slice(&b);
+                    if w.windows(6).any(|x| x == b"[DONE]") {
+                        g.done_seen = true;
+                    }
+                    let n = w.len().min(16);
+                    g.tail = [0; 16];
+                    g.tail[16 - n..].copy_from_slice(&w[w.len() - n..]);
+                    Some((Ok(b), g))
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
+                    g.over = true;
+                    Some((Ok(broken_stream_tail("connection lost")), g))
+                }
+                None if !g.done_seen => {
+                    g.over = true;
+                    Some((Ok(broken_stream_tail("it ended without [DONE]")), g))
+                }
+                None => None,
+            }
+        },
+    )
 }
 
 /// Decrements a worker's in-flight count when the response body is done (or dropped).
@@ -359,19 +454,19 @@ impl Drop for InFlight {
 async fn forward(
     State(st): St,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body_,
     path: &str,
 ) -> Result<Response, ApiError> {
     check_key(&st, &headers)?;
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            too_large(st.body_limit)
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+        }
+    })?;
     if body.len() > st.body_limit {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!(
-                "the request body exceeds the limit of {} bytes",
-                st.body_limit
-            ),
-        ));
+        return Err(too_large(st.body_limit));
     }
     st.forwarded.fetch_add(1, Ordering::Relaxed);
     let mut last_err = None;
@@ -383,7 +478,12 @@ async fn forward(
             } else {
                 avoid_p.as_ref()
             };
-            st.pick_cached(&body, avoid)
+            // Tokenizing the prompt is CPU work: off the async workers.
+            let (st2, body2, avoid) = (st.clone(), body.clone(), avoid.cloned());
+            tokio::task::spawn_blocking(move || st2.pick_cached(&body2, avoid.as_ref()))
+                .await
+                .ok()
+                .flatten()
         } else {
             None
         };
@@ -411,6 +511,9 @@ async fn forward(
             .post(format!("{}{path}", d.url))
             .header(header::CONTENT_TYPE, "application/json")
             .body(body.clone());
+        if let Some(k) = &st.cluster_key {
+            req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, "POST", path));
+        }
         if let Some(p) = &p {
             p.in_flight.fetch_add(1, Ordering::Relaxed);
             p.requests.fetch_add(1, Ordering::Relaxed);
@@ -421,19 +524,29 @@ async fn forward(
         match req.send().await {
             // Worker-side failures before any token (bad gateway, unavailable) are retried.
             Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
+                let status = r.status();
                 let text = r.text().await.unwrap_or_default();
-                tracing::warn!(decode = %d.url, prefill = ?p.as_ref().map(|w| &w.url), %text, "retrying on another pair");
+                // The worker's words go to the log, never to the client.
+                tracing::warn!(decode = %d.url, prefill = ?p.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
                 d.failures.fetch_add(1, Ordering::Relaxed);
-                last_err = Some(text);
+                last_err = Some(format!("a worker answered {status}"));
             }
             Ok(r) => {
                 let status = r.status();
                 let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
-                let stream = r.bytes_stream().map(move |c| {
-                    let _keep = &guard;
-                    c
-                });
-                let mut resp = Response::new(Body::from_stream(stream));
+                let sse = ctype
+                    .as_ref()
+                    .and_then(|c| c.to_str().ok())
+                    .is_some_and(|c| c.starts_with("text/event-stream"));
+                let body = if sse {
+                    Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard))
+                } else {
+                    Body::from_stream(r.bytes_stream().map(move |c| {
+                        let _keep = &guard;
+                        c
+                    }))
+                };
+                let mut resp = Response::new(body);
                 *resp.status_mut() =
                     StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
                 if let Some(c) = ctype {
@@ -447,7 +560,7 @@ async fn forward(
                 if e.is_connect() {
                     d.healthy.store(false, Ordering::Relaxed);
                 }
-                last_err = Some(e.to_string());
+                last_err = Some("a worker was unreachable".into());
             }
         }
         st.retries.fetch_add(1, Ordering::Relaxed);

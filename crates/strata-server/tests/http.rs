@@ -468,6 +468,13 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
                 .await
                 .unwrap(),
             400,
+            Some("max_tokens"),
+        ),
+        (
+            raw(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}"#)
+                .await
+                .unwrap(),
+            400,
             Some("messages"),
         ),
         (
@@ -519,5 +526,151 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
     ok["frobnicate"] = json!({"x": 1});
     let (st, v) = post(&chat, ok).await;
     assert_eq!(st, 200, "{v}");
+    s.stop().await;
+}
+
+/// Fuzzing the request bodies (a bounded number of cases): chat and completion bodies built from
+/// the real field names with arbitrary values, sent to a real server. Every answer is JSON with
+/// a status a client can act on (200, 400, 404, 413, 429, 503), and the server stays healthy.
+#[test]
+fn fuzzed_request_bodies_get_json_answers_and_the_server_stays_healthy() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let s = rt.block_on(start(Opts::default()));
+    let value = prop_oneof![
+        Just(json!(null)),
+        any::<bool>().prop_map(|b| json!(b)),
+        any::<i64>().prop_map(|i| json!(i)),
+        any::<u64>().prop_map(|u| json!(u)),
+        any::<f64>().prop_map(|f| json!(f)),
+        ".{0,40}".prop_map(|t| json!(t)),
+        proptest::collection::vec(any::<u32>(), 0..40).prop_map(|v| json!(v)),
+        proptest::collection::vec(".{0,8}", 0..20).prop_map(|v| json!(v)),
+        Just(json!([{"role": "user", "content": "hi"}])),
+        Just(json!([{"role": "tool", "content": [{"type": "image_url"}]}])),
+        Just(json!({"include_usage": true})),
+    ];
+    let fields = [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "stream",
+        "stream_options",
+        "n",
+        "ignore_eos",
+    ];
+    let body = proptest::collection::vec((0..fields.len(), value), 0..8).prop_map(move |kv| {
+        let mut m = serde_json::Map::new();
+        for (i, v) in kv {
+            m.insert(fields[i].to_string(), v);
+        }
+        if !m.contains_key("max_tokens") {
+            m.insert("max_tokens".into(), json!(2));
+        }
+        Value::Object(m)
+    });
+    let mut runner = TestRunner::new(Config {
+        cases: 150,
+        ..Config::default()
+    });
+    let url = s.url.clone();
+    runner
+        .run(&(any::<bool>(), body), |(chat, body)| {
+            let path = if chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            };
+            let (status, text) = rt.block_on(async {
+                let r = client()
+                    .post(format!("{url}{path}"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            });
+            prop_assert!(
+                [200, 400, 404, 413, 429, 503].contains(&status),
+                "{status} for {body}: {text}"
+            );
+            if status != 200 {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                prop_assert!(v["error"]["message"].is_string(), "{text}");
+            }
+            Ok(())
+        })
+        .unwrap();
+    let h = rt.block_on(async {
+        client()
+            .get(format!("{}/health", s.url))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(h.as_u16(), 200);
+    rt.block_on(s.stop());
+}
+
+/// A request that waits for admission longer than the queueing-time limit gets 503 with
+/// Retry-After (and code `queue_timeout`); the others complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_queued_past_the_limit_gets_503_with_retry_after() {
+    let s = start(Opts {
+        cfg: EngineConfig {
+            max_running: 1,
+            max_queue_time: Some(Duration::from_millis(1)),
+            ..EngineConfig::default()
+        },
+        ..Opts::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", s.url);
+    let reqs = (0..20).map(|i| {
+        let url = url.clone();
+        async move {
+            let r = client()
+                .post(&url)
+                .json(&json!({"prompt": [1, 2, 3, i], "max_tokens": 50, "ignore_eos": true}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let retry = r.headers().get("retry-after").is_some();
+            let v: Value = r.json().await.unwrap();
+            (status, retry, v)
+        }
+    });
+    let out = futures_util::future::join_all(reqs).await;
+    let late: Vec<_> = out.iter().filter(|o| o.0 == 503).collect();
+    assert!(!late.is_empty(), "nothing timed out in the queue");
+    for (_, retry, v) in &late {
+        assert!(retry, "{v}");
+        assert_eq!(v["error"]["code"], "queue_timeout", "{v}");
+    }
+    assert!(out.iter().any(|o| o.0 == 200));
+    assert!(out.iter().all(|o| o.0 == 200 || o.0 == 503));
+    let t = Instant::now();
+    while s.state.engine.snapshot().finished.queue_timeout != late.len() as u64 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "queue timeouts not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     s.stop().await;
 }

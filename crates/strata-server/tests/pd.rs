@@ -12,7 +12,7 @@ use strata_kv::{CacheConfig, PageLayout, TieredCache};
 use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
 use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
 use strata_server::app::serve;
-use strata_server::pd::KvInbox;
+use strata_server::pd::{KvInbox, KvLimits};
 use strata_server::router::{router, Policy, RouterState};
 use strata_server::AppState;
 use tokio::sync::oneshot;
@@ -31,7 +31,12 @@ impl Worker {
     }
 }
 
-async fn worker(path: &std::path::Path, page_size: usize, kv: bool) -> Worker {
+async fn worker(
+    path: &std::path::Path,
+    page_size: usize,
+    kv: bool,
+    prefill_workers: &[String],
+) -> Worker {
     let mut g = Gguf::open(path).unwrap();
     let tk = ModelTokenizer::from_gguf(&g).unwrap();
     let m = Model::load(&mut g).unwrap();
@@ -49,11 +54,23 @@ async fn worker(path: &std::path::Path, page_size: usize, kv: bool) -> Worker {
     let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
     st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
     st.kv_deadline = Duration::from_secs(5);
+    st.prefill_workers = prefill_workers.to_vec();
     if kv {
         let info = st.engine.info().clone();
         let hello = info.hello();
         let l = StdListener::bind("127.0.0.1:0").unwrap();
-        st.kv = Some(KvInbox::start(l, hello, info.page_bytes as u64, 1 << 30));
+        let limits = KvLimits {
+            page_size: info.page_size as u32,
+            max_tokens: info.context_length,
+            ..KvLimits::default()
+        };
+        st.kv = Some(KvInbox::start(
+            l,
+            hello,
+            info.page_bytes as u64,
+            limits,
+            None,
+        ));
     }
     let state = Arc::new(st);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -104,9 +121,9 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("tiny.gguf");
     write_tiny(&path, &TinySpec::default()).unwrap();
-    let single = worker(&path, 16, false).await;
-    let prefill = worker(&path, 16, false).await;
-    let decode = worker(&path, 16, true).await;
+    let single = worker(&path, 16, false, &[]).await;
+    let prefill = worker(&path, 16, false, &[]).await;
+    let decode = worker(&path, 16, true, std::slice::from_ref(&prefill.url)).await;
     let r = start_router(
         std::slice::from_ref(&prefill.url),
         std::slice::from_ref(&decode.url),
@@ -158,8 +175,8 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     std::thread::spawn(move || {
         let (mut c, _) = fake.accept().unwrap();
         let hello = info.hello();
-        strata_engine::transfer::handshake_accept(&mut c, &hello).unwrap();
-        let _ = strata_engine::transfer::read_frame(&mut c); // Begin
+        strata_engine::transfer::handshake_accept(&mut c, &hello, None).unwrap();
+        let _ = strata_engine::transfer::read_frame(&mut c, 1 << 24); // Begin
         let _ = strata_engine::transfer::write_frame(
             &mut c,
             &strata_engine::transfer::Frame::Ack {
@@ -168,11 +185,11 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
                 reason: String::new(),
             },
         );
-        let _ = strata_engine::transfer::read_frame(&mut c); // one page, then die
+        let _ = strata_engine::transfer::read_frame(&mut c, 1 << 24); // one page, then die
     });
     let (st, e) = post(
         &format!("{}/pd/prefill", prefill.url),
-        &json!({"id": 1, "tokens": (0..40).collect::<Vec<u32>>(), "kv_target": fake_addr}),
+        &json!({"transfer_id": "00000000000000000000000000000001", "tokens": (0..40).collect::<Vec<u32>>(), "kv_target": fake_addr}),
     )
     .await;
     assert_eq!(st, 502, "{e}");
@@ -197,10 +214,10 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     assert_eq!(st, 200);
 
     // A decode worker with another page size: the handshake is refused, with the reason.
-    let other = worker(&path, 32, true).await;
+    let other = worker(&path, 32, true, &[]).await;
     let (st, e) = post(
         &format!("{}/pd/prefill", prefill.url),
-        &json!({"id": 2, "tokens": [1, 2, 3],
+        &json!({"transfer_id": "00000000000000000000000000000002", "tokens": [1, 2, 3],
                 "kv_target": other.state.kv.as_ref().unwrap().addr.to_string()}),
     )
     .await;
@@ -209,12 +226,12 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         e["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("page size: receiver 32 tokens, sender 16 tokens"),
+            .contains("differ in: page size"),
         "{e}"
     );
 
     // Two decode workers, one stopped: the router routes around it.
-    let decode2 = worker(&path, 16, true).await;
+    let decode2 = worker(&path, 16, true, std::slice::from_ref(&prefill.url)).await;
     let dead_url = decode.url.clone();
     decode.stop().await;
     let r2 = start_router(
@@ -244,9 +261,9 @@ async fn cache_aware_routing_follows_the_prefix() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("tiny.gguf");
     write_tiny(&path, &TinySpec::default()).unwrap();
-    let p0 = worker(&path, 16, false).await;
-    let p1 = worker(&path, 16, false).await;
-    let dec = worker(&path, 16, true).await;
+    let p0 = worker(&path, 16, false, &[]).await;
+    let p1 = worker(&path, 16, false, &[]).await;
+    let dec = worker(&path, 16, true, &[p0.url.clone(), p1.url.clone()]).await;
     let g = Gguf::open(&path).unwrap();
     let tk = ModelTokenizer::from_gguf(&g).unwrap();
     let mut rs = RouterState::new(
@@ -330,7 +347,7 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("tiny.gguf");
     write_tiny(&path, &TinySpec::default()).unwrap();
-    let w = worker(&path, 16, false).await;
+    let w = worker(&path, 16, false, &[]).await;
     let mut rs = RouterState::new(&[], std::slice::from_ref(&w.url), Policy::LeastLoad);
     rs.api_keys.insert("sesame".into());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -57,6 +57,8 @@ async fn worker(path: &std::path::Path, port: u16) -> (String, Arc<AppState>) {
             namespace: "tiny-test".into(),
             ttl: None,
             timeout: Duration::from_millis(300),
+            page_key: strata_kv::storage::blob::BlobKey::public(),
+            max_value_bytes: 1 << 24,
         })
         .unwrap(),
     );
@@ -143,7 +145,7 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
             3,
         );
         let client = reqwest::Client::new();
-        idx.poll(&client, 0, &a).await.unwrap();
+        idx.poll(&client, None, 0, &a).await.unwrap();
         let body =
             serde_json::to_vec(&json!({"messages": [{"role": "user", "content": q}]})).unwrap();
         let hashes = idx.hashes(&idx.prompt_tokens(&body).unwrap());

@@ -56,6 +56,12 @@ pub fn parse_line(
     line: usize,
     block_tokens: usize,
 ) -> Result<TraceRequest, TraceError> {
+    if block_tokens == 0 {
+        return Err(TraceError::Line {
+            line,
+            msg: "blocks of 0 tokens".into(),
+        });
+    }
     let v: Value = serde_json::from_str(text).map_err(|e| TraceError::Line {
         line,
         msg: format!("not valid JSON: {e}"),
@@ -105,15 +111,39 @@ pub fn parse_line(
     })
 }
 
-/// Reads a whole trace; blank lines are skipped.
-pub fn read_trace(r: impl BufRead, block_tokens: usize) -> Result<Vec<TraceRequest>, TraceError> {
+/// Longest trace line read (a line is one request; real ones are kilobytes).
+pub const MAX_LINE_BYTES: u64 = 16 << 20;
+
+/// Reads a whole trace; blank lines are skipped. A line longer than [`MAX_LINE_BYTES`] is an
+/// error, not an unbounded allocation.
+pub fn read_trace(
+    mut r: impl BufRead,
+    block_tokens: usize,
+) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
-    for (i, l) in r.lines().enumerate() {
-        let l = l?;
+    let mut buf = Vec::new();
+    let mut i = 0;
+    loop {
+        buf.clear();
+        i += 1;
+        let n = std::io::Read::take(&mut r, MAX_LINE_BYTES + 1).read_until(b'\n', &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        if buf.len() as u64 > MAX_LINE_BYTES {
+            return Err(TraceError::Line {
+                line: i,
+                msg: format!("longer than {MAX_LINE_BYTES} bytes"),
+            });
+        }
+        let l = std::str::from_utf8(&buf).map_err(|_| TraceError::Line {
+            line: i,
+            msg: "not UTF-8".into(),
+        })?;
         if l.trim().is_empty() {
             continue;
         }
-        out.push(parse_line(&l, i + 1, block_tokens)?);
+        out.push(parse_line(l.trim_end(), i, block_tokens)?);
     }
     if out.is_empty() {
         return Err(TraceError::Empty);

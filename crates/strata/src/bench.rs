@@ -28,6 +28,8 @@ pub enum BenchCommand {
     /// Starts each configuration itself (no cache / device / +host / +disk / PD) and runs the
     /// same workload against each: table, JSON, SVG plots.
     Compare(crate::bench_compare::CompareArgs),
+    /// `/health` latency while clients send megabyte prompts.
+    Health(crate::bench_health::HealthArgs),
 }
 
 #[derive(Args, Debug)]
@@ -123,6 +125,7 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::L3(a) => l3(a).await,
             BenchCommand::Workload(a) => crate::bench_workload::run(a).await,
             BenchCommand::Compare(a) => crate::bench_compare::run(a).await,
+            BenchCommand::Health(a) => crate::bench_health::run(a).await,
         }
     })
 }
@@ -296,7 +299,9 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         .map(|i| (0..a.page_bytes).map(|j| (i * 31 + j) as u8).collect())
         .collect();
     let total = (a.pages * a.page_bytes) as f64;
-    let (pb, reps, h2) = (a.page_bytes as u64, a.reps, hello.clone());
+    let (pb, reps, h2, npages) = (a.page_bytes as u64, a.reps, hello.clone(), a.pages);
+    // One token per page slot: the pages announced match the tokens they hold.
+    let tokens: Vec<u32> = (0..a.pages * 16).map(|i| i as u32 % 100).collect();
     tokio::task::spawn_blocking(move || -> Result<()> {
         // The protocol: one connection, `reps` transfers.
         let l = TcpListener::bind("127.0.0.1:0")?;
@@ -304,19 +309,24 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         let rx = std::thread::spawn(move || -> Result<()> {
             let (mut c, _) = l.accept()?;
             c.set_nodelay(true)?;
-            transfer::handshake_accept(&mut c, &h2)?;
+            transfer::handshake_accept(&mut c, &h2, None)?;
+            let lim = transfer::RecvLimits {
+                page_bytes: pb,
+                page_size: 16,
+                max_tokens: npages * 16,
+            };
             for _ in 0..reps {
-                transfer::recv_kv(&mut c, pb, &mut |_| true)?;
+                transfer::recv_kv(&mut c, &lim, &mut |_, _| transfer::Admit::Yes)?;
             }
             Ok(())
         });
         let mut c = TcpStream::connect(addr)?;
         c.set_nodelay(true)?;
-        transfer::handshake_connect(&mut c, &hello)?;
+        transfer::handshake_connect(&mut c, &hello, None)?;
         let pages: Vec<OutPage> = blobs.iter().map(|d| OutPage { hash: [1; 16], data: d }).collect();
         let mut proto = Vec::new();
         for r in 0..reps {
-            let st = transfer::send_kv(&mut c, r as u64, &[1, 2, 3], &pages, Duration::from_secs(60))?;
+            let st = transfer::send_kv(&mut c, r as u128, &tokens, &pages, Duration::from_secs(60))?;
             proto.push(st.bytes as f64 / st.seconds / 1e9);
         }
         rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
@@ -501,6 +511,8 @@ async fn l3(a: L3Args) -> Result<()> {
             namespace: ns,
             ttl: Some(Duration::from_secs(600)),
             timeout: Duration::from_secs(10),
+            page_key: strata_kv::storage::blob::BlobKey::public(),
+            max_value_bytes: 1 << 30,
         })?;
         let hash = |i: usize| {
             let mut h = [0u8; 16];

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_compare;
+mod bench_health;
 mod bench_report;
 mod bench_workload;
 mod generate;

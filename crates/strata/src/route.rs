@@ -47,6 +47,13 @@ pub struct RouteArgs {
     /// A file of client API keys, one per line.
     #[arg(long, help_heading = "Access")]
     pub api_key_file: Option<PathBuf>,
+    /// The deployment's cluster key file (as given to the workers): every call to a worker
+    /// carries proof of it.
+    #[arg(long, help_heading = "Access")]
+    pub cluster_key_file: Option<PathBuf>,
+    /// Largest request body, with a unit (the same default as `strata serve`).
+    #[arg(long, default_value = "4MiB", help_heading = "Server")]
+    pub body_limit: String,
 }
 
 fn check_url(u: &str) -> Result<()> {
@@ -89,8 +96,14 @@ pub fn run(a: RouteArgs) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let body_limit = strata_kv::units::parse_size(&a.body_limit).context("--body-limit")? as usize;
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;
+    st.body_limit = body_limit;
+    if let Some(f) = &a.cluster_key_file {
+        st.cluster_key =
+            Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?);
+    }
     if policy == Policy::CacheAware {
         let Some(path) = &a.model else {
             bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
@@ -125,6 +138,8 @@ pub fn run(a: RouteArgs) -> Result<()> {
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
+        // The port really bound (--port 0: any free one).
+        let addr = l.local_addr()?;
         tokio::spawn(health_loop(st.clone(), every));
         tokio::spawn(index_loop(st.clone(), index_every));
         eprintln!(

@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// Seconds running requests may take to finish after SIGTERM / Ctrl-C.
     #[arg(long, default_value_t = 30.0, help_heading = "Server")]
     pub shutdown_grace: f64,
+    /// The deployment's cluster key (a file of ≥ 32 secret bytes, mode 600; `strata up`
+    /// makes one). It authenticates the router and the other workers (KV transfer, /pd/prefill,
+    /// /cache/*) and keys L3 page checksums. Without it the worker listens on loopback only.
+    #[arg(long, help_heading = "Server")]
+    pub cluster_key_file: Option<PathBuf>,
 
     /// Threads for matrix products and attention.
     #[arg(long, default_value_t = 2, help_heading = "Compute")]
@@ -72,6 +77,14 @@ pub struct ServeArgs {
     /// max_tokens for requests that give none.
     #[arg(long, default_value_t = 1024, help_heading = "Scheduling")]
     pub default_max_tokens: usize,
+    /// Seconds a request may wait for admission; beyond it: 503 with Retry-After (0: no
+    /// limit).
+    #[arg(long, default_value_t = 30.0, help_heading = "Scheduling")]
+    pub max_queue_time: f64,
+    /// Test hook (fault injection): the engine thread panics on a prompt starting with this
+    /// token id. For tests of supervision only.
+    #[arg(long, hide = true)]
+    pub fault_panic_token: Option<u32>,
 
     /// write_through, write_through_selective or write_back (device → host backup).
     #[arg(long, default_value = "write_through", help_heading = "Cache")]
@@ -121,17 +134,38 @@ pub struct ServeArgs {
     /// Seconds a KV transfer may take end to end.
     #[arg(long, default_value_t = 30.0, help_heading = "PD disaggregation")]
     pub kv_deadline: f64,
+    /// KV-transfer connections served at once (more are closed at once).
+    #[arg(long, default_value_t = 64, help_heading = "PD disaggregation")]
+    pub kv_max_connections: usize,
+    /// A prefill worker's URL this decode worker may be sent to by the router (repeat). The
+    /// router's `x-strata-prefill` header is refused for any other.
+    #[arg(long, help_heading = "PD disaggregation")]
+    pub prefill_worker: Vec<String>,
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The L3 tiers of `--l3`, in order. A Redis that cannot be reached at start is left out
 /// (said so in the log); a bad spec or an unusable disk path is an error.
-fn l3_storage(a: &ServeArgs, ns: &str) -> Result<Option<Arc<dyn Storage>>> {
+fn l3_storage(
+    a: &ServeArgs,
+    ns: &str,
+    key: strata_kv::storage::blob::BlobKey,
+    page_bytes: u64,
+) -> Result<Option<Arc<dyn Storage>>> {
     let cap = parse_size(&a.l3_size).context("--l3-size")?;
     let mut tiers: Vec<Arc<dyn Storage>> = Vec::new();
     for spec in &a.l3 {
         if let Some(path) = spec.strip_prefix("disk:").filter(|p| !p.is_empty()) {
             let d = DiskStorage::open(PathBuf::from(path), cap, false)
-                .with_context(|| format!("--l3 {spec}"))?;
+                .with_context(|| format!("--l3 {spec}"))?
+                .with_key(key)
+                .with_page_bytes(page_bytes);
             tracing::info!(
                 path,
                 capacity_bytes = cap,
@@ -144,6 +178,8 @@ fn l3_storage(a: &ServeArgs, ns: &str) -> Result<Option<Arc<dyn Storage>>> {
                 namespace: ns.to_string(),
                 ttl: (a.l3_ttl > 0).then(|| Duration::from_secs(a.l3_ttl)),
                 timeout: Duration::from_millis(a.l3_timeout_ms.max(1)),
+                page_key: key,
+                max_value_bytes: page_bytes + strata_kv::storage::blob::HEADER as u64,
             };
             match strata_redis::RedisStorage::connect(&cfg) {
                 Ok(r) => {
@@ -197,12 +233,47 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             a.shutdown_grace
         );
     }
+    if !(a.max_queue_time >= 0.0 && a.max_queue_time.is_finite()) {
+        bail!(
+            "--max-queue-time {}: expected seconds ≥ 0 (0: no limit)",
+            a.max_queue_time
+        );
+    }
     if a.max_batch_tokens == 0 || a.max_running == 0 {
         bail!("--max-batch-tokens and --max-running must be at least 1");
     }
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let cluster_key = match &a.cluster_key_file {
+        Some(f) => Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?),
+        None => {
+            for (flag, host) in [("--host", &a.host), ("--kv-host", &a.kv_host)] {
+                if !is_loopback(host) {
+                    bail!(
+                        "{flag} {host}: a worker without --cluster-key-file listens on loopback only \
+                         (its worker-to-worker endpoints would be open to the network); give the \
+                         deployment's key file, see docs/SECURITY.md"
+                    );
+                }
+            }
+            eprintln!(
+                "strata serve: no cluster key (--cluster-key-file): worker endpoints are unauthenticated; listening on loopback only"
+            );
+            None
+        }
+    };
+    for u in &a.prefill_worker {
+        if !(u.starts_with("http://") || u.starts_with("https://")) {
+            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
+        }
+    }
+    // Bind before loading anything: a port in use is a configuration error, said at once.
+    let std_listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    std_listener.set_nonblocking(true)?;
+    // The port really bound (--port 0: any free one, said in the ready line).
+    let addr = std_listener.local_addr()?;
     let path = match &a.sizing.model {
         Some(p) => p.clone(),
         None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
@@ -252,7 +323,11 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     alloc.huge_pages = a.sizing.huge_pages;
     let ns_key = strata_kv::HashNamespace::new(&model_id(&path), &layout).key();
     let ns: String = ns_key[..8].iter().map(|b| format!("{b:02x}")).collect();
-    let storage = l3_storage(&a, &ns)?;
+    let blob_key = cluster_key
+        .as_ref()
+        .map(strata_kv::storage::blob::BlobKey::from_cluster)
+        .unwrap_or_default();
+    let storage = l3_storage(&a, &ns, blob_key, layout.page_bytes() as u64)?;
     let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
     let mut cc = CacheConfig::new(layout, device_pages, host_pages);
     cc.model_id = model_id(&path);
@@ -303,6 +378,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         model_id: model_id(&path),
         prefetch,
         prefix_cache: !a.disable_prefix_cache,
+        max_queue_time: (a.max_queue_time > 0.0).then(|| Duration::from_secs_f64(a.max_queue_time)),
+        fault_panic_token: a.fault_panic_token,
+        ..EngineConfig::default()
     };
     if a.disable_prefix_cache {
         tracing::warn!("prefix cache disabled: every prompt is computed in full");
@@ -324,14 +402,30 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.plan = Some(gauges);
     st.storage_tier = storage_tier.to_string();
     st.role = role.to_string();
+    st.cluster_key = cluster_key.clone();
+    st.prefill_workers = a.prefill_worker.clone();
     if matches!(role, "decode" | "both") {
         let info = st.engine.info().clone();
         let hello = info.hello();
         let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
         let l = std::net::TcpListener::bind(&kv_addr)
             .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
-        let inbox = strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, kv_staging);
+        let limits = strata_server::pd::KvLimits {
+            staging: kv_staging,
+            max_connections: a.kv_max_connections.max(1),
+            max_tokens: info.context_length,
+            page_size: info.page_size as u32,
+            ..strata_server::pd::KvLimits::default()
+        };
+        let inbox = strata_server::pd::KvInbox::start(
+            l,
+            hello,
+            info.page_bytes as u64,
+            limits,
+            cluster_key.clone(),
+        );
         tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
+        eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
         st.kv = Some(inbox);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
@@ -342,16 +436,30 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
+        let listener = tokio::net::TcpListener::from_std(std_listener)
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
         eprintln!("strata serve: ready on http://{addr} (model `{name}`, role {role_s})");
-        strata_server::app::serve(listener, Arc::new(st), shutdown_signal(), grace).await?;
+        let engine = st.engine.clone();
+        let serving = strata_server::app::serve(listener, Arc::new(st), shutdown_signal(), grace);
+        tokio::select! {
+            r = serving => r?,
+            why = strata_server::app::watch_engine(engine) => {
+                // /health answers 503 meanwhile; then exit so a supervisor restarts us.
+                tracing::error!(reason = %why, "engine dead: exiting with code {ENGINE_DEAD_EXIT}");
+                eprintln!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                std::process::exit(ENGINE_DEAD_EXIT);
+            }
+        }
         tracing::info!("stopped");
         Ok(())
     })
 }
+
+/// Exit code of a worker whose engine thread died (EX_SOFTWARE): not a configuration error,
+/// so `strata up` restarts it.
+pub const ENGINE_DEAD_EXIT: i32 = 70;
 
 /// The model's id in page hashes: file name plus size, so two different files never share
 /// cache entries.

@@ -42,6 +42,9 @@ struct Deployment {
     model: String,
     #[serde(default = "yes")]
     smoke_test: bool,
+    /// The cluster key file every process gets; default: a new key for this deployment.
+    #[serde(default)]
+    cluster_key_file: Option<PathBuf>,
     router: RouterSpec,
     #[serde(default)]
     prefill: Vec<WorkerSpec>,
@@ -86,6 +89,8 @@ struct Proc {
     url: String,
     restarts: u32,
     next_restart: Option<Instant>,
+    /// When it crashed, within the last [`CRASH_WINDOW`].
+    crashes: VecDeque<Instant>,
 }
 
 fn spawn(name: &str, args: &[String]) -> Result<(Child, Arc<Mutex<VecDeque<String>>>)> {
@@ -136,8 +141,12 @@ fn terminate(procs: &mut [Proc]) {
 /// SIGTERM to every child, then waits up to `grace` in all for them to exit; kills the rest.
 pub fn stop_all<'a>(children: impl IntoIterator<Item = &'a mut Child>, grace: Duration) {
     let mut children: Vec<&mut Child> = children.into_iter().collect();
-    for c in children.iter() {
-        // SAFETY: kill(2) on a child this process spawned (its pid is still ours until waited).
+    for c in children.iter_mut() {
+        if c.try_wait().ok().flatten().is_some() {
+            continue; // reaped already: its pid may belong to another process now
+        }
+        // SAFETY: kill(2) on a child this process spawned and has not reaped (its pid is
+        // still ours until waited).
         unsafe {
             libc::kill(c.id() as i32, libc::SIGTERM);
         }
@@ -212,7 +221,14 @@ pub fn run(a: UpArgs) -> Result<()> {
             "strata up: this machine has one NUMA node: prefill and decode workers both use node 0"
         );
     }
+    let (key_file, _key_dir) = cluster_key(&d)?;
+    let key_arg = key_file.display().to_string();
     let pd = !d.prefill.is_empty();
+    let prefill_urls: Vec<String> = d
+        .prefill
+        .iter()
+        .map(|w| format!("http://{}:{}", d.host, w.port))
+        .collect();
     let mut workers = Vec::new();
     for (role, list, default_node) in [("prefill", &d.prefill, 0u32), ("decode", &d.decode, 1u32)] {
         for (i, w) in list.iter().enumerate() {
@@ -234,7 +250,15 @@ pub fn run(a: UpArgs) -> Result<()> {
                 model.display().to_string(),
                 "--kv-host".into(),
                 d.host.clone(),
+                "--cluster-key-file".into(),
+                key_arg.clone(),
             ];
+            if role == "decode" {
+                for u in &prefill_urls {
+                    args.push("--prefill-worker".into());
+                    args.push(u.clone());
+                }
+            }
             args.extend(w.args.iter().cloned());
             workers.push((
                 format!("{role}-{i}"),
@@ -260,6 +284,7 @@ pub fn run(a: UpArgs) -> Result<()> {
             url,
             restarts: 0,
             next_restart: None,
+            crashes: VecDeque::new(),
         });
     }
     // Wait for health; a worker that exits now stops everything with its own message and code.
@@ -309,6 +334,8 @@ pub fn run(a: UpArgs) -> Result<()> {
         d.router.policy.clone(),
         "--model".into(),
         model.display().to_string(),
+        "--cluster-key-file".into(),
+        key_arg.clone(),
     ];
     for p in &procs {
         let flag = if p.name.starts_with("prefill") {
@@ -330,6 +357,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         url: router_url.clone(),
         restarts: 0,
         next_restart: None,
+        crashes: VecDeque::new(),
     });
     loop {
         let r = procs.last_mut().expect("router");
@@ -395,7 +423,85 @@ pub fn run(a: UpArgs) -> Result<()> {
     supervise(&rt, procs)
 }
 
-/// Restarts crashed processes with backoff until Ctrl-C / SIGTERM, then stops them all.
+/// Removes the generated key's directory when `up` ends normally.
+struct KeyDir(PathBuf);
+impl Drop for KeyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The deployment's cluster key file: the one the deployment names, or a new one in a private
+/// directory (mode 700; the key 600) that lives as long as this `up`.
+fn cluster_key(d: &Deployment) -> Result<(PathBuf, Option<KeyDir>)> {
+    if let Some(f) = &d.cluster_key_file {
+        strata_kv::auth::ClusterKey::from_file(f).context("cluster_key_file")?;
+        return Ok((f.clone(), None));
+    }
+    let dir = std::env::temp_dir().join(format!("strata-up-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut b = std::fs::DirBuilder::new();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        b.mode(0o700);
+    }
+    b.create(&dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
+    let f = dir.join("cluster.key");
+    strata_kv::auth::ClusterKey::create_file(&f)
+        .with_context(|| format!("cannot write {}", f.display()))?;
+    eprintln!(
+        "strata up: a new cluster key for this deployment: {} (router and workers authenticate each other with it)",
+        f.display()
+    );
+    Ok((f, Some(KeyDir(dir))))
+}
+
+/// Crashes of one process within [`CRASH_WINDOW`] after which `up` gives up.
+const MAX_CRASHES: usize = 5;
+const CRASH_WINDOW: Duration = Duration::from_secs(600);
+/// A worker's exit code for a configuration error (bad flag, port taken, plan does not fit):
+/// restarting cannot help.
+const CONFIG_EXIT: i32 = 2;
+
+/// What to do about a process that exited while serving.
+#[derive(Debug, PartialEq, Eq)]
+enum Crash {
+    Restart { after: Duration },
+    GiveUp(String),
+}
+
+/// Exit code 2 is a configuration error: never restarted. Other crashes restart with
+/// exponential backoff (1, 2, 4 … 32 s) until [`MAX_CRASHES`] within [`CRASH_WINDOW`].
+fn on_exit(code: Option<i32>, crashes: &mut VecDeque<Instant>, now: Instant) -> Crash {
+    if code == Some(CONFIG_EXIT) {
+        return Crash::GiveUp(format!(
+            "it exited with code {CONFIG_EXIT} (a configuration error): restarting cannot help"
+        ));
+    }
+    while crashes
+        .front()
+        .is_some_and(|t| now.duration_since(*t) > CRASH_WINDOW)
+    {
+        crashes.pop_front();
+    }
+    crashes.push_back(now);
+    if crashes.len() >= MAX_CRASHES {
+        return Crash::GiveUp(format!(
+            "it crashed {} times within {} s",
+            crashes.len(),
+            CRASH_WINDOW.as_secs()
+        ));
+    }
+    Crash::Restart {
+        after: Duration::from_secs(1u64 << (crashes.len() - 1).min(5)),
+    }
+}
+
+/// Restarts crashed processes with backoff until Ctrl-C / SIGTERM, then stops them all. A
+/// process that exits with a configuration error, or crashes too often, stops everything
+/// with the reason (exit code 2, or 1).
 fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> Result<()> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s = stop.clone();
@@ -404,18 +510,38 @@ fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> Result<()> {
         s.store(true, std::sync::atomic::Ordering::SeqCst);
     });
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut give_up = None;
         for p in procs.iter_mut() {
             if p.next_restart.is_none() {
                 if let Some(status) = p.child.try_wait()? {
-                    p.restarts += 1;
-                    let wait = Duration::from_secs(1u64 << (p.restarts - 1).min(5));
-                    eprintln!(
-                        "strata up: {} crashed ({status}); restart #{} in {} s",
-                        p.name,
-                        p.restarts,
-                        wait.as_secs()
-                    );
-                    p.next_restart = Some(Instant::now() + wait);
+                    std::thread::sleep(Duration::from_millis(100)); // its last lines
+                    let why = reason(&p.tail);
+                    match on_exit(status.code(), &mut p.crashes, Instant::now()) {
+                        Crash::Restart { after } => {
+                            p.restarts += 1;
+                            eprintln!(
+                                "strata up: {} crashed ({status}: {why}); restart #{} in {} s",
+                                p.name,
+                                p.restarts,
+                                after.as_secs()
+                            );
+                            p.next_restart = Some(Instant::now() + after);
+                        }
+                        Crash::GiveUp(because) => {
+                            eprintln!("strata up: {} exited ({status}): {why}", p.name);
+                            eprintln!(
+                                "strata up: not restarting {}: {because}; stopping everything",
+                                p.name
+                            );
+                            let code = if status.code() == Some(CONFIG_EXIT) {
+                                CONFIG_EXIT
+                            } else {
+                                1
+                            };
+                            give_up = Some(code);
+                            break;
+                        }
+                    }
                 }
             } else if p.next_restart.is_some_and(|t| Instant::now() >= t) {
                 let (child, tail) = spawn(&p.name, &p.args)?;
@@ -425,9 +551,55 @@ fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> Result<()> {
                 eprintln!("strata up: {} restarted (pid {})", p.name, p.child.id());
             }
         }
+        if let Some(code) = give_up {
+            // The one that exited is reaped already; this stops the rest.
+            terminate(&mut procs);
+            std::process::exit(code);
+        }
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!("strata up: stopping every process");
     terminate(&mut procs);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configuration_error_is_never_restarted() {
+        let mut c = VecDeque::new();
+        assert!(matches!(
+            on_exit(Some(2), &mut c, Instant::now()),
+            Crash::GiveUp(m) if m.contains("configuration error")
+        ));
+    }
+
+    #[test]
+    fn crashes_back_off_then_give_up_within_the_window() {
+        let mut c = VecDeque::new();
+        let t0 = Instant::now();
+        let mut waits = Vec::new();
+        for i in 0..MAX_CRASHES - 1 {
+            match on_exit(Some(70), &mut c, t0 + Duration::from_secs(i as u64)) {
+                Crash::Restart { after } => waits.push(after.as_secs()),
+                g => panic!("{g:?}"),
+            }
+        }
+        assert_eq!(waits, vec![1, 2, 4, 8]);
+        assert!(matches!(
+            on_exit(None, &mut c, t0 + Duration::from_secs(10)),
+            Crash::GiveUp(m) if m.contains("5 times")
+        ));
+        // Crashes spread beyond the window restart again.
+        let mut c = VecDeque::new();
+        for i in 0..10u64 {
+            let at = t0 + CRASH_WINDOW * i as u32 + Duration::from_secs(i);
+            assert!(matches!(
+                on_exit(Some(1), &mut c, at),
+                Crash::Restart { .. }
+            ));
+        }
+    }
 }

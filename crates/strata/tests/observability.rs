@@ -75,7 +75,7 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
         &cfg,
         format!(
             "smoke_test = true\n[router]\nport = {r}\npolicy = \"cache_aware\"\n\
-             [[prefill]]\nport = {p}\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\"]\n\
+             [[prefill]]\nport = {p}\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\", \"--admin-key\", \"obs-admin\"]\n\
              [[decode]]\nport = {dd}\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\"]\n",
             d.path().join("l3").display()
         ),
@@ -141,9 +141,12 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
             chat(&format!("{q} {}", round % 2), round % 3 == 0);
         }
         if round == 3 {
+            // Admin endpoints need the admin key (or the cluster key) under `strata up`.
             curl(&[
                 "-X",
                 "POST",
+                "-H",
+                "authorization: Bearer obs-admin",
                 &format!("http://127.0.0.1:{p}/flush_cache?tier=device"),
             ]);
         }

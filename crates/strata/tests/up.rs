@@ -178,3 +178,111 @@ fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
     let status = child.0.wait().unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+/// A decode worker whose engine thread dies (fault injection: a prompt starting with token 7)
+/// exits 70 and is restarted; the router answers again. Then the worker is killed and its port
+/// taken: the restart fails with a configuration error (exit 2), and `up` stops everything
+/// with the reason instead of a restart loop.
+#[test]
+fn a_dead_engine_is_restarted_and_a_configuration_error_stops_up() {
+    let d = tempfile::tempdir().unwrap();
+    let (r, p, dp) = (free_port(), free_port(), free_port());
+    let text = format!(
+        r#"host = "127.0.0.1"
+smoke_test = true
+[router]
+port = {r}
+[[prefill]]
+port = {p}
+args = ["--device-mem", "16MiB"]
+[[decode]]
+port = {dp}
+args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
+"#
+    );
+    let cfg = d.path().join("up.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let (child, rx) = up(d.path(), &cfg);
+    let mut child = Up(child);
+    let mut log = Vec::new();
+    wait_for(&rx, &mut log, "smoke test through the router", 90);
+    let post = |body: &str| -> String {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-H",
+                "content-type: application/json",
+            ])
+            .arg("-d")
+            .arg(body)
+            .arg(format!("http://127.0.0.1:{r}/v1/completions"))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let code = post(r#"{"prompt":[7,8,9],"max_tokens":3}"#);
+    assert_ne!(code, "200", "the fault did not fire");
+    wait_for(&rx, &mut log, "exiting with code 70", 20);
+    wait_for(&rx, &mut log, "decode-0 crashed", 20);
+    wait_for(&rx, &mut log, "decode-0 restarted", 20);
+    let t = Instant::now();
+    while post(r#"{"prompt":[1,2,3],"max_tokens":3}"#) != "200" {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the router never answered again:\n{}",
+            log.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Kill it and take its port: the restart cannot listen (exit 2) and `up` gives up.
+    let line = log
+        .iter()
+        .rev()
+        .find(|l| l.contains("decode-0 restarted (pid"))
+        .unwrap()
+        .clone();
+    let pid: i32 = line
+        .split("pid ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches(')')
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) on the decode worker `strata up` restarted (its pid was printed).
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let t = Instant::now();
+    let _squat = loop {
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", dp)) {
+            break l;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "the port stayed busy");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "strata up kept going"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    log.extend(rx.try_iter());
+    let text = log.join("\n");
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(text.contains("not restarting decode-0"), "{text}");
+    assert!(text.contains("configuration error"), "{text}");
+    assert!(text.contains("cannot listen"), "{text}");
+    // Restarted after the engine died and after the kill; the restart that could not listen
+    // is the last one.
+    assert_eq!(text.matches("decode-0 restarted").count(), 2, "{text}");
+}

@@ -4,6 +4,10 @@
 //! page hash) + payload. Writes go to `<dir>/tmp/` and are renamed into place, so a reader never
 //! sees a partial file under a page's name. A file whose header, length, hash or checksum is wrong
 //! is a miss, counted as corrupt, and deleted. A byte cap evicts least recently used pages.
+//!
+//! Nothing in the directory is trusted: a page is read only from a regular file (opened without
+//! following a symlink and without blocking, so a FIFO or a device is a miss, not a hang), in a
+//! subdirectory that is not a symlink, and of at most the largest value this store holds.
 
 use std::fs;
 use std::io::Write;
@@ -15,13 +19,16 @@ use super::lru::LruIndex;
 use super::{Storage, StorageError, StorageStats};
 use crate::hash::PageHash;
 
-use super::blob::{self, HEADER};
+use super::blob::{self, BlobKey, HEADER};
 
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
     dir: PathBuf,
     cap_bytes: u64,
     sync: bool,
+    key: BlobKey,
+    /// Largest file read (header + payload).
+    max_value: u64,
     index: Mutex<LruIndex>,
     stats: Mutex<StorageStats>,
     seq: AtomicU64,
@@ -73,6 +80,8 @@ impl DiskStorage {
             dir,
             cap_bytes,
             sync,
+            key: BlobKey::public(),
+            max_value: cap_bytes,
             index: Mutex::new(LruIndex::default()),
             stats: Mutex::new(StorageStats::default()),
             seq: AtomicU64::new(0),
@@ -89,6 +98,55 @@ impl DiskStorage {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Pages are MAC'd with `key` (from the cluster key: pages only its holders can make).
+    pub fn with_key(mut self, key: BlobKey) -> DiskStorage {
+        self.key = key;
+        self
+    }
+
+    /// Every page's payload has `bytes`: a file of any other size is not a page of this store.
+    pub fn with_page_bytes(mut self, bytes: u64) -> DiskStorage {
+        self.max_value = bytes + HEADER as u64;
+        self
+    }
+
+    /// A page file's bytes, read only from a regular file of at most `max_value` bytes, in a
+    /// directory that is not a symlink. Ok(None): absent, or not something to read.
+    fn read_page_file(&self, p: &Path) -> std::io::Result<Option<Vec<u8>>> {
+        use std::io::Read;
+        #[cfg(unix)]
+        use std::os::unix::fs::OpenOptionsExt;
+        let parent = p.parent().expect("page path has a parent");
+        match fs::symlink_metadata(parent) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        let mut o = fs::OpenOptions::new();
+        o.read(true);
+        // No symlink followed; no blocking open of a FIFO (its reads then fail fast).
+        #[cfg(unix)]
+        o.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+        let f = match o.open(p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            // ELOOP: a symlink; ENXIO: a FIFO without writer and the like.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENXIO)) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        let md = f.metadata()?;
+        if !md.is_file() || md.len() > self.max_value || md.len() < HEADER as u64 {
+            return Ok(Some(Vec::new())); // present but not a page: corrupt
+        }
+        let mut bytes = Vec::with_capacity(md.len() as usize);
+        // At most the size the file had: a file that grows meanwhile is cut, then refused.
+        f.take(self.max_value + 1).read_to_end(&mut bytes)?;
+        Ok(Some(bytes))
     }
 
     /// Path of a page's file.
@@ -143,10 +201,15 @@ impl Storage for DiskStorage {
     fn get(&self, h: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
         self.count(|s| s.gets += 1);
         let p = self.path_of(h);
-        let bytes = match fs::read(&p) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        let bytes = match self.read_page_file(&p) {
+            Ok(Some(b)) => b,
+            Ok(None) => {
                 self.index().remove(h);
+                if fs::symlink_metadata(&p).is_ok() {
+                    // Something that is not a page file sits under a page's name.
+                    self.count(|s| s.corrupt += 1);
+                    let _ = fs::remove_file(&p);
+                }
                 return Ok(None);
             }
             Err(e) => {
@@ -154,7 +217,7 @@ impl Storage for DiskStorage {
                 return Err(io(&p, e));
             }
         };
-        match blob::decode(h, &bytes) {
+        match blob::decode(&self.key, h, &bytes) {
             Some(payload) => {
                 self.index().touch(*h, bytes.len() as u64);
                 self.count(|s| s.hits += 1);
@@ -179,9 +242,18 @@ impl Storage for DiskStorage {
         }
         self.count(|s| s.puts += 1);
         let final_path = self.path_of(h);
-        if self.index().contains(h) && final_path.exists() {
+        // Skipped only when a regular file of the right size is in place: anything else under
+        // the page's name (damaged, truncated, a FIFO or a link) is replaced.
+        let in_place =
+            fs::symlink_metadata(&final_path).is_ok_and(|m| m.is_file() && m.len() == total);
+        if self.index().contains(h) && in_place {
             self.index().touch(*h, total);
             return Ok(());
+        }
+        if let Ok(m) = fs::symlink_metadata(&final_path) {
+            if !m.is_file() {
+                let _ = fs::remove_file(&final_path);
+            }
         }
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
         let tmp =
@@ -190,7 +262,7 @@ impl Storage for DiskStorage {
                 .join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
             let mut f = fs::File::create(&tmp)?;
-            f.write_all(&blob::header(h, data))?;
+            f.write_all(&blob::header(&self.key, h, data))?;
             f.write_all(data)?;
             if self.sync {
                 f.sync_all()?;
@@ -351,5 +423,82 @@ mod tests {
             };
         }
         n
+    }
+
+    /// A FIFO, a symlink to /dev/zero, a symlink out of the directory and an oversized file
+    /// under page names: each is a miss (counted, removed), at once, without unbounded reads;
+    /// the next put of each page writes a real page in its place.
+    #[test]
+    fn things_that_are_not_page_files_are_misses_without_hanging() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false)
+            .unwrap()
+            .with_page_bytes(10);
+        for i in 1..=4u8 {
+            s.put(&h(i), b"0123456789").unwrap();
+        }
+        let fifo = s.path_of(&h(1));
+        fs::remove_file(&fifo).unwrap();
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let zero = s.path_of(&h(2));
+        fs::remove_file(&zero).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let out = s.path_of(&h(3));
+        let secret = outside.path().join("secret");
+        fs::write(
+            &secret,
+            blob::encode(&BlobKey::public(), &h(3), b"0123456789"),
+        )
+        .unwrap();
+        fs::remove_file(&out).unwrap();
+        std::os::unix::fs::symlink(&secret, &out).unwrap();
+        let big = s.path_of(&h(4));
+        fs::write(&big, vec![0u8; 1 << 20]).unwrap();
+        let t = std::time::Instant::now();
+        for i in 1..=4u8 {
+            assert_eq!(s.get(&h(i)).unwrap(), None, "page {i}");
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(2),
+            "a read blocked"
+        );
+        assert_eq!(s.stats().corrupt, 4);
+        assert!(
+            secret.exists(),
+            "the link's target outside the directory was touched"
+        );
+        for i in 1..=4u8 {
+            s.put(&h(i), b"0123456789").unwrap();
+            assert_eq!(s.get(&h(i)).unwrap().as_deref(), Some(&b"0123456789"[..]));
+        }
+    }
+
+    #[test]
+    fn a_damaged_page_still_indexed_is_replaced_by_the_next_put() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"page one").unwrap();
+        let p = s.path_of(&h(1));
+        let mut b = fs::read(&p).unwrap();
+        b.truncate(b.len() - 3);
+        fs::write(&p, b).unwrap();
+        s.put(&h(1), b"page one").unwrap();
+        assert_eq!(s.get(&h(1)).unwrap().as_deref(), Some(&b"page one"[..]));
+    }
+
+    #[test]
+    fn pages_under_another_key_are_misses() {
+        let d = tempfile::tempdir().unwrap();
+        let ck = crate::auth::ClusterKey::from_secret(&[5; 32]).unwrap();
+        let mine = DiskStorage::open(d.path(), 1 << 20, false)
+            .unwrap()
+            .with_key(BlobKey::from_cluster(&ck));
+        let public = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        public.put(&h(9), b"forged").unwrap();
+        assert_eq!(mine.get(&h(9)).unwrap(), None);
+        assert_eq!(mine.stats().corrupt, 1);
     }
 }

@@ -1,0 +1,56 @@
+//! Fuzzing GGUF loading (a bounded number of cases in the test suite): a valid tiny model with
+//! bytes flipped, 8-byte fields overwritten with hostile lengths, or cut short always gives a
+//! model or an error, never a panic or an abort (an allocation failure would abort the test
+//! process itself).
+
+use proptest::prelude::*;
+use strata_model::tiny::{write_tiny, TinySpec};
+use strata_model::{Gguf, Model};
+
+fn valid() -> Vec<u8> {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("t.gguf");
+    write_tiny(&p, &TinySpec::default()).unwrap();
+    std::fs::read(p).unwrap()
+}
+
+fn open(bytes: &[u8]) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("f.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    if let Ok(mut g) = Gguf::open(&p) {
+        let _ = strata_model::ModelTokenizer::from_gguf(&g);
+        let _ = Model::load(&mut g);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hostile_header_fields_never_abort(
+        at in 0usize..6000,
+        v in prop_oneof![Just(u64::MAX), Just(1u64 << 40), Just(1u64 << 32), Just(0u64), any::<u64>()],
+    ) {
+        let mut b = valid();
+        let at = at.min(b.len().saturating_sub(8));
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        open(&b);
+    }
+
+    #[test]
+    fn flipped_bytes_and_truncation_never_abort(
+        flips in proptest::collection::vec((0usize..8000, any::<u8>()), 1..6),
+        cut in proptest::option::of(0usize..20000),
+    ) {
+        let mut b = valid();
+        for (at, x) in flips {
+            let n = b.len();
+            b[at % n] ^= x | 1;
+        }
+        if let Some(c) = cut {
+            b.truncate(c.min(b.len()));
+        }
+        open(&b);
+    }
+}

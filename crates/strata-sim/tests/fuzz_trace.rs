@@ -1,0 +1,48 @@
+//! Fuzzing the trace parser (a bounded number of cases in the test suite): any bytes give a
+//! trace or an error naming a line, never a panic; the hostile inputs seen so far stay here as
+//! regression cases.
+
+use proptest::prelude::*;
+use strata_sim::trace::{parse_line, read_trace};
+
+const VALID: &str =
+    r#"{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]}"#;
+
+/// Inputs that once needed a guard: zero block size, huge lengths, wrong types, deep nesting.
+#[test]
+fn hostile_corpus() {
+    let corpus = [
+        r#"{"timestamp": 0, "input_length": 18446744073709551615, "output_length": 0, "hash_ids": []}"#,
+        r#"{"timestamp": -1, "input_length": 1, "output_length": 0, "hash_ids": [0]}"#,
+        r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [1.5]}"#,
+        r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": {"a": 1}}"#,
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
+        "null",
+        "\u{0}\u{0}",
+    ];
+    for c in corpus {
+        assert!(parse_line(c, 1, 512).is_err(), "{c}");
+    }
+    assert!(parse_line(VALID, 1, 0).is_err(), "blocks of 0 tokens");
+    assert!(parse_line(VALID, 1, 512).is_ok());
+    // A line past the limit is refused without reading it all into one line.
+    let long = format!("{}\n", " ".repeat(17 << 20));
+    assert!(read_trace(long.as_bytes(), 512).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), bt in 0usize..2048) {
+        let _ = read_trace(&bytes[..], bt);
+    }
+
+    #[test]
+    fn mutated_valid_lines_never_panic(pos in 0usize..VALID.len(), with in any::<char>(), bt in 0usize..4096) {
+        let mut s: Vec<char> = VALID.chars().collect();
+        s[pos] = with;
+        let line: String = s.into_iter().collect();
+        let _ = parse_line(&line, 1, bt);
+    }
+}
