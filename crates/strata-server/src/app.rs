@@ -100,8 +100,11 @@ impl AppState {
             plan: None,
             role: "server".into(),
             storage_tier: "disk".into(),
+            // One core fewer than the machine has (at least one): the async workers always
+            // find a core free.
             cpu_gate: tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(2, |n| n.get()),
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get().saturating_sub(1).max(1)),
             ),
             cluster_key: None,
             prefill_workers: Vec::new(),

@@ -151,3 +151,24 @@ impl IntoResponse for ApiError {
         r
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_keys_compare_whole() {
+        let mut h = axum::http::HeaderMap::new();
+        for v in ["Bearer k1", "bearer k1", "BEARER   k1"] {
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            assert_eq!(bearer(&h), Some("k1"), "{v}");
+        }
+        for v in ["Basic k1", "Bearer", "Bearerk1", "Bearer "] {
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            assert_eq!(bearer(&h), None, "{v}");
+        }
+        assert!(secret_eq("abc", "abc"));
+        assert!(!secret_eq("abc", "abd"));
+        assert!(!secret_eq("ab", "abc"));
+    }
+}

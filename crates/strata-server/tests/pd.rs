@@ -375,5 +375,30 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
+    // The same body limit as the workers (4 MiB), unknown routes and wrong methods: JSON.
+    for (resp, status) in [
+        (
+            c.post(format!("{r}/v1/chat/completions"))
+                .bearer_auth("sesame")
+                .header("content-type", "application/json")
+                .body(vec![b' '; 5 << 20])
+                .send()
+                .await
+                .unwrap(),
+            413,
+        ),
+        (c.get(format!("{r}/nope")).send().await.unwrap(), 404),
+        (
+            c.get(format!("{r}/v1/chat/completions"))
+                .send()
+                .await
+                .unwrap(),
+            405,
+        ),
+    ] {
+        assert_eq!(resp.status().as_u16(), status);
+        let v: Value = resp.json().await.unwrap();
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
     w.stop().await;
 }
