@@ -229,6 +229,8 @@ pub(crate) struct Shared {
     pub epoch: Instant,
     /// Set when the scheduler thread ended other than by shutdown: why.
     pub dead: Mutex<Option<String>>,
+    /// Set when the scheduler thread has ended (unwound, if it panicked).
+    pub ended: AtomicBool,
 }
 
 impl Shared {
@@ -251,6 +253,41 @@ impl Drop for DeadOnUnwind {
             }
         }
     }
+}
+
+thread_local! {
+    /// The engine whose scheduler runs on this thread (set on scheduler threads only).
+    static SCHEDULER: std::cell::RefCell<Option<Arc<Shared>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Installs (once per process) a panic hook that marks the panicking scheduler's engine dead
+/// before anything unwinds: before the panicking request's channel closes, so no client can
+/// see its request fail while `/health` still says ok. Other threads' panics pass through to
+/// the previous hook unchanged.
+fn install_panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let _ = SCHEDULER.try_with(|s| {
+                if let Ok(s) = s.try_borrow() {
+                    if let Some(shared) = s.as_ref() {
+                        let msg = info
+                            .payload()
+                            .downcast_ref::<&str>()
+                            .map(|m| m.to_string())
+                            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "unknown panic".into());
+                        let mut d = shared.dead.lock().unwrap_or_else(|p| p.into_inner());
+                        if d.is_none() {
+                            *d = Some(format!("the scheduler thread panicked: {msg}"));
+                        }
+                    }
+                }
+            });
+            prev(info);
+        }));
+    });
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -293,8 +330,10 @@ impl Engine {
             beat_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             dead: Mutex::new(None),
+            ended: AtomicBool::new(false),
         });
         let stall_after = cfg.stall_after;
+        install_panic_hook();
         let (tx, rx) = unbounded();
         let sched = Scheduler::new(model, cache, cfg, shared.clone(), rx);
         let watched = shared.clone();
@@ -302,6 +341,7 @@ impl Engine {
             .name("strata-scheduler".into())
             .spawn(move || {
                 let shared = watched;
+                SCHEDULER.with(|s| *s.borrow_mut() = Some(shared.clone()));
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sched.run()));
                 if let Err(p) = r {
                     let msg = format!("the scheduler thread panicked: {}", panic_message(&*p));
@@ -312,6 +352,7 @@ impl Engine {
                     *shared.dead.lock().unwrap_or_else(|p| p.into_inner()) =
                         Some("the scheduler thread ended without a shutdown".into());
                 }
+                shared.ended.store(true, Ordering::SeqCst);
             })
             .expect("spawn the scheduler thread");
         EngineHandle {
@@ -556,6 +597,11 @@ impl EngineHandle {
     /// The latest state.
     pub fn snapshot(&self) -> Snapshot {
         self.shared.snapshot.lock().expect("snapshot lock").clone()
+    }
+
+    /// True once the scheduler thread has ended (after unwinding, if it panicked).
+    pub fn has_ended(&self) -> bool {
+        self.shared.ended.load(Ordering::SeqCst)
     }
 
     /// True once [`EngineHandle::shutdown`] was called.

@@ -85,7 +85,8 @@ impl ClusterKey {
 
     /// Writes a new key file readable by its owner only; returns the key.
     pub fn create_file(path: &Path) -> std::io::Result<ClusterKey> {
-        let secret = ClusterKey::generate_secret().map_err(std::io::Error::other)?;
+        let secret =
+            ClusterKey::generate_secret().map_err(|e| std::io::Error::other(e.to_string()))?;
         let mut o = std::fs::OpenOptions::new();
         o.write(true).create_new(true);
         #[cfg(unix)]
@@ -98,6 +99,31 @@ impl ClusterKey {
         f.write_all(secret.as_bytes())?;
         f.write_all(b"\n")?;
         Ok(ClusterKey::from_secret(secret.as_bytes()).expect("64 bytes"))
+    }
+
+    /// The key in `path`, made there first if there is none. Safe against concurrent callers:
+    /// the new key is written whole to a temporary file, then linked into place (which fails if
+    /// another caller got there first; its key is then read).
+    pub fn load_or_create(path: &Path) -> Result<(ClusterKey, bool), KeyError> {
+        if path.exists() {
+            return ClusterKey::from_file(path).map(|k| (k, false));
+        }
+        let err = |why: String| KeyError::File {
+            path: path.display().to_string(),
+            why,
+        };
+        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        ClusterKey::create_file(&tmp).map_err(|e| err(e.to_string()))?;
+        let linked = std::fs::hard_link(&tmp, path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => ClusterKey::from_file(path).map(|k| (k, true)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                ClusterKey::from_file(path).map(|k| (k, false))
+            }
+            Err(e) => Err(err(e.to_string())),
+        }
     }
 
     /// A sub-key for one purpose.

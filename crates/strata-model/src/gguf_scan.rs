@@ -15,6 +15,13 @@ const MAX_ARRAY_DEPTH: u32 = 2;
 const MAX_DIMS: u32 = 4;
 /// Most elements in one tensor (2^48: far beyond any model, far below overflow).
 const MAX_ELEMS: u64 = 1 << 48;
+/// Most elements of one metadata array, and of all of them together: a reader holds each as a
+/// value of tens of bytes, whatever it takes in the file (real vocabularies and merge lists are
+/// below a million).
+const MAX_ARRAY: u64 = 1 << 22;
+const MAX_ARRAY_TOTAL: u64 = 1 << 23;
+/// Longest metadata string (chat templates are kilobytes).
+const MAX_STRING: u64 = 16 << 20;
 
 struct Walk<'a, R> {
     r: &'a mut R,
@@ -22,6 +29,8 @@ struct Walk<'a, R> {
     len: u64,
     /// Width of lengths and counts: 4 bytes in GGUF v1, 8 after.
     wide: bool,
+    /// Array elements seen so far.
+    elements: u64,
 }
 
 impl<R: Read + Seek> Walk<'_, R> {
@@ -77,6 +86,11 @@ impl<R: Read + Seek> Walk<'_, R> {
 
     fn string(&mut self, what: &str) -> Result<(), String> {
         let n = self.count(what)?;
+        if n > MAX_STRING {
+            return Err(format!(
+                "{what}: a string of {n} bytes (at most {MAX_STRING})"
+            ));
+        }
         self.skip(n, what)
     }
 
@@ -104,6 +118,12 @@ impl<R: Read + Seek> Walk<'_, R> {
                 }
                 let et = self.u32(what)?;
                 let n = self.count(what)?;
+                self.elements = self.elements.saturating_add(n);
+                if n > MAX_ARRAY || self.elements > MAX_ARRAY_TOTAL {
+                    return Err(format!(
+                        "{what}: an array of {n} elements (at most {MAX_ARRAY}, {MAX_ARRAY_TOTAL} in all)"
+                    ));
+                }
                 // Every element takes at least its fixed size, or a length field.
                 let min = Self::fixed(et)?.unwrap_or(if self.wide { 8 } else { 4 });
                 let total = n
@@ -133,6 +153,7 @@ pub fn scan<R: Read + Seek>(r: &mut R, len: u64) -> Result<(), String> {
         pos: 0,
         len,
         wide: true,
+        elements: 0,
     };
     if w.u32("the magic number")? != MAGIC {
         return Err("no GGUF magic number".into());
@@ -248,6 +269,15 @@ mod tests {
         assert!(run(&b).unwrap_err().contains("2^48"));
         // Not GGUF at all.
         assert!(run(b"hello").is_err());
+        // An array whose bytes are really in the file, but whose elements a reader would hold
+        // at tens of bytes each.
+        let mut b = header(0, 1);
+        key(&mut b, "x");
+        b.extend_from_slice(&9u32.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&(MAX_ARRAY + 1).to_le_bytes());
+        b.resize(b.len() + MAX_ARRAY as usize + 1, 0);
+        assert!(run(&b).unwrap_err().contains("at most"));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! `strata-redis`: an L3 [`Storage`] on Redis, shared by every worker that points at it.
 //!
-//! Pages are keyed `strata:v1:{namespace}:{page hash}` (the namespace: model id, page size and
-//! layout, so foreign pages never match) and stored in the shared page format (header with
+//! Pages are keyed `strata:v2:{namespace}:{key tag}:{page hash}` (the namespace: model id,
+//! page size and layout, so foreign pages never match; the key tag: derived from the page MAC
+//! key, so deployments with different cluster keys sharing one Redis never meet, and neither
+//! deletes the other's pages as corrupt) and stored in the shared page format (header with
 //! format version, length, BLAKE3 checksum and the page hash): a corrupt or foreign value is a
 //! miss, counted and deleted, never used. Every operation is bounded by a timeout; batches go
 //! in one pipelined round trip; an optional TTL lets Redis expire pages; Redis' own eviction
@@ -119,13 +121,24 @@ impl RedisStorage {
         Ok(RedisStorage {
             rt,
             conn,
-            prefix: format!("strata:v1:{}:", cfg.namespace),
+            prefix: format!(
+                "strata:v2:{}:{}:",
+                cfg.namespace,
+                strata_kv::auth::hex(
+                    &blake3::derive_key("strata redis key tag", &cfg.page_key.0)[..6]
+                )
+            ),
             ttl: cfg.ttl,
             timeout,
             key: cfg.page_key,
             max_value: cfg.max_value_bytes,
             stats: Mutex::new(StorageStats::default()),
         })
+    }
+
+    /// The Redis key of a page.
+    pub fn key_of(&self, h: &PageHash) -> String {
+        self.key(h)
     }
 
     fn key(&self, h: &PageHash) -> String {

@@ -89,7 +89,7 @@ fn put_get_exists_round_trips_and_corrupt_values_are_misses() {
     assert_eq!(got[1].as_ref().unwrap(), &None);
     assert_eq!(s.get(&h(7)).unwrap(), Some(vec![7; 1000]));
     // A value that is not this page (garbage, or another page's bytes) is a miss and is removed.
-    let key = format!("strata:v1:test:{}", h(5).to_hex());
+    let key = s.key_of(&h(5));
     let out = Command::new("redis-cli")
         .args(["-p", &r.port.to_string(), "SET", &key, "garbage"])
         .output()
@@ -194,8 +194,8 @@ fn a_transplanted_or_forged_page_is_a_miss_under_a_cluster_key() {
     c.page_key = strata_kv::storage::blob::BlobKey::from_cluster(&ck);
     let s = RedisStorage::connect(&c).unwrap();
     s.put(&h(1), &[1u8; 100]).unwrap();
-    let src = format!("strata:v1:test:{}", h(1).to_hex());
-    let dst = format!("strata:v1:test:{}", h(2).to_hex());
+    let src = s.key_of(&h(1));
+    let dst = s.key_of(&h(2));
     // COPY the value, then rewrite the 16-byte hash field (bytes 52..68) to page 2's.
     assert_eq!(cli(&r, &["COPY", &src, &dst]), "1");
     let out = Command::new("redis-cli")
@@ -216,10 +216,27 @@ fn a_transplanted_or_forged_page_is_a_miss_under_a_cluster_key() {
     );
     assert_eq!(s.stats().corrupt, 1);
     assert_eq!(s.exists(&[h(2)]).unwrap(), vec![false], "not deleted");
-    // A page made with the public key (no cluster key) is not ours either.
-    let public = RedisStorage::connect(&cfg(&r.url())).unwrap();
-    public.put(&h(3), &[3u8; 100]).unwrap();
+    // A well-formed page made without the cluster key (the public key), set under our key: not
+    // ours either.
+    let forged = strata_kv::storage::blob::encode(
+        &strata_kv::storage::blob::BlobKey::public(),
+        &h(3),
+        &[3u8; 100],
+    );
+    let out = Command::new("redis-cli")
+        .args(["-p", &r.port.to_string(), "-x", "SET", &s.key_of(&h(3))])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut ch| {
+            use std::io::Write;
+            ch.stdin.take().unwrap().write_all(&forged)?;
+            ch.wait_with_output()
+        })
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(s.exists(&[h(3)]).unwrap(), vec![true]);
     assert_eq!(s.get(&h(3)).unwrap(), None);
+    assert_eq!(s.stats().corrupt, 2);
     assert_eq!(s.get(&h(1)).unwrap(), Some(vec![1u8; 100]));
 }
 
@@ -232,10 +249,10 @@ fn a_wrong_type_key_is_a_miss_for_that_key_not_the_batch() {
     for i in 1..=3u8 {
         s.put(&h(i), &[i; 100]).unwrap();
     }
-    let k2 = format!("strata:v1:test:{}", h(2).to_hex());
+    let k2 = s.key_of(&h(2));
     cli(&r, &["DEL", &k2]);
     cli(&r, &["LPUSH", &k2, "x"]);
-    let k3 = format!("strata:v1:test:{}", h(3).to_hex());
+    let k3 = s.key_of(&h(3));
     cli(&r, &["SETRANGE", &k3, "2000000", "x"]); // past max_value_bytes (1 MiB)
     let got = s.get_many(&[h(1), h(2), h(3), h(4)]);
     assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&[1u8; 100][..]));

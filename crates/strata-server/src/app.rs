@@ -67,12 +67,14 @@ pub struct AppState {
     /// Bounds CPU work done for requests outside the engine (tokenizing, template
     /// rendering): it runs on blocking threads, this many at once, never on the async
     /// workers that answer `/health`.
-    pub cpu_gate: tokio::sync::Semaphore,
+    pub cpu_gate: Arc<tokio::sync::Semaphore>,
     /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
     /// they hold it. None: this worker listens on loopback only.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
     /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
     pub prefill_workers: Vec<String>,
+    /// Cluster-call nonces seen (replays are refused).
+    pub replay: crate::auth::ReplayGuard,
 }
 
 impl AppState {
@@ -102,12 +104,10 @@ impl AppState {
             storage_tier: "disk".into(),
             // One core fewer than the machine has (at least one): the async workers always
             // find a core free.
-            cpu_gate: tokio::sync::Semaphore::new(
-                std::thread::available_parallelism()
-                    .map_or(1, |n| n.get().saturating_sub(1).max(1)),
-            ),
+            cpu_gate: cpu_gate(),
             cluster_key: None,
             prefill_workers: Vec::new(),
+            replay: crate::auth::ReplayGuard::default(),
         }
     }
 }
@@ -222,22 +222,41 @@ pub async fn off_async<T: Send + 'static>(
     st: &Arc<AppState>,
     f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let _permit = st
+    // The permit moves into the blocking task: a client that goes away does not free its
+    // place while its tokenization still runs.
+    let permit = st
         .cpu_gate
-        .acquire()
+        .clone()
+        .acquire_owned()
         .await
         .map_err(|_| engine_error("the server is closing"))?;
     let st = st.clone();
-    tokio::task::spawn_blocking(move || f(&st))
-        .await
-        .map_err(|e| engine_error(&format!("request preparation failed: {e}")))?
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        f(&st)
+    })
+    .await
+    .map_err(|e| engine_error(&format!("request preparation failed: {e}")))?
+}
+
+/// A gate of one core fewer than the machine has (at least one): the async workers always
+/// find a core free.
+pub fn cpu_gate() -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(
+        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
+    ))
 }
 
 pub fn parse<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     limit: usize,
 ) -> Result<T, ApiError> {
-    let bytes = body.map_err(|e| {
+    parse_json(&body_bytes(body, limit)?)
+}
+
+/// The body's bytes, or a JSON 413 / 400.
+pub fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -247,14 +266,18 @@ pub fn parse<T: DeserializeOwned>(
         } else {
             ApiError::bad_request(format!("cannot read the request body: {e}"), None)
         }
-    })?;
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    })
+}
+
+/// A JSON body; the error names the field at fault.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let param = if path != "." {
             Some(path)
         } else {
-            failing_sampling_field(&bytes)
+            failing_sampling_field(bytes)
         };
         ApiError::bad_request(
             format!("invalid request body: {}", e.inner()),
@@ -292,6 +315,9 @@ fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {
         _ => Ok(()),
     }
 }
+
+/// Longest stop string accepted (matching work per token grows with it).
+pub const MAX_STOP_BYTES: usize = 256;
 
 /// Checks the sampling fields and fills defaults.
 fn sampling(
@@ -335,6 +361,18 @@ fn sampling(
     if stops.len() > 16 {
         return Err(ApiError::bad_request(
             format!("{} stop strings: at most 16", stops.len()),
+            Some("stop"),
+        ));
+    }
+    if let Some(s) = stops
+        .iter()
+        .find(|s| s.len() > MAX_STOP_BYTES || s.is_empty())
+    {
+        return Err(ApiError::bad_request(
+            format!(
+                "a stop string of {} bytes: each must have 1 to {MAX_STOP_BYTES}",
+                s.len()
+            ),
             Some("stop"),
         ));
     }
@@ -409,7 +447,8 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse(body, st.body_limit)?;
+    let bytes = body_bytes(body, st.body_limit)?;
+    let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, &req.model)?;
     let prompt = match req.prompt {
         Prompt::Texts(v) if v.len() != 1 => {
@@ -431,7 +470,7 @@ async fn completions(
             off_async(&st, move |st| encode(st, &t)).await?
         }
     };
-    start(st, ids, &req.sampling, Kind::Completion, &headers).await
+    start(st, ids, &req.sampling, Kind::Completion, &headers, &bytes).await
 }
 
 async fn chat(
@@ -439,7 +478,8 @@ async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse(body, st.body_limit)?;
+    let bytes = body_bytes(body, st.body_limit)?;
+    let req: ChatRequest = parse_json(&bytes)?;
     check_model(&st, &req.model)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty", Some("messages")));
@@ -454,7 +494,7 @@ async fn chat(
         messages, sampling, ..
     } = req;
     let ids = off_async(&st, move |st| chat_prompt(st, &messages)).await?;
-    start(st, ids, &sampling, Kind::Chat, &headers).await
+    start(st, ids, &sampling, Kind::Chat, &headers, &bytes).await
 }
 
 /// The chat messages rendered with the model's template and tokenized (CPU work: run it
@@ -523,6 +563,7 @@ async fn start(
     s: &Sampling,
     kind: Kind,
     headers: &HeaderMap,
+    body: &[u8],
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let (params, stops) = sampling(&st, s, ids.len())?;
@@ -536,7 +577,7 @@ async fn start(
                 Kind::Chat => "/v1/chat/completions",
                 Kind::Completion => "/v1/completions",
             };
-            crate::pd::check_prefill_header(&st, headers, path, url)?;
+            crate::pd::check_prefill_header(&st, headers, path, body, url)?;
             Some(url.to_string())
         }
     };
@@ -899,6 +940,11 @@ fn engine_unhealthy(h: &EngineHealth) -> ApiError {
 pub async fn watch_engine(engine: EngineHandle) -> String {
     loop {
         if let EngineHealth::Dead(why) = engine.health() {
+            // Let the thread finish unwinding (its requests' errors go out meanwhile).
+            let t = std::time::Instant::now();
+            while !engine.has_ended() && t.elapsed() < Duration::from_secs(10) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             return why;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -965,11 +1011,19 @@ fn check_cluster(
     st: &AppState,
     headers: &HeaderMap,
     method: &str,
-    path: &str,
+    uri: &axum::http::Uri,
 ) -> Result<(), ApiError> {
     match &st.cluster_key {
         Some(k) => {
-            crate::auth::verify(k, headers, method, path).map_err(|e| crate::auth::unauthorized(&e))
+            let target = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+            let call = crate::auth::Call {
+                method,
+                target,
+                body: b"",
+                prefill: None,
+            };
+            crate::auth::verify(k, &st.replay, headers, &call)
+                .map_err(|e| crate::auth::unauthorized(&e))
         }
         None => Ok(()),
     }
@@ -977,10 +1031,10 @@ fn check_cluster(
 
 /// Admin endpoints: the admin key, or the cluster's own processes; open only on a loopback
 /// worker with neither key.
-fn check_admin(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if let Some(k) = &st.cluster_key {
-        if crate::auth::verify(k, headers, "POST", "/flush_cache").is_ok() {
-            return Ok(());
+fn check_admin(st: &AppState, headers: &HeaderMap, uri: &axum::http::Uri) -> Result<(), ApiError> {
+    if st.cluster_key.is_some() {
+        if headers.contains_key(crate::auth::AUTH_HEADER) {
+            return check_cluster(st, headers, "POST", uri);
         }
         if st.admin_key.is_none() {
             return Err(crate::auth::unauthorized(
@@ -1008,9 +1062,10 @@ fn check_admin(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 async fn flush_cache(
     State(st): St,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     q: Query<FlushQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    check_admin(&st, &headers)?;
+    check_admin(&st, &headers, &uri)?;
     let scope = match q.tier.as_deref() {
         None | Some("all") => FlushScope::All,
         Some("device") => FlushScope::Device,
@@ -1043,8 +1098,12 @@ fn event_json(seq: Option<u64>, e: &strata_kv::CacheEvent) -> Value {
 }
 
 /// What a router needs to hash prompts as this worker does.
-async fn cache_info(State(st): St, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    check_cluster(&st, &headers, "GET", "/cache/info")?;
+async fn cache_info(
+    State(st): St,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Result<Json<Value>, ApiError> {
+    check_cluster(&st, &headers, "GET", &uri)?;
     let i = st.engine.info();
     let page = st.engine.events_since(0, 0);
     let (epoch, next) = (page.epoch, page.next);
@@ -1064,9 +1123,10 @@ struct SinceQuery {
 async fn cache_events(
     State(st): St,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     q: Query<SinceQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    check_cluster(&st, &headers, "GET", "/cache/events")?;
+    check_cluster(&st, &headers, "GET", &uri)?;
     let since = q.since.unwrap_or(0);
     let page = st.engine.events_since(since, 10_000);
     let (epoch, first, next, events) = (page.epoch, page.first, page.next, page.events);
@@ -1087,8 +1147,12 @@ async fn cache_events(
 }
 
 /// Every page in the device and host tiers, and the sequence number events continue from.
-async fn cache_snapshot(State(st): St, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    check_cluster(&st, &headers, "GET", "/cache/snapshot")?;
+async fn cache_snapshot(
+    State(st): St,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Result<Json<Value>, ApiError> {
+    check_cluster(&st, &headers, "GET", &uri)?;
     let e = st.engine.clone();
     let (epoch, next, tiers) = tokio::task::spawn_blocking(move || e.cache_snapshot())
         .await

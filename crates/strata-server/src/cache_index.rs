@@ -187,8 +187,13 @@ impl CacheIndex {
                 .get(format!("{url}{path}"))
                 .timeout(Duration::from_secs(5));
             if let Some(k) = key {
-                let route = path.split('?').next().unwrap_or("");
-                req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, "GET", route));
+                let call = crate::auth::Call {
+                    method: "GET",
+                    target: &path,
+                    body: b"",
+                    prefill: None,
+                };
+                req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, &call));
             }
             req.send()
                 .await

@@ -6,13 +6,16 @@
 //! * [`metrics`]: every metric (names, help, Prometheus text) of workers and the router.
 //! * [`text`]: incremental detokenization and stop strings.
 //! * [`app`]: the routes, the shared state and graceful shutdown.
-//! * [`pd`]: prefill/decode disaggregation: the KV listener, `/pd/prefill`, the decode side.
+//! * [`kv_inbox`]: the decode worker's KV listener, bounded against hostile peers.
+//! * [`pd`]: prefill/decode disaggregation: `/pd/prefill`, the decode side.
+//! * [`auth`]: cluster MACs of calls between Strata processes.
 
 pub mod api;
 pub mod app;
 pub mod auth;
 pub mod cache_index;
 pub mod error;
+pub mod kv_inbox;
 pub mod metrics;
 pub mod pd;
 pub mod router;

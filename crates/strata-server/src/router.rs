@@ -96,6 +96,8 @@ pub struct RouterState {
     pub scraped: std::sync::Mutex<std::collections::HashMap<String, WorkerStats>>,
     /// The deployment's cluster key: every call to a worker carries proof of it.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
+    pub cpu_gate: Arc<tokio::sync::Semaphore>,
 }
 
 /// What the dashboard shows of a worker, from its `/metrics`.
@@ -173,6 +175,7 @@ impl RouterState {
             hit_pages_remote: AtomicU64::new(0),
             scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
             cluster_key: None,
+            cpu_gate: crate::app::cpu_gate(),
         }
     }
 
@@ -381,7 +384,8 @@ pub fn broken_stream_tail(why: &str) -> Bytes {
         "server_error",
         format!("the worker's stream broke before the end of the answer: {why}"),
     );
-    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
+    // A blank line first: the break may have cut an event in the middle of its line.
+    Bytes::from(format!("\n\ndata: {}\n\ndata: [DONE]\n\n", e.body()))
 }
 
 /// The worker's SSE body, passed through; if it fails (the worker died) or ends without
@@ -404,7 +408,12 @@ where
         G {
             up: upstream,
             done_seen: false,
-            tail: [0; 16],
+            // A newline: the stream's first line starts a line.
+            tail: {
+                let mut t = [0u8; 16];
+                t[15] = b'\n';
+                t
+            },
             over: false,
             _keep: keep,
         },
@@ -414,10 +423,12 @@ where
             }
             match g.up.next().await {
                 Some(Ok(b)) => {
-                    // `[DONE]` may straddle two chunks: look at the last bytes of both.
+                    // The end of stream is a line `data: [DONE]` (model text inside an event is
+                    // JSON, never at a line's start). It may straddle two chunks: look at the
+                    // last bytes of both; the stream's start counts as a line start.
                     let mut w = g.tail.to_vec();
                     w.extend_from_slice(&b);
-                    if w.windows(6).any(|x| x == b"[DONE]") {
+                    if w.windows(13).any(|x| x == b"\ndata: [DONE]") {
                         g.done_seen = true;
                     }
                     let n = w.len().min(16);
@@ -478,12 +489,17 @@ async fn forward(
             } else {
                 avoid_p.as_ref()
             };
-            // Tokenizing the prompt is CPU work: off the async workers.
+            // Tokenizing the prompt is CPU work: off the async workers, a bounded number at
+            // once (the permit goes with the task).
+            let permit = st.cpu_gate.clone().acquire_owned().await.ok();
             let (st2, body2, avoid) = (st.clone(), body.clone(), avoid.cloned());
-            tokio::task::spawn_blocking(move || st2.pick_cached(&body2, avoid.as_ref()))
-                .await
-                .ok()
-                .flatten()
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                st2.pick_cached(&body2, avoid.as_ref())
+            })
+            .await
+            .ok()
+            .flatten()
         } else {
             None
         };
@@ -511,14 +527,20 @@ async fn forward(
             .post(format!("{}{path}", d.url))
             .header(header::CONTENT_TYPE, "application/json")
             .body(body.clone());
-        if let Some(k) = &st.cluster_key {
-            req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, "POST", path));
-        }
         if let Some(p) = &p {
             p.in_flight.fetch_add(1, Ordering::Relaxed);
             p.requests.fetch_add(1, Ordering::Relaxed);
             guard.push(p.clone());
             req = req.header(PREFILL_HEADER, &p.url);
+        }
+        if let Some(k) = &st.cluster_key {
+            let call = crate::auth::Call {
+                method: "POST",
+                target: path,
+                body: &body,
+                prefill: p.as_ref().map(|w| w.url.as_str()),
+            };
+            req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, &call));
         }
         let guard = InFlight(guard);
         match req.send().await {

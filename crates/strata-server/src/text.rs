@@ -77,10 +77,12 @@ impl TextStream {
             self.held.clear();
             return out;
         }
-        // Keep the longest tail that is a prefix of some stop string.
+        // Keep the longest tail that is a prefix of some stop string (only tails shorter than
+        // the stop string can be: the work per token is bounded by the stop strings' lengths).
         let mut keep = 0;
         for s in &self.stops {
-            for (i, _) in self.held.char_indices() {
+            let from = self.held.len().saturating_sub(s.len());
+            for (i, _) in self.held[..].char_indices().filter(|(i, _)| *i >= from) {
                 let tail = &self.held[i..];
                 if tail.len() > keep && s.starts_with(tail) {
                     keep = tail.len();

@@ -410,6 +410,17 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
         let l = std::net::TcpListener::bind(&kv_addr)
             .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
+        // One request of the longest prompt this worker can hold must fit the staging area,
+        // or such prompts could never arrive.
+        let longest = info.context_length.min(info.device_tokens);
+        let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
+        if kv_staging < one {
+            bail!(
+                "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
+                a.kv_staging,
+                format_bytes(one)
+            );
+        }
         let limits = strata_server::pd::KvLimits {
             staging: kv_staging,
             max_connections: a.kv_max_connections.max(1),

@@ -221,7 +221,7 @@ pub fn run(a: UpArgs) -> Result<()> {
             "strata up: this machine has one NUMA node: prefill and decode workers both use node 0"
         );
     }
-    let (key_file, _key_dir) = cluster_key(&d)?;
+    let key_file = cluster_key(&d)?;
     let key_arg = key_file.display().to_string();
     let pd = !d.prefill.is_empty();
     let prefill_urls: Vec<String> = d
@@ -423,24 +423,26 @@ pub fn run(a: UpArgs) -> Result<()> {
     supervise(&rt, procs)
 }
 
-/// Removes the generated key's directory when `up` ends normally.
-struct KeyDir(PathBuf);
-impl Drop for KeyDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The deployment's cluster key file: the one the deployment names, or a new one in a private
-/// directory (mode 700; the key 600) that lives as long as this `up`.
-fn cluster_key(d: &Deployment) -> Result<(PathBuf, Option<KeyDir>)> {
+/// The deployment's cluster key file: the one the deployment names, or this user's own
+/// (`$XDG_CONFIG_HOME/strata/cluster.key`, else `~/.config/strata/cluster.key`), made on first
+/// use (64 random hex digits, mode 600, in a directory of mode 700). It outlives each run on
+/// purpose: L3 pages written under it (disk, Redis) stay valid across restarts.
+fn cluster_key(d: &Deployment) -> Result<PathBuf> {
     if let Some(f) = &d.cluster_key_file {
         strata_kv::auth::ClusterKey::from_file(f).context("cluster_key_file")?;
-        return Ok((f.clone(), None));
+        return Ok(f.clone());
     }
-    let dir = std::env::temp_dir().join(format!("strata-up-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+        .context(
+            "no $HOME or $XDG_CONFIG_HOME for the cluster key; name one with cluster_key_file",
+        )?;
+    let dir = base.join("strata");
+    let f = dir.join("cluster.key");
     let mut b = std::fs::DirBuilder::new();
+    b.recursive(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::DirBuilderExt;
@@ -448,14 +450,13 @@ fn cluster_key(d: &Deployment) -> Result<(PathBuf, Option<KeyDir>)> {
     }
     b.create(&dir)
         .with_context(|| format!("cannot create {}", dir.display()))?;
-    let f = dir.join("cluster.key");
-    strata_kv::auth::ClusterKey::create_file(&f)
-        .with_context(|| format!("cannot write {}", f.display()))?;
+    let (_, made) = strata_kv::auth::ClusterKey::load_or_create(&f).context("the cluster key")?;
     eprintln!(
-        "strata up: a new cluster key for this deployment: {} (router and workers authenticate each other with it)",
+        "strata up: {} cluster key {} (mode 600; router and workers authenticate each other with it)",
+        if made { "made the" } else { "using the" },
         f.display()
     );
-    Ok((f, Some(KeyDir(dir))))
+    Ok(f)
 }
 
 /// Crashes of one process within [`CRASH_WINDOW`] after which `up` gives up.

@@ -482,20 +482,29 @@ fn the_kv_listener_drops_hostile_peers_and_keeps_serving_pd() {
     );
 
     // The next legitimate PD request (the router's header, with its proof) succeeds.
-    let sig = strata_server::auth::sign(&ck, "POST", "/v1/chat/completions");
-    let (status, resp) = http(
-        dec_port,
-        "POST",
-        "/v1/chat/completions",
-        &format!(
-            "x-strata-prefill: {pre_url}\r\n{}: {}\r\n",
-            strata_server::auth::AUTH_HEADER,
-            sig.to_str().unwrap()
-        ),
-        r#"{"messages":[{"role":"user","content":"hello there"}],"max_tokens":3,"temperature":0}"#,
+    let body =
+        r#"{"messages":[{"role":"user","content":"hello there"}],"max_tokens":3,"temperature":0}"#;
+    let sig = strata_server::auth::sign(
+        &ck,
+        &strata_server::auth::Call {
+            method: "POST",
+            target: "/v1/chat/completions",
+            body: body.as_bytes(),
+            prefill: Some(&pre_url),
+        },
     );
+    let headers = format!(
+        "x-strata-prefill: {pre_url}\r\n{}: {}\r\n",
+        strata_server::auth::AUTH_HEADER,
+        sig.to_str().unwrap()
+    );
+    let (status, resp) = http(dec_port, "POST", "/v1/chat/completions", &headers, body);
     assert_eq!(status, 200, "{resp}");
     assert_eq!(body_of(&resp)["usage"]["completion_tokens"], 3, "{resp}");
+    // The same call again (a captured header replayed): refused.
+    let (status, resp) = http(dec_port, "POST", "/v1/chat/completions", &headers, body);
+    assert_eq!(status, 401, "{resp}");
+    assert!(resp.contains("replay"), "{resp}");
 }
 
 /// A worker killed mid-stream: the client behind the router gets an SSE error event and a

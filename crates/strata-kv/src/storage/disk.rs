@@ -21,6 +21,20 @@ use crate::hash::PageHash;
 
 use super::blob::{self, BlobKey, HEADER};
 
+/// Makes `d` a real directory: a symlink (or file) in its place is removed first, so nothing is
+/// ever written through a link out of the store.
+fn real_dir(d: &Path) -> std::io::Result<()> {
+    match fs::symlink_metadata(d) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => {
+            fs::remove_file(d)?;
+            fs::create_dir(d)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => fs::create_dir(d),
+        Err(e) => Err(e),
+    }
+}
+
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
     dir: PathBuf,
@@ -51,14 +65,16 @@ impl DiskStorage {
     ) -> Result<DiskStorage, StorageError> {
         let dir = dir.into();
         let tmp = dir.join("tmp");
-        fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        real_dir(&tmp).map_err(|e| io(&tmp, e))?;
         // Leftovers of writes interrupted by a crash are never visible; clear them.
         for e in fs::read_dir(&tmp).map_err(|e| io(&tmp, e))?.flatten() {
             let _ = fs::remove_file(e.path());
         }
         let mut found = Vec::new();
         for sub in fs::read_dir(&dir).map_err(|e| io(&dir, e))?.flatten() {
-            if sub.file_name() == "tmp" || !sub.path().is_dir() {
+            // Real subdirectories only: a symlinked one is not this store's.
+            if sub.file_name() == "tmp" || !sub.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
             for f in fs::read_dir(sub.path())
@@ -261,7 +277,15 @@ impl Storage for DiskStorage {
                 .join("tmp")
                 .join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
-            let mut f = fs::File::create(&tmp)?;
+            // A new file, never through a link someone planted under the temporary name.
+            let mut o = fs::OpenOptions::new();
+            o.write(true).create_new(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                o.custom_flags(libc::O_NOFOLLOW);
+            }
+            let mut f = o.open(&tmp)?;
             f.write_all(&blob::header(&self.key, h, data))?;
             f.write_all(data)?;
             if self.sync {
@@ -271,7 +295,7 @@ impl Storage for DiskStorage {
         };
         let parent = final_path.parent().expect("page path has a parent");
         let res = write()
-            .and_then(|_| fs::create_dir_all(parent))
+            .and_then(|_| real_dir(parent))
             .and_then(|_| fs::rename(&tmp, &final_path));
         if let Err(e) = res {
             let _ = fs::remove_file(&tmp);
@@ -474,6 +498,35 @@ mod tests {
             s.put(&h(i), b"0123456789").unwrap();
             assert_eq!(s.get(&h(i)).unwrap().as_deref(), Some(&b"0123456789"[..]));
         }
+    }
+
+    #[test]
+    fn writes_never_go_through_a_link_out_of_the_store() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        let sub = s.path_of(&h(1)).parent().unwrap().to_path_buf();
+        let _ = fs::remove_dir_all(&sub);
+        std::os::unix::fs::symlink(outside.path(), &sub).unwrap();
+        s.put(&h(1), b"page").unwrap();
+        assert_eq!(
+            fs::read_dir(outside.path()).unwrap().count(),
+            0,
+            "written outside"
+        );
+        assert!(fs::symlink_metadata(&sub).unwrap().is_dir());
+        assert_eq!(s.get(&h(1)).unwrap().as_deref(), Some(&b"page"[..]));
+        // A store reopened over a symlinked tmp/ gets a real one.
+        drop(s);
+        fs::remove_dir_all(d.path().join("tmp")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("tmp")).unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(2), b"page").unwrap();
+        assert_eq!(
+            fs::read_dir(outside.path()).unwrap().count(),
+            0,
+            "written outside"
+        );
     }
 
     #[test]

@@ -1,0 +1,452 @@
+//! The decode worker's KV listener: where prefill workers send the K/V of prompts this worker
+//! asked for. Everything a TCP peer can make it hold is bounded before it is allocated:
+//! connections (in all, and before authentication per address), the handshake's time, every
+//! frame's size and pace, the bytes staged, and which transfers are accepted at all (only ids
+//! this worker drew, each once).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use strata_engine::transfer::{self, Admit, Hello, Paced, Received, RecvLimits, TransferId};
+use strata_kv::auth::ClusterKey;
+use tokio::sync::Notify;
+
+/// Bounds of the KV listener: everything a peer can make it hold.
+#[derive(Clone, Debug)]
+pub struct KvLimits {
+    /// Bytes of received pages held at most (beyond: the sender is told to retry; a
+    /// transfer larger than this is refused outright).
+    pub staging: u64,
+    /// Connections served at once (more are closed at accept).
+    pub max_connections: usize,
+    /// Of those, connections not yet authenticated, in all and from one address (a peer
+    /// without the key cannot take the places of authenticated ones).
+    pub max_unauthenticated: usize,
+    pub max_unauthenticated_per_ip: usize,
+    /// The handshake must complete within this.
+    pub handshake_timeout: Duration,
+    /// Longest wait for a frame to start.
+    pub idle_timeout: Duration,
+    /// A started frame must arrive at this rate (after a grace of one second).
+    pub min_rate: u64,
+    /// A transfer received and not claimed is dropped after this long (an expected one lives
+    /// as long as the request that expects it).
+    pub unclaimed_ttl: Duration,
+    /// The receiver's context length: the most tokens one transfer may carry.
+    pub max_tokens: usize,
+    pub page_size: u32,
+}
+
+impl Default for KvLimits {
+    fn default() -> Self {
+        KvLimits {
+            staging: 1 << 30,
+            max_connections: 64,
+            max_unauthenticated: 16,
+            max_unauthenticated_per_ip: 4,
+            handshake_timeout: Duration::from_secs(3),
+            idle_timeout: Duration::from_secs(10),
+            min_rate: 1 << 20,
+            unclaimed_ttl: Duration::from_secs(120),
+            max_tokens: 8192,
+            page_size: 16,
+        }
+    }
+}
+
+enum Slot {
+    /// A decode request waits for this id.
+    Expected,
+    /// Pages are arriving, with the bytes reserved for them.
+    Receiving(u64),
+    /// Pages are arriving for a request that gave up: the receiving thread releases the bytes
+    /// when it ends (until then they still count).
+    Abandoned(u64),
+    Received(Instant, Received),
+    Failed(String),
+}
+
+#[derive(Default)]
+struct Conns {
+    total: usize,
+    unauthenticated: usize,
+    by_ip: HashMap<IpAddr, usize>,
+}
+
+/// A connection's place; dropping it frees the place.
+struct ConnTicket<'a> {
+    inbox: &'a KvInbox,
+    ip: IpAddr,
+    authenticated: bool,
+}
+
+impl ConnTicket<'_> {
+    fn authenticated(&mut self) {
+        let mut c = self.inbox.conns();
+        c.unauthenticated -= 1;
+        dec_ip(&mut c, self.ip);
+        self.authenticated = true;
+    }
+}
+
+fn dec_ip(c: &mut Conns, ip: IpAddr) {
+    if let Some(n) = c.by_ip.get_mut(&ip) {
+        *n -= 1;
+        if *n == 0 {
+            c.by_ip.remove(&ip);
+        }
+    }
+}
+
+impl Drop for ConnTicket<'_> {
+    fn drop(&mut self) {
+        let mut c = self.inbox.conns();
+        c.total -= 1;
+        if !self.authenticated {
+            c.unauthenticated -= 1;
+            dec_ip(&mut c, self.ip);
+        }
+    }
+}
+
+/// Transfers this decode worker asked for: only those are accepted, each once.
+pub struct KvInbox {
+    pub addr: SocketAddr,
+    hello: Hello,
+    key: Option<ClusterKey>,
+    page_bytes: u64,
+    limits: KvLimits,
+    staged: AtomicU64,
+    conns: Mutex<Conns>,
+    slots: Mutex<HashMap<TransferId, Slot>>,
+    notify: Notify,
+    /// Transfers received / failed, bytes received, connections refused (for metrics).
+    pub received: AtomicU64,
+    pub failed: AtomicU64,
+    pub bytes: AtomicU64,
+    pub refused_connections: AtomicU64,
+}
+
+impl KvInbox {
+    /// Starts accepting KV connections on `listener` (a thread per connection, at most
+    /// `limits.max_connections`) and a thread that purges unclaimed transfers.
+    pub fn start(
+        listener: TcpListener,
+        hello: Hello,
+        page_bytes: u64,
+        limits: KvLimits,
+        key: Option<ClusterKey>,
+    ) -> Arc<KvInbox> {
+        let inbox = Arc::new(KvInbox {
+            addr: listener.local_addr().expect("bound listener"),
+            hello,
+            key,
+            page_bytes,
+            limits,
+            staged: AtomicU64::new(0),
+            conns: Mutex::new(Conns::default()),
+            slots: Mutex::new(HashMap::new()),
+            notify: Notify::new(),
+            received: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+        });
+        let me = inbox.clone();
+        std::thread::Builder::new()
+            .name("strata-kv-accept".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    let Ok(conn) = conn else { continue };
+                    let Ok(peer) = conn.peer_addr() else { continue };
+                    if !me.take_place(peer.ip()) {
+                        me.refused_connections.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%peer, "KV connection refused: at a connection limit");
+                        continue; // dropped: closed
+                    }
+                    let me2 = me.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("strata-kv-recv".into())
+                        .spawn(move || {
+                            let ticket = ConnTicket {
+                                inbox: &me2,
+                                ip: peer.ip(),
+                                authenticated: false,
+                            };
+                            me2.serve(conn, ticket)
+                        });
+                    if spawned.is_err() {
+                        drop(ConnTicket {
+                            inbox: &me,
+                            ip: peer.ip(),
+                            authenticated: false,
+                        });
+                    }
+                }
+            })
+            .expect("spawn the KV listener");
+        let weak = Arc::downgrade(&inbox);
+        std::thread::Builder::new()
+            .name("strata-kv-purge".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_secs(1));
+                match weak.upgrade() {
+                    Some(i) => i.purge(Instant::now()),
+                    None => return,
+                }
+            })
+            .expect("spawn the KV purger");
+        inbox
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TransferId, Slot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn conns(&self) -> std::sync::MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes a place for a new, unauthenticated connection from `ip`, if every limit allows.
+    fn take_place(&self, ip: IpAddr) -> bool {
+        let l = &self.limits;
+        let mut c = self.conns();
+        let from_ip = c.by_ip.get(&ip).copied().unwrap_or(0);
+        if c.total >= l.max_connections
+            || c.unauthenticated >= l.max_unauthenticated
+            || from_ip >= l.max_unauthenticated_per_ip
+        {
+            return false;
+        }
+        c.total += 1;
+        c.unauthenticated += 1;
+        *c.by_ip.entry(ip).or_insert(0) += 1;
+        true
+    }
+
+    /// Drops transfers received longer ago than the limit, releasing their bytes. Expected
+    /// ones live as long as their request (its `Expectation` removes them).
+    fn purge(&self, now: Instant) {
+        let ttl = self.limits.unclaimed_ttl;
+        let mut m = self.lock();
+        m.retain(|_, slot| match slot {
+            Slot::Expected => true,
+            Slot::Received(t, r) => {
+                let keep = now.duration_since(*t) <= ttl;
+                if !keep {
+                    self.release(r.pages.len() as u64 * self.page_bytes);
+                }
+                keep
+            }
+            Slot::Receiving(..) | Slot::Abandoned(_) | Slot::Failed(_) => true,
+        });
+    }
+
+    fn release(&self, bytes: u64) {
+        self.staged.fetch_sub(bytes, Ordering::SeqCst);
+    }
+
+    /// The verdict on a `Begin` for `id` of `pages` pages.
+    fn admit(&self, id: TransferId, pages: u32) -> Admit {
+        let want = pages as u64 * self.page_bytes;
+        if want > self.limits.staging {
+            return Admit::Refuse(format!(
+                "the transfer needs {want} bytes; this receiver stages at most {} (--kv-staging)",
+                self.limits.staging
+            ));
+        }
+        let mut m = self.lock();
+        match m.get(&id) {
+            Some(Slot::Expected) => {}
+            _ => return Admit::Refuse("unknown or duplicate transfer id".into()),
+        }
+        let now = self.staged.load(Ordering::SeqCst);
+        if now + want > self.limits.staging {
+            return Admit::Busy("the receiver's staging area is full now".into());
+        }
+        self.staged.fetch_add(want, Ordering::SeqCst);
+        m.insert(id, Slot::Receiving(want));
+        Admit::Yes
+    }
+
+    fn serve(&self, conn: TcpStream, mut ticket: ConnTicket<'_>) {
+        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let _ = conn.set_nodelay(true);
+        let _ = conn.set_write_timeout(Some(self.limits.idle_timeout));
+        let mut link = Paced::new(
+            conn,
+            self.limits.idle_timeout,
+            Duration::from_secs(1),
+            self.limits.min_rate,
+        );
+        link.set_deadline(Some(Instant::now() + self.limits.handshake_timeout));
+        if let Err(e) = transfer::handshake_accept(&mut link, &self.hello, self.key.as_ref()) {
+            tracing::warn!(%peer, error = %e, "KV connection refused");
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        link.set_deadline(None);
+        ticket.authenticated();
+        let lim = RecvLimits {
+            page_bytes: self.page_bytes,
+            page_size: self.limits.page_size,
+            max_tokens: self.limits.max_tokens,
+        };
+        loop {
+            let mut admitted = None;
+            let res = transfer::recv_kv(&mut link, &lim, &mut |id, pages| {
+                let v = self.admit(id, pages);
+                if v == Admit::Yes {
+                    admitted = Some(id);
+                }
+                v
+            });
+            match res {
+                Ok(r) => {
+                    self.received.fetch_add(1, Ordering::Relaxed);
+                    self.bytes
+                        .fetch_add(r.pages.len() as u64 * self.page_bytes, Ordering::Relaxed);
+                    let mut m = self.lock();
+                    // Its reservation now holds the pages; if its request gave up meanwhile,
+                    // the pages are dropped here and their bytes released.
+                    match m.remove(&r.id) {
+                        Some(Slot::Receiving(_)) => {
+                            m.insert(r.id, Slot::Received(Instant::now(), r));
+                        }
+                        Some(Slot::Abandoned(bytes)) => self.release(bytes),
+                        Some(other) => {
+                            m.insert(r.id, other);
+                        }
+                        None => {}
+                    }
+                    drop(m);
+                    self.notify.notify_waiters();
+                }
+                Err(e) => {
+                    if let Some(id) = admitted {
+                        let mut m = self.lock();
+                        match m.remove(&id) {
+                            Some(Slot::Receiving(bytes)) => {
+                                self.release(bytes);
+                                m.insert(id, Slot::Failed(e.to_string()));
+                            }
+                            Some(Slot::Abandoned(bytes)) => self.release(bytes),
+                            Some(other) => {
+                                m.insert(id, other);
+                            }
+                            None => {}
+                        }
+                        drop(m);
+                        self.notify.notify_waiters();
+                    }
+                    if matches!(&e, transfer::TransferError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof)
+                        && admitted.is_none()
+                    {
+                        return; // the sender closed the connection between transfers
+                    }
+                    tracing::warn!(%peer, error = %e, "KV transfer failed");
+                    self.failed.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Registers a transfer this worker will ask a prefill worker for: its fresh random id is
+    /// the only one a `Begin` may name. Dropping the expectation forgets it (and frees any
+    /// pages that arrived for it).
+    pub fn expect(self: &Arc<Self>) -> Expectation {
+        let id = transfer::new_transfer_id();
+        self.lock().insert(id, Slot::Expected);
+        Expectation {
+            inbox: self.clone(),
+            id,
+        }
+    }
+
+    /// The most bytes one transfer may stage (`--kv-staging`).
+    pub fn staging_limit(&self) -> u64 {
+        self.limits.staging
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+
+    /// Bytes staged now.
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged.load(Ordering::SeqCst)
+    }
+
+    /// Connections being served now.
+    pub fn connections(&self) -> usize {
+        self.conns().total
+    }
+
+    /// Transfers expected, arriving or waiting to be claimed.
+    pub fn pending(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// A transfer this worker waits for.
+pub struct Expectation {
+    inbox: Arc<KvInbox>,
+    pub id: TransferId,
+}
+
+impl Expectation {
+    /// Waits for the pages until `deadline`; Err says why they did not come.
+    pub async fn take(&self, deadline: Duration) -> Result<Received, String> {
+        let end = tokio::time::Instant::now() + deadline;
+        loop {
+            let n = self.inbox.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            {
+                let mut m = self.inbox.lock();
+                match m.remove(&self.id) {
+                    Some(Slot::Received(_, r)) => {
+                        self.inbox
+                            .release(r.pages.len() as u64 * self.inbox.page_bytes);
+                        return Ok(r);
+                    }
+                    Some(Slot::Failed(why)) => return Err(why),
+                    Some(Slot::Abandoned(b)) => {
+                        m.insert(self.id, Slot::Abandoned(b));
+                        return Err("the transfer was abandoned".into());
+                    }
+                    Some(other) => {
+                        m.insert(self.id, other);
+                    }
+                    None => return Err("the transfer was dropped unclaimed".into()),
+                }
+            }
+            if tokio::time::timeout_at(end, n).await.is_err() {
+                return Err(format!("the K/V did not arrive within {deadline:?}"));
+            }
+        }
+    }
+}
+
+impl Drop for Expectation {
+    /// Forgets the transfer. Bytes held for received pages are released here; pages still
+    /// arriving keep their reservation until the receiving thread ends (it releases them), so
+    /// the staging bound holds for what is really in memory.
+    fn drop(&mut self) {
+        let mut m = self.inbox.lock();
+        match m.remove(&self.id) {
+            Some(Slot::Received(_, r)) => self
+                .inbox
+                .release(r.pages.len() as u64 * self.inbox.page_bytes),
+            Some(Slot::Receiving(bytes)) => {
+                m.insert(self.id, Slot::Abandoned(bytes));
+            }
+            _ => {}
+        }
+    }
+}
