@@ -15,9 +15,11 @@ pub mod app;
 pub mod auth;
 pub mod cache_index;
 pub mod error;
+mod internal;
 pub mod kv_inbox;
 pub mod metrics;
 pub mod pd;
+mod respond;
 pub mod router;
 pub mod text;
 

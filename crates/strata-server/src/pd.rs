@@ -60,6 +60,16 @@ pub struct PrefillResponse {
     pub transfer_seconds: f64,
 }
 
+/// What the cluster MAC of a `/pd/prefill` call covers.
+fn prefill_call(body: &[u8]) -> crate::auth::Call<'_> {
+    crate::auth::Call {
+        method: "POST",
+        target: "/pd/prefill",
+        body,
+        prefill: None,
+    }
+}
+
 fn bad_gateway(msg: String) -> ApiError {
     ApiError::new(StatusCode::BAD_GATEWAY, "server_error", msg)
 }
@@ -89,13 +99,7 @@ pub async fn prefill(
 ) -> Result<Json<PrefillResponse>, ApiError> {
     let bytes = crate::app::body_bytes(body, st.body_limit)?;
     if let Some(k) = &st.cluster_key {
-        let call = crate::auth::Call {
-            method: "POST",
-            target: "/pd/prefill",
-            body: &bytes,
-            prefill: None,
-        };
-        crate::auth::verify(k, &st.replay, &headers, &call)
+        crate::auth::verify(k, &st.replay, &headers, &prefill_call(&bytes))
             .map_err(|e| crate::auth::unauthorized(&e))?;
     }
     let req: PrefillRequest = crate::app::parse_json(&bytes)?;
@@ -322,13 +326,10 @@ pub async fn decode_after_remote_prefill(
         .timeout(st.kv_deadline + Duration::from_secs(600))
         .header(reqwest::header::CONTENT_TYPE, "application/json");
     if let Some(k) = &st.cluster_key {
-        let call = crate::auth::Call {
-            method: "POST",
-            target: "/pd/prefill",
-            body: &bytes,
-            prefill: None,
-        };
-        req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, &call));
+        req = req.header(
+            crate::auth::AUTH_HEADER,
+            crate::auth::sign(k, &prefill_call(&bytes)),
+        );
     }
     let req = req.body(bytes);
     let r = req

@@ -375,10 +375,12 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
-    // The same body limit as the workers (4 MiB), unknown routes and wrong methods: JSON.
+    // The same body limit as the workers (4 MiB), unknown routes and wrong methods: JSON. (A
+    // fresh client for each: the server closes a connection whose body it refused unread.)
+    let c = || reqwest::Client::new();
     for (resp, status) in [
         (
-            c.post(format!("{r}/v1/chat/completions"))
+            c().post(format!("{r}/v1/chat/completions"))
                 .bearer_auth("sesame")
                 .header("content-type", "application/json")
                 .body(vec![b' '; 5 << 20])
@@ -387,9 +389,9 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
                 .unwrap(),
             413,
         ),
-        (c.get(format!("{r}/nope")).send().await.unwrap(), 404),
+        (c().get(format!("{r}/nope")).send().await.unwrap(), 404),
         (
-            c.get(format!("{r}/v1/chat/completions"))
+            c().get(format!("{r}/v1/chat/completions"))
                 .send()
                 .await
                 .unwrap(),

@@ -300,6 +300,8 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         .collect();
     let total = (a.pages * a.page_bytes) as f64;
     let (pb, reps, h2, npages) = (a.page_bytes as u64, a.reps, hello.clone(), a.pages);
+    let key = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).expect("32 bytes");
+    let key2 = key.clone();
     // One token per page slot: the pages announced match the tokens they hold.
     let tokens: Vec<u32> = (0..a.pages * 16).map(|i| i as u32 % 100).collect();
     tokio::task::spawn_blocking(move || -> Result<()> {
@@ -307,9 +309,11 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         let l = TcpListener::bind("127.0.0.1:0")?;
         let addr = l.local_addr()?;
         let rx = std::thread::spawn(move || -> Result<()> {
-            let (mut c, _) = l.accept()?;
+            let (c, _) = l.accept()?;
             c.set_nodelay(true)?;
-            transfer::handshake_accept(&mut c, &h2, None)?;
+            // As a decode worker receives: paced frames, the cluster key's handshake.
+            let mut c = transfer::Paced::new(c, Duration::from_secs(10), Duration::from_secs(1), 1 << 20);
+            transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
             let lim = transfer::RecvLimits {
                 page_bytes: pb,
                 page_size: 16,
@@ -322,7 +326,7 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         });
         let mut c = TcpStream::connect(addr)?;
         c.set_nodelay(true)?;
-        transfer::handshake_connect(&mut c, &hello, None)?;
+        transfer::handshake_connect(&mut c, &hello, Some(&key))?;
         let pages: Vec<OutPage> = blobs.iter().map(|d| OutPage { hash: [1; 16], data: d }).collect();
         let mut proto = Vec::new();
         for r in 0..reps {

@@ -50,14 +50,18 @@ pub async fn run(a: HealthArgs) -> Result<()> {
     );
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
+    let statuses = Arc::new(std::sync::Mutex::new(
+        std::collections::BTreeMap::<u16, u64>::new(),
+    ));
     let mut load = Vec::new();
     for _ in 0..a.concurrency {
-        let (c, u, b, stop, sent) = (
+        let (c, u, b, stop, sent, statuses) = (
             client.clone(),
             url.clone(),
             body.clone(),
             stop.clone(),
             sent.clone(),
+            statuses.clone(),
         );
         load.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
@@ -68,6 +72,11 @@ pub async fn run(a: HealthArgs) -> Result<()> {
                     .send()
                     .await;
                 if let Ok(r) = r {
+                    *statuses
+                        .lock()
+                        .expect("status lock")
+                        .entry(r.status().as_u16())
+                        .or_default() += 1;
                     let _ = r.bytes().await;
                     sent.fetch_add(1, Ordering::Relaxed);
                 }
@@ -98,7 +107,7 @@ pub async fn run(a: HealthArgs) -> Result<()> {
     }
     let q = |p| quantile(&lat, p).unwrap_or(f64::NAN);
     println!(
-        "/health under {} clients sending {} prompts: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed; {} large requests answered",
+        "/health under {} clients sending {} prompts: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed; {} large requests answered (by status: {:?})",
         a.concurrency,
         a.prompt_bytes,
         lat.len(),
@@ -106,7 +115,8 @@ pub async fn run(a: HealthArgs) -> Result<()> {
         q(0.99),
         lat.iter().cloned().fold(0.0, f64::max),
         failed,
-        sent.load(Ordering::Relaxed)
+        sent.load(Ordering::Relaxed),
+        statuses.lock().expect("status lock")
     );
     Ok(())
 }

@@ -451,17 +451,26 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
         eprintln!("strata serve: ready on http://{addr} (model `{name}`, role {role_s})");
+        // Stop on SIGTERM / Ctrl-C, or when the engine dies: then `/health` answers 503 for two
+        // seconds, the server stops gracefully (responses in flight, e.g. the failed requests'
+        // errors, are written out), and the process exits 70 so that a supervisor restarts it.
         let engine = st.engine.clone();
-        let serving = strata_server::app::serve(listener, Arc::new(st), shutdown_signal(), grace);
-        tokio::select! {
-            r = serving => r?,
-            why = strata_server::app::watch_engine(engine) => {
-                // /health answers 503 meanwhile; then exit so a supervisor restarts us.
-                tracing::error!(reason = %why, "engine dead: exiting with code {ENGINE_DEAD_EXIT}");
-                eprintln!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                std::process::exit(ENGINE_DEAD_EXIT);
+        let died: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let d2 = died.clone();
+        let signal = async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                why = strata_server::app::watch_engine(engine) => {
+                    tracing::error!(reason = %why, "engine dead: exiting with code {ENGINE_DEAD_EXIT}");
+                    eprintln!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
+                    *d2.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
             }
+        };
+        strata_server::app::serve(listener, Arc::new(st), signal, grace).await?;
+        if died.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            std::process::exit(ENGINE_DEAD_EXIT);
         }
         tracing::info!("stopped");
         Ok(())

@@ -97,23 +97,28 @@ fn wait_for(rx: &mpsc::Receiver<String>, log: &mut Vec<String>, what: &str, secs
     }
 }
 
+/// The exit status of `strata up`, which must come within `secs`.
+fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "strata up did not exit within {secs} s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
     let d = tempfile::tempdir().unwrap();
     let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#);
     let (child, rx) = up(d.path(), &cfg);
     let mut child = Up(child);
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "strata up did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_exit(&mut child.0, 60);
     std::thread::sleep(Duration::from_millis(200));
     let log: Vec<String> = rx.try_iter().collect();
     let text = log.join("\n");
@@ -264,17 +269,7 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
         assert!(t.elapsed() < Duration::from_secs(5), "the port stayed busy");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "strata up kept going"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_exit(&mut child.0, 60);
     std::thread::sleep(Duration::from_millis(200));
     log.extend(rx.try_iter());
     let text = log.join("\n");
