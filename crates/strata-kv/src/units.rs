@@ -54,6 +54,48 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     }
 }
 
+/// The unit of a size as typed (`GB` of `150GB`, `GiB` of `140GiB`) and its multiplier.
+fn unit_of(typed: &str) -> Option<(&str, u64)> {
+    let t = typed.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+    let unit = t[split..].trim();
+    let mult = match unit.to_ascii_lowercase().as_str() {
+        "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return None,
+    };
+    Some((unit, mult))
+}
+
+/// `b` in the unit an operator typed (`typed` = `150GB` → `37.5GB`; `1GiB` → `1GiB`), at most
+/// two decimals, trailing zeros dropped: a value to type back into the same flag.
+pub fn in_unit_of(b: u64, typed: &str) -> String {
+    match unit_of(typed) {
+        Some((unit, mult)) => {
+            let v = format!("{:.2}", b as f64 / mult as f64);
+            let v = v.trim_end_matches('0').trim_end_matches('.');
+            format!("{v}{unit}")
+        }
+        None => format_bytes(b),
+    }
+}
+
+/// `b` echoed in the unit typed, with exact bytes: `150GB (150000000000 bytes)`. When `typed`
+/// is exactly `b`, it is echoed as typed.
+pub fn echo_size(b: u64, typed: &str) -> String {
+    if parse_size(typed) == Ok(b) {
+        return format!("{} ({b} bytes)", typed.trim());
+    }
+    format!("{} ({b} bytes)", in_unit_of(b, typed))
+}
+
 /// `12.00 GiB (12884901888 bytes)`: binary units, with exact bytes.
 pub fn format_bytes(b: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -69,6 +111,21 @@ pub fn format_bytes(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_are_echoed_in_the_unit_typed() {
+        assert_eq!(echo_size(1 << 30, "1GiB"), "1GiB (1073741824 bytes)");
+        assert_eq!(
+            echo_size(150_000_000_000, "150GB"),
+            "150GB (150000000000 bytes)"
+        );
+        assert_eq!(
+            echo_size(37_500_000_000, "150GB"),
+            "37.5GB (37500000000 bytes)"
+        );
+        assert_eq!(in_unit_of(13_210_000_000, "150GB"), "13.21GB");
+        assert_eq!(in_unit_of(3 << 29, "2GiB"), "1.5GiB");
+    }
 
     #[test]
     fn units() {

@@ -16,4 +16,4 @@ pub use numa::{NumaAllocator, Placement};
 pub use plan::{
     make_plan, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError, PlanRequest,
 };
-pub use topology::Topology;
+pub use topology::{Node, Topology};

@@ -81,6 +81,10 @@ pub struct PlanRequest {
     pub device_in_host_memory: bool,
     /// CPUs the process may run on (for `--numa-node auto`).
     pub allowed_cpus: Vec<u32>,
+    /// The host and device sizes as the operator typed them (`150GB`), to echo them in that
+    /// unit; None: binary units.
+    pub host_text: Option<String>,
+    pub device_text: Option<String>,
 }
 
 /// A plan that cannot be carried out; each message is one line naming the fix.
@@ -165,9 +169,20 @@ pub struct Plan {
 /// Share of a node below which a ratio-sized host pool is called out.
 pub const SMALL_POOL_SHARE: f64 = 0.10;
 
-/// `150.00GB (150000000000 bytes)`: as typed, and exact.
-fn gbx(b: u64) -> String {
-    format!("{} ({b} bytes)", gb(b))
+/// `150GB (150000000000 bytes)`: in the unit typed, and exact.
+fn gbx(b: u64, typed: Option<&str>) -> String {
+    match typed {
+        Some(t) => strata_kv::units::echo_size(b, t),
+        None => format!("{} ({b} bytes)", gb(b)),
+    }
+}
+
+/// A value to type back into a flag, in the unit the operator used.
+fn typed_like(b: u64, typed: Option<&str>) -> String {
+    match typed {
+        Some(t) => strata_kv::units::in_unit_of(b, t),
+        None => gb(b),
+    }
 }
 
 fn gb(b: u64) -> String {
@@ -266,7 +281,10 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         DeviceBudget::Bytes(b) => {
             decided.push(Decision {
                 what: "device tokens per rank".into(),
-                by: format!("--device-mem {} per rank", format_bytes(b)),
+                by: format!(
+                    "--device-mem {} per rank",
+                    gbx(b, req.device_text.as_deref())
+                ),
             });
             b
         }
@@ -296,6 +314,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     }
 
     // Host pool: whole tokens of every kind, never more bytes than asked.
+    let ht = req.host_text.as_deref();
     let host_tokens = match req.host {
         None => {
             decided.push(Decision {
@@ -307,7 +326,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         Some(HostBudget::PerRank(b)) => {
             decided.push(Decision {
                 what: "host tokens per rank".into(),
-                by: format!("--hicache-size {} per rank", gbx(b)),
+                by: format!("--hicache-size {} per rank", gbx(b, ht)),
             });
             b / bpt / ps * ps
         }
@@ -316,9 +335,9 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
                 what: "host tokens per rank".into(),
                 by: format!(
                     "--hicache-total {} split over {} ranks = {} per rank",
-                    gbx(b),
+                    gbx(b, ht),
                     tp,
-                    gbx(b / tp)
+                    gbx(b / tp, ht)
                 ),
             });
             b / tp / bpt / ps * ps
@@ -381,15 +400,34 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             0
         });
         let fit_tokens = fit_host_server / tp / bpt / ps * ps;
+        // The advice names the flag that was given, in the unit it was given in.
         let fit = match req.host {
             Some(HostBudget::PerRank(_)) => {
-                format!("--hicache-size {} per rank", gb(fit_tokens * bpt))
+                format!(
+                    "--hicache-size {} per rank",
+                    typed_like(fit_tokens * bpt, ht)
+                )
             }
             Some(HostBudget::Ratio(_)) => format!(
                 "--hicache-ratio {:.2}",
                 fit_tokens as f64 / device_tokens as f64
             ),
-            _ => format!("--hicache-total {}", gb(fit_tokens * bpt * tp)),
+            Some(HostBudget::Total(_)) => {
+                format!("--hicache-total {}", typed_like(fit_tokens * bpt * tp, ht))
+            }
+            None => {
+                let dev_fit = usable / tp / bpt / ps * ps * bpt;
+                match req.device {
+                    DeviceBudget::Bytes(_) => format!(
+                        "--device-mem {} per rank",
+                        typed_like(dev_fit, req.device_text.as_deref())
+                    ),
+                    DeviceBudget::FractionOfFree(_) => format!(
+                        "--device-mem-fraction {:.2}",
+                        dev_fit as f64 * tp as f64 / avail.max(1) as f64
+                    ),
+                }
+            }
         };
         let all_avail: u64 = topo.nodes.iter().map(|n| n.available_bytes).sum();
         let mut alts = vec![format!("a smaller size ({fit} fits)")];
@@ -404,24 +442,27 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         let asked = match req.host {
             Some(HostBudget::PerRank(b)) => format!(
                 "--hicache-size {} per rank × {tp} ranks = {}",
-                gb(b),
-                gb(server_host)
+                typed_like(b, ht),
+                typed_like(server_host, ht)
             ),
             Some(HostBudget::Total(b)) => format!(
                 "--hicache-total {} ({tp} ranks × {})",
-                gb(b),
-                gb(host_bytes)
+                typed_like(b, ht),
+                typed_like(host_bytes, ht)
             ),
             Some(HostBudget::Ratio(r)) => format!(
                 "--hicache-ratio {r} = {} ({tp} ranks × {})",
                 gb(server_host),
                 gb(host_bytes)
             ),
-            None => "no host cache".to_string(),
+            None => format!(
+                "--device-mem {} per rank × {tp} ranks",
+                typed_like(device_budget, req.device_text.as_deref())
+            ),
         };
         return Err(PlanError::DoesNotFit(format!(
             "{asked}{} does not fit {where_} ({}): {} available ({source}) minus {} reserve leaves {}; alternatives: {}",
-            if req.device_in_host_memory { format!(" + {} of device pools in host memory", gb(server_device)) } else { String::new() },
+            if req.device_in_host_memory && req.host.is_some() { format!(" + {} of device pools in host memory", typed_like(server_device, ht)) } else { String::new() },
             req.policy.name(),
             format_bytes(avail),
             format_bytes(reserve),

@@ -38,6 +38,8 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         reserve: None,
         device_in_host_memory: false,
         allowed_cpus: vec![0, 1],
+        host_text: None,
+        device_text: None,
     }
 }
 

@@ -72,6 +72,8 @@ pub struct AppState {
     pub prefill_workers: Vec<String>,
     /// Cluster-call nonces seen (replays are refused).
     pub replay: crate::auth::ReplayGuard,
+    /// The PD prefill work this worker does for decode workers.
+    pub pd_prefill: crate::metrics::PdPrefillMetrics,
 }
 
 impl AppState {
@@ -105,6 +107,7 @@ impl AppState {
             cluster_key: None,
             prefill_workers: Vec::new(),
             replay: crate::auth::ReplayGuard::default(),
+            pd_prefill: Default::default(),
         }
     }
 }

@@ -127,6 +127,8 @@ pub struct KvInbox {
     pub received: AtomicU64,
     pub failed: AtomicU64,
     pub bytes: AtomicU64,
+    /// Time spent receiving transfers (first page announced to the last acknowledged).
+    pub nanos: AtomicU64,
     pub refused_connections: AtomicU64,
 }
 
@@ -153,6 +155,7 @@ impl KvInbox {
             received: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
         });
         let me = inbox.clone();
@@ -297,13 +300,19 @@ impl KvInbox {
         };
         loop {
             let mut admitted = None;
+            let mut began = None;
             let res = transfer::recv_kv(&mut link, &lim, &mut |id, pages| {
                 let v = self.admit(id, pages);
                 if v == Admit::Yes {
                     admitted = Some(id);
+                    began = Some(Instant::now());
                 }
                 v
             });
+            if let Some(t) = began {
+                self.nanos
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
             match res {
                 Ok(r) => {
                     self.received.fetch_add(1, Ordering::Relaxed);

@@ -39,13 +39,22 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     // PD.
     ("strata_kv_transfers_total", "counter", "KV transfers by direction (sent, received) and outcome (ok, failed)."),
     ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
-    ("strata_kv_transfer_seconds_total", "counter", "Time spent sending K/V to decode workers (handshake to acknowledgement)."),
+    ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: handshake to acknowledgement; received: first page announced to the last acknowledged)."),
+    ("strata_pd_prefill_requests_total", "counter", "PD prefill requests this worker served for decode workers (POST /pd/prefill), by outcome (ok, failed)."),
+    ("strata_pd_prefill_prompt_tokens_total", "counter", "Prompt tokens of the PD prefill requests this worker served."),
+    ("strata_pd_prefill_duration_seconds", "histogram", "Time from a PD prefill request's arrival to its first token (the prefill's TTFT; the K/V transfer comes after)."),
     // Router.
     ("strata_router_requests_total", "counter", "Requests the router forwarded, by policy and reason (cache_hit, no_cache_hit, policy)."),
     ("strata_router_cache_hit_pages_total", "counter", "Cached pages on the chosen worker at cache-aware decisions, by tier."),
     ("strata_router_retries_total", "counter", "Requests retried on another worker pair."),
     ("strata_router_worker_up", "gauge", "1 when the router's health check of a worker passes."),
     ("strata_router_worker_in_flight", "gauge", "Requests in flight on a worker, as the router counts them."),
+    ("strata_router_http_requests_total", "counter", "Requests the router answered, by route, HTTP status code and decode worker (none: answered by the router itself)."),
+    ("strata_router_request_duration_seconds", "histogram", "Time from a request's arrival at the router to the end of its answer (streams included)."),
+    ("strata_router_added_latency_seconds", "histogram", "The router's own part of a request: arrival to the upstream request sent (key check, routing, prompt hashing)."),
+    ("strata_router_upstream_errors_total", "counter", "Upstream failures by kind (connect: worker unreachable; status: a worker answered 502/503; stream: a worker's stream broke)."),
+    ("strata_router_auth_failures_total", "counter", "Requests refused for a missing or wrong API key."),
+    ("strata_router_in_flight_requests", "gauge", "Requests the router is answering now."),
     // Node health.
     ("strata_numa_node_memory_bytes", "gauge", "Memory of a NUMA node by state (total, available), from sysfs."),
     ("strata_process_resident_memory_bytes", "gauge", "Resident memory of this process."),
@@ -468,6 +477,20 @@ pub fn worker(st: &crate::app::AppState) -> String {
         &[("direction", "sent")],
         st.transfer_nanos_sent.load(Ordering::Relaxed) as f64 / 1e9,
     );
+    let pd = &st.pd_prefill;
+    for (outcome, n) in [("ok", &pd.ok), ("failed", &pd.failed)] {
+        t.sample(
+            "strata_pd_prefill_requests_total",
+            &[("outcome", outcome)],
+            n.load(Ordering::Relaxed) as f64,
+        );
+    }
+    t.sample(
+        "strata_pd_prefill_prompt_tokens_total",
+        &[],
+        pd.prompt_tokens.load(Ordering::Relaxed) as f64,
+    );
+    t.histogram("strata_pd_prefill_duration_seconds", &pd.duration);
     if let Some(k) = &st.kv {
         let (ok, failed, bytes) = (
             k.received.load(Ordering::Relaxed),
@@ -489,14 +512,91 @@ pub fn worker(st: &crate::app::AppState) -> String {
             &[("direction", "received")],
             bytes as f64,
         );
+        t.sample(
+            "strata_kv_transfer_seconds_total",
+            &[("direction", "received")],
+            k.nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        );
     }
     node_health(&mut t, &st.role);
     t.finish()
 }
 
+/// What the router measures at its front door.
+#[derive(Default)]
+pub struct FrontMetrics {
+    /// (route, code, worker) → requests answered.
+    pub answered: std::sync::Mutex<std::collections::BTreeMap<(String, u16, String), u64>>,
+    pub duration: Histogram,
+    pub added: Histogram,
+    /// connect, status, stream.
+    pub upstream_errors: [AtomicU64; 3],
+    pub auth_failures: AtomicU64,
+    pub in_flight: AtomicU64,
+}
+
+impl FrontMetrics {
+    pub fn answered(&self, route: &str, code: u16, worker: &str) {
+        *self
+            .answered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((route.to_string(), code, worker.to_string()))
+            .or_default() += 1;
+    }
+
+    fn render(&self, t: &mut Text) {
+        let answered = self
+            .answered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for ((route, code, worker), n) in &answered {
+            t.sample(
+                "strata_router_http_requests_total",
+                &[
+                    ("route", route),
+                    ("code", &code.to_string()),
+                    ("worker", worker),
+                ],
+                *n as f64,
+            );
+        }
+        t.histogram("strata_router_request_duration_seconds", &self.duration);
+        t.histogram("strata_router_added_latency_seconds", &self.added);
+        for (i, kind) in ["connect", "status", "stream"].iter().enumerate() {
+            t.sample(
+                "strata_router_upstream_errors_total",
+                &[("kind", kind)],
+                self.upstream_errors[i].load(Ordering::Relaxed) as f64,
+            );
+        }
+        t.sample(
+            "strata_router_auth_failures_total",
+            &[],
+            self.auth_failures.load(Ordering::Relaxed) as f64,
+        );
+        t.sample(
+            "strata_router_in_flight_requests",
+            &[],
+            self.in_flight.load(Ordering::Relaxed) as f64,
+        );
+    }
+}
+
+/// What a prefill worker measures of the PD prefill work it does.
+#[derive(Default)]
+pub struct PdPrefillMetrics {
+    pub ok: AtomicU64,
+    pub failed: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub duration: Histogram,
+}
+
 /// The router's `/metrics`.
 pub fn router(st: &crate::router::RouterState) -> String {
     let mut t = Text::new();
+    st.front.render(&mut t);
     let p = st.policy.name();
     let hits = st.cache_hits.load(Ordering::Relaxed);
     let misses = st.cache_misses.load(Ordering::Relaxed);

@@ -97,19 +97,35 @@ pub async fn prefill(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<PrefillResponse>, ApiError> {
+    let arrived = std::time::Instant::now();
     let bytes = crate::app::body_bytes(body, st.body_limit)?;
     if let Some(k) = &st.cluster_key {
         crate::auth::verify(k, &st.replay, &headers, &prefill_call(&bytes))
             .map_err(|e| crate::auth::unauthorized(&e))?;
     }
-    let req: PrefillRequest = crate::app::parse_json(&bytes)?;
+    let r = prefill_work(&st, &bytes, arrived).await;
+    let m = &st.pd_prefill;
+    match &r {
+        Ok(_) => m.ok.fetch_add(1, Ordering::Relaxed),
+        Err(_) => m.failed.fetch_add(1, Ordering::Relaxed),
+    };
+    r
+}
+
+/// An authenticated `/pd/prefill`: compute, export, send.
+async fn prefill_work(
+    st: &Arc<AppState>,
+    bytes: &[u8],
+    arrived: std::time::Instant,
+) -> Result<Json<PrefillResponse>, ApiError> {
+    let req: PrefillRequest = crate::app::parse_json(bytes)?;
     let id = strata_kv::auth::unhex(&req.transfer_id)
         .filter(|b| b.len() == 16)
         .map(|b| u128::from_le_bytes(b.try_into().expect("16 bytes")))
         .ok_or_else(|| {
             ApiError::bad_request("transfer_id: expected 32 hex digits", Some("transfer_id"))
         })?;
-    let addr = kv_target(&st, &req.kv_target)?;
+    let addr = kv_target(st, &req.kv_target)?;
     let sane = (0.0..=2.0).contains(&req.temperature) && req.top_p > 0.0 && req.top_p <= 1.0;
     if !sane {
         return Err(ApiError::bad_request(
@@ -135,7 +151,16 @@ pub async fn prefill(
     while let Some(ev) = rs.events.recv().await {
         match ev {
             Event::Admitted { cached: c } => cached = c,
-            Event::Token(t) => first = Some(t),
+            Event::Token(t) => {
+                // The prefill's TTFT: what this worker contributes to the client's.
+                let secs = arrived.elapsed().as_secs_f64();
+                st.pd_prefill.duration.observe(secs);
+                st.metrics.ttft.observe(secs);
+                st.pd_prefill
+                    .prompt_tokens
+                    .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                first = Some(t)
+            }
             Event::Kv(k) => kv = Some(k),
             Event::Done { reason, .. } => {
                 if let FinishReason::QueueTimeout { waited } = reason {

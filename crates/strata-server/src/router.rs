@@ -98,6 +98,8 @@ pub struct RouterState {
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
     /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
+    /// Requests by route, status and worker; latencies; upstream and auth failures.
+    pub front: crate::metrics::FrontMetrics,
 }
 
 /// What the dashboard shows of a worker, from its `/metrics`.
@@ -176,6 +178,7 @@ impl RouterState {
             scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
             cluster_key: None,
             cpu_gate: crate::app::cpu_gate(),
+            front: Default::default(),
         }
     }
 
@@ -264,7 +267,68 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .fallback(crate::app::not_found)
         .method_not_allowed_fallback(crate::app::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            front_door,
+        ))
         .with_state(state)
+}
+
+/// The decode worker (or the one worker) that answered a request.
+#[derive(Clone)]
+struct ChosenWorker(String);
+
+/// Counts every answer by route, status and worker; for the API routes, also the time to the
+/// end of the answer (when its body is done or dropped) and the requests in flight.
+async fn front_door(
+    State(st): St,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = match req.uri().path() {
+        p @ ("/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/models"
+        | "/health"
+        | "/metrics"
+        | "/workers"
+        | "/dashboard"
+        | "/dashboard/data") => p.to_string(),
+        _ => "other".to_string(),
+    };
+    let api = route.starts_with("/v1/");
+    let t = std::time::Instant::now();
+    if api {
+        st.front.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+    let resp = next.run(req).await;
+    let worker = resp
+        .extensions()
+        .get::<ChosenWorker>()
+        .map(|w| w.0.clone())
+        .unwrap_or_else(|| "none".into());
+    st.front.answered(&route, resp.status().as_u16(), &worker);
+    if !api {
+        return resp;
+    }
+    /// Ends a request's measurement when its body is done or dropped.
+    struct End(Arc<RouterState>, std::time::Instant);
+    impl Drop for End {
+        fn drop(&mut self) {
+            self.0
+                .front
+                .duration
+                .observe(self.1.elapsed().as_secs_f64());
+            self.0.front.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    let end = End(st.clone(), t);
+    let (parts, body) = resp.into_parts();
+    let body = Body::from_stream(body.into_data_stream().map(move |c| {
+        let _end = &end;
+        c
+    }));
+    Response::from_parts(parts, body)
 }
 
 /// Follows the cache events of the cache pool's workers, every `every`.
@@ -334,6 +398,14 @@ fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
     if st.api_keys.is_empty() {
         return Ok(());
     }
+    let r = check_key_inner(st, headers);
+    if r.is_err() {
+        st.front.auth_failures.fetch_add(1, Ordering::Relaxed);
+    }
+    r
+}
+
+fn check_key_inner(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
     let given = crate::error::bearer(headers);
     // Every key is compared, each in constant time: the answer's timing says nothing about
     // which key or which byte was close.
@@ -393,6 +465,7 @@ pub fn broken_stream_tail(why: &str) -> Bytes {
 fn guard_sse<S>(
     upstream: S,
     keep: InFlight,
+    st: Arc<RouterState>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
 where
     S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
@@ -403,6 +476,7 @@ where
         tail: [u8; 16],
         over: bool,
         _keep: InFlight,
+        st: Arc<RouterState>,
     }
     futures_util::stream::unfold(
         G {
@@ -416,6 +490,7 @@ where
             },
             over: false,
             _keep: keep,
+            st,
         },
         |mut g| async move {
             if g.over {
@@ -438,10 +513,12 @@ where
                 }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
+                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
                     g.over = true;
                     Some((Ok(broken_stream_tail("connection lost")), g))
                 }
                 None if !g.done_seen => {
+                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
                     g.over = true;
                     Some((Ok(broken_stream_tail("it ended without [DONE]")), g))
                 }
@@ -468,6 +545,7 @@ async fn forward(
     body: Body_,
     path: &str,
 ) -> Result<Response, ApiError> {
+    let arrived = std::time::Instant::now();
     check_key(&st, &headers)?;
     let body = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -543,9 +621,11 @@ async fn forward(
             req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, &call));
         }
         let guard = InFlight(guard);
+        st.front.added.observe(arrived.elapsed().as_secs_f64());
         match req.send().await {
             // Worker-side failures before any token (bad gateway, unavailable) are retried.
             Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
+                st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
                 let status = r.status();
                 let text = r.text().await.unwrap_or_default();
                 // The worker's words go to the log, never to the client.
@@ -561,7 +641,7 @@ async fn forward(
                     .and_then(|c| c.to_str().ok())
                     .is_some_and(|c| c.starts_with("text/event-stream"));
                 let body = if sse {
-                    Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard))
+                    Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard, st.clone()))
                 } else {
                     Body::from_stream(r.bytes_stream().map(move |c| {
                         let _keep = &guard;
@@ -574,9 +654,11 @@ async fn forward(
                 if let Some(c) = ctype {
                     resp.headers_mut().insert(header::CONTENT_TYPE, c);
                 }
+                resp.extensions_mut().insert(ChosenWorker(d.url.clone()));
                 return Ok(resp);
             }
             Err(e) => {
+                st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(decode = %d.url, error = %e, "worker unreachable; retrying on another pair");
                 d.failures.fetch_add(1, Ordering::Relaxed);
                 if e.is_connect() {

@@ -37,6 +37,23 @@ async fn worker(
     kv: bool,
     prefill_workers: &[String],
 ) -> Worker {
+    worker_with(
+        path,
+        page_size,
+        kv,
+        prefill_workers,
+        EngineConfig::default(),
+    )
+    .await
+}
+
+async fn worker_with(
+    path: &std::path::Path,
+    page_size: usize,
+    kv: bool,
+    prefill_workers: &[String],
+    base: EngineConfig,
+) -> Worker {
     let mut g = Gguf::open(path).unwrap();
     let tk = ModelTokenizer::from_gguf(&g).unwrap();
     let m = Model::load(&mut g).unwrap();
@@ -48,7 +65,7 @@ async fn worker(
     let cfg = EngineConfig {
         stop_token_ids: tk.stop.clone(),
         model_id: "tiny".into(),
-        ..EngineConfig::default()
+        ..base
     };
     let engine = Engine::start(m, cache, cfg);
     let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
@@ -106,6 +123,25 @@ fn chat(content: &str, max: usize) -> Value {
            "max_tokens": max, "temperature": 0, "ignore_eos": true})
 }
 
+async fn metrics_of(url: &str) -> String {
+    reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of the sample line that starts with `key` (name and labels as written).
+fn sample(metrics: &str, key: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
 async fn post(url: &str, body: &Value) -> (u16, Value) {
     let r = reqwest::Client::new()
         .post(url)
@@ -153,6 +189,36 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         want["choices"][0]["message"]["content"]
     );
     assert!(decode.state.engine.snapshot().transferred_prompt_tokens > 0);
+    // The prefill worker counts the PD prefill work it did, and both sides time the transfers.
+    let pm = metrics_of(&prefill.url).await;
+    assert!(
+        sample(&pm, "strata_pd_prefill_requests_total{outcome=\"ok\"}") >= 2.0,
+        "{pm}"
+    );
+    assert!(
+        sample(&pm, "strata_pd_prefill_prompt_tokens_total") > 0.0,
+        "{pm}"
+    );
+    assert!(
+        sample(&pm, "strata_pd_prefill_duration_seconds_count") >= 2.0,
+        "{pm}"
+    );
+    assert!(
+        sample(&pm, "strata_time_to_first_token_seconds_count") >= 2.0,
+        "{pm}"
+    );
+    assert!(
+        sample(&pm, "strata_kv_transfer_seconds_total{direction=\"sent\"}") > 0.0,
+        "{pm}"
+    );
+    let dm = metrics_of(&decode.url).await;
+    assert!(
+        sample(
+            &dm,
+            "strata_kv_transfer_seconds_total{direction=\"received\"}"
+        ) > 0.0,
+        "{dm}"
+    );
     // Streaming through the router.
     let mut sb = chat(q, 5);
     sb["stream"] = json!(true);
@@ -402,5 +468,87 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
         let v: Value = resp.json().await.unwrap();
         assert!(v["error"]["message"].is_string(), "{v}");
     }
+    // The front door on /metrics: answers by route, status and worker; latency histograms.
+    let m = metrics_of(&r).await;
+    let chat_route = "strata_router_http_requests_total{route=\"/v1/chat/completions\"";
+    assert_eq!(
+        sample(&m, &format!("{chat_route},code=\"401\",worker=\"none\"}}")),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("{chat_route},code=\"200\",worker=\"{}\"}}", w.url)
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, &format!("{chat_route},code=\"413\",worker=\"none\"}}")),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(sample(&m, "strata_router_auth_failures_total"), 2.0, "{m}");
+    assert!(
+        sample(&m, "strata_router_request_duration_seconds_count") >= 4.0,
+        "{m}"
+    );
+    assert!(
+        sample(&m, "strata_router_added_latency_seconds_count") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(sample(&m, "strata_router_in_flight_requests"), 0.0, "{m}");
+
+    // 429 from an overloaded worker passes through and is counted; an unreachable worker is a
+    // 502 after the retry, counted with its upstream errors.
+    let busy = worker_with(
+        &path,
+        16,
+        false,
+        &[],
+        EngineConfig {
+            max_waiting: 0,
+            ..EngineConfig::default()
+        },
+    )
+    .await;
+    let dead_url = || {
+        let dead = StdListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", dead.local_addr().unwrap())
+    };
+    for (decode, want) in [
+        (vec![busy.url.clone()], 429u16),
+        (vec![dead_url(), dead_url()], 502),
+    ] {
+        let rs = RouterState::new(&[], &decode, Policy::LeastLoad);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let r2 = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, router(Arc::new(rs))).await });
+        let (st, v) = post(&format!("{r2}/v1/chat/completions"), &chat("hi", 2)).await;
+        assert_eq!(st, want, "{v}");
+        let m = metrics_of(&r2).await;
+        let worker = if want == 429 {
+            decode[0].as_str()
+        } else {
+            "none"
+        };
+        assert_eq!(
+            sample(
+                &m,
+                &format!("{chat_route},code=\"{want}\",worker=\"{worker}\"}}")
+            ),
+            1.0,
+            "{m}"
+        );
+        if want == 502 {
+            assert_eq!(
+                sample(&m, "strata_router_upstream_errors_total{kind=\"connect\"}"),
+                2.0,
+                "{m}"
+            );
+        }
+    }
+    busy.stop().await;
     w.stop().await;
 }

@@ -19,8 +19,32 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "strata", version, about, long_about = None)]
 struct Cli {
+    /// Log lines as plain text (colours only on a terminal) or as JSON objects, one a line.
+    /// Also $STRATA_LOG_FORMAT; the level is $STRATA_LOG (default info).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "STRATA_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs to stderr; ANSI colours only when stderr is a terminal (a log file gets plain text).
+fn init_logs(format: LogFormat) {
+    use std::io::IsTerminal;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into());
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => b.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => b.json().init(),
+    }
 }
 
 #[derive(Subcommand)]
@@ -50,13 +74,6 @@ enum Command {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(),
@@ -70,6 +87,15 @@ fn main() {
             std::process::exit(2);
         }
     };
+    init_logs(cli.log_format);
+    // Processes this one starts (`strata up`'s workers) log the same way.
+    std::env::set_var(
+        "STRATA_LOG_FORMAT",
+        match cli.log_format {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        },
+    );
     let res = match cli.command {
         Command::Sim(a) => sim::run(a),
         Command::Plan(a) => plan::run(a),

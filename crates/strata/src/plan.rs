@@ -1,6 +1,5 @@
 //! `strata plan`: the sizing dry run (and, with `--allocate`, the real thing).
 
-use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -37,18 +36,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         for rank in 0..req.tp {
             let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
             alloc.huge_pages = a.sizing.huge_pages;
-            alloc.progress = Some(Arc::new(move |done, total| {
-                eprint!(
-                    "\rpre-faulting rank {rank} host pool: {:>3}% ({:.2} of {:.2} GiB)",
-                    done * 100 / total.max(1),
-                    done as f64 / (1u64 << 30) as f64,
-                    total as f64 / (1u64 << 30) as f64
-                );
-                if done == total {
-                    eprintln!();
-                }
-                let _ = std::io::stderr().flush();
-            }));
+            alloc.progress = Some(crate::sizing::prefault_progress(
+                format!("rank {rank} host pool"),
+                0,
+            ));
             let pool = HostPool::new(layout.clone(), pages, &alloc)?;
             let placement = strata_mem::numa::placement_of_pool(&pool);
             placements.push((rank, pool.bytes(), alloc.clone(), placement));

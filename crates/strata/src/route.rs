@@ -12,8 +12,10 @@ use strata_server::router::{health_loop, index_loop, router, Policy, RouterState
 
 #[derive(Args, Debug, Clone)]
 pub struct RouteArgs {
+    /// Address to listen on: clients reach the deployment here.
     #[arg(long, default_value = "127.0.0.1", help_heading = "Server")]
     pub host: String,
+    /// Port of the API (0: any free port, said in the ready line).
     #[arg(long, default_value_t = 8000, help_heading = "Server")]
     pub port: u16,
     /// A prefill worker's URL (repeat for several). With prefill workers, requests go PD:

@@ -22,6 +22,10 @@ use strata_server::AppState;
 use crate::sizing::SizingArgs;
 
 #[derive(Args, Debug, Clone)]
+// One worker serves one rank of the model it loads: the sizing flags it would refuse are not
+// offered (still refused with the reason when given).
+#[command(mut_arg("tp_size", |a| a.hide(true)))]
+#[command(mut_arg("model_preset", |a| a.hide(true)))]
 pub struct ServeArgs {
     #[command(flatten)]
     pub sizing: SizingArgs,
@@ -29,6 +33,7 @@ pub struct ServeArgs {
     /// Address to listen on (loopback unless you mean it).
     #[arg(long, default_value = "127.0.0.1", help_heading = "Server")]
     pub host: String,
+    /// Port of the HTTP API (0: any free port, said in the ready line).
     #[arg(long, default_value_t = 8000, help_heading = "Server")]
     pub port: u16,
     /// Name clients use as `model` (default: the GGUF file name without extension).
@@ -215,7 +220,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
     let role = a.sizing.role.as_str();
     if !matches!(role, "prefill" | "decode" | "both" | "server") {
-        bail!("--role `{role}`: expected prefill, decode or both");
+        bail!("--role `{role}`: expected prefill, decode, both or server");
     }
     let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
     if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
@@ -321,6 +326,11 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
     let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
     alloc.huge_pages = a.sizing.huge_pages;
+    // Pools under 1 GiB pre-fault in well under a second: no progress line for them.
+    alloc.progress = Some(crate::sizing::prefault_progress(
+        "host pool".into(),
+        1 << 30,
+    ));
     let ns_key = strata_kv::HashNamespace::new(&model_id(&path), &layout).key();
     let ns: String = ns_key[..8].iter().map(|b| format!("{b:02x}")).collect();
     let blob_key = cluster_key

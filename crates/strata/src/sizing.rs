@@ -72,6 +72,10 @@ pub struct SizingArgs {
     /// Back host pools with transparent huge pages.
     #[arg(long, help_heading = "NUMA")]
     pub huge_pages: bool,
+    /// Plan for another machine instead of this one: `2x240GB` (two NUMA nodes of 240 GB
+    /// each) or the nodes' sizes in order, `240GB,256GB`.
+    #[arg(long, conflicts_with = "sysfs_root", help_heading = "NUMA")]
+    pub machine: Option<String>,
     /// Read the NUMA topology from this sysfs root instead of /sys (tests, what-if plans).
     #[arg(long, hide = true)]
     pub sysfs_root: Option<PathBuf>,
@@ -82,6 +86,71 @@ pub struct SizingArgs {
 
 fn size(flag: &str, v: &str) -> Result<u64> {
     parse_size(v).with_context(|| format!("--{flag}"))
+}
+
+/// A machine described on the command line: `NxSIZE` or `SIZE,SIZE,...` (one per NUMA node).
+/// Its nodes' memory is all available (the plan's reserve still applies).
+pub fn what_if(spec: &str) -> Result<Topology> {
+    let sizes: Vec<(String, u64)> = match spec.split_once(['x', 'X']) {
+        Some((n, size)) if n.chars().all(|c| c.is_ascii_digit()) && !n.is_empty() => {
+            let n: usize = n.parse().with_context(|| format!("--machine `{spec}`"))?;
+            if n == 0 || n > 64 {
+                bail!("--machine `{spec}`: 1 to 64 NUMA nodes");
+            }
+            let b = size_of_machine(spec, size)?;
+            (0..n).map(|_| (size.trim().to_string(), b)).collect()
+        }
+        _ => spec
+            .split(',')
+            .map(|p| Ok((p.trim().to_string(), size_of_machine(spec, p)?)))
+            .collect::<Result<_>>()?,
+    };
+    Ok(Topology {
+        nodes: sizes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (text, b))| strata_mem::Node {
+                id: i as u32,
+                cpus: Vec::new(),
+                total_bytes: b,
+                available_bytes: b,
+                source: format!("--machine {spec}: node {i} of {text}, all of it available"),
+            })
+            .collect(),
+    })
+}
+
+fn size_of_machine(spec: &str, part: &str) -> Result<u64> {
+    let b = parse_size(part).with_context(|| format!("--machine `{spec}`"))?;
+    if b == 0 {
+        bail!("--machine `{spec}`: a node of 0 bytes");
+    }
+    Ok(b)
+}
+
+/// Pre-fault progress on stderr for host pools of at least `min_bytes`: percent, GiB done and
+/// GiB/s, redrawn on one line.
+pub fn prefault_progress(label: String, min_bytes: u64) -> strata_mem::numa::Progress {
+    let start = std::time::Instant::now();
+    std::sync::Arc::new(move |done: u64, total: u64| {
+        use std::io::Write;
+        if total < min_bytes {
+            return;
+        }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        eprint!(
+            "\rpre-faulting {label}: {:>3}% ({:.2} of {:.2} GiB, {:.2} GiB/s)",
+            done * 100 / total.max(1),
+            gib(done),
+            gib(total),
+            gib(done) / secs
+        );
+        if done == total {
+            eprintln!();
+        }
+        let _ = std::io::stderr().flush();
+    })
 }
 
 /// CPUs this process may run on.
@@ -103,6 +172,9 @@ fn allowed_cpus() -> Vec<u32> {
 
 impl SizingArgs {
     pub fn topology(&self) -> Result<Topology> {
+        if let Some(m) = &self.machine {
+            return what_if(m);
+        }
         Ok(match &self.sysfs_root {
             Some(root) => {
                 let proc = self
@@ -187,7 +259,17 @@ impl SizingArgs {
             reserve,
             // This build computes on the CPU: its device pool is host memory on the same node.
             device_in_host_memory: true,
-            allowed_cpus: allowed_cpus(),
+            // A what-if machine: none of this machine's CPUs say anything about its nodes.
+            allowed_cpus: if self.machine.is_some() {
+                Vec::new()
+            } else {
+                allowed_cpus()
+            },
+            host_text: self
+                .hicache_size
+                .clone()
+                .or_else(|| self.hicache_total.clone()),
+            device_text: self.device_mem.clone(),
         })
     }
 }

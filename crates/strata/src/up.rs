@@ -416,8 +416,18 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     println!("strata up: ready");
     println!("  API (OpenAI-compatible): {router_url}/v1");
+    println!("  dashboard: {router_url}/dashboard");
+    println!(
+        "  metrics (Prometheus): {router_url}/metrics (router), <worker>/metrics (each worker)"
+    );
     for p in &procs[..procs.len() - 1] {
-        println!("  {}: {} (pid {})", p.name, p.url, p.child.id());
+        println!(
+            "  {}: {} (pid {}), metrics {}/metrics",
+            p.name,
+            p.url,
+            p.child.id(),
+            p.url
+        );
     }
     println!("  Ctrl-C stops everything");
     supervise(&rt, procs)

@@ -93,7 +93,7 @@ fn seed_ratio_warns_and_text_report_names_the_deciding_flags() {
         "{s}"
     );
     assert!(
-        s.contains("decided: device tokens per rank ← --device-mem 2.00 GiB"),
+        s.contains("decided: device tokens per rank ← --device-mem 2GiB (2147483648 bytes)"),
         "{s}"
     );
     assert!(s.contains("indexer"), "{s}");
@@ -207,4 +207,88 @@ fn the_model_file_declares_its_pools() {
         "{}",
         err(&o)
     );
+}
+
+/// The seed's scenario planned for a machine other than this one (`--machine 2x240GB`): the
+/// per-rank, per-pool table prints on any machine, sizes are echoed in the unit typed, and
+/// 300 GB on one 240 GB node is refused with alternatives naming the flag that was given.
+#[test]
+fn what_if_machine_plans_the_seed_scenario_anywhere() {
+    let args = |total: &str| {
+        vec![
+            "plan",
+            "--machine",
+            "2x240GB",
+            "--model-preset",
+            "dsv4-like",
+            "--tp-size",
+            "4",
+            "--device-mem",
+            "2GiB",
+            "--hicache-total",
+            total,
+            "--numa-node",
+            "0",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>()
+    };
+    let a = args("150GB");
+    let o = strata(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = out(&o);
+    assert!(o.status.success(), "{}{}", text, err(&o));
+    for want in [
+        "kv ",
+        "indexer ",
+        "per rank",
+        "per server (4 ranks)",
+        "--machine 2x240GB: node 0 of 240GB",
+        "--device-mem 2GiB (2147483648 bytes) per rank",
+        "--hicache-total 150GB (150000000000 bytes) split over 4 ranks = 37.5GB (37500000000 bytes) per rank",
+    ] {
+        assert!(text.contains(want), "missing `{want}`:\n{text}");
+    }
+    let a = args("300GB");
+    let o = strata(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(o.status.code(), Some(2));
+    let e = err(&o);
+    assert!(e.contains("--hicache-total 300GB (4 ranks × 75GB)"), "{e}");
+    assert!(e.contains("does not fit NUMA node 0"), "{e}");
+    assert!(
+        e.contains("alternatives: a smaller size (--hicache-total "),
+        "{e}"
+    );
+    assert!(e.contains("--numa-policy interleave"), "{e}");
+    assert!(e.contains("split the cache over servers"), "{e}");
+}
+
+/// A device pool too big for the node: the advice names --device-mem (the flag given), in its
+/// unit, not a host flag that was never typed.
+#[test]
+fn advice_names_the_flag_that_was_given() {
+    let o = strata(&["plan", "--machine", "1x8GiB", "--device-mem", "64GiB"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = err(&o);
+    assert!(e.contains("--device-mem 64GiB per rank"), "{e}");
+    assert!(e.contains("(--device-mem "), "{e}");
+    assert!(e.contains("GiB per rank fits)"), "{e}");
+    assert!(!e.contains("--hicache"), "{e}");
+    let o = strata(&[
+        "plan",
+        "--machine",
+        "2x240GB",
+        "--device-mem",
+        "1GiB",
+        "--hicache-size",
+        "1GiB",
+    ]);
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        out(&o).contains("--hicache-size 1GiB (1073741824 bytes) per rank"),
+        "{}",
+        out(&o)
+    );
+    let o = strata(&["plan", "--machine", "0x8GB"]);
+    assert_eq!(o.status.code(), Some(2));
 }

@@ -149,7 +149,9 @@ fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
         .split("pid ")
         .nth(1)
         .unwrap()
-        .trim_end_matches(')')
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
         .parse()
         .unwrap();
     // SAFETY: kill(2) on the decode worker `strata up` started (its pid was printed).
