@@ -14,6 +14,7 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod cache_index;
+pub mod dashboard;
 pub mod error;
 mod internal;
 pub mod kv_inbox;

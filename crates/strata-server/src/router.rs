@@ -19,6 +19,7 @@ use serde_json::json;
 
 use crate::app::PREFILL_HEADER;
 use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS, REMOTE_WEIGHT};
+pub use crate::dashboard::{health_loop, WorkerStats};
 use crate::error::ApiError;
 
 /// How to pick workers.
@@ -53,6 +54,8 @@ impl Policy {
 pub struct Worker {
     pub url: String,
     pub healthy: AtomicBool,
+    /// Unix milliseconds of the last successful scrape of its `/metrics` (0: never).
+    pub last_seen_ms: AtomicU64,
     pub in_flight: AtomicUsize,
     pub requests: AtomicU64,
     pub failures: AtomicU64,
@@ -63,6 +66,7 @@ impl Worker {
         Arc::new(Worker {
             url: url.trim_end_matches('/').to_string(),
             healthy: AtomicBool::new(true),
+            last_seen_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -94,64 +98,17 @@ pub struct RouterState {
     pub hit_pages_remote: AtomicU64,
     /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
     pub scraped: std::sync::Mutex<std::collections::HashMap<String, WorkerStats>>,
+    /// What the dashboard draws over time: a ring of samples (15 minutes at the health
+    /// interval of 1 s).
+    pub history: std::sync::Mutex<crate::dashboard::History>,
+    /// How often workers are checked and samples recorded (set by `health_loop`'s caller).
+    pub health_every: Duration,
     /// The deployment's cluster key: every call to a worker carries proof of it.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
     /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
     /// Requests by route, status and worker; latencies; upstream and auth failures.
     pub front: crate::metrics::FrontMetrics,
-}
-
-/// What the dashboard shows of a worker, from its `/metrics`.
-#[derive(Clone, Debug, Default, serde::Serialize, PartialEq)]
-pub struct WorkerStats {
-    pub prompt_tokens: f64,
-    pub hit_device: f64,
-    pub hit_host: f64,
-    pub hit_l3: f64,
-    pub miss: f64,
-    pub device_used: f64,
-    pub device_total: f64,
-    pub host_used: f64,
-    pub host_total: f64,
-    pub ttft_sum: f64,
-    pub ttft_count: f64,
-    pub running: f64,
-    pub queued: f64,
-}
-
-impl WorkerStats {
-    /// Reads the figures from a Prometheus text exposition.
-    pub fn parse(text: &str) -> WorkerStats {
-        let mut w = WorkerStats::default();
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let Some((key, v)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(v) = v.parse::<f64>() else { continue };
-            let (name, labels) = key.split_once('{').unwrap_or((key, ""));
-            let has = |l: &str| labels.contains(l);
-            match name {
-                "strata_prompt_tokens_total" => w.prompt_tokens = v,
-                "strata_cache_hit_tokens_total" if has("tier=\"device\"") => w.hit_device = v,
-                "strata_cache_hit_tokens_total" if has("tier=\"host\"") => w.hit_host = v,
-                "strata_cache_hit_tokens_total" => w.hit_l3 += v,
-                "strata_cache_miss_tokens_total" => w.miss = v,
-                "strata_cache_pages" if has("tier=\"device\"") && has("state=\"used\"") => {
-                    w.device_used = v
-                }
-                "strata_cache_pages" if has("tier=\"device\"") => w.device_total = v,
-                "strata_cache_pages" if has("state=\"used\"") => w.host_used = v,
-                "strata_cache_pages" => w.host_total = v,
-                "strata_time_to_first_token_seconds_sum" => w.ttft_sum = v,
-                "strata_time_to_first_token_seconds_count" => w.ttft_count = v,
-                "strata_running_requests" => w.running = v,
-                "strata_queue_depth" => w.queued = v,
-                _ => {}
-            }
-        }
-        w
-    }
 }
 
 impl RouterState {
@@ -176,6 +133,8 @@ impl RouterState {
             hit_pages_host: AtomicU64::new(0),
             hit_pages_remote: AtomicU64::new(0),
             scraped: std::sync::Mutex::new(std::collections::HashMap::new()),
+            history: Default::default(),
+            health_every: Duration::from_secs(1),
             cluster_key: None,
             cpu_gate: crate::app::cpu_gate(),
             front: Default::default(),
@@ -262,8 +221,9 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/health", get(health))
         .route("/workers", get(workers))
         .route("/metrics", get(metrics))
-        .route("/dashboard", get(dashboard))
-        .route("/dashboard/data", get(dashboard_data))
+        .route("/dashboard", get(crate::dashboard::page))
+        .route("/dashboard/data", get(crate::dashboard::data))
+        .route("/dashboard/history", get(crate::dashboard::history))
         .fallback(crate::app::not_found)
         .method_not_allowed_fallback(crate::app::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
@@ -343,49 +303,6 @@ pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
                 .await
             {
                 tracing::debug!(worker = %w.url, error = %e, "cache events not read");
-            }
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-/// Marks workers down and up from their `/health`, every `every`.
-pub async fn health_loop(state: Arc<RouterState>, every: Duration) {
-    loop {
-        for w in state.prefill.iter().chain(&state.decode) {
-            let ok = state
-                .client
-                .get(format!("{}/health", w.url))
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await
-                .map(|r| r.status().is_success())
-                .unwrap_or(false);
-            if ok {
-                if let Ok(r) = state
-                    .client
-                    .get(format!("{}/metrics", w.url))
-                    .timeout(Duration::from_secs(2))
-                    .send()
-                    .await
-                {
-                    if let Ok(text) = r.text().await {
-                        let stats = WorkerStats::parse(&text);
-                        state
-                            .scraped
-                            .lock()
-                            .expect("scrape lock")
-                            .insert(w.url.clone(), stats);
-                    }
-                }
-            }
-            let was = w.healthy.swap(ok, Ordering::Relaxed);
-            if was != ok {
-                if ok {
-                    tracing::info!(worker = %w.url, "worker up");
-                } else {
-                    tracing::warn!(worker = %w.url, "worker down");
-                }
             }
         }
         tokio::time::sleep(every).await;
@@ -679,30 +596,6 @@ async fn forward(
             last_err.unwrap_or_default()
         ),
     ))
-}
-
-/// The built-in dashboard (one page, no external assets).
-async fn dashboard() -> axum::response::Html<&'static str> {
-    axum::response::Html(include_str!("dashboard.html"))
-}
-
-/// What the dashboard shows: each worker's health and its latest scraped figures.
-async fn dashboard_data(State(st): St) -> Json<serde_json::Value> {
-    let scraped = st.scraped.lock().expect("scrape lock").clone();
-    let role = if st.prefill.is_empty() {
-        "both"
-    } else {
-        "decode"
-    };
-    let mut workers = Vec::new();
-    for (ws, role) in [(&st.prefill, "prefill"), (&st.decode, role)] {
-        for w in ws.iter() {
-            workers.push(json!({"url": w.url, "role": role,
-                                "healthy": w.healthy.load(Ordering::Relaxed),
-                                "stats": scraped.get(&w.url)}));
-        }
-    }
-    Json(json!({"policy": st.policy.name(), "workers": workers}))
 }
 
 async fn metrics(State(st): St) -> Response {

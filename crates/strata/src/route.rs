@@ -130,8 +130,9 @@ pub fn run(a: RouteArgs) -> Result<()> {
         )));
     }
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
-    let st = Arc::new(st);
     let every = Duration::from_secs_f64(a.health_interval);
+    st.health_every = every;
+    let st = Arc::new(st);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -115,6 +115,12 @@ fn serve(model: &Path, extra: &[&str]) -> (Proc, u16) {
     let mut p = Proc::start(&args);
     let line = p.wait_for("ready on http://", 60);
     let port = port_after(&line, "http://");
+    // Logs to a pipe (not a terminal) are plain text: no ANSI colour codes.
+    assert!(
+        p.log.iter().all(|l| !l.contains('\u{1b}')),
+        "ANSI codes in piped logs:\n{}",
+        p.log.join("\n")
+    );
     (p, port)
 }
 

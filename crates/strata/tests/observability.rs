@@ -93,13 +93,31 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
     let out = up.stdout.take().unwrap();
     let up = Kill(up);
     let mut ready = false;
-    for l in BufReader::new(out).lines().map_while(Result::ok) {
+    let mut prefill_pid = None;
+    let mut lines = BufReader::new(out).lines().map_while(Result::ok);
+    for l in lines.by_ref() {
         if l.contains("strata up: ready") {
             ready = true;
             break;
         }
     }
     assert!(ready, "strata up did not come up");
+    for l in lines.by_ref() {
+        if let Some(rest) = l.trim().strip_prefix("prefill-0: ") {
+            let pid: String = rest
+                .split("(pid ")
+                .nth(1)
+                .unwrap_or("")
+                .chars()
+                .take_while(|c| c.is_ascii_digit())
+                .collect();
+            prefill_pid = pid.parse::<i32>().ok();
+        }
+        if l.contains("Ctrl-C stops everything") {
+            break;
+        }
+    }
+    let prefill_pid = prefill_pid.expect("up printed the prefill worker's pid");
     let pcfg = d.path().join("prometheus.yml");
     std::fs::write(
         &pcfg,
@@ -254,6 +272,7 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
         failures.join("\n")
     );
     check_dashboard(r, &[p, dd], d.path());
+    check_history(r, p, dd, prefill_pid, d.path());
     drop(prometheus);
     drop(up);
 }
@@ -282,7 +301,7 @@ fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
         "--disable-gpu",
         "--disable-dev-shm-usage",
         "--hide-scrollbars",
-        "--window-size=1500,400",
+        "--window-size=1500,1500",
         "--virtual-time-budget=4000",
         "--enable-logging=stderr",
         "--v=0",
@@ -358,4 +377,106 @@ fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
         String::from_utf8_lossy(&shot.stderr)
     );
     eprintln!("dashboard screenshot: {}", png.display());
+}
+
+/// The page's DOM after `budget_ms` of virtual time in headless Chromium (console lines too).
+fn dump(url: &str, profile: &Path, budget_ms: u32) -> (String, Vec<String>) {
+    let chromium = ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|b| {
+            Command::new("sh")
+                .args(["-c", &format!("command -v {b}")])
+                .output()
+                .unwrap()
+                .status
+                .success()
+        })
+        .expect("Chromium is missing: install the Debian package chromium (scripts/test.sh does)");
+    let out = Command::new(chromium)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--enable-logging=stderr",
+            "--v=0",
+            &format!("--virtual-time-budget={budget_ms}"),
+            &format!("--user-data-dir={}", profile.display()),
+            "--dump-dom",
+            url,
+        ])
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        log.lines()
+            .filter(|l| l.contains("CONSOLE"))
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// `data-NAME="..."` of the first element after `from` in `dom`.
+fn attr_after<'a>(dom: &'a str, from: &str, name: &str) -> &'a str {
+    let at = dom
+        .find(from)
+        .unwrap_or_else(|| panic!("no `{from}` in the page"));
+    let key = format!("{name}=\"");
+    let rest = &dom[at..];
+    let v = &rest[rest
+        .find(&key)
+        .unwrap_or_else(|| panic!("no {name} after {from}"))
+        + key.len()..];
+    &v[..v.find('"').unwrap()]
+}
+
+/// The dashboard's time series: points appear over time; the latest occupancy points equal each
+/// worker's /metrics; a worker that stops answering is marked stale within three scrape
+/// intervals (it is stopped with SIGSTOP, so `strata up` does not restart it).
+fn check_history(router: u16, p: u16, dd: u16, prefill_pid: i32, tmp: &Path) {
+    let url = format!("http://127.0.0.1:{router}/dashboard");
+    let profile = tmp.join("chromium-history");
+    let (dom, console) = dump(&url, &profile, 3000);
+    assert!(
+        console.is_empty(),
+        "console messages:\n{}",
+        console.join("\n")
+    );
+    let chart = "data-chart=\"occupancy\"";
+    let first: usize = attr_after(&dom, chart, "data-points").parse().unwrap();
+    assert!(first >= 2, "only {first} points:\n{dom}");
+    for (port, role) in [(p, "prefill"), (dd, "decode")] {
+        let m = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);
+        let used = value(&m, "strata_cache_pages{tier=\"device\",state=\"used\"}");
+        let total = value(&m, "strata_cache_pages{tier=\"device\",state=\"total\"}");
+        let series = format!("data-series=\"{role} 127.0.0.1:{port} device\"");
+        let latest: f64 = attr_after(&dom, &series, "data-latest").parse().unwrap();
+        assert!(
+            (latest - 100.0 * used / total).abs() < 1e-6,
+            ":{port} chart {latest} vs /metrics {used}/{total}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(2500));
+    let (dom, _) = dump(&url, &profile, 2000);
+    let later: usize = attr_after(&dom, chart, "data-points").parse().unwrap();
+    assert!(later > first, "no new points: {first} then {later}");
+    // SAFETY: kill(2) with SIGSTOP / SIGCONT on the prefill worker `strata up` started.
+    unsafe {
+        libc::kill(prefill_pid, libc::SIGSTOP);
+    }
+    std::thread::sleep(Duration::from_millis(3000));
+    let (dom, _) = dump(&url, &profile, 1500);
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(prefill_pid, libc::SIGCONT);
+    }
+    let row = format!("data-worker=\"http://127.0.0.1:{p}\"");
+    assert_eq!(
+        attr_after(&dom, &row, "data-stale"),
+        "1",
+        "the stopped worker is not marked stale:\n{dom}"
+    );
+    let row = format!("data-worker=\"http://127.0.0.1:{dd}\"");
+    assert_eq!(attr_after(&dom, &row, "data-stale"), "0", "{dom}");
 }
