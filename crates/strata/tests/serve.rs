@@ -143,3 +143,48 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
     };
     assert_eq!(code, Some(0));
 }
+
+/// A busy port is refused before the model loads or any pool is planned; `serve --help`
+/// offers no flag `serve` refuses, and every flag it offers has help.
+#[test]
+fn a_busy_port_is_refused_first_and_help_offers_only_what_serve_takes() {
+    let busy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let t = Instant::now();
+    let out = strata()
+        .args([
+            "serve",
+            "--port",
+            &port,
+            "--model",
+            "/nonexistent/model.gguf",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot listen"), "{err}");
+    assert!(
+        !err.contains("plan ("),
+        "planned before the port was checked: {err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let help = strata().args(["serve", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for refused in ["--tp-size", "--model-preset"] {
+        assert!(!help.contains(refused), "serve --help offers {refused}");
+    }
+    assert!(
+        help.contains("--port <PORT>\n          Port of the HTTP API"),
+        "{help}"
+    );
+    let out = strata()
+        .args(["serve", "--role", "boss", "--model", "/x"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("prefill, decode, both or server"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -144,6 +144,14 @@ fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
     let mut child = Up(child);
     let mut log = Vec::new();
     wait_for(&rx, &mut log, "smoke test through the router", 90);
+    // The ready summary names the dashboard and the metrics, besides the API.
+    wait_for(
+        &rx,
+        &mut log,
+        &format!("dashboard: http://127.0.0.1:{router_port}/dashboard"),
+        10,
+    );
+    wait_for(&rx, &mut log, "metrics (Prometheus):", 10);
     let line = wait_for(&rx, &mut log, "decode-0: http", 10);
     let pid: i32 = line
         .split("pid ")
