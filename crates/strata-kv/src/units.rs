@@ -28,18 +28,7 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     if unit.is_empty() {
         return Err(SizeError::NoUnit(s.into()));
     }
-    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-        "b" => 1,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        _ => return Err(SizeError::BadUnit(s.into(), unit.into())),
-    };
+    let mult = multiplier(unit).ok_or_else(|| SizeError::BadUnit(s.into(), unit.into()))?;
     let v: f64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
     let bytes = v * mult as f64;
     if !bytes.is_finite() || bytes >= u64::MAX as f64 {
@@ -59,7 +48,12 @@ fn unit_of(typed: &str) -> Option<(&str, u64)> {
     let t = typed.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
     let unit = t[split..].trim();
-    let mult = match unit.to_ascii_lowercase().as_str() {
+    Some((unit, multiplier(unit)?))
+}
+
+/// Bytes in one of `unit` (case-insensitive), if it is a known unit.
+fn multiplier(unit: &str) -> Option<u64> {
+    Some(match unit.to_ascii_lowercase().as_str() {
         "b" => 1,
         "kb" => 1_000,
         "mb" => 1_000_000,
@@ -70,8 +64,7 @@ fn unit_of(typed: &str) -> Option<(&str, u64)> {
         "gib" => 1 << 30,
         "tib" => 1 << 40,
         _ => return None,
-    };
-    Some((unit, mult))
+    })
 }
 
 /// `b` in the unit an operator typed (`typed` = `150GB` → `37.5GB`; `1GiB` → `1GiB`), at most

@@ -281,17 +281,7 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
 /// per worker the same numbers as that worker's /metrics. The screenshot is kept in
 /// `target/ci-artifacts/dashboard.png` (or `$STRATA_ARTIFACTS`).
 fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
-    let chromium = ["chromium", "chromium-browser", "google-chrome"]
-        .into_iter()
-        .find(|b| {
-            Command::new("sh")
-                .args(["-c", &format!("command -v {b}")])
-                .output()
-                .unwrap()
-                .status
-                .success()
-        })
-        .expect("Chromium is missing: install the Debian package chromium (scripts/test.sh does)");
+    let chromium = chromium();
     // The router scrapes every second; the traffic is over, so its figures are final.
     std::thread::sleep(Duration::from_millis(2500));
     let url = format!("http://127.0.0.1:{router}/dashboard");
@@ -379,9 +369,9 @@ fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
     eprintln!("dashboard screenshot: {}", png.display());
 }
 
-/// The page's DOM after `budget_ms` of virtual time in headless Chromium (console lines too).
-fn dump(url: &str, profile: &Path, budget_ms: u32) -> (String, Vec<String>) {
-    let chromium = ["chromium", "chromium-browser", "google-chrome"]
+/// The Chromium binary (Debian's `chromium`; other names where a machine has them).
+fn chromium() -> &'static str {
+    ["chromium", "chromium-browser", "google-chrome"]
         .into_iter()
         .find(|b| {
             Command::new("sh")
@@ -391,7 +381,12 @@ fn dump(url: &str, profile: &Path, budget_ms: u32) -> (String, Vec<String>) {
                 .status
                 .success()
         })
-        .expect("Chromium is missing: install the Debian package chromium (scripts/test.sh does)");
+        .expect("Chromium is missing: install the Debian package chromium (scripts/test.sh does)")
+}
+
+/// The page's DOM after `budget_ms` of virtual time in headless Chromium (console lines too).
+fn dump(url: &str, profile: &Path, budget_ms: u32) -> (String, Vec<String>) {
+    let chromium = chromium();
     let out = Command::new(chromium)
         .args([
             "--headless",

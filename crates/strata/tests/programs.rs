@@ -60,9 +60,9 @@ fn started_programs() -> BTreeSet<String> {
             progs.insert(p);
         }
         for line in src.lines() {
-            if line.contains("let chromium = [") {
-                let first = literals_after(line, "[");
-                progs.extend(first);
+            // An array of candidate names probed with `command -v`: the first must install.
+            if line.contains("\"chromium-browser\"") {
+                progs.extend(literals_after(line, "[").into_iter().take(1));
             }
         }
         // `python3 -m pip` is how the model is fetched.
