@@ -72,7 +72,12 @@ fn multiplier(unit: &str) -> Option<u64> {
 pub fn in_unit_of(b: u64, typed: &str) -> String {
     match unit_of(typed) {
         Some((unit, mult)) => {
-            let v = format!("{:.2}", b as f64 / mult as f64);
+            // Rounded down: advice "N fits" must never name more than fits.
+            let hundredths = (b as u128 * 100 / mult as u128) as u64;
+            if hundredths == 0 && b > 0 {
+                return format!("{b}B");
+            }
+            let v = format!("{}.{:02}", hundredths / 100, hundredths % 100);
             let v = v.trim_end_matches('0').trim_end_matches('.');
             format!("{v}{unit}")
         }
@@ -118,6 +123,9 @@ mod tests {
         );
         assert_eq!(in_unit_of(13_210_000_000, "150GB"), "13.21GB");
         assert_eq!(in_unit_of(3 << 29, "2GiB"), "1.5GiB");
+        // Down, never up: 0.996 TiB is not "1TiB".
+        assert_eq!(in_unit_of((1u64 << 40) / 1000 * 996, "2TiB"), "0.99TiB");
+        assert_eq!(in_unit_of(5, "1TB"), "5B");
     }
 
     #[test]

@@ -448,7 +448,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             Some(HostBudget::Total(b)) => format!(
                 "--hicache-total {} ({tp} ranks × {})",
                 typed_like(b, ht),
-                typed_like(host_bytes, ht)
+                typed_like(b / tp, ht)
             ),
             Some(HostBudget::Ratio(r)) => format!(
                 "--hicache-ratio {r} = {} ({tp} ranks × {})",

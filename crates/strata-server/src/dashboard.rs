@@ -132,12 +132,15 @@ pub struct Sample {
     pub router: RouterSample,
 }
 
-/// The ring of samples.
+/// The ring of samples (shared, so that answers copy pointers, not figures, under the lock).
 #[derive(Default)]
 pub struct History {
-    pub samples: VecDeque<Sample>,
+    pub samples: VecDeque<Arc<Sample>>,
     pub next_seq: u64,
 }
+
+/// Most samples one `/dashboard/history` answer carries (the page asks again for the rest).
+pub const SAMPLES_PER_ANSWER: usize = 120;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -178,6 +181,7 @@ async fn watch(state: Arc<RouterState>, w: Arc<Worker>, every: Duration) {
                 .timeout(Duration::from_secs(2))
                 .send()
                 .await
+                .and_then(|r| r.error_for_status())
             {
                 if let Ok(text) = r.text().await {
                     let stats = WorkerStats::parse(&text);
@@ -256,12 +260,12 @@ fn record(st: &RouterState, every: Duration) {
     let mut h = st.history.lock().expect("history lock");
     let seq = h.next_seq;
     h.next_seq += 1;
-    h.samples.push_back(Sample {
+    h.samples.push_back(Arc::new(Sample {
         seq,
         t_ms: now,
         workers,
         router: r,
-    });
+    }));
     while h.samples.len() > HISTORY_SAMPLES {
         h.samples.pop_front();
     }
@@ -294,21 +298,50 @@ pub struct SinceQuery {
     since: Option<u64>,
 }
 
-/// Samples from sequence number `since` on (all that are kept when absent).
-pub async fn history(State(st): St, q: Query<SinceQuery>) -> Json<serde_json::Value> {
+/// Samples from sequence number `since` on, at most [`SAMPLES_PER_ANSWER`] (the page asks
+/// again from `next`). The lock is held only to copy pointers; the JSON is built off the async
+/// workers.
+pub async fn history(
+    State(st): St,
+    q: Query<SinceQuery>,
+) -> Result<axum::response::Response, crate::ApiError> {
     let since = q.since.unwrap_or(0);
-    let h = st.history.lock().expect("history lock");
-    let samples: Vec<&Sample> = h.samples.iter().filter(|s| s.seq >= since).collect();
+    let (samples, next) = {
+        let h = st.history.lock().expect("history lock");
+        let samples: Vec<Arc<Sample>> = h
+            .samples
+            .iter()
+            .filter(|s| s.seq >= since)
+            .take(SAMPLES_PER_ANSWER)
+            .cloned()
+            .collect();
+        let next = samples
+            .last()
+            .map(|s| s.seq + 1)
+            .unwrap_or(h.next_seq.max(since));
+        (samples, next)
+    };
     let workers: Vec<_> = all_workers(&st)
         .into_iter()
         .map(|(w, role)| json!({"url": w.url, "role": role}))
         .collect();
-    Json(json!({
-        "now_ms": now_ms(),
-        "next": h.next_seq,
-        "stale_ms": (st.health_every.as_millis() as f64 * STALE_INTERVALS) as u64,
-        "ttft_buckets": LATENCY_BUCKETS,
-        "workers": workers,
-        "samples": samples,
-    }))
+    let stale_ms = (st.health_every.as_millis() as f64 * STALE_INTERVALS) as u64;
+    let body = tokio::task::spawn_blocking(move || {
+        let samples: Vec<&Sample> = samples.iter().map(|s| s.as_ref()).collect();
+        serde_json::to_vec(&json!({
+            "now_ms": now_ms(),
+            "next": next,
+            "stale_ms": stale_ms,
+            "ttft_buckets": LATENCY_BUCKETS,
+            "workers": workers,
+            "samples": samples,
+        }))
+    })
+    .await
+    .map_err(|e| crate::respond::engine_error(&e.to_string()))?
+    .map_err(|e| crate::respond::engine_error(&e.to_string()))?;
+    Ok(axum::response::IntoResponse::into_response((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )))
 }

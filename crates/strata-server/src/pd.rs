@@ -152,10 +152,10 @@ async fn prefill_work(
         match ev {
             Event::Admitted { cached: c } => cached = c,
             Event::Token(t) => {
-                // The prefill's TTFT: what this worker contributes to the client's.
+                // The prefill's part of the client's TTFT (the client's own TTFT is measured
+                // by the decode worker that answers it: not counted twice).
                 let secs = arrived.elapsed().as_secs_f64();
                 st.pd_prefill.duration.observe(secs);
-                st.metrics.ttft.observe(secs);
                 st.pd_prefill
                     .prompt_tokens
                     .fetch_add(prompt_tokens as u64, Ordering::Relaxed);

@@ -257,7 +257,14 @@ async fn front_door(
         _ => "other".to_string(),
     };
     let api = route.starts_with("/v1/");
-    let t = std::time::Instant::now();
+    // Made before the handler runs: if the client goes away and the handler is dropped, the
+    // request still leaves the in-flight gauge, and is counted as 499 (client closed).
+    let mut end = api.then(|| End {
+        st: st.clone(),
+        t: std::time::Instant::now(),
+        route: route.clone(),
+        answered: false,
+    });
     if api {
         st.front.in_flight.fetch_add(1, Ordering::Relaxed);
     }
@@ -268,27 +275,36 @@ async fn front_door(
         .map(|w| w.0.clone())
         .unwrap_or_else(|| "none".into());
     st.front.answered(&route, resp.status().as_u16(), &worker);
-    if !api {
+    let Some(mut end) = end.take() else {
         return resp;
-    }
-    /// Ends a request's measurement when its body is done or dropped.
-    struct End(Arc<RouterState>, std::time::Instant);
-    impl Drop for End {
-        fn drop(&mut self) {
-            self.0
-                .front
-                .duration
-                .observe(self.1.elapsed().as_secs_f64());
-            self.0.front.in_flight.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-    let end = End(st.clone(), t);
+    };
+    end.answered = true;
     let (parts, body) = resp.into_parts();
     let body = Body::from_stream(body.into_data_stream().map(move |c| {
         let _end = &end;
         c
     }));
     Response::from_parts(parts, body)
+}
+
+/// Ends an API request's measurement when its body is done or dropped (or when the request
+/// is dropped before an answer: then it is counted as 499).
+struct End {
+    st: Arc<RouterState>,
+    t: std::time::Instant,
+    route: String,
+    answered: bool,
+}
+
+impl Drop for End {
+    fn drop(&mut self) {
+        let f = &self.st.front;
+        if !self.answered {
+            f.answered(&self.route, 499, "none");
+        }
+        f.duration.observe(self.t.elapsed().as_secs_f64());
+        f.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Follows the cache events of the cache pool's workers, every `every`.
@@ -552,6 +568,9 @@ async fn forward(
             }
             Ok(r) => {
                 let status = r.status();
+                if matches!(status.as_u16(), 502 | 503) {
+                    st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+                }
                 let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
                 let sse = ctype
                     .as_ref()

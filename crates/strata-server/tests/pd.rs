@@ -204,10 +204,6 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         "{pm}"
     );
     assert!(
-        sample(&pm, "strata_time_to_first_token_seconds_count") >= 2.0,
-        "{pm}"
-    );
-    assert!(
         sample(&pm, "strata_kv_transfer_seconds_total{direction=\"sent\"}") > 0.0,
         "{pm}"
     );

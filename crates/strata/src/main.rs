@@ -21,7 +21,14 @@ use clap::{Parser, Subcommand};
 struct Cli {
     /// Log lines as plain text (colours only on a terminal) or as JSON objects, one a line.
     /// Also $STRATA_LOG_FORMAT; the level is $STRATA_LOG (default info).
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "STRATA_LOG_FORMAT")]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        ignore_case = true,
+        default_value_t = LogFormat::Text,
+        env = "STRATA_LOG_FORMAT"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,

@@ -19,8 +19,9 @@ pub struct PlanArgs {
     #[arg(long, help_heading = "Output")]
     pub json: bool,
     /// After a valid plan, allocate every rank's host pool as planned (bound, pre-faulted) and
-    /// report where its pages landed; then free it.
-    #[arg(long, help_heading = "Output")]
+    /// report where its pages landed; then free it. Not with --machine (that machine is not
+    /// this one).
+    #[arg(long, help_heading = "Output", conflicts_with = "machine")]
     pub allocate: bool,
 }
 

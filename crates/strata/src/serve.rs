@@ -26,6 +26,7 @@ use crate::sizing::SizingArgs;
 // offered (still refused with the reason when given).
 #[command(mut_arg("tp_size", |a| a.hide(true)))]
 #[command(mut_arg("model_preset", |a| a.hide(true)))]
+#[command(mut_arg("machine", |a| a.hide(true)))]
 pub struct ServeArgs {
     #[command(flatten)]
     pub sizing: SizingArgs,
@@ -225,6 +226,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
     if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
         bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
+    }
+    if a.sizing.machine.is_some() {
+        bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
     }
     if a.sizing.tp_size != 1 {
         bail!(
@@ -474,6 +478,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
                     tracing::error!(reason = %why, "engine dead: exiting with code {ENGINE_DEAD_EXIT}");
                     eprintln!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
                     *d2.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    // Whatever the graceful stop waits for (a slow client, a scheduler still
+                    // tearing down), the process is gone 7 s from now.
+                    std::thread::spawn(|| {
+                        std::thread::sleep(Duration::from_secs(7));
+                        std::process::exit(ENGINE_DEAD_EXIT);
+                    });
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
             }
