@@ -24,24 +24,8 @@ fn nonzero(what: &'static str, got: usize) -> Result<(), WorkloadError> {
     }
 }
 
-/// SplitMix64 (`strata_sim::tokens::mix`): the generators' only source of randomness.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        let z = strata_sim::tokens::mix(self.0);
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z
-    }
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+/// SplitMix64 (`strata_kv::rng`): the generators' only source of randomness.
+pub type Rng = strata_sim::tokens::SplitMix64;
 
 const SYLLABLES: [&str; 24] = [
     "ka", "lo", "mi", "ra", "te", "su", "vo", "ne", "pa", "di", "gu", "fe", "sho", "ban", "tri",

@@ -20,6 +20,7 @@ pub mod memory;
 pub mod pages;
 pub mod policy;
 pub mod pool;
+pub mod rng;
 pub mod stats;
 pub mod storage;
 #[doc(hidden)]

@@ -15,10 +15,10 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use strata_engine::{EngineHandle, SamplingParams};
-use strata_model::{ChatTemplate, Message, ModelTokenizer};
+use strata_model::{ChatTemplate, ModelTokenizer};
 use tokio::net::TcpListener;
 
-use crate::api::{ChatRequest, CompletionRequest, Content, Prompt, Sampling};
+use crate::api::{ChatRequest, CompletionRequest, Prompt, Sampling};
 use crate::error::ApiError;
 pub use crate::internal::watch_engine;
 use crate::internal::{
@@ -434,24 +434,14 @@ async fn completions(
     let bytes = body_bytes(body, st.body_limit)?;
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, &req.model)?;
-    let prompt = match req.prompt {
-        Prompt::Texts(v) if v.len() != 1 => {
-            return Err(ApiError::bad_request(
-                format!(
-                    "{} prompts in one request: send one prompt per request",
-                    v.len()
-                ),
-                Some("prompt"),
-            ))
-        }
-        p => p,
-    };
-    let ids = match prompt {
+    // Token ids as given need no tokenizing; a text goes off the async workers.
+    let ids = match req.prompt {
         Prompt::Tokens(t) => t,
-        Prompt::Text(t) => off_async(&st, move |st| encode(st, &t)).await?,
-        Prompt::Texts(mut v) => {
-            let t = v.pop().expect("one prompt");
-            off_async(&st, move |st| encode(st, &t)).await?
+        p => {
+            off_async(&st, move |st| {
+                crate::prompt::completion_ids(&st.tokenizer, &p)
+            })
+            .await?
         }
     };
     start(st, ids, &req.sampling, Kind::Completion, &headers, &bytes).await
@@ -477,68 +467,11 @@ async fn chat(
     let ChatRequest {
         messages, sampling, ..
     } = req;
-    let ids = off_async(&st, move |st| chat_prompt(st, &messages)).await?;
+    let ids = off_async(&st, move |st| {
+        crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &messages)
+    })
+    .await?;
     start(st, ids, &sampling, Kind::Chat, &headers, &bytes).await
-}
-
-/// The chat messages rendered with the model's template and tokenized (CPU work: run it
-/// through [`off_async`]).
-fn chat_prompt(st: &AppState, messages: &[crate::api::ChatMessage]) -> Result<Vec<u32>, ApiError> {
-    let Some(tpl) = &st.template else {
-        return Err(ApiError::bad_request(
-            "this model has no chat template: use /v1/completions",
-            Some("messages"),
-        ));
-    };
-    let mut msgs = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::bad_request(
-                format!("messages[{i}].role `{}` is not one of system, user, assistant, developer, tool", m.role),
-                Some("messages"),
-            ));
-        }
-        let text = match &m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
-            Some(Content::Parts(p)) => {
-                let mut s = String::new();
-                for (j, part) in p.iter().enumerate() {
-                    match (part.kind.as_str(), &part.text) {
-                        ("text", Some(t)) => s.push_str(t),
-                        _ => {
-                            return Err(ApiError::bad_request(
-                                format!(
-                                    "messages[{i}].content[{j}]: only text parts are supported"
-                                ),
-                                Some("messages"),
-                            ))
-                        }
-                    }
-                }
-                s
-            }
-        };
-        let role = if m.role == "developer" {
-            "system"
-        } else {
-            &m.role
-        };
-        msgs.push(Message::new(role, &text));
-    }
-    let text = tpl
-        .render(&msgs, true)
-        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-    encode(st, &text)
-}
-
-fn encode(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    st.tokenizer
-        .encode(text)
-        .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
 }
 
 async fn start(

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::Value;
 use strata_kv::{HashNamespace, PageHash};
-use strata_model::{ChatTemplate, Message, ModelTokenizer};
+use strata_model::{ChatTemplate, ModelTokenizer};
+use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Tier, WireEvent};
 
 /// Weight of a cached page by tier: a host page must be loaded back first.
 pub const DEVICE_WEIGHT: f64 = 1.0;
@@ -38,17 +38,6 @@ pub struct CacheIndex {
     remote: Mutex<std::collections::HashSet<[u8; 16]>>,
 }
 
-fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    if s.len() != 2 * N {
-        return None;
-    }
-    let mut out = [0u8; N];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
-}
-
 impl CacheIndex {
     pub fn new(
         tokenizer: Arc<ModelTokenizer>,
@@ -68,33 +57,14 @@ impl CacheIndex {
 
     /// Prompt tokens of a request body, as the worker will see them (None: not parseable).
     pub fn prompt_tokens(&self, body: &[u8]) -> Option<Vec<u32>> {
-        let v: Value = serde_json::from_slice(body).ok()?;
-        if let Some(msgs) = v.get("messages").and_then(Value::as_array) {
-            let tpl = self.template.as_ref()?;
-            let mut out = Vec::new();
-            for m in msgs {
-                let role = m.get("role")?.as_str()?;
-                let role = if role == "developer" { "system" } else { role };
-                let content = match m.get("content") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .collect(),
-                    _ => String::new(),
-                };
-                out.push(Message::new(role, &content));
-            }
-            let text = tpl.render(&out, true).ok()?;
-            return self.tokenizer.encode(&text).ok();
-        }
-        match v.get("prompt")? {
-            Value::String(s) => self.tokenizer.encode(s).ok(),
-            Value::Array(a) if a.len() == 1 && a[0].is_string() => {
-                self.tokenizer.encode(a[0].as_str()?).ok()
-            }
-            Value::Array(a) => a.iter().map(|x| x.as_u64().map(|t| t as u32)).collect(),
-            _ => None,
+        // Built exactly as the worker builds it (`crate::prompt`), from the same typed request.
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        if v.get("messages").is_some() {
+            let req: crate::api::ChatRequest = serde_json::from_value(v).ok()?;
+            crate::prompt::chat_ids(&self.tokenizer, self.template.as_ref(), &req.messages).ok()
+        } else {
+            let req: crate::api::CompletionRequest = serde_json::from_value(v).ok()?;
+            crate::prompt::completion_ids(&self.tokenizer, &req.prompt).ok()
         }
     }
 
@@ -140,41 +110,35 @@ impl CacheIndex {
             .sum()
     }
 
-    fn apply(&self, w: usize, tier: &str, stored: bool, hashes: &[Value]) {
-        if tier == "remote" {
+    fn apply(&self, w: usize, e: &WireEvent) {
+        if e.tier == Tier::Remote {
             let mut r = self.remote.lock().expect("remote lock");
-            for h in hashes
-                .iter()
-                .filter_map(Value::as_str)
-                .filter_map(unhex::<16>)
-            {
-                if stored {
-                    r.insert(h);
+            for h in &e.hashes {
+                if e.stored {
+                    r.insert(h.0);
                 } else {
-                    r.remove(&h);
+                    r.remove(&h.0);
                 }
             }
             return;
         }
-        let bit = if tier == "device" { 1u8 } else { 2u8 };
+        let bit = if e.tier == Tier::Device { 1u8 } else { 2u8 };
         let mut idx = self.workers[w].lock().expect("index lock");
-        for h in hashes
-            .iter()
-            .filter_map(Value::as_str)
-            .filter_map(unhex::<16>)
-        {
-            if stored {
-                *idx.pages.entry(h).or_insert(0) |= bit;
-            } else if let Some(b) = idx.pages.get_mut(&h) {
+        for h in &e.hashes {
+            if e.stored {
+                *idx.pages.entry(h.0).or_insert(0) |= bit;
+            } else if let Some(b) = idx.pages.get_mut(&h.0) {
                 *b &= !bit;
                 if *b == 0 {
-                    idx.pages.remove(&h);
+                    idx.pages.remove(&h.0);
                 }
             }
         }
     }
 
     /// One poll of worker `w` at `url`: learn the namespace, follow events, resync on a gap.
+    /// The worker's answers are typed (`strata_protocol`): a malformed one is an error, never
+    /// read with defaults.
     pub async fn poll(
         &self,
         client: &reqwest::Client,
@@ -182,14 +146,19 @@ impl CacheIndex {
         w: usize,
         url: &str,
     ) -> Result<(), String> {
-        let get = |path: String| async move {
+        async fn get<T: serde::de::DeserializeOwned>(
+            client: &reqwest::Client,
+            key: Option<&strata_kv::auth::ClusterKey>,
+            url: &str,
+            path: &str,
+        ) -> Result<T, String> {
             let mut req = client
                 .get(format!("{url}{path}"))
                 .timeout(Duration::from_secs(5));
             if let Some(k) = key {
                 let call = crate::auth::Call {
                     method: "GET",
-                    target: &path,
+                    target: path,
                     body: b"",
                     prefill: None,
                 };
@@ -200,70 +169,49 @@ impl CacheIndex {
                 .map_err(|e| e.to_string())?
                 .error_for_status()
                 .map_err(|e| e.to_string())?
-                .json::<Value>()
+                .json::<T>()
                 .await
-                .map_err(|e| e.to_string())
-        };
+                .map_err(|e| format!("{path}: {e}"))
+        }
         if self.ns.lock().expect("ns lock").is_none() {
-            let info = get("/cache/info".into()).await?;
-            let key = info["hash_key"]
-                .as_str()
-                .and_then(unhex::<32>)
-                .ok_or("the worker computes no page hashes")?;
-            let ps = info["page_size"].as_u64().ok_or("no page_size")? as usize;
-            *self.ns.lock().expect("ns lock") = Some((HashNamespace::from_key(key), ps));
+            let info: CacheInfo = get(client, key, url, "/cache/info").await?;
+            let hash_key = info.hash_key.ok_or("the worker computes no page hashes")?;
+            *self.ns.lock().expect("ns lock") =
+                Some((HashNamespace::from_key(hash_key.0), info.page_size));
         }
         let (since, epoch, synced) = {
             let i = self.workers[w].lock().expect("index lock");
             (i.next, i.epoch, i.synced)
         };
-        let ev = get(format!("/cache/events?since={since}")).await?;
-        let new_epoch = ev["epoch"].as_u64().unwrap_or(0);
-        if !synced || new_epoch != epoch || ev["resync"].as_bool().unwrap_or(false) {
-            let snap = get("/cache/snapshot".into()).await?;
+        let ev: CacheEvents =
+            get(client, key, url, &format!("/cache/events?since={since}")).await?;
+        if !synced || ev.epoch != epoch || ev.resync {
+            let snap: CacheSnapshot = get(client, key, url, "/cache/snapshot").await?;
             {
                 let mut i = self.workers[w].lock().expect("index lock");
                 i.pages.clear();
-                i.epoch = snap["epoch"].as_u64().unwrap_or(0);
-                i.next = snap["next"].as_u64().unwrap_or(0);
+                i.epoch = snap.epoch;
+                i.next = snap.next;
                 i.synced = true;
                 i.resyncs += 1;
             }
-            for t in snap["tiers"].as_array().into_iter().flatten() {
-                let tier = t["tier"].as_str().unwrap_or("");
-                self.apply(
-                    w,
-                    tier,
-                    true,
-                    t["hashes"].as_array().map(Vec::as_slice).unwrap_or(&[]),
-                );
+            for t in &snap.tiers {
+                self.apply(w, t);
             }
             // Remote writes are not in snapshots (L3 is not indexed by the tree): take them
             // from the events the worker still holds.
-            let first = ev["first"].as_u64().unwrap_or(0);
-            if let Ok(all) = get(format!("/cache/events?since={first}")).await {
-                for e in all["events"].as_array().into_iter().flatten() {
-                    if e["tier"] == "remote" {
-                        self.apply(
-                            w,
-                            "remote",
-                            e["stored"].as_bool().unwrap_or(false),
-                            e["hashes"].as_array().map(Vec::as_slice).unwrap_or(&[]),
-                        );
-                    }
+            let path = format!("/cache/events?since={}", ev.first);
+            if let Ok(all) = get::<CacheEvents>(client, key, url, &path).await {
+                for e in all.events.iter().filter(|e| e.tier == Tier::Remote) {
+                    self.apply(w, e);
                 }
             }
             return Ok(());
         }
-        for e in ev["events"].as_array().into_iter().flatten() {
-            self.apply(
-                w,
-                e["tier"].as_str().unwrap_or(""),
-                e["stored"].as_bool().unwrap_or(false),
-                e["hashes"].as_array().map(Vec::as_slice).unwrap_or(&[]),
-            );
+        for e in &ev.events {
+            self.apply(w, e);
         }
-        self.workers[w].lock().expect("index lock").next = ev["next"].as_u64().unwrap_or(since);
+        self.workers[w].lock().expect("index lock").next = ev.next;
         Ok(())
     }
 }

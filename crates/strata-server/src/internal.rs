@@ -12,6 +12,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use strata_engine::{EngineHandle, EngineHealth, Event, FinishReason, FlushScope, SamplingParams};
 
+use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Hex, Tier, WireEvent};
+
 use crate::app::AppState;
 use crate::error::ApiError;
 use crate::respond::engine_error;
@@ -201,13 +203,18 @@ pub(crate) async fn flush_cache(
     ))
 }
 
-pub(crate) fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-pub(crate) fn event_json(seq: Option<u64>, e: &strata_kv::CacheEvent) -> Value {
-    json!({"seq": seq, "stored": e.stored, "tier": e.tier.name(),
-           "hashes": e.hashes.iter().map(|h| hex(&h.0)).collect::<Vec<_>>()})
+/// A cache event as it travels.
+pub(crate) fn wire_event(seq: Option<u64>, e: &strata_kv::CacheEvent) -> WireEvent {
+    WireEvent {
+        seq,
+        stored: e.stored,
+        tier: match e.tier {
+            strata_kv::Tier::Device => Tier::Device,
+            strata_kv::Tier::Host => Tier::Host,
+            strata_kv::Tier::Remote => Tier::Remote,
+        },
+        hashes: e.hashes.iter().map(|h| Hex(h.0)).collect(),
+    }
 }
 
 /// What a router needs to hash prompts as this worker does.
@@ -215,15 +222,17 @@ pub(crate) async fn cache_info(
     State(st): St,
     headers: HeaderMap,
     uri: axum::http::Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CacheInfo>, ApiError> {
     check_cluster(&st, &headers, "GET", &uri)?;
     let i = st.engine.info();
     let page = st.engine.events_since(0, 0);
-    let (epoch, next) = (page.epoch, page.next);
-    Ok(Json(
-        json!({"model_id": i.model_id, "page_size": i.page_size,
-                "hash_key": i.hash_key.map(|k| hex(&k)), "epoch": epoch, "next": next}),
-    ))
+    Ok(Json(CacheInfo {
+        model_id: i.model_id.clone(),
+        page_size: i.page_size,
+        hash_key: i.hash_key.map(Hex),
+        epoch: page.epoch,
+        next: page.next,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -238,25 +247,29 @@ pub(crate) async fn cache_events(
     headers: HeaderMap,
     uri: axum::http::Uri,
     q: Query<SinceQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CacheEvents>, ApiError> {
     check_cluster(&st, &headers, "GET", &uri)?;
     let since = q.since.unwrap_or(0);
     let page = st.engine.events_since(since, 10_000);
-    let (epoch, first, next, events) = (page.epoch, page.first, page.next, page.events);
-    let resync = events.is_none();
-    let events: Vec<Value> = events
+    let resync = page.events.is_none();
+    let events: Vec<WireEvent> = page
+        .events
         .unwrap_or_default()
         .iter()
-        .map(|(seq, e)| event_json(Some(*seq), e))
+        .map(|(seq, e)| wire_event(Some(*seq), e))
         .collect();
     let next = if resync {
-        next
+        page.next
     } else {
         since + events.len() as u64
     };
-    Ok(Json(
-        json!({"epoch": epoch, "first": first, "next": next, "resync": resync, "events": events}),
-    ))
+    Ok(Json(CacheEvents {
+        epoch: page.epoch,
+        first: page.first,
+        next,
+        resync,
+        events,
+    }))
 }
 
 /// Every page in the device and host tiers, and the sequence number events continue from.
@@ -264,7 +277,7 @@ pub(crate) async fn cache_snapshot(
     State(st): St,
     headers: HeaderMap,
     uri: axum::http::Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CacheSnapshot>, ApiError> {
     check_cluster(&st, &headers, "GET", &uri)?;
     let e = st.engine.clone();
     let (epoch, next, tiers) = tokio::task::spawn_blocking(move || e.cache_snapshot())
@@ -272,6 +285,9 @@ pub(crate) async fn cache_snapshot(
         .ok()
         .flatten()
         .ok_or_else(|| engine_error("the engine stopped"))?;
-    let tiers: Vec<Value> = tiers.iter().map(|e| event_json(None, e)).collect();
-    Ok(Json(json!({"epoch": epoch, "next": next, "tiers": tiers})))
+    Ok(Json(CacheSnapshot {
+        epoch,
+        next,
+        tiers: tiers.iter().map(|e| wire_event(None, e)).collect(),
+    }))
 }

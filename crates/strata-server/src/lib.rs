@@ -20,6 +20,7 @@ mod internal;
 pub mod kv_inbox;
 pub mod metrics;
 pub mod pd;
+pub mod prompt;
 mod respond;
 pub mod router;
 pub mod text;

@@ -15,7 +15,6 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
-use serde::{Deserialize, Serialize};
 use strata_engine::transfer::{self, OutPage};
 use strata_engine::{CachedTokens, Event, FinishReason, SamplingParams};
 
@@ -23,42 +22,7 @@ use crate::app::AppState;
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
 
-/// `POST /pd/prefill`: compute a prompt, ship its K/V to `kv_target`, answer the first token.
-#[derive(Serialize, Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields)]
-pub struct PrefillRequest {
-    /// The transfer id the decode worker expects (32 hex digits).
-    pub transfer_id: String,
-    pub tokens: Vec<u32>,
-    pub kv_target: String,
-    #[serde(default)]
-    pub temperature: f32,
-    #[serde(default = "one")]
-    pub top_p: f32,
-    #[serde(default)]
-    pub top_k: usize,
-    pub seed: Option<u64>,
-    #[serde(default)]
-    pub stop_token_ids: Vec<u32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-}
-
-fn one() -> f32 {
-    1.0
-}
-
-#[derive(Serialize, Deserialize, Debug, Clone)]
-pub struct PrefillResponse {
-    pub first_token: u32,
-    pub prompt_tokens: usize,
-    pub cached_device: usize,
-    pub cached_host: usize,
-    pub cached_storage: usize,
-    pub transfer_pages: u64,
-    pub transfer_bytes: u64,
-    pub transfer_seconds: f64,
-}
+pub use strata_protocol::{PrefillRequest, PrefillResponse};
 
 /// What the cluster MAC of a `/pd/prefill` call covers.
 fn prefill_call(body: &[u8]) -> crate::auth::Call<'_> {

@@ -1,14 +1,8 @@
 //! Deterministic token ids for trace blocks: equal hash ids give equal tokens, so two requests
 //! sharing k ids share their first k blocks of tokens.
 
-/// SplitMix64 step: a fixed, portable mixing function (token ids and generators built on it
-/// are the same on every machine).
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// SplitMix64 step (the workspace's one generator, `strata_kv::rng`).
+pub use strata_kv::rng::{mix, SplitMix64};
 
 /// Appends the first `n` tokens of block `id` (a block has `block_tokens` tokens).
 /// `vocab == 0` is the identity mapping for one-token blocks: the token is the id itself

@@ -203,7 +203,7 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
                 .into_iter()
                 .map(|r| {
                     let when = w.rate.map(|rate| {
-                        at += -(rng.unit().max(1e-12)).ln() / rate;
+                        at += -(rng.next_f64().max(1e-12)).ln() / rate;
                         (at * 1e6) as u64
                     });
                     let text = format!("{}\n\n{}", r.prefix, r.suffix);

@@ -1,0 +1,176 @@
+//! `strata-protocol`: every JSON type that crosses between Strata processes, in one place,
+//! used by both ends (Architecture invariant: wire types live only here).
+//!
+//! * worker → router: [`CacheInfo`] (`GET /cache/info`), [`CacheEvents`] (`GET /cache/events`),
+//!   [`CacheSnapshot`] (`GET /cache/snapshot`), their [`WireEvent`]s by [`Tier`];
+//! * decode worker → prefill worker: [`PrefillRequest`] / [`PrefillResponse`]
+//!   (`POST /pd/prefill`).
+//!
+//! Hashes travel as lowercase hex ([`Hex`]); a malformed one fails deserialization (the
+//! receiver refuses the document) rather than being skipped.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// `N` bytes as `2N` lowercase hex digits on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Hex<const N: usize>(pub [u8; N]);
+
+/// A page's chained hash.
+pub type PageHashHex = Hex<16>;
+/// A page-hash namespace key.
+pub type KeyHex = Hex<32>;
+
+impl<const N: usize> Hex<N> {
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub fn parse(s: &str) -> Option<Hex<N>> {
+        if s.len() != 2 * N || !s.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; N];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(Hex(out))
+    }
+}
+
+impl<const N: usize> Serialize for Hex<N> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de, const N: usize> Deserialize<'de> for Hex<N> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Hex::parse(&s).ok_or_else(|| {
+            serde::de::Error::custom(format!("expected {} hex digits, got `{s}`", 2 * N))
+        })
+    }
+}
+
+/// Where a page is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Device,
+    Host,
+    /// A shared remote L3: reachable by every worker on it.
+    Remote,
+}
+
+/// What a router needs to hash prompts as a worker does (`GET /cache/info`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheInfo {
+    pub model_id: String,
+    pub page_size: usize,
+    /// Key of the page-hash namespace (None: the worker computes no hashes).
+    pub hash_key: Option<KeyHex>,
+    /// Differs on every start of the worker.
+    pub epoch: u64,
+    /// Sequence number of the next event.
+    pub next: u64,
+}
+
+/// Pages that entered (`stored`) or left a tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEvent {
+    /// Its sequence number (None in snapshots).
+    pub seq: Option<u64>,
+    pub stored: bool,
+    pub tier: Tier,
+    pub hashes: Vec<PageHashHex>,
+}
+
+/// `GET /cache/events?since=N`: events from `since`; `resync` when they fell out of the log
+/// (then read a [`CacheSnapshot`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheEvents {
+    pub epoch: u64,
+    /// Oldest sequence number held.
+    pub first: u64,
+    /// Where to continue from.
+    pub next: u64,
+    pub resync: bool,
+    pub events: Vec<WireEvent>,
+}
+
+/// `GET /cache/snapshot`: every page in the device and host tiers now, and the sequence
+/// number events continue from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSnapshot {
+    pub epoch: u64,
+    pub next: u64,
+    pub tiers: Vec<WireEvent>,
+}
+
+/// `POST /pd/prefill`: compute a prompt, ship its K/V to `kv_target`, answer the first token.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillRequest {
+    /// The transfer id the decode worker expects (32 hex digits).
+    pub transfer_id: String,
+    pub tokens: Vec<u32>,
+    /// The decode worker's KV listener, `IP:PORT`.
+    pub kv_target: String,
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default = "one")]
+    pub top_p: f32,
+    #[serde(default)]
+    pub top_k: usize,
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+/// The prefill worker's answer: the first token and how the prompt was served.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PrefillResponse {
+    pub first_token: u32,
+    pub prompt_tokens: usize,
+    pub cached_device: usize,
+    pub cached_host: usize,
+    pub cached_storage: usize,
+    pub transfer_pages: u64,
+    pub transfer_bytes: u64,
+    pub transfer_seconds: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_round_trip_and_bad_hashes_are_refused() {
+        let e = CacheEvents {
+            epoch: 7,
+            first: 0,
+            next: 1,
+            resync: false,
+            events: vec![WireEvent {
+                seq: Some(0),
+                stored: true,
+                tier: Tier::Remote,
+                hashes: vec![Hex([0xab; 16])],
+            }],
+        };
+        let text = serde_json::to_string(&e).unwrap();
+        assert!(text.contains("\"tier\":\"remote\""), "{text}");
+        assert!(text.contains(&"ab".repeat(16)), "{text}");
+        assert_eq!(serde_json::from_str::<CacheEvents>(&text).unwrap(), e);
+        let bad = text.replace(&"ab".repeat(16), "zz");
+        assert!(serde_json::from_str::<CacheEvents>(&bad).is_err());
+        let bad = text.replace("remote", "elsewhere");
+        assert!(serde_json::from_str::<CacheEvents>(&bad).is_err());
+    }
+}
