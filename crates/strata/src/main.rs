@@ -85,12 +85,14 @@ fn main() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(),
         Err(e) => {
-            // One line: clap's error without the usage block.
+            // One line: clap's error without the usage block (with the possible values, when
+            // clap lists them).
             let text = e.render().to_string();
-            eprintln!(
-                "{}",
-                text.lines().next().unwrap_or("error: invalid arguments")
-            );
+            let first = text.lines().next().unwrap_or("error: invalid arguments");
+            match text.lines().find(|l| l.contains("[possible values:")) {
+                Some(v) => eprintln!("{first} {}", v.trim()),
+                None => eprintln!("{first}"),
+            }
             std::process::exit(2);
         }
     };

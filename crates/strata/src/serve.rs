@@ -95,9 +95,9 @@ pub struct ServeArgs {
     /// write_through, write_through_selective or write_back (device → host backup).
     #[arg(long, default_value = "write_through", help_heading = "Cache")]
     pub write_policy: String,
-    /// lru or gdsf.
-    #[arg(long, default_value = "lru", help_heading = "Cache")]
-    pub eviction: String,
+    /// Which cached prefix leaves a tier first.
+    #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
+    pub eviction: Eviction,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
     /// first). A Redis shared by several workers makes one prefix cache for all of them.
     #[arg(long, help_heading = "Cache")]
@@ -114,8 +114,8 @@ pub struct ServeArgs {
     pub l3_timeout_ms: u64,
     /// How long admission waits for L3 → host prefetch: best_effort (not at all),
     /// wait_complete, or timeout (--prefetch-ms-per-token per prefetched token).
-    #[arg(long, default_value = "wait_complete", help_heading = "Cache")]
-    pub prefetch_policy: String,
+    #[arg(long, value_enum, default_value_t = Prefetch::WaitComplete, help_heading = "Cache")]
+    pub prefetch_policy: Prefetch,
     /// Milliseconds of waiting per prefetched token under --prefetch-policy timeout.
     #[arg(long, default_value_t = 0.05, help_heading = "Cache")]
     pub prefetch_ms_per_token: f64,
@@ -147,6 +147,28 @@ pub struct ServeArgs {
     /// router's `x-strata-prefill` header is refused for any other.
     #[arg(long, help_heading = "PD disaggregation")]
     pub prefill_worker: Vec<String>,
+}
+
+/// `--eviction`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Eviction {
+    /// Least recently used.
+    Lru,
+    /// Greedy-dual size frequency (keeps what is reused often and costs most to recompute).
+    Gdsf,
+}
+
+/// `--prefetch-policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Prefetch {
+    /// Never wait: what has not arrived is computed.
+    #[value(name = "best_effort")]
+    BestEffort,
+    /// Wait until the prefetch completes.
+    #[value(name = "wait_complete")]
+    WaitComplete,
+    /// Wait --prefetch-ms-per-token per prefetched token, then compute the rest.
+    Timeout,
 }
 
 fn is_loopback(host: &str) -> bool {
@@ -216,13 +238,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             a.write_policy
         )
     })?;
-    let eviction = EvictionPolicy::parse(&a.eviction)
-        .with_context(|| format!("--eviction `{}`: expected lru or gdsf", a.eviction))?;
+    let eviction = match a.eviction {
+        Eviction::Lru => EvictionPolicy::Lru,
+        Eviction::Gdsf => EvictionPolicy::Gdsf,
+    };
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
-    let role = a.sizing.role.as_str();
-    if !matches!(role, "prefill" | "decode" | "both" | "server") {
-        bail!("--role `{role}`: expected prefill, decode, both or server");
-    }
+    let role = a.sizing.role.name();
     let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
     if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
         bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
@@ -300,15 +321,20 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
         }
     }
-    let prefetch = match a.prefetch_policy.as_str() {
-        "best_effort" => strata_engine::PrefetchPolicy::BestEffort,
-        "wait_complete" => strata_engine::PrefetchPolicy::WaitComplete,
-        "timeout" if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() => {
+    let prefetch = match a.prefetch_policy {
+        Prefetch::BestEffort => strata_engine::PrefetchPolicy::BestEffort,
+        Prefetch::WaitComplete => strata_engine::PrefetchPolicy::WaitComplete,
+        Prefetch::Timeout
+            if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() =>
+        {
             strata_engine::PrefetchPolicy::Timeout {
                 per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
             }
         }
-        p => bail!("--prefetch-policy `{p}`: expected best_effort, wait_complete or timeout (with --prefetch-ms-per-token ≥ 0)"),
+        Prefetch::Timeout => bail!(
+            "--prefetch-ms-per-token {}: expected milliseconds ≥ 0",
+            a.prefetch_ms_per_token
+        ),
     };
 
     // Model.

@@ -11,6 +11,26 @@ use strata_mem::{
     Topology, PRESETS,
 };
 
+/// What a server does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+    Server,
+}
+
+impl Role {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+            Role::Server => "server",
+        }
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 #[command(group(ArgGroup::new("host_budget").args(["hicache_size", "hicache_total", "hicache_ratio"]).multiple(false)))]
 #[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
@@ -34,8 +54,8 @@ pub struct SizingArgs {
     pub page_size: usize,
     /// What this server does: prefill, decode, both (PD roles; decode and both listen for K/V)
     /// or server (one worker, no PD). Also a label in reports.
-    #[arg(long, default_value = "server", help_heading = "Model")]
-    pub role: String,
+    #[arg(long, value_enum, default_value_t = Role::Server, help_heading = "Model")]
+    pub role: Role,
 
     /// Device KV pool per rank, with a unit: `8GiB` (2^30) or `8GB` (10^9).
     #[arg(long, help_heading = "Device pool (one of)")]
@@ -248,7 +268,7 @@ impl SizingArgs {
             .map(|s| size("host-mem-reserve", s))
             .transpose()?;
         Ok(PlanRequest {
-            role: self.role.clone(),
+            role: self.role.name().to_string(),
             model,
             tp: self.tp_size,
             page_size: self.page_size,

@@ -183,7 +183,8 @@ fn a_busy_port_is_refused_first_and_help_offers_only_what_serve_takes() {
         .output()
         .unwrap();
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("prefill, decode, both or server"),
+        String::from_utf8_lossy(&out.stderr)
+            .contains("[possible values: prefill, decode, both, server]"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
