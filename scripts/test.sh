@@ -8,8 +8,21 @@ if ! command -v cargo >/dev/null; then
 fi
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
-# Every external program the code and the tests start is listed, with its Debian package, in
-# scripts/programs.txt (a test keeps that list complete); install whatever is missing, once.
+# Every external program the code and the tests start, with the Debian package that provides
+# it (crates/strata/tests/programs.rs keeps this list complete); whatever is missing is
+# installed, once.
+PROGRAMS="
+sh               dash
+cp               coreutils
+curl             curl
+python3          python3
+pip              python3-pip
+prometheus       prometheus
+promtool         prometheus
+redis-server     redis-server
+redis-cli        redis-tools
+chromium         chromium
+"
 has() {
   if [ "$1" = pip ]; then python3 -m pip --version >/dev/null 2>&1; else command -v "$1" >/dev/null; fi
 }
@@ -17,7 +30,7 @@ missing=()
 while read -r prog pkg; do
   case "$prog" in ''|'#'*) continue ;; esac
   has "$prog" || missing+=("$pkg")
-done < scripts/programs.txt
+done <<< "$PROGRAMS"
 if [ ${#missing[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -28,7 +41,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   while read -r prog pkg; do
     case "$prog" in ''|'#'*) continue ;; esac
     has "$prog" || { echo "$prog is still missing after installing $pkg" >&2; exit 1; }
-  done < scripts/programs.txt
+  done <<< "$PROGRAMS"
 fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

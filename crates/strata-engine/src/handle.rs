@@ -240,21 +240,6 @@ impl Shared {
     }
 }
 
-/// Marks the engine dead as soon as the scheduler thread starts unwinding (before the
-/// scheduler's pools and copy threads are torn down), so `/health` says so at once.
-pub(crate) struct DeadOnUnwind(pub Arc<Shared>);
-
-impl Drop for DeadOnUnwind {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let mut d = self.0.dead.lock().unwrap_or_else(|p| p.into_inner());
-            if d.is_none() {
-                *d = Some("the scheduler thread panicked".into());
-            }
-        }
-    }
-}
-
 thread_local! {
     /// The engine whose scheduler runs on this thread (set on scheduler threads only).
     static SCHEDULER: std::cell::RefCell<Option<Arc<Shared>>> = const { std::cell::RefCell::new(None) };
@@ -272,12 +257,7 @@ fn install_panic_hook() {
             let _ = SCHEDULER.try_with(|s| {
                 if let Ok(s) = s.try_borrow() {
                     if let Some(shared) = s.as_ref() {
-                        let msg = info
-                            .payload()
-                            .downcast_ref::<&str>()
-                            .map(|m| m.to_string())
-                            .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "unknown panic".into());
+                        let msg = panic_message(info.payload());
                         let mut d = shared.dead.lock().unwrap_or_else(|p| p.into_inner());
                         if d.is_none() {
                             *d = Some(format!("the scheduler thread panicked: {msg}"));
@@ -346,8 +326,12 @@ impl Engine {
                 if let Err(p) = r {
                     let msg = format!("the scheduler thread panicked: {}", panic_message(&*p));
                     tracing::error!(reason = %msg, "engine dead");
-                    // Replaces the short reason set while unwinding with the panic's message.
-                    *shared.dead.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg);
+                    // The panic hook set it before unwinding, unless another hook replaced ours.
+                    shared
+                        .dead
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(msg);
                 } else if !shared.closing.load(Ordering::SeqCst) {
                     *shared.dead.lock().unwrap_or_else(|p| p.into_inner()) =
                         Some("the scheduler thread ended without a shutdown".into());

@@ -22,18 +22,11 @@ pub type KeyHex = Hex<32>;
 
 impl<const N: usize> Hex<N> {
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        strata_kv::auth::hex(&self.0)
     }
 
     pub fn parse(s: &str) -> Option<Hex<N>> {
-        if s.len() != 2 * N || !s.is_ascii() {
-            return None;
-        }
-        let mut out = [0u8; N];
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
-        }
-        Some(Hex(out))
+        strata_kv::auth::unhex(s)?.try_into().ok().map(Hex)
     }
 }
 

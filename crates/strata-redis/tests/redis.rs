@@ -192,6 +192,8 @@ fn a_transplanted_or_forged_page_is_a_miss_under_a_cluster_key() {
     let ck = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).unwrap();
     let mut c = cfg(&r.url());
     c.page_key = strata_kv::storage::blob::BlobKey::from_cluster(&ck);
+    // Not a test of timeouts: room for a loaded machine.
+    c.timeout = Duration::from_secs(5);
     let s = RedisStorage::connect(&c).unwrap();
     s.put(&h(1), &[1u8; 100]).unwrap();
     let src = s.key_of(&h(1));
@@ -245,7 +247,12 @@ fn a_transplanted_or_forged_page_is_a_miss_under_a_cluster_key() {
 #[test]
 fn a_wrong_type_key_is_a_miss_for_that_key_not_the_batch() {
     let r = Redis::start();
-    let s = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    // Not a test of timeouts: room for a loaded machine.
+    let s = RedisStorage::connect(&RedisConfig {
+        timeout: Duration::from_secs(5),
+        ..cfg(&r.url())
+    })
+    .unwrap();
     for i in 1..=3u8 {
         s.put(&h(i), &[i; 100]).unwrap();
     }

@@ -27,7 +27,8 @@ const CONTEXT: &str = "strata cluster http v2";
 /// needs a nonce older than the rest of the window).
 const MAX_NONCES: usize = 1 << 20;
 
-fn now_ms() -> u64 {
+/// Unix time in milliseconds.
+pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

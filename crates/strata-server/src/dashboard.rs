@@ -7,13 +7,14 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::extract::{Query, State};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use crate::auth::now_ms;
 use crate::metrics::LATENCY_BUCKETS;
 use crate::router::{RouterState, Worker};
 
@@ -141,13 +142,6 @@ pub struct History {
 
 /// Most samples one `/dashboard/history` answer carries (the page asks again for the rest).
 pub const SAMPLES_PER_ANSWER: usize = 120;
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 /// Every worker in the order the dashboard lists them, with its role.
 fn all_workers(st: &RouterState) -> Vec<(&Arc<Worker>, &'static str)> {

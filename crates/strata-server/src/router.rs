@@ -372,14 +372,6 @@ async fn forward_completions(
     forward(st, headers, body, "/v1/completions").await
 }
 
-fn too_large(limit: usize) -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "invalid_request_error",
-        format!("the request body exceeds the limit of {limit} bytes"),
-    )
-}
-
 /// The SSE event a client gets when the worker's stream broke before its end: an error in
 /// OpenAI's shape, then `[DONE]`, so that no client mistakes a truncated answer for a whole
 /// one.
@@ -480,16 +472,8 @@ async fn forward(
 ) -> Result<Response, ApiError> {
     let arrived = std::time::Instant::now();
     check_key(&st, &headers)?;
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            too_large(st.body_limit)
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
-        }
-    })?;
-    if body.len() > st.body_limit {
-        return Err(too_large(st.body_limit));
-    }
+    // The body limit is the DefaultBodyLimit layer's: the worker's reader names a breach.
+    let body = crate::app::body_bytes(body, st.body_limit)?;
     st.forwarded.fetch_add(1, Ordering::Relaxed);
     let mut last_err = None;
     let (mut avoid_p, mut avoid_d) = (None, None);

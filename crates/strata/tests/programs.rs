@@ -1,7 +1,7 @@
-//! Every external program that the code or the tests start is named in `scripts/programs.txt`,
-//! which `scripts/test.sh` reads to install what a fresh machine lacks. A new
-//! `Command::new("x")` (or a program looked up with `command -v`) without a line there fails here,
-//! so a green run on a machine where the program was installed by hand cannot hide the missing
+//! Every external program that the code or the tests start is named in the `PROGRAMS` list of
+//! `scripts/test.sh`, which installs what a fresh machine lacks. A new `Command::new` of a
+//! program (or a program looked up with `command -v`) without a line there fails here, so a
+//! green run on a machine where the program was installed by hand cannot hide the missing
 //! install step.
 
 use std::collections::BTreeSet;
@@ -73,9 +73,15 @@ fn started_programs() -> BTreeSet<String> {
     progs
 }
 
+/// The programs of the `PROGRAMS="..."` block of scripts/test.sh (`program package` lines).
 fn listed_programs() -> BTreeSet<String> {
-    fs::read_to_string(repo().join("scripts/programs.txt"))
-        .unwrap()
+    let script = fs::read_to_string(repo().join("scripts/test.sh")).unwrap();
+    let start = script
+        .find("PROGRAMS=\"")
+        .expect("a PROGRAMS list in scripts/test.sh")
+        + 10;
+    let len = script[start..].find('"').expect("the end of PROGRAMS");
+    script[start..start + len]
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
@@ -84,7 +90,7 @@ fn listed_programs() -> BTreeSet<String> {
             let prog = it.next().unwrap().to_string();
             assert!(
                 it.next().is_some(),
-                "scripts/programs.txt: `{l}` names no Debian package"
+                "scripts/test.sh PROGRAMS: `{l}` names no Debian package"
             );
             prog
         })
@@ -113,13 +119,13 @@ fn every_started_program_is_installed_by_the_test_script() {
     let missing: Vec<_> = started.difference(&listed).collect();
     assert!(
         missing.is_empty(),
-        "programs started by the code or tests but not in scripts/programs.txt \
-         (so scripts/test.sh would not install them on a fresh machine): {missing:?}"
+        "programs started by the code or tests but not in the PROGRAMS list of scripts/test.sh \
+         (so it would not install them on a fresh machine): {missing:?}"
     );
     let script = fs::read_to_string(repo().join("scripts/test.sh")).unwrap();
     assert!(
-        script.contains("scripts/programs.txt") && script.contains("apt-get install"),
-        "scripts/test.sh must install the packages of scripts/programs.txt"
+        script.contains("<<< \"$PROGRAMS\"") && script.contains("apt-get install"),
+        "scripts/test.sh must install the packages of its PROGRAMS list"
     );
 }
 
