@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, unbounded, Sender};
 use strata_kv::stats::{CacheStats, PoolUsage, TierUsage};
 use strata_kv::storage::StorageStats;
-use strata_kv::{CacheEvent, TieredCache};
+use strata_kv::{CacheEvent, PrefetchPolicy, TieredCache};
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -17,17 +17,6 @@ use crate::request::{
     MAX_STOP_TOKEN_IDS,
 };
 use crate::scheduler::{Cmd, NewReq, Scheduler};
-
-/// How long admission waits for pages being prefetched from L3 into the host tier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefetchPolicy {
-    /// Do not wait: compute what has not arrived (the prefetch still lands for later requests).
-    BestEffort,
-    /// Wait until the prefetch completes.
-    WaitComplete,
-    /// Wait at most this long per prefetched token, then compute the rest.
-    Timeout { per_token: std::time::Duration },
-}
 
 /// Scheduling limits.
 #[derive(Clone, Debug)]
@@ -104,6 +93,8 @@ pub struct Snapshot {
     /// Requests admitted and not finished (including those waiting for load-back/prefetch).
     pub running: usize,
     pub tokens_in_flight: usize,
+    /// Cache copies (load-backs, backups, L3 reads and writes) not yet landed.
+    pub copies_in_flight: usize,
     pub steps: u64,
     /// Prompt tokens of admitted requests, and how each was served: from a cache tier,
     /// computed, or transferred (`cached_* + computed + transferred == prompt`, always).
@@ -295,7 +286,7 @@ impl Engine {
             page_bytes: cache.layout().page_bytes(),
             layout: format!("{:?}", cache.layout().kinds()),
             model_id: cfg.model_id.clone(),
-            hash_key: cache.tree().namespace().map(|n| n.key()),
+            hash_key: cache.hash_key(),
             device_tokens,
             max_waiting: cfg.max_waiting,
             max_tokens_in_flight: cfg.max_tokens_in_flight,

@@ -14,8 +14,9 @@ pub mod sampler;
 pub mod scheduler;
 pub mod transfer;
 
-pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, PrefetchPolicy, Snapshot};
+pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
 pub use request::{
     CachedTokens, EngineHealth, Event, ExportedKv, FinishReason, FlushScope, ImportedKv,
     RequestStream, SamplingParams, SubmitError, MAX_STOP_TOKEN_IDS,
 };
+pub use strata_kv::PrefetchPolicy;

@@ -28,9 +28,11 @@ pub mod testing;
 pub mod tree;
 pub mod units;
 
-pub use cache::{CacheConfig, CacheError, CacheEvent, CacheMatch, Ticket, Tier, TieredCache};
+pub use cache::{
+    CacheConfig, CacheError, CacheEvent, CacheMatch, Lease, Served, Ticket, Tier, TieredCache,
+};
 pub use hash::{HashNamespace, PageHash};
 pub use layout::{PageLayout, PoolKind};
-pub use policy::{EvictionPolicy, WritePolicy};
+pub use policy::{EvictionPolicy, PrefetchPolicy, WritePolicy};
 pub use stats::{CacheStats, PoolUsage, TierUsage, Transfer};
 pub use tree::{NodeId, RadixTree, Slot, ROOT};

@@ -28,6 +28,17 @@ impl WritePolicy {
     }
 }
 
+/// How long admission waits for pages being prefetched from L3 into the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchPolicy {
+    /// Do not wait: compute what has not arrived (the prefetch still lands for later requests).
+    BestEffort,
+    /// Wait until the prefetch completes.
+    WaitComplete,
+    /// Wait at most this long per prefetched token, then compute the rest.
+    Timeout { per_token: std::time::Duration },
+}
+
 /// Which evictable leaf goes first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EvictionPolicy {

@@ -159,6 +159,25 @@ impl DevicePool {
             )
         }
     }
+
+    /// Copies page `page` out into `blob`, laid out as a host page (chunk by chunk at the
+    /// layout's host offsets): the form a page travels in (PD transfer).
+    pub fn read_page_host_layout(&self, page: u32, blob: &mut [u8]) {
+        assert_eq!(blob.len(), self.layout.page_bytes(), "one page of bytes");
+        for c in self.layout.chunks() {
+            let dst = &mut blob[c.host_offset..c.host_offset + c.bytes];
+            self.read_chunk(c.kind, c.layer, c.plane, page, dst);
+        }
+    }
+
+    /// Writes `blob`, a page in the host layout, into device page `page` (owned by the caller).
+    pub fn write_page_host_layout(&self, page: u32, blob: &[u8]) {
+        assert_eq!(blob.len(), self.layout.page_bytes(), "one page of bytes");
+        for c in self.layout.chunks() {
+            let src = &blob[c.host_offset..c.host_offset + c.bytes];
+            self.write_chunk(c.kind, c.layer, c.plane, page, src);
+        }
+    }
 }
 
 /// L2: page-first; page `p` is the blob `[p × page_bytes, (p+1) × page_bytes)`.

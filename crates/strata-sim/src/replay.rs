@@ -1,13 +1,17 @@
-//! Replays a trace through the real [`TieredCache`] (metadata-only: no bytes, copies inline),
-//! per request: match → load-back of the host part → L3 prefetch → allocate (evicting to
-//! capacity) → insert.
+//! Replays a trace through the real [`TieredCache`] (metadata-only: no bytes, copies inline)
+//! with the engine's own request lifecycle, one request at a time: a [`strata_kv::Lease`]
+//! (match, lock, reserve prompt + output pages, L3 prefetch, load-back), then the commit of
+//! the computed tokens (prompt and output: the engine caches generated tokens too).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use strata_kv::memory::HeapAllocator;
+use strata_kv::rng::{mix, SplitMix64};
 use strata_kv::storage::{MemoryStorage, Storage};
-use strata_kv::{CacheConfig, CacheStats, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
+use strata_kv::{
+    CacheConfig, CacheStats, EvictionPolicy, PageLayout, PrefetchPolicy, TieredCache, WritePolicy,
+};
 use thiserror::Error;
 
 use crate::tokens::request_tokens;
@@ -39,6 +43,9 @@ pub struct SimConfig {
     pub storage_tokens: u64,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
+    /// Generate each request's output tokens and cache them as the engine does (`false`:
+    /// only prompts are cached, as if every request asked for one token).
+    pub cache_outputs: bool,
 }
 
 /// Outcome of one replay.
@@ -46,11 +53,15 @@ pub struct SimConfig {
 pub struct SimResult {
     pub stats: CacheStats,
     pub requests: u64,
+    /// Requests larger than the device tier (an engine refuses them; nothing is counted).
+    pub refused: u64,
     /// match + insert + evict calls (an evict counted when a request had to evict).
     pub ops: u64,
     pub cache_nanos: u64,
+    /// Admissions (match, lock, reservation) that evicted nothing: their time and count.
     pub match_nanos: u64,
     pub match_calls: u64,
+    /// Admissions whose reservation evicted: their time and count.
     pub evict_nanos: u64,
     pub evict_calls: u64,
     /// Tree metadata bytes at the end and the tokens it then held.
@@ -112,6 +123,19 @@ pub fn build_cache(cfg: &SimConfig) -> Result<TieredCache, SimError> {
     TieredCache::new(cc, &HeapAllocator, storage).map_err(|e| SimError::Cache(e.to_string()))
 }
 
+/// What the engine would generate after `prompt`: `n` tokens that depend only on the prompt
+/// (a greedy model answers the same prompt the same way), drawn from the vocabulary (any
+/// 32-bit value for `vocab == 0`, the identity mapping of block-granular replays).
+pub fn output_tokens(prompt: &[u32], n: usize, vocab: u32) -> Vec<u32> {
+    let mut seed = 0x5EED_0000_0F0F_u64;
+    for &t in prompt {
+        seed = mix(seed ^ t as u64);
+    }
+    let mut rng = SplitMix64::new(seed);
+    let range = if vocab == 0 { 1 << 32 } else { vocab as u64 };
+    (0..n).map(|_| (rng.next_u64() % range) as u32).collect()
+}
+
 /// Replays `reqs`; `progress` is called every 256 requests with the count done.
 pub fn replay(
     reqs: &[TraceRequest],
@@ -119,10 +143,10 @@ pub fn replay(
     mut progress: impl FnMut(usize),
 ) -> Result<SimResult, SimError> {
     let mut cache = build_cache(cfg)?;
-    let ps = cfg.layout.page_size();
     let mut r = SimResult {
         stats: CacheStats::default(),
         requests: 0,
+        refused: 0,
         ops: 0,
         cache_nanos: 0,
         match_nanos: 0,
@@ -133,38 +157,45 @@ pub fn replay(
         tree_tokens: 0,
     };
     for (i, q) in reqs.iter().enumerate() {
-        let tokens = request_tokens(&q.hash_ids, q.input_length, cfg.block_tokens, cfg.vocab);
-        let t0 = Instant::now();
-        let m = cache.match_prefix(&tokens);
-        let t1 = Instant::now();
-        cache.lock(m.last);
-        cache.load_back(&m);
-        cache.prefetch(&tokens, &m);
-        let skip = (m.device_tokens + m.host_tokens) / ps;
-        let total = tokens.len() / ps;
-        let evicted_before = cache.stats().evicted_device_nodes;
-        let t2 = Instant::now();
-        let pages = match cache.alloc_device(total - skip) {
-            Some(p) => p,
-            None => {
-                // Longer than the device tier can hold: cache the prefix that fits.
-                let k = cache.device_usage().pages_free() as usize;
-                cache.alloc_device(k).expect("free pages")
-            }
+        let mut tokens = request_tokens(&q.hash_ids, q.input_length, cfg.block_tokens, cfg.vocab);
+        let prompt_len = tokens.len();
+        let new = if cfg.cache_outputs {
+            q.output_length.max(1)
+        } else {
+            1
         };
-        let t3 = Instant::now();
-        let upto = (skip + pages.len()) * ps;
-        cache.insert(&tokens[..upto], &pages, skip);
-        cache.unlock(m.last);
-        let t4 = Instant::now();
-        r.match_nanos += (t1 - t0).as_nanos() as u64;
-        r.match_calls += 1;
-        r.cache_nanos += (t4 - t0).as_nanos() as u64;
+        if new > 1 {
+            tokens.extend(output_tokens(&tokens, new - 1, cfg.vocab));
+        }
+        let evicted_before = cache.stats().evicted_device_nodes;
+        let t0 = Instant::now();
+        let Some(mut lease) = cache.admit(
+            &tokens[..prompt_len],
+            new,
+            true,
+            PrefetchPolicy::WaitComplete,
+        ) else {
+            r.refused += 1;
+            continue;
+        };
+        let t1 = Instant::now();
+        while !cache.advance(&mut lease) {
+            cache.poll();
+        }
+        // Every prompt token and every output token but the last (whose K/V a further step
+        // would compute) are computed.
+        let computed = prompt_len + new - 1;
+        cache.commit(lease, &tokens, computed);
+        let t2 = Instant::now();
+        r.cache_nanos += (t2 - t0).as_nanos() as u64;
         r.ops += 2;
         if cache.stats().evicted_device_nodes > evicted_before {
             r.ops += 1;
             r.evict_calls += 1;
-            r.evict_nanos += (t3 - t2).as_nanos() as u64;
+            r.evict_nanos += (t1 - t0).as_nanos() as u64;
+        } else {
+            r.match_calls += 1;
+            r.match_nanos += (t1 - t0).as_nanos() as u64;
         }
         r.requests += 1;
         if (i + 1) % 256 == 0 {
@@ -173,14 +204,9 @@ pub fn replay(
     }
     cache.check().map_err(SimError::Cache)?;
     r.stats = *cache.stats();
-    r.metadata_bytes = cache.tree().metadata_bytes() as u64;
-    r.tree_tokens = ((cache
-        .tree()
-        .node_ids()
-        .iter()
-        .map(|&n| cache.tree().view(n).tokens.len())
-        .sum::<usize>()) as u64)
-        .max(1);
+    let (bytes, tokens) = cache.tree_footprint();
+    r.metadata_bytes = bytes as u64;
+    r.tree_tokens = tokens.max(1) as u64;
     Ok(r)
 }
 
@@ -199,6 +225,7 @@ mod tests {
             storage_tokens: 0,
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
+            cache_outputs: false,
         }
     }
 
@@ -251,12 +278,17 @@ mod tests {
             req(&[7, 8], 16),
             req(&[3, 4], 16),
         ];
-        let mut c = cfg(16);
+        // One request's prompt and its first output token: 5 pages of 4.
+        let mut c = cfg(20);
         c.host_tokens = 32;
         c.storage_tokens = 1000;
         let r = replay(&reqs, &c, |_| {}).unwrap();
         assert!(r.stats.hit_host_tokens > 0, "{:?}", r.stats);
         assert!(r.stats.hit_storage_tokens > 0, "{:?}", r.stats);
         assert!(r.stats.balanced());
+        assert_eq!(r.refused, 0);
+        // A device tier smaller than one request refuses it, as the engine would.
+        let r = replay(&reqs, &cfg(16), |_| {}).unwrap();
+        assert_eq!((r.refused, r.requests), (6, 0));
     }
 }

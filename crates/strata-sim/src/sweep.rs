@@ -44,6 +44,8 @@ pub fn sweep(
                 host_tokens: 0,
                 storage_tokens: 0,
                 eviction: p,
+                // Belady's bound is over prompt pages: the policies compete on those alone.
+                cache_outputs: false,
                 ..base.clone()
             };
             let r = replay(reqs, &cfg, |_| {})?;
@@ -94,6 +96,7 @@ mod tests {
             storage_tokens: 0,
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
+            cache_outputs: true,
         };
         let pts = sweep(
             &reqs,

@@ -55,6 +55,12 @@ pub struct SimArgs {
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
 
+    /// Cache each request's output tokens as the engine does (generated stand-ins, as many as
+    /// the trace's `output_length`); `false` caches prompts only. Sweeps cache prompts only
+    /// (Belady's bound is over prompt pages).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, help_heading = "Cache")]
+    cache_outputs: bool,
+
     /// Sweep the device capacity and print the miss-ratio curve with Belady's bound.
     #[arg(long, help_heading = "Sweep")]
     sweep: bool,
@@ -142,6 +148,8 @@ pub fn run(a: SimArgs) -> Result<()> {
                 bail!("trace request {}: hash id {id} does not fit in 32 bits (needed by --ids-as-tokens)", i + 1);
             }
             r.input_length = r.hash_ids.len();
+            // Outputs shrink by the same factor (a block's worth of tokens per token).
+            r.output_length = r.output_length.div_ceil(a.block_tokens);
         }
         (1, 0)
     } else {
@@ -175,6 +183,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         storage_tokens: capacity(&a.storage, distinct_tokens, a.bytes_per_token, "storage")?,
         write_policy,
         eviction: evictions[0],
+        cache_outputs: a.cache_outputs,
     };
     if a.sweep {
         return run_sweep(&a, &reqs, &base, &evictions);
@@ -199,8 +208,14 @@ pub fn run(a: SimArgs) -> Result<()> {
         );
     }
     println!(
-        "page size {} tokens, write policy {}",
-        a.page_size, a.write_policy
+        "page size {} tokens, write policy {}, {}",
+        a.page_size,
+        a.write_policy,
+        if a.cache_outputs {
+            "prompts and outputs cached (as the engine does)"
+        } else {
+            "prompts cached (outputs not)"
+        }
     );
     println!();
     println!(
@@ -213,8 +228,8 @@ pub fn run(a: SimArgs) -> Result<()> {
         "miss%",
         "ops/s",
         "requests/s",
-        "match µs",
-        "evict µs",
+        "admit µs",
+        "+evict µs",
         "meta B/tok"
     );
     let belady_cap =
@@ -226,6 +241,12 @@ pub fn run(a: SimArgs) -> Result<()> {
         };
         let r = replay(&reqs, &cfg, |n| tracing::debug!("{n} requests replayed"))?;
         print_row(p, &r);
+        if r.refused > 0 {
+            println!(
+                "       {} requests larger than the device tier were refused (as the engine would)",
+                r.refused
+            );
+        }
     }
     let q = pt.queried_tokens();
     println!(

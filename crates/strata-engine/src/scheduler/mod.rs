@@ -14,13 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use strata_kv::cache::{CacheMatch, Ticket};
-use strata_kv::tree::{NodeId, ROOT};
-use strata_kv::{PageHash, TieredCache};
+use strata_kv::{Lease, Served, TieredCache};
 use strata_model::{Model, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::handle::{EngineConfig, PrefetchPolicy, Shared, Snapshot};
+use crate::handle::{EngineConfig, Shared, Snapshot};
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
@@ -47,15 +45,6 @@ pub(crate) enum Cmd {
     },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// L3 → host copy in flight (waited for until the deadline, if any); then load-back.
-    Prefetch(Ticket, Option<Instant>),
-    /// Host → device copy in flight.
-    Loading(Option<Ticket>),
-    Running,
-}
-
 struct Req {
     id: u64,
     /// Prompt, then generated tokens.
@@ -64,15 +53,12 @@ struct Req {
     params: SamplingParams,
     tx: UnboundedSender<Event>,
     rng: Rng,
-    phase: Phase,
-    /// Deepest tree node of the prefix in use (locked; ROOT if none).
-    lock: NodeId,
-    matched: CacheMatch,
+    /// Its hold on the cache (admitted requests): prefix lock, pages, copies in flight.
+    lease: Option<Lease>,
+    /// Computing (the lease was ready and `Admitted` was sent).
+    running: bool,
     cached: CachedTokens,
-    /// Device pages in position order: the prefix's (tree-owned), then the request's own.
-    pages: Vec<u32>,
-    prefix_pages: usize,
-    /// Positions whose K/V are in `pages`.
+    /// Positions whose K/V are in the lease's pages.
     computed: usize,
     generated: usize,
     /// Prompt + max_tokens, counted in the tokens-in-flight bound.
@@ -103,12 +89,9 @@ impl Req {
             params,
             tx,
             rng: Rng::new(seed),
-            phase: Phase::Loading(None),
-            lock: ROOT,
-            matched: CacheMatch::default(),
+            lease: None,
+            running: false,
             cached: CachedTokens::default(),
-            pages: Vec::new(),
-            prefix_pages: 0,
             computed: 0,
             generated: 0,
             export,
@@ -117,8 +100,10 @@ impl Req {
         }
     }
 
-    fn own_pages(&self) -> &[u32] {
-        &self.pages[self.prefix_pages..]
+    fn lease(&self) -> &Lease {
+        self.lease
+            .as_ref()
+            .expect("an admitted request holds a lease")
     }
 }
 
@@ -203,9 +188,8 @@ impl Scheduler {
 
     /// Admits waiting requests in arrival order while device pages can be reserved.
     fn admit(&mut self) {
-        let ps = self.cache.page_size();
         while self.active.len() < self.cfg.max_running {
-            let Some(r) = self.waiting.front_mut() else {
+            let Some(r) = self.waiting.front() else {
                 break;
             };
             if r.import.is_some() {
@@ -214,60 +198,21 @@ impl Scheduler {
                 }
                 continue;
             }
-            let m = if self.cfg.prefix_cache {
-                self.cache.lookup(&r.tokens[..r.prompt_len])
-            } else {
-                CacheMatch {
-                    queried_tokens: r.prompt_len,
-                    last: ROOT,
-                    ..CacheMatch::default()
-                }
-            };
-            self.cache.lock(m.last);
-            // The last prompt token is always computed (its logits give the first token): at
-            // most the pages before it are used as they are.
-            let dev_pages = (m.device_tokens / ps).min((r.prompt_len - 1) / ps);
-            let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
-            // Reserve the worst case (nothing loaded back); the surplus returns at once when
-            // a load-back starts.
-            let Some(own) = self.cache.alloc_device(total - dev_pages) else {
-                self.cache.unlock(m.last);
+            let prompt = &r.tokens[..r.prompt_len];
+            let use_prefix = self.cfg.prefix_cache;
+            let new = r.params.max_tokens;
+            let Some(lease) = self.cache.admit(prompt, new, use_prefix, self.cfg.prefetch) else {
                 break;
             };
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            self.cache.record(&m);
             tracing::debug!(
                 id = r.id,
                 prompt = r.prompt_len,
-                device = m.device_tokens,
-                host = m.host_tokens,
-                storage = m.storage_tokens,
-                "admitted (tokens per tier)"
+                prefetching = lease.prefetching(),
+                "admitted"
             );
-            r.lock = m.last;
-            r.pages = own;
-            r.phase = if m.storage_tokens > 0 {
-                match self.cache.prefetch(&r.tokens, &m) {
-                    Some(t) => {
-                        let deadline = match self.cfg.prefetch {
-                            PrefetchPolicy::WaitComplete => None,
-                            PrefetchPolicy::BestEffort => Some(Instant::now()),
-                            PrefetchPolicy::Timeout { per_token } => {
-                                Some(Instant::now() + per_token * m.storage_tokens as u32)
-                            }
-                        };
-                        Phase::Prefetch(t, deadline)
-                    }
-                    None => Phase::Loading(None),
-                }
-            } else {
-                Phase::Loading(None)
-            };
-            r.matched = m;
-            if matches!(r.phase, Phase::Loading(_)) {
-                self.start_load_back(&mut r);
-            }
+            r.lease = Some(lease);
             self.active.push(r);
         }
     }
@@ -276,27 +221,19 @@ impl Scheduler {
     /// reserves its pages, writes the K/V, and starts decoding after the first token. False
     /// when the pages cannot be reserved now.
     fn admit_imported(&mut self) -> bool {
-        let ps = self.cache.page_size();
         let r = self.waiting.front().expect("front exists");
-        let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
-        let Some(own) = self.cache.alloc_device(total) else {
+        let kv = r.import.as_ref().expect("imported request");
+        let new = r.params.max_tokens;
+        let Some(lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
             return false;
         };
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let kv = r.import.take().expect("imported request");
-        let pool = self.cache.device_pool().expect("the cache holds data");
-        let layout = self.cache.layout();
-        for (blob, &page) in kv.pages.iter().zip(&own) {
-            for c in layout.chunks() {
-                let src = &blob[c.host_offset..c.host_offset + c.bytes];
-                pool.write_chunk(c.kind, c.layer, c.plane, page, src);
-            }
-        }
-        r.pages = own;
+        r.lease = Some(lease);
         r.computed = r.prompt_len;
         r.cached = kv.cached;
-        r.phase = Phase::Running;
+        r.running = true;
         self.snap.prompt_tokens += r.prompt_len as u64;
         self.snap.transferred_prompt_tokens += r.prompt_len as u64;
         let _ = r.tx.send(Event::Admitted { cached: r.cached });
@@ -321,146 +258,39 @@ impl Scheduler {
 
     /// The prompt's pages out of the device pool, in the host layout, with their hashes.
     fn export_kv(&self, r: &Req) -> ExportedKv {
-        let ps = self.cache.page_size();
-        let pool = self.cache.device_pool().expect("the cache holds data");
-        let layout = self.cache.layout();
-        let n = r.prompt_len.div_ceil(ps);
-        let mut pages = Vec::with_capacity(n);
-        for &page in &r.pages[..n] {
-            let mut blob = vec![0u8; layout.page_bytes()];
-            for c in layout.chunks() {
-                let dst = &mut blob[c.host_offset..c.host_offset + c.bytes];
-                pool.read_chunk(c.kind, c.layer, c.plane, page, dst);
-            }
-            pages.push(blob);
+        let (pages, hashes) = self.cache.export(r.lease(), &r.tokens[..r.prompt_len]);
+        ExportedKv {
+            pages,
+            hashes: hashes.into_iter().map(|h| h.0).collect(),
         }
-        let mut hashes: Vec<[u8; 16]> = match self.cache.tree().namespace() {
-            Some(ns) => ns
-                .chain(PageHash::ROOT, &r.tokens[..r.prompt_len], ps)
-                .into_iter()
-                .map(|h| h.0)
-                .collect(),
-            None => Vec::new(),
-        };
-        hashes.resize(n, [0; 16]);
-        ExportedKv { pages, hashes }
     }
 
-    /// Starts copying the host-only part of the request's match to the device.
-    fn start_load_back(&mut self, r: &mut Req) {
-        let ps = self.cache.page_size();
-        let m = &r.matched;
-        // Loaded pages the request will use in place of reserved ones (see `promote`).
-        let usable = (r.prompt_len - 1) / ps;
-        let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
-        let mut ticket = None;
-        if host_pages > 0 {
-            // Those positions will come from the tree: hand the reserved pages back first, so
-            // the load-back can land in them. (Freed after it, a pool sized for one long
-            // request would need room for it twice, and long prompts would be recomputed.)
-            let surplus: Vec<u32> = r.pages.drain(..host_pages).collect();
-            self.cache
-                .free_device(&surplus)
-                .expect("reserved pages are held");
-            match self.cache.load_back(m) {
-                Some(t) => ticket = Some(t),
-                None => {
-                    // Not loaded (no room): take the reservation back; a failed load-back
-                    // allocates nothing, so the pages just freed are still free.
-                    let back = self
-                        .cache
-                        .alloc_device(host_pages)
-                        .expect("the pages just freed are free");
-                    r.pages.splice(0..0, back);
-                }
-            }
-        }
-        r.phase = Phase::Loading(ticket);
-    }
-
-    /// Moves requests whose copies landed forward: prefetched → load-back → running.
+    /// Moves requests whose copies landed forward: prefetched → loaded back → running.
     fn promote(&mut self) {
-        let ps = self.cache.page_size();
-        for i in 0..self.active.len() {
-            match self.active[i].phase {
-                Phase::Prefetch(t, deadline)
-                    if self.cache.is_done(t) || deadline.is_some_and(|d| Instant::now() >= d) =>
-                {
-                    let mut r = std::mem::replace(&mut self.active[i], placeholder());
-                    // The prefetched pages joined the tree as host nodes: match again.
-                    let m = self.cache.lookup(&r.tokens[..r.prompt_len]);
-                    self.cache.lock(m.last);
-                    self.cache.unlock(r.lock);
-                    r.lock = m.last;
-                    let tree_pages = (m.device_tokens + m.host_tokens) / ps;
-                    let before = (r.matched.device_tokens + r.matched.host_tokens) / ps;
-                    r.cached.storage = tree_pages.saturating_sub(before) * ps;
-                    tracing::debug!(
-                        id = r.id,
-                        prefetched = r.cached.storage,
-                        "prefetch landed (tokens)"
-                    );
-                    // Host tokens now include the prefetched ones.
-                    r.matched = m;
-                    self.start_load_back(&mut r);
-                    self.active[i] = r;
-                }
-                Phase::Loading(t) if t.is_none_or(|t| self.cache.is_done(t)) => {
-                    let r = &mut self.active[i];
-                    let m = &r.matched;
-                    // Prefix device pages along the path, root first.
-                    let mut prefix = Vec::new();
-                    for &n in &m.path {
-                        let v = self.cache.tree().view(n);
-                        if v.device.is_empty() {
-                            break;
-                        }
-                        prefix.extend_from_slice(v.device);
-                    }
-                    // Pages used as they are: those before the last prompt token's page.
-                    let keep = (r.prompt_len - 1) / ps;
-                    // A page-aligned prompt matched in full: its last page also holds the last
-                    // token, which is computed again. Copy the page (copy-on-write: the tree's
-                    // page stays untouched) and compute only that token.
-                    let cow = prefix.get(keep).copied();
-                    prefix.truncate(keep);
-                    // Pages not loaded (no room) are computed into the reserved pages.
-                    let total = (r.prompt_len + r.params.max_tokens).div_ceil(ps);
-                    let own_needed = total - prefix.len();
-                    if r.pages.len() > own_needed {
-                        let extra: Vec<u32> = r.pages.drain(own_needed..).collect();
-                        self.cache
-                            .free_device(&extra)
-                            .expect("reserved pages are held");
-                    }
-                    let mut pages = prefix;
-                    r.prefix_pages = pages.len();
-                    r.computed = r.prefix_pages * ps;
-                    if let Some(src) = cow {
-                        let pool = self.cache.device_pool().expect("the cache holds data");
-                        pool.copy_page(src, r.pages[0]);
-                        r.computed = r.prompt_len - 1;
-                    }
-                    pages.append(&mut r.pages);
-                    r.pages = pages;
-                    let dev = m.device_tokens.min(r.computed);
-                    let storage = r.cached.storage.min(r.computed - dev);
-                    r.cached = CachedTokens {
-                        device: dev,
-                        host: r.computed - dev - storage,
-                        storage,
-                    };
-                    let s = &mut self.snap;
-                    s.prompt_tokens += r.prompt_len as u64;
-                    s.cached_device_tokens += r.cached.device as u64;
-                    s.cached_host_tokens += r.cached.host as u64;
-                    s.cached_storage_tokens += r.cached.storage as u64;
-                    s.computed_prompt_tokens += (r.prompt_len - r.computed) as u64;
-                    r.phase = Phase::Running;
-                    let _ = r.tx.send(Event::Admitted { cached: r.cached });
-                }
-                _ => {}
+        for r in self.active.iter_mut().filter(|r| !r.running) {
+            let lease = r.lease.as_mut().expect("an admitted request holds a lease");
+            if !self.cache.advance(lease) {
+                continue;
             }
+            let Served {
+                device,
+                host,
+                storage,
+            } = lease.served();
+            r.cached = CachedTokens {
+                device,
+                host,
+                storage,
+            };
+            r.computed = lease.start();
+            let s = &mut self.snap;
+            s.prompt_tokens += r.prompt_len as u64;
+            s.cached_device_tokens += device as u64;
+            s.cached_host_tokens += host as u64;
+            s.cached_storage_tokens += storage as u64;
+            s.computed_prompt_tokens += (r.prompt_len - r.computed) as u64;
+            r.running = true;
+            let _ = r.tx.send(Event::Admitted { cached: r.cached });
         }
     }
 
@@ -470,13 +300,13 @@ impl Scheduler {
         // (active index, first position, tokens)
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
         for (i, r) in self.active.iter().enumerate() {
-            if r.phase == Phase::Running && r.computed >= r.prompt_len && budget > 0 {
+            if r.running && r.computed >= r.prompt_len && budget > 0 {
                 plan.push((i, r.computed, 1));
                 budget -= 1;
             }
         }
         for (i, r) in self.active.iter().enumerate() {
-            if r.phase == Phase::Running && r.computed < r.prompt_len && budget > 0 {
+            if r.running && r.computed < r.prompt_len && budget > 0 {
                 let n = (r.prompt_len - r.computed).min(budget);
                 plan.push((i, r.computed, n));
                 budget -= n;
@@ -492,7 +322,7 @@ impl Scheduler {
                 SeqInput {
                     tokens: &r.tokens[at..at + n],
                     pos: at,
-                    pages: &r.pages,
+                    pages: r.lease().pages(),
                     decode: at >= r.prompt_len,
                 }
             })
@@ -552,32 +382,19 @@ impl Scheduler {
 
     /// Ends a request: on success its whole pages join the tree; everything else it holds
     /// returns to the pool. `None` = cancelled by the client (no event is sent).
-    fn finish(&mut self, r: Req, reason: Option<FinishReason>) {
-        let ps = self.cache.page_size();
+    fn finish(&mut self, mut r: Req, reason: Option<FinishReason>) {
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
-        if let Phase::Prefetch(t, _) | Phase::Loading(Some(t)) = r.phase {
-            // The copy writes into pages the tree owns; let it land before unlocking.
-            self.cache.wait(t);
-        }
-        if ok && r.export && r.phase == Phase::Running && r.computed >= r.prompt_len {
+        if ok && r.export && r.running && r.computed >= r.prompt_len {
             let kv = self.export_kv(&r);
             let _ = r.tx.send(Event::Kv(Arc::new(kv)));
         }
-        let own = r.own_pages().to_vec();
-        if ok && r.phase == Phase::Running && self.cfg.prefix_cache {
-            let whole = (r.computed / ps).max(r.prefix_pages);
-            let give = whole - r.prefix_pages;
-            self.cache
-                .insert(&r.tokens[..whole * ps], &own[..give], r.prefix_pages);
-            self.cache
-                .free_device(&own[give..])
-                .expect("request pages are held");
-        } else {
-            self.cache
-                .free_device(&own)
-                .expect("request pages are held");
+        if let Some(lease) = r.lease.take() {
+            if ok && r.running && self.cfg.prefix_cache {
+                self.cache.commit(lease, &r.tokens, r.computed);
+            } else {
+                self.cache.release(lease);
+            }
         }
-        self.cache.unlock(r.lock);
         self.shared
             .tokens_in_flight
             .fetch_sub(r.budget, Ordering::SeqCst);
@@ -622,16 +439,15 @@ impl Scheduler {
         s.device = self.cache.device_usage();
         s.host = self.cache.host_usage();
         s.pools = self.cache.pool_usage();
-        s.device_pages_held = self.active.iter().map(|r| r.own_pages().len() as u64).sum();
+        s.device_pages_held = self
+            .active
+            .iter()
+            .map(|r| r.lease().own_pages() as u64)
+            .sum();
         s.waiting = self.shared.waiting.load(Ordering::SeqCst);
         s.running = self.active.len();
         s.tokens_in_flight = self.shared.tokens_in_flight.load(Ordering::SeqCst);
+        s.copies_in_flight = self.cache.in_flight();
         *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
     }
-}
-
-/// A request-shaped value to move out of the active list briefly.
-fn placeholder() -> Req {
-    let (tx, _) = tokio::sync::mpsc::unbounded_channel();
-    Req::new(0, Vec::new(), SamplingParams::default(), tx, 0, false, None)
 }

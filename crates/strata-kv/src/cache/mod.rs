@@ -10,13 +10,13 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
-use crate::copy::{CopyEngine, Done, JobKind, Planes};
+use crate::copy::{CopyEngine, Planes};
 use crate::hash::{HashNamespace, PageHash};
 use crate::layout::PageLayout;
 use crate::memory::{HeapAllocator, HostAllocator, MemError};
 use crate::pages::{PageAllocator, PageError};
 use crate::policy::{EvictionPolicy, WritePolicy};
-use crate::pool::{DevicePool, Direction, HostPool};
+use crate::pool::{DevicePool, HostPool};
 use crate::stats::{CacheStats, PoolUsage, TierUsage};
 use crate::storage::Storage;
 use crate::tree::{Inserted, NodeId, RadixTree, Slot};
@@ -124,7 +124,8 @@ impl CacheMatch {
 enum Pending {
     LoadBack {
         lock: NodeId,
-        pages: u64,
+        /// The device pages being written (already the tree's).
+        pages: Vec<u32>,
     },
     Backup {
         lock: NodeId,
@@ -161,6 +162,11 @@ pub struct TieredCache {
     held_host: usize,
     stats: CacheStats,
     events: Vec<CacheEvent>,
+    /// Leases dropped without a commit or release (released at the next poll/admit).
+    dropped: lease::DropQueue,
+    /// Device pages that load-backs in flight are writing: the tree lists them as on device
+    /// already, but no request may read them until the copy lands.
+    loading: rustc_hash::FxHashSet<u32>,
 }
 
 impl TieredCache {
@@ -206,6 +212,8 @@ impl TieredCache {
             held_host: 0,
             stats: CacheStats::default(),
             events: Vec::new(),
+            dropped: Default::default(),
+            loading: Default::default(),
         })
     }
 
@@ -271,6 +279,17 @@ impl TieredCache {
             }
         }
         out
+    }
+
+    /// Bytes of tree metadata, and the tokens the tree holds.
+    pub fn tree_footprint(&self) -> (usize, usize) {
+        let tokens = self
+            .tree
+            .node_ids()
+            .iter()
+            .map(|&n| self.tree.view(n).tokens.len())
+            .sum();
+        (self.tree.metadata_bytes(), tokens)
     }
 
     /// Copies still in flight.
@@ -454,397 +473,6 @@ impl TieredCache {
         ins
     }
 
-    // ---- tier movement -----------------------------------------------------------------
-
-    /// Starts copying the host-only part of a match to the device (all or nothing). The nodes
-    /// are on device (and locked) at once; read them after the ticket completes.
-    pub fn load_back(&mut self, m: &CacheMatch) -> Option<Ticket> {
-        let nodes: Vec<NodeId> = m
-            .path
-            .iter()
-            .copied()
-            .filter(|&n| self.tree.is_live(n) && self.tree.view(n).device.is_empty())
-            .collect();
-        if nodes.is_empty() {
-            return None;
-        }
-        let need: usize = nodes.iter().map(|&n| self.tree.view(n).host.len()).sum();
-        self.tree.lock(m.last);
-        let Some(pages) = self.alloc_device(need) else {
-            self.tree.unlock(m.last);
-            self.stats.load_back_skipped_tokens += (need * self.page_size()) as u64;
-            return None;
-        };
-        self.held_device -= need;
-        let mut pairs = Vec::with_capacity(need);
-        let mut it = pages.into_iter();
-        for n in nodes {
-            let host = self.tree.view(n).host.to_vec();
-            let dev: Vec<u32> = it.by_ref().take(host.len()).collect();
-            pairs.extend(dev.iter().copied().zip(host));
-            self.tree.set_pages(n, Slot::Device, dev);
-        }
-        let loaded: Vec<NodeId> = m
-            .path
-            .iter()
-            .copied()
-            .filter(|&n| self.tree.is_live(n))
-            .collect();
-        self.emit(true, Tier::Device, &loaded);
-        let job = JobKind::Copy {
-            dir: Direction::HostToDevice,
-            pairs,
-        };
-        Some(self.submit(
-            job,
-            Pending::LoadBack {
-                lock: m.last,
-                pages: need as u64,
-            },
-        ))
-    }
-
-    /// Starts reading the L3-held part of a match into host pages; when it completes the pages
-    /// join the tree as host-only nodes (then [`TieredCache::load_back`] brings them up).
-    pub fn prefetch(&mut self, tokens: &[u32], m: &CacheMatch) -> Option<Ticket> {
-        if m.storage_hashes.is_empty() {
-            return None;
-        }
-        let n = m.storage_hashes.len();
-        self.tree.lock(m.last);
-        let Some(host_pages) = self.alloc_host(n) else {
-            self.tree.unlock(m.last);
-            return None;
-        };
-        self.held_host += n;
-        let ps = self.page_size();
-        let skip = (m.device_tokens + m.host_tokens) / ps;
-        let job = JobKind::Get {
-            hashes: m.storage_hashes.clone(),
-            host_pages: host_pages.clone(),
-        };
-        let tokens = tokens[..(skip + n) * ps].to_vec();
-        Some(self.submit(
-            job,
-            Pending::Prefetch {
-                lock: m.last,
-                tokens,
-                host_pages,
-                skip,
-            },
-        ))
-    }
-
-    /// Backs up device-resident nodes lying on one root path (root-most first). Nodes that do
-    /// not fit in the host tier are skipped and counted. Returns the ticket if any copy started.
-    fn backup_nodes(&mut self, nodes: Vec<NodeId>, evict_after: bool) -> Option<Ticket> {
-        let mut chosen = Vec::new();
-        let mut pairs = Vec::new();
-        let mut lock = None;
-        for n in nodes {
-            let v = self.tree.view(n);
-            if !v.host.is_empty() || v.device.is_empty() {
-                continue;
-            }
-            let np = v.device.len();
-            let Some(host) = self.alloc_host(np) else {
-                self.stats.backup_skipped_pages += np as u64;
-                continue;
-            };
-            let dev = self.tree.view(n).device.to_vec();
-            pairs.extend(dev.into_iter().zip(host.iter().copied()));
-            self.tree.set_pages(n, Slot::Host, host);
-            chosen.push(n);
-            lock = Some(n);
-        }
-        let lock = lock?;
-        self.emit(true, Tier::Host, &chosen);
-        self.tree.lock(lock);
-        let job = JobKind::Copy {
-            dir: Direction::DeviceToHost,
-            pairs,
-        };
-        Some(self.submit(
-            job,
-            Pending::Backup {
-                lock,
-                nodes: chosen,
-                evict_after,
-            },
-        ))
-    }
-
-    fn alloc_host(&mut self, n: usize) -> Option<Vec<u32>> {
-        let avail = self.host_alloc.available() as usize;
-        if avail < n {
-            self.evict_host(n - avail);
-        }
-        self.host_alloc.alloc(n)
-    }
-
-    /// Frees at least `n` device pages if possible (write-back victims free when their copy
-    /// lands). Returns pages freed or scheduled.
-    pub fn evict_device(&mut self, n: usize) -> usize {
-        let mut got = 0;
-        let mut skip: Vec<NodeId> = Vec::new();
-        while got < n {
-            let Some(v) = self.tree.device_victim_excluding(&skip) else {
-                break;
-            };
-            // Free only what is still needed: the head of the node stays cached.
-            self.tree.split_tail(v, n - got);
-            let view = self.tree.view(v);
-            let np = view.device.len();
-            let needs_copy = view.host.is_empty()
-                && (self.write_policy == WritePolicy::WriteBack || view.children > 0);
-            if needs_copy {
-                // Keep the data reachable: copy first, free on completion.
-                if self.backup_nodes(vec![v], true).is_some() {
-                    got += np;
-                } else {
-                    skip.push(v);
-                }
-                continue;
-            }
-            got += np;
-            self.drop_device(v);
-        }
-        got
-    }
-
-    fn drop_device(&mut self, v: NodeId) {
-        self.emit(false, Tier::Device, &[v]);
-        let pages = self.tree.take_device(v);
-        self.stats.evicted_device_nodes += 1;
-        self.stats.evicted_device_tokens += (pages.len() * self.page_size()) as u64;
-        self.device_alloc
-            .free(&pages)
-            .expect("tree pages are allocated");
-    }
-
-    /// Frees at least `n` host pages if possible (only nodes already off device).
-    pub fn evict_host(&mut self, n: usize) -> usize {
-        let mut got = 0;
-        while got < n {
-            let Some(v) = self.tree.host_victim() else {
-                break;
-            };
-            self.tree.split_tail(v, n - got);
-            self.emit(false, Tier::Host, &[v]);
-            let pages = self.tree.take_host(v);
-            got += pages.len();
-            self.stats.evicted_host_nodes += 1;
-            self.stats.evicted_host_tokens += (pages.len() * self.page_size()) as u64;
-            self.host_alloc
-                .free(&pages)
-                .expect("tree pages are allocated");
-        }
-        got
-    }
-
-    // ---- completions -------------------------------------------------------------------
-
-    fn submit(&mut self, job: JobKind, p: Pending) -> Ticket {
-        // Splits so far belong to the copies already in flight, not to this one.
-        self.absorb_splits();
-        let t = self.next_ticket;
-        self.next_ticket += 1;
-        self.pending.insert(t, p);
-        match &self.engine {
-            Some(e) => e.submit(t, job),
-            None => {
-                let d = self.planes.run(t, &job);
-                self.complete(d);
-            }
-        }
-        Ticket(t)
-    }
-
-    pub fn is_done(&self, t: Ticket) -> bool {
-        !self.pending.contains_key(&t.0)
-    }
-
-    /// Acknowledges finished copies without blocking; returns how many.
-    pub fn poll(&mut self) -> usize {
-        let mut k = 0;
-        while let Some(d) = self.engine.as_ref().and_then(CopyEngine::try_recv) {
-            self.complete(d);
-            k += 1;
-        }
-        k
-    }
-
-    fn complete_one(&mut self) {
-        if let Some(e) = &self.engine {
-            let d = e.recv();
-            self.complete(d);
-        }
-    }
-
-    /// Blocks until `t` completes.
-    pub fn wait(&mut self, t: Ticket) {
-        while self.pending.contains_key(&t.0) {
-            self.complete_one();
-        }
-    }
-
-    /// Blocks until nothing is in flight (including L3 writes that follow backups).
-    pub fn wait_all(&mut self) {
-        while !self.pending.is_empty() {
-            self.complete_one();
-        }
-    }
-
-    /// Follows splits made since the last call into the node lists of copies in flight: a
-    /// node split while its backup or put was in flight has its head covered by the same copy.
-    fn absorb_splits(&mut self) {
-        let splits = self.tree.take_splits();
-        if splits.is_empty() || self.pending.is_empty() {
-            return;
-        }
-        for (suffix, head) in splits {
-            for p in self.pending.values_mut() {
-                match p {
-                    Pending::Backup { nodes, .. } if nodes.contains(&suffix) => {
-                        let at = nodes.iter().position(|&n| n == suffix).expect("present");
-                        nodes.insert(at, head);
-                    }
-                    Pending::Put { nodes, heads }
-                        if nodes.contains(&suffix) || heads.contains(&suffix) =>
-                    {
-                        heads.push(head);
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    fn complete(&mut self, d: Done) {
-        self.absorb_splits();
-        let p = self
-            .pending
-            .remove(&d.ticket)
-            .expect("completion for a known ticket");
-        match p {
-            Pending::LoadBack { lock, pages } => {
-                self.stats.load_back.add(pages, d.bytes, d.nanos);
-                self.tree.unlock(lock);
-            }
-            Pending::Backup {
-                lock,
-                nodes,
-                evict_after,
-            } => {
-                self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.tree.unlock(lock);
-                if evict_after {
-                    for &n in &nodes {
-                        // A request may have matched it meanwhile; then it stays on device.
-                        let v = self.tree.view(n);
-                        if v.lock_ref == 0 && !v.device.is_empty() && v.device_children == 0 {
-                            self.drop_device(n);
-                        }
-                    }
-                }
-                if self.planes.storage.is_some() {
-                    self.put_to_storage(nodes);
-                }
-            }
-            Pending::Put { nodes, heads } => {
-                self.stats
-                    .storage_put
-                    .add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.stats.storage_errors += d.errors;
-                for &n in &nodes {
-                    self.tree.host_unlock(n);
-                    if d.errors == 0 {
-                        self.tree.set_in_storage(n, true);
-                    }
-                }
-                let shared = self
-                    .planes
-                    .storage
-                    .as_ref()
-                    .is_some_and(|s| s.tier().contains("remote"));
-                if d.errors == 0 && shared {
-                    let mut all = nodes.clone();
-                    all.extend(heads.iter().copied());
-                    self.emit(true, Tier::Remote, &all);
-                }
-
-                if d.errors == 0 {
-                    for &n in &heads {
-                        if self.tree.is_live(n) {
-                            self.tree.set_in_storage(n, true);
-                        }
-                    }
-                }
-            }
-            Pending::Prefetch {
-                lock,
-                tokens,
-                host_pages,
-                skip,
-            } => {
-                self.stats
-                    .storage_get
-                    .add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.stats.storage_errors += d.errors;
-                let ok = d.pages_ok;
-                self.stats.storage_read_misses += (host_pages.len() - ok) as u64;
-                self.host_alloc
-                    .free(&host_pages[ok..])
-                    .expect("prefetch pages are held");
-                self.held_host -= host_pages.len();
-                let ps = self.page_size();
-                let ins = self.tree.insert(
-                    &tokens[..(skip + ok) * ps],
-                    &host_pages[..ok],
-                    Slot::Host,
-                    skip,
-                );
-                self.host_alloc
-                    .free(&ins.unused)
-                    .expect("prefetch pages are held");
-                for &n in &ins.filled {
-                    self.tree.set_in_storage(n, true);
-                }
-                let filled = ins.filled.clone();
-                self.emit(true, Tier::Host, &filled);
-                self.tree.unlock(lock);
-            }
-        }
-    }
-
-    fn put_to_storage(&mut self, nodes: Vec<NodeId>) {
-        let mut host_pages = Vec::new();
-        let mut hashes = Vec::new();
-        let mut locked = Vec::new();
-        for n in nodes {
-            let v = self.tree.view(n);
-            if v.in_storage || v.host.is_empty() {
-                continue;
-            }
-            host_pages.extend_from_slice(v.host);
-            hashes.extend_from_slice(v.hashes);
-            locked.push(n);
-        }
-        if locked.is_empty() {
-            return;
-        }
-        for &n in &locked {
-            self.tree.host_lock(n);
-        }
-        self.submit(
-            JobKind::Put { host_pages, hashes },
-            Pending::Put {
-                nodes: locked,
-                heads: Vec::new(),
-            },
-        );
-    }
-
     /// Checks tree invariants plus page accounting: every tree page is allocated, owned once,
     /// and allocator usage equals tree pages plus pages held by callers or in flight.
     pub fn check(&self) -> Result<(), String> {
@@ -883,6 +511,11 @@ impl TieredCache {
     }
 }
 
+mod complete;
+mod lease;
+mod movement;
+
+pub use lease::{Lease, Served};
+
 #[cfg(test)]
-#[path = "cache_tests.rs"]
 mod tests;

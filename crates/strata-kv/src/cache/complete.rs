@@ -1,0 +1,217 @@
+//! Copies in flight: submitting them, acknowledging completions (which is when pages change
+//! hands between tiers), and the L3 writes that follow backups.
+
+use crate::copy::{CopyEngine, Done, JobKind};
+use crate::tree::{NodeId, Slot};
+
+use super::{Pending, Ticket, Tier, TieredCache};
+
+impl TieredCache {
+    pub(super) fn submit(&mut self, job: JobKind, p: Pending) -> Ticket {
+        // Splits so far belong to the copies already in flight, not to this one.
+        self.absorb_splits();
+        let t = self.next_ticket;
+        self.next_ticket += 1;
+        self.pending.insert(t, p);
+        match &self.engine {
+            Some(e) => e.submit(t, job),
+            None => {
+                let d = self.planes.run(t, &job);
+                self.complete(d);
+            }
+        }
+        Ticket(t)
+    }
+
+    pub fn is_done(&self, t: Ticket) -> bool {
+        !self.pending.contains_key(&t.0)
+    }
+
+    /// Acknowledges finished copies without blocking; returns how many.
+    pub fn poll(&mut self) -> usize {
+        self.release_dropped();
+        let mut k = 0;
+        while let Some(d) = self.engine.as_ref().and_then(CopyEngine::try_recv) {
+            self.complete(d);
+            k += 1;
+        }
+        k
+    }
+
+    pub(super) fn complete_one(&mut self) {
+        if let Some(e) = &self.engine {
+            let d = e.recv();
+            self.complete(d);
+        }
+    }
+
+    /// Blocks until `t` completes.
+    pub fn wait(&mut self, t: Ticket) {
+        while self.pending.contains_key(&t.0) {
+            self.complete_one();
+        }
+    }
+
+    /// Blocks until nothing is in flight (including L3 writes that follow backups).
+    pub fn wait_all(&mut self) {
+        self.release_dropped();
+        while !self.pending.is_empty() {
+            self.complete_one();
+        }
+    }
+
+    /// Follows splits made since the last call into the node lists of copies in flight: a
+    /// node split while its backup or put was in flight has its head covered by the same copy.
+    pub(super) fn absorb_splits(&mut self) {
+        let splits = self.tree.take_splits();
+        if splits.is_empty() || self.pending.is_empty() {
+            return;
+        }
+        for (suffix, head) in splits {
+            for p in self.pending.values_mut() {
+                match p {
+                    Pending::Backup { nodes, .. } if nodes.contains(&suffix) => {
+                        let at = nodes.iter().position(|&n| n == suffix).expect("present");
+                        nodes.insert(at, head);
+                    }
+                    Pending::Put { nodes, heads }
+                        if nodes.contains(&suffix) || heads.contains(&suffix) =>
+                    {
+                        heads.push(head);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    pub(super) fn complete(&mut self, d: Done) {
+        self.absorb_splits();
+        let p = self
+            .pending
+            .remove(&d.ticket)
+            .expect("completion for a known ticket");
+        match p {
+            Pending::LoadBack { lock, pages } => {
+                self.stats
+                    .load_back
+                    .add(pages.len() as u64, d.bytes, d.nanos);
+                for p in &pages {
+                    self.loading.remove(p);
+                }
+                self.tree.unlock(lock);
+            }
+            Pending::Backup {
+                lock,
+                nodes,
+                evict_after,
+            } => {
+                self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
+                self.tree.unlock(lock);
+                if evict_after {
+                    for &n in &nodes {
+                        // A request may have matched it meanwhile; then it stays on device.
+                        let v = self.tree.view(n);
+                        if v.lock_ref == 0 && !v.device.is_empty() && v.device_children == 0 {
+                            self.drop_device(n);
+                        }
+                    }
+                }
+                if self.planes.storage.is_some() {
+                    self.put_to_storage(nodes);
+                }
+            }
+            Pending::Put { nodes, heads } => {
+                self.stats
+                    .storage_put
+                    .add(d.pages_ok as u64, d.bytes, d.nanos);
+                self.stats.storage_errors += d.errors;
+                for &n in &nodes {
+                    self.tree.host_unlock(n);
+                    if d.errors == 0 {
+                        self.tree.set_in_storage(n, true);
+                    }
+                }
+                let shared = self
+                    .planes
+                    .storage
+                    .as_ref()
+                    .is_some_and(|s| s.tier().contains("remote"));
+                if d.errors == 0 && shared {
+                    let mut all = nodes.clone();
+                    all.extend(heads.iter().copied());
+                    self.emit(true, Tier::Remote, &all);
+                }
+
+                if d.errors == 0 {
+                    for &n in &heads {
+                        if self.tree.is_live(n) {
+                            self.tree.set_in_storage(n, true);
+                        }
+                    }
+                }
+            }
+            Pending::Prefetch {
+                lock,
+                tokens,
+                host_pages,
+                skip,
+            } => {
+                self.stats
+                    .storage_get
+                    .add(d.pages_ok as u64, d.bytes, d.nanos);
+                self.stats.storage_errors += d.errors;
+                let ok = d.pages_ok;
+                self.stats.storage_read_misses += (host_pages.len() - ok) as u64;
+                self.host_alloc
+                    .free(&host_pages[ok..])
+                    .expect("prefetch pages are held");
+                self.held_host -= host_pages.len();
+                let ps = self.page_size();
+                let ins = self.tree.insert(
+                    &tokens[..(skip + ok) * ps],
+                    &host_pages[..ok],
+                    Slot::Host,
+                    skip,
+                );
+                self.host_alloc
+                    .free(&ins.unused)
+                    .expect("prefetch pages are held");
+                for &n in &ins.filled {
+                    self.tree.set_in_storage(n, true);
+                }
+                let filled = ins.filled.clone();
+                self.emit(true, Tier::Host, &filled);
+                self.tree.unlock(lock);
+            }
+        }
+    }
+
+    pub(super) fn put_to_storage(&mut self, nodes: Vec<NodeId>) {
+        let mut host_pages = Vec::new();
+        let mut hashes = Vec::new();
+        let mut locked = Vec::new();
+        for n in nodes {
+            let v = self.tree.view(n);
+            if v.in_storage || v.host.is_empty() {
+                continue;
+            }
+            host_pages.extend_from_slice(v.host);
+            hashes.extend_from_slice(v.hashes);
+            locked.push(n);
+        }
+        if locked.is_empty() {
+            return;
+        }
+        for &n in &locked {
+            self.tree.host_lock(n);
+        }
+        self.submit(
+            JobKind::Put { host_pages, hashes },
+            Pending::Put {
+                nodes: locked,
+                heads: Vec::new(),
+            },
+        );
+    }
+}

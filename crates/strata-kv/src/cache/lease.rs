@@ -1,0 +1,445 @@
+//! A request's hold on the cache: the [`Lease`].
+//!
+//! One lease per request, from admission to the end. It owns everything the request holds:
+//! the lock on its matched prefix, the device pages reserved for its tokens, the tickets of
+//! the L3 prefetch and host → device load-back serving its prefix, and the page arithmetic
+//! that turns those into the request's page list (surplus reservation handed back, the last
+//! prompt page copied on write). The caller sees page numbers and token counts only, never a
+//! tree node.
+//!
+//! Lifecycle: [`TieredCache::admit`] (or [`TieredCache::admit_computed`] for K/V computed
+//! elsewhere) → [`TieredCache::advance`] until [`Lease::is_ready`] → compute into
+//! [`Lease::pages`] from [`Lease::start`] → [`TieredCache::commit`] (whole pages join the tree)
+//! or [`TieredCache::release`]. A lease dropped without either is released at the cache's
+//! next `poll`, `admit` or `wait_all`: nothing leaks.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::hash::PageHash;
+use crate::policy::PrefetchPolicy;
+use crate::tree::{NodeId, ROOT};
+
+use super::{CacheMatch, Ticket, TieredCache};
+
+/// Prompt tokens served from each tier (whose K/V were not computed for this request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    pub device: usize,
+    pub host: usize,
+    /// Prefetched from L3 for this request.
+    pub storage: usize,
+}
+
+impl Served {
+    pub fn total(&self) -> usize {
+        self.device + self.host + self.storage
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    /// L3 → host copy in flight (waited for until the deadline, if any), for these prompt
+    /// tokens; then load-back.
+    Prefetch(Ticket, Option<Instant>, Vec<u32>),
+    /// Host → device copy in flight.
+    Loading(Option<Ticket>),
+    Ready,
+}
+
+/// What a lease holds; moved to the cache's release queue if the lease is dropped.
+#[derive(Debug)]
+pub(super) struct Held {
+    prompt_len: usize,
+    /// Tokens reserved: prompt + new tokens.
+    reserve_tokens: usize,
+    /// Deepest tree node of the prefix in use (locked; ROOT if none).
+    lock: NodeId,
+    matched: CacheMatch,
+    phase: Phase,
+    /// Before ready: the reservation. Ready: the prefix's pages (tree-owned) then the own.
+    pages: Vec<u32>,
+    prefix_pages: usize,
+    /// Positions whose K/V are in `pages` once ready.
+    start: usize,
+    served: Served,
+}
+
+impl Held {
+    fn own(&self) -> &[u32] {
+        &self.pages[self.prefix_pages..]
+    }
+}
+
+/// Leases dropped without a commit or release, waiting for the cache to release them.
+pub(super) type DropQueue = Arc<Mutex<Vec<Held>>>;
+
+/// A request's locks, reserved pages and copies in flight; see the module docs.
+#[derive(Debug)]
+pub struct Lease {
+    held: Option<Held>,
+    dropped: DropQueue,
+}
+
+impl Lease {
+    fn held(&self) -> &Held {
+        self.held.as_ref().expect("a lease holds until consumed")
+    }
+
+    /// Its prefix is on device and its pages are in position order: compute may start.
+    pub fn is_ready(&self) -> bool {
+        self.held().phase == Phase::Ready
+    }
+
+    /// Device pages in position order (prefix then own); final once ready.
+    pub fn pages(&self) -> &[u32] {
+        &self.held().pages
+    }
+
+    /// Positions whose K/V the pages already hold (meaningful once ready).
+    pub fn start(&self) -> usize {
+        self.held().start
+    }
+
+    /// Prompt tokens served per tier (final once ready).
+    pub fn served(&self) -> Served {
+        self.held().served
+    }
+
+    /// Device pages the request holds itself (not the tree's).
+    pub fn own_pages(&self) -> usize {
+        self.held().own().len()
+    }
+
+    /// Waiting for an L3 prefetch.
+    pub fn prefetching(&self) -> bool {
+        matches!(self.held().phase, Phase::Prefetch(..))
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(h) = self.held.take() {
+            self.dropped.lock().expect("drop queue lock").push(h);
+        }
+    }
+}
+
+impl TieredCache {
+    /// Admits a request: matches `prompt` (unless `use_prefix` is false), locks the match,
+    /// reserves device pages for `prompt + new_tokens` tokens (the worst case: nothing loaded
+    /// back), records the match's statistics, and starts the L3 prefetch and the load-back.
+    /// None when the pages cannot be reserved now (nothing is held or counted then).
+    pub fn admit(
+        &mut self,
+        prompt: &[u32],
+        new_tokens: usize,
+        use_prefix: bool,
+        prefetch: PrefetchPolicy,
+    ) -> Option<Lease> {
+        assert!(
+            !prompt.is_empty(),
+            "a request has at least one prompt token"
+        );
+        self.release_dropped();
+        let ps = self.page_size();
+        let m = if use_prefix {
+            self.lookup(prompt)
+        } else {
+            CacheMatch {
+                queried_tokens: prompt.len(),
+                last: ROOT,
+                ..CacheMatch::default()
+            }
+        };
+        self.tree.lock(m.last);
+        // The last prompt token is always computed (its logits give the first token): at
+        // most the pages before it are used as they are.
+        let dev_pages = (m.device_tokens / ps).min((prompt.len() - 1) / ps);
+        let reserve_tokens = prompt.len() + new_tokens;
+        let total = reserve_tokens.div_ceil(ps);
+        let Some(own) = self.alloc_device(total - dev_pages) else {
+            self.tree.unlock(m.last);
+            return None;
+        };
+        self.record(&m);
+        let mut phase = Phase::Loading(None);
+        if m.storage_tokens > 0 {
+            if let Some(t) = self.prefetch(prompt, &m) {
+                let deadline = match prefetch {
+                    PrefetchPolicy::WaitComplete => None,
+                    PrefetchPolicy::BestEffort => Some(Instant::now()),
+                    PrefetchPolicy::Timeout { per_token } => {
+                        Some(Instant::now() + per_token * m.storage_tokens as u32)
+                    }
+                };
+                phase = Phase::Prefetch(t, deadline, prompt.to_vec());
+            }
+        }
+        let mut held = Held {
+            prompt_len: prompt.len(),
+            reserve_tokens,
+            lock: m.last,
+            matched: m,
+            phase,
+            pages: own,
+            prefix_pages: 0,
+            start: 0,
+            served: Served::default(),
+        };
+        if held.phase == Phase::Loading(None) {
+            self.start_load_back(&mut held);
+        }
+        Some(self.lease(held))
+    }
+
+    /// Admits a request whose prompt K/V were computed elsewhere (a prefill worker): reserves
+    /// pages for `prompt_len + new_tokens` tokens and writes `blobs` (one per prompt page, in
+    /// the host layout) into them. The lease is ready with every prompt position computed.
+    /// None when the pages cannot be reserved now.
+    pub fn admit_computed(
+        &mut self,
+        prompt_len: usize,
+        new_tokens: usize,
+        blobs: &[Vec<u8>],
+    ) -> Option<Lease> {
+        self.release_dropped();
+        let reserve_tokens = prompt_len + new_tokens;
+        let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
+        if let Some(pool) = self.device_pool() {
+            for (blob, &page) in blobs.iter().zip(&pages) {
+                pool.write_page_host_layout(page, blob);
+            }
+        }
+        let held = Held {
+            prompt_len,
+            reserve_tokens,
+            lock: ROOT,
+            matched: CacheMatch::default(),
+            phase: Phase::Ready,
+            pages,
+            prefix_pages: 0,
+            start: prompt_len,
+            served: Served::default(),
+        };
+        Some(self.lease(held))
+    }
+
+    fn lease(&mut self, held: Held) -> Lease {
+        Lease {
+            held: Some(held),
+            dropped: self.dropped.clone(),
+        }
+    }
+
+    /// Moves a lease forward as its copies land (prefetched → loading back → ready). True
+    /// once it is ready.
+    pub fn advance(&mut self, lease: &mut Lease) -> bool {
+        let h = lease.held.as_mut().expect("a lease holds until consumed");
+        match &h.phase {
+            Phase::Ready => return true,
+            Phase::Prefetch(t, deadline, _)
+                if self.is_done(*t) || deadline.is_some_and(|d| Instant::now() >= d) =>
+            {
+                self.after_prefetch(h);
+            }
+            Phase::Loading(t) if t.is_none_or(|t| self.is_done(t)) && self.prefix_landed(h) => {
+                self.make_ready(h)
+            }
+            _ => {}
+        }
+        h.phase == Phase::Ready
+    }
+
+    /// The prefetched pages joined the tree as host nodes: match again and load them back.
+    fn after_prefetch(&mut self, h: &mut Held) {
+        let ps = self.page_size();
+        let Phase::Prefetch(_, _, prompt) = std::mem::replace(&mut h.phase, Phase::Loading(None))
+        else {
+            unreachable!("called in the prefetch phase")
+        };
+        // The tree alone: L3 was asked at admission.
+        let tm = self.tree.match_prefix(&prompt);
+        let m = CacheMatch {
+            queried_tokens: prompt.len(),
+            device_tokens: tm.device_tokens,
+            host_tokens: tm.host_tokens,
+            last: tm.last,
+            path: tm.path,
+            ..CacheMatch::default()
+        };
+        self.tree.lock(m.last);
+        self.tree.unlock(h.lock);
+        h.lock = m.last;
+        let tree_pages = (m.device_tokens + m.host_tokens) / ps;
+        let before = (h.matched.device_tokens + h.matched.host_tokens) / ps;
+        h.served.storage = tree_pages.saturating_sub(before) * ps;
+        // Host tokens now include the prefetched ones.
+        h.matched = m;
+        self.start_load_back(h);
+    }
+
+    /// Starts copying the host-only part of the lease's match to the device.
+    fn start_load_back(&mut self, h: &mut Held) {
+        let ps = self.page_size();
+        let m = &h.matched;
+        // Loaded pages the request will use in place of reserved ones (see `make_ready`).
+        let usable = (h.prompt_len - 1) / ps;
+        let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
+        let mut ticket = None;
+        if host_pages > 0 {
+            // Those positions will come from the tree: hand the reserved pages back first, so
+            // the load-back can land in them. (Freed after it, a pool sized for one long
+            // request would need room for it twice, and long prompts would be recomputed.)
+            let surplus: Vec<u32> = h.pages.drain(..host_pages).collect();
+            self.free_device(&surplus).expect("reserved pages are held");
+            match self.load_back(&h.matched) {
+                Some(t) => ticket = Some(t),
+                None => {
+                    // Not loaded (no room): take the reservation back; a failed load-back
+                    // allocates nothing, so the pages just freed are still free.
+                    let back = self
+                        .alloc_device(host_pages)
+                        .expect("the pages just freed are free");
+                    h.pages.splice(0..0, back);
+                }
+            }
+        }
+        h.phase = Phase::Loading(ticket);
+    }
+
+    /// No page of the lease's prefix is still being written by a load-back (another request's
+    /// may have put it on device, with its copy still in flight).
+    fn prefix_landed(&self, h: &Held) -> bool {
+        if self.loading.is_empty() {
+            return true;
+        }
+        self.tree.path_to(h.lock).into_iter().all(|n| {
+            let v = self.tree.view(n);
+            !v.device.iter().any(|p| self.loading.contains(p))
+        })
+    }
+
+    /// The prefix is on device: lay out the request's pages in position order.
+    fn make_ready(&mut self, h: &mut Held) {
+        let ps = self.page_size();
+        let m = &h.matched;
+        // Prefix device pages along the path, root first. The path is read again from the
+        // locked node: nodes on it may have been split since the match (an insert diverging
+        // inside one), and a split node keeps its id for the suffix.
+        let mut prefix = Vec::new();
+        for n in self.tree.path_to(h.lock) {
+            let v = self.tree.view(n);
+            if v.device.is_empty() {
+                break;
+            }
+            prefix.extend_from_slice(v.device);
+        }
+        // Pages used as they are: those before the last prompt token's page.
+        let keep = (h.prompt_len - 1) / ps;
+        // A page-aligned prompt matched in full: its last page also holds the last token,
+        // which is computed again. Copy the page (copy-on-write: the tree's page stays
+        // untouched) and compute only that token.
+        let cow = prefix.get(keep).copied();
+        prefix.truncate(keep);
+        // Pages not loaded (no room) are computed into the reserved pages.
+        let own_needed = h.reserve_tokens.div_ceil(ps) - prefix.len();
+        if h.pages.len() > own_needed {
+            let extra: Vec<u32> = h.pages.drain(own_needed..).collect();
+            self.free_device(&extra).expect("reserved pages are held");
+        }
+        h.prefix_pages = prefix.len();
+        h.start = h.prefix_pages * ps;
+        if let Some(src) = cow {
+            if let Some(pool) = self.device_pool() {
+                pool.copy_page(src, h.pages[0]);
+            }
+            h.start = h.prompt_len - 1;
+        }
+        prefix.append(&mut h.pages);
+        h.pages = prefix;
+        let dev = m.device_tokens.min(h.start);
+        let storage = h.served.storage.min(h.start - dev);
+        h.served = Served {
+            device: dev,
+            host: h.start - dev - storage,
+            storage,
+        };
+        h.phase = Phase::Ready;
+    }
+
+    /// Ends a request that computed `tokens[..computed]` into its pages: the whole pages join
+    /// the tree (backed up per the write policy); everything else returns to the pool. A lease
+    /// that is not ready is released.
+    pub fn commit(&mut self, mut lease: Lease, tokens: &[u32], computed: usize) {
+        let h = lease.held.take().expect("a lease holds until consumed");
+        if h.phase != Phase::Ready {
+            return self.release_held(h);
+        }
+        let ps = self.page_size();
+        let computed = computed.min(tokens.len());
+        let whole = (computed / ps).max(h.prefix_pages);
+        let give = whole - h.prefix_pages;
+        let own = h.own();
+        self.insert(&tokens[..whole * ps], &own[..give], h.prefix_pages);
+        self.free_device(&own[give..])
+            .expect("request pages are held");
+        self.tree.unlock(h.lock);
+    }
+
+    /// Ends a request without caching anything it computed.
+    pub fn release(&mut self, mut lease: Lease) {
+        let h = lease.held.take().expect("a lease holds until consumed");
+        self.release_held(h);
+    }
+
+    fn release_held(&mut self, h: Held) {
+        if let Phase::Prefetch(t, _, _) | Phase::Loading(Some(t)) = h.phase {
+            // The copy writes into pages the tree owns; let it land before unlocking.
+            self.wait(t);
+        }
+        self.free_device(h.own()).expect("request pages are held");
+        self.tree.unlock(h.lock);
+    }
+
+    /// Releases leases dropped without a commit or release.
+    pub(super) fn release_dropped(&mut self) {
+        let dropped = std::mem::take(&mut *self.dropped.lock().expect("drop queue lock"));
+        for h in dropped {
+            self.release_held(h);
+        }
+    }
+
+    /// The first `pages` pages of a ready lease, each in the host layout (PD export), with
+    /// the chained hash of each whole page of `prompt` (zero for a partial last page, and all
+    /// zero when the cache computes no hashes).
+    pub fn export(&self, lease: &Lease, prompt: &[u32]) -> (Vec<Vec<u8>>, Vec<PageHash>) {
+        let ps = self.page_size();
+        let n = prompt.len().div_ceil(ps);
+        let mut blobs = Vec::with_capacity(n);
+        if let Some(pool) = self.device_pool() {
+            for &page in &lease.pages()[..n] {
+                let mut blob = vec![0u8; self.layout.page_bytes()];
+                pool.read_page_host_layout(page, &mut blob);
+                blobs.push(blob);
+            }
+        }
+        let mut hashes = self.page_hashes(prompt);
+        hashes.resize(n, PageHash([0; 16]));
+        (blobs, hashes)
+    }
+
+    /// Chained hashes of the whole pages of `tokens` from the root (empty when the cache
+    /// computes no hashes).
+    pub fn page_hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
+        match self.tree.namespace() {
+            Some(ns) => ns.chain(PageHash::ROOT, tokens, self.page_size()),
+            None => Vec::new(),
+        }
+    }
+
+    /// The key of the page-hash namespace (None when the cache computes no hashes).
+    pub fn hash_key(&self) -> Option<[u8; 32]> {
+        self.tree.namespace().map(|n| n.key())
+    }
+}

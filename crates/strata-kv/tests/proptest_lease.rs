@@ -1,0 +1,243 @@
+//! The request lease's lifecycle under random interleavings (no model): admit, advance as
+//! copies land, compute into the lease's pages, commit, release or drop — several leases at
+//! once, with evictions, polls and every write policy, with and without L3.
+//!
+//! Checked after every step: the cache's page accounting (`check`); a ready lease's pages
+//! before its start position hold exactly the K/V of the prompt's pages (the prefix it was
+//! handed, copy-on-write page included); and at the end, with every lease gone, no page is
+//! held by anyone but the tree and every cached page holds the right bytes.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use strata_kv::memory::HeapAllocator;
+use strata_kv::storage::{MemoryStorage, Storage};
+use strata_kv::testing::{expected_chunk, verify_tree_bytes, write_expected_page};
+use strata_kv::{
+    CacheConfig, EvictionPolicy, Lease, PageLayout, PoolKind, PrefetchPolicy, Slot, TieredCache,
+    WritePolicy,
+};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Admit(u8, u8, u8),
+    Advance(u8),
+    Commit(u8),
+    Release(u8),
+    Drop(u8),
+    EvictDevice(u8),
+    EvictHost(u8),
+    Poll,
+    WaitAll,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..6, 1u8..40, 1u8..8).prop_map(|(s, l, n)| Op::Admit(s, l, n)),
+        4 => any::<u8>().prop_map(Op::Advance),
+        3 => any::<u8>().prop_map(Op::Commit),
+        1 => any::<u8>().prop_map(Op::Release),
+        1 => any::<u8>().prop_map(Op::Drop),
+        1 => (1u8..12).prop_map(Op::EvictDevice),
+        1 => (1u8..12).prop_map(Op::EvictHost),
+        1 => Just(Op::Poll),
+        1 => Just(Op::WaitAll),
+    ]
+}
+
+/// Prompts share prefixes by group so nodes split and share.
+fn tokens(s: u8, len: u8) -> Vec<u32> {
+    let g = (s % 2) as u32;
+    (0..len as u32)
+        .map(|i| {
+            if i < 12 {
+                g * 100 + i
+            } else {
+                10_000 + s as u32 * 100 + i
+            }
+        })
+        .collect()
+}
+
+struct Live {
+    lease: Lease,
+    prompt: Vec<u32>,
+    new: usize,
+}
+
+struct World {
+    cache: TieredCache,
+    ps: usize,
+    live: Vec<Live>,
+}
+
+impl World {
+    fn pick(&self, i: u8) -> Option<usize> {
+        (!self.live.is_empty()).then(|| i as usize % self.live.len())
+    }
+
+    /// The pages before a ready lease's start hold the prompt's K/V.
+    fn check_prefix(&self, l: &Live) {
+        let dev = self.cache.device_pool().unwrap();
+        let layout = dev.layout();
+        let hashes = self.cache.page_hashes(&l.prompt);
+        // A partial page before the start is the copy-on-write of a whole prompt page.
+        let whole = l.lease.start().div_ceil(self.ps).min(hashes.len());
+        for (i, &page) in l.lease.pages()[..whole].iter().enumerate() {
+            for (ci, c) in layout.chunks().iter().enumerate() {
+                let mut got = vec![0; c.bytes];
+                dev.read_chunk(c.kind, c.layer, c.plane, page, &mut got);
+                assert_eq!(
+                    got,
+                    expected_chunk(&hashes[i], ci, c.bytes),
+                    "prefix page {i}"
+                );
+            }
+        }
+    }
+
+    /// Computes the rest of the prompt and the new tokens into the lease's own pages, then
+    /// commits the whole pages.
+    fn commit(&mut self, l: Live) {
+        if !l.lease.is_ready() {
+            self.cache.release(l.lease);
+            return;
+        }
+        self.check_prefix(&l);
+        // Outputs are a function of the prompt (the same prompt → the same answer).
+        let mut all = l.prompt.clone();
+        all.extend((0..l.new as u32).map(|i| 50_000 + l.prompt.len() as u32 * 10 + i));
+        let computed = all.len() - 1;
+        let hashes = self.cache.page_hashes(&all[..computed]);
+        let dev = self.cache.device_pool().unwrap();
+        let first = l.lease.start() / self.ps;
+        for (i, h) in hashes.iter().enumerate().skip(first) {
+            write_expected_page(dev, l.lease.pages()[i], h);
+        }
+        self.cache.commit(l.lease, &all, computed);
+    }
+
+    fn step(&mut self, op: &Op) {
+        match *op {
+            Op::Admit(s, len, new) => {
+                let prompt = tokens(s, len);
+                let new = new as usize;
+                let p = PrefetchPolicy::WaitComplete;
+                if let Some(lease) = self.cache.admit(&prompt, new, true, p) {
+                    assert!(lease.own_pages() >= 1);
+                    self.live.push(Live { lease, prompt, new });
+                }
+            }
+            Op::Advance(i) => {
+                if let Some(i) = self.pick(i) {
+                    if self.cache.advance(&mut self.live[i].lease) {
+                        let l = &self.live[i];
+                        assert!(
+                            l.lease.start() < l.prompt.len(),
+                            "the last token is computed"
+                        );
+                        let need = (l.prompt.len() + l.new).div_ceil(self.ps);
+                        assert_eq!(l.lease.pages().len(), need, "pages for every position");
+                        self.check_prefix(l);
+                    }
+                }
+            }
+            Op::Commit(i) => {
+                if let Some(i) = self.pick(i) {
+                    let l = self.live.swap_remove(i);
+                    self.commit(l);
+                }
+            }
+            Op::Release(i) => {
+                if let Some(i) = self.pick(i) {
+                    let l = self.live.swap_remove(i);
+                    self.cache.release(l.lease);
+                }
+            }
+            Op::Drop(i) => {
+                if let Some(i) = self.pick(i) {
+                    drop(self.live.swap_remove(i));
+                }
+            }
+            Op::EvictDevice(n) => {
+                self.cache.evict_device(n as usize);
+            }
+            Op::EvictHost(n) => {
+                self.cache.evict_host(n as usize);
+            }
+            Op::Poll => {
+                self.cache.poll();
+            }
+            Op::WaitAll => self.cache.wait_all(),
+        }
+        self.cache.check().unwrap();
+    }
+}
+
+fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool) -> World {
+    let layout = PageLayout::new(
+        ps,
+        vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("idx", 1, 3)],
+    )
+    .unwrap();
+    let mut cfg = CacheConfig::new(layout, 96 / ps as u32 + 8, 64 / ps as u32 + 4);
+    cfg.write_policy = wp;
+    cfg.eviction = ev;
+    cfg.hashing = true;
+    cfg.copy_threads = 2;
+    let storage: Option<Arc<dyn Storage>> =
+        l3.then(|| Arc::new(MemoryStorage::new(u64::MAX, 40)) as Arc<dyn Storage>);
+    World {
+        cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(),
+        ps,
+        live: Vec::new(),
+    }
+}
+
+fn policy() -> impl Strategy<Value = WritePolicy> {
+    prop_oneof![
+        Just(WritePolicy::WriteThrough),
+        Just(WritePolicy::WriteBack),
+        (1u32..3).prop_map(|threshold| WritePolicy::WriteThroughSelective { threshold }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn leases_hold_the_right_pages_and_release_everything(
+        ps in prop_oneof![Just(1usize), Just(2), Just(4)],
+        wp in policy(),
+        gdsf in any::<bool>(),
+        l3 in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let ev = if gdsf { EvictionPolicy::Gdsf } else { EvictionPolicy::Lru };
+        let mut w = world(ps, wp, ev, l3);
+        for op in &ops {
+            w.step(op);
+        }
+        // Half the survivors are released, half dropped: both give everything back.
+        for (k, l) in std::mem::take(&mut w.live).into_iter().enumerate() {
+            if k % 2 == 0 {
+                w.cache.release(l.lease);
+            } else {
+                drop(l);
+            }
+        }
+        w.cache.wait_all();
+        w.cache.check().unwrap();
+        verify_tree_bytes(&w.cache);
+        let tree_pages = w.cache.tree().pages_in(Slot::Device) as u64;
+        prop_assert_eq!(w.cache.device_usage().pages_used, tree_pages, "pages held outside the tree");
+        // With every lease gone everything is evictable: no lock leaked.
+        while w.cache.evict_device(usize::MAX / 2) > 0 {
+            w.cache.wait_all();
+        }
+        w.cache.evict_host(usize::MAX / 2);
+        prop_assert_eq!(w.cache.device_usage().pages_used, 0);
+        prop_assert_eq!(w.cache.host_usage().pages_used, 0);
+        prop_assert_eq!(w.cache.tree().node_count(), 1);
+    }
+}
