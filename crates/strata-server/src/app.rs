@@ -1,9 +1,8 @@
 //! Routes, shared state, and the serve loop with graceful shutdown.
 
 use std::future::Future;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -12,105 +11,19 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use strata_engine::{EngineHandle, SamplingParams};
-use strata_model::{ChatTemplate, ModelTokenizer};
+use strata_engine::SamplingParams;
 use tokio::net::TcpListener;
 
 use crate::api::{ChatRequest, CompletionRequest, Prompt, Sampling};
+pub use crate::body::{body_bytes, method_not_allowed, not_found, parse, parse_json};
 use crate::error::ApiError;
 pub use crate::internal::watch_engine;
 use crate::internal::{
     cache_events, cache_info, cache_snapshot, flush_cache, health, health_generate,
 };
-use crate::respond::{engine_error, first_event, stream_response, whole_response, Job, Kind};
-
-/// Header by which the router names the prefill worker of a request sent to a decode worker.
-pub const PREFILL_HEADER: &str = "x-strata-prefill";
-
-/// What every handler shares.
-pub struct AppState {
-    pub engine: EngineHandle,
-    pub tokenizer: Arc<ModelTokenizer>,
-    pub template: Option<Arc<ChatTemplate>>,
-    /// The name `/v1/models` lists and requests may give as `model`.
-    pub model_name: String,
-    /// Bearer token for admin endpoints (`/flush_cache`); None: open.
-    pub admin_key: Option<String>,
-    /// `max_tokens` when a request gives none (capped by the context and the pool).
-    pub default_max_tokens: usize,
-    /// Largest accepted request body in bytes.
-    pub body_limit: usize,
-    pub created: u64,
-    /// This worker's KV listener (decode role): where prefill workers send K/V.
-    pub kv: Option<Arc<crate::pd::KvInbox>>,
-    /// How long a KV transfer may take, end to end.
-    pub kv_deadline: Duration,
-    /// Client for calls to prefill workers.
-    pub http: reqwest::Client,
-    pub transfers_sent: AtomicU64,
-    pub transfer_bytes_sent: AtomicU64,
-    pub transfer_failures: AtomicU64,
-    pub transfer_nanos_sent: AtomicU64,
-    /// Latencies and outcomes the HTTP layer measures.
-    pub metrics: crate::metrics::ServerMetrics,
-    /// The memory plan, exported as gauges.
-    pub plan: Option<crate::metrics::PlanGauges>,
-    /// prefill, decode, both or server (a label of strata_build_info).
-    pub role: String,
-    /// Name of the L3 tier in metrics (`disk`, `remote`).
-    pub storage_tier: String,
-    /// Bounds CPU work done for requests outside the engine (tokenizing, template
-    /// rendering): it runs on blocking threads, this many at once, never on the async
-    /// workers that answer `/health`.
-    pub cpu_gate: Arc<tokio::sync::Semaphore>,
-    /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
-    /// they hold it. None: this worker listens on loopback only.
-    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
-    /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
-    pub prefill_workers: Vec<String>,
-    /// Cluster-call nonces seen (replays are refused).
-    pub replay: crate::auth::ReplayGuard,
-    /// The PD prefill work this worker does for decode workers.
-    pub pd_prefill: crate::metrics::PdPrefillMetrics,
-}
-
-impl AppState {
-    pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, model_name: String) -> Self {
-        AppState {
-            engine,
-            tokenizer,
-            template: None,
-            model_name,
-            admin_key: None,
-            default_max_tokens: 1024,
-            body_limit: 4 << 20,
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            kv: None,
-            kv_deadline: Duration::from_secs(30),
-            http: reqwest::Client::new(),
-            transfers_sent: AtomicU64::new(0),
-            transfer_bytes_sent: AtomicU64::new(0),
-            transfer_failures: AtomicU64::new(0),
-            transfer_nanos_sent: AtomicU64::new(0),
-            metrics: crate::metrics::ServerMetrics::default(),
-            plan: None,
-            role: "server".into(),
-            storage_tier: "disk".into(),
-            // One core fewer than the machine has (at least one): the async workers always
-            // find a core free.
-            cpu_gate: cpu_gate(),
-            cluster_key: None,
-            prefill_workers: Vec::new(),
-            replay: crate::auth::ReplayGuard::default(),
-            pd_prefill: Default::default(),
-        }
-    }
-}
+use crate::respond::{first_event, stream_response, whole_response, Job, Kind};
+pub use crate::state::{cpu_gate, off_async, AppState, PREFILL_HEADER};
 
 type St = State<Arc<AppState>>;
 
@@ -194,108 +107,9 @@ async fn metrics(State(st): St) -> Response {
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        crate::metrics::worker(&st),
+        crate::exposition::worker(&st),
     )
         .into_response()
-}
-
-pub async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "not_found_error",
-        format!("no route {}", uri.path()),
-    )
-}
-
-pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request_error",
-        format!("{} is not allowed on {}", method, uri.path()),
-    )
-}
-
-/// Runs CPU work for a request (tokenizing, rendering) on a blocking thread, at most
-/// `cpu_gate` at once, so the async workers keep answering (`/health` within milliseconds
-/// while megabyte prompts are tokenized).
-pub async fn off_async<T: Send + 'static>(
-    st: &Arc<AppState>,
-    f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    // The permit moves into the blocking task: a client that goes away does not free its
-    // place while its tokenization still runs.
-    let permit = st
-        .cpu_gate
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| engine_error("the server is closing"))?;
-    let st = st.clone();
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        f(&st)
-    })
-    .await
-    .map_err(|e| engine_error(&format!("request preparation failed: {e}")))?
-}
-
-/// A gate of one core fewer than the machine has (at least one): the async workers always
-/// find a core free.
-pub fn cpu_gate() -> Arc<tokio::sync::Semaphore> {
-    Arc::new(tokio::sync::Semaphore::new(
-        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
-    ))
-}
-
-pub fn parse<T: DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-    limit: usize,
-) -> Result<T, ApiError> {
-    parse_json(&body_bytes(body, limit)?)
-}
-
-/// The body's bytes, or a JSON 413 / 400.
-pub fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!("the request body exceeds the limit of {limit} bytes"),
-            )
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
-        }
-    })
-}
-
-/// A JSON body; the error names the field at fault.
-pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let param = if path != "." {
-            Some(path)
-        } else {
-            failing_sampling_field(bytes)
-        };
-        ApiError::bad_request(
-            format!("invalid request body: {}", e.inner()),
-            param.as_deref(),
-        )
-    })
-}
-
-/// serde loses the path of an error inside a flattened struct (the sampling fields): the
-/// field that fails on its own is the one to name.
-fn failing_sampling_field(bytes: &[u8]) -> Option<String> {
-    let v: Value = serde_json::from_slice(bytes).ok()?;
-    v.as_object()?
-        .iter()
-        .find(|(k, val)| {
-            serde_json::from_value::<crate::api::Sampling>(json!({ k.as_str(): val })).is_err()
-        })
-        .map(|(k, _)| k.clone())
 }
 
 fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {

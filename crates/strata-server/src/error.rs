@@ -152,6 +152,15 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A 500 for a request the engine failed.
+pub fn engine_error(msg: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        format!("generation failed: {msg}"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

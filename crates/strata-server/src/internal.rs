@@ -14,9 +14,9 @@ use strata_engine::{EngineHandle, EngineHealth, Event, FinishReason, FlushScope,
 
 use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Hex, Tier, WireEvent};
 
-use crate::app::AppState;
+use crate::error::engine_error;
 use crate::error::ApiError;
-use crate::respond::engine_error;
+use crate::state::AppState;
 
 type St = State<Arc<AppState>>;
 

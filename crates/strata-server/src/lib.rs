@@ -13,16 +13,16 @@
 pub mod api;
 pub mod app;
 pub mod auth;
-pub mod cache_index;
-pub mod dashboard;
+pub mod body;
 pub mod error;
+pub mod exposition;
 mod internal;
 pub mod kv_inbox;
 pub mod metrics;
 pub mod pd;
 pub mod prompt;
 mod respond;
-pub mod router;
+pub mod state;
 pub mod text;
 
 pub use app::{router, AppState};

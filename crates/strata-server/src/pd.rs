@@ -18,9 +18,9 @@ use axum::Json;
 use strata_engine::transfer::{self, OutPage};
 use strata_engine::{CachedTokens, Event, FinishReason, SamplingParams};
 
-use crate::app::AppState;
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
+use crate::state::AppState;
 
 pub use strata_protocol::{PrefillRequest, PrefillResponse};
 
@@ -62,7 +62,7 @@ pub async fn prefill(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<PrefillResponse>, ApiError> {
     let arrived = std::time::Instant::now();
-    let bytes = crate::app::body_bytes(body, st.body_limit)?;
+    let bytes = crate::body::body_bytes(body, st.body_limit)?;
     if let Some(k) = &st.cluster_key {
         crate::auth::verify(k, &st.replay, &headers, &prefill_call(&bytes))
             .map_err(|e| crate::auth::unauthorized(&e))?;
@@ -82,7 +82,7 @@ async fn prefill_work(
     bytes: &[u8],
     arrived: std::time::Instant,
 ) -> Result<Json<PrefillResponse>, ApiError> {
-    let req: PrefillRequest = crate::app::parse_json(bytes)?;
+    let req: PrefillRequest = crate::body::parse_json(bytes)?;
     let id = strata_kv::auth::unhex(&req.transfer_id)
         .filter(|b| b.len() == 16)
         .map(|b| u128::from_le_bytes(b.try_into().expect("16 bytes")))
@@ -234,7 +234,7 @@ pub fn check_prefill_header(
         crate::auth::verify(k, &st.replay, headers, &call).map_err(|e| {
             crate::auth::unauthorized(&format!(
                 "{} is honoured only from the router ({e})",
-                crate::app::PREFILL_HEADER
+                crate::state::PREFILL_HEADER
             ))
         })?;
     }
@@ -247,7 +247,7 @@ pub fn check_prefill_header(
         return Err(ApiError::bad_request(
             format!(
                 "{} names no prefill worker this decode worker is configured with (--prefill-worker)",
-                crate::app::PREFILL_HEADER
+                crate::state::PREFILL_HEADER
             ),
             None,
         ));

@@ -3,7 +3,6 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,8 +12,8 @@ use strata_engine::request::CachedTokens;
 use strata_engine::{Event, FinishReason, RequestStream};
 
 use crate::api::Usage;
-use crate::app::AppState;
-use crate::error::ApiError;
+use crate::error::{engine_error, ApiError};
+use crate::state::AppState;
 use crate::text::TextStream;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -79,14 +78,6 @@ pub(crate) fn finish_name(r: &FinishReason, stopped_by_string: bool) -> &'static
         FinishReason::Aborted | FinishReason::QueueTimeout { .. } => "abort",
         FinishReason::Error(_) => "error",
     }
-}
-
-pub(crate) fn engine_error(msg: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "server_error",
-        format!("generation failed: {msg}"),
-    )
 }
 
 pub(crate) async fn whole_response(

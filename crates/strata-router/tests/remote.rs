@@ -8,15 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_engine::{Engine, EngineConfig};
-use strata_kv::memory::HeapAllocator;
 use strata_kv::storage::Storage;
-use strata_kv::{CacheConfig, PageLayout, TieredCache};
-use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
-use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_model::tiny::TINY_TEMPLATE;
+use strata_model::{ChatTemplate, Gguf, ModelTokenizer};
 use strata_redis::{RedisConfig, RedisStorage};
-use strata_server::app::serve;
-use strata_server::AppState;
+use strata_test_support::{spawn_worker, tiny_model, TestWorker, WorkerSpec};
 
 struct Redis(Child, u16);
 impl Drop for Redis {
@@ -46,11 +42,7 @@ fn redis() -> Redis {
     Redis(child, port)
 }
 
-async fn worker(path: &std::path::Path, port: u16) -> (String, Arc<AppState>) {
-    let mut g = Gguf::open(path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let m = Model::load(&mut g).unwrap();
-    let layout = PageLayout::new(16, vec![m.pool_kind()]).unwrap();
+async fn worker(path: &std::path::Path, port: u16) -> TestWorker {
     let remote: Arc<dyn Storage> = Arc::new(
         RedisStorage::connect(&RedisConfig {
             url: format!("redis://127.0.0.1:{port}"),
@@ -62,26 +54,12 @@ async fn worker(path: &std::path::Path, port: u16) -> (String, Arc<AppState>) {
         })
         .unwrap(),
     );
-    let mut cc = CacheConfig::new(layout, 128, 128);
-    cc.model_id = "tiny".into();
-    let cache = TieredCache::new(cc, &HeapAllocator, Some(remote)).unwrap();
-    let cfg = EngineConfig {
-        stop_token_ids: tk.stop.clone(),
-        ..EngineConfig::default()
+    let spec = WorkerSpec {
+        storage: Some(remote),
+        storage_tier: "remote",
+        ..WorkerSpec::default()
     };
-    let mut st = AppState::new(Engine::start(m, cache, cfg), Arc::new(tk), "tiny".into());
-    st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
-    st.storage_tier = "remote".into();
-    let st = Arc::new(st);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(serve(
-        l,
-        st.clone(),
-        std::future::pending(),
-        Duration::from_secs(5),
-    ));
-    (url, st)
+    spawn_worker(path, spec).await
 }
 
 async fn chat(url: &str, q: &str) -> Value {
@@ -102,10 +80,10 @@ async fn chat(url: &str, q: &str) -> Value {
 async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
     let mut rd = redis();
     let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
-    let (a, sa) = worker(&path, rd.1).await;
-    let (b, sb) = worker(&path, rd.1).await;
+    let path = tiny_model(d.path());
+    let (wa, wb) = (worker(&path, rd.1).await, worker(&path, rd.1).await);
+    let (a, sa) = (wa.url.clone(), wa.state.clone());
+    let (b, sb) = (wb.url.clone(), wb.state.clone());
     let q = "a long question that both workers will see, about the shared remote cache ".repeat(2);
     let first = chat(&a, &q).await;
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
@@ -137,7 +115,7 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
     // The router's index sees the prefix in a's own tiers and, for b, in the shared remote
     // tier (at its lower weight).
     {
-        use strata_server::cache_index::CacheIndex;
+        use strata_router::cache_index::CacheIndex;
         let g = Gguf::open(&path).unwrap();
         let idx = CacheIndex::new(
             Arc::new(ModelTokenizer::from_gguf(&g).unwrap()),

@@ -57,14 +57,15 @@ impl CacheIndex {
 
     /// Prompt tokens of a request body, as the worker will see them (None: not parseable).
     pub fn prompt_tokens(&self, body: &[u8]) -> Option<Vec<u32>> {
-        // Built exactly as the worker builds it (`crate::prompt`), from the same typed request.
+        // Built exactly as the worker builds it (`strata_server::prompt`), from the same typed request.
         let v: serde_json::Value = serde_json::from_slice(body).ok()?;
         if v.get("messages").is_some() {
-            let req: crate::api::ChatRequest = serde_json::from_value(v).ok()?;
-            crate::prompt::chat_ids(&self.tokenizer, self.template.as_ref(), &req.messages).ok()
+            let req: strata_server::api::ChatRequest = serde_json::from_value(v).ok()?;
+            strata_server::prompt::chat_ids(&self.tokenizer, self.template.as_ref(), &req.messages)
+                .ok()
         } else {
-            let req: crate::api::CompletionRequest = serde_json::from_value(v).ok()?;
-            crate::prompt::completion_ids(&self.tokenizer, &req.prompt).ok()
+            let req: strata_server::api::CompletionRequest = serde_json::from_value(v).ok()?;
+            strata_server::prompt::completion_ids(&self.tokenizer, &req.prompt).ok()
         }
     }
 
@@ -156,13 +157,16 @@ impl CacheIndex {
                 .get(format!("{url}{path}"))
                 .timeout(Duration::from_secs(5));
             if let Some(k) = key {
-                let call = crate::auth::Call {
+                let call = strata_server::auth::Call {
                     method: "GET",
                     target: path,
                     body: b"",
                     prefill: None,
                 };
-                req = req.header(crate::auth::AUTH_HEADER, crate::auth::sign(k, &call));
+                req = req.header(
+                    strata_server::auth::AUTH_HEADER,
+                    strata_server::auth::sign(k, &call),
+                );
             }
             req.send()
                 .await

@@ -6,37 +6,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_engine::{Engine, EngineConfig};
-use strata_kv::memory::HeapAllocator;
-use strata_kv::{CacheConfig, PageLayout, TieredCache};
-use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
-use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
-use strata_server::app::serve;
-use strata_server::pd::{KvInbox, KvLimits};
-use strata_server::router::{router, Policy, RouterState};
-use strata_server::AppState;
-use tokio::sync::oneshot;
-
-struct Worker {
-    url: String,
-    state: Arc<AppState>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-impl Worker {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let _ = self.task.await;
-    }
-}
+use strata_engine::EngineConfig;
+use strata_model::tiny::TINY_TEMPLATE;
+use strata_model::{ChatTemplate, Gguf, ModelTokenizer};
+use strata_router::{router, Policy, RouterState};
+use strata_test_support::{metrics_of, post, sample, spawn_worker, TestWorker, WorkerSpec};
 
 async fn worker(
     path: &std::path::Path,
     page_size: usize,
     kv: bool,
     prefill_workers: &[String],
-) -> Worker {
+) -> TestWorker {
     worker_with(
         path,
         page_size,
@@ -52,61 +33,16 @@ async fn worker_with(
     page_size: usize,
     kv: bool,
     prefill_workers: &[String],
-    base: EngineConfig,
-) -> Worker {
-    let mut g = Gguf::open(path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let m = Model::load(&mut g).unwrap();
-    let layout = PageLayout::new(page_size, vec![m.pool_kind()]).unwrap();
-    let mut cc = CacheConfig::new(layout, 128, 128);
-    cc.model_id = "tiny".into();
-    cc.hashing = true;
-    let cache = TieredCache::new(cc, &HeapAllocator, None).unwrap();
-    let cfg = EngineConfig {
-        stop_token_ids: tk.stop.clone(),
-        model_id: "tiny".into(),
-        ..base
+    engine: EngineConfig,
+) -> TestWorker {
+    let spec = WorkerSpec {
+        page_size,
+        kv_listener: kv,
+        prefill_workers: prefill_workers.to_vec(),
+        engine,
+        ..WorkerSpec::default()
     };
-    let engine = Engine::start(m, cache, cfg);
-    let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
-    st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
-    st.kv_deadline = Duration::from_secs(5);
-    st.prefill_workers = prefill_workers.to_vec();
-    if kv {
-        let info = st.engine.info().clone();
-        let hello = info.hello();
-        let l = StdListener::bind("127.0.0.1:0").unwrap();
-        let limits = KvLimits {
-            page_size: info.page_size as u32,
-            max_tokens: info.context_length,
-            ..KvLimits::default()
-        };
-        st.kv = Some(KvInbox::start(
-            l,
-            hello,
-            info.page_bytes as u64,
-            limits,
-            None,
-        ));
-    }
-    let state = Arc::new(st);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = oneshot::channel();
-    let task = tokio::spawn(serve(
-        listener,
-        state.clone(),
-        async move {
-            let _ = rx.await;
-        },
-        Duration::from_secs(5),
-    ));
-    Worker {
-        url,
-        state,
-        stop: Some(tx),
-        task,
-    }
+    spawn_worker(path, spec).await
 }
 
 async fn start_router(prefill: &[String], decode: &[String]) -> String {
@@ -123,40 +59,10 @@ fn chat(content: &str, max: usize) -> Value {
            "max_tokens": max, "temperature": 0, "ignore_eos": true})
 }
 
-async fn metrics_of(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-/// The value of the sample line that starts with `key` (name and labels as written).
-fn sample(metrics: &str, key: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
-async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    (r.status().as_u16(), r.json().await.unwrap())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
+    let path = strata_test_support::tiny_model(d.path());
     let single = worker(&path, 16, false, &[]).await;
     let prefill = worker(&path, 16, false, &[]).await;
     let decode = worker(&path, 16, true, std::slice::from_ref(&prefill.url)).await;
@@ -318,11 +224,10 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
 /// only in that worker's host tier; the router counts the hits by tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_aware_routing_follows_the_prefix() {
-    use strata_server::cache_index::CacheIndex;
-    use strata_server::router::index_loop;
+    use strata_router::cache_index::CacheIndex;
+    use strata_router::index_loop;
     let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
+    let path = strata_test_support::tiny_model(d.path());
     let p0 = worker(&path, 16, false, &[]).await;
     let p1 = worker(&path, 16, false, &[]).await;
     let dec = worker(&path, 16, true, &[p0.url.clone(), p1.url.clone()]).await;
@@ -333,7 +238,7 @@ async fn cache_aware_routing_follows_the_prefix() {
         std::slice::from_ref(&dec.url),
         Policy::CacheAware,
     );
-    rs.index = Some(Arc::new(CacheIndex::new(
+    rs.set_index(Arc::new(CacheIndex::new(
         Arc::new(tk),
         Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
         2,
@@ -407,8 +312,7 @@ async fn cache_aware_routing_follows_the_prefix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_api_keys_are_checked_in_the_openai_error_format() {
     let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
+    let path = strata_test_support::tiny_model(d.path());
     let w = worker(&path, 16, false, &[]).await;
     let mut rs = RouterState::new(&[], std::slice::from_ref(&w.url), Policy::LeastLoad);
     rs.api_keys.insert("sesame".into());

@@ -1,0 +1,294 @@
+//! Forwarding an API request: pick a worker (and a prefill worker under PD), send, retry once
+//! on another pair before any token, and relay the answer (an SSE stream guarded against a
+//! worker that dies mid-answer).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::Response;
+use futures_util::StreamExt;
+use strata_server::state::PREFILL_HEADER;
+use strata_server::ApiError;
+
+use crate::front::{check_key, ChosenWorker};
+use crate::state::RouterState;
+use crate::worker::{InFlight, Worker};
+
+type St = State<Arc<RouterState>>;
+type Body_ = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+pub async fn forward_chat(st: St, headers: HeaderMap, body: Body_) -> Result<Response, ApiError> {
+    forward(st, headers, body, "/v1/chat/completions").await
+}
+
+pub async fn forward_completions(
+    st: St,
+    headers: HeaderMap,
+    body: Body_,
+) -> Result<Response, ApiError> {
+    forward(st, headers, body, "/v1/completions").await
+}
+
+/// The SSE event a client gets when the worker's stream broke before its end: an error in
+/// OpenAI's shape, then `[DONE]`, so that no client mistakes a truncated answer for a whole
+/// one.
+pub fn broken_stream_tail(why: &str) -> Bytes {
+    let e = ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        format!("the worker's stream broke before the end of the answer: {why}"),
+    );
+    // A blank line first: the break may have cut an event in the middle of its line.
+    Bytes::from(format!("\n\ndata: {}\n\ndata: [DONE]\n\n", e.body()))
+}
+
+/// The worker's SSE body, passed through; if it fails (the worker died) or ends without
+/// `[DONE]`, the client gets [`broken_stream_tail`] and a clean end of stream.
+fn guard_sse<S>(
+    upstream: S,
+    keep: InFlight,
+    st: Arc<RouterState>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
+where
+    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
+{
+    struct G<S> {
+        up: S,
+        done_seen: bool,
+        tail: [u8; 16],
+        over: bool,
+        _keep: InFlight,
+        st: Arc<RouterState>,
+    }
+    futures_util::stream::unfold(
+        G {
+            up: upstream,
+            done_seen: false,
+            // A newline: the stream's first line starts a line.
+            tail: {
+                let mut t = [0u8; 16];
+                t[15] = b'\n';
+                t
+            },
+            over: false,
+            _keep: keep,
+            st,
+        },
+        |mut g| async move {
+            if g.over {
+                return None;
+            }
+            match g.up.next().await {
+                Some(Ok(b)) => {
+                    // The end of stream is a line `data: [DONE]` (model text inside an event is
+                    // JSON, never at a line's start). It may straddle two chunks: look at the
+                    // last bytes of both; the stream's start counts as a line start.
+                    let mut w = g.tail.to_vec();
+                    w.extend_from_slice(&b);
+                    if w.windows(13).any(|x| x == b"\ndata: [DONE]") {
+                        g.done_seen = true;
+                    }
+                    let n = w.len().min(16);
+                    g.tail = [0; 16];
+                    g.tail[16 - n..].copy_from_slice(&w[w.len() - n..]);
+                    Some((Ok(b), g))
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
+                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+                    g.over = true;
+                    Some((Ok(broken_stream_tail("connection lost")), g))
+                }
+                None if !g.done_seen => {
+                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+                    g.over = true;
+                    Some((Ok(broken_stream_tail("it ended without [DONE]")), g))
+                }
+                None => None,
+            }
+        },
+    )
+}
+
+/// The workers of one attempt: the decode worker (or the one worker), and the prefill worker
+/// under PD.
+struct Pair {
+    decode: Arc<Worker>,
+    prefill: Option<Arc<Worker>>,
+}
+
+/// Picks a pair, avoiding the previous attempt's workers. The pool whose caches serve
+/// prompts is picked with the prompt when the policy reads it; the other without.
+async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) -> Option<Pair> {
+    let avoid_d = avoid.map(|p| p.decode.clone());
+    let avoid_p = avoid.and_then(|p| p.prefill.clone());
+    let b = st.balancer();
+    if st.prefill.is_empty() {
+        let decode = if b.reads_prompt() {
+            pick_reading(st, body, avoid_d).await?
+        } else {
+            b.pick(&st.decode, None, avoid_d.as_ref())?
+        };
+        return Some(Pair {
+            decode,
+            prefill: None,
+        });
+    }
+    let prefill = if b.reads_prompt() {
+        Some(pick_reading(st, body, avoid_p.clone()).await?)
+    } else {
+        None
+    };
+    let decode = b.pick(&st.decode, None, avoid_d.as_ref())?;
+    let prefill = match prefill {
+        Some(p) => p,
+        None => b.pick(&st.prefill, None, avoid_p.as_ref())?,
+    };
+    Some(Pair {
+        decode,
+        prefill: Some(prefill),
+    })
+}
+
+/// A pick in the cache pool that reads the prompt: CPU work, run off the async workers, a
+/// bounded number at once (the permit goes with the task).
+async fn pick_reading(
+    st: &Arc<RouterState>,
+    body: &Bytes,
+    avoid: Option<Arc<Worker>>,
+) -> Option<Arc<Worker>> {
+    let permit = st.cpu_gate.clone().acquire_owned().await.ok();
+    let (st, body) = (st.clone(), body.clone());
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        st.balancer()
+            .pick(st.cache_pool(), Some(&body), avoid.as_ref())
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// The request to the pair's decode worker, signed when the deployment has a cluster key.
+fn request(st: &RouterState, pair: &Pair, path: &str, body: &Bytes) -> reqwest::RequestBuilder {
+    let mut req = st
+        .client
+        .post(format!("{}{path}", pair.decode.url))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.clone());
+    if let Some(p) = &pair.prefill {
+        req = req.header(PREFILL_HEADER, &p.url);
+    }
+    if let Some(k) = &st.cluster_key {
+        let call = strata_server::auth::Call {
+            method: "POST",
+            target: path,
+            body,
+            prefill: pair.prefill.as_ref().map(|w| w.url.as_str()),
+        };
+        req = req.header(
+            strata_server::auth::AUTH_HEADER,
+            strata_server::auth::sign(k, &call),
+        );
+    }
+    req
+}
+
+/// The worker's answer relayed to the client; the in-flight guard lives as long as its body.
+fn relay(
+    st: &Arc<RouterState>,
+    r: reqwest::Response,
+    guard: InFlight,
+    decode: &Worker,
+) -> Response {
+    let status = r.status();
+    if matches!(status.as_u16(), 502 | 503) {
+        st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+    }
+    let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+    let sse = ctype
+        .as_ref()
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/event-stream"));
+    let body = if sse {
+        Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard, st.clone()))
+    } else {
+        Body::from_stream(r.bytes_stream().map(move |c| {
+            let _keep = &guard;
+            c
+        }))
+    };
+    let mut resp = Response::new(body);
+    *resp.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    if let Some(c) = ctype {
+        resp.headers_mut().insert(header::CONTENT_TYPE, c);
+    }
+    resp.extensions_mut()
+        .insert(ChosenWorker(decode.url.clone()));
+    resp
+}
+
+async fn forward(
+    State(st): St,
+    headers: HeaderMap,
+    body: Body_,
+    path: &str,
+) -> Result<Response, ApiError> {
+    let arrived = std::time::Instant::now();
+    check_key(&st, &headers)?;
+    // The body limit is the DefaultBodyLimit layer's: the worker's reader names a breach.
+    let body = strata_server::body::body_bytes(body, st.body_limit)?;
+    st.forwarded.fetch_add(1, Ordering::Relaxed);
+    let mut last_err = None;
+    let mut previous: Option<Pair> = None;
+    for attempt in 0..2 {
+        let Some(pair) = pick_pair(&st, &body, previous.as_ref()).await else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no healthy worker to route to",
+            ));
+        };
+        let req = request(&st, &pair, path, &body);
+        let mut both = vec![pair.decode.clone()];
+        both.extend(pair.prefill.clone());
+        let guard = InFlight::start(both);
+        st.front.added.observe(arrived.elapsed().as_secs_f64());
+        let d = &pair.decode;
+        match req.send().await {
+            // Worker-side failures before any token (bad gateway, unavailable) are retried.
+            Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
+                st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+                let status = r.status();
+                let text = r.text().await.unwrap_or_default();
+                // The worker's words go to the log, never to the client.
+                tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
+                d.failures.fetch_add(1, Ordering::Relaxed);
+                last_err = Some(format!("a worker answered {status}"));
+            }
+            Ok(r) => return Ok(relay(&st, r, guard, d)),
+            Err(e) => {
+                st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(decode = %d.url, error = %e, "worker unreachable; retrying on another pair");
+                d.failures.fetch_add(1, Ordering::Relaxed);
+                if e.is_connect() {
+                    d.healthy.store(false, Ordering::Relaxed);
+                }
+                last_err = Some("a worker was unreachable".into());
+            }
+        }
+        st.retries.fetch_add(1, Ordering::Relaxed);
+        previous = Some(pair);
+    }
+    Err(ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        format!(
+            "the request failed on two worker pairs: {}",
+            last_err.unwrap_or_default()
+        ),
+    ))
+}

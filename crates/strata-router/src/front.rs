@@ -1,0 +1,120 @@
+//! The router's front door: every answer counted by route, status and worker; the time to
+//! the end of each API answer; requests in flight; API keys checked.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use futures_util::StreamExt;
+use strata_server::ApiError;
+
+use crate::state::RouterState;
+
+type St = State<Arc<RouterState>>;
+
+/// The decode worker (or the one worker) that answered a request.
+#[derive(Clone)]
+pub struct ChosenWorker(pub String);
+
+/// Counts every answer by route, status and worker; for the API routes, also the time to the
+/// end of the answer (when its body is done or dropped) and the requests in flight.
+pub async fn front_door(
+    State(st): St,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = match req.uri().path() {
+        p @ ("/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/models"
+        | "/health"
+        | "/metrics"
+        | "/workers"
+        | "/dashboard"
+        | "/dashboard/data") => p.to_string(),
+        _ => "other".to_string(),
+    };
+    let api = route.starts_with("/v1/");
+    // Made before the handler runs: if the client goes away and the handler is dropped, the
+    // request still leaves the in-flight gauge, and is counted as 499 (client closed).
+    let mut end = api.then(|| End {
+        st: st.clone(),
+        t: std::time::Instant::now(),
+        route: route.clone(),
+        answered: false,
+    });
+    if api {
+        st.front.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+    let resp = next.run(req).await;
+    let worker = resp
+        .extensions()
+        .get::<ChosenWorker>()
+        .map(|w| w.0.clone())
+        .unwrap_or_else(|| "none".into());
+    st.front.answered(&route, resp.status().as_u16(), &worker);
+    let Some(mut end) = end.take() else {
+        return resp;
+    };
+    end.answered = true;
+    let (parts, body) = resp.into_parts();
+    let body = Body::from_stream(body.into_data_stream().map(move |c| {
+        let _end = &end;
+        c
+    }));
+    Response::from_parts(parts, body)
+}
+
+/// Ends an API request's measurement when its body is done or dropped (or when the request
+/// is dropped before an answer: then it is counted as 499).
+struct End {
+    st: Arc<RouterState>,
+    t: std::time::Instant,
+    route: String,
+    answered: bool,
+}
+
+impl Drop for End {
+    fn drop(&mut self) {
+        let f = &self.st.front;
+        if !self.answered {
+            f.answered(&self.route, 499, "none");
+        }
+        f.duration.observe(self.t.elapsed().as_secs_f64());
+        f.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+pub fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if st.api_keys.is_empty() {
+        return Ok(());
+    }
+    let r = check_key_inner(st, headers);
+    if r.is_err() {
+        st.front.auth_failures.fetch_add(1, Ordering::Relaxed);
+    }
+    r
+}
+
+fn check_key_inner(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let given = strata_server::error::bearer(headers);
+    // Every key is compared, each in constant time: the answer's timing says nothing about
+    // which key or which byte was close.
+    let ok = given.is_some_and(|g| {
+        st.api_keys
+            .iter()
+            .fold(false, |ok, k| strata_server::error::secret_eq(g, k) | ok)
+    });
+    match ok {
+        true => Ok(()),
+        false => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "a valid API key is needed: Authorization: Bearer <key>",
+        )
+        .with_code("invalid_api_key")),
+    }
+}

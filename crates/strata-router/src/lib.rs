@@ -1,0 +1,33 @@
+//! `strata-router`: the router in front of Strata workers.
+//!
+//! * [`policy`]: the [`policy::LoadBalancingPolicy`] trait, one module per policy (round
+//!   robin, least load, cache aware).
+//! * [`cache_index`]: which worker holds which pages in which tier, from their cache events.
+//! * [`forward`]: picking a pair, retrying once before any token, relaying (SSE guarded).
+//! * [`front`]: the front door: answers counted, latencies, API keys.
+//! * [`metrics`]: the router's `/metrics`, rendered from a snapshot of its figures.
+//! * [`dashboard`], [`scrape`]: the workers' scraped figures, `/dashboard` and its history.
+//! * [`routes`]: the HTTP API and the cache-event follower.
+//! * [`state`], [`worker`]: what the handlers share.
+//!
+//! Wire types (cache events, cache info, PD requests) come from `strata-protocol`; request
+//! bodies, errors, the prompt builder and cluster MACs from `strata-server`.
+
+pub mod cache_index;
+pub mod dashboard;
+pub mod forward;
+pub mod front;
+pub mod metrics;
+pub mod policy;
+pub mod routes;
+pub mod scrape;
+pub mod state;
+pub mod worker;
+
+pub use dashboard::health_loop;
+pub use forward::broken_stream_tail;
+pub use policy::Policy;
+pub use routes::{index_loop, router};
+pub use scrape::WorkerStats;
+pub use state::RouterState;
+pub use worker::Worker;

@@ -1,0 +1,117 @@
+//! Cache-aware routing: the worker holding the most of the prompt's prefix, weighted by the
+//! tier each page is in, minus a load term; least load when the prompt cannot be read.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::{candidates, LeastLoad, LoadBalancingPolicy};
+use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS, REMOTE_WEIGHT};
+use crate::worker::Worker;
+
+/// Decisions of the cache-aware policy (cumulative).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheAwareStats {
+    /// Decisions that found a cached prefix / found none.
+    pub hits: u64,
+    pub misses: u64,
+    /// Cached pages on the chosen worker at decision time, by tier.
+    pub hit_pages_device: u64,
+    pub hit_pages_host: u64,
+    pub hit_pages_remote: u64,
+}
+
+/// Scores every healthy worker of the pool on the prompt's cached pages (from the index the
+/// workers' cache events feed).
+pub struct CacheAware {
+    index: Arc<CacheIndex>,
+    /// Where the scan starts (ties go to the first worker scanned).
+    start: AtomicUsize,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    /// Device, host, remote.
+    hit_pages: [AtomicU64; 3],
+}
+
+impl CacheAware {
+    pub fn new(index: Arc<CacheIndex>) -> CacheAware {
+        CacheAware {
+            index,
+            start: AtomicUsize::new(0),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            hit_pages: Default::default(),
+        }
+    }
+
+    /// Most weighted cached prefix minus load; None when the prompt cannot be read.
+    fn pick_cached(
+        &self,
+        pool: &[Arc<Worker>],
+        body: &[u8],
+        avoid: Option<&Arc<Worker>>,
+    ) -> Option<Arc<Worker>> {
+        let hashes = self.index.hashes(&self.index.prompt_tokens(body)?);
+        let ps = self.index.page_size() as f64;
+        let up = candidates(pool, avoid);
+        if up.is_empty() {
+            return None;
+        }
+        let start = self.start.fetch_add(1, Ordering::Relaxed);
+        // (score, worker, pages by tier)
+        let mut best: Option<(f64, usize, [usize; 3])> = None;
+        for k in 0..up.len() {
+            let i = up[(start + k) % up.len()];
+            let (dev, host, rem) = self.index.cached_prefix(i, &hashes);
+            let score = (dev as f64 * DEVICE_WEIGHT
+                + host as f64 * HOST_WEIGHT
+                + rem as f64 * REMOTE_WEIGHT)
+                * ps
+                - LOAD_TOKENS * pool[i].load() as f64;
+            if best.is_none_or(|b| score > b.0) {
+                best = Some((score, i, [dev, host, rem]));
+            }
+        }
+        let (_, i, pages) = best?;
+        if pages.iter().sum::<usize>() > 0 {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            for (counter, n) in self.hit_pages.iter().zip(pages) {
+                counter.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        } else {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(pool[i].clone())
+    }
+}
+
+impl LoadBalancingPolicy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn reads_prompt(&self) -> bool {
+        true
+    }
+
+    fn pick(
+        &self,
+        pool: &[Arc<Worker>],
+        prompt: Option<&[u8]>,
+        avoid: Option<&Arc<Worker>>,
+    ) -> Option<Arc<Worker>> {
+        prompt
+            .and_then(|body| self.pick_cached(pool, body, avoid))
+            .or_else(|| LeastLoad.pick(pool, None, avoid))
+    }
+
+    fn cache_stats(&self) -> Option<CacheAwareStats> {
+        let [d, h, r] = &self.hit_pages;
+        Some(CacheAwareStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            hit_pages_device: d.load(Ordering::Relaxed),
+            hit_pages_host: h.load(Ordering::Relaxed),
+            hit_pages_remote: r.load(Ordering::Relaxed),
+        })
+    }
+}

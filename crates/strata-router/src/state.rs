@@ -1,0 +1,138 @@
+//! What the router's handlers share: the worker pools, the policy, the cache index, the
+//! scraped figures and the front-door metrics.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::cache_index::CacheIndex;
+use crate::metrics::{FrontMetrics, RouterView, WorkerView};
+use crate::policy::{CacheAware, LeastLoad, LoadBalancingPolicy, Policy, RoundRobin};
+use crate::scrape::{History, WorkerStats};
+use crate::worker::Worker;
+
+pub struct RouterState {
+    /// Prefill workers (empty: no PD, `decode` workers do both).
+    pub prefill: Vec<Arc<Worker>>,
+    /// Decode workers, or workers doing both.
+    pub decode: Vec<Arc<Worker>>,
+    pub policy: Policy,
+    /// The policy at work (cache-aware needs the index: see [`RouterState::set_index`]).
+    balancer: Box<dyn LoadBalancingPolicy>,
+    pub api_keys: HashSet<String>,
+    pub client: reqwest::Client,
+    pub retries: AtomicU64,
+    /// Requests forwarded (first attempts).
+    pub forwarded: AtomicU64,
+    pub body_limit: usize,
+    /// The cache index (cache_aware policy).
+    pub index: Option<Arc<CacheIndex>>,
+    /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
+    pub scraped: Mutex<HashMap<String, WorkerStats>>,
+    /// What the dashboard draws over time: a ring of samples (15 minutes at the health
+    /// interval of 1 s).
+    pub history: Mutex<History>,
+    /// How often workers are checked and samples recorded (set by `health_loop`'s caller).
+    pub health_every: Duration,
+    /// The deployment's cluster key: every call to a worker carries proof of it.
+    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
+    pub cpu_gate: Arc<tokio::sync::Semaphore>,
+    /// Requests by route, status and worker; latencies; upstream and auth failures.
+    pub front: FrontMetrics,
+}
+
+impl RouterState {
+    pub fn new(prefill: &[String], decode: &[String], policy: Policy) -> RouterState {
+        let balancer: Box<dyn LoadBalancingPolicy> = match policy {
+            Policy::RoundRobin => Box::new(RoundRobin::default()),
+            // Cache-aware without an index yet: least load.
+            Policy::LeastLoad | Policy::CacheAware => Box::new(LeastLoad),
+        };
+        RouterState {
+            prefill: prefill.iter().map(|u| Worker::new(u)).collect(),
+            decode: decode.iter().map(|u| Worker::new(u)).collect(),
+            policy,
+            balancer,
+            api_keys: HashSet::new(),
+            client: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .build()
+                .expect("HTTP client"),
+            retries: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
+            body_limit: 4 << 20,
+            index: None,
+            scraped: Mutex::new(HashMap::new()),
+            history: Default::default(),
+            health_every: Duration::from_secs(1),
+            cluster_key: None,
+            cpu_gate: strata_server::state::cpu_gate(),
+            front: Default::default(),
+        }
+    }
+
+    /// Follows the workers' caches with `index` (the cache-aware policy scores on it).
+    pub fn set_index(&mut self, index: Arc<CacheIndex>) {
+        if self.policy == Policy::CacheAware {
+            self.balancer = Box::new(CacheAware::new(index.clone()));
+        }
+        self.index = Some(index);
+    }
+
+    pub fn balancer(&self) -> &dyn LoadBalancingPolicy {
+        self.balancer.as_ref()
+    }
+
+    /// The workers whose caches serve prompts: prefill workers under PD, else the workers.
+    pub fn cache_pool(&self) -> &[Arc<Worker>] {
+        if self.prefill.is_empty() {
+            &self.decode
+        } else {
+            &self.prefill
+        }
+    }
+
+    /// The role of the workers in `decode`: `decode` under PD, else `both`.
+    pub fn decode_role(&self) -> &'static str {
+        if self.prefill.is_empty() {
+            "both"
+        } else {
+            "decode"
+        }
+    }
+
+    /// Every worker in the order the router lists them, with its role.
+    pub fn all_workers(&self) -> Vec<(&Arc<Worker>, &'static str)> {
+        let role = self.decode_role();
+        self.prefill
+            .iter()
+            .map(|w| (w, "prefill"))
+            .chain(self.decode.iter().map(|w| (w, role)))
+            .collect()
+    }
+
+    /// Its figures now, for `/metrics` and `/workers`.
+    pub fn view(&self) -> RouterView {
+        RouterView {
+            policy: self.policy.name(),
+            forwarded: self.forwarded.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            cache: self.balancer.cache_stats().unwrap_or_default(),
+            resyncs: self.index.as_ref().map_or(0, |i| i.resyncs()),
+            workers: self
+                .all_workers()
+                .into_iter()
+                .map(|(w, role)| WorkerView {
+                    url: w.url.clone(),
+                    role,
+                    healthy: w.is_healthy(),
+                    in_flight: w.load() as u64,
+                    requests: w.requests.load(Ordering::Relaxed),
+                    failures: w.failures.load(Ordering::Relaxed),
+                })
+                .collect(),
+        }
+    }
+}

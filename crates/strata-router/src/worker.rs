@@ -1,0 +1,58 @@
+//! One worker as the router sees it: its URL, health and load.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// One worker as the router sees it.
+pub struct Worker {
+    pub url: String,
+    pub healthy: AtomicBool,
+    /// Unix milliseconds of the last successful scrape of its `/metrics` (0: never).
+    pub last_seen_ms: AtomicU64,
+    pub in_flight: AtomicUsize,
+    pub requests: AtomicU64,
+    pub failures: AtomicU64,
+}
+
+impl Worker {
+    pub fn new(url: &str) -> Arc<Worker> {
+        Arc::new(Worker {
+            url: url.trim_end_matches('/').to_string(),
+            healthy: AtomicBool::new(true),
+            last_seen_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        })
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    pub fn load(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+}
+
+/// Decrements workers' in-flight counts when dropped (a response body done or dropped).
+pub struct InFlight(Vec<Arc<Worker>>);
+
+impl InFlight {
+    /// Counts a request on each worker (in flight and in total) until the guard is dropped.
+    pub fn start(workers: Vec<Arc<Worker>>) -> InFlight {
+        for w in &workers {
+            w.in_flight.fetch_add(1, Ordering::Relaxed);
+            w.requests.fetch_add(1, Ordering::Relaxed);
+        }
+        InFlight(workers)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for w in &self.0 {
+            w.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}

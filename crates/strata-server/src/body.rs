@@ -1,0 +1,77 @@
+//! Reading request bodies: size limits, JSON with the failing field named, and the JSON
+//! answers for unknown routes and methods (shared by the workers and the router).
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!("no route {}", uri.path()),
+    )
+}
+
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} is not allowed on {}", method, uri.path()),
+    )
+}
+
+pub fn parse<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<T, ApiError> {
+    parse_json(&body_bytes(body, limit)?)
+}
+
+/// The body's bytes, or a JSON 413 / 400.
+pub fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("the request body exceeds the limit of {limit} bytes"),
+            )
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+        }
+    })
+}
+
+/// A JSON body; the error names the field at fault.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let param = if path != "." {
+            Some(path)
+        } else {
+            failing_sampling_field(bytes)
+        };
+        ApiError::bad_request(
+            format!("invalid request body: {}", e.inner()),
+            param.as_deref(),
+        )
+    })
+}
+
+/// serde loses the path of an error inside a flattened struct (the sampling fields): the
+/// field that fails on its own is the one to name.
+fn failing_sampling_field(bytes: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(bytes).ok()?;
+    v.as_object()?
+        .iter()
+        .find(|(k, val)| {
+            serde_json::from_value::<crate::api::Sampling>(json!({ k.as_str(): val })).is_err()
+        })
+        .map(|(k, _)| k.clone())
+}

@@ -1,0 +1,238 @@
+//! A worker's `/metrics` page: the engine's snapshot, the HTTP layer's measurements, PD
+//! transfers and the memory plan, rendered with the catalogue of [`crate::metrics`].
+
+use std::sync::atomic::Ordering;
+
+use crate::metrics::{node_health, Text};
+use crate::state::AppState;
+
+/// A worker's `/metrics`.
+pub fn worker(st: &AppState) -> String {
+    let s = st.engine.snapshot();
+    let mut t = Text::new();
+    let c = &s.cache;
+    let prompt = s.prompt_tokens - s.transferred_prompt_tokens;
+    t.sample("strata_prompt_tokens_total", &[], prompt as f64);
+    let l3 = st.storage_tier.as_str();
+    for (tier, v) in [
+        ("device", s.cached_device_tokens),
+        ("host", s.cached_host_tokens),
+        (l3, s.cached_storage_tokens),
+    ] {
+        t.sample("strata_cache_hit_tokens_total", &[("tier", tier)], v as f64);
+    }
+    t.sample(
+        "strata_cache_miss_tokens_total",
+        &[],
+        s.computed_prompt_tokens as f64,
+    );
+    for p in &s.pools {
+        let l = [("tier", p.tier), ("pool", p.kind.as_str())];
+        t.sample("strata_cache_capacity_bytes", &l, p.bytes_total as f64);
+        t.sample("strata_cache_used_bytes", &l, p.bytes_used as f64);
+    }
+    for (tier, u) in [("device", &s.device), ("host", &s.host)] {
+        t.sample(
+            "strata_cache_pages",
+            &[("tier", tier), ("state", "used")],
+            u.pages_used as f64,
+        );
+        t.sample(
+            "strata_cache_pages",
+            &[("tier", tier), ("state", "total")],
+            u.pages_total as f64,
+        );
+    }
+    t.sample(
+        "strata_cache_evicted_tokens_total",
+        &[("tier", "device")],
+        c.evicted_device_tokens as f64,
+    );
+    t.sample(
+        "strata_cache_evicted_tokens_total",
+        &[("tier", "host")],
+        c.evicted_host_tokens as f64,
+    );
+    for (op, x) in [
+        ("load_back", &c.load_back),
+        ("backup", &c.backup),
+        ("prefetch", &c.storage_get),
+        ("l3_put", &c.storage_put),
+    ] {
+        t.sample(
+            "strata_cache_copy_bytes_total",
+            &[("op", op)],
+            x.bytes as f64,
+        );
+        t.sample(
+            "strata_cache_copy_operations_total",
+            &[("op", op)],
+            x.ops as f64,
+        );
+        t.sample(
+            "strata_cache_copy_seconds_total",
+            &[("op", op)],
+            x.nanos as f64 / 1e9,
+        );
+    }
+    for (op, x) in [
+        ("load_back", &c.load_back),
+        ("backup", &c.backup),
+        ("prefetch", &c.storage_get),
+        ("l3_put", &c.storage_put),
+    ] {
+        t.histogram_counts(
+            "strata_cache_copy_duration_seconds",
+            ("op", op),
+            &strata_kv::stats::COPY_BUCKETS,
+            &x.buckets,
+            x.ops,
+            x.nanos as f64 / 1e9,
+        );
+    }
+    let st_stats = s.storage.unwrap_or_default();
+    t.sample(
+        "strata_l3_errors_total",
+        &[("kind", "corrupt")],
+        st_stats.corrupt as f64,
+    );
+    t.sample(
+        "strata_l3_errors_total",
+        &[("kind", "timeout")],
+        st_stats.timeouts as f64,
+    );
+    t.sample(
+        "strata_l3_errors_total",
+        &[("kind", "unavailable")],
+        (st_stats.errors - st_stats.timeouts.min(st_stats.errors)) as f64,
+    );
+    t.sample("strata_l3_entries", &[], st_stats.entries as f64);
+    t.sample(
+        "strata_transferred_prompt_tokens_total",
+        &[],
+        s.transferred_prompt_tokens as f64,
+    );
+    if let Some(p) = &st.plan {
+        for (pool, dev, host) in &p.pools {
+            for rank in 0..p.ranks.max(1) {
+                let r = rank.to_string();
+                t.sample(
+                    "strata_plan_device_bytes",
+                    &[("pool", pool), ("rank", &r)],
+                    *dev as f64,
+                );
+                t.sample(
+                    "strata_plan_host_bytes",
+                    &[("pool", pool), ("rank", &r)],
+                    *host as f64,
+                );
+            }
+        }
+        let nodes: Vec<String> = p.numa_nodes.iter().map(|n| n.to_string()).collect();
+        t.sample(
+            "strata_plan_info",
+            &[
+                ("host_flag", &p.host_flag),
+                ("numa_policy", &p.numa_policy),
+                ("numa_nodes", &nodes.join(",")),
+            ],
+            1.0,
+        );
+        for (node, bytes) in &p.placement {
+            t.sample(
+                "strata_host_pool_node_bytes",
+                &[("node", &node.to_string())],
+                *bytes as f64,
+            );
+        }
+    }
+    let m = &st.metrics;
+    for (i, outcome) in ["ok", "4xx", "429", "5xx"].iter().enumerate() {
+        t.sample(
+            "strata_requests_total",
+            &[("outcome", outcome)],
+            m.outcomes[i].load(Ordering::Relaxed) as f64,
+        );
+    }
+    t.sample(
+        "strata_requests_total",
+        &[("outcome", "cancelled")],
+        s.finished.cancelled as f64,
+    );
+    t.sample("strata_queue_depth", &[], s.waiting as f64);
+    t.sample("strata_running_requests", &[], s.running as f64);
+    t.sample("strata_tokens_in_flight", &[], s.tokens_in_flight as f64);
+    t.sample(
+        "strata_generation_tokens_total",
+        &[],
+        s.generated_tokens as f64,
+    );
+    t.histogram("strata_time_to_first_token_seconds", &m.ttft);
+    t.histogram("strata_inter_token_latency_seconds", &m.itl);
+    t.histogram("strata_request_duration_seconds", &m.e2e);
+    let sent = st.transfers_sent.load(Ordering::Relaxed) as f64;
+    let sent_failed = st.transfer_failures.load(Ordering::Relaxed) as f64;
+    t.sample(
+        "strata_kv_transfers_total",
+        &[("direction", "sent"), ("outcome", "ok")],
+        sent,
+    );
+    t.sample(
+        "strata_kv_transfers_total",
+        &[("direction", "sent"), ("outcome", "failed")],
+        sent_failed,
+    );
+    t.sample(
+        "strata_kv_transfer_bytes_total",
+        &[("direction", "sent")],
+        st.transfer_bytes_sent.load(Ordering::Relaxed) as f64,
+    );
+    t.sample(
+        "strata_kv_transfer_seconds_total",
+        &[("direction", "sent")],
+        st.transfer_nanos_sent.load(Ordering::Relaxed) as f64 / 1e9,
+    );
+    let pd = &st.pd_prefill;
+    for (outcome, n) in [("ok", &pd.ok), ("failed", &pd.failed)] {
+        t.sample(
+            "strata_pd_prefill_requests_total",
+            &[("outcome", outcome)],
+            n.load(Ordering::Relaxed) as f64,
+        );
+    }
+    t.sample(
+        "strata_pd_prefill_prompt_tokens_total",
+        &[],
+        pd.prompt_tokens.load(Ordering::Relaxed) as f64,
+    );
+    t.histogram("strata_pd_prefill_duration_seconds", &pd.duration);
+    if let Some(k) = &st.kv {
+        let (ok, failed, bytes) = (
+            k.received.load(Ordering::Relaxed),
+            k.failed.load(Ordering::Relaxed),
+            k.bytes.load(Ordering::Relaxed),
+        );
+        t.sample(
+            "strata_kv_transfers_total",
+            &[("direction", "received"), ("outcome", "ok")],
+            ok as f64,
+        );
+        t.sample(
+            "strata_kv_transfers_total",
+            &[("direction", "received"), ("outcome", "failed")],
+            failed as f64,
+        );
+        t.sample(
+            "strata_kv_transfer_bytes_total",
+            &[("direction", "received")],
+            bytes as f64,
+        );
+        t.sample(
+            "strata_kv_transfer_seconds_total",
+            &[("direction", "received")],
+            k.nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        );
+    }
+    node_health(&mut t, &st.role);
+    t.finish()
+}

@@ -1,0 +1,129 @@
+//! What every worker handler shares: the [`AppState`], and running request preparation off
+//! the async workers.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use strata_engine::EngineHandle;
+use strata_model::{ChatTemplate, ModelTokenizer};
+
+use crate::error::{engine_error, ApiError};
+
+/// Header by which the router names the prefill worker of a request sent to a decode worker.
+pub const PREFILL_HEADER: &str = "x-strata-prefill";
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<ModelTokenizer>,
+    pub template: Option<Arc<ChatTemplate>>,
+    /// The name `/v1/models` lists and requests may give as `model`.
+    pub model_name: String,
+    /// Bearer token for admin endpoints (`/flush_cache`); None: open.
+    pub admin_key: Option<String>,
+    /// `max_tokens` when a request gives none (capped by the context and the pool).
+    pub default_max_tokens: usize,
+    /// Largest accepted request body in bytes.
+    pub body_limit: usize,
+    pub created: u64,
+    /// This worker's KV listener (decode role): where prefill workers send K/V.
+    pub kv: Option<Arc<crate::kv_inbox::KvInbox>>,
+    /// How long a KV transfer may take, end to end.
+    pub kv_deadline: Duration,
+    /// Client for calls to prefill workers.
+    pub http: reqwest::Client,
+    pub transfers_sent: AtomicU64,
+    pub transfer_bytes_sent: AtomicU64,
+    pub transfer_failures: AtomicU64,
+    pub transfer_nanos_sent: AtomicU64,
+    /// Latencies and outcomes the HTTP layer measures.
+    pub metrics: crate::metrics::ServerMetrics,
+    /// The memory plan, exported as gauges.
+    pub plan: Option<crate::metrics::PlanGauges>,
+    /// prefill, decode, both or server (a label of strata_build_info).
+    pub role: String,
+    /// Name of the L3 tier in metrics (`disk`, `remote`).
+    pub storage_tier: String,
+    /// Bounds CPU work done for requests outside the engine (tokenizing, template
+    /// rendering): it runs on blocking threads, this many at once, never on the async
+    /// workers that answer `/health`.
+    pub cpu_gate: Arc<tokio::sync::Semaphore>,
+    /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
+    /// they hold it. None: this worker listens on loopback only.
+    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
+    pub prefill_workers: Vec<String>,
+    /// Cluster-call nonces seen (replays are refused).
+    pub replay: crate::auth::ReplayGuard,
+    /// The PD prefill work this worker does for decode workers.
+    pub pd_prefill: crate::metrics::PdPrefillMetrics,
+}
+
+impl AppState {
+    pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, model_name: String) -> Self {
+        AppState {
+            engine,
+            tokenizer,
+            template: None,
+            model_name,
+            admin_key: None,
+            default_max_tokens: 1024,
+            body_limit: 4 << 20,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            kv: None,
+            kv_deadline: Duration::from_secs(30),
+            http: reqwest::Client::new(),
+            transfers_sent: AtomicU64::new(0),
+            transfer_bytes_sent: AtomicU64::new(0),
+            transfer_failures: AtomicU64::new(0),
+            transfer_nanos_sent: AtomicU64::new(0),
+            metrics: crate::metrics::ServerMetrics::default(),
+            plan: None,
+            role: "server".into(),
+            storage_tier: "disk".into(),
+            // One core fewer than the machine has (at least one): the async workers always
+            // find a core free.
+            cpu_gate: cpu_gate(),
+            cluster_key: None,
+            prefill_workers: Vec::new(),
+            replay: crate::auth::ReplayGuard::default(),
+            pd_prefill: Default::default(),
+        }
+    }
+}
+
+/// Runs CPU work for a request (tokenizing, rendering) on a blocking thread, at most
+/// `cpu_gate` at once, so the async workers keep answering (`/health` within milliseconds
+/// while megabyte prompts are tokenized).
+pub async fn off_async<T: Send + 'static>(
+    st: &Arc<AppState>,
+    f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    // The permit moves into the blocking task: a client that goes away does not free its
+    // place while its tokenization still runs.
+    let permit = st
+        .cpu_gate
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| engine_error("the server is closing"))?;
+    let st = st.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        f(&st)
+    })
+    .await
+    .map_err(|e| engine_error(&format!("request preparation failed: {e}")))?
+}
+
+/// A gate of one core fewer than the machine has (at least one): the async workers always
+/// find a core free.
+pub fn cpu_gate() -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(
+        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
+    ))
+}

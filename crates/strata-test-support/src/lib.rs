@@ -1,0 +1,173 @@
+//! Helpers the integration tests share (dev-dependency only): the tiny random-weight model,
+//! a worker started in-process on a port the OS picks, and probes of its HTTP answers and
+//! `/metrics`.
+
+use std::net::TcpListener as StdListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use strata_engine::{Engine, EngineConfig};
+use strata_kv::memory::HeapAllocator;
+use strata_kv::storage::Storage;
+use strata_kv::{CacheConfig, PageLayout, TieredCache};
+use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
+use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_server::app::serve;
+use strata_server::pd::{KvInbox, KvLimits};
+use strata_server::AppState;
+use tokio::sync::oneshot;
+
+/// Writes the tiny model (default spec) into `dir`; returns its path.
+pub fn tiny_model(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    write_tiny(&p, &TinySpec::default()).unwrap();
+    p
+}
+
+/// How to start a test worker.
+pub struct WorkerSpec {
+    pub page_size: usize,
+    pub device_pages: u32,
+    pub host_pages: u32,
+    /// Start a KV listener (a decode worker under PD).
+    pub kv_listener: bool,
+    /// Prefill workers this worker may be told to use.
+    pub prefill_workers: Vec<String>,
+    pub engine: EngineConfig,
+    /// L3 storage and its tier name in metrics.
+    pub storage: Option<Arc<dyn Storage>>,
+    pub storage_tier: &'static str,
+}
+
+impl Default for WorkerSpec {
+    fn default() -> Self {
+        WorkerSpec {
+            page_size: 16,
+            device_pages: 128,
+            host_pages: 128,
+            kv_listener: false,
+            prefill_workers: Vec::new(),
+            engine: EngineConfig::default(),
+            storage: None,
+            storage_tier: "disk",
+        }
+    }
+}
+
+/// A worker serving in-process.
+pub struct TestWorker {
+    pub url: String,
+    pub state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl TestWorker {
+    /// Stops it gracefully and waits for the server to end.
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().expect("stopped once").send(());
+        let _ = self.task.await;
+    }
+}
+
+/// The engine and HTTP state of a worker on the model at `path` (page hashes on, model id
+/// `tiny`).
+pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
+    let mut g = Gguf::open(path).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let m = Model::load(&mut g).unwrap();
+    let layout = PageLayout::new(spec.page_size, vec![m.pool_kind()]).unwrap();
+    let mut cc = CacheConfig::new(layout, spec.device_pages, spec.host_pages);
+    cc.model_id = "tiny".into();
+    cc.hashing = true;
+    let cache = TieredCache::new(cc, &HeapAllocator, spec.storage).unwrap();
+    let cfg = EngineConfig {
+        stop_token_ids: tk.stop.clone(),
+        model_id: "tiny".into(),
+        ..spec.engine
+    };
+    let engine = Engine::start(m, cache, cfg);
+    let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
+    st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
+    st.kv_deadline = Duration::from_secs(5);
+    st.prefill_workers = spec.prefill_workers;
+    st.storage_tier = spec.storage_tier.into();
+    if spec.kv_listener {
+        let info = st.engine.info().clone();
+        let l = StdListener::bind("127.0.0.1:0").unwrap();
+        let limits = KvLimits {
+            page_size: info.page_size as u32,
+            max_tokens: info.context_length,
+            ..KvLimits::default()
+        };
+        st.kv = Some(KvInbox::start(
+            l,
+            info.hello(),
+            info.page_bytes as u64,
+            limits,
+            None,
+        ));
+    }
+    st
+}
+
+/// Serves `st` on a port the OS picks (no pick-then-bind race).
+pub async fn serve_state(st: AppState) -> TestWorker {
+    let state = Arc::new(st);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel();
+    let task = tokio::spawn(serve(
+        listener,
+        state.clone(),
+        async move {
+            let _ = rx.await;
+        },
+        Duration::from_secs(5),
+    ));
+    TestWorker {
+        url,
+        state,
+        stop: Some(tx),
+        task,
+    }
+}
+
+/// Starts a worker on the model at `path`.
+pub async fn spawn_worker(path: &Path, spec: WorkerSpec) -> TestWorker {
+    serve_state(app_state(path, spec)).await
+}
+
+/// POSTs JSON; (status, JSON answer).
+pub async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// The text of `url/metrics`.
+pub async fn metrics_of(url: &str) -> String {
+    reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of the sample line that starts with `key` (name and labels as written); NaN if
+/// there is none.
+pub fn sample(metrics: &str, key: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
