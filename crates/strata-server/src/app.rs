@@ -12,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use strata_engine::SamplingParams;
 use tokio::net::TcpListener;
 
 use crate::api::{ChatRequest, CompletionRequest, Prompt, Sampling};
@@ -130,116 +129,6 @@ fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     }
 }
 
-/// Longest stop string accepted (matching work per token grows with it).
-pub const MAX_STOP_BYTES: usize = 256;
-
-/// Checks the sampling fields and fills defaults.
-fn sampling(
-    st: &AppState,
-    s: &Sampling,
-    prompt_len: usize,
-) -> Result<(SamplingParams, Vec<String>), ApiError> {
-    if let Some(n) = s.n {
-        if n != 1 {
-            return Err(ApiError::bad_request(
-                format!("n = {n}: only n = 1 is supported"),
-                Some("n"),
-            ));
-        }
-    }
-    let temperature = s.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::bad_request(
-            format!("temperature {temperature} is outside [0, 2]"),
-            Some("temperature"),
-        ));
-    }
-    let top_p = s.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::bad_request(
-            format!("top_p {top_p} is outside (0, 1]"),
-            Some("top_p"),
-        ));
-    }
-    let top_k = match s.top_k {
-        None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 => k as usize,
-        Some(k) => {
-            return Err(ApiError::bad_request(
-                format!("top_k {k}: use a positive number, or -1 / 0 for no limit"),
-                Some("top_k"),
-            ))
-        }
-    };
-    let stops = s.stop.clone().map(|v| v.into_vec()).unwrap_or_default();
-    if stops.len() > 16 {
-        return Err(ApiError::bad_request(
-            format!("{} stop strings: at most 16", stops.len()),
-            Some("stop"),
-        ));
-    }
-    if let Some(s) = stops
-        .iter()
-        .find(|s| s.len() > MAX_STOP_BYTES || s.is_empty())
-    {
-        return Err(ApiError::bad_request(
-            format!(
-                "a stop string of {} bytes: each must have 1 to {MAX_STOP_BYTES}",
-                s.len()
-            ),
-            Some("stop"),
-        ));
-    }
-    let info = st.engine.info();
-    let max_tokens = match s.max_completion_tokens.or(s.max_tokens) {
-        Some(0) => {
-            return Err(ApiError::bad_request(
-                "max_tokens must be at least 1",
-                Some("max_tokens"),
-            ))
-        }
-        Some(m) if m > info.context_length => {
-            return Err(ApiError::bad_request(
-                format!(
-                    "max_tokens {m} exceeds the context length ({} tokens)",
-                    info.context_length
-                ),
-                Some("max_tokens"),
-            )
-            .with_code("context_length_exceeded"))
-        }
-        Some(m) => m,
-        None => {
-            let room = info
-                .context_length
-                .min(info.device_tokens)
-                .saturating_sub(prompt_len);
-            st.default_max_tokens.min(room).max(1)
-        }
-    };
-    let stop_token_ids = s.stop_token_ids.clone().unwrap_or_default();
-    if stop_token_ids.len() > strata_engine::MAX_STOP_TOKEN_IDS {
-        return Err(ApiError::bad_request(
-            format!(
-                "{} stop_token_ids: at most {}",
-                stop_token_ids.len(),
-                strata_engine::MAX_STOP_TOKEN_IDS
-            ),
-            Some("stop_token_ids"),
-        ));
-    }
-    let params = SamplingParams {
-        max_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed: s.seed,
-        stop_token_ids,
-        ignore_eos: s.ignore_eos.unwrap_or(false),
-    };
-    Ok((params, stops))
-}
-
 async fn completions(
     State(st): St,
     headers: HeaderMap,
@@ -297,7 +186,7 @@ async fn start(
     body: &[u8],
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
-    let (params, stops) = sampling(&st, s, ids.len())?;
+    let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
     let prefill = match headers.get(PREFILL_HEADER) {
         None => None,
         Some(v) => {

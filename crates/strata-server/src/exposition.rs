@@ -3,13 +3,29 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::metrics::{node_health, Text};
+use strata_engine::Snapshot;
+
+use crate::metrics::{node_health, PlanGauges, Text};
 use crate::state::AppState;
 
 /// A worker's `/metrics`.
 pub fn worker(st: &AppState) -> String {
     let s = st.engine.snapshot();
     let mut t = Text::new();
+    cache_tiers(&mut t, st, &s);
+    copies(&mut t, &s);
+    l3(&mut t, &s);
+    if let Some(p) = &st.plan {
+        plan(&mut t, p);
+    }
+    serving(&mut t, st, &s);
+    transfers(&mut t, st);
+    node_health(&mut t, &st.role);
+    t.finish()
+}
+
+/// Prompt tokens by tier served, pool bytes and pages, evictions.
+fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
     let c = &s.cache;
     let prompt = s.prompt_tokens - s.transferred_prompt_tokens;
     t.sample("strata_prompt_tokens_total", &[], prompt as f64);
@@ -53,6 +69,11 @@ pub fn worker(st: &AppState) -> String {
         &[("tier", "host")],
         c.evicted_host_tokens as f64,
     );
+}
+
+/// Copies between tiers: bytes, operations, time and their durations.
+fn copies(t: &mut Text, s: &Snapshot) {
+    let c = &s.cache;
     for (op, x) in [
         ("load_back", &c.load_back),
         ("backup", &c.backup),
@@ -90,6 +111,10 @@ pub fn worker(st: &AppState) -> String {
             x.nanos as f64 / 1e9,
         );
     }
+}
+
+/// L3 errors and entries, and prompt tokens that arrived by KV transfer.
+fn l3(t: &mut Text, s: &Snapshot) {
     let st_stats = s.storage.unwrap_or_default();
     t.sample(
         "strata_l3_errors_total",
@@ -112,40 +137,46 @@ pub fn worker(st: &AppState) -> String {
         &[],
         s.transferred_prompt_tokens as f64,
     );
-    if let Some(p) = &st.plan {
-        for (pool, dev, host) in &p.pools {
-            for rank in 0..p.ranks.max(1) {
-                let r = rank.to_string();
-                t.sample(
-                    "strata_plan_device_bytes",
-                    &[("pool", pool), ("rank", &r)],
-                    *dev as f64,
-                );
-                t.sample(
-                    "strata_plan_host_bytes",
-                    &[("pool", pool), ("rank", &r)],
-                    *host as f64,
-                );
-            }
-        }
-        let nodes: Vec<String> = p.numa_nodes.iter().map(|n| n.to_string()).collect();
-        t.sample(
-            "strata_plan_info",
-            &[
-                ("host_flag", &p.host_flag),
-                ("numa_policy", &p.numa_policy),
-                ("numa_nodes", &nodes.join(",")),
-            ],
-            1.0,
-        );
-        for (node, bytes) in &p.placement {
+}
+
+/// The memory plan as gauges, with the verified NUMA placement.
+fn plan(t: &mut Text, p: &PlanGauges) {
+    for (pool, dev, host) in &p.pools {
+        for rank in 0..p.ranks.max(1) {
+            let r = rank.to_string();
             t.sample(
-                "strata_host_pool_node_bytes",
-                &[("node", &node.to_string())],
-                *bytes as f64,
+                "strata_plan_device_bytes",
+                &[("pool", pool), ("rank", &r)],
+                *dev as f64,
+            );
+            t.sample(
+                "strata_plan_host_bytes",
+                &[("pool", pool), ("rank", &r)],
+                *host as f64,
             );
         }
     }
+    let nodes: Vec<String> = p.numa_nodes.iter().map(|n| n.to_string()).collect();
+    t.sample(
+        "strata_plan_info",
+        &[
+            ("host_flag", &p.host_flag),
+            ("numa_policy", &p.numa_policy),
+            ("numa_nodes", &nodes.join(",")),
+        ],
+        1.0,
+    );
+    for (node, bytes) in &p.placement {
+        t.sample(
+            "strata_host_pool_node_bytes",
+            &[("node", &node.to_string())],
+            *bytes as f64,
+        );
+    }
+}
+
+/// Requests by outcome, queue and running figures, serving latencies.
+fn serving(t: &mut Text, st: &AppState, s: &Snapshot) {
     let m = &st.metrics;
     for (i, outcome) in ["ok", "4xx", "429", "5xx"].iter().enumerate() {
         t.sample(
@@ -170,6 +201,10 @@ pub fn worker(st: &AppState) -> String {
     t.histogram("strata_time_to_first_token_seconds", &m.ttft);
     t.histogram("strata_inter_token_latency_seconds", &m.itl);
     t.histogram("strata_request_duration_seconds", &m.e2e);
+}
+
+/// KV transfers sent and received, and the PD prefill work done for decode workers.
+fn transfers(t: &mut Text, st: &AppState) {
     let sent = st.transfers_sent.load(Ordering::Relaxed) as f64;
     let sent_failed = st.transfer_failures.load(Ordering::Relaxed) as f64;
     t.sample(
@@ -233,6 +268,4 @@ pub fn worker(st: &AppState) -> String {
             k.nanos.load(Ordering::Relaxed) as f64 / 1e9,
         );
     }
-    node_health(&mut t, &st.role);
-    t.finish()
 }

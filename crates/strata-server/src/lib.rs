@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod pd;
 pub mod prompt;
 mod respond;
+pub mod sampling;
 pub mod state;
 pub mod text;
 

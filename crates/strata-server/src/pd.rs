@@ -16,7 +16,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use strata_engine::transfer::{self, OutPage};
-use strata_engine::{CachedTokens, Event, FinishReason, SamplingParams};
+use strata_engine::{CachedTokens, Event, ExportedKv, FinishReason, SamplingParams};
 
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
@@ -82,6 +82,44 @@ async fn prefill_work(
     bytes: &[u8],
     arrived: std::time::Instant,
 ) -> Result<Json<PrefillResponse>, ApiError> {
+    let (req, id, addr, params) = prefill_request(st, bytes)?;
+    let prompt_tokens = req.tokens.len();
+    let (first, kv, cached) = compute_prefill(st, &req.tokens, params, arrived).await?;
+    let stats = send_prefill(st, addr, id, req.tokens, kv)
+        .await
+        .map_err(|e| {
+            st.transfer_failures.fetch_add(1, Ordering::Relaxed);
+            bad_gateway(format!("KV transfer to {}: {e}", req.kv_target))
+        })?;
+    tracing::debug!(
+        pages = stats.pages,
+        bytes = stats.bytes,
+        seconds = stats.seconds,
+        "KV sent (bytes, seconds)"
+    );
+    st.transfers_sent.fetch_add(1, Ordering::Relaxed);
+    st.transfer_bytes_sent
+        .fetch_add(stats.bytes, Ordering::Relaxed);
+    st.transfer_nanos_sent
+        .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
+    Ok(Json(PrefillResponse {
+        first_token: first,
+        prompt_tokens,
+        cached_device: cached.device,
+        cached_host: cached.host,
+        cached_storage: cached.storage,
+        transfer_pages: stats.pages,
+        transfer_bytes: stats.bytes,
+        transfer_seconds: stats.seconds,
+    }))
+}
+
+/// The request checked: its transfer id, the decode worker's KV address, the sampling of the
+/// first token.
+fn prefill_request(
+    st: &AppState,
+    bytes: &[u8],
+) -> Result<(PrefillRequest, u128, SocketAddr, SamplingParams), ApiError> {
     let req: PrefillRequest = crate::body::parse_json(bytes)?;
     let id = strata_kv::auth::unhex(&req.transfer_id)
         .filter(|b| b.len() == 16)
@@ -106,10 +144,19 @@ async fn prefill_work(
         stop_token_ids: req.stop_token_ids.clone(),
         ignore_eos: req.ignore_eos,
     };
-    let prompt_tokens = req.tokens.len();
+    Ok((req, id, addr, params))
+}
+
+/// Computes the prompt: the first token, the prompt's K/V and how the cache served it.
+async fn compute_prefill(
+    st: &AppState,
+    tokens: &[u32],
+    params: SamplingParams,
+    arrived: std::time::Instant,
+) -> Result<(u32, Arc<ExportedKv>, CachedTokens), ApiError> {
     let mut rs = st
         .engine
-        .submit_export(req.tokens.clone(), params)
+        .submit_export(tokens.to_vec(), params)
         .map_err(|e| ApiError::from_submit(&e))?;
     let (mut first, mut kv, mut cached) = (None, None, CachedTokens::default());
     while let Some(ev) = rs.events.recv().await {
@@ -122,7 +169,7 @@ async fn prefill_work(
                 st.pd_prefill.duration.observe(secs);
                 st.pd_prefill
                     .prompt_tokens
-                    .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                    .fetch_add(tokens.len() as u64, Ordering::Relaxed);
                 first = Some(t)
             }
             Event::Kv(k) => kv = Some(k),
@@ -136,15 +183,25 @@ async fn prefill_work(
             }
         }
     }
-    let (Some(first), Some(kv)) = (first, kv) else {
-        return Err(bad_gateway("prefill produced no token".into()));
-    };
-    let info = st.engine.info().clone();
-    let hello = info.hello();
-    let tokens = req.tokens;
+    match (first, kv) {
+        (Some(first), Some(kv)) => Ok((first, kv, cached)),
+        _ => Err(bad_gateway("prefill produced no token".into())),
+    }
+}
+
+/// Sends the prompt's K/V to the decode worker's listener (blocking I/O, off the async
+/// workers).
+async fn send_prefill(
+    st: &AppState,
+    addr: SocketAddr,
+    id: u128,
+    tokens: Vec<u32>,
+    kv: Arc<ExportedKv>,
+) -> Result<transfer::TransferStats, String> {
+    let hello = st.engine.info().hello();
     let deadline = st.kv_deadline;
     let key = st.cluster_key.clone();
-    let stats = tokio::task::spawn_blocking(move || -> Result<_, transfer::TransferError> {
+    tokio::task::spawn_blocking(move || -> Result<_, transfer::TransferError> {
         let mut conn = connect_kv(addr, &hello, key.as_ref(), deadline)?;
         let pages: Vec<OutPage> = kv
             .pages
@@ -155,32 +212,8 @@ async fn prefill_work(
         transfer::send_kv(&mut conn, id, &tokens, &pages, deadline)
     })
     .await
-    .map_err(|e| bad_gateway(format!("KV transfer task: {e}")))?
-    .map_err(|e| {
-        st.transfer_failures.fetch_add(1, Ordering::Relaxed);
-        bad_gateway(format!("KV transfer to {}: {e}", req.kv_target))
-    })?;
-    tracing::debug!(
-        pages = stats.pages,
-        bytes = stats.bytes,
-        seconds = stats.seconds,
-        "KV sent (bytes, seconds)"
-    );
-    st.transfers_sent.fetch_add(1, Ordering::Relaxed);
-    st.transfer_bytes_sent
-        .fetch_add(stats.bytes, Ordering::Relaxed);
-    st.transfer_nanos_sent
-        .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
-    Ok(Json(PrefillResponse {
-        first_token: first,
-        prompt_tokens,
-        cached_device: cached.device,
-        cached_host: cached.host,
-        cached_storage: cached.storage,
-        transfer_pages: stats.pages,
-        transfer_bytes: stats.bytes,
-        transfer_seconds: stats.seconds,
-    }))
+    .map_err(|e| format!("KV transfer task: {e}"))?
+    .map_err(|e| e.to_string())
 }
 
 /// Connects to a decode worker's KV listener and completes the handshake. A connection closed
@@ -269,7 +302,50 @@ pub async fn decode_after_remote_prefill(
             None,
         ));
     };
-    // Refuse before any remote work what this worker could not run anyway.
+    check_fits(st, inbox, &ids, &params)?;
+    let exp = inbox.expect();
+    let body = PrefillRequest {
+        transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
+        tokens: ids.clone(),
+        kv_target: inbox.addr.to_string(),
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k,
+        seed: params.seed,
+        stop_token_ids: params.stop_token_ids.clone(),
+        ignore_eos: params.ignore_eos,
+    };
+    let pr = call_prefill(st, prefill_url, &body).await?;
+    let got = exp
+        .take(st.kv_deadline)
+        .await
+        .map_err(|e| bad_gateway(format!("KV transfer: {e}")))?;
+    drop(exp);
+    if got.tokens != ids {
+        return Err(bad_gateway("the K/V received is for other tokens".into()));
+    }
+    let kv = strata_engine::ImportedKv {
+        pages: got.pages,
+        first_token: pr.first_token,
+        cached: CachedTokens {
+            device: pr.cached_device,
+            host: pr.cached_host,
+            storage: pr.cached_storage,
+        },
+    };
+    st.engine
+        .submit_prefilled(ids, params, kv)
+        .map_err(|e| ApiError::from_submit(&e))
+}
+
+/// Refuses, before any remote work, what this worker could not run anyway: a request too
+/// long for its context or pool, or K/V larger than its staging area.
+fn check_fits(
+    st: &AppState,
+    inbox: &KvInbox,
+    ids: &[u32],
+    params: &SamplingParams,
+) -> Result<(), ApiError> {
     let info = st.engine.info();
     let needed = ids.len().saturating_add(params.max_tokens);
     if needed > info.context_length
@@ -295,20 +371,17 @@ pub async fn decode_after_remote_prefill(
         )
         .with_code("context_length_exceeded"));
     }
-    let exp = inbox.expect();
-    let body = PrefillRequest {
-        transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
-        tokens: ids.clone(),
-        kv_target: inbox.addr.to_string(),
-        temperature: params.temperature,
-        top_p: params.top_p,
-        top_k: params.top_k,
-        seed: params.seed,
-        stop_token_ids: params.stop_token_ids.clone(),
-        ignore_eos: params.ignore_eos,
-    };
+    Ok(())
+}
+
+/// Asks the prefill worker to compute the prompt and send its K/V here; its answer.
+async fn call_prefill(
+    st: &AppState,
+    prefill_url: &str,
+    body: &PrefillRequest,
+) -> Result<PrefillResponse, ApiError> {
     let url = format!("{}/pd/prefill", prefill_url.trim_end_matches('/'));
-    let bytes = serde_json::to_vec(&body).expect("a prefill request serializes");
+    let bytes = serde_json::to_vec(body).expect("a prefill request serializes");
     let mut req = st
         .http
         .post(&url)
@@ -344,28 +417,7 @@ pub async fn decode_after_remote_prefill(
         }
         return Err(bad_gateway(format!("the prefill worker answered {status}")));
     }
-    let pr: PrefillResponse = r
-        .json()
+    r.json()
         .await
-        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: bad answer: {e}")))?;
-    let got = exp
-        .take(st.kv_deadline)
-        .await
-        .map_err(|e| bad_gateway(format!("KV transfer: {e}")))?;
-    drop(exp);
-    if got.tokens != ids {
-        return Err(bad_gateway("the K/V received is for other tokens".into()));
-    }
-    let kv = strata_engine::ImportedKv {
-        pages: got.pages,
-        first_token: pr.first_token,
-        cached: CachedTokens {
-            device: pr.cached_device,
-            host: pr.cached_host,
-            storage: pr.cached_storage,
-        },
-    };
-    st.engine
-        .submit_prefilled(ids, params, kv)
-        .map_err(|e| ApiError::from_submit(&e))
+        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: bad answer: {e}")))
 }

@@ -1,0 +1,141 @@
+//! The sampling fields of a request: checked (each refusal names its field) and turned into
+//! the engine's [`SamplingParams`], with defaults filled.
+
+use strata_engine::SamplingParams;
+
+use crate::api::Sampling;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Longest stop string accepted (matching work per token grows with it).
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Checks the sampling fields and fills defaults: the engine's parameters and the stop
+/// strings.
+pub fn sampling(
+    st: &AppState,
+    s: &Sampling,
+    prompt_len: usize,
+) -> Result<(SamplingParams, Vec<String>), ApiError> {
+    if let Some(n) = s.n {
+        if n != 1 {
+            return Err(ApiError::bad_request(
+                format!("n = {n}: only n = 1 is supported"),
+                Some("n"),
+            ));
+        }
+    }
+    let (temperature, top_p, top_k) = distribution(s)?;
+    let stops = stop_strings(s)?;
+    let params = SamplingParams {
+        max_tokens: max_tokens(st, s, prompt_len)?,
+        temperature,
+        top_p,
+        top_k,
+        seed: s.seed,
+        stop_token_ids: stop_token_ids(s)?,
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+    };
+    Ok((params, stops))
+}
+
+/// temperature, top_p and top_k, in range.
+fn distribution(s: &Sampling) -> Result<(f32, f32, usize), ApiError> {
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad_request(
+            format!("temperature {temperature} is outside [0, 2]"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(
+            format!("top_p {top_p} is outside (0, 1]"),
+            Some("top_p"),
+        ));
+    }
+    let top_k = match s.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::bad_request(
+                format!("top_k {k}: use a positive number, or -1 / 0 for no limit"),
+                Some("top_k"),
+            ))
+        }
+    };
+    Ok((temperature, top_p, top_k))
+}
+
+/// The stop strings: at most [`MAX_STOP_STRINGS`], each 1 to [`MAX_STOP_BYTES`] bytes.
+fn stop_strings(s: &Sampling) -> Result<Vec<String>, ApiError> {
+    let stops = s.stop.clone().map(|v| v.into_vec()).unwrap_or_default();
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::bad_request(
+            format!("{} stop strings: at most {MAX_STOP_STRINGS}", stops.len()),
+            Some("stop"),
+        ));
+    }
+    if let Some(s) = stops
+        .iter()
+        .find(|s| s.len() > MAX_STOP_BYTES || s.is_empty())
+    {
+        return Err(ApiError::bad_request(
+            format!(
+                "a stop string of {} bytes: each must have 1 to {MAX_STOP_BYTES}",
+                s.len()
+            ),
+            Some("stop"),
+        ));
+    }
+    Ok(stops)
+}
+
+/// `max_completion_tokens` or `max_tokens`: at least 1, at most the context; by default the
+/// room the context and the device pool leave after the prompt (capped by the server's
+/// default).
+fn max_tokens(st: &AppState, s: &Sampling, prompt_len: usize) -> Result<usize, ApiError> {
+    let info = st.engine.info();
+    match s.max_completion_tokens.or(s.max_tokens) {
+        Some(0) => Err(ApiError::bad_request(
+            "max_tokens must be at least 1",
+            Some("max_tokens"),
+        )),
+        Some(m) if m > info.context_length => Err(ApiError::bad_request(
+            format!(
+                "max_tokens {m} exceeds the context length ({} tokens)",
+                info.context_length
+            ),
+            Some("max_tokens"),
+        )
+        .with_code("context_length_exceeded")),
+        Some(m) => Ok(m),
+        None => {
+            let room = info
+                .context_length
+                .min(info.device_tokens)
+                .saturating_sub(prompt_len);
+            Ok(st.default_max_tokens.min(room).max(1))
+        }
+    }
+}
+
+/// `stop_token_ids`: at most the engine's limit (their range is the engine's check).
+fn stop_token_ids(s: &Sampling) -> Result<Vec<u32>, ApiError> {
+    let ids = s.stop_token_ids.clone().unwrap_or_default();
+    if ids.len() > strata_engine::MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::bad_request(
+            format!(
+                "{} stop_token_ids: at most {}",
+                ids.len(),
+                strata_engine::MAX_STOP_TOKEN_IDS
+            ),
+            Some("stop_token_ids"),
+        ));
+    }
+    Ok(ids)
+}
