@@ -283,91 +283,17 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 async fn transfer(a: TransferArgs) -> Result<()> {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
-    use strata_engine::transfer::{self, Hello, OutPage};
     if a.pages == 0 || a.page_bytes == 0 || a.reps == 0 {
         bail!("--pages, --page-bytes and --reps must be at least 1");
     }
-    let hello = Hello {
-        model_id: "bench".into(),
-        page_size: 16,
-        page_bytes: a.page_bytes as u64,
-        layout: "bench".into(),
-    };
     let blobs: Vec<Vec<u8>> = (0..a.pages)
         .map(|i| (0..a.page_bytes).map(|j| (i * 31 + j) as u8).collect())
         .collect();
     let total = (a.pages * a.page_bytes) as f64;
-    let (pb, reps, h2, npages) = (a.page_bytes as u64, a.reps, hello.clone(), a.pages);
-    let key = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).expect("32 bytes");
-    let key2 = key.clone();
-    // One token per page slot: the pages announced match the tokens they hold.
-    let tokens: Vec<u32> = (0..a.pages * 16).map(|i| i as u32 % 100).collect();
+    let (pb, reps) = (a.page_bytes as u64, a.reps);
     tokio::task::spawn_blocking(move || -> Result<()> {
-        // The protocol: one connection, `reps` transfers.
-        let l = TcpListener::bind("127.0.0.1:0")?;
-        let addr = l.local_addr()?;
-        let rx = std::thread::spawn(move || -> Result<()> {
-            let (c, _) = l.accept()?;
-            c.set_nodelay(true)?;
-            // As a decode worker receives: paced frames, the cluster key's handshake.
-            let mut c = transfer::Paced::new(c, Duration::from_secs(10), Duration::from_secs(1), 1 << 20);
-            transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
-            let lim = transfer::RecvLimits {
-                page_bytes: pb,
-                page_size: 16,
-                max_tokens: npages * 16,
-            };
-            for _ in 0..reps {
-                transfer::recv_kv(&mut c, &lim, &mut |_, _| transfer::Admit::Yes)?;
-            }
-            Ok(())
-        });
-        let mut c = TcpStream::connect(addr)?;
-        c.set_nodelay(true)?;
-        transfer::handshake_connect(&mut c, &hello, Some(&key))?;
-        let pages: Vec<OutPage> = blobs.iter().map(|d| OutPage { hash: [1; 16], data: d }).collect();
-        let mut proto = Vec::new();
-        for r in 0..reps {
-            let st = transfer::send_kv(&mut c, r as u128, &tokens, &pages, Duration::from_secs(60))?;
-            proto.push(st.bytes as f64 / st.seconds / 1e9);
-        }
-        rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-        // Plain TCP: the same bytes, written and read back to back, acknowledged by one byte.
-        let l = TcpListener::bind("127.0.0.1:0")?;
-        let addr = l.local_addr()?;
-        let n = (total as usize) * reps;
-        let rx = std::thread::spawn(move || -> Result<()> {
-            let (mut c, _) = l.accept()?;
-            let mut buf = vec![0u8; 1 << 20];
-            let per = n / reps;
-            for _ in 0..reps {
-                let mut got = 0;
-                while got < per {
-                    let k = c.read(&mut buf[..(per - got).min(1 << 20)])?;
-                    if k == 0 {
-                        bail!("plain copy: early EOF");
-                    }
-                    got += k;
-                }
-                c.write_all(&[1])?;
-            }
-            Ok(())
-        });
-        let mut c = TcpStream::connect(addr)?;
-        c.set_nodelay(true)?;
-        let mut plain = Vec::new();
-        for _ in 0..reps {
-            let t = Instant::now();
-            for b in &blobs {
-                c.write_all(b)?;
-            }
-            let mut ack = [0u8; 1];
-            c.read_exact(&mut ack)?;
-            plain.push(total / t.elapsed().as_secs_f64() / 1e9);
-        }
-        rx.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        let mut proto = protocol_rates(&blobs, pb, reps)?;
+        let mut plain = plain_tcp_rates(&blobs, total, reps)?;
         let (pm, qm) = (median(&mut proto.clone()), median(&mut plain.clone()));
         println!(
             "KV transfer on loopback: {} pages × {} bytes = {:.1} MB per transfer, {reps} transfers",
@@ -386,78 +312,114 @@ async fn transfer(a: TransferArgs) -> Result<()> {
     Ok(())
 }
 
+/// The KV transfer protocol on loopback: one connection, `reps` transfers of `blobs`; GB/s
+/// of each.
+fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
+    use std::net::{TcpListener, TcpStream};
+    use strata_engine::transfer::{self, Hello, OutPage};
+    let npages = blobs.len();
+    let hello = Hello {
+        model_id: "bench".into(),
+        page_size: 16,
+        page_bytes: pb,
+        layout: "bench".into(),
+    };
+    let h2 = hello.clone();
+    let key = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).expect("32 bytes");
+    let key2 = key.clone();
+    // One token per page slot: the pages announced match the tokens they hold.
+    let tokens: Vec<u32> = (0..npages * 16).map(|i| i as u32 % 100).collect();
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let rx = std::thread::spawn(move || -> Result<()> {
+        let (c, _) = l.accept()?;
+        c.set_nodelay(true)?;
+        // As a decode worker receives: paced frames, the cluster key's handshake.
+        let mut c =
+            transfer::Paced::new(c, Duration::from_secs(10), Duration::from_secs(1), 1 << 20);
+        transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
+        let lim = transfer::RecvLimits {
+            page_bytes: pb,
+            page_size: 16,
+            max_tokens: npages * 16,
+        };
+        for _ in 0..reps {
+            transfer::recv_kv(&mut c, &lim, &mut |_, _| transfer::Admit::Yes)?;
+        }
+        Ok(())
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    transfer::handshake_connect(&mut c, &hello, Some(&key))?;
+    let pages: Vec<OutPage> = blobs
+        .iter()
+        .map(|d| OutPage {
+            hash: [1; 16],
+            data: d,
+        })
+        .collect();
+    let mut proto = Vec::new();
+    for r in 0..reps {
+        let st = transfer::send_kv(&mut c, r as u128, &tokens, &pages, Duration::from_secs(60))?;
+        proto.push(st.bytes as f64 / st.seconds / 1e9);
+    }
+    rx.join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    Ok(proto)
+}
+
+/// Plain TCP on loopback: the same bytes, written and read back to back, acknowledged by one
+/// byte, `reps` times; GB/s of each.
+fn plain_tcp_rates(blobs: &[Vec<u8>], total: f64, reps: usize) -> Result<Vec<f64>> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let n = (total as usize) * reps;
+    let rx = std::thread::spawn(move || -> Result<()> {
+        let (mut c, _) = l.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let per = n / reps;
+        for _ in 0..reps {
+            let mut got = 0;
+            while got < per {
+                let k = c.read(&mut buf[..(per - got).min(1 << 20)])?;
+                if k == 0 {
+                    bail!("plain copy: early EOF");
+                }
+                got += k;
+            }
+            c.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let mut plain = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        for b in blobs {
+            c.write_all(b)?;
+        }
+        let mut ack = [0u8; 1];
+        c.read_exact(&mut ack)?;
+        plain.push(total / t.elapsed().as_secs_f64() / 1e9);
+    }
+    rx.join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    Ok(plain)
+}
+
 async fn router_latency(a: RouterArgs) -> Result<()> {
-    use std::sync::Arc;
-    use strata_server::router::{router, Policy, RouterState};
     if !(a.rate > 0.0 && a.seconds > 0.0) {
         bail!("--rate and --seconds must be > 0");
     }
-    // The fake backend: answers every completion at once with a fixed body.
-    let fake = axum::Router::new().route(
-        "/v1/chat/completions",
-        axum::routing::post(|| async {
-            axum::Json(
-                json!({"id": "x", "object": "chat.completion", "choices": [{"index": 0,
-                "message": {"role": "assistant", "content": "OK"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}),
-            )
-        }),
-    );
-    let fl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let backend = format!("http://{}", fl.local_addr()?);
-    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(fl), fake).await });
-    let st = Arc::new(RouterState::new(
-        &[],
-        std::slice::from_ref(&backend),
-        Policy::RoundRobin,
-    ));
-    let rl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let front = format!("http://{}", rl.local_addr()?);
-    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(rl), router(st)).await });
+    let backend = fake_backend().await?;
+    let front = start_router(&backend).await?;
     let c = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .build()?;
     let body = json!({"messages": [{"role": "user", "content": "say OK"}], "max_tokens": 1});
-    let run = |url: String| {
-        let (c, body) = (c.clone(), body.clone());
-        async move {
-            let n = (a.rate * a.seconds) as usize;
-            let mut x = 0x2545_F491_4F6C_DD1Du64;
-            let start = Instant::now();
-            let mut at = 0.0f64;
-            let mut tasks = Vec::with_capacity(n);
-            for _ in 0..n {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let u = ((x >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
-                at += -u.ln() / a.rate;
-                let due = start + Duration::from_secs_f64(at);
-                tokio::time::sleep_until(due.into()).await;
-                let (c, body, url) = (c.clone(), body.clone(), url.clone());
-                tasks.push(tokio::spawn(async move {
-                    let t = Instant::now();
-                    let r = c
-                        .post(format!("{url}/v1/chat/completions"))
-                        .json(&body)
-                        .send()
-                        .await?;
-                    let ok = r.status().is_success();
-                    r.bytes().await?;
-                    anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
-                }));
-            }
-            let mut lat = Vec::new();
-            let mut fails = 0;
-            for t in tasks {
-                match t.await? {
-                    Ok((true, ms)) => lat.push(ms),
-                    _ => fails += 1,
-                }
-            }
-            anyhow::Ok((lat, fails))
-        }
-    };
     // Warm both paths' connection pools.
     for _ in 0..20 {
         c.post(format!("{backend}/v1/chat/completions"))
@@ -473,8 +435,8 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
             .bytes()
             .await?;
     }
-    let (mut direct, f1) = run(backend.clone()).await?;
-    let (mut routed, f2) = run(front.clone()).await?;
+    let (mut direct, f1) = open_loop(&c, &backend, &body, &a).await?;
+    let (mut routed, f2) = open_loop(&c, &front, &body, &a).await?;
     println!(
         "router latency, open loop {} req/s for {} s each, fake instant backend ({} + {} failures)",
         a.rate, a.seconds, f1, f2
@@ -500,6 +462,84 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
         r99 - d99
     );
     Ok(())
+}
+
+/// The fake backend: answers every completion at once with a fixed body; its URL.
+async fn fake_backend() -> Result<String> {
+    let fake = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|| async {
+            axum::Json(
+                json!({"id": "x", "object": "chat.completion", "choices": [{"index": 0,
+                "message": {"role": "assistant", "content": "OK"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}),
+            )
+        }),
+    );
+    let fl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let backend = format!("http://{}", fl.local_addr()?);
+    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(fl), fake).await });
+    Ok(backend)
+}
+
+/// The router, round robin over the one backend; its URL.
+async fn start_router(backend: &str) -> Result<String> {
+    use std::sync::Arc;
+    use strata_router::{router, Policy, RouterState};
+    let st = Arc::new(RouterState::new(
+        &[],
+        &[backend.to_string()],
+        Policy::RoundRobin,
+    ));
+    let rl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let front = format!("http://{}", rl.local_addr()?);
+    tokio::spawn(async move { axum::serve(strata_server::app::no_delay(rl), router(st)).await });
+    Ok(front)
+}
+
+/// `--rate` requests per second (Poisson arrivals) for `--seconds` against `url`: the
+/// latencies (ms) of the successful ones, and how many failed.
+async fn open_loop(
+    c: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    a: &RouterArgs,
+) -> Result<(Vec<f64>, usize)> {
+    let n = (a.rate * a.seconds) as usize;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let start = Instant::now();
+    let mut at = 0.0f64;
+    let mut tasks = Vec::with_capacity(n);
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let u = ((x >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
+        at += -u.ln() / a.rate;
+        let due = start + Duration::from_secs_f64(at);
+        tokio::time::sleep_until(due.into()).await;
+        let (c, body, url) = (c.clone(), body.clone(), url.to_string());
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await?;
+            let ok = r.status().is_success();
+            r.bytes().await?;
+            anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut fails = 0;
+    for t in tasks {
+        match t.await? {
+            Ok((true, ms)) => lat.push(ms),
+            _ => fails += 1,
+        }
+    }
+    Ok((lat, fails))
 }
 
 async fn l3(a: L3Args) -> Result<()> {

@@ -20,10 +20,10 @@ use serde_json::{json, Value};
 use strata_bench::stats::{quantile, summarize};
 use strata_model::fetch::{cache_dir, ensure_model};
 
-use crate::bench_report::{level, plots, ratio_lines, records_from_json, Record};
+use crate::bench_load::{client, drive, prepare, Prepared, WorkloadOpts};
+use crate::bench_report::{level, plots, ratio_lines, records_from_json, Config, Record};
 use crate::bench_workload::{
-    counts, drive, outcomes_json, prepare, print_table, sampler, summary_json, tiers_json, Row,
-    TierCounts, WorkloadOpts,
+    counts, outcomes_json, print_table, sampler, summary_json, tiers_json, Row, TierCounts,
 };
 
 #[derive(Args, Debug)]
@@ -78,46 +78,6 @@ pub struct CompareArgs {
     pub sample_interval: f64,
     #[command(flatten)]
     pub w: WorkloadOpts,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Config {
-    NoCache,
-    Device,
-    Host,
-    Disk,
-    Pd,
-}
-
-impl Config {
-    pub fn parse(s: &str) -> Result<Config> {
-        Ok(match s {
-            "no-cache" => Config::NoCache,
-            "device" => Config::Device,
-            "host" => Config::Host,
-            "disk" => Config::Disk,
-            "pd" => Config::Pd,
-            x => bail!("--configs: `{x}` is not one of no-cache, device, host, disk, pd"),
-        })
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Config::NoCache => "no-cache",
-            Config::Device => "device",
-            Config::Host => "host",
-            Config::Disk => "disk",
-            Config::Pd => "pd",
-        }
-    }
-    pub fn describe(self) -> &'static str {
-        match self {
-            Config::NoCache => "one worker, --disable-prefix-cache",
-            Config::Device => "one worker, device tier only",
-            Config::Host => "one worker, device + host",
-            Config::Disk => "one worker, device + host + L3 disk",
-            Config::Pd => "router + prefill + decode workers, each device + host",
-        }
-    }
 }
 
 /// A started configuration; dropping it stops every process.
@@ -274,42 +234,9 @@ async fn warm_up(c: &reqwest::Client, url: &str) -> Result<()> {
 
 pub async fn run(a: CompareArgs) -> Result<()> {
     if let Some(p) = &a.replot {
-        let text =
-            std::fs::read_to_string(p).with_context(|| format!("--replot {}", p.display()))?;
-        let v: Value =
-            serde_json::from_str(&text).with_context(|| format!("--replot {}", p.display()))?;
-        let (levels, recs, title) =
-            records_from_json(&v).with_context(|| format!("--replot {}", p.display()))?;
-        std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
-        for f in plots(&a.out, a.sample_interval, &levels, &recs, &title)? {
-            eprintln!("wrote {}", f.display());
-        }
-        return Ok(());
+        return replot(&a, p);
     }
-    let cfgs: Vec<Config> = a
-        .configs
-        .iter()
-        .map(|s| Config::parse(s))
-        .collect::<Result<_>>()?;
-    if cfgs.is_empty() {
-        bail!("--configs: name at least one configuration");
-    }
-    if a.concurrency.is_empty() || a.concurrency.contains(&0) {
-        bail!("--concurrency: every level must be at least 1");
-    }
-    if !(a.sample_interval > 0.0 && a.sample_interval.is_finite()) {
-        bail!(
-            "--sample-interval {}: expected seconds > 0",
-            a.sample_interval
-        );
-    }
-    for (flag, v) in [
-        ("--device-mem", &a.device_mem),
-        ("--hicache-size", &a.hicache_size),
-        ("--l3-size", &a.l3_size),
-    ] {
-        strata_kv::units::parse_size(v).with_context(|| flag.to_string())?;
-    }
+    let cfgs = check(&a)?;
     let p = Arc::new(prepare(&a.w)?);
     let levels: Vec<usize> = if p.open_loop {
         vec![0]
@@ -337,55 +264,121 @@ pub async fn run(a: CompareArgs) -> Result<()> {
         a.hicache_size,
         model.display()
     );
-    let c = crate::bench_workload::client()?;
+    let c = client()?;
     let mut recs = Vec::new();
     let mut k = 0;
     for &conc in &levels {
         for &cfg in &cfgs {
-            let mut d = start(&a, cfg, k, &model)?;
+            recs.push(run_one(&a, &c, &p, cfg, conc, k, &model).await?);
             k += 1;
-            wait_healthy(&c, &mut d, a.startup_timeout).await?;
-            warm_up(&c, &d.url).await?;
-            let before = counts(&c, &d.metrics, 0.0).await?;
-            let stop = Arc::new(AtomicBool::new(false));
-            let h = sampler(
-                c.clone(),
-                d.metrics.clone(),
-                Duration::from_secs_f64(a.sample_interval),
-                stop.clone(),
-            );
-            let label = format!("{} {}", cfg.name(), level(conc));
-            let r = drive(&c, &d.url, &p, conc.max(1), &label).await?;
-            stop.store(true, Ordering::Relaxed);
-            let samples: Vec<TierCounts> = h
-                .await?
-                .iter()
-                .map(|s| {
-                    let mut x = s.minus(&before);
-                    x.t = s.t;
-                    x
-                })
-                .collect();
-            let after = counts(&c, &d.metrics, r.wall).await?;
-            drop(d);
-            let summary = summarize(&r.outcomes, r.wall);
-            recs.push(Record {
-                cfg,
-                concurrency: conc,
-                tiers: after.minus(&before),
-                samples,
-                ttft: r.outcomes.iter().filter(|o| o.ok).map(|o| o.ttft).collect(),
-                outcomes: outcomes_json(&r.outcomes),
-                summary,
-                wall: r.wall,
-            });
         }
     }
+    let ratios = print_results(&a, &title, &cfgs, &recs);
+    let files = plots(&a.out, a.sample_interval, &levels, &recs, &title)?;
+    write_json(&a, &p, &model, &ratios, &recs, files)
+}
+
+/// `--replot`: the plots of an earlier results.json, redrawn into --out.
+fn replot(a: &CompareArgs, p: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(p).with_context(|| format!("--replot {}", p.display()))?;
+    let v: Value =
+        serde_json::from_str(&text).with_context(|| format!("--replot {}", p.display()))?;
+    let (levels, recs, title) =
+        records_from_json(&v).with_context(|| format!("--replot {}", p.display()))?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("--out {}", a.out.display()))?;
+    for f in plots(&a.out, a.sample_interval, &levels, &recs, &title)? {
+        eprintln!("wrote {}", f.display());
+    }
+    Ok(())
+}
+
+/// Checks the flags of the comparison (the workload is checked by `prepare`); the
+/// configurations to start, in order.
+fn check(a: &CompareArgs) -> Result<Vec<Config>> {
+    let cfgs: Vec<Config> = a
+        .configs
+        .iter()
+        .map(|s| Config::parse(s))
+        .collect::<Result<_>>()?;
+    if cfgs.is_empty() {
+        bail!("--configs: name at least one configuration");
+    }
+    if a.concurrency.is_empty() || a.concurrency.contains(&0) {
+        bail!("--concurrency: every level must be at least 1");
+    }
+    if !(a.sample_interval > 0.0 && a.sample_interval.is_finite()) {
+        bail!(
+            "--sample-interval {}: expected seconds > 0",
+            a.sample_interval
+        );
+    }
+    for (flag, v) in [
+        ("--device-mem", &a.device_mem),
+        ("--hicache-size", &a.hicache_size),
+        ("--l3-size", &a.l3_size),
+    ] {
+        strata_kv::units::parse_size(v).with_context(|| flag.to_string())?;
+    }
+    Ok(cfgs)
+}
+
+/// Run `k`: starts `cfg`, drives the workload against it at `conc` (0: open loop) while
+/// sampling its counters, stops it; the record.
+async fn run_one(
+    a: &CompareArgs,
+    c: &reqwest::Client,
+    p: &Arc<Prepared>,
+    cfg: Config,
+    conc: usize,
+    k: usize,
+    model: &Path,
+) -> Result<Record> {
+    let mut d = start(a, cfg, k, model)?;
+    wait_healthy(c, &mut d, a.startup_timeout).await?;
+    warm_up(c, &d.url).await?;
+    let before = counts(c, &d.metrics, 0.0).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let h = sampler(
+        c.clone(),
+        d.metrics.clone(),
+        Duration::from_secs_f64(a.sample_interval),
+        stop.clone(),
+    );
+    let label = format!("{} {}", cfg.name(), level(conc));
+    let r = drive(c, &d.url, p, conc.max(1), &label).await?;
+    stop.store(true, Ordering::Relaxed);
+    let samples: Vec<TierCounts> = h
+        .await?
+        .iter()
+        .map(|s| {
+            let mut x = s.minus(&before);
+            x.t = s.t;
+            x
+        })
+        .collect();
+    let after = counts(c, &d.metrics, r.wall).await?;
+    drop(d);
+    let summary = summarize(&r.outcomes, r.wall);
+    Ok(Record {
+        cfg,
+        concurrency: conc,
+        tiers: after.minus(&before),
+        samples,
+        ttft: r.outcomes.iter().filter(|o| o.ok).map(|o| o.ttft).collect(),
+        outcomes: outcomes_json(&r.outcomes),
+        summary,
+        wall: r.wall,
+    })
+}
+
+/// The workload, the configurations, the table and the ratios against device only (stdout);
+/// the ratio lines.
+fn print_results(a: &CompareArgs, title: &str, cfgs: &[Config], recs: &[Record]) -> Vec<String> {
     println!(
         "workload {title}, seed {}, max_tokens {}; device pool {} per worker, host {} per worker",
         a.w.seed, a.w.max_tokens, a.device_mem, a.hicache_size
     );
-    for cfg in &cfgs {
+    for cfg in cfgs {
         println!("  {}: {}", cfg.name(), cfg.describe());
     }
     let rows: Vec<Row> = recs
@@ -397,11 +390,22 @@ pub async fn run(a: CompareArgs) -> Result<()> {
         })
         .collect();
     print_table(&rows);
-    let ratios = ratio_lines(&recs);
+    let ratios = ratio_lines(recs);
     for l in &ratios {
         println!("{l}");
     }
-    let files = plots(&a.out, a.sample_interval, &levels, &recs, &title)?;
+    ratios
+}
+
+/// Writes results.json into --out and says which files were written (stderr).
+fn write_json(
+    a: &CompareArgs,
+    p: &Prepared,
+    model: &Path,
+    ratios: &[String],
+    recs: &[Record],
+    files: Vec<PathBuf>,
+) -> Result<()> {
     let v = json!({
         "workload": p.name, "scaling": p.scaling, "seed": a.w.seed, "open_loop": p.open_loop,
         "max_tokens": a.w.max_tokens, "device_mem": a.device_mem,
@@ -426,18 +430,4 @@ pub async fn run(a: CompareArgs) -> Result<()> {
         writeln!(f, "wrote {}", p.display())?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn configurations_parse_by_name_and_refuse_others() {
-        for n in ["no-cache", "device", "host", "disk", "pd"] {
-            assert_eq!(Config::parse(n).unwrap().name(), n);
-        }
-        let e = Config::parse("gpu").unwrap_err().to_string();
-        assert!(e.contains("`gpu`"), "{e}");
-    }
 }

@@ -31,6 +31,9 @@ pub struct HealthArgs {
     pub every_ms: u64,
 }
 
+/// Status codes of the large requests, counted.
+type Statuses = Arc<std::sync::Mutex<std::collections::BTreeMap<u16, u64>>>;
+
 pub async fn run(a: HealthArgs) -> Result<()> {
     let bytes = parse_size(&a.prompt_bytes).context("--prompt-bytes")? as usize;
     if a.concurrency == 0 || !(a.seconds > 0.0 && a.seconds.is_finite()) || a.every_ms == 0 {
@@ -38,6 +41,44 @@ pub async fn run(a: HealthArgs) -> Result<()> {
     }
     let url = a.url.trim_end_matches('/').to_string();
     let client = reqwest::Client::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let statuses: Statuses = Arc::default();
+    let load = start_load(&a, &client, &url, bytes, &stop, &sent, &statuses);
+    // Let the load start before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (lat, failed) = probe(&a, &client, &url).await;
+    stop.store(true, Ordering::Relaxed);
+    for h in load {
+        let _ = h.await;
+    }
+    let q = |p| quantile(&lat, p).unwrap_or(f64::NAN);
+    println!(
+        "/health under {} clients sending {} prompts: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed; {} large requests answered (by status: {:?})",
+        a.concurrency,
+        a.prompt_bytes,
+        lat.len(),
+        q(0.5),
+        q(0.99),
+        lat.iter().cloned().fold(0.0, f64::max),
+        failed,
+        sent.load(Ordering::Relaxed),
+        statuses.lock().expect("status lock")
+    );
+    Ok(())
+}
+
+/// `--concurrency` clients sending a chat request of `bytes` of text, one after the other,
+/// until `stop`; each answer counted in `sent` and by status.
+fn start_load(
+    a: &HealthArgs,
+    client: &reqwest::Client,
+    url: &str,
+    bytes: usize,
+    stop: &Arc<AtomicBool>,
+    sent: &Arc<AtomicU64>,
+    statuses: &Statuses,
+) -> Vec<tokio::task::JoinHandle<()>> {
     // Words, so that tokenizing does real work (not one long run of a single byte).
     let text: String = "the quick brown fox jumps over a lazy dog "
         .chars()
@@ -48,16 +89,11 @@ pub async fn run(a: HealthArgs) -> Result<()> {
         serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1})
             .to_string(),
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicU64::new(0));
-    let statuses = Arc::new(std::sync::Mutex::new(
-        std::collections::BTreeMap::<u16, u64>::new(),
-    ));
     let mut load = Vec::new();
     for _ in 0..a.concurrency {
         let (c, u, b, stop, sent, statuses) = (
             client.clone(),
-            url.clone(),
+            url.to_string(),
             body.clone(),
             stop.clone(),
             sent.clone(),
@@ -83,8 +119,12 @@ pub async fn run(a: HealthArgs) -> Result<()> {
             }
         }));
     }
-    // Let the load start before measuring.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    load
+}
+
+/// Reads `/health` every `--every-ms` for `--seconds`: the latencies (ms) of the successful
+/// probes, and how many failed.
+async fn probe(a: &HealthArgs, client: &reqwest::Client, url: &str) -> (Vec<f64>, u64) {
     let mut lat = Vec::new();
     let mut failed = 0u64;
     let t = Instant::now();
@@ -101,22 +141,5 @@ pub async fn run(a: HealthArgs) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(a.every_ms)).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    for h in load {
-        let _ = h.await;
-    }
-    let q = |p| quantile(&lat, p).unwrap_or(f64::NAN);
-    println!(
-        "/health under {} clients sending {} prompts: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed; {} large requests answered (by status: {:?})",
-        a.concurrency,
-        a.prompt_bytes,
-        lat.len(),
-        q(0.5),
-        q(0.99),
-        lat.iter().cloned().fold(0.0, f64::max),
-        failed,
-        sent.load(Ordering::Relaxed),
-        statuses.lock().expect("status lock")
-    );
-    Ok(())
+    (lat, failed)
 }

@@ -9,8 +9,48 @@ use serde_json::Value;
 use strata_bench::stats::Summary;
 use strata_sim::plot::{Chart, Series};
 
-use crate::bench_compare::Config;
 use crate::bench_workload::TierCounts;
+
+/// A configuration `strata bench compare` starts (`--configs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Config {
+    NoCache,
+    Device,
+    Host,
+    Disk,
+    Pd,
+}
+
+impl Config {
+    pub fn parse(s: &str) -> Result<Config> {
+        Ok(match s {
+            "no-cache" => Config::NoCache,
+            "device" => Config::Device,
+            "host" => Config::Host,
+            "disk" => Config::Disk,
+            "pd" => Config::Pd,
+            x => bail!("--configs: `{x}` is not one of no-cache, device, host, disk, pd"),
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Config::NoCache => "no-cache",
+            Config::Device => "device",
+            Config::Host => "host",
+            Config::Disk => "disk",
+            Config::Pd => "pd",
+        }
+    }
+    pub fn describe(self) -> &'static str {
+        match self {
+            Config::NoCache => "one worker, --disable-prefix-cache",
+            Config::Device => "one worker, device tier only",
+            Config::Host => "one worker, device + host",
+            Config::Disk => "one worker, device + host + L3 disk",
+            Config::Pd => "router + prefill + decode workers, each device + host",
+        }
+    }
+}
 
 /// `c=N`, or `open` for an open-loop run (concurrency 0).
 pub fn level(c: usize) -> String {
@@ -76,6 +116,8 @@ pub fn cdf(ttft: &[f64]) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// Writes the plots into `out_dir`: the TTFT CDF and hit rate by tier over time of the first
+/// level's runs, and throughput against concurrency (closed loop only); the files written.
 pub fn plots(
     out_dir: &Path,
     sample_interval: f64,
@@ -86,7 +128,26 @@ pub fn plots(
     let primary = levels[0];
     let first: Vec<&Record> = recs.iter().filter(|r| r.concurrency == primary).collect();
     let mut out = Vec::new();
-    let cdf_chart = Chart {
+    let p = out_dir.join("ttft_cdf.svg");
+    std::fs::write(&p, cdf_chart(primary, &first, title).svg())?;
+    out.push(p);
+    for r in &first {
+        let p = out_dir.join(format!("hit_rate_by_tier_{}.svg", r.cfg.name()));
+        std::fs::write(&p, hit_rate_chart(r, sample_interval, title).svg())?;
+        out.push(p);
+    }
+    if primary == 0 {
+        return Ok(out);
+    }
+    let p = out_dir.join("throughput_vs_concurrency.svg");
+    std::fs::write(&p, throughput_chart(levels, recs, title).svg())?;
+    out.push(p);
+    Ok(out)
+}
+
+/// TTFT CDF, one series per configuration, of the runs at one level.
+fn cdf_chart(primary: usize, first: &[&Record], title: &str) -> Chart {
+    Chart {
         title: format!("TTFT CDF by configuration, {}", level(primary)),
         subtitle: title.to_string(),
         x_label: "time to first token (ms, log scale)".into(),
@@ -103,48 +164,45 @@ pub fn plots(
             })
             .collect(),
         ..Chart::default()
-    };
-    let p = out_dir.join("ttft_cdf.svg");
-    std::fs::write(&p, cdf_chart.svg())?;
-    out.push(p);
-    for r in &first {
-        // About 30 windows over the run, at least one sample interval each.
-        let bucket = (r.wall / 30.0).max(sample_interval);
-        let rates = windowed_rates(&r.samples, bucket);
-        let names = ["device", "host", "L3"];
-        let chart = Chart {
-            title: format!("Hit rate by tier over time: {}", r.label()),
-            subtitle: title.to_string(),
-            x_label: "time since the run started (s)".into(),
-            y_label: format!("prompt tokens per tier, {bucket:.1} s windows (%)"),
-            y_range: Some((0.0, 100.0)),
-            y_unit: "%".into(),
-            series: (0..3)
-                .map(|i| Series {
-                    name: names[i].into(),
-                    points: rates.iter().map(|(t, v)| (*t, v[i])).collect(),
-                    dashed: false,
-                })
-                .collect(),
-            ..Chart::default()
-        };
-        let p = out_dir.join(format!("hit_rate_by_tier_{}.svg", r.cfg.name()));
-        std::fs::write(&p, chart.svg())?;
-        out.push(p);
     }
+}
+
+/// Hit rate by tier over one run's time.
+fn hit_rate_chart(r: &Record, sample_interval: f64, title: &str) -> Chart {
+    // About 30 windows over the run, at least one sample interval each.
+    let bucket = (r.wall / 30.0).max(sample_interval);
+    let rates = windowed_rates(&r.samples, bucket);
+    let names = ["device", "host", "L3"];
+    Chart {
+        title: format!("Hit rate by tier over time: {}", r.label()),
+        subtitle: title.to_string(),
+        x_label: "time since the run started (s)".into(),
+        y_label: format!("prompt tokens per tier, {bucket:.1} s windows (%)"),
+        y_range: Some((0.0, 100.0)),
+        y_unit: "%".into(),
+        series: (0..3)
+            .map(|i| Series {
+                name: names[i].into(),
+                points: rates.iter().map(|(t, v)| (*t, v[i])).collect(),
+                dashed: false,
+            })
+            .collect(),
+        ..Chart::default()
+    }
+}
+
+/// Output throughput against concurrency, one series per configuration (in run order).
+fn throughput_chart(levels: &[usize], recs: &[Record], title: &str) -> Chart {
     let mut cfgs: Vec<Config> = Vec::new();
     for r in recs {
         if !cfgs.contains(&r.cfg) {
             cfgs.push(r.cfg);
         }
     }
-    if primary == 0 {
-        return Ok(out);
-    }
     let mut levels = levels.to_vec();
     levels.sort_unstable();
     levels.dedup();
-    let chart = Chart {
+    Chart {
         title: "Throughput against concurrency".into(),
         subtitle: title.to_string(),
         x_label: "requests in flight (closed loop)".into(),
@@ -167,11 +225,7 @@ pub fn plots(
             })
             .collect(),
         ..Chart::default()
-    };
-    let p = out_dir.join("throughput_vs_concurrency.svg");
-    std::fs::write(&p, chart.svg())?;
-    out.push(p);
-    Ok(out)
+    }
 }
 
 /// Ratios against the device-only configuration at the same concurrency.
@@ -259,6 +313,15 @@ pub fn records_from_json(v: &Value) -> Result<(Vec<usize>, Vec<Record>, String)>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configurations_parse_by_name_and_refuse_others() {
+        for n in ["no-cache", "device", "host", "disk", "pd"] {
+            assert_eq!(Config::parse(n).unwrap().name(), n);
+        }
+        let e = Config::parse("gpu").unwrap_err().to_string();
+        assert!(e.contains("`gpu`"), "{e}");
+    }
 
     #[test]
     fn cdf_is_sorted_and_ends_at_100() {

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_compare;
 mod bench_health;
+mod bench_load;
 mod bench_report;
 mod bench_workload;
 mod generate;

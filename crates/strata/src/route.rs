@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use strata_server::router::{health_loop, index_loop, router, Policy, RouterState};
+use strata_router::{health_loop, index_loop, router, Policy, RouterState};
 
 #[derive(Args, Debug, Clone)]
 pub struct RouteArgs {
@@ -84,17 +84,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
             a.health_interval
         );
     }
-    let mut keys: HashSet<String> = a.api_key.iter().cloned().collect();
-    if let Some(f) = &a.api_key_file {
-        let text = std::fs::read_to_string(f)
-            .with_context(|| format!("--api-key-file {}", f.display()))?;
-        keys.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(str::to_string),
-        );
-    }
+    let keys = api_keys(&a)?;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
@@ -107,32 +97,66 @@ pub fn run(a: RouteArgs) -> Result<()> {
             Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?);
     }
     if policy == Policy::CacheAware {
-        let Some(path) = &a.model else {
-            bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
-        };
-        if !(a.index_interval > 0.0 && a.index_interval.is_finite()) {
-            bail!(
-                "--index-interval {}: expected seconds > 0",
-                a.index_interval
-            );
-        }
-        let g = strata_model::Gguf::open(path)?;
-        let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
-        let tpl = match g.string("tokenizer.chat_template") {
-            Some(t) => Some(strata_model::ChatTemplate::new(t)?),
-            None => None,
-        };
-        let n = st.cache_pool().len();
-        st.index = Some(Arc::new(strata_server::cache_index::CacheIndex::new(
-            Arc::new(tk),
-            tpl,
-            n,
-        )));
+        add_cache_index(&a, &mut st)?;
     }
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let every = Duration::from_secs_f64(a.health_interval);
     st.health_every = every;
-    let st = Arc::new(st);
+    serve(&a, Arc::new(st), policy, addr, every, index_every)
+}
+
+/// The client API keys of `--api-key` and `--api-key-file`.
+fn api_keys(a: &RouteArgs) -> Result<HashSet<String>> {
+    let mut keys: HashSet<String> = a.api_key.iter().cloned().collect();
+    if let Some(f) = &a.api_key_file {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--api-key-file {}", f.display()))?;
+        keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_string),
+        );
+    }
+    Ok(keys)
+}
+
+/// cache_aware: the index that hashes prompts as the workers do (their tokenizer and template).
+fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
+    let Some(path) = &a.model else {
+        bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
+    };
+    if !(a.index_interval > 0.0 && a.index_interval.is_finite()) {
+        bail!(
+            "--index-interval {}: expected seconds > 0",
+            a.index_interval
+        );
+    }
+    let g = strata_model::Gguf::open(path)?;
+    let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
+    let tpl = match g.string("tokenizer.chat_template") {
+        Some(t) => Some(strata_model::ChatTemplate::new(t)?),
+        None => None,
+    };
+    let n = st.cache_pool().len();
+    st.set_index(Arc::new(strata_router::cache_index::CacheIndex::new(
+        Arc::new(tk),
+        tpl,
+        n,
+    )));
+    Ok(())
+}
+
+/// Listens on `addr` and routes until SIGTERM / Ctrl-C, checking the workers' health and
+/// reading their cache events meanwhile.
+fn serve(
+    a: &RouteArgs,
+    st: Arc<RouterState>,
+    policy: Policy,
+    addr: SocketAddr,
+    every: Duration,
+    index_every: Duration,
+) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

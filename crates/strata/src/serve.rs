@@ -11,10 +11,11 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use strata_engine::{Engine, EngineConfig};
+use strata_kv::auth::ClusterKey;
 use strata_kv::storage::{DiskStorage, Storage};
 use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
-use strata_mem::{make_plan, NumaAllocator};
+use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
 use strata_model::fetch::{cache_dir, ensure_model};
 use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
 use strata_server::AppState;
@@ -92,9 +93,15 @@ pub struct ServeArgs {
     #[arg(long, hide = true)]
     pub fault_panic_token: Option<u32>,
 
-    /// write_through, write_through_selective or write_back (device → host backup).
-    #[arg(long, default_value = "write_through", help_heading = "Cache")]
-    pub write_policy: String,
+    /// When device pages are backed up to the host tier: write_through (at once),
+    /// write_through_selective[:N] (once hit N times, default 2) or write_back (on eviction).
+    #[arg(
+        long,
+        default_value = "write_through",
+        value_parser = write_policy,
+        help_heading = "Cache"
+    )]
+    pub write_policy: WritePolicy,
     /// Which cached prefix leaves a tier first.
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
@@ -171,6 +178,14 @@ pub enum Prefetch {
     Timeout,
 }
 
+/// `--write-policy` (here and in `strata sim`): what [`WritePolicy::parse`] accepts.
+pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
+    WritePolicy::parse(s).ok_or_else(|| {
+        "expected write_through, write_through_selective[:N] (N: hits, default 2) or write_back"
+            .to_string()
+    })
+}
+
 fn is_loopback(host: &str) -> bool {
     host == "localhost"
         || host
@@ -232,12 +247,80 @@ fn l3_storage(
 
 pub fn run(mut a: ServeArgs) -> Result<()> {
     // Check everything cheap first.
-    let write_policy = WritePolicy::parse(&a.write_policy).with_context(|| {
-        format!(
-            "--write-policy `{}`: expected write_through, write_through_selective or write_back",
-            a.write_policy
-        )
-    })?;
+    let c = check_flags(&a)?;
+    // Bind before loading anything: a port in use is a configuration error, said at once.
+    let std_listener = std::net::TcpListener::bind(c.addr)
+        .with_context(|| format!("cannot listen on {}", c.addr))?;
+    std_listener.set_nonblocking(true)?;
+    // The port really bound (--port 0: any free one, said in the ready line).
+    let addr = std_listener.local_addr()?;
+    // The memory plan, printed before anything is allocated.
+    let path = match &a.sizing.model {
+        Some(p) => p.clone(),
+        None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+    };
+    a.sizing.model = Some(path.clone());
+    let req = a.sizing.request()?;
+    let topo = a.sizing.topology()?;
+    let plan = make_plan(&req, &topo)?;
+    eprint!("{}", plan.render());
+    check_l3_specs(&a.l3)?;
+    let prefetch = prefetch_policy(&a)?;
+
+    // Model.
+    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
+    let mut g = Gguf::open(&path)?;
+    let tk = ModelTokenizer::from_gguf(&g)?;
+    let template = match g.string("tokenizer.chat_template") {
+        Some(t) => Some(Arc::new(ChatTemplate::new(t)?)),
+        None => None,
+    };
+    let mut model = Model::load(&mut g)?;
+    model.set_threads(a.threads);
+    model.set_quantized_decode(!a.f32_decode);
+
+    // Pools, as planned; the engine over them.
+    let layout = PageLayout::new(req.page_size, vec![model.pool_kind()])?;
+    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout)?;
+    let gauges = plan_gauges(&plan, &cache);
+    let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
+
+    // The HTTP API's state; the KV-transfer listener for decode workers.
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let mut st = AppState::new(engine, Arc::new(tk), name.clone());
+    st.template = template;
+    st.admin_key = a.admin_key.clone();
+    st.default_max_tokens = a.default_max_tokens;
+    st.body_limit = c.body_limit;
+    st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
+    st.plan = Some(gauges);
+    st.storage_tier = storage_tier;
+    st.role = c.role.to_string();
+    st.cluster_key = c.cluster_key.clone();
+    st.prefill_workers = a.prefill_worker.clone();
+    if matches!(c.role, "decode" | "both") {
+        st.kv = Some(kv_listener(&a, &st, c.kv_staging, c.cluster_key.clone())?);
+    }
+    let grace = Duration::from_secs_f64(a.shutdown_grace);
+    serve_until_stopped(std_listener, addr, st, name, c.role, grace)
+}
+
+/// What the flags checked before anything is bound or loaded give.
+struct Checked {
+    eviction: EvictionPolicy,
+    body_limit: usize,
+    role: &'static str,
+    kv_staging: u64,
+    addr: SocketAddr,
+    cluster_key: Option<ClusterKey>,
+}
+
+/// Checks every flag that needs neither the model nor the plan.
+fn check_flags(a: &ServeArgs) -> Result<Checked> {
     let eviction = match a.eviction {
         Eviction::Lru => EvictionPolicy::Lru,
         Eviction::Gdsf => EvictionPolicy::Gdsf,
@@ -275,8 +358,26 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
-    let cluster_key = match &a.cluster_key_file {
-        Some(f) => Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?),
+    let cluster_key = cluster_key(a)?;
+    for u in &a.prefill_worker {
+        if !(u.starts_with("http://") || u.starts_with("https://")) {
+            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
+        }
+    }
+    Ok(Checked {
+        eviction,
+        body_limit,
+        role,
+        kv_staging,
+        addr,
+        cluster_key,
+    })
+}
+
+/// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.
+fn cluster_key(a: &ServeArgs) -> Result<Option<ClusterKey>> {
+    Ok(match &a.cluster_key_file {
+        Some(f) => Some(ClusterKey::from_file(f).context("--cluster-key-file")?),
         None => {
             for (flag, host) in [("--host", &a.host), ("--kv-host", &a.kv_host)] {
                 if !is_loopback(host) {
@@ -292,28 +393,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             );
             None
         }
-    };
-    for u in &a.prefill_worker {
-        if !(u.starts_with("http://") || u.starts_with("https://")) {
-            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
-        }
-    }
-    // Bind before loading anything: a port in use is a configuration error, said at once.
-    let std_listener =
-        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
-    std_listener.set_nonblocking(true)?;
-    // The port really bound (--port 0: any free one, said in the ready line).
-    let addr = std_listener.local_addr()?;
-    let path = match &a.sizing.model {
-        Some(p) => p.clone(),
-        None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
-    };
-    a.sizing.model = Some(path.clone());
-    let req = a.sizing.request()?;
-    let topo = a.sizing.topology()?;
-    let plan = make_plan(&req, &topo)?;
-    eprint!("{}", plan.render());
-    for spec in &a.l3 {
+    })
+}
+
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL.
+fn check_l3_specs(l3: &[String]) -> Result<()> {
+    for spec in l3 {
         if !(spec.starts_with("disk:")
             || spec.starts_with("redis://")
             || spec.starts_with("rediss://"))
@@ -321,7 +406,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
         }
     }
-    let prefetch = match a.prefetch_policy {
+    Ok(())
+}
+
+/// The engine's prefetch policy from `--prefetch-policy` and `--prefetch-ms-per-token`.
+fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPolicy> {
+    Ok(match a.prefetch_policy {
         Prefetch::BestEffort => strata_engine::PrefetchPolicy::BestEffort,
         Prefetch::WaitComplete => strata_engine::PrefetchPolicy::WaitComplete,
         Prefetch::Timeout
@@ -335,23 +425,20 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             "--prefetch-ms-per-token {}: expected milliseconds ≥ 0",
             a.prefetch_ms_per_token
         ),
-    };
+    })
+}
 
-    // Model.
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
-    let mut g = Gguf::open(&path)?;
-    let tk = ModelTokenizer::from_gguf(&g)?;
-    let template = match g.string("tokenizer.chat_template") {
-        Some(t) => Some(Arc::new(ChatTemplate::new(t)?)),
-        None => None,
-    };
-    let mut model = Model::load(&mut g)?;
-    model.set_threads(a.threads);
-    model.set_quantized_decode(!a.f32_decode);
-
-    // Pools, as planned.
+/// The tiered cache: device and host pools as planned, the L3 tiers of `--l3`; also the name
+/// of its L3 tier (for the metrics).
+fn build_cache(
+    a: &ServeArgs,
+    c: &Checked,
+    path: &std::path::Path,
+    req: &PlanRequest,
+    plan: &Plan,
+    layout: PageLayout,
+) -> Result<(TieredCache, String)> {
     let ps = req.page_size;
-    let layout = PageLayout::new(ps, vec![model.pool_kind()])?;
     let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
     let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
     let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
@@ -361,21 +448,27 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         "host pool".into(),
         1 << 30,
     ));
-    let ns_key = strata_kv::HashNamespace::new(&model_id(&path), &layout).key();
+    let ns_key = strata_kv::HashNamespace::new(&model_id(path), &layout).key();
     let ns: String = ns_key[..8].iter().map(|b| format!("{b:02x}")).collect();
-    let blob_key = cluster_key
+    let blob_key = c
+        .cluster_key
         .as_ref()
         .map(strata_kv::storage::blob::BlobKey::from_cluster)
         .unwrap_or_default();
-    let storage = l3_storage(&a, &ns, blob_key, layout.page_bytes() as u64)?;
+    let storage = l3_storage(a, &ns, blob_key, layout.page_bytes() as u64)?;
     let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
+    let storage_tier = storage_tier.to_string();
     let mut cc = CacheConfig::new(layout, device_pages, host_pages);
-    cc.model_id = model_id(&path);
-    cc.write_policy = write_policy;
-    cc.eviction = eviction;
+    cc.model_id = model_id(path);
+    cc.write_policy = a.write_policy;
+    cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
-    let cache = TieredCache::new(cc, &alloc, storage)?;
+    Ok((TieredCache::new(cc, &alloc, storage)?, storage_tier))
+}
+
+/// The plan's figures for `/metrics`, with where the host pool's pages landed (logged).
+fn plan_gauges(plan: &Plan, cache: &TieredCache) -> strata_server::metrics::PlanGauges {
     let mut gauges = strata_server::metrics::PlanGauges {
         pools: plan
             .pools
@@ -409,13 +502,23 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             "host pool allocated (bytes)"
         );
     }
+    gauges
+}
+
+/// The engine's configuration from the scheduling flags (says so when the prefix cache is off).
+fn engine_config(
+    a: &ServeArgs,
+    path: &std::path::Path,
+    tk: &ModelTokenizer,
+    prefetch: strata_engine::PrefetchPolicy,
+) -> EngineConfig {
     let mut cfg = EngineConfig {
         max_batch_tokens: a.max_batch_tokens,
         max_running: a.max_running,
         max_waiting: a.max_waiting,
         max_tokens_in_flight: a.max_tokens_in_flight,
         stop_token_ids: tk.stop.clone(),
-        model_id: model_id(&path),
+        model_id: model_id(path),
         prefetch,
         prefix_cache: !a.disable_prefix_cache,
         max_queue_time: (a.max_queue_time > 0.0).then(|| Duration::from_secs_f64(a.max_queue_time)),
@@ -427,60 +530,55 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         eprintln!("strata serve: prefix cache disabled (--disable-prefix-cache): every prompt is computed in full");
     }
     cfg.stop_token_ids.dedup();
-    let engine = Engine::start(model, cache, cfg);
-    let name = a.served_model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
-    let mut st = AppState::new(engine, Arc::new(tk), name.clone());
-    st.template = template;
-    st.admin_key = a.admin_key.clone();
-    st.default_max_tokens = a.default_max_tokens;
-    st.body_limit = body_limit;
-    st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
-    st.plan = Some(gauges);
-    st.storage_tier = storage_tier.to_string();
-    st.role = role.to_string();
-    st.cluster_key = cluster_key.clone();
-    st.prefill_workers = a.prefill_worker.clone();
-    if matches!(role, "decode" | "both") {
-        let info = st.engine.info().clone();
-        let hello = info.hello();
-        let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
-        let l = std::net::TcpListener::bind(&kv_addr)
-            .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
-        // One request of the longest prompt this worker can hold must fit the staging area,
-        // or such prompts could never arrive.
-        let longest = info.context_length.min(info.device_tokens);
-        let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
-        if kv_staging < one {
-            bail!(
-                "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
-                a.kv_staging,
-                format_bytes(one)
-            );
-        }
-        let limits = strata_server::pd::KvLimits {
-            staging: kv_staging,
-            max_connections: a.kv_max_connections.max(1),
-            max_tokens: info.context_length,
-            page_size: info.page_size as u32,
-            ..strata_server::pd::KvLimits::default()
-        };
-        let inbox = strata_server::pd::KvInbox::start(
-            l,
-            hello,
-            info.page_bytes as u64,
-            limits,
-            cluster_key.clone(),
-        );
-        tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
-        eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
-        st.kv = Some(inbox);
-    }
-    let grace = Duration::from_secs_f64(a.shutdown_grace);
+    cfg
+}
 
+/// The KV-transfer listener of a decode worker (decode and both roles), bound and started.
+fn kv_listener(
+    a: &ServeArgs,
+    st: &AppState,
+    kv_staging: u64,
+    cluster_key: Option<ClusterKey>,
+) -> Result<Arc<strata_server::pd::KvInbox>> {
+    let info = st.engine.info().clone();
+    let hello = info.hello();
+    let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
+    let l = std::net::TcpListener::bind(&kv_addr)
+        .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
+    // One request of the longest prompt this worker can hold must fit the staging area,
+    // or such prompts could never arrive.
+    let longest = info.context_length.min(info.device_tokens);
+    let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
+    if kv_staging < one {
+        bail!(
+            "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
+            a.kv_staging,
+            format_bytes(one)
+        );
+    }
+    let limits = strata_server::pd::KvLimits {
+        staging: kv_staging,
+        max_connections: a.kv_max_connections.max(1),
+        max_tokens: info.context_length,
+        page_size: info.page_size as u32,
+        ..strata_server::pd::KvLimits::default()
+    };
+    let inbox =
+        strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, limits, cluster_key);
+    tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
+    eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
+    Ok(inbox)
+}
+
+/// Serves the API on the bound listener until SIGTERM / Ctrl-C, or until the engine dies.
+fn serve_until_stopped(
+    std_listener: std::net::TcpListener,
+    addr: SocketAddr,
+    st: AppState,
+    name: String,
+    role: &str,
+    grace: Duration,
+) -> Result<()> {
     let role_s = role.to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -10,7 +10,7 @@ use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{EvictionPolicy, PageLayout, PoolKind, WritePolicy};
 use strata_sim::belady::PageTrace;
 use strata_sim::replay::{replay, SimConfig, SimResult};
-use strata_sim::trace::read_trace;
+use strata_sim::trace::{read_trace, TraceRequest};
 use strata_sim::{plot, sweep};
 use tracing::info;
 
@@ -48,9 +48,14 @@ pub struct SimArgs {
     /// Tokens per page.
     #[arg(long, default_value_t = 16, help_heading = "Cache")]
     page_size: usize,
-    /// `write_through`, `write_through_selective[:N]` or `write_back`.
-    #[arg(long, default_value = "write_through", help_heading = "Cache")]
-    write_policy: String,
+    /// `write_through`, `write_through_selective[:N]` (N: hits, default 2) or `write_back`.
+    #[arg(
+        long,
+        default_value = "write_through",
+        value_parser = crate::serve::write_policy,
+        help_heading = "Cache"
+    )]
+    write_policy: WritePolicy,
     /// `lru`, `gdsf`, or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
@@ -121,10 +126,18 @@ fn pct(x: u64, of: u64) -> f64 {
     }
 }
 
+/// How `--write-policy` is spelled back in the report.
+fn write_policy_name(p: WritePolicy) -> String {
+    match p {
+        WritePolicy::WriteThrough => "write_through".into(),
+        WritePolicy::WriteThroughSelective { threshold } => {
+            format!("write_through_selective:{threshold}")
+        }
+        WritePolicy::WriteBack => "write_back".into(),
+    }
+}
+
 pub fn run(a: SimArgs) -> Result<()> {
-    let write_policy = WritePolicy::parse(&a.write_policy).with_context(|| {
-        format!("--write-policy `{}`: expected write_through, write_through_selective[:N] or write_back", a.write_policy)
-    })?;
     let evictions = policies(&a.eviction)?;
     if a.bytes_per_token == 0 {
         bail!("--bytes-per-token must be at least 1");
@@ -135,33 +148,7 @@ pub fn run(a: SimArgs) -> Result<()> {
     // The layout only matters for byte figures; one pool with the given bytes per token.
     let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, a.bytes_per_token)])
         .with_context(|| format!("--page-size {}", a.page_size))?;
-    let f =
-        File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
-    let mut reqs = read_trace(BufReader::new(f), a.block_tokens)
-        .with_context(|| format!("in {}", a.trace.display()))?;
-    let (block_tokens, vocab) = if a.ids_as_tokens {
-        if a.page_size != 1 {
-            bail!("--ids-as-tokens replays one token per block and needs --page-size 1");
-        }
-        for (i, r) in reqs.iter_mut().enumerate() {
-            if let Some(id) = r.hash_ids.iter().find(|&&id| id > u32::MAX as u64) {
-                bail!("trace request {}: hash id {id} does not fit in 32 bits (needed by --ids-as-tokens)", i + 1);
-            }
-            r.input_length = r.hash_ids.len();
-            // Outputs shrink by the same factor (a block's worth of tokens per token).
-            r.output_length = r.output_length.div_ceil(a.block_tokens);
-        }
-        (1, 0)
-    } else {
-        (a.block_tokens, a.vocab)
-    };
-    if !a.block_tokens.is_multiple_of(a.page_size) {
-        bail!(
-            "--page-size {} must divide --block-tokens {}",
-            a.page_size,
-            a.block_tokens
-        );
-    }
+    let (reqs, block_tokens, vocab) = load_trace(&a)?;
     let pt = PageTrace::new(&reqs, block_tokens, a.page_size);
     let distinct_tokens = (pt.distinct_pages * a.page_size) as u64;
     info!(
@@ -181,57 +168,14 @@ pub fn run(a: SimArgs) -> Result<()> {
         device_tokens: capacity(&a.device, distinct_tokens, a.bytes_per_token, "device")?,
         host_tokens: capacity(&a.host, distinct_tokens, a.bytes_per_token, "host")?,
         storage_tokens: capacity(&a.storage, distinct_tokens, a.bytes_per_token, "storage")?,
-        write_policy,
+        write_policy: a.write_policy,
         eviction: evictions[0],
         cache_outputs: a.cache_outputs,
     };
     if a.sweep {
         return run_sweep(&a, &reqs, &base, &evictions);
     }
-    let bpt = a.bytes_per_token as u64;
-    println!(
-        "trace: {} ({} requests, {} prompt tokens, {} distinct tokens in whole pages)",
-        a.trace.display(),
-        reqs.len(),
-        pt.queried_tokens(),
-        distinct_tokens
-    );
-    for (tier, t) in [
-        ("device", base.device_tokens),
-        ("host", base.host_tokens),
-        ("storage", base.storage_tokens),
-    ] {
-        println!(
-            "{tier:>8} capacity: {t} tokens = {} at {bpt} B/token ({:.2}% of distinct)",
-            format_bytes(t * bpt),
-            pct(t, distinct_tokens)
-        );
-    }
-    println!(
-        "page size {} tokens, write policy {}, {}",
-        a.page_size,
-        a.write_policy,
-        if a.cache_outputs {
-            "prompts and outputs cached (as the engine does)"
-        } else {
-            "prompts cached (outputs not)"
-        }
-    );
-    println!();
-    println!(
-        "{:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>10}",
-        "policy",
-        "device%",
-        "host%",
-        "storage%",
-        "total%",
-        "miss%",
-        "ops/s",
-        "requests/s",
-        "admit µs",
-        "+evict µs",
-        "meta B/tok"
-    );
+    print_header(&a, &reqs, &pt, distinct_tokens, &base);
     let belady_cap =
         (base.device_tokens + base.host_tokens + base.storage_tokens) / a.page_size as u64;
     for &p in &evictions {
@@ -259,6 +203,93 @@ pub fn run(a: SimArgs) -> Result<()> {
     Ok(())
 }
 
+/// Reads the trace (block granularity with `--ids-as-tokens`); with the block size in tokens
+/// and the vocabulary the replay uses.
+fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
+    let f =
+        File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
+    let mut reqs = read_trace(BufReader::new(f), a.block_tokens)
+        .with_context(|| format!("in {}", a.trace.display()))?;
+    let (block_tokens, vocab) = if a.ids_as_tokens {
+        if a.page_size != 1 {
+            bail!("--ids-as-tokens replays one token per block and needs --page-size 1");
+        }
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if let Some(id) = r.hash_ids.iter().find(|&&id| id > u32::MAX as u64) {
+                bail!("trace request {}: hash id {id} does not fit in 32 bits (needed by --ids-as-tokens)", i + 1);
+            }
+            r.input_length = r.hash_ids.len();
+            // Outputs shrink by the same factor (a block's worth of tokens per token).
+            r.output_length = r.output_length.div_ceil(a.block_tokens);
+        }
+        (1, 0)
+    } else {
+        (a.block_tokens, a.vocab)
+    };
+    if !a.block_tokens.is_multiple_of(a.page_size) {
+        bail!(
+            "--page-size {} must divide --block-tokens {}",
+            a.page_size,
+            a.block_tokens
+        );
+    }
+    Ok((reqs, block_tokens, vocab))
+}
+
+/// The trace, the capacities and the cache settings, then the table's header.
+fn print_header(
+    a: &SimArgs,
+    reqs: &[TraceRequest],
+    pt: &PageTrace,
+    distinct_tokens: u64,
+    base: &SimConfig,
+) {
+    let bpt = a.bytes_per_token as u64;
+    println!(
+        "trace: {} ({} requests, {} prompt tokens, {} distinct tokens in whole pages)",
+        a.trace.display(),
+        reqs.len(),
+        pt.queried_tokens(),
+        distinct_tokens
+    );
+    for (tier, t) in [
+        ("device", base.device_tokens),
+        ("host", base.host_tokens),
+        ("storage", base.storage_tokens),
+    ] {
+        println!(
+            "{tier:>8} capacity: {t} tokens = {} at {bpt} B/token ({:.2}% of distinct)",
+            format_bytes(t * bpt),
+            pct(t, distinct_tokens)
+        );
+    }
+    println!(
+        "page size {} tokens, write policy {}, {}",
+        a.page_size,
+        write_policy_name(a.write_policy),
+        if a.cache_outputs {
+            "prompts and outputs cached (as the engine does)"
+        } else {
+            "prompts cached (outputs not)"
+        }
+    );
+    println!();
+    println!(
+        "{:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>10}",
+        "policy",
+        "device%",
+        "host%",
+        "storage%",
+        "total%",
+        "miss%",
+        "ops/s",
+        "requests/s",
+        "admit µs",
+        "+evict µs",
+        "meta B/tok"
+    );
+}
+
 fn print_row(p: EvictionPolicy, r: &SimResult) {
     let s = &r.stats;
     let q = s.queried_tokens;
@@ -280,7 +311,7 @@ fn print_row(p: EvictionPolicy, r: &SimResult) {
 
 fn run_sweep(
     a: &SimArgs,
-    reqs: &[strata_sim::trace::TraceRequest],
+    reqs: &[TraceRequest],
     base: &SimConfig,
     ev: &[EvictionPolicy],
 ) -> Result<()> {
@@ -350,5 +381,27 @@ mod tests {
             .contains("between 0 and 100"));
         assert!(capacity("12XB", 1000, 100, "host").is_err());
         assert!(capacity("lots", 1000, 100, "host").is_err());
+    }
+
+    #[test]
+    fn write_policies_parse_as_the_cache_does_and_are_spelled_back() {
+        for (flag, spelled) in [
+            ("write_through", "write_through"),
+            ("write_back", "write_back"),
+            ("write_through_selective", "write_through_selective:2"),
+            ("write_through_selective:5", "write_through_selective:5"),
+        ] {
+            let p = crate::serve::write_policy(flag).unwrap();
+            assert_eq!(Some(p), WritePolicy::parse(flag));
+            assert_eq!(write_policy_name(p), spelled);
+        }
+        for bad in [
+            "sometimes",
+            "write_through_selective:",
+            "write_through_selective:x",
+        ] {
+            let e = crate::serve::write_policy(bad).unwrap_err();
+            assert!(e.contains("write_through_selective[:N]"), "{e}");
+        }
     }
 }

@@ -207,9 +207,9 @@ impl SizingArgs {
         })
     }
 
-    /// Parses and checks every flag; nothing is allocated.
-    pub fn request(&self) -> Result<PlanRequest> {
-        let model = match &self.model {
+    /// The pools of `--model` (read from the GGUF) or of `--model-preset`.
+    fn model_spec(&self) -> Result<ModelSpec> {
+        Ok(match &self.model {
             // The model declares its pools: f16 K/V per layer, KV heads split over TP ranks.
             Some(path) => {
                 let g = strata_model::Gguf::open(path)?;
@@ -237,7 +237,12 @@ impl SizingArgs {
                     PRESETS.join(", ")
                 )
             })?,
-        };
+        })
+    }
+
+    /// Parses and checks every flag; nothing is allocated.
+    pub fn request(&self) -> Result<PlanRequest> {
+        let model = self.model_spec()?;
         let device = match (&self.device_mem, self.device_mem_fraction) {
             (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
             (None, Some(f)) => DeviceBudget::FractionOfFree(f),

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -91,6 +91,23 @@ struct Proc {
     next_restart: Option<Instant>,
     /// When it crashed, within the last [`CRASH_WINDOW`].
     crashes: VecDeque<Instant>,
+}
+
+impl Proc {
+    /// Starts `strata ARGS` as `name`, reachable at `url`.
+    fn start(name: String, args: Vec<String>, url: String) -> Result<Proc> {
+        let (child, tail) = spawn(&name, &args)?;
+        Ok(Proc {
+            name,
+            args,
+            child,
+            tail,
+            url,
+            restarts: 0,
+            next_restart: None,
+            crashes: VecDeque::new(),
+        })
+    }
 }
 
 fn spawn(name: &str, args: &[String]) -> Result<(Child, Arc<Mutex<VecDeque<String>>>)> {
@@ -190,21 +207,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         print!("{DEFAULT}");
         return Ok(());
     }
-    let text = match &a.config {
-        Some(p) => {
-            std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?
-        }
-        None => DEFAULT.to_string(),
-    };
-    let what = a
-        .config
-        .as_ref()
-        .map(|p| p.display().to_string())
-        .unwrap_or("the embedded deployment".into());
-    let d: Deployment = toml::from_str(&text).with_context(|| what.clone())?;
-    if d.decode.is_empty() {
-        bail!("{what}: at least one [[decode]] worker is needed");
-    }
+    let d = load_deployment(&a)?;
     let model = match (&a.model, d.model.as_str()) {
         (Some(p), _) => p.clone(),
         (None, "") => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
@@ -223,6 +226,63 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     let key_file = cluster_key(&d)?;
     let key_arg = key_file.display().to_string();
+    let workers = worker_commands(&d, &model, &key_arg, nodes);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::new();
+    // The workers, then the router in front of them, each healthy before the next step.
+    let mut procs: Vec<Proc> = Vec::new();
+    for (name, args, url) in workers {
+        eprintln!("strata up: starting {name} on {url}");
+        procs.push(Proc::start(name, args, url)?);
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(a.startup_timeout);
+    wait_for_workers(&rt, &client, &mut procs, deadline, a.startup_timeout)?;
+    let router_url = format!("http://{}:{}", d.host, d.router.port);
+    let rargs = router_command(&d, &model, &key_arg, &procs);
+    eprintln!("strata up: starting router on {router_url}");
+    procs.push(Proc::start("router".into(), rargs, router_url.clone())?);
+    wait_for_router(&rt, &client, &mut procs, deadline, a.startup_timeout)?;
+    if d.smoke_test {
+        if let Err(e) = smoke_test(&rt, &client, &router_url) {
+            terminate(&mut procs);
+            return Err(e);
+        }
+    }
+    print_ready(&router_url, &procs);
+    supervise(&rt, procs)
+}
+
+/// The deployment of `--config`, or the embedded one.
+fn load_deployment(a: &UpArgs) -> Result<Deployment> {
+    let text = match &a.config {
+        Some(p) => {
+            std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?
+        }
+        None => DEFAULT.to_string(),
+    };
+    let what = a
+        .config
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or("the embedded deployment".into());
+    let d: Deployment = toml::from_str(&text).with_context(|| what.clone())?;
+    if d.decode.is_empty() {
+        bail!("{what}: at least one [[decode]] worker is needed");
+    }
+    Ok(d)
+}
+
+/// (name, `strata serve` arguments, URL) of every worker: prefill workers first, each on its
+/// NUMA node (prefill 0, decode 1 by default on a machine with two or more).
+fn worker_commands(
+    d: &Deployment,
+    model: &Path,
+    key_arg: &str,
+    nodes: usize,
+) -> Vec<(String, Vec<String>, String)> {
     let pd = !d.prefill.is_empty();
     let prefill_urls: Vec<String> = d
         .prefill
@@ -251,7 +311,7 @@ pub fn run(a: UpArgs) -> Result<()> {
                 "--kv-host".into(),
                 d.host.clone(),
                 "--cluster-key-file".into(),
-                key_arg.clone(),
+                key_arg.to_string(),
             ];
             if role == "decode" {
                 for u in &prefill_urls {
@@ -267,28 +327,46 @@ pub fn run(a: UpArgs) -> Result<()> {
             ));
         }
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let client = reqwest::Client::new();
-    let mut procs: Vec<Proc> = Vec::new();
-    for (name, args, url) in workers {
-        eprintln!("strata up: starting {name} on {url}");
-        let (child, tail) = spawn(&name, &args)?;
-        procs.push(Proc {
-            name,
-            args,
-            child,
-            tail,
-            url,
-            restarts: 0,
-            next_restart: None,
-            crashes: VecDeque::new(),
-        });
+    workers
+}
+
+/// `strata route` arguments for the router in front of the started workers.
+fn router_command(d: &Deployment, model: &Path, key_arg: &str, workers: &[Proc]) -> Vec<String> {
+    let mut rargs: Vec<String> = vec![
+        "route".into(),
+        "--host".into(),
+        d.host.clone(),
+        "--port".into(),
+        d.router.port.to_string(),
+        "--policy".into(),
+        d.router.policy.clone(),
+        "--model".into(),
+        model.display().to_string(),
+        "--cluster-key-file".into(),
+        key_arg.to_string(),
+    ];
+    for p in workers {
+        let flag = if p.name.starts_with("prefill") {
+            "--prefill"
+        } else {
+            "--decode"
+        };
+        rargs.push(flag.into());
+        rargs.push(p.url.clone());
     }
-    // Wait for health; a worker that exits now stops everything with its own message and code.
-    let deadline = Instant::now() + Duration::from_secs_f64(a.startup_timeout);
+    rargs.extend(d.router.args.iter().cloned());
+    rargs
+}
+
+/// Waits until every worker is healthy; a worker that exits now stops everything with its own
+/// message and code.
+fn wait_for_workers(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    procs: &mut Vec<Proc>,
+    deadline: Instant,
+    timeout: f64,
+) -> Result<()> {
     let mut ready = vec![false; procs.len()];
     while ready.iter().any(|r| !r) {
         for (i, p) in procs.iter_mut().enumerate() {
@@ -304,61 +382,35 @@ pub fn run(a: UpArgs) -> Result<()> {
                     "strata up: stopping everything; nothing is restarted after a start-up failure"
                 );
                 let name = p.name.clone();
-                let mut rest: Vec<Proc> = procs.into_iter().filter(|q| q.name != name).collect();
+                let mut rest: Vec<Proc> = std::mem::take(procs)
+                    .into_iter()
+                    .filter(|q| q.name != name)
+                    .collect();
                 terminate(&mut rest);
                 std::process::exit(if code == 0 { 1 } else { code });
             }
-            if !ready[i] && rt.block_on(healthy(&client, &p.url)) {
+            if !ready[i] && rt.block_on(healthy(client, &p.url)) {
                 ready[i] = true;
                 eprintln!("strata up: {} is healthy", p.name);
             }
         }
         if Instant::now() > deadline {
-            terminate(&mut procs);
-            bail!(
-                "not every worker became healthy within {} s",
-                a.startup_timeout
-            );
+            terminate(procs);
+            bail!("not every worker became healthy within {timeout} s");
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    // The router.
-    let router_url = format!("http://{}:{}", d.host, d.router.port);
-    let mut rargs: Vec<String> = vec![
-        "route".into(),
-        "--host".into(),
-        d.host.clone(),
-        "--port".into(),
-        d.router.port.to_string(),
-        "--policy".into(),
-        d.router.policy.clone(),
-        "--model".into(),
-        model.display().to_string(),
-        "--cluster-key-file".into(),
-        key_arg.clone(),
-    ];
-    for p in &procs {
-        let flag = if p.name.starts_with("prefill") {
-            "--prefill"
-        } else {
-            "--decode"
-        };
-        rargs.push(flag.into());
-        rargs.push(p.url.clone());
-    }
-    rargs.extend(d.router.args.iter().cloned());
-    eprintln!("strata up: starting router on {router_url}");
-    let (child, tail) = spawn("router", &rargs)?;
-    procs.push(Proc {
-        name: "router".into(),
-        args: rargs,
-        child,
-        tail,
-        url: router_url.clone(),
-        restarts: 0,
-        next_restart: None,
-        crashes: VecDeque::new(),
-    });
+    Ok(())
+}
+
+/// Waits until the router (the last process) is healthy; if it exits now, stops everything.
+fn wait_for_router(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    procs: &mut [Proc],
+    deadline: Instant,
+    timeout: f64,
+) -> Result<()> {
     loop {
         let r = procs.last_mut().expect("router");
         if let Some(status) = r.child.try_wait()? {
@@ -368,52 +420,54 @@ pub fn run(a: UpArgs) -> Result<()> {
                 "strata up: the router exited during start-up (exit code {:?}): {why}",
                 status.code()
             );
-            terminate(&mut procs);
+            terminate(procs);
             std::process::exit(status.code().filter(|&c| c != 0).unwrap_or(1));
         }
-        if rt.block_on(healthy(&client, &router_url)) {
-            break;
+        if rt.block_on(healthy(client, &r.url)) {
+            return Ok(());
         }
         if Instant::now() > deadline {
-            terminate(&mut procs);
-            bail!(
-                "the router did not become healthy within {} s",
-                a.startup_timeout
-            );
+            terminate(procs);
+            bail!("the router did not become healthy within {timeout} s");
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    if d.smoke_test {
-        let answer = rt.block_on(async {
-            let r = client
-                .post(format!("{router_url}/v1/chat/completions"))
-                .json(
-                    &serde_json::json!({"messages": [{"role": "user", "content": "say OK"}],
-                                          "max_tokens": 16, "temperature": 0}),
-                )
-                .timeout(Duration::from_secs(120))
-                .send()
-                .await?;
-            let status = r.status();
-            let v: serde_json::Value = r.json().await?;
-            anyhow::Ok((status, v))
-        });
-        match answer {
-            Ok((s, v)) if s.is_success() => eprintln!(
-                "strata up: smoke test through the router: \"say OK\" → {:?} (cached {} tokens)",
-                v["choices"][0]["message"]["content"].as_str().unwrap_or(""),
-                v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            ),
-            Ok((s, v)) => {
-                terminate(&mut procs);
-                bail!("smoke test failed: {s}: {v}");
-            }
-            Err(e) => {
-                terminate(&mut procs);
-                bail!("smoke test failed: {e}");
-            }
-        }
+}
+
+/// One chat request through the router; an error says why it failed.
+fn smoke_test(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    router_url: &str,
+) -> Result<()> {
+    let answer = rt.block_on(async {
+        let r = client
+            .post(format!("{router_url}/v1/chat/completions"))
+            .json(
+                &serde_json::json!({"messages": [{"role": "user", "content": "say OK"}],
+                                      "max_tokens": 16, "temperature": 0}),
+            )
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await?;
+        let status = r.status();
+        let v: serde_json::Value = r.json().await?;
+        anyhow::Ok((status, v))
+    });
+    match answer {
+        Ok((s, v)) if s.is_success() => eprintln!(
+            "strata up: smoke test through the router: \"say OK\" → {:?} (cached {} tokens)",
+            v["choices"][0]["message"]["content"].as_str().unwrap_or(""),
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ),
+        Ok((s, v)) => bail!("smoke test failed: {s}: {v}"),
+        Err(e) => bail!("smoke test failed: {e}"),
     }
+    Ok(())
+}
+
+/// Where the API, the dashboard and the metrics are (stdout).
+fn print_ready(router_url: &str, procs: &[Proc]) {
     println!("strata up: ready");
     println!("  API (OpenAI-compatible): {router_url}/v1");
     println!("  dashboard: {router_url}/dashboard");
@@ -430,7 +484,6 @@ pub fn run(a: UpArgs) -> Result<()> {
         );
     }
     println!("  Ctrl-C stops everything");
-    supervise(&rt, procs)
 }
 
 /// The deployment's cluster key file: the one the deployment names, or this user's own

@@ -137,7 +137,7 @@ fn impossible_capacities_and_bad_flags_are_refused() {
     assert!(text(&o).contains("unknown unit `XB`"), "{}", text(&o));
     let o = strata(&["sim", "--trace", t, "--write-policy", "sometimes"]);
     assert!(
-        text(&o).contains("--write-policy `sometimes`"),
+        text(&o).contains("invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N] (N: hits, default 2) or write_back"),
         "{}",
         text(&o)
     );

@@ -57,7 +57,7 @@ fn bad_flags_fail_once_with_the_reason() {
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
         (
             &["--write-policy", "sometimes"],
-            "--write-policy `sometimes`",
+            "invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N]",
         ),
         (&["--tp-size", "2"], "--tp-size 2"),
         (&["--hicache-ratio", "-1"], "hicache-ratio"),
