@@ -6,9 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Sender};
-use strata_kv::stats::{CacheStats, PoolUsage, TierUsage};
-use strata_kv::storage::StorageStats;
-use strata_kv::{CacheEvent, PrefetchPolicy, TieredCache};
+use strata_kv::{CacheEvent, TieredCache};
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -17,97 +15,10 @@ use crate::request::{
     MAX_STOP_TOKEN_IDS,
 };
 use crate::scheduler::{Cmd, NewReq, Scheduler};
+use crate::state::Shared;
 
-/// Scheduling limits.
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    /// Tokens per model call: one per decoding request, the rest for prefill chunks.
-    pub max_batch_tokens: usize,
-    /// Requests computing at once (prefill or decode).
-    pub max_running: usize,
-    /// Requests waiting for admission; beyond it submissions are refused (HTTP 429).
-    pub max_waiting: usize,
-    /// Prompt + max_tokens summed over accepted, unfinished requests; beyond it submissions
-    /// are refused. 0: four times the device pool's tokens.
-    pub max_tokens_in_flight: usize,
-    /// Token ids that end generation (the model's end-of-sequence tokens).
-    pub stop_token_ids: Vec<u32>,
-    /// The model's id (as in the cache's page hashes), stated at KV-transfer handshakes.
-    pub model_id: String,
-    pub prefetch: PrefetchPolicy,
-    /// Reuse cached prefixes. `false` (a baseline for benchmarks): every prompt is computed in
-    /// full and nothing joins the tree; hits stay zero and misses count every prompt token.
-    pub prefix_cache: bool,
-    /// A request still waiting for admission after this long is answered
-    /// [`crate::FinishReason::QueueTimeout`] (None: it waits as long as it takes).
-    pub max_queue_time: Option<Duration>,
-    /// The scheduler counts as stalled when one pass of its loop takes longer than this.
-    pub stall_after: Duration,
-    /// Test hook (fault injection): the scheduler thread panics when it receives a prompt that
-    /// starts with this token id. Never set in production; it exists so that tests can check
-    /// what a dead engine does to `/health` and to a supervisor.
-    pub fault_panic_token: Option<u32>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_batch_tokens: 512,
-            max_running: 32,
-            max_waiting: 128,
-            max_tokens_in_flight: 0,
-            stop_token_ids: Vec::new(),
-            model_id: String::new(),
-            prefetch: PrefetchPolicy::WaitComplete,
-            prefix_cache: true,
-            max_queue_time: None,
-            stall_after: Duration::from_secs(60),
-            fault_panic_token: None,
-        }
-    }
-}
-
-/// Requests ended, by outcome.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Finished {
-    pub stop: u64,
-    pub length: u64,
-    pub cancelled: u64,
-    pub aborted: u64,
-    pub error: u64,
-    /// Waited longer than `max_queue_time` for admission.
-    pub queue_timeout: u64,
-}
-
-/// The engine's state for metrics and tests, refreshed after every step.
-#[derive(Clone, Debug, Default)]
-pub struct Snapshot {
-    pub cache: CacheStats,
-    pub storage: Option<StorageStats>,
-    pub device: TierUsage,
-    pub host: TierUsage,
-    pub pools: Vec<PoolUsage>,
-    /// Device pages held by requests (not in the tree): their own pages.
-    pub device_pages_held: u64,
-    pub waiting: usize,
-    /// Requests admitted and not finished (including those waiting for load-back/prefetch).
-    pub running: usize,
-    pub tokens_in_flight: usize,
-    /// Cache copies (load-backs, backups, L3 reads and writes) not yet landed.
-    pub copies_in_flight: usize,
-    pub steps: u64,
-    /// Prompt tokens of admitted requests, and how each was served: from a cache tier,
-    /// computed, or transferred (`cached_* + computed + transferred == prompt`, always).
-    pub prompt_tokens: u64,
-    pub cached_device_tokens: u64,
-    pub cached_host_tokens: u64,
-    pub cached_storage_tokens: u64,
-    pub computed_prompt_tokens: u64,
-    /// Prompt tokens whose K/V arrived from a prefill worker.
-    pub transferred_prompt_tokens: u64,
-    pub generated_tokens: u64,
-    pub finished: Finished,
-}
+pub use crate::config::EngineConfig;
+pub use crate::state::{EventLog, Finished, Snapshot};
 
 /// Limits and shapes callers need before submitting.
 #[derive(Clone, Debug)]
@@ -127,62 +38,6 @@ pub struct EngineInfo {
     pub device_tokens: usize,
     pub max_waiting: usize,
     pub max_tokens_in_flight: usize,
-}
-
-/// Cache events with sequence numbers, kept in a bounded log for routers to poll.
-pub struct EventLog {
-    /// Differs on every start: a router that sees a new epoch resynchronises.
-    pub epoch: u64,
-    /// Sequence number of the oldest event still held.
-    pub first: u64,
-    /// Sequence number the next event will get.
-    pub next: u64,
-    items: std::collections::VecDeque<CacheEvent>,
-    cap: usize,
-}
-
-impl EventLog {
-    fn new(cap: usize) -> EventLog {
-        let epoch = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-            ^ ((std::process::id() as u64) << 40);
-        EventLog {
-            epoch,
-            first: 0,
-            next: 0,
-            items: std::collections::VecDeque::new(),
-            cap,
-        }
-    }
-
-    pub(crate) fn push(&mut self, e: CacheEvent) {
-        self.items.push_back(e);
-        self.next += 1;
-        while self.items.len() > self.cap {
-            self.items.pop_front();
-            self.first += 1;
-        }
-    }
-
-    /// Events from `since` on (at most `max`); None when `since` is older than the log holds
-    /// (a gap: resynchronise from a snapshot).
-    pub fn since(&self, since: u64, max: usize) -> Option<Vec<(u64, CacheEvent)>> {
-        if since < self.first || since > self.next {
-            return None;
-        }
-        let skip = (since - self.first) as usize;
-        Some(
-            self.items
-                .iter()
-                .skip(skip)
-                .take(max)
-                .enumerate()
-                .map(|(i, e)| (since + i as u64, e.clone()))
-                .collect(),
-        )
-    }
 }
 
 /// An answer to [`EngineHandle::events_since`].
@@ -205,29 +60,6 @@ impl EngineInfo {
             page_bytes: self.page_bytes as u64,
             layout: self.layout.clone(),
         }
-    }
-}
-
-pub(crate) struct Shared {
-    pub events: Mutex<EventLog>,
-    pub waiting: AtomicUsize,
-    pub tokens_in_flight: AtomicUsize,
-    pub closing: AtomicBool,
-    pub next_id: AtomicU64,
-    pub snapshot: Mutex<Snapshot>,
-    /// Milliseconds since `epoch` at the scheduler's latest pass round its loop.
-    pub beat_ms: AtomicU64,
-    pub epoch: Instant,
-    /// Set when the scheduler thread ended other than by shutdown: why.
-    pub dead: Mutex<Option<String>>,
-    /// Set when the scheduler thread has ended (unwound, if it panicked).
-    pub ended: AtomicBool,
-}
-
-impl Shared {
-    pub(crate) fn beat(&self) {
-        self.beat_ms
-            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 }
 
@@ -433,6 +265,38 @@ impl EngineHandle {
         export: bool,
         import: Option<ImportedKv>,
     ) -> Result<RequestStream, SubmitError> {
+        let needed = self.check(&prompt, &params)?;
+        self.reserve(needed)?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
+        let (etx, erx) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        let max_tokens = params.max_tokens;
+        let req = NewReq {
+            id,
+            prompt,
+            params,
+            tx: etx,
+            export,
+            import,
+        };
+        if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {
+            self.shared
+                .tokens_in_flight
+                .fetch_sub(needed, Ordering::SeqCst);
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(RequestStream {
+            id,
+            prompt_tokens,
+            max_tokens,
+            events: erx,
+        })
+    }
+
+    /// Refuses a request this engine can never serve (bad fields, too long for the context or
+    /// the pool, a dead engine); returns the tokens it needs (prompt + max_tokens).
+    fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, SubmitError> {
         let info = &self.info;
         if prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
@@ -489,6 +353,13 @@ impl EngineHandle {
                 capacity: info.device_tokens,
             });
         }
+        Ok(needed)
+    }
+
+    /// Admission control: takes a place in the queue and `needed` tokens of the in-flight
+    /// bound, or refuses (shutting down, queue full, too many tokens) holding neither.
+    fn reserve(&self, needed: usize) -> Result<(), SubmitError> {
+        let info = &self.info;
         if self.shared.closing.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
         }
@@ -515,31 +386,7 @@ impl EngineHandle {
                 limit: info.max_tokens_in_flight,
             });
         }
-        let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
-        let (etx, erx) = unbounded_channel();
-        let prompt_tokens = prompt.len();
-        let max_tokens = params.max_tokens;
-        let req = NewReq {
-            id,
-            prompt,
-            params,
-            tx: etx,
-            export,
-            import,
-        };
-        if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {
-            self.shared
-                .tokens_in_flight
-                .fetch_sub(needed, Ordering::SeqCst);
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::ShuttingDown);
-        }
-        Ok(RequestStream {
-            id,
-            prompt_tokens,
-            max_tokens,
-            events: erx,
-        })
+        Ok(())
     }
 
     /// Empties the tiers in `scope` of every page no running request uses; returns the device

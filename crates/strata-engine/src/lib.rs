@@ -7,11 +7,15 @@
 //!   insertion of finished sequences, cancellation.
 //! * [`handle`]: the thread-safe front ([`EngineHandle`]): submit with admission control,
 //!   flush, snapshots for metrics, shutdown.
+//! * `config` ([`EngineConfig`]) and `state` (what the handles and the scheduler share:
+//!   counters, the [`EventLog`], the latest [`Snapshot`]), both re-exported from [`handle`].
 
+mod config;
 pub mod handle;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+mod state;
 pub mod transfer;
 
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};

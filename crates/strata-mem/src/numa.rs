@@ -120,72 +120,92 @@ impl NumaAllocator {
             }
         }
         if !self.nodes.is_empty() {
-            let mut mask = [0 as libc::c_ulong; MASK_WORDS];
-            for &n in &self.nodes {
-                let n = n as usize;
-                if n >= MASK_WORDS * 64 {
-                    return Err(self.err(
-                        bytes,
-                        format!(
-                            "NUMA node {n} is beyond the supported {} nodes",
-                            MASK_WORDS * 64
-                        ),
-                    ));
-                }
-                mask[n / 64] |= 1 << (n % 64);
-            }
-            let mode = match self.policy {
-                NumaPolicy::Bind => MPOL_BIND,
-                NumaPolicy::Interleave => MPOL_INTERLEAVE,
-                NumaPolicy::Preferred => MPOL_PREFERRED,
-            };
-            let flags = if self.policy == NumaPolicy::Bind {
-                MPOL_MF_STRICT | MPOL_MF_MOVE
-            } else {
-                0
-            };
-            // SAFETY: mbind on our own mapping with a mask of MASK_WORDS words; maxnode counts bits.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_mbind,
-                    p,
-                    len,
-                    mode,
-                    mask.as_ptr(),
-                    (MASK_WORDS * 64 + 1) as libc::c_ulong,
-                    flags,
-                )
-            };
-            if rc != 0 {
-                return Err(self.err(
-                    bytes,
-                    format!(
-                        "mbind({} to node(s) {:?}) failed: {}",
-                        self.policy.name(),
-                        self.nodes,
-                        errno()
-                    ),
-                ));
-            }
+            // SAFETY: p/len is the mapping created above, still owned by `region`.
+            unsafe { self.bind(p, len, bytes)? };
         }
         if self.prefault {
-            let step = 1usize << 28;
-            for (i, off) in (0..len).step_by(PAGE).enumerate() {
-                // SAFETY: off < len, inside our mapping; a volatile write makes the kernel back
-                // the page now, under the policy just set.
-                unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
-                if let Some(cb) = &self.progress {
-                    if (i * PAGE).is_multiple_of(step) {
-                        cb(off as u64, len as u64);
-                    }
-                }
-            }
-            if let Some(cb) = &self.progress {
-                cb(len as u64, len as u64);
-            }
+            // SAFETY: ptr/len is the mapping created above, still owned by `region`.
+            unsafe { self.prefault(ptr, len) };
         }
         let placement = placement_of(&region, 1024);
         Ok((region, placement))
+    }
+
+    /// Binds the mapping `p`/`len` to `self.nodes` under `self.policy` (mbind); errors name
+    /// `bytes`, the size asked for.
+    ///
+    /// # Safety
+    /// `p`/`len` must be a mapping this allocator created and still owns.
+    unsafe fn bind(&self, p: *mut libc::c_void, len: usize, bytes: usize) -> Result<(), MemError> {
+        let mut mask = [0 as libc::c_ulong; MASK_WORDS];
+        for &n in &self.nodes {
+            let n = n as usize;
+            if n >= MASK_WORDS * 64 {
+                return Err(self.err(
+                    bytes,
+                    format!(
+                        "NUMA node {n} is beyond the supported {} nodes",
+                        MASK_WORDS * 64
+                    ),
+                ));
+            }
+            mask[n / 64] |= 1 << (n % 64);
+        }
+        let mode = match self.policy {
+            NumaPolicy::Bind => MPOL_BIND,
+            NumaPolicy::Interleave => MPOL_INTERLEAVE,
+            NumaPolicy::Preferred => MPOL_PREFERRED,
+        };
+        let flags = if self.policy == NumaPolicy::Bind {
+            MPOL_MF_STRICT | MPOL_MF_MOVE
+        } else {
+            0
+        };
+        // SAFETY: mbind on our own mapping with a mask of MASK_WORDS words; maxnode counts bits.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                p,
+                len,
+                mode,
+                mask.as_ptr(),
+                (MASK_WORDS * 64 + 1) as libc::c_ulong,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(self.err(
+                bytes,
+                format!(
+                    "mbind({} to node(s) {:?}) failed: {}",
+                    self.policy.name(),
+                    self.nodes,
+                    errno()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Touches every page of the mapping so the kernel backs it now, reporting progress.
+    ///
+    /// # Safety
+    /// `ptr`/`len` must be a writable mapping this allocator created and still owns.
+    unsafe fn prefault(&self, ptr: NonNull<u8>, len: usize) {
+        let step = 1usize << 28;
+        for (i, off) in (0..len).step_by(PAGE).enumerate() {
+            // SAFETY: off < len, inside our mapping; a volatile write makes the kernel back
+            // the page now, under the policy just set.
+            unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
+            if let Some(cb) = &self.progress {
+                if (i * PAGE).is_multiple_of(step) {
+                    cb(off as u64, len as u64);
+                }
+            }
+        }
+        if let Some(cb) = &self.progress {
+            cb(len as u64, len as u64);
+        }
     }
 }
 

@@ -80,7 +80,6 @@ impl SeqKv {
 /// each), `pos` their positions, `out` receives their outputs (same layout as `q`).
 pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32], scale: f32) {
     let (hd, group) = (shape.head_dim, shape.group());
-    let h = shape.heads * hd;
     let nq = pos.len() * group;
     let pmax = *pos.iter().max().expect("non-empty tile");
     let mut qb = vec![0f32; nq * hd];
@@ -89,83 +88,118 @@ pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32],
     let mut l = vec![0f32; nq];
     let mut o = vec![0f32; nq * hd];
     for g in 0..shape.kv_heads {
-        // Query vectors of this KV head, scaled: index r * group + j.
-        for (r, qr) in q.chunks_exact(h).enumerate() {
-            for j in 0..group {
-                let src = &qr[(g * group + j) * hd..(g * group + j + 1) * hd];
-                let dst = &mut qb[(r * group + j) * hd..(r * group + j + 1) * hd];
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = x * scale;
-                }
-            }
-        }
+        scaled_queries(shape, g, q, scale, &mut qb);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         o.fill(0.0);
         for b in 0..=pmax / KB {
             let t0 = b * KB;
             let kt = &kv.kt[((g * kv.blocks + b) * hd) * KB..((g * kv.blocks + b + 1) * hd) * KB];
-            let mut i = 0;
-            while i < nq {
-                let n = QB.min(nq - i);
-                qk(
-                    n,
-                    &qb[i * hd..(i + n) * hd],
-                    kt,
-                    hd,
-                    &mut s[i * KB..(i + n) * KB],
-                );
-                i += n;
-            }
+            block_scores(nq, &qb, kt, hd, &mut s);
             // Mask, online-softmax rescale, exponentials.
             for i in 0..nq {
-                let p = pos[i / group];
                 let sr = &mut s[i * KB..(i + 1) * KB];
-                if t0 > p {
-                    sr.fill(0.0);
-                    continue;
-                }
-                let valid = (p + 1 - t0).min(KB);
-                sr[valid..].fill(f32::NEG_INFINITY);
-                let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                if bmax > m[i] {
-                    let f = fast_exp(m[i] - bmax);
-                    l[i] *= f;
-                    for x in &mut o[i * hd..(i + 1) * hd] {
-                        *x *= f;
-                    }
-                    m[i] = bmax;
-                }
-                let mi = m[i];
-                for x in sr.iter_mut() {
-                    *x = fast_exp(*x - mi);
-                }
-                sr[valid..].fill(0.0);
-                l[i] += sr.iter().sum::<f32>();
+                let oi = &mut o[i * hd..(i + 1) * hd];
+                softmax_step(sr, pos[i / group], t0, &mut m[i], &mut l[i], oi);
             }
             let kvd = shape.kvd();
             let v = &kv.v[t0 * kvd + g * hd..];
-            let mut i = 0;
-            while i < nq {
-                let n = QB.min(nq - i);
-                pv(
-                    n,
-                    &s[i * KB..(i + n) * KB],
-                    v,
-                    kvd,
-                    &mut o[i * hd..(i + n) * hd],
-                    hd,
-                );
-                i += n;
+            block_update(nq, &s, v, kvd, &mut o, hd);
+        }
+        normalized_out(shape, g, &o, &l, out);
+    }
+}
+
+/// Query vectors of KV head `g` from the tile's rows `q`, scaled, into `qb`: index
+/// r * group + j.
+#[inline]
+fn scaled_queries(shape: Shape, g: usize, q: &[f32], scale: f32, qb: &mut [f32]) {
+    let (hd, group) = (shape.head_dim, shape.group());
+    let h = shape.heads * hd;
+    for (r, qr) in q.chunks_exact(h).enumerate() {
+        for j in 0..group {
+            let src = &qr[(g * group + j) * hd..(g * group + j + 1) * hd];
+            let dst = &mut qb[(r * group + j) * hd..(r * group + j + 1) * hd];
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d = x * scale;
             }
         }
-        for (r, orow) in out.chunks_exact_mut(h).enumerate() {
-            for j in 0..group {
-                let i = r * group + j;
-                let dst = &mut orow[(g * group + j) * hd..(g * group + j + 1) * hd];
-                for (d, &x) in dst.iter_mut().zip(&o[i * hd..(i + 1) * hd]) {
-                    *d = x / l[i];
-                }
+    }
+}
+
+/// Scores of all `nq` query vectors against one K block, [`QB`] vectors per kernel call.
+#[inline]
+fn block_scores(nq: usize, qb: &[f32], kt: &[f32], hd: usize, s: &mut [f32]) {
+    let mut i = 0;
+    while i < nq {
+        let n = QB.min(nq - i);
+        qk(
+            n,
+            &qb[i * hd..(i + n) * hd],
+            kt,
+            hd,
+            &mut s[i * KB..(i + n) * KB],
+        );
+        i += n;
+    }
+}
+
+/// One query vector's scores `sr` of the block at `t0` for a row at position `p`: masks keys
+/// after `p`, rescales the running max `m`, sum `l` and output `o`, and turns `sr` into weights.
+#[inline]
+fn softmax_step(sr: &mut [f32], p: usize, t0: usize, m: &mut f32, l: &mut f32, o: &mut [f32]) {
+    if t0 > p {
+        sr.fill(0.0);
+        return;
+    }
+    let valid = (p + 1 - t0).min(KB);
+    sr[valid..].fill(f32::NEG_INFINITY);
+    let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if bmax > *m {
+        let f = fast_exp(*m - bmax);
+        *l *= f;
+        for x in o.iter_mut() {
+            *x *= f;
+        }
+        *m = bmax;
+    }
+    let mi = *m;
+    for x in sr.iter_mut() {
+        *x = fast_exp(*x - mi);
+    }
+    sr[valid..].fill(0.0);
+    *l += sr.iter().sum::<f32>();
+}
+
+/// `O += P·V` for all `nq` query vectors over one V block, [`QB`] vectors per kernel call.
+#[inline]
+fn block_update(nq: usize, s: &[f32], v: &[f32], kvd: usize, o: &mut [f32], hd: usize) {
+    let mut i = 0;
+    while i < nq {
+        let n = QB.min(nq - i);
+        pv(
+            n,
+            &s[i * KB..(i + n) * KB],
+            v,
+            kvd,
+            &mut o[i * hd..(i + n) * hd],
+            hd,
+        );
+        i += n;
+    }
+}
+
+/// Writes KV head `g`'s outputs `o / l` into the tile's output rows.
+#[inline]
+fn normalized_out(shape: Shape, g: usize, o: &[f32], l: &[f32], out: &mut [f32]) {
+    let (hd, group) = (shape.head_dim, shape.group());
+    let h = shape.heads * hd;
+    for (r, orow) in out.chunks_exact_mut(h).enumerate() {
+        for j in 0..group {
+            let i = r * group + j;
+            let dst = &mut orow[(g * group + j) * hd..(g * group + j + 1) * hd];
+            for (d, &x) in dst.iter_mut().zip(&o[i * hd..(i + 1) * hd]) {
+                *d = x / l[i];
             }
         }
     }

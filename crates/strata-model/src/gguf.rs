@@ -55,200 +55,14 @@ impl Gguf {
     /// presence, shape and that its data lies inside the file. Never panics on bad input.
     pub fn open(path: &Path) -> Result<Gguf, ModelError> {
         let p = path.display().to_string();
-        let f = File::open(path).map_err(|e| ModelError::Open {
-            path: p.clone(),
-            reason: first_line(&e),
+        let (content, file, len) = read_header(path, &p)?;
+        let config = read_config(&Meta {
+            content: &content,
+            path: &p,
         })?;
-        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-        let mut file = BufReader::new(f);
-        // Every length and count in the header must fit in the file before candle's reader
-        // allocates for it (a hostile length would abort the process, not fail).
-        crate::gguf_scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
-            path: p.clone(),
-            reason,
-        })?;
-        file.seek(std::io::SeekFrom::Start(0))
-            .map_err(|e| ModelError::Open {
-                path: p.clone(),
-                reason: first_line(&e),
-            })?;
-        // candle's reader may panic on some malformed headers; turn that into an error too.
-        let content =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
-                .map_err(|_| ModelError::NotGguf {
-                    path: p.clone(),
-                    reason: "malformed header".into(),
-                })?
-                .map_err(|e| ModelError::NotGguf {
-                    path: p.clone(),
-                    reason: first_line(&e),
-                })?;
-        let md = |key: &str| -> Result<&Value, ModelError> {
-            content
-                .metadata
-                .get(key)
-                .ok_or_else(|| ModelError::Metadata {
-                    path: p.clone(),
-                    key: key.into(),
-                    reason: "missing".into(),
-                })
-        };
-        let arch = md("general.architecture")?
-            .to_string()
-            .map_err(|e| ModelError::Metadata {
-                path: p.clone(),
-                key: "general.architecture".into(),
-                reason: first_line(&e),
-            })?
-            .clone();
-        if arch != "llama" {
-            return Err(ModelError::Architecture {
-                path: p.clone(),
-                found: arch,
-            });
-        }
-        let uint = |key: &str| -> Result<usize, ModelError> {
-            let v = md(key)?;
-            let n = v
-                .to_u32()
-                .map(|x| x as u64)
-                .or_else(|_| v.to_u64())
-                .map_err(|e| ModelError::Metadata {
-                    path: p.clone(),
-                    key: key.into(),
-                    reason: first_line(&e),
-                })?;
-            if n == 0 {
-                return Err(ModelError::Metadata {
-                    path: p.clone(),
-                    key: key.into(),
-                    reason: "must be positive".into(),
-                });
-            }
-            Ok(n as usize)
-        };
-        let float = |key: &str| -> Result<f32, ModelError> {
-            md(key)?.to_f32().map_err(|e| ModelError::Metadata {
-                path: p.clone(),
-                key: key.into(),
-                reason: first_line(&e),
-            })
-        };
-        let hidden = uint("llama.embedding_length")?;
-        let heads = uint("llama.attention.head_count")?;
-        let kv_heads = uint("llama.attention.head_count_kv")?;
-        if hidden % heads != 0 || heads % kv_heads != 0 {
-            return Err(ModelError::Metadata {
-                path: p.clone(),
-                key: "llama.attention.head_count".into(),
-                reason: format!(
-                    "{heads} heads / {kv_heads} KV heads do not divide embedding length {hidden}"
-                ),
-            });
-        }
-        let tokens_len = md("tokenizer.ggml.tokens")?
-            .to_vec()
-            .map_err(|e| ModelError::Metadata {
-                path: p.clone(),
-                key: "tokenizer.ggml.tokens".into(),
-                reason: first_line(&e),
-            })?
-            .len();
-        let config = Config {
-            vocab: content
-                .metadata
-                .get("llama.vocab_size")
-                .and_then(|v| v.to_u32().ok())
-                .map(|v| v as usize)
-                .unwrap_or(tokens_len),
-            hidden,
-            layers: uint("llama.block_count")?,
-            heads,
-            kv_heads,
-            head_dim: hidden / heads,
-            ffn: uint("llama.feed_forward_length")?,
-            context_length: uint("llama.context_length")?,
-            rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
-            rms_eps: float("llama.attention.layer_norm_rms_epsilon")?,
-        };
-        // Sizes that steer allocation and arithmetic, bounded before use: every layer has 9
-        // tensors in the file; contexts beyond 2^24 tokens are not a model of this runtime.
-        let bound = |key: &str, v: usize, max: usize| -> Result<(), ModelError> {
-            if v > max {
-                return Err(ModelError::Metadata {
-                    path: p.clone(),
-                    key: key.into(),
-                    reason: format!(
-                        "{v} is beyond what this file or runtime can hold (at most {max})"
-                    ),
-                });
-            }
-            Ok(())
-        };
-        bound(
-            "llama.block_count",
-            config.layers,
-            content.tensor_infos.len() / 9,
-        )?;
-        bound("llama.context_length", config.context_length, 1 << 24)?;
-        bound("llama.attention.head_count", config.heads, config.hidden)?;
-        let c = &config;
-        let mut want: Vec<(String, Vec<usize>)> = vec![
-            ("token_embd.weight".into(), vec![c.vocab, c.hidden]),
-            ("output_norm.weight".into(), vec![c.hidden]),
-        ];
-        for l in 0..c.layers {
-            let kv = c.kv_heads * c.head_dim;
-            for (n, s) in [
-                ("attn_norm", vec![c.hidden]),
-                ("ffn_norm", vec![c.hidden]),
-                ("attn_q", vec![c.hidden, c.hidden]),
-                ("attn_k", vec![kv, c.hidden]),
-                ("attn_v", vec![kv, c.hidden]),
-                ("attn_output", vec![c.hidden, c.hidden]),
-                ("ffn_gate", vec![c.ffn, c.hidden]),
-                ("ffn_up", vec![c.ffn, c.hidden]),
-                ("ffn_down", vec![c.hidden, c.ffn]),
-            ] {
-                want.push((format!("blk.{l}.{n}.weight"), s));
-            }
-        }
-        if let Some(o) = content.tensor_infos.get("output.weight") {
-            if o.shape.dims() != [c.vocab, c.hidden] {
-                return Err(ModelError::Tensor {
-                    path: p.clone(),
-                    name: "output.weight".into(),
-                    reason: format!(
-                        "shape {:?}, expected {:?}",
-                        o.shape.dims(),
-                        [c.vocab, c.hidden]
-                    ),
-                });
-            }
-        }
-        let mut end = 0u64;
-        for (name, shape) in &want {
-            let info = content
-                .tensor_infos
-                .get(name)
-                .ok_or_else(|| ModelError::Tensor {
-                    path: p.clone(),
-                    name: name.clone(),
-                    reason: "missing".into(),
-                })?;
-            if info.shape.dims() != shape.as_slice() {
-                return Err(ModelError::Tensor {
-                    path: p.clone(),
-                    name: name.clone(),
-                    reason: format!("shape {:?}, expected {:?}", info.shape.dims(), shape),
-                });
-            }
-        }
-        for info in content.tensor_infos.values() {
-            let n = info.shape.elem_count();
-            let bytes = (n / info.ggml_dtype.block_size()) * info.ggml_dtype.type_size();
-            end = end.max(content.tensor_data_offset + info.offset + bytes as u64);
-        }
+        check_bounds(&content, &config, &p)?;
+        check_tensors(&content, &config, &p)?;
+        let end = data_end(&content);
         if end > len {
             return Err(ModelError::Truncated {
                 path: p,
@@ -309,4 +123,229 @@ impl Gguf {
                 reason: first_line(&e),
             })
     }
+}
+
+/// Reads the header of `path` (`p` for messages): the open file, its content and its length.
+fn read_header(path: &Path, p: &str) -> Result<(Content, BufReader<File>, u64), ModelError> {
+    let f = File::open(path).map_err(|e| ModelError::Open {
+        path: p.into(),
+        reason: first_line(&e),
+    })?;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut file = BufReader::new(f);
+    // Every length and count in the header must fit in the file before candle's reader
+    // allocates for it (a hostile length would abort the process, not fail).
+    crate::gguf_scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
+        path: p.into(),
+        reason,
+    })?;
+    file.seek(std::io::SeekFrom::Start(0))
+        .map_err(|e| ModelError::Open {
+            path: p.into(),
+            reason: first_line(&e),
+        })?;
+    // candle's reader may panic on some malformed headers; turn that into an error too.
+    let content =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
+            .map_err(|_| ModelError::NotGguf {
+                path: p.into(),
+                reason: "malformed header".into(),
+            })?
+            .map_err(|e| ModelError::NotGguf {
+                path: p.into(),
+                reason: first_line(&e),
+            })?;
+    Ok((content, file, len))
+}
+
+/// Typed reads of the header metadata; errors name the file and the key.
+struct Meta<'a> {
+    content: &'a Content,
+    path: &'a str,
+}
+
+impl Meta<'_> {
+    /// A metadata error about `key`.
+    fn err(&self, key: &str, reason: String) -> ModelError {
+        ModelError::Metadata {
+            path: self.path.into(),
+            key: key.into(),
+            reason,
+        }
+    }
+
+    /// The value of `key`, which must be present.
+    fn get(&self, key: &str) -> Result<&Value, ModelError> {
+        self.content
+            .metadata
+            .get(key)
+            .ok_or_else(|| self.err(key, "missing".into()))
+    }
+
+    /// A positive integer (u32 or u64 in the file).
+    fn uint(&self, key: &str) -> Result<usize, ModelError> {
+        let v = self.get(key)?;
+        let n = v
+            .to_u32()
+            .map(|x| x as u64)
+            .or_else(|_| v.to_u64())
+            .map_err(|e| self.err(key, first_line(&e)))?;
+        if n == 0 {
+            return Err(self.err(key, "must be positive".into()));
+        }
+        Ok(n as usize)
+    }
+
+    /// A float.
+    fn float(&self, key: &str) -> Result<f32, ModelError> {
+        self.get(key)?
+            .to_f32()
+            .map_err(|e| self.err(key, first_line(&e)))
+    }
+}
+
+/// The llama hyper-parameters from the metadata, after checking the architecture.
+fn read_config(md: &Meta) -> Result<Config, ModelError> {
+    let arch = md
+        .get("general.architecture")?
+        .to_string()
+        .map_err(|e| md.err("general.architecture", first_line(&e)))?
+        .clone();
+    if arch != "llama" {
+        return Err(ModelError::Architecture {
+            path: md.path.into(),
+            found: arch,
+        });
+    }
+    let hidden = md.uint("llama.embedding_length")?;
+    let heads = md.uint("llama.attention.head_count")?;
+    let kv_heads = md.uint("llama.attention.head_count_kv")?;
+    if hidden % heads != 0 || heads % kv_heads != 0 {
+        return Err(md.err(
+            "llama.attention.head_count",
+            format!("{heads} heads / {kv_heads} KV heads do not divide embedding length {hidden}"),
+        ));
+    }
+    let tokens_len = md
+        .get("tokenizer.ggml.tokens")?
+        .to_vec()
+        .map_err(|e| md.err("tokenizer.ggml.tokens", first_line(&e)))?
+        .len();
+    Ok(Config {
+        vocab: md
+            .content
+            .metadata
+            .get("llama.vocab_size")
+            .and_then(|v| v.to_u32().ok())
+            .map(|v| v as usize)
+            .unwrap_or(tokens_len),
+        hidden,
+        layers: md.uint("llama.block_count")?,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        ffn: md.uint("llama.feed_forward_length")?,
+        context_length: md.uint("llama.context_length")?,
+        rope_base: md.float("llama.rope.freq_base").unwrap_or(10_000.0),
+        rms_eps: md.float("llama.attention.layer_norm_rms_epsilon")?,
+    })
+}
+
+/// Sizes that steer allocation and arithmetic, bounded before use: every layer has 9
+/// tensors in the file; contexts beyond 2^24 tokens are not a model of this runtime.
+fn check_bounds(content: &Content, config: &Config, p: &str) -> Result<(), ModelError> {
+    let bound = |key: &str, v: usize, max: usize| -> Result<(), ModelError> {
+        if v > max {
+            return Err(ModelError::Metadata {
+                path: p.into(),
+                key: key.into(),
+                reason: format!("{v} is beyond what this file or runtime can hold (at most {max})"),
+            });
+        }
+        Ok(())
+    };
+    bound(
+        "llama.block_count",
+        config.layers,
+        content.tensor_infos.len() / 9,
+    )?;
+    bound("llama.context_length", config.context_length, 1 << 24)?;
+    bound("llama.attention.head_count", config.heads, config.hidden)
+}
+
+/// Every tensor a llama model of `c` needs, with its shape.
+fn expected_tensors(c: &Config) -> Vec<(String, Vec<usize>)> {
+    let mut want: Vec<(String, Vec<usize>)> = vec![
+        ("token_embd.weight".into(), vec![c.vocab, c.hidden]),
+        ("output_norm.weight".into(), vec![c.hidden]),
+    ];
+    for l in 0..c.layers {
+        let kv = c.kv_heads * c.head_dim;
+        for (n, s) in [
+            ("attn_norm", vec![c.hidden]),
+            ("ffn_norm", vec![c.hidden]),
+            ("attn_q", vec![c.hidden, c.hidden]),
+            ("attn_k", vec![kv, c.hidden]),
+            ("attn_v", vec![kv, c.hidden]),
+            ("attn_output", vec![c.hidden, c.hidden]),
+            ("ffn_gate", vec![c.ffn, c.hidden]),
+            ("ffn_up", vec![c.ffn, c.hidden]),
+            ("ffn_down", vec![c.hidden, c.ffn]),
+        ] {
+            want.push((format!("blk.{l}.{n}.weight"), s));
+        }
+    }
+    want
+}
+
+/// Checks the optional output head's shape, then every expected tensor's presence and shape.
+fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelError> {
+    let want = expected_tensors(c);
+    if let Some(o) = content.tensor_infos.get("output.weight") {
+        if o.shape.dims() != [c.vocab, c.hidden] {
+            return Err(ModelError::Tensor {
+                path: p.into(),
+                name: "output.weight".into(),
+                reason: format!(
+                    "shape {:?}, expected {:?}",
+                    o.shape.dims(),
+                    [c.vocab, c.hidden]
+                ),
+            });
+        }
+    }
+    for (name, shape) in &want {
+        let info = content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| ModelError::Tensor {
+                path: p.into(),
+                name: name.clone(),
+                reason: "missing".into(),
+            })?;
+        if info.shape.dims() != shape.as_slice() {
+            return Err(ModelError::Tensor {
+                path: p.into(),
+                name: name.clone(),
+                reason: format!("shape {:?}, expected {:?}", info.shape.dims(), shape),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The end of the last tensor's data: the file must be at least this long. Saturating, so a
+/// hostile offset or size reads as "beyond the file" instead of overflowing.
+fn data_end(content: &Content) -> u64 {
+    let mut end = 0u64;
+    for info in content.tensor_infos.values() {
+        let n = info.shape.elem_count();
+        let bytes = (n / info.ggml_dtype.block_size()).saturating_mul(info.ggml_dtype.type_size());
+        let tensor_end = content
+            .tensor_data_offset
+            .saturating_add(info.offset)
+            .saturating_add(bytes as u64);
+        end = end.max(tensor_end);
+    }
+    end
 }

@@ -276,6 +276,46 @@ impl Model {
         seqs: &[SeqInput],
         all_logits: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let rows = self.rows_of(pool, seqs)?; // (seq, position)
+        let n = rows.len();
+        if n == 0 {
+            return Ok(vec![Vec::new(); seqs.len()]);
+        }
+        let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        // Weight format per row, decided per sequence (see `mm`).
+        let q8: Vec<bool> = rows
+            .iter()
+            .map(|r| {
+                let s = &seqs[r.0];
+                self.quantized_decode && s.decode && s.tokens.len() <= QUANTIZED_MAX_ROWS
+            })
+            .collect();
+        let h = self.config.hidden;
+        let mut x = Vec::with_capacity(n * h);
+        for s in seqs {
+            for &t in s.tokens {
+                x.extend_from_slice(&self.embed_rows[t as usize * h..(t as usize + 1) * h]);
+            }
+        }
+        let batch = Batch {
+            seqs,
+            rows: &rows,
+            positions: &positions,
+            q8: &q8,
+        };
+        for (l, w) in self.layers.iter().enumerate() {
+            self.layer(pool, l, w, &batch, &mut x)?;
+        }
+        self.logits(&x, seqs, &q8, all_logits)
+    }
+
+    /// Checks the pool and every sequence against the model; returns the rows of the call:
+    /// (sequence, position) of each token to compute, in order.
+    fn rows_of(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+    ) -> Result<Vec<(usize, usize)>, ModelError> {
         let c = &self.config;
         let ps = pool.layout().page_size();
         if pool.layout().kinds().first() != Some(&self.pool_kind()) {
@@ -285,7 +325,7 @@ impl Model {
                 self.pool_kind()
             )));
         }
-        let mut rows = Vec::new(); // (seq, position)
+        let mut rows = Vec::new();
         for (si, s) in seqs.iter().enumerate() {
             let end = s.pos + s.tokens.len();
             if end > c.context_length {
@@ -315,63 +355,74 @@ impl Model {
                 rows.push((si, s.pos + j));
             }
         }
-        let n = rows.len();
-        if n == 0 {
-            return Ok(vec![Vec::new(); seqs.len()]);
+        Ok(rows)
+    }
+
+    /// One transformer layer over the hidden states `x` of every row, in place: attention
+    /// (writing the rows' K/V into their pages) and the feed-forward block, each residual.
+    fn layer(
+        &self,
+        pool: &DevicePool,
+        l: usize,
+        w: &Layer,
+        batch: &Batch,
+        x: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let hn = self.rmsnorm(x, &w.attn_norm);
+        let mut q = self.mm(&hn, batch.q8, &w.wq, false)?;
+        let mut k = self.mm(&hn, batch.q8, &w.wk, false)?;
+        let v = self.mm(&hn, batch.q8, &w.wv, false)?;
+        self.rope(&mut q, c.heads, batch.positions);
+        self.rope(&mut k, c.kv_heads, batch.positions);
+        self.write_kv(pool, l, batch, &k, &v);
+        let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
+        let o = self.mm(&attn, batch.q8, &w.wo, false)?;
+        for (a, b) in x.iter_mut().zip(&o) {
+            *a += b;
         }
-        let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
-        // Weight format per row, decided per sequence (see `mm`).
-        let q8: Vec<bool> = rows
+        let hn = self.rmsnorm(x, &w.ffn_norm);
+        let g = self.mm(&hn, batch.q8, &w.wg, false)?;
+        let u = self.mm(&hn, batch.q8, &w.wu, false)?;
+        let act: Vec<f32> = g
             .iter()
-            .map(|r| {
-                let s = &seqs[r.0];
-                self.quantized_decode && s.decode && s.tokens.len() <= QUANTIZED_MAX_ROWS
-            })
+            .zip(&u)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let h = c.hidden;
+        let d = self.mm(&act, batch.q8, &w.wd, false)?;
+        for (a, b) in x.iter_mut().zip(&d) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// Writes every row's K and V of layer `l` (f16) into its sequence's page.
+    fn write_kv(&self, pool: &DevicePool, l: usize, batch: &Batch, k: &[f32], v: &[f32]) {
+        let c = &self.config;
+        let ps = pool.layout().page_size();
         let kvd = c.kv_heads * c.head_dim;
-        let mut x = Vec::with_capacity(n * h);
-        for s in seqs {
-            for &t in s.tokens {
-                x.extend_from_slice(&self.embed_rows[t as usize * h..(t as usize + 1) * h]);
-            }
-        }
-        for (l, w) in self.layers.iter().enumerate() {
-            let hn = self.rmsnorm(&x, &w.attn_norm);
-            let mut q = self.mm(&hn, &q8, &w.wq, false)?;
-            let mut k = self.mm(&hn, &q8, &w.wk, false)?;
-            let v = self.mm(&hn, &q8, &w.wv, false)?;
-            self.rope(&mut q, c.heads, &positions);
-            self.rope(&mut k, c.kv_heads, &positions);
-            let mut buf = vec![0u8; kvd * 2];
-            for (i, &(si, p)) in rows.iter().enumerate() {
-                let page = seqs[si].pages[p / ps];
-                for (plane, src) in [(0, &k), (1, &v)] {
-                    for (d, &val) in buf.chunks_exact_mut(2).zip(&src[i * kvd..(i + 1) * kvd]) {
-                        d.copy_from_slice(&f16::from_f32(val).to_le_bytes());
-                    }
-                    pool.write_token(0, l, plane, page, p % ps, &buf);
+        let mut buf = vec![0u8; kvd * 2];
+        for (i, &(si, p)) in batch.rows.iter().enumerate() {
+            let page = batch.seqs[si].pages[p / ps];
+            for (plane, src) in [(0, k), (1, v)] {
+                for (d, &val) in buf.chunks_exact_mut(2).zip(&src[i * kvd..(i + 1) * kvd]) {
+                    d.copy_from_slice(&f16::from_f32(val).to_le_bytes());
                 }
-            }
-            let attn = self.attention(pool, l, seqs, &rows, &q);
-            let o = self.mm(&attn, &q8, &w.wo, false)?;
-            for (a, b) in x.iter_mut().zip(&o) {
-                *a += b;
-            }
-            let hn = self.rmsnorm(&x, &w.ffn_norm);
-            let g = self.mm(&hn, &q8, &w.wg, false)?;
-            let u = self.mm(&hn, &q8, &w.wu, false)?;
-            let act: Vec<f32> = g
-                .iter()
-                .zip(&u)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let d = self.mm(&act, &q8, &w.wd, false)?;
-            for (a, b) in x.iter_mut().zip(&d) {
-                *a += b;
+                pool.write_token(0, l, plane, page, p % ps, &buf);
             }
         }
-        // Logits for the rows asked for.
+    }
+
+    /// Logits for the rows asked for: each sequence's last row, or all of them.
+    fn logits(
+        &self,
+        x: &[f32],
+        seqs: &[SeqInput],
+        q8: &[bool],
+        all_logits: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let c = &self.config;
+        let h = c.hidden;
         let mut pick = Vec::new();
         let mut at = 0;
         for s in seqs {
@@ -428,19 +479,7 @@ impl Model {
         let ps = pool.layout().page_size();
         let kp = as_f16(pool.plane(0, layer, 0));
         let vp = as_f16(pool.plane(0, layer, 1));
-        // Gather the K/V of each sequence with several rows up to the last position this call
-        // attends to (single rows, decode steps, read the pages directly).
-        let mut ctx = vec![0usize; seqs.len()];
-        for &(si, p) in rows {
-            ctx[si] = ctx[si].max(p + 1);
-        }
-        let gathered: Vec<Option<attn::SeqKv>> = seqs
-            .iter()
-            .zip(&ctx)
-            .map(|(s, &n)| {
-                (s.tokens.len() > 1).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
-            })
-            .collect();
+        let gathered = gather(shape, kp, vp, ps, seqs, rows);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
         // Threads only pay for themselves on enough work (a decode step is done inline).
@@ -474,17 +513,7 @@ impl Model {
         if threads == 1 {
             run(0, &mut out);
         } else {
-            // Split rows so each thread gets the same attention work (a row's work grows with
-            // its position, so equal row counts would leave the last thread the most).
-            let mut bounds = vec![0];
-            let mut acc = 0;
-            for (i, r) in rows.iter().enumerate() {
-                acc += r.1 + 1;
-                if acc * threads >= work * bounds.len() && bounds.len() < threads {
-                    bounds.push(i + 1);
-                }
-            }
-            bounds.push(rows.len());
+            let bounds = split_by_work(rows, threads, work);
             let run = &run;
             std::thread::scope(|sc| {
                 let mut rest: &mut [f32] = &mut out;
@@ -498,6 +527,54 @@ impl Model {
         }
         out
     }
+}
+
+/// The sequences, rows and per-row inputs of one forward call, shared by its layers.
+struct Batch<'a> {
+    seqs: &'a [SeqInput<'a>],
+    /// (sequence, position) of each row.
+    rows: &'a [(usize, usize)],
+    positions: &'a [usize],
+    /// Q8_0 weights for the row (see `Model::mm`).
+    q8: &'a [bool],
+}
+
+/// Gathers the K/V of each sequence with several rows up to the last position this call
+/// attends to (single rows, decode steps, read the pages directly).
+fn gather(
+    shape: attn::Shape,
+    kp: &[f16],
+    vp: &[f16],
+    ps: usize,
+    seqs: &[SeqInput],
+    rows: &[(usize, usize)],
+) -> Vec<Option<attn::SeqKv>> {
+    let mut ctx = vec![0usize; seqs.len()];
+    for &(si, p) in rows {
+        ctx[si] = ctx[si].max(p + 1);
+    }
+    seqs.iter()
+        .zip(&ctx)
+        .map(|(s, &n)| {
+            (s.tokens.len() > 1).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
+        })
+        .collect()
+}
+
+/// Splits rows so each of `threads` gets the same attention work (a row's work grows with
+/// its position, so equal row counts would leave the last thread the most); returns the
+/// boundaries, first 0 and last `rows.len()`.
+fn split_by_work(rows: &[(usize, usize)], threads: usize, work: usize) -> Vec<usize> {
+    let mut bounds = vec![0];
+    let mut acc = 0;
+    for (i, r) in rows.iter().enumerate() {
+        acc += r.1 + 1;
+        if acc * threads >= work * bounds.len() && bounds.len() < threads {
+            bounds.push(i + 1);
+        }
+    }
+    bounds.push(rows.len());
+    bounds
 }
 
 fn as_f16(b: &[u8]) -> &[f16] {

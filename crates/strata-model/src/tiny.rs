@@ -64,10 +64,32 @@ pub const TINY_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' +
 
 /// Writes a tiny model to `path`; vocabulary size is 288.
 pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
+    let vocab = tiny_vocab();
+    let md = tiny_metadata(spec, &vocab);
+    let tensors = tiny_tensors(spec, vocab.tokens.len())?;
+    let mut f = std::fs::File::create(path).map_err(|e| ModelError::Open {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &mdr, &tr)?;
+    Ok(())
+}
+
+/// The tiny tokenizer's vocabulary.
+struct Vocab {
+    tokens: Vec<String>,
+    types: Vec<i32>,
+    merges: Vec<(String, String)>,
+}
+
+/// The 256 byte symbols, three merges, the ChatML control tokens, padded to 288 tokens.
+fn tiny_vocab() -> Vocab {
     let chars = byte_chars();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     let sp = chars[b' ' as usize];
-    let merges = [
+    let merges = vec![
         (format!("{sp}"), "t".to_string()),
         ("h".into(), "e".into()),
         (format!("{sp}t"), "he".into()),
@@ -84,10 +106,18 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
         tokens.push(format!("<unused{}>", tokens.len()));
         types.push(1);
     }
-    let vocab = tokens.len();
-    let s = spec;
+    Vocab {
+        tokens,
+        types,
+        merges,
+    }
+}
+
+/// The GGUF metadata: llama hyper-parameters of `s` and the tokenizer.
+fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(&'static str, Value)> {
+    let vocab = v.tokens.len();
     let hd = s.hidden / s.heads;
-    let md: Vec<(&str, Value)> = vec![
+    vec![
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("tiny".into())),
         ("llama.block_count", Value::U32(s.layers as u32)),
@@ -107,16 +137,16 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
         ("tokenizer.ggml.pre", Value::String("smollm".into())),
         (
             "tokenizer.ggml.tokens",
-            Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect()),
+            Value::Array(v.tokens.iter().map(|t| Value::String(t.clone())).collect()),
         ),
         (
             "tokenizer.ggml.token_type",
-            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            Value::Array(v.types.iter().map(|&t| Value::I32(t)).collect()),
         ),
         (
             "tokenizer.ggml.merges",
             Value::Array(
-                merges
+                v.merges
                     .iter()
                     .map(|(a, b)| Value::String(format!("{a} {b}")))
                     .collect(),
@@ -128,9 +158,13 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
             "tokenizer.chat_template",
             Value::String(TINY_TEMPLATE.into()),
         ),
-    ];
-    let mut state = s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut rnd = |n: usize, scale: f32, offset: f32| -> Vec<f32> {
+    ]
+}
+
+/// Weight generator seeded by `seed` (xorshift): `n` values uniform in `offset ± scale`.
+fn random_weights(seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move |n: usize, scale: f32, offset: f32| -> Vec<f32> {
         (0..n)
             .map(|_| {
                 state ^= state << 13;
@@ -139,7 +173,13 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
                 offset + ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
             })
             .collect()
-    };
+    }
+}
+
+/// Every tensor of the model, random, in file order.
+fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, ModelError> {
+    let hd = s.hidden / s.heads;
+    let mut rnd = random_weights(s.seed);
     let kvd = s.kv_heads * hd;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut add = |name: String,
@@ -194,12 +234,5 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
             GgmlDType::F32,
         )?;
     }
-    let mut f = std::fs::File::create(path).map_err(|e| ModelError::Open {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
-    let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &mdr, &tr)?;
-    Ok(())
+    Ok(tensors)
 }

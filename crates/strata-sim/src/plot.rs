@@ -57,29 +57,42 @@ pub fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     (first..=last).map(|i| i as f64 * step).collect()
 }
 
+/// The plot area's data ranges and the mapping from data to SVG coordinates.
+struct Frame {
+    log_x: bool,
+    /// x range, after the log transform when `log_x`.
+    xmin: f64,
+    xmax: f64,
+    ymin: f64,
+    ymax: f64,
+}
+
+impl Frame {
+    /// The x value on the axis's scale (log10 when `log_x`).
+    fn fx(&self, v: f64) -> f64 {
+        if self.log_x {
+            v.max(1e-6).log10()
+        } else {
+            v
+        }
+    }
+
+    /// SVG x of data x `v`.
+    fn x(&self, v: f64) -> f64 {
+        let xspan = (self.xmax - self.xmin).max(1e-9);
+        L + (self.fx(v) - self.xmin) / xspan * (W - L - R)
+    }
+
+    /// SVG y of data y `v`.
+    fn y(&self, v: f64) -> f64 {
+        let yspan = (self.ymax - self.ymin).max(1e-12);
+        T + (1.0 - (v - self.ymin) / yspan) * (H - T - B)
+    }
+}
+
 impl Chart {
     pub fn svg(&self) -> String {
-        let pts = || self.series.iter().flat_map(|s| s.points.iter());
-        let fx = |v: f64| if self.log_x { v.max(1e-6).log10() } else { v };
-        let (mut xmin, mut xmax) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
-            (a.min(fx(p.0)), b.max(fx(p.0)))
-        });
-        if !xmin.is_finite() {
-            (xmin, xmax) = (0.0, 1.0);
-        }
-        let (ymin, ymax) = self.y_range.unwrap_or_else(|| {
-            let m = pts()
-                .map(|p| p.1)
-                .filter(|v| v.is_finite())
-                .fold(0.0, f64::max);
-            let t = nice_ticks(0.0, if m > 0.0 { m } else { 1.0 }, 5);
-            let top = t.last().copied().unwrap_or(1.0);
-            (0.0, if top < m { top + (t[1] - t[0]) } else { top })
-        });
-        let xspan = (xmax - xmin).max(1e-9);
-        let yspan = (ymax - ymin).max(1e-12);
-        let x = |v: f64| L + (fx(v) - xmin) / xspan * (W - L - R);
-        let y = |v: f64| T + (1.0 - (v - ymin) / yspan) * (H - T - B);
+        let f = self.frame();
         let mut s = String::new();
         let _ = write!(
             s,
@@ -88,38 +101,7 @@ impl Chart {
             esc(&self.title),
             esc(&self.subtitle)
         );
-        for v in nice_ticks(ymin, ymax, 10) {
-            let _ = write!(
-                s,
-                r##"<line x1="{L}" x2="{0}" y1="{1}" y2="{1}" stroke="#ddd"/><text x="{2}" y="{3}" text-anchor="end">{4}{5}</text>"##,
-                W - R,
-                y(v),
-                L - 6.0,
-                y(v) + 4.0,
-                trim(v),
-                esc(&self.y_unit)
-            );
-        }
-        let xt = self.x_ticks.clone().unwrap_or_else(|| {
-            if self.log_x {
-                (xmin.floor() as i32..=xmax.ceil() as i32)
-                    .flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e)))
-                    .filter(|&v| fx(v) >= xmin - 1e-9 && fx(v) <= xmax + 1e-9)
-                    .collect()
-            } else {
-                nice_ticks(xmin, xmax, 8)
-            }
-        });
-        for v in xt {
-            let _ = write!(
-                s,
-                r##"<line x1="{0}" x2="{0}" y1="{T}" y2="{1}" stroke="#eee"/><text x="{0}" y="{2}" text-anchor="middle">{3}</text>"##,
-                x(v),
-                H - B,
-                H - B + 16.0,
-                trim(v)
-            );
-        }
+        self.grid(&f, &mut s);
         let _ = write!(
             s,
             r##"<line x1="{L}" x2="{L}" y1="{T}" y2="{0}" stroke="black"/><line x1="{L}" x2="{1}" y1="{0}" y2="{0}" stroke="black"/><text x="{2}" y="{3}" text-anchor="middle">{4}</text><text transform="translate(18,{5}) rotate(-90)" text-anchor="middle">{6}</text>"##,
@@ -132,47 +114,116 @@ impl Chart {
             esc(&self.y_label)
         );
         for (i, ser) in self.series.iter().enumerate() {
-            let c = COLORS[i % COLORS.len()];
-            let d: Vec<String> = ser
-                .points
-                .iter()
-                .filter(|p| p.1.is_finite())
-                .map(|&(a, b)| format!("{:.1},{:.1}", x(a), y(b)))
-                .collect();
-            let dash = if ser.dashed {
-                r#" stroke-dasharray="6 4""#
-            } else {
-                ""
-            };
-            let _ = write!(
-                s,
-                r#"<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="{}"/>"#,
-                d.join(" ")
-            );
-            if ser.points.len() <= 40 {
-                for &(a, b) in ser.points.iter().filter(|p| p.1.is_finite()) {
-                    let _ = write!(
-                        s,
-                        r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"/>"#,
-                        x(a),
-                        y(b)
-                    );
-                }
-            }
-            let ly = T + 10.0 + i as f64 * 20.0;
-            let _ = write!(
-                s,
-                r#"<line x1="{0}" x2="{1}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{2}" y="{3}">{4}</text>"#,
-                W - R + 12.0,
-                W - R + 36.0,
-                W - R + 42.0,
-                ly + 4.0,
-                esc(&ser.name)
-            );
+            series_svg(&f, i, ser, &mut s);
         }
         s.push_str("</svg>\n");
         s
     }
+
+    /// The data ranges: x over all points, y from `y_range` or 0 to the rounded-up maximum.
+    fn frame(&self) -> Frame {
+        let pts = || self.series.iter().flat_map(|s| s.points.iter());
+        let mut f = Frame {
+            log_x: self.log_x,
+            xmin: 0.0,
+            xmax: 1.0,
+            ymin: 0.0,
+            ymax: 1.0,
+        };
+        let (xmin, xmax) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+            (a.min(f.fx(p.0)), b.max(f.fx(p.0)))
+        });
+        if xmin.is_finite() {
+            (f.xmin, f.xmax) = (xmin, xmax);
+        }
+        (f.ymin, f.ymax) = self.y_range.unwrap_or_else(|| {
+            let m = pts()
+                .map(|p| p.1)
+                .filter(|v| v.is_finite())
+                .fold(0.0, f64::max);
+            let t = nice_ticks(0.0, if m > 0.0 { m } else { 1.0 }, 5);
+            let top = t.last().copied().unwrap_or(1.0);
+            (0.0, if top < m { top + (t[1] - t[0]) } else { top })
+        });
+        f
+    }
+
+    /// Horizontal grid lines with y tick labels, then vertical ones with x tick labels.
+    fn grid(&self, f: &Frame, s: &mut String) {
+        for v in nice_ticks(f.ymin, f.ymax, 10) {
+            let _ = write!(
+                s,
+                r##"<line x1="{L}" x2="{0}" y1="{1}" y2="{1}" stroke="#ddd"/><text x="{2}" y="{3}" text-anchor="end">{4}{5}</text>"##,
+                W - R,
+                f.y(v),
+                L - 6.0,
+                f.y(v) + 4.0,
+                trim(v),
+                esc(&self.y_unit)
+            );
+        }
+        let xt = self.x_ticks.clone().unwrap_or_else(|| {
+            if self.log_x {
+                (f.xmin.floor() as i32..=f.xmax.ceil() as i32)
+                    .flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e)))
+                    .filter(|&v| f.fx(v) >= f.xmin - 1e-9 && f.fx(v) <= f.xmax + 1e-9)
+                    .collect()
+            } else {
+                nice_ticks(f.xmin, f.xmax, 8)
+            }
+        });
+        for v in xt {
+            let _ = write!(
+                s,
+                r##"<line x1="{0}" x2="{0}" y1="{T}" y2="{1}" stroke="#eee"/><text x="{0}" y="{2}" text-anchor="middle">{3}</text>"##,
+                f.x(v),
+                H - B,
+                H - B + 16.0,
+                trim(v)
+            );
+        }
+    }
+}
+
+/// Series `i`: its polyline, point markers unless it is long, and its legend entry.
+fn series_svg(f: &Frame, i: usize, ser: &Series, s: &mut String) {
+    let c = COLORS[i % COLORS.len()];
+    let d: Vec<String> = ser
+        .points
+        .iter()
+        .filter(|p| p.1.is_finite())
+        .map(|&(a, b)| format!("{:.1},{:.1}", f.x(a), f.y(b)))
+        .collect();
+    let dash = if ser.dashed {
+        r#" stroke-dasharray="6 4""#
+    } else {
+        ""
+    };
+    let _ = write!(
+        s,
+        r#"<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="{}"/>"#,
+        d.join(" ")
+    );
+    if ser.points.len() <= 40 {
+        for &(a, b) in ser.points.iter().filter(|p| p.1.is_finite()) {
+            let _ = write!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"/>"#,
+                f.x(a),
+                f.y(b)
+            );
+        }
+    }
+    let ly = T + 10.0 + i as f64 * 20.0;
+    let _ = write!(
+        s,
+        r#"<line x1="{0}" x2="{1}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{2}" y="{3}">{4}</text>"#,
+        W - R + 12.0,
+        W - R + 36.0,
+        W - R + 42.0,
+        ly + 4.0,
+        esc(&ser.name)
+    );
 }
 
 /// Hit rate (%) against capacity (% of distinct pages, log scale).

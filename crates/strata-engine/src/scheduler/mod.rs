@@ -18,11 +18,12 @@ use strata_kv::{Lease, Served, TieredCache};
 use strata_model::{Model, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::handle::{EngineConfig, Shared, Snapshot};
+use crate::config::EngineConfig;
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
 use crate::sampler::{sample, Rng};
+use crate::state::{Shared, Snapshot};
 
 mod commands;
 
@@ -296,22 +297,7 @@ impl Scheduler {
 
     /// One model call. Returns false when nothing was ready to compute.
     fn step(&mut self) -> bool {
-        let mut budget = self.cfg.max_batch_tokens.max(1);
-        // (active index, first position, tokens)
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, r) in self.active.iter().enumerate() {
-            if r.running && r.computed >= r.prompt_len && budget > 0 {
-                plan.push((i, r.computed, 1));
-                budget -= 1;
-            }
-        }
-        for (i, r) in self.active.iter().enumerate() {
-            if r.running && r.computed < r.prompt_len && budget > 0 {
-                let n = (r.prompt_len - r.computed).min(budget);
-                plan.push((i, r.computed, n));
-                budget -= n;
-            }
-        }
+        let plan = self.batch();
         if plan.is_empty() {
             return false;
         }
@@ -346,8 +332,45 @@ impl Scheduler {
                 return true;
             }
         };
+        let mut done = self.sample_batch(&plan, &logits);
+        done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
+        for (i, reason) in done {
+            let r = self.active.swap_remove(i);
+            self.finish(r, Some(reason));
+        }
+        true
+    }
+
+    /// The next batch under `max_batch_tokens`: one decode token per running request first,
+    /// then prefill chunks, as (active index, first position, tokens).
+    fn batch(&self) -> Vec<(usize, usize, usize)> {
+        let mut budget = self.cfg.max_batch_tokens.max(1);
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, r) in self.active.iter().enumerate() {
+            if r.running && r.computed >= r.prompt_len && budget > 0 {
+                plan.push((i, r.computed, 1));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.active.iter().enumerate() {
+            if r.running && r.computed < r.prompt_len && budget > 0 {
+                let n = (r.prompt_len - r.computed).min(budget);
+                plan.push((i, r.computed, n));
+                budget -= n;
+            }
+        }
+        plan
+    }
+
+    /// Advances the batch's requests past the call and samples the next token of those that
+    /// reached the end of their input; returns the requests that are done, and why.
+    fn sample_batch(
+        &mut self,
+        plan: &[(usize, usize, usize)],
+        logits: &[Vec<f32>],
+    ) -> Vec<(usize, FinishReason)> {
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        for (&(i, _, n), l) in plan.iter().zip(&logits) {
+        for (&(i, _, n), l) in plan.iter().zip(logits) {
             let r = &mut self.active[i];
             r.computed += n;
             if r.computed < r.tokens.len() {
@@ -372,12 +395,7 @@ impl Scheduler {
                 done.push((i, FinishReason::Length));
             }
         }
-        done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
-        for (i, reason) in done {
-            let r = self.active.swap_remove(i);
-            self.finish(r, Some(reason));
-        }
-        true
+        done
     }
 
     /// Ends a request: on success its whole pages join the tree; everything else it holds

@@ -166,7 +166,25 @@ pub fn recv_kv(
     admit: &mut dyn FnMut(TransferId, u32) -> Admit,
 ) -> Result<Received, TransferError> {
     let max = lim.max_frame();
-    let (id, tokens, n) = loop {
+    let (id, tokens, n) = recv_begin(link, lim, max, admit)?;
+    let r = Received {
+        id,
+        tokens,
+        hashes: Vec::with_capacity(n as usize),
+        pages: Vec::with_capacity(n as usize),
+    };
+    recv_pages(link, lim, max, r, n)
+}
+
+/// Reads `Begin`s until one is admitted (answering busy ones); returns its id, tokens and
+/// page count.
+fn recv_begin(
+    link: &mut dyn Link,
+    lim: &RecvLimits,
+    max: usize,
+    admit: &mut dyn FnMut(TransferId, u32) -> Admit,
+) -> Result<(TransferId, Vec<u32>, u32), TransferError> {
+    loop {
         match read_frame(link, max)? {
             Frame::Begin { id, tokens, pages } => {
                 let want = tokens.len().div_ceil(lim.page_size.max(1) as usize);
@@ -191,7 +209,7 @@ pub fn recv_kv(
                 match admit(id, pages) {
                     Admit::Yes => {
                         ack(link, id, true, "")?;
-                        break (id, tokens, pages);
+                        return Ok((id, tokens, pages));
                     }
                     Admit::Busy(why) => ack(link, id, false, &why)?,
                     Admit::Refuse(why) => return Err(abort(link, id, why)),
@@ -204,13 +222,18 @@ pub fn recv_kv(
                 )))
             }
         }
-    };
-    let mut r = Received {
-        id,
-        tokens,
-        hashes: Vec::with_capacity(n as usize),
-        pages: Vec::with_capacity(n as usize),
-    };
+    }
+}
+
+/// Reads the `n` pages of transfer `r.id` into `r`, then its `End`, and acknowledges it.
+fn recv_pages(
+    link: &mut dyn Link,
+    lim: &RecvLimits,
+    max: usize,
+    mut r: Received,
+    n: u32,
+) -> Result<Received, TransferError> {
+    let id = r.id;
     loop {
         match read_frame(link, max)? {
             Frame::Page {

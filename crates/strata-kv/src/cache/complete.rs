@@ -92,99 +92,119 @@ impl TieredCache {
             .remove(&d.ticket)
             .expect("completion for a known ticket");
         match p {
-            Pending::LoadBack { lock, pages } => {
-                self.stats
-                    .load_back
-                    .add(pages.len() as u64, d.bytes, d.nanos);
-                for p in &pages {
-                    self.loading.remove(p);
-                }
-                self.tree.unlock(lock);
-            }
+            Pending::LoadBack { lock, pages } => self.complete_load_back(&d, lock, pages),
             Pending::Backup {
                 lock,
                 nodes,
                 evict_after,
-            } => {
-                self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.tree.unlock(lock);
-                if evict_after {
-                    for &n in &nodes {
-                        // A request may have matched it meanwhile; then it stays on device.
-                        let v = self.tree.view(n);
-                        if v.lock_ref == 0 && !v.device.is_empty() && v.device_children == 0 {
-                            self.drop_device(n);
-                        }
-                    }
-                }
-                if self.planes.storage.is_some() {
-                    self.put_to_storage(nodes);
-                }
-            }
-            Pending::Put { nodes, heads } => {
-                self.stats
-                    .storage_put
-                    .add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.stats.storage_errors += d.errors;
-                for &n in &nodes {
-                    self.tree.host_unlock(n);
-                    if d.errors == 0 {
-                        self.tree.set_in_storage(n, true);
-                    }
-                }
-                let shared = self
-                    .planes
-                    .storage
-                    .as_ref()
-                    .is_some_and(|s| s.tier().contains("remote"));
-                if d.errors == 0 && shared {
-                    let mut all = nodes.clone();
-                    all.extend(heads.iter().copied());
-                    self.emit(true, Tier::Remote, &all);
-                }
-
-                if d.errors == 0 {
-                    for &n in &heads {
-                        if self.tree.is_live(n) {
-                            self.tree.set_in_storage(n, true);
-                        }
-                    }
-                }
-            }
+            } => self.complete_backup(&d, lock, nodes, evict_after),
+            Pending::Put { nodes, heads } => self.complete_put(&d, nodes, heads),
             Pending::Prefetch {
                 lock,
                 tokens,
                 host_pages,
                 skip,
-            } => {
-                self.stats
-                    .storage_get
-                    .add(d.pages_ok as u64, d.bytes, d.nanos);
-                self.stats.storage_errors += d.errors;
-                let ok = d.pages_ok;
-                self.stats.storage_read_misses += (host_pages.len() - ok) as u64;
-                self.host_alloc
-                    .free(&host_pages[ok..])
-                    .expect("prefetch pages are held");
-                self.held_host -= host_pages.len();
-                let ps = self.page_size();
-                let ins = self.tree.insert(
-                    &tokens[..(skip + ok) * ps],
-                    &host_pages[..ok],
-                    Slot::Host,
-                    skip,
-                );
-                self.host_alloc
-                    .free(&ins.unused)
-                    .expect("prefetch pages are held");
-                for &n in &ins.filled {
-                    self.tree.set_in_storage(n, true);
+            } => self.complete_prefetch(&d, lock, tokens, host_pages, skip),
+        }
+    }
+
+    /// A load-back landed: its device pages are readable, the match lock is released.
+    fn complete_load_back(&mut self, d: &Done, lock: NodeId, pages: Vec<u32>) {
+        self.stats
+            .load_back
+            .add(pages.len() as u64, d.bytes, d.nanos);
+        for p in &pages {
+            self.loading.remove(p);
+        }
+        self.tree.unlock(lock);
+    }
+
+    /// A backup landed: evicts the nodes it was freeing, then writes them on to L3.
+    fn complete_backup(&mut self, d: &Done, lock: NodeId, nodes: Vec<NodeId>, evict_after: bool) {
+        self.stats.backup.add(d.pages_ok as u64, d.bytes, d.nanos);
+        self.tree.unlock(lock);
+        if evict_after {
+            for &n in &nodes {
+                // A request may have matched it meanwhile; then it stays on device.
+                let v = self.tree.view(n);
+                if v.lock_ref == 0 && !v.device.is_empty() && v.device_children == 0 {
+                    self.drop_device(n);
                 }
-                let filled = ins.filled.clone();
-                self.emit(true, Tier::Host, &filled);
-                self.tree.unlock(lock);
             }
         }
+        if self.planes.storage.is_some() {
+            self.put_to_storage(nodes);
+        }
+    }
+
+    /// An L3 write landed: unpins the host pages and marks the nodes (and heads split off
+    /// them meanwhile) as stored, announcing them when the storage is shared.
+    fn complete_put(&mut self, d: &Done, nodes: Vec<NodeId>, heads: Vec<NodeId>) {
+        self.stats
+            .storage_put
+            .add(d.pages_ok as u64, d.bytes, d.nanos);
+        self.stats.storage_errors += d.errors;
+        for &n in &nodes {
+            self.tree.host_unlock(n);
+            if d.errors == 0 {
+                self.tree.set_in_storage(n, true);
+            }
+        }
+        let shared = self
+            .planes
+            .storage
+            .as_ref()
+            .is_some_and(|s| s.tier().contains("remote"));
+        if d.errors == 0 && shared {
+            let mut all = nodes.clone();
+            all.extend(heads.iter().copied());
+            self.emit(true, Tier::Remote, &all);
+        }
+
+        if d.errors == 0 {
+            for &n in &heads {
+                if self.tree.is_live(n) {
+                    self.tree.set_in_storage(n, true);
+                }
+            }
+        }
+    }
+
+    /// An L3 read landed: inserts the pages found on host, frees the rest.
+    fn complete_prefetch(
+        &mut self,
+        d: &Done,
+        lock: NodeId,
+        tokens: Vec<u32>,
+        host_pages: Vec<u32>,
+        skip: usize,
+    ) {
+        self.stats
+            .storage_get
+            .add(d.pages_ok as u64, d.bytes, d.nanos);
+        self.stats.storage_errors += d.errors;
+        let ok = d.pages_ok;
+        self.stats.storage_read_misses += (host_pages.len() - ok) as u64;
+        self.host_alloc
+            .free(&host_pages[ok..])
+            .expect("prefetch pages are held");
+        self.held_host -= host_pages.len();
+        let ps = self.page_size();
+        let ins = self.tree.insert(
+            &tokens[..(skip + ok) * ps],
+            &host_pages[..ok],
+            Slot::Host,
+            skip,
+        );
+        self.host_alloc
+            .free(&ins.unused)
+            .expect("prefetch pages are held");
+        for &n in &ins.filled {
+            self.tree.set_in_storage(n, true);
+        }
+        let filled = ins.filled.clone();
+        self.emit(true, Tier::Host, &filled);
+        self.tree.unlock(lock);
     }
 
     pub(super) fn put_to_storage(&mut self, nodes: Vec<NodeId>) {

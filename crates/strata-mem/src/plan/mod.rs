@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 use strata_kv::units::format_bytes;
+use strata_kv::PoolKind;
 use thiserror::Error;
 
 use crate::model::ModelSpec;
@@ -192,6 +193,130 @@ fn gb(b: u64) -> String {
 
 /// Builds and validates the plan. Nothing is allocated here.
 pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> {
+    validate(req)?;
+    let ps = req.page_size as u64;
+    let kinds: Vec<_> = req.model.kinds.iter().map(|k| k.per_rank(req.tp)).collect();
+    let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
+    let mut decided = Vec::new();
+
+    // NUMA placement first: the fraction-of-free device budget needs it.
+    let room = numa_room(req, topo, &mut decided)?;
+
+    // Device pool.
+    let device_budget = device_budget(req, room.avail, &mut decided)?;
+    let device_tokens = device_budget / bpt / ps * ps;
+    if device_tokens == 0 {
+        return Err(PlanError::DeviceTooSmall {
+            budget: format_bytes(device_budget),
+            tokens: device_budget / bpt,
+            page_size: req.page_size,
+            bpt,
+        });
+    }
+
+    // Host pool: whole tokens of every kind, never more bytes than asked.
+    let host_tokens = host_tokens(req, bpt, device_tokens, &mut decided)?;
+
+    let pools = pool_plans(&kinds, ps, device_tokens, host_tokens);
+    let s = Sizes::new(req, bpt, device_budget, device_tokens, host_tokens);
+    let where_ = where_of(&room.nodes);
+
+    if s.needed > room.usable {
+        return Err(advice::does_not_fit(req, topo, &room, &s, &where_));
+    }
+    let warnings = advice::warnings(req, topo, &room, &s, &where_);
+
+    Ok(Plan {
+        role: req.role.clone(),
+        model: req.model.name.clone(),
+        tp: req.tp,
+        page_size: req.page_size,
+        bytes_per_token: bpt,
+        pools,
+        device_tokens_per_rank: device_tokens,
+        host_tokens_per_rank: host_tokens,
+        device_bytes_per_rank: s.device_bytes,
+        host_bytes_per_rank: s.host_bytes,
+        server_device_bytes: s.server_device,
+        server_host_bytes: s.server_host,
+        numa: NumaPlan {
+            policy: req.policy,
+            nodes: room.nodes,
+            available_bytes: room.avail,
+            source: room.source,
+            reserve_bytes: room.reserve,
+            needed_bytes: s.needed,
+            headroom_bytes: room.usable - s.needed,
+        },
+        decided_by: decided,
+        warnings,
+    })
+}
+
+/// The NUMA nodes chosen for the host pools and the room they have.
+struct Room {
+    nodes: Vec<u32>,
+    avail: u64,
+    source: String,
+    reserve: u64,
+    /// Available minus the reserve.
+    usable: u64,
+}
+
+/// The per-rank and per-server numbers the budgets came to.
+struct Sizes {
+    tp: u64,
+    ps: u64,
+    bpt: u64,
+    device_budget: u64,
+    device_tokens: u64,
+    host_tokens: u64,
+    device_bytes: u64,
+    host_bytes: u64,
+    server_device: u64,
+    server_host: u64,
+    /// Bytes placed on the NUMA nodes: host pools, plus device pools when in host memory.
+    needed: u64,
+}
+
+impl Sizes {
+    /// Bytes per rank and per server of the token counts, and what lands on the NUMA nodes.
+    fn new(
+        req: &PlanRequest,
+        bpt: u64,
+        device_budget: u64,
+        device_tokens: u64,
+        host_tokens: u64,
+    ) -> Sizes {
+        let tp = req.tp as u64;
+        let device_bytes = device_tokens * bpt;
+        let host_bytes = host_tokens * bpt;
+        let server_host = host_bytes * tp;
+        let server_device = device_bytes * tp;
+        let needed = server_host
+            + if req.device_in_host_memory {
+                server_device
+            } else {
+                0
+            };
+        Sizes {
+            tp,
+            ps: req.page_size as u64,
+            bpt,
+            device_budget,
+            device_tokens,
+            host_tokens,
+            device_bytes,
+            host_bytes,
+            server_device,
+            server_host,
+            needed,
+        }
+    }
+}
+
+/// Rejects a request no plan can satisfy whatever the machine.
+fn validate(req: &PlanRequest) -> Result<(), PlanError> {
     if req.tp == 0 {
         return Err(PlanError::Tp);
     }
@@ -201,21 +326,58 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     if req.model.kinds.is_empty() {
         return Err(PlanError::NoPools(req.model.name.clone()));
     }
-    let tp = req.tp as u64;
-    let ps = req.page_size as u64;
-    let kinds: Vec<_> = req.model.kinds.iter().map(|k| k.per_rank(req.tp)).collect();
-    let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
-    let mut decided = Vec::new();
-    let mut warnings = Vec::new();
+    Ok(())
+}
 
-    // NUMA placement first: the fraction-of-free device budget needs it.
+/// Chooses the NUMA nodes (with the reason for an automatic choice) and sums their room.
+fn numa_room(
+    req: &PlanRequest,
+    topo: &Topology,
+    decided: &mut Vec<Decision>,
+) -> Result<Room, PlanError> {
+    let (nodes, auto_why) = choose_nodes(req, topo)?;
+    let avail: u64 = nodes
+        .iter()
+        .map(|&n| topo.node(n).expect("checked").available_bytes)
+        .sum();
+    let total: u64 = nodes
+        .iter()
+        .map(|&n| topo.node(n).expect("checked").total_bytes)
+        .sum();
+    let source = nodes
+        .iter()
+        .map(|&n| format!("node {}: {}", n, topo.node(n).expect("checked").source))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let reserve = req.reserve.unwrap_or_else(|| (total / 10).min(10 << 30));
+    let usable = avail.saturating_sub(reserve);
+    if let Some(why) = auto_why {
+        decided.push(Decision {
+            what: "NUMA node".into(),
+            by: why,
+        });
+    }
+    Ok(Room {
+        nodes,
+        avail,
+        source,
+        reserve,
+        usable,
+    })
+}
+
+/// The nodes `--numa-node` and `--numa-policy` select; for `auto`, also why.
+fn choose_nodes(
+    req: &PlanRequest,
+    topo: &Topology,
+) -> Result<(Vec<u32>, Option<String>), PlanError> {
     let have = topo
         .ids()
         .iter()
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(", ");
-    let (nodes, auto_why) = match (req.policy, req.numa) {
+    Ok(match (req.policy, req.numa) {
         (NumaPolicy::Interleave, _) => (topo.ids(), None),
         (_, NumaChoice::Node(n)) => {
             if topo.node(n).is_none() {
@@ -253,31 +415,17 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
                 )
             }
         }
-    };
-    let avail: u64 = nodes
-        .iter()
-        .map(|&n| topo.node(n).expect("checked").available_bytes)
-        .sum();
-    let total: u64 = nodes
-        .iter()
-        .map(|&n| topo.node(n).expect("checked").total_bytes)
-        .sum();
-    let source = nodes
-        .iter()
-        .map(|&n| format!("node {}: {}", n, topo.node(n).expect("checked").source))
-        .collect::<Vec<_>>()
-        .join("; ");
-    let reserve = req.reserve.unwrap_or_else(|| (total / 10).min(10 << 30));
-    let usable = avail.saturating_sub(reserve);
-    if let Some(why) = auto_why {
-        decided.push(Decision {
-            what: "NUMA node".into(),
-            by: why,
-        });
-    }
+    })
+}
 
-    // Device pool.
-    let device_budget = match req.device {
+/// Device pool bytes per rank, from `--device-mem` or a fraction of `avail`.
+fn device_budget(
+    req: &PlanRequest,
+    avail: u64,
+    decided: &mut Vec<Decision>,
+) -> Result<u64, PlanError> {
+    let tp = req.tp as u64;
+    Ok(match req.device {
         DeviceBudget::Bytes(b) => {
             decided.push(Decision {
                 what: "device tokens per rank".into(),
@@ -302,20 +450,20 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             });
             b
         }
-    };
-    let device_tokens = device_budget / bpt / ps * ps;
-    if device_tokens == 0 {
-        return Err(PlanError::DeviceTooSmall {
-            budget: format_bytes(device_budget),
-            tokens: device_budget / bpt,
-            page_size: req.page_size,
-            bpt,
-        });
-    }
+    })
+}
 
-    // Host pool: whole tokens of every kind, never more bytes than asked.
+/// Host pool tokens per rank (whole pages) from the `--hicache-*` flag given, if any.
+fn host_tokens(
+    req: &PlanRequest,
+    bpt: u64,
+    device_tokens: u64,
+    decided: &mut Vec<Decision>,
+) -> Result<u64, PlanError> {
+    let tp = req.tp as u64;
+    let ps = req.page_size as u64;
     let ht = req.host_text.as_deref();
-    let host_tokens = match req.host {
+    Ok(match req.host {
         None => {
             decided.push(Decision {
                 what: "host tokens per rank".into(),
@@ -352,9 +500,12 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             });
             ((device_tokens as f64 * r) as u64) / ps * ps
         }
-    };
+    })
+}
 
-    let pools: Vec<PoolPlan> = kinds
+/// Every pool kind's share of the device and host tokens.
+fn pool_plans(kinds: &[PoolKind], ps: u64, device_tokens: u64, host_tokens: u64) -> Vec<PoolPlan> {
+    kinds
         .iter()
         .map(|k| {
             let b = k.bytes_per_token() as u64;
@@ -369,18 +520,12 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
                 host_bytes: host_tokens * b,
             }
         })
-        .collect();
-    let device_bytes = device_tokens * bpt;
-    let host_bytes = host_tokens * bpt;
-    let server_host = host_bytes * tp;
-    let server_device = device_bytes * tp;
-    let needed = server_host
-        + if req.device_in_host_memory {
-            server_device
-        } else {
-            0
-        };
-    let where_ = if nodes.len() == 1 {
+        .collect()
+}
+
+/// `NUMA node 0` or `NUMA nodes 0,1`.
+fn where_of(nodes: &[u32]) -> String {
+    if nodes.len() == 1 {
         format!("NUMA node {}", nodes[0])
     } else {
         format!(
@@ -391,209 +536,8 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
                 .collect::<Vec<_>>()
                 .join(",")
         )
-    };
-
-    if needed > usable {
-        let fit_host_server = usable.saturating_sub(if req.device_in_host_memory {
-            server_device
-        } else {
-            0
-        });
-        let fit_tokens = fit_host_server / tp / bpt / ps * ps;
-        // The advice names the flag that was given, in the unit it was given in.
-        let fit = match req.host {
-            Some(HostBudget::PerRank(_)) => {
-                format!(
-                    "--hicache-size {} per rank",
-                    typed_like(fit_tokens * bpt, ht)
-                )
-            }
-            Some(HostBudget::Ratio(_)) => format!(
-                "--hicache-ratio {:.2}",
-                fit_tokens as f64 / device_tokens as f64
-            ),
-            Some(HostBudget::Total(_)) => {
-                format!("--hicache-total {}", typed_like(fit_tokens * bpt * tp, ht))
-            }
-            None => {
-                let dev_fit = usable / tp / bpt / ps * ps * bpt;
-                match req.device {
-                    DeviceBudget::Bytes(_) => format!(
-                        "--device-mem {} per rank",
-                        typed_like(dev_fit, req.device_text.as_deref())
-                    ),
-                    DeviceBudget::FractionOfFree(_) => format!(
-                        "--device-mem-fraction {:.2}",
-                        dev_fit as f64 * tp as f64 / avail.max(1) as f64
-                    ),
-                }
-            }
-        };
-        let all_avail: u64 = topo.nodes.iter().map(|n| n.available_bytes).sum();
-        let mut alts = vec![format!("a smaller size ({fit} fits)")];
-        if topo.nodes.len() > 1 && req.policy != NumaPolicy::Interleave {
-            alts.push(format!(
-                "--numa-policy interleave ({} available on all {} nodes, slower remote accesses)",
-                format_bytes(all_avail),
-                topo.nodes.len()
-            ));
-            alts.push("split the cache over servers bound to different nodes (e.g. prefill on node 0, decode on node 1, each with half)".into());
-        }
-        let asked = match req.host {
-            Some(HostBudget::PerRank(b)) => format!(
-                "--hicache-size {} per rank × {tp} ranks = {}",
-                typed_like(b, ht),
-                typed_like(server_host, ht)
-            ),
-            Some(HostBudget::Total(b)) => format!(
-                "--hicache-total {} ({tp} ranks × {})",
-                typed_like(b, ht),
-                typed_like(b / tp, ht)
-            ),
-            Some(HostBudget::Ratio(r)) => format!(
-                "--hicache-ratio {r} = {} ({tp} ranks × {})",
-                gb(server_host),
-                gb(host_bytes)
-            ),
-            None => format!(
-                "--device-mem {} per rank × {tp} ranks",
-                typed_like(device_budget, req.device_text.as_deref())
-            ),
-        };
-        return Err(PlanError::DoesNotFit(format!(
-            "{asked}{} does not fit {where_} ({}): {} available ({source}) minus {} reserve leaves {}; alternatives: {}",
-            if req.device_in_host_memory && req.host.is_some() { format!(" + {} of device pools in host memory", typed_like(server_device, ht)) } else { String::new() },
-            req.policy.name(),
-            format_bytes(avail),
-            format_bytes(reserve),
-            format_bytes(usable),
-            alts.join("; ")
-        )));
-    }
-
-    if let Some(HostBudget::Ratio(r)) = req.host {
-        let share = server_host as f64 / avail.max(1) as f64;
-        if share < SMALL_POOL_SHARE {
-            let half = usable / 2;
-            warnings.push(format!(
-                "--hicache-ratio {r} sized the host cache from the device pool: {host_tokens} tokens = {} per rank, {} per server, only {:.1}% of {where_}'s {} available. The ratio multiplies this server's device pool, which is small on a prefill server; ask for the size directly, e.g. --hicache-total {} (or --hicache-size {} per rank) for half the node",
-                format_bytes(host_bytes),
-                format_bytes(server_host),
-                share * 100.0,
-                format_bytes(avail),
-                gb(half),
-                gb(half / tp),
-            ));
-        }
-    }
-    if host_tokens > 0 && host_tokens < device_tokens {
-        warnings.push(format!(
-            "the host tier ({host_tokens} tokens per rank) is smaller than the device tier ({device_tokens}): with write-through it only mirrors part of the device and caches nothing beyond it; make it at least as large"
-        ));
-    }
-    if req.policy == NumaPolicy::Preferred
-        && needed > topo.node(nodes[0]).map_or(0, |n| n.available_bytes)
-    {
-        warnings.push(format!("--numa-policy preferred: {} exceeds node {}'s available memory and will spill to other nodes", format_bytes(needed), nodes[0]));
-    }
-
-    Ok(Plan {
-        role: req.role.clone(),
-        model: req.model.name.clone(),
-        tp: req.tp,
-        page_size: req.page_size,
-        bytes_per_token: bpt,
-        pools,
-        device_tokens_per_rank: device_tokens,
-        host_tokens_per_rank: host_tokens,
-        device_bytes_per_rank: device_bytes,
-        host_bytes_per_rank: host_bytes,
-        server_device_bytes: server_device,
-        server_host_bytes: server_host,
-        numa: NumaPlan {
-            policy: req.policy,
-            nodes,
-            available_bytes: avail,
-            source,
-            reserve_bytes: reserve,
-            needed_bytes: needed,
-            headroom_bytes: usable - needed,
-        },
-        decided_by: decided,
-        warnings,
-    })
-}
-
-impl Plan {
-    /// The human report: one table per rank's pools, server totals, NUMA, decisions, warnings.
-    pub fn render(&self) -> String {
-        use std::fmt::Write;
-        let mut s = String::new();
-        let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
-        let _ = writeln!(
-            s,
-            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
-            "pool",
-            "bytes/token",
-            "device tokens",
-            "dev pages",
-            "device bytes",
-            "host tokens",
-            "host pages",
-            "host bytes"
-        );
-        for p in &self.pools {
-            let _ = writeln!(
-                s,
-                "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
-                p.kind,
-                p.bytes_per_token,
-                p.device_tokens,
-                p.device_pages,
-                format_bytes(p.device_bytes),
-                p.host_tokens,
-                p.host_pages,
-                format_bytes(p.host_bytes)
-            );
-        }
-        let _ = writeln!(
-            s,
-            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
-            "per rank",
-            self.bytes_per_token,
-            self.device_tokens_per_rank,
-            self.device_tokens_per_rank / self.page_size as u64,
-            format_bytes(self.device_bytes_per_rank),
-            self.host_tokens_per_rank,
-            self.host_tokens_per_rank / self.page_size as u64,
-            format_bytes(self.host_bytes_per_rank)
-        );
-        let _ = writeln!(
-            s,
-            "per server ({} ranks): device {}, host {}",
-            self.tp,
-            format_bytes(self.server_device_bytes),
-            format_bytes(self.server_host_bytes)
-        );
-        let n = &self.numa;
-        let _ =
-            writeln!(
-            s,
-            "NUMA: {} on node(s) {}: {} available, {} reserve, this server needs {}, headroom {}",
-            n.policy.name(),
-            n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
-            format_bytes(n.available_bytes),
-            format_bytes(n.reserve_bytes),
-            format_bytes(n.needed_bytes),
-            format_bytes(n.headroom_bytes)
-        );
-        let _ = writeln!(s, "      capacity source: {}", n.source);
-        for d in &self.decided_by {
-            let _ = writeln!(s, "decided: {} ← {}", d.what, d.by);
-        }
-        for w in &self.warnings {
-            let _ = writeln!(s, "WARNING: {w}");
-        }
-        s
     }
 }
+
+mod advice;
+mod render;

@@ -1,0 +1,54 @@
+//! The engine's configuration: scheduling limits and admission bounds.
+
+use std::time::Duration;
+
+use strata_kv::PrefetchPolicy;
+
+/// Scheduling limits.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per model call: one per decoding request, the rest for prefill chunks.
+    pub max_batch_tokens: usize,
+    /// Requests computing at once (prefill or decode).
+    pub max_running: usize,
+    /// Requests waiting for admission; beyond it submissions are refused (HTTP 429).
+    pub max_waiting: usize,
+    /// Prompt + max_tokens summed over accepted, unfinished requests; beyond it submissions
+    /// are refused. 0: four times the device pool's tokens.
+    pub max_tokens_in_flight: usize,
+    /// Token ids that end generation (the model's end-of-sequence tokens).
+    pub stop_token_ids: Vec<u32>,
+    /// The model's id (as in the cache's page hashes), stated at KV-transfer handshakes.
+    pub model_id: String,
+    pub prefetch: PrefetchPolicy,
+    /// Reuse cached prefixes. `false` (a baseline for benchmarks): every prompt is computed in
+    /// full and nothing joins the tree; hits stay zero and misses count every prompt token.
+    pub prefix_cache: bool,
+    /// A request still waiting for admission after this long is answered
+    /// [`crate::FinishReason::QueueTimeout`] (None: it waits as long as it takes).
+    pub max_queue_time: Option<Duration>,
+    /// The scheduler counts as stalled when one pass of its loop takes longer than this.
+    pub stall_after: Duration,
+    /// Test hook (fault injection): the scheduler thread panics when it receives a prompt that
+    /// starts with this token id. Never set in production; it exists so that tests can check
+    /// what a dead engine does to `/health` and to a supervisor.
+    pub fault_panic_token: Option<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch_tokens: 512,
+            max_running: 32,
+            max_waiting: 128,
+            max_tokens_in_flight: 0,
+            stop_token_ids: Vec::new(),
+            model_id: String::new(),
+            prefetch: PrefetchPolicy::WaitComplete,
+            prefix_cache: true,
+            max_queue_time: None,
+            stall_after: Duration::from_secs(60),
+            fault_panic_token: None,
+        }
+    }
+}

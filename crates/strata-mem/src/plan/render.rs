@@ -1,0 +1,79 @@
+//! [`Plan::render`]: the plan as the operator reads it.
+
+use strata_kv::units::format_bytes;
+
+use super::Plan;
+
+impl Plan {
+    /// The human report: one table per rank's pools, server totals, NUMA, decisions, warnings.
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
+        let _ = writeln!(
+            s,
+            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+            "pool",
+            "bytes/token",
+            "device tokens",
+            "dev pages",
+            "device bytes",
+            "host tokens",
+            "host pages",
+            "host bytes"
+        );
+        for p in &self.pools {
+            let _ = writeln!(
+                s,
+                "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+                p.kind,
+                p.bytes_per_token,
+                p.device_tokens,
+                p.device_pages,
+                format_bytes(p.device_bytes),
+                p.host_tokens,
+                p.host_pages,
+                format_bytes(p.host_bytes)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+            "per rank",
+            self.bytes_per_token,
+            self.device_tokens_per_rank,
+            self.device_tokens_per_rank / self.page_size as u64,
+            format_bytes(self.device_bytes_per_rank),
+            self.host_tokens_per_rank,
+            self.host_tokens_per_rank / self.page_size as u64,
+            format_bytes(self.host_bytes_per_rank)
+        );
+        let _ = writeln!(
+            s,
+            "per server ({} ranks): device {}, host {}",
+            self.tp,
+            format_bytes(self.server_device_bytes),
+            format_bytes(self.server_host_bytes)
+        );
+        let n = &self.numa;
+        let _ =
+            writeln!(
+            s,
+            "NUMA: {} on node(s) {}: {} available, {} reserve, this server needs {}, headroom {}",
+            n.policy.name(),
+            n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+            format_bytes(n.available_bytes),
+            format_bytes(n.reserve_bytes),
+            format_bytes(n.needed_bytes),
+            format_bytes(n.headroom_bytes)
+        );
+        let _ = writeln!(s, "      capacity source: {}", n.source);
+        for d in &self.decided_by {
+            let _ = writeln!(s, "decided: {} ← {}", d.what, d.by);
+        }
+        for w in &self.warnings {
+            let _ = writeln!(s, "WARNING: {w}");
+        }
+        s
+    }
+}
