@@ -314,42 +314,10 @@ impl KvInbox {
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             match res {
-                Ok(r) => {
-                    self.received.fetch_add(1, Ordering::Relaxed);
-                    self.bytes
-                        .fetch_add(r.pages.len() as u64 * self.page_bytes, Ordering::Relaxed);
-                    let mut m = self.lock();
-                    // Its reservation now holds the pages; if its request gave up meanwhile,
-                    // the pages are dropped here and their bytes released.
-                    match m.remove(&r.id) {
-                        Some(Slot::Receiving(_)) => {
-                            m.insert(r.id, Slot::Received(Instant::now(), r));
-                        }
-                        Some(Slot::Abandoned(bytes)) => self.release(bytes),
-                        Some(other) => {
-                            m.insert(r.id, other);
-                        }
-                        None => {}
-                    }
-                    drop(m);
-                    self.notify.notify_waiters();
-                }
+                Ok(r) => self.landed(r),
                 Err(e) => {
                     if let Some(id) = admitted {
-                        let mut m = self.lock();
-                        match m.remove(&id) {
-                            Some(Slot::Receiving(bytes)) => {
-                                self.release(bytes);
-                                m.insert(id, Slot::Failed(e.to_string()));
-                            }
-                            Some(Slot::Abandoned(bytes)) => self.release(bytes),
-                            Some(other) => {
-                                m.insert(id, other);
-                            }
-                            None => {}
-                        }
-                        drop(m);
-                        self.notify.notify_waiters();
+                        self.failed_transfer(id, &e);
                     }
                     if matches!(&e, transfer::TransferError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof)
                         && admitted.is_none()
@@ -362,6 +330,46 @@ impl KvInbox {
                 }
             }
         }
+    }
+
+    /// A transfer received whole: its reservation now holds the pages; if its request gave
+    /// up meanwhile, the pages are dropped here and their bytes released.
+    fn landed(&self, r: Received) {
+        self.received.fetch_add(1, Ordering::Relaxed);
+        self.bytes
+            .fetch_add(r.pages.len() as u64 * self.page_bytes, Ordering::Relaxed);
+        let mut m = self.lock();
+        match m.remove(&r.id) {
+            Some(Slot::Receiving(_)) => {
+                m.insert(r.id, Slot::Received(Instant::now(), r));
+            }
+            Some(Slot::Abandoned(bytes)) => self.release(bytes),
+            Some(other) => {
+                m.insert(r.id, other);
+            }
+            None => {}
+        }
+        drop(m);
+        self.notify.notify_waiters();
+    }
+
+    /// A transfer admitted and then failed: its staged bytes are released and its waiter
+    /// told why.
+    fn failed_transfer(&self, id: TransferId, e: &transfer::TransferError) {
+        let mut m = self.lock();
+        match m.remove(&id) {
+            Some(Slot::Receiving(bytes)) => {
+                self.release(bytes);
+                m.insert(id, Slot::Failed(e.to_string()));
+            }
+            Some(Slot::Abandoned(bytes)) => self.release(bytes),
+            Some(other) => {
+                m.insert(id, other);
+            }
+            None => {}
+        }
+        drop(m);
+        self.notify.notify_waiters();
     }
 
     /// Registers a transfer this worker will ask a prefill worker for: its fresh random id is

@@ -1,7 +1,14 @@
-//! Answers: one engine request becomes a JSON body or an SSE stream.
+//! Answers: one engine request becomes a JSON body or an SSE stream — two renderings of one
+//! state machine, [`Answer`], which turns engine events into text deltas and an end (with the
+//! usage figures and latency metrics kept on the way).
+//!
+//! The renderings differ only where HTTP forces them to: an SSE stream has sent its 200
+//! before the end is known, so an engine failure or abort becomes an error event and a finish
+//! reason (`error`, `abort`); a whole answer has not, so the same ends are a 500 or a 503.
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -80,66 +87,146 @@ pub(crate) fn finish_name(r: &FinishReason, stopped_by_string: bool) -> &'static
     }
 }
 
-pub(crate) async fn whole_response(
+/// How an answer ended.
+pub(crate) enum End {
+    /// The engine finished the request (`true`: a stop string was found first, and the rest
+    /// was cancelled).
+    Finished(FinishReason, bool),
+    /// The engine's channel closed without an end: the engine is gone.
+    EngineGone,
+}
+
+/// What one engine event means for the client.
+pub(crate) enum Step {
+    /// The prompt was admitted (the cache served part of it).
+    Admitted,
+    /// New text (never empty).
+    Text(String),
+    End(End),
+}
+
+/// The one state machine of an answer.
+pub(crate) struct Answer {
     st: Arc<AppState>,
-    mut rs: RequestStream,
-    job: Job,
-    first: Event,
-) -> Result<Response, ApiError> {
-    let mut pending = Some(first);
-    let mut text = TextStream::new(job.stops.clone());
-    let mut out = String::new();
-    let mut completion = 0;
-    let mut cached = CachedTokens::default();
-    let prompt = rs.prompt_tokens;
-    let mut last = None;
-    let reason = loop {
-        let ev = match pending.take() {
+    /// None once ended (dropping the engine stream cancels whatever is left).
+    rs: Option<RequestStream>,
+    /// The first event, read before the response started.
+    pending: Option<Event>,
+    text: TextStream,
+    started: Instant,
+    last: Option<Instant>,
+    prompt: usize,
+    completion: usize,
+    cached: CachedTokens,
+}
+
+impl Answer {
+    pub(crate) fn new(st: Arc<AppState>, rs: RequestStream, job: &Job, first: Event) -> Answer {
+        Answer {
+            st,
+            prompt: rs.prompt_tokens,
+            rs: Some(rs),
+            pending: Some(first),
+            text: TextStream::new(job.stops.clone()),
+            started: job.started,
+            last: None,
+            completion: 0,
+            cached: CachedTokens::default(),
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(self.prompt, self.completion, self.cached.total())
+    }
+
+    /// The steps of the next engine event (None: the answer has ended).
+    pub(crate) async fn next(&mut self) -> Option<Vec<Step>> {
+        let ev = match self.pending.take() {
             Some(e) => Some(e),
-            None => rs.events.recv().await,
+            None => self.rs.as_mut()?.events.recv().await,
         };
+        let mut out = Vec::new();
         match ev {
-            Some(Event::Admitted { cached: c }) => cached = c,
             Some(Event::Kv(_)) => {}
+            Some(Event::Admitted { cached }) => {
+                self.cached = cached;
+                out.push(Step::Admitted);
+            }
             Some(Event::Token(t)) => {
-                completion += 1;
-                token_time(&st.metrics, job.started, &mut last);
-                out += &text.push(&st.tokenizer, t);
-                if text.stopped() {
-                    break "stop"; // dropping `rs` cancels the rest
+                self.completion += 1;
+                token_time(&self.st.metrics, self.started, &mut self.last);
+                let d = self.text.push(&self.st.tokenizer, t);
+                if !d.is_empty() {
+                    out.push(Step::Text(d));
+                }
+                if self.text.stopped() {
+                    self.rs = None;
+                    out.push(Step::End(End::Finished(FinishReason::Stop, true)));
                 }
             }
             Some(Event::Done {
                 reason,
                 completion_tokens,
-                cached: c,
+                cached,
                 ..
             }) => {
-                if let FinishReason::Error(m) = &reason {
-                    return Err(engine_error(m));
+                self.completion = completion_tokens;
+                self.cached = cached;
+                let secs = self.started.elapsed().as_secs_f64();
+                self.st.metrics.e2e.observe(secs);
+                let d = self.text.finish();
+                if !d.is_empty() {
+                    out.push(Step::Text(d));
                 }
-                if matches!(
-                    reason,
-                    FinishReason::Aborted | FinishReason::QueueTimeout { .. }
-                ) {
-                    return Err(ApiError::from_submit(
-                        &strata_engine::SubmitError::ShuttingDown,
-                    ));
-                }
-                completion = completion_tokens;
-                cached = c;
-                out += &text.finish();
-                st.metrics.e2e.observe(job.started.elapsed().as_secs_f64());
-                break finish_name(&reason, false);
+                self.rs = None;
+                out.push(Step::End(End::Finished(reason, false)));
             }
             None => {
-                return Err(ApiError::from_submit(
-                    &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
-                ))
+                self.rs = None;
+                out.push(Step::End(End::EngineGone));
+            }
+        }
+        Some(out)
+    }
+}
+
+/// The whole answer as one JSON body (non-streaming requests).
+pub(crate) async fn whole_response(
+    st: Arc<AppState>,
+    rs: RequestStream,
+    job: Job,
+    first: Event,
+) -> Result<Response, ApiError> {
+    let mut a = Answer::new(st.clone(), rs, &job, first);
+    let mut out = String::new();
+    let reason = 'answer: loop {
+        let Some(steps) = a.next().await else {
+            unreachable!("an answer ends with an End step");
+        };
+        for step in steps {
+            match step {
+                Step::Admitted => {}
+                Step::Text(d) => out += &d,
+                Step::End(End::Finished(FinishReason::Error(m), _)) => {
+                    return Err(engine_error(&m))
+                }
+                Step::End(End::Finished(
+                    FinishReason::Aborted | FinishReason::QueueTimeout { .. },
+                    _,
+                )) => {
+                    return Err(ApiError::from_submit(
+                        &strata_engine::SubmitError::ShuttingDown,
+                    ))
+                }
+                Step::End(End::Finished(r, by_string)) => break 'answer finish_name(&r, by_string),
+                Step::End(End::EngineGone) => {
+                    return Err(ApiError::from_submit(
+                        &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
+                    ))
+                }
             }
         }
     };
-    let usage = Usage::new(prompt, completion, cached.total());
     let choice = match job.kind {
         Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out},
                               "logprobs": null, "finish_reason": reason}),
@@ -154,27 +241,22 @@ pub(crate) async fn whole_response(
     };
     Ok(Json(json!({
         "id": job.id, "object": object, "created": st.created, "model": st.model_name,
-        "choices": [choice], "usage": usage,
+        "choices": [choice], "usage": a.usage(),
     }))
     .into_response())
 }
 
-pub(crate) struct Streaming {
-    st: Arc<AppState>,
-    rs: Option<RequestStream>,
+/// The answer as SSE events (streaming requests).
+struct Streaming {
+    answer: Answer,
     job: Job,
-    text: TextStream,
-    completion: usize,
-    cached: CachedTokens,
+    /// A chat delta with the role was sent.
     started: bool,
-    done: bool,
-    last: Option<std::time::Instant>,
-    /// The first event, read before the response started.
-    pending: Option<Event>,
 }
 
 impl Streaming {
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> SseEvent {
+        let st = &self.answer.st;
         let (object, choice) = match self.job.kind {
             Kind::Chat => {
                 let delta = match (text, self.started) {
@@ -192,8 +274,8 @@ impl Streaming {
                 json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
             ),
         };
-        let mut v = json!({"id": self.job.id, "object": object, "created": self.st.created,
-                           "model": self.st.model_name, "choices": [choice]});
+        let mut v = json!({"id": self.job.id, "object": object, "created": st.created,
+                           "model": st.model_name, "choices": [choice]});
         if self.job.include_usage {
             v["usage"] = Value::Null;
         }
@@ -201,94 +283,55 @@ impl Streaming {
     }
 
     fn usage_chunk(&self) -> SseEvent {
+        let st = &self.answer.st;
         let object = if self.job.kind == Kind::Chat {
             "chat.completion.chunk"
         } else {
             "text_completion"
         };
-        let usage = Usage::new(self.rs_prompt(), self.completion, self.cached.total());
         SseEvent::default().data(
-            json!({"id": self.job.id, "object": object, "created": self.st.created,
-                   "model": self.st.model_name, "choices": [], "usage": usage})
+            json!({"id": self.job.id, "object": object, "created": st.created,
+                   "model": st.model_name, "choices": [], "usage": self.answer.usage()})
             .to_string(),
         )
     }
 
-    fn rs_prompt(&self) -> usize {
-        self.rs.as_ref().map(|r| r.prompt_tokens).unwrap_or(0)
-    }
-
-    fn end(&mut self, reason: &str) -> Vec<SseEvent> {
-        let mut ev = vec![self.chunk(None, Some(reason))];
-        if self.job.include_usage {
-            ev.push(self.usage_chunk());
+    /// The SSE events of one step.
+    fn render(&mut self, step: Step, out: &mut Vec<SseEvent>) {
+        match step {
+            Step::Admitted if self.job.kind == Kind::Chat => {
+                out.push(self.chunk(Some(""), None));
+                self.started = true;
+            }
+            Step::Admitted => {}
+            Step::Text(d) => {
+                out.push(self.chunk(Some(&d), None));
+                self.started = true;
+            }
+            Step::End(End::Finished(reason, by_string)) => {
+                if let FinishReason::Error(m) = &reason {
+                    out.push(SseEvent::default().data(engine_error(m).body().to_string()));
+                }
+                out.push(self.chunk(None, Some(finish_name(&reason, by_string))));
+                if self.job.include_usage {
+                    out.push(self.usage_chunk());
+                }
+                out.push(SseEvent::default().data("[DONE]"));
+            }
+            Step::End(End::EngineGone) => {
+                let e = engine_error("the engine stopped");
+                out.push(SseEvent::default().data(e.body().to_string()));
+                out.push(SseEvent::default().data("[DONE]"));
+            }
         }
-        ev.push(SseEvent::default().data("[DONE]"));
-        self.done = true;
-        // Dropping the engine stream cancels whatever is left (a stop string was found).
-        self.rs = None;
-        ev
     }
 
     /// The SSE events for the next engine event (None: the stream is over).
     async fn next(&mut self) -> Option<Vec<SseEvent>> {
-        if self.done {
-            return None;
-        }
-        let ev = match self.pending.take() {
-            Some(e) => Some(e),
-            None => self.rs.as_mut()?.events.recv().await,
-        };
+        let steps = self.answer.next().await?;
         let mut out = Vec::new();
-        match ev {
-            Some(Event::Kv(_)) => {}
-            Some(Event::Admitted { cached }) => {
-                self.cached = cached;
-                if self.job.kind == Kind::Chat {
-                    out.push(self.chunk(Some(""), None));
-                    self.started = true;
-                }
-            }
-            Some(Event::Token(t)) => {
-                self.completion += 1;
-                token_time(&self.st.metrics, self.job.started, &mut self.last);
-                let d = self.text.push(&self.st.tokenizer, t);
-                if !d.is_empty() {
-                    out.push(self.chunk(Some(&d), None));
-                    self.started = true;
-                }
-                if self.text.stopped() {
-                    out.extend(self.end("stop"));
-                }
-            }
-            Some(Event::Done {
-                reason,
-                completion_tokens,
-                cached,
-                ..
-            }) => {
-                self.completion = completion_tokens;
-                self.cached = cached;
-                self.st
-                    .metrics
-                    .e2e
-                    .observe(self.job.started.elapsed().as_secs_f64());
-                if let FinishReason::Error(m) = &reason {
-                    out.push(SseEvent::default().data(engine_error(m).body().to_string()));
-                }
-                let d = self.text.finish();
-                if !d.is_empty() {
-                    out.push(self.chunk(Some(&d), None));
-                }
-                out.extend(self.end(finish_name(&reason, false)));
-            }
-            None => {
-                out.push(
-                    SseEvent::default().data(engine_error("the engine stopped").body().to_string()),
-                );
-                out.push(SseEvent::default().data("[DONE]"));
-                self.done = true;
-            }
+        for step in steps {
+            self.render(step, &mut out);
         }
         Some(out)
     }
@@ -301,16 +344,9 @@ pub(crate) fn stream_response(
     first: Event,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let s = Streaming {
-        st,
-        text: TextStream::new(job.stops.clone()),
-        rs: Some(rs),
+        answer: Answer::new(st, rs, &job, first),
         job,
-        completion: 0,
-        cached: CachedTokens::default(),
         started: false,
-        done: false,
-        last: None,
-        pending: Some(first),
     };
     let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)));
