@@ -13,6 +13,7 @@
 //! or [`TieredCache::release`]. A lease dropped without either is released at the cache's
 //! next `poll`, `admit` or `wait_all`: nothing leaks.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -71,8 +72,15 @@ impl Held {
     }
 }
 
-/// Leases dropped without a commit or release, waiting for the cache to release them.
-pub(super) type DropQueue = Arc<Mutex<Vec<Held>>>;
+/// Leases dropped without a commit or release, waiting for the cache to release them (the
+/// flag spares the lock when there are none).
+#[derive(Debug, Default)]
+pub(super) struct Dropped {
+    any: AtomicBool,
+    held: Mutex<Vec<Held>>,
+}
+
+pub(super) type DropQueue = Arc<Dropped>;
 
 /// A request's locks, reserved pages and copies in flight; see the module docs.
 #[derive(Debug)]
@@ -120,7 +128,9 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(h) = self.held.take() {
-            self.dropped.lock().expect("drop queue lock").push(h);
+            let mut q = self.dropped.held.lock().expect("drop queue lock");
+            q.push(h);
+            self.dropped.any.store(true, Ordering::Release);
         }
     }
 }
@@ -158,10 +168,12 @@ impl TieredCache {
         let dev_pages = (m.device_tokens / ps).min((prompt.len() - 1) / ps);
         let reserve_tokens = prompt.len() + new_tokens;
         let total = reserve_tokens.div_ceil(ps);
-        let Some(own) = self.alloc_device(total - dev_pages) else {
+        // Room for the whole page list (prefix + own) once ready: no reallocation then.
+        let mut own = Vec::with_capacity(total);
+        if !self.alloc_device_into(total - dev_pages, &mut own) {
             self.tree.unlock(m.last);
             return None;
-        };
+        }
         self.record(&m);
         let mut phase = Phase::Loading(None);
         if m.storage_tokens > 0 {
@@ -310,14 +322,18 @@ impl TieredCache {
 
     /// No page of the lease's prefix is still being written by a load-back (another request's
     /// may have put it on device, with its copy still in flight).
-    fn prefix_landed(&self, h: &Held) -> bool {
+    fn prefix_landed(&mut self, h: &Held) -> bool {
         if self.loading.is_empty() {
             return true;
         }
-        self.tree.path_to(h.lock).into_iter().all(|n| {
+        let mut path = std::mem::take(&mut self.scratch_path);
+        self.tree.path_into(h.lock, &mut path);
+        let landed = path.iter().all(|&n| {
             let v = self.tree.view(n);
             !v.device.iter().any(|p| self.loading.contains(p))
-        })
+        });
+        self.scratch_path = path;
+        landed
     }
 
     /// The prefix is on device: lay out the request's pages in position order.
@@ -327,16 +343,20 @@ impl TieredCache {
         // Prefix device pages along the path, root first. The path is read again from the
         // locked node: nodes on it may have been split since the match (an insert diverging
         // inside one), and a split node keeps its id for the suffix.
-        let mut prefix = Vec::new();
-        for n in self.tree.path_to(h.lock) {
+        // Pages used as they are: those before the last prompt token's page.
+        let keep = (h.prompt_len - 1) / ps;
+        let mut path = std::mem::take(&mut self.scratch_path);
+        self.tree.path_into(h.lock, &mut path);
+        let mut prefix = std::mem::take(&mut self.scratch_pages);
+        prefix.clear();
+        for &n in &path {
             let v = self.tree.view(n);
-            if v.device.is_empty() {
+            if v.device.is_empty() || prefix.len() > keep {
                 break;
             }
             prefix.extend_from_slice(v.device);
         }
-        // Pages used as they are: those before the last prompt token's page.
-        let keep = (h.prompt_len - 1) / ps;
+        self.scratch_path = path;
         // A page-aligned prompt matched in full: its last page also holds the last token,
         // which is computed again. Copy the page (copy-on-write: the tree's page stays
         // untouched) and compute only that token.
@@ -345,8 +365,9 @@ impl TieredCache {
         // Pages not loaded (no room) are computed into the reserved pages.
         let own_needed = h.reserve_tokens.div_ceil(ps) - prefix.len();
         if h.pages.len() > own_needed {
-            let extra: Vec<u32> = h.pages.drain(own_needed..).collect();
-            self.free_device(&extra).expect("reserved pages are held");
+            self.free_device(&h.pages[own_needed..])
+                .expect("reserved pages are held");
+            h.pages.truncate(own_needed);
         }
         h.prefix_pages = prefix.len();
         h.start = h.prefix_pages * ps;
@@ -356,8 +377,8 @@ impl TieredCache {
             }
             h.start = h.prompt_len - 1;
         }
-        prefix.append(&mut h.pages);
-        h.pages = prefix;
+        h.pages.splice(0..0, prefix.iter().copied());
+        self.scratch_pages = prefix;
         let dev = m.device_tokens.min(h.start);
         let storage = h.served.storage.min(h.start - dev);
         h.served = Served {
@@ -404,7 +425,10 @@ impl TieredCache {
 
     /// Releases leases dropped without a commit or release.
     pub(super) fn release_dropped(&mut self) {
-        let dropped = std::mem::take(&mut *self.dropped.lock().expect("drop queue lock"));
+        if !self.dropped.any.swap(false, Ordering::Acquire) {
+            return;
+        }
+        let dropped = std::mem::take(&mut *self.dropped.held.lock().expect("drop queue lock"));
         for h in dropped {
             self.release_held(h);
         }

@@ -167,6 +167,9 @@ pub struct TieredCache {
     /// Device pages that load-backs in flight are writing: the tree lists them as on device
     /// already, but no request may read them until the copy lands.
     loading: rustc_hash::FxHashSet<u32>,
+    /// Buffers reused by leases (no allocation per request).
+    scratch_path: Vec<NodeId>,
+    scratch_pages: Vec<u32>,
 }
 
 impl TieredCache {
@@ -214,6 +217,8 @@ impl TieredCache {
             events: Vec::new(),
             dropped: Default::default(),
             loading: Default::default(),
+            scratch_path: Vec::new(),
+            scratch_pages: Vec::new(),
         })
     }
 
@@ -431,6 +436,13 @@ impl TieredCache {
 
     /// `n` device pages for new tokens, evicting per policy; None if they cannot be freed.
     pub fn alloc_device(&mut self, n: usize) -> Option<Vec<u32>> {
+        let mut v = Vec::with_capacity(n);
+        self.alloc_device_into(n, &mut v).then_some(v)
+    }
+
+    /// [`TieredCache::alloc_device`] appending to `out`; false (nothing taken) when the pages
+    /// cannot be freed.
+    pub fn alloc_device_into(&mut self, n: usize, out: &mut Vec<u32>) -> bool {
         loop {
             let avail = self.device_alloc.available() as usize;
             if avail >= n {
@@ -443,9 +455,11 @@ impl TieredCache {
             // Victims may be locked by copies in flight (backups, write-backs): let one land.
             self.complete_one();
         }
-        let p = self.device_alloc.alloc(n)?;
+        if !self.device_alloc.alloc_into(n, out) {
+            return false;
+        }
         self.held_device += n;
-        Some(p)
+        true
     }
 
     /// Returns device pages obtained from [`TieredCache::alloc_device`] and not inserted.

@@ -286,13 +286,19 @@ impl RadixTree {
     /// Nodes from the root (excluded) down to `id`.
     pub fn path_to(&self, id: NodeId) -> Vec<NodeId> {
         let mut v = Vec::new();
+        self.path_into(id, &mut v);
+        v
+    }
+
+    /// [`RadixTree::path_to`] into `out` (cleared first; no allocation once it has room).
+    pub fn path_into(&self, id: NodeId, out: &mut Vec<NodeId>) {
+        out.clear();
         let mut c = id;
         while c != ROOT {
-            v.push(c);
+            out.push(c);
             c = NodeId(self.nodes[c.0 as usize].parent);
         }
-        v.reverse();
-        v
+        out.reverse();
     }
 
     fn child_of(&self, parent: u32, page: &[u32]) -> Option<u32> {
