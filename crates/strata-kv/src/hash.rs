@@ -37,11 +37,6 @@ impl PageHash {
         }
         Some(PageHash(out))
     }
-
-    /// The low 64 bits, for in-process maps.
-    pub fn low64(&self) -> u64 {
-        u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes"))
-    }
 }
 
 impl fmt::Debug for PageHash {

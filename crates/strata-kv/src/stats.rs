@@ -103,9 +103,3 @@ pub struct PoolUsage {
     pub bytes_total: u64,
     pub bytes_used: u64,
 }
-
-impl TierUsage {
-    pub fn pages_free(&self) -> u64 {
-        self.pages_total - self.pages_used
-    }
-}

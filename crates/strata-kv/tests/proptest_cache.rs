@@ -3,11 +3,11 @@
 //! each page must contain.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use proptest::prelude::*;
+
+mod common;
 use strata_kv::memory::HeapAllocator;
-use strata_kv::storage::{MemoryStorage, Storage};
 use strata_kv::testing::{verify_tree_bytes, write_expected_page};
 use strata_kv::{
     CacheConfig, CacheMatch, EvictionPolicy, HashNamespace, NodeId, PageHash, PageLayout, PoolKind,
@@ -43,16 +43,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Sequences share prefixes by group so nodes split and share.
 fn tokens(s: u8, len: u8) -> Vec<u32> {
-    let g = (s % 3) as u32;
-    (0..len as u32)
-        .map(|i| {
-            if i < 10 {
-                g * 100 + i
-            } else {
-                10_000 + s as u32 * 100 + i
-            }
-        })
-        .collect()
+    common::tokens(s, len, 3, 10)
 }
 
 struct World {
@@ -185,33 +176,15 @@ impl World {
 }
 
 fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool) -> World {
-    let layout = PageLayout::new(
-        ps,
-        vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("idx", 1, 3)],
-    )
-    .unwrap();
-    let mut cfg = CacheConfig::new(layout.clone(), 24 / ps as u32 + 4, 48 / ps as u32 + 4);
-    cfg.write_policy = wp;
-    cfg.eviction = ev;
-    cfg.hashing = true;
-    cfg.copy_threads = 2;
-    let storage: Option<Arc<dyn Storage>> =
-        l3.then(|| Arc::new(MemoryStorage::new(u64::MAX, 20)) as Arc<dyn Storage>);
+    let layout = common::layout(ps);
+    let sizes = (24 / ps as u32 + 4, 48 / ps as u32 + 4);
     World {
-        cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(),
+        cache: common::cache(layout.clone(), sizes, wp, ev, l3.then_some(20)),
         ns: HashNamespace::new("model", &layout),
         ps,
         computed: HashSet::new(),
         held: Vec::new(),
     }
-}
-
-fn policy() -> impl Strategy<Value = WritePolicy> {
-    prop_oneof![
-        Just(WritePolicy::WriteThrough),
-        Just(WritePolicy::WriteBack),
-        (1u32..3).prop_map(|threshold| WritePolicy::WriteThroughSelective { threshold }),
-    ]
 }
 
 proptest! {
@@ -220,7 +193,7 @@ proptest! {
     #[test]
     fn cache_invariants_hold_after_every_step(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
-        wp in policy(),
+        wp in common::write_policy(),
         gdsf in any::<bool>(),
         l3 in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
@@ -240,14 +213,7 @@ proptest! {
         w.cache.check().unwrap();
         w.verify_bytes();
         // With every lock released everything is evictable: no page can leak.
-        while w.cache.evict_device(usize::MAX / 2) > 0 {
-            w.cache.wait_all();
-        }
-        w.cache.evict_host(usize::MAX / 2);
-        prop_assert_eq!(w.cache.device_usage().pages_used, 0);
-        prop_assert_eq!(w.cache.host_usage().pages_used, 0);
-        prop_assert_eq!(w.cache.tree().node_count(), 1);
-        w.cache.check().unwrap();
+        common::assert_all_evictable(&mut w.cache);
     }
 }
 

@@ -7,16 +7,11 @@
 //! handed, copy-on-write page included); and at the end, with every lease gone, no page is
 //! held by anyone but the tree and every cached page holds the right bytes.
 
-use std::sync::Arc;
-
 use proptest::prelude::*;
-use strata_kv::memory::HeapAllocator;
-use strata_kv::storage::{MemoryStorage, Storage};
+
+mod common;
 use strata_kv::testing::{expected_chunk, verify_tree_bytes, write_expected_page};
-use strata_kv::{
-    CacheConfig, EvictionPolicy, Lease, PageLayout, PoolKind, PrefetchPolicy, Slot, TieredCache,
-    WritePolicy,
-};
+use strata_kv::{EvictionPolicy, Lease, PrefetchPolicy, Slot, TieredCache, WritePolicy};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -47,16 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Prompts share prefixes by group so nodes split and share.
 fn tokens(s: u8, len: u8) -> Vec<u32> {
-    let g = (s % 2) as u32;
-    (0..len as u32)
-        .map(|i| {
-            if i < 12 {
-                g * 100 + i
-            } else {
-                10_000 + s as u32 * 100 + i
-            }
-        })
-        .collect()
+    common::tokens(s, len, 2, 12)
 }
 
 struct Live {
@@ -175,31 +161,12 @@ impl World {
 }
 
 fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool) -> World {
-    let layout = PageLayout::new(
-        ps,
-        vec![PoolKind::kv("kv", 2, 1, 4, 2), PoolKind::aux("idx", 1, 3)],
-    )
-    .unwrap();
-    let mut cfg = CacheConfig::new(layout, 96 / ps as u32 + 8, 64 / ps as u32 + 4);
-    cfg.write_policy = wp;
-    cfg.eviction = ev;
-    cfg.hashing = true;
-    cfg.copy_threads = 2;
-    let storage: Option<Arc<dyn Storage>> =
-        l3.then(|| Arc::new(MemoryStorage::new(u64::MAX, 40)) as Arc<dyn Storage>);
+    let sizes = (96 / ps as u32 + 8, 64 / ps as u32 + 4);
     World {
-        cache: TieredCache::new(cfg, &HeapAllocator, storage).unwrap(),
+        cache: common::cache(common::layout(ps), sizes, wp, ev, l3.then_some(40)),
         ps,
         live: Vec::new(),
     }
-}
-
-fn policy() -> impl Strategy<Value = WritePolicy> {
-    prop_oneof![
-        Just(WritePolicy::WriteThrough),
-        Just(WritePolicy::WriteBack),
-        (1u32..3).prop_map(|threshold| WritePolicy::WriteThroughSelective { threshold }),
-    ]
 }
 
 proptest! {
@@ -208,7 +175,7 @@ proptest! {
     #[test]
     fn leases_hold_the_right_pages_and_release_everything(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
-        wp in policy(),
+        wp in common::write_policy(),
         gdsf in any::<bool>(),
         l3 in any::<bool>(),
         ops in prop::collection::vec(op(), 1..80),
@@ -232,12 +199,6 @@ proptest! {
         let tree_pages = w.cache.tree().pages_in(Slot::Device) as u64;
         prop_assert_eq!(w.cache.device_usage().pages_used, tree_pages, "pages held outside the tree");
         // With every lease gone everything is evictable: no lock leaked.
-        while w.cache.evict_device(usize::MAX / 2) > 0 {
-            w.cache.wait_all();
-        }
-        w.cache.evict_host(usize::MAX / 2);
-        prop_assert_eq!(w.cache.device_usage().pages_used, 0);
-        prop_assert_eq!(w.cache.host_usage().pages_used, 0);
-        prop_assert_eq!(w.cache.tree().node_count(), 1);
+        common::assert_all_evictable(&mut w.cache);
     }
 }

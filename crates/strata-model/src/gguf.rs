@@ -35,13 +35,6 @@ pub struct Config {
     pub rms_eps: f32,
 }
 
-impl Config {
-    /// Bytes of K and V one token occupies in the device pool (f16), before TP splitting.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * 2
-    }
-}
-
 /// An opened, validated GGUF file.
 pub struct Gguf {
     pub path: PathBuf,
@@ -87,10 +80,6 @@ impl Gguf {
                 name: name.into(),
                 reason: first_line(&e),
             })
-    }
-
-    pub fn has_tensor(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
     }
 
     /// A string metadata value.

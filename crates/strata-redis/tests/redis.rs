@@ -1,61 +1,13 @@
 //! Against a real redis-server (Debian package; scripts/test.sh installs it) on a loopback port.
 
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use strata_kv::storage::Storage;
 use strata_kv::PageHash;
 use strata_redis::{RedisConfig, RedisStorage};
-
-pub struct Redis {
-    pub port: u16,
-    child: Child,
-}
-
-impl Redis {
-    pub fn start_on(port: u16) -> Redis {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is missing: install the Debian package redis-server (scripts/test.sh does)");
-        let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis { port, child }
-    }
-    pub fn start() -> Redis {
-        Redis::start_on(free_port())
-    }
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use strata_test_support::{free_port, Redis};
 
 fn cfg(url: &str) -> RedisConfig {
     RedisConfig {

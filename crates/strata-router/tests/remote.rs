@@ -2,8 +2,6 @@
 //! hit for the other, with identical greedy output; Redis killed mid-run turns into misses,
 //! counted, and the workers keep serving.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,35 +10,7 @@ use strata_kv::storage::Storage;
 use strata_model::tiny::TINY_TEMPLATE;
 use strata_model::{ChatTemplate, Gguf, ModelTokenizer};
 use strata_redis::{RedisConfig, RedisStorage};
-use strata_test_support::{spawn_worker, tiny_model, TestWorker, WorkerSpec};
-
-struct Redis(Child, u16);
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn redis() -> Redis {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("redis-server is missing: install the Debian package redis-server (scripts/test.sh does)");
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Redis(child, port)
-}
+use strata_test_support::{spawn_worker, tiny_model, Redis, TestWorker, WorkerSpec};
 
 async fn worker(path: &std::path::Path, port: u16) -> TestWorker {
     let remote: Arc<dyn Storage> = Arc::new(
@@ -78,10 +48,10 @@ async fn chat(url: &str, q: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
-    let mut rd = redis();
+    let mut rd = Redis::start();
     let d = tempfile::tempdir().unwrap();
     let path = tiny_model(d.path());
-    let (wa, wb) = (worker(&path, rd.1).await, worker(&path, rd.1).await);
+    let (wa, wb) = (worker(&path, rd.port).await, worker(&path, rd.port).await);
     let (a, sa) = (wa.url.clone(), wa.state.clone());
     let (b, sb) = (wb.url.clone(), wb.state.clone());
     let q = "a long question that both workers will see, about the shared remote cache ".repeat(2);
@@ -135,8 +105,7 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
         assert!(r2 > 0, "remote pages are counted for every worker");
     }
     // Redis dies: requests continue (as misses), errors are counted.
-    rd.0.kill().unwrap();
-    let _ = rd.0.wait();
+    rd.kill();
     let other = chat(
         &b,
         "a different prompt while redis is down, long enough for a page or two",

@@ -1,32 +1,24 @@
 //! The HTTP API over real sockets on a random loopback port, with the tiny test model.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use strata_engine::{Engine, EngineConfig};
-use strata_kv::memory::HeapAllocator;
+use strata_engine::EngineConfig;
 use strata_kv::storage::{DiskStorage, Storage};
-use strata_kv::{CacheConfig, PageLayout, TieredCache};
-use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
-use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
-use strata_server::app::serve;
 use strata_server::AppState;
-use tokio::sync::oneshot;
+use strata_test_support::{spawn_worker, tiny_model, TestWorker, WorkerSpec};
 
 struct Server {
+    worker: TestWorker,
     url: String,
     state: Arc<AppState>,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     _dir: tempfile::TempDir,
 }
 
 impl Server {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.take().unwrap().await.unwrap().unwrap();
+    async fn stop(self) {
+        self.worker.stop().await;
     }
 }
 
@@ -52,48 +44,27 @@ impl Default for Opts {
 
 async fn start(o: Opts) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
-    let state = build(&path, dir.path(), o);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = oneshot::channel();
-    let task = tokio::spawn(serve(
-        listener,
-        state.clone(),
-        async move {
-            let _ = rx.await;
-        },
-        Duration::from_secs(10),
-    ));
-    Server {
-        url,
-        state,
-        stop: Some(tx),
-        task: Some(task),
-        _dir: dir,
-    }
-}
-
-fn build(path: &Path, dir: &Path, o: Opts) -> Arc<AppState> {
-    let mut g = Gguf::open(path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let m = Model::load(&mut g).unwrap();
-    let layout = PageLayout::new(16, vec![m.pool_kind()]).unwrap();
-    let mut cc = CacheConfig::new(layout, o.device_pages, o.host_pages);
-    cc.model_id = "tiny".into();
+    let path = tiny_model(dir.path());
     let storage: Option<Arc<dyn Storage>> = o
         .disk
-        .then(|| Arc::new(DiskStorage::open(dir.join("l3"), 1 << 30, false).unwrap()) as _);
-    let cache = TieredCache::new(cc, &HeapAllocator, storage).unwrap();
-    let mut cfg = o.cfg;
-    cfg.stop_token_ids = tk.stop.clone();
-    let engine = Engine::start(m, cache, cfg);
-    let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
-    st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
-    st.admin_key = o.admin_key;
-    st.body_limit = 64 * 1024;
-    Arc::new(st)
+        .then(|| Arc::new(DiskStorage::open(dir.path().join("l3"), 1 << 30, false).unwrap()) as _);
+    let spec = WorkerSpec {
+        device_pages: o.device_pages,
+        host_pages: o.host_pages,
+        engine: o.cfg,
+        storage,
+        admin_key: o.admin_key,
+        body_limit: Some(64 * 1024),
+        grace: Duration::from_secs(10),
+        ..WorkerSpec::default()
+    };
+    let worker = spawn_worker(&path, spec).await;
+    Server {
+        url: worker.url.clone(),
+        state: worker.state.clone(),
+        worker,
+        _dir: dir,
+    }
 }
 
 fn client() -> reqwest::Client {

@@ -4,8 +4,9 @@
 
 use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use strata_engine::{Engine, EngineConfig};
@@ -39,6 +40,12 @@ pub struct WorkerSpec {
     /// L3 storage and its tier name in metrics.
     pub storage: Option<Arc<dyn Storage>>,
     pub storage_tier: &'static str,
+    /// Bearer token of the admin endpoints (None: open).
+    pub admin_key: Option<String>,
+    /// Largest request body (None: the server's default).
+    pub body_limit: Option<usize>,
+    /// How long a graceful stop waits for requests in flight.
+    pub grace: Duration,
 }
 
 impl Default for WorkerSpec {
@@ -52,6 +59,9 @@ impl Default for WorkerSpec {
             engine: EngineConfig::default(),
             storage: None,
             storage_tier: "disk",
+            admin_key: None,
+            body_limit: None,
+            grace: Duration::from_secs(5),
         }
     }
 }
@@ -65,10 +75,14 @@ pub struct TestWorker {
 }
 
 impl TestWorker {
-    /// Stops it gracefully and waits for the server to end.
+    /// Stops it gracefully and waits for the server to end (cleanly: an error fails the
+    /// test).
     pub async fn stop(mut self) {
         let _ = self.stop.take().expect("stopped once").send(());
-        let _ = self.task.await;
+        self.task
+            .await
+            .expect("the server task")
+            .expect("the server ended cleanly");
     }
 }
 
@@ -94,6 +108,10 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.kv_deadline = Duration::from_secs(5);
     st.prefill_workers = spec.prefill_workers;
     st.storage_tier = spec.storage_tier.into();
+    st.admin_key = spec.admin_key;
+    if let Some(limit) = spec.body_limit {
+        st.body_limit = limit;
+    }
     if spec.kv_listener {
         let info = st.engine.info().clone();
         let l = StdListener::bind("127.0.0.1:0").unwrap();
@@ -113,8 +131,9 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st
 }
 
-/// Serves `st` on a port the OS picks (no pick-then-bind race).
-pub async fn serve_state(st: AppState) -> TestWorker {
+/// Serves `st` on a port the OS picks (no pick-then-bind race); a graceful stop waits `grace`
+/// for requests in flight.
+pub async fn serve_state(st: AppState, grace: Duration) -> TestWorker {
     let state = Arc::new(st);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -125,7 +144,7 @@ pub async fn serve_state(st: AppState) -> TestWorker {
         async move {
             let _ = rx.await;
         },
-        Duration::from_secs(5),
+        grace,
     ));
     TestWorker {
         url,
@@ -137,7 +156,8 @@ pub async fn serve_state(st: AppState) -> TestWorker {
 
 /// Starts a worker on the model at `path`.
 pub async fn spawn_worker(path: &Path, spec: WorkerSpec) -> TestWorker {
-    serve_state(app_state(path, spec)).await
+    let grace = spec.grace;
+    serve_state(app_state(path, spec), grace).await
 }
 
 /// POSTs JSON; (status, JSON answer).
@@ -170,4 +190,61 @@ pub fn sample(metrics: &str, key: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(f64::NAN)
+}
+
+/// A loopback port free a moment ago, for a program that cannot bind port 0 and report it
+/// (redis-server). Where the program can, bind port 0 instead: this races with other binds.
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A redis-server (Debian package; scripts/test.sh installs it) on a loopback port, killed
+/// when dropped.
+pub struct Redis {
+    pub port: u16,
+    child: Child,
+}
+
+impl Redis {
+    /// Starts one on `port` and waits until it accepts connections.
+    pub fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is missing: install the Debian package redis-server (scripts/test.sh does)");
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Redis { port, child }
+    }
+    /// Starts one on a free port.
+    pub fn start() -> Redis {
+        Redis::start_on(free_port())
+    }
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+    /// Kills it (a test of Redis going away).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

@@ -3,21 +3,13 @@
 //! and the tier counters sum to the prompt tokens after a mixed workload.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 use strata_model::tiny::{write_tiny, TinySpec};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use strata_test_support::free_port;
 
 fn curl(args: &[&str]) -> String {
     let out = Command::new("curl")

@@ -22,14 +22,6 @@ impl Drop for Guard {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A one-shot HTTP/1.1 request; returns (status, body).
 fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -82,10 +74,10 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
         "{} is missing: run `strata model fetch` (scripts/test.sh does it first)",
         model.display()
     );
-    let port = free_port();
+    // Port 0: the server binds a port the OS picks and says which (no pick-then-bind race).
     let mut child = strata()
         .args(["serve", "--device-mem", "64MiB", "--hicache-size", "128MiB"])
-        .args(["--port", &port.to_string(), "--model"])
+        .args(["--port", "0", "--model"])
         .arg(&model)
         .stderr(Stdio::piped())
         .spawn()
@@ -94,17 +86,27 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
     let mut child = Guard(child);
     let t = Instant::now();
     let mut log = String::new();
-    loop {
+    let port = loop {
         let mut line = String::new();
         if err.read_line(&mut line).unwrap() == 0 {
             panic!("serve exited before it was ready:\n{log}");
         }
         log.push_str(&line);
-        if line.contains("ready on http://") {
-            break;
+        if let Some(at) = line.find("ready on http://") {
+            let addr = line[at + "ready on http://".len()..]
+                .split_whitespace()
+                .next();
+            let port = addr.and_then(|a| a.rsplit(':').next()).map(|p| {
+                p.trim_end_matches(|c: char| !c.is_ascii_digit())
+                    .parse::<u16>()
+            });
+            match port {
+                Some(Ok(p)) if p != 0 => break p,
+                _ => panic!("no port in the ready line: {line}"),
+            }
         }
         assert!(t.elapsed() < Duration::from_secs(120), "not ready:\n{log}");
-    }
+    };
     // The plan was printed before serving.
     assert!(
         log.contains("decided: host tokens per rank ← --hicache-size"),

@@ -8,14 +8,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use strata_model::tiny::{write_tiny, TinySpec};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use strata_test_support::free_port;
 
 fn config(dir: &std::path::Path, prefill_args: &str) -> (std::path::PathBuf, u16) {
     let (r, p, d) = (free_port(), free_port(), free_port());
