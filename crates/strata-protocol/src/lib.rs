@@ -109,6 +109,17 @@ pub struct PrefillRequest {
     pub tokens: Vec<u32>,
     /// The decode worker's KV listener, `IP:PORT`.
     pub kv_target: String,
+    /// How to sample the first token (the decode worker samples the rest the same way);
+    /// greedy when absent.
+    #[serde(default)]
+    pub sampling: FirstTokenSampling,
+}
+
+/// The client's sampling as it travels to the prefill worker: the engine's parameters less
+/// `max_tokens` (a prefill computes one token).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FirstTokenSampling {
     #[serde(default)]
     pub temperature: f32,
     #[serde(default = "one")]
@@ -120,6 +131,19 @@ pub struct PrefillRequest {
     pub stop_token_ids: Vec<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
+}
+
+impl Default for FirstTokenSampling {
+    fn default() -> Self {
+        FirstTokenSampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
 }
 
 fn one() -> f32 {

@@ -186,7 +186,7 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     let (st, e) = post(
         &format!("{}/pd/prefill", prefill.url),
         &json!({"transfer_id": "00000000000000000000000000000002", "tokens": [1, 2, 3],
-                "kv_target": other.state.kv.as_ref().unwrap().addr.to_string()}),
+                "kv_target": other.state.pd.kv.as_ref().unwrap().addr.to_string()}),
     )
     .await;
     assert_eq!(st, 502);

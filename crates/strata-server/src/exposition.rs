@@ -205,8 +205,8 @@ fn serving(t: &mut Text, st: &AppState, s: &Snapshot) {
 
 /// KV transfers sent and received, and the PD prefill work done for decode workers.
 fn transfers(t: &mut Text, st: &AppState) {
-    let sent = st.transfers_sent.load(Ordering::Relaxed) as f64;
-    let sent_failed = st.transfer_failures.load(Ordering::Relaxed) as f64;
+    let sent = st.pd.metrics.kv_sent.load(Ordering::Relaxed) as f64;
+    let sent_failed = st.pd.metrics.kv_send_failures.load(Ordering::Relaxed) as f64;
     t.sample(
         "strata_kv_transfers_total",
         &[("direction", "sent"), ("outcome", "ok")],
@@ -220,14 +220,14 @@ fn transfers(t: &mut Text, st: &AppState) {
     t.sample(
         "strata_kv_transfer_bytes_total",
         &[("direction", "sent")],
-        st.transfer_bytes_sent.load(Ordering::Relaxed) as f64,
+        st.pd.metrics.kv_sent_bytes.load(Ordering::Relaxed) as f64,
     );
     t.sample(
         "strata_kv_transfer_seconds_total",
         &[("direction", "sent")],
-        st.transfer_nanos_sent.load(Ordering::Relaxed) as f64 / 1e9,
+        st.pd.metrics.kv_send_nanos.load(Ordering::Relaxed) as f64 / 1e9,
     );
-    let pd = &st.pd_prefill;
+    let pd = &st.pd.metrics;
     for (outcome, n) in [("ok", &pd.ok), ("failed", &pd.failed)] {
         t.sample(
             "strata_pd_prefill_requests_total",
@@ -241,7 +241,7 @@ fn transfers(t: &mut Text, st: &AppState) {
         pd.prompt_tokens.load(Ordering::Relaxed) as f64,
     );
     t.histogram("strata_pd_prefill_duration_seconds", &pd.duration);
-    if let Some(k) = &st.kv {
+    if let Some(k) = &st.pd.kv {
         let (ok, failed, bytes) = (
             k.received.load(Ordering::Relaxed),
             k.failed.load(Ordering::Relaxed),

@@ -294,6 +294,11 @@ pub fn node_health(t: &mut Text, role: &str) {
 /// What a prefill worker measures of the PD prefill work it does.
 #[derive(Default)]
 pub struct PdPrefillMetrics {
+    /// K/V transfers sent to decode workers: whole, failed, bytes and time.
+    pub kv_sent: AtomicU64,
+    pub kv_send_failures: AtomicU64,
+    pub kv_sent_bytes: AtomicU64,
+    pub kv_send_nanos: AtomicU64,
     pub ok: AtomicU64,
     pub failed: AtomicU64,
     pub prompt_tokens: AtomicU64,

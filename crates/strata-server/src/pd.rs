@@ -22,7 +22,7 @@ use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
 use crate::state::AppState;
 
-pub use strata_protocol::{PrefillRequest, PrefillResponse};
+pub use strata_protocol::{FirstTokenSampling, PrefillRequest, PrefillResponse};
 
 /// What the cluster MAC of a `/pd/prefill` call covers.
 fn prefill_call(body: &[u8]) -> crate::auth::Call<'_> {
@@ -68,7 +68,7 @@ pub async fn prefill(
             .map_err(|e| crate::auth::unauthorized(&e))?;
     }
     let r = prefill_work(&st, &bytes, arrived).await;
-    let m = &st.pd_prefill;
+    let m = &st.pd.metrics;
     match &r {
         Ok(_) => m.ok.fetch_add(1, Ordering::Relaxed),
         Err(_) => m.failed.fetch_add(1, Ordering::Relaxed),
@@ -88,7 +88,10 @@ async fn prefill_work(
     let stats = send_prefill(st, addr, id, req.tokens, kv)
         .await
         .map_err(|e| {
-            st.transfer_failures.fetch_add(1, Ordering::Relaxed);
+            st.pd
+                .metrics
+                .kv_send_failures
+                .fetch_add(1, Ordering::Relaxed);
             bad_gateway(format!("KV transfer to {}: {e}", req.kv_target))
         })?;
     tracing::debug!(
@@ -97,10 +100,14 @@ async fn prefill_work(
         seconds = stats.seconds,
         "KV sent (bytes, seconds)"
     );
-    st.transfers_sent.fetch_add(1, Ordering::Relaxed);
-    st.transfer_bytes_sent
+    st.pd.metrics.kv_sent.fetch_add(1, Ordering::Relaxed);
+    st.pd
+        .metrics
+        .kv_sent_bytes
         .fetch_add(stats.bytes, Ordering::Relaxed);
-    st.transfer_nanos_sent
+    st.pd
+        .metrics
+        .kv_send_nanos
         .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
     Ok(Json(PrefillResponse {
         first_token: first,
@@ -128,7 +135,8 @@ fn prefill_request(
             ApiError::bad_request("transfer_id: expected 32 hex digits", Some("transfer_id"))
         })?;
     let addr = kv_target(st, &req.kv_target)?;
-    let sane = (0.0..=2.0).contains(&req.temperature) && req.top_p > 0.0 && req.top_p <= 1.0;
+    let w = &req.sampling;
+    let sane = (0.0..=2.0).contains(&w.temperature) && w.top_p > 0.0 && w.top_p <= 1.0;
     if !sane {
         return Err(ApiError::bad_request(
             "temperature must be in [0, 2] and top_p in (0, 1]",
@@ -137,12 +145,12 @@ fn prefill_request(
     }
     let params = SamplingParams {
         max_tokens: 1,
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        seed: req.seed,
-        stop_token_ids: req.stop_token_ids.clone(),
-        ignore_eos: req.ignore_eos,
+        temperature: w.temperature,
+        top_p: w.top_p,
+        top_k: w.top_k,
+        seed: w.seed,
+        stop_token_ids: w.stop_token_ids.clone(),
+        ignore_eos: w.ignore_eos,
     };
     Ok((req, id, addr, params))
 }
@@ -166,8 +174,9 @@ async fn compute_prefill(
                 // The prefill's part of the client's TTFT (the client's own TTFT is measured
                 // by the decode worker that answers it: not counted twice).
                 let secs = arrived.elapsed().as_secs_f64();
-                st.pd_prefill.duration.observe(secs);
-                st.pd_prefill
+                st.pd.metrics.duration.observe(secs);
+                st.pd
+                    .metrics
                     .prompt_tokens
                     .fetch_add(tokens.len() as u64, Ordering::Relaxed);
                 first = Some(t)
@@ -199,7 +208,7 @@ async fn send_prefill(
     kv: Arc<ExportedKv>,
 ) -> Result<transfer::TransferStats, String> {
     let hello = st.engine.info().hello();
-    let deadline = st.kv_deadline;
+    let deadline = st.pd.kv_deadline;
     let key = st.cluster_key.clone();
     tokio::task::spawn_blocking(move || -> Result<_, transfer::TransferError> {
         let mut conn = connect_kv(addr, &hello, key.as_ref(), deadline)?;
@@ -273,6 +282,7 @@ pub fn check_prefill_header(
     }
     let url = url.trim_end_matches('/');
     if !st
+        .pd
         .prefill_workers
         .iter()
         .any(|w| w.trim_end_matches('/') == url)
@@ -296,7 +306,7 @@ pub async fn decode_after_remote_prefill(
     ids: Vec<u32>,
     params: SamplingParams,
 ) -> Result<strata_engine::RequestStream, ApiError> {
-    let Some(inbox) = &st.kv else {
+    let Some(inbox) = &st.pd.kv else {
         return Err(ApiError::bad_request(
             "this worker has no KV listener: start it with --role decode (or both)",
             None,
@@ -308,16 +318,18 @@ pub async fn decode_after_remote_prefill(
         transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
         tokens: ids.clone(),
         kv_target: inbox.addr.to_string(),
-        temperature: params.temperature,
-        top_p: params.top_p,
-        top_k: params.top_k,
-        seed: params.seed,
-        stop_token_ids: params.stop_token_ids.clone(),
-        ignore_eos: params.ignore_eos,
+        sampling: FirstTokenSampling {
+            temperature: params.temperature,
+            top_p: params.top_p,
+            top_k: params.top_k,
+            seed: params.seed,
+            stop_token_ids: params.stop_token_ids.clone(),
+            ignore_eos: params.ignore_eos,
+        },
     };
     let pr = call_prefill(st, prefill_url, &body).await?;
     let got = exp
-        .take(st.kv_deadline)
+        .take(st.pd.kv_deadline)
         .await
         .map_err(|e| bad_gateway(format!("KV transfer: {e}")))?;
     drop(exp);
@@ -383,9 +395,10 @@ async fn call_prefill(
     let url = format!("{}/pd/prefill", prefill_url.trim_end_matches('/'));
     let bytes = serde_json::to_vec(body).expect("a prefill request serializes");
     let mut req = st
+        .pd
         .http
         .post(&url)
-        .timeout(st.kv_deadline + Duration::from_secs(600))
+        .timeout(st.pd.kv_deadline + Duration::from_secs(600))
         .header(reqwest::header::CONTENT_TYPE, "application/json");
     if let Some(k) = &st.cluster_key {
         req = req.header(

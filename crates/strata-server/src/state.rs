@@ -1,7 +1,6 @@
 //! What every worker handler shares: the [`AppState`], and running request preparation off
 //! the async workers.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -27,16 +26,6 @@ pub struct AppState {
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
     pub created: u64,
-    /// This worker's KV listener (decode role): where prefill workers send K/V.
-    pub kv: Option<Arc<crate::kv_inbox::KvInbox>>,
-    /// How long a KV transfer may take, end to end.
-    pub kv_deadline: Duration,
-    /// Client for calls to prefill workers.
-    pub http: reqwest::Client,
-    pub transfers_sent: AtomicU64,
-    pub transfer_bytes_sent: AtomicU64,
-    pub transfer_failures: AtomicU64,
-    pub transfer_nanos_sent: AtomicU64,
     /// Latencies and outcomes the HTTP layer measures.
     pub metrics: crate::metrics::ServerMetrics,
     /// The memory plan, exported as gauges.
@@ -52,12 +41,36 @@ pub struct AppState {
     /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
     /// they hold it. None: this worker listens on loopback only.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
-    /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
-    pub prefill_workers: Vec<String>,
     /// Cluster-call nonces seen (replays are refused).
     pub replay: crate::auth::ReplayGuard,
-    /// The PD prefill work this worker does for decode workers.
-    pub pd_prefill: crate::metrics::PdPrefillMetrics,
+    /// Prefill/decode disaggregation: the KV listener, the prefill workers, PD metrics.
+    pub pd: PdSide,
+}
+
+/// A worker's side of prefill/decode disaggregation.
+pub struct PdSide {
+    /// This worker's KV listener (decode role): where prefill workers send K/V.
+    pub kv: Option<Arc<crate::kv_inbox::KvInbox>>,
+    /// How long a KV transfer may take, end to end.
+    pub kv_deadline: Duration,
+    /// Client for calls to prefill workers.
+    pub http: reqwest::Client,
+    /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
+    pub prefill_workers: Vec<String>,
+    /// The PD prefill work this worker does for decode workers, and the K/V it sends.
+    pub metrics: crate::metrics::PdPrefillMetrics,
+}
+
+impl Default for PdSide {
+    fn default() -> Self {
+        PdSide {
+            kv: None,
+            kv_deadline: Duration::from_secs(30),
+            http: reqwest::Client::new(),
+            prefill_workers: Vec::new(),
+            metrics: Default::default(),
+        }
+    }
 }
 
 impl AppState {
@@ -74,13 +87,6 @@ impl AppState {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
-            kv: None,
-            kv_deadline: Duration::from_secs(30),
-            http: reqwest::Client::new(),
-            transfers_sent: AtomicU64::new(0),
-            transfer_bytes_sent: AtomicU64::new(0),
-            transfer_failures: AtomicU64::new(0),
-            transfer_nanos_sent: AtomicU64::new(0),
             metrics: crate::metrics::ServerMetrics::default(),
             plan: None,
             role: "server".into(),
@@ -89,9 +95,8 @@ impl AppState {
             // find a core free.
             cpu_gate: cpu_gate(),
             cluster_key: None,
-            prefill_workers: Vec::new(),
             replay: crate::auth::ReplayGuard::default(),
-            pd_prefill: Default::default(),
+            pd: PdSide::default(),
         }
     }
 }

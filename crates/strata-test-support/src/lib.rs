@@ -105,8 +105,8 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     let engine = Engine::start(m, cache, cfg);
     let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
     st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
-    st.kv_deadline = Duration::from_secs(5);
-    st.prefill_workers = spec.prefill_workers;
+    st.pd.kv_deadline = Duration::from_secs(5);
+    st.pd.prefill_workers = spec.prefill_workers;
     st.storage_tier = spec.storage_tier.into();
     st.admin_key = spec.admin_key;
     if let Some(limit) = spec.body_limit {
@@ -120,7 +120,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
             max_tokens: info.context_length,
             ..KvLimits::default()
         };
-        st.kv = Some(KvInbox::start(
+        st.pd.kv = Some(KvInbox::start(
             l,
             info.hello(),
             info.page_bytes as u64,

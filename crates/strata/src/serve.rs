@@ -296,14 +296,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.admin_key = a.admin_key.clone();
     st.default_max_tokens = a.default_max_tokens;
     st.body_limit = c.body_limit;
-    st.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
+    st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
     st.storage_tier = storage_tier;
     st.role = c.role.to_string();
     st.cluster_key = c.cluster_key.clone();
-    st.prefill_workers = a.prefill_worker.clone();
+    st.pd.prefill_workers = a.prefill_worker.clone();
     if matches!(c.role, "decode" | "both") {
-        st.kv = Some(kv_listener(&a, &st, c.kv_staging, c.cluster_key.clone())?);
+        st.pd.kv = Some(kv_listener(&a, &st, c.kv_staging, c.cluster_key.clone())?);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
     serve_until_stopped(std_listener, addr, st, name, c.role, grace)
