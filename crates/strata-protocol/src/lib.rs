@@ -55,6 +55,28 @@ pub enum Tier {
     Remote,
 }
 
+/// What a worker does in a deployment, as the router and its answers name it.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    /// Computes prompts and ships their K/V (PD).
+    Prefill,
+    /// Receives K/V and generates (PD).
+    Decode,
+    /// Does both (no PD).
+    Both,
+}
+
+impl WorkerRole {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+            WorkerRole::Both => "both",
+        }
+    }
+}
+
 /// What a router needs to hash prompts as a worker does (`GET /cache/info`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheInfo {

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use strata_server::metrics::{node_health, Histogram, Text};
 
+use strata_protocol::WorkerRole;
+
 use crate::policy::CacheAwareStats;
 
 /// What the router measures at its front door.
@@ -75,7 +77,7 @@ impl FrontMetrics {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct WorkerView {
     pub url: String,
-    pub role: &'static str,
+    pub role: WorkerRole,
     pub healthy: bool,
     pub in_flight: u64,
     pub requests: u64,
@@ -120,7 +122,7 @@ pub fn render(v: &RouterView, front: &FrontMetrics) -> String {
     }
     t.sample("strata_router_retries_total", &[], v.retries as f64);
     for w in &v.workers {
-        let l = [("worker", w.url.as_str()), ("worker_role", w.role)];
+        let l = [("worker", w.url.as_str()), ("worker_role", w.role.as_str())];
         t.sample("strata_router_worker_up", &l, w.healthy as u8 as f64);
         t.sample("strata_router_worker_in_flight", &l, w.in_flight as f64);
     }

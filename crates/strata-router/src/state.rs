@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use strata_protocol::WorkerRole;
+
 use crate::cache_index::CacheIndex;
 use crate::metrics::{FrontMetrics, RouterView, WorkerView};
 use crate::policy::{CacheAware, LeastLoad, LoadBalancingPolicy, Policy, RoundRobin};
@@ -94,21 +96,21 @@ impl RouterState {
         }
     }
 
-    /// The role of the workers in `decode`: `decode` under PD, else `both`.
-    pub fn decode_role(&self) -> &'static str {
+    /// The role of the workers in `decode`: decode under PD, else both.
+    pub fn decode_role(&self) -> WorkerRole {
         if self.prefill.is_empty() {
-            "both"
+            WorkerRole::Both
         } else {
-            "decode"
+            WorkerRole::Decode
         }
     }
 
     /// Every worker in the order the router lists them, with its role.
-    pub fn all_workers(&self) -> Vec<(&Arc<Worker>, &'static str)> {
+    pub fn all_workers(&self) -> Vec<(&Arc<Worker>, WorkerRole)> {
         let role = self.decode_role();
         self.prefill
             .iter()
-            .map(|w| (w, "prefill"))
+            .map(|w| (w, WorkerRole::Prefill))
             .chain(self.decode.iter().map(|w| (w, role)))
             .collect()
     }
