@@ -320,6 +320,34 @@ fn a_page_aligned_prompt_matched_in_full_computes_only_its_last_token() {
     e.shutdown(Duration::from_secs(5));
 }
 
+/// A page-aligned prompt cached in full whose prompt and max_tokens fill the device pool: its
+/// locked prefix plus its reservation (one page more for the copy of the last page) exceed the
+/// pool. On an idle engine it is admitted without the prefix (computed again) rather than
+/// waiting for pages that can never come.
+#[test]
+fn a_request_its_own_cached_prefix_keeps_out_still_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let cfg = EngineConfig {
+        max_queue_time: Some(Duration::from_secs(20)),
+        ..EngineConfig::default()
+    };
+    let e = start(&path, 4, 4, None, cfg);
+    let p = prompt(48, 5);
+    let (a, c, reason) = run(&e, &p, greedy(16));
+    assert_eq!((reason, c.total()), (FinishReason::Length, 0));
+    let (b, c, reason) = run(&e, &p, greedy(16));
+    assert_eq!(
+        reason,
+        FinishReason::Length,
+        "admitted, not timed out in the queue"
+    );
+    assert_eq!(c.total(), 0, "computed without the prefix");
+    assert_eq!(a, b);
+    assert_eq!(e.snapshot().device_pages_held, 0);
+    e.shutdown(Duration::from_secs(5));
+}
+
 /// Prefill on one engine, K/V exported and imported into another, decode there: the tokens
 /// equal one engine doing both.
 #[test]

@@ -14,6 +14,7 @@ use strata_server::state::PREFILL_HEADER;
 use strata_server::ApiError;
 
 use crate::front::{check_key, ChosenWorker};
+use crate::policy::{LeastLoad, LoadBalancingPolicy};
 use crate::state::RouterState;
 use crate::worker::{InFlight, Worker};
 
@@ -161,15 +162,18 @@ async fn pick_reading(
     avoid: Option<Arc<Worker>>,
 ) -> Option<Arc<Worker>> {
     let permit = st.cpu_gate.clone().acquire_owned().await.ok();
-    let (st, body) = (st.clone(), body.clone());
-    tokio::task::spawn_blocking(move || {
+    let (st2, body, avoid2) = (st.clone(), body.clone(), avoid.clone());
+    let picked = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        st.balancer()
-            .pick(st.cache_pool(), Some(&body), avoid.as_ref())
+        st2.balancer()
+            .pick(st2.cache_pool(), Some(&body), avoid2.as_ref())
     })
-    .await
-    .ok()
-    .flatten()
+    .await;
+    match picked {
+        Ok(w) => w,
+        // The scoring task failed: least load, as when the prompt cannot be read.
+        Err(_) => LeastLoad.pick(st.cache_pool(), None, avoid.as_ref()),
+    }
 }
 
 /// The request to the pair's decode worker, signed when the deployment has a cluster key.

@@ -43,7 +43,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
 
 /// Follows the cache events of the cache pool's workers, every `every`.
 pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
-    let Some(index) = state.index.clone() else {
+    let Some(index) = state.index().cloned() else {
         return;
     };
     loop {

@@ -28,8 +28,9 @@ pub struct RouterState {
     /// Requests forwarded (first attempts).
     pub forwarded: AtomicU64,
     pub body_limit: usize,
-    /// The cache index (cache_aware policy).
-    pub index: Option<Arc<CacheIndex>>,
+    /// The cache index (set with [`RouterState::set_index`], which also arms the cache-aware
+    /// policy).
+    index: Option<Arc<CacheIndex>>,
     /// The latest scrape of each worker's `/metrics` (by URL), for `/dashboard`.
     pub scraped: Mutex<HashMap<String, WorkerStats>>,
     /// What the dashboard draws over time: a ring of samples (15 minutes at the health
@@ -81,6 +82,11 @@ impl RouterState {
             self.balancer = Box::new(CacheAware::new(index.clone()));
         }
         self.index = Some(index);
+    }
+
+    /// The cache index, when the router follows the workers' caches.
+    pub fn index(&self) -> Option<&Arc<CacheIndex>> {
+        self.index.as_ref()
     }
 
     pub fn balancer(&self) -> &dyn LoadBalancingPolicy {

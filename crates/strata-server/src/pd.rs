@@ -85,15 +85,20 @@ async fn prefill_work(
     let (req, id, addr, params) = prefill_request(st, bytes)?;
     let prompt_tokens = req.tokens.len();
     let (first, kv, cached) = compute_prefill(st, &req.tokens, params, arrived).await?;
-    let stats = send_prefill(st, addr, id, req.tokens, kv)
-        .await
-        .map_err(|e| {
+    let stats = match send_prefill(st, addr, id, req.tokens, kv).await {
+        Ok(Ok(stats)) => stats,
+        Ok(Err(e)) => {
             st.pd
                 .metrics
                 .kv_send_failures
                 .fetch_add(1, Ordering::Relaxed);
-            bad_gateway(format!("KV transfer to {}: {e}", req.kv_target))
-        })?;
+            return Err(bad_gateway(format!(
+                "KV transfer to {}: {e}",
+                req.kv_target
+            )));
+        }
+        Err(e) => return Err(bad_gateway(format!("KV transfer task: {e}"))),
+    };
     tracing::debug!(
         pages = stats.pages,
         bytes = stats.bytes,
@@ -199,14 +204,14 @@ async fn compute_prefill(
 }
 
 /// Sends the prompt's K/V to the decode worker's listener (blocking I/O, off the async
-/// workers).
+/// workers). The outer error: the task itself failed; the inner one: the transfer did.
 async fn send_prefill(
     st: &AppState,
     addr: SocketAddr,
     id: u128,
     tokens: Vec<u32>,
     kv: Arc<ExportedKv>,
-) -> Result<transfer::TransferStats, String> {
+) -> Result<Result<transfer::TransferStats, transfer::TransferError>, tokio::task::JoinError> {
     let hello = st.engine.info().hello();
     let deadline = st.pd.kv_deadline;
     let key = st.cluster_key.clone();
@@ -221,8 +226,6 @@ async fn send_prefill(
         transfer::send_kv(&mut conn, id, &tokens, &pages, deadline)
     })
     .await
-    .map_err(|e| format!("KV transfer task: {e}"))?
-    .map_err(|e| e.to_string())
 }
 
 /// Connects to a decode worker's KV listener and completes the handshake. A connection closed

@@ -100,6 +100,8 @@ pub(crate) enum End {
 pub(crate) enum Step {
     /// The prompt was admitted (the cache served part of it).
     Admitted,
+    /// The engine failed on this request (its end follows).
+    Failed(String),
     /// New text (never empty).
     Text(String),
     End(End),
@@ -161,6 +163,10 @@ impl Answer {
                 }
                 if self.text.stopped() {
                     self.rs = None;
+                    self.st
+                        .metrics
+                        .e2e
+                        .observe(self.started.elapsed().as_secs_f64());
                     out.push(Step::End(End::Finished(FinishReason::Stop, true)));
                 }
             }
@@ -172,8 +178,15 @@ impl Answer {
             }) => {
                 self.completion = completion_tokens;
                 self.cached = cached;
-                let secs = self.started.elapsed().as_secs_f64();
-                self.st.metrics.e2e.observe(secs);
+                match &reason {
+                    // The request's duration: to its last token.
+                    FinishReason::Stop | FinishReason::Length => {
+                        let secs = self.started.elapsed().as_secs_f64();
+                        self.st.metrics.e2e.observe(secs);
+                    }
+                    FinishReason::Error(m) => out.push(Step::Failed(m.clone())),
+                    _ => {}
+                }
                 let d = self.text.finish();
                 if !d.is_empty() {
                     out.push(Step::Text(d));
@@ -206,10 +219,8 @@ pub(crate) async fn whole_response(
         for step in steps {
             match step {
                 Step::Admitted => {}
+                Step::Failed(m) => return Err(engine_error(&m)),
                 Step::Text(d) => out += &d,
-                Step::End(End::Finished(FinishReason::Error(m), _)) => {
-                    return Err(engine_error(&m))
-                }
                 Step::End(End::Finished(
                     FinishReason::Aborted | FinishReason::QueueTimeout { .. },
                     _,
@@ -308,10 +319,10 @@ impl Streaming {
                 out.push(self.chunk(Some(&d), None));
                 self.started = true;
             }
+            Step::Failed(m) => {
+                out.push(SseEvent::default().data(engine_error(&m).body().to_string()));
+            }
             Step::End(End::Finished(reason, by_string)) => {
-                if let FinishReason::Error(m) = &reason {
-                    out.push(SseEvent::default().data(engine_error(m).body().to_string()));
-                }
                 out.push(self.chunk(None, Some(finish_name(&reason, by_string))));
                 if self.job.include_usage {
                     out.push(self.usage_chunk());

@@ -136,6 +136,58 @@ pub fn output_tokens(prompt: &[u32], n: usize, vocab: u32) -> Vec<u32> {
     (0..n).map(|_| (rng.next_u64() % range) as u32).collect()
 }
 
+/// One request through the engine's lifecycle: a lease (admitted without its prefix when only
+/// its own locked prefix keeps it out, as the engine does on an idle engine), advanced until
+/// ready, committed with its computed tokens.
+fn replay_one(
+    cache: &mut TieredCache,
+    cfg: &SimConfig,
+    q: &TraceRequest,
+    mut tokens: Vec<u32>,
+    r: &mut SimResult,
+) {
+    let prompt_len = tokens.len();
+    let new = if cfg.cache_outputs {
+        q.output_length.max(1)
+    } else {
+        1
+    };
+    if new > 1 {
+        tokens.extend(output_tokens(&tokens, new - 1, cfg.vocab));
+    }
+    let evicted_before = cache.stats().evicted_device_nodes;
+    let t0 = Instant::now();
+    let prompt = &tokens[..prompt_len];
+    let wait = PrefetchPolicy::WaitComplete;
+    let lease = cache
+        .admit(prompt, new, true, wait)
+        .or_else(|| cache.admit(prompt, new, false, wait));
+    let Some(mut lease) = lease else {
+        r.refused += 1;
+        return;
+    };
+    let t1 = Instant::now();
+    while !cache.advance(&mut lease) {
+        cache.poll();
+    }
+    // Every prompt token and every output token but the last (whose K/V a further step
+    // would compute) are computed.
+    let computed = prompt_len + new - 1;
+    cache.commit(lease, &tokens, computed);
+    let t2 = Instant::now();
+    r.cache_nanos += (t2 - t0).as_nanos() as u64;
+    r.ops += 2;
+    if cache.stats().evicted_device_nodes > evicted_before {
+        r.ops += 1;
+        r.evict_calls += 1;
+        r.evict_nanos += (t1 - t0).as_nanos() as u64;
+    } else {
+        r.match_calls += 1;
+        r.match_nanos += (t1 - t0).as_nanos() as u64;
+    }
+    r.requests += 1;
+}
+
 /// Replays `reqs`; `progress` is called every 256 requests with the count done.
 pub fn replay(
     reqs: &[TraceRequest],
@@ -157,50 +209,15 @@ pub fn replay(
         tree_tokens: 0,
     };
     for (i, q) in reqs.iter().enumerate() {
-        let mut tokens = request_tokens(&q.hash_ids, q.input_length, cfg.block_tokens, cfg.vocab);
-        let prompt_len = tokens.len();
-        let new = if cfg.cache_outputs {
-            q.output_length.max(1)
-        } else {
-            1
-        };
-        if new > 1 {
-            tokens.extend(output_tokens(&tokens, new - 1, cfg.vocab));
-        }
-        let evicted_before = cache.stats().evicted_device_nodes;
-        let t0 = Instant::now();
-        let Some(mut lease) = cache.admit(
-            &tokens[..prompt_len],
-            new,
-            true,
-            PrefetchPolicy::WaitComplete,
-        ) else {
-            r.refused += 1;
-            continue;
-        };
-        let t1 = Instant::now();
-        while !cache.advance(&mut lease) {
-            cache.poll();
-        }
-        // Every prompt token and every output token but the last (whose K/V a further step
-        // would compute) are computed.
-        let computed = prompt_len + new - 1;
-        cache.commit(lease, &tokens, computed);
-        let t2 = Instant::now();
-        r.cache_nanos += (t2 - t0).as_nanos() as u64;
-        r.ops += 2;
-        if cache.stats().evicted_device_nodes > evicted_before {
-            r.ops += 1;
-            r.evict_calls += 1;
-            r.evict_nanos += (t1 - t0).as_nanos() as u64;
-        } else {
-            r.match_calls += 1;
-            r.match_nanos += (t1 - t0).as_nanos() as u64;
-        }
-        r.requests += 1;
         if (i + 1) % 256 == 0 {
             progress(i + 1);
         }
+        let tokens = request_tokens(&q.hash_ids, q.input_length, cfg.block_tokens, cfg.vocab);
+        if tokens.is_empty() {
+            r.refused += 1; // an empty prompt: the engine refuses it
+            continue;
+        }
+        replay_one(&mut cache, cfg, q, tokens, &mut r);
     }
     cache.check().map_err(SimError::Cache)?;
     r.stats = *cache.stats();
@@ -290,5 +307,26 @@ mod tests {
         // A device tier smaller than one request refuses it, as the engine would.
         let r = replay(&reqs, &cfg(16), |_| {}).unwrap();
         assert_eq!((r.refused, r.requests), (6, 0));
+    }
+
+    #[test]
+    fn empty_prompts_are_refused_not_a_panic() {
+        let reqs = vec![req(&[], 0), req(&[1, 2], 16)];
+        let r = replay(&reqs, &cfg(100), |_| {}).unwrap();
+        assert_eq!((r.refused, r.requests), (1, 1));
+    }
+
+    /// A page-aligned prompt cached in full, whose prompt and output fill the device tier:
+    /// its locked prefix plus its reservation exceed the tier, so (as the engine does when
+    /// idle) it is admitted without the prefix instead of never.
+    #[test]
+    fn a_request_its_own_prefix_keeps_out_is_admitted_without_it() {
+        let mut q = req(&[1, 2], 16);
+        q.output_length = 4;
+        let mut c = cfg(20);
+        c.cache_outputs = true;
+        let r = replay(&[q.clone(), q], &c, |_| {}).unwrap();
+        assert_eq!((r.refused, r.requests), (0, 2));
+        assert_eq!(r.stats.hit_device_tokens, 0, "admitted without its prefix");
     }
 }

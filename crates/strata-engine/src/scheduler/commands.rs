@@ -32,6 +32,7 @@ impl Scheduler {
                     .push_back(Req::new(id, prompt, params, tx, seed, export, import));
             }
             Cmd::Flush(scope, reply) => {
+                self.progress += 1;
                 let _ = reply.send(self.flush(scope));
                 self.publish();
             }
@@ -79,6 +80,8 @@ impl Scheduler {
             let late = limit.is_some_and(|l| waited > l);
             if self.waiting[i].tx.is_closed() || late {
                 let r = self.waiting.remove(i).expect("index in range");
+                // The head of the queue may have changed: admission is tried again.
+                self.progress += 1;
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 self.shared
                     .tokens_in_flight

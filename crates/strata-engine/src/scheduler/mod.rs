@@ -118,6 +118,11 @@ pub(crate) struct Scheduler {
     active: Vec<Req>,
     deadline: Option<Instant>,
     snap: Snapshot,
+    /// Counts what can let a refused admission pass: pages freed or unlocked (a request
+    /// finished or was promoted, a flush), copies landed.
+    progress: u64,
+    /// `progress` when the head of the queue was last refused admission.
+    blocked_at: Option<u64>,
 }
 
 impl Scheduler {
@@ -138,6 +143,8 @@ impl Scheduler {
             active: Vec::new(),
             deadline: None,
             snap: Snapshot::default(),
+            progress: 0,
+            blocked_at: None,
         };
         s.publish();
         s
@@ -172,7 +179,9 @@ impl Scheduler {
                 self.abort_all();
                 break;
             }
-            self.cache.poll();
+            if self.cache.poll() > 0 {
+                self.progress += 1;
+            }
             self.reap_cancelled();
             self.admit();
             self.promote();
@@ -189,6 +198,10 @@ impl Scheduler {
 
     /// Admits waiting requests in arrival order while device pages can be reserved.
     fn admit(&mut self) {
+        if self.blocked_at == Some(self.progress) {
+            return;
+        }
+        self.blocked_at = None;
         while self.active.len() < self.cfg.max_running {
             let Some(r) = self.waiting.front() else {
                 break;
@@ -200,9 +213,20 @@ impl Scheduler {
                 continue;
             }
             let prompt = &r.tokens[..r.prompt_len];
-            let use_prefix = self.cfg.prefix_cache;
-            let new = r.params.max_tokens;
-            let Some(lease) = self.cache.admit(prompt, new, use_prefix, self.cfg.prefetch) else {
+            let (new, prefetch) = (r.params.max_tokens, self.cfg.prefetch);
+            let mut lease = self
+                .cache
+                .admit(prompt, new, self.cfg.prefix_cache, prefetch);
+            if lease.is_none() && self.cfg.prefix_cache && self.active.is_empty() {
+                // On an idle engine only the request's own locked prefix can keep it out (a
+                // fully cached page-aligned prompt whose reservation needs the page it would
+                // copy): admit it without the prefix rather than never.
+                lease = self.cache.admit(prompt, new, false, prefetch);
+            }
+            let Some(lease) = lease else {
+                // Retried only once pages are freed or unlocked or copies land: each attempt
+                // matches the prompt (tree touches, an L3 round trip).
+                self.blocked_at = Some(self.progress);
                 break;
             };
             let mut r = self.waiting.pop_front().expect("front exists");
@@ -226,6 +250,7 @@ impl Scheduler {
         let kv = r.import.as_ref().expect("imported request");
         let new = r.params.max_tokens;
         let Some(lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
+            self.blocked_at = Some(self.progress);
             return false;
         };
         let mut r = self.waiting.pop_front().expect("front exists");
@@ -291,6 +316,7 @@ impl Scheduler {
             s.cached_storage_tokens += storage as u64;
             s.computed_prompt_tokens += (r.prompt_len - r.computed) as u64;
             r.running = true;
+            self.progress += 1;
             let _ = r.tx.send(Event::Admitted { cached: r.cached });
         }
     }
@@ -401,6 +427,7 @@ impl Scheduler {
     /// Ends a request: on success its whole pages join the tree; everything else it holds
     /// returns to the pool. `None` = cancelled by the client (no event is sent).
     fn finish(&mut self, mut r: Req, reason: Option<FinishReason>) {
+        self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if ok && r.export && r.running && r.computed >= r.prompt_len {
             let kv = self.export_kv(&r);

@@ -218,10 +218,11 @@ impl TieredCache {
         self.release_dropped();
         let reserve_tokens = prompt_len + new_tokens;
         let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
-        if let Some(pool) = self.device_pool() {
-            for (blob, &page) in blobs.iter().zip(&pages) {
-                pool.write_page_host_layout(page, blob);
-            }
+        let pool = self
+            .device_pool()
+            .expect("K/V is imported into a cache with data");
+        for (blob, &page) in blobs.iter().zip(&pages) {
+            pool.write_page_host_layout(page, blob);
         }
         let held = Held {
             prompt_len,
@@ -247,6 +248,10 @@ impl TieredCache {
     /// Moves a lease forward as its copies land (prefetched → loading back → ready). True
     /// once it is ready.
     pub fn advance(&mut self, lease: &mut Lease) -> bool {
+        debug_assert!(
+            Arc::ptr_eq(&lease.dropped, &self.dropped),
+            "a lease of this cache"
+        );
         let h = lease.held.as_mut().expect("a lease holds until consumed");
         match &h.phase {
             Phase::Ready => return true,
@@ -393,6 +398,10 @@ impl TieredCache {
     /// the tree (backed up per the write policy); everything else returns to the pool. A lease
     /// that is not ready is released.
     pub fn commit(&mut self, mut lease: Lease, tokens: &[u32], computed: usize) {
+        debug_assert!(
+            Arc::ptr_eq(&lease.dropped, &self.dropped),
+            "a lease of this cache"
+        );
         let h = lease.held.take().expect("a lease holds until consumed");
         if h.phase != Phase::Ready {
             return self.release_held(h);
@@ -410,6 +419,10 @@ impl TieredCache {
 
     /// Ends a request without caching anything it computed.
     pub fn release(&mut self, mut lease: Lease) {
+        debug_assert!(
+            Arc::ptr_eq(&lease.dropped, &self.dropped),
+            "a lease of this cache"
+        );
         let h = lease.held.take().expect("a lease holds until consumed");
         self.release_held(h);
     }
@@ -441,12 +454,13 @@ impl TieredCache {
         let ps = self.page_size();
         let n = prompt.len().div_ceil(ps);
         let mut blobs = Vec::with_capacity(n);
-        if let Some(pool) = self.device_pool() {
-            for &page in &lease.pages()[..n] {
-                let mut blob = vec![0u8; self.layout.page_bytes()];
-                pool.read_page_host_layout(page, &mut blob);
-                blobs.push(blob);
-            }
+        let pool = self
+            .device_pool()
+            .expect("K/V is exported from a cache with data");
+        for &page in &lease.pages()[..n] {
+            let mut blob = vec![0u8; self.layout.page_bytes()];
+            pool.read_page_host_layout(page, &mut blob);
+            blobs.push(blob);
         }
         let mut hashes = self.page_hashes(prompt);
         hashes.resize(n, PageHash([0; 16]));

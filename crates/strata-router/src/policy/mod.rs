@@ -109,6 +109,23 @@ mod tests {
             .map(|_| rr.pick(&p, None, None).unwrap().url.clone())
             .collect();
         assert_eq!(picks, ["http://w0", "http://w1", "http://w2"]);
+        // Another pool has its own turn: picking in one does not skip workers of the other
+        // (under PD each request picks in both).
+        let q = pool(2);
+        let pairs: Vec<(String, String)> = (0..4)
+            .map(|_| {
+                let a = rr.pick(&q, None, None).unwrap().url.clone();
+                let b = rr.pick(&p, None, None).unwrap().url.clone();
+                (a, b)
+            })
+            .collect();
+        let firsts: Vec<&str> = pairs.iter().map(|x| x.0.as_str()).collect();
+        assert_eq!(firsts, ["http://w0", "http://w1", "http://w0", "http://w1"]);
+        let seconds: Vec<&str> = pairs.iter().map(|x| x.1.as_str()).collect();
+        assert_eq!(
+            seconds,
+            ["http://w0", "http://w1", "http://w2", "http://w0"]
+        );
         p[0].in_flight.store(2, Ordering::Relaxed);
         p[2].in_flight.store(1, Ordering::Relaxed);
         assert_eq!(LeastLoad.pick(&p, None, None).unwrap().url, "http://w1");
