@@ -330,6 +330,7 @@ impl EngineHandle {
                 vocab: info.vocab,
             });
         }
+        crate::request::check_modifiers(params, info.vocab)?;
         if let Some(&id) = prompt.iter().find(|&&t| t as usize >= info.vocab) {
             return Err(SubmitError::BadToken {
                 id,

@@ -21,6 +21,33 @@ pub struct SamplingParams {
     /// `ignore_eos`). The stop token itself is not returned.
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// OpenAI penalties on the tokens generated so far: a token's logit is lowered by
+    /// `frequency_penalty × its count + presence_penalty × [count > 0]`.
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// vLLM's (and HF's) repetition penalty on tokens of the prompt or the output: a positive
+    /// logit is divided by it, a negative one multiplied (1 = off).
+    pub repetition_penalty: f32,
+    /// Added to a token's logit before anything else (OpenAI `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Tokens less likely than `min_p` × the likeliest token's probability are dropped
+    /// (0 = off).
+    pub min_p: f32,
+    /// The stop tokens (the model's end-of-sequence ones and `stop_token_ids`) cannot be
+    /// chosen before this many tokens were generated.
+    pub min_tokens: usize,
+}
+
+impl SamplingParams {
+    /// Whether anything changes the logits before the choice (then the sampler works on a
+    /// copy).
+    pub fn modifies_logits(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
+    }
 }
 
 impl Default for SamplingParams {
@@ -33,6 +60,12 @@ impl Default for SamplingParams {
             seed: None,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
+            min_tokens: 0,
         }
     }
 }
@@ -147,6 +180,12 @@ pub enum SubmitError {
     TooManyStopTokens { count: usize, limit: usize },
     #[error("stop_token_ids: token id {id} is outside the vocabulary ({vocab} tokens)")]
     BadStopToken { id: u32, vocab: usize },
+    /// A logit modifier out of range (`field`: the request field at fault).
+    #[error("{message}")]
+    BadModifier {
+        field: &'static str,
+        message: String,
+    },
     #[error("the engine is not running: {0}")]
     EngineDead(String),
     #[error("the waiting queue is full ({limit} requests); retry later")]
@@ -175,6 +214,62 @@ impl SubmitError {
 
 /// Most `stop_token_ids` one request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// Most `logit_bias` entries one request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// Checks the logit modifiers of `p` for a vocabulary of `vocab` tokens.
+pub fn check_modifiers(p: &SamplingParams, vocab: usize) -> Result<(), SubmitError> {
+    let bad =
+        |field: &'static str, message: String| Err(SubmitError::BadModifier { field, message });
+    if p.logit_bias.len() > MAX_LOGIT_BIAS {
+        let n = p.logit_bias.len();
+        return bad(
+            "logit_bias",
+            format!("{n} logit_bias entries: at most {MAX_LOGIT_BIAS}"),
+        );
+    }
+    for &(id, b) in &p.logit_bias {
+        if id as usize >= vocab {
+            return bad(
+                "logit_bias",
+                format!("logit_bias: token id {id} is outside the vocabulary ({vocab} tokens)"),
+            );
+        }
+        if !b.is_finite() {
+            return bad(
+                "logit_bias",
+                format!("logit_bias {b} for token {id} is not finite"),
+            );
+        }
+    }
+    for (field, v) in [
+        ("frequency_penalty", p.frequency_penalty),
+        ("presence_penalty", p.presence_penalty),
+    ] {
+        if !v.is_finite() {
+            return bad(field, format!("{field} {v} is not finite"));
+        }
+    }
+    if !(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite()) {
+        let v = p.repetition_penalty;
+        return bad(
+            "repetition_penalty",
+            format!("repetition_penalty {v} must be > 0"),
+        );
+    }
+    if !(0.0..=1.0).contains(&p.min_p) {
+        return bad("min_p", format!("min_p {} is outside [0, 1]", p.min_p));
+    }
+    if p.min_tokens > p.max_tokens {
+        let (m, x) = (p.min_tokens, p.max_tokens);
+        return bad(
+            "min_tokens",
+            format!("min_tokens {m} exceeds max_tokens {x}"),
+        );
+    }
+    Ok(())
+}
 
 /// Whether the scheduler thread is working.
 #[derive(Clone, Debug, PartialEq, Eq)]

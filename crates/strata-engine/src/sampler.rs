@@ -1,7 +1,23 @@
-//! Next-token choice: greedy, or temperature with top-k and top-p, from a seeded generator
-//! (SplitMix64: the same seed gives the same tokens on every machine).
+//! Next-token choice: greedy, or temperature with top-k, min-p and top-p, from a seeded
+//! generator (SplitMix64: the same seed gives the same tokens on every machine).
+//!
+//! Before the choice, in vLLM's order: stop tokens masked until `min_tokens`, `logit_bias`
+//! added, the repetition penalty (prompt and output tokens), the frequency and presence
+//! penalties (output tokens). Then temperature, top-k, min-p, top-p. Greedy takes the largest
+//! logit after the penalties.
+
+use rustc_hash::FxHashMap;
 
 use crate::request::SamplingParams;
+
+/// What the logit modifiers look at: the request's tokens so far and its stop tokens.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct History<'a> {
+    pub prompt: &'a [u32],
+    pub output: &'a [u32],
+    /// End-of-sequence and `stop_token_ids` (masked until `min_tokens`).
+    pub stops: &'a [u32],
+}
 
 /// The sampler's generator: SplitMix64 (`strata_kv::rng`), seeded per request.
 pub type Rng = strata_kv::rng::SplitMix64;
@@ -17,8 +33,62 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Picks the next token from `logits` under `p`.
-pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+/// Applies the logit modifiers of `p` (see the module docs) to `logits`.
+pub fn modify(logits: &mut [f32], p: &SamplingParams, h: &History) {
+    let n = logits.len();
+    if h.output.len() < p.min_tokens {
+        for &t in h.stops {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    if p.repetition_penalty != 1.0 {
+        let mut seen = vec![false; n];
+        for &t in h.prompt.iter().chain(h.output) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                if !*s {
+                    *s = true;
+                    let l = &mut logits[t as usize];
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+    }
+    if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+        let mut counts: FxHashMap<u32, u32> = FxHashMap::default();
+        for &t in h.output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+        }
+    }
+}
+
+/// Picks the next token from `logits` under `p`, given the request's tokens so far.
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng, h: &History) -> u32 {
+    if p.modifies_logits() {
+        let mut l = logits.to_vec();
+        modify(&mut l, p, h);
+        return choose(&l, p, rng);
+    }
+    choose(logits, p, rng)
+}
+
+/// The choice itself, on final logits.
+fn choose(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     if p.temperature <= 0.0 || p.top_k == 1 {
         return argmax(logits);
     }
@@ -44,6 +114,17 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     let z: f64 = probs.iter().sum();
     for x in &mut probs {
         *x /= z;
+    }
+    // Min-p: drop what is less likely than min_p × the likeliest (sorted: the first).
+    if p.min_p > 0.0 {
+        let floor = probs[0] * p.min_p as f64;
+        let keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+        probs.truncate(keep);
+        idx.truncate(keep);
+        let z: f64 = probs.iter().sum();
+        for x in &mut probs {
+            *x /= z;
+        }
     }
     // Top-p: keep the smallest head whose mass reaches top_p.
     if p.top_p < 1.0 {
@@ -74,6 +155,12 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
 mod tests {
     use super::*;
 
+    const H: History<'static> = History {
+        prompt: &[],
+        output: &[],
+        stops: &[],
+    };
+
     fn params(t: f32, k: usize, p: f32) -> SamplingParams {
         SamplingParams {
             temperature: t,
@@ -87,7 +174,10 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
         let mut r = Rng::new(1);
-        assert_eq!(sample(&[0.1, 3.0, 2.0], &params(0.0, 0, 1.0), &mut r), 1);
+        assert_eq!(
+            sample(&[0.1, 3.0, 2.0], &params(0.0, 0, 1.0), &mut r, &H),
+            1
+        );
     }
 
     #[test]
@@ -96,7 +186,7 @@ mod tests {
         let run = |seed| {
             let mut r = Rng::new(seed);
             (0..50)
-                .map(|_| sample(&logits, &params(1.0, 0, 1.0), &mut r))
+                .map(|_| sample(&logits, &params(1.0, 0, 1.0), &mut r, &H))
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
@@ -108,14 +198,14 @@ mod tests {
         let logits = [5.0f32, 4.0, 3.0, -10.0, -10.0];
         let mut r = Rng::new(3);
         for _ in 0..500 {
-            assert!(sample(&logits, &params(1.0, 2, 1.0), &mut r) < 2);
+            assert!(sample(&logits, &params(1.0, 2, 1.0), &mut r, &H) < 2);
         }
         // p(0) ≈ 0.665, p(0)+p(1) ≈ 0.91: top_p 0.6 keeps only token 0.
         for _ in 0..200 {
-            assert_eq!(sample(&logits, &params(1.0, 0, 0.6), &mut r), 0);
+            assert_eq!(sample(&logits, &params(1.0, 0, 0.6), &mut r, &H), 0);
         }
         for _ in 0..500 {
-            assert!(sample(&logits, &params(1.0, 0, 0.9), &mut r) < 2);
+            assert!(sample(&logits, &params(1.0, 0, 0.9), &mut r, &H) < 2);
         }
     }
 
@@ -126,15 +216,101 @@ mod tests {
         let mut r = Rng::new(11);
         let n = 20_000;
         let zeros = (0..n)
-            .filter(|_| sample(&logits, &params(1.0, 0, 1.0), &mut r) == 0)
+            .filter(|_| sample(&logits, &params(1.0, 0, 1.0), &mut r, &H) == 0)
             .count();
         let f = zeros as f64 / n as f64;
         assert!((f - 0.75).abs() < 0.02, "frequency {f}");
         // Temperature 2 flattens: sqrt(3)/(sqrt(3)+1) ≈ 0.634.
         let zeros = (0..n)
-            .filter(|_| sample(&logits, &params(2.0, 0, 1.0), &mut r) == 0)
+            .filter(|_| sample(&logits, &params(2.0, 0, 1.0), &mut r, &H) == 0)
             .count();
         let f = zeros as f64 / n as f64;
         assert!((f - 0.634).abs() < 0.02, "frequency {f}");
+    }
+
+    fn frequency(logits: &[f32], p: &SamplingParams, h: &History, token: u32) -> f64 {
+        let mut r = Rng::new(5);
+        let n = 20_000;
+        let hits = (0..n)
+            .filter(|_| sample(logits, p, &mut r, h) == token)
+            .count();
+        hits as f64 / n as f64
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely() {
+        // Probabilities 0.5, 0.3, 0.2 at temperature 1: min_p 0.5 keeps tokens ≥ 0.25.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let p = SamplingParams {
+            min_p: 0.5,
+            ..params(1.0, 0, 1.0)
+        };
+        assert_eq!(frequency(&logits, &p, &H, 2), 0.0);
+        // Renormalised: 0.5 / 0.8 = 0.625.
+        assert!((frequency(&logits, &p, &H, 0) - 0.625).abs() < 0.02);
+    }
+
+    #[test]
+    fn penalties_follow_openai_and_vllm() {
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SamplingParams::default()
+        };
+        let h = History {
+            prompt: &[0],
+            output: &[1, 1, 2],
+            stops: &[],
+        };
+        let mut l = [1.0f32, 1.0, 1.0, 1.0];
+        modify(&mut l, &p, &h);
+        // Prompt tokens are not penalised by OpenAI's penalties; token 1 twice, token 2 once.
+        assert_eq!(l, [1.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25, 1.0]);
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        };
+        let mut l = [3.0f32, -3.0, 3.0, 3.0];
+        modify(&mut l, &p, &h);
+        // Prompt and output tokens, each once: positive halved, negative doubled.
+        assert_eq!(l, [1.5, -6.0, 1.5, 3.0]);
+    }
+
+    #[test]
+    fn logit_bias_and_min_tokens_steer_even_greedy_choice() {
+        let logits = [2.0f32, 1.0, 0.0];
+        let mut r = Rng::new(1);
+        let biased = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..SamplingParams::default()
+        };
+        assert_eq!(sample(&logits, &biased, &mut r, &H), 2);
+        let banned = SamplingParams {
+            logit_bias: vec![(0, -100.0)],
+            ..SamplingParams::default()
+        };
+        assert_eq!(sample(&logits, &banned, &mut r, &H), 1);
+        // Token 0 is the end of sequence: not before two tokens were generated.
+        let p = SamplingParams {
+            min_tokens: 2,
+            ..SamplingParams::default()
+        };
+        let early = History {
+            prompt: &[1],
+            output: &[1],
+            stops: &[0],
+        };
+        assert_eq!(sample(&logits, &p, &mut r, &early), 1);
+        let late = History {
+            output: &[1, 1],
+            ..early
+        };
+        assert_eq!(sample(&logits, &p, &mut r, &late), 0);
+        // At temperature 1 as well: never, not just rarely.
+        let t1 = SamplingParams {
+            temperature: 1.0,
+            ..p
+        };
+        assert_eq!(frequency(&logits, &t1, &early, 0), 0.0);
     }
 }

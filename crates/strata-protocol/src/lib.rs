@@ -153,6 +153,19 @@ pub struct FirstTokenSampling {
     pub stop_token_ids: Vec<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    #[serde(default)]
+    pub presence_penalty: f32,
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+    /// (token id, bias) pairs.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    #[serde(default)]
+    pub min_p: f32,
+    #[serde(default)]
+    pub min_tokens: usize,
 }
 
 impl Default for FirstTokenSampling {
@@ -164,6 +177,12 @@ impl Default for FirstTokenSampling {
             seed: None,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
+            min_tokens: 0,
         }
     }
 }

@@ -49,6 +49,14 @@ pub struct Sampling {
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub n: Option<usize>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    /// vLLM's extension (prompt and output tokens).
+    pub repetition_penalty: Option<f32>,
+    /// Token id (as a string, OpenAI's shape) → bias added to its logit.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub min_p: Option<f32>,
+    pub min_tokens: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,

@@ -187,6 +187,7 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
+    let min_tokens = params.min_tokens;
     let prefill = match headers.get(PREFILL_HEADER) {
         None => None,
         Some(v) => {
@@ -221,6 +222,7 @@ async fn start(
         stream: s.stream,
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
         stops,
+        min_tokens,
     };
     if job.stream {
         Ok(stream_response(st, rs, job, first).into_response())

@@ -109,6 +109,9 @@ impl ApiError {
                 )
             },
             SubmitError::ZeroMaxTokens => ApiError::bad_request(e.to_string(), Some("max_tokens")),
+            SubmitError::BadModifier { field, .. } => {
+                ApiError::bad_request(e.to_string(), Some(field))
+            }
             SubmitError::TooLongForContext { .. } | SubmitError::TooLongForPool { .. } => {
                 ApiError::bad_request(e.to_string(), Some("messages"))
                     .with_code("context_length_exceeded")

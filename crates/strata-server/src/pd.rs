@@ -156,6 +156,13 @@ fn prefill_request(
         seed: w.seed,
         stop_token_ids: w.stop_token_ids.clone(),
         ignore_eos: w.ignore_eos,
+        frequency_penalty: w.frequency_penalty,
+        presence_penalty: w.presence_penalty,
+        repetition_penalty: w.repetition_penalty,
+        logit_bias: w.logit_bias.clone(),
+        min_p: w.min_p,
+        // The decode worker counts the rest; one token here: at most one.
+        min_tokens: w.min_tokens.min(1),
     };
     Ok((req, id, addr, params))
 }
@@ -328,6 +335,12 @@ pub async fn decode_after_remote_prefill(
             seed: params.seed,
             stop_token_ids: params.stop_token_ids.clone(),
             ignore_eos: params.ignore_eos,
+            frequency_penalty: params.frequency_penalty,
+            presence_penalty: params.presence_penalty,
+            repetition_penalty: params.repetition_penalty,
+            logit_bias: params.logit_bias.clone(),
+            min_p: params.min_p,
+            min_tokens: params.min_tokens,
         },
     };
     let pr = call_prefill(st, prefill_url, &body).await?;

@@ -37,6 +37,8 @@ pub(crate) struct Job {
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     pub(crate) stops: Vec<String>,
+    /// Stop strings count from this many tokens on.
+    pub(crate) min_tokens: usize,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -129,7 +131,7 @@ impl Answer {
             prompt: rs.prompt_tokens,
             rs: Some(rs),
             pending: Some(first),
-            text: TextStream::new(job.stops.clone()),
+            text: TextStream::new(job.stops.clone()).with_min_tokens(job.min_tokens),
             started: job.started,
             last: None,
             completion: 0,

@@ -1,6 +1,7 @@
 //! The sampling fields of a request: checked (each refusal names its field) and turned into
 //! the engine's [`SamplingParams`], with defaults filled.
 
+use strata_engine::request::MAX_LOGIT_BIAS;
 use strata_engine::SamplingParams;
 
 use crate::api::Sampling;
@@ -30,16 +31,80 @@ pub fn sampling(
     }
     let (temperature, top_p, top_k) = distribution(s)?;
     let stops = stop_strings(s)?;
-    let params = SamplingParams {
-        max_tokens: max_tokens(st, s, prompt_len)?,
+    let max_tokens = max_tokens(st, s, prompt_len)?;
+    let mut params = SamplingParams {
+        max_tokens,
         temperature,
         top_p,
         top_k,
         seed: s.seed,
         stop_token_ids: stop_token_ids(s)?,
         ignore_eos: s.ignore_eos.unwrap_or(false),
+        ..SamplingParams::default()
     };
+    modifiers(s, &mut params)?;
     Ok((params, stops))
+}
+
+/// Penalties, `logit_bias`, `min_p` and `min_tokens`, in their ranges.
+fn modifiers(s: &Sampling, p: &mut SamplingParams) -> Result<(), ApiError> {
+    let within = |v: Option<f32>, name: &str, lo: f32, hi: f32, lo_open: bool| match v {
+        Some(x) if !(x <= hi && (x > lo || (!lo_open && x == lo))) => {
+            let range = if lo_open {
+                format!("({lo}, {hi}]")
+            } else {
+                format!("[{lo}, {hi}]")
+            };
+            Err(ApiError::bad_request(
+                format!("{name} {x} is outside {range}"),
+                Some(name),
+            ))
+        }
+        _ => Ok(()),
+    };
+    within(s.frequency_penalty, "frequency_penalty", -2.0, 2.0, false)?;
+    within(s.presence_penalty, "presence_penalty", -2.0, 2.0, false)?;
+    within(s.repetition_penalty, "repetition_penalty", 0.0, 2.0, true)?;
+    within(s.min_p, "min_p", 0.0, 1.0, false)?;
+    p.frequency_penalty = s.frequency_penalty.unwrap_or(0.0);
+    p.presence_penalty = s.presence_penalty.unwrap_or(0.0);
+    p.repetition_penalty = s.repetition_penalty.unwrap_or(1.0);
+    p.min_p = s.min_p.unwrap_or(0.0);
+    if let Some(m) = s.min_tokens {
+        if m > p.max_tokens {
+            return Err(ApiError::bad_request(
+                format!("min_tokens {m} exceeds max_tokens {}", p.max_tokens),
+                Some("min_tokens"),
+            ));
+        }
+        p.min_tokens = m;
+    }
+    let bias = s.logit_bias.clone().unwrap_or_default();
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad_request(
+            format!(
+                "{} logit_bias entries: at most {MAX_LOGIT_BIAS}",
+                bias.len()
+            ),
+            Some("logit_bias"),
+        ));
+    }
+    for (k, v) in bias {
+        let Ok(id) = k.trim().parse::<u32>() else {
+            return Err(ApiError::bad_request(
+                format!("logit_bias key `{k}` is not a token id"),
+                Some("logit_bias"),
+            ));
+        };
+        if !(-100.0..=100.0).contains(&v) {
+            return Err(ApiError::bad_request(
+                format!("logit_bias {v} for token {id} is outside [-100, 100]"),
+                Some("logit_bias"),
+            ));
+        }
+        p.logit_bias.push((id, v));
+    }
+    Ok(())
 }
 
 /// temperature, top_p and top_k, in range.

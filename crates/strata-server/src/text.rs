@@ -15,6 +15,8 @@ pub struct TextStream {
     held: String,
     stops: Vec<String>,
     stopped: bool,
+    /// Stop strings count only once this many tokens were generated (`min_tokens`).
+    min_tokens: usize,
 }
 
 impl TextStream {
@@ -26,7 +28,15 @@ impl TextStream {
             held: String::new(),
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             stopped: false,
+            min_tokens: 0,
         }
+    }
+
+    /// Stop strings are not looked for before `n` tokens (text generated before then is
+    /// released as it comes).
+    pub fn with_min_tokens(mut self, n: usize) -> TextStream {
+        self.min_tokens = n;
+        self
     }
 
     /// True once a stop string was found: nothing more will be released.
@@ -66,6 +76,9 @@ impl TextStream {
     }
 
     fn release(&mut self) -> String {
+        if self.ids.len() < self.min_tokens {
+            return std::mem::take(&mut self.held);
+        }
         if let Some(at) = self
             .stops
             .iter()
@@ -148,5 +161,26 @@ mod tests {
             stream_all(&tk, "one two", &["twice"]),
             ("one two".into(), false)
         );
+    }
+
+    #[test]
+    fn stop_strings_do_not_count_before_min_tokens() {
+        let (_d, tk) = tk();
+        let ids = tk.encode("one two one two").unwrap();
+        let run = |min: usize| {
+            let mut s = TextStream::new(vec!["two".into()]).with_min_tokens(min);
+            let mut out = String::new();
+            for &id in &ids {
+                out += &s.push(&tk, id);
+            }
+            out += &s.finish();
+            out
+        };
+        assert_eq!(run(0), "one ");
+        // The first "two" arrives before min_tokens: only the second one stops.
+        let first_two = (1..=ids.len())
+            .find(|&n| tk.decode(&ids[..n]).unwrap().contains("two"))
+            .unwrap();
+        assert_eq!(run(first_two + 1), "one two one ");
     }
 }

@@ -22,7 +22,7 @@ use crate::config::EngineConfig;
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
-use crate::sampler::{sample, Rng};
+use crate::sampler::{sample, History, Rng};
 use crate::state::{Shared, Snapshot};
 
 mod commands;
@@ -402,7 +402,17 @@ impl Scheduler {
             if r.computed < r.tokens.len() {
                 continue; // a prefill chunk that did not reach the end of the prompt
             }
-            let next = sample(l, &r.params, &mut r.rng);
+            let stops = if r.generated < r.params.min_tokens {
+                stop_tokens(&r.params, &self.cfg.stop_token_ids)
+            } else {
+                Vec::new()
+            };
+            let h = History {
+                prompt: &r.tokens[..r.prompt_len],
+                output: &r.tokens[r.prompt_len..],
+                stops: &stops,
+            };
+            let next = sample(l, &r.params, &mut r.rng, &h);
             let stop = r.params.stop_token_ids.contains(&next)
                 || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
             if stop {
@@ -495,4 +505,14 @@ impl Scheduler {
         s.copies_in_flight = self.cache.in_flight();
         *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
     }
+}
+
+/// The tokens that end a request: its `stop_token_ids`, and the model's end-of-sequence tokens
+/// unless it ignores them.
+fn stop_tokens(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
+    let mut v = p.stop_token_ids.clone();
+    if !p.ignore_eos {
+        v.extend_from_slice(eos);
+    }
+    v
 }
