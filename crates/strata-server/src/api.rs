@@ -1,5 +1,6 @@
-//! Request and response bodies, in OpenAI's shapes. Unknown fields are ignored; a field of the
-//! wrong type is refused with a 400 naming it.
+//! Request and response bodies, in OpenAI's shapes. Which fields are taken is decided before
+//! these types see a body ([`crate::fields`]: unknown ones are refused); a field of the wrong
+//! type is refused with a 400 naming it.
 
 use serde::{Deserialize, Serialize};
 

@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use crate::api::{ChatRequest, CompletionRequest, Prompt, Sampling};
 pub use crate::body::{body_bytes, method_not_allowed, not_found, parse, parse_json};
 use crate::error::ApiError;
+use crate::fields::Endpoint;
 pub use crate::internal::watch_engine;
 use crate::internal::{
     cache_events, cache_info, cache_snapshot, flush_cache, health, health_generate,
@@ -135,6 +136,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body, st.body_limit)?;
+    crate::fields::check(&bytes, Endpoint::Completions, st.lenient_fields)?;
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, &req.model)?;
     // Token ids as given need no tokenizing; a text goes off the async workers.
@@ -156,6 +158,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body, st.body_limit)?;
+    crate::fields::check(&bytes, Endpoint::Chat, st.lenient_fields)?;
     let req: ChatRequest = parse_json(&bytes)?;
     check_model(&st, &req.model)?;
     if req.messages.is_empty() {

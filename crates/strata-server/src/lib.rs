@@ -16,6 +16,7 @@ pub mod auth;
 pub mod body;
 pub mod error;
 pub mod exposition;
+pub mod fields;
 mod internal;
 pub mod kv_inbox;
 pub mod metrics;

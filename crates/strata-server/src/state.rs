@@ -25,6 +25,8 @@ pub struct AppState {
     pub default_max_tokens: usize,
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
+    /// Unknown request fields are logged and ignored instead of refused (`--lenient-fields`).
+    pub lenient_fields: bool,
     pub created: u64,
     /// Latencies and outcomes the HTTP layer measures.
     pub metrics: crate::metrics::ServerMetrics,
@@ -83,6 +85,7 @@ impl AppState {
             admin_key: None,
             default_max_tokens: 1024,
             body_limit: 4 << 20,
+            lenient_fields: false,
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())

@@ -492,10 +492,13 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
             .unwrap();
         assert_eq!(h.status(), 200);
     }
-    // Unknown fields are ignored; the server still generates.
-    let mut ok = greedy_chat("hello", 3);
-    ok["frobnicate"] = json!({"x": 1});
-    let (st, v) = post(&chat, ok).await;
+    // An unknown field is refused, naming it (never accepted and ignored: docs/API.md); the
+    // server still generates.
+    let mut bad = greedy_chat("hello", 3);
+    bad["frobnicate"] = json!({"x": 1});
+    let (st, v) = post(&chat, bad).await;
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("frobnicate")), "{v}");
+    let (st, v) = post(&chat, greedy_chat("hello", 3)).await;
     assert_eq!(st, 200, "{v}");
     s.stop().await;
 }

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Largest request body, with a unit.
     #[arg(long, default_value = "4MiB", help_heading = "Server")]
     pub body_limit: String,
+    /// Log and ignore request fields this server does not know instead of refusing them
+    /// (docs/API.md lists the fields it knows; refused ones stay refused).
+    #[arg(long, help_heading = "Server")]
+    pub lenient_fields: bool,
     /// Seconds running requests may take to finish after SIGTERM / Ctrl-C.
     #[arg(long, default_value_t = 30.0, help_heading = "Server")]
     pub shutdown_grace: f64,
@@ -296,6 +300,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.admin_key = a.admin_key.clone();
     st.default_max_tokens = a.default_max_tokens;
     st.body_limit = c.body_limit;
+    st.lenient_fields = a.lenient_fields;
     st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
     st.storage_tier = storage_tier;

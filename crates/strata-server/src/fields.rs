@@ -1,0 +1,425 @@
+//! The fate of every request field: honoured, accepted as a documented no-op, accepted only
+//! with a value that changes nothing (anything else is refused with the reason), or refused.
+//! A field that is not listed is refused as unknown (`--lenient-fields` logs and ignores it
+//! instead). A field is never accepted and silently ignored. docs/API.md is this table.
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Which endpoints a field belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// The endpoints of a field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum On {
+    Chat,
+    Completions,
+    Both,
+}
+
+impl On {
+    fn covers(self, e: Endpoint) -> bool {
+        matches!(
+            (self, e),
+            (On::Both, _) | (On::Chat, Endpoint::Chat) | (On::Completions, Endpoint::Completions)
+        )
+    }
+}
+
+/// What happens to a field.
+#[derive(Clone, Copy)]
+pub enum Fate {
+    /// Honoured as documented.
+    Supported,
+    /// Accepted; it has no effect here, for the reason given.
+    NoOp(&'static str),
+    /// Accepted with a value that changes nothing (the predicate); any other value is refused
+    /// with the reason.
+    Neutral(fn(&Value) -> bool, &'static str),
+    /// Refused, for the reason given.
+    Refused(&'static str),
+}
+
+/// One request field.
+pub struct Field {
+    pub name: &'static str,
+    pub on: On,
+    pub fate: Fate,
+    /// What it does (supported fields) or what it is (the others).
+    pub doc: &'static str,
+}
+
+fn null_or(v: &Value, ok: impl Fn(&Value) -> bool) -> bool {
+    v.is_null() || ok(v)
+}
+fn is_false(v: &Value) -> bool {
+    null_or(v, |v| v == &Value::Bool(false) || v.as_u64() == Some(0))
+}
+fn is_true(v: &Value) -> bool {
+    null_or(v, |v| v == &Value::Bool(true))
+}
+fn is_one(v: &Value) -> bool {
+    null_or(v, |v| v.as_u64() == Some(1))
+}
+fn is_zero(v: &Value) -> bool {
+    null_or(v, |v| v.as_u64() == Some(0))
+}
+fn is_empty(v: &Value) -> bool {
+    null_or(v, |v| match v {
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    })
+}
+fn no_tool_choice(v: &Value) -> bool {
+    null_or(v, |v| v == "none" || v == "auto")
+}
+fn text_format(v: &Value) -> bool {
+    null_or(v, |v| {
+        v.get("type").is_some_and(|t| t == "text") && v.as_object().is_some_and(|o| o.len() == 1)
+    })
+}
+fn text_modality(v: &Value) -> bool {
+    null_or(v, |v| {
+        v.as_array().is_some_and(|a| a.iter().all(|m| m == "text"))
+    })
+}
+fn default_tier(v: &Value) -> bool {
+    null_or(v, |v| v == "auto" || v == "default")
+}
+
+const NOT_YET: &str = "not supported yet";
+const NO_STRUCTURED: &str = "structured output is not supported yet";
+const NO_TOOLS: &str = "tool calling is not supported yet";
+
+/// Every field of `/v1/chat/completions` and `/v1/completions` the official clients send, and
+/// the vLLM/SGLang extensions that users migrating bring.
+pub const FIELDS: &[Field] = &[
+    // The request.
+    Field { name: "model", on: On::Both, fate: Fate::Supported, doc: "Must name the served model when given (404 otherwise)." },
+    Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
+    Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, a list of one text, or token ids." },
+    Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`." },
+    Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false." },
+    // Length and stopping.
+    Field { name: "max_tokens", on: On::Both, fate: Fate::Supported, doc: "At most this many tokens (default: the room the context and the device pool leave, capped by --default-max-tokens)." },
+    Field { name: "max_completion_tokens", on: On::Chat, fate: Fate::Supported, doc: "Chat's newer name for max_tokens (wins over it)." },
+    Field { name: "stop", on: On::Both, fate: Fate::Supported, doc: "Up to 16 stop strings of 1 to 256 bytes; the text ends before the first one found." },
+    Field { name: "stop_token_ids", on: On::Both, fate: Fate::Supported, doc: "vLLM: up to 64 token ids that end generation (not returned)." },
+    Field { name: "ignore_eos", on: On::Both, fate: Fate::Supported, doc: "vLLM: the model's end-of-sequence tokens do not end generation." },
+    Field { name: "min_tokens", on: On::Both, fate: Fate::Supported, doc: "vLLM: stop tokens and stop strings count only after this many tokens (at most max_tokens)." },
+    // Sampling.
+    Field { name: "temperature", on: On::Both, fate: Fate::Supported, doc: "[0, 2]; 0 is greedy (default 1)." },
+    Field { name: "top_p", on: On::Both, fate: Fate::Supported, doc: "(0, 1]: the smallest set of tokens whose probability reaches it." },
+    Field { name: "top_k", on: On::Both, fate: Fate::Supported, doc: "vLLM: the k likeliest tokens (0 or -1: all)." },
+    Field { name: "min_p", on: On::Both, fate: Fate::Supported, doc: "vLLM: [0, 1]; tokens less likely than min_p × the likeliest are dropped." },
+    Field { name: "seed", on: On::Both, fate: Fate::Supported, doc: "The request's generator seed: the same seed, the same tokens." },
+    Field { name: "frequency_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this × its count so far." },
+    Field { name: "presence_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this once it appeared." },
+    Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },
+    Field { name: "logit_bias", on: On::Both, fate: Fate::Supported, doc: "Token id (a string) → [-100, 100] added to its logit; up to 1024 entries." },
+    Field { name: "n", on: On::Both, fate: Fate::Neutral(is_one, "only n = 1 is supported yet"), doc: "Choices per request." },
+    Field { name: "best_of", on: On::Completions, fate: Fate::Neutral(is_one, "only best_of = 1 is supported yet"), doc: "Candidates per choice." },
+    // Output options.
+    Field { name: "logprobs", on: On::Both, fate: Fate::Neutral(is_false, "log probabilities are not supported yet"), doc: "Log probabilities of the chosen tokens." },
+    Field { name: "top_logprobs", on: On::Chat, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "Alternatives per token with their log probabilities." },
+    Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "vLLM: log probabilities of the prompt's tokens." },
+    Field { name: "echo", on: On::Both, fate: Fate::Neutral(is_false, "echo is not supported yet"), doc: "The prompt repeated before the completion." },
+    Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
+    Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },
+    Field { name: "skip_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: special tokens left out of the text (they are)." },
+    Field { name: "spaces_between_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: detokenizer spacing." },
+    Field { name: "response_format", on: On::Chat, fate: Fate::Neutral(text_format, NO_STRUCTURED), doc: "`{\"type\": \"text\"}` only." },
+    Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
+    // Tools.
+    Field { name: "tools", on: On::Chat, fate: Fate::Neutral(is_empty, NO_TOOLS), doc: "Functions the model may call." },
+    Field { name: "tool_choice", on: On::Chat, fate: Fate::Neutral(no_tool_choice, NO_TOOLS), doc: "`none` or `auto` (no tools: no calls)." },
+    Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::NoOp("no effect without tools (tools are refused)"), doc: "Several tool calls in one answer." },
+    Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, NO_TOOLS), doc: "The deprecated form of tools." },
+    Field { name: "function_call", on: On::Chat, fate: Fate::Neutral(no_tool_choice, NO_TOOLS), doc: "The deprecated form of tool_choice." },
+    // Chat template.
+    Field { name: "add_generation_prompt", on: On::Chat, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: the assistant turn is opened (it is)." },
+    Field { name: "continue_final_message", on: On::Chat, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: continue the last assistant message." },
+    Field { name: "chat_template_kwargs", on: On::Chat, fate: Fate::Neutral(is_empty, NOT_YET), doc: "vLLM: extra template variables." },
+    // Accounting and routing hints.
+    Field { name: "user", on: On::Both, fate: Fate::NoOp("no per-user accounting"), doc: "An end-user id." },
+    Field { name: "metadata", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Tags for stored completions." },
+    Field { name: "store", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Store the completion." },
+    Field { name: "service_tier", on: On::Chat, fate: Fate::Neutral(default_tier, "one service tier"), doc: "`auto` or `default`." },
+    Field { name: "prompt_cache_key", on: On::Chat, fate: Fate::NoOp("prefixes are matched by content, no key is needed"), doc: "A cache-routing hint." },
+    Field { name: "safety_identifier", on: On::Chat, fate: Fate::NoOp("no per-user accounting"), doc: "An end-user id for abuse detection." },
+    // Refused.
+    Field { name: "audio", on: On::Chat, fate: Fate::Refused("only text output"), doc: "Audio output." },
+    Field { name: "prediction", on: On::Chat, fate: Fate::Refused(NOT_YET), doc: "Predicted output." },
+    Field { name: "reasoning_effort", on: On::Chat, fate: Fate::Refused("the model has no reasoning mode"), doc: "Reasoning models' effort." },
+    Field { name: "verbosity", on: On::Chat, fate: Fate::Refused(NOT_YET), doc: "Answer length hint." },
+    Field { name: "web_search_options", on: On::Chat, fate: Fate::Refused("no web search"), doc: "Web search." },
+    Field { name: "guided_json", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a JSON schema for the output." },
+    Field { name: "guided_regex", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a regex for the output." },
+    Field { name: "guided_choice", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: the output is one of these." },
+    Field { name: "guided_grammar", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a grammar for the output." },
+    Field { name: "structured_outputs", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: the constraint of the output." },
+    Field { name: "use_beam_search", on: On::Both, fate: Fate::Refused("no beam search"), doc: "vLLM: beam search." },
+    Field { name: "allowed_token_ids", on: On::Both, fate: Fate::Refused(NOT_YET), doc: "vLLM: the only tokens allowed." },
+    Field { name: "bad_words", on: On::Both, fate: Fate::Refused(NOT_YET), doc: "vLLM: words never generated." },
+    Field { name: "truncate_prompt_tokens", on: On::Both, fate: Fate::Refused(NOT_YET), doc: "vLLM: keep only the last k prompt tokens." },
+    Field { name: "priority", on: On::Both, fate: Fate::Refused("requests are served in arrival order"), doc: "vLLM: scheduling priority." },
+    Field { name: "request_id", on: On::Both, fate: Fate::Refused("use the X-Request-Id header"), doc: "vLLM: the request's id." },
+    Field { name: "chat_template", on: On::Chat, fate: Fate::Refused("the model's own template is used"), doc: "vLLM: a template for this request." },
+    Field { name: "documents", on: On::Chat, fate: Fate::Refused(NOT_YET), doc: "vLLM: documents for RAG templates." },
+];
+
+/// Fields of a message in `messages`.
+pub const MESSAGE_FIELDS: &[Field] = &[
+    Field {
+        name: "role",
+        on: On::Chat,
+        fate: Fate::Supported,
+        doc: "system, developer (as system), user, assistant, tool.",
+    },
+    Field {
+        name: "content",
+        on: On::Chat,
+        fate: Fate::Supported,
+        doc: "Text, or text parts.",
+    },
+    Field {
+        name: "name",
+        on: On::Chat,
+        fate: Fate::NoOp("the chat template does not render participant names"),
+        doc: "A participant's name.",
+    },
+    Field {
+        name: "refusal",
+        on: On::Chat,
+        fate: Fate::Neutral(is_empty, NOT_YET),
+        doc: "An assistant's refusal.",
+    },
+    Field {
+        name: "tool_calls",
+        on: On::Chat,
+        fate: Fate::Neutral(is_empty, NO_TOOLS),
+        doc: "An assistant's tool calls.",
+    },
+    Field {
+        name: "tool_call_id",
+        on: On::Chat,
+        fate: Fate::Refused(NO_TOOLS),
+        doc: "The call a tool message answers.",
+    },
+    Field {
+        name: "function_call",
+        on: On::Chat,
+        fate: Fate::Neutral(is_empty, NO_TOOLS),
+        doc: "The deprecated form of tool_calls.",
+    },
+    Field {
+        name: "audio",
+        on: On::Chat,
+        fate: Fate::Refused("only text"),
+        doc: "An earlier audio answer.",
+    },
+];
+
+/// Fields of `stream_options`.
+pub const STREAM_OPTION_FIELDS: &[Field] = &[
+    Field {
+        name: "include_usage",
+        on: On::Both,
+        fate: Fate::Supported,
+        doc: "A last chunk with the usage.",
+    },
+    Field {
+        name: "continuous_usage_stats",
+        on: On::Both,
+        fate: Fate::Neutral(is_false, NOT_YET),
+        doc: "vLLM: usage in every chunk.",
+    },
+];
+
+/// Checks one object's keys against a table; `at` prefixes the field names in errors.
+/// Unknown keys: a 400, or (lenient) a warning and nothing.
+fn check_object(
+    obj: &Map<String, Value>,
+    table: &[Field],
+    e: Endpoint,
+    at: &str,
+    lenient: bool,
+) -> Result<(), ApiError> {
+    for (k, v) in obj {
+        let name = format!("{at}{k}");
+        let Some(f) = table.iter().find(|f| f.name == k && f.on.covers(e)) else {
+            if lenient {
+                tracing::warn!(field = %name, "unknown request field ignored (--lenient-fields)");
+                continue;
+            }
+            return Err(ApiError::bad_request(
+                format!("unknown field `{name}`: see docs/API.md for the fields this server takes"),
+                Some(&name),
+            ));
+        };
+        match f.fate {
+            Fate::Supported | Fate::NoOp(_) => {}
+            Fate::Neutral(ok, _) if ok(v) => {}
+            Fate::Neutral(_, why) | Fate::Refused(why) => {
+                return Err(ApiError::bad_request(
+                    format!("`{name}`: {why}"),
+                    Some(&name),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a request body's fields (the body's JSON errors are `parse_json`'s to report).
+pub fn check(bytes: &[u8], e: Endpoint, lenient: bool) -> Result<(), ApiError> {
+    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(bytes) else {
+        return Ok(());
+    };
+    check_object(&body, FIELDS, e, "", lenient)?;
+    if let Some(Value::Object(o)) = body.get("stream_options") {
+        check_object(o, STREAM_OPTION_FIELDS, e, "stream_options.", lenient)?;
+    }
+    if let (Endpoint::Chat, Some(Value::Array(msgs))) = (e, body.get("messages")) {
+        for (i, m) in msgs.iter().enumerate() {
+            if let Value::Object(o) = m {
+                check_object(o, MESSAGE_FIELDS, e, &format!("messages[{i}]."), lenient)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// docs/API.md's tables, generated from the lists above.
+pub fn markdown() -> String {
+    let mut out = String::new();
+    for (title, table) in [
+        ("Request fields", FIELDS),
+        ("Fields of a message (`messages[i]`)", MESSAGE_FIELDS),
+        ("Fields of `stream_options`", STREAM_OPTION_FIELDS),
+    ] {
+        out += &format!("### {title}\n\n| field | endpoints | fate | notes |\n|---|---|---|---|\n");
+        for f in table {
+            let on = match f.on {
+                On::Chat => "chat",
+                On::Completions => "completions",
+                On::Both => "both",
+            };
+            let fate = match f.fate {
+                Fate::Supported => "supported".to_string(),
+                Fate::NoOp(why) => format!("no-op: {why}"),
+                Fate::Neutral(_, why) => format!("neutral values only; otherwise refused: {why}"),
+                Fate::Refused(why) => format!("refused: {why}"),
+            };
+            out += &format!("| `{}` | {on} | {fate} | {} |\n", f.name, f.doc);
+        }
+        out += "\n";
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(r: Result<(), ApiError>) -> Option<String> {
+        r.err().map(|e| {
+            e.body()["error"]["param"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
+    }
+
+    #[test]
+    fn unknown_refused_and_non_neutral_fields_name_themselves() {
+        let chat = |b: &str| code(check(b.as_bytes(), Endpoint::Chat, false));
+        assert_eq!(chat(r#"{"messages": [], "max_tokens": 3}"#), None);
+        assert_eq!(
+            chat(r#"{"messages": [], "max_tokns": 3}"#).as_deref(),
+            Some("max_tokns")
+        );
+        assert_eq!(chat(r#"{"messages": [], "logprobs": false, "n": 1}"#), None);
+        assert_eq!(
+            chat(r#"{"messages": [], "logprobs": true}"#).as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(
+            chat(r#"{"messages": [], "guided_json": {}}"#).as_deref(),
+            Some("guided_json")
+        );
+        assert_eq!(
+            chat(r#"{"messages": [], "response_format": {"type": "text"}}"#),
+            None
+        );
+        assert_eq!(
+            chat(r#"{"messages": [], "response_format": {"type": "json_object"}}"#).as_deref(),
+            Some("response_format")
+        );
+        assert_eq!(
+            chat(r#"{"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}"#)
+                .as_deref(),
+            Some("messages[0].tool_call_id")
+        );
+        assert_eq!(
+            chat(r#"{"messages": [], "stream_options": {"include_usage": true, "x": 1}}"#)
+                .as_deref(),
+            Some("stream_options.x")
+        );
+        // A completions-only field on chat is unknown there.
+        assert_eq!(
+            chat(r#"{"messages": [], "suffix": ""}"#).as_deref(),
+            Some("suffix")
+        );
+        let comp = |b: &str| code(check(b.as_bytes(), Endpoint::Completions, false));
+        assert_eq!(
+            comp(r#"{"prompt": "a", "suffix": "", "echo": false, "best_of": 1}"#),
+            None
+        );
+        assert_eq!(
+            comp(r#"{"prompt": "a", "echo": true}"#).as_deref(),
+            Some("echo")
+        );
+        assert_eq!(
+            comp(r#"{"prompt": "a", "messages": []}"#).as_deref(),
+            Some("messages")
+        );
+        // Lenient: unknown fields pass (logged), refused ones still do not.
+        assert!(check(
+            br#"{"prompt": "a", "max_tokns": 1}"#,
+            Endpoint::Completions,
+            true
+        )
+        .is_ok());
+        assert!(check(
+            br#"{"prompt": "a", "echo": true}"#,
+            Endpoint::Completions,
+            true
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn docs_api_md_lists_every_field() {
+        let docs =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/API.md"))
+                .expect("docs/API.md");
+        let table = markdown();
+        assert!(
+            docs.contains(&table),
+            "docs/API.md is out of date: put this between its markers:\n{table}"
+        );
+        let mut names: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(n, names.len(), "a field listed twice");
+    }
+}
