@@ -177,7 +177,13 @@ async fn pick_reading(
 }
 
 /// The request to the pair's decode worker, signed when the deployment has a cluster key.
-fn request(st: &RouterState, pair: &Pair, path: &str, body: &Bytes) -> reqwest::RequestBuilder {
+fn request(
+    st: &RouterState,
+    pair: &Pair,
+    path: &str,
+    body: &Bytes,
+    request_id: Option<&axum::http::HeaderValue>,
+) -> reqwest::RequestBuilder {
     let mut req = st
         .client
         .post(format!("{}{path}", pair.decode.url))
@@ -185,6 +191,10 @@ fn request(st: &RouterState, pair: &Pair, path: &str, body: &Bytes) -> reqwest::
         .body(body.clone());
     if let Some(p) = &pair.prefill {
         req = req.header(PREFILL_HEADER, &p.url);
+    }
+    // The worker logs and echoes the same id as the router.
+    if let Some(id) = request_id {
+        req = req.header(strata_server::endpoints::REQUEST_ID, id.clone());
     }
     if let Some(k) = &st.cluster_key {
         let call = strata_server::auth::Call {
@@ -256,7 +266,8 @@ async fn forward(
                 "no healthy worker to route to",
             ));
         };
-        let req = request(&st, &pair, path, &body);
+        let rid = headers.get(strata_server::endpoints::REQUEST_ID);
+        let req = request(&st, &pair, path, &body, rid);
         let mut both = vec![pair.decode.clone()];
         both.extend(pair.prefill.clone());
         let guard = InFlight::start(both);

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,6 +26,10 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/v1/chat/completions", post(forward_chat))
         .route("/v1/completions", post(forward_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/version", get(version))
         .route("/health", get(health))
         .route("/workers", get(workers))
         .route("/metrics", get(metrics))
@@ -37,6 +42,9 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             front_door,
+        ))
+        .layer(axum::middleware::from_fn(
+            strata_server::endpoints::request_id,
         ))
         .with_state(state)
 }
@@ -67,13 +75,36 @@ async fn metrics(State(st): St) -> Response {
         .into_response()
 }
 
-async fn models(State(st): St) -> Response {
-    for w in &st.decode {
-        if let Ok(r) = st.client.get(format!("{}/v1/models", w.url)).send().await {
-            if let Ok(v) = r.json::<serde_json::Value>().await {
-                return Json(v).into_response();
-            }
+/// Passes a request to the first decode worker that answers (an unreachable one is skipped):
+/// its status, content type and body come back as they are.
+async fn pass(
+    st: &RouterState,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Bytes>,
+) -> Response {
+    for w in st.decode.iter().filter(|w| w.is_healthy()) {
+        let mut req = st
+            .client
+            .request(method.clone(), format!("{}{path}", w.url));
+        if let Some(b) = &body {
+            req = req
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(b.clone());
         }
+        let Ok(r) = req.send().await else {
+            continue;
+        };
+        let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+        let Ok(bytes) = r.bytes().await else {
+            continue;
+        };
+        let mut resp = (status, bytes).into_response();
+        if let Some(c) = ctype {
+            resp.headers_mut().insert(header::CONTENT_TYPE, c);
+        }
+        return resp;
     }
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -81,6 +112,33 @@ async fn models(State(st): St) -> Response {
         "no worker answered",
     )
     .into_response()
+}
+
+async fn models(State(st): St) -> Response {
+    pass(&st, reqwest::Method::GET, "/v1/models", None).await
+}
+
+async fn model(State(st): St, Path(id): Path<String>) -> Response {
+    // The id travels in the path: only what a model id can be is passed on.
+    if id.is_empty() || id.len() > 256 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return strata_server::body::not_found(axum::http::Uri::from_static("/v1/models/"))
+            .await
+            .into_response();
+    }
+    let path = format!("/v1/models/{id}");
+    pass(&st, reqwest::Method::GET, &path, None).await
+}
+
+async fn tokenize(State(st): St, body: Bytes) -> Response {
+    pass(&st, reqwest::Method::POST, "/tokenize", Some(body)).await
+}
+
+async fn detokenize(State(st): St, body: Bytes) -> Response {
+    pass(&st, reqwest::Method::POST, "/detokenize", Some(body)).await
+}
+
+async fn version(State(st): St) -> Response {
+    pass(&st, reqwest::Method::GET, "/version", None).await
 }
 
 async fn health(State(st): St) -> Response {

@@ -7,15 +7,15 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use serde_json::{json, Value};
+use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::api::{ChatRequest, CompletionRequest, Prompt, Sampling};
 pub use crate::body::{body_bytes, method_not_allowed, not_found, parse, parse_json};
+use crate::endpoints::{check_model, detokenize, model, models, request_id, tokenize, version};
 use crate::error::ApiError;
 use crate::fields::Endpoint;
 pub use crate::internal::watch_engine;
@@ -34,6 +34,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/version", get(version))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/flush_cache", post(flush_cache))
@@ -49,6 +53,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             count_outcome,
         ))
+        .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
 }
 
@@ -112,24 +117,6 @@ async fn metrics(State(st): St) -> Response {
         .into_response()
 }
 
-fn check_model(st: &AppState, model: &Option<String>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != &st.model_name => Err(ApiError {
-            param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                "not_found_error",
-                format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    st.model_name
-                ),
-            )
-            .with_code("model_not_found")
-        }),
-        _ => Ok(()),
-    }
-}
-
 async fn completions(
     State(st): St,
     headers: HeaderMap,
@@ -138,7 +125,7 @@ async fn completions(
     let bytes = body_bytes(body, st.body_limit)?;
     crate::fields::check(&bytes, Endpoint::Completions, st.lenient_fields)?;
     let req: CompletionRequest = parse_json(&bytes)?;
-    check_model(&st, &req.model)?;
+    check_model(&st, req.model.as_deref())?;
     // Token ids as given need no tokenizing; a text goes off the async workers.
     let ids = match req.prompt {
         Prompt::Tokens(t) => t,
@@ -160,7 +147,7 @@ async fn chat(
     let bytes = body_bytes(body, st.body_limit)?;
     crate::fields::check(&bytes, Endpoint::Chat, st.lenient_fields)?;
     let req: ChatRequest = parse_json(&bytes)?;
-    check_model(&st, &req.model)?;
+    check_model(&st, req.model.as_deref())?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty", Some("messages")));
     }
@@ -221,7 +208,10 @@ async fn start(
     let job = Job {
         kind,
         started,
-        id: format!("{prefix}-{:016x}", rs.id),
+        id: format!("{prefix}-{}", crate::endpoints::fresh_id()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         stream: s.stream,
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
         stops,
@@ -232,11 +222,4 @@ async fn start(
     } else {
         whole_response(st, rs, job, first).await
     }
-}
-
-async fn models(State(st): St) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "strata",
-        "max_model_len": st.engine.info().context_length,
-    }]}))
 }

@@ -34,6 +34,8 @@ pub(crate) struct Job {
     /// When the request arrived (TTFT and duration are measured from here).
     pub(crate) started: std::time::Instant,
     pub(crate) id: String,
+    /// Unix seconds when the request arrived (`created` of every chunk).
+    pub(crate) created: u64,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     pub(crate) stops: Vec<String>,
@@ -253,7 +255,7 @@ pub(crate) async fn whole_response(
         "text_completion"
     };
     Ok(Json(json!({
-        "id": job.id, "object": object, "created": st.created, "model": st.model_name,
+        "id": job.id, "object": object, "created": job.created, "model": st.model_name,
         "choices": [choice], "usage": a.usage(),
     }))
     .into_response())
@@ -287,7 +289,7 @@ impl Streaming {
                 json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
             ),
         };
-        let mut v = json!({"id": self.job.id, "object": object, "created": st.created,
+        let mut v = json!({"id": self.job.id, "object": object, "created": self.job.created,
                            "model": st.model_name, "choices": [choice]});
         if self.job.include_usage {
             v["usage"] = Value::Null;
@@ -303,7 +305,7 @@ impl Streaming {
             "text_completion"
         };
         SseEvent::default().data(
-            json!({"id": self.job.id, "object": object, "created": st.created,
+            json!({"id": self.job.id, "object": object, "created": self.job.created,
                    "model": st.model_name, "choices": [], "usage": self.answer.usage()})
             .to_string(),
         )

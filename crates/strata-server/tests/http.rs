@@ -497,7 +497,11 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
     let mut bad = greedy_chat("hello", 3);
     bad["frobnicate"] = json!({"x": 1});
     let (st, v) = post(&chat, bad).await;
-    assert_eq!((st, &v["error"]["param"]), (400, &json!("frobnicate")), "{v}");
+    assert_eq!(
+        (st, &v["error"]["param"]),
+        (400, &json!("frobnicate")),
+        "{v}"
+    );
     let (st, v) = post(&chat, greedy_chat("hello", 3)).await;
     assert_eq!(st, 200, "{v}");
     s.stop().await;

@@ -1,0 +1,174 @@
+//! The small endpoints around generation: `/v1/models` (and one model), `/tokenize`,
+//! `/detokenize`, `/version`; request ids (`X-Request-Id` echoed or made) and fresh completion
+//! ids.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderName, HeaderValue};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use crate::api::{ChatMessage, Prompt};
+use crate::body::{body_bytes, parse_json};
+use crate::error::ApiError;
+use crate::state::{off_async, AppState};
+
+type St = State<Arc<AppState>>;
+
+/// The header a request's id travels in (echoed on the answer; the router passes it on).
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// A fresh random id (96 bits, hex): unique across workers and restarts.
+pub fn fresh_id() -> String {
+    let mut b = [0u8; 12];
+    getrandom::fill(&mut b).expect("the OS random source");
+    strata_kv::auth::hex(&b)
+}
+
+/// A client's request id, if it is one we can echo: 1 to 128 visible ASCII characters.
+pub fn client_request_id(v: Option<&HeaderValue>) -> Option<String> {
+    let s = v?.to_str().ok()?;
+    let ok = !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic());
+    ok.then(|| s.to_string())
+}
+
+/// Echoes the request's `X-Request-Id` (or a fresh one) on the answer, and logs the request
+/// under it.
+pub async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = client_request_id(req.headers().get(&REQUEST_ID)).unwrap_or_else(fresh_id);
+    let value = HeaderValue::from_str(&id).expect("checked or hex");
+    req.headers_mut().insert(REQUEST_ID, value.clone());
+    let span = tracing::debug_span!("request", id = %id);
+    let mut resp = next.run(req).instrument(span).await;
+    resp.headers_mut().insert(REQUEST_ID, value);
+    resp
+}
+
+fn model_card(st: &AppState) -> Value {
+    json!({"id": st.model_name, "object": "model", "created": st.created, "owned_by": "strata",
+           "max_model_len": st.engine.info().context_length})
+}
+
+pub async fn models(State(st): St) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_card(&st)]}))
+}
+
+/// `GET /v1/models/{id}`: the served model, or a 404 naming what is served.
+pub async fn model(State(st): St, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    if id != st.model_name {
+        return Err(ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!(
+                "the model `{id}` does not exist; this server serves `{}`",
+                st.model_name
+            ),
+        )
+        .with_code("model_not_found"));
+    }
+    Ok(Json(model_card(&st)))
+}
+
+pub async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION"), "name": "strata"}))
+}
+
+/// `POST /tokenize`: a completion prompt or chat messages (rendered with the template, as
+/// generation would) → token ids.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<Prompt>,
+    messages: Option<Vec<ChatMessage>>,
+}
+
+pub async fn tokenize(
+    State(st): St,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let req: TokenizeRequest = parse_json(&body_bytes(body, st.body_limit)?)?;
+    check_model(&st, req.model.as_deref())?;
+    let ids = match (req.prompt, req.messages) {
+        (Some(Prompt::Tokens(t)), None) => t,
+        (Some(p), None) => {
+            off_async(&st, move |st| {
+                crate::prompt::completion_ids(&st.tokenizer, &p)
+            })
+            .await?
+        }
+        (None, Some(m)) => {
+            off_async(&st, move |st| {
+                crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &m)
+            })
+            .await?
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "give either prompt or messages",
+                Some("prompt"),
+            ))
+        }
+    };
+    let ctx = st.engine.info().context_length;
+    Ok(Json(
+        json!({"tokens": ids, "count": ids.len(), "max_model_len": ctx}),
+    ))
+}
+
+/// `POST /detokenize`: token ids → text.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+pub async fn detokenize(
+    State(st): St,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let req: DetokenizeRequest = parse_json(&body_bytes(body, st.body_limit)?)?;
+    check_model(&st, req.model.as_deref())?;
+    let vocab = st.engine.info().vocab;
+    if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_request(
+            format!("token id {t} is outside the vocabulary ({vocab} tokens)"),
+            Some("tokens"),
+        ));
+    }
+    let tokens = req.tokens;
+    let text = off_async(&st, move |st| {
+        st.tokenizer
+            .decode(&tokens)
+            .map_err(|e| ApiError::bad_request(e.to_string(), Some("tokens")))
+    })
+    .await?;
+    Ok(Json(json!({"prompt": text})))
+}
+
+/// A request's `model`, when given, must be the served one (404 otherwise).
+pub(crate) fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != st.model_name => Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                axum::http::StatusCode::NOT_FOUND,
+                "not_found_error",
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    st.model_name
+                ),
+            )
+            .with_code("model_not_found")
+        }),
+        _ => Ok(()),
+    }
+}

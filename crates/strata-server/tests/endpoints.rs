@@ -1,0 +1,98 @@
+//! The endpoints around generation on the tiny model: one model by id, tokenize/detokenize,
+//! version, request ids echoed or made, completion ids unique, `created` the request's time.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use strata_test_support::{post, spawn_worker, tiny_model, WorkerSpec};
+
+async fn get(url: &str) -> (u16, Value) {
+    let r = reqwest::get(url).await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_tokenize_detokenize_version_and_ids() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let u = &w.url;
+
+    let (st, m) = get(&format!("{u}/v1/models/tiny")).await;
+    assert_eq!(
+        (st, &m["id"], &m["object"]),
+        (200, &json!("tiny"), &json!("model"))
+    );
+    let (st, e) = get(&format!("{u}/v1/models/org/other-model")).await;
+    assert_eq!(
+        (st, &e["error"]["code"]),
+        (404, &json!("model_not_found")),
+        "{e}"
+    );
+
+    let (st, v) = get(&format!("{u}/version")).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+
+    // Tokenize a prompt and chat messages (rendered as generation would), and back.
+    let (st, t) = post(&format!("{u}/tokenize"), &json!({"prompt": "hello world"})).await;
+    assert_eq!(st, 200, "{t}");
+    let ids: Vec<u32> = serde_json::from_value(t["tokens"].clone()).unwrap();
+    assert_eq!(t["count"], ids.len());
+    let (st, back) = post(&format!("{u}/detokenize"), &json!({"tokens": ids})).await;
+    assert_eq!(
+        (st, &back["prompt"]),
+        (200, &json!("hello world")),
+        "{back}"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "hello world"}]});
+    let (_, c) = post(&format!("{u}/tokenize"), &chat).await;
+    assert!(c["count"].as_u64().unwrap() > ids.len() as u64, "{c}");
+    // Bad input: out-of-vocabulary ids, unknown fields, neither prompt nor messages.
+    for (path, body, param) in [
+        ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "add_special_tokens": false}),
+            "add_special_tokens",
+        ),
+        ("/tokenize", json!({}), "prompt"),
+    ] {
+        let (st, e) = post(&format!("{u}{path}"), &body).await;
+        assert_eq!(st, 400, "{path} {body}: {e}");
+        if param != "add_special_tokens" {
+            assert_eq!(e["error"]["param"], param, "{e}");
+        }
+    }
+
+    // X-Request-Id: echoed when given, made when not.
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "hi", "max_tokens": 2, "temperature": 0});
+    let r = client
+        .post(format!("{u}/v1/completions"))
+        .header("x-request-id", "trace-42")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-request-id"], "trace-42");
+    let a: Value = r.json().await.unwrap();
+    let r = client
+        .post(format!("{u}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let made = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert_eq!(made.len(), 24, "{made}");
+    let b: Value = r.json().await.unwrap();
+    // Completion ids are random (unique across workers and restarts); created is now.
+    assert_ne!(a["id"], b["id"]);
+    assert!(a["id"].as_str().unwrap().starts_with("cmpl-"), "{a}");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let created = b["created"].as_u64().unwrap();
+    assert!(now - created <= 5, "created {created}, now {now}");
+    w.stop().await;
+}
