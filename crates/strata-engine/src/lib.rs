@@ -21,6 +21,6 @@ pub mod transfer;
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
 pub use request::{
     CachedTokens, EngineHealth, Event, ExportedKv, FinishReason, FlushScope, ImportedKv,
-    RequestStream, SamplingParams, SubmitError, MAX_STOP_TOKEN_IDS,
+    RequestStream, SamplingParams, SubmitError, TokenLogprobs, MAX_STOP_TOKEN_IDS,
 };
 pub use strata_kv::PrefetchPolicy;

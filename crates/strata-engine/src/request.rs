@@ -36,6 +36,9 @@ pub struct SamplingParams {
     /// The stop tokens (the model's end-of-sequence ones and `stop_token_ids`) cannot be
     /// chosen before this many tokens were generated.
     pub min_tokens: usize,
+    /// Report each chosen token's log probability and this many likeliest alternatives
+    /// (None: no log probabilities).
+    pub logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -66,6 +69,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_p: 0.0,
             min_tokens: 0,
+            logprobs: None,
         }
     }
 }
@@ -112,6 +116,8 @@ pub struct ExportedKv {
 pub struct ImportedKv {
     pub pages: Vec<Vec<u8>>,
     pub first_token: u32,
+    /// The first token's log probabilities, when the request asked for them.
+    pub first_logprobs: Option<TokenLogprobs>,
     /// How the prefill worker served the prompt (reported as this request's cached tokens).
     pub cached: CachedTokens,
 }
@@ -121,6 +127,8 @@ pub struct ImportedKv {
 pub enum Event {
     /// The prompt was matched against the cache; computing starts.
     Admitted { cached: CachedTokens },
+    /// The log probabilities of the token that follows (requests that asked for them).
+    Logprobs(TokenLogprobs),
     /// One generated token.
     Token(u32),
     /// The prompt's K/V (requests submitted with `export_kv`), sent before `Done`: one blob per
@@ -218,6 +226,20 @@ pub const MAX_STOP_TOKEN_IDS: usize = 64;
 /// Most `logit_bias` entries one request may give.
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
+/// Most alternatives per token a request may ask log probabilities of.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A chosen token's log probability and the likeliest alternatives', from the distribution
+/// the sampler chose from (after the logit modifiers and the temperature; before top-k, min-p
+/// and top-p cut it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// Likeliest first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// Checks the logit modifiers of `p` for a vocabulary of `vocab` tokens.
 pub fn check_modifiers(p: &SamplingParams, vocab: usize) -> Result<(), SubmitError> {
     let bad =
@@ -260,6 +282,13 @@ pub fn check_modifiers(p: &SamplingParams, vocab: usize) -> Result<(), SubmitErr
     }
     if !(0.0..=1.0).contains(&p.min_p) {
         return bad("min_p", format!("min_p {} is outside [0, 1]", p.min_p));
+    }
+    if p.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        let k = p.logprobs.unwrap_or(0);
+        return bad(
+            "top_logprobs",
+            format!("{k} alternatives per token: at most {MAX_TOP_LOGPROBS}"),
+        );
     }
     if p.min_tokens > p.max_tokens {
         let (m, x) = (p.min_tokens, p.max_tokens);

@@ -8,7 +8,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::request::SamplingParams;
+use crate::request::{SamplingParams, TokenLogprobs};
 
 /// What the logit modifiers look at: the request's tokens so far and its stop tokens.
 #[derive(Clone, Copy, Debug, Default)]
@@ -79,12 +79,60 @@ pub fn modify(logits: &mut [f32], p: &SamplingParams, h: &History) {
 
 /// Picks the next token from `logits` under `p`, given the request's tokens so far.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng, h: &History) -> u32 {
-    if p.modifies_logits() {
-        let mut l = logits.to_vec();
-        modify(&mut l, p, h);
-        return choose(&l, p, rng);
+    sample_with_logprobs(logits, p, rng, h).0
+}
+
+/// [`sample`], and the chosen token's log probabilities when `p` asks for them.
+pub fn sample_with_logprobs(
+    logits: &[f32],
+    p: &SamplingParams,
+    rng: &mut Rng,
+    h: &History,
+) -> (u32, Option<TokenLogprobs>) {
+    let modified;
+    let l = if p.modifies_logits() {
+        let mut m = logits.to_vec();
+        modify(&mut m, p, h);
+        modified = m;
+        &modified[..]
+    } else {
+        logits
+    };
+    let t = choose(l, p, rng);
+    (t, p.logprobs.map(|k| logprobs(l, p.temperature, t, k)))
+}
+
+/// Log-softmax of `logits / temperature` (temperature 1 when greedy): the chosen token's
+/// value and the `k` largest.
+pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> TokenLogprobs {
+    let t = if temperature > 0.0 {
+        temperature as f64
+    } else {
+        1.0
+    };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|&x| ((x as f64 - max) / t).exp()).sum();
+    let lp = |x: f32| ((x as f64 - max) / t - z.ln()) as f32;
+    let mut top: Vec<u32> = (0..logits.len() as u32).collect();
+    let by = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let k = k.min(top.len());
+    if k > 0 && k < top.len() {
+        top.select_nth_unstable_by(k - 1, by);
     }
-    choose(logits, p, rng)
+    top.truncate(k);
+    top.sort_unstable_by(by);
+    TokenLogprobs {
+        token: chosen,
+        logprob: lp(logits[chosen as usize]),
+        top: top
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
+    }
 }
 
 /// The choice itself, on final logits.
@@ -312,5 +360,39 @@ mod tests {
             ..p
         };
         assert_eq!(frequency(&logits, &t1, &early, 0), 0.0);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_the_choice_was_made_from() {
+        // Probabilities 0.5, 0.3, 0.2.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let p = SamplingParams {
+            logprobs: Some(2),
+            ..SamplingParams::default()
+        };
+        let (t, lp) = sample_with_logprobs(&logits, &p, &mut Rng::new(1), &H);
+        let lp = lp.unwrap();
+        assert_eq!((t, lp.token), (0, 0), "greedy takes the likeliest");
+        assert!((lp.logprob - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!((lp.top[0].0, lp.top[1].0), (0, 1));
+        assert!((lp.top[1].1 - 0.3f32.ln()).abs() < 1e-6);
+        // Temperature 2 flattens: p ∝ sqrt(p).
+        let hot = SamplingParams {
+            temperature: 2.0,
+            ..p.clone()
+        };
+        let lp = logprobs(&logits, hot.temperature, 2, 0);
+        let s: f32 = [0.5f32, 0.3, 0.2].iter().map(|x| x.sqrt()).sum();
+        assert!((lp.logprob - (0.2f32.sqrt() / s).ln()).abs() < 1e-5);
+        assert!(lp.top.is_empty());
+        // After a bias: the distribution the choice was made from.
+        let biased = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..p
+        };
+        let (t, lp) = sample_with_logprobs(&logits, &biased, &mut Rng::new(1), &H);
+        assert_eq!(t, 2);
+        assert!(lp.unwrap().logprob > -1e-6);
     }
 }

@@ -67,7 +67,7 @@ fn run(
     while let Some(ev) = s.events.blocking_recv() {
         match ev {
             Event::Admitted { cached: c } => cached = Some(c),
-            Event::Kv(_) => {}
+            Event::Kv(_) | Event::Logprobs(_) => {}
             Event::Token(t) => out.push(t),
             Event::Done {
                 reason,
@@ -371,6 +371,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     let kv = kv.expect("K/V exported");
     assert_eq!(kv.pages.len(), 3);
     let imported = ImportedKv {
+        first_logprobs: None,
         pages: kv.pages.clone(),
         first_token: first.unwrap(),
         cached: CachedTokens::default(),
@@ -388,6 +389,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     assert_eq!(decode.snapshot().transferred_prompt_tokens, 37);
     // Wrong page count or size is refused with the numbers.
     let bad = ImportedKv {
+        first_logprobs: None,
         pages: kv.pages[..2].to_vec(),
         first_token: 1,
         cached: CachedTokens::default(),

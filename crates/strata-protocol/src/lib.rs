@@ -166,6 +166,9 @@ pub struct FirstTokenSampling {
     pub min_p: f32,
     #[serde(default)]
     pub min_tokens: usize,
+    /// Log probabilities of the first token and this many alternatives (None: not asked).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
 
 impl Default for FirstTokenSampling {
@@ -183,6 +186,7 @@ impl Default for FirstTokenSampling {
             logit_bias: Vec::new(),
             min_p: 0.0,
             min_tokens: 0,
+            logprobs: None,
         }
     }
 }
@@ -202,6 +206,17 @@ pub struct PrefillResponse {
     pub transfer_pages: u64,
     pub transfer_bytes: u64,
     pub transfer_seconds: f64,
+    /// The first token's log probabilities, when the request asked for them.
+    #[serde(default)]
+    pub first_logprobs: Option<WireLogprobs>,
+}
+
+/// A token's log probability and its likeliest alternatives (token id, log probability).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct WireLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 #[cfg(test)]

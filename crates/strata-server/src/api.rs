@@ -21,6 +21,14 @@ impl OneOrMany {
     }
 }
 
+/// `logprobs`: a flag (chat) or a number of alternatives (completions).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum LogprobsField {
+    Flag(bool),
+    Count(usize),
+}
+
 /// `prompt` of `/v1/completions`: text, one text in a list, or token ids.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(untagged)]
@@ -58,6 +66,10 @@ pub struct Sampling {
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     pub min_p: Option<f32>,
     pub min_tokens: Option<usize>,
+    /// Chat: `true`/`false`; completions: how many alternatives (0 to 20).
+    pub logprobs: Option<LogprobsField>,
+    /// Chat: alternatives per token (0 to 20; needs `logprobs: true`).
+    pub top_logprobs: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,

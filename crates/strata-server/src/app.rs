@@ -177,7 +177,7 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
-    let min_tokens = params.min_tokens;
+    let (min_tokens, logprobs) = (params.min_tokens, params.logprobs.is_some());
     let prefill = match headers.get(PREFILL_HEADER) {
         None => None,
         Some(v) => {
@@ -216,6 +216,7 @@ async fn start(
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
         stops,
         min_tokens,
+        logprobs,
     };
     if job.stream {
         Ok(stream_response(st, rs, job, first).into_response())

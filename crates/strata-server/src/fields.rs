@@ -127,8 +127,8 @@ pub const FIELDS: &[Field] = &[
     Field { name: "n", on: On::Both, fate: Fate::Neutral(is_one, "only n = 1 is supported yet"), doc: "Choices per request." },
     Field { name: "best_of", on: On::Completions, fate: Fate::Neutral(is_one, "only best_of = 1 is supported yet"), doc: "Candidates per choice." },
     // Output options.
-    Field { name: "logprobs", on: On::Both, fate: Fate::Neutral(is_false, "log probabilities are not supported yet"), doc: "Log probabilities of the chosen tokens." },
-    Field { name: "top_logprobs", on: On::Chat, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "Alternatives per token with their log probabilities." },
+    Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
+    Field { name: "top_logprobs", on: On::Chat, fate: Fate::Supported, doc: "0 to 20 likeliest alternatives per token (needs `logprobs: true`)." },
     Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "vLLM: log probabilities of the prompt's tokens." },
     Field { name: "echo", on: On::Both, fate: Fate::Neutral(is_false, "echo is not supported yet"), doc: "The prompt repeated before the completion." },
     Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
@@ -347,10 +347,8 @@ mod tests {
             Some("max_tokns")
         );
         assert_eq!(chat(r#"{"messages": [], "logprobs": false, "n": 1}"#), None);
-        assert_eq!(
-            chat(r#"{"messages": [], "logprobs": true}"#).as_deref(),
-            Some("logprobs")
-        );
+        assert_eq!(chat(r#"{"messages": [], "logprobs": true}"#), None);
+        assert_eq!(chat(r#"{"messages": [], "n": 2}"#).as_deref(), Some("n"));
         assert_eq!(
             chat(r#"{"messages": [], "guided_json": {}}"#).as_deref(),
             Some("guided_json")

@@ -20,6 +20,7 @@ pub mod exposition;
 pub mod fields;
 mod internal;
 pub mod kv_inbox;
+mod logprobs;
 pub mod metrics;
 pub mod pd;
 pub mod prompt;

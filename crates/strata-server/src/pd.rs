@@ -16,13 +16,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use strata_engine::transfer::{self, OutPage};
-use strata_engine::{CachedTokens, Event, ExportedKv, FinishReason, SamplingParams};
+use strata_engine::{CachedTokens, Event, ExportedKv, FinishReason, SamplingParams, TokenLogprobs};
 
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
 use crate::state::AppState;
 
-pub use strata_protocol::{FirstTokenSampling, PrefillRequest, PrefillResponse};
+pub use strata_protocol::{FirstTokenSampling, PrefillRequest, PrefillResponse, WireLogprobs};
 
 /// What the cluster MAC of a `/pd/prefill` call covers.
 fn prefill_call(body: &[u8]) -> crate::auth::Call<'_> {
@@ -84,8 +84,14 @@ async fn prefill_work(
 ) -> Result<Json<PrefillResponse>, ApiError> {
     let (req, id, addr, params) = prefill_request(st, bytes)?;
     let prompt_tokens = req.tokens.len();
-    let (first, kv, cached) = compute_prefill(st, &req.tokens, params, arrived).await?;
-    let stats = match send_prefill(st, addr, id, req.tokens, kv).await {
+    let done = compute_prefill(st, &req.tokens, params, arrived).await?;
+    let (first, cached) = (done.first, done.cached);
+    let first_logprobs = done.logprobs.map(|l| WireLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top,
+    });
+    let stats = match send_prefill(st, addr, id, req.tokens, done.kv).await {
         Ok(Ok(stats)) => stats,
         Ok(Err(e)) => {
             st.pd
@@ -115,6 +121,7 @@ async fn prefill_work(
         .kv_send_nanos
         .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
     Ok(Json(PrefillResponse {
+        first_logprobs,
         first_token: first,
         prompt_tokens,
         cached_device: cached.device,
@@ -163,25 +170,37 @@ fn prefill_request(
         min_p: w.min_p,
         // The decode worker counts the rest; one token here: at most one.
         min_tokens: w.min_tokens.min(1),
+        logprobs: w.logprobs,
     };
     Ok((req, id, addr, params))
 }
 
-/// Computes the prompt: the first token, the prompt's K/V and how the cache served it.
+/// A computed prompt.
+struct Prefilled {
+    first: u32,
+    logprobs: Option<TokenLogprobs>,
+    kv: Arc<ExportedKv>,
+    cached: CachedTokens,
+}
+
+/// Computes the prompt: the first token (and its log probabilities if asked), the prompt's K/V
+/// and how the cache served it.
 async fn compute_prefill(
     st: &AppState,
     tokens: &[u32],
     params: SamplingParams,
     arrived: std::time::Instant,
-) -> Result<(u32, Arc<ExportedKv>, CachedTokens), ApiError> {
+) -> Result<Prefilled, ApiError> {
     let mut rs = st
         .engine
         .submit_export(tokens.to_vec(), params)
         .map_err(|e| ApiError::from_submit(&e))?;
     let (mut first, mut kv, mut cached) = (None, None, CachedTokens::default());
+    let mut logprobs = None;
     while let Some(ev) = rs.events.recv().await {
         match ev {
             Event::Admitted { cached: c } => cached = c,
+            Event::Logprobs(l) => logprobs = Some(l),
             Event::Token(t) => {
                 // The prefill's part of the client's TTFT (the client's own TTFT is measured
                 // by the decode worker that answers it: not counted twice).
@@ -205,7 +224,12 @@ async fn compute_prefill(
         }
     }
     match (first, kv) {
-        (Some(first), Some(kv)) => Ok((first, kv, cached)),
+        (Some(first), Some(kv)) => Ok(Prefilled {
+            first,
+            logprobs,
+            kv,
+            cached,
+        }),
         _ => Err(bad_gateway("prefill produced no token".into())),
     }
 }
@@ -341,6 +365,7 @@ pub async fn decode_after_remote_prefill(
             logit_bias: params.logit_bias.clone(),
             min_p: params.min_p,
             min_tokens: params.min_tokens,
+            logprobs: params.logprobs,
         },
     };
     let pr = call_prefill(st, prefill_url, &body).await?;
@@ -353,6 +378,11 @@ pub async fn decode_after_remote_prefill(
         return Err(bad_gateway("the K/V received is for other tokens".into()));
     }
     let kv = strata_engine::ImportedKv {
+        first_logprobs: pr.first_logprobs.clone().map(|l| TokenLogprobs {
+            token: l.token,
+            logprob: l.logprob,
+            top: l.top,
+        }),
         pages: got.pages,
         first_token: pr.first_token,
         cached: CachedTokens {

@@ -16,7 +16,7 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use strata_engine::request::CachedTokens;
-use strata_engine::{Event, FinishReason, RequestStream};
+use strata_engine::{Event, FinishReason, RequestStream, TokenLogprobs};
 
 use crate::api::Usage;
 use crate::error::{engine_error, ApiError};
@@ -41,6 +41,8 @@ pub(crate) struct Job {
     pub(crate) stops: Vec<String>,
     /// Stop strings count from this many tokens on.
     pub(crate) min_tokens: usize,
+    /// The client asked for log probabilities.
+    pub(crate) logprobs: bool,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -106,8 +108,9 @@ pub(crate) enum Step {
     Admitted,
     /// The engine failed on this request (its end follows).
     Failed(String),
-    /// New text (never empty).
-    Text(String),
+    /// New text (never empty), with the log probabilities of the tokens it completes (when
+    /// asked for).
+    Text(String, Vec<TokenLogprobs>),
     End(End),
 }
 
@@ -124,6 +127,8 @@ pub(crate) struct Answer {
     prompt: usize,
     completion: usize,
     cached: CachedTokens,
+    /// Log probabilities of tokens whose text is not out yet.
+    logprobs: Vec<TokenLogprobs>,
 }
 
 impl Answer {
@@ -138,7 +143,13 @@ impl Answer {
             last: None,
             completion: 0,
             cached: CachedTokens::default(),
+            logprobs: Vec::new(),
         }
+    }
+
+    /// A text step with the log probabilities gathered for it.
+    fn text_step(&mut self, d: String) -> Step {
+        Step::Text(d, std::mem::take(&mut self.logprobs))
     }
 
     fn usage(&self) -> Usage {
@@ -154,6 +165,7 @@ impl Answer {
         let mut out = Vec::new();
         match ev {
             Some(Event::Kv(_)) => {}
+            Some(Event::Logprobs(l)) => self.logprobs.push(l),
             Some(Event::Admitted { cached }) => {
                 self.cached = cached;
                 out.push(Step::Admitted);
@@ -163,7 +175,7 @@ impl Answer {
                 token_time(&self.st.metrics, self.started, &mut self.last);
                 let d = self.text.push(&self.st.tokenizer, t);
                 if !d.is_empty() {
-                    out.push(Step::Text(d));
+                    out.push(self.text_step(d));
                 }
                 if self.text.stopped() {
                     self.rs = None;
@@ -192,8 +204,8 @@ impl Answer {
                     _ => {}
                 }
                 let d = self.text.finish();
-                if !d.is_empty() {
-                    out.push(Step::Text(d));
+                if !d.is_empty() || !self.logprobs.is_empty() {
+                    out.push(self.text_step(d));
                 }
                 self.rs = None;
                 out.push(Step::End(End::Finished(reason, false)));
@@ -216,6 +228,7 @@ pub(crate) async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut a = Answer::new(st.clone(), rs, &job, first);
     let mut out = String::new();
+    let mut lps = Vec::new();
     let reason = 'answer: loop {
         let Some(steps) = a.next().await else {
             unreachable!("an answer ends with an End step");
@@ -224,7 +237,10 @@ pub(crate) async fn whole_response(
             match step {
                 Step::Admitted => {}
                 Step::Failed(m) => return Err(engine_error(&m)),
-                Step::Text(d) => out += &d,
+                Step::Text(d, l) => {
+                    out += &d;
+                    lps.extend(l);
+                }
                 Step::End(End::Finished(
                     FinishReason::Aborted | FinishReason::QueueTimeout { .. },
                     _,
@@ -242,11 +258,15 @@ pub(crate) async fn whole_response(
             }
         }
     };
+    let logprobs = match job.logprobs {
+        true => crate::logprobs::render(&st.tokenizer, job.kind == Kind::Chat, &lps, 0),
+        false => Value::Null,
+    };
     let choice = match job.kind {
         Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out},
-                              "logprobs": null, "finish_reason": reason}),
+                              "logprobs": logprobs, "finish_reason": reason}),
         Kind::Completion => {
-            json!({"index": 0, "text": out, "logprobs": null, "finish_reason": reason})
+            json!({"index": 0, "text": out, "logprobs": logprobs, "finish_reason": reason})
         }
     };
     let object = if job.kind == Kind::Chat {
@@ -267,10 +287,16 @@ struct Streaming {
     job: Job,
     /// A chat delta with the role was sent.
     started: bool,
+    /// Characters of text sent (completions' `text_offset`).
+    sent_chars: usize,
 }
 
 impl Streaming {
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> SseEvent {
+        self.chunk_with(text, finish, Value::Null)
+    }
+
+    fn chunk_with(&self, text: Option<&str>, finish: Option<&str>, logprobs: Value) -> SseEvent {
         let st = &self.answer.st;
         let (object, choice) = match self.job.kind {
             Kind::Chat => {
@@ -281,12 +307,12 @@ impl Streaming {
                 };
                 (
                     "chat.completion.chunk",
-                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
                 )
             }
             Kind::Completion => (
                 "text_completion",
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
             ),
         };
         let mut v = json!({"id": self.job.id, "object": object, "created": self.job.created,
@@ -319,8 +345,19 @@ impl Streaming {
                 self.started = true;
             }
             Step::Admitted => {}
-            Step::Text(d) => {
-                out.push(self.chunk(Some(&d), None));
+            Step::Text(d, lps) => {
+                let st = &self.answer.st;
+                let lp = match self.job.logprobs {
+                    true => crate::logprobs::render(
+                        &st.tokenizer,
+                        self.job.kind == Kind::Chat,
+                        &lps,
+                        self.sent_chars,
+                    ),
+                    false => Value::Null,
+                };
+                out.push(self.chunk_with(Some(&d), None, lp));
+                self.sent_chars += d.chars().count();
                 self.started = true;
             }
             Step::Failed(m) => {
@@ -362,6 +399,7 @@ pub(crate) fn stream_response(
         answer: Answer::new(st, rs, &job, first),
         job,
         started: false,
+        sent_chars: 0,
     };
     let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)));

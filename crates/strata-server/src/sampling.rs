@@ -43,7 +43,39 @@ pub fn sampling(
         ..SamplingParams::default()
     };
     modifiers(s, &mut params)?;
+    params.logprobs = logprobs(s)?;
     Ok((params, stops))
+}
+
+/// `logprobs` (a flag, or a number of alternatives) and `top_logprobs` → how many
+/// alternatives per token, if any.
+fn logprobs(s: &Sampling) -> Result<Option<usize>, ApiError> {
+    use crate::api::LogprobsField::{Count, Flag};
+    let k = match (s.logprobs, s.top_logprobs) {
+        (None | Some(Flag(false)), None | Some(0)) => None,
+        (None | Some(Flag(false)), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "top_logprobs needs logprobs: true",
+                Some("top_logprobs"),
+            ))
+        }
+        (Some(Flag(true)), k) => Some(k.unwrap_or(0)),
+        (Some(Count(n)), None) => Some(n),
+        (Some(Count(_)), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "give the number of alternatives in logprobs or in top_logprobs, not both",
+                Some("top_logprobs"),
+            ))
+        }
+    };
+    let max = strata_engine::request::MAX_TOP_LOGPROBS;
+    if let Some(k) = k.filter(|&k| k > max) {
+        return Err(ApiError::bad_request(
+            format!("{k} alternatives per token: at most {max}"),
+            Some("top_logprobs"),
+        ));
+    }
+    Ok(k)
 }
 
 /// Penalties, `logit_bias`, `min_p` and `min_tokens`, in their ranges.

@@ -22,7 +22,7 @@ use crate::config::EngineConfig;
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
-use crate::sampler::{sample, History, Rng};
+use crate::sampler::{sample_with_logprobs, History, Rng};
 use crate::state::{Shared, Snapshot};
 
 mod commands;
@@ -273,6 +273,9 @@ impl Scheduler {
         r.tokens.push(first);
         r.generated = 1;
         self.snap.generated_tokens += 1;
+        if let Some(lp) = kv.first_logprobs {
+            let _ = r.tx.send(Event::Logprobs(lp));
+        }
         let _ = r.tx.send(Event::Token(first));
         if r.generated >= r.params.max_tokens {
             self.finish(r, Some(FinishReason::Length));
@@ -412,12 +415,15 @@ impl Scheduler {
                 output: &r.tokens[r.prompt_len..],
                 stops: &stops,
             };
-            let next = sample(l, &r.params, &mut r.rng, &h);
+            let (next, lp) = sample_with_logprobs(l, &r.params, &mut r.rng, &h);
             let stop = r.params.stop_token_ids.contains(&next)
                 || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
             if stop {
                 if r.export {
                     // A prefill worker forwards the first token, whatever it is, with the K/V.
+                    if let Some(lp) = lp {
+                        let _ = r.tx.send(Event::Logprobs(lp));
+                    }
                     let _ = r.tx.send(Event::Token(next));
                 }
                 done.push((i, FinishReason::Stop));
@@ -426,6 +432,9 @@ impl Scheduler {
             r.tokens.push(next);
             r.generated += 1;
             self.snap.generated_tokens += 1;
+            if let Some(lp) = lp {
+                let _ = r.tx.send(Event::Logprobs(lp));
+            }
             let _ = r.tx.send(Event::Token(next));
             if r.generated >= r.params.max_tokens {
                 done.push((i, FinishReason::Length));

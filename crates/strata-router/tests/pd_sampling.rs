@@ -1,0 +1,66 @@
+//! Under prefill/decode disaggregation the prefill worker samples the first token with the
+//! request's own parameters: the logit modifiers and log probabilities give the same answer as
+//! one worker doing both.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use strata_router::{router, Policy, RouterState};
+use strata_test_support::{post, spawn_worker, tiny_model, TestWorker, WorkerSpec};
+
+async fn start_router(prefill: &[String], decode: &[String]) -> String {
+    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    url
+}
+
+async fn both(path: &std::path::Path) -> TestWorker {
+    spawn_worker(path, WorkerSpec::default()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_honours_the_first_tokens_sampling_and_reports_its_logprobs() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let prefill = both(&path).await;
+    let spec = WorkerSpec {
+        kv_listener: true,
+        prefill_workers: vec![prefill.url.clone()],
+        ..WorkerSpec::default()
+    };
+    let decode = spawn_worker(&path, spec).await;
+    let single = both(&path).await;
+    let pd = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    let one = start_router(&[], std::slice::from_ref(&single.url)).await;
+    // The bias makes token 77 the first choice: only a prefill worker that honours it
+    // starts the answer with it.
+    let body = json!({"prompt": (10..60).collect::<Vec<u32>>(), "max_tokens": 4,
+                      "temperature": 0, "ignore_eos": true, "logprobs": 2,
+                      "logit_bias": {"77": 100}, "frequency_penalty": 1.5});
+    let (st, a): (u16, Value) = post(&format!("{pd}/v1/completions"), &body).await;
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(&format!("{one}/v1/completions"), &body).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_eq!(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]);
+    assert_eq!(
+        a["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4,
+        "{a}"
+    );
+    assert!(
+        decode.state.engine.snapshot().transferred_prompt_tokens > 0,
+        "the request went through PD"
+    );
+    for w in [prefill, decode, single] {
+        w.stop().await;
+    }
+}

@@ -1,0 +1,69 @@
+//! Log probabilities in OpenAI's two shapes: chat (`{"content": [{token, logprob, bytes,
+//! top_logprobs}]}`) and completions (`{tokens, token_logprobs, top_logprobs, text_offset}`).
+
+use serde_json::{json, Map, Value};
+use strata_engine::TokenLogprobs;
+use strata_model::ModelTokenizer;
+
+/// A token's text as the client sees it (its UTF-8 bytes go with it).
+fn text(tk: &ModelTokenizer, id: u32) -> String {
+    tk.decode(&[id]).unwrap_or_default()
+}
+
+fn chat_entry(tk: &ModelTokenizer, id: u32, lp: f32) -> Value {
+    let t = text(tk, id);
+    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+}
+
+/// The `logprobs` of a choice (or of one streamed chunk) covering `lps`, in the chat shape or
+/// the completions one; `offset` is the length in characters of the text before them
+/// (completions' `text_offset`).
+pub(crate) fn render(
+    tk: &ModelTokenizer,
+    chat: bool,
+    lps: &[TokenLogprobs],
+    offset: usize,
+) -> Value {
+    match chat {
+        true => {
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|l| {
+                    let mut e = chat_entry(tk, l.token, l.logprob);
+                    e["top_logprobs"] = l
+                        .top
+                        .iter()
+                        .map(|&(id, lp)| chat_entry(tk, id, lp))
+                        .collect();
+                    e
+                })
+                .collect();
+            json!({"content": content})
+        }
+        false => {
+            let mut tokens = Vec::new();
+            let mut offsets = Vec::new();
+            let mut at = offset;
+            for l in lps {
+                let t = text(tk, l.token);
+                offsets.push(at);
+                at += t.chars().count();
+                tokens.push(t);
+            }
+            let top: Vec<Value> = lps
+                .iter()
+                .map(|l| {
+                    let m: Map<String, Value> = l
+                        .top
+                        .iter()
+                        .map(|&(id, lp)| (text(tk, id), json!(lp)))
+                        .collect();
+                    Value::Object(m)
+                })
+                .collect();
+            let token_logprobs: Vec<f32> = lps.iter().map(|l| l.logprob).collect();
+            json!({"tokens": tokens, "token_logprobs": token_logprobs,
+                   "top_logprobs": top, "text_offset": offsets})
+        }
+    }
+}
