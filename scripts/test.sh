@@ -43,6 +43,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     has "$prog" || { echo "$prog is still missing after installing $pkg" >&2; exit 1; }
   done <<< "$PROGRAMS"
 fi
+echo "== Python packages the tests use (scripts/requirements-test.txt)"
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+  -r scripts/requirements-test.txt
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"

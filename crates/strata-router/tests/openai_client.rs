@@ -1,0 +1,70 @@
+//! The official `openai` Python client (pinned in scripts/requirements-test.txt, installed by
+//! scripts/test.sh) against one worker and against the router in front of a prefill and a
+//! decode worker: chat, streaming with usage, logprobs, sampling fields, documented no-ops,
+//! refusals naming their field, unknown fields refused, models, request ids.
+
+use std::process::Command;
+use std::sync::Arc;
+
+use strata_router::{router, Policy, RouterState};
+use strata_test_support::{spawn_worker, tiny_model, WorkerSpec};
+
+async fn start_router(prefill: &[String], decode: &[String]) -> String {
+    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    url
+}
+
+/// Runs the client script against `base`; fails with its output.
+async fn client_checks(base: String) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .args([script, &base, "tiny"])
+            .output()
+            .expect("python3 (scripts/test.sh installs it with the openai package)")
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !text.contains("No module named 'openai'"),
+        "the openai package is missing: pip install -r scripts/requirements-test.txt (scripts/test.sh does)"
+    );
+    assert!(
+        out.status.success() && text.contains("all checks passed"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_openai_client_works_against_a_worker_and_the_pd_router() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let single = spawn_worker(&path, WorkerSpec::default()).await;
+    client_checks(single.url.clone()).await;
+
+    let prefill = spawn_worker(&path, WorkerSpec::default()).await;
+    let spec = WorkerSpec {
+        kv_listener: true,
+        prefill_workers: vec![prefill.url.clone()],
+        ..WorkerSpec::default()
+    };
+    let decode = spawn_worker(&path, spec).await;
+    let r = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    client_checks(r).await;
+    assert!(decode.state.engine.snapshot().transferred_prompt_tokens > 0);
+    for w in [single, prefill, decode] {
+        w.stop().await;
+    }
+}

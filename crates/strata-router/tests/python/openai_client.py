@@ -1,0 +1,81 @@
+"""The official `openai` Python client against a Strata endpoint (argv[1]: base URL, argv[2]:
+model id). Exits non-zero with the failed check's message; prints one line per check passed."""
+
+import sys
+
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+msgs = [{"role": "user", "content": "count with me: one two three"}]
+greedy = dict(model=model, messages=msgs, max_tokens=6, temperature=0)
+
+
+def check(name, cond, detail=""):
+    if not cond:
+        sys.exit(f"FAILED {name}: {detail}")
+    print(f"ok {name}")
+
+
+def refused(name, field, **kw):
+    try:
+        client.chat.completions.create(**{**greedy, **kw})
+    except openai.BadRequestError as e:
+        param = (e.body or {}).get("param")
+        check(name, param == field, f"param {param!r}, expected {field!r}: {e.body}")
+        return
+    sys.exit(f"FAILED {name}: accepted")
+
+
+# Plain chat, usage, ids.
+r = client.chat.completions.create(**greedy, extra_body={"ignore_eos": True})
+check("chat", isinstance(r.choices[0].message.content, str) and r.usage.completion_tokens == 6, r)
+check("chat id", r.id.startswith("chatcmpl-") and r.created > 0, r.id)
+again = client.chat.completions.create(**greedy, extra_body={"ignore_eos": True})
+check("ids are unique", again.id != r.id)
+check("greedy is repeatable", again.choices[0].message.content == r.choices[0].message.content)
+
+# Streaming with usage.
+chunks = list(client.chat.completions.create(**greedy, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}))
+text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+check("stream", text == r.choices[0].message.content, (text, r.choices[0].message.content))
+check("stream usage", chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6)
+
+# Log probabilities, consistent with the greedy choice.
+lp = client.chat.completions.create(**greedy, logprobs=True, top_logprobs=2,
+                                    extra_body={"ignore_eos": True})
+content = lp.choices[0].logprobs.content
+check("logprobs count", len(content) == 6, len(content))
+check("logprobs greedy", all(t.token == t.top_logprobs[0].token and t.logprob <= 0 for t in content))
+c = client.completions.create(model=model, prompt="one two three", max_tokens=4, temperature=0,
+                              logprobs=2, extra_body={"ignore_eos": True})
+check("completion logprobs", len(c.choices[0].logprobs.token_logprobs) == 4)
+
+# Sampling fields.
+s = client.chat.completions.create(**greedy, frequency_penalty=1.0, presence_penalty=0.5,
+                                   logit_bias={"77": 5}, seed=3)
+check("penalties and bias", s.choices[0].finish_reason in ("stop", "length"))
+
+# Documented no-ops pass; refusals name the field; unknown fields are refused.
+n = client.chat.completions.create(**greedy, user="u1", store=False, metadata={"k": "v"})
+check("no-ops", n.choices[0].message.content is not None)
+refused("unknown field", "max_tokns", extra_body={"max_tokns": 3})
+refused("n > 1", "n", n=2)
+refused("json_object", "response_format", response_format={"type": "json_object"})
+refused("tools", "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+refused("echo", "echo", extra_body={"echo": True})
+
+# Models and request ids.
+m = client.models.retrieve(model)
+check("models.retrieve", m.id == model, m)
+raw = client.chat.completions.with_raw_response.create(**greedy,
+                                                      extra_headers={"X-Request-Id": "py-1"})
+check("x-request-id", raw.headers.get("x-request-id") == "py-1", dict(raw.headers))
+try:
+    client.models.retrieve("no-such-model")
+    sys.exit("FAILED unknown model: found")
+except openai.NotFoundError:
+    check("unknown model", True)
+print("all checks passed")
