@@ -18,11 +18,11 @@ async fn start_router(prefill: &[String], decode: &[String]) -> String {
 }
 
 /// Runs the client script against `base`; fails with its output.
-async fn client_checks(base: String) {
+async fn client_checks(base: String, mode: &'static str) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
     let out = tokio::task::spawn_blocking(move || {
         Command::new("python3")
-            .args([script, &base, "tiny"])
+            .args([script, &base, "tiny", mode])
             .output()
             .expect("python3 (scripts/test.sh installs it with the openai package)")
     })
@@ -48,7 +48,7 @@ async fn the_official_openai_client_works_against_a_worker_and_the_pd_router() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_model(d.path());
     let single = spawn_worker(&path, WorkerSpec::default()).await;
-    client_checks(single.url.clone()).await;
+    client_checks(single.url.clone(), "single").await;
 
     let prefill = spawn_worker(&path, WorkerSpec::default()).await;
     let spec = WorkerSpec {
@@ -62,7 +62,7 @@ async fn the_official_openai_client_works_against_a_worker_and_the_pd_router() {
         std::slice::from_ref(&decode.url),
     )
     .await;
-    client_checks(r).await;
+    client_checks(r, "pd").await;
     assert!(decode.state.engine.snapshot().transferred_prompt_tokens > 0);
     for w in [single, prefill, decode] {
         w.stop().await;

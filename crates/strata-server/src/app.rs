@@ -177,29 +177,8 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
-    let (min_tokens, logprobs) = (params.min_tokens, params.logprobs.is_some());
-    let prefill = match headers.get(PREFILL_HEADER) {
-        None => None,
-        Some(v) => {
-            let url = v.to_str().map_err(|_| {
-                ApiError::bad_request(format!("{PREFILL_HEADER} is not ASCII"), None)
-            })?;
-            let path = match kind {
-                Kind::Chat => "/v1/chat/completions",
-                Kind::Completion => "/v1/completions",
-            };
-            crate::pd::check_prefill_header(&st, headers, path, body, url)?;
-            Some(url.to_string())
-        }
-    };
-    let mut rs = match prefill {
-        Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,
-        None => st
-            .engine
-            .submit(ids, params)
-            .map_err(|e| ApiError::from_submit(&e))?,
-    };
-    let first = first_event(&mut rs).await?;
+    let n = s.n.unwrap_or(1);
+    let prefill = prefill_worker(&st, headers, kind, body)?;
     let prefix = if kind == Kind::Chat {
         "chatcmpl"
     } else {
@@ -215,12 +194,50 @@ async fn start(
         stream: s.stream,
         include_usage: s.stream_options.as_ref().is_some_and(|o| o.include_usage),
         stops,
-        min_tokens,
-        logprobs,
+        min_tokens: params.min_tokens,
+        logprobs: params.logprobs.is_some(),
     };
+    if n > 1 {
+        if prefill.is_some() {
+            return Err(ApiError::bad_request(
+                "n > 1 is not supported through prefill/decode disaggregation yet",
+                Some("n"),
+            ));
+        }
+        return crate::choices::answer(st, ids, params, job, n).await;
+    }
+    let mut rs = match prefill {
+        Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,
+        None => st
+            .engine
+            .submit(ids, params)
+            .map_err(|e| ApiError::from_submit(&e))?,
+    };
+    let first = first_event(&mut rs).await?;
     if job.stream {
         Ok(stream_response(st, rs, job, first).into_response())
     } else {
         whole_response(st, rs, job, first).await
     }
+}
+
+/// The prefill worker the router named for this request (`x-strata-prefill`), checked.
+fn prefill_worker(
+    st: &AppState,
+    headers: &HeaderMap,
+    kind: Kind,
+    body: &[u8],
+) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(PREFILL_HEADER) else {
+        return Ok(None);
+    };
+    let url = v
+        .to_str()
+        .map_err(|_| ApiError::bad_request(format!("{PREFILL_HEADER} is not ASCII"), None))?;
+    let path = match kind {
+        Kind::Chat => "/v1/chat/completions",
+        Kind::Completion => "/v1/completions",
+    };
+    crate::pd::check_prefill_header(st, headers, path, body, url)?;
+    Ok(Some(url.to_string()))
 }

@@ -14,6 +14,7 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod body;
+mod choices;
 pub mod endpoints;
 pub mod error;
 pub mod exposition;

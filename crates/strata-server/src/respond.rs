@@ -29,6 +29,7 @@ pub(crate) enum Kind {
     Completion,
 }
 
+#[derive(Clone)]
 pub(crate) struct Job {
     pub(crate) kind: Kind,
     /// When the request arrived (TTFT and duration are measured from here).
@@ -156,6 +157,11 @@ impl Answer {
         Usage::new(self.prompt, self.completion, self.cached.total())
     }
 
+    /// Tokens generated so far (final once ended).
+    pub(crate) fn completion_tokens(&self) -> usize {
+        self.completion
+    }
+
     /// The steps of the next engine event (None: the answer has ended).
     pub(crate) async fn next(&mut self) -> Option<Vec<Step>> {
         let ev = match self.pending.take() {
@@ -227,9 +233,19 @@ pub(crate) async fn whole_response(
     first: Event,
 ) -> Result<Response, ApiError> {
     let mut a = Answer::new(st.clone(), rs, &job, first);
+    let (text, reason, lps) = collect(&mut a).await?;
+    let choice = choice_json(&st, &job, 0, &text, reason, &lps);
+    Ok(whole_body(&st, &job, vec![choice], a.usage()))
+}
+
+/// Runs an answer to its end: its text, finish reason and log probabilities; the ends a whole
+/// answer turns into an error status are errors.
+pub(crate) async fn collect(
+    a: &mut Answer,
+) -> Result<(String, &'static str, Vec<TokenLogprobs>), ApiError> {
     let mut out = String::new();
     let mut lps = Vec::new();
-    let reason = 'answer: loop {
+    loop {
         let Some(steps) = a.next().await else {
             unreachable!("an answer ends with an End step");
         };
@@ -249,7 +265,9 @@ pub(crate) async fn whole_response(
                         &strata_engine::SubmitError::ShuttingDown,
                     ))
                 }
-                Step::End(End::Finished(r, by_string)) => break 'answer finish_name(&r, by_string),
+                Step::End(End::Finished(r, by_string)) => {
+                    return Ok((out, finish_name(&r, by_string), lps))
+                }
                 Step::End(End::EngineGone) => {
                     return Err(ApiError::from_submit(
                         &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
@@ -257,34 +275,69 @@ pub(crate) async fn whole_response(
                 }
             }
         }
-    };
+    }
+}
+
+/// One choice of a whole answer.
+pub(crate) fn choice_json(
+    st: &AppState,
+    job: &Job,
+    index: usize,
+    text: &str,
+    reason: &str,
+    lps: &[TokenLogprobs],
+) -> Value {
     let logprobs = match job.logprobs {
-        true => crate::logprobs::render(&st.tokenizer, job.kind == Kind::Chat, &lps, 0),
+        true => crate::logprobs::render(&st.tokenizer, job.kind == Kind::Chat, lps, 0),
         false => Value::Null,
     };
-    let choice = match job.kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out},
+    match job.kind {
+        Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text},
                               "logprobs": logprobs, "finish_reason": reason}),
         Kind::Completion => {
-            json!({"index": 0, "text": out, "logprobs": logprobs, "finish_reason": reason})
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         }
-    };
+    }
+}
+
+/// A whole answer's body.
+pub(crate) fn whole_body(st: &AppState, job: &Job, choices: Vec<Value>, usage: Usage) -> Response {
     let object = if job.kind == Kind::Chat {
         "chat.completion"
     } else {
         "text_completion"
     };
-    Ok(Json(json!({
+    Json(json!({
         "id": job.id, "object": object, "created": job.created, "model": st.model_name,
-        "choices": [choice], "usage": a.usage(),
+        "choices": choices, "usage": usage,
     }))
-    .into_response())
+    .into_response()
 }
 
-/// The answer as SSE events (streaming requests).
-struct Streaming {
+/// The last chunk of a stream that asked for usage.
+pub(crate) fn usage_event(st: &AppState, job: &Job, usage: Usage) -> SseEvent {
+    let object = if job.kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    SseEvent::default().data(
+        json!({"id": job.id, "object": object, "created": job.created,
+               "model": st.model_name, "choices": [], "usage": usage})
+        .to_string(),
+    )
+}
+
+/// The answer as SSE events (streaming requests): one choice's chunks, and (when it is the only
+/// one) the stream's end.
+pub(crate) struct Streaming {
     answer: Answer,
     job: Job,
+    /// The choice's index.
+    index: usize,
+    /// This choice ends the stream (usage chunk, `[DONE]`); with several choices the caller
+    /// does, once all ended.
+    owns_end: bool,
     /// A chat delta with the role was sent.
     started: bool,
     /// Characters of text sent (completions' `text_offset`).
@@ -292,6 +345,22 @@ struct Streaming {
 }
 
 impl Streaming {
+    pub(crate) fn new(answer: Answer, job: Job, index: usize, owns_end: bool) -> Streaming {
+        Streaming {
+            answer,
+            job,
+            index,
+            owns_end,
+            started: false,
+            sent_chars: 0,
+        }
+    }
+
+    /// Tokens this choice generated so far.
+    pub(crate) fn completion_tokens(&self) -> usize {
+        self.answer.completion_tokens()
+    }
+
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> SseEvent {
         self.chunk_with(text, finish, Value::Null)
     }
@@ -307,12 +376,12 @@ impl Streaming {
                 };
                 (
                     "chat.completion.chunk",
-                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
+                    json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
                 )
             }
             Kind::Completion => (
                 "text_completion",
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
+                json!({"index": self.index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
             ),
         };
         let mut v = json!({"id": self.job.id, "object": object, "created": self.job.created,
@@ -321,20 +390,6 @@ impl Streaming {
             v["usage"] = Value::Null;
         }
         SseEvent::default().data(v.to_string())
-    }
-
-    fn usage_chunk(&self) -> SseEvent {
-        let st = &self.answer.st;
-        let object = if self.job.kind == Kind::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        SseEvent::default().data(
-            json!({"id": self.job.id, "object": object, "created": self.job.created,
-                   "model": st.model_name, "choices": [], "usage": self.answer.usage()})
-            .to_string(),
-        )
     }
 
     /// The SSE events of one step.
@@ -365,21 +420,26 @@ impl Streaming {
             }
             Step::End(End::Finished(reason, by_string)) => {
                 out.push(self.chunk(None, Some(finish_name(&reason, by_string))));
-                if self.job.include_usage {
-                    out.push(self.usage_chunk());
+                if self.owns_end && self.job.include_usage {
+                    let st = &self.answer.st;
+                    out.push(usage_event(st, &self.job, self.answer.usage()));
                 }
-                out.push(SseEvent::default().data("[DONE]"));
+                if self.owns_end {
+                    out.push(SseEvent::default().data("[DONE]"));
+                }
             }
             Step::End(End::EngineGone) => {
                 let e = engine_error("the engine stopped");
                 out.push(SseEvent::default().data(e.body().to_string()));
-                out.push(SseEvent::default().data("[DONE]"));
+                if self.owns_end {
+                    out.push(SseEvent::default().data("[DONE]"));
+                }
             }
         }
     }
 
     /// The SSE events for the next engine event (None: the stream is over).
-    async fn next(&mut self) -> Option<Vec<SseEvent>> {
+    pub(crate) async fn next(&mut self) -> Option<Vec<SseEvent>> {
         let steps = self.answer.next().await?;
         let mut out = Vec::new();
         for step in steps {
@@ -395,12 +455,7 @@ pub(crate) fn stream_response(
     job: Job,
     first: Event,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let s = Streaming {
-        answer: Answer::new(st, rs, &job, first),
-        job,
-        started: false,
-        sent_chars: 0,
-    };
+    let s = Streaming::new(Answer::new(st, rs, &job, first), job, 0, true);
     let events = stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
         .flat_map(|v| stream::iter(v.into_iter().map(Ok)));
     Sse::new(events).keep_alive(KeepAlive::default())

@@ -22,9 +22,10 @@ pub fn sampling(
     prompt_len: usize,
 ) -> Result<(SamplingParams, Vec<String>), ApiError> {
     if let Some(n) = s.n {
-        if n != 1 {
+        let max = crate::choices::MAX_CHOICES;
+        if n == 0 || n > max {
             return Err(ApiError::bad_request(
-                format!("n = {n}: only n = 1 is supported"),
+                format!("n = {n}: from 1 to {max} choices"),
                 Some("n"),
             ));
         }

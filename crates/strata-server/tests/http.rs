@@ -407,7 +407,7 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
             Some("messages"),
         ),
         (
-            raw(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#)
+            raw(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 17}"#)
                 .await
                 .unwrap(),
             400,

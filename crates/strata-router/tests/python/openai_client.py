@@ -5,7 +5,7 @@ import sys
 
 import openai
 
-base, model = sys.argv[1], sys.argv[2]
+base, model, mode = sys.argv[1], sys.argv[2], sys.argv[3]  # mode: single or pd
 client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 msgs = [{"role": "user", "content": "count with me: one two three"}]
 greedy = dict(model=model, messages=msgs, max_tokens=6, temperature=0)
@@ -62,7 +62,12 @@ check("penalties and bias", s.choices[0].finish_reason in ("stop", "length"))
 n = client.chat.completions.create(**greedy, user="u1", store=False, metadata={"k": "v"})
 check("no-ops", n.choices[0].message.content is not None)
 refused("unknown field", "max_tokns", extra_body={"max_tokns": 3})
-refused("n > 1", "n", n=2)
+if mode == "pd":
+    refused("n > 1 under PD", "n", n=2)
+else:
+    two = client.chat.completions.create(**greedy, n=2, extra_body={"ignore_eos": True})
+    check("n = 2", [c.index for c in two.choices] == [0, 1]
+          and two.choices[0].message.content == two.choices[1].message.content, two)
 refused("json_object", "response_format", response_format={"type": "json_object"})
 refused("tools", "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 refused("echo", "echo", extra_body={"echo": True})

@@ -1,0 +1,148 @@
+//! `n` > 1: several choices for one prompt at the cost of one prefill. The prompt is computed
+//! once (a one-token request whose whole pages then join the tree); each choice is a request
+//! that finds the prompt cached and computes only its last page, then samples on its own
+//! (seed + index when a seed is given: every choice reproducible).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive};
+use axum::response::{IntoResponse, Response, Sse};
+use futures_util::stream::{self, StreamExt};
+use strata_engine::request::CachedTokens;
+use strata_engine::{Event, FinishReason, SamplingParams};
+
+use crate::api::Usage;
+use crate::error::ApiError;
+use crate::respond::{
+    choice_json, collect, first_event, usage_event, whole_body, Answer, Job, Streaming,
+};
+use crate::state::AppState;
+
+/// Most choices one request may ask for.
+pub const MAX_CHOICES: usize = 16;
+
+/// Computes the prompt once so that its pages are cached; how the cache served it.
+async fn prefill_once(
+    st: &AppState,
+    ids: &[u32],
+    params: &SamplingParams,
+) -> Result<CachedTokens, ApiError> {
+    let p = SamplingParams {
+        max_tokens: 1,
+        logprobs: None,
+        min_tokens: 0,
+        ..params.clone()
+    };
+    let mut rs = st
+        .engine
+        .submit(ids.to_vec(), p)
+        .map_err(|e| ApiError::from_submit(&e))?;
+    let mut cached = CachedTokens::default();
+    while let Some(ev) = rs.events.recv().await {
+        match ev {
+            Event::Admitted { cached: c } => cached = c,
+            Event::Done { reason, .. } => match reason {
+                FinishReason::Stop | FinishReason::Length => return Ok(cached),
+                FinishReason::QueueTimeout { waited } => {
+                    return Err(ApiError::queue_timeout(waited))
+                }
+                FinishReason::Error(m) => return Err(crate::error::engine_error(&m)),
+                FinishReason::Aborted => {
+                    return Err(ApiError::from_submit(
+                        &strata_engine::SubmitError::ShuttingDown,
+                    ))
+                }
+            },
+            _ => {}
+        }
+    }
+    Err(ApiError::from_submit(
+        &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
+    ))
+}
+
+/// Answers a request for `n` choices.
+pub(crate) async fn answer(
+    st: Arc<AppState>,
+    ids: Vec<u32>,
+    params: SamplingParams,
+    job: Job,
+    n: usize,
+) -> Result<Response, ApiError> {
+    let cached = prefill_once(&st, &ids, &params).await?;
+    let prompt = ids.len();
+    let mut answers = Vec::with_capacity(n);
+    for i in 0..n {
+        let p = SamplingParams {
+            seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+            ..params.clone()
+        };
+        let mut rs = st
+            .engine
+            .submit(ids.clone(), p)
+            .map_err(|e| ApiError::from_submit(&e))?;
+        let first = first_event(&mut rs).await?;
+        answers.push(Answer::new(st.clone(), rs, &job, first));
+    }
+    if job.stream {
+        return Ok(streamed(st, job, answers, prompt, cached).into_response());
+    }
+    let results = futures_util::future::join_all(answers.iter_mut().map(collect)).await;
+    let mut choices = Vec::with_capacity(n);
+    let mut completion = 0;
+    for (i, (r, a)) in results.into_iter().zip(&answers).enumerate() {
+        let (text, reason, lps) = r?;
+        completion += a.completion_tokens();
+        choices.push(choice_json(&st, &job, i, &text, reason, &lps));
+    }
+    let usage = Usage::new(prompt, completion, cached.total());
+    Ok(whole_body(&st, &job, choices, usage))
+}
+
+/// The choices' chunks as they come, then one usage chunk (if asked) and `[DONE]`.
+fn streamed(
+    st: Arc<AppState>,
+    job: Job,
+    answers: Vec<Answer>,
+    prompt: usize,
+    cached: CachedTokens,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let completion = Arc::new(AtomicUsize::new(0));
+    let choices: Vec<_> = answers
+        .into_iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let s = Streaming::new(a, job.clone(), i, false);
+            let total = completion.clone();
+            stream::unfold(Some(s), move |s| {
+                let total = total.clone();
+                async move {
+                    let mut s = s?;
+                    match s.next().await {
+                        Some(ev) => Some((ev, Some(s))),
+                        None => {
+                            total.fetch_add(s.completion_tokens(), Ordering::Relaxed);
+                            None
+                        }
+                    }
+                }
+            })
+            .boxed()
+        })
+        .collect();
+    let end = stream::once(async move {
+        let mut out = Vec::new();
+        if job.include_usage {
+            let usage = Usage::new(prompt, completion.load(Ordering::Relaxed), cached.total());
+            out.push(usage_event(&st, &job, usage));
+        }
+        out.push(SseEvent::default().data("[DONE]"));
+        out
+    });
+    let events = stream::select_all(choices)
+        .chain(end)
+        .flat_map(|v| stream::iter(v.into_iter().map(Ok)));
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
