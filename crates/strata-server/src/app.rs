@@ -198,13 +198,7 @@ async fn start(
         logprobs: params.logprobs.is_some(),
     };
     if n > 1 {
-        if prefill.is_some() {
-            return Err(ApiError::bad_request(
-                "n > 1 is not supported through prefill/decode disaggregation yet",
-                Some("n"),
-            ));
-        }
-        return crate::choices::answer(st, ids, params, job, n).await;
+        return crate::choices::answer(st, ids, params, job, n, prefill).await;
     }
     let mut rs = match prefill {
         Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,

@@ -1,7 +1,8 @@
 //! `n` > 1: several choices for one prompt at the cost of one prefill. The prompt is computed
-//! once (a one-token request whose whole pages then join the tree); each choice is a request
-//! that finds the prompt cached and computes only its last page, then samples on its own
-//! (seed + index when a seed is given: every choice reproducible).
+//! once (a one-token request whose whole pages then join the tree: here, or on the prefill
+//! worker with its K/V imported here under PD); each choice is a request that finds the prompt
+//! cached and computes only its last page, then samples on its own (seed + index when a seed
+//! is given: every choice reproducible).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,11 +24,13 @@ use crate::state::AppState;
 /// Most choices one request may ask for.
 pub const MAX_CHOICES: usize = 16;
 
-/// Computes the prompt once so that its pages are cached; how the cache served it.
+/// Computes the prompt once (here, or on `prefill` with its K/V imported) so that its pages
+/// are cached here; how the cache served it.
 async fn prefill_once(
-    st: &AppState,
+    st: &Arc<AppState>,
     ids: &[u32],
     params: &SamplingParams,
+    prefill: Option<&str>,
 ) -> Result<CachedTokens, ApiError> {
     let p = SamplingParams {
         max_tokens: 1,
@@ -35,10 +38,13 @@ async fn prefill_once(
         min_tokens: 0,
         ..params.clone()
     };
-    let mut rs = st
-        .engine
-        .submit(ids.to_vec(), p)
-        .map_err(|e| ApiError::from_submit(&e))?;
+    let mut rs = match prefill {
+        Some(url) => crate::pd::decode_after_remote_prefill(st, url, ids.to_vec(), p).await?,
+        None => st
+            .engine
+            .submit(ids.to_vec(), p)
+            .map_err(|e| ApiError::from_submit(&e))?,
+    };
     let mut cached = CachedTokens::default();
     while let Some(ev) = rs.events.recv().await {
         match ev {
@@ -70,8 +76,9 @@ pub(crate) async fn answer(
     params: SamplingParams,
     job: Job,
     n: usize,
+    prefill: Option<String>,
 ) -> Result<Response, ApiError> {
-    let cached = prefill_once(&st, &ids, &params).await?;
+    let cached = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
     let prompt = ids.len();
     let mut answers = Vec::with_capacity(n);
     for i in 0..n {

@@ -124,7 +124,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "presence_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this once it appeared." },
     Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },
     Field { name: "logit_bias", on: On::Both, fate: Fate::Supported, doc: "Token id (a string) → [-100, 100] added to its logit; up to 1024 entries." },
-    Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given). Not yet through prefill/decode disaggregation (400)." },
+    Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given). Under PD the prefill worker computes the prompt once and the decode worker continues the choices from its K/V." },
     Field { name: "best_of", on: On::Completions, fate: Fate::Neutral(is_one, "only best_of = 1 is supported yet"), doc: "Candidates per choice." },
     // Output options.
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
