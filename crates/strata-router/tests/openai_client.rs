@@ -3,19 +3,12 @@
 //! decode worker: chat, streaming with usage, logprobs, sampling fields, documented no-ops,
 //! refusals naming their field, unknown fields refused, models, request ids.
 
+mod common;
+use common::start_router;
+
 use std::process::Command;
-use std::sync::Arc;
 
-use strata_router::{router, Policy, RouterState};
 use strata_test_support::{spawn_worker, tiny_model, WorkerSpec};
-
-async fn start_router(prefill: &[String], decode: &[String]) -> String {
-    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(l, router(st)).await });
-    url
-}
 
 /// Runs the client script against `base`; fails with its output.
 async fn client_checks(base: String, mode: &'static str) {

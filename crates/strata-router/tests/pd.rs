@@ -1,6 +1,9 @@
 //! Prefill/decode disaggregation over real sockets with the tiny model: router → decode worker
 //! → prefill worker → K/V over the transfer channel → decode, against one worker doing both.
 
+mod common;
+use common::start_router;
+
 use std::net::TcpListener as StdListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,7 +13,9 @@ use strata_engine::EngineConfig;
 use strata_model::tiny::TINY_TEMPLATE;
 use strata_model::{ChatTemplate, Gguf, ModelTokenizer};
 use strata_router::{router, Policy, RouterState};
-use strata_test_support::{metrics_of, post, sample, spawn_worker, TestWorker, WorkerSpec};
+use strata_test_support::{
+    metrics_of, post, post_text, sample, spawn_worker, TestWorker, WorkerSpec,
+};
 
 async fn worker(
     path: &std::path::Path,
@@ -43,14 +48,6 @@ async fn worker_with(
         ..WorkerSpec::default()
     };
     spawn_worker(path, spec).await
-}
-
-async fn start_router(prefill: &[String], decode: &[String]) -> String {
-    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(l, router(st)).await });
-    url
 }
 
 fn chat(content: &str, max: usize) -> Value {
@@ -124,15 +121,7 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     // Streaming through the router.
     let mut sb = chat(q, 5);
     sb["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{r}/v1/chat/completions"))
-        .json(&sb)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = post_text(&format!("{r}/v1/chat/completions"), &sb).await;
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
 
     // A decode side that dies mid-transfer: the prefill worker answers a clean error, holds

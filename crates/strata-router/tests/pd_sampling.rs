@@ -2,19 +2,11 @@
 //! request's own parameters: the logit modifiers and log probabilities give the same answer as
 //! one worker doing both.
 
-use std::sync::Arc;
+mod common;
+use common::start_router;
 
 use serde_json::{json, Value};
-use strata_router::{router, Policy, RouterState};
 use strata_test_support::{post, spawn_worker, tiny_model, TestWorker, WorkerSpec};
-
-async fn start_router(prefill: &[String], decode: &[String]) -> String {
-    let st = Arc::new(RouterState::new(prefill, decode, Policy::RoundRobin));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(l, router(st)).await });
-    url
-}
 
 async fn both(path: &std::path::Path) -> TestWorker {
     spawn_worker(path, WorkerSpec::default()).await

@@ -3,7 +3,9 @@
 //! and ends once.
 
 use serde_json::{json, Value};
-use strata_test_support::{metrics_of, post, sample, spawn_worker, tiny_model, WorkerSpec};
+use strata_test_support::{
+    metrics_of, post, post_text, sample, spawn_worker, tiny_model, WorkerSpec,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_share_one_prefill() {
@@ -52,15 +54,7 @@ async fn n_choices_share_one_prefill() {
     // Streamed: chunks of both choices, one usage chunk, one [DONE].
     let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
                       "n": 2, "stream": true, "stream_options": {"include_usage": true}});
-    let text = reqwest::Client::new()
-        .post(&url)
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = post_text(&url, &body).await;
     let data: Vec<&str> = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))

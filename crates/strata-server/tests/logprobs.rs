@@ -2,7 +2,7 @@
 //! streamed, consistent with the greedy choice; bad combinations refused naming the field.
 
 use serde_json::{json, Value};
-use strata_test_support::{post, spawn_worker, tiny_model, WorkerSpec};
+use strata_test_support::{post, post_text, spawn_worker, tiny_model, WorkerSpec};
 
 fn sse(body: &str) -> Vec<Value> {
     body.lines()
@@ -48,15 +48,7 @@ async fn logprobs_follow_the_greedy_choice_whole_and_streamed() {
     // Streamed: the same entries, spread over the chunks.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(&chat_url)
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = post_text(&chat_url, &streamed).await;
     let entries: Vec<Value> = sse(&text)
         .iter()
         .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())

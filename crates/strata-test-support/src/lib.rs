@@ -171,6 +171,19 @@ pub async fn post(url: &str, body: &Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap())
 }
 
+/// POSTs JSON; the answer's text (e.g. a server-sent event stream).
+pub async fn post_text(url: &str, body: &Value) -> String {
+    reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// The text of `url/metrics`.
 pub async fn metrics_of(url: &str) -> String {
     reqwest::get(format!("{url}/metrics"))
