@@ -1,6 +1,7 @@
 //! `strata-engine`: one scheduler thread owns the model and the tiered cache.
 //!
-//! * [`sampler`]: greedy, temperature, top-k, top-p sampling with a seeded generator.
+//! * [`sampler`]: the logit modifiers (penalties, bias, min_tokens), greedy / temperature /
+//!   top-k / min-p / top-p sampling with a seeded generator, log probabilities.
 //! * [`request`]: what a caller submits and the events it receives.
 //! * [`scheduler`]: admission (prefix match, lock, load-back, L3 prefetch), batches under a
 //!   token budget (chunked prefill + one decode token per running request), sampling,
