@@ -79,6 +79,8 @@ pub struct Sampling {
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Prompt,
+    /// The prompt's text before the completion.
+    pub echo: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

@@ -126,6 +126,18 @@ async fn completions(
     crate::fields::check(&bytes, Endpoint::Completions, st.lenient_fields)?;
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, req.model.as_deref())?;
+    let echo = req.echo == Some(true);
+    if echo && req.sampling.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "echo with logprobs needs the prompt's log probabilities: not supported yet",
+            Some("echo"),
+        ));
+    }
+    let echoed = match (&req.prompt, echo) {
+        (Prompt::Text(t), true) => Some(t.clone()),
+        (Prompt::Texts(v), true) => Some(v.concat()),
+        _ => None,
+    };
     // Token ids as given need no tokenizing; a text goes off the async workers.
     let ids = match req.prompt {
         Prompt::Tokens(t) => t,
@@ -136,7 +148,24 @@ async fn completions(
             .await?
         }
     };
-    start(st, ids, &req.sampling, Kind::Completion, &headers, &bytes).await
+    let echoed = match (echoed, echo) {
+        (Some(t), _) => Some(t),
+        (None, true) => {
+            let ids = ids.clone();
+            Some(
+                off_async(&st, move |st| {
+                    crate::prompt::decode_ids(&st.tokenizer, &ids)
+                })
+                .await?,
+            )
+        }
+        (None, false) => None,
+    };
+    let how = How {
+        kind: Kind::Completion,
+        echo: echoed,
+    };
+    start(st, ids, &req.sampling, how, &headers, &bytes).await
 }
 
 async fn chat(
@@ -164,18 +193,29 @@ async fn chat(
         crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &messages)
     })
     .await?;
-    start(st, ids, &sampling, Kind::Chat, &headers, &bytes).await
+    let how = How {
+        kind: Kind::Chat,
+        echo: None,
+    };
+    start(st, ids, &sampling, how, &headers, &bytes).await
+}
+
+/// Which endpoint a request came by, and what it echoes.
+struct How {
+    kind: Kind,
+    echo: Option<String>,
 }
 
 async fn start(
     st: Arc<AppState>,
     ids: Vec<u32>,
     s: &Sampling,
-    kind: Kind,
+    how: How,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
+    let kind = how.kind;
     let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
     let n = s.n.unwrap_or(1);
     let prefill = prefill_worker(&st, headers, kind, body)?;
@@ -196,6 +236,7 @@ async fn start(
         stops,
         min_tokens: params.min_tokens,
         logprobs: params.logprobs.is_some(),
+        echo: how.echo,
     };
     if n > 1 {
         return crate::choices::answer(st, ids, params, job, n, prefill).await;

@@ -130,7 +130,8 @@ pub const FIELDS: &[Field] = &[
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
     Field { name: "top_logprobs", on: On::Chat, fate: Fate::Supported, doc: "0 to 20 likeliest alternatives per token (needs `logprobs: true`)." },
     Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "vLLM: log probabilities of the prompt's tokens." },
-    Field { name: "echo", on: On::Both, fate: Fate::Neutral(is_false, "echo is not supported yet"), doc: "The prompt repeated before the completion." },
+    Field { name: "echo", on: On::Completions, fate: Fate::Supported, doc: "The prompt's text before the completion (streamed first); not with logprobs yet (400)." },
+    Field { name: "echo", on: On::Chat, fate: Fate::Neutral(is_false, "echo is not supported on chat"), doc: "vLLM: the last message repeated before the answer." },
     Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
     Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },
     Field { name: "skip_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: special tokens left out of the text (they are)." },
@@ -384,9 +385,10 @@ mod tests {
             comp(r#"{"prompt": "a", "suffix": "", "echo": false, "best_of": 1}"#),
             None
         );
+        assert_eq!(comp(r#"{"prompt": "a", "echo": true}"#), None);
         assert_eq!(
-            comp(r#"{"prompt": "a", "echo": true}"#).as_deref(),
-            Some("echo")
+            comp(r#"{"prompt": "a", "best_of": 2}"#).as_deref(),
+            Some("best_of")
         );
         assert_eq!(
             comp(r#"{"prompt": "a", "messages": []}"#).as_deref(),
@@ -400,7 +402,7 @@ mod tests {
         )
         .is_ok());
         assert!(check(
-            br#"{"prompt": "a", "echo": true}"#,
+            br#"{"prompt": "a", "best_of": 2}"#,
             Endpoint::Completions,
             true
         )
@@ -417,10 +419,14 @@ mod tests {
             docs.contains(&table),
             "docs/API.md is out of date: put this between its markers:\n{table}"
         );
-        let mut names: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
-        names.sort_unstable();
-        let n = names.len();
-        names.dedup();
-        assert_eq!(n, names.len(), "a field listed twice");
+        for (i, f) in FIELDS.iter().enumerate() {
+            for g in &FIELDS[i + 1..] {
+                let overlap = f.name == g.name
+                    && [Endpoint::Chat, Endpoint::Completions]
+                        .iter()
+                        .any(|&e| f.on.covers(e) && g.on.covers(e));
+                assert!(!overlap, "`{}` listed twice for one endpoint", f.name);
+            }
+        }
     }
 }

@@ -93,3 +93,9 @@ pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
     tk.encode(text)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
 }
+
+/// Token ids → text (completions' `echo` of a prompt given as ids).
+pub fn decode_ids(tk: &ModelTokenizer, ids: &[u32]) -> Result<String, ApiError> {
+    tk.decode(ids)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+}

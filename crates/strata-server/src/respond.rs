@@ -44,6 +44,8 @@ pub(crate) struct Job {
     pub(crate) min_tokens: usize,
     /// The client asked for log probabilities.
     pub(crate) logprobs: bool,
+    /// Completions' `echo`: the prompt's text, before the completion's.
+    pub(crate) echo: Option<String>,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -291,6 +293,14 @@ pub(crate) fn choice_json(
         true => crate::logprobs::render(&st.tokenizer, job.kind == Kind::Chat, lps, 0),
         false => Value::Null,
     };
+    let echoed;
+    let text = match &job.echo {
+        Some(e) => {
+            echoed = format!("{e}{text}");
+            &echoed
+        }
+        None => text,
+    };
     match job.kind {
         Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text},
                               "logprobs": logprobs, "finish_reason": reason}),
@@ -399,7 +409,12 @@ impl Streaming {
                 out.push(self.chunk(Some(""), None));
                 self.started = true;
             }
-            Step::Admitted => {}
+            Step::Admitted => {
+                if let Some(e) = self.job.echo.clone() {
+                    out.push(self.chunk(Some(&e), None));
+                    self.sent_chars += e.chars().count();
+                }
+            }
             Step::Text(d, lps) => {
                 let st = &self.answer.st;
                 let lp = match self.job.logprobs {

@@ -94,5 +94,35 @@ async fn models_tokenize_detokenize_version_and_ids() {
         .as_secs();
     let created = b["created"].as_u64().unwrap();
     assert!(now - created <= 5, "created {created}, now {now}");
+
+    // echo: the prompt's text first, whole and streamed (as text or as ids); not with logprobs.
+    let url = format!("{u}/v1/completions");
+    let echo = json!({"prompt": "hello world", "max_tokens": 3, "temperature": 0,
+                      "ignore_eos": true, "echo": true});
+    let (st, e) = post(&url, &echo).await;
+    assert_eq!(st, 200, "{e}");
+    let mut plain = echo.clone();
+    plain["echo"] = json!(false);
+    let (_, p) = post(&url, &plain).await;
+    let completion = p["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(e["choices"][0]["text"], format!("hello world{completion}"));
+    let mut streamed = echo.clone();
+    streamed["stream"] = json!(true);
+    let text = strata_test_support::post_text(&url, &streamed).await;
+    let first: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .next()
+        .unwrap();
+    assert_eq!(first["choices"][0]["text"], "hello world", "{text}");
+    let ids = json!({"prompt": t["tokens"], "max_tokens": 3, "temperature": 0,
+                     "ignore_eos": true, "echo": true});
+    let (_, i) = post(&url, &ids).await;
+    assert_eq!(i["choices"][0]["text"], e["choices"][0]["text"]);
+    let mut with_lp = echo.clone();
+    with_lp["logprobs"] = json!(1);
+    let (st, bad) = post(&url, &with_lp).await;
+    assert_eq!((st, &bad["error"]["param"]), (400, &json!("echo")), "{bad}");
     w.stop().await;
 }
