@@ -40,7 +40,7 @@ fn literals_after(src: &str, needle: &str) -> Vec<String> {
     out
 }
 
-/// Programs started from Rust: `Command::new("x")`, plus the arrays of candidate names that a
+/// Programs started from Rust (`Command::new` with a literal name), plus the arrays of candidate names that a
 /// test probes with `command -v` (`["chromium", "chromium-browser", ...]`: the first must be
 /// installable).
 fn started_programs() -> BTreeSet<String> {
