@@ -77,7 +77,12 @@ fn install_panic_hook() {
     ONCE.call_once(|| {
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            // A constraint's panic fails its request (it is caught), not the engine.
+            let guest = crate::constraint::in_guest();
             let _ = SCHEDULER.try_with(|s| {
+                if guest {
+                    return;
+                }
                 if let Ok(s) = s.try_borrow() {
                     if let Some(shared) = s.as_ref() {
                         let msg = panic_message(info.payload());
@@ -93,7 +98,7 @@ fn install_panic_hook() {
     });
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
@@ -266,6 +271,14 @@ impl EngineHandle {
         import: Option<ImportedKv>,
     ) -> Result<RequestStream, SubmitError> {
         let needed = self.check(&prompt, &params)?;
+        // A fresh constraint per request, started here (off the scheduler thread).
+        let constraint = match &params.constraint {
+            Some(c) => Some(
+                crate::constraint::guarded(|| Ok(c.0.start()))
+                    .map_err(SubmitError::BadConstraint)?,
+            ),
+            None => None,
+        };
         self.reserve(needed)?;
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
         let (etx, erx) = unbounded_channel();
@@ -278,6 +291,7 @@ impl EngineHandle {
             tx: etx,
             export,
             import,
+            constraint,
         };
         if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {
             self.shared

@@ -2,6 +2,8 @@
 //!
 //! * [`sampler`]: the logit modifiers (penalties, bias, min_tokens), greedy / temperature /
 //!   top-k / min-p / top-p sampling with a seeded generator, log probabilities.
+//! * [`constraint`]: constrained decoding as the engine sees it — a mask of allowed tokens
+//!   before each choice (computed while the model runs), the chosen token committed.
 //! * [`request`]: what a caller submits and the events it receives.
 //! * [`scheduler`]: admission (prefix match, lock, load-back, L3 prefetch), batches under a
 //!   token budget (chunked prefill + one decode token per running request), sampling,
@@ -12,6 +14,7 @@
 //!   counters, the [`EventLog`], the latest [`Snapshot`]), both re-exported from [`handle`].
 
 mod config;
+pub mod constraint;
 pub mod handle;
 pub mod request;
 pub mod sampler;
@@ -19,6 +22,7 @@ pub mod scheduler;
 mod state;
 pub mod transfer;
 
+pub use constraint::{Constraint, ConstraintSource, TokenConstraint, TokenMask};
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
 pub use request::{
     CachedTokens, EngineHealth, Event, ExportedKv, FinishReason, FlushScope, ImportedKv,

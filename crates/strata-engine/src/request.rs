@@ -39,6 +39,9 @@ pub struct SamplingParams {
     /// Report each chosen token's log probability and this many likeliest alternatives
     /// (None: no log probabilities).
     pub logprobs: Option<usize>,
+    /// The output must follow this constraint (a grammar): only the tokens it allows are
+    /// chosen, and the request ends when it is complete.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 impl SamplingParams {
@@ -50,6 +53,7 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
+            || self.constraint.is_some()
     }
 }
 
@@ -70,6 +74,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             min_tokens: 0,
             logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -194,6 +199,8 @@ pub enum SubmitError {
         field: &'static str,
         message: String,
     },
+    #[error("{0}")]
+    BadConstraint(String),
     #[error("the engine is not running: {0}")]
     EngineDead(String),
     #[error("the waiting queue is full ({limit} requests); retry later")]

@@ -8,6 +8,7 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::constraint::TokenMask;
 use crate::request::{SamplingParams, TokenLogprobs};
 
 /// What the logit modifiers look at: the request's tokens so far and its stop tokens.
@@ -17,6 +18,10 @@ pub struct History<'a> {
     pub output: &'a [u32],
     /// End-of-sequence and `stop_token_ids` (masked until `min_tokens`).
     pub stops: &'a [u32],
+    /// A constraint's mask of the tokens allowed next (applied first), and the tokens that
+    /// end the output (allowed when the mask says it may end).
+    pub mask: Option<&'a TokenMask>,
+    pub ends: &'a [u32],
 }
 
 /// The sampler's generator: SplitMix64 (`strata_kv::rng`), seeded per request.
@@ -90,8 +95,11 @@ pub fn sample_with_logprobs(
     h: &History,
 ) -> (u32, Option<TokenLogprobs>) {
     let modified;
-    let l = if p.modifies_logits() {
+    let l = if p.modifies_logits() || h.mask.is_some() {
         let mut m = logits.to_vec();
+        if let Some(mask) = h.mask {
+            mask.apply(&mut m, h.ends);
+        }
         modify(&mut m, p, h);
         modified = m;
         &modified[..]
@@ -103,7 +111,7 @@ pub fn sample_with_logprobs(
 }
 
 /// Log-softmax of `logits / temperature` (temperature 1 when greedy): the chosen token's
-/// value and the `k` largest.
+/// value and the `k` largest (of the tokens that could be chosen).
 pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> TokenLogprobs {
     let t = if temperature > 0.0 {
         temperature as f64
@@ -125,6 +133,8 @@ pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> Toke
     }
     top.truncate(k);
     top.sort_unstable_by(by);
+    // Tokens a constraint ruled out are no alternatives.
+    top.retain(|&i| logits[i as usize] > f32::NEG_INFINITY);
     TokenLogprobs {
         token: chosen,
         logprob: lp(logits[chosen as usize]),
@@ -207,6 +217,8 @@ mod tests {
         prompt: &[],
         output: &[],
         stops: &[],
+        mask: None,
+        ends: &[],
     };
 
     fn params(t: f32, k: usize, p: f32) -> SamplingParams {
@@ -308,7 +320,7 @@ mod tests {
         let h = History {
             prompt: &[0],
             output: &[1, 1, 2],
-            stops: &[],
+            ..H
         };
         let mut l = [1.0f32, 1.0, 1.0, 1.0];
         modify(&mut l, &p, &h);
@@ -347,6 +359,7 @@ mod tests {
             prompt: &[1],
             output: &[1],
             stops: &[0],
+            ..H
         };
         assert_eq!(sample(&logits, &p, &mut r, &early), 1);
         let late = History {
@@ -360,6 +373,54 @@ mod tests {
             ..p
         };
         assert_eq!(frequency(&logits, &t1, &early, 0), 0.0);
+    }
+
+    #[test]
+    fn a_mask_restricts_the_choice_and_its_logprobs() {
+        // Token 0 is likeliest but ruled out; 1 and 2 allowed; 3 ends and may (can_end).
+        let logits = [5.0f32, 1.0, 2.0, 0.0];
+        let mask = TokenMask {
+            words: vec![0b0110],
+            can_end: true,
+        };
+        let h = History {
+            mask: Some(&mask),
+            ends: &[3],
+            ..H
+        };
+        let p = SamplingParams {
+            temperature: 1.0,
+            logprobs: Some(4),
+            ..SamplingParams::default()
+        };
+        let mut r = Rng::new(9);
+        for _ in 0..300 {
+            let (t, lp) = sample_with_logprobs(&logits, &p, &mut r, &h);
+            assert!(t != 0, "a ruled-out token was chosen");
+            let lp = lp.unwrap();
+            assert_eq!(lp.top.len(), 3, "ruled-out tokens are no alternatives");
+            // Renormalised over 1, 2, 3.
+            let z = 1f32.exp() + 2f32.exp() + 1.0;
+            let want = logits[t as usize] - z.ln();
+            assert!((lp.logprob - want).abs() < 1e-5);
+        }
+        // Greedy: the likeliest allowed; without can_end the stop token is out too.
+        let closed = TokenMask {
+            words: vec![0b11000],
+            can_end: false,
+        };
+        let h = History {
+            mask: Some(&closed),
+            ends: &[3],
+            ..H
+        };
+        let (t, _) = sample_with_logprobs(
+            &[0.0, 9.0, 0.0, 1.0, 2.0],
+            &SamplingParams::default(),
+            &mut r,
+            &h,
+        );
+        assert_eq!(t, 4, "a stop token is out while the output may not end");
     }
 
     #[test]

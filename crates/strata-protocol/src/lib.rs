@@ -169,6 +169,32 @@ pub struct FirstTokenSampling {
     /// Log probabilities of the first token and this many alternatives (None: not asked).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// The output's constraint: the first token is chosen under it too.
+    #[serde(default)]
+    pub constraint: Option<OutputConstraint>,
+}
+
+/// A constraint on a request's output (structured output, tool calls), as the HTTP layer
+/// parsed it from the request and as it travels to a prefill worker; `strata-grammar`
+/// compiles it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(
+    tag = "type",
+    content = "value",
+    rename_all = "snake_case",
+    deny_unknown_fields
+)]
+pub enum OutputConstraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against this JSON schema (the schema's JSON text).
+    JsonSchema(String),
+    /// Text matching this regular expression (whole).
+    Regex(String),
+    /// Text of this Lark grammar (llguidance's dialect).
+    Lark(String),
+    /// Exactly one of these texts.
+    Choice(Vec<String>),
 }
 
 impl Default for FirstTokenSampling {
@@ -187,6 +213,7 @@ impl Default for FirstTokenSampling {
             min_p: 0.0,
             min_tokens: 0,
             logprobs: None,
+            constraint: None,
         }
     }
 }

@@ -61,8 +61,15 @@ impl CacheIndex {
         let v: serde_json::Value = serde_json::from_slice(body).ok()?;
         if v.get("messages").is_some() {
             let req: strata_server::api::ChatRequest = serde_json::from_value(v).ok()?;
-            strata_server::prompt::chat_ids(&self.tokenizer, self.template.as_ref(), &req.messages)
-                .ok()
+            let tools = strata_server::tools::tools_of(&req).ok()?;
+            let shown = tools.as_ref().and_then(|t| t.shown());
+            strata_server::prompt::chat_ids(
+                &self.tokenizer,
+                self.template.as_ref(),
+                &req.messages,
+                shown,
+            )
+            .ok()
         } else {
             let req: strata_server::api::CompletionRequest = serde_json::from_value(v).ok()?;
             strata_server::prompt::completion_ids(&self.tokenizer, &req.prompt).ok()

@@ -73,6 +73,88 @@ pub struct Sampling {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// vLLM's constraint of the output (one of `json`, `regex`, `choice`, `grammar`,
+    /// `json_object`).
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// vLLM's older forms of the same.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+}
+
+/// vLLM's `structured_outputs`: exactly one constraint.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    /// A JSON schema (an object, or its JSON text).
+    pub json: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    /// A Lark grammar (llguidance's dialect).
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+}
+
+/// `response_format` (chat).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    pub description: Option<String>,
+    /// Absent: any JSON value.
+    pub schema: Option<serde_json::Value>,
+    /// The output always validates here, strict or not.
+    pub strict: Option<bool>,
+}
+
+/// A function the model may call (`tools[i]`).
+#[derive(Clone, Debug, Deserialize, PartialEq, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolDef {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON schema of the arguments (absent: any object).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+    /// Arguments always validate against `parameters` when a call is forced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// A tool call in an assistant message of the history.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallIn {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// The arguments as JSON text (OpenAI's shape).
+    pub arguments: String,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -104,12 +186,21 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's tool calls.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 pub struct ChatRequest {
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
+    pub response_format: Option<ResponseFormat>,
+    pub tools: Option<Vec<ToolDef>>,
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

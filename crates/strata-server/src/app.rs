@@ -161,9 +161,15 @@ async fn completions(
         }
         (None, false) => None,
     };
+    let constraint = match crate::structured::asked(&req.sampling, None, None)? {
+        Some(a) => Some(crate::structured::compile(&st, a).await?),
+        None => None,
+    };
     let how = How {
         kind: Kind::Completion,
         echo: echoed,
+        constraint,
+        tools: None,
     };
     start(st, ids, &req.sampling, how, &headers, &bytes).await
 }
@@ -186,24 +192,41 @@ async fn chat(
             Some("messages"),
         ));
     }
+    let tools = crate::tools::tools_of(&req)?;
+    let forced = tools
+        .as_ref()
+        .and_then(|t| t.constraint())
+        .map(|c| (c, "tool_choice"));
+    let asked = crate::structured::asked(&req.sampling, req.response_format.as_ref(), forced)?;
+    let shown = tools.as_ref().and_then(|t| t.shown()).map(<[_]>::to_vec);
     let ChatRequest {
         messages, sampling, ..
     } = req;
     let ids = off_async(&st, move |st| {
-        crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &messages)
+        let tpl = st.template.as_deref();
+        crate::prompt::chat_ids(&st.tokenizer, tpl, &messages, shown.as_deref())
     })
     .await?;
+    let constraint = match asked {
+        Some(a) => Some(crate::structured::compile(&st, a).await?),
+        None => None,
+    };
     let how = How {
         kind: Kind::Chat,
         echo: None,
+        constraint,
+        tools: tools.and_then(|t| t.callable()),
     };
     start(st, ids, &sampling, how, &headers, &bytes).await
 }
 
-/// Which endpoint a request came by, and what it echoes.
+/// Which endpoint a request came by, what it echoes, its output constraint and the tools
+/// whose calls are parsed out of its answer.
 struct How {
     kind: Kind,
     echo: Option<String>,
+    constraint: Option<strata_engine::Constraint>,
+    tools: Option<Vec<String>>,
 }
 
 async fn start(
@@ -216,7 +239,8 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let kind = how.kind;
-    let (params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
+    let (mut params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
+    params.constraint = how.constraint;
     let n = s.n.unwrap_or(1);
     let prefill = prefill_worker(&st, headers, kind, body)?;
     let prefix = if kind == Kind::Chat {
@@ -237,6 +261,7 @@ async fn start(
         min_tokens: params.min_tokens,
         logprobs: params.logprobs.is_some(),
         echo: how.echo,
+        tools: how.tools,
     };
     if n > 1 {
         return crate::choices::answer(st, ids, params, job, n, prefill).await;

@@ -36,6 +36,8 @@ async fn prefill_once(
         max_tokens: 1,
         logprobs: None,
         min_tokens: 0,
+        // Only the prompt's K/V matter here; the choices follow the constraint.
+        constraint: None,
         ..params.clone()
     };
     let mut rs = match prefill {

@@ -106,7 +106,7 @@ pub async fn tokenize(
         }
         (None, Some(m)) => {
             off_async(&st, move |st| {
-                crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &m)
+                crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &m, None)
             })
             .await?
         }

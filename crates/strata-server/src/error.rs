@@ -119,6 +119,9 @@ impl ApiError {
             SubmitError::EmptyPrompt | SubmitError::BadToken { .. } => {
                 ApiError::bad_request(e.to_string(), Some("prompt"))
             }
+            SubmitError::BadConstraint(_) => {
+                ApiError::bad_request(e.to_string(), Some("response_format"))
+            }
             SubmitError::BadKv(_) => {
                 ApiError::new(StatusCode::BAD_GATEWAY, "server_error", e.to_string())
             }

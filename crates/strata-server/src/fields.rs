@@ -80,11 +80,6 @@ fn is_empty(v: &Value) -> bool {
 fn no_tool_choice(v: &Value) -> bool {
     null_or(v, |v| v == "none" || v == "auto")
 }
-fn text_format(v: &Value) -> bool {
-    null_or(v, |v| {
-        v.get("type").is_some_and(|t| t == "text") && v.as_object().is_some_and(|o| o.len() == 1)
-    })
-}
 fn text_modality(v: &Value) -> bool {
     null_or(v, |v| {
         v.as_array().is_some_and(|a| a.iter().all(|m| m == "text"))
@@ -95,8 +90,7 @@ fn default_tier(v: &Value) -> bool {
 }
 
 const NOT_YET: &str = "not supported yet";
-const NO_STRUCTURED: &str = "structured output is not supported yet";
-const NO_TOOLS: &str = "tool calling is not supported yet";
+const DEPRECATED_FUNCTIONS: &str = "use tools and tool_choice";
 
 /// Every field of `/v1/chat/completions` and `/v1/completions` the official clients send, and
 /// the vLLM/SGLang extensions that users migrating bring.
@@ -136,14 +130,14 @@ pub const FIELDS: &[Field] = &[
     Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },
     Field { name: "skip_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: special tokens left out of the text (they are)." },
     Field { name: "spaces_between_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: detokenizer spacing." },
-    Field { name: "response_format", on: On::Chat, fate: Fate::Neutral(text_format, NO_STRUCTURED), doc: "`{\"type\": \"text\"}` only." },
+    Field { name: "response_format", on: On::Chat, fate: Fate::Supported, doc: "`text`, `json_object` (any JSON object), or `json_schema` (`{\"name\", \"schema\", \"strict\"}`: the output validates against the schema, strict or not). Generated under a grammar (llguidance), compact: no whitespace between JSON tokens unless the schema's `x-guidance` asks. An invalid schema is a 400." },
     Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
     // Tools.
-    Field { name: "tools", on: On::Chat, fate: Fate::Neutral(is_empty, NO_TOOLS), doc: "Functions the model may call." },
-    Field { name: "tool_choice", on: On::Chat, fate: Fate::Neutral(no_tool_choice, NO_TOOLS), doc: "`none` or `auto` (no tools: no calls)." },
-    Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::NoOp("no effect without tools (tools are refused)"), doc: "Several tool calls in one answer." },
-    Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, NO_TOOLS), doc: "The deprecated form of tools." },
-    Field { name: "function_call", on: On::Chat, fate: Fate::Neutral(no_tool_choice, NO_TOOLS), doc: "The deprecated form of tool_choice." },
+    Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`." },
+    Field { name: "tool_choice", on: On::Chat, fate: Fate::Supported, doc: "`none` (tools not shown), `auto` (default: calls the model writes are parsed), `required` (at least one call) or `{\"type\": \"function\", \"function\": {\"name\"}}` (one call of it); the last two are generated under a grammar: the arguments validate against the tool's parameters." },
+    Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::Supported, doc: "Default true; false: `required` makes exactly one call." },
+    Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tools." },
+    Field { name: "function_call", on: On::Chat, fate: Fate::Neutral(no_tool_choice, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tool_choice." },
     // Chat template.
     Field { name: "add_generation_prompt", on: On::Chat, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: the assistant turn is opened (it is)." },
     Field { name: "continue_final_message", on: On::Chat, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: continue the last assistant message." },
@@ -161,11 +155,11 @@ pub const FIELDS: &[Field] = &[
     Field { name: "reasoning_effort", on: On::Chat, fate: Fate::Refused("the model has no reasoning mode"), doc: "Reasoning models' effort." },
     Field { name: "verbosity", on: On::Chat, fate: Fate::Refused(NOT_YET), doc: "Answer length hint." },
     Field { name: "web_search_options", on: On::Chat, fate: Fate::Refused("no web search"), doc: "Web search." },
-    Field { name: "guided_json", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a JSON schema for the output." },
-    Field { name: "guided_regex", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a regex for the output." },
-    Field { name: "guided_choice", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: the output is one of these." },
-    Field { name: "guided_grammar", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: a grammar for the output." },
-    Field { name: "structured_outputs", on: On::Both, fate: Fate::Refused(NO_STRUCTURED), doc: "vLLM: the constraint of the output." },
+    Field { name: "guided_json", on: On::Both, fate: Fate::Supported, doc: "vLLM: a JSON schema (object or JSON text) the output validates against." },
+    Field { name: "guided_regex", on: On::Both, fate: Fate::Supported, doc: "vLLM: the whole output matches this regular expression." },
+    Field { name: "guided_choice", on: On::Both, fate: Fate::Supported, doc: "vLLM: the output is exactly one of these texts." },
+    Field { name: "guided_grammar", on: On::Both, fate: Fate::Supported, doc: "vLLM: a grammar in llguidance's Lark dialect (not GBNF/EBNF)." },
+    Field { name: "structured_outputs", on: On::Both, fate: Fate::Supported, doc: "vLLM: exactly one of `json`, `regex`, `choice`, `grammar` (Lark), `json_object: true`. One output constraint per request: with `response_format`, a `guided_*` field or a forced tool call it is a 400." },
     Field { name: "use_beam_search", on: On::Both, fate: Fate::Refused("no beam search"), doc: "vLLM: beam search." },
     Field { name: "allowed_token_ids", on: On::Both, fate: Fate::Refused(NOT_YET), doc: "vLLM: the only tokens allowed." },
     Field { name: "bad_words", on: On::Both, fate: Fate::Refused(NOT_YET), doc: "vLLM: words never generated." },
@@ -205,19 +199,19 @@ pub const MESSAGE_FIELDS: &[Field] = &[
     Field {
         name: "tool_calls",
         on: On::Chat,
-        fate: Fate::Neutral(is_empty, NO_TOOLS),
-        doc: "An assistant's tool calls.",
+        fate: Fate::Supported,
+        doc: "An assistant's tool calls, shown to the model as it writes them (`<tool_call>` blocks).",
     },
     Field {
         name: "tool_call_id",
         on: On::Chat,
-        fate: Fate::Refused(NO_TOOLS),
-        doc: "The call a tool message answers.",
+        fate: Fate::Supported,
+        doc: "The call a tool message answers: an earlier assistant tool call's id (400 otherwise).",
     },
     Field {
         name: "function_call",
         on: On::Chat,
-        fate: Fate::Neutral(is_empty, NO_TOOLS),
+        fate: Fate::Neutral(is_empty, DEPRECATED_FUNCTIONS),
         doc: "The deprecated form of tool_calls.",
     },
     Field {
@@ -353,22 +347,18 @@ mod tests {
             chat(r#"{"messages": [], "echo": true}"#).as_deref(),
             Some("echo")
         );
+        assert_eq!(chat(r#"{"messages": [], "guided_json": {}}"#), None);
         assert_eq!(
-            chat(r#"{"messages": [], "guided_json": {}}"#).as_deref(),
-            Some("guided_json")
-        );
-        assert_eq!(
-            chat(r#"{"messages": [], "response_format": {"type": "text"}}"#),
+            chat(r#"{"messages": [], "response_format": {"type": "json_object"}}"#),
             None
         );
         assert_eq!(
-            chat(r#"{"messages": [], "response_format": {"type": "json_object"}}"#).as_deref(),
-            Some("response_format")
+            chat(r#"{"messages": [], "functions": [{"name": "f"}]}"#).as_deref(),
+            Some("functions")
         );
         assert_eq!(
-            chat(r#"{"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}"#)
-                .as_deref(),
-            Some("messages[0].tool_call_id")
+            chat(r#"{"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}"#),
+            None
         );
         assert_eq!(
             chat(r#"{"messages": [], "stream_options": {"include_usage": true, "x": 1}}"#)

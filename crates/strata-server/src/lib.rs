@@ -9,6 +9,9 @@
 //! * [`kv_inbox`]: the decode worker's KV listener, bounded against hostile peers.
 //! * [`pd`]: prefill/decode disaggregation: `/pd/prefill`, the decode side.
 //! * [`auth`]: cluster MACs of calls between Strata processes.
+//! * [`structured`]: the fields that constrain the output → one compiled grammar.
+//! * [`tools`]: tool calling — tools shown in the prompt, forced calls as a grammar, the
+//!   answer parsed into `tool_calls`.
 
 pub mod api;
 pub mod app;
@@ -28,7 +31,9 @@ pub mod prompt;
 mod respond;
 pub mod sampling;
 pub mod state;
+pub mod structured;
 pub mod text;
+pub mod tools;
 
 pub use app::{router, AppState};
 pub use error::ApiError;

@@ -82,7 +82,10 @@ async fn prefill_work(
     bytes: &[u8],
     arrived: std::time::Instant,
 ) -> Result<Json<PrefillResponse>, ApiError> {
-    let (req, id, addr, params) = prefill_request(st, bytes)?;
+    let (req, id, addr, mut params) = prefill_request(st, bytes)?;
+    if let Some(c) = req.sampling.constraint.clone() {
+        params.constraint = Some(crate::structured::compile(st, (c, "sampling.constraint")).await?);
+    }
     let prompt_tokens = req.tokens.len();
     let done = compute_prefill(st, &req.tokens, params, arrived).await?;
     let (first, cached) = (done.first, done.cached);
@@ -171,6 +174,7 @@ fn prefill_request(
         // The decode worker counts the rest; one token here: at most one.
         min_tokens: w.min_tokens.min(1),
         logprobs: w.logprobs,
+        constraint: None,
     };
     Ok((req, id, addr, params))
 }
@@ -366,6 +370,10 @@ pub async fn decode_after_remote_prefill(
             min_p: params.min_p,
             min_tokens: params.min_tokens,
             logprobs: params.logprobs,
+            constraint: params
+                .constraint
+                .as_ref()
+                .and_then(crate::structured::spec_of),
         },
     };
     let pr = call_prefill(st, prefill_url, &body).await?;

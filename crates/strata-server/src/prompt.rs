@@ -4,13 +4,18 @@
 
 use strata_model::{ChatTemplate, Message, ModelTokenizer};
 
-use crate::api::{ChatMessage, Content, Prompt};
+use crate::api::{ChatMessage, Content, Prompt, ToolDef};
 use crate::error::ApiError;
 
 /// The chat messages as the template sees them: roles checked (`developer` → `system`), text
-/// parts joined; any other part is refused.
-pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
-    let mut msgs = Vec::with_capacity(messages.len());
+/// parts joined (any other part is refused), tool calls and tool answers in the generic tool
+/// format (`crate::tools`), the tools shown in the system message.
+pub fn template_messages(
+    messages: &[ChatMessage],
+    tools: Option<&[ToolDef]>,
+) -> Result<Vec<Message>, ApiError> {
+    let mut msgs = Vec::with_capacity(messages.len() + 1);
+    let mut call_ids: Vec<&str> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         if !matches!(
             m.role.as_str(),
@@ -45,6 +50,7 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Message>, ApiEr
                 s
             }
         };
+        let text = tool_parts(i, m, text, &mut call_ids)?;
         let role = if m.role == "developer" {
             "system"
         } else {
@@ -52,7 +58,57 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Message>, ApiEr
         };
         msgs.push(Message::new(role, &text));
     }
+    if let Some(defs) = tools {
+        let shown = crate::tools::system_text(defs);
+        match msgs.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content = format!("{}\n\n{shown}", first.content);
+            }
+            _ => msgs.insert(0, Message::new("system", &shown)),
+        }
+    }
     Ok(msgs)
+}
+
+/// A message's tool calls (assistant) or answer (tool) added to its text; a tool answer must
+/// name an earlier call.
+fn tool_parts<'a>(
+    i: usize,
+    m: &'a ChatMessage,
+    mut text: String,
+    call_ids: &mut Vec<&'a str>,
+) -> Result<String, ApiError> {
+    let bad = |msg: String| Err(ApiError::bad_request(msg, Some("messages")));
+    if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+        if m.role != "assistant" {
+            return bad(format!(
+                "messages[{i}]: only assistant messages have tool_calls"
+            ));
+        }
+        for (j, c) in calls.iter().enumerate() {
+            if c.kind != "function" {
+                return bad(format!("messages[{i}].tool_calls[{j}].type: only function"));
+            }
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text += &crate::tools::call_text(&c.function.name, &c.function.arguments);
+            call_ids.push(&c.id);
+        }
+    }
+    match (&m.tool_call_id, m.role.as_str()) {
+        (Some(id), "tool") if call_ids.contains(&id.as_str()) => {
+            Ok(crate::tools::response_text(&text))
+        }
+        (Some(id), "tool") => bad(format!(
+            "messages[{i}].tool_call_id `{id}` answers no earlier tool call"
+        )),
+        (Some(_), _) => bad(format!(
+            "messages[{i}]: only tool messages have tool_call_id"
+        )),
+        (None, "tool") => Ok(crate::tools::response_text(&text)),
+        (None, _) => Ok(text),
+    }
 }
 
 /// A chat request's prompt ids: messages rendered with the model's template, tokenized.
@@ -60,6 +116,7 @@ pub fn chat_ids(
     tk: &ModelTokenizer,
     tpl: Option<&ChatTemplate>,
     messages: &[ChatMessage],
+    tools: Option<&[ToolDef]>,
 ) -> Result<Vec<u32>, ApiError> {
     let Some(tpl) = tpl else {
         return Err(ApiError::bad_request(
@@ -68,7 +125,7 @@ pub fn chat_ids(
         ));
     };
     let text = tpl
-        .render(&template_messages(messages)?, true)
+        .render(&template_messages(messages, tools)?, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
     encode(tk, &text)
 }

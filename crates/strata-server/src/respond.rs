@@ -46,6 +46,8 @@ pub(crate) struct Job {
     pub(crate) logprobs: bool,
     /// Completions' `echo`: the prompt's text, before the completion's.
     pub(crate) echo: Option<String>,
+    /// Chat with tools: the functions whose calls are parsed out of the answer.
+    pub(crate) tools: Option<Vec<String>>,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -302,11 +304,33 @@ pub(crate) fn choice_json(
         None => text,
     };
     match job.kind {
+        Kind::Chat if job.tools.is_some() => {
+            let names = job.tools.clone().unwrap_or_default();
+            let (content, calls) = crate::tools::parse_all(text, names);
+            let mut message = json!({"role": "assistant", "content": content});
+            let reason = if calls.is_empty() {
+                reason
+            } else {
+                let calls: Vec<Value> = calls.iter().map(|c| c.json()).collect();
+                message["tool_calls"] = Value::Array(calls);
+                tool_finish(reason)
+            };
+            json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        }
         Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text},
                               "logprobs": logprobs, "finish_reason": reason}),
         Kind::Completion => {
             json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         }
+    }
+}
+
+/// The finish reason of an answer that made tool calls: `tool_calls` where it ended normally.
+fn tool_finish(reason: &str) -> &str {
+    if reason == "stop" {
+        "tool_calls"
+    } else {
+        reason
     }
 }
 
@@ -352,10 +376,16 @@ pub(crate) struct Streaming {
     started: bool,
     /// Characters of text sent (completions' `text_offset`).
     sent_chars: usize,
+    /// Chat with tools: the answer's text → content and calls.
+    tools: Option<crate::tools::ToolStream>,
 }
 
 impl Streaming {
     pub(crate) fn new(answer: Answer, job: Job, index: usize, owns_end: bool) -> Streaming {
+        let tools = match job.kind {
+            Kind::Chat => job.tools.clone().map(crate::tools::ToolStream::new),
+            Kind::Completion => None,
+        };
         Streaming {
             answer,
             job,
@@ -363,6 +393,7 @@ impl Streaming {
             owns_end,
             started: false,
             sent_chars: 0,
+            tools,
         }
     }
 
@@ -415,6 +446,7 @@ impl Streaming {
                     self.sent_chars += e.chars().count();
                 }
             }
+            Step::Text(d, lps) if self.tools.is_some() => self.render_tools(Some(&d), lps, out),
             Step::Text(d, lps) => {
                 let st = &self.answer.st;
                 let lp = match self.job.logprobs {
@@ -434,7 +466,14 @@ impl Streaming {
                 out.push(SseEvent::default().data(engine_error(&m).body().to_string()));
             }
             Step::End(End::Finished(reason, by_string)) => {
-                out.push(self.chunk(None, Some(finish_name(&reason, by_string))));
+                let mut name = finish_name(&reason, by_string);
+                if self.tools.is_some() {
+                    self.render_tools(None, Vec::new(), out);
+                    if self.tools.as_ref().is_some_and(|t| t.calls > 0) {
+                        name = tool_finish(name);
+                    }
+                }
+                out.push(self.chunk(None, Some(name)));
                 if self.owns_end && self.job.include_usage {
                     let st = &self.answer.st;
                     out.push(usage_event(st, &self.job, self.answer.usage()));
@@ -451,6 +490,47 @@ impl Streaming {
                 }
             }
         }
+    }
+
+    /// Chat with tools: text (None: the end) → content chunks and one tool-call delta per
+    /// completed call; log probabilities go with the first chunk that carries text.
+    fn render_tools(&mut self, d: Option<&str>, lps: Vec<TokenLogprobs>, out: &mut Vec<SseEvent>) {
+        let ts = self.tools.as_mut().expect("a chat with tools");
+        let outs = match d {
+            Some(d) => ts.push(d),
+            None => ts.finish(),
+        };
+        let mut lps = Some(lps).filter(|l| !l.is_empty());
+        for o in outs {
+            let st = &self.answer.st;
+            let lp = match (self.job.logprobs, lps.take()) {
+                (true, Some(l)) => crate::logprobs::render(&st.tokenizer, true, &l, 0),
+                _ => Value::Null,
+            };
+            match o {
+                crate::tools::ToolOut::Content(c) => out.push(self.chunk_with(Some(&c), None, lp)),
+                crate::tools::ToolOut::Call(c) => {
+                    let mut delta = json!({"tool_calls": [c.json()]});
+                    if !self.started {
+                        delta["role"] = json!("assistant");
+                    }
+                    out.push(self.delta_chunk(delta, lp));
+                }
+            }
+            self.started = true;
+        }
+    }
+
+    /// A chat chunk with this delta.
+    fn delta_chunk(&self, delta: Value, logprobs: Value) -> SseEvent {
+        let st = &self.answer.st;
+        let choice = json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": null});
+        let mut v = json!({"id": self.job.id, "object": "chat.completion.chunk",
+                           "created": self.job.created, "model": st.model_name, "choices": [choice]});
+        if self.job.include_usage {
+            v["usage"] = Value::Null;
+        }
+        SseEvent::default().data(v.to_string())
     }
 
     /// The SSE events for the next engine event (None: the stream is over).

@@ -47,6 +47,9 @@ pub struct AppState {
     pub replay: crate::auth::ReplayGuard,
     /// Prefill/decode disaggregation: the KV listener, the prefill workers, PD metrics.
     pub pd: PdSide,
+    /// The grammar engine over this model's tokenizer, built on the first structured request
+    /// (its error, if the tokenizer cannot be described to it).
+    pub grammars: std::sync::OnceLock<Result<Arc<strata_grammar::Grammars>, String>>,
 }
 
 /// A worker's side of prefill/decode disaggregation.
@@ -100,6 +103,7 @@ impl AppState {
             cluster_key: None,
             replay: crate::auth::ReplayGuard::default(),
             pd: PdSide::default(),
+            grammars: std::sync::OnceLock::new(),
         }
     }
 }

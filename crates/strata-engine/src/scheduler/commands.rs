@@ -6,30 +6,22 @@ use std::sync::atomic::Ordering;
 
 use crate::request::{CachedTokens, Event, FinishReason, FlushScope};
 
-use super::{Cmd, NewReq, Req, Scheduler};
+use super::{Cmd, Req, Scheduler};
 
 impl Scheduler {
     pub(super) fn command(&mut self, c: Cmd) {
         match c {
             Cmd::Submit(r) => {
-                let NewReq {
-                    id,
-                    prompt,
-                    params,
-                    tx,
-                    export,
-                    import,
-                } = *r;
                 if self.cfg.fault_panic_token.is_some()
-                    && prompt.first() == self.cfg.fault_panic_token.as_ref()
+                    && r.prompt.first() == self.cfg.fault_panic_token.as_ref()
                 {
                     panic!("fault injection: a prompt starting with the fault-panic token");
                 }
-                let seed = params
+                let seed = r
+                    .params
                     .seed
-                    .unwrap_or(id.wrapping_mul(0x2545_F491_4F6C_DD1D));
-                self.waiting
-                    .push_back(Req::new(id, prompt, params, tx, seed, export, import));
+                    .unwrap_or(r.id.wrapping_mul(0x2545_F491_4F6C_DD1D));
+                self.waiting.push_back(Req::new(*r, seed));
             }
             Cmd::Flush(scope, reply) => {
                 self.progress += 1;

@@ -19,6 +19,7 @@ use strata_model::{Model, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
+use crate::constraint::{TokenConstraint, TokenMask};
 use crate::request::{
     CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
 };
@@ -26,6 +27,9 @@ use crate::sampler::{sample_with_logprobs, History, Rng};
 use crate::state::{Shared, Snapshot};
 
 mod commands;
+mod constrained;
+
+use constrained::{commit, masks_of};
 
 pub(crate) struct NewReq {
     pub id: u64,
@@ -34,6 +38,8 @@ pub(crate) struct NewReq {
     pub tx: UnboundedSender<Event>,
     pub export: bool,
     pub import: Option<ImportedKv>,
+    /// The request's constraint, started by the handle (off this thread).
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 pub(crate) enum Cmd {
@@ -70,34 +76,29 @@ struct Req {
     import: Option<ImportedKv>,
     /// When it was submitted (the queueing-time limit counts from here).
     arrived: Instant,
+    /// Its output constraint (taken out while its mask is computed).
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 impl Req {
-    fn new(
-        id: u64,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        tx: UnboundedSender<Event>,
-        seed: u64,
-        export: bool,
-        import: Option<ImportedKv>,
-    ) -> Req {
+    fn new(r: NewReq, seed: u64) -> Req {
         Req {
-            id,
-            prompt_len: prompt.len(),
-            budget: prompt.len() + params.max_tokens,
-            tokens: prompt,
-            params,
-            tx,
+            id: r.id,
+            prompt_len: r.prompt.len(),
+            budget: r.prompt.len() + r.params.max_tokens,
+            tokens: r.prompt,
+            params: r.params,
+            tx: r.tx,
             rng: Rng::new(seed),
             lease: None,
             running: false,
             cached: CachedTokens::default(),
             computed: 0,
             generated: 0,
-            export,
-            import,
+            export: r.export,
+            import: r.import,
             arrived: Instant::now(),
+            constraint: r.constraint,
         }
     }
 
@@ -270,6 +271,14 @@ impl Scheduler {
             self.finish(r, Some(FinishReason::Stop));
             return true;
         }
+        // The prefill worker chose it under the same constraint: this one follows it.
+        let complete = match commit(r.constraint.as_deref_mut(), first) {
+            Ok(c) => c,
+            Err(e) => {
+                self.finish(r, Some(FinishReason::Error(e)));
+                return true;
+            }
+        };
         r.tokens.push(first);
         r.generated = 1;
         self.snap.generated_tokens += 1;
@@ -277,7 +286,9 @@ impl Scheduler {
             let _ = r.tx.send(Event::Logprobs(lp));
         }
         let _ = r.tx.send(Event::Token(first));
-        if r.generated >= r.params.max_tokens {
+        if complete {
+            self.finish(r, Some(FinishReason::Stop));
+        } else if r.generated >= r.params.max_tokens {
             self.finish(r, Some(FinishReason::Length));
         } else {
             self.active.push(r);
@@ -324,12 +335,15 @@ impl Scheduler {
         }
     }
 
-    /// One model call. Returns false when nothing was ready to compute.
+    /// One model call. Returns false when nothing was ready to compute. The masks of the
+    /// constrained requests that choose a token after this call are computed on a helper
+    /// thread while the model runs.
     fn step(&mut self) -> bool {
         let plan = self.batch();
         if plan.is_empty() {
             return false;
         }
+        let mut guests = self.take_constraints(&plan);
         let seqs: Vec<SeqInput> = plan
             .iter()
             .map(|&(i, at, n)| {
@@ -346,7 +360,14 @@ impl Scheduler {
             .cache
             .device_pool()
             .expect("the engine's cache holds data");
-        let out = self.model.forward(pool, &seqs, false);
+        let model = &self.model;
+        let (out, computed) = std::thread::scope(|s| {
+            let helper = (!guests.is_empty()).then(|| s.spawn(|| masks_of(&mut guests)));
+            let out = model.forward(pool, &seqs, false);
+            (out, helper.map(|h| h.join()))
+        });
+        drop(seqs);
+        let masks = self.put_back_constraints(&plan, guests, computed);
         self.snap.steps += 1;
         let logits = match out {
             Ok(l) => l,
@@ -361,7 +382,7 @@ impl Scheduler {
                 return true;
             }
         };
-        let mut done = self.sample_batch(&plan, &logits);
+        let mut done = self.sample_batch(&plan, &logits, masks);
         done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
         for (i, reason) in done {
             let r = self.active.swap_remove(i);
@@ -397,50 +418,89 @@ impl Scheduler {
         &mut self,
         plan: &[(usize, usize, usize)],
         logits: &[Vec<f32>],
+        mut masks: Vec<Option<Result<TokenMask, String>>>,
     ) -> Vec<(usize, FinishReason)> {
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        for (&(i, _, n), l) in plan.iter().zip(logits) {
+        for (k, (&(i, _, n), l)) in plan.iter().zip(logits).enumerate() {
             let r = &mut self.active[i];
             r.computed += n;
             if r.computed < r.tokens.len() {
                 continue; // a prefill chunk that did not reach the end of the prompt
             }
-            let stops = if r.generated < r.params.min_tokens {
-                stop_tokens(&r.params, &self.cfg.stop_token_ids)
-            } else {
-                Vec::new()
-            };
-            let h = History {
-                prompt: &r.tokens[..r.prompt_len],
-                output: &r.tokens[r.prompt_len..],
-                stops: &stops,
-            };
-            let (next, lp) = sample_with_logprobs(l, &r.params, &mut r.rng, &h);
-            let stop = r.params.stop_token_ids.contains(&next)
-                || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
-            if stop {
-                if r.export {
-                    // A prefill worker forwards the first token, whatever it is, with the K/V.
-                    if let Some(lp) = lp {
-                        let _ = r.tx.send(Event::Logprobs(lp));
-                    }
-                    let _ = r.tx.send(Event::Token(next));
+            let mask = match masks[k].take().transpose() {
+                Ok(m) => m,
+                Err(e) => {
+                    done.push((i, FinishReason::Error(e)));
+                    continue;
                 }
-                done.push((i, FinishReason::Stop));
-                continue;
-            }
-            r.tokens.push(next);
-            r.generated += 1;
-            self.snap.generated_tokens += 1;
-            if let Some(lp) = lp {
-                let _ = r.tx.send(Event::Logprobs(lp));
-            }
-            let _ = r.tx.send(Event::Token(next));
-            if r.generated >= r.params.max_tokens {
-                done.push((i, FinishReason::Length));
+            };
+            if let Some(reason) = self.sample_one(i, l, mask.as_ref()) {
+                done.push((i, reason));
             }
         }
         done
+    }
+
+    /// Chooses request `i`'s next token from its logits (under its constraint's mask) and
+    /// sends it; returns why the request is done, if it is.
+    fn sample_one(
+        &mut self,
+        i: usize,
+        l: &[f32],
+        mask: Option<&TokenMask>,
+    ) -> Option<FinishReason> {
+        let r = &mut self.active[i];
+        if mask.is_some_and(|m| !m.any()) {
+            return Some(FinishReason::Error(
+                "the output constraint allows no token here".into(),
+            ));
+        }
+        let ends = stop_tokens(&r.params, &self.cfg.stop_token_ids);
+        // A constraint that allows only the end wins over min_tokens.
+        let only_end = mask.is_some_and(|m| m.words.iter().all(|&w| w == 0));
+        let stops = if r.generated < r.params.min_tokens && !only_end {
+            ends.clone()
+        } else {
+            Vec::new()
+        };
+        let h = History {
+            prompt: &r.tokens[..r.prompt_len],
+            output: &r.tokens[r.prompt_len..],
+            stops: &stops,
+            mask,
+            ends: &ends,
+        };
+        let (next, lp) = sample_with_logprobs(l, &r.params, &mut r.rng, &h);
+        let stop = r.params.stop_token_ids.contains(&next)
+            || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
+        if stop {
+            if r.export {
+                // A prefill worker forwards the first token, whatever it is, with the K/V.
+                if let Some(lp) = lp {
+                    let _ = r.tx.send(Event::Logprobs(lp));
+                }
+                let _ = r.tx.send(Event::Token(next));
+            }
+            return Some(FinishReason::Stop);
+        }
+        let complete = match commit(r.constraint.as_deref_mut(), next) {
+            Ok(c) => c,
+            Err(e) => return Some(FinishReason::Error(e)),
+        };
+        r.tokens.push(next);
+        r.generated += 1;
+        self.snap.generated_tokens += 1;
+        if let Some(lp) = lp {
+            let _ = r.tx.send(Event::Logprobs(lp));
+        }
+        let _ = r.tx.send(Event::Token(next));
+        if complete {
+            Some(FinishReason::Stop)
+        } else if r.generated >= r.params.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
     }
 
     /// Ends a request: on success its whole pages join the tree; everything else it holds

@@ -1,0 +1,250 @@
+//! `strata-grammar`: structured output. A request's [`OutputConstraint`] (JSON object, JSON
+//! schema, regex, Lark grammar, choice) is compiled with llguidance — the grammar engine vLLM,
+//! SGLang and llama.cpp use — over the model's own tokenizer, into an engine
+//! [`Constraint`]: each request then runs an llguidance matcher that gives the mask of the
+//! tokens allowed next and follows the tokens chosen.
+//!
+//! * [`Grammars`]: built once per tokenizer (the token trie and llguidance's factory).
+//! * [`Compiled`]: one compiled constraint; every request (and every choice of `n`) starts its
+//!   own matcher from it.
+//!
+//! JSON is generated compact (no free whitespace between tokens: `{"a":1,"b":[2]}`) unless
+//! the schema says otherwise with llguidance's `x-guidance` options; small models otherwise
+//! spend their tokens on whitespace.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::{Matcher, ParserFactory, TokenParser};
+use strata_engine::{Constraint, ConstraintSource, TokenConstraint, TokenMask};
+use strata_model::ModelTokenizer;
+pub use strata_protocol::OutputConstraint;
+use thiserror::Error;
+use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum GrammarError {
+    /// The tokenizer cannot be described to the grammar engine.
+    #[error("structured output is unavailable for this tokenizer: {0}")]
+    Tokenizer(String),
+    /// The request's constraint is invalid (the message names the problem).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The model's tokenizer as llguidance sees it: every token's bytes in a trie, and the real
+/// tokenizer for text the grammar forces.
+struct TokenizerView {
+    trie: TokTrie,
+    tokenizer: Arc<ModelTokenizer>,
+}
+
+impl TokenizerEnv for TokenizerView {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |text| {
+            // The trie's greedy tokenization stands in if the tokenizer refuses the text.
+            self.tokenizer
+                .encode(text)
+                .unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes()))
+        })
+    }
+}
+
+/// Every token's bytes, as the trie wants them: byte-level BPE symbols mapped back to bytes,
+/// special tokens marked, ids past the tokenizer's vocabulary (an embedding padded beyond it)
+/// filled with unreachable special names.
+fn token_bytes(tk: &ModelTokenizer, vocab: usize) -> Result<Vec<Vec<u8>>, GrammarError> {
+    let bad = |e: String| GrammarError::Tokenizer(e);
+    let json = tk.inner.to_string(false).map_err(|e| bad(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| bad(e.to_string()))?;
+    let mut bytes =
+        llguidance::token_bytes_from_tokenizer_json(&value).map_err(|e| bad(e.to_string()))?;
+    if bytes.len() > vocab {
+        return Err(bad(format!(
+            "the tokenizer has {} tokens, the model {vocab}",
+            bytes.len()
+        )));
+    }
+    while bytes.len() < vocab {
+        let mut name = format!(".<[{}]>", bytes.len()).into_bytes();
+        name[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+        bytes.push(name);
+    }
+    Ok(bytes)
+}
+
+/// The grammar engine for one model: compiles constraints.
+pub struct Grammars {
+    factory: ParserFactory,
+    /// The tokens that end a constrained output (the model's stop tokens).
+    ends: Vec<u32>,
+}
+
+impl Grammars {
+    /// Builds the token trie of `tk` (a model of `vocab` tokens); its stop tokens end a
+    /// constrained output.
+    pub fn new(tk: Arc<ModelTokenizer>, vocab: usize) -> Result<Grammars, GrammarError> {
+        let bytes = token_bytes(&tk, vocab)?;
+        let ends = tk.stop.clone();
+        let eos = tk.stop.first().copied().unwrap_or(tk.eos);
+        let info = TokRxInfo::new(vocab as u32, eos);
+        let trie = TokTrie::from(&info, &bytes).with_eos_tokens(&tk.stop);
+        let env: TokEnv = Arc::new(TokenizerView {
+            trie,
+            tokenizer: tk,
+        });
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
+        factory.quiet();
+        *factory.limits_mut() = ParserLimits {
+            // Errors name the problem, not the whole grammar and the tokens so far.
+            verbose_errors: false,
+            ..ParserLimits::default()
+        };
+        Ok(Grammars { factory, ends })
+    }
+
+    /// Compiles a constraint; an invalid one is refused with llguidance's reason.
+    pub fn compile(&self, c: &OutputConstraint) -> Result<Compiled, GrammarError> {
+        let grammar = top_level(c)?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        Ok(Compiled {
+            spec: c.clone(),
+            parser: Mutex::new(parser),
+            ends: self.ends.clone(),
+        })
+    }
+}
+
+/// Compact JSON unless the schema sets llguidance's own options.
+fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    schema
+}
+
+/// The llguidance grammar of a constraint.
+fn top_level(c: &OutputConstraint) -> Result<TopLevelGrammar, GrammarError> {
+    let invalid = |m: String| GrammarError::Invalid(m);
+    Ok(match c {
+        OutputConstraint::JsonObject => {
+            TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
+        }
+        OutputConstraint::JsonSchema(text) => {
+            let schema: serde_json::Value = serde_json::from_str(text)
+                .map_err(|e| invalid(format!("the JSON schema is not JSON: {e}")))?;
+            if !(schema.is_object() || schema.is_boolean()) {
+                return Err(invalid("a JSON schema is an object or a boolean".into()));
+            }
+            TopLevelGrammar::from_json_schema(compact(schema))
+        }
+        OutputConstraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        OutputConstraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        OutputConstraint::Choice(v) => {
+            if v.is_empty() {
+                return Err(invalid("a choice needs at least one text".into()));
+            }
+            let alts: Vec<String> = v
+                .iter()
+                .map(|s| serde_json::to_string(s).expect("a string serializes"))
+                .collect();
+            TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+        }
+    })
+}
+
+/// One compiled constraint.
+pub struct Compiled {
+    spec: OutputConstraint,
+    /// Each request starts from a deep copy.
+    parser: Mutex<TokenParser>,
+    ends: Vec<u32>,
+}
+
+impl Compiled {
+    /// What was compiled.
+    pub fn spec(&self) -> &OutputConstraint {
+        &self.spec
+    }
+
+    /// As an engine constraint for a request's sampling parameters.
+    pub fn into_constraint(self) -> Constraint {
+        Constraint(Arc::new(self))
+    }
+
+    /// The compiled constraint behind an engine constraint made by [`Compiled`].
+    pub fn of(c: &Constraint) -> Option<&Compiled> {
+        c.0.as_any().downcast_ref::<Compiled>()
+    }
+}
+
+impl ConstraintSource for Compiled {
+    fn start(&self) -> Box<dyn TokenConstraint> {
+        let parser = self
+            .parser
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .deep_clone();
+        Box::new(Guided {
+            matcher: Matcher::new(Ok(parser)),
+            ends: self.ends.clone(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        match &self.spec {
+            OutputConstraint::JsonObject => "json_object".into(),
+            OutputConstraint::JsonSchema(s) => format!("json_schema ({} bytes)", s.len()),
+            OutputConstraint::Regex(s) => format!("regex ({} bytes)", s.len()),
+            OutputConstraint::Lark(s) => format!("lark ({} bytes)", s.len()),
+            OutputConstraint::Choice(v) => format!("choice of {}", v.len()),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// One request's matcher.
+struct Guided {
+    matcher: Matcher,
+    ends: Vec<u32>,
+}
+
+impl TokenConstraint for Guided {
+    fn mask(&mut self) -> Result<TokenMask, String> {
+        let vob = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| format!("the output constraint failed: {e}"))?;
+        let can_end = self.ends.iter().any(|&t| vob.is_allowed(t));
+        Ok(TokenMask {
+            words: vob.as_slice().to_vec(),
+            can_end,
+        })
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| format!("the output constraint refused token {token}: {e}"))
+    }
+
+    fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,162 @@
+//! Constraints compiled over the tiny model's byte-level BPE tokenizer, driven by random
+//! choices among the allowed tokens: whatever the sampler picks, the output is valid.
+
+use super::*;
+use strata_kv::rng::SplitMix64;
+use strata_model::Gguf;
+
+fn grammars() -> (Grammars, Arc<ModelTokenizer>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = strata_test_support::tiny_model(dir.path());
+    let g = Gguf::open(&path).unwrap();
+    let tk = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
+    let vocab = g.config.vocab;
+    (Grammars::new(tk.clone(), vocab).unwrap(), tk)
+}
+
+/// Runs a constraint to its end, choosing uniformly among the allowed tokens (ending as soon
+/// as the mask allows it with probability `p_end`); the text, or None at `limit` tokens.
+fn run(c: &Compiled, tk: &ModelTokenizer, seed: u64, p_end: f64, limit: usize) -> Option<String> {
+    let mut m = c.start();
+    let mut rng = SplitMix64::new(seed);
+    let mut out = Vec::new();
+    for _ in 0..limit {
+        let mask = m.mask().unwrap();
+        assert!(mask.any(), "a live constraint allows some token");
+        let allowed: Vec<u32> = (0..mask.words.len() as u32 * 32)
+            .filter(|&t| mask.allows(t) && !tk.stop.contains(&t))
+            .collect();
+        if mask.can_end && (allowed.is_empty() || rng.next_f64() < p_end) {
+            return Some(tk.decode(&out).unwrap());
+        }
+        let t = allowed[(rng.next_f64() * allowed.len() as f64) as usize % allowed.len()];
+        m.commit(t).unwrap();
+        out.push(t);
+        if m.is_finished() {
+            return Some(tk.decode(&out).unwrap());
+        }
+    }
+    None
+}
+
+#[test]
+fn json_schema_outputs_validate_whatever_is_chosen() {
+    let (g, tk) = grammars();
+    let schema = r#"{"type":"object","properties":{
+        "name":{"type":"string","maxLength":6},
+        "age":{"type":"integer","minimum":0,"maximum":120},
+        "pet":{"enum":["cat","dog"]},
+        "tags":{"type":"array","items":{"type":"boolean"},"maxItems":3}},
+        "required":["name","age","pet","tags"],"additionalProperties":false}"#;
+    let c = g
+        .compile(&OutputConstraint::JsonSchema(schema.into()))
+        .unwrap();
+    let mut finished = 0;
+    for seed in 0..40 {
+        let Some(text) = run(&c, &tk, seed, 0.5, 400) else {
+            continue;
+        };
+        finished += 1;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"));
+        let o = v.as_object().expect("an object");
+        assert_eq!(o.len(), 4, "exactly the required keys: {text}");
+        assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{text}");
+        let age = o["age"].as_i64().unwrap();
+        assert!((0..=120).contains(&age), "{text}");
+        assert!(o["pet"] == "cat" || o["pet"] == "dog", "{text}");
+        let tags = o["tags"].as_array().unwrap();
+        assert!(
+            tags.len() <= 3 && tags.iter().all(|t| t.is_boolean()),
+            "{text}"
+        );
+        assert!(
+            !text.contains(' ') || o["name"].as_str().unwrap().contains(' '),
+            "compact: {text}"
+        );
+    }
+    assert!(
+        finished >= 30,
+        "only {finished} of 40 runs ended within 400 tokens"
+    );
+}
+
+#[test]
+fn json_object_regex_choice_and_lark_hold() {
+    let (g, tk) = grammars();
+    let obj = g.compile(&OutputConstraint::JsonObject).unwrap();
+    let mut ended = 0;
+    for seed in 0..20 {
+        if let Some(t) = run(&obj, &tk, seed, 0.9, 300) {
+            ended += 1;
+            let v: serde_json::Value =
+                serde_json::from_str(&t).unwrap_or_else(|e| panic!("{e}: {t:?}"));
+            assert!(v.is_object(), "{t}");
+        }
+    }
+    assert!(ended > 0);
+    let rx = g
+        .compile(&OutputConstraint::Regex("[0-9]{3}-[a-c]{2}".into()))
+        .unwrap();
+    for seed in 0..20 {
+        let t = run(&rx, &tk, seed, 0.5, 50).expect("a fixed-length regex ends");
+        let b = t.as_bytes();
+        assert_eq!(b.len(), 6, "{t}");
+        assert!(b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-', "{t}");
+        assert!(b[4..].iter().all(|c| (b'a'..=b'c').contains(c)), "{t}");
+    }
+    let choice = g
+        .compile(&OutputConstraint::Choice(vec![
+            "yes".into(),
+            "no \"way\"".into(),
+        ]))
+        .unwrap();
+    for seed in 0..20 {
+        let t = run(&choice, &tk, seed, 0.5, 50).unwrap();
+        assert!(t == "yes" || t == "no \"way\"", "{t}");
+    }
+    let lark = g
+        .compile(&OutputConstraint::Lark(r#"start: "a" ("," "b")*"#.into()))
+        .unwrap();
+    for seed in 0..20 {
+        let t = run(&lark, &tk, seed, 0.3, 60).unwrap();
+        assert!(
+            t.starts_with('a') && t[1..].split_terminator(',').skip(1).all(|x| x == "b"),
+            "{t}"
+        );
+    }
+}
+
+#[test]
+fn invalid_constraints_are_refused_with_the_reason() {
+    let (g, _) = grammars();
+    for bad in [
+        OutputConstraint::JsonSchema("{not json".into()),
+        OutputConstraint::JsonSchema("[1]".into()),
+        OutputConstraint::JsonSchema(r#"{"type":"no-such-type"}"#.into()),
+        OutputConstraint::Regex("(unclosed".into()),
+        OutputConstraint::Lark("start: missing_rule".into()),
+        OutputConstraint::Choice(vec![]),
+    ] {
+        match g.compile(&bad) {
+            Err(GrammarError::Invalid(m)) => assert!(!m.is_empty()),
+            Err(e) => panic!("{bad:?}: wrong error {e}"),
+            Ok(_) => panic!("{bad:?} compiled"),
+        }
+    }
+}
+
+#[test]
+fn a_compiled_constraint_starts_fresh_for_every_request() {
+    let (g, tk) = grammars();
+    let c = g
+        .compile(&OutputConstraint::Choice(vec!["ab".into()]))
+        .unwrap();
+    let a = run(&c, &tk, 1, 0.5, 10).unwrap();
+    let b = run(&c, &tk, 2, 0.5, 10).unwrap();
+    assert_eq!((a.as_str(), b.as_str()), ("ab", "ab"));
+    // A token the grammar rules out is refused, not followed.
+    let mut m = c.start();
+    let x = tk.encode("x").unwrap()[0];
+    assert!(m.commit(x).is_err());
+}
