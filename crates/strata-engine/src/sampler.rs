@@ -145,9 +145,21 @@ pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> Toke
     }
 }
 
+/// Whether a choice under `p` draws from the generator (one draw when it does).
+fn draws(p: &SamplingParams) -> bool {
+    !(p.temperature <= 0.0 || p.top_k == 1)
+}
+
+/// Moves the generator past one choice made elsewhere (a prefill worker's first token).
+pub fn skip_choice(p: &SamplingParams, rng: &mut Rng) {
+    if draws(p) {
+        rng.next_f64();
+    }
+}
+
 /// The choice itself, on final logits.
 fn choose(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
-    if p.temperature <= 0.0 || p.top_k == 1 {
+    if !draws(p) {
         return argmax(logits);
     }
     // Candidates sorted by logit, cut by top-k.

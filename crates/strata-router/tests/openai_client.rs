@@ -1,18 +1,32 @@
 //! The official `openai` Python client (pinned in scripts/requirements-test.txt, installed by
 //! scripts/test.sh) against one worker and against the router in front of a prefill and a
 //! decode worker: chat, streaming with usage, logprobs, sampling fields, documented no-ops,
-//! refusals naming their field, unknown fields refused, models, request ids.
+//! refusals naming their field, unknown fields refused, models, request ids, structured output
+//! (20/20 valid at temperature 1) and tool calls; and langchain-openai's `bind_tools`
+//! (`tool_choice="required"`) and `with_structured_output` (json_schema, 20/20).
 
 mod common;
 use common::start_router;
 
 use std::process::Command;
 
-use strata_test_support::{spawn_worker, tiny_model, WorkerSpec};
+use strata_test_support::{spawn_worker, tiny_model_with_context, WorkerSpec};
 
-/// Runs the client script against `base`; fails with its output.
+/// Runs the client scripts (the official client's, langchain-openai's) against `base`; fails
+/// with their output.
 async fn client_checks(base: String, mode: &'static str) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
+    for script in [
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py"),
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/langchain_client.py"
+        ),
+    ] {
+        run_script(script, base.clone(), mode).await;
+    }
+}
+
+async fn run_script(script: &'static str, base: String, mode: &'static str) {
     let out = tokio::task::spawn_blocking(move || {
         Command::new("python3")
             .args([script, &base, "tiny", mode])
@@ -27,8 +41,8 @@ async fn client_checks(base: String, mode: &'static str) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        !text.contains("No module named 'openai'"),
-        "the openai package is missing: pip install -r scripts/requirements-test.txt (scripts/test.sh does)"
+        !text.contains("No module named"),
+        "a Python package is missing: pip install -r scripts/requirements-test.txt (scripts/test.sh does)\n{text}"
     );
     assert!(
         out.status.success() && text.contains("all checks passed"),
@@ -39,7 +53,7 @@ async fn client_checks(base: String, mode: &'static str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_openai_client_works_against_a_worker_and_the_pd_router() {
     let d = tempfile::tempdir().unwrap();
-    let path = tiny_model(d.path());
+    let path = tiny_model_with_context(d.path(), 4096);
     let single = spawn_worker(&path, WorkerSpec::default()).await;
     client_checks(single.url.clone(), "single").await;
 

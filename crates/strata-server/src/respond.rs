@@ -510,7 +510,7 @@ impl Streaming {
             match o {
                 crate::tools::ToolOut::Content(c) => out.push(self.chunk_with(Some(&c), None, lp)),
                 crate::tools::ToolOut::Call(c) => {
-                    let mut delta = json!({"tool_calls": [c.json()]});
+                    let mut delta = json!({"tool_calls": [c.delta_json()]});
                     if !self.started {
                         delta["role"] = json!("assistant");
                     }

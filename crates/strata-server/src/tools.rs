@@ -243,9 +243,17 @@ pub struct Call {
 }
 
 impl Call {
+    /// As a whole message's `tool_calls` entry.
     pub fn json(&self) -> Value {
-        json!({"index": self.index, "id": self.id, "type": "function",
+        json!({"id": self.id, "type": "function",
                "function": {"name": self.name, "arguments": self.arguments}})
+    }
+
+    /// As a streamed delta's entry (with its index).
+    pub fn delta_json(&self) -> Value {
+        let mut v = self.json();
+        v["index"] = json!(self.index);
+        v
     }
 }
 

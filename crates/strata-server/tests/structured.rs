@@ -4,8 +4,9 @@
 //! field.
 
 use serde_json::{json, Value};
-use strata_model::tiny::{write_tiny, TinySpec};
-use strata_test_support::{post, post_text, spawn_worker, TestWorker, WorkerSpec};
+use strata_test_support::{
+    post, post_text, spawn_worker, tiny_model_with_context, TestWorker, WorkerSpec,
+};
 
 /// A worker on the tiny model with room for prompts that show tools (its tokenizer spends
 /// about a token per byte).

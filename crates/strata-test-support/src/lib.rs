@@ -20,6 +20,21 @@ use strata_server::pd::{KvInbox, KvLimits};
 use strata_server::AppState;
 use tokio::sync::oneshot;
 
+/// Writes the tiny model with a context of `context` tokens into `dir` (prompts that show
+/// tools need more than the default: its tokenizer spends about a token per byte).
+pub fn tiny_model_with_context(dir: &Path, context: usize) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    write_tiny(
+        &p,
+        &TinySpec {
+            context,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    p
+}
+
 /// Writes the tiny model (default spec) into `dir`; returns its path.
 pub fn tiny_model(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.gguf");

@@ -271,6 +271,9 @@ impl Scheduler {
             self.finish(r, Some(FinishReason::Stop));
             return true;
         }
+        // The prefill worker drew it from the same seed: this generator moves past that draw,
+        // so the rest of the answer is the one a single worker gives for the seed.
+        crate::sampler::skip_choice(&r.params, &mut r.rng);
         // The prefill worker chose it under the same constraint: this one follows it.
         let complete = match commit(r.constraint.as_deref_mut(), first) {
             Ok(c) => c,

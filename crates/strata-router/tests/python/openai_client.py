@@ -1,6 +1,7 @@
 """The official `openai` Python client against a Strata endpoint (argv[1]: base URL, argv[2]:
 model id). Exits non-zero with the failed check's message; prints one line per check passed."""
 
+import json
 import sys
 
 import openai
@@ -66,9 +67,51 @@ two = client.chat.completions.create(**greedy, n=2, extra_body={"ignore_eos": Tr
 check(f"n = 2 ({mode})", [c.index for c in two.choices] == [0, 1]
       and two.choices[0].message.content == r.choices[0].message.content
       and two.choices[1].message.content == r.choices[0].message.content, two)
-refused("json_object", "response_format", response_format={"type": "json_object"})
-refused("tools", "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
 refused("echo", "echo", extra_body={"echo": True})
+
+# Structured output: a JSON schema, 20 of 20 valid at temperature 1.
+schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+valid = 0
+for seed in range(20):
+    j = client.chat.completions.create(model=model, messages=msgs, temperature=1, seed=seed,
+                                       max_tokens=100, response_format=fmt)
+    try:
+        o = json.loads(j.choices[0].message.content)
+        valid += (set(o) == {"name", "age"} and isinstance(o["name"], str) and len(o["name"]) <= 8
+                  and isinstance(o["age"], int) and 0 <= o["age"] <= 150)
+    except ValueError:
+        pass
+check(f"json_schema 20/20 at temperature 1 ({mode})", valid == 20, valid)
+jo = client.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=100,
+                                    response_format={"type": "json_object"})
+check("json_object", jo.choices[0].finish_reason != "stop"
+      or isinstance(json.loads(jo.choices[0].message.content), dict), jo)
+refused("a bad schema", "response_format",
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}})
+
+# Tools: a forced call whose arguments validate; the call and its answer in the history.
+tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+    "required": ["city"], "additionalProperties": False}}}]
+t = client.chat.completions.create(model=model, messages=msgs, tools=tools, tool_choice="required",
+                                   parallel_tool_calls=False, temperature=1, seed=1, max_tokens=100)
+calls = t.choices[0].message.tool_calls or []
+check(f"tool_choice required ({mode})", t.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
+      and calls[0].function.name == "get_weather"
+      and isinstance(json.loads(calls[0].function.arguments)["city"], str), t)
+history = msgs + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                  {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
+h = client.chat.completions.create(model=model, messages=history, tools=tools, max_tokens=4)
+check("tool answer in history", h.choices[0].message is not None, h)
+st = list(client.chat.completions.create(model=model, messages=msgs, tools=tools, stream=True,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                         max_tokens=100))
+deltas = [tc for c in st if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+check("streamed tool call", len(deltas) == 1 and deltas[0].function.name == "get_weather"
+      and isinstance(json.loads(deltas[0].function.arguments), dict), deltas)
 
 # Models and request ids.
 m = client.models.retrieve(model)
