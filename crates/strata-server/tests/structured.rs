@@ -12,15 +12,7 @@ use strata_test_support::{
 /// about a token per byte).
 async fn worker() -> (tempfile::TempDir, TestWorker) {
     let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("tiny.gguf");
-    write_tiny(
-        &path,
-        &TinySpec {
-            context: 4096,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
+    let path = tiny_model_with_context(d.path(), 4096);
     let spec = WorkerSpec {
         device_pages: 512,
         host_pages: 64,
