@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use strata_engine::TokenMask;
+use strata_engine::{ConstraintSource, TokenMask};
 use strata_grammar::{Grammars, OutputConstraint};
 use strata_model::{Gguf, ModelTokenizer};
 

@@ -179,11 +179,12 @@ impl Tools {
             lark_str(&format!("\n{CLOSE}"))
         );
         for (i, d) in defs.iter().enumerate() {
-            let args = d
+            let mut args = d
                 .function
                 .parameters
                 .clone()
                 .unwrap_or_else(|| json!({"type": "object"}));
+            closed(&mut args, 0);
             let schema = json!({
                 "type": "object",
                 "properties": {"name": {"const": d.function.name}, "arguments": args},
@@ -194,6 +195,35 @@ impl Tools {
             g += &format!("f{i}: %json {schema}\n");
         }
         Some(OutputConstraint::Lark(g))
+    }
+}
+
+/// Objects of an argument schema that list their properties and say nothing of others take
+/// only those (`additionalProperties: false`): a forced call writes the arguments the tool
+/// names, not invented ones. Nested schemas too, to a bounded depth.
+fn closed(schema: &mut Value, depth: usize) {
+    let Some(o) = schema.as_object_mut() else {
+        return;
+    };
+    if depth > 32 {
+        return;
+    }
+    if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (k, v) in o.iter_mut() {
+        match (k.as_str(), v) {
+            ("properties" | "$defs" | "definitions" | "patternProperties", Value::Object(m)) => {
+                m.values_mut().for_each(|s| closed(s, depth + 1))
+            }
+            ("items" | "additionalProperties" | "not" | "if" | "then" | "else", s) => {
+                closed(s, depth + 1)
+            }
+            ("anyOf" | "oneOf" | "allOf" | "prefixItems", Value::Array(a)) => {
+                a.iter_mut().for_each(|s| closed(s, depth + 1))
+            }
+            _ => {}
+        }
     }
 }
 
@@ -474,6 +504,9 @@ mod tests {
             panic!("no grammar");
         };
         assert!(g.starts_with("start: call\n"), "{g}");
+        // The arguments take only the listed properties.
+        let closed = r#""properties":{"a":{"type":"integer"}},"additionalProperties":false"#;
+        assert!(g.contains(closed), "{g}");
         assert!(g.contains(r#""const":"add""#), "{g}");
         let bad = |v: Value| tools_of(&serde_json::from_value(v).unwrap()).unwrap_err();
         let e = bad(json!({"messages": [], "tool_choice": "required"}));
