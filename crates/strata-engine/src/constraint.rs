@@ -116,9 +116,17 @@ pub(crate) fn guarded<R>(f: impl FnOnce() -> Result<R, String>) -> Result<R, Str
         Ok(r) => r,
         Err(p) => Err(format!(
             "the output constraint failed: {}",
-            crate::handle::panic_message(&*p)
+            panic_message(&*p)
         )),
     }
+}
+
+/// The message of a panic's payload.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use strata_kv::{CacheEvent, TieredCache};
 use strata_model::Model;
 use tokio::sync::mpsc::unbounded_channel;
 
+use crate::constraint::panic_message;
 use crate::request::{
     EngineHealth, FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError,
     MAX_STOP_TOKEN_IDS,
@@ -96,13 +97,6 @@ fn install_panic_hook() {
             prev(info);
         }));
     });
-}
-
-pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Starts engines.

@@ -12,24 +12,50 @@ async fn both(path: &std::path::Path) -> TestWorker {
     spawn_worker(path, WorkerSpec::default()).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pd_honours_the_first_tokens_sampling_and_reports_its_logprobs() {
-    let d = tempfile::tempdir().unwrap();
-    let path = tiny_model(d.path());
-    let prefill = both(&path).await;
+/// A prefill and a decode worker behind one router, one worker doing both behind another.
+struct Setup {
+    prefill: TestWorker,
+    decode: TestWorker,
+    single: TestWorker,
+    /// The routers' URLs.
+    pd: String,
+    one: String,
+}
+
+async fn setup(path: &std::path::Path) -> Setup {
+    let prefill = both(path).await;
     let spec = WorkerSpec {
         kv_listener: true,
         prefill_workers: vec![prefill.url.clone()],
         ..WorkerSpec::default()
     };
-    let decode = spawn_worker(&path, spec).await;
-    let single = both(&path).await;
+    let decode = spawn_worker(path, spec).await;
+    let single = both(path).await;
     let pd = start_router(
         std::slice::from_ref(&prefill.url),
         std::slice::from_ref(&decode.url),
     )
     .await;
     let one = start_router(&[], std::slice::from_ref(&single.url)).await;
+    Setup {
+        prefill,
+        decode,
+        single,
+        pd,
+        one,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_honours_the_first_tokens_sampling_and_reports_its_logprobs() {
+    let d = tempfile::tempdir().unwrap();
+    let Setup {
+        prefill,
+        decode,
+        single,
+        pd,
+        one,
+    } = setup(&tiny_model(d.path())).await;
     // The bias makes token 77 the first choice: only a prefill worker that honours it
     // starts the answer with it.
     let body = json!({"prompt": (10..60).collect::<Vec<u32>>(), "max_tokens": 4,
@@ -60,21 +86,13 @@ async fn pd_honours_the_first_tokens_sampling_and_reports_its_logprobs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_chooses_the_first_token_under_the_output_constraint() {
     let d = tempfile::tempdir().unwrap();
-    let path = tiny_model(d.path());
-    let prefill = both(&path).await;
-    let spec = WorkerSpec {
-        kv_listener: true,
-        prefill_workers: vec![prefill.url.clone()],
-        ..WorkerSpec::default()
-    };
-    let decode = spawn_worker(&path, spec).await;
-    let single = both(&path).await;
-    let pd = start_router(
-        std::slice::from_ref(&prefill.url),
-        std::slice::from_ref(&decode.url),
-    )
-    .await;
-    let one = start_router(&[], std::slice::from_ref(&single.url)).await;
+    let Setup {
+        prefill,
+        decode,
+        single,
+        pd,
+        one,
+    } = setup(&tiny_model(d.path())).await;
     let schema = json!({"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 0, "maximum": 99},
         "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": false});

@@ -25,12 +25,7 @@ type St = State<Arc<AppState>>;
 /// The header a request's id travels in (echoed on the answer; the router passes it on).
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// A fresh random id (96 bits, hex): unique across workers and restarts.
-pub fn fresh_id() -> String {
-    let mut b = [0u8; 12];
-    getrandom::fill(&mut b).expect("the OS random source");
-    strata_kv::auth::hex(&b)
-}
+pub use crate::state::fresh_id;
 
 /// A client's request id, if it is one we can echo: 1 to 128 visible ASCII characters.
 pub fn client_request_id(v: Option<&HeaderValue>) -> Option<String> {

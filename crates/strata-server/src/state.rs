@@ -139,3 +139,10 @@ pub fn cpu_gate() -> Arc<tokio::sync::Semaphore> {
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
     ))
 }
+
+/// A fresh random id (96 bits, hex): unique across workers and restarts.
+pub fn fresh_id() -> String {
+    let mut b = [0u8; 12];
+    getrandom::fill(&mut b).expect("the OS random source");
+    strata_kv::auth::hex(&b)
+}

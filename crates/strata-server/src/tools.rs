@@ -233,18 +233,29 @@ fn lark_str(s: &str) -> String {
 
 /// The system text that shows the tools to the model.
 pub fn system_text(defs: &[ToolDef]) -> String {
-    let mut s = String::from(
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
-         You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    const INTRO: [&str; 5] = [
+        "# Tools",
+        "",
+        "You may call one or more functions to assist with the user query.",
+        "",
+        "You are provided with function signatures within <tools></tools> XML tags:",
+    ];
+    const HOW: [&str; 6] = [
+        "</tools>",
+        "",
+        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:",
+        "<tool_call>",
+        r#"{"name": <function-name>, "arguments": <args-json-object>}"#,
+        "</tool_call>",
+    ];
+    let mut lines: Vec<String> = INTRO.iter().map(|l| l.to_string()).collect();
+    lines.push("<tools>".into());
+    lines.extend(
+        defs.iter()
+            .map(|d| serde_json::to_string(d).expect("a tool serializes")),
     );
-    for d in defs {
-        s += &serde_json::to_string(d).expect("a tool serializes");
-        s.push('\n');
-    }
-    s += "</tools>\n\nFor each function call, return a json object with function name and \
-          arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n\
-          {\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
-    s
+    lines.extend(HOW.iter().map(|l| l.to_string()));
+    lines.join("\n")
 }
 
 /// An earlier call as the model wrote it (assistant messages of the history).
@@ -319,7 +330,7 @@ fn parse_call(body: &str, names: &[String], index: usize) -> Option<Call> {
     };
     Some(Call {
         index,
-        id: format!("call_{}", crate::endpoints::fresh_id()),
+        id: format!("call_{}", crate::state::fresh_id()),
         name: name.to_string(),
         arguments,
     })
