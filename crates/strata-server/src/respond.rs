@@ -407,26 +407,31 @@ impl Streaming {
     }
 
     fn chunk_with(&self, text: Option<&str>, finish: Option<&str>, logprobs: Value) -> SseEvent {
-        let st = &self.answer.st;
-        let (object, choice) = match self.job.kind {
+        match self.job.kind {
             Kind::Chat => {
                 let delta = match (text, self.started) {
                     (Some(t), false) => json!({"role": "assistant", "content": t}),
                     (Some(t), true) => json!({"content": t}),
                     (None, _) => json!({}),
                 };
-                (
-                    "chat.completion.chunk",
+                self.envelope(
                     json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
                 )
             }
-            Kind::Completion => (
-                "text_completion",
+            Kind::Completion => self.envelope(
                 json!({"index": self.index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
             ),
+        }
+    }
+
+    /// One chunk around this choice.
+    fn envelope(&self, choice: Value) -> SseEvent {
+        let object = match self.job.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
         };
         let mut v = json!({"id": self.job.id, "object": object, "created": self.job.created,
-                           "model": st.model_name, "choices": [choice]});
+                           "model": self.answer.st.model_name, "choices": [choice]});
         if self.job.include_usage {
             v["usage"] = Value::Null;
         }
@@ -523,14 +528,9 @@ impl Streaming {
 
     /// A chat chunk with this delta.
     fn delta_chunk(&self, delta: Value, logprobs: Value) -> SseEvent {
-        let st = &self.answer.st;
-        let choice = json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": null});
-        let mut v = json!({"id": self.job.id, "object": "chat.completion.chunk",
-                           "created": self.job.created, "model": st.model_name, "choices": [choice]});
-        if self.job.include_usage {
-            v["usage"] = Value::Null;
-        }
-        SseEvent::default().data(v.to_string())
+        self.envelope(
+            json!({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
+        )
     }
 
     /// The SSE events for the next engine event (None: the stream is over).

@@ -111,8 +111,9 @@ pub fn asked(
     Ok(all.pop())
 }
 
-/// The grammar engine of this worker (built on first use).
-fn grammars(st: &AppState) -> Result<Arc<Grammars>, ApiError> {
+/// The grammar engine of this worker (built on first use; its error if the tokenizer cannot
+/// be described to it).
+fn grammars(st: &AppState) -> Result<Arc<Grammars>, String> {
     st.grammars
         .get_or_init(|| {
             let vocab = st.engine.info().vocab;
@@ -121,7 +122,6 @@ fn grammars(st: &AppState) -> Result<Arc<Grammars>, ApiError> {
                 .map_err(|e| e.to_string())
         })
         .clone()
-        .map_err(|e| ApiError::bad_request(e, Some("response_format")))
 }
 
 /// Compiles a constraint on a blocking thread; a refusal names the field it came from.
@@ -136,7 +136,7 @@ pub fn compile_now(
     c: &OutputConstraint,
     field: &'static str,
 ) -> Result<Constraint, ApiError> {
-    let g = grammars(st)?;
+    let g = grammars(st).map_err(|m| bad(format!("{field}: {m}"), field))?;
     match g.compile(c) {
         Ok(compiled) => Ok(compiled.into_constraint()),
         Err(GrammarError::Invalid(m) | GrammarError::Tokenizer(m)) => {

@@ -458,18 +458,21 @@ impl Scheduler {
                 "the output constraint allows no token here".into(),
             ));
         }
-        let ends = stop_tokens(&r.params, &self.cfg.stop_token_ids);
-        // A constraint that allows only the end wins over min_tokens.
-        let only_end = mask.is_some_and(|m| m.words.iter().all(|&w| w == 0));
-        let stops = if r.generated < r.params.min_tokens && !only_end {
-            ends.clone()
+        // The stop tokens, needed only under a mask or before min_tokens (no allocation on
+        // the common path).
+        let early = r.generated < r.params.min_tokens;
+        let ends = if mask.is_some() || early {
+            stop_tokens(&r.params, &self.cfg.stop_token_ids)
         } else {
             Vec::new()
         };
+        // A constraint that allows only the end wins over min_tokens.
+        let only_end = mask.is_some_and(|m| m.words.iter().all(|&w| w == 0));
+        let stops: &[u32] = if early && !only_end { &ends } else { &[] };
         let h = History {
             prompt: &r.tokens[..r.prompt_len],
             output: &r.tokens[r.prompt_len..],
-            stops: &stops,
+            stops,
             mask,
             ends: &ends,
         };
