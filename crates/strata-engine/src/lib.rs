@@ -26,6 +26,6 @@ pub use constraint::{Constraint, ConstraintSource, TokenConstraint, TokenMask};
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
 pub use request::{
     CachedTokens, EngineHealth, Event, ExportedKv, FinishReason, FlushScope, ImportedKv,
-    RequestStream, SamplingParams, SubmitError, TokenLogprobs, MAX_STOP_TOKEN_IDS,
+    PromptLogprobs, RequestStream, SamplingParams, SubmitError, TokenLogprobs, MAX_STOP_TOKEN_IDS,
 };
 pub use strata_kv::PrefetchPolicy;

@@ -39,6 +39,11 @@ pub struct SamplingParams {
     /// Report each chosen token's log probability and this many likeliest alternatives
     /// (None: no log probabilities).
     pub logprobs: Option<usize>,
+    /// Report the log probability of every prompt token after the first (and this many
+    /// likeliest alternatives), from the model's own distribution (no modifier, temperature
+    /// 1). The prompt is then computed whole: logits of cached positions do not exist, so the
+    /// prefix cache is not matched (its pages still join the tree at the end).
+    pub prompt_logprobs: Option<usize>,
     /// The output must follow this constraint (a grammar): only the tokens it allows are
     /// chosen, and the request ends when it is complete.
     pub constraint: Option<crate::constraint::Constraint>,
@@ -74,6 +79,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             min_tokens: 0,
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
         }
     }
@@ -125,6 +131,17 @@ pub struct ImportedKv {
     pub first_logprobs: Option<TokenLogprobs>,
     /// How the prefill worker served the prompt (reported as this request's cached tokens).
     pub cached: CachedTokens,
+    /// The prompt's log probabilities (positions 1..), when the request asked for them.
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
+}
+
+/// The log probabilities of a prompt's tokens: the first has none (nothing precedes it); each
+/// later one's comes from the logits of the position before it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprobs {
+    pub first_token: u32,
+    /// Positions 1.. of the prompt, in order.
+    pub tokens: Vec<TokenLogprobs>,
 }
 
 /// Events of one request, in order: `Admitted`, then `Token`s, then one `Done`.
@@ -132,6 +149,9 @@ pub struct ImportedKv {
 pub enum Event {
     /// The prompt was matched against the cache; computing starts.
     Admitted { cached: CachedTokens },
+    /// The prompt's log probabilities (requests that asked for them), once, before the first
+    /// token.
+    PromptLogprobs(Arc<PromptLogprobs>),
     /// The log probabilities of the token that follows (requests that asked for them).
     Logprobs(TokenLogprobs),
     /// One generated token.
@@ -295,6 +315,12 @@ pub fn check_modifiers(p: &SamplingParams, vocab: usize) -> Result<(), SubmitErr
         return bad(
             "top_logprobs",
             format!("{k} alternatives per token: at most {MAX_TOP_LOGPROBS}"),
+        );
+    }
+    if let Some(k) = p.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+        return bad(
+            "logprobs",
+            format!("{k} alternatives per prompt token: at most {MAX_TOP_LOGPROBS}"),
         );
     }
     if p.min_tokens > p.max_tokens {

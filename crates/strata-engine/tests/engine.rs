@@ -67,7 +67,7 @@ fn run(
     while let Some(ev) = s.events.blocking_recv() {
         match ev {
             Event::Admitted { cached: c } => cached = Some(c),
-            Event::Kv(_) | Event::Logprobs(_) => {}
+            Event::Kv(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
             Event::Token(t) => out.push(t),
             Event::Done {
                 reason,
@@ -372,6 +372,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     assert_eq!(kv.pages.len(), 3);
     let imported = ImportedKv {
         first_logprobs: None,
+        prompt_logprobs: None,
         pages: kv.pages.clone(),
         first_token: first.unwrap(),
         cached: CachedTokens::default(),
@@ -390,6 +391,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     // Wrong page count or size is refused with the numbers.
     let bad = ImportedKv {
         first_logprobs: None,
+        prompt_logprobs: None,
         pages: kv.pages[..2].to_vec(),
         first_token: 1,
         cached: CachedTokens::default(),

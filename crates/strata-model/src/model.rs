@@ -265,16 +265,28 @@ impl Model {
         seqs: &[SeqInput],
         all_logits: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_rows(pool, seqs, &vec![all_logits; seqs.len()])
+    }
+
+    /// [`Model::forward`], choosing per sequence: `all[i]` gives the logits of every token of
+    /// sequence `i` (row after row), else of its last token only.
+    pub fn forward_rows(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
         // On a worker of the thread pool, so parallel matrix products split between this
         // thread and the others instead of waking the pool and sleeping on every call.
-        rayon::scope(|_| self.forward_inner(pool, seqs, all_logits))
+        rayon::scope(|_| self.forward_inner(pool, seqs, all))
     }
 
     fn forward_inner(
         &self,
         pool: &DevicePool,
         seqs: &[SeqInput],
-        all_logits: bool,
+        all_logits: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let rows = self.rows_of(pool, seqs)?; // (seq, position)
         let n = rows.len();
@@ -419,15 +431,15 @@ impl Model {
         x: &[f32],
         seqs: &[SeqInput],
         q8: &[bool],
-        all_logits: bool,
+        all_logits: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config;
         let h = c.hidden;
         let mut pick = Vec::new();
         let mut at = 0;
-        for s in seqs {
+        for (s, &all) in seqs.iter().zip(all_logits) {
             let len = s.tokens.len();
-            if all_logits {
+            if all {
                 pick.extend(at..at + len);
             } else if len > 0 {
                 pick.push(at + len - 1);
@@ -443,8 +455,8 @@ impl Model {
         let logits = self.mm(&sel, &pick_q8, &self.embed, true)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
-        for s in seqs {
-            let take = if all_logits {
+        for (s, &all) in seqs.iter().zip(all_logits) {
+            let take = if all {
                 s.tokens.len()
             } else {
                 usize::from(!s.tokens.is_empty())

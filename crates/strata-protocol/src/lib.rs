@@ -169,6 +169,9 @@ pub struct FirstTokenSampling {
     /// Log probabilities of the first token and this many alternatives (None: not asked).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Log probabilities of the prompt's tokens and this many alternatives (None: not asked).
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
     /// The output's constraint: the first token is chosen under it too.
     #[serde(default)]
     pub constraint: Option<OutputConstraint>,
@@ -213,6 +216,7 @@ impl Default for FirstTokenSampling {
             min_p: 0.0,
             min_tokens: 0,
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
         }
     }
@@ -236,6 +240,9 @@ pub struct PrefillResponse {
     /// The first token's log probabilities, when the request asked for them.
     #[serde(default)]
     pub first_logprobs: Option<WireLogprobs>,
+    /// The log probabilities of prompt positions 1.., when the request asked for them.
+    #[serde(default)]
+    pub prompt_logprobs: Option<Vec<WireLogprobs>>,
 }
 
 /// A token's log probability and its likeliest alternatives (token id, log probability).

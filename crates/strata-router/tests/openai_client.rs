@@ -1,6 +1,6 @@
 //! The official `openai` Python client (pinned in scripts/requirements-test.txt, installed by
 //! scripts/test.sh) against one worker and against the router in front of a prefill and a
-//! decode worker: chat, streaming with usage, logprobs, sampling fields, documented no-ops,
+//! decode worker: chat, streaming with usage, logprobs (the prompt's with echo), best_of, sampling fields, documented no-ops,
 //! refusals naming their field, unknown fields refused, models, request ids, structured output
 //! (20/20 valid at temperature 1) and tool calls; and langchain-openai's `bind_tools`
 //! (`tool_choice="required"`) and `with_structured_output` (json_schema, 20/20).

@@ -1,6 +1,6 @@
 //! Under prefill/decode disaggregation the prefill worker samples the first token with the
-//! request's own parameters: the logit modifiers and log probabilities give the same answer as
-//! one worker doing both.
+//! request's own parameters: the logit modifiers, log probabilities (the prompt's too) and
+//! output constraints give the same answer as one worker doing both.
 
 mod common;
 use common::start_router;
@@ -112,6 +112,40 @@ async fn pd_chooses_the_first_token_under_the_output_constraint() {
         let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert!(v["n"].is_u64() && v["ok"].is_boolean(), "{text}");
         assert_eq!(a["choices"][0]["finish_reason"], "stop");
+    }
+    assert!(
+        decode.state.engine.snapshot().transferred_prompt_tokens > 0,
+        "the requests went through PD"
+    );
+    for w in [prefill, decode, single] {
+        w.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_returns_the_prompts_logprobs_from_the_prefill_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let Setup {
+        prefill,
+        decode,
+        single,
+        pd,
+        one,
+    } = setup(&tiny_model(d.path())).await;
+    for n in [1, 2] {
+        let body = json!({"prompt": (10..60).collect::<Vec<u32>>(), "max_tokens": 3, "n": n,
+                          "temperature": 0, "ignore_eos": true, "echo": true, "logprobs": 2});
+        let (st, a): (u16, Value) = post(&format!("{pd}/v1/completions"), &body).await;
+        assert_eq!(st, 200, "{a}");
+        let (_, b) = post(&format!("{one}/v1/completions"), &body).await;
+        for i in 0..n {
+            let (x, y) = (&a["choices"][i]["logprobs"], &b["choices"][i]["logprobs"]);
+            assert_eq!(x, y, "n {n}, choice {i}");
+            // 50 prompt tokens (the first without a log probability), then 3 generated.
+            let lps = x["token_logprobs"].as_array().unwrap();
+            assert_eq!(lps.len(), 53, "{x}");
+            assert!(lps[0].is_null() && lps[1..].iter().all(|v| v.as_f64() <= Some(0.0)));
+        }
     }
     assert!(
         decode.state.engine.snapshot().transferred_prompt_tokens > 0,

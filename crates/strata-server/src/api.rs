@@ -163,6 +163,8 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// The prompt's text before the completion.
     pub echo: Option<bool>,
+    /// Candidates generated per request, of which the `n` likeliest are returned.
+    pub best_of: Option<usize>,
     #[serde(flatten)]
     pub sampling: Sampling,
 }

@@ -127,12 +127,6 @@ async fn completions(
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, req.model.as_deref())?;
     let echo = req.echo == Some(true);
-    if echo && req.sampling.logprobs.is_some() {
-        return Err(ApiError::bad_request(
-            "echo with logprobs needs the prompt's log probabilities: not supported yet",
-            Some("echo"),
-        ));
-    }
     let echoed = match (&req.prompt, echo) {
         (Prompt::Text(t), true) => Some(t.clone()),
         (Prompt::Texts(v), true) => Some(v.concat()),
@@ -170,6 +164,7 @@ async fn completions(
         echo: echoed,
         constraint,
         tools: None,
+        best_of: req.best_of,
     };
     start(st, ids, &req.sampling, how, &headers, &bytes).await
 }
@@ -216,6 +211,7 @@ async fn chat(
         echo: None,
         constraint,
         tools: tools.and_then(|t| t.callable()),
+        best_of: None,
     };
     start(st, ids, &sampling, how, &headers, &bytes).await
 }
@@ -227,6 +223,8 @@ struct How {
     echo: Option<String>,
     constraint: Option<strata_engine::Constraint>,
     tools: Option<Vec<String>>,
+    /// Completions' `best_of` (None: `n`).
+    best_of: Option<usize>,
 }
 
 async fn start(
@@ -241,7 +239,13 @@ async fn start(
     let kind = how.kind;
     let (mut params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
     params.constraint = how.constraint;
+    // Completions' echo with logprobs: the prompt's too, with as many alternatives.
+    let prompt_logprobs = how.echo.is_some() && params.logprobs.is_some();
+    if prompt_logprobs {
+        params.prompt_logprobs = params.logprobs;
+    }
     let n = s.n.unwrap_or(1);
+    let best_of = crate::choices::best_of(how.best_of, n, s.stream)?;
     let prefill = prefill_worker(&st, headers, kind, body)?;
     let prefix = if kind == Kind::Chat {
         "chatcmpl"
@@ -260,11 +264,12 @@ async fn start(
         stops,
         min_tokens: params.min_tokens,
         logprobs: params.logprobs.is_some(),
+        prompt_logprobs,
         echo: how.echo,
         tools: how.tools,
     };
-    if n > 1 {
-        return crate::choices::answer(st, ids, params, job, n, prefill).await;
+    if best_of > 1 {
+        return crate::choices::answer(st, ids, params, job, (n, best_of), prefill).await;
     }
     let mut rs = match prefill {
         Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,

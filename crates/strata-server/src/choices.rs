@@ -3,6 +3,10 @@
 //! worker with its K/V imported here under PD); each choice is a request that finds the prompt
 //! cached and computes only its last page, then samples on its own (seed + index when a seed
 //! is given: every choice reproducible).
+//!
+//! `best_of` > `n` (completions): that many candidates, of which the `n` with the highest
+//! mean log probability per token (of the distribution each token was drawn from) are
+//! returned, likeliest first; not streamed (the best are known only at the end).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +16,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive};
 use axum::response::{IntoResponse, Response, Sse};
 use futures_util::stream::{self, StreamExt};
 use strata_engine::request::CachedTokens;
-use strata_engine::{Event, FinishReason, SamplingParams};
+use strata_engine::{Event, FinishReason, PromptLogprobs, SamplingParams};
 
 use crate::api::Usage;
 use crate::error::ApiError;
@@ -25,13 +29,13 @@ use crate::state::AppState;
 pub const MAX_CHOICES: usize = 16;
 
 /// Computes the prompt once (here, or on `prefill` with its K/V imported) so that its pages
-/// are cached here; how the cache served it.
+/// are cached here; how the cache served it, and the prompt's log probabilities when asked.
 async fn prefill_once(
     st: &Arc<AppState>,
     ids: &[u32],
     params: &SamplingParams,
     prefill: Option<&str>,
-) -> Result<CachedTokens, ApiError> {
+) -> Result<(CachedTokens, Option<Arc<PromptLogprobs>>), ApiError> {
     let p = SamplingParams {
         max_tokens: 1,
         logprobs: None,
@@ -47,12 +51,13 @@ async fn prefill_once(
             .submit(ids.to_vec(), p)
             .map_err(|e| ApiError::from_submit(&e))?,
     };
-    let mut cached = CachedTokens::default();
+    let (mut cached, mut prompt) = (CachedTokens::default(), None);
     while let Some(ev) = rs.events.recv().await {
         match ev {
             Event::Admitted { cached: c } => cached = c,
+            Event::PromptLogprobs(p) => prompt = Some(p),
             Event::Done { reason, .. } => match reason {
-                FinishReason::Stop | FinishReason::Length => return Ok(cached),
+                FinishReason::Stop | FinishReason::Length => return Ok((cached, prompt)),
                 FinishReason::QueueTimeout { waited } => {
                     return Err(ApiError::queue_timeout(waited))
                 }
@@ -71,21 +76,50 @@ async fn prefill_once(
     ))
 }
 
-/// Answers a request for `n` choices.
+/// Completions' `best_of` checked against `n`: the number of candidates to generate.
+pub(crate) fn best_of(best_of: Option<usize>, n: usize, stream: bool) -> Result<usize, ApiError> {
+    let b = best_of.unwrap_or(n);
+    let bad = |m: String| Err(ApiError::bad_request(m, Some("best_of")));
+    if b < n || b > MAX_CHOICES {
+        return bad(format!(
+            "best_of = {b}: from n ({n}) to {MAX_CHOICES} candidates"
+        ));
+    }
+    if b > n && stream {
+        return bad("best_of > n cannot be streamed: the best are known only at the end".into());
+    }
+    Ok(b)
+}
+
+/// The mean log probability per token of a candidate (an empty one ranks last).
+fn mean_logprob(lps: &[strata_engine::TokenLogprobs]) -> f64 {
+    if lps.is_empty() {
+        return f64::NEG_INFINITY;
+    }
+    lps.iter().map(|l| l.logprob as f64).sum::<f64>() / lps.len() as f64
+}
+
+/// Answers a request for `n` choices out of `best_of` candidates.
 pub(crate) async fn answer(
     st: Arc<AppState>,
     ids: Vec<u32>,
-    params: SamplingParams,
+    mut params: SamplingParams,
     job: Job,
-    n: usize,
+    (n, best_of): (usize, usize),
     prefill: Option<String>,
 ) -> Result<Response, ApiError> {
-    let cached = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
+    if best_of > n {
+        // The candidates are ranked by their tokens' log probabilities.
+        params.logprobs = Some(params.logprobs.unwrap_or(0));
+    }
+    let (cached, prompt_lps) = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
     let prompt = ids.len();
-    let mut answers = Vec::with_capacity(n);
-    for i in 0..n {
+    let mut answers = Vec::with_capacity(best_of);
+    for i in 0..best_of {
         let p = SamplingParams {
             seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+            // Computed once above; each choice finds the prompt cached.
+            prompt_logprobs: None,
             ..params.clone()
         };
         let mut rs = st
@@ -93,18 +127,35 @@ pub(crate) async fn answer(
             .submit(ids.clone(), p)
             .map_err(|e| ApiError::from_submit(&e))?;
         let first = first_event(&mut rs).await?;
-        answers.push(Answer::new(st.clone(), rs, &job, first));
+        let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(prompt_lps.clone());
+        answers.push(a);
     }
     if job.stream {
         return Ok(streamed(st, job, answers, prompt, cached).into_response());
     }
     let results = futures_util::future::join_all(answers.iter_mut().map(collect)).await;
-    let mut choices = Vec::with_capacity(n);
+    let mut done = Vec::with_capacity(best_of);
     let mut completion = 0;
-    for (i, (r, a)) in results.into_iter().zip(&answers).enumerate() {
-        let (text, reason, lps) = r?;
+    for (r, a) in results.into_iter().zip(&answers) {
         completion += a.completion_tokens();
-        choices.push(choice_json(&st, &job, i, &text, reason, &lps));
+        done.push((r?, a));
+    }
+    if best_of > n {
+        // Likeliest first (the earlier candidate on a tie); the rest are dropped.
+        done.sort_by(|x, y| mean_logprob(&y.0 .2).total_cmp(&mean_logprob(&x.0 .2)));
+        done.truncate(n);
+    }
+    let mut choices = Vec::with_capacity(n);
+    for (i, ((text, reason, lps), a)) in done.into_iter().enumerate() {
+        choices.push(choice_json(
+            &st,
+            &job,
+            i,
+            &text,
+            reason,
+            &lps,
+            a.prompt_logprobs(),
+        ));
     }
     let usage = Usage::new(prompt, completion, cached.total());
     Ok(whole_body(&st, &job, choices, usage))

@@ -63,11 +63,8 @@ fn is_false(v: &Value) -> bool {
 fn is_true(v: &Value) -> bool {
     null_or(v, |v| v == &Value::Bool(true))
 }
-fn is_one(v: &Value) -> bool {
-    null_or(v, |v| v.as_u64() == Some(1))
-}
-fn is_zero(v: &Value) -> bool {
-    null_or(v, |v| v.as_u64() == Some(0))
+fn is_null(v: &Value) -> bool {
+    v.is_null()
 }
 fn is_empty(v: &Value) -> bool {
     null_or(v, |v| match v {
@@ -119,12 +116,12 @@ pub const FIELDS: &[Field] = &[
     Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },
     Field { name: "logit_bias", on: On::Both, fate: Fate::Supported, doc: "Token id (a string) → [-100, 100] added to its logit; up to 1024 entries." },
     Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given). Under PD the prefill worker computes the prompt once and the decode worker continues the choices from its K/V." },
-    Field { name: "best_of", on: On::Completions, fate: Fate::Neutral(is_one, "only best_of = 1 is supported yet"), doc: "Candidates per choice." },
+    Field { name: "best_of", on: On::Completions, fate: Fate::Supported, doc: "n to 16 candidates (seed + index each), of which the n with the highest mean log probability per token are returned, likeliest first; the usage counts every candidate's tokens. Not streamed when best_of > n (400)." },
     // Output options.
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
     Field { name: "top_logprobs", on: On::Chat, fate: Fate::Supported, doc: "0 to 20 likeliest alternatives per token (needs `logprobs: true`)." },
-    Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_zero, "log probabilities are not supported yet"), doc: "vLLM: log probabilities of the prompt's tokens." },
-    Field { name: "echo", on: On::Completions, fate: Fate::Supported, doc: "The prompt's text before the completion (streamed first); not with logprobs yet (400)." },
+    Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_null, "vLLM's prompt_logprobs is not supported: on /v1/completions, echo with logprobs gives the prompt's"), doc: "vLLM: log probabilities of the prompt's tokens in vLLM's shape (use completions' `echo` with `logprobs`)." },
+    Field { name: "echo", on: On::Completions, fate: Fate::Supported, doc: "The prompt's text before the completion (streamed first). With `logprobs`, the prompt tokens' log probabilities come first too (the first token's null), from the model's own distribution; the prompt is then computed whole (not matched in the prefix cache, whose logits are not kept)." },
     Field { name: "echo", on: On::Chat, fate: Fate::Neutral(is_false, "echo is not supported on chat"), doc: "vLLM: the last message repeated before the answer." },
     Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
     Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },
@@ -375,10 +372,10 @@ mod tests {
             comp(r#"{"prompt": "a", "suffix": "", "echo": false, "best_of": 1}"#),
             None
         );
-        assert_eq!(comp(r#"{"prompt": "a", "echo": true}"#), None);
+        assert_eq!(comp(r#"{"prompt": "a", "echo": true, "best_of": 2}"#), None);
         assert_eq!(
-            comp(r#"{"prompt": "a", "best_of": 2}"#).as_deref(),
-            Some("best_of")
+            comp(r#"{"prompt": "a", "prompt_logprobs": 0}"#).as_deref(),
+            Some("prompt_logprobs")
         );
         assert_eq!(
             comp(r#"{"prompt": "a", "messages": []}"#).as_deref(),
@@ -392,7 +389,7 @@ mod tests {
         )
         .is_ok());
         assert!(check(
-            br#"{"prompt": "a", "best_of": 2}"#,
+            br#"{"prompt": "a", "prompt_logprobs": 1}"#,
             Endpoint::Completions,
             true
         )

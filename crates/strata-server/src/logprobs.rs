@@ -2,7 +2,7 @@
 //! top_logprobs}]}`) and completions (`{tokens, token_logprobs, top_logprobs, text_offset}`).
 
 use serde_json::{json, Map, Value};
-use strata_engine::TokenLogprobs;
+use strata_engine::{PromptLogprobs, TokenLogprobs};
 use strata_model::ModelTokenizer;
 
 /// A token's text as the client sees it (its UTF-8 bytes go with it).
@@ -53,11 +53,12 @@ pub(crate) fn render(
             let top: Vec<Value> = lps
                 .iter()
                 .map(|l| {
-                    let m: Map<String, Value> = l
-                        .top
-                        .iter()
-                        .map(|&(id, lp)| (text(tk, id), json!(lp)))
-                        .collect();
+                    // Keyed by text: of alternatives that decode alike (two halves of one
+                    // character), the likeliest stands.
+                    let mut m = Map::new();
+                    for &(id, lp) in &l.top {
+                        m.entry(text(tk, id)).or_insert(json!(lp));
+                    }
                     Value::Object(m)
                 })
                 .collect();
@@ -66,4 +67,34 @@ pub(crate) fn render(
                    "top_logprobs": top, "text_offset": offsets})
         }
     }
+}
+
+/// A prompt's log probabilities in the completions shape (`echo` with `logprobs`): the first
+/// token's log probability and alternatives are null (nothing precedes it); offsets count from
+/// the start of the prompt.
+pub(crate) fn render_prompt(tk: &ModelTokenizer, p: &PromptLogprobs) -> Value {
+    let first = text(tk, p.first_token);
+    let mut v = render(tk, false, &p.tokens, first.chars().count());
+    let lead = [
+        ("tokens", json!(first)),
+        ("token_logprobs", Value::Null),
+        ("top_logprobs", Value::Null),
+        ("text_offset", json!(0)),
+    ];
+    for (key, x) in lead {
+        if let Some(a) = v[key].as_array_mut() {
+            a.insert(0, x);
+        }
+    }
+    v
+}
+
+/// Two completions-shaped `logprobs` one after the other.
+pub(crate) fn concat(mut a: Value, b: Value) -> Value {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(x), Some(y)) = (a[key].as_array_mut(), b[key].as_array()) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    a
 }

@@ -16,7 +16,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use strata_engine::transfer::{self, OutPage};
-use strata_engine::{CachedTokens, Event, ExportedKv, FinishReason, SamplingParams, TokenLogprobs};
+use strata_engine::{
+    CachedTokens, Event, ExportedKv, FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs,
+};
 
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
@@ -89,11 +91,10 @@ async fn prefill_work(
     let prompt_tokens = req.tokens.len();
     let done = compute_prefill(st, &req.tokens, params, arrived).await?;
     let (first, cached) = (done.first, done.cached);
-    let first_logprobs = done.logprobs.map(|l| WireLogprobs {
-        token: l.token,
-        logprob: l.logprob,
-        top: l.top,
-    });
+    let first_logprobs = done.logprobs.map(wire);
+    let prompt_logprobs = done
+        .prompt_logprobs
+        .map(|p| p.tokens.iter().cloned().map(wire).collect());
     let stats = match send_prefill(st, addr, id, req.tokens, done.kv).await {
         Ok(Ok(stats)) => stats,
         Ok(Err(e)) => {
@@ -125,6 +126,7 @@ async fn prefill_work(
         .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
     Ok(Json(PrefillResponse {
         first_logprobs,
+        prompt_logprobs,
         first_token: first,
         prompt_tokens,
         cached_device: cached.device,
@@ -174,6 +176,7 @@ fn prefill_request(
         // The decode worker counts the rest; one token here: at most one.
         min_tokens: w.min_tokens.min(1),
         logprobs: w.logprobs,
+        prompt_logprobs: w.prompt_logprobs,
         constraint: None,
     };
     Ok((req, id, addr, params))
@@ -183,6 +186,7 @@ fn prefill_request(
 struct Prefilled {
     first: u32,
     logprobs: Option<TokenLogprobs>,
+    prompt_logprobs: Option<Arc<PromptLogprobs>>,
     kv: Arc<ExportedKv>,
     cached: CachedTokens,
 }
@@ -200,10 +204,11 @@ async fn compute_prefill(
         .submit_export(tokens.to_vec(), params)
         .map_err(|e| ApiError::from_submit(&e))?;
     let (mut first, mut kv, mut cached) = (None, None, CachedTokens::default());
-    let mut logprobs = None;
+    let (mut logprobs, mut prompt_logprobs) = (None, None);
     while let Some(ev) = rs.events.recv().await {
         match ev {
             Event::Admitted { cached: c } => cached = c,
+            Event::PromptLogprobs(p) => prompt_logprobs = Some(p),
             Event::Logprobs(l) => logprobs = Some(l),
             Event::Token(t) => {
                 // The prefill's part of the client's TTFT (the client's own TTFT is measured
@@ -231,6 +236,7 @@ async fn compute_prefill(
         (Some(first), Some(kv)) => Ok(Prefilled {
             first,
             logprobs,
+            prompt_logprobs,
             kv,
             cached,
         }),
@@ -370,6 +376,7 @@ pub async fn decode_after_remote_prefill(
             min_p: params.min_p,
             min_tokens: params.min_tokens,
             logprobs: params.logprobs,
+            prompt_logprobs: params.prompt_logprobs,
             constraint: params
                 .constraint
                 .as_ref()
@@ -385,12 +392,13 @@ pub async fn decode_after_remote_prefill(
     if got.tokens != ids {
         return Err(bad_gateway("the K/V received is for other tokens".into()));
     }
+    check_logprobs(&pr, &ids, &params)?;
     let kv = strata_engine::ImportedKv {
-        first_logprobs: pr.first_logprobs.clone().map(|l| TokenLogprobs {
-            token: l.token,
-            logprob: l.logprob,
-            top: l.top,
-        }),
+        first_logprobs: pr.first_logprobs.clone().map(unwire),
+        prompt_logprobs: pr
+            .prompt_logprobs
+            .clone()
+            .map(|v| v.into_iter().map(unwire).collect()),
         pages: got.pages,
         first_token: pr.first_token,
         cached: CachedTokens {
@@ -402,6 +410,51 @@ pub async fn decode_after_remote_prefill(
     st.engine
         .submit_prefilled(ids, params, kv)
         .map_err(|e| ApiError::from_submit(&e))
+}
+
+fn wire(l: TokenLogprobs) -> WireLogprobs {
+    WireLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top,
+    }
+}
+
+fn unwire(l: WireLogprobs) -> TokenLogprobs {
+    TokenLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top,
+    }
+}
+
+/// The prefill worker's log probabilities are what was asked, for these tokens: the first
+/// token's when asked, and one entry per prompt token after the first, each for that token,
+/// with at most the alternatives asked.
+fn check_logprobs(pr: &PrefillResponse, ids: &[u32], p: &SamplingParams) -> Result<(), ApiError> {
+    let fits = |l: &WireLogprobs, k: usize| l.top.len() <= k && l.logprob <= 0.0;
+    let first_ok = match (&pr.first_logprobs, p.logprobs) {
+        (None, None) => true,
+        (Some(l), Some(k)) => l.token == pr.first_token && fits(l, k),
+        _ => false,
+    };
+    let prompt_ok = match (&pr.prompt_logprobs, p.prompt_logprobs) {
+        (None, None) => true,
+        (Some(v), Some(k)) => {
+            v.len() + 1 == ids.len()
+                && v.iter()
+                    .zip(&ids[1..])
+                    .all(|(l, &t)| l.token == t && fits(l, k))
+        }
+        _ => false,
+    };
+    if first_ok && prompt_ok {
+        Ok(())
+    } else {
+        Err(bad_gateway(
+            "the prefill worker's log probabilities do not match the request".into(),
+        ))
+    }
 }
 
 /// Refuses, before any remote work, what this worker could not run anyway: a request too

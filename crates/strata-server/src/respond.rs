@@ -16,7 +16,7 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use strata_engine::request::CachedTokens;
-use strata_engine::{Event, FinishReason, RequestStream, TokenLogprobs};
+use strata_engine::{Event, FinishReason, PromptLogprobs, RequestStream, TokenLogprobs};
 
 use crate::api::Usage;
 use crate::error::{engine_error, ApiError};
@@ -44,6 +44,9 @@ pub(crate) struct Job {
     pub(crate) min_tokens: usize,
     /// The client asked for log probabilities.
     pub(crate) logprobs: bool,
+    /// Completions' `echo` with `logprobs`: the prompt's log probabilities go before the
+    /// completion's.
+    pub(crate) prompt_logprobs: bool,
     /// Completions' `echo`: the prompt's text, before the completion's.
     pub(crate) echo: Option<String>,
     /// Chat with tools: the functions whose calls are parsed out of the answer.
@@ -111,6 +114,8 @@ pub(crate) enum End {
 pub(crate) enum Step {
     /// The prompt was admitted (the cache served part of it).
     Admitted,
+    /// The prompt's log probabilities arrived.
+    Prompt,
     /// The engine failed on this request (its end follows).
     Failed(String),
     /// New text (never empty), with the log probabilities of the tokens it completes (when
@@ -134,6 +139,8 @@ pub(crate) struct Answer {
     cached: CachedTokens,
     /// Log probabilities of tokens whose text is not out yet.
     logprobs: Vec<TokenLogprobs>,
+    /// The prompt's log probabilities (requests that asked for them).
+    prompt_lps: Option<Arc<PromptLogprobs>>,
 }
 
 impl Answer {
@@ -149,7 +156,20 @@ impl Answer {
             completion: 0,
             cached: CachedTokens::default(),
             logprobs: Vec::new(),
+            prompt_lps: None,
         }
+    }
+
+    /// The prompt's log probabilities, computed by another request (`n` > 1 computes the
+    /// prompt once).
+    pub(crate) fn with_prompt_logprobs(mut self, p: Option<Arc<PromptLogprobs>>) -> Answer {
+        self.prompt_lps = p;
+        self
+    }
+
+    /// The prompt's log probabilities, once they arrived.
+    pub(crate) fn prompt_logprobs(&self) -> Option<&PromptLogprobs> {
+        self.prompt_lps.as_deref()
     }
 
     /// A text step with the log probabilities gathered for it.
@@ -176,6 +196,10 @@ impl Answer {
         match ev {
             Some(Event::Kv(_)) => {}
             Some(Event::Logprobs(l)) => self.logprobs.push(l),
+            Some(Event::PromptLogprobs(p)) => {
+                self.prompt_lps = Some(p);
+                out.push(Step::Prompt);
+            }
             Some(Event::Admitted { cached }) => {
                 self.cached = cached;
                 out.push(Step::Admitted);
@@ -238,7 +262,7 @@ pub(crate) async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut a = Answer::new(st.clone(), rs, &job, first);
     let (text, reason, lps) = collect(&mut a).await?;
-    let choice = choice_json(&st, &job, 0, &text, reason, &lps);
+    let choice = choice_json(&st, &job, 0, &text, reason, &lps, a.prompt_logprobs());
     Ok(whole_body(&st, &job, vec![choice], a.usage()))
 }
 
@@ -255,7 +279,7 @@ pub(crate) async fn collect(
         };
         for step in steps {
             match step {
-                Step::Admitted => {}
+                Step::Admitted | Step::Prompt => {}
                 Step::Failed(m) => return Err(engine_error(&m)),
                 Step::Text(d, l) => {
                     out += &d;
@@ -290,10 +314,17 @@ pub(crate) fn choice_json(
     text: &str,
     reason: &str,
     lps: &[TokenLogprobs],
+    prompt: Option<&PromptLogprobs>,
 ) -> Value {
-    let logprobs = match job.logprobs {
-        true => crate::logprobs::render(&st.tokenizer, job.kind == Kind::Chat, lps, 0),
-        false => Value::Null,
+    let tk = &st.tokenizer;
+    let logprobs = match (job.logprobs, prompt.filter(|_| job.prompt_logprobs)) {
+        (true, Some(p)) => {
+            let at = job.echo.as_ref().map_or(0, |e| e.chars().count());
+            let gen = crate::logprobs::render(tk, false, lps, at);
+            crate::logprobs::concat(crate::logprobs::render_prompt(tk, p), gen)
+        }
+        (true, None) => crate::logprobs::render(tk, job.kind == Kind::Chat, lps, 0),
+        (false, _) => Value::Null,
     };
     let echoed;
     let text = match &job.echo {
@@ -378,6 +409,8 @@ pub(crate) struct Streaming {
     sent_chars: usize,
     /// Chat with tools: the answer's text → content and calls.
     tools: Option<crate::tools::ToolStream>,
+    /// Completions' echo was sent.
+    echoed: bool,
 }
 
 impl Streaming {
@@ -394,6 +427,7 @@ impl Streaming {
             started: false,
             sent_chars: 0,
             tools,
+            echoed: false,
         }
     }
 
@@ -445,12 +479,7 @@ impl Streaming {
                 out.push(self.chunk(Some(""), None));
                 self.started = true;
             }
-            Step::Admitted => {
-                if let Some(e) = self.job.echo.clone() {
-                    out.push(self.chunk(Some(&e), None));
-                    self.sent_chars += e.chars().count();
-                }
-            }
+            Step::Admitted | Step::Prompt => self.echo(out),
             Step::Text(d, lps) if self.tools.is_some() => self.render_tools(Some(&d), lps, out),
             Step::Text(d, lps) => {
                 let st = &self.answer.st;
@@ -495,6 +524,22 @@ impl Streaming {
                 }
             }
         }
+    }
+
+    /// Completions' echo, once: at admission, or with the prompt's log probabilities when
+    /// they are asked for (they come once the prompt is computed).
+    fn echo(&mut self, out: &mut Vec<SseEvent>) {
+        let Some(e) = self.job.echo.clone().filter(|_| !self.echoed) else {
+            return;
+        };
+        let lp = match (self.job.prompt_logprobs, self.answer.prompt_logprobs()) {
+            (false, _) => Value::Null,
+            (true, Some(p)) => crate::logprobs::render_prompt(&self.answer.st.tokenizer, p),
+            (true, None) => return,
+        };
+        out.push(self.chunk_with(Some(&e), None, lp));
+        self.sent_chars += e.chars().count();
+        self.echoed = true;
     }
 
     /// Chat with tools: text (None: the end) → content chunks and one tool-call delta per

@@ -1,6 +1,6 @@
 //! `n` > 1 on the tiny model: n choices cost one prefill (the prompt is computed once, the
 //! choices find it cached), seeded choices are reproducible, streaming interleaves the choices
-//! and ends once.
+//! and ends once; best_of returns the likeliest of its candidates.
 
 use serde_json::{json, Value};
 use strata_test_support::{
@@ -79,5 +79,61 @@ async fn n_choices_share_one_prefill() {
         let (st, e) = post(&url, &json!({"prompt": "a", "n": n})).await;
         assert_eq!((st, &e["error"]["param"]), (400, &json!("n")), "{e}");
     }
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn best_of_returns_the_likeliest_candidates() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let url = format!("{}/v1/completions", w.url);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 11 + 5) % 250).collect();
+    // The four candidates of best_of 4 are the four choices of n 4 with the same seed
+    // (candidate i samples with seed + i): rank those by mean log probability per token.
+    let all = json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+                     "ignore_eos": true, "n": 4, "logprobs": 0});
+    let (st, a) = post(&url, &all).await;
+    assert_eq!(st, 200, "{a}");
+    let mut ranked: Vec<(f64, String)> = a["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+            let mean = lps.iter().map(|v| v.as_f64().unwrap()).sum::<f64>() / lps.len() as f64;
+            (mean, c["text"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let texts: Vec<String> = ranked.iter().map(|r| r.1.clone()).collect();
+    ranked.sort_by(|x, y| y.0.total_cmp(&x.0));
+    // (This seed ranks a later candidate second: taking the first two would fail.)
+    assert_ne!(ranked[1].1, texts[1]);
+    let best = json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+                      "ignore_eos": true, "n": 2, "best_of": 4});
+    let (st, b) = post(&url, &best).await;
+    assert_eq!(st, 200, "{b}");
+    let choices = b["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], ranked[i].1, "{b} vs {ranked:?}");
+        // Not asked for: not shown (they were only used to rank).
+        assert!(c["logprobs"].is_null());
+    }
+    // Every candidate's tokens count.
+    assert_eq!(b["usage"]["completion_tokens"], 24, "{b}");
+
+    let bad = [
+        json!({"prompt": "a", "n": 3, "best_of": 2}),
+        json!({"prompt": "a", "best_of": 17}),
+        json!({"prompt": "a", "best_of": 2, "stream": true}),
+    ];
+    for body in bad {
+        let (st, e) = post(&url, &body).await;
+        assert_eq!((st, &e["error"]["param"]), (400, &json!("best_of")), "{e}");
+    }
+    // best_of = n streams (nothing to choose).
+    let ok = json!({"prompt": "a", "n": 2, "best_of": 2, "max_tokens": 2, "stream": true});
+    assert!(post_text(&url, &ok).await.contains("[DONE]"));
     w.stop().await;
 }

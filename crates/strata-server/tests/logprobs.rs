@@ -91,3 +91,122 @@ async fn logprobs_follow_the_greedy_choice_whole_and_streamed() {
     }
     w.stop().await;
 }
+
+/// Completions' `logprobs` as one list of (token, logprob) pairs.
+fn entries(l: &Value) -> Vec<(String, Value)> {
+    let tokens = l["tokens"].as_array().unwrap();
+    let lps = l["token_logprobs"].as_array().unwrap();
+    assert_eq!(tokens.len(), lps.len());
+    assert_eq!(l["top_logprobs"].as_array().unwrap().len(), tokens.len());
+    assert_eq!(l["text_offset"].as_array().unwrap().len(), tokens.len());
+    tokens
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .zip(lps.iter().cloned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let url = format!("{}/v1/completions", w.url);
+    let prompt = "one two three four five";
+    let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                      "ignore_eos": true, "echo": true, "logprobs": 2});
+    let (st, a) = post(&url, &body).await;
+    assert_eq!(st, 200, "{a}");
+    let c = &a["choices"][0];
+    let l = &c["logprobs"];
+    let all = entries(l);
+    let n_prompt = a["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(all.len(), n_prompt + 3, "{a}");
+    // The tokens spell the echoed text and the completion; offsets are where each starts.
+    let text: String = all.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(text, c["text"].as_str().unwrap());
+    assert!(text.starts_with(prompt));
+    let offsets: Vec<usize> = serde_json::from_value(l["text_offset"].clone()).unwrap();
+    let mut at = 0;
+    for (o, e) in offsets.iter().zip(&all) {
+        assert_eq!(*o, at);
+        at += e.0.chars().count();
+    }
+    // The first prompt token has nothing before it; every other one has its log probability
+    // and two alternatives, the likeliest at least as likely as the token itself.
+    assert!(all[0].1.is_null() && l["top_logprobs"][0].is_null(), "{l}");
+    for i in 1..all.len() {
+        let lp = all[i].1.as_f64().unwrap();
+        let top = l["top_logprobs"][i].as_object().unwrap();
+        // (Keyed by text: two alternatives that decode alike, e.g. two halves of a character,
+        // are one key.)
+        assert!((1..=2).contains(&top.len()), "{l}");
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(lp <= 0.0 && lp <= best + 1e-6, "{i}: {l}");
+    }
+    // The completion's part equals a request without echo (whose prompt came from the cache).
+    let mut plain = body.clone();
+    plain["echo"] = json!(false);
+    let (_, p) = post(&url, &plain).await;
+    let gen = entries(&p["choices"][0]["logprobs"]);
+    assert!(p["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+    for (x, y) in all[n_prompt..].iter().zip(&gen) {
+        assert_eq!(x.0, y.0);
+        assert!((x.1.as_f64().unwrap() - y.1.as_f64().unwrap()).abs() < 1e-4);
+    }
+    // Computed whole: not served from the cache.
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, again) = post(&url, &body).await;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{again}"
+    );
+    assert_eq!(again["choices"][0]["logprobs"], *l);
+
+    // Streamed: the echo chunk carries the prompt's entries; all chunks together equal the
+    // whole answer's.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = sse(&post_text(&url, &streamed).await);
+    assert_eq!(chunks[0]["choices"][0]["text"], prompt);
+    assert_eq!(
+        entries(&chunks[0]["choices"][0]["logprobs"]).len(),
+        n_prompt
+    );
+    let joined: Vec<(String, Value)> = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["logprobs"].is_object())
+        .flat_map(|c| entries(&c["choices"][0]["logprobs"]))
+        .collect();
+    assert_eq!(joined, all);
+
+    // n = 2: the prompt is scored once, and both choices carry it.
+    let mut two = body.clone();
+    two["n"] = json!(2);
+    let (st, t) = post(&url, &two).await;
+    assert_eq!(st, 200, "{t}");
+    for i in 0..2 {
+        let e = entries(&t["choices"][i]["logprobs"]);
+        assert_eq!(e[..n_prompt], all[..n_prompt], "choice {i}");
+    }
+
+    // An evaluation harness's loglikelihood call: token ids, one token, one alternative.
+    let ids = json!({"prompt": [5, 6, 7, 8, 9], "max_tokens": 1, "temperature": 0,
+                     "echo": true, "logprobs": 1});
+    let (st, e) = post(&url, &ids).await;
+    assert_eq!(st, 200, "{e}");
+    assert_eq!(entries(&e["choices"][0]["logprobs"]).len(), 6, "{e}");
+
+    // vLLM's prompt_logprobs shape is refused, naming the way that works.
+    let mut v = plain.clone();
+    v["prompt_logprobs"] = json!(0);
+    let (st, e) = post(&url, &v).await;
+    assert_eq!(
+        (st, &e["error"]["param"]),
+        (400, &json!("prompt_logprobs")),
+        "{e}"
+    );
+    w.stop().await;
+}

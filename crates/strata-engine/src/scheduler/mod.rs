@@ -28,6 +28,7 @@ use crate::state::{Shared, Snapshot};
 
 mod commands;
 mod constrained;
+mod prompt_logprobs;
 
 use constrained::{commit, masks_of};
 
@@ -78,6 +79,8 @@ struct Req {
     arrived: Instant,
     /// Its output constraint (taken out while its mask is computed).
     constraint: Option<Box<dyn TokenConstraint>>,
+    /// The prompt's log probabilities so far (requests that asked for them).
+    prompt_lps: Vec<crate::request::TokenLogprobs>,
 }
 
 impl Req {
@@ -99,6 +102,7 @@ impl Req {
             import: r.import,
             arrived: Instant::now(),
             constraint: r.constraint,
+            prompt_lps: Vec::new(),
         }
     }
 
@@ -215,9 +219,9 @@ impl Scheduler {
             }
             let prompt = &r.tokens[..r.prompt_len];
             let (new, prefetch) = (r.params.max_tokens, self.cfg.prefetch);
-            let mut lease = self
-                .cache
-                .admit(prompt, new, self.cfg.prefix_cache, prefetch);
+            // Prompt log probabilities need every prompt position's logits: computed whole.
+            let use_prefix = self.cfg.prefix_cache && r.params.prompt_logprobs.is_none();
+            let mut lease = self.cache.admit(prompt, new, use_prefix, prefetch);
             if lease.is_none() && self.cfg.prefix_cache && self.active.is_empty() {
                 // On an idle engine only the request's own locked prefix can keep it out (a
                 // fully cached page-aligned prompt whose reservation needs the page it would
@@ -264,6 +268,13 @@ impl Scheduler {
         self.snap.prompt_tokens += r.prompt_len as u64;
         self.snap.transferred_prompt_tokens += r.prompt_len as u64;
         let _ = r.tx.send(Event::Admitted { cached: r.cached });
+        if let Some(tokens) = kv.prompt_logprobs {
+            let p = crate::request::PromptLogprobs {
+                first_token: r.tokens[0],
+                tokens,
+            };
+            let _ = r.tx.send(Event::PromptLogprobs(Arc::new(p)));
+        }
         let first = kv.first_token;
         let stop = r.params.stop_token_ids.contains(&first)
             || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&first));
@@ -363,10 +374,14 @@ impl Scheduler {
             .cache
             .device_pool()
             .expect("the engine's cache holds data");
+        let all: Vec<bool> = plan
+            .iter()
+            .map(|&(i, at, _)| prompt_logprobs::wants_rows(&self.active[i], at))
+            .collect();
         let model = &self.model;
         let (out, computed) = std::thread::scope(|s| {
             let helper = (!guests.is_empty()).then(|| s.spawn(|| masks_of(&mut guests)));
-            let out = model.forward(pool, &seqs, false);
+            let out = model.forward_rows(pool, &seqs, &all);
             (out, helper.map(|h| h.join()))
         });
         drop(seqs);
@@ -407,7 +422,10 @@ impl Scheduler {
         }
         for (i, r) in self.active.iter().enumerate() {
             if r.running && r.computed < r.prompt_len && budget > 0 {
-                let n = (r.prompt_len - r.computed).min(budget);
+                let mut n = (r.prompt_len - r.computed).min(budget);
+                if prompt_logprobs::wants_rows(r, r.computed) {
+                    n = n.min(prompt_logprobs::ROWS);
+                }
                 plan.push((i, r.computed, n));
                 budget -= n;
             }
@@ -424,8 +442,13 @@ impl Scheduler {
         mut masks: Vec<Option<Result<TokenMask, String>>>,
     ) -> Vec<(usize, FinishReason)> {
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        for (k, (&(i, _, n), l)) in plan.iter().zip(logits).enumerate() {
+        for (k, (&(i, at, n), l)) in plan.iter().zip(logits).enumerate() {
             let r = &mut self.active[i];
+            let l = if prompt_logprobs::wants_rows(r, at) {
+                prompt_logprobs::gather(r, at, n, l)
+            } else {
+                &l[..]
+            };
             r.computed += n;
             if r.computed < r.tokens.len() {
                 continue; // a prefill chunk that did not reach the end of the prompt

@@ -53,6 +53,17 @@ check("logprobs greedy", all(t.token == t.top_logprobs[0].token and t.logprob <=
 c = client.completions.create(model=model, prompt="one two three", max_tokens=4, temperature=0,
                               logprobs=2, extra_body={"ignore_eos": True})
 check("completion logprobs", len(c.choices[0].logprobs.token_logprobs) == 4)
+# The prompt's log probabilities (an evaluation harness's loglikelihood call), and best_of.
+e = client.completions.create(model=model, prompt="one two three", max_tokens=1, temperature=0,
+                              echo=True, logprobs=1)
+elp = e.choices[0].logprobs
+check(f"echo with logprobs ({mode})", elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+      and len(elp.tokens) == e.usage.prompt_tokens + 1
+      and all(x <= 0 for x in elp.token_logprobs[1:])
+      and e.choices[0].text.startswith("one two three"), e)
+b = client.completions.create(model=model, prompt="one two three", max_tokens=4, temperature=1,
+                              seed=2, n=1, best_of=3, extra_body={"ignore_eos": True})
+check(f"best_of ({mode})", len(b.choices) == 1 and b.usage.completion_tokens == 12, b)
 
 # Sampling fields.
 s = client.chat.completions.create(**greedy, frequency_penalty=1.0, presence_penalty=0.5,
