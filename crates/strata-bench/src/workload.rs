@@ -153,6 +153,60 @@ impl SharedPrefix {
     }
 }
 
+/// N agents × S steps of tool use: every agent shares the system prompt (and the tool
+/// definitions the runner adds to it), works on its own task, and each step but the last calls
+/// a tool whose result (seeded text, private to the agent and step) joins the conversation;
+/// the last step answers. The context grows by a call and a result per step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Agent {
+    pub clients: usize,
+    /// Requests per agent (the last one answers instead of calling a tool).
+    pub steps: usize,
+    pub system_words: usize,
+    /// Words of each agent's task (its first user turn).
+    pub task_words: usize,
+    /// Words of each tool result.
+    pub result_words: usize,
+    pub seed: u64,
+}
+
+/// One agent's run: the shared system prompt, its task, the result of each tool call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentTask {
+    pub system: String,
+    pub task: String,
+    /// `steps - 1` results, in order.
+    pub results: Vec<String>,
+}
+
+impl Agent {
+    pub fn check(&self) -> Result<(), WorkloadError> {
+        nonzero("clients", self.clients)?;
+        nonzero("steps", self.steps)?;
+        nonzero("task words", self.task_words)?;
+        nonzero("result words", self.result_words)
+    }
+
+    pub fn tasks(&self) -> Result<Vec<AgentTask>, WorkloadError> {
+        self.check()?;
+        let mut rng = Rng::new(self.seed ^ 0xA6E7);
+        let system = words(&mut rng, self.system_words);
+        Ok((0..self.clients)
+            .map(|c| {
+                let mut r =
+                    Rng::new(self.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                AgentTask {
+                    system: system.clone(),
+                    task: format!("task {c}: {}", words(&mut r, self.task_words)),
+                    results: (1..self.steps)
+                        .map(|_| words(&mut r, self.result_words))
+                        .collect(),
+                }
+            })
+            .collect())
+    }
+}
+
 /// Replay of a Mooncake-format trace: each hash id becomes a fixed block of token ids (equal
 /// ids, equal tokens), lengths scaled by `length_scale`, arrival times by `time_scale`
 /// (0.5 = twice as fast).
@@ -279,6 +333,36 @@ mod tests {
         // Clients ask different things.
         assert_ne!(a[0].user_turns, a[1].user_turns);
         assert_eq!(a[0].system.split(' ').count(), 50);
+    }
+
+    #[test]
+    fn agents_share_the_system_prompt_and_own_their_task_and_results() {
+        let w = Agent {
+            clients: 3,
+            steps: 4,
+            system_words: 20,
+            task_words: 30,
+            result_words: 10,
+            seed: 5,
+        };
+        let a = w.tasks().unwrap();
+        assert_eq!(a, w.tasks().unwrap());
+        assert_eq!(a.len(), 3);
+        for t in &a {
+            assert_eq!(t.system, a[0].system);
+            assert_eq!(t.results.len(), 3);
+            assert!(t.results.iter().all(|r| r.split(' ').count() == 10));
+        }
+        assert_ne!(a[0].task, a[1].task);
+        assert_ne!(a[0].results, a[1].results);
+        let none = Agent { steps: 0, ..w };
+        assert_eq!(
+            none.tasks().err(),
+            Some(WorkloadError::Zero {
+                what: "steps",
+                got: 0
+            })
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub enum On {
 }
 
 impl On {
-    fn covers(self, e: Endpoint) -> bool {
+    pub fn covers(self, e: Endpoint) -> bool {
         matches!(
             (self, e),
             (On::Both, _) | (On::Chat, Endpoint::Chat) | (On::Completions, Endpoint::Completions)
@@ -131,7 +131,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
     // Tools.
     Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`." },
-    Field { name: "tool_choice", on: On::Chat, fate: Fate::Supported, doc: "`none` (tools not shown), `auto` (default: calls the model writes are parsed), `required` (at least one call) or `{\"type\": \"function\", \"function\": {\"name\"}}` (one call of it); the last two are generated under a grammar: the arguments validate against the tool's parameters." },
+    Field { name: "tool_choice", on: On::Chat, fate: Fate::Supported, doc: "`none` (tools shown, nothing parsed), `auto` (default: calls the model writes are parsed), `required` (at least one call) or `{\"type\": \"function\", \"function\": {\"name\"}}` (one call of it); the last two are generated under a grammar: the arguments validate against the tool's parameters." },
     Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::Supported, doc: "Default true; false: `required` makes exactly one call." },
     Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tools." },
     Field { name: "function_call", on: On::Chat, fate: Fate::Neutral(no_tool_choice, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tool_choice." },

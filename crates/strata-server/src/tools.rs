@@ -144,9 +144,11 @@ pub fn tools_of(req: &ChatRequest) -> Result<Option<Tools>, ApiError> {
 }
 
 impl Tools {
-    /// The tools as the prompt shows them (None with `tool_choice: none`).
+    /// The tools as the prompt shows them: with every `tool_choice`, `none` included (vLLM's
+    /// default), so an agent's last answer keeps the prompt, and the cached prefix, its calls
+    /// had.
     pub fn shown(&self) -> Option<&[ToolDef]> {
-        (self.choice != ToolChoice::None).then_some(&self.defs[..])
+        Some(&self.defs[..])
     }
 
     /// The names of the functions the answer may call (None: the answer is not parsed).
@@ -258,12 +260,19 @@ pub fn system_text(defs: &[ToolDef]) -> String {
     lines.join("\n")
 }
 
-/// An earlier call as the model wrote it (assistant messages of the history).
+/// An earlier call as the model wrote it (assistant messages of the history), byte for byte
+/// what a forced call generates: `{"name":…,"arguments":…}` in that order, the arguments'
+/// JSON text as given (their keys in the order written), so the tokens the call generated are
+/// the prompt's next time and their cached K/V serves it. Arguments that are not JSON are shown
+/// as a JSON string.
 pub fn call_text(name: &str, arguments: &str) -> String {
-    let args: Value = serde_json::from_str(arguments).unwrap_or(Value::String(arguments.into()));
+    let args = match serde_json::from_str::<Value>(arguments) {
+        Ok(_) => arguments.trim().to_string(),
+        Err(_) => Value::String(arguments.into()).to_string(),
+    };
     format!(
-        "{OPEN}\n{}\n{CLOSE}",
-        json!({"name": name, "arguments": args})
+        "{OPEN}\n{{\"name\":{},\"arguments\":{args}}}\n{CLOSE}",
+        Value::String(name.into())
     )
 }
 
@@ -442,6 +451,18 @@ mod tests {
 
     fn names() -> Vec<String> {
         vec!["get_weather".into(), "add".into()]
+    }
+
+    #[test]
+    fn a_history_call_is_rendered_as_a_forced_call_writes_it() {
+        let t = call_text("search_docs", "{\"query\":\"cache\",\"k\":1}");
+        assert_eq!(
+            t,
+            "<tool_call>\n{\"name\":\"search_docs\",\"arguments\":{\"query\":\"cache\",\"k\":1}}\n</tool_call>"
+        );
+        // Not JSON: a JSON string, so the block stays one JSON object.
+        let t = call_text("f", "not json");
+        assert!(t.contains("\"arguments\":\"not json\"}"), "{t}");
     }
 
     #[test]

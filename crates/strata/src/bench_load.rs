@@ -3,21 +3,24 @@
 //! loop at a fixed concurrency or open loop at their arrival times.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use futures_util::StreamExt;
 use serde_json::{json, Value};
 use strata_bench::stats::Outcome;
-use strata_bench::workload::{Conversation, MultiTurn, Rng, SharedPrefix, TraceReplay};
+
+pub use crate::bench_http::client;
+use crate::bench_http::{stream_post, Progress};
+use strata_bench::workload::{
+    Agent, AgentTask, Conversation, MultiTurn, Rng, SharedPrefix, TraceReplay,
+};
 
 /// What to send: the workload and its shape (shared by `workload` and `compare`).
 #[derive(Args, Debug, Clone)]
 pub struct WorkloadOpts {
-    /// multi-turn, shared-prefix or trace.
+    /// multi-turn, agent, shared-prefix or trace.
     #[arg(long, default_value = "multi-turn")]
     pub workload: String,
     /// Seed of the generators (same seed, same requests).
@@ -34,13 +37,13 @@ pub struct WorkloadOpts {
     /// (shared-prefix; a trace has its own arrival times).
     #[arg(long)]
     pub rate: Option<f64>,
-    /// Conversations, each with its own turns.
+    /// Conversations (agents), each with its own turns.
     #[arg(long, default_value_t = 4, help_heading = "multi-turn")]
     pub clients: usize,
     /// Turns per conversation (each appends the answer and a new user turn).
     #[arg(long, default_value_t = 3, help_heading = "multi-turn")]
     pub rounds: usize,
-    /// Words of the system prompt every conversation shares.
+    /// Words of the system prompt every conversation (agent) shares.
     #[arg(long, default_value_t = 200, help_heading = "multi-turn")]
     pub system_words: usize,
     /// Words of each user turn.
@@ -49,6 +52,16 @@ pub struct WorkloadOpts {
     /// Words of each client's first user turn, a document private to it (0: --user-words).
     #[arg(long, default_value_t = 0, help_heading = "multi-turn")]
     pub first_words: usize,
+    /// Requests per agent (--clients agents share --system-words and the tools): each but the
+    /// last is a forced tool call whose result joins the context; the last answers.
+    #[arg(long, default_value_t = 4, help_heading = "agent")]
+    pub steps: usize,
+    /// Words of each agent's task (its first user turn).
+    #[arg(long, default_value_t = 300, help_heading = "agent")]
+    pub task_words: usize,
+    /// Words of each tool result.
+    #[arg(long, default_value_t = 60, help_heading = "agent")]
+    pub result_words: usize,
     /// Groups; a group's requests share one long prefix, groups share nothing.
     #[arg(long, default_value_t = 4, help_heading = "shared-prefix")]
     pub groups: usize,
@@ -96,13 +109,15 @@ pub struct Prepared {
     pub scaling: String,
     pub requests: usize,
     body: Body,
-    max_tokens: usize,
-    ignore_eos: bool,
+    pub(crate) max_tokens: usize,
+    pub(crate) ignore_eos: bool,
 }
 
 enum Body {
     /// Conversations: each client's turns go in order, each after the previous answer.
     Chats(Vec<Conversation>),
+    /// Agents: each one's steps go in order, each after the previous call.
+    Agents(Vec<AgentTask>),
     /// Independent requests, with arrival times (µs from the start) in open loop.
     Jobs(Vec<(Job, Option<u64>)>),
 }
@@ -119,12 +134,14 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
     }
     let (scaling, body) = match w.workload.as_str() {
         "multi-turn" => multi_turn(w)?,
+        "agent" => agent(w)?,
         "trace" => trace(w)?,
         "shared-prefix" => shared_prefix(w)?,
-        x => bail!("--workload `{x}`: expected multi-turn, shared-prefix or trace"),
+        x => bail!("--workload `{x}`: expected multi-turn, agent, shared-prefix or trace"),
     };
     let requests = match &body {
         Body::Chats(c) => c.iter().map(|c| c.user_turns.len()).sum(),
+        Body::Agents(a) => a.len() * w.steps,
         Body::Jobs(j) => j.len(),
     };
     let open_loop = matches!(&body, Body::Jobs(j) if j.iter().any(|(_, at)| at.is_some()));
@@ -161,6 +178,32 @@ fn multi_turn(w: &WorkloadOpts) -> Result<(String, Body)> {
             w.user_words
         ),
         Body::Chats(convs),
+    ))
+}
+
+/// agent: the agents' tasks and results, and the scaling line.
+fn agent(w: &WorkloadOpts) -> Result<(String, Body)> {
+    let a = Agent {
+        clients: w.clients,
+        steps: w.steps,
+        system_words: w.system_words,
+        task_words: w.task_words,
+        result_words: w.result_words,
+        seed: w.seed,
+    };
+    let tasks = a.tasks()?;
+    Ok((
+        format!(
+            "{} agents × {} steps ({} tool calls, then an answer), system prompt {} words + {} tools, task {} words, tool results {} words",
+            w.clients,
+            w.steps,
+            w.steps - 1,
+            w.system_words,
+            crate::bench_agent::TOOLS,
+            w.task_words,
+            w.result_words
+        ),
+        Body::Agents(tasks),
     ))
 }
 
@@ -248,120 +291,8 @@ async fn send(c: &reqwest::Client, url: &str, job: &Job, p: &Prepared) -> (Outco
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
     };
-    let t0 = Instant::now();
-    match post(c, &format!("{url}{path}"), &body).await {
-        Some(r) => read_stream(r, t0).await,
-        None => (Outcome::default(), String::new()),
-    }
-}
-
-/// Posts `body`; None (said on stderr) when it failed or was answered with an error status.
-async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Option<reqwest::Response> {
-    // A pooled connection the server closed while idle fails before the request reaches it
-    // (llama.cpp's server closes idle keep-alive connections after 5 s): send once more on a
-    // fresh connection. Anything that got an answer is never sent twice.
-    let mut tries = 0;
-    let r = loop {
-        match c.post(url).json(body).send().await {
-            Ok(r) => break r,
-            Err(e) if tries == 0 && (e.is_request() || e.is_connect()) && e.status().is_none() => {
-                tries += 1;
-            }
-            Err(e) => {
-                eprintln!("\nrequest failed: {e}");
-                return None;
-            }
-        }
-    };
-    if !r.status().is_success() {
-        let status = r.status();
-        let body = r.text().await.unwrap_or_default();
-        eprintln!(
-            "\nrequest failed: {status}: {}",
-            body.chars().take(300).collect::<String>()
-        );
-        return None;
-    }
-    Some(r)
-}
-
-/// Reads a streamed answer (server-sent events) sent at `t0`: its outcome and text.
-async fn read_stream(r: reqwest::Response, t0: Instant) -> (Outcome, String) {
-    let mut o = Outcome::default();
-    let mut text = String::new();
-    let mut last: Option<Instant> = None;
-    let mut buf = Vec::new();
-    let mut stream = r.bytes_stream();
-    let mut done = false;
-    while let Some(Ok(chunk)) = stream.next().await {
-        buf.extend_from_slice(&chunk);
-        while let Some(i) = buf.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = buf.drain(..i + 2).collect();
-            let line = String::from_utf8_lossy(&event);
-            let Some(data) = line.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let Ok(v) = serde_json::from_str::<Value>(data) else {
-                continue;
-            };
-            let piece = v["choices"][0]["delta"]["content"]
-                .as_str()
-                .or(v["choices"][0]["text"].as_str())
-                .unwrap_or("");
-            if !piece.is_empty() {
-                let now = Instant::now();
-                match last {
-                    None => o.ttft = (now - t0).as_secs_f64(),
-                    Some(l) => o.itl.push((now - l).as_secs_f64()),
-                }
-                last = Some(now);
-                text.push_str(piece);
-            }
-            if v["usage"].is_object() {
-                o.output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                o.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
-                o.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
-            }
-        }
-    }
-    if last.is_none() {
-        o.ttft = t0.elapsed().as_secs_f64();
-    }
-    o.ok = done;
+    let (o, text, _) = stream_post(c, &format!("{url}{path}"), &body).await;
     (o, text)
-}
-
-/// A progress bar on stderr (one line, redrawn).
-struct Progress {
-    done: AtomicUsize,
-    total: usize,
-    label: String,
-    t0: Instant,
-}
-
-impl Progress {
-    fn tick(&self) {
-        let d = self.done.fetch_add(1, Ordering::Relaxed) + 1;
-        let w = 30;
-        let filled = d * w / self.total.max(1);
-        eprint!(
-            "\r{} [{}{}] {d}/{} requests, {:.0} s",
-            self.label,
-            "#".repeat(filled),
-            ".".repeat(w - filled),
-            self.total,
-            self.t0.elapsed().as_secs_f64()
-        );
-        if d == self.total {
-            eprintln!();
-        }
-    }
 }
 
 /// What one run of a workload gave.
@@ -384,15 +315,14 @@ pub async fn drive(
     }
     let url = url.trim_end_matches('/').to_string();
     let t0 = Instant::now();
-    let prog = Arc::new(Progress {
-        done: AtomicUsize::new(0),
-        total: p.requests,
-        label: label.to_string(),
-        t0,
-    });
+    let prog = Arc::new(Progress::new(p.requests, label, t0));
     let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let outcomes = match &p.body {
         Body::Chats(convs) => drive_chats(c, &url, p, convs.len(), &prog, &sem).await?,
+        Body::Agents(a) => {
+            let answer = (p.max_tokens, p.ignore_eos);
+            crate::bench_agent::drive(c, &url, answer, a, &prog, &sem).await?
+        }
         Body::Jobs(jobs) => drive_jobs(c, &url, p, jobs, t0, &prog, &sem).await?,
     };
     Ok(RunResult {
@@ -483,15 +413,6 @@ async fn drive_jobs(
     Ok(outcomes)
 }
 
-pub fn client() -> Result<reqwest::Client> {
-    Ok(reqwest::Client::builder()
-        .timeout(Duration::from_secs(3600))
-        // Below the keep-alive timeouts servers commonly use (5 s), so idle connections are
-        // dropped here before the server drops them.
-        .pool_idle_timeout(Duration::from_secs(4))
-        .build()?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -508,6 +429,9 @@ mod tests {
             system_words: 5,
             user_words: 2,
             first_words: 0,
+            steps: 3,
+            task_words: 4,
+            result_words: 2,
             groups: 2,
             per_group: 3,
             prefix_words: 5,
@@ -524,6 +448,7 @@ mod tests {
     #[test]
     fn prepare_counts_requests_and_refuses_bad_parameters() {
         assert_eq!(prepare(&opts("multi-turn")).unwrap().requests, 6);
+        assert_eq!(prepare(&opts("agent")).unwrap().requests, 9);
         assert_eq!(prepare(&opts("shared-prefix")).unwrap().requests, 6);
         let e = |o: WorkloadOpts| prepare(&o).err().unwrap().to_string();
         assert!(e(opts("chat")).contains("--workload `chat`"));

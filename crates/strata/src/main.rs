@@ -1,8 +1,10 @@
 //! `strata`: the command-line entry point.
 
 mod bench;
+mod bench_agent;
 mod bench_compare;
 mod bench_health;
+mod bench_http;
 mod bench_load;
 mod bench_report;
 mod bench_workload;

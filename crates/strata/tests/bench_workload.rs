@@ -1,8 +1,8 @@
 //! `strata bench workload` against a `strata serve` with the tiny model: the summary and JSON
-//! record come back, repeated prefixes show as cached, bad parameters are refused first.
+//! record come back, repeated prefixes show as cached, the agent workload's tool calls run,
+//! bad parameters are refused first.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 
 use strata_model::tiny::{write_tiny, TinySpec};
@@ -23,12 +23,13 @@ fn strata() -> Command {
 fn workloads_run_against_a_server_and_record_json() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("tiny.gguf");
-    write_tiny(&model, &TinySpec::default()).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Room for the agent workload's tools in the prompt (the tiny tokenizer: ~1 token a byte).
+    let spec = TinySpec {
+        context: 4096,
+        ..TinySpec::default()
+    };
+    write_tiny(&model, &spec).unwrap();
+    // Port 0: the server binds and reports its address.
     let mut child = strata()
         .args([
             "serve",
@@ -37,8 +38,8 @@ fn workloads_run_against_a_server_and_record_json() {
             "--hicache-size",
             "16MiB",
             "--port",
+            "0",
         ])
-        .arg(port.to_string())
         .arg("--model")
         .arg(&model)
         .stderr(Stdio::piped())
@@ -46,12 +47,14 @@ fn workloads_run_against_a_server_and_record_json() {
         .unwrap();
     let err = child.stderr.take().unwrap();
     let _g = Guard(child);
+    let mut url = String::new();
     for l in BufReader::new(err).lines().map_while(Result::ok) {
-        if l.contains("ready on http://") {
+        if let Some(at) = l.split("ready on ").nth(1) {
+            url = at.split_whitespace().next().unwrap().to_string();
             break;
         }
     }
-    let url = format!("http://127.0.0.1:{port}");
+    assert!(url.starts_with("http://"), "the server did not start");
     let json = d.path().join("sp.json");
     let o = strata()
         .args([
@@ -119,6 +122,21 @@ fn workloads_run_against_a_server_and_record_json() {
         out.contains("| 4 | 0 |"),
         "{out}{}",
         String::from_utf8_lossy(&o.stderr)
+    );
+    // Agents: forced tool calls, their results appended, then an answer.
+    let o = strata()
+        .args(["bench", "workload", "--workload", "agent", "--clients", "2"])
+        .args(["--steps", "3", "--system-words", "5", "--task-words", "5"])
+        .args(["--result-words", "3", "--max-tokens", "4", "--url", &url])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("| 6 | 0 |"), "{out}{err}");
+    assert!(
+        err.contains("of 4 tool steps returned a tool call"),
+        "{err}"
     );
     // Refused before anything is sent.
     let o = strata()

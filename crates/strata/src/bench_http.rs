@@ -1,0 +1,156 @@
+//! The HTTP side of the load generator: streamed requests posted and read (TTFT, gaps,
+//! usage, text and tool calls), the client, the progress line.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use futures_util::StreamExt;
+use serde_json::Value;
+use strata_bench::stats::Outcome;
+
+/// Posts a streaming request; its outcome, its text and the tool calls it made.
+pub(crate) async fn stream_post(
+    c: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> (Outcome, String, Vec<Value>) {
+    let t0 = Instant::now();
+    match post(c, url, body).await {
+        Some(r) => read_stream(r, t0).await,
+        None => (Outcome::default(), String::new(), Vec::new()),
+    }
+}
+
+/// Posts `body`; None (said on stderr) when it failed or was answered with an error status.
+async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Option<reqwest::Response> {
+    // A pooled connection the server closed while idle fails before the request reaches it
+    // (llama.cpp's server closes idle keep-alive connections after 5 s): send once more on a
+    // fresh connection. Anything that got an answer is never sent twice.
+    let mut tries = 0;
+    let r = loop {
+        match c.post(url).json(body).send().await {
+            Ok(r) => break r,
+            Err(e) if tries == 0 && (e.is_request() || e.is_connect()) && e.status().is_none() => {
+                tries += 1;
+            }
+            Err(e) => {
+                eprintln!("\nrequest failed: {e}");
+                return None;
+            }
+        }
+    };
+    if !r.status().is_success() {
+        let status = r.status();
+        let body = r.text().await.unwrap_or_default();
+        eprintln!(
+            "\nrequest failed: {status}: {}",
+            body.chars().take(300).collect::<String>()
+        );
+        return None;
+    }
+    Some(r)
+}
+
+/// Reads a streamed answer (server-sent events) sent at `t0`: its outcome, text and tool calls
+/// (a tool-call delta counts as output, like text).
+async fn read_stream(r: reqwest::Response, t0: Instant) -> (Outcome, String, Vec<Value>) {
+    let mut o = Outcome::default();
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut buf = Vec::new();
+    let mut stream = r.bytes_stream();
+    let mut done = false;
+    while let Some(Ok(chunk)) = stream.next().await {
+        buf.extend_from_slice(&chunk);
+        while let Some(i) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..i + 2).collect();
+            let line = String::from_utf8_lossy(&event);
+            let Some(data) = line.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            let piece = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .or(v["choices"][0]["text"].as_str())
+                .unwrap_or("");
+            let delta_calls = v["choices"][0]["delta"]["tool_calls"].as_array();
+            if let Some(d) = delta_calls {
+                calls.extend(d.iter().cloned());
+            }
+            if !piece.is_empty() || delta_calls.is_some_and(|d| !d.is_empty()) {
+                let now = Instant::now();
+                match last {
+                    None => o.ttft = (now - t0).as_secs_f64(),
+                    Some(l) => o.itl.push((now - l).as_secs_f64()),
+                }
+                last = Some(now);
+                text.push_str(piece);
+            }
+            if v["usage"].is_object() {
+                o.output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                o.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+                o.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    if last.is_none() {
+        o.ttft = t0.elapsed().as_secs_f64();
+    }
+    o.ok = done;
+    (o, text, calls)
+}
+
+/// A progress bar on stderr (one line, redrawn).
+pub(crate) struct Progress {
+    done: AtomicUsize,
+    total: usize,
+    label: String,
+    t0: Instant,
+}
+
+impl Progress {
+    pub(crate) fn new(total: usize, label: &str, t0: Instant) -> Progress {
+        Progress {
+            done: AtomicUsize::new(0),
+            total,
+            label: label.to_string(),
+            t0,
+        }
+    }
+
+    pub(crate) fn tick(&self) {
+        let d = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        let w = 30;
+        let filled = d * w / self.total.max(1);
+        eprint!(
+            "\r{} [{}{}] {d}/{} requests, {:.0} s",
+            self.label,
+            "#".repeat(filled),
+            ".".repeat(w - filled),
+            self.total,
+            self.t0.elapsed().as_secs_f64()
+        );
+        if d == self.total {
+            eprintln!();
+        }
+    }
+}
+
+pub fn client() -> Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(3600))
+        // Below the keep-alive timeouts servers commonly use (5 s), so idle connections are
+        // dropped here before the server drops them.
+        .pool_idle_timeout(Duration::from_secs(4))
+        .build()?)
+}
