@@ -74,7 +74,7 @@ fn prompt_logprobs_equal_the_forward_pass_over_chunks_and_skip_the_cache() {
         prompt_logprobs: Some(3),
         ..greedy.clone()
     };
-    let (lps, out, cached) = run(&e, &p, asked);
+    let (lps, out, cached) = run(&e, &p, asked.clone());
     let lps = lps.expect("asked, sent");
     assert_eq!(cached, 0, "the cached prompt is computed whole");
     assert_eq!(out, plain, "the answer does not change");
@@ -106,6 +106,32 @@ fn prompt_logprobs_equal_the_forward_pass_over_chunks_and_skip_the_cache() {
                 "rank {k} at {}",
                 i + 1
             );
+        }
+    }
+    // Two such requests at once share the step's 256 rows and get the same answers.
+    let q: Vec<u32> = (0..290u32).map(|i| (i * 53 + 7) % 280).collect();
+    let (alone, _, _) = run(&e, &q, asked.clone());
+    let both = [
+        (&p, e.submit(p.clone(), asked.clone()).unwrap()),
+        (&q, e.submit(q.clone(), asked.clone()).unwrap()),
+    ];
+    for (prompt, mut s) in both {
+        let mut got = None;
+        while let Some(ev) = s.events.blocking_recv() {
+            if let Event::PromptLogprobs(l) = ev {
+                got = Some((*l).clone());
+            }
+        }
+        let want = if prompt == &p {
+            &lps
+        } else {
+            alone.as_ref().unwrap()
+        };
+        let got = got.expect("sent");
+        assert_eq!(got.tokens.len(), want.tokens.len());
+        for (x, y) in got.tokens.iter().zip(&want.tokens) {
+            assert_eq!(x.token, y.token);
+            assert!((x.logprob - y.logprob).abs() < 1e-4);
         }
     }
     // The cached prompt still serves the next plain request.

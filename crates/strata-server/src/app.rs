@@ -243,6 +243,7 @@ async fn start(
     let prompt_logprobs = how.echo.is_some() && params.logprobs.is_some();
     if prompt_logprobs {
         params.prompt_logprobs = params.logprobs;
+        check_prompt_logprobs(s.n.unwrap_or(1), ids.len(), params.logprobs.unwrap_or(0))?;
     }
     let n = s.n.unwrap_or(1);
     let best_of = crate::choices::best_of(how.best_of, n, s.stream)?;
@@ -286,6 +287,25 @@ async fn start(
     }
 }
 
+/// Most log-probability entries (a token or an alternative) of the prompt one answer carries
+/// over all its choices: the prompt's part is repeated in every choice.
+pub const MAX_PROMPT_LOGPROB_ENTRIES: usize = 1 << 21;
+
+/// Refuses echo with logprobs whose answer would carry more prompt entries than the bound.
+fn check_prompt_logprobs(n: usize, prompt: usize, k: usize) -> Result<(), ApiError> {
+    let entries = n.saturating_mul(prompt).saturating_mul(k + 1);
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES {
+        return Err(ApiError::bad_request(
+            format!(
+                "echo with logprobs: {n} choices × {prompt} prompt tokens × {} entries = {entries} log probabilities, at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask for fewer choices or alternatives",
+                k + 1
+            ),
+            Some("logprobs"),
+        ));
+    }
+    Ok(())
+}
+
 /// The prefill worker the router named for this request (`x-strata-prefill`), checked.
 fn prefill_worker(
     st: &AppState,
@@ -305,4 +325,18 @@ fn prefill_worker(
     };
     crate::pd::check_prefill_header(st, headers, path, body, url)?;
     Ok(Some(url.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_logprobs_are_bounded_over_all_choices() {
+        assert!(check_prompt_logprobs(1, 8192, 21).is_ok());
+        assert!(check_prompt_logprobs(16, 8192, 5).is_ok());
+        let e = check_prompt_logprobs(16, 8192, 20).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "logprobs");
+        assert!(check_prompt_logprobs(usize::MAX, usize::MAX, usize::MAX - 1).is_err());
+    }
 }

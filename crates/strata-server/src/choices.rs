@@ -21,7 +21,8 @@ use strata_engine::{Event, FinishReason, PromptLogprobs, SamplingParams};
 use crate::api::Usage;
 use crate::error::ApiError;
 use crate::respond::{
-    choice_json, collect, first_event, usage_event, whole_body, Answer, Job, Streaming,
+    choice_json, collect, first_event, render_prompt, usage_event, whole_body, Answer, Job,
+    Streaming,
 };
 use crate::state::AppState;
 
@@ -145,17 +146,12 @@ pub(crate) async fn answer(
         done.sort_by(|x, y| mean_logprob(&y.0 .2).total_cmp(&mean_logprob(&x.0 .2)));
         done.truncate(n);
     }
+    // The prompt's log probabilities are the same for every choice: rendered once.
+    let rendered = prompt_lps.as_deref().map(|p| render_prompt(&st, p));
     let mut choices = Vec::with_capacity(n);
-    for (i, ((text, reason, lps), a)) in done.into_iter().enumerate() {
-        choices.push(choice_json(
-            &st,
-            &job,
-            i,
-            &text,
-            reason,
-            &lps,
-            a.prompt_logprobs(),
-        ));
+    for (i, ((text, reason, lps), _)) in done.into_iter().enumerate() {
+        let prompt = rendered.clone();
+        choices.push(choice_json(&st, &job, i, &text, reason, &lps, prompt));
     }
     let usage = Usage::new(prompt, completion, cached.total());
     Ok(whole_body(&st, &job, choices, usage))

@@ -537,7 +537,80 @@ async fn call_prefill(
         }
         return Err(bad_gateway(format!("the prefill worker answered {status}")));
     }
-    r.json()
+    let bytes = read_capped(r, answer_cap(body))
         .await
+        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: {e}")))?;
+    serde_json::from_slice(&bytes)
         .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: bad answer: {e}")))
+}
+
+/// The most bytes a prefill worker's answer to `body` may take: a few KiB, and the log
+/// probabilities asked for (each entry a token id and a number, generously).
+fn answer_cap(body: &PrefillRequest) -> usize {
+    let per_token = |k: Option<usize>| k.map_or(0, |k| (k + 2) * 64);
+    let s = &body.sampling;
+    64 * 1024 + per_token(s.logprobs) + body.tokens.len() * per_token(s.prompt_logprobs)
+}
+
+/// Reads a response body of at most `cap` bytes (more is an error, read no further).
+async fn read_capped(mut r: reqwest::Response, cap: usize) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    while let Some(chunk) = r.chunk().await.map_err(|e| e.to_string())? {
+        if out.len() + chunk.len() > cap {
+            return Err(format!("answer over {cap} bytes"));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_cap_fits_the_largest_honest_answer() {
+        let (prompt, k) = (8192usize, 20usize);
+        let worst = |token: u32| WireLogprobs {
+            token,
+            logprob: -1.234_567_9e-30,
+            top: (0..k as u32)
+                .map(|t| (t + 4_000_000_000, -9.876_543e-30))
+                .collect(),
+        };
+        let answer = PrefillResponse {
+            first_token: u32::MAX,
+            prompt_tokens: prompt,
+            cached_device: prompt,
+            cached_host: prompt,
+            cached_storage: prompt,
+            transfer_pages: u64::MAX,
+            transfer_bytes: u64::MAX,
+            transfer_seconds: 1e300,
+            first_logprobs: Some(worst(u32::MAX)),
+            prompt_logprobs: Some(
+                (1..prompt as u32)
+                    .map(|t| worst(t + 4_000_000_000))
+                    .collect(),
+            ),
+        };
+        let len = serde_json::to_vec(&answer).unwrap().len();
+        let body = PrefillRequest {
+            transfer_id: String::new(),
+            tokens: vec![0; prompt],
+            kv_target: String::new(),
+            sampling: FirstTokenSampling {
+                logprobs: Some(k),
+                prompt_logprobs: Some(k),
+                ..FirstTokenSampling::default()
+            },
+        };
+        assert!(len < answer_cap(&body), "{len} >= {}", answer_cap(&body));
+        // Without log probabilities the cap is small.
+        let plain = PrefillRequest {
+            sampling: FirstTokenSampling::default(),
+            ..body
+        };
+        assert_eq!(answer_cap(&plain), 64 * 1024);
+    }
 }

@@ -262,7 +262,8 @@ pub(crate) async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut a = Answer::new(st.clone(), rs, &job, first);
     let (text, reason, lps) = collect(&mut a).await?;
-    let choice = choice_json(&st, &job, 0, &text, reason, &lps, a.prompt_logprobs());
+    let prompt = a.prompt_logprobs().map(|p| render_prompt(&st, p));
+    let choice = choice_json(&st, &job, 0, &text, reason, &lps, prompt);
     Ok(whole_body(&st, &job, vec![choice], a.usage()))
 }
 
@@ -306,7 +307,12 @@ pub(crate) async fn collect(
     }
 }
 
-/// One choice of a whole answer.
+/// The prompt's part of a completions `logprobs` (echo with logprobs), rendered once.
+pub(crate) fn render_prompt(st: &AppState, p: &PromptLogprobs) -> Value {
+    crate::logprobs::render_prompt(&st.tokenizer, p)
+}
+
+/// One choice of a whole answer (`prompt`: the prompt's part of its log probabilities).
 pub(crate) fn choice_json(
     st: &AppState,
     job: &Job,
@@ -314,14 +320,14 @@ pub(crate) fn choice_json(
     text: &str,
     reason: &str,
     lps: &[TokenLogprobs],
-    prompt: Option<&PromptLogprobs>,
+    prompt: Option<Value>,
 ) -> Value {
     let tk = &st.tokenizer;
     let logprobs = match (job.logprobs, prompt.filter(|_| job.prompt_logprobs)) {
         (true, Some(p)) => {
             let at = job.echo.as_ref().map_or(0, |e| e.chars().count());
             let gen = crate::logprobs::render(tk, false, lps, at);
-            crate::logprobs::concat(crate::logprobs::render_prompt(tk, p), gen)
+            crate::logprobs::concat(p, gen)
         }
         (true, None) => crate::logprobs::render(tk, job.kind == Kind::Chat, lps, 0),
         (false, _) => Value::Null,
@@ -479,7 +485,7 @@ impl Streaming {
                 out.push(self.chunk(Some(""), None));
                 self.started = true;
             }
-            Step::Admitted | Step::Prompt => self.echo(out),
+            Step::Admitted | Step::Prompt => self.echo(out, false),
             Step::Text(d, lps) if self.tools.is_some() => self.render_tools(Some(&d), lps, out),
             Step::Text(d, lps) => {
                 let st = &self.answer.st;
@@ -497,9 +503,11 @@ impl Streaming {
                 self.started = true;
             }
             Step::Failed(m) => {
+                self.echo(out, true);
                 out.push(SseEvent::default().data(engine_error(&m).body().to_string()));
             }
             Step::End(End::Finished(reason, by_string)) => {
+                self.echo(out, true);
                 let mut name = finish_name(&reason, by_string);
                 if self.tools.is_some() {
                     self.render_tools(None, Vec::new(), out);
@@ -527,14 +535,16 @@ impl Streaming {
     }
 
     /// Completions' echo, once: at admission, or with the prompt's log probabilities when
-    /// they are asked for (they come once the prompt is computed).
-    fn echo(&mut self, out: &mut Vec<SseEvent>) {
+    /// they are asked for (they come once the prompt is computed); at the end (`last`) in any
+    /// case, without them if they never came (the request failed first).
+    fn echo(&mut self, out: &mut Vec<SseEvent>, last: bool) {
         let Some(e) = self.job.echo.clone().filter(|_| !self.echoed) else {
             return;
         };
         let lp = match (self.job.prompt_logprobs, self.answer.prompt_logprobs()) {
             (false, _) => Value::Null,
             (true, Some(p)) => crate::logprobs::render_prompt(&self.answer.st.tokenizer, p),
+            (true, None) if last => Value::Null,
             (true, None) => return,
         };
         out.push(self.chunk_with(Some(&e), None, lp));

@@ -3,7 +3,7 @@
 //! as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and the answer is parsed
 //! back into OpenAI's `tool_calls` (streamed as one delta per completed call).
 //!
-//! `tool_choice`: `none` (tools not shown, nothing parsed), `auto` (shown; calls the model
+//! `tool_choice`: `none` (tools shown, nothing parsed), `auto` (shown; calls the model
 //! writes are parsed), `required` (at least one call, or exactly one without
 //! `parallel_tool_calls`) and a named function (one call of it): the last two constrain the
 //! output with a grammar, so every call's arguments validate against the tool's schema.

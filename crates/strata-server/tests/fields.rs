@@ -72,6 +72,7 @@ async fn every_no_op_neutral_and_refused_field_behaves_as_documented() {
         (STREAM_OPTION_FIELDS, Place::StreamOptions),
     ];
     let candidates = [
+        json!(null),
         json!(false),
         json!(true),
         json!(0),
@@ -98,9 +99,11 @@ async fn every_no_op_neutral_and_refused_field_behaves_as_documented() {
                 match f.fate {
                     Fate::Supported => continue,
                     Fate::NoOp(_) => {
-                        let (b, _) = with(e, place, name, &json!("x"));
-                        let (st, _, m) = send(&c, &w.url, e, &b).await;
-                        assert_eq!(st, 200, "no-op `{name}` refused: {m}");
+                        for v in &candidates {
+                            let (b, _) = with(e, place, name, v);
+                            let (st, _, m) = send(&c, &w.url, e, &b).await;
+                            assert_eq!(st, 200, "no-op `{name}` = {v} refused: {m}");
+                        }
                     }
                     Fate::Refused(_) => {
                         let (b, at) = with(e, place, name, &json!(1));

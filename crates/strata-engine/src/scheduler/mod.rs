@@ -222,7 +222,7 @@ impl Scheduler {
             // Prompt log probabilities need every prompt position's logits: computed whole.
             let use_prefix = self.cfg.prefix_cache && r.params.prompt_logprobs.is_none();
             let mut lease = self.cache.admit(prompt, new, use_prefix, prefetch);
-            if lease.is_none() && self.cfg.prefix_cache && self.active.is_empty() {
+            if lease.is_none() && use_prefix && self.active.is_empty() {
                 // On an idle engine only the request's own locked prefix can keep it out (a
                 // fully cached page-aligned prompt whose reservation needs the page it would
                 // copy): admit it without the prefix rather than never.
@@ -420,11 +420,17 @@ impl Scheduler {
                 budget -= 1;
             }
         }
+        // Rows whose every logits come back (prompt log probabilities): at most ROWS a step.
+        let mut rows = prompt_logprobs::ROWS;
         for (i, r) in self.active.iter().enumerate() {
             if r.running && r.computed < r.prompt_len && budget > 0 {
                 let mut n = (r.prompt_len - r.computed).min(budget);
                 if prompt_logprobs::wants_rows(r, r.computed) {
-                    n = n.min(prompt_logprobs::ROWS);
+                    if rows == 0 {
+                        continue;
+                    }
+                    n = n.min(rows);
+                    rows -= n;
                 }
                 plan.push((i, r.computed, n));
                 budget -= n;

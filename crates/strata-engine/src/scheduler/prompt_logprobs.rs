@@ -12,9 +12,9 @@ use crate::sampler::logprobs;
 
 use super::Req;
 
-/// Most prompt tokens per step of a request that wants their log probabilities: the logits of
-/// every row are kept for the step (ROWS × vocabulary floats: 48 MiB at a 49 152-token
-/// vocabulary).
+/// Most prompt tokens per step, over all requests that want their log probabilities: the
+/// logits of every such row are kept for the step (ROWS × vocabulary floats: 48 MiB at a
+/// 49 152-token vocabulary).
 pub(super) const ROWS: usize = 256;
 
 /// Whether the chunk starting at `at` needs the logits of every row.
