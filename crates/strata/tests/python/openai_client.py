@@ -79,6 +79,22 @@ check(f"n = 2 ({mode})", [c.index for c in two.choices] == [0, 1]
       and two.choices[0].message.content == r.choices[0].message.content
       and two.choices[1].message.content == r.choices[0].message.content, two)
 refused("echo", "echo", extra_body={"echo": True})
+if mode == "single":
+    # n = 4 costs one prefill: the worker's computed prompt tokens grow by the prompt once
+    # (and at most a page per choice), not four times.
+    import urllib.request
+
+    def misses():
+        text = urllib.request.urlopen(f"{base}/metrics").read().decode()
+        return sum(float(l.split()[-1]) for l in text.splitlines()
+                   if l.startswith("strata_cache_miss_tokens_total"))
+    before = misses()
+    long = " ".join(f"w{i}" for i in range(150))
+    f = client.completions.create(model=model, prompt=long, n=4, max_tokens=2, temperature=1,
+                                  seed=5)
+    computed = misses() - before
+    check("n = 4 costs one prefill", len(f.choices) == 4
+          and computed <= f.usage.prompt_tokens + 4 * 64, (computed, f.usage))
 
 # Structured output: a JSON schema, 20 of 20 valid at temperature 1.
 schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
