@@ -18,6 +18,7 @@ pub mod model;
 pub mod q8;
 #[doc(hidden)]
 pub mod tiny;
+pub mod tiny_dsv4;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};

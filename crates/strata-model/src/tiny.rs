@@ -78,14 +78,14 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
 }
 
 /// The tiny tokenizer's vocabulary.
-struct Vocab {
-    tokens: Vec<String>,
+pub(crate) struct Vocab {
+    pub(crate) tokens: Vec<String>,
     types: Vec<i32>,
     merges: Vec<(String, String)>,
 }
 
 /// The 256 byte symbols, three merges, the ChatML control tokens, padded to 288 tokens.
-fn tiny_vocab() -> Vocab {
+pub(crate) fn tiny_vocab() -> Vocab {
     let chars = byte_chars();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     let sp = chars[b' ' as usize];
@@ -117,7 +117,7 @@ fn tiny_vocab() -> Vocab {
 fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(&'static str, Value)> {
     let vocab = v.tokens.len();
     let hd = s.hidden / s.heads;
-    vec![
+    let mut md = vec![
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("tiny".into())),
         ("llama.block_count", Value::U32(s.layers as u32)),
@@ -133,6 +133,14 @@ fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(&'static str, Value)> {
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
         ("llama.vocab_size", Value::U32(vocab as u32)),
         ("llama.rope.dimension_count", Value::U32(hd as u32)),
+    ];
+    md.extend(tokenizer_metadata(v));
+    md
+}
+
+/// The tiny tokenizer's metadata (any architecture).
+pub(crate) fn tokenizer_metadata(v: &Vocab) -> Vec<(&'static str, Value)> {
+    vec![
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
         ("tokenizer.ggml.pre", Value::String("smollm".into())),
         (
@@ -162,7 +170,7 @@ fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(&'static str, Value)> {
 }
 
 /// Weight generator seeded by `seed` (xorshift): `n` values uniform in `offset ± scale`.
-fn random_weights(seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f32> {
+pub(crate) fn random_weights(seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     move |n: usize, scale: f32, offset: f32| -> Vec<f32> {
         (0..n)
