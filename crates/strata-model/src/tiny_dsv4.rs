@@ -1,6 +1,6 @@
 //! A small GGUF of the DeepSeek-V4 architecture (`deepseek4`, llama.cpp's tensor names and
 //! metadata keys) with random weights, for tests and for llama.cpp's reference logits
-//! (`scripts/dsv4/`): every kind of layer (compression ratio 0, 4 with the indexer, 128),
+//! (`scripts/llamacpp/`): every kind of layer (compression ratio 0, 4 with the indexer, 128),
 //! a sliding window, an indexer top-k, experts with a shared one and a hash-routed first layer,
 //! hyper-connections and the grouped low-rank output, all small enough that prompts of a few
 //! hundred tokens cross the window, 4-token and 128-token block boundaries.

@@ -1,5 +1,5 @@
 //! The tiny DeepSeek-V4 model and llama.cpp's reference logits for it
-//! (tests/fixtures/tiny_dsv4_logits.json, written by scripts/dsv4/reference.py): the generator
+//! (tests/fixtures/tiny_dsv4_logits.json, written by scripts/llamacpp/reference.py): the generator
 //! still writes exactly the file the fixture was computed on, and the fixture holds, for every
 //! prompt, the argmax of each position, whole logits at the window and block boundaries and
 //! greedy decode steps. (The forward pass of this architecture is compared with it once it
@@ -28,7 +28,7 @@ fn the_generator_writes_the_file_llama_cpp_scored() {
     let f = fixture();
     assert_eq!(
         f["model_sha256"], hex,
-        "the generator changed: rerun scripts/dsv4/reference.py"
+        "the generator changed: rerun scripts/llamacpp/reference.py"
     );
     assert!(f["llama_cpp"]["commit"].as_str().unwrap().len() >= 7);
 }

@@ -1,10 +1,10 @@
-// Reference logits from llama.cpp for Strata's tiny DeepSeek-V4 model (scripts/dsv4/reference.py
+// Reference logits from llama.cpp for Strata's tiny test models (scripts/llamacpp/reference.py
 // builds and runs this against llama.cpp's libllama; nothing of llama.cpp is committed).
 //
-// usage: reference MODEL.gguf PROMPTS.tsv [THREADS] > out.jsonl
+// usage: logits MODEL.gguf PROMPTS.tsv [THREADS] > out.jsonl
 // PROMPTS.tsv: one prompt a line: name <TAB> positions <TAB> decode steps <TAB> token ids
 // (positions: comma-separated prompt positions whose whole logits are printed; the argmax of
-// every position is printed). After the prompt, `decode steps` greedy tokens are decoded one
+// every position, its runner-up and the gap between them are printed). After the prompt, `decode steps` greedy tokens are decoded one
 // at a time, each step's whole logits printed. F32 K/V caches and no flash attention: the
 // values are then identical across runs, thread counts and batch splits.
 
@@ -37,6 +37,17 @@ static int argmax(const float * l, int n) {
         }
     }
     return best;
+}
+
+// The second likeliest token (ties: the lower id).
+static int runner_up(const float * l, int n, int best) {
+    int second = best == 0 ? 1 : 0;
+    for (int i = 0; i < n; i++) {
+        if (i != best && l[i] > l[second]) {
+            second = i;
+        }
+    }
+    return second;
 }
 
 int main(int argc, char ** argv) {
@@ -106,6 +117,19 @@ int main(int argc, char ** argv) {
         printf("{\"name\":\"%s\",\"tokens\":%d,\"argmax\":[", name, n);
         for (int i = 0; i < n; i++) {
             printf(i ? ",%d" : "%d", argmax(llama_get_logits_ith(ctx, i), n_vocab));
+        }
+        // The runner-up and its gap to the argmax, per position: a near tie is told apart from
+        // a wrong answer without keeping every row.
+        printf("],\"runner_up\":[");
+        for (int i = 0; i < n; i++) {
+            const float * l = llama_get_logits_ith(ctx, i);
+            printf(i ? ",%d" : "%d", runner_up(l, n_vocab, argmax(l, n_vocab)));
+        }
+        printf("],\"gap\":[");
+        for (int i = 0; i < n; i++) {
+            const float * l = llama_get_logits_ith(ctx, i);
+            const int a = argmax(l, n_vocab);
+            printf(i ? ",%.4g" : "%.4g", l[a] - l[runner_up(l, n_vocab, a)]);
         }
         printf("],\"logits\":{");
         int first = 1;

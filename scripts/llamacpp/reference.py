@@ -1,21 +1,23 @@
-"""Reference logits from llama.cpp for Strata's tiny DeepSeek-V4 model: the fixture
-crates/strata-model/tests/fixtures/tiny_dsv4_logits.json.
+"""Reference logits from llama.cpp for Strata's tiny test models: the fixtures
+crates/strata-model/tests/fixtures/tiny_{llama,dsv4}_logits.json.
 
 1. Writes the model with Strata's own generator (`cargo run -p strata-model --example
-   write_tiny_dsv4`, seeded: the same bytes every time; its SHA-256 goes in the fixture, and a
-   test checks the generator still writes exactly that file).
-2. Builds scripts/dsv4/reference.c against llama.cpp's libllama: llama.cpp as vendored by the
+   write_tiny -- ARCH FILE`, seeded: the same bytes every time; its SHA-256 goes in the
+   fixture, and a test checks the generator still writes exactly that file).
+2. Builds scripts/llamacpp/logits.c against llama.cpp's libllama: llama.cpp as vendored by the
    PyPI sdist of llama-cpp-python (pass its `vendor/llama.cpp`, already built with
    `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON
    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
    -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF && cmake --build build --target llama`).
    Nothing of llama.cpp is committed.
-3. Runs it on prompts whose lengths cross the 32-token window and the 4- and 128-token
-   compression blocks, with greedy decode steps after each, F32 K/V caches, no flash attention.
+3. Runs it on prompts whose lengths cross the pages (16 tokens), DeepSeek-V4's 32-token window
+   and its 4- and 128-token compression blocks, with greedy decode steps after each, F32 K/V
+   caches, no flash attention.
 4. Runs it again with 1 thread and checks the output is the same (the values do not depend on
    threads).
 
-python3 scripts/dsv4/reference.py --llama-cpp /path/to/llama-cpp-python-0.3.36/vendor/llama.cpp
+python3 scripts/llamacpp/reference.py --arch deepseek4 --llama-cpp /path/to/llama-cpp-python-0.3.36/vendor/llama.cpp
+python3 scripts/llamacpp/reference.py --arch llama --llama-cpp (the same)
 """
 
 import argparse
@@ -28,7 +30,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, "crates/strata-model/tests/fixtures/tiny_dsv4_logits.json")
+FIXTURES = {"llama": "tiny_llama_logits.json", "deepseek4": "tiny_dsv4_logits.json"}
 
 # (name, length, decode steps): lengths before, on and after the window (32) and the 4- and
 # 128-token block boundaries, and past two 128-blocks with more than top-k (8) 4-blocks.
@@ -42,18 +44,20 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--llama-cpp", required=True, help="llama.cpp source tree with build/bin")
     p.add_argument("--sdist", default="llama-cpp-python 0.3.36")
-    p.add_argument("--out", default=FIXTURE)
+    p.add_argument("--arch", choices=sorted(FIXTURES), required=True)
+    p.add_argument("--out")
     a = p.parse_args()
+    out_path = a.out or os.path.join(ROOT, "crates/strata-model/tests/fixtures", FIXTURES[a.arch])
     lib = os.path.join(a.llama_cpp, "build", "bin")
     commit = subprocess.run(["git", "-C", a.llama_cpp, "rev-parse", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "unknown"
     with tempfile.TemporaryDirectory() as d:
-        model = os.path.join(d, "tiny-dsv4.gguf")
+        model = os.path.join(d, "tiny.gguf")
         subprocess.run(["cargo", "run", "-q", "-p", "strata-model", "--example",
-                        "write_tiny_dsv4", "--", model], check=True, cwd=ROOT)
+                        "write_tiny", "--", a.arch, model], check=True, cwd=ROOT)
         sha = hashlib.sha256(open(model, "rb").read()).hexdigest()
         exe = os.path.join(d, "reference")
-        subprocess.run(["gcc", "-O2", "-o", exe, os.path.join(ROOT, "scripts/dsv4/reference.c"),
+        subprocess.run(["gcc", "-O2", "-o", exe, os.path.join(ROOT, "scripts/llamacpp/logits.c"),
                         "-I" + os.path.join(a.llama_cpp, "include"),
                         "-I" + os.path.join(a.llama_cpp, "ggml/include"), "-L" + lib,
                         "-lllama", "-lggml", "-lggml-base", "-Wl,-rpath," + lib], check=True)
@@ -76,18 +80,18 @@ def main():
         assert r["name"] == name and r["tokens"] == len(toks)
         r["tokens"] = toks
     fixture = {
-        "about": "llama.cpp's logits for TinyDsv4Spec::default() (scripts/dsv4/reference.py)",
+        "about": f"llama.cpp's logits for the tiny {a.arch} model (scripts/llamacpp/reference.py)",
         "llama_cpp": {"source": a.sdist + " sdist, vendor/llama.cpp", "commit": commit,
                       "settings": "F32 K/V cache, flash attention off, one batch per prompt, "
                                   "then one token per decode step"},
         "model_sha256": sha,
         "prompts": rows,
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
         json.dump(fixture, f, separators=(",", ":"))
         f.write("\n")
-    print(f"wrote {a.out} ({os.path.getsize(a.out)} bytes; llama.cpp {commit[:7]}, model {sha[:12]})")
+    print(f"wrote {out_path} ({os.path.getsize(out_path)} bytes; llama.cpp {commit[:7]}, model {sha[:12]})")
 
 
 if __name__ == "__main__":
