@@ -10,6 +10,7 @@
 
 pub mod attn;
 pub mod chat;
+pub mod dsv4;
 pub mod error;
 pub mod fetch;
 pub mod gguf;

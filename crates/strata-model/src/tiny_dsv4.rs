@@ -84,7 +84,7 @@ pub fn write_tiny_dsv4(path: &Path, s: &TinyDsv4Spec) -> Result<(), ModelError> 
     let vocab = tiny_vocab();
     let mut md = metadata(s, vocab.tokens.len());
     md.extend(tokenizer_metadata(&vocab));
-    let (tensors, int_tensors) = tensors(s, vocab.tokens.len())?;
+    let (tensors, int_tensors) = tensors(s)?;
     let mut buf = std::io::Cursor::new(Vec::new());
     let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -205,8 +205,13 @@ impl<M: FnMut(usize, f32, f32) -> Vec<f32>, V: FnMut(usize, f32, f32) -> Vec<f32
 /// The tensors to write, and the names of the I32 ones.
 type Tensors = (Vec<(String, QTensor)>, Vec<String>);
 
-/// Every tensor, random, in file order; and the names of the I32 ones.
-fn tensors(s: &TinyDsv4Spec, vocab: usize) -> Result<Tensors, ModelError> {
+/// A tensor's name, shape as llama.cpp states it (`ne`) and values.
+pub type NamedWeights = (String, Vec<usize>, Vec<f32>);
+
+/// Every tensor of the model in file order: name, shape as llama.cpp states it (`ne`), values
+/// (an I32 tensor's values are its integers' bit patterns); and the names of the I32 ones.
+pub fn tiny_dsv4_weights(s: &TinyDsv4Spec) -> (Vec<NamedWeights>, Vec<String>) {
+    let vocab = tiny_vocab().tokens.len();
     let mut b = Builder {
         specs: Vec::new(),
         ints: Vec::new(),
@@ -227,13 +232,19 @@ fn tensors(s: &TinyDsv4Spec, vocab: usize) -> Result<Tensors, ModelError> {
         }
         ffn(&mut b, s, l, vocab);
     }
-    let mut out = Vec::with_capacity(b.specs.len());
-    for (name, ne, data) in b.specs {
+    (b.specs, b.ints)
+}
+
+/// Every tensor, random, in file order; and the names of the I32 ones.
+fn tensors(s: &TinyDsv4Spec) -> Result<Tensors, ModelError> {
+    let (specs, ints) = tiny_dsv4_weights(s);
+    let mut out = Vec::with_capacity(specs.len());
+    for (name, ne, data) in specs {
         let shape: Vec<usize> = ne.iter().rev().copied().collect();
         let t = Tensor::from_vec(data, shape, &Device::Cpu)?;
         out.push((name, QTensor::quantize(&t, GgmlDType::F32)?));
     }
-    Ok((out, b.ints))
+    Ok((out, ints))
 }
 
 /// Layer `l`'s attention and hyper-connection tensors.
@@ -342,7 +353,7 @@ mod tests {
         // A well-formed header (every length and count within the file).
         let mut f = std::fs::File::open(&a).unwrap();
         crate::gguf_scan::scan(&mut f, bytes.len() as u64).unwrap();
-        let (t, ints) = tensors(&s, 288).unwrap();
+        let (t, ints) = tensors(&s).unwrap();
         let names: Vec<&str> = t.iter().map(|(n, _)| n.as_str()).collect();
         for name in [
             "blk.1.indexer.proj.weight",
