@@ -6,35 +6,10 @@
 
 use std::collections::HashMap;
 
-/// The hyper-parameters the forward pass needs.
-#[derive(Clone, Debug)]
-pub struct Dsv4Config {
-    pub embd: usize,
-    pub vocab: usize,
-    pub heads: usize,
-    pub head_dim: usize,
-    pub rope_dims: usize,
-    pub q_lora_rank: usize,
-    pub window: usize,
-    pub ratios: Vec<usize>,
-    pub experts: usize,
-    pub experts_used: usize,
-    pub expert_ffn: usize,
-    pub hash_layers: usize,
-    pub indexer_heads: usize,
-    pub indexer_dim: usize,
-    pub indexer_top_k: usize,
-    pub out_groups: usize,
-    pub out_lora_rank: usize,
-    pub hc: usize,
-    pub sinkhorn_iters: usize,
-    pub eps_rms: f32,
-    pub eps_hc: f32,
-    pub rope_base: f32,
-    pub compress_rope_base: f32,
-    pub swiglu_clamp: f32,
-    pub expert_weights_scale: f32,
-}
+pub use crate::dsv4_config::{expected, Dsv4Config};
+use crate::dsv4_math::{
+    dot, hadamard, heap_select, matvec, rmsnorm, rmsnorm_w, rope, sigmoid, softplus,
+};
 
 /// A tensor: shape as llama.cpp states it (`ne`, fastest first) and its values.
 pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
@@ -65,143 +40,54 @@ pub struct Dsv4State {
     pos: usize,
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// `W · x` for W with `ne = [in, out]` (out rows of `in`).
-fn matvec(w: &[f32], x: &[f32]) -> Vec<f32> {
-    w.chunks_exact(x.len()).map(|row| dot(row, x)).collect()
-}
-
-fn rms_scale(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
-    1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()
-}
-
-fn rmsnorm(x: &[f32], eps: f32) -> Vec<f32> {
-    let s = rms_scale(x, eps);
-    x.iter().map(|v| v * s).collect()
-}
-
-fn rmsnorm_w(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let s = rms_scale(x, eps);
-    x.iter().zip(w).map(|(v, g)| v * s * g).collect()
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// RoPE (§3.1): adjacent pairs on the last `r` dims of `x`, at position `p`; `sign` −1 is the
-/// inverse rotation.
-fn rope(x: &mut [f32], r: usize, p: usize, base: f32, sign: f32) {
-    let o = x.len() - r;
-    let ts = base.powf(-2.0 / r as f32);
-    let mut theta = p as f32;
-    for k in 0..r / 2 {
-        let (c, s) = (theta.cos(), sign * theta.sin());
-        let i = o + 2 * k;
-        let (a, b) = (x[i], x[i + 1]);
-        x[i] = a * c - b * s;
-        x[i + 1] = a * s + b * c;
-        theta *= ts;
-    }
-}
-
-/// The orthonormal Walsh–Hadamard transform of a 64-value vector (§5.3).
-fn hadamard(x: &[f32]) -> Vec<f32> {
-    let n = x.len();
-    let scale = 1.0 / (n as f32).sqrt();
-    (0..n)
-        .map(|i| {
-            (0..n)
-                .map(|j| {
-                    let sign = if (i & j).count_ones() % 2 == 0 {
-                        1.0
-                    } else {
-                        -1.0
-                    };
-                    sign * x[j]
-                })
-                .sum::<f32>()
-                * scale
-        })
-        .collect()
-}
-
-/// The `k` largest of `scores` as llama.cpp's `ggml_top_k` chooses them: `std::partial_sort`
-/// of the indices with `score[a] > score[b]`, whose set on ties is libstdc++'s heap-select
-/// (a heap of the first `k`, then each later index replaces the heap's top, its smallest,
-/// only when strictly larger). Exact ties are common here: a block whose every ReLU term is
-/// zero scores exactly 0. The heap operations follow libstdc++'s `bits/stl_heap.h`.
-fn heap_select(scores: &[f32], k: usize) -> Vec<usize> {
-    let n = scores.len();
-    if n <= k {
-        return (0..n).collect();
-    }
-    let comp = |a: usize, b: usize| scores[a] > scores[b];
-    let mut h: Vec<usize> = (0..k).collect();
-    let push = |h: &mut [usize], mut hole: usize, top: usize, value: usize| {
-        while hole > top {
-            let parent = (hole - 1) / 2;
-            if !comp(h[parent], value) {
-                break;
-            }
-            h[hole] = h[parent];
-            hole = parent;
-        }
-        h[hole] = value;
-    };
-    let adjust = |h: &mut [usize], mut hole: usize, len: usize, value: usize| {
-        let top = hole;
-        let mut second = hole;
-        while second < (len - 1) / 2 {
-            second = 2 * (second + 1);
-            if comp(h[second], h[second - 1]) {
-                second -= 1;
-            }
-            h[hole] = h[second];
-            hole = second;
-        }
-        if len.is_multiple_of(2) && second == (len - 2) / 2 {
-            second = 2 * (second + 1);
-            h[hole] = h[second - 1];
-            hole = second - 1;
-        }
-        push(h, hole, top, value);
-    };
-    if k >= 2 {
-        let mut parent = (k - 2) / 2;
-        loop {
-            let v = h[parent];
-            adjust(&mut h, parent, k, v);
-            if parent == 0 {
-                break;
-            }
-            parent -= 1;
-        }
-    }
-    for i in k..n {
-        if comp(i, h[0]) {
-            // __pop_heap(first, middle, i): *i = *first (irrelevant here), then sift i in.
-            adjust(&mut h, 0, k, i);
-        }
-    }
-    h
-}
-
 impl Dsv4 {
-    pub fn new(cfg: Dsv4Config, w: Weights) -> Dsv4 {
-        Dsv4 { cfg, w }
+    /// The model, once every tensor the configuration needs is there with its shape, and
+    /// every hash layer's expert ids are experts.
+    pub fn new(cfg: Dsv4Config, w: Weights) -> Result<Dsv4, String> {
+        for (name, ne) in expected(&cfg) {
+            match w.get(&name) {
+                None => return Err(format!("tensor {name} is missing")),
+                Some((got, data)) if *got != ne || data.len() != ne.iter().product::<usize>() => {
+                    return Err(format!("tensor {name} has shape {got:?}, expected {ne:?}"))
+                }
+                Some(_) => {}
+            }
+        }
+        for l in 0..cfg.hash_layers.min(cfg.ratios.len()) {
+            let ids = &w[&format!("blk.{l}.ffn_gate_tid2eid.weight")].1;
+            if ids.iter().any(|v| v.to_bits() as usize >= cfg.experts) {
+                return Err(format!(
+                    "blk.{l}.ffn_gate_tid2eid names an expert past {}",
+                    cfg.experts
+                ));
+            }
+        }
+        let sizes = [
+            cfg.embd,
+            cfg.vocab,
+            cfg.heads,
+            cfg.head_dim,
+            cfg.q_lora_rank,
+            cfg.experts,
+            cfg.experts_used,
+            cfg.expert_ffn,
+            cfg.indexer_heads,
+            cfg.indexer_dim,
+            cfg.indexer_top_k,
+            cfg.out_groups,
+            cfg.out_lora_rank,
+        ];
+        let dims_ok = sizes.iter().all(|&n| n >= 1)
+            && cfg.hc >= 1
+            && cfg.heads.is_multiple_of(cfg.out_groups.max(1))
+            && cfg.rope_dims.is_multiple_of(2)
+            && cfg.rope_dims <= cfg.head_dim.min(cfg.indexer_dim)
+            && cfg.swiglu_clamp.len() >= cfg.ratios.len()
+            && cfg.experts_used <= cfg.experts;
+        if !dims_ok {
+            return Err("inconsistent hyper-parameters".into());
+        }
+        Ok(Dsv4 { cfg, w })
     }
 
     fn t(&self, name: &str) -> &[f32] {
@@ -226,8 +112,14 @@ impl Dsv4 {
     }
 
     /// The logits after `token` at the state's next position (the state moves on).
-    pub fn step(&self, st: &mut Dsv4State, token: u32) -> Vec<f32> {
+    pub fn step(&self, st: &mut Dsv4State, token: u32) -> Result<Vec<f32>, String> {
         let c = &self.cfg;
+        if token as usize >= c.vocab {
+            return Err(format!(
+                "token {token} is outside the vocabulary ({})",
+                c.vocab
+            ));
+        }
         let e = c.embd;
         let emb = &self.t("token_embd.weight")[token as usize * e..(token as usize + 1) * e];
         let mut hs: Vec<f32> = (0..c.hc).flat_map(|_| emb.iter().copied()).collect();
@@ -258,7 +150,7 @@ impl Dsv4 {
             }
         }
         let z = rmsnorm_w(&z, self.t("output_norm.weight"), c.eps_rms);
-        matvec(self.t("output.weight"), &z)
+        Ok(matvec(self.t("output.weight"), &z))
     }
 
     /// §2.1–2.2: the mixed input, the post gates and the Sinkhorn-normalised combination.
@@ -562,9 +454,12 @@ impl Dsv4 {
         let mut w: Vec<f32> = chosen.iter().map(|&x| scores[x]).collect();
         let sum: f32 = w.iter().sum();
         for v in w.iter_mut() {
-            *v = *v / sum.max(6.103_515_6e-5) * c.expert_weights_scale;
+            if c.expert_weights_norm {
+                *v /= sum.max(6.103_515_6e-5);
+            }
+            *v *= c.expert_weights_scale;
         }
-        let clamp = c.swiglu_clamp;
+        let clamp = c.swiglu_clamp[l];
         let swiglu = |g: &[f32], u: &[f32]| -> Vec<f32> {
             g.iter()
                 .zip(u)
@@ -594,38 +489,5 @@ impl Dsv4 {
         );
         let shared = matvec(self.l(l, "ffn_down_shexp.weight"), &hdn);
         y.iter().zip(&shared).map(|(a, b)| a + b).collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn heap_select_keeps_libstdcxx_choices_on_ties() {
-        // Nothing strictly larger arrives: the first k stay.
-        assert_eq!(sorted(heap_select(&[0.0, 0.0, 0.0], 2)), vec![0, 1]);
-        // A larger one replaces the heap's top (here index 1, by libstdc++'s layout).
-        assert_eq!(sorted(heap_select(&[0.0, 0.0, 0.0, 5.0], 2)), vec![0, 3]);
-        assert_eq!(
-            sorted(heap_select(&[3.0, 1.0, 2.0, 5.0, 4.0], 3)),
-            vec![0, 3, 4]
-        );
-        // Fewer than k: all of them.
-        assert_eq!(sorted(heap_select(&[1.0], 8)), vec![0]);
-    }
-
-    fn sorted(mut v: Vec<usize>) -> Vec<usize> {
-        v.sort_unstable();
-        v
-    }
-
-    #[test]
-    fn the_hadamard_rotation_is_orthonormal_and_self_inverse() {
-        let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
-        let y = hadamard(&hadamard(&x));
-        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
-        let n = |v: &[f32]| dot(v, v);
-        assert!((n(&hadamard(&x)) - n(&x)).abs() < 1e-4);
     }
 }

@@ -11,6 +11,9 @@
 pub mod attn;
 pub mod chat;
 pub mod dsv4;
+mod dsv4_config;
+pub mod dsv4_load;
+mod dsv4_math;
 pub mod error;
 pub mod fetch;
 pub mod gguf;

@@ -1,13 +1,12 @@
-//! The DeepSeek-V4 reference forward pass (`strata_model::dsv4`, one token at a time) against
-//! llama.cpp's logits on the tiny model (tests/fixtures/tiny_dsv4_logits.json): every prompt's
+//! The DeepSeek-V4 reference forward pass (`strata_model::dsv4`, one token at a time, the model
+//! loaded from the generated GGUF by `dsv4_load`) against llama.cpp's logits on the tiny model (tests/fixtures/tiny_dsv4_logits.json): every prompt's
 //! argmax at every position (but for near ties, where the choice is llama.cpp's runner-up),
 //! whole logits at the window and block boundaries, and greedy decode steps.
 
-use std::collections::HashMap;
-
 use serde_json::Value;
-use strata_model::dsv4::{Dsv4, Dsv4Config};
-use strata_model::tiny_dsv4::{tiny_dsv4_weights, TinyDsv4Spec};
+use strata_model::dsv4::Dsv4;
+use strata_model::dsv4_load::load_dsv4;
+use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 
 /// Largest |Strata − llama.cpp| allowed per logit (both f32; summation orders differ):
 /// measured 7.7e-6 over every prompt and decode step. Matching needs the indexer's top-k to
@@ -15,39 +14,12 @@ use strata_model::tiny_dsv4::{tiny_dsv4_weights, TinyDsv4Spec};
 /// another block at one position and moved logits by up to 0.7 from there on.
 const TOL: f32 = 1e-4;
 
+/// The tiny model, written by the generator and loaded from the file.
 fn model() -> Dsv4 {
-    let s = TinyDsv4Spec::default();
-    let (specs, _) = tiny_dsv4_weights(&s);
-    let w: HashMap<String, (Vec<usize>, Vec<f32>)> =
-        specs.into_iter().map(|(n, ne, d)| (n, (ne, d))).collect();
-    let cfg = Dsv4Config {
-        embd: s.embd,
-        vocab: 288,
-        heads: s.heads,
-        head_dim: s.head_dim,
-        rope_dims: s.rope_dims,
-        q_lora_rank: s.q_lora_rank,
-        window: s.window,
-        ratios: s.ratios.iter().map(|&r| r as usize).collect(),
-        experts: s.experts,
-        experts_used: s.experts_used,
-        expert_ffn: s.expert_ffn,
-        hash_layers: s.hash_layers,
-        indexer_heads: s.indexer_heads,
-        indexer_dim: s.indexer_dim,
-        indexer_top_k: s.indexer_top_k,
-        out_groups: s.out_groups,
-        out_lora_rank: s.out_lora_rank,
-        hc: s.hc,
-        sinkhorn_iters: 20,
-        eps_rms: 1e-6,
-        eps_hc: 1e-6,
-        rope_base: 10000.0,
-        compress_rope_base: 160000.0,
-        swiglu_clamp: s.swiglu_clamp,
-        expert_weights_scale: 1.5,
-    };
-    Dsv4::new(cfg, w)
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("tiny-dsv4.gguf");
+    write_tiny_dsv4(&path, &TinyDsv4Spec::default()).unwrap();
+    load_dsv4(&path).unwrap()
 }
 
 fn argmax(l: &[f32]) -> usize {
@@ -89,7 +61,7 @@ fn the_reference_forward_pass_gives_llama_cpps_logits() {
             .collect();
         let mut st = m.new_state();
         for (i, &t) in toks.iter().enumerate() {
-            let l = m.step(&mut st, t);
+            let l = m.step(&mut st, t).unwrap();
             let got = argmax(&l) as u64;
             let (want, second) = (p["argmax"][i].as_u64().unwrap(), p["runner_up"][i].as_u64());
             let gap = p["gap"][i].as_f64().unwrap() as f32;
@@ -104,11 +76,39 @@ fn the_reference_forward_pass_gives_llama_cpps_logits() {
             }
         }
         for (s, step) in p["decode"].as_array().unwrap().iter().enumerate() {
-            let l = m.step(&mut st, step["token"].as_u64().unwrap() as u32);
+            let l = m
+                .step(&mut st, step["token"].as_u64().unwrap() as u32)
+                .unwrap();
             let dv = diff(&l, &row(&step["logits"]));
             assert!(dv <= TOL, "{name}: decode step {s}: {dv}");
             worst = worst.max(dv);
         }
     }
     eprintln!("largest logit difference from llama.cpp: {worst}");
+}
+
+#[test]
+fn bad_files_and_tokens_are_refused_with_the_reason() {
+    let d = tempfile::tempdir().unwrap();
+    // Another architecture.
+    let llama = d.path().join("llama.gguf");
+    strata_model::tiny::write_tiny(&llama, &strata_model::tiny::TinySpec::default()).unwrap();
+    let e = load_dsv4(&llama).err().unwrap().to_string();
+    assert!(e.contains("`llama`"), "{e}");
+    // Truncated: the header's promises are checked before anything is read.
+    let path = d.path().join("tiny-dsv4.gguf");
+    write_tiny_dsv4(&path, &TinyDsv4Spec::default()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = d.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(load_dsv4(&cut).is_err());
+    std::fs::write(&cut, &bytes[..1000]).unwrap();
+    assert!(load_dsv4(&cut).is_err());
+    // A token outside the vocabulary is an error, not a panic.
+    let m = load_dsv4(&path).unwrap();
+    let mut st = m.new_state();
+    assert!(m
+        .step(&mut st, 288)
+        .unwrap_err()
+        .contains("outside the vocabulary"));
 }

@@ -1,10 +1,13 @@
-//! Fuzzing GGUF loading (a bounded number of cases in the test suite): a valid tiny model with
-//! bytes flipped, 8-byte fields overwritten with hostile lengths, or cut short always gives a
-//! model or an error, never a panic or an abort (an allocation failure would abort the test
-//! process itself).
+//! Fuzzing GGUF loading (a bounded number of cases in the test suite): a valid tiny model (llama,
+//! and DeepSeek-V4 through its own reader) with bytes flipped, 8-byte fields overwritten with
+//! hostile lengths, or cut short always gives a model or an error, never a panic or an abort
+//! (an allocation failure would abort the test process itself); a DeepSeek-V4 model that loads
+//! computes a few tokens without a panic.
 
 use proptest::prelude::*;
+use strata_model::dsv4_load::load_dsv4;
 use strata_model::tiny::{write_tiny, TinySpec};
+use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::{Gguf, Model};
 
 fn valid() -> Vec<u8> {
@@ -21,6 +24,25 @@ fn open(bytes: &[u8]) {
     if let Ok(mut g) = Gguf::open(&p) {
         let _ = strata_model::ModelTokenizer::from_gguf(&g);
         let _ = Model::load(&mut g);
+    }
+}
+
+fn valid_dsv4() -> Vec<u8> {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("t.gguf");
+    write_tiny_dsv4(&p, &TinyDsv4Spec::default()).unwrap();
+    std::fs::read(p).unwrap()
+}
+
+fn open_dsv4(bytes: &[u8]) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("f.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    if let Ok(m) = load_dsv4(&p) {
+        let mut st = m.new_state();
+        for t in [1u32, 2, 3, 300] {
+            let _ = m.step(&mut st, t);
+        }
     }
 }
 
@@ -52,5 +74,20 @@ proptest! {
             b.truncate(c.min(b.len()));
         }
         open(&b);
+    }
+
+    #[test]
+    fn hostile_dsv4_headers_never_abort(
+        at in 0usize..9000,
+        v in prop_oneof![Just(u64::MAX), Just(1u64 << 40), Just(1u64 << 32), Just(0u64), any::<u64>()],
+        cut in proptest::option::of(0usize..12000),
+    ) {
+        let mut b = valid_dsv4();
+        let at = at.min(b.len().saturating_sub(8));
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        if let Some(c) = cut {
+            b.truncate(c.min(b.len()));
+        }
+        open_dsv4(&b);
     }
 }
