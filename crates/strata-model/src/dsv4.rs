@@ -83,6 +83,7 @@ impl Dsv4 {
             && cfg.rope_dims.is_multiple_of(2)
             && cfg.rope_dims <= cfg.head_dim.min(cfg.indexer_dim)
             && cfg.swiglu_clamp.len() >= cfg.ratios.len()
+            && cfg.swiglu_clamp.iter().all(|c| c.is_finite() && *c >= 0.0)
             && cfg.experts_used <= cfg.experts;
         if !dims_ok {
             return Err("inconsistent hyper-parameters".into());
@@ -459,13 +460,19 @@ impl Dsv4 {
             }
             *v *= c.expert_weights_scale;
         }
+        // llama.cpp clamps only when the limit is above 1e-6 (`Dsv4::new` checked it is a
+        // finite number ≥ 0).
         let clamp = c.swiglu_clamp[l];
         let swiglu = |g: &[f32], u: &[f32]| -> Vec<f32> {
             g.iter()
                 .zip(u)
                 .map(|(&g, &u)| {
-                    let g = g.min(clamp);
-                    g * sigmoid(g) * u.clamp(-clamp, clamp)
+                    if clamp > 1e-6 {
+                        let g = g.min(clamp);
+                        g * sigmoid(g) * u.clamp(-clamp, clamp)
+                    } else {
+                        g * sigmoid(g) * u
+                    }
                 })
                 .collect()
         };
