@@ -62,7 +62,7 @@ impl CacheIndex {
         if v.get("messages").is_some() {
             let req: strata_server::api::ChatRequest = serde_json::from_value(v).ok()?;
             let tools = strata_server::tools::tools_of(&req).ok()?;
-            let shown = tools.as_ref().and_then(|t| t.shown());
+            let shown = tools.as_ref().map(|t| t.shown());
             strata_server::prompt::chat_ids(
                 &self.tokenizer,
                 self.template.as_ref(),

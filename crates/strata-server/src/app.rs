@@ -193,7 +193,7 @@ async fn chat(
         .and_then(|t| t.constraint())
         .map(|c| (c, "tool_choice"));
     let asked = crate::structured::asked(&req.sampling, req.response_format.as_ref(), forced)?;
-    let shown = tools.as_ref().and_then(|t| t.shown()).map(<[_]>::to_vec);
+    let shown = tools.as_ref().map(|t| t.shown().to_vec());
     let ChatRequest {
         messages, sampling, ..
     } = req;

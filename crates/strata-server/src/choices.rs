@@ -21,8 +21,7 @@ use strata_engine::{Event, FinishReason, PromptLogprobs, SamplingParams};
 use crate::api::Usage;
 use crate::error::ApiError;
 use crate::respond::{
-    choice_json, collect, first_event, render_prompt, usage_event, whole_body, Answer, Job,
-    Streaming,
+    choice_json, collect, first_event, usage_event, whole_body, Answer, Job, Streaming,
 };
 use crate::state::AppState;
 
@@ -114,6 +113,10 @@ pub(crate) async fn answer(
         params.logprobs = Some(params.logprobs.unwrap_or(0));
     }
     let (cached, prompt_lps) = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
+    // The same for every choice: rendered once.
+    let rendered = prompt_lps
+        .as_deref()
+        .map(|p| Arc::new(crate::logprobs::render_prompt(&st.tokenizer, p)));
     let prompt = ids.len();
     let mut answers = Vec::with_capacity(best_of);
     for i in 0..best_of {
@@ -128,7 +131,7 @@ pub(crate) async fn answer(
             .submit(ids.clone(), p)
             .map_err(|e| ApiError::from_submit(&e))?;
         let first = first_event(&mut rs).await?;
-        let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(prompt_lps.clone());
+        let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
         answers.push(a);
     }
     if job.stream {
@@ -146,11 +149,9 @@ pub(crate) async fn answer(
         done.sort_by(|x, y| mean_logprob(&y.0 .2).total_cmp(&mean_logprob(&x.0 .2)));
         done.truncate(n);
     }
-    // The prompt's log probabilities are the same for every choice: rendered once.
-    let rendered = prompt_lps.as_deref().map(|p| render_prompt(&st, p));
     let mut choices = Vec::with_capacity(n);
     for (i, ((text, reason, lps), _)) in done.into_iter().enumerate() {
-        let prompt = rendered.clone();
+        let prompt = rendered.as_deref().cloned();
         choices.push(choice_json(&st, &job, i, &text, reason, &lps, prompt));
     }
     let usage = Usage::new(prompt, completion, cached.total());

@@ -90,10 +90,10 @@ pub(crate) fn render_prompt(tk: &ModelTokenizer, p: &PromptLogprobs) -> Value {
 }
 
 /// Two completions-shaped `logprobs` one after the other.
-pub(crate) fn concat(mut a: Value, b: Value) -> Value {
+pub(crate) fn concat(mut a: Value, mut b: Value) -> Value {
     for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
-        if let (Some(x), Some(y)) = (a[key].as_array_mut(), b[key].as_array()) {
-            x.extend(y.iter().cloned());
+        if let (Some(x), Value::Array(y)) = (a[key].as_array_mut(), b[key].take()) {
+            x.extend(y);
         }
     }
     a

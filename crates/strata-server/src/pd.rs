@@ -92,9 +92,10 @@ async fn prefill_work(
     let done = compute_prefill(st, &req.tokens, params, arrived).await?;
     let (first, cached) = (done.first, done.cached);
     let first_logprobs = done.logprobs.map(wire);
-    let prompt_logprobs = done
-        .prompt_logprobs
-        .map(|p| p.tokens.iter().cloned().map(wire).collect());
+    let prompt_logprobs = done.prompt_logprobs.map(|p| {
+        let tokens = Arc::try_unwrap(p).map_or_else(|p| p.tokens.clone(), |p| p.tokens);
+        tokens.into_iter().map(wire).collect()
+    });
     let stats = match send_prefill(st, addr, id, req.tokens, done.kv).await {
         Ok(Ok(stats)) => stats,
         Ok(Err(e)) => {
@@ -383,7 +384,7 @@ pub async fn decode_after_remote_prefill(
                 .and_then(crate::structured::spec_of),
         },
     };
-    let pr = call_prefill(st, prefill_url, &body).await?;
+    let mut pr = call_prefill(st, prefill_url, &body).await?;
     let got = exp
         .take(st.pd.kv_deadline)
         .await
@@ -394,10 +395,10 @@ pub async fn decode_after_remote_prefill(
     }
     check_logprobs(&pr, &ids, &params)?;
     let kv = strata_engine::ImportedKv {
-        first_logprobs: pr.first_logprobs.clone().map(unwire),
+        first_logprobs: pr.first_logprobs.take().map(unwire),
         prompt_logprobs: pr
             .prompt_logprobs
-            .clone()
+            .take()
             .map(|v| v.into_iter().map(unwire).collect()),
         pages: got.pages,
         first_token: pr.first_token,

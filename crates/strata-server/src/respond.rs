@@ -16,7 +16,7 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use strata_engine::request::CachedTokens;
-use strata_engine::{Event, FinishReason, PromptLogprobs, RequestStream, TokenLogprobs};
+use strata_engine::{Event, FinishReason, RequestStream, TokenLogprobs};
 
 use crate::api::Usage;
 use crate::error::{engine_error, ApiError};
@@ -139,8 +139,8 @@ pub(crate) struct Answer {
     cached: CachedTokens,
     /// Log probabilities of tokens whose text is not out yet.
     logprobs: Vec<TokenLogprobs>,
-    /// The prompt's log probabilities (requests that asked for them).
-    prompt_lps: Option<Arc<PromptLogprobs>>,
+    /// The prompt's log probabilities (requests that asked for them), rendered once.
+    prompt_lps: Option<Arc<Value>>,
 }
 
 impl Answer {
@@ -160,15 +160,15 @@ impl Answer {
         }
     }
 
-    /// The prompt's log probabilities, computed by another request (`n` > 1 computes the
-    /// prompt once).
-    pub(crate) fn with_prompt_logprobs(mut self, p: Option<Arc<PromptLogprobs>>) -> Answer {
+    /// The prompt's log probabilities, computed by another request and rendered once for all
+    /// choices (`n` > 1 computes the prompt once).
+    pub(crate) fn with_prompt_logprobs(mut self, p: Option<Arc<Value>>) -> Answer {
         self.prompt_lps = p;
         self
     }
 
-    /// The prompt's log probabilities, once they arrived.
-    pub(crate) fn prompt_logprobs(&self) -> Option<&PromptLogprobs> {
+    /// The prompt's log probabilities (completions' shape), once they arrived.
+    pub(crate) fn prompt_logprobs(&self) -> Option<&Value> {
         self.prompt_lps.as_deref()
     }
 
@@ -197,7 +197,8 @@ impl Answer {
             Some(Event::Kv(_)) => {}
             Some(Event::Logprobs(l)) => self.logprobs.push(l),
             Some(Event::PromptLogprobs(p)) => {
-                self.prompt_lps = Some(p);
+                let v = crate::logprobs::render_prompt(&self.st.tokenizer, &p);
+                self.prompt_lps = Some(Arc::new(v));
                 out.push(Step::Prompt);
             }
             Some(Event::Admitted { cached }) => {
@@ -262,7 +263,7 @@ pub(crate) async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut a = Answer::new(st.clone(), rs, &job, first);
     let (text, reason, lps) = collect(&mut a).await?;
-    let prompt = a.prompt_logprobs().map(|p| render_prompt(&st, p));
+    let prompt = a.prompt_logprobs().cloned();
     let choice = choice_json(&st, &job, 0, &text, reason, &lps, prompt);
     Ok(whole_body(&st, &job, vec![choice], a.usage()))
 }
@@ -305,11 +306,6 @@ pub(crate) async fn collect(
             }
         }
     }
-}
-
-/// The prompt's part of a completions `logprobs` (echo with logprobs), rendered once.
-pub(crate) fn render_prompt(st: &AppState, p: &PromptLogprobs) -> Value {
-    crate::logprobs::render_prompt(&st.tokenizer, p)
 }
 
 /// One choice of a whole answer (`prompt`: the prompt's part of its log probabilities).
@@ -543,7 +539,7 @@ impl Streaming {
         };
         let lp = match (self.job.prompt_logprobs, self.answer.prompt_logprobs()) {
             (false, _) => Value::Null,
-            (true, Some(p)) => crate::logprobs::render_prompt(&self.answer.st.tokenizer, p),
+            (true, Some(p)) => p.clone(),
             (true, None) if last => Value::Null,
             (true, None) => return,
         };

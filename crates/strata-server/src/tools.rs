@@ -147,8 +147,8 @@ impl Tools {
     /// The tools as the prompt shows them: with every `tool_choice`, `none` included (vLLM's
     /// default), so an agent's last answer keeps the prompt, and the cached prefix, its calls
     /// had.
-    pub fn shown(&self) -> Option<&[ToolDef]> {
-        Some(&self.defs[..])
+    pub fn shown(&self) -> &[ToolDef] {
+        &self.defs
     }
 
     /// The names of the functions the answer may call (None: the answer is not parsed).

@@ -269,11 +269,7 @@ impl Scheduler {
         self.snap.transferred_prompt_tokens += r.prompt_len as u64;
         let _ = r.tx.send(Event::Admitted { cached: r.cached });
         if let Some(tokens) = kv.prompt_logprobs {
-            let p = crate::request::PromptLogprobs {
-                first_token: r.tokens[0],
-                tokens,
-            };
-            let _ = r.tx.send(Event::PromptLogprobs(Arc::new(p)));
+            prompt_logprobs::send(&r, tokens);
         }
         let first = kv.first_token;
         let stop = r.params.stop_token_ids.contains(&first)

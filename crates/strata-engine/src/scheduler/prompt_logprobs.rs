@@ -17,6 +17,15 @@ use super::Req;
 /// 49 152-token vocabulary).
 pub(super) const ROWS: usize = 256;
 
+/// Sends `r`'s prompt log probabilities (positions 1..), gathered here or imported.
+pub(super) fn send(r: &Req, tokens: Vec<crate::request::TokenLogprobs>) {
+    let p = PromptLogprobs {
+        first_token: r.tokens[0],
+        tokens,
+    };
+    let _ = r.tx.send(Event::PromptLogprobs(Arc::new(p)));
+}
+
 /// Whether the chunk starting at `at` needs the logits of every row.
 pub(super) fn wants_rows(r: &Req, at: usize) -> bool {
     r.params.prompt_logprobs.is_some() && at < r.prompt_len
@@ -38,11 +47,8 @@ pub(super) fn gather<'a>(r: &mut Req, at: usize, n: usize, logits: &'a [f32]) ->
         .collect();
     r.prompt_lps.extend(rows);
     if at + n >= r.prompt_len {
-        let p = PromptLogprobs {
-            first_token: r.tokens[0],
-            tokens: std::mem::take(&mut r.prompt_lps),
-        };
-        let _ = r.tx.send(Event::PromptLogprobs(Arc::new(p)));
+        let tokens = std::mem::take(&mut r.prompt_lps);
+        send(r, tokens);
     }
     &logits[(n - 1) * vocab..n * vocab]
 }
