@@ -107,6 +107,34 @@ impl DevicePool {
         }
     }
 
+    /// Writes `data` at byte `offset` of the chunk (kind, layer, plane) of `page`: a state
+    /// smaller or larger than one token's row (a compressed block). The page must be owned by
+    /// the caller.
+    pub fn write_at(
+        &self,
+        kind: usize,
+        layer: usize,
+        plane: usize,
+        page: u32,
+        offset: usize,
+        data: &[u8],
+    ) {
+        let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;
+        assert!(
+            offset.checked_add(data.len()).is_some_and(|end| end <= n),
+            "write past the chunk"
+        );
+        // SAFETY: offset..offset + len lies inside the page's chunk, which lies inside the
+        // region; the caller owns the page.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.chunk_ptr(kind, layer, plane, page).add(offset),
+                data.len(),
+            )
+        }
+    }
+
     /// Copies one chunk out.
     pub fn read_chunk(&self, kind: usize, layer: usize, plane: usize, page: u32, out: &mut [u8]) {
         let n = self.layout.page_size() * self.layout.kinds()[kind].plane_bytes_per_token;

@@ -1,8 +1,9 @@
 //! DeepSeek-V4's forward pass, one token at a time, as docs/DSV4-FORWARD.md specifies it
-//! (section numbers below are that document's): the reference the paged, batched forward pass
-//! will be checked against, itself checked against llama.cpp's logits on the tiny model
-//! (tests/dsv4_reference.rs). Plain loops in f32 (sums of squares in f64, as ggml); every
-//! state a sequence keeps is held here whole ([`Dsv4State`]), per layer kind.
+//! (section numbers below are that document's), checked against llama.cpp's logits on the tiny
+//! model (tests/dsv4_reference.rs). Plain loops in f32 (sums of squares in f64, as ggml). The
+//! state a sequence keeps is reached only through [`Store`]: held whole ([`Dsv4State`], the
+//! reference [`Dsv4::step`]) or in the tiered cache's device pages (`crate::dsv4_paged`, the
+//! forward pass the engine runs), with the same arithmetic either way.
 
 use std::collections::HashMap;
 
@@ -10,6 +11,8 @@ pub use crate::dsv4_config::{expected, Dsv4Config};
 use crate::dsv4_math::{
     dot, hadamard, heap_select, matvec, rmsnorm, rmsnorm_w, rope, sigmoid, softplus,
 };
+pub use crate::dsv4_store::Dsv4State;
+use crate::dsv4_store::{Rows, Store};
 
 /// A tensor: shape as llama.cpp states it (`ne`, fastest first) and its values.
 pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
@@ -18,26 +21,6 @@ pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 pub struct Dsv4 {
     pub cfg: Dsv4Config,
     w: Weights,
-}
-
-/// What one sequence keeps per layer between tokens (§11), whole.
-#[derive(Default)]
-struct LayerState {
-    /// Raw K (= V) of every position (only the last `window` are read).
-    raw: Vec<Vec<f32>>,
-    /// Compressor rows (value, score) of every position: the attention compressor's and the
-    /// indexer's.
-    rows: Vec<(Vec<f32>, Vec<f32>)>,
-    index_rows: Vec<(Vec<f32>, Vec<f32>)>,
-    /// Compressed blocks: K (CSA or HCA) and indexer keys.
-    blocks: Vec<Vec<f32>>,
-    index_keys: Vec<Vec<f32>>,
-}
-
-/// A sequence's state: per layer, and the next position.
-pub struct Dsv4State {
-    layers: Vec<LayerState>,
-    pos: usize,
 }
 
 impl Dsv4 {
@@ -84,7 +67,8 @@ impl Dsv4 {
             && cfg.rope_dims <= cfg.head_dim.min(cfg.indexer_dim)
             && cfg.swiglu_clamp.len() >= cfg.ratios.len()
             && cfg.swiglu_clamp.iter().all(|c| c.is_finite() && *c >= 0.0)
-            && cfg.experts_used <= cfg.experts;
+            && cfg.experts_used <= cfg.experts
+            && (1..=1 << 24).contains(&cfg.context);
         if !dims_ok {
             return Err("inconsistent hyper-parameters".into());
         }
@@ -104,40 +88,49 @@ impl Dsv4 {
     }
 
     pub fn new_state(&self) -> Dsv4State {
-        Dsv4State {
-            layers: (0..self.cfg.ratios.len())
-                .map(|_| LayerState::default())
-                .collect(),
-            pos: 0,
-        }
+        Dsv4State::new(self.cfg.ratios.len())
     }
 
     /// The logits after `token` at the state's next position (the state moves on).
     pub fn step(&self, st: &mut Dsv4State, token: u32) -> Result<Vec<f32>, String> {
-        let c = &self.cfg;
-        if token as usize >= c.vocab {
+        if token as usize >= self.cfg.vocab {
             return Err(format!(
                 "token {token} is outside the vocabulary ({})",
-                c.vocab
+                self.cfg.vocab
             ));
         }
+        let p = st.pos;
+        let hs = self.token(st, p, token);
+        st.pos += 1;
+        Ok(self.head(&hs))
+    }
+
+    /// One token at position `p` through every layer, its state written to `st` (positions
+    /// before `p` must be there); returns the hyper-connection streams for [`Dsv4::head`].
+    /// `token` must be inside the vocabulary.
+    pub(crate) fn token<S: Store>(&self, st: &mut S, p: usize, token: u32) -> Vec<f32> {
+        let c = &self.cfg;
         let e = c.embd;
         let emb = &self.t("token_embd.weight")[token as usize * e..(token as usize + 1) * e];
         let mut hs: Vec<f32> = (0..c.hc).flat_map(|_| emb.iter().copied()).collect();
-        let p = st.pos;
         for l in 0..c.ratios.len() {
             let (x, post, comb) = self.hc_pre(&hs, l, "attn");
             let a = rmsnorm_w(&x, self.l(l, "attn_norm.weight"), c.eps_rms);
-            let o = self.attention(&a, p, l, &mut st.layers[l]);
+            let o = self.attention(&a, p, l, st);
             hs = self.hc_post(&o, &hs, &post, &comb);
             let (x, post, comb) = self.hc_pre(&hs, l, "ffn");
             let f = rmsnorm_w(&x, self.l(l, "ffn_norm.weight"), c.eps_rms);
             let y = self.ffn(&f, token, l);
             hs = self.hc_post(&y, &hs, &post, &comb);
         }
-        st.pos += 1;
-        // §2.4 and the head.
-        let n = rmsnorm(&hs, c.eps_rms);
+        hs
+    }
+
+    /// §2.4 and the head: the logits from a token's streams.
+    pub(crate) fn head(&self, hs: &[f32]) -> Vec<f32> {
+        let c = &self.cfg;
+        let e = c.embd;
+        let n = rmsnorm(hs, c.eps_rms);
         let mix = matvec(self.t("output_hc_fn.weight"), &n);
         let (base, scale) = (
             self.t("output_hc_base.weight"),
@@ -151,7 +144,7 @@ impl Dsv4 {
             }
         }
         let z = rmsnorm_w(&z, self.t("output_norm.weight"), c.eps_rms);
-        Ok(matvec(self.t("output.weight"), &z))
+        matvec(self.t("output.weight"), &z)
     }
 
     /// §2.1–2.2: the mixed input, the post gates and the Sinkhorn-normalised combination.
@@ -248,11 +241,13 @@ impl Dsv4 {
     }
 
     /// §5.1–5.2: block `b` of ratio `r` from the rows, normalised and rotated to its start.
-    fn compress(
+    #[allow(clippy::too_many_arguments)]
+    fn compress<S: Store>(
         &self,
         l: usize,
         prefix: &str,
-        rows: &[(Vec<f32>, Vec<f32>)],
+        st: &S,
+        which: Rows,
         b: usize,
         r: usize,
         dc: usize,
@@ -267,19 +262,27 @@ impl Dsv4 {
         } else {
             src.extend((r * b..r * b + r).map(|p| (0, p)));
         }
+        // (offset, value row, score row) of each source token.
+        let rows: Vec<(usize, &[f32], &[f32])> = src
+            .iter()
+            .map(|&(off, p)| {
+                let (kv, sc) = st.row(l, which, p);
+                (off, kv, sc)
+            })
+            .collect();
         let mut c = vec![0.0f32; dc];
         for (i, ci) in c.iter_mut().enumerate() {
-            let m = src
+            let m = rows
                 .iter()
-                .map(|&(off, p)| rows[p].1[off + i])
+                .map(|&(off, _, sc)| sc[off + i])
                 .fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = src
+            let z: f32 = rows
                 .iter()
-                .map(|&(off, p)| (rows[p].1[off + i] - m).exp())
+                .map(|&(off, _, sc)| (sc[off + i] - m).exp())
                 .sum();
-            *ci = src
+            *ci = rows
                 .iter()
-                .map(|&(off, p)| (rows[p].1[off + i] - m).exp() / z * rows[p].0[off + i])
+                .map(|&(off, kv, sc)| (sc[off + i] - m).exp() / z * kv[off + i])
                 .sum();
         }
         let mut c = rmsnorm_w(
@@ -298,7 +301,7 @@ impl Dsv4 {
     }
 
     /// §3–§6: one token's attention in layer `l`.
-    fn attention(&self, a: &[f32], p: usize, l: usize, st: &mut LayerState) -> Vec<f32> {
+    fn attention<S: Store>(&self, a: &[f32], p: usize, l: usize, st: &mut S) -> Vec<f32> {
         let c = &self.cfg;
         let (h, d, r) = (c.heads, c.head_dim, c.ratios[l]);
         let base = if r == 0 {
@@ -323,21 +326,22 @@ impl Dsv4 {
             c.eps_rms,
         );
         rope(&mut kv, c.rope_dims, p, base, 1.0);
-        st.raw.push(kv);
+        st.put_raw(l, p, &kv);
         if r != 0 {
             self.compress_step(a, p, l, st);
         }
+        let st = &*st;
         // The keys: the window, and the compressed blocks in use.
         let lo = (p + 1).saturating_sub(c.window);
-        let mut keys: Vec<&[f32]> = st.raw[lo..=p].iter().map(|k| k.as_slice()).collect();
+        let mut keys: Vec<&[f32]> = (lo..=p).map(|q| st.raw(l, q)).collect();
         match r {
             0 => {}
             4 => {
                 for b in self.top_k(&qr, a, p, l, st) {
-                    keys.push(&st.blocks[b]);
+                    keys.push(st.block(l, b));
                 }
             }
-            _ => keys.extend(st.blocks.iter().map(|k| k.as_slice())),
+            _ => keys.extend((0..(p + 1) / r).map(|b| st.block(l, b))),
         }
         let sinks = self.l(l, "attn_sinks.weight");
         let kappa = 1.0 / (d as f32).sqrt();
@@ -360,23 +364,23 @@ impl Dsv4 {
 
     /// §5: the compressor rows of position `p`, and the block it completes (with its indexer
     /// key on ratio-4 layers).
-    fn compress_step(&self, a: &[f32], p: usize, l: usize, st: &mut LayerState) {
+    fn compress_step<S: Store>(&self, a: &[f32], p: usize, l: usize, st: &mut S) {
         let c = &self.cfg;
         let (d, r) = (c.head_dim, c.ratios[l]);
-        st.rows
-            .push(self.compressor_row(l, "attn_compressor", a, p, r));
+        let (kv, sc) = self.compressor_row(l, "attn_compressor", a, p, r);
+        st.put_row(l, Rows::Attn, p, &kv, &sc);
         if r == 4 {
-            st.index_rows
-                .push(self.compressor_row(l, "indexer_compressor", a, p, r));
+            let (kv, sc) = self.compressor_row(l, "indexer_compressor", a, p, r);
+            st.put_row(l, Rows::Index, p, &kv, &sc);
         }
         if (p + 1).is_multiple_of(r) {
             let b = p / r;
-            let k = self.compress(l, "attn_compressor", &st.rows, b, r, d);
-            st.blocks.push(k);
+            let k = self.compress(l, "attn_compressor", st, Rows::Attn, b, r, d);
+            st.put_block(l, b, &k);
             if r == 4 {
-                let ik =
-                    self.compress(l, "indexer_compressor", &st.index_rows, b, r, c.indexer_dim);
-                st.index_keys.push(hadamard(&ik));
+                let di = c.indexer_dim;
+                let ik = self.compress(l, "indexer_compressor", st, Rows::Index, b, r, di);
+                st.put_index_key(l, b, &hadamard(&ik));
             }
         }
     }
@@ -399,7 +403,7 @@ impl Dsv4 {
     }
 
     /// §6.2: the visible compressed blocks the indexer selects (ties as llama.cpp breaks them).
-    fn top_k(&self, qr: &[f32], a: &[f32], p: usize, l: usize, st: &LayerState) -> Vec<usize> {
+    fn top_k<S: Store>(&self, qr: &[f32], a: &[f32], p: usize, l: usize, st: &S) -> Vec<usize> {
         let c = &self.cfg;
         let (hi, di) = (c.indexer_heads, c.indexer_dim);
         let mut iq = matvec(self.l(l, "indexer.attn_q_b.weight"), qr);
@@ -419,7 +423,7 @@ impl Dsv4 {
                 heads
                     .iter()
                     .zip(&w)
-                    .map(|(qh, wh)| dot(qh, &st.index_keys[b]).max(0.0) * wh)
+                    .map(|(qh, wh)| dot(qh, st.index_key(l, b)).max(0.0) * wh)
                     .sum()
             })
             .collect();

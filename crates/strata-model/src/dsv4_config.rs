@@ -6,6 +6,8 @@
 pub struct Dsv4Config {
     pub embd: usize,
     pub vocab: usize,
+    /// Tokens a sequence may hold (`deepseek4.context_length`).
+    pub context: usize,
     pub heads: usize,
     pub head_dim: usize,
     pub rope_dims: usize,

@@ -214,6 +214,7 @@ fn config(path: &Path, m: &HashMap<String, Meta>) -> Result<Dsv4Config, ModelErr
     Ok(Dsv4Config {
         embd: k.int("embedding_length")?,
         vocab,
+        context: k.int("context_length")?,
         heads: k.int("attention.head_count")?,
         head_dim: k.int("attention.key_length")?,
         rope_dims: k.int("rope.dimension_count")?,

@@ -14,6 +14,8 @@ pub mod dsv4;
 mod dsv4_config;
 pub mod dsv4_load;
 mod dsv4_math;
+mod dsv4_paged;
+mod dsv4_store;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
