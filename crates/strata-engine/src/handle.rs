@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Sender};
 use strata_kv::{CacheEvent, TieredCache};
-use strata_model::Model;
+use strata_model::Runtime;
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::constraint::panic_message;
@@ -104,15 +104,20 @@ pub struct Engine;
 
 impl Engine {
     /// Moves the model and cache onto a new scheduler thread.
-    pub fn start(model: Model, cache: TieredCache, mut cfg: EngineConfig) -> EngineHandle {
+    pub fn start<M: Runtime + 'static>(
+        model: M,
+        cache: TieredCache,
+        mut cfg: EngineConfig,
+    ) -> EngineHandle {
+        let model: Box<dyn Runtime> = Box::new(model);
         let d = cache.device_usage();
         let device_tokens = d.pages_total as usize * cache.page_size();
         if cfg.max_tokens_in_flight == 0 {
             cfg.max_tokens_in_flight = 4 * device_tokens;
         }
         let info = EngineInfo {
-            context_length: model.config.context_length,
-            vocab: model.config.vocab,
+            context_length: model.context_length(),
+            vocab: model.vocab(),
             page_size: cache.page_size(),
             page_bytes: cache.layout().page_bytes(),
             layout: format!("{:?}", cache.layout().kinds()),

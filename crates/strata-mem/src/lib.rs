@@ -11,7 +11,7 @@ pub mod numa;
 pub mod plan;
 pub mod topology;
 
-pub use model::{preset, KindSpec, ModelSpec, PRESETS};
+pub use model::{dsv4_kinds, preset, Dsv4Shape, KindSpec, ModelSpec, Needed, Per, PRESETS};
 pub use numa::{NumaAllocator, Placement};
 pub use plan::{
     make_plan, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError, PlanRequest,

@@ -3,6 +3,29 @@
 use serde::Serialize;
 use strata_kv::PoolKind;
 
+/// What one item of a kind belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Per {
+    /// A row per token.
+    Token,
+    /// One item per `r`-token block, `page / r` of them packed in a page (the page size must
+    /// be a multiple of `r`).
+    Block(usize),
+    /// One item per `r`-token block, in the page holding the block's last token: one slot per
+    /// page when a page divides a block, `page / r` when it holds whole blocks.
+    BlockSlot(usize),
+}
+
+/// Which of a prefix's items a continuation reads: the whole prefix, or only its last tokens
+/// (the kind's pages may then be dropped further back; see docs/ARCHITECTURE.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Needed {
+    Prefix,
+    Window(usize),
+}
+
 /// One pool kind of a model, before tensor-parallel splitting.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KindSpec {
@@ -16,6 +39,8 @@ pub struct KindSpec {
     /// Heads are divided over TP ranks (attention KV); otherwise every rank holds all of them
     /// (MLA latents and indexer keys are replicated).
     pub split_across_tp: bool,
+    pub per: Per,
+    pub needed: Needed,
 }
 
 impl KindSpec {
@@ -28,12 +53,54 @@ impl KindSpec {
         }
     }
 
-    pub fn per_rank(&self, tp: u32) -> PoolKind {
-        PoolKind {
+    /// Bytes of one item (a token's row, or a block's) per layer and plane on one rank.
+    pub fn item_bytes(&self, tp: u32) -> usize {
+        self.heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+    }
+
+    /// The kind on one rank in pages of `page_size` tokens, or why such a page cannot hold it.
+    pub fn per_rank(&self, tp: u32, page_size: usize) -> Result<PoolKind, String> {
+        let (item, ps) = (self.item_bytes(tp), page_size);
+        let chunk = match self.per {
+            Per::Token => Some(item * ps),
+            Per::Block(r) => (r > 0 && ps.is_multiple_of(r)).then(|| item * (ps / r)),
+            Per::BlockSlot(r) if r > 0 && ps <= r && r.is_multiple_of(ps) => Some(item),
+            Per::BlockSlot(r) => (r > 0 && ps.is_multiple_of(r)).then(|| item * (ps / r)),
+        };
+        let chunk = chunk.ok_or_else(|| {
+            format!(
+                "a page of {ps} tokens does not hold whole items of kind `{}` ({})",
+                self.name,
+                self.per_text()
+            )
+        })?;
+        if !chunk.is_multiple_of(ps) {
+            return Err(format!(
+                "kind `{}`: {chunk} bytes per page do not split evenly over {ps} tokens",
+                self.name
+            ));
+        }
+        Ok(PoolKind {
             name: self.name.clone(),
             layers: self.layers,
             planes: self.planes,
-            plane_bytes_per_token: self.heads_per_rank(tp) * self.head_dim * self.dtype_bytes,
+            plane_bytes_per_token: chunk / ps,
+        })
+    }
+
+    /// `token`, `4-token block`, ...
+    pub fn per_text(&self) -> String {
+        match self.per {
+            Per::Token => "token".into(),
+            Per::Block(r) | Per::BlockSlot(r) => format!("{r}-token block"),
+        }
+    }
+
+    /// `prefix` or `last 32 tokens`.
+    pub fn needed_text(&self) -> String {
+        match self.needed {
+            Needed::Prefix => "prefix".into(),
+            Needed::Window(n) => format!("last {n} tokens"),
         }
     }
 }
@@ -46,13 +113,70 @@ pub struct ModelSpec {
 }
 
 /// Names accepted by [`preset`].
-pub const PRESETS: &[&str] = &["smollm2-135m", "dsv4-like"];
+pub const PRESETS: &[&str] = &[
+    "smollm2-135m",
+    "dsv4-like",
+    "deepseek-v4-flash",
+    "deepseek-v4-pro",
+];
+
+/// The shape of a DeepSeek-V4 model's per-sequence state (docs/DSV4-FORWARD.md §11).
+#[derive(Clone, Copy, Debug)]
+pub struct Dsv4Shape {
+    pub layers: usize,
+    /// Layers with compression ratio 4 (CSA, with the indexer) and 128 (HCA).
+    pub csa_layers: usize,
+    pub hca_layers: usize,
+    /// K (= V) length, one head.
+    pub head_dim: usize,
+    pub indexer_dim: usize,
+    /// The raw sliding window.
+    pub window: usize,
+    /// Bytes of a cached value (raw, compressed, indexer keys) and of a compressor-state value.
+    pub cache_bytes: usize,
+    pub state_bytes: usize,
+}
+
+/// DeepSeek-V4's pool kinds, as the engine lays them out in pages (`strata_model::dsv4`'s
+/// `pool_kinds`; `strata serve` refuses to start when the two disagree). The state is one
+/// K = V head, the same on every tensor-parallel rank. Kinds of a ratio no layer has are
+/// left out.
+pub fn dsv4_kinds(s: &Dsv4Shape) -> Vec<KindSpec> {
+    let kind = |name: &str, layers, planes, head_dim, bytes, per, needed| KindSpec {
+        name: name.into(),
+        layers,
+        planes,
+        heads: 1,
+        head_dim,
+        dtype_bytes: bytes,
+        split_across_tp: false,
+        per,
+        needed,
+    };
+    let (d, di, c, st) = (s.head_dim, s.indexer_dim, s.cache_bytes, s.state_bytes);
+    let (prefix, w) = (Needed::Prefix, Needed::Window);
+    [
+        kind("raw", s.layers, 1, d, c, Per::Token, w(s.window)),
+        kind("csa", s.csa_layers, 1, d, c, Per::Block(4), prefix),
+        kind("index", s.csa_layers, 1, di, c, Per::Block(4), prefix),
+        kind("hca", s.hca_layers, 1, d, c, Per::BlockSlot(128), prefix),
+        // A compressor's value and score rows; CSA's overlap needs the previous block too.
+        kind("csa_rows", s.csa_layers, 2, 2 * d, st, Per::Token, w(8)),
+        kind("index_rows", s.csa_layers, 2, 2 * di, st, Per::Token, w(8)),
+        kind("hca_rows", s.hca_layers, 2, d, st, Per::Token, w(128)),
+    ]
+    .into_iter()
+    .filter(|k| k.layers > 0)
+    .collect()
+}
 
 /// Built-in models.
 /// * `smollm2-135m`: the reference model; 30 layers, 3 KV heads of 64, f16 KV.
-/// * `dsv4-like`: a DeepSeek-style model like the seed incident's: an MLA latent KV pool (61
-///   layers, 576 values, bf16) plus a sparse-attention indexer pool (61 layers, 128 values,
-///   fp8), both replicated on every rank.
+/// * `dsv4-like`: the seed incident's numbers as its operators wrote them: an MLA latent KV
+///   pool (61 layers, 576 values, bf16) plus a sparse-attention indexer pool (61 layers, 128
+///   values, fp8), both replicated on every rank (DeepSeek-V3.2's shape).
+/// * `deepseek-v4-flash`, `deepseek-v4-pro`: DeepSeek-V4's published dimensions, every state
+///   kind ([`dsv4_kinds`]).
 pub fn preset(name: &str) -> Option<ModelSpec> {
     let kind = |name: &str, layers, planes, heads, head_dim, dtype_bytes, split| KindSpec {
         name: name.into(),
@@ -62,12 +186,39 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
         head_dim,
         dtype_bytes,
         split_across_tp: split,
+        per: Per::Token,
+        needed: Needed::Prefix,
     };
     match name {
         "smollm2-135m" => Some(ModelSpec {
             name: name.into(),
             kinds: vec![kind("kv", 30, 2, 3, 64, 2, true)],
         }),
+        // Published configurations (docs/SIZING.md cites them): 1 K = V head of 512, window
+        // 128, indexer keys of 128; caches in bf16 and compressor state in f32, as DeepSeek's
+        // reference inference code keeps them. Flash: layers 0-1 window only, then 4 and 128
+        // alternating (21 CSA, 20 HCA). Pro: layers 0-1 ratio 128, then alternating (30 CSA,
+        // 31 HCA).
+        "deepseek-v4-flash" | "deepseek-v4-pro" => {
+            let (layers, csa_layers, hca_layers) = if name == "deepseek-v4-flash" {
+                (43, 21, 20)
+            } else {
+                (61, 30, 31)
+            };
+            Some(ModelSpec {
+                name: name.into(),
+                kinds: dsv4_kinds(&Dsv4Shape {
+                    layers,
+                    csa_layers,
+                    hca_layers,
+                    head_dim: 512,
+                    indexer_dim: 128,
+                    window: 128,
+                    cache_bytes: 2,
+                    state_bytes: 4,
+                }),
+            })
+        }
         "dsv4-like" => Some(ModelSpec {
             name: name.into(),
             kinds: vec![
@@ -86,12 +237,13 @@ mod tests {
     #[test]
     fn per_rank_bytes() {
         let s = preset("smollm2-135m").unwrap();
-        assert_eq!(s.kinds[0].per_rank(1).bytes_per_token(), 23_040);
+        let r = |k: &KindSpec, tp| k.per_rank(tp, 16).unwrap().bytes_per_token();
+        assert_eq!(r(&s.kinds[0], 1), 23_040);
         // 3 KV heads over 2 ranks: 2 heads each (one replicated).
-        assert_eq!(s.kinds[0].per_rank(2).bytes_per_token(), 15_360);
+        assert_eq!(r(&s.kinds[0], 2), 15_360);
         let d = preset("dsv4-like").unwrap();
-        assert_eq!(d.kinds[0].per_rank(4).bytes_per_token(), 61 * 576 * 2);
-        assert_eq!(d.kinds[1].per_rank(4).bytes_per_token(), 61 * 128);
+        assert_eq!(r(&d.kinds[0], 4), 61 * 576 * 2);
+        assert_eq!(r(&d.kinds[1], 4), 61 * 128);
         assert!(preset("gpt-9").is_none());
     }
 }

@@ -171,7 +171,11 @@ fn scaled_down_allocation_as_planned() {
     let (_d, t) = topo();
     let p = make_plan(&req("prefill", 0, Some(HostBudget::Total(150 * GB))), &t).unwrap();
     let model = preset("dsv4-like").unwrap();
-    let kinds: Vec<PoolKind> = model.kinds.iter().map(|k| k.per_rank(4)).collect();
+    let kinds: Vec<PoolKind> = model
+        .kinds
+        .iter()
+        .map(|k| k.per_rank(4, 64).unwrap())
+        .collect();
     let layout = Arc::new(PageLayout::new(64, kinds).unwrap());
     let pages = (p.host_tokens_per_rank / 64 / 1000) as u32;
     let alloc = NumaAllocator::new(p.numa.nodes.clone(), NumaPolicy::Bind);

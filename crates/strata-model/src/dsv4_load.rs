@@ -9,124 +9,14 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::dsv4::{Dsv4, Dsv4Config, Weights};
+use candle_core::quantized::gguf_file::Value;
+
 use crate::error::ModelError;
+use crate::gguf_meta;
 
-/// A metadata value, as much as the configuration needs.
-#[derive(Clone, Debug)]
-enum Meta {
-    Int(i64),
-    Float(f64),
-    Bool(bool),
-    Str(String),
-    Arr(Vec<Meta>),
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    pos: usize,
-}
-
-impl Reader<'_> {
-    /// The next `n` bytes (the scan has checked they exist; a short file is still an error).
-    fn take(&mut self, n: usize) -> Result<&[u8], String> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.b.len());
-        let end = end.ok_or_else(|| format!("truncated at byte {}", self.pos))?;
-        let s = &self.b[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-
-    fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-
-    fn string(&mut self) -> Result<String, String> {
-        let n = self.u64()? as usize;
-        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
-    }
-
-    fn value(&mut self, ty: u32) -> Result<Meta, String> {
-        let fixed = |r: &mut Self, n: usize| -> Result<[u8; 8], String> {
-            let mut a = [0u8; 8];
-            a[..n].copy_from_slice(r.take(n)?);
-            Ok(a)
-        };
-        Ok(match ty {
-            0 => Meta::Int(fixed(self, 1)?[0] as i64),
-            1 => Meta::Int(fixed(self, 1)?[0] as i8 as i64),
-            2 => Meta::Int(u16::from_le_bytes(self.take(2)?.try_into().expect("2")) as i64),
-            3 => Meta::Int(i16::from_le_bytes(self.take(2)?.try_into().expect("2")) as i64),
-            4 => Meta::Int(self.u32()? as i64),
-            5 => Meta::Int(self.u32()? as i32 as i64),
-            6 => Meta::Float(f32::from_bits(self.u32()?) as f64),
-            7 => Meta::Bool(fixed(self, 1)?[0] != 0),
-            8 => Meta::Str(self.string()?),
-            9 => {
-                let et = self.u32()?;
-                let n = self.u64()?;
-                let mut v = Vec::with_capacity((n as usize).min(1 << 16));
-                for _ in 0..n {
-                    v.push(self.value(et)?);
-                }
-                Meta::Arr(v)
-            }
-            10 => Meta::Int(self.u64()? as i64),
-            11 => Meta::Int(self.u64()? as i64),
-            12 => Meta::Float(f64::from_bits(self.u64()?)),
-            t => return Err(format!("metadata value type {t}")),
-        })
-    }
-}
-
-/// GGML type ids this loader reads, and their element size.
+/// GGML type ids this loader reads.
 const F32: u32 = 0;
 const I32: u32 = 26;
-
-/// The header's metadata and tensor infos (name, `ne`, type, offset), and where data starts.
-type Header = (
-    HashMap<String, Meta>,
-    Vec<(String, Vec<usize>, u32, u64)>,
-    usize,
-);
-
-fn header(b: &[u8]) -> Result<Header, String> {
-    let mut r = Reader { b, pos: 4 };
-    let version = r.u32()?;
-    if version < 2 {
-        return Err(format!("GGUF version {version}: 2 or later"));
-    }
-    let (n_tensors, n_kv) = (r.u64()?, r.u64()?);
-    let mut meta = HashMap::new();
-    for _ in 0..n_kv {
-        let k = r.string()?;
-        let ty = r.u32()?;
-        meta.insert(k, r.value(ty)?);
-    }
-    let mut infos = Vec::new();
-    for _ in 0..n_tensors {
-        let name = r.string()?;
-        let nd = r.u32()? as usize;
-        let mut ne = Vec::with_capacity(nd.min(4));
-        for _ in 0..nd {
-            ne.push(r.u64()? as usize);
-        }
-        let ty = r.u32()?;
-        infos.push((name, ne, ty, r.u64()?));
-    }
-    let align = match meta.get("general.alignment") {
-        Some(Meta::Int(a)) if *a > 0 => *a as usize,
-        _ => 32,
-    };
-    Ok((meta, infos, r.pos.div_ceil(align) * align))
-}
 
 fn bad(path: &Path, key: &str, reason: &str) -> ModelError {
     ModelError::Metadata {
@@ -136,14 +26,38 @@ fn bad(path: &Path, key: &str, reason: &str) -> ModelError {
     }
 }
 
+/// An integer of any width.
+fn int_of(v: &Value) -> Option<i64> {
+    Some(match v {
+        Value::U8(x) => *x as i64,
+        Value::I8(x) => *x as i64,
+        Value::U16(x) => *x as i64,
+        Value::I16(x) => *x as i64,
+        Value::U32(x) => *x as i64,
+        Value::I32(x) => *x as i64,
+        Value::U64(x) => i64::try_from(*x).ok()?,
+        Value::I64(x) => *x,
+        _ => return None,
+    })
+}
+
+/// A number: a float or an integer.
+fn number_of(v: &Value) -> Option<f64> {
+    match v {
+        Value::F32(f) => Some(*f as f64),
+        Value::F64(f) => Some(*f),
+        v => int_of(v).map(|i| i as f64),
+    }
+}
+
 /// Typed reads of `deepseek4.*` keys; errors name the key.
 struct Keys<'a> {
     path: &'a Path,
-    m: &'a HashMap<String, Meta>,
+    m: &'a HashMap<String, Value>,
 }
 
 impl Keys<'_> {
-    fn get(&self, k: &str) -> (String, Option<&Meta>) {
+    fn get(&self, k: &str) -> (String, Option<&Value>) {
         let key = format!("deepseek4.{k}");
         let v = self.m.get(&key);
         (key, v)
@@ -151,7 +65,9 @@ impl Keys<'_> {
 
     fn int(&self, k: &str) -> Result<usize, ModelError> {
         match self.get(k) {
-            (_, Some(Meta::Int(v))) if *v >= 0 => Ok(*v as usize),
+            (_, Some(v)) if int_of(v).is_some_and(|i| i >= 0) => {
+                Ok(int_of(v).expect("checked") as usize)
+            }
             (key, Some(_)) => Err(bad(self.path, &key, "not a non-negative integer")),
             (key, None) => Err(bad(self.path, &key, "missing")),
         }
@@ -159,9 +75,9 @@ impl Keys<'_> {
 
     fn float(&self, k: &str) -> Result<f32, ModelError> {
         match self.get(k) {
-            (_, Some(Meta::Float(v))) => Ok(*v as f32),
-            (_, Some(Meta::Int(v))) => Ok(*v as f32),
-            (key, Some(_)) => Err(bad(self.path, &key, "not a number")),
+            (key, Some(v)) => number_of(v)
+                .map(|f| f as f32)
+                .ok_or_else(|| bad(self.path, &key, "not a number")),
             (key, None) => Err(bad(self.path, &key, "missing")),
         }
     }
@@ -169,15 +85,8 @@ impl Keys<'_> {
     /// An array of numbers, or one number for every layer.
     fn per_layer(&self, k: &str, layers: usize) -> Result<Vec<f64>, ModelError> {
         match self.get(k) {
-            (key, Some(Meta::Arr(a))) => {
-                let v: Option<Vec<f64>> = a
-                    .iter()
-                    .map(|x| match x {
-                        Meta::Int(i) => Some(*i as f64),
-                        Meta::Float(f) => Some(*f),
-                        _ => None,
-                    })
-                    .collect();
+            (key, Some(Value::Array(a))) => {
+                let v: Option<Vec<f64>> = a.iter().map(number_of).collect();
                 match v {
                     Some(v) if v.len() >= layers => Ok(v[..layers].to_vec()),
                     _ => Err(bad(self.path, &key, "needs a number per block")),
@@ -189,7 +98,7 @@ impl Keys<'_> {
 }
 
 /// The configuration from the `deepseek4.*` keys.
-fn config(path: &Path, m: &HashMap<String, Meta>) -> Result<Dsv4Config, ModelError> {
+fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelError> {
     let k = Keys { path, m };
     let layers = k.int("block_count")?;
     let ratios: Vec<usize> = k
@@ -206,11 +115,11 @@ fn config(path: &Path, m: &HashMap<String, Meta>) -> Result<Dsv4Config, ModelErr
         return Err(bad(path, key, "only sqrt-softplus (4) is supported"));
     }
     let vocab = match m.get("tokenizer.ggml.tokens") {
-        Some(Meta::Arr(a)) => a.len(),
+        Some(Value::Array(a)) => a.len(),
         _ => k.int("vocab_size")?,
     };
     let clamp = k.per_layer("swiglu_clamp_exp", layers)?;
-    let norm = matches!(k.get("expert_weights_norm").1, Some(Meta::Bool(true)));
+    let norm = matches!(k.get("expert_weights_norm").1, Some(Value::Bool(true)));
     Ok(Dsv4Config {
         embd: k.int("embedding_length")?,
         vocab,
@@ -242,6 +151,30 @@ fn config(path: &Path, m: &HashMap<String, Meta>) -> Result<Dsv4Config, ModelErr
     })
 }
 
+/// The hyper-parameters of a DeepSeek-V4 GGUF from its header alone (sizing a model of any
+/// size without reading its weights).
+pub fn read_dsv4_config(path: &Path) -> Result<Dsv4Config, ModelError> {
+    let h = gguf_meta::read(path)?;
+    check_architecture(&path.display().to_string(), &h.metadata)?;
+    config(path, &h.metadata)
+}
+
+fn check_architecture(p: &str, meta: &HashMap<String, Value>) -> Result<(), ModelError> {
+    match meta.get("general.architecture") {
+        Some(Value::String(a)) if a == "deepseek4" => Ok(()),
+        other => {
+            let found = match other {
+                Some(Value::String(a)) => a.clone(),
+                _ => "(none)".into(),
+            };
+            Err(ModelError::Architecture {
+                path: p.into(),
+                found,
+            })
+        }
+    }
+}
+
 /// Loads a DeepSeek-V4 GGUF.
 pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
     let p = path.display().to_string();
@@ -254,17 +187,12 @@ pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
         reason: e.to_string(),
     })?;
     crate::gguf_scan::scan(&mut std::io::Cursor::new(&b), b.len() as u64).map_err(not_gguf)?;
-    let (meta, infos, data) = header(&b).map_err(not_gguf)?;
-    match meta.get("general.architecture") {
-        Some(Meta::Str(a)) if a == "deepseek4" => {}
-        other => {
-            let found = match other {
-                Some(Meta::Str(a)) => a.clone(),
-                _ => "(none)".into(),
-            };
-            return Err(ModelError::Architecture { path: p, found });
-        }
-    }
+    let gguf_meta::Header {
+        metadata: meta,
+        tensors: infos,
+        data_start: data,
+    } = gguf_meta::parse(&b).map_err(not_gguf)?;
+    check_architecture(&p, &meta)?;
     let cfg = config(path, &meta)?;
     let mut w: Weights = HashMap::new();
     for (name, ne, ty, off) in infos {

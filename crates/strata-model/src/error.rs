@@ -8,7 +8,7 @@ pub enum ModelError {
     Open { path: String, reason: String },
     #[error("{path} is not a readable GGUF file: {reason}")]
     NotGguf { path: String, reason: String },
-    #[error("{path}: architecture `{found}` is not supported (expected `llama`)")]
+    #[error("{path}: architecture `{found}` is not supported (supported: `llama`, `deepseek4`)")]
     Architecture { path: String, found: String },
     #[error("{path}: metadata `{key}`: {reason}")]
     Metadata {

@@ -1,5 +1,6 @@
 //! GGUF loading and validation (llama architecture), through candle's reader.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, Seek};
 use std::path::{Path, PathBuf};
@@ -35,12 +36,50 @@ pub struct Config {
     pub rms_eps: f32,
 }
 
-/// An opened, validated GGUF file.
-pub struct Gguf {
+/// A GGUF file's header of any architecture, its lengths checked (the tokenizer, the chat
+/// template and `general.architecture` come from here).
+pub struct GgufHeader {
     pub path: PathBuf,
-    pub content: Content,
+    pub metadata: HashMap<String, Value>,
+}
+
+/// An opened, validated GGUF file of the llama architecture (its header through `Deref`).
+pub struct Gguf {
+    header: GgufHeader,
+    /// The tensor infos (its metadata moved into the header).
+    content: Content,
     pub config: Config,
     file: BufReader<File>,
+}
+
+impl std::ops::Deref for Gguf {
+    type Target = GgufHeader;
+    fn deref(&self) -> &GgufHeader {
+        &self.header
+    }
+}
+
+impl GgufHeader {
+    /// Reads the header of `path` only.
+    pub fn open(path: &Path) -> Result<GgufHeader, ModelError> {
+        let h = crate::gguf_meta::read(path)?;
+        Ok(GgufHeader {
+            path: path.to_path_buf(),
+            metadata: h.metadata,
+        })
+    }
+
+    /// `general.architecture`, when it is a string.
+    pub fn architecture(&self) -> Option<&str> {
+        self.string("general.architecture")
+    }
+
+    /// The chat template, when the file has one.
+    pub fn chat_template(&self) -> Result<Option<crate::ChatTemplate>, ModelError> {
+        self.string("tokenizer.chat_template")
+            .map(crate::ChatTemplate::new)
+            .transpose()
+    }
 }
 
 impl Gguf {
@@ -48,7 +87,7 @@ impl Gguf {
     /// presence, shape and that its data lies inside the file. Never panics on bad input.
     pub fn open(path: &Path) -> Result<Gguf, ModelError> {
         let p = path.display().to_string();
-        let (content, file, len) = read_header(path, &p)?;
+        let (mut content, file, len) = read_header(path, &p)?;
         let config = read_config(&Meta {
             content: &content,
             path: &p,
@@ -64,7 +103,10 @@ impl Gguf {
             });
         }
         Ok(Gguf {
-            path: path.to_path_buf(),
+            header: GgufHeader {
+                path: path.to_path_buf(),
+                metadata: std::mem::take(&mut content.metadata),
+            },
             content,
             config,
             file,
@@ -76,29 +118,29 @@ impl Gguf {
         self.content
             .tensor(&mut self.file, name, &Device::Cpu)
             .map_err(|e| ModelError::Tensor {
-                path: self.path.display().to_string(),
+                path: self.header.path.display().to_string(),
                 name: name.into(),
                 reason: first_line(&e),
             })
     }
+}
 
+impl GgufHeader {
     /// A string metadata value.
     pub fn string(&self, key: &str) -> Option<&str> {
-        self.content
-            .metadata
+        self.metadata
             .get(key)
             .and_then(|v| v.to_string().ok())
             .map(|s| s.as_str())
     }
 
     pub fn u32(&self, key: &str) -> Option<u32> {
-        self.content.metadata.get(key).and_then(|v| v.to_u32().ok())
+        self.metadata.get(key).and_then(|v| v.to_u32().ok())
     }
 
     /// An array metadata value.
     pub fn array(&self, key: &str) -> Result<&Vec<Value>, ModelError> {
-        self.content
-            .metadata
+        self.metadata
             .get(key)
             .ok_or_else(|| ModelError::Metadata {
                 path: self.path.display().to_string(),

@@ -145,8 +145,9 @@ impl<R: Read + Seek> Walk<'_, R> {
 }
 
 /// Walks the header of the GGUF in `r` (`len` bytes long): every length and count must fit in
-/// the file. Leaves `r` at an unspecified position. The error names the field at fault.
-pub fn scan<R: Read + Seek>(r: &mut R, len: u64) -> Result<(), String> {
+/// the file. Leaves `r` at an unspecified position. Returns the header's length (where the
+/// tensor infos end, before the alignment padding). The error names the field at fault.
+pub fn scan<R: Read + Seek>(r: &mut R, len: u64) -> Result<u64, String> {
     r.seek(SeekFrom::Start(0)).map_err(|e| e.to_string())?;
     let mut w = Walk {
         r,
@@ -200,7 +201,7 @@ pub fn scan<R: Read + Seek>(r: &mut R, len: u64) -> Result<(), String> {
         w.u32(&what)?; // type: checked by the reader
         w.u64(&what)?; // offset: checked against the file size after reading
     }
-    Ok(())
+    Ok(w.pos)
 }
 
 #[cfg(test)]
@@ -222,7 +223,7 @@ mod tests {
         b.extend_from_slice(k.as_bytes());
     }
 
-    fn run(b: &[u8]) -> Result<(), String> {
+    fn run(b: &[u8]) -> Result<u64, String> {
         scan(&mut Cursor::new(b), b.len() as u64)
     }
 
@@ -298,6 +299,6 @@ mod tests {
         b.extend_from_slice(&8u64.to_le_bytes());
         b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(&0u64.to_le_bytes());
-        assert_eq!(run(&b), Ok(()));
+        assert_eq!(run(&b), Ok(b.len() as u64), "the whole buffer is header");
     }
 }

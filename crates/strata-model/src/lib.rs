@@ -19,9 +19,11 @@ mod dsv4_store;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+mod gguf_meta;
 pub mod gguf_scan;
 pub mod model;
 pub mod q8;
+pub mod runtime;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tiny_dsv4;
@@ -29,6 +31,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::ModelError;
-pub use gguf::{Config, Gguf};
+pub use gguf::{Config, Gguf, GgufHeader};
 pub use model::{Model, SeqInput};
+pub use runtime::{load, LoadOptions, Loaded, Runtime};
 pub use tokenizer::ModelTokenizer;

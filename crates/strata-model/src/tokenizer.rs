@@ -11,7 +11,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::ModelError;
-use crate::gguf::Gguf;
+use crate::gguf::GgufHeader;
 
 /// GGUF token type of control tokens (`<|im_start|>`, `<|endoftext|>`, ...).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -31,7 +31,7 @@ fn err(e: impl std::fmt::Display) -> ModelError {
 }
 
 impl ModelTokenizer {
-    pub fn from_gguf(g: &Gguf) -> Result<ModelTokenizer, ModelError> {
+    pub fn from_gguf(g: &GgufHeader) -> Result<ModelTokenizer, ModelError> {
         let model = g.string("tokenizer.ggml.model").unwrap_or("");
         if model != "gpt2" {
             return Err(err(format!(

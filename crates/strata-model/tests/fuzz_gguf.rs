@@ -25,6 +25,16 @@ fn open(bytes: &[u8]) {
         let _ = strata_model::ModelTokenizer::from_gguf(&g);
         let _ = Model::load(&mut g);
     }
+    header_side(&p);
+}
+
+/// The header alone, as `strata serve` and `strata plan` read any architecture's.
+fn header_side(p: &std::path::Path) {
+    if let Ok(h) = strata_model::GgufHeader::open(p) {
+        let _ = strata_model::ModelTokenizer::from_gguf(&h);
+        let _ = h.chat_template();
+    }
+    let _ = strata_model::dsv4_load::read_dsv4_config(p);
 }
 
 fn valid_dsv4() -> Vec<u8> {
@@ -38,6 +48,7 @@ fn open_dsv4(bytes: &[u8]) {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("f.gguf");
     std::fs::write(&p, bytes).unwrap();
+    header_side(&p);
     if let Ok(m) = load_dsv4(&p) {
         let mut st = m.new_state();
         for t in [1u32, 2, 3, 300] {

@@ -31,7 +31,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let plan = make_plan(&req, &topo)?;
     let mut placements = Vec::new();
     if a.allocate && plan.host_tokens_per_rank > 0 {
-        let kinds: Vec<PoolKind> = req.model.kinds.iter().map(|k| k.per_rank(req.tp)).collect();
+        let kinds: Vec<PoolKind> = req.pool_kinds()?;
         let layout = Arc::new(PageLayout::new(req.page_size, kinds)?);
         let pages = (plan.host_tokens_per_rank / req.page_size as u64) as u32;
         for rank in 0..req.tp {

@@ -17,7 +17,7 @@ use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
 use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
 use strata_model::fetch::{cache_dir, ensure_model};
-use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_model::{LoadOptions, ModelTokenizer};
 use strata_server::AppState;
 
 use crate::sizing::SizingArgs;
@@ -273,18 +273,19 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
 
     // Model.
     std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
-    let mut g = Gguf::open(&path)?;
-    let tk = ModelTokenizer::from_gguf(&g)?;
-    let template = match g.string("tokenizer.chat_template") {
-        Some(t) => Some(Arc::new(ChatTemplate::new(t)?)),
-        None => None,
-    };
-    let mut model = Model::load(&mut g)?;
-    model.set_threads(a.threads);
-    model.set_quantized_decode(!a.f32_decode);
+    let loaded = strata_model::load(
+        &path,
+        LoadOptions {
+            threads: a.threads,
+            quantized_decode: !a.f32_decode,
+        },
+    )?;
+    let (model, tk) = (loaded.runtime, loaded.tokenizer);
+    let template = loaded.template.map(Arc::new);
 
-    // Pools, as planned; the engine over them.
-    let layout = PageLayout::new(req.page_size, vec![model.pool_kind()])?;
+    // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
+    let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
+    check_plan_layout(&plan, &layout)?;
     let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout)?;
     let gauges = plan_gauges(&plan, &cache);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
@@ -312,6 +313,27 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
     serve_until_stopped(std_listener, addr, st, name, c.role, grace)
+}
+
+/// The plan sized every pool kind the model's pages hold, with the same bytes per token: what
+/// was printed is what is allocated.
+fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> Result<()> {
+    let planned: Vec<(&str, u64)> = plan
+        .pools
+        .iter()
+        .map(|p| (p.kind.as_str(), p.bytes_per_token))
+        .collect();
+    let built: Vec<(&str, u64)> = layout
+        .kinds()
+        .iter()
+        .map(|k| (k.name.as_str(), k.bytes_per_token() as u64))
+        .collect();
+    if planned != built {
+        bail!(
+            "the plan's pool kinds {planned:?} differ from the model's {built:?} (bytes per token)"
+        );
+    }
+    Ok(())
 }
 
 /// What the flags checked before anything is bound or loaded give.

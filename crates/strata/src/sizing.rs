@@ -190,6 +190,48 @@ fn allowed_cpus() -> Vec<u32> {
         .collect()
 }
 
+/// The pools a GGUF file's model declares, from its header: for llama, f16 K/V per layer with
+/// the KV heads split over TP ranks; for DeepSeek-V4, every state kind in f32, as the engine
+/// keeps them.
+pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
+    let name = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let header = strata_model::GgufHeader::open(path)?;
+    if header.architecture() == Some("deepseek4") {
+        let c = strata_model::dsv4_load::read_dsv4_config(path)?;
+        let count = |r| c.ratios.iter().filter(|&&x| x == r).count();
+        let kinds = strata_mem::dsv4_kinds(&strata_mem::Dsv4Shape {
+            layers: c.ratios.len(),
+            csa_layers: count(4),
+            hca_layers: count(128),
+            head_dim: c.head_dim,
+            indexer_dim: c.indexer_dim,
+            window: c.window,
+            cache_bytes: 4,
+            state_bytes: 4,
+        });
+        return Ok(ModelSpec { name, kinds });
+    }
+    let g = strata_model::Gguf::open(path)?;
+    let c = &g.config;
+    Ok(ModelSpec {
+        name,
+        kinds: vec![KindSpec {
+            name: "kv".into(),
+            layers: c.layers,
+            planes: 2,
+            heads: c.kv_heads,
+            head_dim: c.head_dim,
+            dtype_bytes: 2,
+            split_across_tp: true,
+            per: strata_mem::Per::Token,
+            needed: strata_mem::Needed::Prefix,
+        }],
+    })
+}
+
 impl SizingArgs {
     pub fn topology(&self) -> Result<Topology> {
         if let Some(m) = &self.machine {
@@ -210,26 +252,7 @@ impl SizingArgs {
     /// The pools of `--model` (read from the GGUF) or of `--model-preset`.
     fn model_spec(&self) -> Result<ModelSpec> {
         Ok(match &self.model {
-            // The model declares its pools: f16 K/V per layer, KV heads split over TP ranks.
-            Some(path) => {
-                let g = strata_model::Gguf::open(path)?;
-                let c = &g.config;
-                ModelSpec {
-                    name: path
-                        .file_name()
-                        .map(|f| f.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                    kinds: vec![KindSpec {
-                        name: "kv".into(),
-                        layers: c.layers,
-                        planes: 2,
-                        heads: c.kv_heads,
-                        head_dim: c.head_dim,
-                        dtype_bytes: 2,
-                        split_across_tp: true,
-                    }],
-                }
-            }
+            Some(path) => model_spec_of(path)?,
             None => preset(&self.model_preset).with_context(|| {
                 format!(
                     "--model-preset `{}`: unknown (known: {})",

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use strata_kv::{Lease, Served, TieredCache};
-use strata_model::{Model, SeqInput};
+use strata_model::{Runtime, SeqInput};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
@@ -114,7 +114,7 @@ impl Req {
 }
 
 pub(crate) struct Scheduler {
-    model: Model,
+    model: Box<dyn Runtime>,
     cache: TieredCache,
     cfg: EngineConfig,
     shared: Arc<Shared>,
@@ -132,7 +132,7 @@ pub(crate) struct Scheduler {
 
 impl Scheduler {
     pub fn new(
-        model: Model,
+        model: Box<dyn Runtime>,
         cache: TieredCache,
         cfg: EngineConfig,
         shared: Arc<Shared>,

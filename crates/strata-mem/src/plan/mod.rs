@@ -97,6 +97,8 @@ pub enum PlanError {
     PageSize,
     #[error("model `{0}` declares no pool kinds")]
     NoPools(String),
+    #[error("--page-size {page_size}: {why}")]
+    PageFit { page_size: usize, why: String },
     #[error("--device-mem-fraction {0} must be in (0, 1]")]
     Fraction(f64),
     #[error("--hicache-ratio {0} must be a finite number ≥ 0")]
@@ -118,6 +120,10 @@ pub enum PlanError {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PoolPlan {
     pub kind: String,
+    /// What one item belongs to: `token`, `4-token block`, ... (bytes per token amortize it).
+    pub per: String,
+    /// What a continuation reads of a prefix: `prefix` or `last N tokens`.
+    pub needed: String,
     pub bytes_per_token: u64,
     pub device_tokens: u64,
     pub device_pages: u64,
@@ -191,11 +197,29 @@ fn gb(b: u64) -> String {
     format!("{:.2}GB", b as f64 / 1e9)
 }
 
+impl PlanRequest {
+    /// The model's pool kinds on one rank in pages of the requested size: the layout a
+    /// server allocates.
+    pub fn pool_kinds(&self) -> Result<Vec<PoolKind>, PlanError> {
+        self.model
+            .kinds
+            .iter()
+            .map(|k| {
+                k.per_rank(self.tp, self.page_size)
+                    .map_err(|why| PlanError::PageFit {
+                        page_size: self.page_size,
+                        why,
+                    })
+            })
+            .collect()
+    }
+}
+
 /// Builds and validates the plan. Nothing is allocated here.
 pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> {
     validate(req)?;
     let ps = req.page_size as u64;
-    let kinds: Vec<_> = req.model.kinds.iter().map(|k| k.per_rank(req.tp)).collect();
+    let kinds = req.pool_kinds()?;
     let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
     let mut decided = Vec::new();
 
@@ -217,7 +241,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     // Host pool: whole tokens of every kind, never more bytes than asked.
     let host_tokens = host_tokens(req, bpt, device_tokens, &mut decided)?;
 
-    let pools = pool_plans(&kinds, ps, device_tokens, host_tokens);
+    let pools = pool_plans(req, &kinds, ps, device_tokens, host_tokens);
     let s = Sizes::new(req, bpt, device_budget, device_tokens, host_tokens);
     let where_ = where_of(&room.nodes);
 
@@ -504,13 +528,22 @@ fn host_tokens(
 }
 
 /// Every pool kind's share of the device and host tokens.
-fn pool_plans(kinds: &[PoolKind], ps: u64, device_tokens: u64, host_tokens: u64) -> Vec<PoolPlan> {
+fn pool_plans(
+    req: &PlanRequest,
+    kinds: &[PoolKind],
+    ps: u64,
+    device_tokens: u64,
+    host_tokens: u64,
+) -> Vec<PoolPlan> {
     kinds
         .iter()
-        .map(|k| {
+        .zip(&req.model.kinds)
+        .map(|(k, spec)| {
             let b = k.bytes_per_token() as u64;
             PoolPlan {
                 kind: k.name.clone(),
+                per: spec.per_text(),
+                needed: spec.needed_text(),
                 bytes_per_token: b,
                 device_tokens,
                 device_pages: device_tokens / ps,

@@ -10,10 +10,33 @@ impl Plan {
         use std::fmt::Write;
         let mut s = String::new();
         let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
+        let kw = self
+            .pools
+            .iter()
+            .map(|p| p.kind.len())
+            .max()
+            .unwrap_or(0)
+            .max(10);
+        let pw = self
+            .pools
+            .iter()
+            .map(|p| p.per.len())
+            .max()
+            .unwrap_or(0)
+            .max(5);
+        let nw = self
+            .pools
+            .iter()
+            .map(|p| p.needed.len())
+            .max()
+            .unwrap_or(0)
+            .max(6);
         let _ = writeln!(
             s,
-            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+            "{:<kw$} {:<pw$} {:<nw$} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
             "pool",
+            "per",
+            "needed",
             "bytes/token",
             "device tokens",
             "dev pages",
@@ -25,8 +48,10 @@ impl Plan {
         for p in &self.pools {
             let _ = writeln!(
                 s,
-                "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+                "{:<kw$} {:<pw$} {:<nw$} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
                 p.kind,
+                p.per,
+                p.needed,
                 p.bytes_per_token,
                 p.device_tokens,
                 p.device_pages,
@@ -38,8 +63,10 @@ impl Plan {
         }
         let _ = writeln!(
             s,
-            "{:<10} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
+            "{:<kw$} {:<pw$} {:<nw$} {:>11} {:>13} {:>11} {:>26} {:>13} {:>11} {:>30}",
             "per rank",
+            "",
+            "",
             self.bytes_per_token,
             self.device_tokens_per_rank,
             self.device_tokens_per_rank / self.page_size as u64,

@@ -1,0 +1,137 @@
+//! A GGUF header read into candle's metadata values, after `gguf_scan` has checked every length
+//! and count against the file: for files candle's own reader refuses (it knows no GGML I32
+//! tensor, which DeepSeek-V4's hash layers use), so the tokenizer, the chat template and the
+//! configuration of any architecture come from one reader.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::Value;
+
+/// A tensor's name, `ne` (fastest first), GGML type and offset in the data section.
+pub(crate) type TensorInfo = (String, Vec<usize>, u32, u64);
+
+/// The metadata, the tensor infos and where the data section starts.
+pub(crate) struct Header {
+    pub metadata: HashMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    pub data_start: usize,
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl Reader<'_> {
+    /// The next `n` bytes (the scan has checked they exist; a short buffer is still an error).
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.b.len());
+        let end = end.ok_or_else(|| format!("truncated at byte {}", self.pos))?;
+        let s = &self.b[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        Ok(self.take(N)?.try_into().expect("N bytes"))
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+
+    fn string(&mut self) -> Result<String, String> {
+        let n = self.u64()? as usize;
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+
+    fn value(&mut self, ty: u32) -> Result<Value, String> {
+        Ok(match ty {
+            0 => Value::U8(self.arr::<1>()?[0]),
+            1 => Value::I8(self.arr::<1>()?[0] as i8),
+            2 => Value::U16(u16::from_le_bytes(self.arr()?)),
+            3 => Value::I16(i16::from_le_bytes(self.arr()?)),
+            4 => Value::U32(self.u32()?),
+            5 => Value::I32(self.u32()? as i32),
+            6 => Value::F32(f32::from_bits(self.u32()?)),
+            7 => Value::Bool(self.arr::<1>()?[0] != 0),
+            8 => Value::String(self.string()?),
+            9 => {
+                let et = self.u32()?;
+                let n = self.u64()?;
+                // The scan bounded every array (and all of them together).
+                let mut v = Vec::with_capacity((n as usize).min(1 << 16));
+                for _ in 0..n {
+                    v.push(self.value(et)?);
+                }
+                Value::Array(v)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(self.u64()? as i64),
+            12 => Value::F64(f64::from_bits(self.u64()?)),
+            t => return Err(format!("metadata value type {t}")),
+        })
+    }
+}
+
+/// Parses a header (GGUF v2 or later) from `b`, which holds at least the header.
+pub(crate) fn parse(b: &[u8]) -> Result<Header, String> {
+    let mut r = Reader { b, pos: 4 };
+    let version = r.u32()?;
+    if version < 2 {
+        return Err(format!("GGUF version {version}: 2 or later"));
+    }
+    let (n_tensors, n_kv) = (r.u64()?, r.u64()?);
+    let mut metadata = HashMap::new();
+    for _ in 0..n_kv {
+        let k = r.string()?;
+        let ty = r.u32()?;
+        metadata.insert(k, r.value(ty)?);
+    }
+    let mut tensors = Vec::new();
+    for _ in 0..n_tensors {
+        let name = r.string()?;
+        let nd = r.u32()? as usize;
+        let mut ne = Vec::with_capacity(nd.min(4));
+        for _ in 0..nd {
+            ne.push(r.u64()? as usize);
+        }
+        let ty = r.u32()?;
+        tensors.push((name, ne, ty, r.u64()?));
+    }
+    let align = match metadata.get("general.alignment") {
+        Some(Value::U32(a)) if *a > 0 => *a as usize,
+        _ => 32,
+    };
+    Ok(Header {
+        metadata,
+        tensors,
+        data_start: r.pos.div_ceil(align) * align,
+    })
+}
+
+/// Reads and parses the header of the file at `path` alone (at most as long as the file).
+pub(crate) fn read(path: &std::path::Path) -> Result<Header, crate::ModelError> {
+    use std::io::{Read, Seek};
+    let p = path.display().to_string();
+    let not_gguf = |reason: String| crate::ModelError::NotGguf {
+        path: p.clone(),
+        reason,
+    };
+    let open_err = |e: std::io::Error| crate::ModelError::Open {
+        path: p.clone(),
+        reason: e.to_string(),
+    };
+    let f = std::fs::File::open(path).map_err(open_err)?;
+    let len = f.metadata().map_err(open_err)?.len();
+    let mut f = std::io::BufReader::new(f);
+    let end = crate::gguf_scan::scan(&mut f, len).map_err(not_gguf)?;
+    let mut b = vec![0u8; end as usize];
+    f.seek(std::io::SeekFrom::Start(0)).map_err(open_err)?;
+    f.read_exact(&mut b).map_err(open_err)?;
+    parse(&b).map_err(not_gguf)
+}

@@ -1,0 +1,143 @@
+//! What the engine needs of a model, whatever its architecture: the pool kinds its state takes
+//! in the tiered cache's pages, and the paged, batched forward pass over them. A GGUF file's
+//! `general.architecture` picks the implementation ([`load`]).
+
+use std::path::Path;
+
+use strata_kv::pool::DevicePool;
+use strata_kv::PoolKind;
+
+use crate::dsv4::Dsv4;
+use crate::error::ModelError;
+use crate::gguf::{Gguf, GgufHeader};
+use crate::model::{Model, SeqInput};
+use crate::{ChatTemplate, ModelTokenizer};
+
+/// A model the engine can run.
+pub trait Runtime: Send + Sync {
+    /// `general.architecture` of the file it came from.
+    fn architecture(&self) -> &'static str;
+    fn context_length(&self) -> usize;
+    fn vocab(&self) -> usize;
+    /// The pool kinds of one rank's state in pages of `page_size` tokens, or why that page
+    /// size cannot hold it.
+    fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError>;
+    /// Computes the sequences' new tokens into their pages; per sequence the logits of its
+    /// last token, or (`all[i]`) of every new token, row after row.
+    fn forward_rows(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError>;
+}
+
+impl Runtime for Model {
+    fn architecture(&self) -> &'static str {
+        "llama"
+    }
+    fn context_length(&self) -> usize {
+        self.config.context_length
+    }
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+    fn pool_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
+        Ok(vec![self.pool_kind()])
+    }
+    fn forward_rows(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        Model::forward_rows(self, pool, seqs, all)
+    }
+}
+
+impl Runtime for Dsv4 {
+    fn architecture(&self) -> &'static str {
+        "deepseek4"
+    }
+    fn context_length(&self) -> usize {
+        self.cfg.context
+    }
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
+        Dsv4::pool_kinds(self, page_size)
+    }
+    fn forward_rows(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        Dsv4::forward_rows(self, pool, seqs, all)
+    }
+}
+
+impl<R: Runtime + ?Sized> Runtime for Box<R> {
+    fn architecture(&self) -> &'static str {
+        (**self).architecture()
+    }
+    fn context_length(&self) -> usize {
+        (**self).context_length()
+    }
+    fn vocab(&self) -> usize {
+        (**self).vocab()
+    }
+    fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
+        (**self).pool_kinds(page_size)
+    }
+    fn forward_rows(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        (**self).forward_rows(pool, seqs, all)
+    }
+}
+
+/// How to load a llama-architecture model (the other architectures have no such options).
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    pub threads: usize,
+    /// Q8_0 weights for decode steps (see [`Model::set_quantized_decode`]).
+    pub quantized_decode: bool,
+}
+
+/// A loaded model with its text side.
+pub struct Loaded {
+    pub runtime: Box<dyn Runtime>,
+    pub tokenizer: ModelTokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+/// Architectures [`load`] runs.
+pub const ARCHITECTURES: &[&str] = &["llama", "deepseek4"];
+
+/// Loads the model at `path` by its `general.architecture`.
+pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
+    let header = GgufHeader::open(path)?;
+    let tokenizer = ModelTokenizer::from_gguf(&header)?;
+    let template = header.chat_template()?;
+    let runtime: Box<dyn Runtime> = match header.architecture() {
+        Some("deepseek4") => Box::new(crate::dsv4_load::load_dsv4(path)?),
+        _ => {
+            // Gguf::open names the architecture it found when it is not llama.
+            let mut g = Gguf::open(path)?;
+            let mut m = Model::load(&mut g)?;
+            m.set_threads(opts.threads);
+            m.set_quantized_decode(opts.quantized_decode);
+            Box::new(m)
+        }
+    };
+    Ok(Loaded {
+        runtime,
+        tokenizer,
+        template,
+    })
+}
