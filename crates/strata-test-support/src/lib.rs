@@ -14,7 +14,7 @@ use strata_kv::memory::HeapAllocator;
 use strata_kv::storage::Storage;
 use strata_kv::{CacheConfig, PageLayout, TieredCache};
 use strata_model::tiny::{write_tiny, TinySpec, TINY_TEMPLATE};
-use strata_model::{ChatTemplate, Gguf, Model, ModelTokenizer};
+use strata_model::{ChatTemplate, LoadOptions};
 use strata_server::app::serve;
 use strata_server::pd::{KvInbox, KvLimits};
 use strata_server::AppState;
@@ -39,6 +39,14 @@ pub fn tiny_model_with_context(dir: &Path, context: usize) -> PathBuf {
 pub fn tiny_model(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.gguf");
     write_tiny(&p, &TinySpec::default()).unwrap();
+    p
+}
+
+/// Writes the tiny DeepSeek-V4 model (default spec: window 32, ratios 4 and 128) into `dir`.
+pub fn tiny_dsv4_model(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny-dsv4.gguf");
+    strata_model::tiny_dsv4::write_tiny_dsv4(&p, &strata_model::tiny_dsv4::TinyDsv4Spec::default())
+        .unwrap();
     p
 }
 
@@ -101,13 +109,19 @@ impl TestWorker {
     }
 }
 
-/// The engine and HTTP state of a worker on the model at `path` (page hashes on, model id
-/// `tiny`).
+/// The engine and HTTP state of a worker on the model at `path`, of any architecture
+/// `strata_model::load` runs (page hashes on, model id `tiny`).
 pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
-    let mut g = Gguf::open(path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let m = Model::load(&mut g).unwrap();
-    let layout = PageLayout::new(spec.page_size, vec![m.pool_kind()]).unwrap();
+    let loaded = strata_model::load(
+        path,
+        LoadOptions {
+            threads: 2,
+            quantized_decode: true,
+        },
+    )
+    .unwrap();
+    let (m, tk) = (loaded.runtime, loaded.tokenizer);
+    let layout = PageLayout::new(spec.page_size, m.pool_kinds(spec.page_size).unwrap()).unwrap();
     let mut cc = CacheConfig::new(layout, spec.device_pages, spec.host_pages);
     cc.model_id = "tiny".into();
     cc.hashing = true;

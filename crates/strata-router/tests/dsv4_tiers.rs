@@ -1,0 +1,192 @@
+//! DeepSeek-V4 (the tiny model) through every tier: a prompt whose first `h` tokens were cached
+//! resumes with the same greedy tokens and the same log probabilities (the same logits, to the
+//! bit) whether those tokens' state came from the device, host, disk or Redis tier, from a
+//! prefill worker by PD transfer, or was recomputed, for hits ending before, on and after the
+//! window (32) and the 128-block boundaries. Pages are 4 tokens, so every hit ends on a 4-block
+//! boundary, and the hits after a boundary need the compressors' rows of the blocks before it.
+
+mod common;
+use common::start_router;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use strata_engine::{EngineConfig, FlushScope};
+use strata_kv::storage::{DiskStorage, Storage};
+use strata_redis::{RedisConfig, RedisStorage};
+use strata_test_support::{post, spawn_worker, tiny_dsv4_model, Redis, TestWorker, WorkerSpec};
+
+const PS: usize = 4;
+const HITS: [usize; 9] = [28, 32, 36, 124, 128, 132, 252, 256, 260];
+
+fn base() -> Vec<u32> {
+    (0..300u32).map(|i| (i * 37 + 11) % 280).collect()
+}
+
+/// The base prompt's first `h` tokens, then 12 of its own, salted (the first differs from the
+/// base's, so the hit is exactly `h`; each pass over the tiers uses another salt, so its
+/// prompts are not cached whole by an earlier pass).
+fn with_hit(h: usize, salt: u32) -> Vec<u32> {
+    let b = base();
+    let mut p = b[..h].to_vec();
+    p.extend((0..12u32).map(|i| (b[h] + 1 + salt + i * 53) % 280));
+    assert_ne!(p[h], b[h]);
+    p
+}
+
+fn spec(storage: Option<Arc<dyn Storage>>, tier: &'static str) -> WorkerSpec {
+    WorkerSpec {
+        page_size: PS,
+        device_pages: 1024,
+        host_pages: 1024,
+        storage,
+        storage_tier: tier,
+        ..WorkerSpec::default()
+    }
+}
+
+/// Greedy tokens with their log probabilities; and the prompt tokens reported cached.
+async fn complete(url: &str, prompt: &[u32]) -> (Value, u64) {
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 5});
+    let (st, a) = post(&format!("{url}/v1/completions"), &body).await;
+    assert_eq!(st, 200, "{a}");
+    let cached = a["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (a["choices"][0]["logprobs"].clone(), cached)
+}
+
+/// Which tier served the last request's prefix: (device, host, storage) tokens it added.
+fn tiers(w: &TestWorker, before: (u64, u64, u64)) -> (u64, u64, u64) {
+    let s = w.state.engine.snapshot();
+    (
+        s.cached_device_tokens - before.0,
+        s.cached_host_tokens - before.1,
+        s.cached_storage_tokens - before.2,
+    )
+}
+
+fn counts(w: &TestWorker) -> (u64, u64, u64) {
+    let s = w.state.engine.snapshot();
+    (
+        s.cached_device_tokens,
+        s.cached_host_tokens,
+        s.cached_storage_tokens,
+    )
+}
+
+/// The answers recomputed from scratch by `cold` (no prefix cache) for pass `salt`.
+async fn recomputed(cold: &TestWorker, salt: u32) -> Vec<Value> {
+    let mut want = Vec::new();
+    for h in HITS {
+        let (lp, cached) = complete(&cold.url, &with_hit(h, salt)).await;
+        assert_eq!(cached, 0);
+        want.push(lp);
+    }
+    want
+}
+
+/// Runs every hit on `w` after caching the base prompt, with `flush` applied before each, and
+/// checks the tier that served it (index 0 device, 1 host, 2 storage) and the answers
+/// against `cold`'s.
+async fn through(
+    w: &TestWorker,
+    cold: &TestWorker,
+    salt: u32,
+    flush: Option<FlushScope>,
+    tier: usize,
+) {
+    let want = recomputed(cold, salt).await;
+    complete(&w.url, &base()).await;
+    for (&h, want) in HITS.iter().zip(&want) {
+        if let Some(f) = flush {
+            w.state.engine.flush(f).unwrap();
+        }
+        let before = counts(w);
+        let (got, cached) = complete(&w.url, &with_hit(h, salt)).await;
+        assert_eq!(cached, h as u64, "hit of {h} on tier {tier}");
+        let t = tiers(w, before);
+        let by_tier = [t.0, t.1, t.2];
+        assert_eq!(by_tier[tier], h as u64, "hit of {h}: served by {t:?}");
+        assert_eq!(&got, want, "hit of {h} from tier {tier}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_dsv4_model(d.path());
+
+    // Recomputed: no prefix cache.
+    let cold = spawn_worker(
+        &path,
+        WorkerSpec {
+            engine: EngineConfig {
+                prefix_cache: false,
+                ..EngineConfig::default()
+            },
+            ..spec(None, "disk")
+        },
+    )
+    .await;
+
+    // Device, host and disk on one worker.
+    let disk: Arc<dyn Storage> =
+        Arc::new(DiskStorage::open(d.path().join("l3"), 1 << 30, false).unwrap());
+    let w = spawn_worker(&path, spec(Some(disk), "disk")).await;
+    through(&w, &cold, 0, None, 0).await;
+    through(&w, &cold, 1, Some(FlushScope::Device), 1).await;
+    through(&w, &cold, 2, Some(FlushScope::All), 2).await;
+
+    // Redis.
+    let rd = Redis::start();
+    let remote: Arc<dyn Storage> = Arc::new(
+        RedisStorage::connect(&RedisConfig {
+            url: format!("redis://127.0.0.1:{}", rd.port),
+            namespace: "dsv4-test".into(),
+            ttl: None,
+            timeout: Duration::from_secs(2),
+            page_key: strata_kv::storage::blob::BlobKey::public(),
+            max_value_bytes: 1 << 24,
+        })
+        .unwrap(),
+    );
+    let r = spawn_worker(&path, spec(Some(remote), "remote")).await;
+    through(&r, &cold, 3, Some(FlushScope::All), 2).await;
+
+    // PD: the decode worker receives every prompt's state from the prefill worker, which
+    // itself resumes from its cache.
+    let prefill = spawn_worker(&path, spec(None, "disk")).await;
+    let decode = spawn_worker(
+        &path,
+        WorkerSpec {
+            kv_listener: true,
+            prefill_workers: vec![prefill.url.clone()],
+            ..spec(None, "disk")
+        },
+    )
+    .await;
+    let pd = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    complete(&pd, &base()).await;
+    let want = recomputed(&cold, 4).await;
+    for (&h, want) in HITS.iter().zip(&want) {
+        let before = decode.state.engine.snapshot().transferred_prompt_tokens;
+        let (got, _) = complete(&pd, &with_hit(h, 4)).await;
+        let moved = decode.state.engine.snapshot().transferred_prompt_tokens - before;
+        assert_eq!(
+            moved,
+            (h + 12) as u64,
+            "the prompt of hit {h} went through PD"
+        );
+        assert_eq!(&got, want, "hit of {h} through PD");
+    }
+    for x in [cold, w, r, prefill, decode] {
+        x.stop().await;
+    }
+}
