@@ -47,6 +47,7 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         t.sample("strata_cache_capacity_bytes", &l, p.bytes_total as f64);
         t.sample("strata_cache_used_bytes", &l, p.bytes_used as f64);
     }
+    pool_kinds(t, st, s);
     for (tier, u) in [("device", &s.device), ("host", &s.host)] {
         t.sample(
             "strata_cache_pages",
@@ -69,6 +70,27 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         &[("tier", "host")],
         c.evicted_host_tokens as f64,
     );
+}
+
+/// Per pool kind: bytes per token and the bytes served from each tier.
+fn pool_kinds(t: &mut Text, st: &AppState, s: &Snapshot) {
+    let device_tokens = s.device.pages_total * st.engine.info().page_size as u64;
+    let l3 = st.storage_tier.as_str();
+    for p in s.pools.iter().filter(|p| p.tier == "device") {
+        let Some(bpt) = p.bytes_total.checked_div(device_tokens) else {
+            continue;
+        };
+        let pool = p.kind.as_str();
+        t.sample("strata_pool_bytes_per_token", &[("pool", pool)], bpt as f64);
+        for (tier, v) in [
+            ("device", s.cached_device_tokens),
+            ("host", s.cached_host_tokens),
+            (l3, s.cached_storage_tokens),
+        ] {
+            let l = [("tier", tier), ("pool", pool)];
+            t.sample("strata_cache_hit_bytes_total", &l, (v * bpt) as f64);
+        }
+    }
 }
 
 /// Copies between tiers: bytes, operations, time and their durations.

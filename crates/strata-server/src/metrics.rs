@@ -14,6 +14,8 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_cache_capacity_bytes", "gauge", "Bytes a cache tier can hold, by tier and pool kind."),
     ("strata_cache_used_bytes", "gauge", "Bytes of a cache tier in use, by tier and pool kind."),
     ("strata_cache_pages", "gauge", "Pages of a cache tier, by tier and state (used, total)."),
+    ("strata_pool_bytes_per_token", "gauge", "Bytes one token takes in a pool kind on one rank (kinds kept per block amortized over its tokens); a page holds every kind."),
+    ("strata_cache_hit_bytes_total", "counter", "Bytes of each pool kind served from a cache tier: hit tokens by tier times the kind's bytes per token."),
     ("strata_cache_evicted_tokens_total", "counter", "Tokens evicted from a tier."),
     ("strata_cache_copy_bytes_total", "counter", "Bytes moved between tiers, by operation (load_back, backup, prefetch, l3_put)."),
     ("strata_cache_copy_operations_total", "counter", "Copies between tiers, by operation."),

@@ -292,3 +292,134 @@ fn advice_names_the_flag_that_was_given() {
     let o = strata(&["plan", "--machine", "0x8GB"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// A DeepSeek-V4 file: every state kind per rank from its header, with the granularity and
+/// what a continuation reads, the same bytes per token as the layout the engine lays out (so
+/// `strata serve` allocates what was printed); a page that splits a block is refused naming
+/// --page-size.
+#[test]
+fn a_deepseek_v4_file_plans_every_state_kind_as_the_engine_lays_it_out() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("tiny-dsv4.gguf");
+    let spec = strata_model::tiny_dsv4::TinyDsv4Spec::default();
+    strata_model::tiny_dsv4::write_tiny_dsv4(&m, &spec).unwrap();
+    let model = strata_model::dsv4_load::load_dsv4(&m).unwrap();
+    for ps in [4usize, 16, 64, 256] {
+        let o = strata(&[
+            "plan",
+            "--model",
+            m.to_str().unwrap(),
+            "--page-size",
+            &ps.to_string(),
+            "--device-mem",
+            "8MiB",
+            "--hicache-size",
+            "32MiB",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", err(&o));
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        let planned: Vec<(String, u64)> = v["pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let kind = p["kind"].as_str().unwrap().to_string();
+                (kind, p["bytes_per_token"].as_u64().unwrap())
+            })
+            .collect();
+        let laid_out: Vec<(String, u64)> = model
+            .pool_kinds(ps)
+            .unwrap()
+            .iter()
+            .map(|k| (k.name.clone(), k.bytes_per_token() as u64))
+            .collect();
+        assert_eq!(planned, laid_out, "page size {ps}");
+        assert_eq!(planned.len(), 7);
+    }
+    let o = strata(&[
+        "plan",
+        "--model",
+        m.to_str().unwrap(),
+        "--page-size",
+        "16",
+        "--device-mem",
+        "8MiB",
+        "--hicache-size",
+        "32MiB",
+    ]);
+    let text = out(&o);
+    for want in [
+        "raw        token           last 32 tokens",
+        "csa        4-token block   prefix",
+        "hca        128-token block prefix",
+        "hca_rows   token           last 128 tokens",
+        "each of the 7 pool kinds' tokens per rank ← --page-size 16",
+        "--hicache-size 32MiB (33554432 bytes) per rank",
+    ] {
+        assert!(text.contains(want), "missing `{want}`:\n{text}");
+    }
+    let o = strata(&["plan", "--model", m.to_str().unwrap(), "--page-size", "6"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(err(&o).contains("--page-size 6:"), "{}", err(&o));
+}
+
+/// The incident's scenario with DeepSeek-V4's published dimensions: TP 4, 150 GB of host
+/// cache per server on node 0 of a 2 × 240 GB machine, an absolute size — what the incident's
+/// stack refused for this model — planned with every state kind inside the budget.
+#[test]
+fn the_incident_plans_deepseek_v4_with_an_absolute_host_size() {
+    for preset in ["deepseek-v4-flash", "deepseek-v4-pro"] {
+        let o = strata(&[
+            "plan",
+            "--machine",
+            "2x240GB",
+            "--model-preset",
+            preset,
+            "--tp-size",
+            "4",
+            "--page-size",
+            "64",
+            "--device-mem",
+            "2GiB",
+            "--hicache-total",
+            "150GB",
+            "--numa-node",
+            "0",
+            "--role",
+            "prefill",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{preset}: {}", err(&o));
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        let pools = v["pools"].as_array().unwrap();
+        let kinds: Vec<&str> = pools.iter().map(|p| p["kind"].as_str().unwrap()).collect();
+        let want: &[&str] = &[
+            "raw",
+            "csa",
+            "index",
+            "hca",
+            "csa_rows",
+            "index_rows",
+            "hca_rows",
+        ];
+        assert_eq!(kinds, want, "{preset}");
+        let host: u64 = pools
+            .iter()
+            .map(|p| p["host_bytes"].as_u64().unwrap())
+            .sum();
+        assert_eq!(host, v["host_bytes_per_rank"].as_u64().unwrap());
+        let server = v["server_host_bytes"].as_u64().unwrap();
+        assert!(
+            server <= 150_000_000_000 && server > 149_000_000_000,
+            "{preset}: {server}"
+        );
+        // One K = V head of 512 in bf16 on every rank, whatever the TP size.
+        let layers = if preset == "deepseek-v4-flash" {
+            43
+        } else {
+            61
+        };
+        assert_eq!(pools[0]["bytes_per_token"], layers * 512 * 2);
+    }
+}

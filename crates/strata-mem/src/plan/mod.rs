@@ -242,6 +242,14 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let host_tokens = host_tokens(req, bpt, device_tokens, &mut decided)?;
 
     let pools = pool_plans(req, &kinds, ps, device_tokens, host_tokens);
+    if kinds.len() > 1 {
+        decided.push(Decision {
+            what: format!("each of the {} pool kinds' tokens per rank", kinds.len()),
+            by: format!(
+                "--page-size {ps}: one page holds every kind (block kinds packed per page), so each kind gets the tokens above at its bytes/token, inside the same budgets"
+            ),
+        });
+    }
     let s = Sizes::new(req, bpt, device_budget, device_tokens, host_tokens);
     let where_ = where_of(&room.nodes);
 
