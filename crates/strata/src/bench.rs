@@ -97,6 +97,10 @@ pub struct TiersArgs {
     /// Skip the L3 step (a server without --l3).
     #[arg(long)]
     pub no_l3: bool,
+    /// Token ids stay below this (a model with a small vocabulary, e.g. 288 for the tiny
+    /// test models); at 31000 and above the ids are 1000..31000.
+    #[arg(long, default_value_t = 31_000)]
+    pub vocab: u32,
 }
 
 #[derive(Args, Debug)]
@@ -139,13 +143,23 @@ fn client() -> reqwest::Client {
 
 /// Deterministic token ids for round `r` (distinct rounds share no prefix).
 fn prompt_ids(r: usize, n: usize) -> Vec<u32> {
+    prompt_ids_below(r, n, 31_000)
+}
+
+/// [`prompt_ids`] for a vocabulary of `vocab` tokens: ids 1000..31000 when it has them, else
+/// any id below `vocab`.
+fn prompt_ids_below(r: usize, n: usize, vocab: u32) -> Vec<u32> {
     let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (r as u64 + 1).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     (0..n)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            1000 + (x % 30000) as u32
+            if vocab >= 31_000 {
+                1000 + (x % 30000) as u32
+            } else {
+                (x % vocab.max(1) as u64) as u32
+            }
         })
         .collect()
 }
@@ -198,9 +212,9 @@ async fn tiers(a: TiersArgs) -> Result<()> {
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); steps];
     let mut cached: Vec<u64> = vec![0; steps];
     // Warm-up: page in the weights and code paths.
-    one_token(&c, &url, &prompt_ids(1000, 64)).await?;
+    one_token(&c, &url, &prompt_ids_below(1000, 64, a.vocab)).await?;
     for r in 0..a.reps {
-        let ids = prompt_ids(r, a.prompt_tokens);
+        let ids = prompt_ids_below(r, a.prompt_tokens, a.vocab);
         for (i, name) in names.iter().enumerate().take(steps) {
             match *name {
                 "host" => flush(&c, &a.target, "device").await?,

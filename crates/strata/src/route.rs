@@ -132,12 +132,10 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
             a.index_interval
         );
     }
-    let g = strata_model::Gguf::open(path)?;
+    // The header alone: the tokenizer and template of a model of any architecture.
+    let g = strata_model::GgufHeader::open(path)?;
     let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
-    let tpl = match g.string("tokenizer.chat_template") {
-        Some(t) => Some(strata_model::ChatTemplate::new(t)?),
-        None => None,
-    };
+    let tpl = g.chat_template()?;
     let n = st.cache_pool().len();
     st.set_index(Arc::new(strata_router::cache_index::CacheIndex::new(
         Arc::new(tk),
