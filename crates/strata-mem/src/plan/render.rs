@@ -10,6 +10,40 @@ impl Plan {
         use std::fmt::Write;
         let mut s = String::new();
         let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
+        self.pool_table(&mut s);
+        let _ = writeln!(
+            s,
+            "per server ({} ranks): device {}, host {}",
+            self.tp,
+            format_bytes(self.server_device_bytes),
+            format_bytes(self.server_host_bytes)
+        );
+        let n = &self.numa;
+        let _ =
+            writeln!(
+            s,
+            "NUMA: {} on node(s) {}: {} available, {} reserve, this server needs {}, headroom {}",
+            n.policy.name(),
+            n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+            format_bytes(n.available_bytes),
+            format_bytes(n.reserve_bytes),
+            format_bytes(n.needed_bytes),
+            format_bytes(n.headroom_bytes)
+        );
+        let _ = writeln!(s, "      capacity source: {}", n.source);
+        for d in &self.decided_by {
+            let _ = writeln!(s, "decided: {} ← {}", d.what, d.by);
+        }
+        for w in &self.warnings {
+            let _ = writeln!(s, "WARNING: {w}");
+        }
+        s
+    }
+
+    /// One row per pool kind (what an item belongs to, what a continuation reads, per-rank
+    /// tokens, pages and bytes per tier), then the per-rank total.
+    fn pool_table(&self, s: &mut String) {
+        use std::fmt::Write;
         let kw = self
             .pools
             .iter()
@@ -75,32 +109,5 @@ impl Plan {
             self.host_tokens_per_rank / self.page_size as u64,
             format_bytes(self.host_bytes_per_rank)
         );
-        let _ = writeln!(
-            s,
-            "per server ({} ranks): device {}, host {}",
-            self.tp,
-            format_bytes(self.server_device_bytes),
-            format_bytes(self.server_host_bytes)
-        );
-        let n = &self.numa;
-        let _ =
-            writeln!(
-            s,
-            "NUMA: {} on node(s) {}: {} available, {} reserve, this server needs {}, headroom {}",
-            n.policy.name(),
-            n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
-            format_bytes(n.available_bytes),
-            format_bytes(n.reserve_bytes),
-            format_bytes(n.needed_bytes),
-            format_bytes(n.headroom_bytes)
-        );
-        let _ = writeln!(s, "      capacity source: {}", n.source);
-        for d in &self.decided_by {
-            let _ = writeln!(s, "decided: {} ← {}", d.what, d.by);
-        }
-        for w in &self.warnings {
-            let _ = writeln!(s, "WARNING: {w}");
-        }
-        s
     }
 }
