@@ -56,9 +56,11 @@ impl DevicePool {
     fn chunk_ptr(&self, kind: usize, layer: usize, plane: usize, page: u32) -> *mut u8 {
         assert!(page < self.pages, "device page {page} out of range");
         let k = &self.layout.kinds()[kind];
+        assert!(layer < k.layers && plane < k.planes, "chunk out of range");
         let chunk = self.layout.page_size() * k.plane_bytes_per_token;
         let run = (layer * k.planes + plane) * self.pages as usize + page as usize;
-        // SAFETY: run < layers × planes × pages, so the offset stays inside the region.
+        // SAFETY: page < pages, layer < layers and plane < planes (asserted), so run <
+        // layers × planes × pages and the offset stays inside the region.
         unsafe { self.regions[kind].as_ptr().add(run * chunk) }
     }
 
@@ -74,9 +76,11 @@ impl DevicePool {
 
     fn chunk_ptr_base(&self, kind: usize, layer: usize, plane: usize) -> *mut u8 {
         let k = &self.layout.kinds()[kind];
+        assert!(layer < k.layers && plane < k.planes, "plane out of range");
         let chunk = self.layout.page_size() * k.plane_bytes_per_token;
         let run = (layer * k.planes + plane) * self.pages as usize;
-        // SAFETY: inside the region (see chunk_ptr).
+        // SAFETY: layer and plane are in range (asserted), so the plane's run of `pages`
+        // chunks lies inside the region (see chunk_ptr).
         unsafe { self.regions[kind].as_ptr().add(run * chunk) }
     }
 

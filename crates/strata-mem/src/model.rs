@@ -53,38 +53,55 @@ impl KindSpec {
         }
     }
 
-    /// Bytes of one item (a token's row, or a block's) per layer and plane on one rank.
-    pub fn item_bytes(&self, tp: u32) -> usize {
-        self.heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+    /// Bytes of one item (a token's row, or a block's) per layer and plane on one rank; None
+    /// when that overflows.
+    pub fn item_bytes(&self, tp: u32) -> Option<usize> {
+        self.heads_per_rank(tp)
+            .checked_mul(self.head_dim)?
+            .checked_mul(self.dtype_bytes)
     }
 
     /// The kind on one rank in pages of `page_size` tokens, or why such a page cannot hold it.
     pub fn per_rank(&self, tp: u32, page_size: usize) -> Result<PoolKind, String> {
-        let (item, ps) = (self.item_bytes(tp), page_size);
-        let chunk = match self.per {
-            Per::Token => Some(item * ps),
-            Per::Block(r) => (r > 0 && ps.is_multiple_of(r)).then(|| item * (ps / r)),
-            Per::BlockSlot(r) if r > 0 && ps <= r && r.is_multiple_of(ps) => Some(item),
-            Per::BlockSlot(r) => (r > 0 && ps.is_multiple_of(r)).then(|| item * (ps / r)),
+        let ps = page_size;
+        let too_big = || format!("kind `{}`: its size overflows", self.name);
+        let item = self.item_bytes(tp).ok_or_else(too_big)?;
+        if ps == 0 || item == 0 || self.layers == 0 || self.planes == 0 {
+            return Err(format!("kind `{}` holds nothing (a zero size)", self.name));
+        }
+        let items_per_page = match self.per {
+            Per::Token => Some(ps),
+            Per::Block(r) => (r > 0 && ps.is_multiple_of(r)).then(|| ps / r),
+            Per::BlockSlot(r) if r > 0 && ps <= r && r.is_multiple_of(ps) => Some(1),
+            Per::BlockSlot(r) => (r > 0 && ps.is_multiple_of(r)).then(|| ps / r),
         };
-        let chunk = chunk.ok_or_else(|| {
+        let items = items_per_page.ok_or_else(|| {
             format!(
                 "a page of {ps} tokens does not hold whole items of kind `{}` ({})",
                 self.name,
                 self.per_text()
             )
         })?;
+        let chunk = item.checked_mul(items).ok_or_else(too_big)?;
         if !chunk.is_multiple_of(ps) {
             return Err(format!(
                 "kind `{}`: {chunk} bytes per page do not split evenly over {ps} tokens",
                 self.name
             ));
         }
+        let per_token = chunk / ps;
+        let whole = per_token
+            .checked_mul(self.layers)
+            .and_then(|b| b.checked_mul(self.planes))
+            .and_then(|b| b.checked_mul(ps));
+        if whole.is_none() {
+            return Err(too_big());
+        }
         Ok(PoolKind {
             name: self.name.clone(),
             layers: self.layers,
             planes: self.planes,
-            plane_bytes_per_token: chunk / ps,
+            plane_bytes_per_token: per_token,
         })
     }
 

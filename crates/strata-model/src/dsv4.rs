@@ -27,6 +27,7 @@ impl Dsv4 {
     /// The model, once every tensor the configuration needs is there with its shape, and
     /// every hash layer's expert ids are experts.
     pub fn new(cfg: Dsv4Config, w: Weights) -> Result<Dsv4, String> {
+        cfg.validate()?;
         for (name, ne) in expected(&cfg) {
             match w.get(&name) {
                 None => return Err(format!("tensor {name} is missing")),
@@ -36,7 +37,7 @@ impl Dsv4 {
                 Some(_) => {}
             }
         }
-        for l in 0..cfg.hash_layers.min(cfg.ratios.len()) {
+        for l in 0..cfg.hash_layers {
             let ids = &w[&format!("blk.{l}.ffn_gate_tid2eid.weight")].1;
             if ids.iter().any(|v| v.to_bits() as usize >= cfg.experts) {
                 return Err(format!(
@@ -44,33 +45,6 @@ impl Dsv4 {
                     cfg.experts
                 ));
             }
-        }
-        let sizes = [
-            cfg.embd,
-            cfg.vocab,
-            cfg.heads,
-            cfg.head_dim,
-            cfg.q_lora_rank,
-            cfg.experts,
-            cfg.experts_used,
-            cfg.expert_ffn,
-            cfg.indexer_heads,
-            cfg.indexer_dim,
-            cfg.indexer_top_k,
-            cfg.out_groups,
-            cfg.out_lora_rank,
-        ];
-        let dims_ok = sizes.iter().all(|&n| n >= 1)
-            && cfg.hc >= 1
-            && cfg.heads.is_multiple_of(cfg.out_groups.max(1))
-            && cfg.rope_dims.is_multiple_of(2)
-            && cfg.rope_dims <= cfg.head_dim.min(cfg.indexer_dim)
-            && cfg.swiglu_clamp.len() >= cfg.ratios.len()
-            && cfg.swiglu_clamp.iter().all(|c| c.is_finite() && *c >= 0.0)
-            && cfg.experts_used <= cfg.experts
-            && (1..=1 << 24).contains(&cfg.context);
-        if !dims_ok {
-            return Err("inconsistent hyper-parameters".into());
         }
         Ok(Dsv4 { cfg, w })
     }

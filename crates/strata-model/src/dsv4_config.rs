@@ -36,7 +36,83 @@ pub struct Dsv4Config {
     pub expert_weights_norm: bool,
 }
 
-/// Every tensor the configuration needs, with its shape (`ne`), in file order.
+/// Most blocks of a model (DeepSeek-V4-Pro has 61); bounds every per-layer list before it is
+/// allocated.
+pub const MAX_LAYERS: usize = 4096;
+
+impl Dsv4Config {
+    /// Checks the hyper-parameters before anything is sized or allocated from them: every
+    /// dimension positive and bounded (so every product below stays far from overflow),
+    /// ratios 0, 4 or 128, consistent divisions. The error names what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        let c = self;
+        let bounded = [
+            ("embedding_length", c.embd, 1 << 16),
+            ("vocabulary", c.vocab, 1 << 22),
+            ("context_length", c.context, 1 << 24),
+            ("attention.head_count", c.heads, 1 << 12),
+            ("attention.key_length", c.head_dim, 1 << 14),
+            ("attention.q_lora_rank", c.q_lora_rank, 1 << 16),
+            ("attention.sliding_window", c.window, 1 << 24),
+            ("expert_count", c.experts, 1 << 12),
+            ("expert_used_count", c.experts_used, 1 << 12),
+            ("expert_feed_forward_length", c.expert_ffn, 1 << 16),
+            ("attention.indexer.head_count", c.indexer_heads, 1 << 12),
+            ("attention.indexer.key_length", c.indexer_dim, 1 << 14),
+            ("attention.indexer.top_k", c.indexer_top_k, 1 << 24),
+            ("attention.output_group_count", c.out_groups, 1 << 12),
+            ("attention.output_lora_rank", c.out_lora_rank, 1 << 16),
+            ("hyper_connection.count", c.hc, 64),
+        ];
+        for (key, v, max) in bounded {
+            if v == 0 || v > max {
+                return Err(format!("{key} = {v}: expected 1 to {max}"));
+            }
+        }
+        if c.ratios.is_empty() || c.ratios.len() > MAX_LAYERS {
+            return Err(format!(
+                "{} blocks: expected 1 to {MAX_LAYERS}",
+                c.ratios.len()
+            ));
+        }
+        if let Some(r) = c.ratios.iter().find(|r| ![0, 4, 128].contains(*r)) {
+            return Err(format!("compression ratio {r}: expected 0, 4 or 128"));
+        }
+        if c.sinkhorn_iters > 1024 || c.hash_layers > c.ratios.len() {
+            return Err(
+                "hyper_connection.sinkhorn_iterations or hash_layer_count out of range".into(),
+            );
+        }
+        if !c.heads.is_multiple_of(c.out_groups) || c.experts_used > c.experts {
+            return Err(
+                "head count not divisible by output groups, or more experts used than exist".into(),
+            );
+        }
+        if !c.rope_dims.is_multiple_of(2) || c.rope_dims > c.head_dim.min(c.indexer_dim) {
+            return Err(format!(
+                "rope.dimension_count {} must be even and at most both key lengths",
+                c.rope_dims
+            ));
+        }
+        if c.swiglu_clamp.len() < c.ratios.len()
+            || c.swiglu_clamp.iter().any(|x| !(x.is_finite() && *x >= 0.0))
+        {
+            return Err("swiglu_clamp_exp: a finite limit ≥ 0 per block".into());
+        }
+        let eps = [c.eps_rms, c.eps_hc, c.rope_base, c.compress_rope_base];
+        if eps.iter().any(|x| !(x.is_finite() && *x >= 0.0)) || !c.expert_weights_scale.is_finite()
+        {
+            return Err(
+                "epsilons, RoPE bases and the expert weight scale must be finite numbers ≥ 0"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Every tensor the configuration needs, with its shape (`ne`), in file order (after
+/// [`Dsv4Config::validate`], which keeps these products small).
 pub fn expected(c: &Dsv4Config) -> Vec<(String, Vec<usize>)> {
     let (e, v, hd, hc) = (c.embd, c.vocab, c.head_dim, c.hc);
     let (hc_dim, hc_mix) = (hc * e, (2 + hc) * hc);

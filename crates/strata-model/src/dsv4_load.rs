@@ -2,8 +2,9 @@
 //! configuration from llama.cpp's metadata keys and the tensors by name. candle's reader
 //! refuses GGML's I32 type (the hash layers' token → experts table), so this reads the file
 //! itself, after `gguf_scan` has checked every length and count of the header against the
-//! file; every tensor's extent is checked against the file before it is read. F32 and I32
-//! tensors only, for now (the tiny test model); the file is read whole.
+//! file. The configuration is checked (`Dsv4Config::validate`), then every tensor's type and
+//! extent against the file, before any weight is read; then each tensor is read on its own. F32
+//! and I32 tensors only, for now (the tiny test model).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -101,12 +102,26 @@ impl Keys<'_> {
 fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelError> {
     let k = Keys { path, m };
     let layers = k.int("block_count")?;
+    if !(1..=crate::dsv4_config::MAX_LAYERS).contains(&layers) {
+        let max = crate::dsv4_config::MAX_LAYERS;
+        return Err(bad(
+            path,
+            "deepseek4.block_count",
+            &format!("{layers}: expected 1 to {max}"),
+        ));
+    }
     let ratios: Vec<usize> = k
         .per_layer("attention.compress_ratios", layers)?
         .iter()
-        .map(|&r| r as usize)
+        .map(|&r| {
+            if r == 0.0 || r == 4.0 || r == 128.0 {
+                r as usize
+            } else {
+                usize::MAX
+            }
+        })
         .collect();
-    if ratios.iter().any(|r| ![0, 4, 128].contains(r)) {
+    if ratios.contains(&usize::MAX) {
         let key = "deepseek4.attention.compress_ratios";
         return Err(bad(path, key, "one of 0, 4, 128 per block"));
     }
@@ -120,7 +135,7 @@ fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelEr
     };
     let clamp = k.per_layer("swiglu_clamp_exp", layers)?;
     let norm = matches!(k.get("expert_weights_norm").1, Some(Value::Bool(true)));
-    Ok(Dsv4Config {
+    let cfg = Dsv4Config {
         embd: k.int("embedding_length")?,
         vocab,
         context: k.int("context_length")?,
@@ -148,7 +163,10 @@ fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelEr
         swiglu_clamp: clamp.iter().map(|&c| c as f32).collect(),
         expert_weights_scale: k.float("expert_weights_scale")?,
         expert_weights_norm: norm,
-    })
+    };
+    cfg.validate()
+        .map_err(|reason| bad(path, "deepseek4.*", &reason))?;
+    Ok(cfg)
 }
 
 /// The hyper-parameters of a DeepSeek-V4 GGUF from its header alone (sizing a model of any
@@ -177,44 +195,60 @@ fn check_architecture(p: &str, meta: &HashMap<String, Value>) -> Result<(), Mode
 
 /// Loads a DeepSeek-V4 GGUF.
 pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
+    use std::io::{Read, Seek, SeekFrom};
     let p = path.display().to_string();
-    let not_gguf = |reason: String| ModelError::NotGguf {
-        path: p.clone(),
-        reason,
-    };
-    let b = std::fs::read(path).map_err(|e| ModelError::Open {
+    let open_err = |e: std::io::Error| ModelError::Open {
         path: p.clone(),
         reason: e.to_string(),
-    })?;
-    crate::gguf_scan::scan(&mut std::io::Cursor::new(&b), b.len() as u64).map_err(not_gguf)?;
-    let gguf_meta::Header {
-        metadata: meta,
-        tensors: infos,
-        data_start: data,
-    } = gguf_meta::parse(&b).map_err(not_gguf)?;
-    check_architecture(&p, &meta)?;
-    let cfg = config(path, &meta)?;
-    let mut w: Weights = HashMap::new();
-    for (name, ne, ty, off) in infos {
+    };
+    // The header alone first: the configuration, and every tensor's type and extent, are
+    // checked before any weight is read (a quantized file is refused by name, not read).
+    let h = gguf_meta::read(path)?;
+    check_architecture(&p, &h.metadata)?;
+    let cfg = config(path, &h.metadata)?;
+    let mut f = std::fs::File::open(path).map_err(open_err)?;
+    let len = f.metadata().map_err(open_err)?.len();
+    let mut extents = Vec::with_capacity(h.tensors.len());
+    for (name, ne, ty, off) in &h.tensors {
         let terr = |reason: String| ModelError::Tensor {
             path: p.clone(),
             name: name.clone(),
             reason,
         };
-        if ty != F32 && ty != I32 {
+        if *ty != F32 && *ty != I32 {
             return Err(terr(format!(
                 "GGML type {ty}: only F32 and I32 are read yet"
             )));
         }
-        let n = ne.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let n = ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
         let bytes = n.and_then(|n| n.checked_mul(4));
-        let start = data.checked_add(off as usize);
-        let end = bytes.zip(start).and_then(|(len, s)| s.checked_add(len));
-        let (Some(start), Some(end)) = (start, end.filter(|&e| e <= b.len())) else {
+        let start = (h.data_start as u64).checked_add(*off);
+        let end = bytes.zip(start).and_then(|(n, s)| s.checked_add(n));
+        let (Some(start), Some(end)) = (start, end.filter(|&e| e <= len)) else {
             return Err(terr("its data lies past the end of the file".into()));
         };
+        extents.push((start, end));
+    }
+    // Tensors of a real file do not overlap: their data together fits in the file (else a few
+    // bytes of header could make every tensor the whole file, and the weights its square).
+    let total = extents
+        .iter()
+        .map(|(s, e)| e - s)
+        .fold(0u64, u64::saturating_add);
+    if total > len {
+        return Err(ModelError::NotGguf {
+            path: p.clone(),
+            reason: format!("its tensors claim {total} bytes of data, more than the file's {len}"),
+        });
+    }
+    let mut w: Weights = HashMap::new();
+    for ((name, ne, _, _), (start, end)) in h.tensors.into_iter().zip(extents) {
+        // Bounded by the file's length (checked above).
+        let mut raw = vec![0u8; (end - start) as usize];
+        f.seek(SeekFrom::Start(start)).map_err(open_err)?;
+        f.read_exact(&mut raw).map_err(open_err)?;
         // I32 values travel as their bit patterns (`Dsv4` reads them with `to_bits`).
-        let vals = b[start..end]
+        let vals = raw
             .chunks_exact(4)
             .map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes"))))
             .collect();

@@ -61,22 +61,28 @@ impl Dsv4 {
                 "--page-size {ps} does not fit DeepSeek-V4's state: {why}"
             ))
         };
-        if ps == 0 || !ps.is_multiple_of(4) {
+        let n4 = c.ratios.iter().filter(|&&r| r == 4).count();
+        let n128 = c.ratios.iter().filter(|&&r| r == 128).count();
+        if ps == 0 || (n4 > 0 && !ps.is_multiple_of(4)) {
             return Err(bad(
                 "a page must hold whole 4-token blocks (a multiple of 4)",
             ));
         }
         let (d, di) = (c.head_dim * 4, c.indexer_dim * 4);
-        let slots = hca_slots(ps).ok_or_else(|| {
-            bad("a page must divide a 128-token block, or hold whole ones (e.g. 16, 64, 256)")
-        })?;
-        if !(slots * d).is_multiple_of(ps) {
+        // Only a model with ratio-128 layers needs its pages to fit 128-blocks.
+        let slots =
+            match hca_slots(ps) {
+                Some(s) => s,
+                None if n128 == 0 => 1,
+                None => return Err(bad(
+                    "a page must divide a 128-token block, or hold whole ones (e.g. 16, 64, 256)",
+                )),
+            };
+        if n128 > 0 && !(slots * d).is_multiple_of(ps) {
             return Err(bad(
                 "a compressed 128-block must split evenly over the page's tokens",
             ));
         }
-        let n4 = c.ratios.iter().filter(|&&r| r == 4).count();
-        let n128 = c.ratios.iter().filter(|&&r| r == 128).count();
         let one = |name: &str, layers, planes, bytes| PoolKind {
             name: name.into(),
             layers,
@@ -153,6 +159,28 @@ impl Dsv4 {
         let map = self.page_map(pool)?;
         for (si, s) in seqs.iter().enumerate() {
             self.check_seq(pool, si, s)?;
+        }
+        // Sequences run in parallel: the pages they write must be distinct (a request's own
+        // pages are; shared prefix pages are only read).
+        let ps = pool.layout().page_size();
+        let mut written: Vec<(u32, usize)> = seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.tokens.is_empty())
+            .flat_map(|(si, s)| {
+                let (a, b) = (s.pos / ps, (s.pos + s.tokens.len() - 1) / ps);
+                s.pages[a..=b].iter().map(move |&p| (p, si))
+            })
+            .collect();
+        written.sort_unstable();
+        if let Some(w) = written
+            .windows(2)
+            .find(|w| w[0].0 == w[1].0 && w[0].1 != w[1].1)
+        {
+            return Err(kind_err(format!(
+                "sequences {} and {} both write page {}",
+                w[0].1, w[1].1, w[0].0
+            )));
         }
         Ok(seqs
             .par_iter()
@@ -313,9 +341,9 @@ impl Store for Paged<'_> {
 }
 
 fn as_f32(b: &[u8]) -> &[f32] {
-    // SAFETY: every bit pattern is a valid f32; align_to only reinterprets the aligned middle,
-    // and pool planes start 4 KiB aligned with lengths that are multiples of 4 (every kind's
-    // bytes per token is a multiple of 4 bytes times a page).
+    // SAFETY: every bit pattern is a valid f32, and align_to only reinterprets the aligned
+    // middle. Pool regions are 4 KiB aligned and every chunk of these kinds is a multiple of 4
+    // bytes, so planes start 4-byte aligned and have no ragged ends (asserted below).
     let (pre, mid, post) = unsafe { b.align_to::<f32>() };
     assert!(
         pre.is_empty() && post.is_empty(),

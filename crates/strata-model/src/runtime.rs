@@ -101,7 +101,8 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
     }
 }
 
-/// How to load a llama-architecture model (the other architectures have no such options).
+/// How to load a llama-architecture model (DeepSeek-V4 has no such options: its pass is
+/// plain f32 loops, threaded over sequences by rayon's pool).
 #[derive(Clone, Copy, Debug)]
 pub struct LoadOptions {
     pub threads: usize,

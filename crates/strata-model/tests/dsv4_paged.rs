@@ -121,8 +121,13 @@ fn a_prefix_moved_through_the_host_layout_resumes_exactly() {
     let first: Vec<u32> = (0..75).collect();
     paged(&m, &pool, &first, &toks, 300);
     let mut blob = vec![0u8; pool.layout().page_bytes()];
+    let zeros = vec![0u8; pool.layout().page_bytes()];
     for hit in [28, 32, 36, 124, 128, 132, 252, 256, 260] {
         let moved: Vec<u32> = (75..150).collect();
+        // Nothing left from the previous hit: a read before its write would see zeros.
+        for &p in &moved {
+            pool.write_page_host_layout(p, &zeros);
+        }
         for (&src, &dst) in first.iter().zip(&moved).take(hit / ps) {
             pool.read_page_host_layout(src, &mut blob);
             pool.write_page_host_layout(dst, &blob);
@@ -175,6 +180,23 @@ fn page_sizes_that_split_a_block_are_refused() {
         ..seq
     };
     assert!(m.forward_rows(&other, &[over], &[false]).is_err());
+    let past_context = SeqInput {
+        tokens: &[1; 8],
+        pos: 1020,
+        ..seq
+    };
+    let e = m
+        .forward_rows(&other, &[past_context], &[false])
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("exceed the context length 1024"),
+        "{e}"
+    );
+    // Two sequences writing one page (they run in parallel) are refused.
+    let e = m
+        .forward_rows(&other, &[seq, seq], &[false, false])
+        .unwrap_err();
+    assert!(e.to_string().contains("both write page 0"), "{e}");
     let bad = SeqInput {
         tokens: &[9999],
         ..seq

@@ -102,3 +102,45 @@ proptest! {
         open_dsv4(&b);
     }
 }
+
+/// The file with the u32 value of metadata key `key` replaced by `v`.
+fn with_u32(key: &str, v: u32) -> Vec<u8> {
+    let mut b = valid_dsv4();
+    let k = key.as_bytes();
+    let at = b
+        .windows(k.len())
+        .position(|w| w == k)
+        .expect("the key is in the file")
+        + k.len();
+    assert_eq!(b[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
+    b[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+    b
+}
+
+/// Values that would allocate per layer or divide by a zero size are refused, naming the key,
+/// by the header-only reader `strata plan` uses and by the loader, before any allocation.
+#[test]
+fn hostile_dimensions_are_refused_by_name() {
+    for (key, v, want) in [
+        ("deepseek4.block_count", u32::MAX, "block_count"),
+        ("deepseek4.block_count", 0, "block_count"),
+        ("deepseek4.attention.key_length", 0, "attention.key_length"),
+        (
+            "deepseek4.attention.key_length",
+            u32::MAX,
+            "attention.key_length",
+        ),
+        ("deepseek4.attention.sliding_window", 0, "sliding_window"),
+        ("deepseek4.context_length", 0, "context_length"),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.gguf");
+        std::fs::write(&p, with_u32(key, v)).unwrap();
+        let e = strata_model::dsv4_load::read_dsv4_config(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{key} = {v}: {e}");
+        let e = load_dsv4(&p).err().unwrap().to_string();
+        assert!(e.contains(want), "{key} = {v}: {e}");
+    }
+}

@@ -2,8 +2,10 @@
 //! resumes with the same greedy tokens and the same log probabilities (the same logits, to the
 //! bit) whether those tokens' state came from the device, host, disk or Redis tier, from a
 //! prefill worker by PD transfer, or was recomputed, for hits ending before, on and after the
-//! window (32) and the 128-block boundaries. Pages are 4 tokens, so every hit ends on a 4-block
-//! boundary, and the hits after a boundary need the compressors' rows of the blocks before it.
+//! window (32) and the 128-block boundaries. With pages of 4 tokens every hit ends on a 4-block
+//! boundary, and the hits after a boundary need the compressors' rows of the blocks before it;
+//! pages of 256 tokens hold two 128-blocks each, and a prompt matched to its last page is
+//! resumed from a copy of that page (copy-on-write) with only its last token computed.
 
 mod common;
 use common::start_router;
@@ -17,29 +19,64 @@ use strata_kv::storage::{DiskStorage, Storage};
 use strata_redis::{RedisConfig, RedisStorage};
 use strata_test_support::{post, spawn_worker, tiny_dsv4_model, Redis, TestWorker, WorkerSpec};
 
-const PS: usize = 4;
-const HITS: [usize; 9] = [28, 32, 36, 124, 128, 132, 252, 256, 260];
-
-fn base() -> Vec<u32> {
-    (0..300u32).map(|i| (i * 37 + 11) % 280).collect()
+/// A page size, the hits to try as (cached tokens, tokens after them) and the base prompt's
+/// length. A prompt of whole cached pages and nothing after them computes only its last token
+/// (cached tokens − 1 are reported).
+#[derive(Clone, Copy)]
+struct Case {
+    ps: usize,
+    hits: &'static [(usize, usize)],
+    base: usize,
 }
 
-/// The base prompt's first `h` tokens, then 12 of its own, salted (the first differs from the
-/// base's, so the hit is exactly `h`; each pass over the tiers uses another salt, so its
+const SMALL: Case = Case {
+    ps: 4,
+    hits: &[
+        (28, 12),
+        (32, 12),
+        (36, 12),
+        (124, 12),
+        (128, 12),
+        (132, 12),
+        (252, 12),
+        (256, 12),
+        (260, 12),
+        (260, 0),
+    ],
+    base: 300,
+};
+const LARGE: Case = Case {
+    ps: 256,
+    hits: &[(256, 12), (512, 12), (512, 0)],
+    base: 700,
+};
+
+fn base_of(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11) % 280).collect()
+}
+
+/// The base prompt's first `h` tokens, then `extra` of its own, salted (the first differs from
+/// the base's, so the hit is exactly `h`; each pass over the tiers uses another salt, so its
 /// prompts are not cached whole by an earlier pass).
-fn with_hit(h: usize, salt: u32) -> Vec<u32> {
-    let b = base();
+fn with_hit((h, extra): (usize, usize), salt: u32) -> Vec<u32> {
+    let b = base_of(h + 1);
     let mut p = b[..h].to_vec();
-    p.extend((0..12u32).map(|i| (b[h] + 1 + salt + i * 53) % 280));
-    assert_ne!(p[h], b[h]);
+    p.extend((0..extra as u32).map(|i| (b[h] + 1 + salt + i * 53) % 280));
+    assert!(extra == 0 || p[h] != b[h]);
     p
 }
 
-fn spec(storage: Option<Arc<dyn Storage>>, tier: &'static str) -> WorkerSpec {
+/// Prompt tokens a hit reports cached.
+fn reported((h, extra): (usize, usize)) -> u64 {
+    (if extra == 0 { h - 1 } else { h }) as u64
+}
+
+fn spec(c: Case, storage: Option<Arc<dyn Storage>>, tier: &'static str) -> WorkerSpec {
+    let pages = (4096 / c.ps) as u32;
     WorkerSpec {
-        page_size: PS,
-        device_pages: 1024,
-        host_pages: 1024,
+        page_size: c.ps,
+        device_pages: pages,
+        host_pages: pages,
         storage,
         storage_tier: tier,
         ..WorkerSpec::default()
@@ -78,9 +115,9 @@ fn counts(w: &TestWorker) -> (u64, u64, u64) {
 }
 
 /// The answers recomputed from scratch by `cold` (no prefix cache) for pass `salt`.
-async fn recomputed(cold: &TestWorker, salt: u32) -> Vec<Value> {
+async fn recomputed(c: Case, cold: &TestWorker, salt: u32) -> Vec<Value> {
     let mut want = Vec::new();
-    for h in HITS {
+    for &h in c.hits {
         let (lp, cached) = complete(&cold.url, &with_hit(h, salt)).await;
         assert_eq!(cached, 0);
         want.push(lp);
@@ -92,30 +129,40 @@ async fn recomputed(cold: &TestWorker, salt: u32) -> Vec<Value> {
 /// checks the tier that served it (index 0 device, 1 host, 2 storage) and the answers
 /// against `cold`'s.
 async fn through(
+    c: Case,
     w: &TestWorker,
     cold: &TestWorker,
     salt: u32,
     flush: Option<FlushScope>,
     tier: usize,
 ) {
-    let want = recomputed(cold, salt).await;
-    complete(&w.url, &base()).await;
-    for (&h, want) in HITS.iter().zip(&want) {
+    let want = recomputed(c, cold, salt).await;
+    complete(&w.url, &base_of(c.base)).await;
+    for (&h, want) in c.hits.iter().zip(&want) {
         if let Some(f) = flush {
             w.state.engine.flush(f).unwrap();
         }
         let before = counts(w);
         let (got, cached) = complete(&w.url, &with_hit(h, salt)).await;
-        assert_eq!(cached, h as u64, "hit of {h} on tier {tier}");
+        assert_eq!(cached, reported(h), "hit of {h:?} on tier {tier}");
         let t = tiers(w, before);
         let by_tier = [t.0, t.1, t.2];
-        assert_eq!(by_tier[tier], h as u64, "hit of {h}: served by {t:?}");
-        assert_eq!(&got, want, "hit of {h} from tier {tier}");
+        assert_eq!(by_tier[tier], reported(h), "hit of {h:?}: served by {t:?}");
+        assert_eq!(&got, want, "hit of {h:?} from tier {tier}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
+    every_tier(SMALL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_of_two_128_blocks_resume_through_every_tier() {
+    every_tier(LARGE).await;
+}
+
+async fn every_tier(c: Case) {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_dsv4_model(d.path());
 
@@ -127,7 +174,7 @@ async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
                 prefix_cache: false,
                 ..EngineConfig::default()
             },
-            ..spec(None, "disk")
+            ..spec(c, None, "disk")
         },
     )
     .await;
@@ -135,10 +182,10 @@ async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
     // Device, host and disk on one worker.
     let disk: Arc<dyn Storage> =
         Arc::new(DiskStorage::open(d.path().join("l3"), 1 << 30, false).unwrap());
-    let w = spawn_worker(&path, spec(Some(disk), "disk")).await;
-    through(&w, &cold, 0, None, 0).await;
-    through(&w, &cold, 1, Some(FlushScope::Device), 1).await;
-    through(&w, &cold, 2, Some(FlushScope::All), 2).await;
+    let w = spawn_worker(&path, spec(c, Some(disk), "disk")).await;
+    through(c, &w, &cold, 0, None, 0).await;
+    through(c, &w, &cold, 1, Some(FlushScope::Device), 1).await;
+    through(c, &w, &cold, 2, Some(FlushScope::All), 2).await;
 
     // Redis.
     let rd = Redis::start();
@@ -153,18 +200,18 @@ async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
         })
         .unwrap(),
     );
-    let r = spawn_worker(&path, spec(Some(remote), "remote")).await;
-    through(&r, &cold, 3, Some(FlushScope::All), 2).await;
+    let r = spawn_worker(&path, spec(c, Some(remote), "remote")).await;
+    through(c, &r, &cold, 3, Some(FlushScope::All), 2).await;
 
     // PD: the decode worker receives every prompt's state from the prefill worker, which
     // itself resumes from its cache.
-    let prefill = spawn_worker(&path, spec(None, "disk")).await;
+    let prefill = spawn_worker(&path, spec(c, None, "disk")).await;
     let decode = spawn_worker(
         &path,
         WorkerSpec {
             kv_listener: true,
             prefill_workers: vec![prefill.url.clone()],
-            ..spec(None, "disk")
+            ..spec(c, None, "disk")
         },
     )
     .await;
@@ -173,18 +220,15 @@ async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
         std::slice::from_ref(&decode.url),
     )
     .await;
-    complete(&pd, &base()).await;
-    let want = recomputed(&cold, 4).await;
-    for (&h, want) in HITS.iter().zip(&want) {
+    complete(&pd, &base_of(c.base)).await;
+    let want = recomputed(c, &cold, 4).await;
+    for (&h, want) in c.hits.iter().zip(&want) {
         let before = decode.state.engine.snapshot().transferred_prompt_tokens;
         let (got, _) = complete(&pd, &with_hit(h, 4)).await;
         let moved = decode.state.engine.snapshot().transferred_prompt_tokens - before;
-        assert_eq!(
-            moved,
-            (h + 12) as u64,
-            "the prompt of hit {h} went through PD"
-        );
-        assert_eq!(&got, want, "hit of {h} through PD");
+        let prompt = (h.0 + h.1) as u64;
+        assert_eq!(moved, prompt, "the prompt of hit {h:?} went through PD");
+        assert_eq!(&got, want, "hit of {h:?} through PD");
     }
     for x in [cold, w, r, prefill, decode] {
         x.stop().await;
