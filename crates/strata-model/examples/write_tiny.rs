@@ -1,6 +1,6 @@
 //! Writes a tiny test model to the path given: `cargo run -p strata-model --example write_tiny
-//! -- ARCH OUT.gguf` with ARCH `llama` (`TinySpec::default()`) or `deepseek4`
-//! (`TinyDsv4Spec::default()`); scripts/llamacpp/reference.py runs llama.cpp on it.
+//! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `qwen2`, `qwen3` (`TinySpec::family`) or
+//! `deepseek4` (`TinyDsv4Spec::default()`); scripts/llamacpp/reference.py runs llama.cpp on it.
 
 use std::path::Path;
 
@@ -10,15 +10,15 @@ use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [arch, out] = args.as_slice() else {
-        eprintln!("usage: write_tiny llama|deepseek4 OUT.gguf");
+        eprintln!("usage: write_tiny llama|llama3|qwen2|qwen3|deepseek4 OUT.gguf");
         std::process::exit(2);
     };
     let out = Path::new(out);
-    let r = match arch.as_str() {
-        "llama" => write_tiny(out, &TinySpec::default()),
-        "deepseek4" => write_tiny_dsv4(out, &TinyDsv4Spec::default()),
-        a => {
-            eprintln!("unknown architecture `{a}`: llama or deepseek4");
+    let r = match (arch.as_str(), TinySpec::family(arch)) {
+        ("deepseek4", _) => write_tiny_dsv4(out, &TinyDsv4Spec::default()),
+        (_, Some(spec)) => write_tiny(out, &spec),
+        (a, None) => {
+            eprintln!("unknown architecture `{a}`: llama, llama3, qwen2, qwen3 or deepseek4");
             std::process::exit(2);
         }
     };

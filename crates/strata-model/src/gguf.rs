@@ -1,4 +1,5 @@
-//! GGUF loading and validation (llama architecture), through candle's reader.
+//! GGUF loading and validation (the llama family: llama, qwen2, qwen3), through candle's
+//! reader.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -21,9 +22,53 @@ fn first_line(e: &impl std::fmt::Display) -> String {
         .to_string()
 }
 
-/// Hyper-parameters of a llama-architecture model.
+/// The transformer families this forward pass runs (`general.architecture`). Mistral's
+/// files are `llama`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    /// Q/K/V projections with a bias; NeoX RoPE.
+    Qwen2,
+    /// An RMSNorm per head on Q and K before RoPE; head size from `key_length`; NeoX RoPE.
+    Qwen3,
+}
+
+impl Arch {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Arch> {
+        match s {
+            "llama" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// RoPE rotates (x[i], x[i + d/2]) rather than adjacent pairs.
+    pub fn rope_neox(&self) -> bool {
+        matches!(self, Arch::Qwen2 | Arch::Qwen3)
+    }
+
+    pub fn qkv_bias(&self) -> bool {
+        matches!(self, Arch::Qwen2)
+    }
+
+    pub fn qk_norm(&self) -> bool {
+        matches!(self, Arch::Qwen3)
+    }
+}
+
+/// Hyper-parameters of a model of the llama family ([`Arch`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    pub arch: Arch,
     pub vocab: usize,
     pub hidden: usize,
     pub layers: usize,
@@ -111,6 +156,11 @@ impl Gguf {
             config,
             file,
         })
+    }
+
+    /// Whether the file has tensor `name`.
+    pub fn content_has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
     }
 
     /// Reads one tensor (quantized as stored).
@@ -235,26 +285,44 @@ impl Meta<'_> {
     }
 }
 
-/// The llama hyper-parameters from the metadata, after checking the architecture.
+/// The hyper-parameters from the `{arch}.*` metadata, after checking the architecture.
 fn read_config(md: &Meta) -> Result<Config, ModelError> {
-    let arch = md
+    let name = md
         .get("general.architecture")?
         .to_string()
         .map_err(|e| md.err("general.architecture", first_line(&e)))?
         .clone();
-    if arch != "llama" {
+    let Some(arch) = Arch::parse(&name) else {
         return Err(ModelError::Architecture {
             path: md.path.into(),
-            found: arch,
+            found: name,
         });
-    }
-    let hidden = md.uint("llama.embedding_length")?;
-    let heads = md.uint("llama.attention.head_count")?;
-    let kv_heads = md.uint("llama.attention.head_count_kv")?;
-    if hidden % heads != 0 || heads % kv_heads != 0 {
+    };
+    let key = |k: &str| format!("{name}.{k}");
+    let hidden = md.uint(&key("embedding_length"))?;
+    let heads = md.uint(&key("attention.head_count"))?;
+    let kv_heads = md.uint(&key("attention.head_count_kv"))?;
+    if heads > hidden || heads % kv_heads != 0 {
         return Err(md.err(
-            "llama.attention.head_count",
-            format!("{heads} heads / {kv_heads} KV heads do not divide embedding length {hidden}"),
+            &key("attention.head_count"),
+            format!("{heads} heads / {kv_heads} KV heads: at most one head per embedding value, and whole query groups"),
+        ));
+    }
+    // Qwen3 states its head size; the others divide the embedding.
+    let head_dim = match md.content.metadata.get(&key("attention.key_length")) {
+        Some(_) => md.uint(&key("attention.key_length"))?,
+        None if hidden.is_multiple_of(heads) => hidden / heads,
+        None => {
+            return Err(md.err(
+                &key("attention.head_count"),
+                format!("{heads} heads do not divide embedding length {hidden}"),
+            ))
+        }
+    };
+    if head_dim > 1 << 12 {
+        return Err(md.err(
+            &key("attention.key_length"),
+            format!("{head_dim}: at most 4096"),
         ));
     }
     let tokens_len = md
@@ -263,22 +331,23 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         .map_err(|e| md.err("tokenizer.ggml.tokens", first_line(&e)))?
         .len();
     Ok(Config {
+        arch,
         vocab: md
             .content
             .metadata
-            .get("llama.vocab_size")
+            .get(&key("vocab_size"))
             .and_then(|v| v.to_u32().ok())
             .map(|v| v as usize)
             .unwrap_or(tokens_len),
         hidden,
-        layers: md.uint("llama.block_count")?,
+        layers: md.uint(&key("block_count"))?,
         heads,
         kv_heads,
-        head_dim: hidden / heads,
-        ffn: md.uint("llama.feed_forward_length")?,
-        context_length: md.uint("llama.context_length")?,
-        rope_base: md.float("llama.rope.freq_base").unwrap_or(10_000.0),
-        rms_eps: md.float("llama.attention.layer_norm_rms_epsilon")?,
+        head_dim,
+        ffn: md.uint(&key("feed_forward_length"))?,
+        context_length: md.uint(&key("context_length"))?,
+        rope_base: md.float(&key("rope.freq_base")).unwrap_or(10_000.0),
+        rms_eps: md.float(&key("attention.layer_norm_rms_epsilon"))?,
     })
 }
 
@@ -295,13 +364,22 @@ fn check_bounds(content: &Content, config: &Config, p: &str) -> Result<(), Model
         }
         Ok(())
     };
+    let a = config.arch.name();
     bound(
-        "llama.block_count",
+        &format!("{a}.block_count"),
         config.layers,
         content.tensor_infos.len() / 9,
     )?;
-    bound("llama.context_length", config.context_length, 1 << 24)?;
-    bound("llama.attention.head_count", config.heads, config.hidden)
+    bound(
+        &format!("{a}.context_length"),
+        config.context_length,
+        1 << 24,
+    )?;
+    bound(
+        &format!("{a}.attention.head_count"),
+        config.heads,
+        config.hidden,
+    )
 }
 
 /// Every tensor a llama model of `c` needs, with its shape.
@@ -311,27 +389,47 @@ fn expected_tensors(c: &Config) -> Vec<(String, Vec<usize>)> {
         ("output_norm.weight".into(), vec![c.hidden]),
     ];
     for l in 0..c.layers {
-        let kv = c.kv_heads * c.head_dim;
+        let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         for (n, s) in [
             ("attn_norm", vec![c.hidden]),
             ("ffn_norm", vec![c.hidden]),
-            ("attn_q", vec![c.hidden, c.hidden]),
+            ("attn_q", vec![q, c.hidden]),
             ("attn_k", vec![kv, c.hidden]),
             ("attn_v", vec![kv, c.hidden]),
-            ("attn_output", vec![c.hidden, c.hidden]),
+            ("attn_output", vec![c.hidden, q]),
             ("ffn_gate", vec![c.ffn, c.hidden]),
             ("ffn_up", vec![c.ffn, c.hidden]),
             ("ffn_down", vec![c.hidden, c.ffn]),
         ] {
             want.push((format!("blk.{l}.{n}.weight"), s));
         }
+        if c.arch.qkv_bias() {
+            for (n, d) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                want.push((format!("blk.{l}.{n}.bias"), vec![d]));
+            }
+        }
+        if c.arch.qk_norm() {
+            for n in ["attn_q_norm", "attn_k_norm"] {
+                want.push((format!("blk.{l}.{n}.weight"), vec![c.head_dim]));
+            }
+        }
     }
     want
 }
 
-/// Checks the optional output head's shape, then every expected tensor's presence and shape.
+/// Checks the optional tensors' shapes (the output head, Llama 3's RoPE frequency factors),
+/// then every expected tensor's presence and shape.
 fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelError> {
     let want = expected_tensors(c);
+    if let Some(o) = content.tensor_infos.get("rope_freqs.weight") {
+        if o.shape.dims() != [c.head_dim / 2] {
+            return Err(ModelError::Tensor {
+                path: p.into(),
+                name: "rope_freqs.weight".into(),
+                reason: format!("shape {:?}, expected [{}]", o.shape.dims(), c.head_dim / 2),
+            });
+        }
+    }
     if let Some(o) = content.tensor_infos.get("output.weight") {
         if o.shape.dims() != [c.vocab, c.hidden] {
             return Err(ModelError::Tensor {

@@ -38,6 +38,10 @@ impl Linear {
 }
 
 struct Layer {
+    /// Qwen2's Q/K/V biases.
+    bias: Option<[Vec<f32>; 3]>,
+    /// Qwen3's per-head RMSNorm weights of Q and K.
+    qk_norm: Option<[Vec<f32>; 2]>,
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
     wq: Linear,
@@ -68,6 +72,8 @@ pub struct SeqInput<'a> {
 pub struct Model {
     pub config: Config,
     embed: Linear,
+    /// The output head when the file has its own (`output.weight`); else the embeddings.
+    output: Option<Linear>,
     embed_rows: Vec<f32>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
@@ -88,26 +94,53 @@ impl Model {
         if !c.head_dim.is_multiple_of(16)
             || !c.hidden.is_multiple_of(32)
             || !c.ffn.is_multiple_of(32)
+            || !(c.heads * c.head_dim).is_multiple_of(32)
         {
             return Err(ModelError::Metadata {
                 path: g.path.display().to_string(),
-                key: "llama.embedding_length".into(),
+                key: format!("{}.embedding_length", c.arch.name()),
                 reason: format!(
-                    "head dimension {} must be a multiple of 16, hidden size {} and feed-forward \
-                     size {} of 32 (attention and Q8_0 kernels)",
+                    "head dimension {} must be a multiple of 16, hidden size {}, feed-forward \
+                     size {} and heads × head dimension of 32 (attention and Q8_0 kernels)",
                     c.head_dim, c.hidden, c.ffn
                 ),
             });
         }
         let dev = Device::Cpu;
+        let output = g.content_has("output.weight");
+        let freqs = g.content_has("rope_freqs.weight");
         let mut t =
             |name: &str| -> Result<Tensor, ModelError> { Ok(g.tensor(name)?.dequantize(&dev)?) };
         let embed = t("token_embd.weight")?;
         let norm = vec1(&t("output_norm.weight")?)?;
+        let output = if output {
+            Some(Linear::new(t("output.weight")?)?)
+        } else {
+            None
+        };
+        let freqs = if freqs {
+            Some(vec1(&t("rope_freqs.weight")?)?)
+        } else {
+            None
+        };
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
+            let bias = if c.arch.qkv_bias() {
+                let mut b = |n: &str| vec1(&t(&format!("blk.{l}.{n}.bias"))?);
+                Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+            } else {
+                None
+            };
+            let qk_norm = if c.arch.qk_norm() {
+                let mut n = |x: &str| vec1(&t(&format!("blk.{l}.{x}.weight"))?);
+                Some([n("attn_q_norm")?, n("attn_k_norm")?])
+            } else {
+                None
+            };
             let mut w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
             layers.push(Layer {
+                bias,
+                qk_norm,
                 attn_norm: vec1(&w("attn_norm")?)?,
                 ffn_norm: vec1(&w("ffn_norm")?)?,
                 wq: Linear::new(w("attn_q")?)?,
@@ -124,8 +157,10 @@ impl Model {
         let mut sin = Vec::with_capacity(c.context_length * half_dim);
         for p in 0..c.context_length {
             for i in 0..half_dim {
+                // Llama 3's frequency factors divide each pair's angle (as ggml's rope_ext).
+                let ff = freqs.as_ref().map_or(1.0, |f| f[i] as f64);
                 let theta =
-                    p as f64 * (c.rope_base as f64).powf(-2.0 * i as f64 / c.head_dim as f64);
+                    p as f64 * (c.rope_base as f64).powf(-2.0 * i as f64 / c.head_dim as f64) / ff;
                 cos.push(theta.cos() as f32);
                 sin.push(theta.sin() as f32);
             }
@@ -133,6 +168,7 @@ impl Model {
         let embed_rows = vec1(&embed)?;
         Ok(Model {
             config: c,
+            output,
             embed: Linear::new(embed)?,
             embed_rows,
             norm,
@@ -218,9 +254,12 @@ impl Model {
         out
     }
 
+    /// RoPE on every head: adjacent pairs (llama, GGUF's order), or (x[i], x[i + d/2]) for
+    /// NeoX-style families (Qwen).
     fn rope(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
         let hd = self.config.head_dim;
         let half_dim = hd / 2;
+        let neox = self.config.arch.rope_neox();
         for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
             let (c, s) = (
                 &self.cos[p * half_dim..(p + 1) * half_dim],
@@ -228,9 +267,39 @@ impl Model {
             );
             for head in row.chunks_exact_mut(hd) {
                 for i in 0..half_dim {
-                    let (a, b) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = a * c[i] - b * s[i];
-                    head[2 * i + 1] = a * s[i] + b * c[i];
+                    let (ia, ib) = if neox {
+                        (i, i + half_dim)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (a, b) = (head[ia], head[ib]);
+                    head[ia] = a * c[i] - b * s[i];
+                    head[ib] = a * s[i] + b * c[i];
+                }
+            }
+        }
+    }
+
+    /// Qwen2's biases and Qwen3's per-head norms on the projected Q, K and V of every row.
+    fn qkv_extras(&self, w: &Layer, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
+        if let Some([bq, bk, bv]) = &w.bias {
+            for (x, b) in [(&mut *q, bq), (&mut *k, bk), (&mut *v, bv)] {
+                for row in x.chunks_exact_mut(b.len()) {
+                    for (a, c) in row.iter_mut().zip(b) {
+                        *a += c;
+                    }
+                }
+            }
+        }
+        if let Some([nq, nk]) = &w.qk_norm {
+            let eps = self.config.rms_eps;
+            for (x, g) in [(q, nq), (k, nk)] {
+                for head in x.chunks_exact_mut(g.len()) {
+                    let ss: f32 = head.iter().map(|v| v * v).sum::<f32>() / g.len() as f32;
+                    let inv = 1.0 / (ss + eps).sqrt();
+                    for (a, c) in head.iter_mut().zip(g) {
+                        *a = *a * inv * c;
+                    }
                 }
             }
         }
@@ -384,7 +453,8 @@ impl Model {
         let hn = self.rmsnorm(x, &w.attn_norm);
         let mut q = self.mm(&hn, batch.q8, &w.wq, false)?;
         let mut k = self.mm(&hn, batch.q8, &w.wk, false)?;
-        let v = self.mm(&hn, batch.q8, &w.wv, false)?;
+        let mut v = self.mm(&hn, batch.q8, &w.wv, false)?;
+        self.qkv_extras(w, &mut q, &mut k, &mut v);
         self.rope(&mut q, c.heads, batch.positions);
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
@@ -452,7 +522,8 @@ impl Model {
         }
         let sel = self.rmsnorm(&sel, &self.norm);
         let pick_q8: Vec<bool> = pick.iter().map(|&r| q8[r]).collect();
-        let logits = self.mm(&sel, &pick_q8, &self.embed, true)?;
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let logits = self.mm(&sel, &pick_q8, head, true)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for (s, &all) in seqs.iter().zip(all_logits) {
@@ -487,7 +558,8 @@ impl Model {
             kv_heads: c.kv_heads,
             head_dim: c.head_dim,
         };
-        let h = c.hidden;
+        // A row of queries (and of outputs): every head.
+        let h = c.heads * c.head_dim;
         let ps = pool.layout().page_size();
         let kp = as_f16(pool.plane(0, layer, 0));
         let vp = as_f16(pool.plane(0, layer, 1));

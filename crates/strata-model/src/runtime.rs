@@ -34,7 +34,7 @@ pub trait Runtime: Send + Sync {
 
 impl Runtime for Model {
     fn architecture(&self) -> &'static str {
-        "llama"
+        self.config.arch.name()
     }
     fn context_length(&self) -> usize {
         self.config.context_length
@@ -118,7 +118,7 @@ pub struct Loaded {
 }
 
 /// Architectures [`load`] runs.
-pub const ARCHITECTURES: &[&str] = &["llama", "deepseek4"];
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "deepseek4"];
 
 /// Loads the model at `path` by its `general.architecture`.
 pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {

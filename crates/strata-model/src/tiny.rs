@@ -1,5 +1,6 @@
-//! Small GGUF files of the reference architecture with random weights, for tests: a byte-level
-//! BPE tokenizer (the 256 byte symbols, a few merges, ChatML control tokens) and a llama model.
+//! Small GGUF files with random weights, for tests: a byte-level BPE tokenizer (the 256 byte
+//! symbols, a few merges, ChatML control tokens) and a model of the llama family (llama, with
+//! Llama 3's RoPE frequency factors and an output head of its own as options; qwen2; qwen3).
 
 use std::path::Path;
 
@@ -8,10 +9,19 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
 use crate::error::ModelError;
+use crate::gguf::Arch;
 
 /// Shape of a tiny model.
 #[derive(Clone, Debug)]
 pub struct TinySpec {
+    pub arch: Arch,
+    /// Head size when it is not `hidden / heads` (written as `key_length`; qwen3).
+    pub head_dim: Option<usize>,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`).
+    pub rope_freqs: bool,
+    /// An output head of its own (`output.weight`) rather than the embeddings.
+    pub untied_output: bool,
+    pub rope_base: f32,
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -23,9 +33,47 @@ pub struct TinySpec {
     pub seed: u64,
 }
 
+impl TinySpec {
+    /// The tiny model of a family, by the name `write_tiny` takes: `llama`, `llama3` (RoPE
+    /// frequency factors, an output head, base 500000), `qwen2` (Q/K/V biases), `qwen3` (Q/K
+    /// norms, head size 32 with 4 heads of a 64-wide embedding).
+    pub fn family(name: &str) -> Option<TinySpec> {
+        let d = TinySpec::default();
+        Some(match name {
+            "llama" => d,
+            "llama3" => TinySpec {
+                rope_freqs: true,
+                untied_output: true,
+                rope_base: 500_000.0,
+                ..d
+            },
+            "qwen2" => TinySpec {
+                arch: Arch::Qwen2,
+                ..d
+            },
+            "qwen3" => TinySpec {
+                arch: Arch::Qwen3,
+                head_dim: Some(32),
+                untied_output: true,
+                ..d
+            },
+            _ => return None,
+        })
+    }
+
+    fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.heads)
+    }
+}
+
 impl Default for TinySpec {
     fn default() -> TinySpec {
         TinySpec {
+            arch: Arch::Llama,
+            head_dim: None,
+            rope_freqs: false,
+            untied_output: false,
+            rope_base: 10000.0,
             hidden: 64,
             heads: 4,
             kv_heads: 2,
@@ -71,7 +119,7 @@ pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
         path: path.display().to_string(),
         reason: e.to_string(),
     })?;
-    let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut f, &mdr, &tr)?;
     Ok(())
@@ -114,27 +162,38 @@ pub(crate) fn tiny_vocab() -> Vocab {
 }
 
 /// The GGUF metadata: llama hyper-parameters of `s` and the tokenizer.
-fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(&'static str, Value)> {
+fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(String, Value)> {
     let vocab = v.tokens.len();
-    let hd = s.hidden / s.heads;
-    let mut md = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String("tiny".into())),
-        ("llama.block_count", Value::U32(s.layers as u32)),
-        ("llama.context_length", Value::U32(s.context as u32)),
-        ("llama.embedding_length", Value::U32(s.hidden as u32)),
-        ("llama.feed_forward_length", Value::U32(s.ffn as u32)),
-        ("llama.attention.head_count", Value::U32(s.heads as u32)),
-        (
-            "llama.attention.head_count_kv",
-            Value::U32(s.kv_heads as u32),
-        ),
-        ("llama.rope.freq_base", Value::F32(10000.0)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.vocab_size", Value::U32(vocab as u32)),
-        ("llama.rope.dimension_count", Value::U32(hd as u32)),
+    let hd = s.head_dim();
+    let a = s.arch.name();
+    let u = |x: usize| Value::U32(x as u32);
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("general.name".into(), Value::String("tiny".into())),
     ];
-    md.extend(tokenizer_metadata(v));
+    for (k, v) in [
+        ("block_count", u(s.layers)),
+        ("context_length", u(s.context)),
+        ("embedding_length", u(s.hidden)),
+        ("feed_forward_length", u(s.ffn)),
+        ("attention.head_count", u(s.heads)),
+        ("attention.head_count_kv", u(s.kv_heads)),
+        ("rope.freq_base", Value::F32(s.rope_base)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("vocab_size", u(vocab)),
+        ("rope.dimension_count", u(hd)),
+    ] {
+        md.push((format!("{a}.{k}"), v));
+    }
+    if s.head_dim.is_some() {
+        md.push((format!("{a}.attention.key_length"), u(hd)));
+        md.push((format!("{a}.attention.value_length"), u(hd)));
+    }
+    md.extend(
+        tokenizer_metadata(v)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v)),
+    );
     md
 }
 
@@ -186,9 +245,9 @@ pub(crate) fn random_weights(seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f3
 
 /// Every tensor of the model, random, in file order.
 fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, ModelError> {
-    let hd = s.hidden / s.heads;
+    let hd = s.head_dim();
     let mut rnd = random_weights(s.seed);
-    let kvd = s.kv_heads * hd;
+    let (qd, kvd) = (s.heads * hd, s.kv_heads * hd);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut add = |name: String,
                    shape: Vec<usize>,
@@ -213,10 +272,10 @@ fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, Mo
     )?;
     for l in 0..s.layers {
         for (n, shape) in [
-            ("attn_q", vec![s.hidden, s.hidden]),
+            ("attn_q", vec![qd, s.hidden]),
             ("attn_k", vec![kvd, s.hidden]),
             ("attn_v", vec![kvd, s.hidden]),
-            ("attn_output", vec![s.hidden, s.hidden]),
+            ("attn_output", vec![s.hidden, qd]),
             ("ffn_gate", vec![s.ffn, s.hidden]),
             ("ffn_up", vec![s.ffn, s.hidden]),
             ("ffn_down", vec![s.hidden, s.ffn]),
@@ -241,6 +300,29 @@ fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, Mo
             rnd(s.hidden, 0.1, 1.0),
             GgmlDType::F32,
         )?;
+        if s.arch.qkv_bias() {
+            for (n, d) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+                let b = rnd(d, 0.5, 0.0);
+                add(format!("blk.{l}.{n}.bias"), vec![d], b, GgmlDType::F32)?;
+            }
+        }
+        if s.arch.qk_norm() {
+            for n in ["attn_q_norm", "attn_k_norm"] {
+                let g = rnd(hd, 0.2, 1.0);
+                add(format!("blk.{l}.{n}.weight"), vec![hd], g, GgmlDType::F32)?;
+            }
+        }
+    }
+    if s.rope_freqs {
+        // Llama 3's shape: the low frequencies slowed down (factors from 1 to 8).
+        let f = (0..hd / 2)
+            .map(|i| 1.0 + 7.0 * i as f32 / (hd / 2 - 1).max(1) as f32)
+            .collect();
+        add("rope_freqs.weight".into(), vec![hd / 2], f, GgmlDType::F32)?;
+    }
+    if s.untied_output {
+        let w = rnd(vocab * s.hidden, 0.5, 0.0);
+        add("output.weight".into(), vec![vocab, s.hidden], w, s.dtype)?;
     }
     Ok(tensors)
 }

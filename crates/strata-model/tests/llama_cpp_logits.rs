@@ -1,8 +1,11 @@
-//! Strata's forward pass against llama.cpp's logits on the same tiny llama file
-//! (tests/fixtures/tiny_llama_logits.json, written by scripts/llamacpp/reference.py with the
-//! llama.cpp version recorded): every prompt's logits at page boundaries and its last position,
-//! the argmax of every position, and greedy decode steps, computed through the paged pool in
-//! one prefill call and then one token a call (f32 weights, and Q8_0 for decode steps).
+//! Strata's forward pass against llama.cpp's logits on the same tiny file of each family
+//! (tests/fixtures/tiny_{llama,llama3,qwen2,qwen3}_logits.json, written by
+//! scripts/llamacpp/reference.py with the llama.cpp version recorded): llama, llama with
+//! Llama 3's RoPE frequency factors and its own output head, qwen2 (Q/K/V biases, NeoX RoPE),
+//! qwen3 (per-head Q/K norms, a head size that is not embedding / heads). Every prompt's
+//! logits at page boundaries and its last position, the argmax of every position, and greedy
+//! decode steps, computed through the paged pool in one prefill call and then one token a
+//! call (f32 weights, and Q8_0 for decode steps).
 
 use std::sync::Arc;
 
@@ -22,13 +25,12 @@ const TOL: f32 = 2e-2;
 /// measured ≤ 0.2 on this file's logits of magnitude ~3.
 const TOL_Q8: f32 = 0.3;
 
-fn fixture() -> Value {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/tiny_llama_logits.json"
-    ))
-    .unwrap();
-    serde_json::from_str(&text).unwrap()
+fn fixture(family: &str) -> Value {
+    let path = format!(
+        "{}/tests/fixtures/tiny_{family}_logits.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 fn row(v: &Value) -> Vec<f32> {
@@ -52,12 +54,12 @@ fn diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn check(quantized_decode: bool) -> f32 {
+fn check(family: &str, quantized_decode: bool) -> f32 {
     let tol_decode = if quantized_decode { TOL_Q8 } else { TOL };
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("tiny.gguf");
-    write_tiny(&path, &TinySpec::default()).unwrap();
-    let f = fixture();
+    write_tiny(&path, &TinySpec::family(family).unwrap()).unwrap();
+    let f = fixture(family);
     let sha = Sha256::digest(std::fs::read(&path).unwrap());
     let hex: String = sha.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(
@@ -104,7 +106,13 @@ fn check(quantized_decode: bool) -> f32 {
                 .forward_one(&pool, &[t], toks.len() + s, &table, false)
                 .unwrap();
             let want = row(&step["logits"]);
-            assert_eq!(argmax(&l), argmax(&want), "{name}: decode step {s}");
+            // Equal argmax, but for a near tie (within the tolerance in llama.cpp's logits).
+            let (got, best) = (argmax(&l), argmax(&want));
+            let gap = want[best] - want[got];
+            assert!(
+                got == best || gap <= tol_decode,
+                "{name}: decode step {s}: {got} vs {best} (gap {gap})"
+            );
             let dv = diff(&l, &want);
             assert!(dv <= tol_decode, "{name}: decode step {s}: {dv}");
             worst = worst.max(dv);
@@ -113,14 +121,20 @@ fn check(quantized_decode: bool) -> f32 {
     worst
 }
 
+const FAMILIES: [&str; 4] = ["llama", "llama3", "qwen2", "qwen3"];
+
 #[test]
-fn logits_equal_llama_cpps_on_the_tiny_llama_model() {
-    let worst = check(false);
-    eprintln!("largest logit difference from llama.cpp (f32 weights): {worst}");
+fn logits_equal_llama_cpps_on_every_familys_tiny_model() {
+    for family in FAMILIES {
+        let worst = check(family, false);
+        eprintln!("{family}: largest logit difference from llama.cpp (f32 weights): {worst}");
+    }
 }
 
 #[test]
 fn quantized_decode_steps_stay_within_the_tolerance() {
-    let worst = check(true);
-    eprintln!("largest logit difference from llama.cpp (Q8_0 decode steps): {worst}");
+    for family in FAMILIES {
+        let worst = check(family, true);
+        eprintln!("{family}: largest logit difference from llama.cpp (Q8_0 decode steps): {worst}");
+    }
 }

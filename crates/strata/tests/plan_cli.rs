@@ -423,3 +423,32 @@ fn the_incident_plans_deepseek_v4_with_an_absolute_host_size() {
         assert_eq!(pools[0]["bytes_per_token"], layers * 512 * 2);
     }
 }
+
+/// Each family's file sizes its K/V from its own metadata: Qwen3's head size is its
+/// `key_length` (32 here), not embedding / heads (16).
+#[test]
+fn every_familys_file_sizes_its_kv() {
+    let d = tempfile::tempdir().unwrap();
+    // 2 layers × K,V × 2 KV heads × head size × f16.
+    for (family, bytes) in [
+        ("llama", 256),
+        ("llama3", 256),
+        ("qwen2", 256),
+        ("qwen3", 512),
+    ] {
+        let m = d.path().join(format!("{family}.gguf"));
+        let spec = strata_model::tiny::TinySpec::family(family).unwrap();
+        strata_model::tiny::write_tiny(&m, &spec).unwrap();
+        let o = strata(&[
+            "plan",
+            "--model",
+            m.to_str().unwrap(),
+            "--device-mem",
+            "1MiB",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{family}: {}", err(&o));
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        assert_eq!(v["bytes_per_token"], bytes, "{family}");
+    }
+}
