@@ -1,6 +1,8 @@
 //! Writes a tiny test model to the path given: `cargo run -p strata-model --example write_tiny
 //! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `qwen2`, `qwen3` (`TinySpec::family`) or
-//! `deepseek4` (`TinyDsv4Spec::default()`); scripts/llamacpp/reference.py runs llama.cpp on it.
+//! `deepseek4` (`TinyDsv4Spec::default()`), or a tokenizer file `tok-PRE` (PRE: smollm, gpt-2,
+//! llama-bpe, qwen2, deepseek-v3); scripts/llamacpp/reference.py and tokens.py run llama.cpp
+//! on them.
 
 use std::path::Path;
 

@@ -22,6 +22,11 @@ pub struct TinySpec {
     /// An output head of its own (`output.weight`) rather than the embeddings.
     pub untied_output: bool,
     pub rope_base: f32,
+    /// `tokenizer.ggml.pre` (default `smollm`).
+    pub pre: &'static str,
+    /// More merges (digits, contractions, runs of spaces and newlines, words), so that how a
+    /// pre-tokenizer splits shows in the ids (tests/tokenizer_llama_cpp.rs).
+    pub rich_merges: bool,
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -57,6 +62,17 @@ impl TinySpec {
                 untied_output: true,
                 ..d
             },
+            // Tokenizer files: the llama model with a pre-tokenizer and more merges.
+            "tok-smollm" | "tok-gpt-2" | "tok-llama-bpe" | "tok-qwen2" | "tok-deepseek-v3" => {
+                let pre = ["smollm", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3"]
+                    .into_iter()
+                    .find(|p| name[4..] == **p)?;
+                TinySpec {
+                    pre,
+                    rich_merges: true,
+                    ..d
+                }
+            }
             _ => return None,
         })
     }
@@ -74,6 +90,8 @@ impl Default for TinySpec {
             rope_freqs: false,
             untied_output: false,
             rope_base: 10000.0,
+            pre: "smollm",
+            rich_merges: false,
             hidden: 64,
             heads: 4,
             kv_heads: 2,
@@ -112,7 +130,7 @@ pub const TINY_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' +
 
 /// Writes a tiny model to `path`; vocabulary size is 288.
 pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
-    let vocab = tiny_vocab();
+    let vocab = tiny_vocab_with(spec.rich_merges);
     let md = tiny_metadata(spec, &vocab);
     let tensors = tiny_tensors(spec, vocab.tokens.len())?;
     let mut f = std::fs::File::create(path).map_err(|e| ModelError::Open {
@@ -134,14 +152,40 @@ pub(crate) struct Vocab {
 
 /// The 256 byte symbols, three merges, the ChatML control tokens, padded to 288 tokens.
 pub(crate) fn tiny_vocab() -> Vocab {
+    tiny_vocab_with(false)
+}
+
+fn tiny_vocab_with(rich: bool) -> Vocab {
     let chars = byte_chars();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     let sp = chars[b' ' as usize];
-    let merges = vec![
+    let nl = chars[b'\n' as usize];
+    let mut merges = vec![
         (format!("{sp}"), "t".to_string()),
         ("h".into(), "e".into()),
         (format!("{sp}t"), "he".into()),
     ];
+    if rich {
+        let m = |a: &str, b: &str| (a.to_string(), b.to_string());
+        let (s, s2, n) = (sp.to_string(), format!("{sp}{sp}"), nl.to_string());
+        merges.extend([
+            m("1", "2"),
+            m("12", "3"),
+            m("4", "5"),
+            m("'", "s"),
+            m(&s, &s),
+            m(&s2, &s2),
+            m("l", "l"),
+            m("he", "ll"),
+            m("hell", "o"),
+            m(&s, "w"),
+            m("o", "r"),
+            m(&format!("{sp}w"), "or"),
+            m(&n, &n),
+            m(&s, "1"),
+            m("!", "!"),
+        ]);
+    }
     for (a, b) in &merges {
         tokens.push(format!("{a}{b}"));
     }
@@ -190,7 +234,7 @@ fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(String, Value)> {
         md.push((format!("{a}.attention.value_length"), u(hd)));
     }
     md.extend(
-        tokenizer_metadata(v)
+        tokenizer_metadata(v, s.pre)
             .into_iter()
             .map(|(k, v)| (k.to_string(), v)),
     );
@@ -198,10 +242,10 @@ fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(String, Value)> {
 }
 
 /// The tiny tokenizer's metadata (any architecture).
-pub(crate) fn tokenizer_metadata(v: &Vocab) -> Vec<(&'static str, Value)> {
+pub(crate) fn tokenizer_metadata(v: &Vocab, pre: &str) -> Vec<(&'static str, Value)> {
     vec![
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre", Value::String("smollm".into())),
+        ("tokenizer.ggml.pre", Value::String(pre.into())),
         (
             "tokenizer.ggml.tokens",
             Value::Array(v.tokens.iter().map(|t| Value::String(t.clone())).collect()),

@@ -83,7 +83,7 @@ const GGML_TYPE_I32: u32 = 26;
 pub fn write_tiny_dsv4(path: &Path, s: &TinyDsv4Spec) -> Result<(), ModelError> {
     let vocab = tiny_vocab();
     let mut md = metadata(s, vocab.tokens.len());
-    md.extend(tokenizer_metadata(&vocab));
+    md.extend(tokenizer_metadata(&vocab, "smollm"));
     let (tensors, int_tensors) = tensors(s)?;
     let mut buf = std::io::Cursor::new(Vec::new());
     let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();

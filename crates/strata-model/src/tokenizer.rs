@@ -1,14 +1,18 @@
 //! The tokenizer, built from GGUF metadata: byte-level BPE (`tokenizer.ggml.model = gpt2`) with
-//! the vocabulary and merges stored in the file, the `smollm` pre-tokenizer (every digit on its
-//! own, then GPT-2's split regex, no prefix space), and control tokens as special tokens.
+//! the vocabulary and merges stored in the file, the pre-tokenizer `tokenizer.ggml.pre` names
+//! (llama.cpp's split regexes: `smollm` (every digit on its own, then GPT-2's), `gpt2`,
+//! `llama-bpe` (Llama 3: digits in threes, whole pre-tokens found in the vocabulary taken as
+//! they are, a BOS token first), `qwen2`, `deepseek-v3`), and control tokens as special
+//! tokens. tests/tokenizer_llama_cpp.rs checks the ids against llama.cpp's.
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::error::ModelError;
 use crate::gguf::GgufHeader;
@@ -17,10 +21,62 @@ use crate::gguf::GgufHeader;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
+/// llama.cpp's split regexes (src/llama-vocab.cpp, the case-insensitive contractions spelled
+/// out as it does).
+const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const DEEPSEEK3_SPLIT: [&str; 3] = [
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
+/// One regex split, its matches and the text between them as pre-tokens.
+fn split(re: &str) -> Result<PreTokenizerWrapper, ModelError> {
+    let s = Split::new(
+        SplitPattern::Regex(re.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(err)?;
+    Ok(s.into())
+}
+
+/// The pre-tokenizer llama.cpp uses for `pre`: the splits, whether a pre-token found whole in
+/// the vocabulary skips the merges, and whether a BOS token comes first by default.
+fn pre_tokenizer(pre: &str) -> Result<(Vec<PreTokenizerWrapper>, bool, bool), ModelError> {
+    // After a regex split the bytes only need mapping (no second regex).
+    let bytes = || -> PreTokenizerWrapper { ByteLevel::new(false, true, false).into() };
+    Ok(match pre {
+        // SmolLM / StarCoder: digits one by one, then the GPT-2 regex.
+        "smollm" | "starcoder" | "refact" | "codeshell" => (
+            vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()],
+            false,
+            false,
+        ),
+        "default" | "gpt2" | "gpt-2" => (vec![ByteLevel::new(false, true, true).into()], false, false),
+        "llama3" | "llama-v3" | "llama-bpe" => (vec![split(LLAMA3_SPLIT)?, bytes()], true, true),
+        "qwen2" | "deepseek-r1-qwen" => (vec![split(QWEN2_SPLIT)?, bytes()], false, false),
+        "deepseek-v3" => {
+            let mut v = DEEPSEEK3_SPLIT.iter().map(|r| split(r)).collect::<Result<Vec<_>, _>>()?;
+            v.push(bytes());
+            (v, false, false)
+        }
+        other => {
+            return Err(err(format!(
+                "pre-tokenizer `{other}` is not supported (smollm, starcoder, gpt2, llama-bpe, qwen2, deepseek-v3)"
+            )))
+        }
+    })
+}
+
 /// A tokenizer plus the ids the engine needs.
 pub struct ModelTokenizer {
     pub inner: Tokenizer,
     pub bos: Option<u32>,
+    /// A BOS token starts every encoded text (`tokenizer.ggml.add_bos_token`, else the
+    /// pre-tokenizer's default as llama.cpp has it).
+    pub add_bos: bool,
     pub eos: u32,
     /// Tokens that end a generation (eos and, for chat models, `<|im_end|>`).
     pub stop: Vec<u32>,
@@ -64,24 +120,13 @@ impl ModelTokenizer {
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
+        let (pretok, ignore_merges, default_bos) = pre_tokenizer(pre)?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(ignore_merges)
             .build()
             .map_err(err)?;
         let mut tk = Tokenizer::new(bpe);
-        let pretok: Vec<PreTokenizerWrapper> = match pre {
-            // SmolLM / StarCoder: digits one by one, then the GPT-2 regex.
-            "smollm" | "starcoder" | "refact" | "codeshell" => vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ],
-            "default" | "gpt2" | "gpt-2" => vec![ByteLevel::new(false, true, true).into()],
-            other => {
-                return Err(err(format!(
-                    "pre-tokenizer `{other}` is not supported (smollm, starcoder, gpt2)"
-                )))
-            }
-        };
         tk.with_pre_tokenizer(Some(Sequence::new(pretok)));
         tk.with_decoder(Some(ByteLevelDecoder::default()));
         let specials: Vec<AddedToken> = tokens
@@ -95,7 +140,17 @@ impl ModelTokenizer {
             .u32("tokenizer.ggml.eos_token_id")
             .ok_or_else(|| err("tokenizer.ggml.eos_token_id missing"))?;
         let bos = g.u32("tokenizer.ggml.bos_token_id");
+        let add_bos = match g.metadata.get("tokenizer.ggml.add_bos_token") {
+            Some(v) => v.to_bool().map_err(err)?,
+            None => default_bos,
+        } && bos.is_some();
         let mut stop = vec![eos];
+        // Llama 3's turns end with an end-of-turn token other than eos.
+        if let Some(id) = g.u32("tokenizer.ggml.eot_token_id") {
+            if id != eos {
+                stop.push(id);
+            }
+        }
         if let Some(id) = tk.token_to_id("<|im_end|>") {
             if id != eos {
                 stop.push(id);
@@ -104,19 +159,31 @@ impl ModelTokenizer {
         Ok(ModelTokenizer {
             inner: tk,
             bos,
+            add_bos,
             eos,
             stop,
         })
     }
 
-    /// Token ids of `text`; special tokens written in the text are recognised.
+    /// Token ids of `text`; special tokens written in the text are recognised. With
+    /// [`ModelTokenizer::add_bos`] the ids start with BOS (once: a text that starts with the
+    /// BOS token's own text, as chat templates write it, gets no second one).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
-        Ok(self
+        let ids = self
             .inner
             .encode(text, false)
             .map_err(err)?
             .get_ids()
-            .to_vec())
+            .to_vec();
+        match self.bos {
+            Some(b) if self.add_bos && ids.first() != Some(&b) => {
+                let mut v = Vec::with_capacity(ids.len() + 1);
+                v.push(b);
+                v.extend(ids);
+                Ok(v)
+            }
+            _ => Ok(ids),
+        }
     }
 
     /// Text of `ids` (special tokens included).

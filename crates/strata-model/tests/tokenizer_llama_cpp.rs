@@ -1,0 +1,57 @@
+//! Strata's tokenizer against llama.cpp's token ids (tests/fixtures/tiny_tokens.json, written by
+//! scripts/llamacpp/tokens.py with the llama.cpp version recorded) for every pre-tokenizer it
+//! reads (smollm, gpt-2, llama-bpe, qwen2, deepseek-v3): tiny files with merges that make the
+//! splits show (digit runs, contractions, runs of spaces and newlines), texts with non-ASCII
+//! letters, CJK, a special token; with and without the BOS token the vocabulary adds.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use strata_model::tiny::{write_tiny, TinySpec};
+use strata_model::{GgufHeader, ModelTokenizer};
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tiny_tokens.json"
+    ))
+    .unwrap();
+    let f: Value = serde_json::from_str(&text).unwrap();
+    let texts: Vec<&str> = f["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let d = tempfile::tempdir().unwrap();
+    let files = f["files"].as_object().unwrap();
+    assert_eq!(files.len(), 5);
+    for (pre, file) in files {
+        let path = d.path().join(format!("{pre}.gguf"));
+        write_tiny(&path, &TinySpec::family(&format!("tok-{pre}")).unwrap()).unwrap();
+        let sha = Sha256::digest(std::fs::read(&path).unwrap());
+        let hex: String = sha.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            file["model_sha256"], hex,
+            "{pre}: rerun scripts/llamacpp/tokens.py"
+        );
+        let tk = ModelTokenizer::from_gguf(&GgufHeader::open(&path).unwrap()).unwrap();
+        for (t, want) in texts.iter().zip(file["ids"].as_array().unwrap()) {
+            // Strata adds BOS where the vocabulary says so: llama.cpp's ids with specials.
+            let want = if tk.add_bos {
+                ids(&want["special"])
+            } else {
+                ids(&want["plain"])
+            };
+            assert_eq!(tk.encode(t).unwrap(), want, "{pre}: {t:?}");
+        }
+    }
+}
