@@ -123,48 +123,10 @@ impl Model {
         } else {
             None
         };
-        let mut layers = Vec::with_capacity(c.layers);
-        for l in 0..c.layers {
-            let bias = if c.arch.qkv_bias() {
-                let mut b = |n: &str| vec1(&t(&format!("blk.{l}.{n}.bias"))?);
-                Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
-            } else {
-                None
-            };
-            let qk_norm = if c.arch.qk_norm() {
-                let mut n = |x: &str| vec1(&t(&format!("blk.{l}.{x}.weight"))?);
-                Some([n("attn_q_norm")?, n("attn_k_norm")?])
-            } else {
-                None
-            };
-            let mut w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
-            layers.push(Layer {
-                bias,
-                qk_norm,
-                attn_norm: vec1(&w("attn_norm")?)?,
-                ffn_norm: vec1(&w("ffn_norm")?)?,
-                wq: Linear::new(w("attn_q")?)?,
-                wk: Linear::new(w("attn_k")?)?,
-                wv: Linear::new(w("attn_v")?)?,
-                wo: Linear::new(w("attn_output")?)?,
-                wg: Linear::new(w("ffn_gate")?)?,
-                wu: Linear::new(w("ffn_up")?)?,
-                wd: Linear::new(w("ffn_down")?)?,
-            });
-        }
-        let half_dim = c.head_dim / 2;
-        let mut cos = Vec::with_capacity(c.context_length * half_dim);
-        let mut sin = Vec::with_capacity(c.context_length * half_dim);
-        for p in 0..c.context_length {
-            for i in 0..half_dim {
-                // Llama 3's frequency factors divide each pair's angle (as ggml's rope_ext).
-                let ff = freqs.as_ref().map_or(1.0, |f| f[i] as f64);
-                let theta =
-                    p as f64 * (c.rope_base as f64).powf(-2.0 * i as f64 / c.head_dim as f64) / ff;
-                cos.push(theta.cos() as f32);
-                sin.push(theta.sin() as f32);
-            }
-        }
+        let layers = (0..c.layers)
+            .map(|l| load_layer(&c, l, &mut t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (cos, sin) = rope_tables(&c, freqs.as_deref());
         let embed_rows = vec1(&embed)?;
         Ok(Model {
             config: c,
@@ -611,6 +573,58 @@ impl Model {
         }
         out
     }
+}
+
+/// Layer `l`'s weights through `t` (a tensor by name, dequantized).
+fn load_layer(
+    c: &Config,
+    l: usize,
+    t: &mut impl FnMut(&str) -> Result<Tensor, ModelError>,
+) -> Result<Layer, ModelError> {
+    let bias = if c.arch.qkv_bias() {
+        let mut b = |n: &str| vec1(&t(&format!("blk.{l}.{n}.bias"))?);
+        Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+    } else {
+        None
+    };
+    let qk_norm = if c.arch.qk_norm() {
+        let mut n = |x: &str| vec1(&t(&format!("blk.{l}.{x}.weight"))?);
+        Some([n("attn_q_norm")?, n("attn_k_norm")?])
+    } else {
+        None
+    };
+    let mut w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
+    Ok(Layer {
+        bias,
+        qk_norm,
+        attn_norm: vec1(&w("attn_norm")?)?,
+        ffn_norm: vec1(&w("ffn_norm")?)?,
+        wq: Linear::new(w("attn_q")?)?,
+        wk: Linear::new(w("attn_k")?)?,
+        wv: Linear::new(w("attn_v")?)?,
+        wo: Linear::new(w("attn_output")?)?,
+        wg: Linear::new(w("ffn_gate")?)?,
+        wu: Linear::new(w("ffn_up")?)?,
+        wd: Linear::new(w("ffn_down")?)?,
+    })
+}
+
+/// RoPE's cos and sin per position and pair; Llama 3's frequency factors divide each pair's
+/// angle (as ggml's rope_ext).
+fn rope_tables(c: &Config, freqs: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+    let half_dim = c.head_dim / 2;
+    let mut cos = Vec::with_capacity(c.context_length * half_dim);
+    let mut sin = Vec::with_capacity(c.context_length * half_dim);
+    for p in 0..c.context_length {
+        for i in 0..half_dim {
+            let ff = freqs.map_or(1.0, |f| f[i] as f64);
+            let theta =
+                p as f64 * (c.rope_base as f64).powf(-2.0 * i as f64 / c.head_dim as f64) / ff;
+            cos.push(theta.cos() as f32);
+            sin.push(theta.sin() as f32);
+        }
+    }
+    (cos, sin)
 }
 
 /// The sequences, rows and per-row inputs of one forward call, shared by its layers.

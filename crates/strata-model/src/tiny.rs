@@ -287,6 +287,25 @@ pub(crate) fn random_weights(seed: u64) -> impl FnMut(usize, f32, f32) -> Vec<f3
     }
 }
 
+/// The vectors a family adds to layer `l`: (name, length, random scale, offset): Qwen2's
+/// biases, Qwen3's Q/K norm weights.
+fn family_extras(s: &TinySpec, l: usize) -> Vec<(String, usize, f32, f32)> {
+    let hd = s.head_dim();
+    let (qd, kvd) = (s.heads * hd, s.kv_heads * hd);
+    let mut v = Vec::new();
+    if s.arch.qkv_bias() {
+        for (n, d) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+            v.push((format!("blk.{l}.{n}.bias"), d, 0.5, 0.0));
+        }
+    }
+    if s.arch.qk_norm() {
+        for n in ["attn_q_norm", "attn_k_norm"] {
+            v.push((format!("blk.{l}.{n}.weight"), hd, 0.2, 1.0));
+        }
+    }
+    v
+}
+
 /// Every tensor of the model, random, in file order.
 fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, ModelError> {
     let hd = s.head_dim();
@@ -344,17 +363,8 @@ fn tiny_tensors(s: &TinySpec, vocab: usize) -> Result<Vec<(String, QTensor)>, Mo
             rnd(s.hidden, 0.1, 1.0),
             GgmlDType::F32,
         )?;
-        if s.arch.qkv_bias() {
-            for (n, d) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
-                let b = rnd(d, 0.5, 0.0);
-                add(format!("blk.{l}.{n}.bias"), vec![d], b, GgmlDType::F32)?;
-            }
-        }
-        if s.arch.qk_norm() {
-            for n in ["attn_q_norm", "attn_k_norm"] {
-                let g = rnd(hd, 0.2, 1.0);
-                add(format!("blk.{l}.{n}.weight"), vec![hd], g, GgmlDType::F32)?;
-            }
+        for (name, n, scale, offset) in family_extras(s, l) {
+            add(name, vec![n], rnd(n, scale, offset), GgmlDType::F32)?;
         }
     }
     if s.rope_freqs {
