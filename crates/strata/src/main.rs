@@ -13,6 +13,7 @@ mod plan;
 mod route;
 mod serve;
 mod sim;
+mod sim_advice;
 mod sizing;
 mod up;
 

@@ -41,9 +41,9 @@ pub struct SimArgs {
     #[arg(long, default_value = "0", help_heading = "Capacities")]
     storage: String,
     /// KV bytes per token, to turn byte capacities into tokens (default: SmolLM2-135M, f16:
-    /// 30 layers × 2 × 3 KV heads × 64 × 2 bytes).
-    #[arg(long, default_value_t = 23040, help_heading = "Capacities")]
-    bytes_per_token: usize,
+    /// 30 layers × 2 × 3 KV heads × 64 × 2 bytes = 23040; or --model / --model-preset).
+    #[arg(long, help_heading = "Capacities")]
+    bytes_per_token: Option<usize>,
 
     /// Tokens per page.
     #[arg(long, default_value_t = 16, help_heading = "Cache")]
@@ -80,6 +80,9 @@ pub struct SimArgs {
     /// Where to write the sweep plot (SVG).
     #[arg(long, default_value = "sim-sweep.svg", help_heading = "Sweep")]
     plot: PathBuf,
+
+    #[command(flatten)]
+    advice: crate::sim_advice::AdviceArgs,
 }
 
 /// Parses a capacity into tokens.
@@ -139,14 +142,17 @@ fn write_policy_name(p: WritePolicy) -> String {
 
 pub fn run(a: SimArgs) -> Result<()> {
     let evictions = policies(&a.eviction)?;
-    if a.bytes_per_token == 0 {
-        bail!("--bytes-per-token must be at least 1");
-    }
+    let (bpt, bpt_label) =
+        crate::sim_advice::bytes_per_token(&a.advice, a.bytes_per_token, a.page_size)?;
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
+    let advising = a.advice.advise || !a.advice.compare.is_empty();
+    if advising && a.sweep {
+        bail!("--sweep sweeps the device tier; --advise and --compare the host tier: give one");
+    }
     // The layout only matters for byte figures; one pool with the given bytes per token.
-    let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, a.bytes_per_token)])
+    let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, bpt)])
         .with_context(|| format!("--page-size {}", a.page_size))?;
     let (reqs, block_tokens, vocab) = load_trace(&a)?;
     let pt = PageTrace::new(&reqs, block_tokens, a.page_size);
@@ -165,9 +171,9 @@ pub fn run(a: SimArgs) -> Result<()> {
         layout: layout.clone(),
         block_tokens,
         vocab,
-        device_tokens: capacity(&a.device, distinct_tokens, a.bytes_per_token, "device")?,
-        host_tokens: capacity(&a.host, distinct_tokens, a.bytes_per_token, "host")?,
-        storage_tokens: capacity(&a.storage, distinct_tokens, a.bytes_per_token, "storage")?,
+        device_tokens: capacity(&a.device, distinct_tokens, bpt, "device")?,
+        host_tokens: capacity(&a.host, distinct_tokens, bpt, "host")?,
+        storage_tokens: capacity(&a.storage, distinct_tokens, bpt, "storage")?,
         write_policy: a.write_policy,
         eviction: evictions[0],
         cache_outputs: a.cache_outputs,
@@ -175,7 +181,17 @@ pub fn run(a: SimArgs) -> Result<()> {
     if a.sweep {
         return run_sweep(&a, &reqs, &base, &evictions);
     }
-    print_header(&a, &reqs, &pt, distinct_tokens, &base);
+    if !a.advice.compare.is_empty() {
+        crate::sim_advice::compare(&a.advice, &reqs, &base, bpt, &bpt_label)?;
+    }
+    if a.advice.advise {
+        let bytes = (bpt, bpt_label.as_str());
+        crate::sim_advice::advise(&a.advice, &reqs, &base, &a.fractions, &a.plot, bytes)?;
+    }
+    if advising {
+        return Ok(());
+    }
+    print_header(&a, &reqs, &pt, distinct_tokens, &base, bpt);
     let belady_cap =
         (base.device_tokens + base.host_tokens + base.storage_tokens) / a.page_size as u64;
     for &p in &evictions {
@@ -243,8 +259,9 @@ fn print_header(
     pt: &PageTrace,
     distinct_tokens: u64,
     base: &SimConfig,
+    bpt: usize,
 ) {
-    let bpt = a.bytes_per_token as u64;
+    let bpt = bpt as u64;
     println!(
         "trace: {} ({} requests, {} prompt tokens, {} distinct tokens in whole pages)",
         a.trace.display(),

@@ -219,3 +219,93 @@ fn generate_answers_a_chat_question() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{s}");
     assert!(s.contains("tok/s"), "{s}");
 }
+
+/// `--compare`: host sizes per rank side by side in the model's bytes per token (here a preset
+/// at TP 4), more host giving more hits; `--advise`: the sweep, the size that reaches the
+/// target, the knee and the plot; bad combinations refused by name.
+#[test]
+fn sim_compares_host_sizes_and_advises_one() {
+    let d = tempfile::tempdir().unwrap();
+    let t = write_trace(d.path());
+    let t = t.to_str().unwrap();
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t,
+        "--model-preset",
+        "smollm2-135m",
+        "--tp-size",
+        "3",
+        "--device",
+        "20MB",
+        "--compare",
+        "10MB,1GB",
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    // 3 KV heads over 3 ranks: one each, 7,680 bytes per token per rank.
+    assert!(
+        s.contains("model smollm2-135m at TP 3: 7680 bytes per token per rank"),
+        "{s}"
+    );
+    let rows: Vec<&str> = s
+        .lines()
+        .filter(|l| l.starts_with("| 10MB") || l.starts_with("| 1GB"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{s}");
+    let total = |l: &str| -> f64 { l.split('|').nth(5).unwrap().trim().parse().unwrap() };
+    assert!(total(rows[1]) > total(rows[0]), "{s}");
+    assert!(rows[1].contains("1GB (1000000000 bytes) | 130208 |"), "{s}");
+    let plot = d.path().join("advise.svg");
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t,
+        "--device",
+        "10%",
+        "--advise",
+        "--target",
+        "0.8",
+        "--fractions",
+        "0.1,0.25,0.5,1",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(
+        s.contains("advice: --hicache-size ") && s.contains("reaches 80% of the unbounded"),
+        "{s}"
+    );
+    assert!(std::fs::read_to_string(&plot)
+        .unwrap()
+        .contains("<polyline"));
+    for (args, want) in [
+        (vec!["--advise", "--sweep"], "give one"),
+        (vec!["--advise", "--target", "1.5"], "--target 1.5"),
+        (vec!["--compare", "lots"], "--compare `lots`"),
+        (
+            vec!["--model-preset", "gpt-9", "--advise"],
+            "--model-preset `gpt-9`: unknown",
+        ),
+        (
+            vec![
+                "--model-preset",
+                "smollm2-135m",
+                "--bytes-per-token",
+                "5",
+                "--advise",
+            ],
+            "give one",
+        ),
+    ] {
+        let mut a = vec!["sim", "--trace", t];
+        a.extend(args);
+        let o = strata(&a);
+        assert!(
+            !o.status.success() && text(&o).contains(want),
+            "{a:?}: {}",
+            text(&o)
+        );
+    }
+}
