@@ -92,6 +92,10 @@ pub struct WorkloadOpts {
     /// Token ids are drawn below this (the model's vocabulary).
     #[arg(long, default_value_t = 49152, help_heading = "trace")]
     pub vocab: u32,
+    /// Send the trace's requests in order under --concurrency, ignoring their arrival times
+    /// (what `strata sim` replays, one request after another at concurrency 1).
+    #[arg(long, help_heading = "trace")]
+    pub closed_loop: bool,
 }
 
 /// One request to send.
@@ -225,12 +229,20 @@ fn trace(w: &WorkloadOpts) -> Result<(String, Body)> {
     let jobs = t
         .requests()?
         .into_iter()
-        .map(|r| (Job::Tokens(r.prompt, r.max_tokens), Some(r.at_us)))
+        .map(|r| {
+            let at = (!w.closed_loop).then_some(r.at_us);
+            (Job::Tokens(r.prompt, r.max_tokens), at)
+        })
         .collect::<Vec<_>>();
+    let arrivals = if w.closed_loop {
+        "in order, closed loop".to_string()
+    } else {
+        format!("arrival times × {}", w.time_scale)
+    };
     Ok((
         format!(
-            "lengths × {} (block {} tokens), arrival times × {}, first {} requests",
-            w.length_scale, w.block_tokens, w.time_scale, w.limit
+            "lengths × {} (block {} tokens), {arrivals}, first {} requests",
+            w.length_scale, w.block_tokens, w.limit
         ),
         Body::Jobs(jobs),
     ))
@@ -442,6 +454,7 @@ mod tests {
             time_scale: 1.0,
             limit: 0,
             vocab: 100,
+            closed_loop: false,
         }
     }
 

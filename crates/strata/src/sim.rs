@@ -29,6 +29,16 @@ pub struct SimArgs {
     /// benchmarks do. Prompt lengths become the number of blocks.
     #[arg(long, help_heading = "Trace")]
     ids_as_tokens: bool,
+    /// Multiplies every prompt and output length and the block size, as `strata bench
+    /// workload --workload trace --length-scale` does (1: the trace's own lengths).
+    #[arg(long, default_value_t = 1.0, help_heading = "Trace")]
+    length_scale: f64,
+    /// Output tokens per request at most (as `strata bench --max-tokens` caps them).
+    #[arg(long, help_heading = "Trace")]
+    max_tokens: Option<usize>,
+    /// Requests from the start of the trace (0: all), as `strata bench --limit`.
+    #[arg(long, default_value_t = 0, help_heading = "Trace")]
+    limit: usize,
 
     /// Device (L1) capacity: tokens (`200000`), bytes with a unit (`4GiB`, `4GB`), or a percent of
     /// the trace's distinct tokens (`5%`).
@@ -226,6 +236,10 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
         File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
     let mut reqs = read_trace(BufReader::new(f), a.block_tokens)
         .with_context(|| format!("in {}", a.trace.display()))?;
+    if a.limit > 0 {
+        reqs.truncate(a.limit);
+    }
+    let scaled_block = scale_like_bench(a, &mut reqs)?;
     let (block_tokens, vocab) = if a.ids_as_tokens {
         if a.page_size != 1 {
             bail!("--ids-as-tokens replays one token per block and needs --page-size 1");
@@ -240,16 +254,38 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
         }
         (1, 0)
     } else {
-        (a.block_tokens, a.vocab)
+        (scaled_block, a.vocab)
     };
-    if !a.block_tokens.is_multiple_of(a.page_size) {
+    if !block_tokens.is_multiple_of(a.page_size) {
         bail!(
-            "--page-size {} must divide --block-tokens {}",
+            "--page-size {} must divide the block of {block_tokens} tokens (--block-tokens {} × --length-scale {})",
             a.page_size,
-            a.block_tokens
+            a.block_tokens,
+            a.length_scale
         );
     }
     Ok((reqs, block_tokens, vocab))
+}
+
+/// Scales lengths and the block size and caps outputs exactly as `strata bench`'s trace
+/// replay (`strata_bench::workload::TraceReplay`) does, so both send the same requests (a test
+/// runs the two and compares hit rates); returns the scaled block size.
+fn scale_like_bench(a: &SimArgs, reqs: &mut [TraceRequest]) -> Result<usize> {
+    if !(a.length_scale > 0.0 && a.length_scale.is_finite()) {
+        bail!("--length-scale {}: expected a number > 0", a.length_scale);
+    }
+    if a.length_scale == 1.0 && a.max_tokens.is_none() {
+        return Ok(a.block_tokens);
+    }
+    let block = ((a.block_tokens as f64 * a.length_scale).round() as usize).max(1);
+    for r in reqs.iter_mut() {
+        let n = r.hash_ids.len().max(1);
+        r.input_length =
+            ((r.input_length as f64 * a.length_scale).round() as usize).clamp(1, block * n);
+        let out = ((r.output_length as f64 * a.length_scale).round() as usize).max(1);
+        r.output_length = a.max_tokens.map_or(out, |m| out.min(m.max(1)));
+    }
+    Ok(block)
 }
 
 /// The trace, the capacities and the cache settings, then the table's header.

@@ -149,7 +149,7 @@ fn impossible_capacities_and_bad_flags_are_refused() {
     );
     let o = strata(&["sim", "--trace", t, "--page-size", "24"]);
     assert!(
-        text(&o).contains("--page-size 24 must divide --block-tokens 512"),
+        text(&o).contains("--page-size 24 must divide the block of 512 tokens"),
         "{}",
         text(&o)
     );
