@@ -50,6 +50,81 @@ pub fn tiny_dsv4_model(dir: &Path) -> PathBuf {
     p
 }
 
+/// A child process killed (and reaped) when dropped.
+pub struct ChildGuard(pub Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `cmd` (a server on `--port 0`, its stderr piped here) and waits for its ready line
+/// (`ready on http://127.0.0.1:PORT`); the guard and the port. The rest of stderr is drained so
+/// the server never blocks on it.
+pub fn spawn_ready(cmd: &mut Command, timeout: Duration) -> (ChildGuard, u16) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let mut err = BufReader::new(child.stderr.take().expect("stderr piped"));
+    let guard = ChildGuard(child);
+    let t = Instant::now();
+    let mut log = String::new();
+    let marker = "ready on http://127.0.0.1:";
+    let port = loop {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap_or(0) == 0 {
+            panic!("the server exited before it was ready:\n{log}");
+        }
+        log.push_str(&line);
+        if let Some(at) = line.find(marker) {
+            let digits: String = line[at + marker.len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit())
+                .collect();
+            break digits.parse::<u16>().expect("a port in the ready line");
+        }
+        assert!(t.elapsed() < timeout, "not ready:\n{log}");
+    };
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (guard, port)
+}
+
+/// A multi-turn Mooncake-format trace in `dir`: `conversations` × `turns`, each turn re-sending
+/// its conversation (2 shared system blocks, then its own 512-token blocks, one more a turn),
+/// interleaved as a multi-turn service sees them; `output_length` tokens each.
+pub fn write_multi_turn_trace(
+    dir: &Path,
+    conversations: usize,
+    turns: usize,
+    output_length: usize,
+) -> PathBuf {
+    let mut lines = Vec::new();
+    let mut next_id = 1000u64;
+    let mut convs: Vec<Vec<u64>> = (0..conversations).map(|_| vec![0, 1]).collect();
+    for turn in 0..turns {
+        for (c, ids) in convs.iter_mut().enumerate() {
+            ids.push(next_id);
+            next_id += 1;
+            let len = ids.len() * 512 - 100;
+            lines.push(format!(
+                r#"{{"timestamp": {}, "input_length": {len}, "output_length": {output_length}, "hash_ids": {:?}}}"#,
+                turn * 1000 + c,
+                ids
+            ));
+        }
+    }
+    let p = dir.join("trace.jsonl");
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    p
+}
+
 /// How to start a test worker.
 pub struct WorkerSpec {
     pub page_size: usize,

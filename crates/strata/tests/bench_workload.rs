@@ -3,17 +3,11 @@
 //! bad parameters are refused first.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use strata_model::tiny::{write_tiny, TinySpec};
 
-struct Guard(Child);
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use strata_test_support::ChildGuard as Guard;
 
 fn strata() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))

@@ -21,24 +21,7 @@ fn text(o: &Output) -> String {
 
 /// A small multi-turn trace: 30 conversations of growing prompts plus a shared system prompt.
 fn write_trace(dir: &Path) -> PathBuf {
-    let mut lines = Vec::new();
-    let mut next_id = 1000u64;
-    let mut convs: Vec<Vec<u64>> = (0..30).map(|_| vec![0, 1]).collect();
-    for turn in 0..4 {
-        for (c, ids) in convs.iter_mut().enumerate() {
-            ids.push(next_id);
-            next_id += 1;
-            let len = ids.len() * 512 - 100;
-            lines.push(format!(
-                r#"{{"timestamp": {}, "input_length": {len}, "output_length": 10, "hash_ids": {:?}}}"#,
-                turn * 1000 + c,
-                ids
-            ));
-        }
-    }
-    let p = dir.join("trace.jsonl");
-    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
-    p
+    strata_test_support::write_multi_turn_trace(dir, 30, 4, 10)
 }
 
 #[test]

@@ -4,18 +4,11 @@
 //! bytes), and replayed by `strata sim` with the same scaling, page size, pool bytes and model;
 //! the hit rate per tier agrees within 2 points.
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
-struct Guard(Child);
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use strata_test_support::{sample, spawn_ready, write_multi_turn_trace, ChildGuard};
 
 fn strata() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -29,79 +22,22 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// 24 conversations of 4 turns, each turn re-sending the conversation (2 shared system blocks,
-/// then the conversation's own), interleaved as a multi-turn service sees them.
-fn write_trace(dir: &Path) -> std::path::PathBuf {
-    let mut lines = Vec::new();
-    let mut next_id = 1000u64;
-    let mut convs: Vec<Vec<u64>> = (0..24).map(|_| vec![0, 1]).collect();
-    for turn in 0..4 {
-        for (c, ids) in convs.iter_mut().enumerate() {
-            ids.push(next_id);
-            next_id += 1;
-            let len = ids.len() * 512 - 100;
-            lines.push(format!(
-                r#"{{"timestamp": {}, "input_length": {len}, "output_length": 40, "hash_ids": {:?}}}"#,
-                turn * 1000 + c,
-                ids
-            ));
-        }
-    }
-    let p = dir.join("trace.jsonl");
-    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
-    p
-}
-
 /// Starts `strata serve` on a port the OS picks; the guard and the port.
-fn serve(model: &Path, pools: &[&str]) -> (Guard, u16) {
-    let mut child = strata()
-        .args([
-            "serve",
-            "--port",
-            "0",
-            "--page-size",
-            "16",
-            "--threads",
-            "2",
-        ])
-        .args(pools)
-        .arg("--model")
-        .arg(model)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let guard = Guard(child);
-    let t = Instant::now();
-    let mut log = String::new();
-    let port = loop {
-        let mut line = String::new();
-        if err.read_line(&mut line).unwrap() == 0 {
-            panic!("serve exited before it was ready:\n{log}");
-        }
-        log.push_str(&line);
-        if let Some(at) = line.find("ready on http://127.0.0.1:") {
-            let rest = &line[at + "ready on http://127.0.0.1:".len()..];
-            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-            break digits.parse::<u16>().unwrap();
-        }
-        assert!(t.elapsed() < Duration::from_secs(120), "not ready:\n{log}");
-    };
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
-    (guard, port)
-}
-
-/// The value of a sample line of a Prometheus text page.
-fn sample(metrics: &str, key: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
+fn serve(model: &Path, pools: &[&str]) -> (ChildGuard, u16) {
+    let mut cmd = strata();
+    cmd.args([
+        "serve",
+        "--port",
+        "0",
+        "--page-size",
+        "16",
+        "--threads",
+        "2",
+    ])
+    .args(pools)
+    .arg("--model")
+    .arg(model);
+    spawn_ready(&mut cmd, Duration::from_secs(120))
 }
 
 fn metrics(port: u16) -> String {
@@ -116,7 +52,8 @@ fn metrics(port: u16) -> String {
 fn the_simulator_predicts_the_live_servers_hit_rate_per_tier() {
     let d = tempfile::tempdir().unwrap();
     let model = strata_test_support::tiny_model_with_context(d.path(), 2048);
-    let trace = write_trace(d.path());
+    // 24 conversations of 4 turns, 40 output tokens a request.
+    let trace = write_multi_turn_trace(d.path(), 24, 4, 40);
     // The tiny model takes 256 B per token: 4,096 device and 12,288 host tokens, against
     // ~22,000 distinct ones, so both tiers evict.
     let pools = ["--device-mem", "1MiB", "--hicache-size", "3MiB"];
