@@ -302,6 +302,12 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
     let hidden = md.uint(&key("embedding_length"))?;
     let heads = md.uint(&key("attention.head_count"))?;
     let kv_heads = md.uint(&key("attention.head_count_kv"))?;
+    if hidden > 1 << 20 || heads > 1 << 12 {
+        return Err(md.err(
+            &key("embedding_length"),
+            format!("embedding {hidden} / {heads} heads: at most 2^20 and 2^12"),
+        ));
+    }
     if heads > hidden || heads % kv_heads != 0 {
         return Err(md.err(
             &key("attention.head_count"),
@@ -325,6 +331,7 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
             format!("{head_dim}: at most 4096"),
         ));
     }
+    check_rope(md, &name, head_dim)?;
     let tokens_len = md
         .get("tokenizer.ggml.tokens")?
         .to_vec()
@@ -349,6 +356,32 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         rope_base: md.float(&key("rope.freq_base")).unwrap_or(10_000.0),
         rms_eps: md.float(&key("attention.layer_norm_rms_epsilon"))?,
     })
+}
+
+/// What this pass does not implement is refused, not ignored: RoPE scaling other than Llama
+/// 3's frequency factors, and RoPE on part of a head.
+fn check_rope(md: &Meta, arch: &str, head_dim: usize) -> Result<(), ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    if let Some(t) = md.content.metadata.get(&key("rope.scaling.type")) {
+        let t = t.to_string().map(|s| s.as_str()).unwrap_or("?");
+        if t != "none" {
+            return Err(md.err(&key("rope.scaling.type"), format!("`{t}` is not supported")));
+        }
+    }
+    if md
+        .content
+        .metadata
+        .contains_key(&key("rope.dimension_count"))
+    {
+        let rot = md.uint(&key("rope.dimension_count"))?;
+        if rot != head_dim {
+            return Err(md.err(
+                &key("rope.dimension_count"),
+                format!("RoPE on {rot} of {head_dim} dimensions: only whole heads are supported"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Sizes that steer allocation and arithmetic, bounded before use: every layer has 9
@@ -379,6 +412,12 @@ fn check_bounds(content: &Content, config: &Config, p: &str) -> Result<(), Model
         &format!("{a}.attention.head_count"),
         config.heads,
         config.hidden,
+    )?;
+    // The RoPE tables hold context × head/2 values each.
+    bound(
+        &format!("{a}.context_length"),
+        config.context_length * (config.head_dim / 2).max(1),
+        1 << 28,
     )
 }
 
@@ -421,6 +460,23 @@ fn expected_tensors(c: &Config) -> Vec<(String, Vec<usize>)> {
 /// then every expected tensor's presence and shape.
 fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelError> {
     let want = expected_tensors(c);
+    // A tensor this pass would not read (an attention-output or FFN bias, a bias another
+    // family has) is refused: ignoring it would give other logits than llama.cpp's.
+    for name in content.tensor_infos.keys() {
+        let known = name == "output.weight"
+            || name == "rope_freqs.weight"
+            || want.iter().any(|(w, _)| w == name);
+        if !known {
+            return Err(ModelError::Tensor {
+                path: p.into(),
+                name: name.clone(),
+                reason: format!(
+                    "not used by the {} pass: refused rather than ignored",
+                    c.arch.name()
+                ),
+            });
+        }
+    }
     if let Some(o) = content.tensor_infos.get("rope_freqs.weight") {
         if o.shape.dims() != [c.head_dim / 2] {
             return Err(ModelError::Tensor {

@@ -54,7 +54,7 @@ fn pre_tokenizer(pre: &str) -> Result<(Vec<PreTokenizerWrapper>, bool, bool), Mo
             false,
             false,
         ),
-        "default" | "gpt2" | "gpt-2" => (vec![ByteLevel::new(false, true, true).into()], false, false),
+        "gpt2" | "gpt-2" => (vec![ByteLevel::new(false, true, true).into()], false, false),
         "llama3" | "llama-v3" | "llama-bpe" => (vec![split(LLAMA3_SPLIT)?, bytes()], true, true),
         "qwen2" | "deepseek-r1-qwen" => (vec![split(QWEN2_SPLIT)?, bytes()], false, false),
         "deepseek-v3" => {
@@ -94,6 +94,7 @@ impl ModelTokenizer {
                 "tokenizer.ggml.model `{model}` is not supported (expected gpt2 byte-level BPE)"
             )));
         }
+        // llama.cpp's `default` (no `pre` key) is a split of its own, not GPT-2's: refused.
         let pre = g.string("tokenizer.ggml.pre").unwrap_or("default");
         let tokens: Vec<String> = g
             .array("tokenizer.ggml.tokens")?
@@ -165,16 +166,22 @@ impl ModelTokenizer {
         })
     }
 
-    /// Token ids of `text`; special tokens written in the text are recognised. With
-    /// [`ModelTokenizer::add_bos`] the ids start with BOS (once: a text that starts with the
-    /// BOS token's own text, as chat templates write it, gets no second one).
+    /// Token ids of `text` as it is (no BOS added); special tokens written in the text are
+    /// recognised. Fragments of text (a grammar's tokens, a check) use this.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
-        let ids = self
+        Ok(self
             .inner
             .encode(text, false)
             .map_err(err)?
             .get_ids()
-            .to_vec();
+            .to_vec())
+    }
+
+    /// Token ids of a prompt: with [`ModelTokenizer::add_bos`] they start with BOS, once (a
+    /// text that starts with the BOS token's own text gets no second one, where llama.cpp
+    /// would add it and warn).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let ids = self.encode(text)?;
         match self.bos {
             Some(b) if self.add_bos && ids.first() != Some(&b) => {
                 let mut v = Vec::with_capacity(ids.len() + 1);

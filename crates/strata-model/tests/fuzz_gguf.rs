@@ -144,3 +144,56 @@ fn hostile_dimensions_are_refused_by_name() {
         assert!(e.contains(want), "{key} = {v}: {e}");
     }
 }
+
+fn valid_family(family: &str) -> Vec<u8> {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("t.gguf");
+    let spec = strata_model::tiny::TinySpec::family(family).unwrap();
+    strata_model::tiny::write_tiny(&p, &spec).unwrap();
+    std::fs::read(p).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    /// Qwen2's biases, Qwen3's head size and norms, Llama 3's frequency factors: hostile
+    /// values in those headers are errors, never aborts.
+    #[test]
+    fn hostile_family_headers_never_abort(
+        family in prop_oneof![Just("llama3"), Just("qwen2"), Just("qwen3")],
+        at in 0usize..9000,
+        v in prop_oneof![Just(u64::MAX), Just(1u64 << 40), Just(1u64 << 32), Just(0u64), any::<u64>()],
+    ) {
+        let mut b = valid_family(family);
+        let at = at.min(b.len().saturating_sub(8));
+        b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        open(&b);
+    }
+}
+
+/// A tensor the pass would not read is refused by name, not ignored: a Qwen2 file relabelled
+/// `llama` keeps its Q/K/V biases, which the llama pass has no use for.
+#[test]
+fn a_tensor_the_pass_would_not_read_is_refused() {
+    let b = valid_family("qwen2");
+    let relabelled = {
+        let mut v = b.clone();
+        let (from, to) = (b"qwen2", b"llama");
+        let mut i = 0;
+        while i + 5 <= v.len() {
+            if &v[i..i + 5] == from {
+                v[i..i + 5].copy_from_slice(to);
+            }
+            i += 1;
+        }
+        v
+    };
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("f.gguf");
+    std::fs::write(&p, relabelled).unwrap();
+    let e = Gguf::open(&p).err().expect("refused").to_string();
+    assert!(
+        e.contains(".bias") && e.contains("refused rather than ignored"),
+        "{e}"
+    );
+}

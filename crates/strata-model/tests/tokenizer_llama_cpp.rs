@@ -45,13 +45,21 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
         );
         let tk = ModelTokenizer::from_gguf(&GgufHeader::open(&path).unwrap()).unwrap();
         for (t, want) in texts.iter().zip(file["ids"].as_array().unwrap()) {
-            // Strata adds BOS where the vocabulary says so: llama.cpp's ids with specials.
-            let want = if tk.add_bos {
-                ids(&want["special"])
-            } else {
-                ids(&want["plain"])
-            };
-            assert_eq!(tk.encode(t).unwrap(), want, "{pre}: {t:?}");
+            // Text as it is: llama.cpp's ids without specials added; a prompt: with them (BOS
+            // exactly where the vocabulary adds one).
+            assert_eq!(tk.encode(t).unwrap(), ids(&want["plain"]), "{pre}: {t:?}");
+            let prompt = tk.encode_prompt(t).unwrap();
+            assert_eq!(prompt, ids(&want["special"]), "{pre}: prompt {t:?}");
+        }
+        // Llama 3 adds BOS; the others do not.
+        assert_eq!(tk.add_bos, pre == "llama-bpe", "{pre}");
+        if tk.add_bos {
+            // A prompt that starts with BOS's own text (as chat templates write it) gets one.
+            let bos = tk.bos.unwrap();
+            let text = format!("{}hi", tk.inner.id_to_token(bos).unwrap());
+            let p = tk.encode_prompt(&text).unwrap();
+            assert_eq!(p[0], bos);
+            assert_eq!(p.iter().filter(|&&t| t == bos).count(), 1, "{p:?}");
         }
     }
 }

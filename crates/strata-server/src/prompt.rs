@@ -147,7 +147,7 @@ pub fn completion_ids(tk: &ModelTokenizer, prompt: &Prompt) -> Result<Vec<u32>, 
 }
 
 pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
-    tk.encode(text)
+    tk.encode_prompt(text)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
 }
 

@@ -184,7 +184,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let prompt = tk.encode(&text)?;
+    let prompt = tk.encode_prompt(&text)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }

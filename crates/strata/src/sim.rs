@@ -271,19 +271,28 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
 /// replay (`strata_bench::workload::TraceReplay`) does, so both send the same requests (a test
 /// runs the two and compares hit rates); returns the scaled block size.
 fn scale_like_bench(a: &SimArgs, reqs: &mut [TraceRequest]) -> Result<usize> {
-    if !(a.length_scale > 0.0 && a.length_scale.is_finite()) {
-        bail!("--length-scale {}: expected a number > 0", a.length_scale);
+    if !(a.length_scale > 0.0 && a.length_scale <= 1000.0) {
+        bail!(
+            "--length-scale {}: expected a number in (0, 1000]",
+            a.length_scale
+        );
     }
-    if a.length_scale == 1.0 && a.max_tokens.is_none() {
+    if a.max_tokens == Some(0) {
+        bail!("--max-tokens must be at least 1");
+    }
+    if a.ids_as_tokens && (a.length_scale != 1.0 || a.max_tokens.is_some()) {
+        bail!("--ids-as-tokens replays one token per block: it takes no --length-scale or --max-tokens");
+    }
+    if a.ids_as_tokens || (a.length_scale == 1.0 && a.max_tokens.is_none()) {
         return Ok(a.block_tokens);
     }
     let block = ((a.block_tokens as f64 * a.length_scale).round() as usize).max(1);
     for r in reqs.iter_mut() {
         let n = r.hash_ids.len().max(1);
-        r.input_length =
-            ((r.input_length as f64 * a.length_scale).round() as usize).clamp(1, block * n);
+        let cap = block.saturating_mul(n);
+        r.input_length = ((r.input_length as f64 * a.length_scale).round() as usize).clamp(1, cap);
         let out = ((r.output_length as f64 * a.length_scale).round() as usize).max(1);
-        r.output_length = a.max_tokens.map_or(out, |m| out.min(m.max(1)));
+        r.output_length = a.max_tokens.map_or(out, |m| out.min(m));
     }
     Ok(block)
 }

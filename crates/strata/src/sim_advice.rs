@@ -175,6 +175,9 @@ pub fn advise(
     if !(a.target > 0.0 && a.target <= 1.0) {
         bail!("--target {}: a fraction in (0, 1]", a.target);
     }
+    if let Some(f) = fractions.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
+        bail!("--fractions: {f} is not in (0, 1]");
+    }
     let ps = base.layout.page_size();
     let pt = PageTrace::new(reqs, base.block_tokens, ps);
     let distinct = (pt.distinct_pages * ps) as u64;
@@ -195,8 +198,19 @@ pub fn advise(
     );
     println!("| host per rank | host tokens | hit % | of unbounded |");
     println!("|---|---|---|---|");
-    for &f in fractions {
-        let host = ((distinct as f64 * f / ps as f64).round() as u64).max(1) * ps as u64;
+    // Smallest first, each size once (a small trace can round two fractions to one size).
+    let mut sizes: Vec<(f64, u64)> = fractions
+        .iter()
+        .map(|&f| {
+            (
+                f,
+                ((distinct as f64 * f / ps as f64).round() as u64).max(1) * ps as u64,
+            )
+        })
+        .collect();
+    sizes.sort_by_key(|s| s.1);
+    sizes.dedup_by_key(|s| s.1);
+    for (f, host) in sizes {
         let r = run_with_host(reqs, base, host)?;
         let rate = r.stats.hit_rate() * 100.0;
         println!(
@@ -228,6 +242,10 @@ pub fn advise(
 
 /// The size that reaches the target, and the knee, as `--hicache-size` values.
 fn print_advice(a: &AdviceArgs, points: &[(u64, f64)], ceiling: f64, bpt: usize) {
+    if ceiling <= 0.0 {
+        println!("advice: this trace has no reuse (no host tier gets a hit): none needed");
+        return;
+    }
     let (target, knee) = target_and_knee(points, a.target * ceiling);
     match target {
         Some(i) => println!(
