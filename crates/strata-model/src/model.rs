@@ -71,9 +71,9 @@ pub struct SeqInput<'a> {
 /// A loaded model.
 pub struct Model {
     pub config: Config,
-    embed: Linear,
-    /// The output head when the file has its own (`output.weight`); else the embeddings.
-    output: Option<Linear>,
+    /// The vocabulary projection: the file's own head (`output.weight`), else the embeddings
+    /// (tied); the embeddings' rows are kept apart for the lookup only.
+    head: Linear,
     embed_rows: Vec<f32>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
@@ -114,7 +114,7 @@ impl Model {
         let embed = t("token_embd.weight")?;
         let norm = vec1(&t("output_norm.weight")?)?;
         let output = if output {
-            Some(Linear::new(t("output.weight")?)?)
+            Some(t("output.weight")?)
         } else {
             None
         };
@@ -128,10 +128,10 @@ impl Model {
             .collect::<Result<Vec<_>, _>>()?;
         let (cos, sin) = rope_tables(&c, freqs.as_deref());
         let embed_rows = vec1(&embed)?;
+        let head = Linear::new(output.unwrap_or(embed))?;
         Ok(Model {
             config: c,
-            output,
-            embed: Linear::new(embed)?,
+            head,
             embed_rows,
             norm,
             layers,
@@ -484,7 +484,7 @@ impl Model {
         }
         let sel = self.rmsnorm(&sel, &self.norm);
         let pick_q8: Vec<bool> = pick.iter().map(|&r| q8[r]).collect();
-        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let head = &self.head;
         let logits = self.mm(&sel, &pick_q8, head, true)?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
