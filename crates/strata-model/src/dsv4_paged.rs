@@ -158,7 +158,7 @@ impl Dsv4 {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
         let map = self.page_map(pool)?;
         for (si, s) in seqs.iter().enumerate() {
-            self.check_seq(pool, si, s)?;
+            crate::model::check_seq(pool, si, s, self.cfg.context, self.cfg.vocab)?;
         }
         // Sequences run in parallel: the pages they write must be distinct (a request's own
         // pages are; shared prefix pages are only read).
@@ -201,36 +201,6 @@ impl Dsv4 {
                 out
             })
             .collect())
-    }
-
-    fn check_seq(&self, pool: &DevicePool, si: usize, s: &SeqInput) -> Result<(), ModelError> {
-        let c = &self.cfg;
-        let ps = pool.layout().page_size();
-        let end = s.pos + s.tokens.len();
-        if end > c.context {
-            return Err(kind_err(format!(
-                "sequence {si}: {end} tokens exceed the context length {}",
-                c.context
-            )));
-        }
-        if s.pages.len() * ps < end {
-            return Err(kind_err(format!(
-                "sequence {si}: {} pages of {ps} tokens cannot hold {end} tokens",
-                s.pages.len()
-            )));
-        }
-        if let Some(&p) = s.pages.iter().find(|&&p| p >= pool.pages()) {
-            return Err(kind_err(format!(
-                "sequence {si}: page {p} is outside the device pool"
-            )));
-        }
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(kind_err(format!(
-                "token id {t} is outside the vocabulary ({})",
-                c.vocab
-            )));
-        }
-        Ok(())
     }
 }
 

@@ -360,7 +360,6 @@ impl Model {
         seqs: &[SeqInput],
     ) -> Result<Vec<(usize, usize)>, ModelError> {
         let c = &self.config;
-        let ps = pool.layout().page_size();
         if pool.layout().kinds().first() != Some(&self.pool_kind()) {
             return Err(ModelError::Forward(format!(
                 "device pool layout {:?} does not match the model's {:?}",
@@ -370,33 +369,8 @@ impl Model {
         }
         let mut rows = Vec::new();
         for (si, s) in seqs.iter().enumerate() {
-            let end = s.pos + s.tokens.len();
-            if end > c.context_length {
-                return Err(ModelError::Forward(format!(
-                    "sequence {si}: {end} tokens exceed the context length {}",
-                    c.context_length
-                )));
-            }
-            if s.pages.len() * ps < end {
-                return Err(ModelError::Forward(format!(
-                    "sequence {si}: {} pages of {ps} tokens cannot hold {end} tokens",
-                    s.pages.len()
-                )));
-            }
-            if let Some(&p) = s.pages.iter().find(|&&p| p >= pool.pages()) {
-                return Err(ModelError::Forward(format!(
-                    "sequence {si}: page {p} is outside the device pool"
-                )));
-            }
-            for (j, &t) in s.tokens.iter().enumerate() {
-                if t as usize >= c.vocab {
-                    return Err(ModelError::Forward(format!(
-                        "token id {t} is outside the vocabulary ({})",
-                        c.vocab
-                    )));
-                }
-                rows.push((si, s.pos + j));
-            }
+            check_seq(pool, si, s, c.context_length, c.vocab)?;
+            rows.extend((0..s.tokens.len()).map(|j| (si, s.pos + j)));
         }
         Ok(rows)
     }
@@ -573,6 +547,41 @@ impl Model {
         }
         out
     }
+}
+
+/// Checks one sequence of a forward call against the pool and the model: its tokens fit the
+/// context and its pages, its pages are in the pool, its tokens in the vocabulary.
+pub(crate) fn check_seq(
+    pool: &DevicePool,
+    si: usize,
+    s: &SeqInput,
+    context: usize,
+    vocab: usize,
+) -> Result<(), ModelError> {
+    let ps = pool.layout().page_size();
+    let end = s.pos + s.tokens.len();
+    if end > context {
+        return Err(ModelError::Forward(format!(
+            "sequence {si}: {end} tokens exceed the context length {context}"
+        )));
+    }
+    if s.pages.len() * ps < end {
+        return Err(ModelError::Forward(format!(
+            "sequence {si}: {} pages of {ps} tokens cannot hold {end} tokens",
+            s.pages.len()
+        )));
+    }
+    if let Some(&p) = s.pages.iter().find(|&&p| p >= pool.pages()) {
+        return Err(ModelError::Forward(format!(
+            "sequence {si}: page {p} is outside the device pool"
+        )));
+    }
+    if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ModelError::Forward(format!(
+            "token id {t} is outside the vocabulary ({vocab})"
+        )));
+    }
+    Ok(())
 }
 
 /// Layer `l`'s weights through `t` (a tensor by name, dequantized).

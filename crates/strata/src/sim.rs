@@ -12,6 +12,8 @@ use strata_sim::belady::PageTrace;
 use strata_sim::replay::{replay, SimConfig, SimResult};
 use strata_sim::trace::{read_trace, TraceRequest};
 use strata_sim::{plot, sweep};
+
+use crate::sim_advice::pct;
 use tracing::info;
 
 #[derive(Args, Debug)]
@@ -129,14 +131,6 @@ fn policies(s: &str) -> Result<Vec<EvictionPolicy>> {
                 .with_context(|| format!("--eviction `{p}`: expected lru, gdsf or all"))
         })
         .collect()
-}
-
-fn pct(x: u64, of: u64) -> f64 {
-    if of == 0 {
-        0.0
-    } else {
-        x as f64 * 100.0 / of as f64
-    }
 }
 
 /// How `--write-policy` is spelled back in the report.

@@ -84,19 +84,20 @@ pub fn bytes_per_token(
     }
 }
 
-/// Hours between the trace's first and last request (None when they share a timestamp).
-fn trace_hours(reqs: &[TraceRequest]) -> Option<f64> {
-    let lo = reqs.iter().map(|r| r.timestamp_ms).min()?;
-    let hi = reqs.iter().map(|r| r.timestamp_ms).max()?;
-    (hi > lo).then(|| (hi - lo) as f64 / 3.6e6)
-}
-
-fn pct(x: u64, of: u64) -> f64 {
+/// `x` as a percentage of `of` (0 when `of` is 0).
+pub(crate) fn pct(x: u64, of: u64) -> f64 {
     if of == 0 {
         0.0
     } else {
         x as f64 * 100.0 / of as f64
     }
+}
+
+/// Hours between the trace's first and last request (None when they share a timestamp).
+fn trace_hours(reqs: &[TraceRequest]) -> Option<f64> {
+    let lo = reqs.iter().map(|r| r.timestamp_ms).min()?;
+    let hi = reqs.iter().map(|r| r.timestamp_ms).max()?;
+    (hi > lo).then(|| (hi - lo) as f64 / 3.6e6)
 }
 
 fn run_with_host(reqs: &[TraceRequest], base: &SimConfig, host_tokens: u64) -> Result<SimResult> {
