@@ -46,6 +46,8 @@ fi
 echo "== Python packages the tests use (scripts/requirements-test.txt)"
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
   -r scripts/requirements-test.txt
+# CI builds once from scratch: incremental state would only take disk.
+if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
