@@ -29,13 +29,18 @@ pub struct EngineInfo {
     pub page_size: usize,
     /// Bytes of one page in the host layout (what a KV transfer carries).
     pub page_bytes: usize,
+    /// Bytes of a page's main part (= `page_bytes` without window kinds): a page older than
+    /// the window travels without its window part.
+    pub main_bytes: usize,
+    /// Tokens before a continuation whose window state it reads (0 without window kinds).
+    pub window_tokens: usize,
     /// The page layout in words (compared at KV-transfer handshakes).
     pub layout: String,
     /// The model id of page hashes.
     pub model_id: String,
     /// Key of the page-hash namespace (None: the cache computes no hashes).
     pub hash_key: Option<[u8; 32]>,
-    /// Tokens the device pool holds.
+    /// Tokens the device pool holds (the longest request it can compute).
     pub device_tokens: usize,
     pub max_waiting: usize,
     pub max_tokens_in_flight: usize,
@@ -53,6 +58,11 @@ pub struct EventsPage {
 }
 
 impl EngineInfo {
+    /// The size of a page without its window part, when it differs from a whole page's.
+    pub fn main_page_bytes(&self) -> Option<u64> {
+        (self.main_bytes != self.page_bytes).then_some(self.main_bytes as u64)
+    }
+
     /// What this engine states at a KV-transfer handshake.
     pub fn hello(&self) -> crate::transfer::Hello {
         crate::transfer::Hello {
@@ -111,7 +121,12 @@ impl Engine {
     ) -> EngineHandle {
         let model: Box<dyn Runtime> = Box::new(model);
         let d = cache.device_usage();
-        let device_tokens = d.pages_total as usize * cache.page_size();
+        // A request computes into a page and a window page per page: the smaller pool bounds it.
+        let mut pages = d.pages_total;
+        if cache.has_window() {
+            pages = pages.min(cache.window_usage().0.pages_total);
+        }
+        let device_tokens = pages as usize * cache.page_size();
         if cfg.max_tokens_in_flight == 0 {
             cfg.max_tokens_in_flight = 4 * device_tokens;
         }
@@ -120,6 +135,8 @@ impl Engine {
             vocab: model.vocab(),
             page_size: cache.page_size(),
             page_bytes: cache.layout().page_bytes(),
+            main_bytes: cache.layout().class_bytes(strata_kv::Class::Main),
+            window_tokens: cache.layout().window_tokens(),
             layout: format!("{:?}", cache.layout().kinds()),
             model_id: cfg.model_id.clone(),
             hash_key: cache.hash_key(),
@@ -252,11 +269,25 @@ impl EngineHandle {
                 self.info.page_size
             )));
         }
-        if let Some(p) = kv.pages.iter().find(|p| p.len() != self.info.page_bytes) {
+        let i = &self.info;
+        if let Some(p) = kv
+            .pages
+            .iter()
+            .find(|p| p.len() != i.page_bytes && p.len() != i.main_bytes)
+        {
             return Err(SubmitError::BadKv(format!(
                 "a page of {} bytes, this pool's pages have {}",
                 p.len(),
-                self.info.page_bytes
+                i.page_bytes
+            )));
+        }
+        // The pages the window before the first new token reads must come whole.
+        let from = prompt.len().saturating_sub(i.window_tokens) / i.page_size;
+        if let Some(k) = (from..want).find(|&k| kv.pages[k].len() != i.page_bytes) {
+            return Err(SubmitError::BadKv(format!(
+                "page {k} arrived without its window part, which the window before position {} \
+                 reads",
+                prompt.len()
             )));
         }
         self.submit_with(prompt, params, false, Some(kv))

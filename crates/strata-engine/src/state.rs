@@ -28,6 +28,9 @@ pub struct Snapshot {
     pub storage: Option<StorageStats>,
     pub device: TierUsage,
     pub host: TierUsage,
+    /// Window pages of the device and host tiers (all zero without window kinds).
+    pub device_window: TierUsage,
+    pub host_window: TierUsage,
     pub pools: Vec<PoolUsage>,
     /// Device pages held by requests (not in the tree): their own pages.
     pub device_pages_held: u64,

@@ -9,6 +9,7 @@ use strata_engine::transfer::{read_frame, recv_kv, write_frame, Admit, Frame, Re
 fn lim() -> RecvLimits {
     RecvLimits {
         page_bytes: 32,
+        main_page_bytes: None,
         page_size: 4,
         max_tokens: 64,
     }

@@ -145,10 +145,10 @@ fn bench_copy(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(bytes as u64));
     g.sample_size(20);
     g.bench_function("device_to_host", |b| {
-        b.iter(|| copy_pages(&dev, &host, Direction::DeviceToHost, black_box(&pairs)))
+        b.iter(|| copy_pages(&dev, &host, Direction::DeviceToHost, black_box(&pairs), &[]))
     });
     g.bench_function("host_to_device", |b| {
-        b.iter(|| copy_pages(&dev, &host, Direction::HostToDevice, black_box(&pairs)))
+        b.iter(|| copy_pages(&dev, &host, Direction::HostToDevice, black_box(&pairs), &[]))
     });
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];

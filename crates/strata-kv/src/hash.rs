@@ -80,6 +80,12 @@ impl HashNamespace {
             for v in [k.layers, k.planes, k.plane_bytes_per_token] {
                 h.update(&(v as u64).to_le_bytes());
             }
+            // A window kind changes the blob's order (main chunks first): its own namespace.
+            // Main kinds add nothing, so the hashes of layouts without windows are unchanged.
+            if let Some(w) = k.window {
+                h.update(b"window");
+                h.update(&(w as u64).to_le_bytes());
+            }
         }
         HashNamespace {
             key: *h.finalize().as_bytes(),

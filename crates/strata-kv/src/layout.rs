@@ -8,6 +8,12 @@
 //!   chunks for all pages, which is what attention kernels want.
 //! * Host (L2) layout is page-first: one page is one contiguous blob holding every chunk of every
 //!   kind, so it moves to disk or network in one piece.
+//!
+//! Kinds come in two classes. *Main* kinds are needed for the whole prefix (attention K/V,
+//! compressed blocks). *Window* kinds ([`PoolKind::window`]) are read only for the last few
+//! tokens before a continuation starts (a sliding window's raw K/V, a compressor's open block):
+//! they live in their own page space per tier, so a page may keep its main state and drop its
+//! window state. In a blob the main chunks come first, then the window chunks.
 
 use thiserror::Error;
 
@@ -24,6 +30,10 @@ pub enum LayoutError {
     DuplicateName(String),
     #[error("page of {0} tokens overflows the address space")]
     Overflow(usize),
+    #[error("pool kind `{0}`: a window must be at least one token")]
+    ZeroWindow(String),
+    #[error("every pool kind has a window: a page needs at least one main kind")]
+    NoMainKind,
 }
 
 /// One kind of per-token state, per rank.
@@ -34,6 +44,16 @@ pub struct PoolKind {
     /// Planes per layer: 2 (K and V) for attention KV, 1 for a single-tensor state.
     pub planes: usize,
     pub plane_bytes_per_token: usize,
+    /// `Some(w)`: a continuation at position `P` reads this kind only for positions in
+    /// `[P − w, P)` (a window kind); `None`: for the whole prefix (a main kind).
+    pub window: Option<usize>,
+}
+
+/// A pool kind's class: which page space of a tier holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Class {
+    Main,
+    Window,
 }
 
 impl PoolKind {
@@ -50,6 +70,7 @@ impl PoolKind {
             layers,
             planes: 2,
             plane_bytes_per_token: kv_heads * head_dim * dtype_bytes,
+            window: None,
         }
     }
 
@@ -60,6 +81,21 @@ impl PoolKind {
             layers,
             planes: 1,
             plane_bytes_per_token: bytes,
+            window: None,
+        }
+    }
+
+    /// This kind, read only for the last `tokens` positions before a continuation.
+    pub fn with_window(mut self, tokens: usize) -> Self {
+        self.window = Some(tokens);
+        self
+    }
+
+    pub fn class(&self) -> Class {
+        if self.window.is_some() {
+            Class::Window
+        } else {
+            Class::Main
         }
     }
 
@@ -75,7 +111,8 @@ pub struct Chunk {
     pub kind: usize,
     pub layer: usize,
     pub plane: usize,
-    /// Offset of this chunk inside a host page blob.
+    pub class: Class,
+    /// Offset of this chunk inside a host page blob (main chunks, then window chunks).
     pub host_offset: usize,
     pub bytes: usize,
 }
@@ -87,6 +124,8 @@ pub struct PageLayout {
     kinds: Vec<PoolKind>,
     chunks: Vec<Chunk>,
     page_bytes: usize,
+    main_bytes: usize,
+    window: usize,
 }
 
 impl PageLayout {
@@ -97,8 +136,6 @@ impl PageLayout {
         if kinds.is_empty() {
             return Err(LayoutError::NoPools);
         }
-        let mut chunks = Vec::new();
-        let mut off = 0usize;
         for (ki, k) in kinds.iter().enumerate() {
             if k.layers == 0 || k.planes == 0 || k.plane_bytes_per_token == 0 {
                 return Err(LayoutError::EmptyPool(k.name.clone()));
@@ -106,29 +143,49 @@ impl PageLayout {
             if kinds[..ki].iter().any(|o| o.name == k.name) {
                 return Err(LayoutError::DuplicateName(k.name.clone()));
             }
-            let bytes = page_size
-                .checked_mul(k.plane_bytes_per_token)
-                .ok_or(LayoutError::Overflow(page_size))?;
-            for layer in 0..k.layers {
-                for plane in 0..k.planes {
-                    chunks.push(Chunk {
-                        kind: ki,
-                        layer,
-                        plane,
-                        host_offset: off,
-                        bytes,
-                    });
-                    off = off
-                        .checked_add(bytes)
-                        .ok_or(LayoutError::Overflow(page_size))?;
-                }
+            if k.window == Some(0) {
+                return Err(LayoutError::ZeroWindow(k.name.clone()));
             }
         }
+        if kinds.iter().all(|k| k.window.is_some()) {
+            return Err(LayoutError::NoMainKind);
+        }
+        let mut chunks = Vec::new();
+        let mut off = 0usize;
+        let mut main_bytes = 0;
+        for class in [Class::Main, Class::Window] {
+            for (ki, k) in kinds.iter().enumerate().filter(|(_, k)| k.class() == class) {
+                let bytes = page_size
+                    .checked_mul(k.plane_bytes_per_token)
+                    .ok_or(LayoutError::Overflow(page_size))?;
+                for layer in 0..k.layers {
+                    for plane in 0..k.planes {
+                        chunks.push(Chunk {
+                            kind: ki,
+                            layer,
+                            plane,
+                            class,
+                            host_offset: off,
+                            bytes,
+                        });
+                        off = off
+                            .checked_add(bytes)
+                            .ok_or(LayoutError::Overflow(page_size))?;
+                    }
+                }
+            }
+            if class == Class::Main {
+                main_bytes = off;
+            }
+        }
+        let window = kinds.iter().filter_map(|k| k.window).max().unwrap_or(0);
         Ok(PageLayout {
             page_size,
             kinds,
             chunks,
             page_bytes: off,
+            main_bytes,
+            window,
         })
     }
 
@@ -153,6 +210,30 @@ impl PageLayout {
     /// Bytes per token over all kinds.
     pub fn bytes_per_token(&self) -> usize {
         self.page_bytes / self.page_size
+    }
+
+    /// Bytes of one page's chunks of `class` (a blob is the main part, then the window part).
+    pub fn class_bytes(&self, class: Class) -> usize {
+        match class {
+            Class::Main => self.main_bytes,
+            Class::Window => self.page_bytes - self.main_bytes,
+        }
+    }
+
+    /// Whether some kind is a window kind.
+    pub fn has_window(&self) -> bool {
+        self.main_bytes < self.page_bytes
+    }
+
+    /// Tokens before a continuation whose window state it reads: the largest window of any
+    /// kind (0 without window kinds).
+    pub fn window_tokens(&self) -> usize {
+        self.window
+    }
+
+    /// The class of kind `kind`.
+    pub fn class_of(&self, kind: usize) -> Class {
+        self.kinds[kind].class()
     }
 }
 
@@ -184,6 +265,44 @@ mod tests {
         let last = l.chunks().last().unwrap();
         assert_eq!((last.kind, last.layer, last.plane), (1, 1, 0));
         assert_eq!(last.host_offset + last.bytes, l.page_bytes());
+    }
+
+    #[test]
+    fn window_kinds_follow_the_main_part_of_a_blob() {
+        let l = PageLayout::new(
+            2,
+            vec![
+                PoolKind::aux("raw", 2, 5).with_window(8),
+                PoolKind::aux("blocks", 1, 3),
+                PoolKind::aux("rows", 1, 7).with_window(128),
+            ],
+        )
+        .unwrap();
+        assert_eq!(l.class_bytes(Class::Main), 2 * 3);
+        assert_eq!(l.class_bytes(Class::Window), 2 * (2 * 5 + 7));
+        assert_eq!(l.window_tokens(), 128);
+        assert!(l.has_window());
+        let c = l.chunks();
+        assert_eq!(
+            (c[0].kind, c[0].class, c[0].host_offset),
+            (1, Class::Main, 0)
+        );
+        assert_eq!(
+            (c[1].kind, c[1].class, c[1].host_offset),
+            (0, Class::Window, 6)
+        );
+        assert_eq!(c.last().unwrap().host_offset + 14, l.page_bytes());
+        assert!(matches!(
+            PageLayout::new(1, vec![PoolKind::aux("a", 1, 1).with_window(0)]),
+            Err(LayoutError::ZeroWindow(_))
+        ));
+        assert_eq!(
+            PageLayout::new(1, vec![PoolKind::aux("a", 1, 1).with_window(4)]),
+            Err(LayoutError::NoMainKind)
+        );
+        let plain = PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 4, 2)]).unwrap();
+        assert!(!plain.has_window());
+        assert_eq!(plain.class_bytes(Class::Main), plain.page_bytes());
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub use cache::{
     CacheConfig, CacheError, CacheEvent, CacheMatch, Lease, Served, Ticket, Tier, TieredCache,
 };
 pub use hash::{HashNamespace, PageHash};
-pub use layout::{PageLayout, PoolKind};
+pub use layout::{Class, PageLayout, PoolKind};
 pub use policy::{EvictionPolicy, PrefetchPolicy, WritePolicy};
 pub use stats::{CacheStats, PoolUsage, TierUsage, Transfer};
-pub use tree::{NodeId, RadixTree, Slot, ROOT};
+pub use tree::{NodeId, RadixTree, Slot, NO_PAGE, ROOT};

@@ -52,6 +52,12 @@ pub struct CacheStats {
     pub evicted_host_tokens: u64,
     pub evicted_device_nodes: u64,
     pub evicted_host_nodes: u64,
+    /// Window pages dropped from each tier (their nodes keep their main pages).
+    pub evicted_device_window_pages: u64,
+    pub evicted_host_window_pages: u64,
+    /// Matched tokens given up because the window state before their end was gone (the hit
+    /// backs off to the deepest boundary it can continue from); counted as misses.
+    pub window_cut_tokens: u64,
     pub load_back: Transfer,
     pub backup: Transfer,
     pub storage_get: Transfer,
@@ -100,6 +106,8 @@ pub struct TierUsage {
 pub struct PoolUsage {
     pub tier: &'static str,
     pub kind: String,
+    /// Tokens the kind's pages hold in that tier (window pages for a window kind).
+    pub tokens_total: u64,
     pub bytes_total: u64,
     pub bytes_used: u64,
 }

@@ -4,7 +4,9 @@
 
 use crate::cache::TieredCache;
 use crate::hash::PageHash;
-use crate::pool::DevicePool;
+use crate::layout::Class;
+use crate::pool::{blob_len, DevicePool};
+use crate::tree::NO_PAGE;
 
 /// The bytes chunk `chunk` (host-order index) of the page with hash `h` must hold.
 pub fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
@@ -19,14 +21,25 @@ pub fn expected_chunk(h: &PageHash, chunk: usize, len: usize) -> Vec<u8> {
 /// Writes the expected bytes of page identity `h` into device page `page` (what a model's
 /// forward pass would do).
 pub fn write_expected_page(dev: &DevicePool, page: u32, h: &PageHash) {
+    write_expected_page_with_window(dev, page, None, h)
+}
+
+/// [`write_expected_page`] with the window chunks into window page `window` (none without).
+pub fn write_expected_page_with_window(
+    dev: &DevicePool,
+    page: u32,
+    window: Option<u32>,
+    h: &PageHash,
+) {
     for (i, c) in dev.layout().chunks().iter().enumerate() {
-        dev.write_chunk(
-            c.kind,
-            c.layer,
-            c.plane,
-            page,
-            &expected_chunk(h, i, c.bytes),
-        );
+        let p = match c.class {
+            Class::Main => page,
+            Class::Window => match window {
+                Some(w) => w,
+                None => continue,
+            },
+        };
+        dev.write_chunk(c.kind, c.layer, c.plane, p, &expected_chunk(h, i, c.bytes));
     }
 }
 
@@ -38,18 +51,26 @@ pub fn verify_tree_bytes(cache: &TieredCache) {
     let host = cache.host_pool().expect("cache with data");
     let l = dev.layout();
     let mut blob = vec![0; l.page_bytes()];
+    let real = |v: &[u32], i: usize| v.get(i).copied().filter(|&w| w != NO_PAGE);
     for n in t.node_ids() {
         let v = t.view(n);
         for (i, h) in v.hashes.iter().enumerate() {
+            let (dw, hw) = (real(v.device_win, i), real(v.host_win, i));
             for (ci, c) in l.chunks().iter().enumerate() {
                 let want = expected_chunk(h, ci, c.bytes);
-                if let Some(&p) = v.device.get(i) {
+                let window = c.class == Class::Window;
+                let dev_page = if window { dw } else { v.device.get(i).copied() };
+                if let Some(p) = dev_page {
                     let mut got = vec![0; c.bytes];
                     dev.read_chunk(c.kind, c.layer, c.plane, p, &mut got);
                     assert_eq!(got, want, "device page {p} of node {n:?}");
                 }
+                if window && hw.is_none() {
+                    continue;
+                }
                 if let Some(&p) = v.host.get(i) {
-                    host.read_page(p, &mut blob);
+                    let blob = &mut blob[..blob_len(l, hw)];
+                    host.read_page(p, hw, blob);
                     assert_eq!(
                         &blob[c.host_offset..c.host_offset + c.bytes],
                         &want[..],

@@ -10,8 +10,10 @@
 use proptest::prelude::*;
 
 mod common;
-use strata_kv::testing::{expected_chunk, verify_tree_bytes, write_expected_page};
-use strata_kv::{EvictionPolicy, Lease, PrefetchPolicy, Slot, TieredCache, WritePolicy};
+use strata_kv::testing::{expected_chunk, verify_tree_bytes, write_expected_page_with_window};
+use strata_kv::{
+    Class, EvictionPolicy, Lease, PrefetchPolicy, Slot, TieredCache, WritePolicy, NO_PAGE,
+};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -22,6 +24,7 @@ enum Op {
     Drop(u8),
     EvictDevice(u8),
     EvictHost(u8),
+    EvictWindows(u8),
     Poll,
     WaitAll,
 }
@@ -35,6 +38,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Drop),
         1 => (1u8..12).prop_map(Op::EvictDevice),
         1 => (1u8..12).prop_map(Op::EvictHost),
+        1 => (1u8..12).prop_map(Op::EvictWindows),
         1 => Just(Op::Poll),
         1 => Just(Op::WaitAll),
     ]
@@ -62,15 +66,34 @@ impl World {
         (!self.live.is_empty()).then(|| i as usize % self.live.len())
     }
 
-    /// The pages before a ready lease's start hold the prompt's K/V.
+    /// The pages before a ready lease's start hold the prompt's K/V; with window kinds, the
+    /// window pages of the pages covering the window before the start do too.
     fn check_prefix(&self, l: &Live) {
         let dev = self.cache.device_pool().unwrap();
         let layout = dev.layout();
         let hashes = self.cache.page_hashes(&l.prompt);
         // A partial page before the start is the copy-on-write of a whole prompt page.
-        let whole = l.lease.start().div_ceil(self.ps).min(hashes.len());
+        let start = l.lease.start();
+        let whole = start.div_ceil(self.ps).min(hashes.len());
+        let span_from = start.saturating_sub(layout.window_tokens()) / self.ps;
+        let windows = l.lease.windows();
+        if layout.has_window() {
+            assert_eq!(
+                windows.len(),
+                l.lease.pages().len(),
+                "a window entry per page"
+            );
+        }
         for (i, &page) in l.lease.pages()[..whole].iter().enumerate() {
             for (ci, c) in layout.chunks().iter().enumerate() {
+                let page = match c.class {
+                    Class::Main => page,
+                    Class::Window if i < span_from => continue,
+                    Class::Window => {
+                        assert_ne!(windows[i], NO_PAGE, "window page {i} before start {start}");
+                        windows[i]
+                    }
+                };
                 let mut got = vec![0; c.bytes];
                 dev.read_chunk(c.kind, c.layer, c.plane, page, &mut got);
                 assert_eq!(
@@ -98,7 +121,12 @@ impl World {
         let dev = self.cache.device_pool().unwrap();
         let first = l.lease.start() / self.ps;
         for (i, h) in hashes.iter().enumerate().skip(first) {
-            write_expected_page(dev, l.lease.pages()[i], h);
+            let w = l.lease.windows().get(i).copied();
+            assert!(
+                w.is_none() || w != Some(NO_PAGE),
+                "own pages have window pages"
+            );
+            write_expected_page_with_window(dev, l.lease.pages()[i], w, h);
         }
         self.cache.commit(l.lease, &all, computed);
     }
@@ -151,6 +179,10 @@ impl World {
             Op::EvictHost(n) => {
                 self.cache.evict_host(n as usize);
             }
+            Op::EvictWindows(n) => {
+                self.cache.evict_device_windows(n as usize);
+                self.cache.evict_host_windows(n as usize);
+            }
             Op::Poll => {
                 self.cache.poll();
             }
@@ -160,10 +192,20 @@ impl World {
     }
 }
 
-fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool) -> World {
+fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool, window: Option<usize>) -> World {
     let sizes = (96 / ps as u32 + 8, 64 / ps as u32 + 4);
+    let (layout, windows) = match window {
+        None => (common::layout(ps), None),
+        // Fewer window pages than pages: room for the largest request (48 tokens) and its
+        // span, so window pages are evicted while main pages stay.
+        Some(w) => {
+            let d = 48 / ps as u32 + 1 + (w / ps) as u32 + 3;
+            (common::window_layout(ps, w), Some((d, sizes.1 / 3)))
+        }
+    };
+    let l3 = l3.then_some(40);
     World {
-        cache: common::cache(common::layout(ps), sizes, wp, ev, l3.then_some(40)),
+        cache: common::cache_with_windows(layout, sizes, windows, wp, ev, l3),
         ps,
         live: Vec::new(),
     }
@@ -178,10 +220,11 @@ proptest! {
         wp in common::write_policy(),
         gdsf in any::<bool>(),
         l3 in any::<bool>(),
+        window in prop_oneof![Just(None), (1usize..7).prop_map(Some)],
         ops in prop::collection::vec(op(), 1..80),
     ) {
         let ev = if gdsf { EvictionPolicy::Gdsf } else { EvictionPolicy::Lru };
-        let mut w = world(ps, wp, ev, l3);
+        let mut w = world(ps, wp, ev, l3, window);
         for op in &ops {
             w.step(op);
         }
@@ -198,6 +241,8 @@ proptest! {
         verify_tree_bytes(&w.cache);
         let tree_pages = w.cache.tree().pages_in(Slot::Device) as u64;
         prop_assert_eq!(w.cache.device_usage().pages_used, tree_pages, "pages held outside the tree");
+        let tree_windows = w.cache.tree().window_pages_in(Slot::Device) as u64;
+        prop_assert_eq!(w.cache.window_usage().0.pages_used, tree_windows, "window pages held outside the tree");
         // With every lease gone everything is evictable: no lock leaked.
         common::assert_all_evictable(&mut w.cache);
     }

@@ -102,6 +102,10 @@ impl KindSpec {
             layers: self.layers,
             planes: self.planes,
             plane_bytes_per_token: per_token,
+            window: match self.needed {
+                Needed::Prefix => None,
+                Needed::Window(n) => Some(n),
+            },
         })
     }
 

@@ -40,6 +40,7 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         allowed_cpus: vec![0, 1],
         host_text: None,
         device_text: None,
+        window_ratio: None,
     }
 }
 

@@ -83,20 +83,24 @@ impl Dsv4 {
                 "a compressed 128-block must split evenly over the page's tokens",
             ));
         }
-        let one = |name: &str, layers, planes, bytes| PoolKind {
+        let one = |name: &str, layers, planes, bytes, window| PoolKind {
             name: name.into(),
             layers,
             planes,
             plane_bytes_per_token: bytes,
+            window,
         };
+        // Window kinds and what a continuation at P reads of them (docs/DSV4-FORWARD.md §11):
+        // the raw K of [P + 1 − window, P]; a 4-block's rows from 4 tokens before it (7 before
+        // P at most); an open 128-block's rows (127 before P at most).
         let kinds = [
-            one("raw", c.ratios.len(), 1, d),
-            one("csa", n4, 1, d / 4),
-            one("index", n4, 1, di / 4),
-            one("hca", n128, 1, slots * d / ps),
-            one("csa_rows", n4, 2, 2 * d),
-            one("index_rows", n4, 2, 2 * di),
-            one("hca_rows", n128, 2, d),
+            one("raw", c.ratios.len(), 1, d, Some(c.window)),
+            one("csa", n4, 1, d / 4, None),
+            one("index", n4, 1, di / 4, None),
+            one("hca", n128, 1, slots * d / ps, None),
+            one("csa_rows", n4, 2, 2 * d, Some(8)),
+            one("index_rows", n4, 2, 2 * di, Some(8)),
+            one("hca_rows", n128, 2, d, Some(128)),
         ];
         Ok(kinds.into_iter().filter(|k| k.layers > 0).collect())
     }
@@ -161,15 +165,16 @@ impl Dsv4 {
             crate::model::check_seq(pool, si, s, self.cfg.context, self.cfg.vocab)?;
         }
         // Sequences run in parallel: the pages they write must be distinct (a request's own
-        // pages are; shared prefix pages are only read).
+        // pages are; shared prefix pages are only read). Window pages are tagged apart.
         let ps = pool.layout().page_size();
-        let mut written: Vec<(u32, usize)> = seqs
+        let mut written: Vec<(u64, usize)> = seqs
             .iter()
             .enumerate()
-            .filter(|(_, s)| !s.tokens.is_empty())
             .flat_map(|(si, s)| {
-                let (a, b) = (s.pos / ps, (s.pos + s.tokens.len() - 1) / ps);
-                s.pages[a..=b].iter().map(move |&p| (p, si))
+                let r = s.written(ps);
+                let main = s.pages[r.clone()].iter().map(|&p| p as u64);
+                let win = s.windows[r].iter().map(|&w| (1 << 32) | w as u64);
+                main.chain(win).map(move |p| (p, si))
             })
             .collect();
         written.sort_unstable();
@@ -177,9 +182,14 @@ impl Dsv4 {
             .windows(2)
             .find(|w| w[0].0 == w[1].0 && w[0].1 != w[1].1)
         {
+            let what = if w[0].0 >> 32 == 1 {
+                "window page"
+            } else {
+                "page"
+            };
             return Err(kind_err(format!(
-                "sequences {} and {} both write page {}",
-                w[0].1, w[1].1, w[0].0
+                "sequences {} and {} both write {what} {}",
+                w[0].1, w[1].1, w[0].0 as u32
             )));
         }
         Ok(seqs
@@ -189,6 +199,7 @@ impl Dsv4 {
                 let mut st = Paged {
                     pool,
                     pages: s.pages,
+                    windows: s.windows,
                     map: &map,
                 };
                 let mut out = Vec::new();
@@ -220,6 +231,8 @@ fn hca_slots(ps: usize) -> Option<usize> {
 struct Paged<'a> {
     pool: &'a DevicePool,
     pages: &'a [u32],
+    /// The window page of each page (window kinds live there).
+    windows: &'a [u32],
     map: &'a PageMap,
 }
 
@@ -241,10 +254,11 @@ impl Paged<'_> {
             .write_at(kind, layer, plane, page, off, f32_bytes(data));
     }
 
-    /// A per-token item of position `p`.
+    /// A per-token item of position `p` (every per-token kind is a window kind: it lives in
+    /// the window page of `p`'s page).
     fn token_place(&self, kind: usize, layer: usize, p: usize) -> Place {
         let ps = self.map.ps;
-        (kind, layer, self.pages[p / ps], p % ps)
+        (kind, layer, self.windows[p / ps], p % ps)
     }
 
     /// A compressed block `b` of layer `l` (its kind, ratio 4 or 128).

@@ -24,6 +24,7 @@ pub mod gguf_scan;
 pub mod model;
 pub mod q8;
 pub mod runtime;
+mod seq;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tiny_dsv4;

@@ -17,6 +17,8 @@ use crate::attn;
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
 use crate::q8::Q8Matrix;
+pub(crate) use crate::seq::check_seq;
+pub use crate::seq::SeqInput;
 
 /// Decode steps with at most this many tokens in a call use Q8_0 weights ([`Q8Matrix`]): they
 /// are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes. Prompt tokens (prefill
@@ -51,21 +53,6 @@ struct Layer {
     wg: Linear,
     wu: Linear,
     wd: Linear,
-}
-
-/// One sequence of a forward call.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqInput<'a> {
-    /// Tokens to compute now.
-    pub tokens: &'a [u32],
-    /// Tokens of this sequence already in its pages (the cached prefix and earlier chunks).
-    pub pos: usize,
-    /// Device pages holding positions `0..pos + tokens.len()`, in order.
-    pub pages: &'a [u32],
-    /// Generated tokens (a decode step) rather than prompt tokens. Decode steps of at most
-    /// [`QUANTIZED_MAX_ROWS`] tokens may use Q8_0 weights; prompt tokens always use f32, so a
-    /// prompt's logits (and first token) do not depend on how much of it was cached.
-    pub decode: bool,
 }
 
 /// A loaded model.
@@ -282,6 +269,7 @@ impl Model {
             tokens,
             pos,
             pages,
+            windows: &[],
             decode,
         };
         let mut v = self.forward(pool, &[seq], all_logits)?;
@@ -547,41 +535,6 @@ impl Model {
         }
         out
     }
-}
-
-/// Checks one sequence of a forward call against the pool and the model: its tokens fit the
-/// context and its pages, its pages are in the pool, its tokens in the vocabulary.
-pub(crate) fn check_seq(
-    pool: &DevicePool,
-    si: usize,
-    s: &SeqInput,
-    context: usize,
-    vocab: usize,
-) -> Result<(), ModelError> {
-    let ps = pool.layout().page_size();
-    let end = s.pos + s.tokens.len();
-    if end > context {
-        return Err(ModelError::Forward(format!(
-            "sequence {si}: {end} tokens exceed the context length {context}"
-        )));
-    }
-    if s.pages.len() * ps < end {
-        return Err(ModelError::Forward(format!(
-            "sequence {si}: {} pages of {ps} tokens cannot hold {end} tokens",
-            s.pages.len()
-        )));
-    }
-    if let Some(&p) = s.pages.iter().find(|&&p| p >= pool.pages()) {
-        return Err(ModelError::Forward(format!(
-            "sequence {si}: page {p} is outside the device pool"
-        )));
-    }
-    if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ModelError::Forward(format!(
-            "token id {t} is outside the vocabulary ({vocab})"
-        )));
-    }
-    Ok(())
 }
 
 /// Layer `l`'s weights through `t` (a tensor by name, dequantized).

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use strata_kv::memory::HeapAllocator;
-use strata_kv::pool::DevicePool;
-use strata_kv::PageLayout;
+use strata_kv::pool::{blob_len, DevicePool};
+use strata_kv::{PageLayout, NO_PAGE};
 use strata_model::dsv4::Dsv4;
 use strata_model::dsv4_load::load_dsv4;
 use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
@@ -38,7 +38,13 @@ fn reference(m: &Dsv4, toks: &[u32]) -> Vec<Vec<f32>> {
 }
 
 /// Every token's logits from the paged pass, `toks` computed in chunks of `chunk` tokens.
-fn paged(m: &Dsv4, pool: &DevicePool, pages: &[u32], toks: &[u32], chunk: usize) -> Vec<f32> {
+fn paged(
+    m: &Dsv4,
+    pool: &DevicePool,
+    (pages, windows): (&[u32], &[u32]),
+    toks: &[u32],
+    chunk: usize,
+) -> Vec<f32> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < toks.len() {
@@ -47,6 +53,7 @@ fn paged(m: &Dsv4, pool: &DevicePool, pages: &[u32], toks: &[u32], chunk: usize)
             tokens: &toks[at..at + n],
             pos: at,
             pages,
+            windows,
             decode: false,
         };
         out.extend(m.forward_rows(pool, &[seq], &[true]).unwrap().remove(0));
@@ -73,10 +80,11 @@ fn every_page_size_and_chunking_gives_the_references_bits() {
     ] {
         let n_pages = 300usize.div_ceil(ps) as u32;
         let pool = pool(&m, ps, n_pages + 3);
-        // Pages in a scrambled order: the pass must follow the page list.
+        // Pages in a scrambled order, window pages in another: the pass must follow both.
         let pages: Vec<u32> = (0..n_pages).map(|i| (i * 7 + 2) % (n_pages + 3)).collect();
+        let windows: Vec<u32> = (0..n_pages).rev().collect();
         for &c in chunks {
-            let got = paged(&m, &pool, &pages, &toks, c);
+            let got = paged(&m, &pool, (&pages, &windows), &toks, c);
             assert!(bits(&got) == bits(&want), "page size {ps}, chunks of {c}");
         }
     }
@@ -94,12 +102,14 @@ fn a_batch_gives_each_sequence_its_own_logits() {
             tokens: &a,
             pos: 0,
             pages: &pa,
+            windows: &pa,
             decode: false,
         },
         SeqInput {
             tokens: &b,
             pos: 0,
             pages: &pb,
+            windows: &pb,
             decode: false,
         },
     ];
@@ -110,33 +120,56 @@ fn a_batch_gives_each_sequence_its_own_logits() {
 
 /// A prefix's pages copied out in the host layout and into other device pages (what a host,
 /// disk, Redis or PD hit does) continue exactly, for prefixes ending before, on and after the
-/// window and block boundaries.
+/// window and block boundaries — with window state only for the pages covering the layout's
+/// window before the hit (the rest of the prefix keeps its main kinds alone, as after window
+/// eviction): the window kinds' stated windows are all a continuation reads.
 #[test]
 fn a_prefix_moved_through_the_host_layout_resumes_exactly() {
     let m = model();
     let toks = prompt(300, 3);
     let want = reference(&m, &toks);
     let ps = 4;
-    let pool = pool(&m, ps, 2 * 75 + 2);
+    let layout = Arc::new(PageLayout::new(ps, m.pool_kinds(ps).unwrap()).unwrap());
+    let w = layout.window_tokens();
+    assert_eq!(w, 128, "the open 128-block's rows are the widest window");
+    let pool = DevicePool::with_window(layout.clone(), 150, 150, &HeapAllocator).unwrap();
     let first: Vec<u32> = (0..75).collect();
-    paged(&m, &pool, &first, &toks, 300);
-    let mut blob = vec![0u8; pool.layout().page_bytes()];
-    let zeros = vec![0u8; pool.layout().page_bytes()];
+    paged(&m, &pool, (&first, &first), &toks, 300);
+    let mut blob = vec![0u8; layout.page_bytes()];
+    let zeros = vec![0u8; layout.page_bytes()];
     for hit in [28, 32, 36, 124, 128, 132, 252, 256, 260] {
+        let span_from = (hit - w.min(hit)) / ps;
         let moved: Vec<u32> = (75..150).collect();
+        let moved_w: Vec<u32> = (0..75)
+            .map(|i| {
+                if i < span_from {
+                    NO_PAGE
+                } else {
+                    75 + i as u32
+                }
+            })
+            .collect();
         // Nothing left from the previous hit: a read before its write would see zeros.
-        for &p in &moved {
-            pool.write_page_host_layout(p, &zeros);
+        for (&p, &wp) in moved.iter().zip(&moved_w) {
+            let wp = (wp != NO_PAGE).then_some(wp);
+            pool.write_page_host_layout(p, wp, &zeros[..blob_len(&layout, wp)]);
         }
-        for (&src, &dst) in first.iter().zip(&moved).take(hit / ps) {
-            pool.read_page_host_layout(src, &mut blob);
-            pool.write_page_host_layout(dst, &blob);
+        for (i, (&src, &dst)) in first.iter().zip(&moved).take(hit / ps).enumerate() {
+            let (sw, dw) = if i < span_from {
+                (None, None)
+            } else {
+                (Some(src), Some(moved_w[i]))
+            };
+            let blob = &mut blob[..blob_len(&layout, sw)];
+            pool.read_page_host_layout(src, sw, blob);
+            pool.write_page_host_layout(dst, dw, blob);
         }
         let rest = &toks[hit..];
         let seq = SeqInput {
             tokens: rest,
             pos: hit,
             pages: &moved,
+            windows: &moved_w,
             decode: false,
         };
         let got = m.forward_rows(&pool, &[seq], &[true]).unwrap().remove(0);
@@ -144,6 +177,17 @@ fn a_prefix_moved_through_the_host_layout_resumes_exactly() {
             bits(&got) == bits(&want[hit..].concat()),
             "a hit of {hit} tokens"
         );
+        // One page short of the window is refused by name, not read.
+        if span_from > 0 {
+            let mut short = moved_w.clone();
+            short[span_from] = NO_PAGE;
+            let seq = SeqInput {
+                windows: &short,
+                ..seq
+            };
+            let e = m.forward_rows(&pool, &[seq], &[false]).unwrap_err();
+            assert!(e.to_string().contains("has no window page"), "{e}");
+        }
     }
 }
 
@@ -170,6 +214,7 @@ fn page_sizes_that_split_a_block_are_refused() {
         tokens: &[1, 2],
         pos: 0,
         pages: &[0],
+        windows: &[0],
         decode: false,
     };
     assert!(m.forward_rows(&other, &[seq], &[false]).is_ok());

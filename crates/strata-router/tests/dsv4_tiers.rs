@@ -234,3 +234,66 @@ async fn every_tier(c: Case) {
         x.stop().await;
     }
 }
+
+/// Window residency (pages of 4 tokens, a window of 128 before a continuation): with few
+/// window pages, an older prefix's window pages are dropped while its main pages stay on
+/// device. A hit whose window state is gone backs off to the deepest boundary it can continue
+/// from; with the host tier holding the window pages, they come back and the hit is whole.
+/// Either way the answer is the recomputed one, to the bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_window_pages_back_off_the_hit_or_come_back_from_host() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_dsv4_model(d.path());
+    let c = SMALL;
+    let cold = spawn_worker(
+        &path,
+        WorkerSpec {
+            engine: EngineConfig {
+                prefix_cache: false,
+                ..EngineConfig::default()
+            },
+            ..spec(c, None, "disk")
+        },
+    )
+    .await;
+    let base = base_of(c.base);
+    // Shares the base's first 128 tokens: the base splits there, and this prompt's window
+    // pages take those of the base's older tail (120 window pages hold one prompt and a
+    // little more; main pages hold 1024).
+    let mut other = base[..128].to_vec();
+    other.extend((0..172u32).map(|i| (i * 17 + 5) % 280 + (i % 2)));
+    let hit = (260, 12);
+    for (host_windows, cached_want) in [(0, 128), (1024, 260)] {
+        let w = spawn_worker(
+            &path,
+            WorkerSpec {
+                window_pages: Some((120, host_windows)),
+                ..spec(c, None, "disk")
+            },
+        )
+        .await;
+        complete(&w.url, &base).await;
+        complete(&w.url, &other).await;
+        let dropped = w.state.engine.snapshot().cache.evicted_device_window_pages;
+        assert!(dropped > 0, "the base's tail lost its window pages");
+        let prompt = with_hit(hit, 5 + host_windows);
+        let (want, _) = complete(&cold.url, &prompt).await;
+        let before = w.state.engine.snapshot();
+        let (got, cached) = complete(&w.url, &prompt).await;
+        let after = w.state.engine.snapshot();
+        assert_eq!(cached, cached_want, "host window pages: {host_windows}");
+        assert_eq!(
+            after.cached_device_tokens - before.cached_device_tokens,
+            cached_want,
+            "main pages served from device"
+        );
+        let cut = after.cache.window_cut_tokens - before.cache.window_cut_tokens;
+        assert_eq!(cut, (hit.0 as u64 - cached_want), "tokens given up");
+        assert_eq!(
+            got, want,
+            "the recomputed answer (host window pages: {host_windows})"
+        );
+        w.stop().await;
+    }
+    cold.stop().await;
+}

@@ -48,17 +48,32 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         t.sample("strata_cache_used_bytes", &l, p.bytes_used as f64);
     }
     pool_kinds(t, st, s);
-    for (tier, u) in [("device", &s.device), ("host", &s.host)] {
-        t.sample(
-            "strata_cache_pages",
-            &[("tier", tier), ("state", "used")],
-            u.pages_used as f64,
-        );
-        t.sample(
-            "strata_cache_pages",
-            &[("tier", tier), ("state", "total")],
-            u.pages_total as f64,
-        );
+    let windows = st.engine.info().window_tokens > 0;
+    for (tier, u, w) in [
+        ("device", &s.device, &s.device_window),
+        ("host", &s.host, &s.host_window),
+    ] {
+        for (state, v, wv) in [
+            ("used", u.pages_used, w.pages_used),
+            ("total", u.pages_total, w.pages_total),
+        ] {
+            let l = [("tier", tier), ("state", state)];
+            t.sample("strata_cache_pages", &l, v as f64);
+            if windows {
+                t.sample("strata_cache_window_pages", &l, wv as f64);
+            }
+        }
+    }
+    if windows {
+        for (tier, v) in [
+            ("device", c.evicted_device_window_pages),
+            ("host", c.evicted_host_window_pages),
+        ] {
+            let l = [("tier", tier)];
+            t.sample("strata_cache_window_evicted_pages_total", &l, v as f64);
+        }
+        let cut = c.window_cut_tokens as f64;
+        t.sample("strata_cache_window_cut_tokens_total", &[], cut);
     }
     t.sample(
         "strata_cache_evicted_tokens_total",
@@ -74,10 +89,9 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
 
 /// Per pool kind: bytes per token and the bytes served from each tier.
 fn pool_kinds(t: &mut Text, st: &AppState, s: &Snapshot) {
-    let device_tokens = s.device.pages_total * st.engine.info().page_size as u64;
     let l3 = st.storage_tier.as_str();
     for p in s.pools.iter().filter(|p| p.tier == "device") {
-        let Some(bpt) = p.bytes_total.checked_div(device_tokens) else {
+        let Some(bpt) = p.bytes_total.checked_div(p.tokens_total) else {
             continue;
         };
         let pool = p.kind.as_str();

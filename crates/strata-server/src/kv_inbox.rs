@@ -17,6 +17,9 @@ use tokio::sync::Notify;
 /// Bounds of the KV listener: everything a peer can make it hold.
 #[derive(Clone, Debug)]
 pub struct KvLimits {
+    /// Pages of this many bytes (a page's main part without its window part) are accepted
+    /// beside whole pages (layouts with window kinds; None otherwise).
+    pub main_page_bytes: Option<u64>,
     /// Bytes of received pages held at most (beyond: the sender is told to retry; a
     /// transfer larger than this is refused outright).
     pub staging: u64,
@@ -43,6 +46,7 @@ pub struct KvLimits {
 impl Default for KvLimits {
     fn default() -> Self {
         KvLimits {
+            main_page_bytes: None,
             staging: 1 << 30,
             max_connections: 64,
             max_unauthenticated: 16,
@@ -295,6 +299,7 @@ impl KvInbox {
         ticket.authenticated();
         let lim = RecvLimits {
             page_bytes: self.page_bytes,
+            main_page_bytes: self.limits.main_page_bytes,
             page_size: self.limits.page_size,
             max_tokens: self.limits.max_tokens,
         };

@@ -130,6 +130,8 @@ pub struct WorkerSpec {
     pub page_size: usize,
     pub device_pages: u32,
     pub host_pages: u32,
+    /// Device and host window pages (layouts with window kinds; None: one per page).
+    pub window_pages: Option<(u32, u32)>,
     /// Start a KV listener (a decode worker under PD).
     pub kv_listener: bool,
     /// Prefill workers this worker may be told to use.
@@ -152,6 +154,7 @@ impl Default for WorkerSpec {
             page_size: 16,
             device_pages: 128,
             host_pages: 128,
+            window_pages: None,
             kv_listener: false,
             prefill_workers: Vec::new(),
             engine: EngineConfig::default(),
@@ -198,6 +201,9 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     let (m, tk) = (loaded.runtime, loaded.tokenizer);
     let layout = PageLayout::new(spec.page_size, m.pool_kinds(spec.page_size).unwrap()).unwrap();
     let mut cc = CacheConfig::new(layout, spec.device_pages, spec.host_pages);
+    if let Some((d, h)) = spec.window_pages {
+        (cc.device_window_pages, cc.host_window_pages) = (d, h);
+    }
     cc.model_id = "tiny".into();
     cc.hashing = true;
     let cache = TieredCache::new(cc, &HeapAllocator, spec.storage).unwrap();
@@ -222,6 +228,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
         let limits = KvLimits {
             page_size: info.page_size as u32,
             max_tokens: info.context_length,
+            main_page_bytes: info.main_page_bytes(),
             ..KvLimits::default()
         };
         st.pd.kv = Some(KvInbox::start(

@@ -354,6 +354,7 @@ fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
         transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
         let lim = transfer::RecvLimits {
             page_bytes: pb,
+            main_page_bytes: None,
             page_size: 16,
             max_tokens: npages * 16,
         };

@@ -487,6 +487,10 @@ fn build_cache(
     let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
     let storage_tier = storage_tier.to_string();
     let mut cc = CacheConfig::new(layout, device_pages, host_pages);
+    if cc.layout.has_window() {
+        cc.device_window_pages = (plan.device_window_tokens_per_rank / ps as u64) as u32;
+        cc.host_window_pages = (plan.host_window_tokens_per_rank / ps as u64) as u32;
+    }
     cc.model_id = model_id(path);
     cc.write_policy = a.write_policy;
     cc.eviction = c.eviction;
@@ -589,6 +593,7 @@ fn kv_listener(
         max_connections: a.kv_max_connections.max(1),
         max_tokens: info.context_length,
         page_size: info.page_size as u32,
+        main_page_bytes: info.main_page_bytes(),
         ..strata_server::pd::KvLimits::default()
     };
     let inbox =

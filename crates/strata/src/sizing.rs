@@ -78,6 +78,13 @@ pub struct SizingArgs {
     )]
     pub hicache_ratio: Option<f64>,
 
+    /// Models with window kinds (DeepSeek-V4's sliding-window K/V and compressor rows, read
+    /// only for the last tokens before a continuation): window pages per page in each tier,
+    /// in (0, 1]. Below 1 the budgets hold more tokens; a prefix whose window pages were
+    /// dropped resumes from the deepest boundary that kept them. Default 1.
+    #[arg(long, help_heading = "Pools", allow_negative_numbers = true)]
+    pub window_tokens_ratio: Option<f64>,
+
     /// NUMA node for the host cache: a number, or `auto` (the node of the CPUs this process may
     /// use, else the one with the most available memory).
     #[arg(long, default_value = "auto", help_heading = "NUMA")]
@@ -318,6 +325,7 @@ impl SizingArgs {
                 .clone()
                 .or_else(|| self.hicache_total.clone()),
             device_text: self.device_mem.clone(),
+            window_ratio: self.window_tokens_ratio,
         })
     }
 }

@@ -452,3 +452,68 @@ fn every_familys_file_sizes_its_kv() {
         assert_eq!(v["bytes_per_token"], bytes, "{family}");
     }
 }
+
+/// `--window-tokens-ratio`: DeepSeek-V4-Pro's window kinds (98 % of a page) keep their state
+/// for a share of the tokens only, so the incident's 150 GB hold many times the tokens of
+/// compressed prefix; the plan states the ratio, every kind's tokens and bytes inside the
+/// budget. A ratio out of (0, 1], or for a model without window kinds, is refused by name.
+#[test]
+fn a_window_ratio_lets_the_same_budget_hold_more_prefix() {
+    let plan = |ratio: Option<&str>, preset: &str| {
+        let mut args = vec![
+            "plan",
+            "--machine",
+            "2x240GB",
+            "--model-preset",
+            preset,
+            "--tp-size",
+            "4",
+            "--page-size",
+            "64",
+            "--device-mem",
+            "2GiB",
+            "--hicache-total",
+            "150GB",
+            "--numa-node",
+            "0",
+            "--json",
+        ];
+        if let Some(r) = ratio {
+            args.extend(["--window-tokens-ratio", r]);
+        }
+        strata(&args)
+    };
+    let whole: serde_json::Value =
+        serde_json::from_str(&out(&plan(None, "deepseek-v4-pro"))).unwrap();
+    let o = plan(Some("0.02"), "deepseek-v4-pro");
+    assert!(o.status.success(), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let tokens = v["host_tokens_per_rank"].as_u64().unwrap();
+    let before = whole["host_tokens_per_rank"].as_u64().unwrap();
+    assert!(tokens > 20 * before, "{tokens} vs {before}");
+    let window = v["host_window_tokens_per_rank"].as_u64().unwrap();
+    assert_eq!(window, (tokens as f64 * 0.02) as u64 / 64 * 64);
+    let mut sum = 0;
+    for p in v["pools"].as_array().unwrap() {
+        let want = if p["needed"] == "prefix" {
+            tokens
+        } else {
+            window
+        };
+        assert_eq!(p["host_tokens"].as_u64().unwrap(), want, "{}", p["kind"]);
+        sum += p["host_bytes"].as_u64().unwrap();
+    }
+    assert_eq!(sum, v["host_bytes_per_rank"].as_u64().unwrap());
+    assert!(sum <= 37_500_000_000, "{sum}");
+    let decided = v["decided_by"].to_string();
+    assert!(decided.contains("--window-tokens-ratio 0.02"), "{decided}");
+    for (ratio, preset, want) in [
+        ("0", "deepseek-v4-pro", "must be in (0, 1]"),
+        ("1.5", "deepseek-v4-pro", "must be in (0, 1]"),
+        ("0.5", "smollm2-135m", "has no window kinds"),
+    ] {
+        let o = plan(Some(ratio), preset);
+        assert_eq!(o.status.code(), Some(2), "{ratio} {preset}");
+        assert!(err(&o).contains(want), "{ratio} {preset}: {}", err(&o));
+    }
+}

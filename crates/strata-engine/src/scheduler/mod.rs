@@ -362,6 +362,7 @@ impl Scheduler {
                     tokens: &r.tokens[at..at + n],
                     pos: at,
                     pages: r.lease().pages(),
+                    windows: r.lease().windows(),
                     decode: at >= r.prompt_len,
                 }
             })
@@ -593,6 +594,7 @@ impl Scheduler {
         s.storage = self.cache.storage().map(|st| st.stats());
         s.device = self.cache.device_usage();
         s.host = self.cache.host_usage();
+        (s.device_window, s.host_window) = self.cache.window_usage();
         s.pools = self.cache.pool_usage();
         s.device_pages_held = self
             .active

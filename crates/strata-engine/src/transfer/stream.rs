@@ -112,6 +112,9 @@ pub struct Received {
 #[derive(Clone, Copy, Debug)]
 pub struct RecvLimits {
     pub page_bytes: u64,
+    /// Also accepted: pages of this many bytes, their main part alone (a layout with window
+    /// kinds sends a page older than the window without its window part).
+    pub main_page_bytes: Option<u64>,
     pub page_size: u32,
     /// Longest prompt (the receiver's context length).
     pub max_tokens: usize,
@@ -246,7 +249,9 @@ fn recv_pages(
                     Some("a page of another transfer".to_string())
                 } else if index as usize != r.pages.len() {
                     Some(format!("page {index} arrived, expected {}", r.pages.len()))
-                } else if data.len() as u64 != lim.page_bytes {
+                } else if data.len() as u64 != lim.page_bytes
+                    && Some(data.len() as u64) != lim.main_page_bytes
+                {
                     Some(format!(
                         "page of {} bytes, agreed {}",
                         data.len(),

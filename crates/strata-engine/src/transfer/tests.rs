@@ -20,6 +20,7 @@ fn hello(ps: u32) -> Hello {
 fn lim() -> RecvLimits {
     RecvLimits {
         page_bytes: 64,
+        main_page_bytes: None,
         page_size: 1,
         max_tokens: 100,
     }

@@ -2,7 +2,7 @@
 //! hands between tiers), and the L3 writes that follow backups.
 
 use crate::copy::{CopyEngine, Done, JobKind};
-use crate::tree::{NodeId, Slot};
+use crate::tree::{NodeId, Slot, NO_PAGE};
 
 use super::{Pending, Ticket, Tier, TieredCache};
 
@@ -92,7 +92,11 @@ impl TieredCache {
             .remove(&d.ticket)
             .expect("completion for a known ticket");
         match p {
-            Pending::LoadBack { lock, pages } => self.complete_load_back(&d, lock, pages),
+            Pending::LoadBack {
+                lock,
+                pages,
+                windows,
+            } => self.complete_load_back(&d, lock, pages, windows),
             Pending::Backup {
                 lock,
                 nodes,
@@ -103,18 +107,22 @@ impl TieredCache {
                 lock,
                 tokens,
                 host_pages,
+                windows,
                 skip,
-            } => self.complete_prefetch(&d, lock, tokens, host_pages, skip),
+            } => self.complete_prefetch(&d, lock, tokens, (host_pages, windows), skip),
         }
     }
 
     /// A load-back landed: its device pages are readable, the match lock is released.
-    fn complete_load_back(&mut self, d: &Done, lock: NodeId, pages: Vec<u32>) {
+    fn complete_load_back(&mut self, d: &Done, lock: NodeId, pages: Vec<u32>, windows: Vec<u32>) {
         self.stats
             .load_back
             .add(pages.len() as u64, d.bytes, d.nanos);
         for p in &pages {
             self.loading.remove(p);
+        }
+        for w in &windows {
+            self.loading_windows.remove(w);
         }
         self.tree.unlock(lock);
     }
@@ -170,13 +178,14 @@ impl TieredCache {
         }
     }
 
-    /// An L3 read landed: inserts the pages found on host, frees the rest.
+    /// An L3 read landed: inserts the pages found on host (with the window pages that came
+    /// with them), frees the rest.
     fn complete_prefetch(
         &mut self,
         d: &Done,
         lock: NodeId,
         tokens: Vec<u32>,
-        host_pages: Vec<u32>,
+        (host_pages, mut windows): (Vec<u32>, Vec<u32>),
         skip: usize,
     ) {
         self.stats
@@ -189,16 +198,35 @@ impl TieredCache {
             .free(&host_pages[ok..])
             .expect("prefetch pages are held");
         self.held_host -= host_pages.len();
+        // Window pages asked for but not written (an entry without its window part, or past
+        // the pages found) go back.
+        let mut unwritten = Vec::new();
+        for (i, w) in windows.iter_mut().enumerate() {
+            if *w != NO_PAGE && !d.windows.get(i).copied().unwrap_or(false) {
+                unwritten.push(std::mem::replace(w, NO_PAGE));
+            }
+        }
+        let asked = windows.len().min(ok);
+        windows.truncate(asked);
+        let held_windows = windows.iter().filter(|&&w| w != NO_PAGE).count() + unwritten.len();
+        self.held_hwin -= held_windows;
+        self.hwin_alloc
+            .free(&unwritten)
+            .expect("prefetch window pages are held");
         let ps = self.page_size();
-        let ins = self.tree.insert(
+        let ins = self.tree.insert_with_windows(
             &tokens[..(skip + ok) * ps],
             &host_pages[..ok],
+            &windows,
             Slot::Host,
             skip,
         );
         self.host_alloc
             .free(&ins.unused)
             .expect("prefetch pages are held");
+        self.hwin_alloc
+            .free(&ins.unused_windows)
+            .expect("prefetch window pages are held");
         for &n in &ins.filled {
             self.tree.set_in_storage(n, true);
         }
@@ -209,6 +237,7 @@ impl TieredCache {
 
     pub(super) fn put_to_storage(&mut self, nodes: Vec<NodeId>) {
         let mut host_pages = Vec::new();
+        let mut windows = Vec::new();
         let mut hashes = Vec::new();
         let mut locked = Vec::new();
         for n in nodes {
@@ -217,6 +246,10 @@ impl TieredCache {
                 continue;
             }
             host_pages.extend_from_slice(v.host);
+            if self.has_window() {
+                let win = |i: usize| v.host_win.get(i).copied().filter(|&w| w != NO_PAGE);
+                windows.extend((0..v.host.len()).map(win));
+            }
             hashes.extend_from_slice(v.hashes);
             locked.push(n);
         }
@@ -227,7 +260,11 @@ impl TieredCache {
             self.tree.host_lock(n);
         }
         self.submit(
-            JobKind::Put { host_pages, hashes },
+            JobKind::Put {
+                host_pages,
+                windows,
+                hashes,
+            },
             Pending::Put {
                 nodes: locked,
                 heads: Vec::new(),

@@ -18,8 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::hash::PageHash;
+use crate::layout::Class;
 use crate::policy::PrefetchPolicy;
-use crate::tree::{NodeId, ROOT};
+use crate::pool::blob_len;
+use crate::tree::{NodeId, NO_PAGE, ROOT};
 
 use super::{CacheMatch, Ticket, TieredCache};
 
@@ -60,6 +62,11 @@ pub(super) struct Held {
     phase: Phase,
     /// Before ready: the reservation. Ready: the prefix's pages (tree-owned) then the own.
     pages: Vec<u32>,
+    /// With window kinds: a device window page per entry of `pages` (the own ones held by the
+    /// lease; the prefix's the tree's, NO_PAGE where a page has none). Empty otherwise.
+    windows: Vec<u32>,
+    /// Window pages held for the span's load-back (handed to it when it starts).
+    spare: Vec<u32>,
     prefix_pages: usize,
     /// Positions whose K/V are in `pages` once ready.
     start: usize,
@@ -69,6 +76,10 @@ pub(super) struct Held {
 impl Held {
     fn own(&self) -> &[u32] {
         &self.pages[self.prefix_pages..]
+    }
+
+    fn own_windows(&self) -> &[u32] {
+        self.windows.get(self.prefix_pages..).unwrap_or(&[])
     }
 }
 
@@ -102,6 +113,12 @@ impl Lease {
     /// Device pages in position order (prefix then own); final once ready.
     pub fn pages(&self) -> &[u32] {
         &self.held().pages
+    }
+
+    /// With window kinds: the device window page of each entry of [`Lease::pages`] (NO_PAGE
+    /// where a prefix page has none: a page the computation does not read); empty otherwise.
+    pub fn windows(&self) -> &[u32] {
+        &self.held().windows
     }
 
     /// Positions whose K/V the pages already hold (meaningful once ready).
@@ -164,8 +181,10 @@ impl TieredCache {
         };
         self.tree.lock(m.last);
         // The last prompt token is always computed (its logits give the first token): at
-        // most the pages before it are used as they are.
+        // most the pages before it are used as they are, and only as far as the window pages
+        // on device allow.
         let dev_pages = (m.device_tokens / ps).min((prompt.len() - 1) / ps);
+        let dev_pages = self.device_usable(&m.path, dev_pages, prompt.len());
         let reserve_tokens = prompt.len() + new_tokens;
         let total = reserve_tokens.div_ceil(ps);
         // Room for the whole page list (prefix + own) once ready: no reallocation then.
@@ -173,6 +192,18 @@ impl TieredCache {
         if !self.alloc_device_into(total - dev_pages, &mut own) {
             self.tree.unlock(m.last);
             return None;
+        }
+        let (mut windows, mut spare) = (Vec::new(), Vec::new());
+        if self.has_window() {
+            let Some(w) = self.alloc_windows(total - dev_pages) else {
+                self.free_device(&own).expect("just allocated");
+                self.tree.unlock(m.last);
+                return None;
+            };
+            windows = w;
+            // Best effort: room to load the span's window pages back.
+            let span = self.span_pages().min(m.cached_tokens() / ps);
+            spare = self.alloc_windows(span).unwrap_or_default();
         }
         self.record(&m);
         let mut phase = Phase::Loading(None);
@@ -195,6 +226,8 @@ impl TieredCache {
             matched: m,
             phase,
             pages: own,
+            windows,
+            spare,
             prefix_pages: 0,
             start: 0,
             served: Served::default(),
@@ -218,11 +251,30 @@ impl TieredCache {
         self.release_dropped();
         let reserve_tokens = prompt_len + new_tokens;
         let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
+        let mut windows = Vec::new();
+        if self.has_window() {
+            match self.alloc_windows(pages.len()) {
+                Some(w) => windows = w,
+                None => {
+                    self.free_device(&pages).expect("just allocated");
+                    return None;
+                }
+            }
+        }
         let pool = self
-            .device_pool()
+            .planes
+            .device
+            .clone()
             .expect("K/V is imported into a cache with data");
-        for (blob, &page) in blobs.iter().zip(&pages) {
-            pool.write_page_host_layout(page, blob);
+        let main = self.layout.class_bytes(Class::Main);
+        for (i, (blob, &page)) in blobs.iter().zip(&pages).enumerate() {
+            // A page sent without its window part keeps none (it is older than the window).
+            let w = windows.get(i).copied().filter(|_| blob.len() != main);
+            pool.write_page_host_layout(page, w, blob);
+            if w.is_none() && i < windows.len() {
+                let dropped = std::mem::replace(&mut windows[i], NO_PAGE);
+                self.free_windows(&[dropped]);
+            }
         }
         let held = Held {
             prompt_len,
@@ -231,6 +283,8 @@ impl TieredCache {
             matched: CacheMatch::default(),
             phase: Phase::Ready,
             pages,
+            windows,
+            spare: Vec::new(),
             prefix_pages: 0,
             start: prompt_len,
             served: Served::default(),
@@ -277,7 +331,7 @@ impl TieredCache {
         };
         // The tree alone: L3 was asked at admission.
         let tm = self.tree.match_prefix(&prompt);
-        let m = CacheMatch {
+        let mut m = CacheMatch {
             queried_tokens: prompt.len(),
             device_tokens: tm.device_tokens,
             host_tokens: tm.host_tokens,
@@ -285,6 +339,9 @@ impl TieredCache {
             path: tm.path,
             ..CacheMatch::default()
         };
+        // Pages read without their window part may leave the end unusable.
+        self.window_rule(&mut m);
+        self.stats.window_cut_tokens += m.window_cut_tokens as u64;
         self.tree.lock(m.last);
         self.tree.unlock(h.lock);
         h.lock = m.last;
@@ -304,12 +361,17 @@ impl TieredCache {
         let usable = (h.prompt_len - 1) / ps;
         let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
         let mut ticket = None;
-        if host_pages > 0 {
+        if host_pages > 0 || !self.window_loads(m).is_empty() {
             // Those positions will come from the tree: hand the reserved pages back first, so
             // the load-back can land in them. (Freed after it, a pool sized for one long
             // request would need room for it twice, and long prompts would be recomputed.)
             let surplus: Vec<u32> = h.pages.drain(..host_pages).collect();
             self.free_device(&surplus).expect("reserved pages are held");
+            let wn = host_pages.min(h.windows.len());
+            let wsurplus: Vec<u32> = h.windows.drain(..wn).collect();
+            self.free_windows(&wsurplus);
+            let spare = std::mem::take(&mut h.spare);
+            self.free_windows(&spare);
             match self.load_back(&h.matched) {
                 Some(t) => ticket = Some(t),
                 None => {
@@ -319,6 +381,10 @@ impl TieredCache {
                         .alloc_device(host_pages)
                         .expect("the pages just freed are free");
                     h.pages.splice(0..0, back);
+                    let wback = self
+                        .alloc_windows(wn)
+                        .expect("the window pages just freed are free");
+                    h.windows.splice(0..0, wback);
                 }
             }
         }
@@ -328,7 +394,7 @@ impl TieredCache {
     /// No page of the lease's prefix is still being written by a load-back (another request's
     /// may have put it on device, with its copy still in flight).
     fn prefix_landed(&mut self, h: &Held) -> bool {
-        if self.loading.is_empty() {
+        if self.loading.is_empty() && self.loading_windows.is_empty() {
             return true;
         }
         let mut path = std::mem::take(&mut self.scratch_path);
@@ -336,6 +402,10 @@ impl TieredCache {
         let landed = path.iter().all(|&n| {
             let v = self.tree.view(n);
             !v.device.iter().any(|p| self.loading.contains(p))
+                && !v
+                    .device_win
+                    .iter()
+                    .any(|w| self.loading_windows.contains(w))
         });
         self.scratch_path = path;
         landed
@@ -361,12 +431,23 @@ impl TieredCache {
             }
             prefix.extend_from_slice(v.device);
         }
+        // As far as the window pages on device allow (never below the reservation's count).
+        let mut prefix_windows = Vec::new();
+        if self.has_window() {
+            let usable = self.device_usable(&path, prefix.len(), h.prompt_len);
+            prefix.truncate(usable);
+            self.path_device_windows(&path, prefix.len(), &mut prefix_windows);
+            let spare = std::mem::take(&mut h.spare);
+            self.free_windows(&spare);
+        }
         self.scratch_path = path;
         // A page-aligned prompt matched in full: its last page also holds the last token,
         // which is computed again. Copy the page (copy-on-write: the tree's page stays
         // untouched) and compute only that token.
         let cow = prefix.get(keep).copied();
+        let cow_window = prefix_windows.get(keep).copied().filter(|&w| w != NO_PAGE);
         prefix.truncate(keep);
+        prefix_windows.truncate(keep);
         // Pages not loaded (no room) are computed into the reserved pages.
         let own_needed = h.reserve_tokens.div_ceil(ps) - prefix.len();
         if h.pages.len() > own_needed {
@@ -374,15 +455,25 @@ impl TieredCache {
                 .expect("reserved pages are held");
             h.pages.truncate(own_needed);
         }
+        if h.windows.len() > own_needed {
+            let surplus = h.windows.split_off(own_needed);
+            self.free_windows(&surplus);
+        }
         h.prefix_pages = prefix.len();
         h.start = h.prefix_pages * ps;
         if let Some(src) = cow {
             if let Some(pool) = self.device_pool() {
-                pool.copy_page(src, h.pages[0]);
+                pool.copy_page(Class::Main, src, h.pages[0]);
+                if let (Some(w), Some(&dst)) = (cow_window, h.windows.first()) {
+                    pool.copy_page(Class::Window, w, dst);
+                }
             }
             h.start = h.prompt_len - 1;
         }
         h.pages.splice(0..0, prefix.iter().copied());
+        if self.has_window() {
+            h.windows.splice(0..0, prefix_windows);
+        }
         self.scratch_pages = prefix;
         let dev = m.device_tokens.min(h.start);
         let storage = h.served.storage.min(h.start - dev);
@@ -410,10 +501,14 @@ impl TieredCache {
         let computed = computed.min(tokens.len());
         let whole = (computed / ps).max(h.prefix_pages);
         let give = whole - h.prefix_pages;
-        let own = h.own();
-        self.insert(&tokens[..whole * ps], &own[..give], h.prefix_pages);
+        let (own, own_w) = (h.own(), h.own_windows());
+        let give_w = &own_w[..give.min(own_w.len())];
+        self.insert_with_windows(&tokens[..whole * ps], &own[..give], give_w, h.prefix_pages);
         self.free_device(&own[give..])
             .expect("request pages are held");
+        if own_w.len() > give {
+            self.free_windows(&own_w[give..]);
+        }
         self.tree.unlock(h.lock);
     }
 
@@ -433,6 +528,8 @@ impl TieredCache {
             self.wait(t);
         }
         self.free_device(h.own()).expect("request pages are held");
+        self.free_windows(h.own_windows());
+        self.free_windows(&h.spare);
         self.tree.unlock(h.lock);
     }
 
@@ -457,9 +554,11 @@ impl TieredCache {
         let pool = self
             .device_pool()
             .expect("K/V is exported from a cache with data");
-        for &page in &lease.pages()[..n] {
-            let mut blob = vec![0u8; self.layout.page_bytes()];
-            pool.read_page_host_layout(page, &mut blob);
+        for (i, &page) in lease.pages()[..n].iter().enumerate() {
+            // A page without a window page travels as its main part only.
+            let w = lease.windows().get(i).copied().filter(|&w| w != NO_PAGE);
+            let mut blob = vec![0u8; blob_len(&self.layout, w)];
+            pool.read_page_host_layout(page, w, &mut blob);
             blobs.push(blob);
         }
         let mut hashes = self.page_hashes(prompt);

@@ -12,14 +12,14 @@ use thiserror::Error;
 
 use crate::copy::{CopyEngine, Planes};
 use crate::hash::{HashNamespace, PageHash};
-use crate::layout::PageLayout;
+use crate::layout::{Class, PageLayout};
 use crate::memory::{HeapAllocator, HostAllocator, MemError};
 use crate::pages::{PageAllocator, PageError};
 use crate::policy::{EvictionPolicy, WritePolicy};
 use crate::pool::{DevicePool, HostPool};
 use crate::stats::{CacheStats, PoolUsage, TierUsage};
 use crate::storage::Storage;
-use crate::tree::{Inserted, NodeId, RadixTree, Slot};
+use crate::tree::{Inserted, NodeId, RadixTree, Slot, NO_PAGE};
 
 /// How to build a [`TieredCache`].
 #[derive(Clone, Debug)]
@@ -29,6 +29,10 @@ pub struct CacheConfig {
     pub layout: PageLayout,
     pub device_pages: u32,
     pub host_pages: u32,
+    /// Window pages per tier (layouts with window kinds; 0 otherwise). [`CacheConfig::new`]
+    /// gives one per page.
+    pub device_window_pages: u32,
+    pub host_window_pages: u32,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
     /// Compute stable page hashes even without storage or GDSF (e.g. for routing events).
@@ -40,11 +44,14 @@ pub struct CacheConfig {
 
 impl CacheConfig {
     pub fn new(layout: PageLayout, device_pages: u32, host_pages: u32) -> CacheConfig {
+        let w = layout.has_window();
         CacheConfig {
             model_id: "model".into(),
             layout,
             device_pages,
             host_pages,
+            device_window_pages: if w { device_pages } else { 0 },
+            host_window_pages: if w { host_pages } else { 0 },
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
             hashing: false,
@@ -89,6 +96,10 @@ pub struct CacheEvent {
 pub enum CacheError {
     #[error("the device tier needs at least one page")]
     NoDevicePages,
+    #[error("the layout's window kinds need at least one device window page")]
+    NoDeviceWindowPages,
+    #[error("window pages were given for a layout without window kinds")]
+    WindowPagesWithoutWindowKinds,
     #[error(transparent)]
     Mem(#[from] MemError),
     #[error(transparent)]
@@ -113,6 +124,8 @@ pub struct CacheMatch {
     pub last: NodeId,
     /// Hashes of the L3-held pages.
     pub storage_hashes: Vec<PageHash>,
+    /// Matched tokens given up because the window state before their end was gone.
+    pub window_cut_tokens: usize,
 }
 
 impl CacheMatch {
@@ -126,6 +139,8 @@ enum Pending {
         lock: NodeId,
         /// The device pages being written (already the tree's).
         pages: Vec<u32>,
+        /// The device window pages being written (already the tree's).
+        windows: Vec<u32>,
     },
     Backup {
         lock: NodeId,
@@ -142,6 +157,8 @@ enum Pending {
         lock: NodeId,
         tokens: Vec<u32>,
         host_pages: Vec<u32>,
+        /// A host window page per page (NO_PAGE where none was asked for), or empty.
+        windows: Vec<u32>,
         skip: usize,
     },
 }
@@ -153,6 +170,11 @@ pub struct TieredCache {
     write_policy: WritePolicy,
     device_alloc: PageAllocator,
     host_alloc: PageAllocator,
+    /// Window pages per tier (capacity 0 without window kinds).
+    dwin_alloc: PageAllocator,
+    hwin_alloc: PageAllocator,
+    /// Tokens before a continuation whose window state it reads (0: no window kinds).
+    window: usize,
     planes: Planes,
     engine: Option<CopyEngine>,
     pending: FxHashMap<u64, Pending>,
@@ -160,6 +182,8 @@ pub struct TieredCache {
     /// Pages handed to callers and not yet inserted or freed.
     held_device: usize,
     held_host: usize,
+    held_dwin: usize,
+    held_hwin: usize,
     stats: CacheStats,
     events: Vec<CacheEvent>,
     /// Leases dropped without a commit or release (released at the next poll/admit).
@@ -167,6 +191,8 @@ pub struct TieredCache {
     /// Device pages that load-backs in flight are writing: the tree lists them as on device
     /// already, but no request may read them until the copy lands.
     loading: rustc_hash::FxHashSet<u32>,
+    /// The same for device window pages.
+    loading_windows: rustc_hash::FxHashSet<u32>,
     /// Buffers reused by leases (no allocation per request).
     scratch_path: Vec<NodeId>,
     scratch_pages: Vec<u32>,
@@ -181,14 +207,23 @@ impl TieredCache {
         if cfg.device_pages == 0 {
             return Err(CacheError::NoDevicePages);
         }
+        let has_window = cfg.layout.has_window();
+        if has_window && cfg.device_window_pages == 0 {
+            return Err(CacheError::NoDeviceWindowPages);
+        }
+        if !has_window && (cfg.device_window_pages > 0 || cfg.host_window_pages > 0) {
+            return Err(CacheError::WindowPagesWithoutWindowKinds);
+        }
         let layout = Arc::new(cfg.layout);
         let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
         tree.set_history_cap(64 * (cfg.device_pages as usize + cfg.host_pages as usize));
         let (device, host) = if cfg.with_data {
-            let d = DevicePool::new(layout.clone(), cfg.device_pages, &HeapAllocator)?;
-            let h = HostPool::new(layout.clone(), cfg.host_pages, host_alloc)?;
+            let (dp, dw) = (cfg.device_pages, cfg.device_window_pages);
+            let d = DevicePool::with_window(layout.clone(), dp, dw, &HeapAllocator)?;
+            let (hp, hw) = (cfg.host_pages, cfg.host_window_pages);
+            let h = HostPool::with_window(layout.clone(), hp, hw, host_alloc)?;
             (Some(Arc::new(d)), Some(Arc::new(h)))
         } else {
             (None, None)
@@ -203,20 +238,26 @@ impl TieredCache {
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
         Ok(TieredCache {
             tree,
-            layout,
             write_policy: cfg.write_policy,
             device_alloc: PageAllocator::new(cfg.device_pages),
             host_alloc: PageAllocator::new(cfg.host_pages),
+            dwin_alloc: PageAllocator::new(cfg.device_window_pages),
+            hwin_alloc: PageAllocator::new(cfg.host_window_pages),
+            window: layout.window_tokens(),
+            layout,
             planes,
             engine,
             pending: FxHashMap::default(),
             next_ticket: 1,
             held_device: 0,
             held_host: 0,
+            held_dwin: 0,
+            held_hwin: 0,
             stats: CacheStats::default(),
             events: Vec::new(),
             dropped: Default::default(),
             loading: Default::default(),
+            loading_windows: Default::default(),
             scratch_path: Vec::new(),
             scratch_pages: Vec::new(),
         })
@@ -251,33 +292,51 @@ impl TieredCache {
         self.planes.host.as_deref()
     }
 
+    /// Main pages of the device tier (`page_bytes`: their main part).
     pub fn device_usage(&self) -> TierUsage {
-        TierUsage {
-            pages_total: self.device_alloc.capacity() as u64,
-            pages_used: self.device_alloc.used() as u64,
-            page_bytes: self.layout.page_bytes() as u64,
-        }
+        self.usage(&self.device_alloc, Class::Main)
     }
 
     pub fn host_usage(&self) -> TierUsage {
+        self.usage(&self.host_alloc, Class::Main)
+    }
+
+    /// Window pages of the device and host tiers (all zero without window kinds).
+    pub fn window_usage(&self) -> (TierUsage, TierUsage) {
+        (
+            self.usage(&self.dwin_alloc, Class::Window),
+            self.usage(&self.hwin_alloc, Class::Window),
+        )
+    }
+
+    fn usage(&self, alloc: &PageAllocator, class: Class) -> TierUsage {
         TierUsage {
-            pages_total: self.host_alloc.capacity() as u64,
-            pages_used: self.host_alloc.used() as u64,
-            page_bytes: self.layout.page_bytes() as u64,
+            pages_total: alloc.capacity() as u64,
+            pages_used: alloc.used() as u64,
+            page_bytes: self.layout.class_bytes(class) as u64,
         }
     }
 
-    /// Bytes used and total per tier and pool kind (every kind of a page moves together, so
-    /// each kind's share follows its bytes per token).
+    /// Bytes used and total per tier and pool kind (the kinds of a class move together, so
+    /// each kind's share of its class follows its bytes per token).
     pub fn pool_usage(&self) -> Vec<PoolUsage> {
         let ps = self.layout.page_size() as u64;
+        let (dwin, hwin) = self.window_usage();
         let mut out = Vec::new();
-        for (tier, u) in [("device", self.device_usage()), ("host", self.host_usage())] {
+        for (tier, main, win) in [
+            ("device", self.device_usage(), dwin),
+            ("host", self.host_usage(), hwin),
+        ] {
             for k in self.layout.kinds() {
+                let u = match k.class() {
+                    Class::Main => main,
+                    Class::Window => win,
+                };
                 let per_page = ps * k.bytes_per_token() as u64;
                 out.push(PoolUsage {
                     tier,
                     kind: k.name.clone(),
+                    tokens_total: u.pages_total * ps,
                     bytes_total: u.pages_total * per_page,
                     bytes_used: u.pages_used * per_page,
                 });
@@ -392,6 +451,7 @@ impl TieredCache {
                 m.storage_hashes = hashes;
             }
         }
+        self.window_rule(&mut m);
         m
     }
 
@@ -404,6 +464,7 @@ impl TieredCache {
         s.hit_host_tokens += m.host_tokens as u64;
         s.hit_storage_tokens += m.storage_tokens as u64;
         s.miss_tokens += (m.queried_tokens - m.cached_tokens()) as u64;
+        s.window_cut_tokens += m.window_cut_tokens as u64;
         if let WritePolicy::WriteThroughSelective { threshold } = self.write_policy {
             let due: Vec<NodeId> = m
                 .path
@@ -473,11 +534,30 @@ impl TieredCache {
     /// pages (which the caller holds locked in the tree). Pages the tree already had are freed.
     /// Under `write_through` the new nodes are backed up at once.
     pub fn insert(&mut self, tokens: &[u32], pages: &[u32], skip: usize) -> Inserted {
-        let ins = self.tree.insert(tokens, pages, Slot::Device, skip);
+        self.insert_with_windows(tokens, pages, &[], skip)
+    }
+
+    /// [`TieredCache::insert`] with the pages' device window pages (`windows`: empty, or one
+    /// per page, `NO_PAGE` for none; obtained with the pages and held the same way). Window
+    /// pages the tree does not take are freed.
+    pub fn insert_with_windows(
+        &mut self,
+        tokens: &[u32],
+        pages: &[u32],
+        windows: &[u32],
+        skip: usize,
+    ) -> Inserted {
+        let ins = self
+            .tree
+            .insert_with_windows(tokens, pages, windows, Slot::Device, skip);
         self.device_alloc
             .free(&ins.unused)
             .expect("unused pages were held by the caller");
         self.held_device -= pages.len();
+        self.dwin_alloc
+            .free(&ins.unused_windows)
+            .expect("unused window pages were held by the caller");
+        self.held_dwin -= windows.iter().filter(|&&w| w != NO_PAGE).count();
         let ps = self.page_size() as u64;
         self.stats.inserted_tokens += (pages.len() - ins.unused.len()) as u64 * ps;
         self.emit(true, Tier::Device, &ins.filled);
@@ -491,16 +571,26 @@ impl TieredCache {
     /// and allocator usage equals tree pages plus pages held by callers or in flight.
     pub fn check(&self) -> Result<(), String> {
         self.tree.check()?;
-        let mut dev = Vec::new();
-        let mut host = Vec::new();
+        let (mut dev, mut host, mut dwin, mut hwin) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let real = |v: &[u32]| {
+            v.iter()
+                .copied()
+                .filter(|&w| w != NO_PAGE)
+                .collect::<Vec<_>>()
+        };
         for n in self.tree.node_ids() {
             let v = self.tree.view(n);
             dev.extend_from_slice(v.device);
             host.extend_from_slice(v.host);
+            dwin.extend(real(v.device_win));
+            hwin.extend(real(v.host_win));
         }
         for (name, pages, alloc, held) in [
             ("device", &mut dev, &self.device_alloc, self.held_device),
             ("host", &mut host, &self.host_alloc, self.held_host),
+            ("device window", &mut dwin, &self.dwin_alloc, self.held_dwin),
+            ("host window", &mut hwin, &self.hwin_alloc, self.held_hwin),
         ] {
             if let Some(p) = pages.iter().find(|&&p| !alloc.is_allocated(p)) {
                 return Err(format!("{name} page {p} is in the tree but free"));
@@ -528,6 +618,7 @@ impl TieredCache {
 mod complete;
 mod lease;
 mod movement;
+mod window;
 
 pub use lease::{Lease, Served};
 

@@ -4,13 +4,14 @@
 use crate::copy::JobKind;
 use crate::policy::WritePolicy;
 use crate::pool::Direction;
-use crate::tree::{NodeId, Slot};
+use crate::tree::{NodeId, Slot, NO_PAGE};
 
 use super::{CacheMatch, Pending, Ticket, Tier, TieredCache};
 
 impl TieredCache {
-    /// Starts copying the host-only part of a match to the device (all or nothing). The nodes
-    /// are on device (and locked) at once; read them after the ticket completes.
+    /// Starts copying the host-only part of a match to the device (all or nothing), with the
+    /// window pages of the span before its end that the device lacks. The nodes are on device
+    /// (and locked) at once; read them after the ticket completes.
     pub fn load_back(&mut self, m: &CacheMatch) -> Option<Ticket> {
         let nodes: Vec<NodeId> = m
             .path
@@ -18,17 +19,26 @@ impl TieredCache {
             .copied()
             .filter(|&n| self.tree.is_live(n) && self.tree.view(n).device.is_empty())
             .collect();
-        if nodes.is_empty() {
+        let loads = self.window_loads(m);
+        if nodes.is_empty() && loads.is_empty() {
             return None;
         }
         let need: usize = nodes.iter().map(|&n| self.tree.view(n).host.len()).sum();
         self.tree.lock(m.last);
+        let skipped = |c: &mut Self| {
+            c.tree.unlock(m.last);
+            c.stats.load_back_skipped_tokens += (need * c.page_size()) as u64;
+            None
+        };
         let Some(pages) = self.alloc_device(need) else {
-            self.tree.unlock(m.last);
-            self.stats.load_back_skipped_tokens += (need * self.page_size()) as u64;
-            return None;
+            return skipped(self);
+        };
+        let Some(dwins) = self.alloc_windows(loads.len()) else {
+            self.free_device(&pages).expect("just allocated");
+            return skipped(self);
         };
         self.held_device -= need;
+        self.held_dwin -= dwins.len();
         let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(need);
         let mut it = pages.into_iter();
         for n in nodes {
@@ -36,6 +46,13 @@ impl TieredCache {
             let dev: Vec<u32> = it.by_ref().take(host.len()).collect();
             pairs.extend(dev.iter().copied().zip(host));
             self.tree.set_pages(n, Slot::Device, dev);
+        }
+        let mut window_pairs = Vec::with_capacity(loads.len());
+        for (&(n, i, h), &d) in loads.iter().zip(&dwins) {
+            let mut list = vec![NO_PAGE; self.tree.view(n).device.len()];
+            list[i] = d;
+            self.tree.set_windows(n, Slot::Device, &list);
+            window_pairs.push((d, h));
         }
         let loaded: Vec<NodeId> = m
             .path
@@ -46,15 +63,18 @@ impl TieredCache {
         self.emit(true, Tier::Device, &loaded);
         let written: Vec<u32> = pairs.iter().map(|p| p.0).collect();
         self.loading.extend(written.iter().copied());
+        self.loading_windows.extend(dwins.iter().copied());
         let job = JobKind::Copy {
             dir: Direction::HostToDevice,
             pairs,
+            window_pairs,
         };
         Some(self.submit(
             job,
             Pending::LoadBack {
                 lock: m.last,
                 pages: written,
+                windows: dwins,
             },
         ))
     }
@@ -74,9 +94,25 @@ impl TieredCache {
         self.held_host += n;
         let ps = self.page_size();
         let skip = (m.device_tokens + m.host_tokens) / ps;
+        // Host window pages for the L3 pages in the span before the match's end.
+        let mut windows = Vec::new();
+        if self.has_window() {
+            let span = self.span(skip + n, m.queried_tokens);
+            let want: Vec<usize> = (skip..skip + n).filter(|p| span.contains(p)).collect();
+            let got = self.alloc_host_windows(want.len());
+            self.held_hwin += got.len();
+            windows = vec![NO_PAGE; n];
+            for (&p, w) in want.iter().zip(got) {
+                windows[p - skip] = w;
+            }
+        }
         let job = JobKind::Get {
             hashes: m.storage_hashes.clone(),
             host_pages: host_pages.clone(),
+            windows: windows
+                .iter()
+                .map(|&w| (w != NO_PAGE).then_some(w))
+                .collect(),
         };
         let tokens = tokens[..(skip + n) * ps].to_vec();
         Some(self.submit(
@@ -85,6 +121,7 @@ impl TieredCache {
                 lock: m.last,
                 tokens,
                 host_pages,
+                windows,
                 skip,
             },
         ))
@@ -95,6 +132,7 @@ impl TieredCache {
     pub(super) fn backup_nodes(&mut self, nodes: Vec<NodeId>, evict_after: bool) -> Option<Ticket> {
         let mut chosen = Vec::new();
         let mut pairs = Vec::new();
+        let mut window_pairs = Vec::new();
         let mut lock = None;
         for n in nodes {
             let v = self.tree.view(n);
@@ -109,8 +147,15 @@ impl TieredCache {
             let dev = self.tree.view(n).device.to_vec();
             pairs.extend(dev.into_iter().zip(host.iter().copied()));
             self.tree.set_pages(n, Slot::Host, host);
+            self.backup_windows(n, &mut window_pairs);
+            // Pinned until the copy is locked below: a later node's host window pages must
+            // not be taken from this one.
+            self.tree.host_lock(n);
             chosen.push(n);
             lock = Some(n);
+        }
+        for &n in &chosen {
+            self.tree.host_unlock(n);
         }
         let lock = lock?;
         self.emit(true, Tier::Host, &chosen);
@@ -118,6 +163,7 @@ impl TieredCache {
         let job = JobKind::Copy {
             dir: Direction::DeviceToHost,
             pairs,
+            window_pairs,
         };
         Some(self.submit(
             job,
@@ -127,6 +173,35 @@ impl TieredCache {
                 evict_after,
             },
         ))
+    }
+
+    /// Gives node `n` (just given host pages) host window pages for its device window pages,
+    /// as many as the host tier has room for, and records the copies.
+    fn backup_windows(&mut self, n: NodeId, window_pairs: &mut Vec<(u32, u32)>) {
+        let dwin = self.tree.view(n).device_win.to_vec();
+        let real = dwin.iter().filter(|&&w| w != NO_PAGE).count();
+        if real == 0 {
+            return;
+        }
+        let mut got = self.alloc_host_windows(real).into_iter();
+        let list: Vec<u32> = dwin
+            .iter()
+            .map(|&d| {
+                if d == NO_PAGE {
+                    return NO_PAGE;
+                }
+                match got.next() {
+                    Some(h) => {
+                        window_pairs.push((d, h));
+                        h
+                    }
+                    None => NO_PAGE,
+                }
+            })
+            .collect();
+        if list.iter().any(|&w| w != NO_PAGE) {
+            self.tree.set_windows(n, Slot::Host, &list);
+        }
     }
 
     pub(super) fn alloc_host(&mut self, n: usize) -> Option<Vec<u32>> {
@@ -169,6 +244,7 @@ impl TieredCache {
 
     pub(super) fn drop_device(&mut self, v: NodeId) {
         self.emit(false, Tier::Device, &[v]);
+        self.drop_windows(v, Slot::Device);
         let pages = self.tree.take_device(v);
         self.stats.evicted_device_nodes += 1;
         self.stats.evicted_device_tokens += (pages.len() * self.page_size()) as u64;
@@ -186,6 +262,7 @@ impl TieredCache {
             };
             self.tree.split_tail(v, n - got);
             self.emit(false, Tier::Host, &[v]);
+            self.drop_windows(v, Slot::Host);
             let pages = self.tree.take_host(v);
             got += pages.len();
             self.stats.evicted_host_nodes += 1;

@@ -1,26 +1,36 @@
 //! [`RadixTree::check`]: the structural invariants, verified node by node, then the page
 //! counters and the eviction sets.
 
-use super::{chain_step, page_key, NodeId, RadixTree};
+use super::{chain_step, page_key, NodeId, RadixTree, NO_PAGE};
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
 
 impl RadixTree {
     /// Verifies every structural invariant; returns the first violation.
     pub fn check(&self) -> Result<(), String> {
-        let (mut dp, mut hp) = (0, 0);
+        let (mut dp, mut hp, mut dw, mut hw) = (0, 0, 0, 0);
+        let real = |v: &[u32]| v.iter().filter(|&&w| w != NO_PAGE).count();
         for id in self.node_ids() {
             self.check_pages(id)?;
+            self.check_windows(id)?;
             self.check_links(id)?;
             self.check_chains(id)?;
             let n = &self.nodes[id.0 as usize];
             dp += n.device.len();
             hp += n.host.len();
+            dw += real(&n.device_win);
+            hw += real(&n.host_win);
         }
         if dp != self.device_pages || hp != self.host_pages {
             return Err(format!(
                 "page counters {}/{} but nodes hold {dp}/{hp}",
                 self.device_pages, self.host_pages
+            ));
+        }
+        if dw != self.device_win_pages || hw != self.host_win_pages {
+            return Err(format!(
+                "window page counters {}/{} but nodes hold {dw}/{hw}",
+                self.device_win_pages, self.host_win_pages
             ));
         }
         self.check_eviction_sets()
@@ -54,6 +64,39 @@ impl RadixTree {
                 "node {i}: {} hashes for {pages} pages",
                 n.hashes.len()
             ));
+        }
+        Ok(())
+    }
+
+    /// One node's window lists: empty, or one entry per main page of that tier with at least
+    /// one real page; each unlocked holder filed as a window victim.
+    fn check_windows(&self, id: NodeId) -> Result<(), String> {
+        let i = id.0 as usize;
+        let n = &self.nodes[i];
+        for (name, win, main) in [
+            ("device", &n.device_win, &n.device),
+            ("host", &n.host_win, &n.host),
+        ] {
+            if win.is_empty() {
+                continue;
+            }
+            if win.len() != main.len() {
+                return Err(format!(
+                    "node {i}: {} {name} window entries for {} {name} pages",
+                    win.len(),
+                    main.len()
+                ));
+            }
+            if win.iter().all(|&w| w == NO_PAGE) {
+                return Err(format!(
+                    "node {i}: an empty {name} window list is not cleared"
+                ));
+            }
+        }
+        let dwin = !n.device_win.is_empty() && n.lock_ref == 0;
+        let hwin = !n.host_win.is_empty() && n.lock_ref == 0 && n.host_lock == 0;
+        if dwin != n.dwin_key.is_some() || hwin != n.hwin_key.is_some() {
+            return Err(format!("node {i}: window victim sets out of date"));
         }
         Ok(())
     }
@@ -122,13 +165,19 @@ impl RadixTree {
 
     /// Every entry of the eviction sets is the current key of a live node.
     fn check_eviction_sets(&self) -> Result<(), String> {
-        for (set, name) in [(&self.device_leaves, "device"), (&self.host_leaves, "host")] {
+        for (set, name) in [
+            (&self.device_leaves, "device"),
+            (&self.host_leaves, "host"),
+            (&self.device_windows, "device window"),
+            (&self.host_windows, "host window"),
+        ] {
             for k in set {
                 let n = &self.nodes[k.2 as usize];
-                let key = if name == "device" {
-                    n.dev_key
-                } else {
-                    n.host_key
+                let key = match name {
+                    "device" => n.dev_key,
+                    "host" => n.host_key,
+                    "device window" => n.dwin_key,
+                    _ => n.hwin_key,
                 };
                 if !n.live || key != Some(*k) {
                     return Err(format!(

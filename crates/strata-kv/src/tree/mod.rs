@@ -5,7 +5,10 @@
 //! * every node but the root holds device pages, host pages, or both;
 //! * device residency is prefix-closed (a node on device has its parent on device), because the
 //!   device tier only ever evicts nodes none of whose children are on device;
-//! * host eviction only removes nodes that are off device, unlocked and childless.
+//! * host eviction only removes nodes that are off device, unlocked and childless;
+//! * window pages (the window class of a layout, `crate::layout::Class`) are kept per page
+//!   per tier beside a node's pages and are *not* prefix-closed: any unlocked node may lose
+//!   them (window eviction) and keep its main pages (see `window.rs`).
 //!
 //! Locks are inherited along the path: locking a node increments every ancestor's `lock_ref`,
 //! and nothing with a non-zero `lock_ref` is evicted. Evictable leaves of each tier sit in an
@@ -28,6 +31,9 @@ pub struct NodeId(pub u32);
 /// The root: holds no tokens.
 pub const ROOT: NodeId = NodeId(0);
 
+/// A page's entry in a window list when it holds no window page in that tier.
+pub const NO_PAGE: u32 = u32::MAX;
+
 /// Which per-node page slot an operation addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Slot {
@@ -46,6 +52,10 @@ struct Node {
     chain: u64,
     device: Vec<u32>,
     host: Vec<u32>,
+    /// Window pages per tier: empty when the node holds none there, else one entry per page
+    /// ([`NO_PAGE`] for a page without one), with at least one page.
+    device_win: Vec<u32>,
+    host_win: Vec<u32>,
     in_storage: bool,
     children: FxHashMap<u64, u32>,
     device_children: u32,
@@ -57,6 +67,8 @@ struct Node {
     priority: u64,
     dev_key: Option<Key>,
     host_key: Option<Key>,
+    dwin_key: Option<Key>,
+    hwin_key: Option<Key>,
     live: bool,
 }
 
@@ -84,6 +96,8 @@ impl TreeMatch {
 pub struct Inserted {
     /// Given pages the tree did not take (their tokens were already held in that slot): free them.
     pub unused: Vec<u32>,
+    /// Given window pages the tree did not take (other than [`NO_PAGE`]): free them.
+    pub unused_windows: Vec<u32>,
     /// Nodes whose slot was filled by this call, root-most first.
     pub filled: Vec<NodeId>,
     /// Deepest node covering the inserted tokens (ROOT if none).
@@ -101,6 +115,9 @@ pub struct NodeView<'a> {
     pub hashes: &'a [PageHash],
     pub device: &'a [u32],
     pub host: &'a [u32],
+    /// Window pages per tier (empty, or one per page with [`NO_PAGE`] gaps).
+    pub device_win: &'a [u32],
+    pub host_win: &'a [u32],
     pub in_storage: bool,
     pub children: usize,
     /// Children that are on device.
@@ -118,6 +135,12 @@ pub struct RadixTree {
     free_ids: Vec<u32>,
     device_leaves: BTreeSet<Key>,
     host_leaves: BTreeSet<Key>,
+    /// Unlocked nodes holding window pages, per tier (any node, not only leaves).
+    device_windows: BTreeSet<Key>,
+    host_windows: BTreeSet<Key>,
+    /// Window pages referenced by nodes, per tier.
+    device_win_pages: usize,
+    host_win_pages: usize,
     clock: u64,
     policy: EvictionPolicy,
     inflation: u64,
@@ -196,6 +219,10 @@ impl RadixTree {
             splits: Vec::new(),
             device_leaves: BTreeSet::new(),
             host_leaves: BTreeSet::new(),
+            device_windows: BTreeSet::new(),
+            host_windows: BTreeSet::new(),
+            device_win_pages: 0,
+            host_win_pages: 0,
             clock: 0,
             policy,
             inflation: 0,
@@ -244,9 +271,14 @@ impl RadixTree {
             b += n.tokens.capacity() * 4
                 + n.hashes.capacity() * 16
                 + (n.device.capacity() + n.host.capacity()) * 4
+                + (n.device_win.capacity() + n.host_win.capacity()) * 4
                 + n.children.capacity() * (8 + 4 + 1);
         }
-        b + (self.device_leaves.len() + self.host_leaves.len()) * (std::mem::size_of::<Key>() + 8)
+        let sets = self.device_leaves.len()
+            + self.host_leaves.len()
+            + self.device_windows.len()
+            + self.host_windows.len();
+        b + sets * (std::mem::size_of::<Key>() + 8)
     }
 
     pub fn view(&self, id: NodeId) -> NodeView<'_> {
@@ -259,6 +291,8 @@ impl RadixTree {
             hashes: &n.hashes,
             device: &n.device,
             host: &n.host,
+            device_win: &n.device_win,
+            host_win: &n.host_win,
             in_storage: n.in_storage,
             children: n.children.len(),
             device_children: n.device_children,
@@ -373,217 +407,6 @@ impl RadixTree {
         (dev, host)
     }
 
-    /// Inserts `tokens` (whole pages; a trailing partial page is ignored) with one page index per
-    /// page for `slot`. Nodes already holding that slot keep their pages (the given ones come
-    /// back in `unused`); nodes lacking it adopt the given pages; the rest becomes a new leaf.
-    ///
-    /// For `Slot::Device` every node on the path must be on device afterwards, which holds because
-    /// the walk goes root-first and fills any gap.
-    ///
-    /// `pages` covers the whole pages of `tokens` after the first `skip` pages; those leading
-    /// pages must already be in the tree (e.g. a locked match) and are only walked.
-    pub fn insert(&mut self, tokens: &[u32], pages: &[u32], slot: Slot, skip: usize) -> Inserted {
-        self.clock += 1;
-        let ps = self.page_size;
-        let n = tokens.len() / ps * ps;
-        let skip_tok = skip * ps;
-        assert!(
-            skip_tok <= n && pages.len() == (n - skip_tok) / ps,
-            "one page index per whole page"
-        );
-        let mut out = Inserted {
-            last: ROOT,
-            ..Inserted::default()
-        };
-        let page_at = |pos: usize| (pos - skip_tok) / ps;
-        let mut cur = 0u32;
-        let mut pos = 0;
-        while pos < n {
-            match self.child_of(cur, &tokens[pos..pos + ps]) {
-                Some(c) => {
-                    let clen = self.nodes[c as usize].tokens.len();
-                    let mut common =
-                        common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
-                    if pos < skip_tok {
-                        common = common.min(skip_tok - pos);
-                    }
-                    let c = if common < clen {
-                        self.split(c, common)
-                    } else {
-                        c
-                    };
-                    if pos >= skip_tok {
-                        let pg = &pages[page_at(pos)..page_at(pos + common)];
-                        if self.slot(c, slot).is_empty() {
-                            self.fill(c, slot, pg.to_vec());
-                            out.filled.push(NodeId(c));
-                        } else {
-                            out.unused.extend_from_slice(pg);
-                        }
-                    }
-                    self.touch(c, false);
-                    pos += common;
-                    cur = c;
-                }
-                None => {
-                    let key = page_key(&tokens[pos..pos + ps]);
-                    if pos < skip_tok || self.nodes[cur as usize].children.contains_key(&key) {
-                        // The skipped prefix is gone, or a 64-bit key collision with a different
-                        // page: cache no further.
-                        break;
-                    }
-                    let c = self.new_leaf(cur, key, &tokens[pos..n]);
-                    self.fill(c, slot, pages[page_at(pos)..].to_vec());
-                    self.touch(c, false);
-                    out.filled.push(NodeId(c));
-                    pos = n;
-                    cur = c;
-                }
-            }
-        }
-        out.unused
-            .extend_from_slice(&pages[page_at(pos.max(skip_tok))..]);
-        out.last = NodeId(cur);
-        out.tokens = pos;
-        out
-    }
-
-    fn slot(&self, id: u32, slot: Slot) -> &Vec<u32> {
-        let n = &self.nodes[id as usize];
-        match slot {
-            Slot::Device => &n.device,
-            Slot::Host => &n.host,
-        }
-    }
-
-    fn new_leaf(&mut self, parent: u32, key: u64, tokens: &[u32]) -> u32 {
-        let hashes = match &self.namespace {
-            Some(ns) => {
-                let p = self.last_hash(NodeId(parent)).unwrap_or(PageHash::ROOT);
-                ns.chain(p, tokens, self.page_size)
-            }
-            None => Vec::new(),
-        };
-        // This insertion is an access too: a page that comes back after eviction then carries
-        // its earlier accesses plus this one, which is how reuse beyond the cache is detected.
-        let mut freq = 1;
-        let mut chain = 0;
-        if self.policy == EvictionPolicy::Gdsf {
-            chain = self.nodes[parent as usize].chain;
-            for page in tokens.chunks_exact(self.page_size) {
-                chain = chain_step(chain, page);
-                if sampled(chain) {
-                    freq = freq.max(self.history.take(chain).saturating_add(1));
-                }
-            }
-        }
-        let node = Node {
-            parent,
-            tokens: tokens.to_vec(),
-            hashes,
-            chain,
-            freq,
-            live: true,
-            ..Node::default()
-        };
-        let id = match self.free_ids.pop() {
-            Some(id) => {
-                self.nodes[id as usize] = node;
-                id
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        self.nodes[parent as usize].children.insert(key, id);
-        self.refresh(parent);
-        id
-    }
-
-    /// Splits `id` so that it keeps only its last `tail_pages` pages (its head becomes a new
-    /// parent node). Eviction uses it to free just what is needed, keeping the more valuable
-    /// head of a prefix. No-op when the node is not longer than that.
-    pub fn split_tail(&mut self, id: NodeId, tail_pages: usize) {
-        let len = self.nodes[id.0 as usize].tokens.len();
-        let keep = tail_pages.saturating_mul(self.page_size);
-        if tail_pages > 0 && keep < len {
-            self.split(id.0, len - keep);
-        }
-    }
-
-    /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
-    fn split(&mut self, id: u32, at: usize) -> u32 {
-        let ps = self.page_size;
-        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[id as usize].tokens.len());
-        let p = at / ps;
-        let n = &mut self.nodes[id as usize];
-        // The head keeps the original allocation and only the tail is copied: O(tail), which
-        // is what eviction (a small tail off a long node) needs.
-        fn cut<T>(v: &mut Vec<T>, at: usize) -> Vec<T> {
-            if v.is_empty() {
-                return Vec::new();
-            }
-            let tail = v.split_off(at);
-            let mut head = std::mem::replace(v, tail);
-            head.shrink_to_fit();
-            head
-        }
-        let tokens = cut(&mut n.tokens, at);
-        let hashes = cut(&mut n.hashes, p);
-        let device = cut(&mut n.device, p);
-        let host = cut(&mut n.host, p);
-        let on_device = !n.device.is_empty();
-        let suffix_key = page_key(&n.tokens[..ps]);
-        let parent = n.parent;
-        let chain = if self.policy == EvictionPolicy::Gdsf {
-            let start = self.nodes[parent as usize].chain;
-            tokens.chunks_exact(ps).fold(start, chain_step)
-        } else {
-            0
-        };
-        let n = &mut self.nodes[id as usize];
-        let node = Node {
-            parent,
-            tokens,
-            hashes,
-            chain,
-            device,
-            host,
-            in_storage: n.in_storage,
-            children: FxHashMap::default(),
-            device_children: on_device as u32,
-            lock_ref: n.lock_ref,
-            // Pins stay on the suffix; the prefix cannot be removed while that child exists.
-            host_lock: 0,
-            hits: n.hits,
-            freq: n.freq,
-            last_access: n.last_access,
-            priority: n.priority,
-            dev_key: None,
-            host_key: None,
-            live: true,
-        };
-        let new_id = match self.free_ids.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        self.nodes[new_id as usize].children.insert(suffix_key, id);
-        self.nodes[id as usize].parent = new_id;
-        let pkey = page_key(&self.nodes[new_id as usize].tokens[..ps]);
-        self.nodes[parent as usize].children.insert(pkey, new_id);
-        self.splits.push((NodeId(id), NodeId(new_id)));
-        // The suffix's residency did not change, so its set membership holds; the new node has a
-        // child on every tier the suffix uses and so is in no set.
-        new_id
-    }
-
     /// Splits since the last call, oldest first: (the suffix, which kept its id; its new
     /// head, which took the first part of its pages).
     pub fn take_splits(&mut self) -> Vec<(NodeId, NodeId)> {
@@ -619,8 +442,19 @@ impl RadixTree {
     }
 }
 
+/// A window list cut from a node: empty when no page of it holds a window page.
+fn window_half(v: Vec<u32>) -> Vec<u32> {
+    if v.iter().all(|&w| w == NO_PAGE) {
+        Vec::new()
+    } else {
+        v
+    }
+}
+
 mod check;
+mod insert;
 mod residency;
+mod window;
 
 #[cfg(test)]
 mod tests;

@@ -23,6 +23,26 @@ impl RadixTree {
             && n.host_lock == 0
             && n.children.is_empty())
         .then_some(key);
+        let dwin =
+            (id != 0 && n.live && !n.device_win.is_empty() && n.lock_ref == 0).then_some(key);
+        let hwin =
+            (id != 0 && n.live && !n.host_win.is_empty() && n.lock_ref == 0 && n.host_lock == 0)
+                .then_some(key);
+        let (old_dwin, old_hwin) = (n.dwin_key, n.hwin_key);
+        for (old, new, set) in [
+            (old_dwin, dwin, &mut self.device_windows),
+            (old_hwin, hwin, &mut self.host_windows),
+        ] {
+            if old != new {
+                if let Some(k) = old {
+                    set.remove(&k);
+                }
+                if let Some(k) = new {
+                    set.insert(k);
+                }
+            }
+        }
+        let n = &self.nodes[id as usize];
         let (old_dev, old_host) = (n.dev_key, n.host_key);
         if old_dev != dev {
             if let Some(k) = old_dev {
@@ -43,6 +63,8 @@ impl RadixTree {
         let n = &mut self.nodes[id as usize];
         n.dev_key = dev;
         n.host_key = host;
+        n.dwin_key = dwin;
+        n.hwin_key = hwin;
     }
 
     /// Puts `pages` in `id`'s empty `slot`, keeping the page counters and eviction sets current.
@@ -160,6 +182,7 @@ impl RadixTree {
             !n.host.is_empty() || n.children.is_empty(),
             "evicting an unbacked node with children"
         );
+        assert!(n.device_win.is_empty(), "take the window pages first");
         self.bump_inflation(i);
         let pages = std::mem::take(&mut self.nodes[i as usize].device);
         self.device_pages -= pages.len();
@@ -181,6 +204,7 @@ impl RadixTree {
         assert!(
             n.device.is_empty() && n.children.is_empty() && n.lock_ref == 0 && n.host_lock == 0
         );
+        assert!(n.host_win.is_empty(), "take the window pages first");
         self.bump_inflation(i);
         let pages = std::mem::take(&mut self.nodes[i as usize].host);
         self.host_pages -= pages.len();

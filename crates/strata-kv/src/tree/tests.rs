@@ -157,3 +157,70 @@ fn peek_does_not_change_anything() {
     assert_eq!(t.peek(&[1, 2, 7]), (2, 0));
     assert_eq!(t.node_count(), 2);
 }
+
+#[test]
+fn window_pages_split_with_their_node_and_are_not_prefix_closed() {
+    let mut t = tree(2, EvictionPolicy::Lru);
+    let toks = [1, 2, 3, 4, 5, 6, 7, 8];
+    let r = t.insert_with_windows(
+        &toks,
+        &[0, 1, 2, 3],
+        &[10, NO_PAGE, 12, 13],
+        Slot::Device,
+        0,
+    );
+    assert!(r.unused_windows.is_empty());
+    assert_eq!(t.window_pages_in(Slot::Device), 3);
+    // Splitting after the second page: the head keeps [10, NO_PAGE], the suffix [12, 13].
+    let m = t.match_prefix(&[1, 2, 3, 4, 9, 9]);
+    assert_eq!(t.view(m.last).device_win, &[10, NO_PAGE]);
+    assert_eq!(t.view(r.last).device_win, &[12, 13]);
+    t.check().unwrap();
+    // An inner node is a window victim (window pages are not prefix-closed) while its main
+    // pages are not evictable (it has a child on device).
+    assert_eq!(t.device_victim(), Some(r.last));
+    // The suffix was not touched by the match: the least recently used holder goes first;
+    // skipping it, the inner head is next.
+    assert_eq!(t.window_victim(Slot::Device, |_| false), Some(r.last));
+    let inner = t.window_victim(Slot::Device, |n| n == r.last).unwrap();
+    assert_eq!(inner, m.last);
+    assert_eq!(t.take_windows(inner, Slot::Device), vec![10]);
+    assert!(t.view(inner).device_win.is_empty());
+    // Locked nodes are not victims.
+    t.lock(r.last);
+    assert_eq!(t.window_victim(Slot::Device, |_| false), None);
+    t.unlock(r.last);
+    // Inserting the same tokens again adopts window pages where the node lacks them and
+    // hands back the rest.
+    let again = t.insert_with_windows(
+        &toks,
+        &[4, 5, 6, 7],
+        &[20, 21, 22, NO_PAGE],
+        Slot::Device,
+        0,
+    );
+    assert_eq!(again.unused, vec![4, 5, 6, 7]);
+    assert_eq!(again.unused_windows, vec![22]);
+    assert_eq!(t.view(m.last).device_win, &[20, 21]);
+    assert_eq!(t.window_pages_in(Slot::Device), 4);
+    t.check().unwrap();
+    // Main pages leave a tier only after their window pages.
+    let w = t.take_windows(r.last, Slot::Device);
+    assert_eq!(w, vec![12, 13]);
+    t.take_device(r.last);
+    t.check().unwrap();
+}
+
+#[test]
+fn a_match_can_be_cut_back_to_a_page_boundary() {
+    let mut t = tree(2, EvictionPolicy::Lru);
+    ins(&mut t, &[1, 2, 3, 4, 5, 6], 0);
+    let mut m = t.match_prefix(&[1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(m.device_tokens, 6);
+    t.truncate_match(&mut m, 2);
+    assert_eq!((m.device_tokens, m.path.len()), (2, 1));
+    assert_eq!(t.view(m.last).tokens, &[1, 2]);
+    t.check().unwrap();
+    t.truncate_match(&mut m, 0);
+    assert_eq!((m.tokens(), m.last), (0, ROOT));
+}

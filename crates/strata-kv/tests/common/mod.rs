@@ -17,16 +17,48 @@ pub fn layout(ps: usize) -> PageLayout {
     .unwrap()
 }
 
+/// [`layout`] plus a window kind read only for the last `window` tokens before a
+/// continuation (a sliding window's raw K/V).
+#[allow(dead_code)] // not every test file uses every helper
+pub fn window_layout(ps: usize, window: usize) -> PageLayout {
+    PageLayout::new(
+        ps,
+        vec![
+            PoolKind::kv("kv", 2, 1, 4, 2),
+            PoolKind::aux("raw", 2, 5).with_window(window),
+            PoolKind::aux("idx", 1, 3),
+        ],
+    )
+    .unwrap()
+}
+
 /// A cache with data, hashing, two copy threads, and optionally an in-memory L3 of
 /// `l3_pages`.
+#[allow(dead_code)]
 pub fn cache(
     layout: PageLayout,
+    sizes: (u32, u32),
+    wp: WritePolicy,
+    ev: EvictionPolicy,
+    l3_pages: Option<u64>,
+) -> TieredCache {
+    cache_with_windows(layout, sizes, None, wp, ev, l3_pages)
+}
+
+/// [`cache`] with `windows` (device, host) window pages instead of one per page.
+pub fn cache_with_windows(
+    layout: PageLayout,
     (device, host): (u32, u32),
+    windows: Option<(u32, u32)>,
     wp: WritePolicy,
     ev: EvictionPolicy,
     l3_pages: Option<u64>,
 ) -> TieredCache {
     let mut cfg = CacheConfig::new(layout, device, host);
+    if let Some((d, h)) = windows {
+        cfg.device_window_pages = d;
+        cfg.host_window_pages = h;
+    }
     cfg.write_policy = wp;
     cfg.eviction = ev;
     cfg.hashing = true;
@@ -53,6 +85,12 @@ pub fn assert_all_evictable(cache: &mut TieredCache) {
     cache.evict_host(usize::MAX / 2);
     assert_eq!(cache.device_usage().pages_used, 0, "device pages leaked");
     assert_eq!(cache.host_usage().pages_used, 0, "host pages leaked");
+    let (dw, hw) = cache.window_usage();
+    assert_eq!(
+        (dw.pages_used, hw.pages_used),
+        (0, 0),
+        "window pages leaked"
+    );
     assert_eq!(cache.tree().node_count(), 1, "nodes left");
     cache.check().unwrap();
 }

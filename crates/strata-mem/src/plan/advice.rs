@@ -46,20 +46,20 @@ pub(super) fn does_not_fit(
 
 /// The size that would fit, as the flag that was given, in the unit it was given in.
 fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
-    let (tp, ps, bpt) = (s.tp, s.ps, s.bpt);
+    let (tp, c) = (s.tp, &s.cost);
     let ht = req.host_text.as_deref();
     let fit_host_server = room.usable.saturating_sub(if req.device_in_host_memory {
         s.server_device
     } else {
         0
     });
-    let fit_tokens = fit_host_server / tp / bpt / ps * ps;
+    let fit_tokens = c.tokens_for(fit_host_server / tp);
     // The advice names the flag that was given, in the unit it was given in.
     match req.host {
         Some(HostBudget::PerRank(_)) => {
             format!(
                 "--hicache-size {} per rank",
-                typed_like(fit_tokens * bpt, ht)
+                typed_like(c.bytes(fit_tokens), ht)
             )
         }
         Some(HostBudget::Ratio(_)) => format!(
@@ -67,10 +67,13 @@ fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
             fit_tokens as f64 / s.device_tokens as f64
         ),
         Some(HostBudget::Total(_)) => {
-            format!("--hicache-total {}", typed_like(fit_tokens * bpt * tp, ht))
+            format!(
+                "--hicache-total {}",
+                typed_like(c.bytes(fit_tokens) * tp, ht)
+            )
         }
         None => {
-            let dev_fit = room.usable / tp / bpt / ps * ps * bpt;
+            let dev_fit = c.bytes(c.tokens_for(room.usable / tp));
             match req.device {
                 DeviceBudget::Bytes(_) => format!(
                     "--device-mem {} per rank",

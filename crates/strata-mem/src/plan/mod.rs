@@ -86,6 +86,9 @@ pub struct PlanRequest {
     /// unit; None: binary units.
     pub host_text: Option<String>,
     pub device_text: Option<String>,
+    /// `--window-tokens-ratio R`: window pages per page in each tier (models with window
+    /// kinds); None: one per page.
+    pub window_ratio: Option<f64>,
 }
 
 /// A plan that cannot be carried out; each message is one line naming the fix.
@@ -103,6 +106,16 @@ pub enum PlanError {
     Fraction(f64),
     #[error("--hicache-ratio {0} must be a finite number ≥ 0")]
     Ratio(f64),
+    #[error("--window-tokens-ratio {0} must be in (0, 1]")]
+    WindowRatio(f64),
+    #[error("--window-tokens-ratio {ratio}: model `{model}` has no window kinds (every kind is read for the whole prefix)")]
+    NoWindowKinds { ratio: f64, model: String },
+    #[error("--window-tokens-ratio {ratio} leaves {tokens} window tokens per rank on device, less than one page of {page_size}")]
+    NoWindowPage {
+        ratio: f64,
+        tokens: u64,
+        page_size: usize,
+    },
     #[error("device budget of {budget} per rank holds {tokens} tokens, less than one page of {page_size} tokens at {bpt} bytes per token")]
     DeviceTooSmall {
         budget: String,
@@ -164,6 +177,10 @@ pub struct Plan {
     pub pools: Vec<PoolPlan>,
     pub device_tokens_per_rank: u64,
     pub host_tokens_per_rank: u64,
+    /// Tokens whose window state each tier keeps (= the tokens above without window kinds,
+    /// or with the ratio 1).
+    pub device_window_tokens_per_rank: u64,
+    pub host_window_tokens_per_rank: u64,
     pub device_bytes_per_rank: u64,
     pub host_bytes_per_rank: u64,
     pub server_device_bytes: u64,
@@ -221,6 +238,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let ps = req.page_size as u64;
     let kinds = req.pool_kinds()?;
     let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
+    let cost = Cost::new(&kinds, req.window_ratio.unwrap_or(1.0), ps);
     let mut decided = Vec::new();
 
     // NUMA placement first: the fraction-of-free device budget needs it.
@@ -228,20 +246,32 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
 
     // Device pool.
     let device_budget = device_budget(req, room.avail, &mut decided)?;
-    let device_tokens = device_budget / bpt / ps * ps;
+    let device_tokens = cost.tokens_for(device_budget);
     if device_tokens == 0 {
         return Err(PlanError::DeviceTooSmall {
             budget: format_bytes(device_budget),
-            tokens: device_budget / bpt,
+            tokens: device_budget / cost.per_token(),
             page_size: req.page_size,
-            bpt,
+            bpt: cost.per_token(),
         });
     }
 
     // Host pool: whole tokens of every kind, never more bytes than asked.
-    let host_tokens = host_tokens(req, bpt, device_tokens, &mut decided)?;
+    let host_tokens = host_tokens(req, &cost, device_tokens, &mut decided)?;
+    let (dw, hw) = (
+        cost.window_tokens(device_tokens),
+        cost.window_tokens(host_tokens),
+    );
+    if cost.window > 0 {
+        window_decision(req, &cost, device_tokens, dw, &mut decided)?;
+    } else if let Some(r) = req.window_ratio {
+        return Err(PlanError::NoWindowKinds {
+            ratio: r,
+            model: req.model.name.clone(),
+        });
+    }
 
-    let pools = pool_plans(req, &kinds, ps, device_tokens, host_tokens);
+    let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
     if kinds.len() > 1 {
         decided.push(Decision {
             what: format!("each of the {} pool kinds' tokens per rank", kinds.len()),
@@ -250,7 +280,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             ),
         });
     }
-    let s = Sizes::new(req, bpt, device_budget, device_tokens, host_tokens);
+    let s = Sizes::new(req, &cost, device_budget, device_tokens, host_tokens);
     let where_ = where_of(&room.nodes);
 
     if s.needed > room.usable {
@@ -267,6 +297,8 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         pools,
         device_tokens_per_rank: device_tokens,
         host_tokens_per_rank: host_tokens,
+        device_window_tokens_per_rank: dw,
+        host_window_tokens_per_rank: hw,
         device_bytes_per_rank: s.device_bytes,
         host_bytes_per_rank: s.host_bytes,
         server_device_bytes: s.server_device,
@@ -298,8 +330,7 @@ struct Room {
 /// The per-rank and per-server numbers the budgets came to.
 struct Sizes {
     tp: u64,
-    ps: u64,
-    bpt: u64,
+    cost: Cost,
     device_budget: u64,
     device_tokens: u64,
     host_tokens: u64,
@@ -315,14 +346,14 @@ impl Sizes {
     /// Bytes per rank and per server of the token counts, and what lands on the NUMA nodes.
     fn new(
         req: &PlanRequest,
-        bpt: u64,
+        cost: &Cost,
         device_budget: u64,
         device_tokens: u64,
         host_tokens: u64,
     ) -> Sizes {
         let tp = req.tp as u64;
-        let device_bytes = device_tokens * bpt;
-        let host_bytes = host_tokens * bpt;
+        let device_bytes = cost.bytes(device_tokens);
+        let host_bytes = cost.bytes(host_tokens);
         let server_host = host_bytes * tp;
         let server_device = device_bytes * tp;
         let needed = server_host
@@ -333,8 +364,7 @@ impl Sizes {
             };
         Sizes {
             tp,
-            ps: req.page_size as u64,
-            bpt,
+            cost: *cost,
             device_budget,
             device_tokens,
             host_tokens,
@@ -488,7 +518,7 @@ fn device_budget(
 /// Host pool tokens per rank (whole pages) from the `--hicache-*` flag given, if any.
 fn host_tokens(
     req: &PlanRequest,
-    bpt: u64,
+    cost: &Cost,
     device_tokens: u64,
     decided: &mut Vec<Decision>,
 ) -> Result<u64, PlanError> {
@@ -508,7 +538,7 @@ fn host_tokens(
                 what: "host tokens per rank".into(),
                 by: format!("--hicache-size {} per rank", gbx(b, ht)),
             });
-            b / bpt / ps * ps
+            cost.tokens_for(b)
         }
         Some(HostBudget::Total(b)) => {
             decided.push(Decision {
@@ -520,7 +550,7 @@ fn host_tokens(
                     gbx(b / tp, ht)
                 ),
             });
-            b / tp / bpt / ps * ps
+            cost.tokens_for(b / tp)
         }
         Some(HostBudget::Ratio(r)) => {
             if !(r.is_finite() && r >= 0.0) {
@@ -540,14 +570,18 @@ fn pool_plans(
     req: &PlanRequest,
     kinds: &[PoolKind],
     ps: u64,
-    device_tokens: u64,
-    host_tokens: u64,
+    (device_main, device_window): (u64, u64),
+    (host_main, host_window): (u64, u64),
 ) -> Vec<PoolPlan> {
     kinds
         .iter()
         .zip(&req.model.kinds)
         .map(|(k, spec)| {
             let b = k.bytes_per_token() as u64;
+            let (device_tokens, host_tokens) = match k.window {
+                None => (device_main, host_main),
+                Some(_) => (device_window, host_window),
+            };
             PoolPlan {
                 kind: k.name.clone(),
                 per: spec.per_text(),
@@ -581,4 +615,7 @@ fn where_of(nodes: &[u32]) -> String {
 }
 
 mod advice;
+mod cost;
 mod render;
+
+use cost::{window_decision, Cost};

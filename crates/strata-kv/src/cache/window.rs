@@ -1,0 +1,267 @@
+//! Window pages in the tiered cache: the match rule, their allocation and eviction.
+//!
+//! A layout's window kinds are read only for the `w` tokens before the position a request
+//! continues from (`PageLayout::window_tokens`), so each tier keeps them in a page space of
+//! its own and may drop them from a node while keeping its main pages (`tree/window.rs`).
+//! * **Match rule.** A hit ending at page `k` is usable only if every page covering
+//!   `[s − w, s)` has its window page in some tier, `s` being where the request continues (the
+//!   page boundary, or the last prompt token when a page-aligned prompt matched in full). A
+//!   match backs off to the deepest such `k`; the tokens given up are counted
+//!   (`window_cut_tokens`). L3 pages count as having theirs until read (an entry may be the
+//!   main part only; the match after the read applies the rule again).
+//! * **Eviction.** Window pages of unlocked nodes go first when window pages run short, in the
+//!   policy's order, without a copy; main pages evicted take their window pages with them.
+//! * **Leases** hold a window page for each page they compute, and load (or keep) the window
+//!   pages of the span before their start on device.
+
+use std::ops::Range;
+
+use crate::tree::{NodeId, Slot, TreeMatch, NO_PAGE};
+
+use super::{CacheMatch, TieredCache};
+
+impl TieredCache {
+    /// Whether the layout has window kinds (and so window pages).
+    pub fn has_window(&self) -> bool {
+        self.window > 0
+    }
+
+    /// Where a request over `len` prompt tokens continues from after using `pages` cached
+    /// pages: their end, or the last prompt token when they cover it (copy-on-write).
+    fn start_of(&self, pages: usize, len: usize) -> usize {
+        let ps = self.page_size();
+        if pages * ps >= len {
+            len.saturating_sub(1)
+        } else {
+            pages * ps
+        }
+    }
+
+    /// The pages whose window state a continuation after `pages` cached pages reads.
+    pub(super) fn span(&self, pages: usize, len: usize) -> Range<usize> {
+        let ps = self.page_size();
+        let s = self.start_of(pages, len);
+        s.saturating_sub(self.window) / ps..s.div_ceil(ps)
+    }
+
+    /// At most this many pages lie in a span.
+    pub(super) fn span_pages(&self) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            self.window.div_ceil(self.page_size()) + 1
+        }
+    }
+
+    /// The deepest `k ≤ ok.len()` whose span has a window page in every page (`ok`).
+    fn deepest_usable(&self, ok: &[bool], len: usize) -> usize {
+        let mut bad = Vec::with_capacity(ok.len() + 1);
+        bad.push(0usize);
+        for &o in ok {
+            bad.push(bad.last().unwrap() + usize::from(!o));
+        }
+        (1..=ok.len())
+            .rev()
+            .find(|&k| {
+                let r = self.span(k, len);
+                bad[r.end.min(k)] == bad[r.start.min(k)]
+            })
+            .unwrap_or(0)
+    }
+
+    /// Per page of the path, whether it holds a window page (on device only, or in any tier).
+    fn path_windows_ok(&self, path: &[NodeId], device_only: bool) -> Vec<bool> {
+        let mut ok = Vec::new();
+        for &n in path {
+            let v = self.tree.view(n);
+            let pages = v.tokens.len() / self.page_size();
+            for i in 0..pages {
+                let real = |l: &[u32]| l.get(i).is_some_and(|&w| w != NO_PAGE);
+                ok.push(real(v.device_win) || (!device_only && real(v.host_win)));
+            }
+        }
+        ok
+    }
+
+    /// Applies the match rule (see the module docs) to `m`.
+    pub(super) fn window_rule(&mut self, m: &mut CacheMatch) {
+        if self.window == 0 {
+            return;
+        }
+        let ps = self.page_size();
+        let tree_pages = (m.device_tokens + m.host_tokens) / ps;
+        let mut ok = self.path_windows_ok(&m.path, false);
+        ok.truncate(tree_pages);
+        ok.resize(tree_pages + m.storage_hashes.len(), true);
+        let k = self.deepest_usable(&ok, m.queried_tokens);
+        if k == ok.len() {
+            return;
+        }
+        m.window_cut_tokens += (ok.len() - k) * ps;
+        if k >= tree_pages {
+            m.storage_hashes.truncate(k - tree_pages);
+            m.storage_tokens = m.storage_hashes.len() * ps;
+            return;
+        }
+        m.storage_hashes.clear();
+        m.storage_tokens = 0;
+        let mut tm = TreeMatch {
+            path: std::mem::take(&mut m.path),
+            device_tokens: m.device_tokens,
+            host_tokens: m.host_tokens,
+            last: m.last,
+        };
+        self.tree.truncate_match(&mut tm, k * ps);
+        m.path = tm.path;
+        m.device_tokens = tm.device_tokens;
+        m.host_tokens = tm.host_tokens;
+        m.last = tm.last;
+    }
+
+    /// The deepest number of the first `pages` device pages along `path` a request over `len`
+    /// prompt tokens can continue from with the window pages on device alone.
+    pub(super) fn device_usable(&self, path: &[NodeId], pages: usize, len: usize) -> usize {
+        if self.window == 0 {
+            return pages;
+        }
+        let mut ok = self.path_windows_ok(path, true);
+        ok.truncate(pages);
+        self.deepest_usable(&ok, len)
+    }
+
+    /// Span pages of a match (tree part) lacking a device window page that the host has:
+    /// (node, page index in the node, host window page).
+    pub(super) fn window_loads(&self, m: &CacheMatch) -> Vec<(NodeId, usize, u32)> {
+        if self.window == 0 {
+            return Vec::new();
+        }
+        let ps = self.page_size();
+        let tree_pages = (m.device_tokens + m.host_tokens) / ps;
+        let span = self.span(tree_pages, m.queried_tokens);
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &n in &m.path {
+            if !self.tree.is_live(n) {
+                continue;
+            }
+            let v = self.tree.view(n);
+            for i in 0..v.tokens.len() / ps {
+                let has = |l: &[u32]| l.get(i).copied().filter(|&w| w != NO_PAGE);
+                if span.contains(&(at + i)) && has(v.device_win).is_none() {
+                    if let Some(h) = has(v.host_win) {
+                        out.push((n, i, h));
+                    }
+                }
+            }
+            at += v.tokens.len() / ps;
+        }
+        out
+    }
+
+    /// `n` device window pages (held by the caller), evicting window pages per policy; None
+    /// when they cannot be freed.
+    pub(super) fn alloc_windows(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        loop {
+            let avail = self.dwin_alloc.available() as usize;
+            if avail >= n {
+                break;
+            }
+            self.evict_device_windows(n - avail);
+            if self.dwin_alloc.available() as usize >= n || self.pending.is_empty() {
+                break;
+            }
+            // Holders may be locked by copies in flight: let one land.
+            self.complete_one();
+        }
+        let v = self.dwin_alloc.alloc(n)?;
+        self.held_dwin += n;
+        Some(v)
+    }
+
+    /// Returns device window pages obtained from [`TieredCache::alloc_windows`] (NO_PAGE
+    /// entries are skipped).
+    pub(super) fn free_windows(&mut self, windows: &[u32]) {
+        let real: Vec<u32> = windows.iter().copied().filter(|&w| w != NO_PAGE).collect();
+        self.dwin_alloc
+            .free(&real)
+            .expect("window pages were held by the caller");
+        self.held_dwin -= real.len();
+    }
+
+    /// Up to `n` host window pages (not held: the caller hands them to the tree or frees
+    /// them), evicting host window pages per policy.
+    pub(super) fn alloc_host_windows(&mut self, n: usize) -> Vec<u32> {
+        let avail = self.hwin_alloc.available() as usize;
+        if avail < n {
+            self.evict_host_windows(n - avail);
+        }
+        let k = n.min(self.hwin_alloc.available() as usize);
+        self.hwin_alloc.alloc(k).expect("available pages")
+    }
+
+    /// Drops window pages of unlocked nodes from the device tier until `n` are free or none
+    /// is left to drop; returns how many were freed.
+    pub fn evict_device_windows(&mut self, n: usize) -> usize {
+        let mut got = 0;
+        while got < n {
+            let Some(v) = self.tree.window_victim(Slot::Device, |_| false) else {
+                break;
+            };
+            let w = self.tree.take_windows(v, Slot::Device);
+            got += w.len();
+            self.stats.evicted_device_window_pages += w.len() as u64;
+            self.dwin_alloc
+                .free(&w)
+                .expect("tree window pages are allocated");
+        }
+        got
+    }
+
+    /// The same for the host tier.
+    pub fn evict_host_windows(&mut self, n: usize) -> usize {
+        let mut got = 0;
+        while got < n {
+            let Some(v) = self.tree.window_victim(Slot::Host, |_| false) else {
+                break;
+            };
+            let w = self.tree.take_windows(v, Slot::Host);
+            got += w.len();
+            self.stats.evicted_host_window_pages += w.len() as u64;
+            self.hwin_alloc
+                .free(&w)
+                .expect("tree window pages are allocated");
+        }
+        got
+    }
+
+    /// Frees the window pages of `id` in `slot` (before its main pages leave that tier).
+    pub(super) fn drop_windows(&mut self, id: NodeId, slot: Slot) {
+        let w = self.tree.take_windows(id, slot);
+        let alloc = match slot {
+            Slot::Device => &mut self.dwin_alloc,
+            Slot::Host => &mut self.hwin_alloc,
+        };
+        alloc.free(&w).expect("tree window pages are allocated");
+    }
+
+    /// The device window entry of every page along `path` (NO_PAGE where none), `pages` long.
+    pub(super) fn path_device_windows(&self, path: &[NodeId], pages: usize, out: &mut Vec<u32>) {
+        out.clear();
+        for &n in path {
+            if out.len() >= pages {
+                break;
+            }
+            let v = self.tree.view(n);
+            let np = v.tokens.len() / self.page_size();
+            if v.device_win.is_empty() {
+                out.extend(std::iter::repeat_n(NO_PAGE, np));
+            } else {
+                out.extend_from_slice(v.device_win);
+            }
+        }
+        out.truncate(pages);
+    }
+}

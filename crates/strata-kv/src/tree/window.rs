@@ -1,0 +1,134 @@
+//! Window pages: the window class of a node's pages, per tier, beside its main pages.
+//!
+//! A window list is empty (no window page in that tier) or holds one entry per page of the
+//! node, [`NO_PAGE`] where that page has none, and at least one real page. Window pages need
+//! the tier's main pages (a list in a tier without main pages is empty) but are not
+//! prefix-closed: any unlocked node (any position, not only leaves) holding some is a window
+//! victim of that tier, in the policy's order. A continuation reads window state only just
+//! before it starts, which is what lets the cache drop it from the rest of a prefix.
+
+use super::{window_half, NodeId, RadixTree, Slot, TreeMatch, NO_PAGE};
+
+impl RadixTree {
+    fn win_mut(&mut self, id: u32, slot: Slot) -> &mut Vec<u32> {
+        let n = &mut self.nodes[id as usize];
+        match slot {
+            Slot::Device => &mut n.device_win,
+            Slot::Host => &mut n.host_win,
+        }
+    }
+
+    fn win_count(&mut self, slot: Slot) -> &mut usize {
+        match slot {
+            Slot::Device => &mut self.device_win_pages,
+            Slot::Host => &mut self.host_win_pages,
+        }
+    }
+
+    /// Window pages referenced by nodes in `slot`.
+    pub fn window_pages_in(&self, slot: Slot) -> usize {
+        match slot {
+            Slot::Device => self.device_win_pages,
+            Slot::Host => self.host_win_pages,
+        }
+    }
+
+    /// Gives `id` the window pages `given` (one per page, [`NO_PAGE`] for none) wherever it
+    /// lacks one in `slot`; returns the given pages it did not take. A node without main pages
+    /// in `slot` takes none.
+    pub fn adopt_windows(&mut self, id: u32, slot: Slot, given: &[u32]) -> Vec<u32> {
+        let real = || given.iter().copied().filter(|&w| w != NO_PAGE);
+        if given.is_empty() {
+            return Vec::new();
+        }
+        let pages = self.slot(id, slot).len();
+        if pages == 0 {
+            return real().collect();
+        }
+        assert_eq!(given.len(), pages, "one window entry per page");
+        let mut left = Vec::new();
+        let mut taken = 0;
+        let list = self.win_mut(id, slot);
+        if list.is_empty() {
+            list.resize(pages, NO_PAGE);
+        }
+        for (have, &w) in list.iter_mut().zip(given) {
+            if w == NO_PAGE {
+                continue;
+            }
+            if *have == NO_PAGE {
+                *have = w;
+                taken += 1;
+            } else {
+                left.push(w);
+            }
+        }
+        let v = std::mem::take(list);
+        *self.win_mut(id, slot) = window_half(v);
+        *self.win_count(slot) += taken;
+        self.refresh(id);
+        left
+    }
+
+    /// Gives `id` window pages in `slot` where it lacks them (see
+    /// [`RadixTree::adopt_windows`]); the node must hold main pages there.
+    pub fn set_windows(&mut self, id: NodeId, slot: Slot, given: &[u32]) {
+        assert!(
+            !self.slot(id.0, slot).is_empty(),
+            "window pages need main pages"
+        );
+        let left = self.adopt_windows(id.0, slot, given);
+        assert!(left.is_empty(), "window pages given twice");
+    }
+
+    /// Removes `id`'s window pages in `slot` and returns them (real pages only).
+    pub fn take_windows(&mut self, id: NodeId, slot: Slot) -> Vec<u32> {
+        let v = std::mem::take(self.win_mut(id.0, slot));
+        let real: Vec<u32> = v.into_iter().filter(|&w| w != NO_PAGE).collect();
+        *self.win_count(slot) -= real.len();
+        self.refresh(id.0);
+        real
+    }
+
+    /// Window victims of `slot` in the policy's order, skipping those `skip` refuses.
+    pub fn window_victim(&self, slot: Slot, skip: impl Fn(NodeId) -> bool) -> Option<NodeId> {
+        let set = match slot {
+            Slot::Device => &self.device_windows,
+            Slot::Host => &self.host_windows,
+        };
+        set.iter().map(|k| NodeId(k.2)).find(|&n| !skip(n))
+    }
+
+    /// Shortens a match to its first `keep` tokens (a page boundary), splitting the node the
+    /// new end falls in. Used when the end of a match cannot be continued from (its window
+    /// pages are gone).
+    pub fn truncate_match(&mut self, m: &mut TreeMatch, keep: usize) {
+        assert!(keep.is_multiple_of(self.page_size) && keep <= m.tokens());
+        let mut pos = 0;
+        let mut path = Vec::new();
+        let (mut dev, mut host) = (0, 0);
+        for &n in &m.path {
+            if pos >= keep {
+                break;
+            }
+            let len = self.nodes[n.0 as usize].tokens.len();
+            let node = if pos + len > keep {
+                NodeId(self.split(n.0, keep - pos))
+            } else {
+                n
+            };
+            let take = len.min(keep - pos);
+            if self.nodes[node.0 as usize].device.is_empty() {
+                host += take;
+            } else {
+                dev += take;
+            }
+            path.push(node);
+            pos += take;
+        }
+        m.last = path.last().copied().unwrap_or(super::ROOT);
+        m.path = path;
+        m.device_tokens = dev;
+        m.host_tokens = host;
+    }
+}
