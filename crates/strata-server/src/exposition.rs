@@ -48,7 +48,8 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         t.sample("strata_cache_used_bytes", &l, p.bytes_used as f64);
     }
     pool_kinds(t, st, s);
-    let windows = st.engine.info().window_tokens > 0;
+    // Window pages exist only for models with window kinds: zero otherwise (a dashboard
+    // shows the same panels for every model).
     for (tier, u, w) in [
         ("device", &s.device, &s.device_window),
         ("host", &s.host, &s.host_window),
@@ -59,22 +60,18 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         ] {
             let l = [("tier", tier), ("state", state)];
             t.sample("strata_cache_pages", &l, v as f64);
-            if windows {
-                t.sample("strata_cache_window_pages", &l, wv as f64);
-            }
+            t.sample("strata_cache_window_pages", &l, wv as f64);
         }
     }
-    if windows {
-        for (tier, v) in [
-            ("device", c.evicted_device_window_pages),
-            ("host", c.evicted_host_window_pages),
-        ] {
-            let l = [("tier", tier)];
-            t.sample("strata_cache_window_evicted_pages_total", &l, v as f64);
-        }
-        let cut = c.window_cut_tokens as f64;
-        t.sample("strata_cache_window_cut_tokens_total", &[], cut);
+    for (tier, v) in [
+        ("device", c.evicted_device_window_pages),
+        ("host", c.evicted_host_window_pages),
+    ] {
+        let l = [("tier", tier)];
+        t.sample("strata_cache_window_evicted_pages_total", &l, v as f64);
     }
+    let cut = c.window_cut_tokens as f64;
+    t.sample("strata_cache_window_cut_tokens_total", &[], cut);
     t.sample(
         "strata_cache_evicted_tokens_total",
         &[("tier", "device")],

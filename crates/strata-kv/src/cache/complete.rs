@@ -169,9 +169,11 @@ impl TieredCache {
             self.emit(true, Tier::Remote, &all);
         }
 
-        if d.errors == 0 {
-            for &n in &heads {
-                if self.tree.is_live(n) {
+        for &n in &heads {
+            if self.tree.is_live(n) {
+                // Split off a pinned node: it took the pin (tree/insert.rs, `split`).
+                self.tree.host_unlock(n);
+                if d.errors == 0 {
                     self.tree.set_in_storage(n, true);
                 }
             }

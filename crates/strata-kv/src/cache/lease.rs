@@ -201,24 +201,13 @@ impl TieredCache {
                 return None;
             };
             windows = w;
-            // Best effort: room to load the span's window pages back.
-            let span = self.span_pages().min(m.cached_tokens() / ps);
-            spare = self.alloc_windows(span).unwrap_or_default();
+            // Best effort, without waiting: room to load the span's window pages back.
+            let want = self.spare_needed(&m);
+            spare = self.alloc_windows_with(want, false).unwrap_or_default();
         }
         self.record(&m);
-        let mut phase = Phase::Loading(None);
-        if m.storage_tokens > 0 {
-            if let Some(t) = self.prefetch(prompt, &m) {
-                let deadline = match prefetch {
-                    PrefetchPolicy::WaitComplete => None,
-                    PrefetchPolicy::BestEffort => Some(Instant::now()),
-                    PrefetchPolicy::Timeout { per_token } => {
-                        Some(Instant::now() + per_token * m.storage_tokens as u32)
-                    }
-                };
-                phase = Phase::Prefetch(t, deadline, prompt.to_vec());
-            }
-        }
+        let mut m = m;
+        let phase = self.start_prefetch(prompt, &mut m, prefetch);
         let mut held = Held {
             prompt_len: prompt.len(),
             reserve_tokens,
@@ -315,7 +304,7 @@ impl TieredCache {
                 self.after_prefetch(h);
             }
             Phase::Loading(t) if t.is_none_or(|t| self.is_done(t)) && self.prefix_landed(h) => {
-                self.make_ready(h)
+                self.make_ready(h);
             }
             _ => {}
         }
@@ -361,7 +350,7 @@ impl TieredCache {
         let usable = (h.prompt_len - 1) / ps;
         let host_pages = (m.host_tokens / ps).min(usable.saturating_sub(m.device_tokens / ps));
         let mut ticket = None;
-        if host_pages > 0 || !self.window_loads(m).is_empty() {
+        if host_pages > 0 || !self.window_loads(m.last, m.queried_tokens).is_empty() {
             // Those positions will come from the tree: hand the reserved pages back first, so
             // the load-back can land in them. (Freed after it, a pool sized for one long
             // request would need room for it twice, and long prompts would be recomputed.)
@@ -411,10 +400,51 @@ impl TieredCache {
         landed
     }
 
-    /// The prefix is on device: lay out the request's pages in position order.
+    /// Starts reading the match's L3 part, if any: the prefetch phase, or (nothing to read, or
+    /// no room to read it) the load-back phase with the tree part alone.
+    fn start_prefetch(
+        &mut self,
+        prompt: &[u32],
+        m: &mut CacheMatch,
+        prefetch: PrefetchPolicy,
+    ) -> Phase {
+        if m.storage_tokens == 0 {
+            return Phase::Loading(None);
+        }
+        if let Some(t) = self.prefetch(prompt, m) {
+            let deadline = match prefetch {
+                PrefetchPolicy::WaitComplete => None,
+                PrefetchPolicy::BestEffort => Some(Instant::now()),
+                PrefetchPolicy::Timeout { per_token } => {
+                    Some(Instant::now() + per_token * m.storage_tokens as u32)
+                }
+            };
+            return Phase::Prefetch(t, deadline, prompt.to_vec());
+        }
+        // No room to read L3: the tree part alone must be continued from.
+        self.drop_storage_part(m);
+        Phase::Loading(None)
+    }
+
+    /// A match whose L3 part will not be read: drops it and applies the window rule to the
+    /// tree part, moving the lock to the new end.
+    fn drop_storage_part(&mut self, m: &mut CacheMatch) {
+        m.storage_tokens = 0;
+        m.storage_hashes.clear();
+        let old = m.last;
+        let cut = m.window_cut_tokens;
+        self.window_rule(m);
+        self.stats.window_cut_tokens += (m.window_cut_tokens - cut) as u64;
+        if m.last != old {
+            self.tree.lock(m.last);
+            self.tree.unlock(old);
+        }
+    }
+
+    /// The prefix is on device: lay out the request's pages in position order. Stays not
+    /// ready when the pages for positions the prefix cannot serve cannot be had yet.
     fn make_ready(&mut self, h: &mut Held) {
         let ps = self.page_size();
-        let m = &h.matched;
         // Prefix device pages along the path, root first. The path is read again from the
         // locked node: nodes on it may have been split since the match (an insert diverging
         // inside one), and a split node keeps its id for the suffix.
@@ -450,6 +480,11 @@ impl TieredCache {
         prefix_windows.truncate(keep);
         // Pages not loaded (no room) are computed into the reserved pages.
         let own_needed = h.reserve_tokens.div_ceil(ps) - prefix.len();
+        if !self.top_up(h, own_needed) {
+            // Not now: a later advance tries again (requests finishing free pages).
+            self.scratch_pages = prefix;
+            return;
+        }
         if h.pages.len() > own_needed {
             self.free_device(&h.pages[own_needed..])
                 .expect("reserved pages are held");
@@ -475,7 +510,7 @@ impl TieredCache {
             h.windows.splice(0..0, prefix_windows);
         }
         self.scratch_pages = prefix;
-        let dev = m.device_tokens.min(h.start);
+        let dev = h.matched.device_tokens.min(h.start);
         let storage = h.served.storage.min(h.start - dev);
         h.served = Served {
             device: dev,
@@ -483,6 +518,32 @@ impl TieredCache {
             storage,
         };
         h.phase = Phase::Ready;
+    }
+
+    /// Makes sure the lease holds `own` pages (and window pages) of its own: the reservation
+    /// covers the prefix the match promised, but a prefix cut back further (window pages that
+    /// could not be loaded) needs more. False when they cannot be had now.
+    fn top_up(&mut self, h: &mut Held, own: usize) -> bool {
+        let short = own.saturating_sub(h.pages.len());
+        let wshort = if self.has_window() {
+            own.saturating_sub(h.windows.len())
+        } else {
+            0
+        };
+        if short == 0 && wshort == 0 {
+            return true;
+        }
+        let mut pages = Vec::with_capacity(short);
+        if !self.alloc_device_into(short, &mut pages) {
+            return false;
+        }
+        let Some(w) = self.alloc_windows(wshort) else {
+            self.free_device(&pages).expect("just allocated");
+            return false;
+        };
+        h.pages.extend(pages);
+        h.windows.extend(w);
+        true
     }
 
     /// Ends a request that computed `tokens[..computed]` into its pages: the whole pages join

@@ -13,17 +13,11 @@ impl TieredCache {
     /// window pages of the span before its end that the device lacks. The nodes are on device
     /// (and locked) at once; read them after the ticket completes.
     pub fn load_back(&mut self, m: &CacheMatch) -> Option<Ticket> {
-        let nodes: Vec<NodeId> = m
-            .path
-            .iter()
-            .copied()
-            .filter(|&n| self.tree.is_live(n) && self.tree.view(n).device.is_empty())
-            .collect();
-        let loads = self.window_loads(m);
+        let (nodes, loads) = self.load_plan(m);
         if nodes.is_empty() && loads.is_empty() {
             return None;
         }
-        let need: usize = nodes.iter().map(|&n| self.tree.view(n).host.len()).sum();
+        let need = self.host_pages_of(&nodes);
         self.tree.lock(m.last);
         let skipped = |c: &mut Self| {
             c.tree.unlock(m.last);
@@ -33,10 +27,21 @@ impl TieredCache {
         let Some(pages) = self.alloc_device(need) else {
             return skipped(self);
         };
-        let Some(dwins) = self.alloc_windows(loads.len()) else {
+        let Some(mut dwins) = self.alloc_windows(loads.len()) else {
             self.free_device(&pages).expect("just allocated");
             return skipped(self);
         };
+        // Allocating may have let copies land and split nodes of the (locked) path, or given
+        // them host window pages: plan again on the tree as it is now. Splits keep the pages.
+        let (nodes, mut loads) = self.load_plan(m);
+        if self.host_pages_of(&nodes) != need {
+            self.free_device(&pages).expect("just allocated");
+            self.free_windows(&dwins);
+            return skipped(self);
+        }
+        loads.truncate(dwins.len());
+        let extra = dwins.split_off(loads.len());
+        self.free_windows(&extra);
         self.held_device -= need;
         self.held_dwin -= dwins.len();
         let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(need);
@@ -54,12 +59,7 @@ impl TieredCache {
             self.tree.set_windows(n, Slot::Device, &list);
             window_pairs.push((d, h));
         }
-        let loaded: Vec<NodeId> = m
-            .path
-            .iter()
-            .copied()
-            .filter(|&n| self.tree.is_live(n))
-            .collect();
+        let loaded = self.tree.path_to(m.last);
         self.emit(true, Tier::Device, &loaded);
         let written: Vec<u32> = pairs.iter().map(|p| p.0).collect();
         self.loading.extend(written.iter().copied());
@@ -77,6 +77,21 @@ impl TieredCache {
                 windows: dwins,
             },
         ))
+    }
+
+    /// The host-only nodes of the path to `m.last` and the span's window loads, read now.
+    fn load_plan(&self, m: &CacheMatch) -> (Vec<NodeId>, Vec<(NodeId, usize, u32)>) {
+        let nodes = self
+            .tree
+            .path_to(m.last)
+            .into_iter()
+            .filter(|&n| self.tree.view(n).device.is_empty())
+            .collect();
+        (nodes, self.window_loads(m.last, m.queried_tokens))
+    }
+
+    fn host_pages_of(&self, nodes: &[NodeId]) -> usize {
+        nodes.iter().map(|&n| self.tree.view(n).host.len()).sum()
     }
 
     /// Starts reading the L3-held part of a match into host pages; when it completes the pages
@@ -148,14 +163,14 @@ impl TieredCache {
             pairs.extend(dev.into_iter().zip(host.iter().copied()));
             self.tree.set_pages(n, Slot::Host, host);
             self.backup_windows(n, &mut window_pairs);
-            // Pinned until the copy is locked below: a later node's host window pages must
-            // not be taken from this one.
-            self.tree.host_lock(n);
+            // Locked until the copy is locked below: a later node's host window pages must
+            // not be taken from this one (a lock follows splits).
+            self.tree.lock(n);
             chosen.push(n);
             lock = Some(n);
         }
         for &n in &chosen {
-            self.tree.host_unlock(n);
+            self.tree.unlock(n);
         }
         let lock = lock?;
         self.emit(true, Tier::Host, &chosen);

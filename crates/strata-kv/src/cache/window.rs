@@ -44,15 +44,6 @@ impl TieredCache {
         s.saturating_sub(self.window) / ps..s.div_ceil(ps)
     }
 
-    /// At most this many pages lie in a span.
-    pub(super) fn span_pages(&self) -> usize {
-        if self.window == 0 {
-            0
-        } else {
-            self.window.div_ceil(self.page_size()) + 1
-        }
-    }
-
     /// The deepest `k ≤ ok.len()` whose span has a window page in every page (`ok`).
     fn deepest_usable(&self, ok: &[bool], len: usize) -> usize {
         let mut bad = Vec::with_capacity(ok.len() + 1);
@@ -129,21 +120,23 @@ impl TieredCache {
         self.deepest_usable(&ok, len)
     }
 
-    /// Span pages of a match (tree part) lacking a device window page that the host has:
-    /// (node, page index in the node, host window page).
-    pub(super) fn window_loads(&self, m: &CacheMatch) -> Vec<(NodeId, usize, u32)> {
+    /// Span pages of the tree path to `last` (a prompt of `len` tokens continuing after it)
+    /// lacking a device window page that the host has: (node, page index in the node, host
+    /// window page). The path is read now: nodes on it may have split since the match.
+    pub(super) fn window_loads(&self, last: NodeId, len: usize) -> Vec<(NodeId, usize, u32)> {
         if self.window == 0 {
             return Vec::new();
         }
         let ps = self.page_size();
-        let tree_pages = (m.device_tokens + m.host_tokens) / ps;
-        let span = self.span(tree_pages, m.queried_tokens);
+        let path = self.tree.path_to(last);
+        let tree_pages: usize = path
+            .iter()
+            .map(|&n| self.tree.view(n).tokens.len() / ps)
+            .sum();
+        let span = self.span(tree_pages, len);
         let mut out = Vec::new();
         let mut at = 0;
-        for &n in &m.path {
-            if !self.tree.is_live(n) {
-                continue;
-            }
+        for &n in &path {
             let v = self.tree.view(n);
             for i in 0..v.tokens.len() / ps {
                 let has = |l: &[u32]| l.get(i).copied().filter(|&w| w != NO_PAGE);
@@ -161,6 +154,11 @@ impl TieredCache {
     /// `n` device window pages (held by the caller), evicting window pages per policy; None
     /// when they cannot be freed.
     pub(super) fn alloc_windows(&mut self, n: usize) -> Option<Vec<u32>> {
+        self.alloc_windows_with(n, true)
+    }
+
+    /// [`TieredCache::alloc_windows`]; with `wait` false it never waits for a copy to land.
+    pub(super) fn alloc_windows_with(&mut self, n: usize, wait: bool) -> Option<Vec<u32>> {
         if n == 0 {
             return Some(Vec::new());
         }
@@ -170,7 +168,7 @@ impl TieredCache {
                 break;
             }
             self.evict_device_windows(n - avail);
-            if self.dwin_alloc.available() as usize >= n || self.pending.is_empty() {
+            if !wait || self.dwin_alloc.available() as usize >= n || self.pending.is_empty() {
                 break;
             }
             // Holders may be locked by copies in flight: let one land.
@@ -245,6 +243,20 @@ impl TieredCache {
             Slot::Host => &mut self.hwin_alloc,
         };
         alloc.free(&w).expect("tree window pages are allocated");
+    }
+
+    /// Window pages a lease may need to load its span's window state onto the device: span
+    /// pages the tree's device lacks (and the host has), plus L3 pages inside the span.
+    pub(super) fn spare_needed(&self, m: &CacheMatch) -> usize {
+        if self.window == 0 {
+            return 0;
+        }
+        let ps = self.page_size();
+        let tree = (m.device_tokens + m.host_tokens) / ps;
+        let all = tree + m.storage_hashes.len();
+        let span = self.span(all, m.queried_tokens);
+        let in_l3 = (tree..all).filter(|p| span.contains(p)).count();
+        self.window_loads(m.last, m.queried_tokens).len() + in_l3
     }
 
     /// The device window entry of every page along `path` (NO_PAGE where none), `pages` long.

@@ -230,8 +230,10 @@ impl RadixTree {
             children: FxHashMap::default(),
             device_children: on_device as u32,
             lock_ref: n.lock_ref,
-            // Pins stay on the suffix; the prefix cannot be removed while that child exists.
-            host_lock: 0,
+            // An L3 write in flight reads both halves: the head keeps the pins (its window
+            // pages are not protected by its child), and the write unpins it when it lands
+            // (it follows the split, `TieredCache::absorb_splits`).
+            host_lock: n.host_lock,
             hits: n.hits,
             freq: n.freq,
             last_access: n.last_access,

@@ -69,8 +69,9 @@ impl Cost {
 }
 
 /// States how many tokens keep their window state; refuses a ratio that leaves no window page
-/// on device (a request computes into one per page).
-pub(crate) fn window_decision(
+/// on device (a request computes into one per page), or one given for a model without window
+/// kinds. (The ratio's range was validated with the request.)
+pub(crate) fn window_decisions(
     req: &PlanRequest,
     cost: &Cost,
     device_tokens: u64,
@@ -78,8 +79,14 @@ pub(crate) fn window_decision(
     decided: &mut Vec<Decision>,
 ) -> Result<(), PlanError> {
     let r = cost.ratio;
-    if req.window_ratio.is_some() && !(r > 0.0 && r <= 1.0) {
-        return Err(PlanError::WindowRatio(r));
+    if cost.window == 0 {
+        return match req.window_ratio {
+            Some(ratio) => Err(PlanError::NoWindowKinds {
+                ratio,
+                model: req.model.name.clone(),
+            }),
+            None => Ok(()),
+        };
     }
     if device_window == 0 {
         return Err(PlanError::NoWindowPage {
@@ -99,4 +106,19 @@ pub(crate) fn window_decision(
         by,
     });
     Ok(())
+}
+
+/// How the kinds share the tokens (several kinds only).
+pub(crate) fn kinds_decision(cost: &Cost, n: usize, ps: u64, decided: &mut Vec<Decision>) {
+    if n > 1 {
+        let by = if cost.window > 0 {
+            format!("--page-size {ps}: a page holds every main kind (block kinds packed per page) and a window page every window kind, so each kind gets its class's tokens above at its bytes/token, inside the same budgets")
+        } else {
+            format!("--page-size {ps}: one page holds every kind (block kinds packed per page), so each kind gets the tokens above at its bytes/token, inside the same budgets")
+        };
+        decided.push(Decision {
+            what: format!("each of the {} pool kinds' tokens per rank", n),
+            by,
+        });
+    }
 }

@@ -262,24 +262,10 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         cost.window_tokens(device_tokens),
         cost.window_tokens(host_tokens),
     );
-    if cost.window > 0 {
-        window_decision(req, &cost, device_tokens, dw, &mut decided)?;
-    } else if let Some(r) = req.window_ratio {
-        return Err(PlanError::NoWindowKinds {
-            ratio: r,
-            model: req.model.name.clone(),
-        });
-    }
+    window_decisions(req, &cost, device_tokens, dw, &mut decided)?;
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
-    if kinds.len() > 1 {
-        decided.push(Decision {
-            what: format!("each of the {} pool kinds' tokens per rank", kinds.len()),
-            by: format!(
-                "--page-size {ps}: one page holds every kind (block kinds packed per page), so each kind gets the tokens above at its bytes/token, inside the same budgets"
-            ),
-        });
-    }
+    kinds_decision(&cost, kinds.len(), ps, &mut decided);
     let s = Sizes::new(req, &cost, device_budget, device_tokens, host_tokens);
     let where_ = where_of(&room.nodes);
 
@@ -387,6 +373,11 @@ fn validate(req: &PlanRequest) -> Result<(), PlanError> {
     }
     if req.model.kinds.is_empty() {
         return Err(PlanError::NoPools(req.model.name.clone()));
+    }
+    if let Some(r) = req.window_ratio {
+        if !(r > 0.0 && r <= 1.0) {
+            return Err(PlanError::WindowRatio(r));
+        }
     }
     Ok(())
 }
@@ -618,4 +609,4 @@ mod advice;
 mod cost;
 mod render;
 
-use cost::{window_decision, Cost};
+use cost::{kinds_decision, window_decisions, Cost};

@@ -1,0 +1,87 @@
+//! `strata serve --window-tokens-ratio` on a DeepSeek-V4 file (the tiny model): the worker
+//! allocates the window pages `strata plan` states for the same flags, serves with them, and
+//! reports them on `/metrics`.
+
+use std::process::Command;
+use std::time::Duration;
+
+use strata_test_support::{sample, spawn_ready, tiny_dsv4_model};
+
+fn strata() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn curl(args: &[&str]) -> String {
+    let o = Command::new("curl")
+        .arg("-s")
+        .args(args)
+        .output()
+        .expect("curl (scripts/test.sh installs it)");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn the_window_ratio_sizes_the_window_pages_the_worker_allocates() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_dsv4_model(d.path());
+    let pools = [
+        "--page-size",
+        "4",
+        "--device-mem",
+        "8MiB",
+        "--hicache-size",
+        "16MiB",
+        "--window-tokens-ratio",
+        "0.25",
+    ];
+    let o = strata()
+        .arg("plan")
+        .args(pools)
+        .arg("--model")
+        .arg(&model)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let pages = |k: &str| plan[k].as_u64().unwrap() / 4;
+    let (main, window) = (
+        pages("device_tokens_per_rank"),
+        pages("device_window_tokens_per_rank"),
+    );
+    let host_window = pages("host_window_tokens_per_rank");
+    assert!(window > 0 && window < main / 3, "{main} {window}");
+
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2"])
+        .args(pools)
+        .arg("--model")
+        .arg(&model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18],"max_tokens":4,"temperature":0}"#;
+    let a = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        body,
+        &format!("{url}/v1/completions"),
+    ]);
+    assert!(a.contains("\"choices\""), "{a}");
+    let m = curl(&[&format!("{url}/metrics")]);
+    let g = |k: &str| sample(&m, k) as u64;
+    assert_eq!(
+        g(r#"strata_cache_pages{tier="device",state="total"}"#),
+        main
+    );
+    assert_eq!(
+        g(r#"strata_cache_window_pages{tier="device",state="total"}"#),
+        window
+    );
+    assert_eq!(
+        g(r#"strata_cache_window_pages{tier="host",state="total"}"#),
+        host_window
+    );
+    // The request's pages joined the tree with their window pages.
+    assert!(g(r#"strata_cache_window_pages{tier="device",state="used"}"#) > 0);
+}
