@@ -17,6 +17,9 @@ use tokio::sync::Notify;
 /// Bounds of the KV listener: everything a peer can make it hold.
 #[derive(Clone, Debug)]
 pub struct KvLimits {
+    /// The address to tell prefill workers (None: the listener's own), e.g. the pod's IP when
+    /// the listener binds 0.0.0.0.
+    pub advertise: Option<SocketAddr>,
     /// Pages of this many bytes (a page's main part without its window part) are accepted
     /// beside whole pages (layouts with window kinds; None otherwise).
     pub main_page_bytes: Option<u64>,
@@ -46,6 +49,7 @@ pub struct KvLimits {
 impl Default for KvLimits {
     fn default() -> Self {
         KvLimits {
+            advertise: None,
             main_page_bytes: None,
             staging: 1 << 30,
             max_connections: 64,
@@ -119,6 +123,8 @@ impl Drop for ConnTicket<'_> {
 /// Transfers this decode worker asked for: only those are accepted, each once.
 pub struct KvInbox {
     pub addr: SocketAddr,
+    /// The address prefill workers are told to send K/V to (`addr` unless advertised).
+    pub advertise: SocketAddr,
     hello: Hello,
     key: Option<ClusterKey>,
     page_bytes: u64,
@@ -146,8 +152,10 @@ impl KvInbox {
         limits: KvLimits,
         key: Option<ClusterKey>,
     ) -> Arc<KvInbox> {
+        let addr = listener.local_addr().expect("bound listener");
         let inbox = Arc::new(KvInbox {
-            addr: listener.local_addr().expect("bound listener"),
+            addr,
+            advertise: limits.advertise.unwrap_or(addr),
             hello,
             key,
             page_bytes,

@@ -362,7 +362,7 @@ pub async fn decode_after_remote_prefill(
     let body = PrefillRequest {
         transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
         tokens: ids.clone(),
-        kv_target: inbox.addr.to_string(),
+        kv_target: inbox.advertise.to_string(),
         sampling: FirstTokenSampling {
             temperature: params.temperature,
             top_p: params.top_p,

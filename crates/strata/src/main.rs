@@ -12,6 +12,7 @@ mod generate;
 mod plan;
 mod route;
 mod serve;
+mod serve_kv;
 mod sim;
 mod sim_advice;
 mod sizing;

@@ -146,6 +146,11 @@ pub struct ServeArgs {
     /// Port of the KV-transfer listener (0: any free port; the worker tells prefill workers).
     #[arg(long, default_value_t = 0, help_heading = "PD disaggregation")]
     pub kv_port: u16,
+    /// The address prefill workers send K/V to, IP or IP:PORT (default: the listener's own;
+    /// the port defaults to the listener's). Needed when --kv-host is 0.0.0.0 (e.g. the pod's
+    /// IP under Kubernetes).
+    #[arg(long, help_heading = "PD disaggregation")]
+    pub kv_advertise: Option<String>,
     /// Received K/V held at most before transfers are told to retry, with a unit.
     #[arg(long, default_value = "1GiB", help_heading = "PD disaggregation")]
     pub kv_staging: String,
@@ -310,7 +315,20 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.cluster_key = c.cluster_key.clone();
     st.pd.prefill_workers = a.prefill_worker.clone();
     if matches!(c.role, "decode" | "both") {
-        st.pd.kv = Some(kv_listener(&a, &st, c.kv_staging, c.cluster_key.clone())?);
+        let flags = crate::serve_kv::KvFlags {
+            host: &a.kv_host,
+            port: a.kv_port,
+            advertise: a.kv_advertise.as_deref(),
+            staging_text: &a.kv_staging,
+            max_connections: a.kv_max_connections,
+        };
+        let key = c.cluster_key.clone();
+        st.pd.kv = Some(crate::serve_kv::kv_listener(
+            &flags,
+            &st,
+            c.kv_staging,
+            key,
+        )?);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
     serve_until_stopped(std_listener, addr, st, name, c.role, grace)
@@ -563,44 +581,6 @@ fn engine_config(
     }
     cfg.stop_token_ids.dedup();
     cfg
-}
-
-/// The KV-transfer listener of a decode worker (decode and both roles), bound and started.
-fn kv_listener(
-    a: &ServeArgs,
-    st: &AppState,
-    kv_staging: u64,
-    cluster_key: Option<ClusterKey>,
-) -> Result<Arc<strata_server::pd::KvInbox>> {
-    let info = st.engine.info().clone();
-    let hello = info.hello();
-    let kv_addr = format!("{}:{}", a.kv_host, a.kv_port);
-    let l = std::net::TcpListener::bind(&kv_addr)
-        .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
-    // One request of the longest prompt this worker can hold must fit the staging area,
-    // or such prompts could never arrive.
-    let longest = info.context_length.min(info.device_tokens);
-    let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
-    if kv_staging < one {
-        bail!(
-            "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
-            a.kv_staging,
-            format_bytes(one)
-        );
-    }
-    let limits = strata_server::pd::KvLimits {
-        staging: kv_staging,
-        max_connections: a.kv_max_connections.max(1),
-        max_tokens: info.context_length,
-        page_size: info.page_size as u32,
-        main_page_bytes: info.main_page_bytes(),
-        ..strata_server::pd::KvLimits::default()
-    };
-    let inbox =
-        strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, limits, cluster_key);
-    tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
-    eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
-    Ok(inbox)
 }
 
 /// Serves the API on the bound listener until SIGTERM / Ctrl-C, or until the engine dies.

@@ -313,6 +313,13 @@ fn worker_commands(
                 "--cluster-key-file".into(),
                 key_arg.to_string(),
             ];
+            // Every worker of `strata up` is on this machine: an unspecified listen address
+            // is reached through loopback.
+            match d.host.as_str() {
+                "0.0.0.0" => args.extend(["--kv-advertise".into(), "127.0.0.1".into()]),
+                "::" | "[::]" => args.extend(["--kv-advertise".into(), "::1".into()]),
+                _ => {}
+            }
             if role == "decode" {
                 for u in &prefill_urls {
                     args.push("--prefill-worker".into());

@@ -1,0 +1,111 @@
+//! A decode worker's KV-transfer listener: bound, started, and the address it announces.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use strata_kv::auth::ClusterKey;
+use strata_kv::units::format_bytes;
+use strata_server::AppState;
+
+/// The `--kv-*` flags of `strata serve`.
+pub(crate) struct KvFlags<'a> {
+    pub host: &'a str,
+    pub port: u16,
+    pub advertise: Option<&'a str>,
+    /// `--kv-staging` as typed (for messages).
+    pub staging_text: &'a str,
+    pub max_connections: usize,
+}
+
+/// The KV-transfer listener of a decode worker (decode and both roles), bound and started.
+pub(crate) fn kv_listener(
+    a: &KvFlags,
+    st: &AppState,
+    kv_staging: u64,
+    cluster_key: Option<ClusterKey>,
+) -> Result<Arc<strata_server::pd::KvInbox>> {
+    let info = st.engine.info().clone();
+    let hello = info.hello();
+    let kv_addr = format!("{}:{}", a.host, a.port);
+    let l = std::net::TcpListener::bind(&kv_addr)
+        .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
+    let bound = l.local_addr()?;
+    let advertise = kv_advertise(a.advertise, bound)?;
+    // One request of the longest prompt this worker can hold must fit the staging area,
+    // or such prompts could never arrive.
+    let longest = info.context_length.min(info.device_tokens);
+    let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
+    if kv_staging < one {
+        bail!(
+            "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
+            a.staging_text,
+            format_bytes(one)
+        );
+    }
+    let limits = strata_server::pd::KvLimits {
+        staging: kv_staging,
+        max_connections: a.max_connections.max(1),
+        max_tokens: info.context_length,
+        page_size: info.page_size as u32,
+        main_page_bytes: info.main_page_bytes(),
+        advertise,
+        ..strata_server::pd::KvLimits::default()
+    };
+    let inbox =
+        strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, limits, cluster_key);
+    tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
+    eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
+    Ok(inbox)
+}
+
+/// The KV address to tell prefill workers: `--kv-advertise` (IP, or IP:PORT), else the bound
+/// address, which must then be one a peer can reach (not 0.0.0.0 / ::).
+fn kv_advertise(
+    given: Option<&str>,
+    bound: std::net::SocketAddr,
+) -> Result<Option<std::net::SocketAddr>> {
+    let Some(g) = given else {
+        if bound.ip().is_unspecified() {
+            bail!(
+                "--kv-host {}: prefill workers cannot send K/V to an unspecified address; give \
+                 --kv-advertise IP[:PORT], the address they reach this worker at",
+                bound.ip()
+            );
+        }
+        return Ok(None);
+    };
+    let addr = match g.parse::<std::net::SocketAddr>() {
+        Ok(a) => a,
+        Err(_) => match g.parse::<std::net::IpAddr>() {
+            Ok(ip) => std::net::SocketAddr::new(ip, bound.port()),
+            Err(_) => bail!("--kv-advertise `{g}`: expected IP or IP:PORT"),
+        },
+    };
+    if addr.ip().is_unspecified() || addr.port() == 0 {
+        bail!("--kv-advertise {addr}: give the IP and port prefill workers reach");
+    }
+    Ok(Some(addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kv_advertise;
+
+    #[test]
+    fn an_unspecified_kv_address_needs_an_advertised_one() {
+        let any: std::net::SocketAddr = "0.0.0.0:9000".parse().unwrap();
+        let lo: std::net::SocketAddr = "127.0.0.1:9000".parse().unwrap();
+        assert!(kv_advertise(None, any)
+            .unwrap_err()
+            .to_string()
+            .contains("--kv-advertise"));
+        assert_eq!(kv_advertise(None, lo).unwrap(), None);
+        let ip = kv_advertise(Some("10.1.2.3"), any).unwrap().unwrap();
+        assert_eq!(ip.to_string(), "10.1.2.3:9000");
+        let full = kv_advertise(Some("10.1.2.3:7000"), any).unwrap().unwrap();
+        assert_eq!(full.port(), 7000);
+        for bad in ["pod", "0.0.0.0:9000", "10.1.2.3:0"] {
+            assert!(kv_advertise(Some(bad), any).is_err(), "{bad}");
+        }
+    }
+}
