@@ -83,6 +83,22 @@ fn spec(c: Case, storage: Option<Arc<dyn Storage>>, tier: &'static str) -> Worke
     }
 }
 
+/// A worker without a prefix cache: every answer recomputed.
+async fn cold_worker(path: &std::path::Path, c: Case) -> TestWorker {
+    let engine = EngineConfig {
+        prefix_cache: false,
+        ..EngineConfig::default()
+    };
+    spawn_worker(
+        path,
+        WorkerSpec {
+            engine,
+            ..spec(c, None, "disk")
+        },
+    )
+    .await
+}
+
 /// Greedy tokens with their log probabilities; and the prompt tokens reported cached.
 async fn complete(url: &str, prompt: &[u32]) -> (Value, u64) {
     let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
@@ -166,18 +182,7 @@ async fn every_tier(c: Case) {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_dsv4_model(d.path());
 
-    // Recomputed: no prefix cache.
-    let cold = spawn_worker(
-        &path,
-        WorkerSpec {
-            engine: EngineConfig {
-                prefix_cache: false,
-                ..EngineConfig::default()
-            },
-            ..spec(c, None, "disk")
-        },
-    )
-    .await;
+    let cold = cold_worker(&path, c).await;
 
     // Device, host and disk on one worker.
     let disk: Arc<dyn Storage> =
@@ -245,17 +250,7 @@ async fn dropped_window_pages_back_off_the_hit_or_come_back_from_host() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_dsv4_model(d.path());
     let c = SMALL;
-    let cold = spawn_worker(
-        &path,
-        WorkerSpec {
-            engine: EngineConfig {
-                prefix_cache: false,
-                ..EngineConfig::default()
-            },
-            ..spec(c, None, "disk")
-        },
-    )
-    .await;
+    let cold = cold_worker(&path, c).await;
     let base = base_of(c.base);
     // Shares the base's first 128 tokens: the base splits there, and this prompt's window
     // pages take those of the base's older tail (120 window pages hold one prompt and a

@@ -155,6 +155,12 @@ pub fn run(a: SimArgs) -> Result<()> {
     if advising && a.sweep {
         bail!("--sweep sweeps the device tier; --advise and --compare the host tier: give one");
     }
+    if advising && a.host != "0" {
+        bail!(
+            "--host {}: --advise and --compare choose the host tier's sizes themselves; drop --host",
+            a.host
+        );
+    }
     // The layout only matters for byte figures; one pool with the given bytes per token.
     let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, bpt)])
         .with_context(|| format!("--page-size {}", a.page_size))?;

@@ -75,6 +75,13 @@ pub fn bytes_per_token(
             Ok((bpt, label))
         }
         (None, b) => {
+            if a.tp_size != 1 {
+                bail!(
+                    "--tp-size {} needs --model or --model-preset (it splits a model's pools); \
+                     with --bytes-per-token give the figure per rank",
+                    a.tp_size
+                );
+            }
             let bpt = b.unwrap_or(23_040);
             if bpt == 0 {
                 bail!("--bytes-per-token must be at least 1");

@@ -203,46 +203,40 @@ impl TieredCache {
     /// Drops window pages of unlocked nodes from the device tier until `n` are free or none
     /// is left to drop; returns how many were freed.
     pub fn evict_device_windows(&mut self, n: usize) -> usize {
-        let mut got = 0;
-        while got < n {
-            let Some(v) = self.tree.window_victim(Slot::Device, |_| false) else {
-                break;
-            };
-            let w = self.tree.take_windows(v, Slot::Device);
-            got += w.len();
-            self.stats.evicted_device_window_pages += w.len() as u64;
-            self.dwin_alloc
-                .free(&w)
-                .expect("tree window pages are allocated");
-        }
-        got
+        self.evict_windows(Slot::Device, n)
     }
 
     /// The same for the host tier.
     pub fn evict_host_windows(&mut self, n: usize) -> usize {
+        self.evict_windows(Slot::Host, n)
+    }
+
+    fn evict_windows(&mut self, slot: Slot, n: usize) -> usize {
         let mut got = 0;
         while got < n {
-            let Some(v) = self.tree.window_victim(Slot::Host, |_| false) else {
+            let Some(v) = self.tree.window_victim(slot, |_| false) else {
                 break;
             };
-            let w = self.tree.take_windows(v, Slot::Host);
-            got += w.len();
-            self.stats.evicted_host_window_pages += w.len() as u64;
-            self.hwin_alloc
-                .free(&w)
-                .expect("tree window pages are allocated");
+            let k = self.drop_windows(v, slot);
+            got += k;
+            match slot {
+                Slot::Device => self.stats.evicted_device_window_pages += k as u64,
+                Slot::Host => self.stats.evicted_host_window_pages += k as u64,
+            }
         }
         got
     }
 
-    /// Frees the window pages of `id` in `slot` (before its main pages leave that tier).
-    pub(super) fn drop_windows(&mut self, id: NodeId, slot: Slot) {
+    /// Frees the window pages of `id` in `slot` (before its main pages leave that tier);
+    /// returns how many.
+    pub(super) fn drop_windows(&mut self, id: NodeId, slot: Slot) -> usize {
         let w = self.tree.take_windows(id, slot);
         let alloc = match slot {
             Slot::Device => &mut self.dwin_alloc,
             Slot::Host => &mut self.hwin_alloc,
         };
         alloc.free(&w).expect("tree window pages are allocated");
+        w.len()
     }
 
     /// Window pages a lease may need to load its span's window state onto the device: span
