@@ -110,6 +110,22 @@ impl CacheIndex {
         (dev, host, rem)
     }
 
+    /// Pages indexed (over every worker and the remote set) and the heap bytes their maps
+    /// take: each map's capacity times its entry plus hashbrown's control byte.
+    pub fn footprint(&self) -> (usize, usize) {
+        let entry = std::mem::size_of::<([u8; 16], u8)>() + 1;
+        let (mut pages, mut bytes) = (0, 0);
+        for w in &self.workers {
+            let i = w.lock().expect("index lock");
+            pages += i.pages.len();
+            bytes += i.pages.capacity() * entry;
+        }
+        let r = self.remote.lock().expect("remote lock");
+        pages += r.len();
+        bytes += r.capacity() * (std::mem::size_of::<[u8; 16]>() + 1);
+        (pages, bytes)
+    }
+
     /// Resynchronisations so far (gaps, restarts).
     pub fn resyncs(&self) -> u64 {
         self.workers

@@ -20,6 +20,9 @@ pub enum BenchCommand {
     Transfer(TransferArgs),
     /// Latency the router adds, open loop, against a fake instant backend (in-process).
     Router(RouterArgs),
+    /// The cache-aware router over many simulated workers publishing cache events: events
+    /// absorbed per second, routing latency at a request rate, index bytes per cached page.
+    RouterScale(crate::bench_router::RouterScaleArgs),
     /// Remote L3 (Redis) page put/get throughput and latency.
     L3(L3Args),
     /// One workload (multi-turn, shared-prefix, trace replay) against a deployment: TTFT, ITL,
@@ -126,6 +129,7 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::Streams(a) => streams(a).await,
             BenchCommand::Transfer(a) => transfer(a).await,
             BenchCommand::Router(a) => router_latency(a).await,
+            BenchCommand::RouterScale(a) => crate::bench_router::run(a).await,
             BenchCommand::L3(a) => l3(a).await,
             BenchCommand::Workload(a) => crate::bench_workload::run(a).await,
             BenchCommand::Compare(a) => crate::bench_compare::run(a).await,

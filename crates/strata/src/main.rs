@@ -7,6 +7,7 @@ mod bench_health;
 mod bench_http;
 mod bench_load;
 mod bench_report;
+mod bench_router;
 mod bench_workload;
 mod generate;
 mod plan;

@@ -144,6 +144,20 @@ fn write_policy_name(p: WritePolicy) -> String {
     }
 }
 
+/// Flags that --advise and --compare would override are refused, not ignored.
+fn advice_flags(a: &SimArgs) -> Result<()> {
+    if a.sweep {
+        bail!("--sweep sweeps the device tier; --advise and --compare the host tier: give one");
+    }
+    if a.host != "0" {
+        bail!(
+            "--host {}: --advise and --compare choose the host tier's sizes themselves; drop --host",
+            a.host
+        );
+    }
+    Ok(())
+}
+
 pub fn run(a: SimArgs) -> Result<()> {
     let evictions = policies(&a.eviction)?;
     let (bpt, bpt_label) =
@@ -152,14 +166,8 @@ pub fn run(a: SimArgs) -> Result<()> {
         bail!("--block-tokens must be at least 1");
     }
     let advising = a.advice.advise || !a.advice.compare.is_empty();
-    if advising && a.sweep {
-        bail!("--sweep sweeps the device tier; --advise and --compare the host tier: give one");
-    }
-    if advising && a.host != "0" {
-        bail!(
-            "--host {}: --advise and --compare choose the host tier's sizes themselves; drop --host",
-            a.host
-        );
+    if advising {
+        advice_flags(&a)?;
     }
     // The layout only matters for byte figures; one pool with the given bytes per token.
     let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, bpt)])

@@ -122,9 +122,21 @@ fn impossible_capacities_and_bad_flags_are_refused() {
     let o = strata(&["sim", "--trace", t, "--advise", "--host", "1GiB"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("drop --host"), "{}", text(&o));
-    let o = strata(&["sim", "--trace", t, "--compare", "1GB,2GB", "--tp-size", "4"]);
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t,
+        "--compare",
+        "1GB,2GB",
+        "--tp-size",
+        "4",
+    ]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("--tp-size 4 needs --model"), "{}", text(&o));
+    assert!(
+        text(&o).contains("--tp-size 4 needs --model"),
+        "{}",
+        text(&o)
+    );
     let o = strata(&["sim", "--trace", t, "--write-policy", "sometimes"]);
     assert!(
         text(&o).contains("invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N] (N: hits, default 2) or write_back"),
