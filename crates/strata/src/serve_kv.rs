@@ -31,6 +31,16 @@ pub(crate) fn kv_listener(
         .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
     let bound = l.local_addr()?;
     let advertise = kv_advertise(a.advertise, bound)?;
+    if let Some(ad) = advertise {
+        // A prefill worker without the key accepts only a loopback KV target (pd.rs): say so
+        // now rather than fail every transfer.
+        if cluster_key.is_none() && !ad.ip().is_loopback() {
+            bail!(
+                "--kv-advertise {ad}: without --cluster-key-file prefill workers send K/V to \
+                 loopback addresses only"
+            );
+        }
+    }
     // One request of the longest prompt this worker can hold must fit the staging area,
     // or such prompts could never arrive.
     let longest = info.context_length.min(info.device_tokens);
@@ -53,8 +63,11 @@ pub(crate) fn kv_listener(
     };
     let inbox =
         strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, limits, cluster_key);
-    tracing::info!(addr = %inbox.addr, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
-    eprintln!("strata serve: KV-transfer listener on {}", inbox.addr);
+    tracing::info!(addr = %inbox.addr, advertised = %inbox.advertise, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
+    eprintln!(
+        "strata serve: KV-transfer listener on {} (announced as {})",
+        inbox.addr, inbox.advertise
+    );
     Ok(inbox)
 }
 

@@ -431,6 +431,8 @@ impl TieredCache {
     fn drop_storage_part(&mut self, m: &mut CacheMatch) {
         m.storage_tokens = 0;
         m.storage_hashes.clear();
+        // Copies that landed since the match may have split nodes of its path.
+        m.path = self.tree.path_to(m.last);
         let old = m.last;
         let cut = m.window_cut_tokens;
         self.window_rule(m);
