@@ -21,7 +21,7 @@ use crate::hash::PageHash;
 use crate::layout::Class;
 use crate::policy::PrefetchPolicy;
 use crate::pool::blob_len;
-use crate::tree::{NodeId, NO_PAGE, ROOT};
+use crate::tree::{NodeId, TreeMatch, NO_PAGE, ROOT};
 
 use super::{CacheMatch, Ticket, TieredCache};
 
@@ -466,11 +466,7 @@ impl TieredCache {
         // As far as the window pages on device allow (never below the reservation's count).
         let mut prefix_windows = Vec::new();
         if self.has_window() {
-            let usable = self.device_usable(&path, prefix.len(), h.prompt_len);
-            prefix.truncate(usable);
-            self.path_device_windows(&path, prefix.len(), &mut prefix_windows);
-            let spare = std::mem::take(&mut h.spare);
-            self.free_windows(&spare);
+            self.window_prefix(h, &mut path, &mut prefix, &mut prefix_windows);
         }
         self.scratch_path = path;
         // A page-aligned prompt matched in full: its last page also holds the last token,
@@ -520,6 +516,47 @@ impl TieredCache {
             storage,
         };
         h.phase = Phase::Ready;
+    }
+
+    /// Cuts `prefix` to what the window pages on device allow (no longer pinning the rest),
+    /// lays out its window pages in `windows`, and gives back the spare window pages.
+    fn window_prefix(
+        &mut self,
+        h: &mut Held,
+        path: &mut Vec<NodeId>,
+        prefix: &mut Vec<u32>,
+        windows: &mut Vec<u32>,
+    ) {
+        let ps = self.page_size();
+        let usable = self.device_usable(path, prefix.len(), h.prompt_len);
+        if usable < prefix.len() {
+            // The rest cannot be continued from: stop pinning it (its pages may make room
+            // for this request's own).
+            self.relock(h, usable * ps);
+            self.tree.path_into(h.lock, path);
+        }
+        prefix.truncate(usable);
+        self.path_device_windows(path, prefix.len(), windows);
+        let spare = std::mem::take(&mut h.spare);
+        self.free_windows(&spare);
+    }
+
+    /// Moves the lease's lock up to the node ending at `tokens` of its path (splitting there).
+    fn relock(&mut self, h: &mut Held, tokens: usize) {
+        let path = self.tree.path_to(h.lock);
+        let total = path.iter().map(|&n| self.tree.view(n).tokens.len()).sum();
+        let mut tm = TreeMatch {
+            path,
+            device_tokens: total,
+            host_tokens: 0,
+            last: h.lock,
+        };
+        self.tree.truncate_match(&mut tm, tokens);
+        if tm.last != h.lock {
+            self.tree.lock(tm.last);
+            self.tree.unlock(h.lock);
+            h.lock = tm.last;
+        }
     }
 
     /// Makes sure the lease holds `own` pages (and window pages) of its own: the reservation

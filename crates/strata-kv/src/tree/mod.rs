@@ -297,8 +297,7 @@ impl RadixTree {
             children: n.children.len(),
             device_children: n.device_children,
             lock_ref: n.lock_ref,
-            // Pins stay on the suffix; the prefix cannot be removed while that child exists.
-            host_lock: 0,
+            host_lock: n.host_lock,
             hits: n.hits,
             last_access: n.last_access,
         }
