@@ -203,7 +203,7 @@ impl TieredCache {
             windows = w;
             // Best effort, without waiting: room to load the span's window pages back.
             let want = self.spare_needed(&m);
-            spare = self.alloc_windows_with(want, false).unwrap_or_default();
+            spare = self.alloc_windows_upto(want);
         }
         self.record(&m);
         let mut m = m;

@@ -154,11 +154,6 @@ impl TieredCache {
     /// `n` device window pages (held by the caller), evicting window pages per policy; None
     /// when they cannot be freed.
     pub(super) fn alloc_windows(&mut self, n: usize) -> Option<Vec<u32>> {
-        self.alloc_windows_with(n, true)
-    }
-
-    /// [`TieredCache::alloc_windows`]; with `wait` false it never waits for a copy to land.
-    pub(super) fn alloc_windows_with(&mut self, n: usize, wait: bool) -> Option<Vec<u32>> {
         if n == 0 {
             return Some(Vec::new());
         }
@@ -168,7 +163,7 @@ impl TieredCache {
                 break;
             }
             self.evict_device_windows(n - avail);
-            if !wait || self.dwin_alloc.available() as usize >= n || self.pending.is_empty() {
+            if self.dwin_alloc.available() as usize >= n || self.pending.is_empty() {
                 break;
             }
             // Holders may be locked by copies in flight: let one land.
@@ -177,6 +172,18 @@ impl TieredCache {
         let v = self.dwin_alloc.alloc(n)?;
         self.held_dwin += n;
         Some(v)
+    }
+
+    /// Up to `n` device window pages (held by the caller) without waiting for a copy: as many
+    /// as are free or can be freed now (every page evicted for it is used).
+    pub(super) fn alloc_windows_upto(&mut self, n: usize) -> Vec<u32> {
+        let avail = self.dwin_alloc.available() as usize;
+        if avail < n {
+            self.evict_device_windows(n - avail);
+        }
+        let k = n.min(self.dwin_alloc.available() as usize);
+        self.held_dwin += k;
+        self.dwin_alloc.alloc(k).expect("available pages")
     }
 
     /// Returns device window pages obtained from [`TieredCache::alloc_windows`] (NO_PAGE
