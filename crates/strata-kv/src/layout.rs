@@ -220,6 +220,16 @@ impl PageLayout {
         }
     }
 
+    /// Window pages for a pool of `pages` pages when every page keeps its window state: as
+    /// many, or none without window kinds.
+    pub fn window_pages_for(&self, pages: u32) -> u32 {
+        if self.has_window() {
+            pages
+        } else {
+            0
+        }
+    }
+
     /// Whether some kind is a window kind.
     pub fn has_window(&self) -> bool {
         self.main_bytes < self.page_bytes

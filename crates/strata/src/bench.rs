@@ -454,8 +454,12 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
             .bytes()
             .await?;
     }
-    let (mut direct, f1) = open_loop(&c, &backend, &body, &a).await?;
-    let (mut routed, f2) = open_loop(&c, &front, &body, &a).await?;
+    let load = (a.rate, a.seconds);
+    let chat = |u: &str| format!("{u}/v1/chat/completions");
+    let (mut direct, f1) =
+        crate::bench_http::poisson_load(&c, &chat(&backend), load, |_, _| body.clone()).await?;
+    let (mut routed, f2) =
+        crate::bench_http::poisson_load(&c, &chat(&front), load, |_, _| body.clone()).await?;
     println!(
         "router latency, open loop {} req/s for {} s each, fake instant backend ({} + {} failures)",
         a.rate, a.seconds, f1, f2
@@ -514,51 +518,6 @@ async fn start_router(backend: &str) -> Result<String> {
     let front = format!("http://{}", rl.local_addr()?);
     tokio::spawn(async move { axum::serve(strata_server::app::no_delay(rl), router(st)).await });
     Ok(front)
-}
-
-/// `--rate` requests per second (Poisson arrivals) for `--seconds` against `url`: the
-/// latencies (ms) of the successful ones, and how many failed.
-async fn open_loop(
-    c: &reqwest::Client,
-    url: &str,
-    body: &Value,
-    a: &RouterArgs,
-) -> Result<(Vec<f64>, usize)> {
-    let n = (a.rate * a.seconds) as usize;
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let start = Instant::now();
-    let mut at = 0.0f64;
-    let mut tasks = Vec::with_capacity(n);
-    for _ in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let u = ((x >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
-        at += -u.ln() / a.rate;
-        let due = start + Duration::from_secs_f64(at);
-        tokio::time::sleep_until(due.into()).await;
-        let (c, body, url) = (c.clone(), body.clone(), url.to_string());
-        tasks.push(tokio::spawn(async move {
-            let t = Instant::now();
-            let r = c
-                .post(format!("{url}/v1/chat/completions"))
-                .json(&body)
-                .send()
-                .await?;
-            let ok = r.status().is_success();
-            r.bytes().await?;
-            anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
-        }));
-    }
-    let mut lat = Vec::new();
-    let mut fails = 0;
-    for t in tasks {
-        match t.await? {
-            Ok((true, ms)) => lat.push(ms),
-            _ => fails += 1,
-        }
-    }
-    Ok((lat, fails))
 }
 
 async fn l3(a: L3Args) -> Result<()> {

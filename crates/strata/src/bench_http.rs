@@ -154,3 +154,48 @@ pub fn client() -> Result<reqwest::Client> {
         .pool_idle_timeout(Duration::from_secs(4))
         .build()?)
 }
+
+/// `rate` POSTs per second (Poisson arrivals) for `seconds` to `url`, the k-th with the body
+/// `body(k, r)` (`r`: a random draw for the caller): the latencies (ms) of the successful ones,
+/// and how many failed.
+pub(crate) async fn poisson_load(
+    c: &reqwest::Client,
+    url: &str,
+    (rate, seconds): (f64, f64),
+    mut body: impl FnMut(usize, u64) -> Value,
+) -> Result<(Vec<f64>, usize)> {
+    let n = (rate * seconds) as usize;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let start = Instant::now();
+    let mut at = 0.0f64;
+    let mut tasks = Vec::with_capacity(n);
+    for k in 0..n {
+        let u = ((next() >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
+        at += -u.ln() / rate;
+        let b = body(k, next());
+        tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+        let (c, url) = (c.clone(), url.to_string());
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = c.post(url).json(&b).send().await?;
+            let ok = r.status().is_success();
+            r.bytes().await?;
+            anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut fails = 0;
+    for t in tasks {
+        match t.await? {
+            Ok((true, ms)) => lat.push(ms),
+            _ => fails += 1,
+        }
+    }
+    Ok((lat, fails))
+}

@@ -373,42 +373,13 @@ async fn load(front: &str, a: &RouterScaleArgs) -> Result<(Vec<f64>, usize)> {
     let c = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
         .build()?;
-    let n = (a.rate * a.seconds) as usize;
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let start = Instant::now();
-    let mut at = 0.0f64;
-    let mut tasks = Vec::with_capacity(n);
-    for k in 0..n {
-        let u = ((next() >> 11) as f64 / (1u64 << 53) as f64).max(1e-12);
-        at += -u.ln() / a.rate;
-        let d = (next() % a.documents as u64) as usize;
-        let mut prompt = document(d, a.document_tokens);
+    let url = format!("{front}/v1/completions");
+    let (lat, fails) = crate::bench_http::poisson_load(&c, &url, (a.rate, a.seconds), |k, r| {
+        let mut prompt = document((r % a.documents as u64) as usize, a.document_tokens);
         prompt.extend([40_001 + (k % 997) as u32, 40_002]);
-        let body = json!({"prompt": prompt, "max_tokens": 1});
-        tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
-        let (c, url) = (c.clone(), format!("{front}/v1/completions"));
-        tasks.push(tokio::spawn(async move {
-            let t = Instant::now();
-            let r = c.post(url).json(&body).send().await?;
-            let ok = r.status().is_success();
-            r.bytes().await?;
-            anyhow::Ok((ok, t.elapsed().as_secs_f64() * 1e3))
-        }));
-    }
-    let mut lat = Vec::new();
-    let mut fails = 0;
-    for t in tasks {
-        match t.await? {
-            Ok((true, ms)) => lat.push(ms),
-            _ => fails += 1,
-        }
-    }
+        json!({"prompt": prompt, "max_tokens": 1})
+    })
+    .await?;
     if lat.is_empty() {
         bail!("no request succeeded ({fails} failed)");
     }

@@ -44,14 +44,13 @@ pub struct CacheConfig {
 
 impl CacheConfig {
     pub fn new(layout: PageLayout, device_pages: u32, host_pages: u32) -> CacheConfig {
-        let w = layout.has_window();
         CacheConfig {
             model_id: "model".into(),
+            device_window_pages: layout.window_pages_for(device_pages),
+            host_window_pages: layout.window_pages_for(host_pages),
             layout,
             device_pages,
             host_pages,
-            device_window_pages: if w { device_pages } else { 0 },
-            host_window_pages: if w { host_pages } else { 0 },
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
             hashing: false,

@@ -177,13 +177,26 @@ impl TieredCache {
     /// Up to `n` device window pages (held by the caller) without waiting for a copy: as many
     /// as are free or can be freed now (every page evicted for it is used).
     pub(super) fn alloc_windows_upto(&mut self, n: usize) -> Vec<u32> {
-        let avail = self.dwin_alloc.available() as usize;
-        if avail < n {
-            self.evict_device_windows(n - avail);
+        let v = self.windows_upto(Slot::Device, n);
+        self.held_dwin += v.len();
+        v
+    }
+
+    /// Up to `n` window pages of `slot`, evicting that tier's window pages for them.
+    fn windows_upto(&mut self, slot: Slot, n: usize) -> Vec<u32> {
+        let avail = |c: &Self| match slot {
+            Slot::Device => c.dwin_alloc.available(),
+            Slot::Host => c.hwin_alloc.available(),
+        } as usize;
+        if avail(self) < n {
+            self.evict_windows(slot, n - avail(self));
         }
-        let k = n.min(self.dwin_alloc.available() as usize);
-        self.held_dwin += k;
-        self.dwin_alloc.alloc(k).expect("available pages")
+        let k = n.min(avail(self));
+        let alloc = match slot {
+            Slot::Device => &mut self.dwin_alloc,
+            Slot::Host => &mut self.hwin_alloc,
+        };
+        alloc.alloc(k).expect("available pages")
     }
 
     /// Returns device window pages obtained from [`TieredCache::alloc_windows`] (NO_PAGE
@@ -199,12 +212,7 @@ impl TieredCache {
     /// Up to `n` host window pages (not held: the caller hands them to the tree or frees
     /// them), evicting host window pages per policy.
     pub(super) fn alloc_host_windows(&mut self, n: usize) -> Vec<u32> {
-        let avail = self.hwin_alloc.available() as usize;
-        if avail < n {
-            self.evict_host_windows(n - avail);
-        }
-        let k = n.min(self.hwin_alloc.available() as usize);
-        self.hwin_alloc.alloc(k).expect("available pages")
+        self.windows_upto(Slot::Host, n)
     }
 
     /// Drops window pages of unlocked nodes from the device tier until `n` are free or none

@@ -23,7 +23,7 @@ impl DevicePool {
         pages: u32,
         alloc: &dyn HostAllocator,
     ) -> Result<DevicePool, MemError> {
-        let window = if layout.has_window() { pages } else { 0 };
+        let window = layout.window_pages_for(pages);
         DevicePool::with_window(layout, pages, window, alloc)
     }
 
@@ -291,7 +291,7 @@ impl HostPool {
         pages: u32,
         alloc: &dyn HostAllocator,
     ) -> Result<HostPool, MemError> {
-        let window = if layout.has_window() { pages } else { 0 };
+        let window = layout.window_pages_for(pages);
         HostPool::with_window(layout, pages, window, alloc)
     }
 
