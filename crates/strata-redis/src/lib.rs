@@ -10,13 +10,22 @@
 //! (maxmemory) is simply a miss here. The connection reconnects by itself with backoff
 //! (redis' `ConnectionManager`); while Redis is down, operations fail fast as errors (counted)
 //! and the worker serves the affected prompts as misses.
+//!
+//! **Redis Cluster** (`cluster`): a `redis://` URL naming a cluster node, or
+//! `redis-cluster://` with seed nodes, spreads pages over the cluster's hash slots (the page
+//! hash decides the slot; the namespace may not hold a hash tag). A batch goes as one pipeline
+//! per master, concurrently; a master that is down makes its own pages misses (counted as
+//! errors) until the cluster fails over to its replica and the slot map is fetched again.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
 use strata_kv::PageHash;
+
+mod cluster;
+mod slot;
 
 /// Settings of the remote tier.
 #[derive(Clone, Debug)]
@@ -36,30 +45,10 @@ pub struct RedisConfig {
     pub max_value_bytes: u64,
 }
 
-/// Reads pages one key at a time inside Redis, so that a key holding something else (another
-/// type: WRONGTYPE; an oversized value) is a miss for that key only, and is deleted, instead of
-/// failing the batch. Returns, per key, the value or false.
-const GET_SCRIPT: &str = r#"
-local out = {}
-local max = tonumber(ARGV[1])
-for i, k in ipairs(KEYS) do
-  local t = redis.call('TYPE', k)['ok']
-  if t == 'string' and redis.call('STRLEN', k) <= max then
-    out[i] = redis.call('GET', k)
-  elseif t == 'none' then
-    out[i] = false
-  else
-    redis.call('DEL', k)
-    out[i] = 0
-  end
-end
-return out
-"#;
-
 /// The remote tier.
 pub struct RedisStorage {
     rt: tokio::runtime::Runtime,
-    conn: ConnectionManager,
+    backend: Backend,
     prefix: String,
     ttl: Option<Duration>,
     timeout: Duration,
@@ -68,14 +57,82 @@ pub struct RedisStorage {
     stats: Mutex<StorageStats>,
 }
 
-fn unavailable(e: impl std::fmt::Display) -> StorageError {
+/// One Redis, or a Redis Cluster.
+enum Backend {
+    Single(ConnectionManager),
+    Cluster(Arc<cluster::Cluster>),
+}
+
+/// One command of a batch and the key it is routed by (in a cluster: the key's slot).
+pub(crate) struct Op {
+    pub key: String,
+    pub cmd: redis::Cmd,
+}
+
+pub(crate) fn unavailable(e: impl std::fmt::Display) -> StorageError {
     StorageError::Unavailable(e.to_string())
+}
+
+/// The same error again (one failed pipeline fails each of its commands).
+pub(crate) fn dup(e: &StorageError) -> StorageError {
+    match e {
+        StorageError::Timeout(t) => StorageError::Timeout(*t),
+        e => unavailable(
+            e.to_string()
+                .trim_start_matches("storage backend unavailable: "),
+        ),
+    }
+}
+
+/// Reconnection of every connection: bounded retries, each within the operation timeout.
+pub(crate) fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
+    redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(timeout)
+        .set_response_timeout(timeout)
+        .set_number_of_retries(2)
+        .set_max_delay(1000)
+}
+
+/// Seeds of `redis-cluster://[user:pass@]host:port,host:port,...`: the connection settings
+/// (from the first) and every `host:port`.
+fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), StorageError> {
+    let bad = |why: &str| unavailable(format!("{url}: {why}"));
+    let rest = url
+        .strip_prefix("redis-cluster://")
+        .ok_or_else(|| bad("expected redis-cluster://HOST:PORT[,HOST:PORT...]"))?;
+    let (first, others) = rest.split_once(',').unwrap_or((rest, ""));
+    let info: redis::ConnectionInfo = format!("redis://{first}")
+        .parse()
+        .map_err(|e| bad(&format!("{e}")))?;
+    let mut seeds = Vec::new();
+    let redis::ConnectionAddr::Tcp(h, p) = &info.addr else {
+        return Err(bad("only TCP seeds"));
+    };
+    seeds.push(format!("{h}:{p}"));
+    for s in others.split(',').filter(|s| !s.is_empty()) {
+        let (h, p) = s
+            .rsplit_once(':')
+            .filter(|(h, _)| !h.is_empty() && !h.contains('@') && !h.contains('/'))
+            .ok_or_else(|| bad(&format!("seed `{s}` is not HOST:PORT")))?;
+        p.parse::<u16>()
+            .map_err(|_| bad(&format!("seed `{s}`: bad port")))?;
+        seeds.push(format!("{h}:{p}"));
+    }
+    Ok((info, seeds))
 }
 
 impl RedisStorage {
     /// Connects (within the timeout) and checks the server answers; an unreachable Redis is an
-    /// error here, so a worker can start without L3 and say so.
+    /// error here, so a worker can start without L3 and say so. A `redis://` URL naming a node
+    /// of a Redis Cluster uses the whole cluster; `redis-cluster://` lists seed nodes and
+    /// requires one.
     pub fn connect(cfg: &RedisConfig) -> Result<RedisStorage, StorageError> {
+        if cfg.namespace.contains(['{', '}']) {
+            return Err(unavailable(format!(
+                "namespace `{}` holds a brace: in a Redis Cluster every page would share one slot",
+                cfg.namespace
+            )));
+        }
         // On a thread of its own: the caller may itself be inside an async runtime.
         std::thread::scope(|s| {
             s.spawn(|| Self::connect_here(cfg))
@@ -91,36 +148,16 @@ impl RedisStorage {
             .enable_all()
             .build()
             .map_err(unavailable)?;
-        let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
         let timeout = cfg.timeout;
-        let conn = rt.block_on(async {
-            let mc = redis::aio::ConnectionManagerConfig::new()
-                .set_connection_timeout(timeout)
-                .set_response_timeout(timeout)
-                .set_number_of_retries(2)
-                .set_max_delay(1000);
-            let mut conn =
-                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, mc))
-                    .await
-                    .map_err(|_| StorageError::Timeout(timeout))?
-                    .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
-            let pong: String =
-                tokio::time::timeout(timeout, redis::cmd("PING").query_async(&mut conn))
-                    .await
-                    .map_err(|_| StorageError::Timeout(timeout))?
-                    .map_err(|e| StorageError::Unavailable(format!("{}: {e}", cfg.url)))?;
-            if pong != "PONG" {
-                return Err(StorageError::Unavailable(format!(
-                    "{}: PING answered {pong}",
-                    cfg.url
-                )));
-            }
-            Ok(conn)
-        })?;
+        let backend = if cfg.url.starts_with("redis-cluster://") {
+            let (info, seeds) = cluster_seeds(&cfg.url)?;
+            Backend::Cluster(rt.block_on(cluster::Cluster::connect(info, seeds, timeout))?)
+        } else {
+            rt.block_on(Self::single_or_cluster(&cfg.url, timeout))?
+        };
         Ok(RedisStorage {
             rt,
-            conn,
+            backend,
             prefix: format!(
                 "strata:v2:{}:{}:",
                 cfg.namespace,
@@ -136,9 +173,57 @@ impl RedisStorage {
         })
     }
 
+    /// Connects to one Redis and asks whether it is a cluster node.
+    async fn single_or_cluster(url: &str, timeout: Duration) -> Result<Backend, StorageError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+        let info = client.get_connection_info().clone();
+        let mut conn = tokio::time::timeout(
+            timeout,
+            ConnectionManager::new_with_config(client, manager_config(timeout)),
+        )
+        .await
+        .map_err(|_| StorageError::Timeout(timeout))?
+        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+        let info_cluster: String = tokio::time::timeout(
+            timeout,
+            redis::cmd("INFO").arg("cluster").query_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StorageError::Timeout(timeout))?
+        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+        if !info_cluster.contains("cluster_enabled:1") {
+            return Ok(Backend::Single(conn));
+        }
+        let redis::ConnectionAddr::Tcp(h, p) = &info.addr else {
+            return Err(unavailable(format!("{url}: a cluster node over TCP")));
+        };
+        let seed = format!("{h}:{p}");
+        Ok(Backend::Cluster(
+            cluster::Cluster::connect(info, vec![seed], timeout).await?,
+        ))
+    }
+
     /// The Redis key of a page.
     pub fn key_of(&self, h: &PageHash) -> String {
         self.key(h)
+    }
+
+    /// The masters serving the pages now (`host:port`), or empty for a single Redis.
+    pub fn cluster_masters(&self) -> Vec<String> {
+        match &self.backend {
+            Backend::Single(_) => Vec::new(),
+            Backend::Cluster(c) => c.masters(),
+        }
+    }
+
+    /// MOVED and ASK replies followed (0 for a single Redis): none while the slot map is right,
+    /// some while slots move.
+    pub fn cluster_redirects(&self) -> u64 {
+        match &self.backend {
+            Backend::Single(_) => 0,
+            Backend::Cluster(c) => c.redirects(),
+        }
     }
 
     fn key(&self, h: &PageHash) -> String {
@@ -149,46 +234,136 @@ impl RedisStorage {
         f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
-    /// Runs one pipeline within the timeout; failures are counted.
-    fn run<T: redis::FromRedisValue + Send + 'static>(
-        &self,
-        p: redis::Pipeline,
-    ) -> Result<T, StorageError> {
-        let mut conn = self.conn.clone();
+    /// Runs a batch within the timeout: one reply per op, in order. A reply may be a server
+    /// error (`Value::ServerError`) for its own command. A batch with failed commands counts
+    /// one error (and one timeout if any timed out).
+    fn batch(&self, ops: Vec<Op>) -> Vec<Result<redis::Value, StorageError>> {
+        if ops.is_empty() {
+            return Vec::new();
+        }
         let timeout = self.timeout;
-        let r = self.rt.block_on(async move {
-            match tokio::time::timeout(timeout, p.query_async::<T>(&mut conn)).await {
-                Err(_) => Err(StorageError::Timeout(timeout)),
-                Ok(r) => r.map_err(unavailable),
+        let n = ops.len();
+        let out = match &self.backend {
+            Backend::Cluster(c) => self.rt.block_on(c.batch(&ops)),
+            Backend::Single(conn) => {
+                let mut conn = conn.clone();
+                let mut p = redis::pipe();
+                for op in ops {
+                    p.add_command(op.cmd);
+                }
+                let r = self.rt.block_on(async move {
+                    use redis::aio::ConnectionLike;
+                    tokio::time::timeout(timeout, conn.req_packed_commands(&p, 0, n)).await
+                });
+                match r {
+                    Err(_) => (0..n)
+                        .map(|_| Err(StorageError::Timeout(timeout)))
+                        .collect(),
+                    Ok(Err(e)) => (0..n).map(|_| Err(unavailable(&e))).collect(),
+                    Ok(Ok(v)) if v.len() == n => v.into_iter().map(Ok).collect(),
+                    Ok(Ok(_)) => (0..n)
+                        .map(|_| Err(unavailable("a reply count other than the commands'")))
+                        .collect(),
+                }
             }
-        });
-        if let Err(e) = &r {
+        };
+        let failed = out.iter().any(|r| r.is_err());
+        let timed_out = out
+            .iter()
+            .any(|r| matches!(r, Err(StorageError::Timeout(_))));
+        if failed {
             self.count(|s| {
                 s.errors += 1;
-                if matches!(e, StorageError::Timeout(_)) {
-                    s.timeouts += 1;
-                }
+                s.timeouts += timed_out as u64;
             });
         }
-        r
+        out
     }
 
-    fn set_pipe(&self, pages: &[(PageHash, &[u8])]) -> redis::Pipeline {
-        let mut p = redis::pipe();
-        for (h, d) in pages {
-            let v = blob::encode(&self.key, h, d);
-            match self.ttl {
-                Some(t) => p
-                    .cmd("SET")
-                    .arg(self.key(h))
-                    .arg(v)
-                    .arg("PX")
-                    .arg(t.as_millis() as u64),
-                None => p.cmd("SET").arg(self.key(h)).arg(v),
-            };
-            p.ignore();
+    fn op(&self, h: &PageHash, name: &str) -> Op {
+        let key = self.key(h);
+        let mut cmd = redis::cmd(name);
+        cmd.arg(&key);
+        Op { key, cmd }
+    }
+
+    fn set_ops(&self, pages: &[(PageHash, &[u8])]) -> Vec<Op> {
+        pages
+            .iter()
+            .map(|(h, d)| {
+                let mut op = self.op(h, "SET");
+                op.cmd.arg(blob::encode(&self.key, h, d));
+                if let Some(t) = self.ttl {
+                    op.cmd.arg("PX").arg(t.as_millis() as u64);
+                }
+                op
+            })
+            .collect()
+    }
+
+    /// Deletes keys found corrupt, foreign or of another type (best effort).
+    fn drop_bad(&self, bad: &[PageHash]) {
+        if bad.is_empty() {
+            return;
         }
-        p
+        tracing::warn!(
+            pages = bad.len(),
+            "corrupt or foreign L3 values dropped from Redis"
+        );
+        let _ = self.batch(bad.iter().map(|h| self.op(h, "DEL")).collect());
+    }
+
+    /// One read reply: the payload, a miss, or a value that is not ours (to delete).
+    fn read_reply(&self, h: &PageHash, v: redis::Value) -> Result<Read, StorageError> {
+        match v {
+            // GETRANGE of a missing key is empty; a page is never empty.
+            redis::Value::BulkString(b) if b.is_empty() => Ok(Read::Miss),
+            redis::Value::BulkString(b) if b.len() as u64 > self.max_value => Ok(Read::Bad),
+            redis::Value::BulkString(b) => {
+                Ok(blob::decode(&self.key, h, &b).map_or(Read::Bad, Read::Page))
+            }
+            redis::Value::Nil => Ok(Read::Miss),
+            redis::Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(Read::Bad),
+            redis::Value::ServerError(e) => Err(unavailable(format!(
+                "{} {}",
+                e.code(),
+                e.details().unwrap_or("")
+            ))),
+            other => Err(unavailable(format!("unexpected reply {other:?}"))),
+        }
+    }
+}
+
+/// What a read found.
+enum Read {
+    Page(Vec<u8>),
+    Miss,
+    Bad,
+}
+
+/// A reply that is not what the command answers on success: its server error, or what it was.
+fn reply_error(v: &redis::Value) -> StorageError {
+    match v {
+        redis::Value::ServerError(e) => {
+            unavailable(format!("{} {}", e.code(), e.details().unwrap_or("")))
+        }
+        other => unavailable(format!("unexpected reply {other:?}")),
+    }
+}
+
+/// An integer reply, or the command's error.
+fn int_reply(r: Result<redis::Value, StorageError>) -> Result<i64, StorageError> {
+    match r? {
+        redis::Value::Int(n) => Ok(n),
+        other => Err(reply_error(&other)),
+    }
+}
+
+/// `OK` (or any reply that is not an error), or the command's error.
+fn ok_reply(r: Result<redis::Value, StorageError>) -> Result<(), StorageError> {
+    match r? {
+        v @ redis::Value::ServerError(_) => Err(reply_error(&v)),
+        _ => Ok(()),
     }
 }
 
@@ -197,118 +372,85 @@ impl Storage for RedisStorage {
         "remote"
     }
 
+    /// A key whose master cannot be reached is reported absent (the error is counted); only
+    /// when every key failed is the answer an error.
     fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
-        if hashes.is_empty() {
-            return Ok(Vec::new());
+        let replies = self.batch(hashes.iter().map(|h| self.op(h, "EXISTS")).collect());
+        let mut first_err = None;
+        let out: Vec<bool> = replies
+            .into_iter()
+            .map(|r| match int_reply(r) {
+                Ok(n) => n > 0,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    false
+                }
+            })
+            .collect();
+        match first_err {
+            Some(e) if out.iter().all(|x| !x) && !hashes.is_empty() => Err(e),
+            _ => Ok(out),
         }
-        let mut p = redis::pipe();
-        for h in hashes {
-            p.cmd("EXISTS").arg(self.key(h));
-        }
-        let v: Vec<i64> = self.run(p)?;
-        Ok(v.into_iter().map(|x| x > 0).collect())
     }
 
     fn get(&self, hash: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
         self.get_many(std::slice::from_ref(hash)).remove(0)
     }
 
+    /// Reads with `GETRANGE key 0 max`: never more than one byte past the largest page is read
+    /// back, and a key of another type is a `WRONGTYPE` error for that key only. Such keys and
+    /// values that do not verify are misses, counted and deleted.
     fn get_many(&self, hashes: &[PageHash]) -> Vec<Result<Option<Vec<u8>>, StorageError>> {
-        if hashes.is_empty() {
-            return Vec::new();
-        }
-        let mut p = redis::pipe();
-        let cmd = p.cmd("EVAL").arg(GET_SCRIPT).arg(hashes.len());
-        for h in hashes {
-            cmd.arg(self.key(h));
-        }
-        cmd.arg(self.max_value);
-        let vals: Vec<redis::Value> = match self.run(p) {
-            Ok(v) => v,
-            Err(e) => {
-                let msg = e.to_string();
-                return hashes
-                    .iter()
-                    .map(|_| Err(StorageError::Unavailable(msg.clone())))
-                    .collect();
-            }
-        };
-        let Some(redis::Value::Array(vals)) = vals.into_iter().next() else {
-            return hashes
-                .iter()
-                .map(|_| {
-                    Err(StorageError::Unavailable(
-                        "unexpected answer to the read script".into(),
-                    ))
-                })
-                .collect();
-        };
+        let ops = hashes
+            .iter()
+            .map(|h| {
+                let mut op = self.op(h, "GETRANGE");
+                op.cmd.arg(0).arg(self.max_value);
+                op
+            })
+            .collect();
         let mut bad = Vec::new();
         let out = hashes
             .iter()
-            .zip(vals.into_iter().chain(std::iter::repeat(redis::Value::Nil)))
-            .map(|(h, v)| {
+            .zip(self.batch(ops))
+            .map(|(h, r)| {
                 self.count(|s| s.gets += 1);
-                match v {
-                    redis::Value::BulkString(bytes) => match blob::decode(&self.key, h, &bytes) {
-                        Some(payload) => {
-                            self.count(|s| s.hits += 1);
-                            Ok(Some(payload))
-                        }
-                        None => {
-                            self.count(|s| s.corrupt += 1);
-                            bad.push(*h);
-                            Ok(None)
-                        }
-                    },
-                    // Not a string, or too big: deleted by the script already.
-                    redis::Value::Int(_) => {
+                match self.read_reply(h, r?)? {
+                    Read::Page(p) => {
+                        self.count(|s| s.hits += 1);
+                        Ok(Some(p))
+                    }
+                    Read::Miss => Ok(None),
+                    Read::Bad => {
                         self.count(|s| s.corrupt += 1);
+                        bad.push(*h);
                         Ok(None)
                     }
-                    _ => Ok(None),
                 }
             })
             .collect();
-        if !bad.is_empty() {
-            tracing::warn!(
-                pages = bad.len(),
-                "corrupt or foreign L3 values dropped from Redis"
-            );
-            let mut p = redis::pipe();
-            for h in &bad {
-                p.cmd("DEL").arg(self.key(h)).ignore();
-            }
-            let _ = self.run::<()>(p);
-        }
+        self.drop_bad(&bad);
         out
     }
 
     fn put(&self, hash: &PageHash, data: &[u8]) -> Result<(), StorageError> {
         self.count(|s| s.puts += 1);
-        self.run::<()>(self.set_pipe(&[(*hash, data)]))
+        let r = self.batch(self.set_ops(&[(*hash, data)])).remove(0);
+        ok_reply(r)
     }
 
     fn put_many(&self, pages: &[(PageHash, Vec<u8>)]) -> Vec<Result<(), StorageError>> {
         self.count(|s| s.puts += pages.len() as u64);
         let refs: Vec<(PageHash, &[u8])> = pages.iter().map(|(h, d)| (*h, d.as_slice())).collect();
-        match self.run::<()>(self.set_pipe(&refs)) {
-            Ok(()) => pages.iter().map(|_| Ok(())).collect(),
-            Err(e) => {
-                let msg = e.to_string();
-                pages
-                    .iter()
-                    .map(|_| Err(StorageError::Unavailable(msg.clone())))
-                    .collect()
-            }
-        }
+        self.batch(self.set_ops(&refs))
+            .into_iter()
+            .map(ok_reply)
+            .collect()
     }
 
     fn delete(&self, hash: &PageHash) -> Result<bool, StorageError> {
-        let mut p = redis::pipe();
-        p.cmd("DEL").arg(self.key(hash));
-        let v: Vec<i64> = self.run(p)?;
-        Ok(v.first().copied().unwrap_or(0) > 0)
+        let r = self.batch(vec![self.op(hash, "DEL")]).remove(0);
+        Ok(int_reply(r)? > 0)
     }
 
     fn stats(&self) -> StorageStats {

@@ -1,6 +1,6 @@
 //! Two workers on one Redis (a real redis-server): a prefix computed by one is a remote-tier
 //! hit for the other, with identical greedy output; Redis killed mid-run turns into misses,
-//! counted, and the workers keep serving.
+//! counted, and the workers keep serving. The same hit through a Redis Cluster.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,12 +10,16 @@ use strata_kv::storage::Storage;
 use strata_model::tiny::TINY_TEMPLATE;
 use strata_model::{ChatTemplate, Gguf, ModelTokenizer};
 use strata_redis::{RedisConfig, RedisStorage};
-use strata_test_support::{spawn_worker, tiny_model, Redis, TestWorker, WorkerSpec};
+use strata_test_support::{spawn_worker, tiny_model, Redis, RedisCluster, TestWorker, WorkerSpec};
 
 async fn worker(path: &std::path::Path, port: u16) -> TestWorker {
+    worker_on(path, &format!("redis://127.0.0.1:{port}")).await
+}
+
+async fn worker_on(path: &std::path::Path, url: &str) -> TestWorker {
     let remote: Arc<dyn Storage> = Arc::new(
         RedisStorage::connect(&RedisConfig {
-            url: format!("redis://127.0.0.1:{port}"),
+            url: url.into(),
             namespace: "tiny-test".into(),
             ttl: None,
             timeout: Duration::from_millis(300),
@@ -131,4 +135,60 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
         m.contains("strata_cache_hit_tokens_total{tier=\"remote\"}"),
         "{m}"
     );
+}
+
+/// Through a Redis Cluster (3 masters, 3 replicas): worker b finds worker a's pages, spread
+/// over the masters, and answers the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_is_a_remote_hit_through_a_redis_cluster() {
+    let c = tokio::task::spawn_blocking(|| RedisCluster::start(3, 1))
+        .await
+        .unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let seeds = format!(
+        "redis-cluster://127.0.0.1:{},127.0.0.1:{}",
+        c.nodes[0].port, c.nodes[1].port
+    );
+    let (wa, wb) = (
+        worker_on(&path, &seeds).await,
+        worker_on(&path, &c.url(2)).await,
+    );
+    let q = "a long question both workers see, about a cache spread over a cluster ".repeat(3);
+    let first = chat(&wa.url, &q).await;
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let pages = (prompt - 1) / 16;
+    let t = Instant::now();
+    while wa.state.engine.snapshot().storage.unwrap().puts < pages {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the pages did not reach the cluster"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let holders = tokio::task::spawn_blocking(move || {
+        let n = c
+            .masters()
+            .into_iter()
+            .filter(|&m| c.cli(m, &["DBSIZE"]) != "0")
+            .count();
+        (n, c)
+    })
+    .await
+    .unwrap();
+    assert!(holders.0 >= 2, "{pages} pages all on one master");
+    let second = chat(&wb.url, &q).await;
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(pages * 16),
+        "{second}"
+    );
+    let again = chat(&wa.url, &q).await;
+    assert_eq!(
+        second["choices"][0]["message"]["content"],
+        again["choices"][0]["message"]["content"]
+    );
+    assert_eq!(wb.state.engine.snapshot().storage.unwrap().errors, 0);
 }

@@ -20,6 +20,9 @@ use strata_server::pd::{KvInbox, KvLimits};
 use strata_server::AppState;
 use tokio::sync::oneshot;
 
+mod redis;
+pub use redis::{Redis, RedisCluster};
+
 /// Writes the tiny model with a context of `context` tokens into `dir` (prompts that show
 /// tools need more than the default: its tokenizer spends about a token per byte).
 pub fn tiny_model_with_context(dir: &Path, context: usize) -> PathBuf {
@@ -324,51 +327,4 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// A redis-server (Debian package; scripts/test.sh installs it) on a loopback port, killed
-/// when dropped.
-pub struct Redis {
-    pub port: u16,
-    child: Child,
-}
-
-impl Redis {
-    /// Starts one on `port` and waits until it accepts connections.
-    pub fn start_on(port: u16) -> Redis {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is missing: install the Debian package redis-server (scripts/test.sh does)");
-        let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Redis { port, child }
-    }
-    /// Starts one on a free port.
-    pub fn start() -> Redis {
-        Redis::start_on(free_port())
-    }
-    /// Its URL.
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-    /// Kills it (a test of Redis going away).
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }

@@ -111,7 +111,9 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
-    /// first). A Redis shared by several workers makes one prefix cache for all of them.
+    /// first). A Redis shared by several workers makes one prefix cache for all of them. A
+    /// URL naming a Redis Cluster node uses the whole cluster; `redis-cluster://H:P,H:P,...`
+    /// lists seed nodes (any one reachable is enough).
     #[arg(long, help_heading = "Cache")]
     pub l3: Vec<String>,
     /// Bytes the L3 disk tier may use, with a unit.
@@ -225,7 +227,7 @@ fn l3_storage(
                 "L3 disk tier ready (capacity in bytes)"
             );
             tiers.push(Arc::new(d));
-        } else if spec.starts_with("redis://") || spec.starts_with("rediss://") {
+        } else if is_redis(spec) {
             let cfg = strata_redis::RedisConfig {
                 url: spec.clone(),
                 namespace: ns.to_string(),
@@ -245,7 +247,7 @@ fn l3_storage(
                 }
             }
         } else {
-            bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
+            bail!("--l3 `{spec}`: {L3_SPECS}");
         }
     }
     Ok(match tiers.len() {
@@ -442,14 +444,25 @@ fn cluster_key(a: &ServeArgs) -> Result<Option<ClusterKey>> {
     })
 }
 
-/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL.
+/// What `--l3` takes.
+const L3_SPECS: &str =
+    "expected disk:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT[,HOST:PORT...]";
+
+fn is_redis(spec: &str) -> bool {
+    spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
+}
+
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use.
 fn check_l3_specs(l3: &[String]) -> Result<()> {
     for spec in l3 {
-        if !(spec.starts_with("disk:")
-            || spec.starts_with("redis://")
-            || spec.starts_with("rediss://"))
-        {
-            bail!("--l3 `{spec}`: expected disk:PATH or redis://HOST:PORT");
+        if spec.starts_with("rediss://") {
+            bail!(
+                "--l3 `{spec}`: TLS to Redis is not built in; reach Redis over a private network \
+                 or a TLS tunnel (e.g. stunnel) with redis://"
+            );
+        }
+        if !(spec.starts_with("disk:") || is_redis(spec)) {
+            bail!("--l3 `{spec}`: {L3_SPECS}");
         }
     }
     Ok(())

@@ -45,8 +45,9 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn bad_flags_fail_once_with_the_reason() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
+        (&["--l3", "rediss://h:6380"], "TLS to Redis is not built in"),
         (
             &["--write-policy", "sometimes"],
             "invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N]",
