@@ -27,31 +27,51 @@ const MAX_SENDS: usize = 4;
 pub(crate) const MIN_REFRESH: Duration = Duration::from_millis(100);
 /// No master in the map for this slot.
 const NONE: u16 = u16::MAX;
+/// Most masters (and connections) one cluster may have here: a bound on what hostile
+/// `CLUSTER SLOTS` or `MOVED` answers can make us hold.
+pub(crate) const MAX_NODES: usize = 1024;
 
 /// Which master serves each slot.
 struct SlotMap {
     /// Index into `masters` per slot, or [`NONE`].
     slot: Vec<u16>,
-    /// `host:port` of each master.
+    /// `host:port` (`[v6]:port`) of each master.
     masters: Vec<String>,
 }
 
 impl SlotMap {
+    fn empty() -> SlotMap {
+        SlotMap {
+            slot: vec![NONE; SLOTS],
+            masters: Vec::new(),
+        }
+    }
+
     fn master_of(&self, slot: u16) -> Option<&str> {
         let i = *self.slot.get(slot as usize)?;
         self.masters.get(i as usize).map(String::as_str)
     }
 
-    fn set(&mut self, slot: u16, addr: &str) {
-        let i = match self.masters.iter().position(|m| m == addr) {
-            Some(i) => i,
-            None => {
-                self.masters.push(addr.to_string());
-                self.masters.len() - 1
+    /// The index of a master, added if new; None past [`MAX_NODES`].
+    fn index(&mut self, addr: &str) -> Option<u16> {
+        if let Some(i) = self.masters.iter().position(|m| m == addr) {
+            return u16::try_from(i).ok();
+        }
+        if self.masters.len() >= MAX_NODES {
+            return None;
+        }
+        self.masters.push(addr.to_string());
+        u16::try_from(self.masters.len() - 1).ok()
+    }
+
+    /// Points `slot` at `addr` (a MOVED answer); false when that would pass [`MAX_NODES`].
+    fn set(&mut self, slot: u16, addr: &str) -> bool {
+        match (self.index(addr), self.slot.get_mut(slot as usize)) {
+            (Some(i), Some(s)) => {
+                *s = i;
+                true
             }
-        };
-        if let (Some(s), Ok(i)) = (self.slot.get_mut(slot as usize), u16::try_from(i)) {
-            *s = i;
+            _ => false,
         }
     }
 
@@ -60,18 +80,43 @@ impl SlotMap {
     }
 }
 
-/// Parses a `CLUSTER SLOTS` answer from the node at `asked` (whose host stands in for an
-/// empty one). Everything is checked: a range past the slots or a malformed entry is an error.
+/// `host:port`, with an IPv6 host in brackets (as the map keeps every address).
+fn addr_of(host: &str, port: u16) -> String {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// An address a node wrote (`MOVED 12 host:port`, `[v6]:port`, bare `v6:port`, or `:port` for
+/// the node's own host), in the map's form.
+fn norm_addr(written: &str, from: &str) -> Option<String> {
+    let (h, p) = written.rsplit_once(':')?;
+    let port: u16 = p.parse().ok()?;
+    let host = if h.is_empty() {
+        split_addr(from).ok()?.0
+    } else {
+        h.to_string()
+    };
+    (host.len() <= 255).then(|| addr_of(&host, port))
+}
+
+/// Parses a `CLUSTER SLOTS` answer from the node at `asked`. Everything is checked: a range
+/// past the slots, overlapping ranges, more entries than slots or masters than
+/// [`MAX_NODES`] are errors. A master's host may be empty or nil (the asked node's host) or `?`
+/// (unknown: its slots stay unassigned).
 fn parse_slots(v: Value, asked: &str) -> Result<SlotMap, StorageError> {
     let bad = |what: &str| unavailable(format!("CLUSTER SLOTS from {asked}: {what}"));
     let Value::Array(entries) = v else {
         return Err(bad("not an array"));
     };
-    let mut map = SlotMap {
-        slot: vec![NONE; SLOTS],
-        masters: Vec::new(),
-    };
-    let asked_host = asked.rsplit_once(':').map_or(asked, |(h, _)| h);
+    if entries.len() > SLOTS {
+        return Err(bad("more ranges than slots"));
+    }
+    let mut map = SlotMap::empty();
+    let asked_host = split_addr(asked)?.0;
     for e in entries {
         let Value::Array(e) = e else {
             return Err(bad("an entry is not an array"));
@@ -87,25 +132,29 @@ fn parse_slots(v: Value, asked: &str) -> Result<SlotMap, StorageError> {
         let host = match node.first() {
             Some(Value::BulkString(b)) if b.len() <= 255 => String::from_utf8_lossy(b).into_owned(),
             Some(Value::SimpleString(s)) if s.len() <= 255 => s.clone(),
+            Some(Value::Nil) => String::new(),
             _ => return Err(bad("a master without a host")),
-        };
-        let host = if host.is_empty() || host == "?" {
-            asked_host.to_string()
-        } else {
-            host
         };
         let port = match node.get(1) {
             Some(Value::Int(p)) => u16::try_from(*p).map_err(|_| bad("a port past 65535"))?,
             _ => return Err(bad("a master without a port")),
         };
-        let addr = if host.contains(':') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
-        for s in *lo..=*hi {
-            map.set(s as u16, &addr);
+        let range = *lo as usize..=*hi as usize;
+        if map.slot[range.clone()].iter().any(|&i| i != NONE) {
+            return Err(bad(&format!("overlapping slot range {lo}-{hi}")));
         }
+        if host == "?" {
+            continue;
+        }
+        let host = if host.is_empty() {
+            asked_host.clone()
+        } else {
+            host
+        };
+        let i = map
+            .index(&addr_of(&host, port))
+            .ok_or_else(|| bad(&format!("more than {MAX_NODES} masters")))?;
+        map.slot[range].fill(i);
     }
     Ok(map)
 }
@@ -124,21 +173,29 @@ fn split_addr(addr: &str) -> Result<(String, u16), StorageError> {
     ))
 }
 
-/// A redirect in a command's reply.
+/// A redirect in a command's reply, with the target in the map's address form.
+#[derive(Debug)]
 enum Redirect {
     Moved(u16, String),
-    Ask(String),
+    Ask(u16, String),
 }
 
-fn redirect(v: &Value) -> Option<Redirect> {
+/// The redirect in a reply from the node at `from`, if any (None also for a malformed one:
+/// then the reply stands as the command's error).
+fn redirect(v: &Value, from: &str) -> Option<Redirect> {
     let Value::ServerError(e) = v else {
         return None;
     };
     let mut d = e.details()?.split_whitespace();
-    let (slot, to) = (d.next()?.parse::<u16>().ok()?, d.next()?.to_string());
+    let slot = d
+        .next()?
+        .parse::<u16>()
+        .ok()
+        .filter(|&s| (s as usize) < SLOTS)?;
+    let to = norm_addr(d.next()?, from)?;
     match e.code() {
-        "MOVED" if (slot as usize) < SLOTS => Some(Redirect::Moved(slot, to)),
-        "ASK" => Some(Redirect::Ask(to)),
+        "MOVED" => Some(Redirect::Moved(slot, to)),
+        "ASK" => Some(Redirect::Ask(slot, to)),
         _ => None,
     }
 }
@@ -217,6 +274,11 @@ impl Cluster {
         {
             return Ok(c.clone());
         }
+        if self.conns.lock().unwrap_or_else(|e| e.into_inner()).len() >= MAX_NODES {
+            return Err(unavailable(format!(
+                "{addr}: more than {MAX_NODES} Redis Cluster nodes"
+            )));
+        }
         let (host, port) = split_addr(addr)?;
         let mut info = self.info.clone();
         info.addr = ConnectionAddr::Tcp(host, port);
@@ -283,7 +345,14 @@ impl Cluster {
                     .retain(|a, _| map.masters.contains(a) || self.seeds.contains(a));
                 *self.map.write().unwrap_or_else(|e| e.into_inner()) = map;
             }
-            Err(e) => tracing::warn!(error = %e, "Redis Cluster slot map not refreshed"),
+            Err(e) => {
+                tracing::warn!(error = %e, "Redis Cluster slot map not refreshed");
+                let known = self.masters();
+                self.conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|a, _| known.contains(a) || self.seeds.contains(a));
+            }
         }
         *fetched = Some(Instant::now());
     }
@@ -308,11 +377,17 @@ impl Cluster {
                 p.add_command(ops[i].cmd.clone());
                 n += 1;
             }
-            let mut replies = c
+            let replies = c
                 .req_packed_commands(&p, 0, n)
                 .await
-                .map_err(|e| unavailable(format!("{addr}: {e}")))?
-                .into_iter();
+                .map_err(|e| unavailable(format!("{addr}: {e}")))?;
+            if replies.len() != n {
+                return Err(unavailable(format!(
+                    "{addr}: {} replies to {n} commands",
+                    replies.len()
+                )));
+            }
+            let mut replies = replies.into_iter();
             let mut out = Vec::with_capacity(items.len());
             for &(_, asking) in items {
                 if asking {
@@ -344,8 +419,8 @@ impl Cluster {
                 .iter()
                 .map(|(addr, items)| self.node_pipeline(addr, items, ops, deadline));
             let replies = join_all(sends).await;
-            for ((_, items), r) in groups.into_iter().zip(replies) {
-                self.take(items, r, &mut b);
+            for ((addr, items), r) in groups.into_iter().zip(replies) {
+                self.take(&addr, items, r, ops, &mut b);
             }
         }
         for (i, _) in std::mem::take(&mut b.todo) {
@@ -389,7 +464,14 @@ impl Cluster {
 
     /// Takes one node's replies: redirects go back on the to-do list (MOVED also updates the
     /// slot map), everything else is the op's reply; a failed pipeline fails its ops.
-    fn take(&self, items: Vec<(usize, bool)>, r: Result<Vec<Value>, StorageError>, b: &mut Batch) {
+    fn take(
+        &self,
+        from: &str,
+        items: Vec<(usize, bool)>,
+        r: Result<Vec<Value>, StorageError>,
+        ops: &[Op],
+        b: &mut Batch,
+    ) {
         let vals = match r {
             Ok(v) => v,
             Err(e) => {
@@ -400,21 +482,39 @@ impl Cluster {
                 return;
             }
         };
-        for ((i, _), v) in items.into_iter().zip(vals) {
-            let r = redirect(&v);
+        for ((i, asked), v) in items.into_iter().zip(vals) {
+            let r = redirect(&v, from);
             if r.is_some() {
                 self.redirects.fetch_add(1, Ordering::Relaxed);
             }
+            let own = key_slot(ops[i].key.as_bytes());
             match r {
+                // A redirect for another slot than the key's, or an ASK from the node an ASK
+                // named: not followed (the op fails with it).
+                Some(Redirect::Moved(slot, _) | Redirect::Ask(slot, _)) if slot != own => {
+                    b.out[i] = Some(Err(unavailable(format!(
+                        "{from} redirected slot {slot} for a key of slot {own}"
+                    ))));
+                }
+                Some(Redirect::Ask(..)) if asked => {
+                    b.out[i] = Some(Err(unavailable(format!("{from} asked again"))));
+                }
                 Some(Redirect::Moved(slot, to)) => {
                     b.stale = true;
-                    self.map
+                    let set = self
+                        .map
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
                         .set(slot, &to);
-                    b.todo.push((i, None));
+                    if set {
+                        b.todo.push((i, None));
+                    } else {
+                        b.out[i] = Some(Err(unavailable(format!(
+                            "MOVED to {to}: more than {MAX_NODES} masters"
+                        ))));
+                    }
                 }
-                Some(Redirect::Ask(to)) => b.todo.push((i, Some(to))),
+                Some(Redirect::Ask(_, to)) => b.todo.push((i, Some(to))),
                 None => {
                     if matches!(&v, Value::ServerError(e) if e.code() == "CLUSTERDOWN") {
                         b.stale = true;
@@ -481,22 +581,53 @@ mod tests {
         let partial = parse_slots(Value::Array(vec![entry(0, 99, "h", 1)]), "h:1").unwrap();
         assert_eq!(partial.covered(), 100);
         assert_eq!(partial.master_of(100), None);
+        // Overlapping ranges; a master of unknown endpoint (`?`: its slots unassigned); a nil
+        // host (the asked node's).
+        let overlap = Value::Array(vec![entry(0, 99, "a", 1), entry(50, 60, "b", 1)]);
+        assert!(parse_slots(overlap, "h:1").is_err());
+        let unknown = Value::Array(vec![entry(0, 9, "?", 1), entry(10, 19, "a", 2)]);
+        let m = parse_slots(unknown, "h:1").unwrap();
+        assert_eq!((m.master_of(0), m.master_of(10)), (None, Some("a:2")));
+        let nil = Value::Array(vec![Value::Array(vec![
+            Value::Int(0),
+            Value::Int(5),
+            Value::Array(vec![Value::Nil, Value::Int(7)]),
+        ])]);
+        assert_eq!(
+            parse_slots(nil, "[::1]:1").unwrap().master_of(3),
+            Some("[::1]:7")
+        );
+        // Masters past the bound: refused, in bounded time.
+        let many = Value::Array(
+            (0..SLOTS as i64)
+                .map(|i| entry(i, i, &format!("h{i}"), 1))
+                .collect(),
+        );
+        assert!(parse_slots(many, "h:1").is_err());
     }
 
     #[test]
     fn redirects_are_read_from_replies() {
         let reply = |b: &[u8]| redis::parse_redis_value(b).unwrap();
         let moved = reply(b"-MOVED 3999 127.0.0.1:6381\r\n");
+        let from = "10.0.0.1:7000";
         assert!(
-            matches!(redirect(&moved), Some(Redirect::Moved(3999, a)) if a == "127.0.0.1:6381")
+            matches!(redirect(&moved, from), Some(Redirect::Moved(3999, a)) if a == "127.0.0.1:6381")
         );
+        // An empty host: the replying node's; a bare IPv6 host: bracketed, as in the map.
+        let own = reply(b"-MOVED 5 :7002\r\n");
         assert!(
-            redirect(&reply(b"-MOVED 16384 h:1\r\n")).is_none(),
+            matches!(redirect(&own, from), Some(Redirect::Moved(5, a)) if a == "10.0.0.1:7002")
+        );
+        let v6 = reply(b"-MOVED 5 ::1:7002\r\n");
+        assert!(matches!(redirect(&v6, from), Some(Redirect::Moved(5, a)) if a == "[::1]:7002"));
+        assert!(
+            redirect(&reply(b"-MOVED 16384 h:1\r\n"), from).is_none(),
             "a slot past the map"
         );
         let ask = reply(b"-ASK 12 [::1]:7000\r\n");
-        assert!(matches!(redirect(&ask), Some(Redirect::Ask(a)) if a == "[::1]:7000"));
+        assert!(matches!(redirect(&ask, from), Some(Redirect::Ask(12, a)) if a == "[::1]:7000"));
         assert_eq!(split_addr("[::1]:7000").unwrap(), ("::1".to_string(), 7000));
-        assert!(redirect(&Value::Int(1)).is_none());
+        assert!(redirect(&Value::Int(1), from).is_none());
     }
 }

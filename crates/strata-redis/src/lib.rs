@@ -185,14 +185,30 @@ impl RedisStorage {
         .await
         .map_err(|_| StorageError::Timeout(timeout))?
         .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
-        let info_cluster: String = tokio::time::timeout(
+        let info_cluster: Result<String, _> = tokio::time::timeout(
             timeout,
             redis::cmd("INFO").arg("cluster").query_async(&mut conn),
         )
         .await
-        .map_err(|_| StorageError::Timeout(timeout))?
-        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
-        if !info_cluster.contains("cluster_enabled:1") {
+        .map_err(|_| StorageError::Timeout(timeout))?;
+        let cluster = match info_cluster {
+            Ok(text) => text.contains("cluster_enabled:1"),
+            // INFO refused (an ACL without @dangerous, a proxy): not a cluster we can see, so
+            // a single Redis if it answers PING.
+            Err(e) if e.kind() == redis::ErrorKind::ResponseError || e.code().is_some() => {
+                let pong: String =
+                    tokio::time::timeout(timeout, redis::cmd("PING").query_async(&mut conn))
+                        .await
+                        .map_err(|_| StorageError::Timeout(timeout))?
+                        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+                if pong != "PONG" {
+                    return Err(unavailable(format!("{url}: PING answered {pong}")));
+                }
+                false
+            }
+            Err(e) => return Err(StorageError::Unavailable(format!("{url}: {e}"))),
+        };
+        if !cluster {
             return Ok(Backend::Single(conn));
         }
         let redis::ConnectionAddr::Tcp(h, p) = &info.addr else {
@@ -267,7 +283,13 @@ impl RedisStorage {
                 }
             }
         };
-        let failed = out.iter().any(|r| r.is_err());
+        // A command's own server error (CLUSTERDOWN, LOADING, OOM, NOPERM...) is a failure
+        // too; WRONGTYPE is a foreign key, counted as corrupt by the reader.
+        let failed = out.iter().any(|r| match r {
+            Err(_) => true,
+            Ok(redis::Value::ServerError(e)) => e.code() != "WRONGTYPE",
+            Ok(_) => false,
+        });
         let timed_out = out
             .iter()
             .any(|r| matches!(r, Err(StorageError::Timeout(_))));
@@ -376,19 +398,20 @@ impl Storage for RedisStorage {
     /// when every key failed is the answer an error.
     fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
         let replies = self.batch(hashes.iter().map(|h| self.op(h, "EXISTS")).collect());
-        let mut first_err = None;
+        let (mut first_err, mut failed) = (None, 0);
         let out: Vec<bool> = replies
             .into_iter()
             .map(|r| match int_reply(r) {
                 Ok(n) => n > 0,
                 Err(e) => {
+                    failed += 1;
                     first_err.get_or_insert(e);
                     false
                 }
             })
             .collect();
         match first_err {
-            Some(e) if out.iter().all(|x| !x) && !hashes.is_empty() => Err(e),
+            Some(e) if failed == hashes.len() => Err(e),
             _ => Ok(out),
         }
     }

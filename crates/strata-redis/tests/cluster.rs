@@ -23,11 +23,14 @@ fn cfg(url: &str) -> RedisConfig {
     }
 }
 
+/// Page hashes spread over all their bytes, as real ones are (keys differing in a few bytes
+/// only never share a CRC16 slot).
 fn h(i: u32) -> PageHash {
-    let mut b = [0u8; 16];
-    b[..4].copy_from_slice(&i.to_le_bytes());
-    b[4] = 0x5a;
-    PageHash(b)
+    PageHash(
+        (i as u128 + 1)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
+            .to_le_bytes(),
+    )
 }
 
 fn page(i: u32) -> Vec<u8> {
@@ -182,6 +185,103 @@ fn pages_spread_over_masters_survive_a_failover_and_move_to_a_new_master() {
         "new pages did not reach the new master ({moved_in} → {after})"
     );
     assert_eq!(read_back(&s, 0..N + 700), N as usize + 700);
+}
+
+/// `CLUSTER KEYSLOT` of each key, asked of node 0 in one redis-cli run.
+fn slots_of(c: &RedisCluster, keys: &[String]) -> Vec<u16> {
+    use std::io::Write;
+    let mut ch = std::process::Command::new("redis-cli")
+        .args(["-p", &c.nodes[0].port.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = String::new();
+    for k in keys {
+        input.push_str(&format!("CLUSTER KEYSLOT {k}\n"));
+    }
+    ch.stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = ch.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
+}
+
+/// A slot in the middle of a migration: a key already moved is answered with ASK by the old
+/// master and read from the new one after ASKING, without touching the slot map; once the
+/// slot is moved, MOVED updates the map and the redirects stop.
+#[test]
+fn keys_of_a_migrating_slot_are_followed_by_ask_then_moved() {
+    let c = RedisCluster::start(3, 0);
+    let s = RedisStorage::connect(&cfg(&c.url(0))).unwrap();
+    // Two pages of one slot (among 1,000 pages two share a slot).
+    let keys: Vec<String> = (0..1000).map(|i| s.key_of(&h(i))).collect();
+    let slots = slots_of(&c, &keys);
+    assert_eq!(slots.len(), keys.len());
+    let mut first = HashMap::new();
+    let (a, b) = (0..1000u32)
+        .find_map(|j| first.insert(slots[j as usize], j).map(|i| (i, j)))
+        .unwrap();
+    let slot = slots[a as usize].to_string();
+    put_range(&s, a..a + 1);
+    put_range(&s, b..b + 1);
+    let owner = |c: &RedisCluster| {
+        c.masters()
+            .into_iter()
+            .find(|&m| c.cli(m, &["CLUSTER", "COUNTKEYSINSLOT", &slot]) != "0")
+            .unwrap()
+    };
+    let src = owner(&c);
+    let dst = c.masters().into_iter().find(|&m| m != src).unwrap();
+    let (src_id, dst_id) = (
+        c.cli(src, &["CLUSTER", "MYID"]),
+        c.cli(dst, &["CLUSTER", "MYID"]),
+    );
+    c.cli(dst, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
+    c.cli(src, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
+    let dst_port = c.nodes[dst].port.to_string();
+    let ka = s.key_of(&h(a));
+    assert_eq!(
+        c.cli(src, &["MIGRATE", "127.0.0.1", &dst_port, &ka, "0", "5000"]),
+        "OK"
+    );
+    let before = s.cluster_redirects();
+    let got = s.get_many(&[h(a), h(b)]);
+    assert_eq!(
+        got[0].as_ref().unwrap().as_deref(),
+        Some(&page(a)[..]),
+        "the moved key"
+    );
+    assert_eq!(
+        got[1].as_ref().unwrap().as_deref(),
+        Some(&page(b)[..]),
+        "the key not moved yet"
+    );
+    assert_eq!(s.cluster_redirects(), before + 1, "one ASK");
+    // ASK does not change the map: the next read is asked again.
+    assert_eq!(s.exists(&[h(a)]).unwrap(), vec![true]);
+    assert_eq!(s.cluster_redirects(), before + 2);
+    // The slot moves for good: one MOVED, then the map is right.
+    let kb = s.key_of(&h(b));
+    c.cli(src, &["MIGRATE", "127.0.0.1", &dst_port, &kb, "0", "5000"]);
+    for m in c.masters() {
+        c.cli(m, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]);
+    }
+    assert_eq!(read_back(&s, a..a + 1) + read_back(&s, b..b + 1), 2);
+    let after_move = s.cluster_redirects();
+    assert_eq!(after_move, before + 3, "one MOVED");
+    assert_eq!(read_back(&s, a..a + 1) + read_back(&s, b..b + 1), 2);
+    assert_eq!(
+        s.cluster_redirects(),
+        after_move,
+        "redirected after the map was updated"
+    );
+    assert_eq!(owner(&c), dst);
 }
 
 #[test]

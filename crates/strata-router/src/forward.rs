@@ -46,8 +46,9 @@ pub fn broken_stream_tail(why: &str) -> Bytes {
     Bytes::from(format!("\n\ndata: {}\n\ndata: [DONE]\n\n", e.body()))
 }
 
-/// The worker's SSE body, passed through; if it fails (the worker died) or ends without
-/// `[DONE]`, the client gets [`broken_stream_tail`] and a clean end of stream.
+/// The worker's SSE body, passed through; if it fails (the worker died), ends without
+/// `[DONE]` or stays silent for the router's `stream_idle`, the client gets
+/// [`broken_stream_tail`] and a clean end of stream.
 fn guard_sse<S>(
     upstream: S,
     keep: InFlight,
@@ -82,7 +83,21 @@ where
             if g.over {
                 return None;
             }
-            match g.up.next().await {
+            let idle = g.st.stream_idle;
+            let next = match tokio::time::timeout(idle, g.up.next()).await {
+                Ok(n) => n,
+                Err(_) => {
+                    tracing::warn!(
+                        idle_s = idle.as_secs_f64(),
+                        "a worker's stream went silent; ending the client's stream with an error event"
+                    );
+                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+                    g.over = true;
+                    let why = format!("no data from the worker for {:.1} s", idle.as_secs_f64());
+                    return Some((Ok(broken_stream_tail(&why)), g));
+                }
+            };
+            match next {
                 Some(Ok(b)) => {
                     // The end of stream is a line `data: [DONE]` (model text inside an event is
                     // JSON, never at a line's start). It may straddle two chunks: look at the

@@ -44,7 +44,16 @@ pub struct RouterState {
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
     /// Requests by route, status and worker; latencies; upstream and auth failures.
     pub front: FrontMetrics,
+    /// A worker's answer stream silent this long is cut (the client gets an error event).
+    /// Workers send a keep-alive comment every 15 s: keep it above that.
+    pub stream_idle: Duration,
 }
+
+/// TCP keep-alive on every connection to a worker: a peer whose link went down is found
+/// within about idle + interval × retries (8 s) even while no answer byte is due.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+pub const KEEPALIVE_RETRIES: u32 = 3;
 
 impl RouterState {
     pub fn new(prefill: &[String], decode: &[String], policy: Policy) -> RouterState {
@@ -61,6 +70,9 @@ impl RouterState {
             api_keys: HashSet::new(),
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(2))
+                .tcp_keepalive(KEEPALIVE_IDLE)
+                .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
+                .tcp_keepalive_retries(KEEPALIVE_RETRIES)
                 .build()
                 .expect("HTTP client"),
             retries: AtomicU64::new(0),
@@ -73,6 +85,7 @@ impl RouterState {
             cluster_key: None,
             cpu_gate: strata_server::state::cpu_gate(),
             front: Default::default(),
+            stream_idle: Duration::from_secs(45),
         }
     }
 

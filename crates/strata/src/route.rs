@@ -38,6 +38,10 @@ pub struct RouteArgs {
     /// Seconds between health checks of every worker.
     #[arg(long, default_value_t = 1.0, help_heading = "Workers")]
     pub health_interval: f64,
+    /// Seconds a worker's answer stream may stay silent before the router ends the client's
+    /// stream with an error event (workers send a keep-alive every 15 s: keep it above that).
+    #[arg(long, default_value_t = 45.0, help_heading = "Workers")]
+    pub stream_idle_timeout: f64,
     /// A client API key (repeat); requests without a valid one get 401. Also $STRATA_API_KEY.
     #[arg(
         long,
@@ -84,6 +88,12 @@ pub fn run(a: RouteArgs) -> Result<()> {
             a.health_interval
         );
     }
+    if !(a.stream_idle_timeout >= 0.1 && a.stream_idle_timeout.is_finite()) {
+        bail!(
+            "--stream-idle-timeout {}: expected seconds ≥ 0.1",
+            a.stream_idle_timeout
+        );
+    }
     let keys = api_keys(&a)?;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
@@ -92,6 +102,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;
     st.body_limit = body_limit;
+    st.stream_idle = Duration::from_secs_f64(a.stream_idle_timeout);
     if let Some(f) = &a.cluster_key_file {
         st.cluster_key =
             Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?);

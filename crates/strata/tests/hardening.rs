@@ -513,10 +513,9 @@ fn the_kv_listener_drops_hostile_peers_and_keeps_serving_pd() {
     assert!(resp.contains("replay"), "{resp}");
 }
 
-/// A worker killed mid-stream: the client behind the router gets an SSE error event and a
-/// clean end (`[DONE]`), never a silent truncation.
-#[test]
-fn a_worker_dying_mid_stream_ends_the_clients_stream_with_an_error_event() {
+/// Streams a long answer from a worker through a router (with `router_args`), does `to_worker`
+/// to the worker after a few tokens, and returns the rest of the client's stream.
+fn stream_through_router_then(router_args: &[&str], to_worker: impl FnOnce(&mut Child)) -> String {
     use strata_model::fetch::{cache_dir, MODEL_FILE};
     let model = cache_dir().join(MODEL_FILE);
     assert!(
@@ -525,13 +524,15 @@ fn a_worker_dying_mid_stream_ends_the_clients_stream_with_an_error_event() {
         model.display()
     );
     let (mut worker, wport) = serve(&model, &["--device-mem", "64MiB"]);
-    let mut router = Proc::start(&[
+    let mut args: Vec<String> = vec![
         "route".into(),
         "--port".into(),
         "0".into(),
         "--decode".into(),
         format!("http://127.0.0.1:{wport}"),
-    ]);
+    ];
+    args.extend(router_args.iter().map(|a| a.to_string()));
+    let mut router = Proc::start(&args);
     let rport = port_after(&router.wait_for("ready on http://", 30), "http://");
     let mut s = TcpStream::connect(("127.0.0.1", rport)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -544,7 +545,7 @@ fn a_worker_dying_mid_stream_ends_the_clients_stream_with_an_error_event() {
     .unwrap();
     let mut r = BufReader::new(s);
     let mut seen = String::new();
-    // Wait for some content, then kill the worker.
+    // Wait for some content, then act on the worker.
     while seen.matches("\"content\"").count() < 3 {
         let mut l = String::new();
         assert!(
@@ -553,17 +554,49 @@ fn a_worker_dying_mid_stream_ends_the_clients_stream_with_an_error_event() {
         );
         seen.push_str(&l);
     }
-    worker.child.kill().unwrap();
-    let _ = worker.child.wait();
+    to_worker(&mut worker.child);
     let mut rest = String::new();
     let _ = r.read_to_string(&mut rest);
+    let _ = Command::new("kill")
+        .args(["-CONT", &worker.child.id().to_string()])
+        .status();
+    rest
+}
+
+fn assert_error_event_then_done(rest: &str, why: &str) {
     assert!(
-        rest.contains("\"error\"") && rest.contains("stream broke"),
-        "no error event after the worker died:\n{rest}"
+        rest.contains("\"error\"") && rest.contains(why),
+        "no error event ({why}):\n{rest}"
     );
-    let err_at = rest.find("stream broke").unwrap();
+    let err_at = rest.find(why).unwrap();
     assert!(
         rest[err_at..].contains("data: [DONE]"),
         "no [DONE] after the error event:\n{rest}"
     );
+}
+
+/// A worker killed mid-stream: the client behind the router gets an SSE error event and a
+/// clean end (`[DONE]`), never a silent truncation.
+#[test]
+fn a_worker_dying_mid_stream_ends_the_clients_stream_with_an_error_event() {
+    let rest = stream_through_router_then(&[], |w| {
+        w.kill().unwrap();
+        let _ = w.wait();
+    });
+    assert_error_event_then_done(&rest, "stream broke");
+}
+
+/// A worker that hangs mid-stream (stopped: its connection stays open, nothing more comes):
+/// after `--stream-idle-timeout` the client gets the error event and `[DONE]`.
+#[test]
+fn a_worker_going_silent_mid_stream_is_cut_after_the_idle_timeout() {
+    // (The client's read times out at 60 s: without the cut, no error event would come.)
+    let rest = stream_through_router_then(&["--stream-idle-timeout", "1"], |w| {
+        let ok = Command::new("kill")
+            .args(["-STOP", &w.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    });
+    assert_error_event_then_done(&rest, "no data from the worker for 1.0 s");
 }
