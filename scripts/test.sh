@@ -14,6 +14,7 @@ cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 PROGRAMS="
 sh               dash
 cp               coreutils
+kill             procps
 curl             curl
 python3          python3
 pip              python3-pip
@@ -21,6 +22,8 @@ prometheus       prometheus
 promtool         prometheus
 redis-server     redis-server
 redis-cli        redis-tools
+ip               iproute2
+tc               iproute2
 chromium         chromium
 "
 has() {

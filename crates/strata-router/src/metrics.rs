@@ -92,6 +92,8 @@ pub struct RouterView {
     pub retries: u64,
     pub cache: CacheAwareStats,
     pub resyncs: u64,
+    /// Pages in the cache index and the bytes it takes (None: no index).
+    pub index: Option<(usize, usize)>,
     pub workers: Vec<WorkerView>,
 }
 
@@ -121,6 +123,10 @@ pub fn render(v: &RouterView, front: &FrontMetrics) -> String {
         );
     }
     t.sample("strata_router_retries_total", &[], v.retries as f64);
+    if let Some((pages, bytes)) = v.index {
+        t.sample("strata_router_index_pages", &[], pages as f64);
+        t.sample("strata_router_index_bytes", &[], bytes as f64);
+    }
     for w in &v.workers {
         let l = [("worker", w.url.as_str()), ("worker_role", w.role.as_str())];
         t.sample("strata_router_worker_up", &l, w.healthy as u8 as f64);

@@ -142,6 +142,7 @@ impl RouterState {
             retries: self.retries.load(Ordering::Relaxed),
             cache: self.balancer.cache_stats().unwrap_or_default(),
             resyncs: self.index.as_ref().map_or(0, |i| i.resyncs()),
+            index: self.index.as_ref().map(|i| i.footprint()),
             workers: self
                 .all_workers()
                 .into_iter()

@@ -57,9 +57,11 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_router_http_requests_total", "counter", "Requests the router answered, by route, HTTP status code and decode worker (none: answered by the router itself)."),
     ("strata_router_request_duration_seconds", "histogram", "Time from a request's arrival at the router to the end of its answer (streams included)."),
     ("strata_router_added_latency_seconds", "histogram", "The router's own part of a request: arrival to the upstream request sent (key check, routing, prompt hashing)."),
-    ("strata_router_upstream_errors_total", "counter", "Upstream failures by kind (connect: worker unreachable; status: a worker answered 502/503; stream: a worker's stream broke)."),
+    ("strata_router_upstream_errors_total", "counter", "Upstream failures by kind (connect: worker unreachable; status: a worker answered 502/503; stream: a worker's stream broke or went silent)."),
     ("strata_router_auth_failures_total", "counter", "Requests refused for a missing or wrong API key."),
     ("strata_router_in_flight_requests", "gauge", "Requests the router is answering now."),
+    ("strata_router_index_pages", "gauge", "Pages in the cache-aware router's index, over every worker and the shared remote tier."),
+    ("strata_router_index_bytes", "gauge", "Heap bytes the cache-aware router's index takes for those pages."),
     // Node health.
     ("strata_numa_node_memory_bytes", "gauge", "Memory of a NUMA node by state (total, available), from sysfs."),
     ("strata_process_resident_memory_bytes", "gauge", "Resident memory of this process."),

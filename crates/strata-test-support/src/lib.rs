@@ -20,6 +20,7 @@ use strata_server::pd::{KvInbox, KvLimits};
 use strata_server::AppState;
 use tokio::sync::oneshot;
 
+pub mod netbed;
 mod redis;
 pub use redis::{Redis, RedisCluster};
 
@@ -63,8 +64,8 @@ impl Drop for ChildGuard {
     }
 }
 
-/// Starts `cmd` (a server on `--port 0`, its stderr piped here) and waits for its ready line
-/// (`ready on http://127.0.0.1:PORT`); the guard and the port. The rest of stderr is drained so
+/// Starts `cmd` (a server, its stderr piped here) and waits for its ready line
+/// (`ready on http://HOST:PORT`); the guard and the port. The rest of stderr is drained so
 /// the server never blocks on it.
 pub fn spawn_ready(cmd: &mut Command, timeout: Duration) -> (ChildGuard, u16) {
     use std::io::{BufRead, BufReader, Read};
@@ -76,7 +77,7 @@ pub fn spawn_ready(cmd: &mut Command, timeout: Duration) -> (ChildGuard, u16) {
     let guard = ChildGuard(child);
     let t = Instant::now();
     let mut log = String::new();
-    let marker = "ready on http://127.0.0.1:";
+    let marker = "ready on http://";
     let port = loop {
         let mut line = String::new();
         if err.read_line(&mut line).unwrap_or(0) == 0 {
@@ -84,10 +85,12 @@ pub fn spawn_ready(cmd: &mut Command, timeout: Duration) -> (ChildGuard, u16) {
         }
         log.push_str(&line);
         if let Some(at) = line.find(marker) {
-            let digits: String = line[at + marker.len()..]
+            // HOST:PORT, HOST an address (IPv6 in brackets): the digits after its last colon.
+            let hostport: String = line[at + marker.len()..]
                 .chars()
-                .take_while(|c| c.is_ascii_digit())
+                .take_while(|c| !c.is_whitespace() && *c != '/')
                 .collect();
+            let digits = hostport.rsplit(':').next().unwrap_or("");
             break digits.parse::<u16>().expect("a port in the ready line");
         }
         assert!(t.elapsed() < timeout, "not ready:\n{log}");
