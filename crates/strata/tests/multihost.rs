@@ -367,10 +367,15 @@ async fn run(bed: &Bed) {
     ];
     let text = "The shared system prompt of an agent that plans, calls tools, reads their \
                 answers and writes a report; every request of the session starts with it. ";
+    // About 32 tokens a repeat: 12 by default; STRATA_NETBED_PROMPT_REPEAT for longer prompts.
+    let repeat: usize = std::env::var("STRATA_NETBED_PROMPT_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
     let mut table = Vec::new();
     for (i, (name, link)) in settings.into_iter().enumerate() {
         bed.shape(link);
-        let prompt = format!("Setting {i}. {}", text.repeat(12));
+        let prompt = format!("Setting {i}. {}", text.repeat(repeat));
         let m0 = metrics(&router).await;
         let cold = stream(&router, &prompt, 4, |_| {}).await;
         // (Its first page may be cached: the chat template's header is every prompt's.)
