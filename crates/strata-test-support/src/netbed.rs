@@ -115,15 +115,20 @@ impl NetBed {
             ip(&["-n", &switch, "link", "set", &b, "up"])?;
         }
         let first = &bed.hosts[0].ns;
-        bed.netem = tc(
-            first,
-            &[
-                "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "1ms",
-            ],
-        )
-        .is_ok();
-        if bed.netem {
-            tc(first, &["qdisc", "del", "dev", "eth0", "root"])?;
+        let probe = |args: &[&str]| -> bool {
+            let ok = tc(first, args).is_ok();
+            let _ = tc(first, &["qdisc", "del", "dev", "eth0", "root"]);
+            ok
+        };
+        bed.netem = probe(&[
+            "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "1ms",
+        ]);
+        let tbf = probe(&[
+            "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "1gbit", "burst", "65536",
+            "latency", "20ms",
+        ]);
+        if !bed.netem && !tbf {
+            return Err("the kernel has neither the netem nor the tbf qdisc to shape links".into());
         }
         Ok(bed)
     }
