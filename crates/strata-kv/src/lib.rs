@@ -30,6 +30,7 @@ pub mod units;
 
 pub use cache::{
     CacheConfig, CacheError, CacheEvent, CacheMatch, Lease, Served, Ticket, Tier, TieredCache,
+    DEFAULT_GDSF_HISTORY,
 };
 pub use hash::{HashNamespace, PageHash};
 pub use layout::{Class, PageLayout, PoolKind};

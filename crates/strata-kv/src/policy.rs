@@ -1,7 +1,5 @@
 //! Write and eviction policies.
 
-use rustc_hash::FxHashMap;
-
 /// When device pages are copied to the host tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WritePolicy {
@@ -45,9 +43,10 @@ pub enum EvictionPolicy {
     /// Least recently used leaf.
     Lru,
     /// Greedy-Dual-Size-Frequency over equal-size pages: priority = L + frequency, where L rises
-    /// to each victim's priority (so idle entries age out) and the frequency of an evicted page is
-    /// remembered in a bounded history, so a prefix that keeps coming back is recognised even
-    /// after it was pushed out. Beats LRU when reuse distances exceed the cache.
+    /// to each victim's priority (so idle entries age out) and the frequency of an evicted node
+    /// is remembered in a bounded history (under the key of where it started), so a prefix that
+    /// keeps coming back is recognised even after it was pushed out. Beats LRU when reuse
+    /// distances exceed the cache.
     Gdsf,
 }
 
@@ -68,64 +67,109 @@ impl EvictionPolicy {
     }
 }
 
-/// Access counts of pages no longer cached, keyed by page hash. Bounded: past `cap` entries the
-/// least counted are dropped; every `cap` records all counts halve, so old popularity fades.
-#[derive(Debug, Default)]
+/// Access counts of nodes no longer cached, kept approximately in a table of fixed size: a
+/// count-min sketch of two rows of one-byte counters with conservative (max) update, so a
+/// remembered count is never below what was recorded since the last halving, and above it only
+/// where both of a key's cells collide with other keys'. Every [`AGING`] × `width` records all
+/// counts halve, so old popularity fades. No allocation after construction, two cells touched per call.
+#[derive(Debug)]
 pub struct FrequencyHistory {
-    counts: FxHashMap<u64, u32>,
-    cap: usize,
+    /// Two rows of `width` counters.
+    cells: Vec<u8>,
+    /// log2 of the row width.
+    bits: u32,
     since_aging: usize,
 }
 
+/// Multipliers of the two rows' multiply-shift hashes (odd, from the golden ratio and π).
+const ROW_MUL: [u64; 2] = [0x9E37_79B9_7F4A_7C15, 0x243F_6A88_85A3_08D3 | 1];
+
+/// Counts up to [`LINEAR`] are kept exactly; above, in steps of 2^(1/[`STEPS`]) (3 %; read back
+/// rounded down, within 5 %), up to about 16,000: a hot shared prefix that comes back keeps
+/// most of its weight.
+const LINEAR: u32 = 64;
+const STEPS: f64 = 24.0;
+
+fn encode(count: u32) -> u8 {
+    if count <= LINEAR {
+        return count as u8;
+    }
+    let code = LINEAR as f64 + ((count as f64 / LINEAR as f64).log2() * STEPS).floor();
+    code.min(255.0) as u8
+}
+
+fn decode(code: u8) -> u32 {
+    if code as u32 <= LINEAR {
+        return code as u32;
+    }
+    (LINEAR as f64 * ((code as u32 - LINEAR) as f64 / STEPS).exp2()) as u32
+}
+
+/// A code of half the count.
+fn halve(code: u8) -> u8 {
+    if code as u32 <= LINEAR {
+        code / 2
+    } else {
+        encode(decode(code) / 2)
+    }
+}
+
+/// Counts halve every this many row widths of records.
+const AGING: usize = 4;
+
+impl Default for FrequencyHistory {
+    fn default() -> FrequencyHistory {
+        FrequencyHistory::new(16)
+    }
+}
+
 impl FrequencyHistory {
+    /// A history for about `cap` keys: rows of the next power of two ≥ `cap` counters (16 to
+    /// 2^32), so it takes between 2 and 4 bytes per key.
     pub fn new(cap: usize) -> FrequencyHistory {
+        let width = cap.clamp(16, 1 << 32).next_power_of_two();
         FrequencyHistory {
-            counts: FxHashMap::default(),
-            cap: cap.max(16),
+            cells: vec![0; 2 * width],
+            bits: width.trailing_zeros(),
             since_aging: 0,
         }
     }
 
+    fn width(&self) -> usize {
+        1 << self.bits
+    }
+
+    /// The key's cell in each row.
+    fn cells_of(&self, key: u64) -> [usize; 2] {
+        let w = self.width();
+        let at = |r: usize| (key.wrapping_mul(ROW_MUL[r]) >> (64 - self.bits)) as usize;
+        [at(0), w + at(1)]
+    }
+
+    /// Remembers `count` for `key` (within 5 % past 64, up to ~16,000; see [`encode`]).
     pub fn record(&mut self, key: u64, count: u32) {
-        let e = self.counts.entry(key).or_insert(0);
-        *e = (*e).max(count);
+        let c = encode(count);
+        for i in self.cells_of(key) {
+            self.cells[i] = self.cells[i].max(c);
+        }
         self.since_aging += 1;
-        if self.since_aging >= self.cap {
+        if self.since_aging >= AGING * self.width() {
             self.since_aging = 0;
-            self.counts.retain(|_, v| {
-                *v /= 2;
-                *v > 0
-            });
-        }
-        if self.counts.len() > self.cap {
-            // Keep the most counted three quarters (amortised O(1): runs once per cap/4 records).
-            let keep = self.cap * 3 / 4;
-            let mut v: Vec<u32> = self.counts.values().copied().collect();
-            let idx = v.len() - keep;
-            let (_, &mut floor, _) = v.select_nth_unstable(idx);
-            let mut surplus = self.counts.len() - keep;
-            self.counts.retain(|_, c| {
-                if surplus > 0 && *c <= floor {
-                    surplus -= 1;
-                    false
-                } else {
-                    true
-                }
-            });
+            for v in &mut self.cells {
+                *v = halve(*v);
+            }
         }
     }
 
-    /// Takes the remembered count of `key` (0 when unknown).
+    /// The remembered count of `key` (0 when unknown).
     pub fn take(&mut self, key: u64) -> u32 {
-        self.counts.remove(&key).unwrap_or(0)
+        let [a, b] = self.cells_of(key);
+        decode(self.cells[a].min(self.cells[b]))
     }
 
-    pub fn len(&self) -> usize {
-        self.counts.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.counts.is_empty()
+    /// Heap bytes of the table.
+    pub fn bytes(&self) -> usize {
+        self.cells.len()
     }
 }
 
@@ -150,15 +194,45 @@ mod tests {
 
     #[test]
     fn history_is_bounded_and_ages() {
-        let mut h = FrequencyHistory::new(16);
+        let mut h = FrequencyHistory::new(1024);
+        assert_eq!(h.bytes(), 2048);
         for k in 0..100u64 {
             h.record(k, if k < 8 { 100 } else { 1 });
         }
-        assert!(h.len() <= 16);
-        // Frequent pages survive trimming and aging; one-off pages are forgotten first.
+        // Never below what was recorded (within the encoding's 5 % past 64); no unrecorded key
+        // of 200 looks frequent.
         for k in 0..8 {
-            assert!(h.take(k) > 0, "frequent page {k} forgotten");
+            assert!(h.take(k) >= 97, "frequent page {k} forgotten");
         }
-        assert!((8..100).filter(|&k| h.take(k) > 0).count() <= 8);
+        assert!((8..100).all(|k| h.take(k) >= 1));
+        assert!((1000..1200).filter(|&k| h.take(k) > 1).count() <= 2);
+        assert_eq!(h.take(5000), 0);
+        // Large counts are kept within 5 %, up to ~16,000; every AGING × width records they halve.
+        h.record(7, 1000);
+        assert!((970..=1000).contains(&h.take(7)), "{}", h.take(7));
+        h.record(9, 1_000_000);
+        assert!((15_000..17_000).contains(&h.take(9)), "{}", h.take(9));
+        for k in 0..(AGING * 1024) as u64 {
+            h.record(10_000 + k, 1);
+        }
+        assert!((460..=500).contains(&h.take(7)), "no aging: {}", h.take(7));
+    }
+
+    #[test]
+    fn the_count_encoding_is_monotone_and_exact_up_to_64() {
+        let mut last = 0;
+        for c in 0..100_000u32 {
+            let code = encode(c);
+            assert!(code >= last);
+            last = code;
+            if c <= 64 {
+                assert_eq!(decode(code), c);
+            } else if c < 15_000 {
+                let d = decode(code);
+                assert!(d <= c && d as f64 >= c as f64 * 0.95, "{c} → {d}");
+            }
+        }
+        assert_eq!(halve(encode(40)), encode(20));
+        assert!((900..=1000).contains(&decode(halve(encode(2000)))));
     }
 }

@@ -43,6 +43,8 @@ pub struct SimConfig {
     pub storage_tokens: u64,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
+    /// GDSF history keys per cached page ([`strata_kv::CacheConfig::gdsf_history`]).
+    pub gdsf_history: usize,
     /// Generate each request's output tokens and cache them as the engine does (`false`:
     /// only prompts are cached, as if every request asked for one token).
     pub cache_outputs: bool,
@@ -118,6 +120,7 @@ pub fn build_cache(cfg: &SimConfig) -> Result<TieredCache, SimError> {
     cc.model_id = "sim".into();
     cc.write_policy = cfg.write_policy;
     cc.eviction = cfg.eviction;
+    cc.gdsf_history = cfg.gdsf_history;
     let storage =
         (l3 > 0).then(|| Arc::new(MemoryStorage::new(u64::MAX, l3 as u64)) as Arc<dyn Storage>);
     TieredCache::new(cc, &HeapAllocator, storage).map_err(|e| SimError::Cache(e.to_string()))
@@ -242,6 +245,7 @@ mod tests {
             storage_tokens: 0,
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
+            gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: false,
         }
     }

@@ -96,6 +96,7 @@ mod tests {
             storage_tokens: 0,
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
+            gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: true,
         };
         let pts = sweep(

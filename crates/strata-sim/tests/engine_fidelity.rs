@@ -109,6 +109,7 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
             storage_tokens: L3_PAGES as u64 * PS as u64,
             write_policy: WritePolicy::WriteThrough,
             eviction,
+            gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: true,
         };
         let sim = replay(&reqs, &cfg, |_| {}).unwrap();

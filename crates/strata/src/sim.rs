@@ -71,6 +71,10 @@ pub struct SimArgs {
     /// `lru`, `gdsf`, or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
+    /// GDSF's memory of evicted nodes, in keys per cached page (2–4 bytes each, counted in the
+    /// metadata per token); the default is the engine's.
+    #[arg(long, default_value_t = strata_kv::DEFAULT_GDSF_HISTORY as u32, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "Cache")]
+    gdsf_history: u32,
 
     /// Cache each request's output tokens as the engine does (generated stand-ins, as many as
     /// the trace's `output_length`); `false` caches prompts only. Sweeps cache prompts only
@@ -194,6 +198,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         storage_tokens: capacity(&a.storage, distinct_tokens, bpt, "storage")?,
         write_policy: a.write_policy,
         eviction: evictions[0],
+        gdsf_history: a.gdsf_history as usize,
         cache_outputs: a.cache_outputs,
     };
     if a.sweep {

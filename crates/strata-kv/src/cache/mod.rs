@@ -35,12 +35,18 @@ pub struct CacheConfig {
     pub host_window_pages: u32,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
+    /// GDSF's memory of evicted nodes, in keys per cached page (2–4 bytes each; one key per
+    /// evicted node, under where it started). Unused by LRU.
+    pub gdsf_history: usize,
     /// Compute stable page hashes even without storage or GDSF (e.g. for routing events).
     pub hashing: bool,
     /// Allocate real bytes. `false` gives the metadata-only cache the simulator uses.
     pub with_data: bool,
     pub copy_threads: usize,
 }
+
+/// Default [`CacheConfig::gdsf_history`].
+pub const DEFAULT_GDSF_HISTORY: usize = 1;
 
 impl CacheConfig {
     pub fn new(layout: PageLayout, device_pages: u32, host_pages: u32) -> CacheConfig {
@@ -53,6 +59,7 @@ impl CacheConfig {
             host_pages,
             write_policy: WritePolicy::WriteThrough,
             eviction: EvictionPolicy::Lru,
+            gdsf_history: DEFAULT_GDSF_HISTORY,
             hashing: false,
             with_data: true,
             copy_threads: 1,
@@ -217,7 +224,9 @@ impl TieredCache {
         let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
-        tree.set_history_cap(64 * (cfg.device_pages as usize + cfg.host_pages as usize));
+        // GDSF's history: `gdsf_history` keys per cached page (the tree sizes it, LRU skips it).
+        let pages = cfg.device_pages as usize + cfg.host_pages as usize;
+        tree.set_history_cap(pages.saturating_mul(cfg.gdsf_history));
         let (device, host) = if cfg.with_data {
             let (dp, dw) = (cfg.device_pages, cfg.device_window_pages);
             let d = DevicePool::with_window(layout.clone(), dp, dw, &HeapAllocator)?;

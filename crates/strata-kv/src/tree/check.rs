@@ -154,7 +154,7 @@ impl RadixTree {
         }
         if self.policy == EvictionPolicy::Gdsf {
             let start = self.nodes[n.parent as usize].chain;
-            if n.tokens.chunks_exact(ps).fold(start, chain_step) != n.chain {
+            if chain_step(start, &n.tokens[..ps]) != n.chain {
                 return Err(format!(
                     "node {i}: history chain key does not follow its parent"
                 ));

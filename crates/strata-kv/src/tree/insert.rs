@@ -4,8 +4,8 @@
 use rustc_hash::FxHashMap;
 
 use super::{
-    chain_step, common_prefix, page_key, sampled, window_half, Inserted, Node, NodeId, RadixTree,
-    Slot, NO_PAGE, ROOT,
+    chain_step, common_prefix, page_key, window_half, Inserted, Node, NodeId, RadixTree, Slot,
+    NO_PAGE, ROOT,
 };
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
@@ -134,13 +134,8 @@ impl RadixTree {
         let mut freq = 1;
         let mut chain = 0;
         if self.policy == EvictionPolicy::Gdsf {
-            chain = self.nodes[parent as usize].chain;
-            for page in tokens.chunks_exact(self.page_size) {
-                chain = chain_step(chain, page);
-                if sampled(chain) {
-                    freq = freq.max(self.history.take(chain).saturating_add(1));
-                }
-            }
+            chain = chain_step(self.nodes[parent as usize].chain, &tokens[..self.page_size]);
+            freq = self.history.take(chain).saturating_add(1);
         }
         let node = Node {
             parent,
@@ -182,6 +177,23 @@ impl RadixTree {
         }
     }
 
+    /// Gives `id` and every node below it the history key that follows from its parent's (after
+    /// a split moved where `id` starts). O(subtree); splits of leaves, what eviction makes, cost
+    /// one step.
+    fn rekey(&mut self, id: u32) {
+        let ps = self.page_size;
+        let mut stack = vec![id];
+        while let Some(i) = stack.pop() {
+            let parent = self.nodes[i as usize].parent;
+            let key = chain_step(
+                self.nodes[parent as usize].chain,
+                &self.nodes[i as usize].tokens[..ps],
+            );
+            self.nodes[i as usize].chain = key;
+            stack.extend(self.nodes[i as usize].children.values().copied());
+        }
+    }
+
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     pub(super) fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
@@ -210,12 +222,9 @@ impl RadixTree {
         let on_device = !n.device.is_empty();
         let suffix_key = page_key(&n.tokens[..ps]);
         let parent = n.parent;
-        let chain = if self.policy == EvictionPolicy::Gdsf {
-            let start = self.nodes[parent as usize].chain;
-            tokens.chunks_exact(ps).fold(start, chain_step)
-        } else {
-            0
-        };
+        // The head starts where the node started: it takes the node's key; the suffix's key
+        // (and so its descendants') follow from the head's (`rekey`, below).
+        let chain = n.chain;
         let n = &mut self.nodes[id as usize];
         let node = Node {
             parent,
@@ -250,6 +259,9 @@ impl RadixTree {
         let pkey = page_key(&self.nodes[new_id as usize].tokens[..ps]);
         self.nodes[parent as usize].children.insert(pkey, new_id);
         self.splits.push((NodeId(id), NodeId(new_id)));
+        if self.policy == EvictionPolicy::Gdsf {
+            self.rekey(id);
+        }
         // The suffix's main residency did not change and the new node has a child on every
         // tier the suffix uses, so neither is a leaf of a tier; their window pages may now sit
         // in either half.

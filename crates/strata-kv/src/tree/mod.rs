@@ -48,7 +48,10 @@ struct Node {
     parent: u32,
     tokens: Vec<u32>,
     hashes: Vec<PageHash>,
-    /// In-process chained key after this node's last page (GDSF history only; 0 otherwise).
+    /// In-process key of where this node starts: its parent's key and its first page (GDSF
+    /// history only; 0 otherwise). An evicted node's frequency is remembered under it, and a
+    /// new leaf starting at the same place (the same prefix, then the same page) takes it
+    /// back: one key per node, never per page.
     chain: u64,
     device: Vec<u32>,
     host: Vec<u32>,
@@ -164,24 +167,25 @@ fn page_key(page: &[u32]) -> u64 {
     h.finish()
 }
 
-/// One step of the in-process page chain used to key the eviction history (never leaves the
-/// process, so a fast non-cryptographic hash is fine).
+/// One step of the in-process key chain of the eviction history (never leaves the process, so
+/// a fast non-cryptographic hash is fine): the page's tokens two at a time in two independent
+/// multiply-rotate lanes, mixed so that every bit depends on all of them.
 fn chain_step(prev: u64, page: &[u32]) -> u64 {
-    let mut h = FxHasher::default();
-    h.write_u64(prev);
-    for &t in page {
-        h.write_u32(t);
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    const L: u64 = 0xC2B2_AE3D_27D4_EB4F;
+    let (mut a, mut b) = (prev ^ K, prev.rotate_left(32) ^ L ^ page.len() as u64);
+    let mut pairs = page.chunks_exact(4);
+    for q in &mut pairs {
+        let x = q[0] as u64 | (q[1] as u64) << 32;
+        let y = q[2] as u64 | (q[3] as u64) << 32;
+        a = (a ^ x).wrapping_mul(K).rotate_left(31);
+        b = (b ^ y).wrapping_mul(L).rotate_left(29);
     }
-    h.finish()
-}
-
-/// The history remembers one page in [`HISTORY_SAMPLE`], chosen by content so that recording
-/// and lookup agree whatever the node boundaries: a quarter of the hash-map traffic, while a
-/// prefix of more than a few pages is still recognised.
-const HISTORY_SAMPLE: u64 = 4;
-
-fn sampled(chain: u64) -> bool {
-    chain.is_multiple_of(HISTORY_SAMPLE)
+    for &t in pairs.remainder() {
+        a = (a ^ t as u64).wrapping_mul(K).rotate_left(31);
+    }
+    let h = (a ^ b.rotate_left(23)).wrapping_mul(K);
+    h ^ (h >> 29)
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -226,7 +230,7 @@ impl RadixTree {
             clock: 0,
             policy,
             inflation: 0,
-            history: FrequencyHistory::new(1 << 20),
+            history: FrequencyHistory::new(16),
             namespace,
             device_pages: 0,
             host_pages: 0,
@@ -245,9 +249,12 @@ impl RadixTree {
         self.namespace.as_ref()
     }
 
-    /// Bounds the eviction history (entries), e.g. to a few times the cache's page count.
+    /// Sizes the GDSF eviction history (keys; 2–4 bytes each), e.g. to a few times the
+    /// cache's page count. Only GDSF allocates it.
     pub fn set_history_cap(&mut self, cap: usize) {
-        self.history = FrequencyHistory::new(cap);
+        if self.policy == EvictionPolicy::Gdsf {
+            self.history = FrequencyHistory::new(cap);
+        }
     }
 
     /// Pages referenced by nodes, per slot.
@@ -263,7 +270,8 @@ impl RadixTree {
         self.nodes.len() - self.free_ids.len()
     }
 
-    /// Heap bytes of tree metadata (nodes, edges, page lists, hashes, eviction sets).
+    /// Heap bytes of tree metadata (nodes, edges, page lists, hashes, eviction sets, the GDSF
+    /// history).
     pub fn metadata_bytes(&self) -> usize {
         let node = std::mem::size_of::<Node>();
         let mut b = self.nodes.capacity() * node + self.free_ids.capacity() * 4;
@@ -278,7 +286,11 @@ impl RadixTree {
             + self.host_leaves.len()
             + self.device_windows.len()
             + self.host_windows.len();
-        b + sets * (std::mem::size_of::<Key>() + 8)
+        let history = match self.policy {
+            EvictionPolicy::Gdsf => self.history.bytes(),
+            EvictionPolicy::Lru => 0,
+        };
+        b + sets * (std::mem::size_of::<Key>() + 8) + history
     }
 
     pub fn view(&self, id: NodeId) -> NodeView<'_> {

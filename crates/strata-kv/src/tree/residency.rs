@@ -1,7 +1,7 @@
 //! Residency: which tier holds a node's pages, locks, the eviction sets and their victims,
 //! and taking pages out of the tree (which removes nodes left with none).
 
-use super::{chain_step, page_key, sampled, Node, NodeId, RadixTree, Slot};
+use super::{page_key, Node, NodeId, RadixTree, Slot};
 use crate::policy::EvictionPolicy;
 
 impl RadixTree {
@@ -226,16 +226,8 @@ impl RadixTree {
         let key = page_key(&n.tokens[..self.page_size]);
         let parent = n.parent;
         if self.policy == EvictionPolicy::Gdsf {
-            let f = n.freq;
-            let mut chain = self.nodes[parent as usize].chain;
-            let tokens = std::mem::take(&mut self.nodes[i as usize].tokens);
-            for page in tokens.chunks_exact(self.page_size) {
-                chain = chain_step(chain, page);
-                if sampled(chain) {
-                    self.history.record(chain, f);
-                }
-            }
-            self.nodes[i as usize].tokens = tokens;
+            let (chain, f) = (n.chain, n.freq);
+            self.history.record(chain, f);
         }
         // Drop from the sets before the slot is recycled.
         self.nodes[i as usize].live = false;
