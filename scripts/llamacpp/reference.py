@@ -1,5 +1,5 @@
 """Reference logits from llama.cpp for Strata's tiny test models: the fixtures
-crates/strata-model/tests/fixtures/tiny_{llama,llama3,qwen2,qwen3,dsv4}_logits.json.
+crates/strata-model/tests/fixtures/tiny_{llama,llama3,qwen2,qwen3,mistral,dsv4}_logits.json.
 
 1. Writes the model with Strata's own generator (`cargo run -p strata-model --example
    write_tiny -- ARCH FILE`, seeded: the same bytes every time; its SHA-256 goes in the
@@ -17,7 +17,7 @@ crates/strata-model/tests/fixtures/tiny_{llama,llama3,qwen2,qwen3,dsv4}_logits.j
    threads).
 
 python3 scripts/llamacpp/reference.py --arch deepseek4 --llama-cpp /path/to/llama-cpp-python-0.3.36/vendor/llama.cpp
-python3 scripts/llamacpp/reference.py --arch llama --llama-cpp (the same)   # also llama3, qwen2, qwen3
+python3 scripts/llamacpp/reference.py --arch llama --llama-cpp (the same)   # also llama3, qwen2, qwen3, mistral
 """
 
 import argparse
@@ -32,6 +32,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = {"llama": "tiny_llama_logits.json", "llama3": "tiny_llama3_logits.json",
             "qwen2": "tiny_qwen2_logits.json", "qwen3": "tiny_qwen3_logits.json",
+            "mistral": "tiny_mistral_logits.json",
             "deepseek4": "tiny_dsv4_logits.json"}
 
 # (name, length, decode steps): lengths before, on and after the window (32) and the 4- and

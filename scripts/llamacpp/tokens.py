@@ -1,7 +1,8 @@
 """Reference token ids from llama.cpp for Strata's tokenizer: the fixture
 crates/strata-model/tests/fixtures/tiny_tokens.json.
 
-For each pre-tokenizer (smollm, gpt-2, llama-bpe, qwen2, deepseek-v3) Strata's generator writes a
+For each pre-tokenizer (smollm, gpt-2, llama-bpe, qwen2, deepseek-v3) and a SentencePiece
+vocabulary (spm) Strata's generator writes a
 tiny file with more merges (`cargo run -p strata-model --example write_tiny -- tok-PRE FILE`,
 seeded; its SHA-256 goes in the fixture) and scripts/llamacpp/tokens.c, built against
 llama.cpp's libllama (see reference.py for the build), tokenizes every text of TEXTS with and
@@ -18,7 +19,7 @@ import subprocess
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PRES = ["smollm", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3"]
+PRES = ["smollm", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3", "spm"]
 # Contractions, digit runs, runs of spaces and newlines, punctuation, non-ASCII letters, CJK,
 # a special token in the text, and the empty text.
 TEXTS = [

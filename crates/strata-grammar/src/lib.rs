@@ -49,7 +49,7 @@ impl TokenizerEnv for TokenizerView {
         self.trie.tokenize_with_greedy_fallback(s, |text| {
             // The trie's greedy tokenization stands in if the tokenizer refuses the text.
             self.tokenizer
-                .encode(text)
+                .encode_fragment(text)
                 .unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes()))
         })
     }

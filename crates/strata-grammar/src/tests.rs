@@ -160,3 +160,33 @@ fn a_compiled_constraint_starts_fresh_for_every_request() {
     let x = tk.encode("x").unwrap()[0];
     assert!(m.commit(x).is_err());
 }
+
+/// A SentencePiece vocabulary (Mistral's kind): tokens' bytes have `▁` as a space and byte
+/// tokens as their byte, and a constraint over it holds.
+#[test]
+fn sentencepiece_tokens_map_to_their_bytes_and_constraints_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spm.gguf");
+    strata_model::tiny::write_tiny(
+        &path,
+        &strata_model::tiny::TinySpec::family("mistral").unwrap(),
+    )
+    .unwrap();
+    let g = Gguf::open(&path).unwrap();
+    let tk = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
+    let bytes = token_bytes(&tk, g.config.vocab).unwrap();
+    let id = |t: &str| tk.token_to_id(t).unwrap() as usize;
+    assert_eq!(bytes[id("\u{2581}hello")], b" hello");
+    assert_eq!(bytes[id("<0x0A>")], b"\n");
+    assert_eq!(bytes[id("he")], b"he");
+    assert_eq!(bytes[id("<s>")][0], TokTrie::SPECIAL_TOKEN_MARKER);
+    let g = Grammars::new(tk.clone(), g.config.vocab).unwrap();
+    let rx = g
+        .compile(&OutputConstraint::Regex("[0-9]{3}-[a-c]{2}".into()))
+        .unwrap();
+    for seed in 0..20 {
+        let t = run(&rx, &tk, seed, 0.5, 50).expect("a fixed-length regex ends");
+        assert_eq!(t.len(), 6, "{t}");
+        assert!(t.as_bytes()[3] == b'-', "{t}");
+    }
+}

@@ -1,7 +1,7 @@
 //! Writes a tiny test model to the path given: `cargo run -p strata-model --example write_tiny
-//! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `qwen2`, `qwen3` (`TinySpec::family`) or
-//! `deepseek4` (`TinyDsv4Spec::default()`), or a tokenizer file `tok-PRE` (PRE: smollm, gpt-2,
-//! llama-bpe, qwen2, deepseek-v3); scripts/llamacpp/reference.py and tokens.py run llama.cpp
+//! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `qwen2`, `qwen3`, `mistral`
+//! (`TinySpec::family`) or `deepseek4` (`TinyDsv4Spec::default()`), or a tokenizer file
+//! `tok-PRE` (PRE: smollm, gpt-2, llama-bpe, qwen2, deepseek-v3, spm); scripts/llamacpp/reference.py and tokens.py run llama.cpp
 //! on them.
 
 use std::path::Path;
@@ -12,7 +12,7 @@ use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [arch, out] = args.as_slice() else {
-        eprintln!("usage: write_tiny llama|llama3|qwen2|qwen3|deepseek4 OUT.gguf");
+        eprintln!("usage: write_tiny llama|llama3|qwen2|qwen3|mistral|deepseek4 OUT.gguf");
         std::process::exit(2);
     };
     let out = Path::new(out);
@@ -20,7 +20,9 @@ fn main() {
         ("deepseek4", _) => write_tiny_dsv4(out, &TinyDsv4Spec::default()),
         (_, Some(spec)) => write_tiny(out, &spec),
         (a, None) => {
-            eprintln!("unknown architecture `{a}`: llama, llama3, qwen2, qwen3 or deepseek4");
+            eprintln!(
+                "unknown architecture `{a}`: llama, llama3, qwen2, qwen3, mistral or deepseek4"
+            );
             std::process::exit(2);
         }
     };

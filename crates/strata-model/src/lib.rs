@@ -28,7 +28,9 @@ mod seq;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tiny_dsv4;
+mod tiny_spm;
 pub mod tokenizer;
+mod tokenizer_spm;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::ModelError;

@@ -27,6 +27,10 @@ pub struct TinySpec {
     /// More merges (digits, contractions, runs of spaces and newlines, words), so that how a
     /// pre-tokenizer splits shows in the ids (tests/tokenizer_llama_cpp.rs).
     pub rich_merges: bool,
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`, as Llama 2 and Mistral
+    /// files have: `tiny_spm`) instead of the byte-level BPE one; `pre` and `rich_merges`
+    /// then do not apply.
+    pub spm: bool,
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -41,7 +45,8 @@ pub struct TinySpec {
 impl TinySpec {
     /// The tiny model of a family, by the name `write_tiny` takes: `llama`, `llama3` (RoPE
     /// frequency factors, an output head, base 500000), `qwen2` (Q/K/V biases), `qwen3` (Q/K
-    /// norms, head size 32 with 4 heads of a 64-wide embedding).
+    /// norms, head size 32 with 4 heads of a 64-wide embedding), `mistral` (llama with a
+    /// SentencePiece vocabulary).
     pub fn family(name: &str) -> Option<TinySpec> {
         let d = TinySpec::default();
         Some(match name {
@@ -62,6 +67,8 @@ impl TinySpec {
                 untied_output: true,
                 ..d
             },
+            // Mistral's files: the llama architecture with a SentencePiece vocabulary.
+            "mistral" | "tok-spm" => TinySpec { spm: true, ..d },
             // Tokenizer files: the llama model with a pre-tokenizer and more merges.
             "tok-smollm" | "tok-gpt-2" | "tok-llama-bpe" | "tok-qwen2" | "tok-deepseek-v3" => {
                 let pre = ["smollm", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3"]
@@ -92,6 +99,7 @@ impl Default for TinySpec {
             rope_base: 10000.0,
             pre: "smollm",
             rich_merges: false,
+            spm: false,
             hidden: 64,
             heads: 4,
             kv_heads: 2,
@@ -128,11 +136,22 @@ pub fn byte_chars() -> Vec<char> {
 
 pub const TINY_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-/// Writes a tiny model to `path`; vocabulary size is 288.
+/// Writes a tiny model to `path`; vocabulary size is 288 (SentencePiece: 343).
 pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
-    let vocab = tiny_vocab_with(spec.rich_merges);
-    let md = tiny_metadata(spec, &vocab);
-    let tensors = tiny_tensors(spec, vocab.tokens.len())?;
+    let (n_vocab, tok) = if spec.spm {
+        let v = crate::tiny_spm::spm_vocab();
+        let mut md = crate::tiny_spm::spm_metadata(&v);
+        md.push((
+            "tokenizer.chat_template",
+            Value::String(TINY_TEMPLATE.into()),
+        ));
+        (v.tokens.len(), md)
+    } else {
+        let v = tiny_vocab_with(spec.rich_merges);
+        (v.tokens.len(), tokenizer_metadata(&v, spec.pre))
+    };
+    let md = tiny_metadata(spec, n_vocab, tok);
+    let tensors = tiny_tensors(spec, n_vocab)?;
     let mut f = std::fs::File::create(path).map_err(|e| ModelError::Open {
         path: path.display().to_string(),
         reason: e.to_string(),
@@ -206,8 +225,11 @@ fn tiny_vocab_with(rich: bool) -> Vocab {
 }
 
 /// The GGUF metadata: llama hyper-parameters of `s` and the tokenizer.
-fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(String, Value)> {
-    let vocab = v.tokens.len();
+fn tiny_metadata(
+    s: &TinySpec,
+    vocab: usize,
+    tokenizer: Vec<(&'static str, Value)>,
+) -> Vec<(String, Value)> {
     let hd = s.head_dim();
     let a = s.arch.name();
     let u = |x: usize| Value::U32(x as u32);
@@ -233,11 +255,7 @@ fn tiny_metadata(s: &TinySpec, v: &Vocab) -> Vec<(String, Value)> {
         md.push((format!("{a}.attention.key_length"), u(hd)));
         md.push((format!("{a}.attention.value_length"), u(hd)));
     }
-    md.extend(
-        tokenizer_metadata(v, s.pre)
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v)),
-    );
+    md.extend(tokenizer.into_iter().map(|(k, v)| (k.to_string(), v)));
     md
 }
 

@@ -80,56 +80,103 @@ pub struct ModelTokenizer {
     pub eos: u32,
     /// Tokens that end a generation (eos and, for chat models, `<|im_end|>`).
     pub stop: Vec<u32>,
+    /// A SentencePiece vocabulary's tokenizer without the space it puts before a text: for
+    /// fragments of output (None: `inner` serves).
+    fragments: Option<Tokenizer>,
 }
 
 fn err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer(e.to_string())
 }
 
+/// A byte-level BPE vocabulary (`gpt2`): the merges stored in the file and the named
+/// pre-tokenizer; whether a BOS token comes first by default.
+fn byte_level_bpe(g: &GgufHeader, tokens: &[String]) -> Result<(Tokenizer, bool), ModelError> {
+    // llama.cpp's `default` (no `pre` key) is a split of its own, not GPT-2's: refused.
+    let pre = g.string("tokenizer.ggml.pre").unwrap_or("default");
+    let merges: Vec<(String, String)> = g
+        .array("tokenizer.ggml.merges")?
+        .iter()
+        .map(|v| {
+            let s = v.to_string().map_err(err)?;
+            let (a, b) = s
+                .split_once(' ')
+                .ok_or_else(|| err(format!("merge `{s}` is not two tokens")))?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect::<Result<_, ModelError>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let (pretok, ignore_merges, default_bos) = pre_tokenizer(pre)?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignore_merges)
+        .build()
+        .map_err(err)?;
+    let mut tk = Tokenizer::new(bpe);
+    tk.with_pre_tokenizer(Some(Sequence::new(pretok)));
+    tk.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok((tk, default_bos))
+}
+
+/// A SentencePiece vocabulary (`llama`): pieces and scores, `▁` for spaces, byte tokens
+/// (`tokenizer_spm`); with a space prefix, also the tokenizer of fragments (without it).
+fn sentencepiece(
+    g: &GgufHeader,
+    tokens: &[String],
+    types: &[i32],
+) -> Result<(Tokenizer, Option<Tokenizer>), ModelError> {
+    let scores: Vec<f32> = g
+        .array("tokenizer.ggml.scores")?
+        .iter()
+        .map(|v| v.to_f32().map_err(err))
+        .collect::<Result<_, _>>()?;
+    let add_space_prefix = match g.metadata.get("tokenizer.ggml.add_space_prefix") {
+        Some(v) => v.to_bool().map_err(err)?,
+        None => true,
+    };
+    let unk = g
+        .u32("tokenizer.ggml.unknown_token_id")
+        .and_then(|i| tokens.get(i as usize))
+        .map(String::as_str);
+    let spm = |prefix| crate::tokenizer_spm::spm_tokenizer(tokens, &scores, types, prefix, unk);
+    Ok((
+        spm(add_space_prefix)?,
+        add_space_prefix.then(|| spm(false)).transpose()?,
+    ))
+}
+
 impl ModelTokenizer {
     pub fn from_gguf(g: &GgufHeader) -> Result<ModelTokenizer, ModelError> {
         let model = g.string("tokenizer.ggml.model").unwrap_or("");
-        if model != "gpt2" {
-            return Err(err(format!(
-                "tokenizer.ggml.model `{model}` is not supported (expected gpt2 byte-level BPE)"
-            )));
-        }
-        // llama.cpp's `default` (no `pre` key) is a split of its own, not GPT-2's: refused.
-        let pre = g.string("tokenizer.ggml.pre").unwrap_or("default");
         let tokens: Vec<String> = g
             .array("tokenizer.ggml.tokens")?
             .iter()
             .map(|v| v.to_string().cloned().map_err(err))
             .collect::<Result<_, _>>()?;
-        let merges: Vec<(String, String)> = g
-            .array("tokenizer.ggml.merges")?
-            .iter()
-            .map(|v| {
-                let s = v.to_string().map_err(err)?;
-                let (a, b) = s
-                    .split_once(' ')
-                    .ok_or_else(|| err(format!("merge `{s}` is not two tokens")))?;
-                Ok((a.to_string(), b.to_string()))
-            })
-            .collect::<Result<_, ModelError>>()?;
         let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
             Ok(v) => v.iter().map(|x| x.to_i32().unwrap_or(1)).collect(),
             Err(_) => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let (pretok, ignore_merges, default_bos) = pre_tokenizer(pre)?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(ignore_merges)
-            .build()
-            .map_err(err)?;
-        let mut tk = Tokenizer::new(bpe);
-        tk.with_pre_tokenizer(Some(Sequence::new(pretok)));
-        tk.with_decoder(Some(ByteLevelDecoder::default()));
+        let (mut tk, mut fragments, default_bos) = match model {
+            "gpt2" => {
+                let (t, bos) = byte_level_bpe(g, &tokens)?;
+                (t, None, bos)
+            }
+            "llama" => {
+                let (t, f) = sentencepiece(g, &tokens, &types)?;
+                (t, f, true)
+            }
+            _ => {
+                return Err(err(format!(
+                    "tokenizer.ggml.model `{model}` is not supported (gpt2: byte-level BPE; \
+                     llama: SentencePiece)"
+                )))
+            }
+        };
         let specials: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
@@ -137,6 +184,9 @@ impl ModelTokenizer {
             .map(|(s, _)| AddedToken::from(s.clone(), true))
             .collect();
         tk.add_special_tokens(&specials);
+        if let Some(f) = &mut fragments {
+            f.add_special_tokens(&specials);
+        }
         let eos = g
             .u32("tokenizer.ggml.eos_token_id")
             .ok_or_else(|| err("tokenizer.ggml.eos_token_id missing"))?;
@@ -159,6 +209,7 @@ impl ModelTokenizer {
         }
         Ok(ModelTokenizer {
             inner: tk,
+            fragments,
             bos,
             add_bos,
             eos,
@@ -171,6 +222,21 @@ impl ModelTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
         Ok(self
             .inner
+            .encode(text, false)
+            .map_err(err)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Token ids of a fragment of output text (a grammar's forced bytes): as [`encode`], but a
+    /// SentencePiece vocabulary puts no space before it.
+    ///
+    /// [`encode`]: ModelTokenizer::encode
+    pub fn encode_fragment(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        Ok(self
+            .fragments
+            .as_ref()
+            .unwrap_or(&self.inner)
             .encode(text, false)
             .map_err(err)?
             .get_ids()

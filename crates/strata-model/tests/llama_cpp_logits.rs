@@ -1,8 +1,9 @@
 //! Strata's forward pass against llama.cpp's logits on the same tiny file of each family
-//! (tests/fixtures/tiny_{llama,llama3,qwen2,qwen3}_logits.json, written by
+//! (tests/fixtures/tiny_{llama,llama3,qwen2,qwen3,mistral}_logits.json, written by
 //! scripts/llamacpp/reference.py with the llama.cpp version recorded): llama, llama with
 //! Llama 3's RoPE frequency factors and its own output head, qwen2 (Q/K/V biases, NeoX RoPE),
-//! qwen3 (per-head Q/K norms, a head size that is not embedding / heads). Every prompt's
+//! qwen3 (per-head Q/K norms, a head size that is not embedding / heads), mistral (llama with a
+//! SentencePiece vocabulary, as Mistral's files are). Every prompt's
 //! logits at page boundaries and its last position, the argmax of every position, and greedy
 //! decode steps, computed through the paged pool in one prefill call and then one token a
 //! call (f32 weights, and Q8_0 for decode steps).
@@ -121,7 +122,7 @@ fn check(family: &str, quantized_decode: bool) -> f32 {
     worst
 }
 
-const FAMILIES: [&str; 4] = ["llama", "llama3", "qwen2", "qwen3"];
+const FAMILIES: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "mistral"];
 
 #[test]
 fn logits_equal_llama_cpps_on_every_familys_tiny_model() {

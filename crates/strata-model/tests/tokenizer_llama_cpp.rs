@@ -1,8 +1,9 @@
 //! Strata's tokenizer against llama.cpp's token ids (tests/fixtures/tiny_tokens.json, written by
 //! scripts/llamacpp/tokens.py with the llama.cpp version recorded) for every pre-tokenizer it
-//! reads (smollm, gpt-2, llama-bpe, qwen2, deepseek-v3): tiny files with merges that make the
-//! splits show (digit runs, contractions, runs of spaces and newlines), texts with non-ASCII
-//! letters, CJK, a special token; with and without the BOS token the vocabulary adds.
+//! reads (smollm, gpt-2, llama-bpe, qwen2, deepseek-v3) and for a SentencePiece vocabulary
+//! (`spm`: Llama 2, Mistral): tiny files with merges that make the splits show (digit runs,
+//! contractions, runs of spaces and newlines; pieces with scores and byte fallback), texts with
+//! non-ASCII letters, CJK, a special token; with and without the BOS token the vocabulary adds.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -33,7 +34,7 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
         .collect();
     let d = tempfile::tempdir().unwrap();
     let files = f["files"].as_object().unwrap();
-    assert_eq!(files.len(), 5);
+    assert_eq!(files.len(), 6);
     for (pre, file) in files {
         let path = d.path().join(format!("{pre}.gguf"));
         write_tiny(&path, &TinySpec::family(&format!("tok-{pre}")).unwrap()).unwrap();
@@ -51,8 +52,8 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
             let prompt = tk.encode_prompt(t).unwrap();
             assert_eq!(prompt, ids(&want["special"]), "{pre}: prompt {t:?}");
         }
-        // Llama 3 adds BOS; the others do not.
-        assert_eq!(tk.add_bos, pre == "llama-bpe", "{pre}");
+        // Llama 3 and SentencePiece vocabularies add BOS; the others do not.
+        assert_eq!(tk.add_bos, pre == "llama-bpe" || pre == "spm", "{pre}");
         if tk.add_bos {
             // A prompt that starts with BOS's own text (as chat templates write it) gets one.
             let bos = tk.bos.unwrap();

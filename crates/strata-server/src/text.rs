@@ -116,9 +116,13 @@ mod tests {
     use strata_model::Gguf;
 
     fn tk() -> (tempfile::TempDir, ModelTokenizer) {
+        tk_of(&TinySpec::default())
+    }
+
+    fn tk_of(spec: &TinySpec) -> (tempfile::TempDir, ModelTokenizer) {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("t.gguf");
-        write_tiny(&p, &TinySpec::default()).unwrap();
+        write_tiny(&p, spec).unwrap();
         let g = Gguf::open(&p).unwrap();
         let t = ModelTokenizer::from_gguf(&g).unwrap();
         (d, t)
@@ -137,11 +141,21 @@ mod tests {
 
     #[test]
     fn deltas_concatenate_to_the_text_even_for_multibyte_characters() {
-        let (_d, tk) = tk();
-        for text in ["hello world", "héllo wörld — ½ 東京", "a\nb\tc  d"] {
-            let (out, stopped) = stream_all(&tk, text, &[]);
-            assert_eq!(out, tk.decode(&tk.encode(text).unwrap()).unwrap());
-            assert!(!stopped);
+        // Byte-level BPE, and SentencePiece (spaces as `▁`, the leading one stripped, byte
+        // tokens for what no piece covers).
+        for spec in [TinySpec::default(), TinySpec::family("mistral").unwrap()] {
+            let (_d, tk) = tk_of(&spec);
+            for text in [
+                "hello world",
+                "héllo wörld — ½ 東京",
+                "a\nb\tc  d",
+                "  two  spaces",
+            ] {
+                let (out, stopped) = stream_all(&tk, text, &[]);
+                assert_eq!(out, tk.decode(&tk.encode(text).unwrap()).unwrap());
+                assert_eq!(out, text, "{}", spec.spm);
+                assert!(!stopped);
+            }
         }
     }
 

@@ -1,0 +1,116 @@
+//! SentencePiece vocabularies as GGUF stores them (`tokenizer.ggml.model = llama`: Llama 2,
+//! Mistral, and other SPM models): pieces with scores, `▁` for a space, `<0xXX>` byte tokens
+//! for what no piece covers, no merge list. llama.cpp's SPM tokenizer starts from the text's
+//! characters (a space first, with `add_space_prefix`, and after every special token; spaces
+//! as `▁`) and keeps merging the adjacent pair whose concatenation is a piece, the highest
+//! scored first; characters no piece covers become their bytes' tokens. Here that is a BPE
+//! model whose merges are every split of every piece into two pieces, ranked by the piece's
+//! score: the same merges in the same order (on equal scores llama.cpp takes the leftmost
+//! pair, BPE the earlier-listed piece; real vocabularies' scores are distinct).
+
+use std::collections::HashMap;
+
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as Decoders;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::utils::Sequence as Normalizers;
+use tokenizers::normalizers::{Prepend, Replace};
+use tokenizers::{DecoderWrapper, NormalizerWrapper, Tokenizer};
+
+use crate::error::ModelError;
+
+/// A space in a piece.
+pub(crate) const SPACE: &str = "\u{2581}";
+/// GGUF token types that never come out of a merge: unknown and byte tokens.
+const TOKEN_TYPE_UNKNOWN: i32 = 2;
+const TOKEN_TYPE_BYTE: i32 = 6;
+
+fn err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+/// Every split of a piece into two pieces, as merges ranked by the piece's score (highest
+/// first; equal scores in vocabulary order).
+fn merges(tokens: &[String], scores: &[f32], types: &[i32]) -> Vec<(String, String)> {
+    let ids: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut out: Vec<(f32, usize, String, String)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if matches!(types.get(i), Some(&TOKEN_TYPE_UNKNOWN | &TOKEN_TYPE_BYTE)) {
+            continue;
+        }
+        for (at, _) in t.char_indices().skip(1) {
+            let (a, b) = t.split_at(at);
+            if ids.contains_key(a) && ids.contains_key(b) {
+                out.push((scores[i], i, a.to_string(), b.to_string()));
+            }
+        }
+    }
+    out.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+    out.into_iter().map(|(_, _, a, b)| (a, b)).collect()
+}
+
+/// The tokenizer of an SPM vocabulary (special tokens are added by the caller).
+pub(crate) fn spm_tokenizer(
+    tokens: &[String],
+    scores: &[f32],
+    types: &[i32],
+    add_space_prefix: bool,
+    unk: Option<&str>,
+) -> Result<Tokenizer, ModelError> {
+    if scores.len() != tokens.len() {
+        return Err(err(format!(
+            "tokenizer.ggml.scores has {} entries for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut b = BPE::builder()
+        .vocab_and_merges(vocab, merges(tokens, scores, types))
+        .byte_fallback(true);
+    if let Some(u) = unk {
+        b = b.unk_token(u.to_string());
+    }
+    let mut tk = Tokenizer::new(b.build().map_err(err)?);
+    let mut norm: Vec<NormalizerWrapper> = Vec::new();
+    if add_space_prefix {
+        norm.push(Prepend::new(SPACE.into()).into());
+    }
+    norm.push(Replace::new(" ", SPACE).map_err(err)?.into());
+    tk.with_normalizer(Some(Normalizers::new(norm)));
+    let mut dec: Vec<DecoderWrapper> = vec![
+        Replace::new(SPACE, " ").map_err(err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_space_prefix {
+        dec.push(Strip::new(' ', 1, 0).into());
+    }
+    tk.with_decoder(Some(Decoders::new(dec)));
+    Ok(tk)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_are_every_split_ranked_by_score() {
+        let t: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
+            .map(String::from)
+            .to_vec();
+        let m = merges(&t, &[0.0, 0.0, 0.0, -2.0, -1.0, -3.0], &[1; 6]);
+        let m: Vec<(&str, &str)> = m.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+        assert_eq!(m, [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]);
+    }
+}
