@@ -62,8 +62,12 @@ fn token_bytes(tk: &ModelTokenizer, vocab: usize) -> Result<Vec<Vec<u8>>, Gramma
     let bad = |e: String| GrammarError::Tokenizer(e);
     let json = tk.inner.to_string(false).map_err(|e| bad(e.to_string()))?;
     let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| bad(e.to_string()))?;
+    // llguidance asserts on names it does not expect (a `<0x..>` piece that is no byte): a
+    // hostile vocabulary is an error here, not a panic of the worker.
     let mut bytes =
-        llguidance::token_bytes_from_tokenizer_json(&value).map_err(|e| bad(e.to_string()))?;
+        std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&value))
+            .map_err(|_| bad("the vocabulary has a token the grammar engine cannot read".into()))?
+            .map_err(|e| bad(e.to_string()))?;
     if bytes.len() > vocab {
         return Err(bad(format!(
             "the tokenizer has {} tokens, the model {vocab}",

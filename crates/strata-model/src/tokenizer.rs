@@ -17,7 +17,10 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 use crate::error::ModelError;
 use crate::gguf::GgufHeader;
 
-/// GGUF token type of control tokens (`<|im_start|>`, `<|endoftext|>`, ...).
+/// GGUF token types: unknown (`<unk>`), control (`<|im_start|>`, `<|endoftext|>`, ...) and
+/// user-defined tokens are special tokens (written in a text, they are their id), as llama.cpp
+/// has them.
+const TOKEN_TYPE_UNKNOWN: i32 = 2;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
@@ -142,11 +145,7 @@ fn sentencepiece(
         .u32("tokenizer.ggml.unknown_token_id")
         .and_then(|i| tokens.get(i as usize))
         .map(String::as_str);
-    let spm = |prefix| crate::tokenizer_spm::spm_tokenizer(tokens, &scores, types, prefix, unk);
-    Ok((
-        spm(add_space_prefix)?,
-        add_space_prefix.then(|| spm(false)).transpose()?,
-    ))
+    crate::tokenizer_spm::spm_tokenizers(tokens, &scores, types, add_space_prefix, unk)
 }
 
 impl ModelTokenizer {
@@ -158,9 +157,26 @@ impl ModelTokenizer {
             .map(|v| v.to_string().cloned().map_err(err))
             .collect::<Result<_, _>>()?;
         let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
-            Ok(v) => v.iter().map(|x| x.to_i32().unwrap_or(1)).collect(),
+            Ok(v) => v
+                .iter()
+                .map(|x| x.to_i32().map_err(err))
+                .collect::<Result<_, _>>()?,
             Err(_) => vec![1; tokens.len()],
         };
+        // As llama.cpp refuses them: types that do not cover the tokens, a piece twice.
+        if types.len() != tokens.len() {
+            return Err(err(format!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(tokens.len());
+        if let Some(d) = tokens.iter().find(|t| !seen.insert(t.as_str())) {
+            return Err(err(format!(
+                "token `{d}` appears twice in tokenizer.ggml.tokens"
+            )));
+        }
         let (mut tk, mut fragments, default_bos) = match model {
             "gpt2" => {
                 let (t, bos) = byte_level_bpe(g, &tokens)?;
@@ -180,7 +196,9 @@ impl ModelTokenizer {
         let specials: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
-            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
+            .filter(|(_, &t)| {
+                t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED || t == TOKEN_TYPE_UNKNOWN
+            })
             .map(|(s, _)| AddedToken::from(s.clone(), true))
             .collect();
         tk.add_special_tokens(&specials);
@@ -259,9 +277,20 @@ impl ModelTokenizer {
         }
     }
 
-    /// Text of `ids` (special tokens included).
+    /// Text of `ids` (special tokens included), as a whole text: a SentencePiece vocabulary's
+    /// space before the text is dropped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
         self.inner.decode(ids, false).map_err(err)
+    }
+
+    /// Text of `ids` as a piece of output (generated tokens, one token's text): a leading
+    /// `▁` stays a space, as llama.cpp's pieces have it (" Paris" after "The capital is").
+    pub fn decode_fragment(&self, ids: &[u32]) -> Result<String, ModelError> {
+        self.fragments
+            .as_ref()
+            .unwrap_or(&self.inner)
+            .decode(ids, false)
+            .map_err(err)
     }
 
     pub fn token_to_id(&self, t: &str) -> Option<u32> {

@@ -7,7 +7,7 @@ use strata_model::ModelTokenizer;
 
 /// A token's text as the client sees it (its UTF-8 bytes go with it).
 fn text(tk: &ModelTokenizer, id: u32) -> String {
-    tk.decode(&[id]).unwrap_or_default()
+    tk.decode_fragment(&[id]).unwrap_or_default()
 }
 
 fn chat_entry(tk: &ModelTokenizer, id: u32, lp: f32) -> Value {

@@ -46,7 +46,7 @@ pub struct CacheConfig {
 }
 
 /// Default [`CacheConfig::gdsf_history`].
-pub const DEFAULT_GDSF_HISTORY: usize = 1;
+pub const DEFAULT_GDSF_HISTORY: usize = 2;
 
 impl CacheConfig {
     pub fn new(layout: PageLayout, device_pages: u32, host_pages: u32) -> CacheConfig {

@@ -153,7 +153,7 @@ impl RadixTree {
             }
         }
         if self.policy == EvictionPolicy::Gdsf {
-            let start = self.nodes[n.parent as usize].chain;
+            let start = self.nodes[n.parent as usize].base;
             if chain_step(start, &n.tokens[..ps]) != n.chain {
                 return Err(format!(
                     "node {i}: history chain key does not follow its parent"

@@ -134,7 +134,7 @@ impl RadixTree {
         let mut freq = 1;
         let mut chain = 0;
         if self.policy == EvictionPolicy::Gdsf {
-            chain = chain_step(self.nodes[parent as usize].chain, &tokens[..self.page_size]);
+            chain = chain_step(self.nodes[parent as usize].base, &tokens[..self.page_size]);
             freq = self.history.take(chain).saturating_add(1);
         }
         let node = Node {
@@ -142,6 +142,7 @@ impl RadixTree {
             tokens: tokens.to_vec(),
             hashes,
             chain,
+            base: chain,
             freq,
             live: true,
             ..Node::default()
@@ -177,23 +178,6 @@ impl RadixTree {
         }
     }
 
-    /// Gives `id` and every node below it the history key that follows from its parent's (after
-    /// a split moved where `id` starts). O(subtree); splits of leaves, what eviction makes, cost
-    /// one step.
-    fn rekey(&mut self, id: u32) {
-        let ps = self.page_size;
-        let mut stack = vec![id];
-        while let Some(i) = stack.pop() {
-            let parent = self.nodes[i as usize].parent;
-            let key = chain_step(
-                self.nodes[parent as usize].chain,
-                &self.nodes[i as usize].tokens[..ps],
-            );
-            self.nodes[i as usize].chain = key;
-            stack.extend(self.nodes[i as usize].children.values().copied());
-        }
-    }
-
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     pub(super) fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
@@ -222,15 +206,20 @@ impl RadixTree {
         let on_device = !n.device.is_empty();
         let suffix_key = page_key(&n.tokens[..ps]);
         let parent = n.parent;
-        // The head starts where the node started: it takes the node's key; the suffix's key
-        // (and so its descendants') follow from the head's (`rekey`, below).
+        // The head starts where the node started: it takes the node's key, and as base its
+        // key too; the suffix's key follows from that, and its base (its children's keys)
+        // stays: O(1), whatever lies below.
         let chain = n.chain;
+        if self.policy == EvictionPolicy::Gdsf {
+            n.chain = chain_step(chain, &n.tokens[..ps]);
+        }
         let n = &mut self.nodes[id as usize];
         let node = Node {
             parent,
             tokens,
             hashes,
             chain,
+            base: chain,
             device,
             host,
             device_win,
@@ -259,9 +248,6 @@ impl RadixTree {
         let pkey = page_key(&self.nodes[new_id as usize].tokens[..ps]);
         self.nodes[parent as usize].children.insert(pkey, new_id);
         self.splits.push((NodeId(id), NodeId(new_id)));
-        if self.policy == EvictionPolicy::Gdsf {
-            self.rekey(id);
-        }
         // The suffix's main residency did not change and the new node has a child on every
         // tier the suffix uses, so neither is a leaf of a tier; their window pages may now sit
         // in either half.

@@ -48,11 +48,15 @@ struct Node {
     parent: u32,
     tokens: Vec<u32>,
     hashes: Vec<PageHash>,
-    /// In-process key of where this node starts: its parent's key and its first page (GDSF
+    /// In-process key of where this node starts: its parent's `base` and its first page (GDSF
     /// history only; 0 otherwise). An evicted node's frequency is remembered under it, and a
-    /// new leaf starting at the same place (the same prefix, then the same page) takes it
+    /// new leaf starting at the same place (the same parent, then the same page) takes it
     /// back: one key per node, never per page.
     chain: u64,
+    /// What this node's children's keys chain from: its own key when it was made; a split
+    /// leaves it to the deeper half (so the children keep their keys) and gives the new head
+    /// its key as base.
+    base: u64,
     device: Vec<u32>,
     host: Vec<u32>,
     /// Window pages per tier: empty when the node holds none there, else one entry per page
