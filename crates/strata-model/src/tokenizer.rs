@@ -148,35 +148,42 @@ fn sentencepiece(
     crate::tokenizer_spm::spm_tokenizers(tokens, &scores, types, add_space_prefix, unk)
 }
 
+/// The tokens and their types, checked as llama.cpp checks them: types that cover the
+/// tokens, no token twice.
+fn vocabulary(g: &GgufHeader) -> Result<(Vec<String>, Vec<i32>), ModelError> {
+    let tokens: Vec<String> = g
+        .array("tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| v.to_string().cloned().map_err(err))
+        .collect::<Result<_, _>>()?;
+    let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
+        Ok(v) => v
+            .iter()
+            .map(|x| x.to_i32().map_err(err))
+            .collect::<Result<_, _>>()?,
+        Err(_) => vec![1; tokens.len()],
+    };
+    // As llama.cpp refuses them: types that do not cover the tokens, a piece twice.
+    if types.len() != tokens.len() {
+        return Err(err(format!(
+            "tokenizer.ggml.token_type has {} entries for {} tokens",
+            types.len(),
+            tokens.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(tokens.len());
+    if let Some(d) = tokens.iter().find(|t| !seen.insert(t.as_str())) {
+        return Err(err(format!(
+            "token `{d}` appears twice in tokenizer.ggml.tokens"
+        )));
+    }
+    Ok((tokens, types))
+}
+
 impl ModelTokenizer {
     pub fn from_gguf(g: &GgufHeader) -> Result<ModelTokenizer, ModelError> {
         let model = g.string("tokenizer.ggml.model").unwrap_or("");
-        let tokens: Vec<String> = g
-            .array("tokenizer.ggml.tokens")?
-            .iter()
-            .map(|v| v.to_string().cloned().map_err(err))
-            .collect::<Result<_, _>>()?;
-        let types: Vec<i32> = match g.array("tokenizer.ggml.token_type") {
-            Ok(v) => v
-                .iter()
-                .map(|x| x.to_i32().map_err(err))
-                .collect::<Result<_, _>>()?,
-            Err(_) => vec![1; tokens.len()],
-        };
-        // As llama.cpp refuses them: types that do not cover the tokens, a piece twice.
-        if types.len() != tokens.len() {
-            return Err(err(format!(
-                "tokenizer.ggml.token_type has {} entries for {} tokens",
-                types.len(),
-                tokens.len()
-            )));
-        }
-        let mut seen = std::collections::HashSet::with_capacity(tokens.len());
-        if let Some(d) = tokens.iter().find(|t| !seen.insert(t.as_str())) {
-            return Err(err(format!(
-                "token `{d}` appears twice in tokenizer.ggml.tokens"
-            )));
-        }
+        let (tokens, types) = vocabulary(g)?;
         let (mut tk, mut fragments, default_bos) = match model {
             "gpt2" => {
                 let (t, bos) = byte_level_bpe(g, &tokens)?;
