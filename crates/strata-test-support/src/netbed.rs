@@ -31,37 +31,31 @@ pub struct NetBed {
     netem: bool,
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
+/// Runs an iproute2 program; its error output is the error.
+fn iproute2(mut c: Command, what: &str, args: &[&str]) -> Result<(), String> {
+    let out = c
         .args(args)
         .output()
-        .map_err(|e| format!("ip: {e} (install iproute2)"))?;
+        .map_err(|e| format!("{what}: {e} (install iproute2)"))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "ip {}: {}",
+            "{what} {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         ))
     }
 }
 
+fn ip(args: &[&str]) -> Result<(), String> {
+    iproute2(Command::new("ip"), "ip", args)
+}
+
 fn tc(ns: &str, args: &[&str]) -> Result<(), String> {
-    let out = Command::new("tc")
-        .args(["-n", ns])
-        .args(args)
-        .output()
-        .map_err(|e| format!("tc: {e} (install iproute2)"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "tc {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    let mut c = Command::new("tc");
+    c.args(["-n", ns]);
+    iproute2(c, "tc", args)
 }
 
 /// One link setting: one-way delay and rate of every host's interface.

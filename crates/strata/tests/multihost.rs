@@ -204,12 +204,7 @@ fn start(net: NetBed, model: &Path, key: &Path) -> Bed {
 }
 
 async fn metrics(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    strata_test_support::metrics_of(url).await
 }
 
 /// Sum of the samples of `name` whose labels contain `label` (e.g. `worker="http://..."`).
