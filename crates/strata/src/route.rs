@@ -72,7 +72,7 @@ fn check_url(u: &str) -> Result<()> {
 pub fn run(a: RouteArgs) -> Result<()> {
     let Some(policy) = Policy::parse(&a.policy) else {
         bail!(
-            "--policy `{}`: expected round_robin or least_load",
+            "--policy `{}`: expected round_robin, least_load or cache_aware",
             a.policy
         );
     };

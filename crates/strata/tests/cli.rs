@@ -311,3 +311,26 @@ fn sim_compares_host_sizes_and_advises_one() {
         );
     }
 }
+
+/// `strata route` refuses bad flags at once, naming them (exit code 2), before it listens.
+#[test]
+fn route_refuses_bad_flags_with_the_reason() {
+    for (args, want) in [
+        (&["--policy", "random"][..], "--policy `random`"),
+        (&["--health-interval", "0"][..], "--health-interval 0"),
+        (
+            &["--stream-idle-timeout", "0"][..],
+            "--stream-idle-timeout 0",
+        ),
+        (
+            &["--stream-idle-timeout", "NaN"][..],
+            "--stream-idle-timeout NaN",
+        ),
+    ] {
+        let mut all = vec!["route", "--port", "0", "--decode", "http://127.0.0.1:9"];
+        all.extend_from_slice(args);
+        let o = strata(&all);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
+    }
+}
