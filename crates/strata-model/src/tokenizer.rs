@@ -259,9 +259,7 @@ impl ModelTokenizer {
     /// [`encode`]: ModelTokenizer::encode
     pub fn encode_fragment(&self, text: &str) -> Result<Vec<u32>, ModelError> {
         Ok(self
-            .fragments
-            .as_ref()
-            .unwrap_or(&self.inner)
+            .fragment_tokenizer()
             .encode(text, false)
             .map_err(err)?
             .get_ids()
@@ -293,11 +291,12 @@ impl ModelTokenizer {
     /// Text of `ids` as a piece of output (generated tokens, one token's text): a leading
     /// `▁` stays a space, as llama.cpp's pieces have it (" Paris" after "The capital is").
     pub fn decode_fragment(&self, ids: &[u32]) -> Result<String, ModelError> {
-        self.fragments
-            .as_ref()
-            .unwrap_or(&self.inner)
-            .decode(ids, false)
-            .map_err(err)
+        self.fragment_tokenizer().decode(ids, false).map_err(err)
+    }
+
+    /// The tokenizer of output fragments (no space before them).
+    fn fragment_tokenizer(&self) -> &Tokenizer {
+        self.fragments.as_ref().unwrap_or(&self.inner)
     }
 
     pub fn token_to_id(&self, t: &str) -> Option<u32> {

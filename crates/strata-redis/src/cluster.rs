@@ -19,7 +19,7 @@ use redis::{ConnectionAddr, ConnectionInfo, Value};
 use strata_kv::storage::StorageError;
 
 use crate::slot::{key_slot, SLOTS};
-use crate::{dup, manager_config, unavailable, Op};
+use crate::{dup, manager, unavailable, within, Op};
 
 /// Sends of one command (the first, then redirects) before it is an error.
 const MAX_SENDS: usize = 4;
@@ -230,10 +230,7 @@ impl Cluster {
             info,
             seeds,
             timeout,
-            map: RwLock::new(SlotMap {
-                slot: vec![NONE; SLOTS],
-                masters: Vec::new(),
-            }),
+            map: RwLock::new(SlotMap::empty()),
             conns: Mutex::new(HashMap::new()),
             fetched: tokio::sync::Mutex::new(None),
             redirects: AtomicU64::new(0),
@@ -283,13 +280,7 @@ impl Cluster {
         let mut info = self.info.clone();
         info.addr = ConnectionAddr::Tcp(host, port);
         let client = redis::Client::open(info).map_err(|e| unavailable(format!("{addr}: {e}")))?;
-        let c = tokio::time::timeout(
-            self.timeout,
-            ConnectionManager::new_with_config(client, manager_config(self.timeout)),
-        )
-        .await
-        .map_err(|_| StorageError::Timeout(self.timeout))?
-        .map_err(|e| unavailable(format!("{addr}: {e}")))?;
+        let c = manager(client, self.timeout, addr).await?;
         let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
         Ok(conns.entry(addr.to_string()).or_insert(c).clone())
     }
@@ -305,15 +296,9 @@ impl Cluster {
         let asks = nodes.into_iter().map(|addr| {
             Box::pin(async move {
                 let mut c = self.conn(&addr).await?;
-                let v = tokio::time::timeout(
-                    self.timeout,
-                    redis::cmd("CLUSTER")
-                        .arg("SLOTS")
-                        .query_async::<Value>(&mut c),
-                )
-                .await
-                .map_err(|_| StorageError::Timeout(self.timeout))?
-                .map_err(|e| unavailable(format!("{addr}: {e}")))?;
+                let mut cmd = redis::cmd("CLUSTER");
+                cmd.arg("SLOTS");
+                let v = within(self.timeout, &addr, cmd.query_async::<Value>(&mut c)).await?;
                 parse_slots(v, &addr)
             })
         });

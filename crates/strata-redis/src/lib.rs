@@ -93,6 +93,28 @@ pub(crate) fn manager_config(timeout: Duration) -> redis::aio::ConnectionManager
         .set_max_delay(1000)
 }
 
+/// `f` within `timeout`; its Redis error named after `whom`.
+pub(crate) async fn within<T>(
+    timeout: Duration,
+    whom: &str,
+    f: impl std::future::Future<Output = redis::RedisResult<T>>,
+) -> Result<T, StorageError> {
+    tokio::time::timeout(timeout, f)
+        .await
+        .map_err(|_| StorageError::Timeout(timeout))?
+        .map_err(|e| unavailable(format!("{whom}: {e}")))
+}
+
+/// A reconnecting connection to `client`, made within `timeout`.
+pub(crate) async fn manager(
+    client: redis::Client,
+    timeout: Duration,
+    whom: &str,
+) -> Result<ConnectionManager, StorageError> {
+    let make = ConnectionManager::new_with_config(client, manager_config(timeout));
+    within(timeout, whom, make).await
+}
+
 /// Seeds of `redis-cluster://[user:pass@]host:port,host:port,...`: the connection settings
 /// (from the first) and every `host:port`.
 fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), StorageError> {
@@ -178,13 +200,7 @@ impl RedisStorage {
         let client = redis::Client::open(url)
             .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
         let info = client.get_connection_info().clone();
-        let mut conn = tokio::time::timeout(
-            timeout,
-            ConnectionManager::new_with_config(client, manager_config(timeout)),
-        )
-        .await
-        .map_err(|_| StorageError::Timeout(timeout))?
-        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+        let mut conn = manager(client, timeout, url).await?;
         let info_cluster: Result<String, _> = tokio::time::timeout(
             timeout,
             redis::cmd("INFO").arg("cluster").query_async(&mut conn),
@@ -197,10 +213,7 @@ impl RedisStorage {
             // a single Redis if it answers PING.
             Err(e) if e.kind() == redis::ErrorKind::ResponseError || e.code().is_some() => {
                 let pong: String =
-                    tokio::time::timeout(timeout, redis::cmd("PING").query_async(&mut conn))
-                        .await
-                        .map_err(|_| StorageError::Timeout(timeout))?
-                        .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+                    within(timeout, url, redis::cmd("PING").query_async(&mut conn)).await?;
                 if pong != "PONG" {
                     return Err(unavailable(format!("{url}: PING answered {pong}")));
                 }
