@@ -68,7 +68,7 @@ fn big_cache(policy: EvictionPolicy) -> (TieredCache, Vec<Vec<u32>>) {
 fn bench_tree(c: &mut Criterion) {
     let mut g = c.benchmark_group("tree_1M_tokens");
     g.throughput(Throughput::Elements(PROMPT as u64));
-    for policy in [EvictionPolicy::Lru, EvictionPolicy::Gdsf] {
+    for policy in EvictionPolicy::ALL {
         let (mut cache, prompts) = big_cache(policy);
         let target = prompts[5].clone();
         g.bench_function(BenchmarkId::new("match_prefix_8k", policy.name()), |b| {
@@ -99,7 +99,7 @@ fn bench_tree(c: &mut Criterion) {
 fn bench_evict(c: &mut Criterion) {
     let mut g = c.benchmark_group("evict");
     g.throughput(Throughput::Elements(10_000));
-    for policy in [EvictionPolicy::Lru, EvictionPolicy::Gdsf] {
+    for policy in EvictionPolicy::ALL {
         g.bench_function(BenchmarkId::new("10k_pages", policy.name()), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;

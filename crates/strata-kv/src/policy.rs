@@ -48,13 +48,25 @@ pub enum EvictionPolicy {
     /// keeps coming back is recognised even after it was pushed out. Beats LRU when reuse
     /// distances exceed the cache.
     Gdsf,
+    /// SIEVE (Zhang et al., NSDI '24): leaves in insertion order, a hit only sets a visited
+    /// bit, and a hand sweeps from the oldest towards the newest, clearing visited bits and
+    /// evicting the first leaf without one; survivors keep their place. No reordering on a hit.
+    Sieve,
 }
 
 impl EvictionPolicy {
+    /// Every policy, in the order reports list them.
+    pub const ALL: [EvictionPolicy; 3] = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Gdsf,
+        EvictionPolicy::Sieve,
+    ];
+
     pub fn parse(s: &str) -> Option<EvictionPolicy> {
         match s {
             "lru" => Some(EvictionPolicy::Lru),
             "gdsf" => Some(EvictionPolicy::Gdsf),
+            "sieve" => Some(EvictionPolicy::Sieve),
             _ => None,
         }
     }
@@ -63,6 +75,7 @@ impl EvictionPolicy {
         match self {
             EvictionPolicy::Lru => "lru",
             EvictionPolicy::Gdsf => "gdsf",
+            EvictionPolicy::Sieve => "sieve",
         }
     }
 }

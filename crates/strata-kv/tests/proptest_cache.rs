@@ -194,11 +194,11 @@ proptest! {
     fn cache_invariants_hold_after_every_step(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
         wp in common::write_policy(),
-        gdsf in any::<bool>(),
+        policy in 0usize..3,
         l3 in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        let ev = if gdsf { EvictionPolicy::Gdsf } else { EvictionPolicy::Lru };
+        let ev = EvictionPolicy::ALL[policy];
         let mut w = world(ps, wp, ev, l3);
         for op in &ops {
             w.step(op);

@@ -218,12 +218,12 @@ proptest! {
     fn leases_hold_the_right_pages_and_release_everything(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
         wp in common::write_policy(),
-        gdsf in any::<bool>(),
+        policy in 0usize..3,
         l3 in any::<bool>(),
         window in prop_oneof![Just(None), (1usize..7).prop_map(Some)],
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let ev = if gdsf { EvictionPolicy::Gdsf } else { EvictionPolicy::Lru };
+        let ev = EvictionPolicy::ALL[policy];
         let mut w = world(ps, wp, ev, l3, window);
         for op in &ops {
             w.step(op);

@@ -175,6 +175,8 @@ pub enum Eviction {
     Lru,
     /// Greedy-dual size frequency (keeps what is reused often and costs most to recompute).
     Gdsf,
+    /// SIEVE: insertion order with a visited bit and a sweeping hand (no reordering on hits).
+    Sieve,
 }
 
 /// `--prefetch-policy`.
@@ -372,6 +374,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
     let eviction = match a.eviction {
         Eviction::Lru => EvictionPolicy::Lru,
         Eviction::Gdsf => EvictionPolicy::Gdsf,
+        Eviction::Sieve => EvictionPolicy::Sieve,
     };
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
     let role = a.sizing.role.name();

@@ -68,7 +68,7 @@ pub struct SimArgs {
         help_heading = "Cache"
     )]
     write_policy: WritePolicy,
-    /// `lru`, `gdsf`, or `all` (each, side by side).
+    /// `lru`, `gdsf`, `sieve`, a comma-separated list, or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
     /// GDSF's memory of evicted nodes, in keys per cached page (2–4 bytes each, counted in the
@@ -127,12 +127,12 @@ fn capacity(s: &str, distinct_tokens: u64, bytes_per_token: usize, what: &str) -
 
 fn policies(s: &str) -> Result<Vec<EvictionPolicy>> {
     if s == "all" {
-        return Ok(vec![EvictionPolicy::Lru, EvictionPolicy::Gdsf]);
+        return Ok(EvictionPolicy::ALL.to_vec());
     }
     s.split(',')
         .map(|p| {
             EvictionPolicy::parse(p.trim())
-                .with_context(|| format!("--eviction `{p}`: expected lru, gdsf or all"))
+                .with_context(|| format!("--eviction `{p}`: expected lru, gdsf, sieve or all"))
         })
         .collect()
 }

@@ -1,25 +1,62 @@
 //! [`RadixTree::check`]: the structural invariants, verified node by node, then the page
-//! counters and the eviction sets.
+//! counters, the edge map and the eviction sets.
 
-use super::{chain_step, page_key, NodeId, RadixTree, NO_PAGE};
+use super::node::{Tokens, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, WINDOWS};
+use super::{child_hash, key_id, NodeId, RadixTree, NO_PAGE};
 use crate::hash::PageHash;
-use crate::policy::EvictionPolicy;
+
+/// What a node's children add up to (counted from the children's side).
+#[derive(Clone, Copy, Default)]
+struct Below {
+    children: u32,
+    device_children: u32,
+    locks: u32,
+}
 
 impl RadixTree {
     /// Verifies every structural invariant; returns the first violation.
     pub fn check(&self) -> Result<(), String> {
         let (mut dp, mut hp, mut dw, mut hw) = (0, 0, 0, 0);
         let real = |v: &[u32]| v.iter().filter(|&&w| w != NO_PAGE).count();
-        for id in self.node_ids() {
+        let mut below = vec![Below::default(); self.nodes.len()];
+        let ids = self.node_ids();
+        for &id in &ids {
             self.check_pages(id)?;
             self.check_windows(id)?;
             self.check_links(id)?;
             self.check_chains(id)?;
             let n = &self.nodes[id.0 as usize];
-            dp += n.device.len();
-            hp += n.host.len();
-            dw += real(&n.device_win);
-            hw += real(&n.host_win);
+            let b = &mut below[n.parent as usize];
+            b.children += 1;
+            b.device_children += self.on_device(id.0) as u32;
+            b.locks += n.lock_ref;
+            dp += self.slot(id.0, super::Slot::Device).len();
+            hp += self.slot(id.0, super::Slot::Host).len();
+            let (d, h) = self.windows_of(id.0);
+            dw += real(d);
+            hw += real(h);
+        }
+        for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.live()) {
+            let b = below[i];
+            if b.children != n.children || b.device_children != n.device_children {
+                return Err(format!(
+                    "node {i}: {} children ({} on device) but {} ({}) counted",
+                    n.children, n.device_children, b.children, b.device_children
+                ));
+            }
+            if i != 0 && n.lock_ref < b.locks {
+                return Err(format!(
+                    "node {i}: lock_ref {} below its children's {}",
+                    n.lock_ref, b.locks
+                ));
+            }
+        }
+        if self.edges.len() != ids.len() {
+            return Err(format!(
+                "{} edges for {} nodes",
+                self.edges.len(),
+                ids.len()
+            ));
         }
         if dp != self.device_pages || hp != self.host_pages {
             return Err(format!(
@@ -41,17 +78,15 @@ impl RadixTree {
         let ps = self.page_size;
         let i = id.0 as usize;
         let n = &self.nodes[i];
-        let pages = n.tokens.len() / ps;
-        if n.tokens.is_empty() || !n.tokens.len().is_multiple_of(ps) {
-            return Err(format!(
-                "node {i}: {} tokens is not a whole number of pages",
-                n.tokens.len()
-            ));
+        let pages = n.pages(ps);
+        if pages == 0 {
+            return Err(format!("node {i} holds no tokens"));
         }
-        if n.device.is_empty() && n.host.is_empty() {
+        let (device, host) = (n.device(ps), n.host(ps));
+        if device.is_empty() && host.is_empty() {
             return Err(format!("node {i} holds no pages"));
         }
-        for (name, v) in [("device", &n.device), ("host", &n.host)] {
+        for (name, v) in [("device", device), ("host", host)] {
             if !v.is_empty() && v.len() != pages {
                 return Err(format!(
                     "node {i}: {} {name} pages for {pages} pages of tokens",
@@ -59,10 +94,15 @@ impl RadixTree {
                 ));
             }
         }
-        if self.namespace.is_some() && n.hashes.len() != pages {
+        if let Tokens::Wide(t) = n.tokens(ps) {
+            if t.iter().all(|&x| x <= u16::MAX as u32) {
+                return Err(format!("node {i}: 16-bit tokens stored wide"));
+            }
+        }
+        if self.namespace.is_some() && self.hashes[i].len() != pages {
             return Err(format!(
                 "node {i}: {} hashes for {pages} pages",
-                n.hashes.len()
+                self.hashes[i].len()
             ));
         }
         Ok(())
@@ -73,10 +113,15 @@ impl RadixTree {
     fn check_windows(&self, id: NodeId) -> Result<(), String> {
         let i = id.0 as usize;
         let n = &self.nodes[i];
-        for (name, win, main) in [
-            ("device", &n.device_win, &n.device),
-            ("host", &n.host_win, &n.host),
-        ] {
+        let (dwin, hwin) = self.windows_of(id.0);
+        if n.has(WINDOWS) != self.windows.contains_key(&id.0) {
+            return Err(format!("node {i}: window flag and map disagree"));
+        }
+        if n.has(WINDOWS) && dwin.is_empty() && hwin.is_empty() {
+            return Err(format!("node {i}: empty window lists kept"));
+        }
+        let ps = self.page_size;
+        for (name, win, main) in [("device", dwin, n.device(ps)), ("host", hwin, n.host(ps))] {
             if win.is_empty() {
                 continue;
             }
@@ -93,99 +138,78 @@ impl RadixTree {
                 ));
             }
         }
-        let dwin = !n.device_win.is_empty() && n.lock_ref == 0;
-        let hwin = !n.host_win.is_empty() && n.lock_ref == 0 && n.host_lock == 0;
-        if dwin != n.dwin_key.is_some() || hwin != n.hwin_key.is_some() {
+        let d = !dwin.is_empty() && n.lock_ref == 0;
+        let h = !hwin.is_empty() && n.lock_ref == 0 && n.host_lock == 0;
+        if d != n.has(IN_DWIN) || h != n.has(IN_HWIN) {
             return Err(format!("node {i}: window victim sets out of date"));
         }
         Ok(())
     }
 
-    /// One node's links: listed by its parent, device residency prefix-closed, and its
-    /// device-child count and lock count consistent with its children.
+    /// One node's links: listed by its parent under its first page, device residency
+    /// prefix-closed.
     fn check_links(&self, id: NodeId) -> Result<(), String> {
         let ps = self.page_size;
         let i = id.0 as usize;
         let n = &self.nodes[i];
         let p = &self.nodes[n.parent as usize];
-        if !p.live || p.children.get(&page_key(&n.tokens[..ps])) != Some(&id.0) {
+        let found = self
+            .edges
+            .find(child_hash(&self.nodes, ps, id.0), |&c| c == id.0);
+        if !p.live() || found.is_none() {
             return Err(format!("node {i}: parent does not list it"));
         }
-        if !n.device.is_empty() && n.parent != 0 && p.device.is_empty() {
+        if self.on_device(id.0) && n.parent != 0 && !self.on_device(n.parent) {
             return Err(format!("node {i} on device under a parent that is not"));
-        }
-        let dc = n
-            .children
-            .values()
-            .filter(|&&c| !self.nodes[c as usize].device.is_empty())
-            .count();
-        if dc as u32 != n.device_children {
-            return Err(format!(
-                "node {i}: device_children {} but {dc} counted",
-                n.device_children
-            ));
-        }
-        let locks: u32 = n
-            .children
-            .values()
-            .map(|&c| self.nodes[c as usize].lock_ref)
-            .sum();
-        if n.lock_ref < locks {
-            return Err(format!(
-                "node {i}: lock_ref {} below its children's {locks}",
-                n.lock_ref
-            ));
         }
         Ok(())
     }
 
-    /// One node's keys: page hashes and the history chain key follow on from its parent's.
+    /// One node's page hashes follow on from its parent's.
     fn check_chains(&self, id: NodeId) -> Result<(), String> {
         let ps = self.page_size;
         let i = id.0 as usize;
         let n = &self.nodes[i];
         if let Some(ns) = &self.namespace {
             let parent_hash = self.last_hash(NodeId(n.parent)).unwrap_or(PageHash::ROOT);
-            if ns.chain(parent_hash, &n.tokens, ps) != n.hashes {
+            if ns.chain(parent_hash, &n.tokens(ps).to_vec(), ps)[..] != self.hashes[i][..] {
                 return Err(format!(
                     "node {i}: page hashes do not chain from its parent"
-                ));
-            }
-        }
-        if self.policy == EvictionPolicy::Gdsf {
-            let start = self.nodes[n.parent as usize].base;
-            if chain_step(start, &n.tokens[..ps]) != n.chain {
-                return Err(format!(
-                    "node {i}: history chain key does not follow its parent"
                 ));
             }
         }
         Ok(())
     }
 
-    /// Every entry of the eviction sets is the current key of a live node.
+    /// Every entry of the eviction sets is the current key of a live node filed there, and
+    /// every node filed in a set is in it.
     fn check_eviction_sets(&self) -> Result<(), String> {
-        for (set, name) in [
-            (&self.device_leaves, "device"),
-            (&self.host_leaves, "host"),
-            (&self.device_windows, "device window"),
-            (&self.host_windows, "host window"),
+        let mut filed = 0;
+        for (set, name, flag) in [
+            (&self.device_leaves, "device", IN_DEV),
+            (&self.host_leaves, "host", IN_HOST),
+            (&self.device_windows, "device window", IN_DWIN),
+            (&self.host_windows, "host window", IN_HWIN),
         ] {
             for k in set {
-                let n = &self.nodes[k.2 as usize];
-                let key = match name {
-                    "device" => n.dev_key,
-                    "host" => n.host_key,
-                    "device window" => n.dwin_key,
-                    _ => n.hwin_key,
-                };
-                if !n.live || key != Some(*k) {
+                let id = key_id(k).0;
+                let n = &self.nodes[id as usize];
+                if !n.live() || !n.has(flag) || self.key_of(id) != *k {
                     return Err(format!(
-                        "{name} eviction set holds stale entry for node {}",
-                        k.2
+                        "{name} eviction set holds stale entry for node {id}"
                     ));
                 }
             }
+            filed += self.nodes.iter().filter(|n| n.has(flag)).count();
+        }
+        let entries = self.device_leaves.len()
+            + self.host_leaves.len()
+            + self.device_windows.len()
+            + self.host_windows.len();
+        if filed != entries {
+            return Err(format!(
+                "{filed} set memberships flagged, {entries} entries"
+            ));
         }
         Ok(())
     }

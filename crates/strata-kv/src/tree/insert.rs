@@ -1,14 +1,18 @@
 //! Insertion: walking a token sequence into the tree, filling a slot's pages (and window
 //! pages) where nodes lack them, new leaves, and splitting nodes at page boundaries.
 
-use rustc_hash::FxHashMap;
-
+use super::node::{Tokens, IN_STORAGE, LIVE, VISITED, WINDOWS};
 use super::{
-    chain_step, common_prefix, page_key, window_half, Inserted, Node, NodeId, RadixTree, Slot,
-    NO_PAGE, ROOT,
+    chain_step, window_half, GdsfNode, Inserted, Node, NodeId, RadixTree, Slot, Windows, NO_PAGE,
+    ROOT,
 };
 use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
+
+/// `v[a..b]`, or nothing when `v` is empty (a tier the node is not in).
+fn cut(v: &[u32], a: usize, b: usize) -> &[u32] {
+    v.get(a..b).unwrap_or(&[])
+}
 
 impl RadixTree {
     /// Inserts `tokens` (whole pages; a trailing partial page is ignored) with one page index per
@@ -54,9 +58,9 @@ impl RadixTree {
         while pos < n {
             match self.child_of(cur, &tokens[pos..pos + ps]) {
                 Some(c) => {
-                    let clen = self.nodes[c as usize].tokens.len();
-                    let mut common =
-                        common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
+                    let node_tokens = self.tokens(c);
+                    let clen = node_tokens.len();
+                    let mut common = node_tokens.common_prefix(&tokens[pos..n]) / ps * ps;
                     if pos < skip_tok {
                         common = common.min(skip_tok - pos);
                     }
@@ -74,14 +78,12 @@ impl RadixTree {
                     cur = c;
                 }
                 None => {
-                    let key = page_key(&tokens[pos..pos + ps]);
-                    if pos < skip_tok || self.nodes[cur as usize].children.contains_key(&key) {
-                        // The skipped prefix is gone, or a 64-bit key collision with a different
-                        // page: cache no further.
+                    if pos < skip_tok {
+                        // The skipped prefix is gone: cache no further.
                         break;
                     }
-                    let c = self.new_leaf(cur, key, &tokens[pos..n]);
-                    self.fill(c, slot, pages[page_at(pos)..].to_vec());
+                    let c = self.new_leaf(cur, &tokens[pos..n]);
+                    self.fill(c, slot, &pages[page_at(pos)..]);
                     let left = self.adopt_windows(c, slot, win(page_at(pos), pages.len()));
                     out.unused_windows.extend(left);
                     self.touch(c, false);
@@ -104,7 +106,7 @@ impl RadixTree {
     /// does not take goes to `out`'s unused lists.
     fn give(&mut self, c: u32, slot: Slot, (pages, windows): (&[u32], &[u32]), out: &mut Inserted) {
         if self.slot(c, slot).is_empty() {
-            self.fill(c, slot, pages.to_vec());
+            self.fill(c, slot, pages);
             out.filled.push(NodeId(c));
         } else {
             out.unused.extend_from_slice(pages);
@@ -113,42 +115,36 @@ impl RadixTree {
         out.unused_windows.extend(left);
     }
 
-    pub(super) fn slot(&self, id: u32, slot: Slot) -> &Vec<u32> {
-        let n = &self.nodes[id as usize];
-        match slot {
-            Slot::Device => &n.device,
-            Slot::Host => &n.host,
-        }
-    }
-
-    pub(super) fn new_leaf(&mut self, parent: u32, key: u64, tokens: &[u32]) -> u32 {
+    pub(super) fn new_leaf(&mut self, parent: u32, tokens: &[u32]) -> u32 {
+        let ps = self.page_size;
         let hashes = match &self.namespace {
             Some(ns) => {
                 let p = self.last_hash(NodeId(parent)).unwrap_or(PageHash::ROOT);
-                ns.chain(p, tokens, self.page_size)
+                ns.chain(p, tokens, ps)
             }
             None => Vec::new(),
         };
-        // This insertion is an access too: a page that comes back after eviction then carries
-        // its earlier accesses plus this one, which is how reuse beyond the cache is detected.
-        let mut freq = 1;
-        let mut chain = 0;
-        if self.policy == EvictionPolicy::Gdsf {
-            chain = chain_step(self.nodes[parent as usize].base, &tokens[..self.page_size]);
-            freq = self.history.take(chain).saturating_add(1);
-        }
-        let node = Node {
-            parent,
-            tokens: tokens.to_vec(),
-            hashes,
-            chain,
-            base: chain,
-            freq,
-            live: true,
-            ..Node::default()
-        };
+        let mut node = Node::pack(Tokens::Wide(tokens), ps, &[], &[]);
+        node.parent = parent;
+        node.flags |= LIVE;
         let id = self.alloc_node(node);
-        self.nodes[parent as usize].children.insert(key, id);
+        if self.namespace.is_some() {
+            self.hashes[id as usize] = hashes.into_boxed_slice();
+        }
+        if self.policy == EvictionPolicy::Gdsf {
+            // This insertion is an access too: a page that comes back after eviction then
+            // carries its earlier accesses plus this one, which is how reuse beyond the cache
+            // is detected.
+            let chain = chain_step(self.gdsf[parent as usize].base, Tokens::Wide(&tokens[..ps]));
+            let freq = self.history.take(chain).saturating_add(1);
+            self.gdsf[id as usize] = GdsfNode { base: chain, freq };
+        }
+        if self.policy == EvictionPolicy::Sieve {
+            // Its place in the queue: when it came.
+            self.prio[id as usize] = self.clock;
+        }
+        self.add_edge(id);
+        self.nodes[parent as usize].children += 1;
         self.refresh(parent);
         id
     }
@@ -161,8 +157,14 @@ impl RadixTree {
                 i
             }
             None => {
+                if self.nodes.len() == self.nodes.capacity() {
+                    // Grow by a quarter, not twice: the arena's slack is metadata too.
+                    self.nodes.reserve_exact(self.nodes.len() / 4 + 16);
+                }
                 self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
+                let len = self.nodes.len();
+                self.grow_side_tables(len);
+                (len - 1) as u32
             }
         }
     }
@@ -171,7 +173,7 @@ impl RadixTree {
     /// parent node). Eviction uses it to free just what is needed, keeping the more valuable
     /// head of a prefix. No-op when the node is not longer than that.
     pub fn split_tail(&mut self, id: NodeId, tail_pages: usize) {
-        let len = self.nodes[id.0 as usize].tokens.len();
+        let len = self.nodes[id.0 as usize].token_len(self.page_size);
         let keep = tail_pages.saturating_mul(self.page_size);
         if tail_pages > 0 && keep < len {
             self.split(id.0, len - keep);
@@ -181,72 +183,42 @@ impl RadixTree {
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     pub(super) fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
-        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[id as usize].tokens.len());
+        let i = id as usize;
+        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[i].token_len(ps));
         let p = at / ps;
-        let n = &mut self.nodes[id as usize];
-        // The head keeps the original allocation and only the tail is copied: O(tail), which
-        // is what eviction (a small tail off a long node) needs.
-        fn cut<T>(v: &mut Vec<T>, at: usize) -> Vec<T> {
-            if v.is_empty() {
-                return Vec::new();
-            }
-            let tail = v.split_off(at);
-            let mut head = std::mem::replace(v, tail);
-            head.shrink_to_fit();
-            head
-        }
-        let tokens = cut(&mut n.tokens, at);
-        let hashes = cut(&mut n.hashes, p);
-        let device = cut(&mut n.device, p);
-        let host = cut(&mut n.host, p);
-        let device_win = window_half(cut(&mut n.device_win, p));
-        let host_win = window_half(cut(&mut n.host_win, p));
-        n.device_win = window_half(std::mem::take(&mut n.device_win));
-        n.host_win = window_half(std::mem::take(&mut n.host_win));
-        let on_device = !n.device.is_empty();
-        let suffix_key = page_key(&n.tokens[..ps]);
+        let n = &self.nodes[i];
+        let (tokens, device, host) = (n.tokens(ps), n.device(ps), n.host(ps));
+        let len = tokens.len();
+        let np = len / ps;
+        let mut head = Node::pack(tokens.slice(0, at), ps, cut(device, 0, p), cut(host, 0, p));
+        let tail = Node::pack(
+            tokens.slice(at, len),
+            ps,
+            cut(device, p, np),
+            cut(host, p, np),
+        );
+        let head_key = tokens.page_key(ps);
+        head.parent = n.parent;
+        head.stamp = n.stamp;
+        head.children = 1;
+        head.device_children = !device.is_empty() as u32;
+        head.lock_ref = n.lock_ref;
+        // An L3 write in flight reads both halves: the head keeps the pins (its window pages
+        // are not protected by its child), and the write unpins it when it lands (it follows
+        // the split, `TieredCache::absorb_splits`).
+        head.host_lock = n.host_lock;
+        head.hits = n.hits;
+        head.flags |= LIVE | (n.flags & (IN_STORAGE | VISITED));
         let parent = n.parent;
-        // The head starts where the node started: it takes the node's key, and as base its
-        // key too; the suffix's key follows from that, and its base (its children's keys)
-        // stays: O(1), whatever lies below.
-        let chain = n.chain;
-        if self.policy == EvictionPolicy::Gdsf {
-            n.chain = chain_step(chain, &n.tokens[..ps]);
-        }
-        let n = &mut self.nodes[id as usize];
-        let node = Node {
-            parent,
-            tokens,
-            hashes,
-            chain,
-            base: chain,
-            device,
-            host,
-            device_win,
-            host_win,
-            in_storage: n.in_storage,
-            children: FxHashMap::default(),
-            device_children: on_device as u32,
-            lock_ref: n.lock_ref,
-            // An L3 write in flight reads both halves: the head keeps the pins (its window
-            // pages are not protected by its child), and the write unpins it when it lands
-            // (it follows the split, `TieredCache::absorb_splits`).
-            host_lock: n.host_lock,
-            hits: n.hits,
-            freq: n.freq,
-            last_access: n.last_access,
-            priority: n.priority,
-            dev_key: None,
-            host_key: None,
-            dwin_key: None,
-            hwin_key: None,
-            live: true,
-        };
-        let new_id = self.alloc_node(node);
-        self.nodes[new_id as usize].children.insert(suffix_key, id);
-        self.nodes[id as usize].parent = new_id;
-        let pkey = page_key(&self.nodes[new_id as usize].tokens[..ps]);
-        self.nodes[parent as usize].children.insert(pkey, new_id);
+        // The suffix keeps its id, its place in the eviction sets (its key does not change)
+        // and everything but the head's part of its tokens and pages.
+        self.nodes[i].take_block(tail);
+        let new_id = self.alloc_node(head);
+        self.split_side_tables(id, new_id, p);
+        // The head takes the node's edge; the suffix hangs below it.
+        *self.edge_mut(parent, head_key, id) = new_id;
+        self.nodes[i].parent = new_id;
+        self.add_edge(id);
         self.splits.push((NodeId(id), NodeId(new_id)));
         // The suffix's main residency did not change and the new node has a child on every
         // tier the suffix uses, so neither is a leaf of a tier; their window pages may now sit
@@ -254,5 +226,65 @@ impl RadixTree {
         self.refresh(id);
         self.refresh(new_id);
         new_id
+    }
+
+    /// Gives the new head `head` of a split of `id` after `p` pages its part of `id`'s hashes,
+    /// window lists and policy state.
+    fn split_side_tables(&mut self, id: u32, head: u32, p: usize) {
+        let (i, h) = (id as usize, head as usize);
+        if self.namespace.is_some() {
+            let all = std::mem::take(&mut self.hashes[i]);
+            self.hashes[h] = all[..p].into();
+            self.hashes[i] = all[p..].into();
+        }
+        if !self.prio.is_empty() {
+            self.prio[h] = self.prio[i];
+        }
+        if self.policy == EvictionPolicy::Gdsf {
+            // The head starts where the node started: it takes the node's key, and as base
+            // its key too; the suffix's key follows from that, and its base (its children's
+            // keys) stays: O(1), whatever lies below.
+            let start = self.chain_of(head);
+            self.gdsf[h] = GdsfNode {
+                base: start,
+                freq: self.gdsf[i].freq,
+            };
+        }
+        if let Some(w) = self.windows.remove(&id) {
+            let cut = |mut v: Vec<u32>| {
+                if v.is_empty() {
+                    return (Vec::new(), Vec::new());
+                }
+                let tail = v.split_off(p);
+                (window_half(v), window_half(tail))
+            };
+            let (dh, dt) = cut(w.device);
+            let (hh, ht) = cut(w.host);
+            self.put_windows(
+                head,
+                Windows {
+                    device: dh,
+                    host: hh,
+                },
+            );
+            self.put_windows(
+                id,
+                Windows {
+                    device: dt,
+                    host: ht,
+                },
+            );
+        }
+    }
+
+    /// Stores `id`'s window lists (none when both are empty).
+    pub(super) fn put_windows(&mut self, id: u32, w: Windows) {
+        let some = !w.device.is_empty() || !w.host.is_empty();
+        self.nodes[id as usize].set(WINDOWS, some);
+        if some {
+            self.windows.insert(id, w);
+        } else {
+            self.windows.remove(&id);
+        }
     }
 }

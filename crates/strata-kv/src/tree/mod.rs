@@ -15,12 +15,15 @@
 //! ordered set keyed by the policy's priority, so picking a victim is O(log n).
 
 use std::collections::BTreeSet;
-use std::hash::Hasher;
 
-use rustc_hash::{FxHashMap, FxHasher};
+use hashbrown::HashTable;
+use rustc_hash::FxHashMap;
 
 use crate::hash::{HashNamespace, PageHash};
 use crate::policy::{EvictionPolicy, FrequencyHistory};
+
+pub use node::Tokens;
+use node::{page_key, Node, LIVE};
 
 /// Index of a node in the arena. Stable while the node lives; a split keeps the id on the deeper
 /// half, so a lock taken on a node still covers the same tokens afterwards.
@@ -41,42 +44,47 @@ pub enum Slot {
     Host,
 }
 
-type Key = (u64, u64, u32);
+/// A node's place in an eviction set: its priority (high 64 bits), under GDSF the low 32 bits
+/// of its last access (ties; 0 otherwise), its id (low 32 bits). Fixed while the node is filed
+/// in any set.
+type Key = u128;
 
+fn key_id(k: &Key) -> NodeId {
+    NodeId(*k as u32)
+}
+
+/// Hash of an edge: the parent's id and the child's first page key, mixed (murmur3's
+/// finalizer) so that both the table's index bits and its tag bits depend on all of it.
+fn edge_hash(parent: u32, page_key: u64) -> u64 {
+    let mut x = page_key ^ (parent as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ x >> 33).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    x = (x ^ x >> 33).wrapping_mul(0xC4CE_B9FE_1A85_EC53);
+    x ^ x >> 33
+}
+
+/// The edge hash of node `c` (from its parent and its first page).
+fn child_hash(nodes: &[Node], ps: usize, c: u32) -> u64 {
+    let n = &nodes[c as usize];
+    edge_hash(n.parent, n.tokens(ps).page_key(ps))
+}
+
+/// Window pages of a node per tier (see `window.rs`).
 #[derive(Debug, Default)]
-struct Node {
-    parent: u32,
-    tokens: Vec<u32>,
-    hashes: Vec<PageHash>,
-    /// In-process key of where this node starts: its parent's `base` and its first page (GDSF
-    /// history only; 0 otherwise). An evicted node's frequency is remembered under it, and a
-    /// new leaf starting at the same place (the same parent, then the same page) takes it
-    /// back: one key per node, never per page.
-    chain: u64,
-    /// What this node's children's keys chain from: its own key when it was made; a split
-    /// leaves it to the deeper half (so the children keep their keys) and gives the new head
-    /// its key as base.
-    base: u64,
+struct Windows {
     device: Vec<u32>,
     host: Vec<u32>,
-    /// Window pages per tier: empty when the node holds none there, else one entry per page
-    /// ([`NO_PAGE`] for a page without one), with at least one page.
-    device_win: Vec<u32>,
-    host_win: Vec<u32>,
-    in_storage: bool,
-    children: FxHashMap<u64, u32>,
-    device_children: u32,
-    lock_ref: u32,
-    host_lock: u32,
-    hits: u32,
+}
+
+/// GDSF's per-node state.
+#[derive(Clone, Copy, Debug, Default)]
+struct GdsfNode {
+    /// What this node's children's history keys chain from: its own key (where it starts: its
+    /// parent's `base` and its first page) when it was made; a split leaves it to the deeper
+    /// half (so the children keep their keys) and gives the new head its key as base. An
+    /// evicted node's frequency is remembered under its key, and a new leaf starting at the
+    /// same place takes it back: one key per node, never per page.
+    base: u64,
     freq: u32,
-    last_access: u64,
-    priority: u64,
-    dev_key: Option<Key>,
-    host_key: Option<Key>,
-    dwin_key: Option<Key>,
-    hwin_key: Option<Key>,
-    live: bool,
 }
 
 /// Result of [`RadixTree::match_prefix`].
@@ -118,7 +126,7 @@ pub struct Inserted {
 pub struct NodeView<'a> {
     pub id: NodeId,
     pub parent: NodeId,
-    pub tokens: &'a [u32],
+    pub tokens: Tokens<'a>,
     pub hashes: &'a [PageHash],
     pub device: &'a [u32],
     pub host: &'a [u32],
@@ -140,6 +148,17 @@ pub struct RadixTree {
     page_size: usize,
     nodes: Vec<Node>,
     free_ids: Vec<u32>,
+    /// Every parent → child edge: the child's id, found by [`edge_hash`] and compared by its
+    /// parent and first page (4 bytes an edge).
+    edges: HashTable<u32>,
+    /// Page hashes per node (with a namespace only; indexed by node id).
+    hashes: Vec<Box<[PageHash]>>,
+    /// Window lists of the nodes that have some.
+    windows: FxHashMap<u32, Windows>,
+    /// Priority per node, for policies whose priority is not the last access.
+    prio: Vec<u64>,
+    /// GDSF's state per node (GDSF only).
+    gdsf: Vec<GdsfNode>,
     device_leaves: BTreeSet<Key>,
     host_leaves: BTreeSet<Key>,
     /// Unlocked nodes holding window pages, per tier (any node, not only leaves).
@@ -152,6 +171,8 @@ pub struct RadixTree {
     policy: EvictionPolicy,
     inflation: u64,
     history: FrequencyHistory,
+    /// SIEVE's hands (device, host leaves): the key from which the next sweep starts.
+    hands: [Key; 2],
     namespace: Option<HashNamespace>,
     device_pages: usize,
     host_pages: usize,
@@ -160,70 +181,50 @@ pub struct RadixTree {
     splits: Vec<(NodeId, NodeId)>,
 }
 
-fn page_key(page: &[u32]) -> u64 {
-    if page.len() == 1 {
-        return page[0] as u64;
-    }
-    let mut h = FxHasher::default();
-    for &t in page {
-        h.write_u32(t);
-    }
-    h.finish()
-}
-
 /// One step of the in-process key chain of the eviction history (never leaves the process, so
 /// a fast non-cryptographic hash is fine): the page's tokens two at a time in two independent
 /// multiply-rotate lanes, mixed so that every bit depends on all of them.
-fn chain_step(prev: u64, page: &[u32]) -> u64 {
+fn chain_step(prev: u64, page: Tokens<'_>) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     const L: u64 = 0xC2B2_AE3D_27D4_EB4F;
     let (mut a, mut b) = (prev ^ K, prev.rotate_left(32) ^ L ^ page.len() as u64);
-    let mut pairs = page.chunks_exact(4);
-    for q in &mut pairs {
-        let x = q[0] as u64 | (q[1] as u64) << 32;
-        let y = q[2] as u64 | (q[3] as u64) << 32;
+    let n = page.len();
+    let mut i = 0;
+    while i + 4 <= n {
+        let x = page.get(i) as u64 | (page.get(i + 1) as u64) << 32;
+        let y = page.get(i + 2) as u64 | (page.get(i + 3) as u64) << 32;
         a = (a ^ x).wrapping_mul(K).rotate_left(31);
         b = (b ^ y).wrapping_mul(L).rotate_left(29);
+        i += 4;
     }
-    for &t in pairs.remainder() {
-        a = (a ^ t as u64).wrapping_mul(K).rotate_left(31);
+    while i < n {
+        a = (a ^ page.get(i) as u64).wrapping_mul(K).rotate_left(31);
+        i += 1;
     }
     let h = (a ^ b.rotate_left(23)).wrapping_mul(K);
     h ^ (h >> 29)
 }
 
-/// Length of the common prefix of `a` and `b`.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    let n = a.len().min(b.len());
-    // Compare in blocks so the compiler emits wide compares; finish token by token.
-    const B: usize = 32;
-    let mut i = 0;
-    while i + B <= n && a[i..i + B] == b[i..i + B] {
-        i += B;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
-}
-
 impl RadixTree {
-    /// `namespace` enables stable page hashes (needed for L3 storage, routing events and the
-    /// GDSF history); without it pages carry no hash.
+    /// `namespace` enables stable page hashes (needed for L3 storage and routing events);
+    /// without it pages carry no hash.
     pub fn new(
         page_size: usize,
         policy: EvictionPolicy,
         namespace: Option<HashNamespace>,
     ) -> RadixTree {
         assert!(page_size >= 1, "page size must be at least 1");
-        let root = Node {
-            live: true,
-            ..Node::default()
-        };
-        RadixTree {
+        let mut root = Node::default();
+        root.flags = LIVE;
+        let mut t = RadixTree {
             page_size,
             nodes: vec![root],
             free_ids: Vec::new(),
+            edges: HashTable::new(),
+            hashes: Vec::new(),
+            windows: FxHashMap::default(),
+            prio: Vec::new(),
+            gdsf: Vec::new(),
             splits: Vec::new(),
             device_leaves: BTreeSet::new(),
             host_leaves: BTreeSet::new(),
@@ -235,10 +236,13 @@ impl RadixTree {
             policy,
             inflation: 0,
             history: FrequencyHistory::new(16),
+            hands: [0; 2],
             namespace,
             device_pages: 0,
             host_pages: 0,
-        }
+        };
+        t.grow_side_tables(1);
+        t
     }
 
     pub fn page_size(&self) -> usize {
@@ -274,17 +278,27 @@ impl RadixTree {
         self.nodes.len() - self.free_ids.len()
     }
 
-    /// Heap bytes of tree metadata (nodes, edges, page lists, hashes, eviction sets, the GDSF
-    /// history).
+    /// Heap bytes of tree metadata: the node arena, each node's block (tokens and page lists),
+    /// the edge map, hashes, window lists, the policy's per-node state, the eviction sets and
+    /// the GDSF history. Hash tables count a bucket per 7/8 of their capacity; ordered sets
+    /// 8 bytes of node overhead per entry.
     pub fn metadata_bytes(&self) -> usize {
-        let node = std::mem::size_of::<Node>();
-        let mut b = self.nodes.capacity() * node + self.free_ids.capacity() * 4;
+        let table = |cap: usize, entry: usize| (cap + cap / 7) * (entry + 1);
+        let mut b = self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free_ids.capacity() * 4
+            + table(self.edges.capacity(), 4)
+            + self.hashes.capacity() * 16
+            + table(self.windows.capacity(), 4 + std::mem::size_of::<Windows>())
+            + self.prio.capacity() * 8
+            + self.gdsf.capacity() * std::mem::size_of::<GdsfNode>();
         for n in &self.nodes {
-            b += n.tokens.capacity() * 4
-                + n.hashes.capacity() * 16
-                + (n.device.capacity() + n.host.capacity()) * 4
-                + (n.device_win.capacity() + n.host_win.capacity()) * 4
-                + n.children.capacity() * (8 + 4 + 1);
+            b += n.heap_bytes();
+        }
+        for h in &self.hashes {
+            b += h.len() * 16;
+        }
+        for w in self.windows.values() {
+            b += (w.device.capacity() + w.host.capacity()) * 4;
         }
         let sets = self.device_leaves.len()
             + self.host_leaves.len()
@@ -292,35 +306,38 @@ impl RadixTree {
             + self.host_windows.len();
         let history = match self.policy {
             EvictionPolicy::Gdsf => self.history.bytes(),
-            EvictionPolicy::Lru => 0,
+            _ => 0,
         };
         b + sets * (std::mem::size_of::<Key>() + 8) + history
     }
 
     pub fn view(&self, id: NodeId) -> NodeView<'_> {
-        let n = &self.nodes[id.0 as usize];
-        assert!(n.live, "node {id:?} is not live");
+        let i = id.0 as usize;
+        let n = &self.nodes[i];
+        assert!(n.live(), "node {id:?} is not live");
+        let ps = self.page_size;
+        let (device_win, host_win) = self.windows_of(id.0);
         NodeView {
             id,
             parent: NodeId(n.parent),
-            tokens: &n.tokens,
-            hashes: &n.hashes,
-            device: &n.device,
-            host: &n.host,
-            device_win: &n.device_win,
-            host_win: &n.host_win,
-            in_storage: n.in_storage,
-            children: n.children.len(),
+            tokens: n.tokens(ps),
+            hashes: self.hashes.get(i).map_or(&[], |h| h),
+            device: n.device(ps),
+            host: n.host(ps),
+            device_win,
+            host_win,
+            in_storage: n.has(node::IN_STORAGE),
+            children: n.children as usize,
             device_children: n.device_children,
             lock_ref: n.lock_ref,
-            host_lock: n.host_lock,
-            hits: n.hits,
-            last_access: n.last_access,
+            host_lock: n.host_lock as u32,
+            hits: n.hits as u32,
+            last_access: n.stamp,
         }
     }
 
     pub fn is_live(&self, id: NodeId) -> bool {
-        self.nodes.get(id.0 as usize).is_some_and(|n| n.live)
+        self.nodes.get(id.0 as usize).is_some_and(|n| n.live())
     }
 
     /// Hash of the last page of `id` (ROOT's is [`PageHash::ROOT`]); None without hashing.
@@ -329,7 +346,7 @@ impl RadixTree {
         if id == ROOT {
             return Some(PageHash::ROOT);
         }
-        self.nodes[id.0 as usize].hashes.last().copied()
+        self.hashes[id.0 as usize].last().copied()
     }
 
     /// Nodes from the root (excluded) down to `id`.
@@ -350,10 +367,60 @@ impl RadixTree {
         out.reverse();
     }
 
+    /// The child of `parent` whose first page is `page`.
     fn child_of(&self, parent: u32, page: &[u32]) -> Option<u32> {
-        let c = *self.nodes[parent as usize].children.get(&page_key(page))?;
-        // A 64-bit key collision between different pages is treated as no match.
-        (self.nodes[c as usize].tokens[..page.len()] == *page).then_some(c)
+        let (nodes, ps) = (&self.nodes, self.page_size);
+        let eq = |&c: &u32| {
+            let n = &nodes[c as usize];
+            n.parent == parent && n.tokens(ps).slice(0, ps) == *page
+        };
+        self.edges
+            .find(edge_hash(parent, page_key(page)), eq)
+            .copied()
+    }
+
+    /// Files the edge to `c` (its parent and tokens set).
+    fn add_edge(&mut self, c: u32) {
+        let (nodes, ps) = (&self.nodes, self.page_size);
+        let h = child_hash(nodes, ps, c);
+        self.edges
+            .insert_unique(h, c, |&x| child_hash(nodes, ps, x));
+    }
+
+    /// The edge entry of the child of `parent` starting with `page_key`, which must be `c`.
+    fn edge_mut(&mut self, parent: u32, page_key: u64, c: u32) -> &mut u32 {
+        self.edges
+            .find_mut(edge_hash(parent, page_key), |&x| x == c)
+            .expect("every node is its parent's child")
+    }
+
+    /// The tokens of `id`, as stored.
+    fn tokens(&self, id: u32) -> Tokens<'_> {
+        self.nodes[id as usize].tokens(self.page_size)
+    }
+
+    /// `id`'s pages in `slot`.
+    pub(super) fn slot(&self, id: u32, slot: Slot) -> &[u32] {
+        let n = &self.nodes[id as usize];
+        match slot {
+            Slot::Device => n.device(self.page_size),
+            Slot::Host => n.host(self.page_size),
+        }
+    }
+
+    fn on_device(&self, id: u32) -> bool {
+        self.nodes[id as usize].has(node::DEVICE)
+    }
+
+    fn on_host(&self, id: u32) -> bool {
+        self.nodes[id as usize].has(node::HOST)
+    }
+
+    /// The history key of `id`: where it starts (its parent's base and its first page).
+    fn chain_of(&self, id: u32) -> u64 {
+        let n = &self.nodes[id as usize];
+        let ps = self.page_size;
+        chain_step(self.gdsf[n.parent as usize].base, n.tokens(ps).slice(0, ps))
     }
 
     /// Longest cached whole-page prefix of `tokens`. Splits a node when the match ends inside
@@ -372,18 +439,19 @@ impl RadixTree {
             let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else {
                 break;
             };
-            let clen = self.nodes[c as usize].tokens.len();
-            let common = common_prefix(&self.nodes[c as usize].tokens, &tokens[pos..n]) / ps * ps;
+            let node_tokens = self.tokens(c);
+            let clen = node_tokens.len();
+            let common = node_tokens.common_prefix(&tokens[pos..n]) / ps * ps;
             let c = if common < clen {
                 self.split(c, common)
             } else {
                 c
             };
             self.touch(c, true);
-            if self.nodes[c as usize].device.is_empty() {
-                m.host_tokens += common;
-            } else {
+            if self.on_device(c) {
                 m.device_tokens += common;
+            } else {
+                m.host_tokens += common;
             }
             m.path.push(NodeId(c));
             pos += common;
@@ -406,16 +474,16 @@ impl RadixTree {
             let Some(c) = self.child_of(cur, &tokens[pos..pos + ps]) else {
                 break;
             };
-            let node = &self.nodes[c as usize];
-            let common = common_prefix(&node.tokens, &tokens[pos..n]) / ps * ps;
-            if node.device.is_empty() {
-                host += common;
-            } else {
+            let node_tokens = self.tokens(c);
+            let common = node_tokens.common_prefix(&tokens[pos..n]) / ps * ps;
+            if self.on_device(c) {
                 dev += common;
+            } else {
+                host += common;
             }
             pos += common;
             cur = c;
-            if common < node.tokens.len() {
+            if common < node_tokens.len() {
                 break;
             }
         }
@@ -428,32 +496,78 @@ impl RadixTree {
         std::mem::take(&mut self.splits)
     }
 
-    fn priority_of(&self, n: &Node) -> u64 {
+    /// The eviction priority of `id` under the policy.
+    fn priority_of(&self, id: u32) -> u64 {
         match self.policy {
-            EvictionPolicy::Lru => n.last_access,
-            EvictionPolicy::Gdsf => self.inflation + n.freq as u64,
+            EvictionPolicy::Lru => self.nodes[id as usize].stamp,
+            _ => self.prio[id as usize],
         }
     }
 
+    /// `id`'s key in the eviction sets.
+    fn key_of(&self, id: u32) -> Key {
+        let tie = match self.policy {
+            EvictionPolicy::Gdsf => self.nodes[id as usize].stamp as u32,
+            _ => 0,
+        };
+        (self.priority_of(id) as u128) << 64 | (tie as u128) << 32 | id as u128
+    }
+
     fn touch(&mut self, id: u32, hit: bool) {
+        if self.policy == EvictionPolicy::Sieve {
+            // A hit marks the node; its place (its insertion) does not change.
+            let n = &mut self.nodes[id as usize];
+            n.stamp = self.clock;
+            if hit {
+                n.hits = n.hits.saturating_add(1);
+                n.set(node::VISITED, true);
+            }
+            return;
+        }
+        // The key changes: out of the sets first (they are found by the old key), back after.
+        self.unfile(id);
         let clock = self.clock;
         let n = &mut self.nodes[id as usize];
-        n.last_access = clock;
+        n.stamp = clock;
         if hit {
             n.hits = n.hits.saturating_add(1);
-            n.freq = n.freq.saturating_add(1);
         }
-        let p = self.priority_of(&self.nodes[id as usize]);
-        self.nodes[id as usize].priority = p;
+        if self.policy == EvictionPolicy::Gdsf {
+            let g = &mut self.gdsf[id as usize];
+            if hit {
+                g.freq = g.freq.saturating_add(1);
+            }
+            self.prio[id as usize] = self.inflation + g.freq as u64;
+        }
         self.refresh(id);
     }
 
     /// Every live node id, root excluded.
     pub fn node_ids(&self) -> Vec<NodeId> {
         (1..self.nodes.len() as u32)
-            .filter(|&i| self.nodes[i as usize].live)
+            .filter(|&i| self.nodes[i as usize].live())
             .map(NodeId)
             .collect()
+    }
+
+    /// Makes the side tables cover node ids below `len`, with the arena's capacity.
+    fn grow_side_tables(&mut self, len: usize) {
+        let cap = self.nodes.capacity();
+        fn grow<T: Clone>(v: &mut Vec<T>, len: usize, cap: usize, fill: T) {
+            if v.len() < len {
+                v.reserve_exact(cap - v.len());
+                v.resize(len, fill);
+            }
+        }
+        if self.namespace.is_some() {
+            grow(&mut self.hashes, len, cap, Box::default());
+        }
+        if self.policy != EvictionPolicy::Lru {
+            grow(&mut self.prio, len, cap, 0);
+        }
+        if self.policy == EvictionPolicy::Gdsf {
+            grow(&mut self.gdsf, len, cap, GdsfNode::default());
+        }
     }
 }
 
@@ -468,6 +582,7 @@ fn window_half(v: Vec<u32>) -> Vec<u32> {
 
 mod check;
 mod insert;
+mod node;
 mod residency;
 mod window;
 

@@ -1,91 +1,83 @@
 //! Residency: which tier holds a node's pages, locks, the eviction sets and their victims,
 //! and taking pages out of the tree (which removes nodes left with none).
 
-use super::{page_key, Node, NodeId, RadixTree, Slot};
+use super::node::{IN_ANY, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, IN_STORAGE, LIVE, VISITED, WINDOWS};
+use super::{edge_hash, key_id, Key, Node, NodeId, RadixTree, Slot};
 use crate::policy::EvictionPolicy;
 
 impl RadixTree {
+    fn set_of(&mut self, flag: u16) -> &mut std::collections::BTreeSet<Key> {
+        match flag {
+            IN_DEV => &mut self.device_leaves,
+            IN_HOST => &mut self.host_leaves,
+            IN_DWIN => &mut self.device_windows,
+            _ => &mut self.host_windows,
+        }
+    }
+
+    /// Takes `id` out of every eviction set (before its key changes).
+    pub(super) fn unfile(&mut self, id: u32) {
+        let flags = self.nodes[id as usize].flags;
+        if flags & IN_ANY == 0 {
+            return;
+        }
+        let key = self.key_of(id);
+        for f in [IN_DEV, IN_HOST, IN_DWIN, IN_HWIN] {
+            if flags & f != 0 {
+                self.set_of(f).remove(&key);
+            }
+        }
+        self.nodes[id as usize].flags &= !IN_ANY;
+    }
+
     /// Re-files `id` in the eviction sets after any change to its state.
     pub(super) fn refresh(&mut self, id: u32) {
         let n = &self.nodes[id as usize];
-        let key = (n.priority, n.last_access, id);
-        let dev = (id != 0
-            && n.live
-            && !n.device.is_empty()
-            && n.lock_ref == 0
-            && n.device_children == 0)
-            .then_some(key);
-        let host = (id != 0
-            && n.live
-            && n.device.is_empty()
-            && !n.host.is_empty()
-            && n.lock_ref == 0
-            && n.host_lock == 0
-            && n.children.is_empty())
-        .then_some(key);
-        let dwin =
-            (id != 0 && n.live && !n.device_win.is_empty() && n.lock_ref == 0).then_some(key);
-        let hwin =
-            (id != 0 && n.live && !n.host_win.is_empty() && n.lock_ref == 0 && n.host_lock == 0)
-                .then_some(key);
-        let (old_dwin, old_hwin) = (n.dwin_key, n.hwin_key);
-        for (old, new, set) in [
-            (old_dwin, dwin, &mut self.device_windows),
-            (old_hwin, hwin, &mut self.host_windows),
-        ] {
-            if old != new {
-                if let Some(k) = old {
-                    set.remove(&k);
-                }
-                if let Some(k) = new {
-                    set.insert(k);
-                }
+        let free = id != 0 && n.live() && n.lock_ref == 0;
+        let (dev, host) = (self.on_device(id), self.on_host(id));
+        let wins = n.has(WINDOWS).then(|| self.windows_of(id));
+        let (dwin, hwin) = wins.map_or((false, false), |(d, h)| (!d.is_empty(), !h.is_empty()));
+        let want = [
+            (IN_DEV, free && dev && n.device_children == 0),
+            (
+                IN_HOST,
+                free && !dev && host && n.host_lock == 0 && n.children == 0,
+            ),
+            (IN_DWIN, free && dwin),
+            (IN_HWIN, free && hwin && n.host_lock == 0),
+        ];
+        let flags = n.flags;
+        let mut key = None;
+        for (f, on) in want {
+            if (flags & f != 0) == on {
+                continue;
             }
+            let k = *key.get_or_insert_with(|| self.key_of(id));
+            if on {
+                self.set_of(f).insert(k);
+            } else {
+                self.set_of(f).remove(&k);
+            }
+            self.nodes[id as usize].set(f, on);
         }
-        let n = &self.nodes[id as usize];
-        let (old_dev, old_host) = (n.dev_key, n.host_key);
-        if old_dev != dev {
-            if let Some(k) = old_dev {
-                self.device_leaves.remove(&k);
-            }
-            if let Some(k) = dev {
-                self.device_leaves.insert(k);
-            }
-        }
-        if old_host != host {
-            if let Some(k) = old_host {
-                self.host_leaves.remove(&k);
-            }
-            if let Some(k) = host {
-                self.host_leaves.insert(k);
-            }
-        }
-        let n = &mut self.nodes[id as usize];
-        n.dev_key = dev;
-        n.host_key = host;
-        n.dwin_key = dwin;
-        n.hwin_key = hwin;
     }
 
     /// Puts `pages` in `id`'s empty `slot`, keeping the page counters and eviction sets current.
-    pub(super) fn fill(&mut self, id: u32, slot: Slot, pages: Vec<u32>) {
-        debug_assert_eq!(
-            pages.len() * self.page_size,
-            self.nodes[id as usize].tokens.len()
-        );
+    pub(super) fn fill(&mut self, id: u32, slot: Slot, pages: &[u32]) {
+        let ps = self.page_size;
+        debug_assert_eq!(pages.len(), self.nodes[id as usize].pages(ps));
+        debug_assert!(self.slot(id, slot).is_empty());
         let np = pages.len();
         match slot {
             Slot::Device => {
-                debug_assert!(self.nodes[id as usize].device.is_empty());
-                self.nodes[id as usize].device = pages;
+                self.nodes[id as usize].set_device(ps, pages);
                 self.device_pages += np;
                 let parent = self.nodes[id as usize].parent;
                 self.nodes[parent as usize].device_children += 1;
                 self.refresh(parent);
             }
             Slot::Host => {
-                debug_assert!(self.nodes[id as usize].host.is_empty());
-                self.nodes[id as usize].host = pages;
+                self.nodes[id as usize].set_host(ps, pages);
                 self.host_pages += np;
             }
         }
@@ -98,15 +90,15 @@ impl RadixTree {
         if slot == Slot::Device {
             let p = self.nodes[id.0 as usize].parent;
             assert!(
-                p == 0 || !self.nodes[p as usize].device.is_empty(),
+                p == 0 || self.on_device(p),
                 "device residency must stay prefix-closed"
             );
         }
-        self.fill(id.0, slot, pages);
+        self.fill(id.0, slot, &pages);
     }
 
     pub fn set_in_storage(&mut self, id: NodeId, v: bool) {
-        self.nodes[id.0 as usize].in_storage = v;
+        self.nodes[id.0 as usize].set(IN_STORAGE, v);
     }
 
     /// Locks `id` and its ancestors against eviction.
@@ -140,7 +132,11 @@ impl RadixTree {
 
     /// Pins `id`'s host pages (a storage write reads them).
     pub fn host_lock(&mut self, id: NodeId) {
-        self.nodes[id.0 as usize].host_lock += 1;
+        let n = &mut self.nodes[id.0 as usize];
+        n.host_lock = n
+            .host_lock
+            .checked_add(1)
+            .expect("host pins of one node overflow");
         self.refresh(id.0);
     }
 
@@ -153,20 +149,54 @@ impl RadixTree {
 
     /// Next device victim under the policy: an unlocked node with no child on device.
     pub fn device_victim(&self) -> Option<NodeId> {
-        self.device_leaves.first().map(|k| NodeId(k.2))
+        self.device_leaves.first().map(key_id)
     }
 
-    /// First device victim not in `skip`.
-    pub fn device_victim_excluding(&self, skip: &[NodeId]) -> Option<NodeId> {
+    /// The device victim to evict next that is not in `skip` (under SIEVE this moves the
+    /// hand and clears the visited bits it passes).
+    pub fn device_victim_excluding(&mut self, skip: &[NodeId]) -> Option<NodeId> {
+        if self.policy == EvictionPolicy::Sieve {
+            return self.sieve(0, skip);
+        }
         self.device_leaves
             .iter()
-            .map(|k| NodeId(k.2))
+            .map(key_id)
             .find(|n| !skip.contains(n))
     }
 
-    /// Next host victim: off device, unlocked, childless.
-    pub fn host_victim(&self) -> Option<NodeId> {
-        self.host_leaves.first().map(|k| NodeId(k.2))
+    /// Next host victim: off device, unlocked, childless (under SIEVE this moves the hand).
+    pub fn host_victim(&mut self) -> Option<NodeId> {
+        if self.policy == EvictionPolicy::Sieve {
+            return self.sieve(1, &[]);
+        }
+        self.host_leaves.first().map(key_id)
+    }
+
+    /// SIEVE's sweep over the device (0) or host (1) leaves: from the hand towards newer
+    /// leaves, wrapping to the oldest, clearing visited bits, up to the first leaf without one
+    /// (after one full turn every bit is clear, so a second finds one if any leaf is allowed).
+    fn sieve(&mut self, tier: usize, skip: &[NodeId]) -> Option<NodeId> {
+        let set = if tier == 0 {
+            &self.device_leaves
+        } else {
+            &self.host_leaves
+        };
+        let hand = self.hands[tier];
+        let turn = || set.range(hand..).chain(set.range(..hand));
+        for k in turn().chain(turn()) {
+            let id = key_id(k);
+            if skip.contains(&id) {
+                continue;
+            }
+            let n = &mut self.nodes[id.0 as usize];
+            if n.has(VISITED) {
+                n.set(VISITED, false);
+                continue;
+            }
+            self.hands[tier] = *k;
+            return Some(id);
+        }
+        None
     }
 
     /// Removes `id`'s device pages and returns them. A node left with no pages is removed from
@@ -179,19 +209,23 @@ impl RadixTree {
             "device eviction of a locked or inner node"
         );
         assert!(
-            !n.host.is_empty() || n.children.is_empty(),
+            self.on_host(i) || n.children == 0,
             "evicting an unbacked node with children"
         );
-        assert!(n.device_win.is_empty(), "take the window pages first");
+        assert!(
+            self.windows_of(i).0.is_empty(),
+            "take the window pages first"
+        );
         self.bump_inflation(i);
-        let pages = std::mem::take(&mut self.nodes[i as usize].device);
+        let pages = self.slot(i, Slot::Device).to_vec();
+        self.nodes[i as usize].set_device(self.page_size, &[]);
         self.device_pages -= pages.len();
         let parent = self.nodes[i as usize].parent;
         self.nodes[parent as usize].device_children -= 1;
-        if self.nodes[i as usize].host.is_empty() {
-            self.remove(i);
-        } else {
+        if self.on_host(i) {
             self.refresh(i);
+        } else {
+            self.remove(i);
         }
         self.refresh(parent);
         pages
@@ -201,12 +235,14 @@ impl RadixTree {
     pub fn take_host(&mut self, id: NodeId) -> Vec<u32> {
         let i = id.0;
         let n = &self.nodes[i as usize];
+        assert!(!self.on_device(i) && n.children == 0 && n.lock_ref == 0 && n.host_lock == 0);
         assert!(
-            n.device.is_empty() && n.children.is_empty() && n.lock_ref == 0 && n.host_lock == 0
+            self.windows_of(i).1.is_empty(),
+            "take the window pages first"
         );
-        assert!(n.host_win.is_empty(), "take the window pages first");
         self.bump_inflation(i);
-        let pages = std::mem::take(&mut self.nodes[i as usize].host);
+        let pages = self.slot(i, Slot::Host).to_vec();
+        self.nodes[i as usize].set_host(self.page_size, &[]);
         self.host_pages -= pages.len();
         let parent = self.nodes[i as usize].parent;
         self.remove(i);
@@ -216,25 +252,31 @@ impl RadixTree {
 
     fn bump_inflation(&mut self, i: u32) {
         if self.policy == EvictionPolicy::Gdsf {
-            self.inflation = self.inflation.max(self.nodes[i as usize].priority);
+            self.inflation = self.inflation.max(self.prio[i as usize]);
         }
     }
 
     fn remove(&mut self, i: u32) {
+        let ps = self.page_size;
         let n = &self.nodes[i as usize];
-        debug_assert!(n.children.is_empty() && n.device.is_empty() && n.host.is_empty());
-        let key = page_key(&n.tokens[..self.page_size]);
+        debug_assert!(n.children == 0 && !self.on_device(i) && !self.on_host(i));
+        let hash = edge_hash(n.parent, n.tokens(ps).page_key(ps));
         let parent = n.parent;
         if self.policy == EvictionPolicy::Gdsf {
-            let (chain, f) = (n.chain, n.freq);
-            self.history.record(chain, f);
+            let chain = self.chain_of(i);
+            self.history.record(chain, self.gdsf[i as usize].freq);
         }
         // Drop from the sets before the slot is recycled.
-        self.nodes[i as usize].live = false;
-        self.refresh(i);
-        let removed = self.nodes[parent as usize].children.remove(&key);
-        debug_assert_eq!(removed, Some(i));
+        self.unfile(i);
+        let edge = self.edges.find_entry(hash, |&c| c == i);
+        edge.expect("every node is its parent's child").remove();
+        self.nodes[parent as usize].children -= 1;
         self.nodes[i as usize] = Node::default();
+        debug_assert!(self.nodes[i as usize].flags & LIVE == 0);
+        if let Some(h) = self.hashes.get_mut(i as usize) {
+            *h = Box::default();
+        }
+        self.windows.remove(&i);
         self.free_ids.push(i);
     }
 }

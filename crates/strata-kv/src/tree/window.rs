@@ -7,15 +7,38 @@
 //! victim of that tier, in the policy's order. A continuation reads window state only just
 //! before it starts, which is what lets the cache drop it from the rest of a prefix.
 
-use super::{window_half, NodeId, RadixTree, Slot, TreeMatch, NO_PAGE};
+use super::node::WINDOWS;
+use super::{key_id, window_half, NodeId, RadixTree, Slot, TreeMatch, Windows, NO_PAGE};
 
 impl RadixTree {
-    fn win_mut(&mut self, id: u32, slot: Slot) -> &mut Vec<u32> {
-        let n = &mut self.nodes[id as usize];
-        match slot {
-            Slot::Device => &mut n.device_win,
-            Slot::Host => &mut n.host_win,
+    /// `id`'s window lists (device, host).
+    pub(super) fn windows_of(&self, id: u32) -> (&[u32], &[u32]) {
+        if !self.nodes[id as usize].has(WINDOWS) {
+            return (&[], &[]);
         }
+        let w = &self.windows[&id];
+        (&w.device, &w.host)
+    }
+
+    /// Takes `id`'s window list of `slot` out (put it back with `put_win`).
+    fn take_win(&mut self, id: u32, slot: Slot) -> Vec<u32> {
+        let Some(w) = self.windows.get_mut(&id) else {
+            return Vec::new();
+        };
+        match slot {
+            Slot::Device => std::mem::take(&mut w.device),
+            Slot::Host => std::mem::take(&mut w.host),
+        }
+    }
+
+    /// Sets `id`'s window list of `slot`.
+    fn put_win(&mut self, id: u32, slot: Slot, list: Vec<u32>) {
+        let mut w = self.windows.remove(&id).unwrap_or_default();
+        match slot {
+            Slot::Device => w.device = list,
+            Slot::Host => w.host = list,
+        }
+        self.put_windows(id, Windows { ..w });
     }
 
     fn win_count(&mut self, slot: Slot) -> &mut usize {
@@ -48,7 +71,7 @@ impl RadixTree {
         assert_eq!(given.len(), pages, "one window entry per page");
         let mut left = Vec::new();
         let mut taken = 0;
-        let list = self.win_mut(id, slot);
+        let mut list = self.take_win(id, slot);
         if list.is_empty() {
             list.resize(pages, NO_PAGE);
         }
@@ -63,8 +86,7 @@ impl RadixTree {
                 left.push(w);
             }
         }
-        let v = std::mem::take(list);
-        *self.win_mut(id, slot) = window_half(v);
+        self.put_win(id, slot, window_half(list));
         *self.win_count(slot) += taken;
         self.refresh(id);
         left
@@ -83,7 +105,8 @@ impl RadixTree {
 
     /// Removes `id`'s window pages in `slot` and returns them (real pages only).
     pub fn take_windows(&mut self, id: NodeId, slot: Slot) -> Vec<u32> {
-        let v = std::mem::take(self.win_mut(id.0, slot));
+        let v = self.take_win(id.0, slot);
+        self.put_win(id.0, slot, Vec::new());
         let real: Vec<u32> = v.into_iter().filter(|&w| w != NO_PAGE).collect();
         *self.win_count(slot) -= real.len();
         self.refresh(id.0);
@@ -96,7 +119,7 @@ impl RadixTree {
             Slot::Device => &self.device_windows,
             Slot::Host => &self.host_windows,
         };
-        set.iter().map(|k| NodeId(k.2)).find(|&n| !skip(n))
+        set.iter().map(key_id).find(|&n| !skip(n))
     }
 
     /// Shortens a match to its first `keep` tokens (a page boundary), splitting the node the
@@ -111,17 +134,17 @@ impl RadixTree {
             if pos >= keep {
                 break;
             }
-            let len = self.nodes[n.0 as usize].tokens.len();
+            let len = self.nodes[n.0 as usize].token_len(self.page_size);
             let node = if pos + len > keep {
                 NodeId(self.split(n.0, keep - pos))
             } else {
                 n
             };
             let take = len.min(keep - pos);
-            if self.nodes[node.0 as usize].device.is_empty() {
-                host += take;
-            } else {
+            if self.on_device(node.0) {
                 dev += take;
+            } else {
+                host += take;
             }
             path.push(node);
             pos += take;

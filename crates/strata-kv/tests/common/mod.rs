@@ -96,13 +96,16 @@ pub fn assert_all_evictable(cache: &mut TieredCache) {
 }
 
 /// Token sequences that share prefixes by group (`s % groups`) for their first `shared` tokens,
-/// so that nodes split and share; the rest is the sequence's own.
+/// so that nodes split and share; the rest is the sequence's own. Odd sequences have some
+/// tokens past 2^16 in their own part (nodes stored wide, splits into narrow and wide halves).
 pub fn tokens(s: u8, len: u8, groups: u8, shared: u32) -> Vec<u32> {
     let g = (s % groups) as u32;
     (0..len as u32)
         .map(|i| {
             if i < shared {
                 g * 100 + i
+            } else if s % 2 == 1 && i % 5 == 0 {
+                100_000 + s as u32 * 100 + i
             } else {
                 10_000 + s as u32 * 100 + i
             }

@@ -1,0 +1,422 @@
+//! The compact node: 48 bytes and one heap block.
+//!
+//! A node's tokens and its page lists live in one boxed slice of words: the tokens first (two
+//! to a word when every one of them fits 16 bits, else one to a word), then one device page per
+//! page if the node is on device, then one host page per page if it is on host. Everything
+//! else a node may carry is kept beside the arena only where it is used: page hashes (with a
+//! hash namespace), window lists (layouts with window kinds), the policy's priority and GDSF's
+//! key and frequency (policies other than LRU). Children are found through one edge map of the
+//! whole tree, so a node holds only their count. This keeps the metadata per cached token small
+//! at page size 1, where a node holds a dozen tokens (docs/BENCHMARKS.md, "Metadata").
+
+use std::hash::Hasher;
+
+use rustc_hash::FxHasher;
+
+/// The node is live (not a free arena slot).
+pub(super) const LIVE: u16 = 1;
+/// Its pages are in L3 storage.
+pub(super) const IN_STORAGE: u16 = 1 << 1;
+/// It holds device pages (one per page).
+pub(super) const DEVICE: u16 = 1 << 2;
+/// It holds host pages (one per page).
+pub(super) const HOST: u16 = 1 << 3;
+/// Its tokens are stored one to a word (some token ≥ 2^16).
+pub(super) const WIDE: u16 = 1 << 4;
+/// It sits in the device / host leaf set, the device / host window set (under its current
+/// key: the key's parts change only while it is in none, see `RadixTree::rekey`).
+pub(super) const IN_DEV: u16 = 1 << 5;
+pub(super) const IN_HOST: u16 = 1 << 6;
+pub(super) const IN_DWIN: u16 = 1 << 7;
+pub(super) const IN_HWIN: u16 = 1 << 8;
+/// SIEVE's visited bit: hit since the hand last passed it.
+pub(super) const VISITED: u16 = 1 << 9;
+/// It has window lists in the tree's window map.
+pub(super) const WINDOWS: u16 = 1 << 10;
+/// Narrow tokens only: their number is odd (the last word holds one).
+const ODD: u16 = 1 << 11;
+
+pub(super) const IN_ANY: u16 = IN_DEV | IN_HOST | IN_DWIN | IN_HWIN;
+
+#[derive(Debug, Default)]
+pub(super) struct Node {
+    /// Tokens (packed), then device pages, then host pages. Its length, the flags and the
+    /// page size give the number of pages (see [`Node::pages`]).
+    data: Box<[u32]>,
+    /// Clock of the last access.
+    pub stamp: u64,
+    pub parent: u32,
+    pub children: u32,
+    pub device_children: u32,
+    pub lock_ref: u32,
+    /// Hits, saturating.
+    pub hits: u16,
+    /// Storage writes reading the host pages (a few at most: a node is written once).
+    pub host_lock: u16,
+    pub flags: u16,
+}
+
+/// A node's tokens, as stored.
+#[derive(Clone, Copy, Debug)]
+pub enum Tokens<'a> {
+    Narrow(&'a [u16]),
+    Wide(&'a [u32]),
+}
+
+impl<'a> Tokens<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Narrow(t) => t.len(),
+            Tokens::Wide(t) => t.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn get(&self, i: usize) -> u32 {
+        match self {
+            Tokens::Narrow(t) => t[i] as u32,
+            Tokens::Wide(t) => t[i],
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            Tokens::Narrow(t) => t.iter().map(|&x| x as u32).collect(),
+            Tokens::Wide(t) => t.to_vec(),
+        }
+    }
+
+    /// The tokens from `a` to `b`, as stored.
+    pub fn slice(&self, a: usize, b: usize) -> Tokens<'a> {
+        match self {
+            Tokens::Narrow(t) => Tokens::Narrow(&t[a..b]),
+            Tokens::Wide(t) => Tokens::Wide(&t[a..b]),
+        }
+    }
+
+    /// Length of the common prefix with `other`.
+    pub fn common_prefix(&self, other: &[u32]) -> usize {
+        match self {
+            Tokens::Wide(t) => common_prefix(t, other),
+            Tokens::Narrow(t) => common_prefix_narrow(t, other),
+        }
+    }
+
+    /// The edge key of a page starting here ([`page_key`] of the same tokens).
+    pub fn page_key(&self, ps: usize) -> u64 {
+        match self {
+            Tokens::Wide(t) => page_key(&t[..ps]),
+            Tokens::Narrow(t) if ps == 1 => t[0] as u64,
+            Tokens::Narrow(t) => {
+                let mut h = FxHasher::default();
+                for &x in &t[..ps] {
+                    h.write_u32(x as u32);
+                }
+                h.finish()
+            }
+        }
+    }
+}
+
+impl PartialEq<[u32]> for Tokens<'_> {
+    fn eq(&self, other: &[u32]) -> bool {
+        self.len() == other.len() && self.common_prefix(other) == other.len()
+    }
+}
+
+impl<const N: usize> PartialEq<[u32; N]> for Tokens<'_> {
+    fn eq(&self, other: &[u32; N]) -> bool {
+        *self == other[..]
+    }
+}
+
+impl PartialEq<&[u32]> for Tokens<'_> {
+    fn eq(&self, other: &&[u32]) -> bool {
+        *self == **other
+    }
+}
+
+/// The key of a page among its siblings (the token itself at page size 1).
+pub(super) fn page_key(page: &[u32]) -> u64 {
+    if page.len() == 1 {
+        return page[0] as u64;
+    }
+    let mut h = FxHasher::default();
+    for &t in page {
+        h.write_u32(t);
+    }
+    h.finish()
+}
+
+/// Length of the common prefix of `a` and `b`.
+pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    // Compare in blocks so the compiler emits wide compares; finish token by token.
+    const B: usize = 32;
+    let mut i = 0;
+    while i + B <= n && a[i..i + B] == b[i..i + B] {
+        i += B;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// [`common_prefix`] of 16-bit stored tokens against 32-bit ones.
+fn common_prefix_narrow(a: &[u16], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    const B: usize = 32;
+    let mut i = 0;
+    // A fold without early exit vectorizes (widen, compare, and-reduce).
+    while i + B <= n
+        && a[i..i + B]
+            .iter()
+            .zip(&b[i..i + B])
+            .fold(true, |ok, (&x, &y)| ok & (x as u32 == y))
+    {
+        i += B;
+    }
+    while i < n && a[i] as u32 == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Words that `n` tokens take.
+fn token_words(n: usize, wide: bool) -> usize {
+    if wide {
+        n
+    } else {
+        n.div_ceil(2)
+    }
+}
+
+impl Node {
+    /// A node holding `tokens` (whole pages of `ps`), with the given page lists (each empty or
+    /// one entry per page).
+    pub fn pack(tokens: Tokens<'_>, ps: usize, device: &[u32], host: &[u32]) -> Node {
+        let mut n = Node::default();
+        n.repack(tokens, ps, device, host);
+        n
+    }
+
+    /// Replaces the node's tokens and page lists (its other fields stay).
+    pub fn repack(&mut self, tokens: Tokens<'_>, ps: usize, device: &[u32], host: &[u32]) {
+        let len = tokens.len();
+        debug_assert!(len > 0 && len.is_multiple_of(ps));
+        let pages = len / ps;
+        debug_assert!(device.is_empty() || device.len() == pages);
+        debug_assert!(host.is_empty() || host.len() == pages);
+        let wide = match tokens {
+            Tokens::Wide(t) => t.iter().any(|&x| x > u16::MAX as u32),
+            Tokens::Narrow(_) => false,
+        };
+        let tw = token_words(len, wide);
+        let mut data = vec![0u32; tw + device.len() + host.len()].into_boxed_slice();
+        if wide {
+            data[..len].copy_from_slice(match tokens {
+                Tokens::Wide(t) => t,
+                Tokens::Narrow(_) => unreachable!(),
+            });
+        } else {
+            let dst: &mut [u16] = bytemuck::cast_slice_mut(&mut data[..tw]);
+            for (i, d) in dst.iter_mut().take(len).enumerate() {
+                *d = tokens.get(i) as u16;
+            }
+        }
+        data[tw..tw + device.len()].copy_from_slice(device);
+        data[tw + device.len()..].copy_from_slice(host);
+        self.data = data;
+        self.flags &= !(WIDE | DEVICE | HOST | ODD);
+        self.flags |= if wide { WIDE } else { 0 }
+            | if !wide && len % 2 == 1 { ODD } else { 0 }
+            | if device.is_empty() { 0 } else { DEVICE }
+            | if host.is_empty() { 0 } else { HOST };
+    }
+
+    /// Pages, from the block's length: `len = token words + slots × pages`, where token words
+    /// are `pages × ps` (wide) or `(pages × ps + odd) / 2` (narrow).
+    pub fn pages(&self, ps: usize) -> usize {
+        let len = self.data.len();
+        let slots = self.has(DEVICE) as usize + self.has(HOST) as usize;
+        if self.has(WIDE) {
+            len / (ps + slots)
+        } else {
+            (2 * len - self.has(ODD) as usize) / (ps + 2 * slots)
+        }
+    }
+
+    pub fn has(&self, flag: u16) -> bool {
+        self.flags & flag != 0
+    }
+
+    pub fn set(&mut self, flag: u16, on: bool) {
+        if on {
+            self.flags |= flag;
+        } else {
+            self.flags &= !flag;
+        }
+    }
+
+    pub fn live(&self) -> bool {
+        self.has(LIVE)
+    }
+
+    fn token_words(&self, ps: usize) -> usize {
+        token_words(self.pages(ps) * ps, self.has(WIDE))
+    }
+
+    pub fn tokens(&self, ps: usize) -> Tokens<'_> {
+        let len = self.pages(ps) * ps;
+        let tw = token_words(len, self.has(WIDE));
+        if self.has(WIDE) {
+            Tokens::Wide(&self.data[..len])
+        } else {
+            let t: &[u16] = bytemuck::cast_slice(&self.data[..tw]);
+            Tokens::Narrow(&t[..len])
+        }
+    }
+
+    pub fn token_len(&self, ps: usize) -> usize {
+        self.pages(ps) * ps
+    }
+
+    pub fn device(&self, ps: usize) -> &[u32] {
+        if !self.has(DEVICE) {
+            return &[];
+        }
+        let p = self.pages(ps);
+        let at = token_words(p * ps, self.has(WIDE));
+        &self.data[at..at + p]
+    }
+
+    pub fn host(&self, ps: usize) -> &[u32] {
+        if !self.has(HOST) {
+            return &[];
+        }
+        let at = self.data.len() - self.pages(ps);
+        &self.data[at..]
+    }
+
+    /// Sets (or, with an empty list, clears) the device pages.
+    pub fn set_device(&mut self, ps: usize, pages: &[u32]) {
+        let host = self.host(ps).to_vec();
+        self.rebuild_pages(ps, pages, &host);
+    }
+
+    /// Sets (or clears) the host pages.
+    pub fn set_host(&mut self, ps: usize, pages: &[u32]) {
+        let device = self.device(ps).to_vec();
+        self.rebuild_pages(ps, &device, pages);
+    }
+
+    fn rebuild_pages(&mut self, ps: usize, device: &[u32], host: &[u32]) {
+        let tw = self.token_words(ps);
+        let mut data = Vec::with_capacity(tw + device.len() + host.len());
+        data.extend_from_slice(&self.data[..tw]);
+        data.extend_from_slice(device);
+        data.extend_from_slice(host);
+        self.data = data.into_boxed_slice();
+        self.set(DEVICE, !device.is_empty());
+        self.set(HOST, !host.is_empty());
+    }
+
+    /// Takes `other`'s tokens and page lists in place of its own.
+    pub fn take_block(&mut self, other: Node) {
+        const BLOCK: u16 = WIDE | DEVICE | HOST | ODD;
+        self.data = other.data;
+        self.flags = (self.flags & !BLOCK) | (other.flags & BLOCK);
+    }
+
+    /// Heap bytes of the node's block.
+    pub fn heap_bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<Node>(), 48);
+    }
+
+    #[test]
+    fn tokens_pack_narrow_when_they_fit_and_wide_otherwise() {
+        let t = [1u32, 2, 65535, 7];
+        let n = Node::pack(Tokens::Wide(&t), 2, &[9, 8], &[]);
+        assert!(!n.has(WIDE));
+        assert_eq!(n.heap_bytes(), 2 * 4 + 2 * 4);
+        assert!(n.tokens(2) == t);
+        assert_eq!(n.device(2), &[9, 8]);
+        assert_eq!(n.host(2), &[] as &[u32]);
+        let w = [1u32, 65536, 3, 4];
+        let mut m = Node::pack(Tokens::Wide(&w), 2, &[], &[5, 6]);
+        assert!(m.has(WIDE));
+        assert!(m.tokens(2) == w);
+        assert_eq!(m.host(2), &[5, 6]);
+        m.set_device(2, &[1, 2]);
+        assert_eq!((m.device(2), m.host(2)), (&[1, 2][..], &[5, 6][..]));
+        m.set_host(2, &[]);
+        assert_eq!((m.device(2), m.host(2)), (&[1, 2][..], &[][..]));
+        assert!(m.tokens(2) == w);
+        // An odd number of narrow tokens pads the last word.
+        let mut o = Node::pack(Tokens::Wide(&[3, 4, 5]), 1, &[0, 1, 2], &[]);
+        assert!(o.tokens(1) == [3, 4, 5]);
+        assert_eq!(o.device(1), &[0, 1, 2]);
+        o.set_host(1, &[7, 8, 9]);
+        assert_eq!((o.device(1), o.host(1)), (&[0, 1, 2][..], &[7, 8, 9][..]));
+        o.set_device(1, &[]);
+        assert_eq!((o.pages(1), o.host(1)), (3, &[7, 8, 9][..]));
+        o.set_host(1, &[]);
+        assert_eq!(o.pages(1), 3, "pages without any slot");
+        assert!(o.tokens(1) == [3, 4, 5]);
+    }
+
+    #[test]
+    fn pages_follow_from_the_block_for_every_shape() {
+        for ps in 1..=5usize {
+            for pages in 1..=7usize {
+                for wide in [false, true] {
+                    let t: Vec<u32> = (0..(pages * ps) as u32)
+                        .map(|i| if wide && i == 0 { 1 << 20 } else { i })
+                        .collect();
+                    let pg: Vec<u32> = (0..pages as u32).collect();
+                    for (d, h) in [(true, false), (false, true), (true, true), (false, false)] {
+                        let dv = if d { &pg[..] } else { &[] };
+                        let hv = if h { &pg[..] } else { &[] };
+                        let n = Node::pack(Tokens::Wide(&t), ps, dv, hv);
+                        assert_eq!(n.pages(ps), pages, "ps {ps} wide {wide} {d} {h}");
+                        assert!(n.tokens(ps) == t[..]);
+                        assert_eq!((n.device(ps), n.host(ps)), (dv, hv));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn narrow_and_wide_compare_and_key_alike() {
+        let t: Vec<u32> = (0..100).map(|i| i * 7 % 1000).collect();
+        let n = Node::pack(Tokens::Wide(&t), 4, &[], &[0; 25]);
+        let nt = n.tokens(4);
+        assert!(matches!(nt, Tokens::Narrow(_)));
+        for cut in [0, 1, 31, 32, 33, 64, 99] {
+            let mut q = t.clone();
+            q[cut] += 1;
+            assert_eq!(nt.common_prefix(&q), cut);
+            assert_eq!(Tokens::Wide(&t).common_prefix(&q), cut);
+        }
+        assert_eq!(nt.common_prefix(&t[..50]), 50);
+        assert_eq!(nt.page_key(4), page_key(&t[..4]));
+        assert_eq!(nt.slice(4, 8).page_key(4), page_key(&t[4..8]));
+        let one = Node::pack(Tokens::Wide(&[42]), 1, &[0], &[]);
+        assert_eq!(one.tokens(1).page_key(1), page_key(&[42]));
+    }
+}
