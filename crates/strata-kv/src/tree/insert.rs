@@ -82,8 +82,7 @@ impl RadixTree {
                         // The skipped prefix is gone: cache no further.
                         break;
                     }
-                    let c = self.new_leaf(cur, &tokens[pos..n]);
-                    self.fill(c, slot, &pages[page_at(pos)..]);
+                    let c = self.new_leaf(cur, &tokens[pos..n], slot, &pages[page_at(pos)..]);
                     let left = self.adopt_windows(c, slot, win(page_at(pos), pages.len()));
                     out.unused_windows.extend(left);
                     self.touch(c, false);
@@ -115,7 +114,14 @@ impl RadixTree {
         out.unused_windows.extend(left);
     }
 
-    pub(super) fn new_leaf(&mut self, parent: u32, tokens: &[u32]) -> u32 {
+    /// A new child of `parent` holding `tokens` and `pages` in `slot`.
+    pub(super) fn new_leaf(
+        &mut self,
+        parent: u32,
+        tokens: &[u32],
+        slot: Slot,
+        pages: &[u32],
+    ) -> u32 {
         let ps = self.page_size;
         let hashes = match &self.namespace {
             Some(ns) => {
@@ -124,7 +130,11 @@ impl RadixTree {
             }
             None => Vec::new(),
         };
-        let mut node = Node::pack(Tokens::Wide(tokens), ps, &[], &[]);
+        let (device, host) = match slot {
+            Slot::Device => (pages, &[][..]),
+            Slot::Host => (&[][..], pages),
+        };
+        let mut node = Node::pack(Tokens::Wide(tokens), ps, device, host);
         node.parent = parent;
         node.flags |= LIVE;
         let id = self.alloc_node(node);
@@ -146,6 +156,7 @@ impl RadixTree {
         self.add_edge(id);
         self.nodes[parent as usize].children += 1;
         self.refresh(parent);
+        self.filled(id, slot, pages.len());
         id
     }
 

@@ -67,19 +67,23 @@ impl RadixTree {
         let ps = self.page_size;
         debug_assert_eq!(pages.len(), self.nodes[id as usize].pages(ps));
         debug_assert!(self.slot(id, slot).is_empty());
-        let np = pages.len();
+        match slot {
+            Slot::Device => self.nodes[id as usize].set_device(ps, pages),
+            Slot::Host => self.nodes[id as usize].set_host(ps, pages),
+        }
+        self.filled(id, slot, pages.len());
+    }
+
+    /// The counters and sets after `id` got `np` pages in `slot`.
+    pub(super) fn filled(&mut self, id: u32, slot: Slot, np: usize) {
         match slot {
             Slot::Device => {
-                self.nodes[id as usize].set_device(ps, pages);
                 self.device_pages += np;
                 let parent = self.nodes[id as usize].parent;
                 self.nodes[parent as usize].device_children += 1;
                 self.refresh(parent);
             }
-            Slot::Host => {
-                self.nodes[id as usize].set_host(ps, pages);
-                self.host_pages += np;
-            }
+            Slot::Host => self.host_pages += np,
         }
         self.refresh(id);
     }
@@ -218,13 +222,14 @@ impl RadixTree {
         );
         self.bump_inflation(i);
         let pages = self.slot(i, Slot::Device).to_vec();
-        self.nodes[i as usize].set_device(self.page_size, &[]);
         self.device_pages -= pages.len();
         let parent = self.nodes[i as usize].parent;
         self.nodes[parent as usize].device_children -= 1;
         if self.on_host(i) {
+            self.nodes[i as usize].set_device(self.page_size, &[]);
             self.refresh(i);
         } else {
+            // The node goes with its block: no need to cut the pages out first.
             self.remove(i);
         }
         self.refresh(parent);
@@ -242,7 +247,6 @@ impl RadixTree {
         );
         self.bump_inflation(i);
         let pages = self.slot(i, Slot::Host).to_vec();
-        self.nodes[i as usize].set_host(self.page_size, &[]);
         self.host_pages -= pages.len();
         let parent = self.nodes[i as usize].parent;
         self.remove(i);
@@ -256,10 +260,11 @@ impl RadixTree {
         }
     }
 
+    /// Removes `i` (childless, its pages already counted out) from the tree.
     fn remove(&mut self, i: u32) {
         let ps = self.page_size;
         let n = &self.nodes[i as usize];
-        debug_assert!(n.children == 0 && !self.on_device(i) && !self.on_host(i));
+        debug_assert!(n.children == 0);
         let hash = edge_hash(n.parent, n.tokens(ps).page_key(ps));
         let parent = n.parent;
         if self.policy == EvictionPolicy::Gdsf {
