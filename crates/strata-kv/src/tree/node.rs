@@ -212,7 +212,7 @@ impl Node {
         debug_assert!(device.is_empty() || device.len() == pages);
         debug_assert!(host.is_empty() || host.len() == pages);
         let wide = match tokens {
-            Tokens::Wide(t) => t.iter().any(|&x| x > u16::MAX as u32),
+            Tokens::Wide(t) => t.iter().fold(0, |m, &x| m | x) > u16::MAX as u32,
             Tokens::Narrow(_) => false,
         };
         let tw = token_words(len, wide);
@@ -224,8 +224,10 @@ impl Node {
             });
         } else {
             let dst: &mut [u16] = bytemuck::cast_slice_mut(&mut data[..tw]);
-            for (i, d) in dst.iter_mut().take(len).enumerate() {
-                *d = tokens.get(i) as u16;
+            match tokens {
+                // Each arm a plain loop the compiler vectorizes.
+                Tokens::Wide(t) => dst.iter_mut().zip(t).for_each(|(d, &x)| *d = x as u16),
+                Tokens::Narrow(t) => dst[..len].copy_from_slice(t),
             }
         }
         data[tw..tw + device.len()].copy_from_slice(device);
