@@ -52,21 +52,32 @@ pub enum EvictionPolicy {
     /// bit, and a hand sweeps from the oldest towards the newest, clearing visited bits and
     /// evicting the first leaf without one; survivors keep their place. No reordering on a hit.
     Sieve,
+    /// S3-FIFO (Yang et al., SOSP '23): a small queue for new nodes (a tenth of the tier), a
+    /// main queue for nodes hit while small or remembered in a ghost of evicted nodes, 2-bit
+    /// frequencies and reinsertion instead of reordering.
+    S3Fifo,
 }
 
 impl EvictionPolicy {
     /// Every policy, in the order reports list them.
-    pub const ALL: [EvictionPolicy; 3] = [
+    pub const ALL: [EvictionPolicy; 4] = [
         EvictionPolicy::Lru,
         EvictionPolicy::Gdsf,
         EvictionPolicy::Sieve,
+        EvictionPolicy::S3Fifo,
     ];
+
+    /// Whether the policy keeps a history of evicted nodes (keyed where each started).
+    pub fn has_history(&self) -> bool {
+        matches!(self, EvictionPolicy::Gdsf | EvictionPolicy::S3Fifo)
+    }
 
     pub fn parse(s: &str) -> Option<EvictionPolicy> {
         match s {
             "lru" => Some(EvictionPolicy::Lru),
             "gdsf" => Some(EvictionPolicy::Gdsf),
             "sieve" => Some(EvictionPolicy::Sieve),
+            "s3fifo" => Some(EvictionPolicy::S3Fifo),
             _ => None,
         }
     }
@@ -76,6 +87,7 @@ impl EvictionPolicy {
             EvictionPolicy::Lru => "lru",
             EvictionPolicy::Gdsf => "gdsf",
             EvictionPolicy::Sieve => "sieve",
+            EvictionPolicy::S3Fifo => "s3fifo",
         }
     }
 }
@@ -89,8 +101,8 @@ impl EvictionPolicy {
 pub struct FrequencyHistory {
     /// Two rows of `width` counters.
     cells: Vec<u8>,
-    /// log2 of the row width.
-    bits: u32,
+    /// Counters per row.
+    width: usize,
     since_aging: usize,
 }
 
@@ -138,25 +150,25 @@ impl Default for FrequencyHistory {
 }
 
 impl FrequencyHistory {
-    /// A history for about `cap` keys: rows of the next power of two ≥ `cap` counters (16 to
-    /// 2^28), so it takes between 2 and 4 bytes per key.
+    /// A history for `cap` keys (16 to 2^28): rows of `cap` one-byte counters, 2 bytes per key.
     pub fn new(cap: usize) -> FrequencyHistory {
-        let width = cap.clamp(16, 1 << 28).next_power_of_two();
+        let width = cap.clamp(16, 1 << 28);
         FrequencyHistory {
             cells: vec![0; 2 * width],
-            bits: width.trailing_zeros(),
+            width,
             since_aging: 0,
         }
     }
 
     fn width(&self) -> usize {
-        1 << self.bits
+        self.width
     }
 
-    /// The key's cell in each row.
+    /// The key's cell in each row: the high half of a multiply-shift hash scaled to the width
+    /// (any width, not only powers of two).
     fn cells_of(&self, key: u64) -> [usize; 2] {
-        let w = self.width();
-        let at = |r: usize| (key.wrapping_mul(ROW_MUL[r]) >> (64 - self.bits)) as usize;
+        let w = self.width;
+        let at = |r: usize| ((key.wrapping_mul(ROW_MUL[r]) as u128 * w as u128) >> 64) as usize;
         [at(0), w + at(1)]
     }
 
@@ -230,6 +242,21 @@ mod tests {
             h.record(10_000 + k, 1);
         }
         assert!((460..=500).contains(&h.take(7)), "no aging: {}", h.take(7));
+    }
+
+    #[test]
+    fn rows_of_any_width_reach_every_cell() {
+        let mut h = FrequencyHistory::new(1000);
+        assert_eq!(h.bytes(), 2000);
+        let mut seen = vec![false; 2000];
+        for k in 0..20_000u64 {
+            for c in h.cells_of(k.wrapping_mul(0x2545_F491_4F6C_DD1D)) {
+                seen[c] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s), "some cell is never used");
+        h.record(42, 5);
+        assert_eq!(h.take(42), 5);
     }
 
     #[test]

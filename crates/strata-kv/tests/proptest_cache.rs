@@ -194,7 +194,7 @@ proptest! {
     fn cache_invariants_hold_after_every_step(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
         wp in common::write_policy(),
-        policy in 0usize..3,
+        policy in 0..EvictionPolicy::ALL.len(),
         l3 in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
     ) {

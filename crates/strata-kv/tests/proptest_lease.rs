@@ -218,7 +218,7 @@ proptest! {
     fn leases_hold_the_right_pages_and_release_everything(
         ps in prop_oneof![Just(1usize), Just(2), Just(4)],
         wp in common::write_policy(),
-        policy in 0usize..3,
+        policy in 0..EvictionPolicy::ALL.len(),
         l3 in any::<bool>(),
         window in prop_oneof![Just(None), (1usize..7).prop_map(Some)],
         ops in prop::collection::vec(op(), 1..80),

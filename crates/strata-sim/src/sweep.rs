@@ -103,7 +103,7 @@ mod tests {
             &reqs,
             &base,
             &[0.05, 0.2, 1.0],
-            &[EvictionPolicy::Lru, EvictionPolicy::Gdsf],
+            &EvictionPolicy::ALL,
             |_| {},
         )
         .unwrap();

@@ -92,7 +92,7 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
     let path = dir.path().join("tiny.gguf");
     write_tiny(&path, &TinySpec::default()).unwrap();
     let reqs = trace();
-    for eviction in [EvictionPolicy::Lru, EvictionPolicy::Gdsf] {
+    for eviction in EvictionPolicy::ALL {
         let e = engine(&path, eviction);
         for q in &reqs {
             let prompt = request_tokens(&q.hash_ids, q.input_length, BLOCK, VOCAB);

@@ -177,6 +177,8 @@ pub enum Eviction {
     Gdsf,
     /// SIEVE: insertion order with a visited bit and a sweeping hand (no reordering on hits).
     Sieve,
+    /// S3-FIFO: small and main FIFO queues, a ghost of evicted prefixes, 2-bit frequencies.
+    S3fifo,
 }
 
 /// `--prefetch-policy`.
@@ -375,6 +377,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
         Eviction::Lru => EvictionPolicy::Lru,
         Eviction::Gdsf => EvictionPolicy::Gdsf,
         Eviction::Sieve => EvictionPolicy::Sieve,
+        Eviction::S3fifo => EvictionPolicy::S3Fifo,
     };
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
     let role = a.sizing.role.name();

@@ -68,10 +68,10 @@ pub struct SimArgs {
         help_heading = "Cache"
     )]
     write_policy: WritePolicy,
-    /// `lru`, `gdsf`, `sieve`, a comma-separated list, or `all` (each, side by side).
+    /// `lru`, `gdsf`, `sieve`, `s3fifo`, a comma-separated list, or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
-    /// GDSF's memory of evicted nodes, in keys per cached page (2–4 bytes each, counted in the
+    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (2 bytes each, counted in the
     /// metadata per token); the default is the engine's.
     #[arg(long, default_value_t = strata_kv::DEFAULT_GDSF_HISTORY as u32, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "Cache")]
     gdsf_history: u32,
@@ -131,8 +131,9 @@ fn policies(s: &str) -> Result<Vec<EvictionPolicy>> {
     }
     s.split(',')
         .map(|p| {
-            EvictionPolicy::parse(p.trim())
-                .with_context(|| format!("--eviction `{p}`: expected lru, gdsf, sieve or all"))
+            EvictionPolicy::parse(p.trim()).with_context(|| {
+                format!("--eviction `{p}`: expected lru, gdsf, sieve, s3fifo or all")
+            })
         })
         .collect()
 }

@@ -35,8 +35,8 @@ pub struct CacheConfig {
     pub host_window_pages: u32,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
-    /// GDSF's memory of evicted nodes, in keys per cached page (2–4 bytes each; one key per
-    /// evicted node, under where it started). Unused by LRU.
+    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (2 bytes each; one key per
+    /// evicted node, under where it started). Unused by LRU and SIEVE.
     pub gdsf_history: usize,
     /// Compute stable page hashes even without storage or GDSF (e.g. for routing events).
     pub hashing: bool,
@@ -46,7 +46,7 @@ pub struct CacheConfig {
 }
 
 /// Default [`CacheConfig::gdsf_history`].
-pub const DEFAULT_GDSF_HISTORY: usize = 2;
+pub const DEFAULT_GDSF_HISTORY: usize = 1;
 
 impl CacheConfig {
     pub fn new(layout: PageLayout, device_pages: u32, host_pages: u32) -> CacheConfig {

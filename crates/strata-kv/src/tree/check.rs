@@ -64,6 +64,21 @@ impl RadixTree {
                 self.device_pages, self.host_pages
             ));
         }
+        if self.policy == crate::policy::EvictionPolicy::S3Fifo {
+            let small = |slot| {
+                ids.iter()
+                    .filter(|n| self.s3_small(n.0))
+                    .map(|n| self.slot(n.0, slot).len())
+                    .sum::<usize>()
+            };
+            let got = [small(super::Slot::Device), small(super::Slot::Host)];
+            if got != self.small_pages {
+                return Err(format!(
+                    "small-queue pages {:?} but small nodes hold {got:?}",
+                    self.small_pages
+                ));
+            }
+        }
         if dw != self.device_win_pages || hw != self.host_win_pages {
             return Err(format!(
                 "window page counters {}/{} but nodes hold {dw}/{hw}",

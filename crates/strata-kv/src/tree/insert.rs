@@ -141,6 +141,11 @@ impl RadixTree {
         if self.namespace.is_some() {
             self.hashes[id as usize] = hashes.into_boxed_slice();
         }
+        if self.policy == EvictionPolicy::S3Fifo {
+            let chain = chain_step(self.gdsf[parent as usize].base, Tokens::Wide(&tokens[..ps]));
+            self.gdsf[id as usize].base = chain;
+            self.s3_place(id, chain);
+        }
         if self.policy == EvictionPolicy::Gdsf {
             // This insertion is an access too: a page that comes back after eviction then
             // carries its earlier accesses plus this one, which is how reuse beyond the cache
@@ -251,7 +256,7 @@ impl RadixTree {
         if !self.prio.is_empty() {
             self.prio[h] = self.prio[i];
         }
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.has_history() {
             // The head starts where the node started: it takes the node's key, and as base
             // its key too; the suffix's key follows from that, and its base (its children's
             // keys) stays: O(1), whatever lies below.

@@ -75,8 +75,10 @@ struct Windows {
     host: Vec<u32>,
 }
 
-/// GDSF's per-node state.
+/// Per-node state of the policies with a history (GDSF, S3-FIFO).
+/// Packed to 12 bytes: the key is read and written by value only.
 #[derive(Clone, Copy, Debug, Default)]
+#[repr(C, packed(4))]
 struct GdsfNode {
     /// What this node's children's history keys chain from: its own key (where it starts: its
     /// parent's `base` and its first page) when it was made; a split leaves it to the deeper
@@ -157,7 +159,7 @@ pub struct RadixTree {
     windows: FxHashMap<u32, Windows>,
     /// Priority per node, for policies whose priority is not the last access.
     prio: Vec<u64>,
-    /// GDSF's state per node (GDSF only).
+    /// Per-node state of GDSF and S3-FIFO (the frequency, and the key of the history).
     gdsf: Vec<GdsfNode>,
     device_leaves: BTreeSet<Key>,
     host_leaves: BTreeSet<Key>,
@@ -173,6 +175,9 @@ pub struct RadixTree {
     history: FrequencyHistory,
     /// SIEVE's hands (device, host leaves): the key from which the next sweep starts.
     hands: [Key; 2],
+    /// S3-FIFO: the last queue position given, and pages of small-queue nodes per tier.
+    seq: u64,
+    small_pages: [usize; 2],
     namespace: Option<HashNamespace>,
     device_pages: usize,
     host_pages: usize,
@@ -237,6 +242,8 @@ impl RadixTree {
             inflation: 0,
             history: FrequencyHistory::new(16),
             hands: [0; 2],
+            seq: 0,
+            small_pages: [0; 2],
             namespace,
             device_pages: 0,
             host_pages: 0,
@@ -257,10 +264,10 @@ impl RadixTree {
         self.namespace.as_ref()
     }
 
-    /// Sizes the GDSF eviction history (keys; 2–4 bytes each), e.g. to a few times the
-    /// cache's page count. Only GDSF allocates it.
+    /// Sizes the eviction history of GDSF and S3-FIFO (keys; 2 bytes each), e.g. to a few
+    /// times the cache's page count. Only those policies allocate it.
     pub fn set_history_cap(&mut self, cap: usize) {
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.has_history() {
             self.history = FrequencyHistory::new(cap);
         }
     }
@@ -304,9 +311,10 @@ impl RadixTree {
             + self.host_leaves.len()
             + self.device_windows.len()
             + self.host_windows.len();
-        let history = match self.policy {
-            EvictionPolicy::Gdsf => self.history.bytes(),
-            _ => 0,
+        let history = if self.policy.has_history() {
+            self.history.bytes()
+        } else {
+            0
         };
         b + sets * (std::mem::size_of::<Key>() + 8) + history
     }
@@ -514,6 +522,15 @@ impl RadixTree {
     }
 
     fn touch(&mut self, id: u32, hit: bool) {
+        if self.policy == EvictionPolicy::S3Fifo {
+            let n = &mut self.nodes[id as usize];
+            n.stamp = self.clock;
+            if hit {
+                n.hits = n.hits.saturating_add(1);
+                self.s3_hit(id);
+            }
+            return;
+        }
         if self.policy == EvictionPolicy::Sieve {
             // A hit marks the node; its place (its insertion) does not change.
             let n = &mut self.nodes[id as usize];
@@ -565,7 +582,7 @@ impl RadixTree {
         if self.policy != EvictionPolicy::Lru {
             grow(&mut self.prio, len, cap, 0);
         }
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.has_history() {
             grow(&mut self.gdsf, len, cap, GdsfNode::default());
         }
     }
@@ -584,6 +601,7 @@ mod check;
 mod insert;
 mod node;
 mod residency;
+mod s3fifo;
 mod window;
 
 #[cfg(test)]

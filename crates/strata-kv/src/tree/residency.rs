@@ -76,6 +76,9 @@ impl RadixTree {
 
     /// The counters and sets after `id` got `np` pages in `slot`.
     pub(super) fn filled(&mut self, id: u32, slot: Slot, np: usize) {
+        if self.policy == EvictionPolicy::S3Fifo {
+            self.s3_count(id, slot, np, true);
+        }
         match slot {
             Slot::Device => {
                 self.device_pages += np;
@@ -159,6 +162,9 @@ impl RadixTree {
     /// The device victim to evict next that is not in `skip` (under SIEVE this moves the
     /// hand and clears the visited bits it passes).
     pub fn device_victim_excluding(&mut self, skip: &[NodeId]) -> Option<NodeId> {
+        if self.policy == EvictionPolicy::S3Fifo {
+            return self.s3_victim(Slot::Device, skip);
+        }
         if self.policy == EvictionPolicy::Sieve {
             return self.sieve(0, skip);
         }
@@ -170,6 +176,9 @@ impl RadixTree {
 
     /// Next host victim: off device, unlocked, childless (under SIEVE this moves the hand).
     pub fn host_victim(&mut self) -> Option<NodeId> {
+        if self.policy == EvictionPolicy::S3Fifo {
+            return self.s3_victim(Slot::Host, &[]);
+        }
         if self.policy == EvictionPolicy::Sieve {
             return self.sieve(1, &[]);
         }
@@ -223,6 +232,9 @@ impl RadixTree {
         self.bump_inflation(i);
         let pages = self.slot(i, Slot::Device).to_vec();
         self.device_pages -= pages.len();
+        if self.policy == EvictionPolicy::S3Fifo {
+            self.s3_count(i, Slot::Device, pages.len(), false);
+        }
         let parent = self.nodes[i as usize].parent;
         self.nodes[parent as usize].device_children -= 1;
         if self.on_host(i) {
@@ -248,6 +260,9 @@ impl RadixTree {
         self.bump_inflation(i);
         let pages = self.slot(i, Slot::Host).to_vec();
         self.host_pages -= pages.len();
+        if self.policy == EvictionPolicy::S3Fifo {
+            self.s3_count(i, Slot::Host, pages.len(), false);
+        }
         let parent = self.nodes[i as usize].parent;
         self.remove(i);
         self.refresh(parent);
@@ -267,9 +282,14 @@ impl RadixTree {
         debug_assert!(n.children == 0);
         let hash = edge_hash(n.parent, n.tokens(ps).page_key(ps));
         let parent = n.parent;
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.has_history() {
+            // GDSF remembers the frequency; S3-FIFO's ghost only that the node was here.
             let chain = self.chain_of(i);
-            self.history.record(chain, self.gdsf[i as usize].freq);
+            let count = match self.policy {
+                EvictionPolicy::Gdsf => self.gdsf[i as usize].freq,
+                _ => 1,
+            };
+            self.history.record(chain, count);
         }
         // Drop from the sets before the slot is recycled.
         self.unfile(i);

@@ -256,3 +256,41 @@ fn sieve_keeps_visited_leaves_in_place_and_sweeps_from_the_hand() {
     );
     let _ = d;
 }
+
+#[test]
+fn s3fifo_promotes_hit_small_leaves_and_recognises_ghosts() {
+    let mut t = tree(1, EvictionPolicy::S3Fifo);
+    let a = ins(&mut t, &[1, 1], 0).last;
+    let b = ins(&mut t, &[2, 2], 2).last;
+    let c = ins(&mut t, &[3, 3], 4).last;
+    // All small (over a tenth of the pages): the oldest small leaf that was hit moves to main,
+    // the next one goes.
+    t.match_prefix(&[1, 1]);
+    assert_eq!(t.device_victim_excluding(&[]), Some(b));
+    assert!(!t.s3_small(a.0), "a hit small leaf moves to main");
+    t.take_device(b);
+    t.check().unwrap();
+    assert_eq!(t.device_victim_excluding(&[]), Some(c));
+    t.take_device(c);
+    // b's start is in the ghost: inserted again, it goes straight to main.
+    let b2 = ins(&mut t, &[2, 2], 2).last;
+    assert!(!t.s3_small(b2.0));
+    let d = ins(&mut t, &[4, 4], 4).last;
+    assert!(t.s3_small(d.0));
+    t.check().unwrap();
+    // Main leaves hit go round once more; unhit ones go in order.
+    t.match_prefix(&[2, 2]);
+    assert_eq!(t.device_victim_excluding(&[d]), Some(a));
+    t.take_device(a);
+    assert_eq!(
+        t.device_victim_excluding(&[d]),
+        Some(b2),
+        "its hit was spent going round"
+    );
+    t.check().unwrap();
+}
+
+#[test]
+fn policy_state_is_12_bytes_a_node() {
+    assert_eq!(std::mem::size_of::<GdsfNode>(), 12);
+}
