@@ -77,7 +77,9 @@ fn sweep_writes_a_plot_with_belady() {
     assert!(o.status.success(), "{s}");
     assert!(s.contains("belady") && s.contains("lru/belady"), "{s}");
     let svg = std::fs::read_to_string(&plot).unwrap();
-    assert!(svg.contains("Belady (offline MIN)") && svg.matches("<polyline").count() == 4);
+    // A curve per policy, Belady's and the infinite cache's.
+    let curves = strata_kv::EvictionPolicy::ALL.len() + 2;
+    assert!(svg.contains("Belady (offline MIN)") && svg.matches("<polyline").count() == curves);
 }
 
 #[test]

@@ -97,6 +97,7 @@ impl RadixTree {
         if pages == 0 {
             return Err(format!("node {i} holds no tokens"));
         }
+        n.check_block(ps).map_err(|e| format!("node {i}: {e}"))?;
         let (device, host) = (n.device(ps), n.host(ps));
         if device.is_empty() && host.is_empty() {
             return Err(format!("node {i} holds no pages"));
@@ -173,6 +174,11 @@ impl RadixTree {
             .find(child_hash(&self.nodes, ps, id.0), |&c| c == id.0);
         if !p.live() || found.is_none() {
             return Err(format!("node {i}: parent does not list it"));
+        }
+        // No sibling starts with the same page (a lookup finds this node).
+        let first = n.tokens(ps).slice(0, ps).to_vec();
+        if self.child_of(n.parent, &first) != Some(id.0) {
+            return Err(format!("node {i}: a sibling starts with the same page"));
         }
         if self.on_device(id.0) && n.parent != 0 && !self.on_device(n.parent) {
             return Err(format!("node {i} on device under a parent that is not"));

@@ -288,14 +288,18 @@ impl RadixTree {
     /// Heap bytes of tree metadata: the node arena, each node's block (tokens and page lists),
     /// the edge map, hashes, window lists, the policy's per-node state, the eviction sets and
     /// the GDSF history. Hash tables count a bucket per 7/8 of their capacity; ordered sets
-    /// 8 bytes of node overhead per entry.
+    /// 32 bytes an entry (16-byte keys in half-full B-tree leaves). The allocator's own
+    /// overhead per block is not counted.
     pub fn metadata_bytes(&self) -> usize {
         let table = |cap: usize, entry: usize| (cap + cap / 7) * (entry + 1);
         let mut b = self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free_ids.capacity() * 4
             + table(self.edges.capacity(), 4)
             + self.hashes.capacity() * 16
-            + table(self.windows.capacity(), 4 + std::mem::size_of::<Windows>())
+            + table(
+                self.windows.capacity(),
+                std::mem::size_of::<(u32, Windows)>(),
+            )
             + self.prio.capacity() * 8
             + self.gdsf.capacity() * std::mem::size_of::<GdsfNode>();
         for n in &self.nodes {
@@ -316,7 +320,9 @@ impl RadixTree {
         } else {
             0
         };
-        b + sets * (std::mem::size_of::<Key>() + 8) + history
+        // A B-tree leaf of 11 keys (192 bytes) is about 6/11 full after appends (new keys
+        // mostly come last): 32 bytes an entry.
+        b + sets * 32 + history
     }
 
     pub fn view(&self, id: NodeId) -> NodeView<'_> {

@@ -209,8 +209,8 @@ impl Node {
         let len = tokens.len();
         debug_assert!(len > 0 && len.is_multiple_of(ps));
         let pages = len / ps;
-        debug_assert!(device.is_empty() || device.len() == pages);
-        debug_assert!(host.is_empty() || host.len() == pages);
+        let fits = |v: &[u32]| v.is_empty() || v.len() == pages;
+        assert!(fits(device) && fits(host), "one page index per page");
         let wide = match tokens {
             Tokens::Wide(t) => t.iter().fold(0, |m, &x| m | x) > u16::MAX as u32,
             Tokens::Narrow(_) => false,
@@ -325,6 +325,23 @@ impl Node {
         self.data = data.into_boxed_slice();
         self.set(DEVICE, !device.is_empty());
         self.set(HOST, !host.is_empty());
+    }
+
+    /// The block's length and flags agree: whole token words, then whole page lists.
+    pub fn check_block(&self, ps: usize) -> Result<(), String> {
+        let p = self.pages(ps);
+        let wide = self.has(WIDE);
+        let slots = self.has(DEVICE) as usize + self.has(HOST) as usize;
+        if self.data.len() != token_words(p * ps, wide) + slots * p {
+            return Err(format!(
+                "a block of {} words for {p} pages",
+                self.data.len()
+            ));
+        }
+        if self.has(ODD) != (!wide && (p * ps) % 2 == 1) {
+            return Err("the odd-token flag is wrong".into());
+        }
+        Ok(())
     }
 
     /// Takes `other`'s tokens and page lists in place of its own.

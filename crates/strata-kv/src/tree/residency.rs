@@ -65,7 +65,11 @@ impl RadixTree {
     /// Puts `pages` in `id`'s empty `slot`, keeping the page counters and eviction sets current.
     pub(super) fn fill(&mut self, id: u32, slot: Slot, pages: &[u32]) {
         let ps = self.page_size;
-        debug_assert_eq!(pages.len(), self.nodes[id as usize].pages(ps));
+        assert_eq!(
+            pages.len(),
+            self.nodes[id as usize].pages(ps),
+            "one page per page"
+        );
         debug_assert!(self.slot(id, slot).is_empty());
         match slot {
             Slot::Device => self.nodes[id as usize].set_device(ps, pages),
