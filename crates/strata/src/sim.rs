@@ -71,8 +71,8 @@ pub struct SimArgs {
     /// `lru`, `gdsf`, `sieve`, `s3fifo`, a comma-separated list, or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
-    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (2 bytes each, counted in the
-    /// metadata per token); the default is the engine's.
+    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (1 byte
+    /// each, counted in the metadata per token); the default is the engine's.
     #[arg(long, default_value_t = strata_kv::DEFAULT_GDSF_HISTORY as u32, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "Cache")]
     gdsf_history: u32,
 

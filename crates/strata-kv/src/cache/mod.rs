@@ -35,7 +35,7 @@ pub struct CacheConfig {
     pub host_window_pages: u32,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
-    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (2 bytes each; one key per
+    /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (1 byte each; one key per
     /// evicted node, under where it started). Unused by LRU and SIEVE.
     pub gdsf_history: usize,
     /// Compute stable page hashes even without storage or GDSF (e.g. for routing events).

@@ -264,7 +264,7 @@ impl RadixTree {
         self.namespace.as_ref()
     }
 
-    /// Sizes the eviction history of GDSF and S3-FIFO (keys; 2 bytes each), e.g. to a few
+    /// Sizes the eviction history of GDSF and S3-FIFO (keys; 1 byte each), e.g. to a few
     /// times the cache's page count. Only those policies allocate it.
     pub fn set_history_cap(&mut self, cap: usize) {
         if self.policy.has_history() {
