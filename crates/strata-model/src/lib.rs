@@ -22,6 +22,7 @@ pub mod gguf;
 mod gguf_meta;
 pub mod gguf_scan;
 pub mod model;
+pub mod peak;
 pub mod q8;
 pub mod runtime;
 mod seq;

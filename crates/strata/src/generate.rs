@@ -103,10 +103,31 @@ pub struct BenchArgs {
     /// Repetitions; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub reps: usize,
+    /// Batched decode instead: these counts of concurrent streams (e.g. `1,4,16,64`), each
+    /// decoding in one forward call per step, reported as FLOP/s and bytes/s against this
+    /// machine's measured ceilings.
+    #[arg(long, value_delimiter = ',')]
+    pub streams: Vec<usize>,
+    /// Context of each stream before the batched decode.
+    #[arg(long, default_value_t = 128)]
+    pub streams_context: usize,
+    /// Tokens each stream decodes per measurement.
+    #[arg(long, default_value_t = 16)]
+    pub streams_steps: usize,
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
     let (_g, m, _tk) = a.model.load()?;
+    if !a.streams.is_empty() {
+        let t = a.model.threads;
+        return crate::bench_streams_model::run(
+            &m,
+            &a.streams,
+            a.streams_context,
+            a.streams_steps,
+            t,
+        );
+    }
     let max = a
         .prefill
         .iter()

@@ -8,6 +8,7 @@ mod bench_http;
 mod bench_load;
 mod bench_report;
 mod bench_router;
+mod bench_streams_model;
 mod bench_workload;
 mod generate;
 mod plan;

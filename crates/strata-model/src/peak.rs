@@ -1,0 +1,69 @@
+//! This machine's measured ceilings for decode, against which `strata model bench --streams`
+//! states its FLOP/s and bytes/s.
+//!
+//! * Compute: the decode kernel itself ([`Q8Matrix::matmul`], Q8_0 weights × Q8_0
+//!   activations, AVX2 integer dot products) on the model's largest projection shapes against
+//!   64 activation rows, the same call repeated so its weights (under 1 MB for SmolLM2) come
+//!   from cache, on every thread: the most multiply-adds per second this kernel reaches,
+//!   its own per-call costs (quantizing the activations, the transpose, the thread split)
+//!   included. Smaller matrices reach less (256 × 576: ~55 %), larger about the same.
+//! * Memory: a sum over a 512 MiB buffer split over the threads: the read bandwidth a
+//!   weight-streaming step can have.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::q8::Q8Matrix;
+
+/// The best FLOP/s (2 per multiply-add) of the Q8_0 decode kernel over `shapes` (weight rows ×
+/// columns, columns a multiple of 32) with 64 activation rows and cached weights.
+pub fn kernel_flops(shapes: &[(usize, usize)], threads: usize) -> f64 {
+    shapes
+        .iter()
+        .map(|&(r, c)| kernel_flops_at(r, c, 64, threads))
+        .fold(0.0, f64::max)
+}
+
+/// [`kernel_flops`] for one `rows × cols` weight matrix and `n` activation rows; best of 5.
+pub fn kernel_flops_at(rows: usize, cols: usize, n: usize, threads: usize) -> f64 {
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+        .collect();
+    let m = Q8Matrix::quantize(&w, rows, cols);
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0)
+        .collect();
+    let reps = 40;
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let mut sink = 0f32;
+        for _ in 0..reps {
+            sink += m.matmul(&x, threads)[0];
+        }
+        let s = t.elapsed().as_secs_f64();
+        std::hint::black_box(sink);
+        best = best.max(2.0 * (reps * n * rows * cols) as f64 / s);
+    }
+    best
+}
+
+/// Bytes per second read by `threads` threads summing a 512 MiB buffer; best of 3 runs.
+pub fn read_bandwidth(threads: usize) -> f64 {
+    let words: usize = 64 << 20; // 512 MiB of u64
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let chunk = words.div_ceil(threads.max(1));
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sum: u64 = buf
+            .par_chunks(chunk)
+            .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
+            .reduce(|| 0, u64::wrapping_add);
+        let s = t.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / s);
+    }
+    best
+}

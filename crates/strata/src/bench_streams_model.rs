@@ -1,0 +1,117 @@
+//! `strata model bench --streams 1,4,16,64`: batched decode in process, as FLOP/s and bytes/s
+//! against this machine's measured ceilings (`strata_model::peak`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use strata_kv::memory::HeapAllocator;
+use strata_kv::pool::DevicePool;
+use strata_kv::PageLayout;
+use strata_model::{peak, Model, SeqInput};
+
+/// What one decode step of `n` streams at context `ctx` computes and reads.
+struct Work {
+    flop: f64,
+    bytes: f64,
+}
+
+/// Weights the decode step multiplies: every layer's projections and the vocabulary head.
+fn weights(m: &Model) -> f64 {
+    let c = &m.config;
+    let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let layer = q * h + 2 * kv * h + h * q + 3 * c.ffn * h;
+    (c.layers * layer + c.vocab * h) as f64
+}
+
+fn work(m: &Model, n: usize, ctx: f64) -> Work {
+    let c = &m.config;
+    let w = weights(m);
+    // Q·Kᵀ and P·V: 2 multiply-adds per context token, head dimension and head.
+    let attn = 4.0 * ctx * (c.heads * c.head_dim * c.layers) as f64;
+    // K and V in f16 per context token, read once per stream.
+    let kv_token = (2 * c.layers * c.kv_heads * c.head_dim * 2) as f64;
+    Work {
+        flop: n as f64 * (2.0 * w + attn),
+        // Q8_0: 32 int8 and one f32 scale per 32 weights.
+        bytes: w * (1.0 + 4.0 / 32.0) + n as f64 * ctx * kv_token,
+    }
+}
+
+/// Decodes `steps` tokens for each count of `streams` (each stream with its own `ctx`-token
+/// context in its own pages, all streams in one forward call per step) and prints tokens/s,
+/// FLOP/s and bytes/s next to the measured ceilings.
+pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usize) -> Result<()> {
+    let Some(&most) = streams.iter().max() else {
+        return Ok(());
+    };
+    if most == 0 || most > 256 || ctx == 0 || steps == 0 {
+        bail!("--streams takes counts from 1 to 256; --streams-context and --streams-steps ≥ 1");
+    }
+    let ps = 16;
+    let per = (ctx + steps).div_ceil(ps);
+    let layout = Arc::new(PageLayout::new(ps, vec![m.pool_kind()])?);
+    let pool = DevicePool::new(layout, (per * most) as u32, &HeapAllocator)?;
+    let vocab = m.config.vocab;
+    let pages: Vec<Vec<u32>> = (0..most)
+        .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
+        .collect();
+    let toks: Vec<Vec<u32>> = (0..most)
+        .map(|s| {
+            (0..ctx + steps)
+                .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let seq = |s: usize, a: usize, b: usize, decode: bool| SeqInput {
+        tokens: &toks[s][a..b],
+        pos: a,
+        pages: &pages[s],
+        windows: &[],
+        decode,
+    };
+    let t = Instant::now();
+    for group in (0..most).collect::<Vec<_>>().chunks(8) {
+        let seqs: Vec<SeqInput> = group.iter().map(|&s| seq(s, 0, ctx, false)).collect();
+        m.forward(&pool, &seqs, false)?;
+    }
+    eprintln!(
+        "prefilled {most} × {ctx} tokens in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let (h, f) = (m.config.hidden, m.config.ffn);
+    let flops_peak = peak::kernel_flops(&[(f, h), (h, f)], threads);
+    let read_peak = peak::read_bandwidth(threads);
+    println!(
+        "ceilings ({threads} threads): decode kernel {:.1} GFLOP/s (Q8_0 × Q8_0, {f} × {h} and {h} × {f} weights from cache, 64 rows), memory read {:.1} GB/s",
+        flops_peak / 1e9,
+        read_peak / 1e9
+    );
+    println!("| streams | tok/s | step ms | GFLOP/s | of kernel peak | GB/s read | of read peak |");
+    println!("|---|---|---|---|---|---|---|");
+    for &n in streams {
+        let mut best = f64::MAX;
+        for _ in 0..2 {
+            let t = Instant::now();
+            for i in 0..steps {
+                let pos = ctx + i;
+                let seqs: Vec<SeqInput> = (0..n).map(|s| seq(s, pos, pos + 1, true)).collect();
+                m.forward(&pool, &seqs, false)?;
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let step = best / steps as f64;
+        let w = work(m, n, ctx as f64 + steps as f64 / 2.0);
+        let (flops, bytes) = (w.flop / step, w.bytes / step);
+        println!(
+            "| {n} | {:.1} | {:.2} | {:.1} | {:.0} % | {:.1} | {:.0} % |",
+            n as f64 / step,
+            step * 1e3,
+            flops / 1e9,
+            100.0 * flops / flops_peak,
+            bytes / 1e9,
+            100.0 * bytes / read_peak
+        );
+    }
+    Ok(())
+}
