@@ -141,22 +141,25 @@ impl RadixTree {
         if self.namespace.is_some() {
             self.hashes[id as usize] = hashes.into_boxed_slice();
         }
-        if self.policy == EvictionPolicy::S3Fifo {
+        if self.policy.has_history() {
             let chain = chain_step(self.gdsf[parent as usize].base, Tokens::Wide(&tokens[..ps]));
-            self.gdsf[id as usize].base = chain;
-            self.s3_place(id, chain);
+            self.gdsf[id as usize] = GdsfNode {
+                base: chain,
+                freq: 0,
+            };
         }
-        if self.policy == EvictionPolicy::Gdsf {
+        match self.policy {
             // This insertion is an access too: a page that comes back after eviction then
             // carries its earlier accesses plus this one, which is how reuse beyond the cache
             // is detected.
-            let chain = chain_step(self.gdsf[parent as usize].base, Tokens::Wide(&tokens[..ps]));
-            let freq = self.history.take(chain).saturating_add(1);
-            self.gdsf[id as usize] = GdsfNode { base: chain, freq };
-        }
-        if self.policy == EvictionPolicy::Sieve {
+            EvictionPolicy::Gdsf => {
+                let chain = self.gdsf[id as usize].base;
+                self.gdsf[id as usize].freq = self.history.take(chain).saturating_add(1);
+            }
+            EvictionPolicy::S3Fifo => self.s3_place(id, self.gdsf[id as usize].base),
             // Its place in the queue: when it came.
-            self.prio[id as usize] = self.clock;
+            EvictionPolicy::Sieve => self.prio[id as usize] = self.clock,
+            EvictionPolicy::Lru => {}
         }
         self.add_edge(id);
         self.nodes[parent as usize].children += 1;

@@ -528,22 +528,17 @@ impl RadixTree {
     }
 
     fn touch(&mut self, id: u32, hit: bool) {
-        if self.policy == EvictionPolicy::S3Fifo {
+        if matches!(self.policy, EvictionPolicy::Sieve | EvictionPolicy::S3Fifo) {
+            // A hit marks the node (a visited bit, a frequency); its place in the queue (its
+            // key) does not change.
             let n = &mut self.nodes[id as usize];
             n.stamp = self.clock;
             if hit {
                 n.hits = n.hits.saturating_add(1);
-                self.s3_hit(id);
-            }
-            return;
-        }
-        if self.policy == EvictionPolicy::Sieve {
-            // A hit marks the node; its place (its insertion) does not change.
-            let n = &mut self.nodes[id as usize];
-            n.stamp = self.clock;
-            if hit {
-                n.hits = n.hits.saturating_add(1);
-                n.set(node::VISITED, true);
+                match self.policy {
+                    EvictionPolicy::Sieve => n.set(node::VISITED, true),
+                    _ => self.s3_hit(id),
+                }
             }
             return;
         }

@@ -109,14 +109,7 @@ impl<'a> Tokens<'a> {
     pub fn page_key(&self, ps: usize) -> u64 {
         match self {
             Tokens::Wide(t) => page_key(&t[..ps]),
-            Tokens::Narrow(t) if ps == 1 => t[0] as u64,
-            Tokens::Narrow(t) => {
-                let mut h = FxHasher::default();
-                for &x in &t[..ps] {
-                    h.write_u32(x as u32);
-                }
-                h.finish()
-            }
+            Tokens::Narrow(t) => key_of(t[..ps].iter().map(|&x| x as u32), ps),
         }
     }
 }
@@ -141,13 +134,16 @@ impl PartialEq<&[u32]> for Tokens<'_> {
 
 /// The key of a page among its siblings (the token itself at page size 1).
 pub(super) fn page_key(page: &[u32]) -> u64 {
-    if page.len() == 1 {
-        return page[0] as u64;
+    key_of(page.iter().copied(), page.len())
+}
+
+/// [`page_key`] of `len` tokens, whatever their stored width.
+fn key_of(mut tokens: impl Iterator<Item = u32>, len: usize) -> u64 {
+    if len == 1 {
+        return tokens.next().unwrap_or(0) as u64;
     }
     let mut h = FxHasher::default();
-    for &t in page {
-        h.write_u32(t);
-    }
+    tokens.for_each(|t| h.write_u32(t));
     h.finish()
 }
 

@@ -8,7 +8,7 @@
 //! before it starts, which is what lets the cache drop it from the rest of a prefix.
 
 use super::node::WINDOWS;
-use super::{key_id, window_half, NodeId, RadixTree, Slot, TreeMatch, Windows, NO_PAGE};
+use super::{key_id, window_half, NodeId, RadixTree, Slot, TreeMatch, NO_PAGE};
 
 impl RadixTree {
     /// `id`'s window lists (device, host).
@@ -38,7 +38,7 @@ impl RadixTree {
             Slot::Device => w.device = list,
             Slot::Host => w.host = list,
         }
-        self.put_windows(id, Windows { ..w });
+        self.put_windows(id, w);
     }
 
     fn win_count(&mut self, slot: Slot) -> &mut usize {
