@@ -59,3 +59,6 @@ echo "== strata model fetch (the reference model for end-to-end tests; cached af
 cargo run -q -p strata -- model fetch
 echo "== cargo test"
 cargo test --workspace
+echo "== the weight kernels again on AVX2 alone (where the CPU would pick AVX-512)"
+STRATA_NO_AVX512=1 cargo test -q -p strata-model --lib qmat
+STRATA_NO_AVX512=1 cargo test -q -p strata-model --test real_model

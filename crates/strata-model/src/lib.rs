@@ -23,7 +23,7 @@ mod gguf_meta;
 pub mod gguf_scan;
 pub mod model;
 pub mod peak;
-pub mod q8;
+pub mod qmat;
 pub mod runtime;
 mod seq;
 #[doc(hidden)]

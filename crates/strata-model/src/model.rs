@@ -5,8 +5,8 @@
 //! sequences, each with the tokens to compute, how many tokens it already has in its pages, and
 //! its page list; it writes the new tokens' K/V into those pages and attends over all of them with
 //! an online softmax (flash-style: no score matrix, memory linear in context). Prefill chunks and
-//! batched decode are the same call. Weights are dequantized to f32 once; matrix products use
-//! candle's CPU GEMM.
+//! batched decode are the same call. Weights stay in the file's block formats
+//! ([`crate::qmat::QMatrix`]); each sequence's rows take one of three products ([`Path`]).
 
 use candle_core::{Device, Tensor};
 use half::f16;
@@ -16,27 +16,24 @@ use strata_kv::PoolKind;
 use crate::attn;
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
-use crate::q8::Q8Matrix;
+use crate::qmat::QMatrix;
 pub(crate) use crate::seq::check_seq;
 pub use crate::seq::SeqInput;
 
-/// Decode steps with at most this many tokens in a call use Q8_0 weights ([`Q8Matrix`]): they
-/// are bound by memory bandwidth, and Q8_0 reads 28 % of f32's bytes. Prompt tokens (prefill
-/// chunks of any length, including the few left after a cache hit) use f32 GEMM.
+/// Decode steps with at most this many tokens in a call use quantized activations and integer
+/// dot products ([`QMatrix::matmul_q`]): they are bound by reading weights, which stay in their
+/// 4- to 8-bit blocks.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
-/// A weight matrix `[out, in]` in both formats.
-struct Linear {
-    f32: Tensor,
-    q8: Q8Matrix,
-}
-
-impl Linear {
-    fn new(f32: Tensor) -> Result<Linear, ModelError> {
-        let (rows, cols) = f32.dims2()?;
-        let q8 = Q8Matrix::quantize(&vec1(&f32)?, rows, cols);
-        Ok(Linear { f32, q8 })
-    }
+/// How a row's matrix products run, chosen per sequence so a sequence's result does not
+/// depend on what else is in the batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// Quantized activations, integer dot products (decode steps).
+    Quant,
+    /// f32 activations against dequantized panels (prompt rows): a row's bits do not depend
+    /// on the other rows, so neither on chunking nor on how much of a prompt was cached.
+    Tiled,
 }
 
 struct Layer {
@@ -46,22 +43,23 @@ struct Layer {
     qk_norm: Option<[Vec<f32>; 2]>,
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    wo: Linear,
-    wg: Linear,
-    wu: Linear,
-    wd: Linear,
+    wq: QMatrix,
+    wk: QMatrix,
+    wv: QMatrix,
+    wo: QMatrix,
+    wg: QMatrix,
+    wu: QMatrix,
+    wd: QMatrix,
 }
 
 /// A loaded model.
 pub struct Model {
     pub config: Config,
-    /// The vocabulary projection: the file's own head (`output.weight`), else the embeddings
-    /// (tied); the embeddings' rows are kept apart for the lookup only.
-    head: Linear,
-    embed_rows: Vec<f32>,
+    /// The token embeddings (rows dequantized at lookup).
+    embed: QMatrix,
+    /// The vocabulary projection when the file has its own (`output.weight`); else the
+    /// embeddings (tied).
+    output: Option<QMatrix>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
     cos: Vec<f32>,
@@ -75,7 +73,7 @@ fn vec1(t: &Tensor) -> Result<Vec<f32>, ModelError> {
 }
 
 impl Model {
-    /// Loads and dequantizes every weight to f32.
+    /// Loads every weight, matrices in their block formats.
     pub fn load(g: &mut Gguf) -> Result<Model, ModelError> {
         let c = g.config.clone();
         if !c.head_dim.is_multiple_of(16)
@@ -94,32 +92,34 @@ impl Model {
             });
         }
         let dev = Device::Cpu;
-        let output = g.content_has("output.weight");
+        let has_output = g.content_has("output.weight");
         let freqs = g.content_has("rope_freqs.weight");
-        let mut t =
-            |name: &str| -> Result<Tensor, ModelError> { Ok(g.tensor(name)?.dequantize(&dev)?) };
-        let embed = t("token_embd.weight")?;
-        let norm = vec1(&t("output_norm.weight")?)?;
-        let output = if output {
-            Some(t("output.weight")?)
+        let vec = |g: &mut Gguf, name: &str| -> Result<Vec<f32>, ModelError> {
+            vec1(&g.tensor(name)?.dequantize(&dev)?)
+        };
+        let norm = vec(g, "output_norm.weight")?;
+        let freqs = if freqs {
+            Some(vec(g, "rope_freqs.weight")?)
         } else {
             None
         };
-        let freqs = if freqs {
-            Some(vec1(&t("rope_freqs.weight")?)?)
+        let mut mat = |name: &str| -> Result<QMatrix, ModelError> {
+            QMatrix::from_qtensor(&g.tensor(name)?, name)
+        };
+        let embed = mat("token_embd.weight")?;
+        let output = if has_output {
+            Some(mat("output.weight")?)
         } else {
             None
         };
         let layers = (0..c.layers)
-            .map(|l| load_layer(&c, l, &mut t))
+            .map(|l| load_layer(&c, l, g))
             .collect::<Result<Vec<_>, _>>()?;
         let (cos, sin) = rope_tables(&c, freqs.as_deref());
-        let embed_rows = vec1(&embed)?;
-        let head = Linear::new(output.unwrap_or(embed))?;
         Ok(Model {
             config: c,
-            head,
-            embed_rows,
+            embed,
+            output,
             norm,
             layers,
             cos,
@@ -127,6 +127,26 @@ impl Model {
             threads: 2,
             quantized_decode: true,
         })
+    }
+
+    /// Bytes of weights held: the matrices in their block formats, norms and biases as f32.
+    pub fn weight_bytes(&self) -> usize {
+        let f = |v: &[f32]| v.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|w| {
+                [&w.wq, &w.wk, &w.wv, &w.wo, &w.wg, &w.wu, &w.wd]
+                    .iter()
+                    .map(|m| m.bytes())
+                    .sum::<usize>()
+                    + f(&w.attn_norm)
+                    + f(&w.ffn_norm)
+                    + w.bias.iter().flatten().map(|b| f(b)).sum::<usize>()
+                    + w.qk_norm.iter().flatten().map(|b| f(b)).sum::<usize>()
+            })
+            .sum();
+        layers + self.embed.bytes() + self.output.as_ref().map_or(0, |m| m.bytes()) + f(&self.norm)
     }
 
     /// Threads for attention (matrix products follow candle's own setting).
@@ -145,47 +165,41 @@ impl Model {
         )
     }
 
-    /// `x · wᵀ` for the rows of `x`; rows flagged in `q8` (those of sequences with few tokens
-    /// in this call: decode steps) use the Q8_0 weights, the others f32 GEMM. The choice is per
-    /// sequence, so a sequence's result does not depend on what else is in the batch.
-    fn mm(&self, x: &[f32], q8: &[bool], w: &Linear, vocab: bool) -> Result<Vec<f32>, ModelError> {
-        let n = q8.len();
+    /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]; `vocab` (the vocabulary
+    /// projection) keeps f32 activations for decode rows ([`QMatrix::matmul_f32`]): its argmax
+    /// matters more than speed.
+    fn mm(&self, x: &[f32], paths: &[Path], w: &QMatrix, vocab: bool) -> Vec<f32> {
+        let n = paths.len();
         let k = x.len() / n;
-        let quant = |x: &[f32]| {
-            if vocab {
-                w.q8.matmul_f32(x, self.threads)
-            } else {
-                w.q8.matmul(x, self.threads)
+        let run = |p: Path, x: &[f32]| match p {
+            Path::Quant if !vocab => w.matmul_q(x, self.threads),
+            Path::Quant => w.matmul_f32(x, self.threads),
+            Path::Tiled => w.matmul_tiled(x, self.threads),
+        };
+        if paths.iter().all(|&p| p == paths[0]) {
+            return run(paths[0], x);
+        }
+        let m = w.rows;
+        let mut out = vec![0f32; n * m];
+        for p in [Path::Quant, Path::Tiled] {
+            let idx: Vec<usize> = (0..n).filter(|&i| paths[i] == p).collect();
+            if idx.is_empty() {
+                continue;
             }
-        };
-        let gemm = |x: &[f32], rows: usize| -> Result<Vec<f32>, ModelError> {
-            let xt = Tensor::from_slice(x, (rows, k), &Device::Cpu)?;
-            vec1(&xt.matmul(&w.f32.t()?)?)
-        };
-        let nq = q8.iter().filter(|&&b| b).count();
-        if nq == n {
-            return Ok(quant(x));
+            let mut sub = Vec::with_capacity(idx.len() * k);
+            for &i in &idx {
+                sub.extend_from_slice(&x[i * k..(i + 1) * k]);
+            }
+            let o = run(p, &sub);
+            for (&i, row) in idx.iter().zip(o.chunks_exact(m)) {
+                out[i * m..(i + 1) * m].copy_from_slice(row);
+            }
         }
-        if nq == 0 {
-            return gemm(x, n);
-        }
-        let (mut xq, mut xf) = (Vec::with_capacity(nq * k), Vec::with_capacity((n - nq) * k));
-        for (row, &b) in x.chunks_exact(k).zip(q8) {
-            if b { &mut xq } else { &mut xf }.extend_from_slice(row);
-        }
-        let (oq, of) = (quant(&xq), gemm(&xf, n - nq)?);
-        let m = oq.len() / nq;
-        let mut out = Vec::with_capacity(n * m);
-        let (mut iq, mut jf) = (oq.chunks_exact(m), of.chunks_exact(m));
-        for &b in q8 {
-            let r = if b { iq.next() } else { jf.next() };
-            out.extend_from_slice(r.expect("one output row per input row"));
-        }
-        Ok(out)
+        out
     }
 
-    /// Use Q8_0 weights for sequences with at most [`QUANTIZED_MAX_ROWS`] tokens in a call
-    /// (default on).
+    /// Quantize the activations of sequences with at most [`QUANTIZED_MAX_ROWS`] tokens in a
+    /// decode call (default on); off, they take f32 activations.
     pub fn set_quantized_decode(&mut self, on: bool) {
         self.quantized_decode = on;
     }
@@ -313,31 +327,34 @@ impl Model {
             return Ok(vec![Vec::new(); seqs.len()]);
         }
         let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
-        // Weight format per row, decided per sequence (see `mm`).
-        let q8: Vec<bool> = rows
+        // The product each row takes, decided per sequence (see `mm`).
+        let paths: Vec<Path> = rows
             .iter()
             .map(|r| {
                 let s = &seqs[r.0];
-                self.quantized_decode && s.decode && s.tokens.len() <= QUANTIZED_MAX_ROWS
+                if self.quantized_decode && s.decode && s.tokens.len() <= QUANTIZED_MAX_ROWS {
+                    Path::Quant
+                } else {
+                    Path::Tiled
+                }
             })
             .collect();
         let h = self.config.hidden;
-        let mut x = Vec::with_capacity(n * h);
-        for s in seqs {
-            for &t in s.tokens {
-                x.extend_from_slice(&self.embed_rows[t as usize * h..(t as usize + 1) * h]);
-            }
+        let mut x = vec![0f32; n * h];
+        let tokens = seqs.iter().flat_map(|s| s.tokens);
+        for (dst, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            self.embed.row_f32(t as usize, dst);
         }
         let batch = Batch {
             seqs,
             rows: &rows,
             positions: &positions,
-            q8: &q8,
+            paths: &paths,
         };
         for (l, w) in self.layers.iter().enumerate() {
             self.layer(pool, l, w, &batch, &mut x)?;
         }
-        self.logits(&x, seqs, &q8, all_logits)
+        self.logits(&x, seqs, &paths, all_logits)
     }
 
     /// Checks the pool and every sequence against the model; returns the rows of the call:
@@ -375,27 +392,27 @@ impl Model {
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let hn = self.rmsnorm(x, &w.attn_norm);
-        let mut q = self.mm(&hn, batch.q8, &w.wq, false)?;
-        let mut k = self.mm(&hn, batch.q8, &w.wk, false)?;
-        let mut v = self.mm(&hn, batch.q8, &w.wv, false)?;
+        let mut q = self.mm(&hn, batch.paths, &w.wq, false);
+        let mut k = self.mm(&hn, batch.paths, &w.wk, false);
+        let mut v = self.mm(&hn, batch.paths, &w.wv, false);
         self.qkv_extras(w, &mut q, &mut k, &mut v);
         self.rope(&mut q, c.heads, batch.positions);
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
         let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
-        let o = self.mm(&attn, batch.q8, &w.wo, false)?;
+        let o = self.mm(&attn, batch.paths, &w.wo, false);
         for (a, b) in x.iter_mut().zip(&o) {
             *a += b;
         }
         let hn = self.rmsnorm(x, &w.ffn_norm);
-        let g = self.mm(&hn, batch.q8, &w.wg, false)?;
-        let u = self.mm(&hn, batch.q8, &w.wu, false)?;
+        let g = self.mm(&hn, batch.paths, &w.wg, false);
+        let u = self.mm(&hn, batch.paths, &w.wu, false);
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let d = self.mm(&act, batch.q8, &w.wd, false)?;
+        let d = self.mm(&act, batch.paths, &w.wd, false);
         for (a, b) in x.iter_mut().zip(&d) {
             *a += b;
         }
@@ -424,19 +441,24 @@ impl Model {
         &self,
         x: &[f32],
         seqs: &[SeqInput],
-        q8: &[bool],
+        layer_paths: &[Path],
         all_logits: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config;
         let h = c.hidden;
-        let mut pick = Vec::new();
+        // Rows whose logits are asked for, and their product: decode steps (quantized in
+        // the layers) keep f32 activations without a panel; prompt rows take the panels.
+        let (mut pick, mut paths) = (Vec::new(), Vec::new());
         let mut at = 0;
         for (s, &all) in seqs.iter().zip(all_logits) {
             let len = s.tokens.len();
+            let p = layer_paths.get(at).copied().unwrap_or(Path::Tiled);
             if all {
                 pick.extend(at..at + len);
+                paths.extend(std::iter::repeat_n(p, len));
             } else if len > 0 {
                 pick.push(at + len - 1);
+                paths.push(p);
             }
             at += len;
         }
@@ -445,9 +467,12 @@ impl Model {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         let sel = self.rmsnorm(&sel, &self.norm);
-        let pick_q8: Vec<bool> = pick.iter().map(|&r| q8[r]).collect();
-        let head = &self.head;
-        let logits = self.mm(&sel, &pick_q8, head, true)?;
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let logits = if pick.is_empty() {
+            Vec::new()
+        } else {
+            self.mm(&sel, &paths, head, true)
+        };
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for (s, &all) in seqs.iter().zip(all_logits) {
@@ -537,37 +562,45 @@ impl Model {
     }
 }
 
-/// Layer `l`'s weights through `t` (a tensor by name, dequantized).
-fn load_layer(
-    c: &Config,
-    l: usize,
-    t: &mut impl FnMut(&str) -> Result<Tensor, ModelError>,
-) -> Result<Layer, ModelError> {
+/// Layer `l`'s weights from the file: matrices in their block formats, the rest as f32.
+fn load_layer(c: &Config, l: usize, g: &mut Gguf) -> Result<Layer, ModelError> {
+    let mut vec = |n: &str| -> Result<Vec<f32>, ModelError> {
+        vec1(
+            &g.tensor(&format!("blk.{l}.{n}"))?
+                .dequantize(&Device::Cpu)?,
+        )
+    };
     let bias = if c.arch.qkv_bias() {
-        let mut b = |n: &str| vec1(&t(&format!("blk.{l}.{n}.bias"))?);
-        Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+        Some([
+            vec("attn_q.bias")?,
+            vec("attn_k.bias")?,
+            vec("attn_v.bias")?,
+        ])
     } else {
         None
     };
     let qk_norm = if c.arch.qk_norm() {
-        let mut n = |x: &str| vec1(&t(&format!("blk.{l}.{x}.weight"))?);
-        Some([n("attn_q_norm")?, n("attn_k_norm")?])
+        Some([vec("attn_q_norm.weight")?, vec("attn_k_norm.weight")?])
     } else {
         None
     };
-    let mut w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
+    let (attn_norm, ffn_norm) = (vec("attn_norm.weight")?, vec("ffn_norm.weight")?);
+    let mut w = |n: &str| -> Result<QMatrix, ModelError> {
+        let name = format!("blk.{l}.{n}.weight");
+        QMatrix::from_qtensor(&g.tensor(&name)?, &name)
+    };
     Ok(Layer {
         bias,
         qk_norm,
-        attn_norm: vec1(&w("attn_norm")?)?,
-        ffn_norm: vec1(&w("ffn_norm")?)?,
-        wq: Linear::new(w("attn_q")?)?,
-        wk: Linear::new(w("attn_k")?)?,
-        wv: Linear::new(w("attn_v")?)?,
-        wo: Linear::new(w("attn_output")?)?,
-        wg: Linear::new(w("ffn_gate")?)?,
-        wu: Linear::new(w("ffn_up")?)?,
-        wd: Linear::new(w("ffn_down")?)?,
+        attn_norm,
+        ffn_norm,
+        wq: w("attn_q")?,
+        wk: w("attn_k")?,
+        wv: w("attn_v")?,
+        wo: w("attn_output")?,
+        wg: w("ffn_gate")?,
+        wu: w("ffn_up")?,
+        wd: w("ffn_down")?,
     })
 }
 
@@ -595,8 +628,8 @@ struct Batch<'a> {
     /// (sequence, position) of each row.
     rows: &'a [(usize, usize)],
     positions: &'a [usize],
-    /// Q8_0 weights for the row (see `Model::mm`).
-    q8: &'a [bool],
+    /// The product each row takes (see `Model::mm`).
+    paths: &'a [Path],
 }
 
 /// Gathers the K/V of each sequence with several rows up to the last position this call

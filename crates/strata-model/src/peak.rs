@@ -1,8 +1,8 @@
 //! This machine's measured ceilings for decode, against which `strata model bench --streams`
 //! states its FLOP/s and bytes/s.
 //!
-//! * Compute: the decode kernel itself ([`Q8Matrix::matmul`], Q8_0 weights × Q8_0
-//!   activations, AVX2 integer dot products) on the model's largest projection shapes against
+//! * Compute: the decode kernel itself ([`QMatrix::matmul_q`], Q8_0 weights × 8-bit
+//!   activations, integer dot products: AVX-512 VNNI where the CPU has it, else AVX2) on the model's largest projection shapes against
 //!   64 activation rows, the same call repeated so its weights (under 1 MB for SmolLM2) come
 //!   from cache, on every thread: the most multiply-adds per second this kernel reaches,
 //!   its own per-call costs (quantizing the activations, the transpose, the thread split)
@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::q8::Q8Matrix;
+use crate::qmat::QMatrix;
 
 /// The best FLOP/s (2 per multiply-add) of the Q8_0 decode kernel over `shapes` (weight rows ×
 /// columns, columns a multiple of 32) with 64 activation rows and cached weights.
@@ -30,7 +30,7 @@ pub fn kernel_flops_at(rows: usize, cols: usize, n: usize, threads: usize) -> f6
     let w: Vec<f32> = (0..rows * cols)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
         .collect();
-    let m = Q8Matrix::quantize(&w, rows, cols);
+    let m = QMatrix::quantize_q8_0(&w, rows, cols);
     let x: Vec<f32> = (0..n * cols)
         .map(|i| ((i * 13 % 29) as f32 - 14.0) / 14.0)
         .collect();
@@ -40,7 +40,7 @@ pub fn kernel_flops_at(rows: usize, cols: usize, n: usize, threads: usize) -> f6
         let t = Instant::now();
         let mut sink = 0f32;
         for _ in 0..reps {
-            sink += m.matmul(&x, threads)[0];
+            sink += m.matmul_q(&x, threads)[0];
         }
         let s = t.elapsed().as_secs_f64();
         std::hint::black_box(sink);

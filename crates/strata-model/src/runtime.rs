@@ -106,7 +106,8 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
 #[derive(Clone, Copy, Debug)]
 pub struct LoadOptions {
     pub threads: usize,
-    /// Q8_0 weights for decode steps (see [`Model::set_quantized_decode`]).
+    /// 8-bit activations and integer products for decode steps (see
+    /// [`Model::set_quantized_decode`]).
     pub quantized_decode: bool,
 }
 

@@ -19,9 +19,10 @@ pub struct SeqInput<'a> {
     /// otherwise.
     pub windows: &'a [u32],
     /// Generated tokens (a decode step) rather than prompt tokens. Decode steps of at most
-    /// [`crate::model::QUANTIZED_MAX_ROWS`] tokens may use Q8_0 weights; prompt tokens always
-    /// use f32, so a prompt's logits (and first token) do not depend on how much of it was
-    /// cached.
+    /// [`crate::model::QUANTIZED_MAX_ROWS`] tokens may quantize their activations; prompt
+    /// tokens always keep f32 activations against the same dequantized weights (GEMM or
+    /// direct, which differ only in summation order), so a prompt's logits (and first token)
+    /// do not depend on how much of it was cached beyond float rounding.
     pub decode: bool,
 }
 

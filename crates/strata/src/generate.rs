@@ -35,7 +35,8 @@ pub struct ModelArgs {
     /// Threads for matrix products and attention.
     #[arg(long, default_value_t = 2, help_heading = "Model")]
     pub threads: usize,
-    /// Use f32 weights for decode steps too (default: Q8_0 for calls of at most 8 rows).
+    /// Keep f32 activations for decode steps too (default: 8-bit activations and integer
+    /// dot products for calls of at most 8 rows).
     #[arg(long, help_heading = "Model")]
     pub f32_decode: bool,
 }

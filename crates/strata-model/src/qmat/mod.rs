@@ -1,0 +1,290 @@
+//! Weight matrices kept in the GGUF's own block formats, and their products with activations.
+//!
+//! A [`QMatrix`] holds the file's bytes for a `[rows, cols]` weight (Q4_0, Q4_1, Q8_0, Q4_K,
+//! Q6_K, F16, F32; any other format is converted to Q8_0 when loaded), row after row. Three
+//! products, all `out[r][i] = Σ_j x[r][j] · w[i][j]`:
+//!
+//! * [`QMatrix::matmul_q`]: activations quantized per 32-group to 8 bits (as llama.cpp does for
+//!   its quantized dot products), an integer dot product per group and row; each weight group
+//!   is read and unpacked once for up to eight activation rows. Decode steps.
+//! * [`QMatrix::matmul_tiled`]: f32 activations; a panel of 32 weight rows at a time is
+//!   dequantized and transposed into a scratch buffer, then every output is one FMA per
+//!   column in order, 12 activation rows × 32 outputs in registers (AVX-512; 6 × 16 on
+//!   AVX2); panels run on the thread pool. Prompt rows, any number: a row's result is the
+//!   same bits however the prompt was chunked or how much of it was cached.
+//! * [`QMatrix::matmul_f32`]: f32 activations, each group unpacked in registers for up to
+//!   four rows, no panel: the vocabulary projection of decode steps (its argmax matters more
+//!   than the speed quantized activations would give).
+//!
+//! Kernels are AVX2 ([`avx2`], the build's x86-64-v3 baseline), with AVX-512 VNNI ones picked
+//! at run time where the CPU has them ([`avx512`]); [`format`] is the scalar reference.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod format;
+mod kernels;
+
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+use rayon::prelude::*;
+
+use crate::error::ModelError;
+pub use format::{Format, QActs, GROUP};
+
+/// Weight rows dequantized together into one panel (the f32 products' outputs per pass).
+pub(crate) const PANEL: usize = 32;
+/// Activation rows sharing one read of each weight group (integer products).
+pub(crate) const INT_ROWS: usize = 8;
+/// The same for f32 activations.
+pub(crate) const F32_ROWS: usize = 4;
+
+/// The integer kernels this CPU runs: `avx512-vnni`, `avx2` or `scalar`.
+pub fn kernel_name() -> &'static str {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    return avx512::kernel_name();
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    "scalar"
+}
+
+/// A `[rows, cols]` weight matrix in a block format.
+pub struct QMatrix {
+    pub format: Format,
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for QMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "QMatrix({} {}×{})",
+            self.format.name(),
+            self.rows,
+            self.cols
+        )
+    }
+}
+
+impl QMatrix {
+    /// A matrix over `data` (rows of whole blocks); `None` when `cols` is not a whole number
+    /// of blocks or the length is not `rows` rows.
+    pub fn new(format: Format, rows: usize, cols: usize, data: Vec<u8>) -> Option<QMatrix> {
+        let bw = format.block_weights();
+        if cols == 0 || !cols.is_multiple_of(bw) {
+            return None;
+        }
+        let row_bytes = (cols / bw).checked_mul(format.block_bytes())?;
+        if rows.checked_mul(row_bytes)? != data.len() {
+            return None;
+        }
+        Some(QMatrix {
+            format,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// A GGUF tensor `[rows, cols]` (GGUF's dims reversed) kept in its own format, or
+    /// converted to Q8_0 if the format is not one [`Format`] has.
+    pub fn from_qtensor(t: &QTensor, name: &str) -> Result<QMatrix, ModelError> {
+        let bad = |reason: String| ModelError::Forward(format!("tensor {name}: {reason}"));
+        let (rows, cols) = match t.shape().dims() {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            d => return Err(bad(format!("expected a matrix, got shape {d:?}"))),
+        };
+        if let Some(f) = Format::of(t.dtype()) {
+            let data = t.data()?.into_owned();
+            return QMatrix::new(f, rows, cols, data).ok_or_else(|| {
+                bad(format!(
+                    "{} rows of {cols} columns are not whole {}-weight blocks of {}",
+                    rows,
+                    f.block_weights(),
+                    f.name()
+                ))
+            });
+        }
+        if !cols.is_multiple_of(GROUP) {
+            return Err(bad(format!(
+                "{:?} with {cols} columns cannot be converted to Q8_0",
+                t.dtype()
+            )));
+        }
+        let w = t
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(QMatrix::quantize_q8_0(&w, rows, cols))
+    }
+
+    /// Row-major f32 weights quantized to Q8_0 (GGUF's blocks: f16 scale, 32 × i8).
+    pub fn quantize_q8_0(w: &[f32], rows: usize, cols: usize) -> QMatrix {
+        assert!(cols.is_multiple_of(GROUP) && w.len() == rows * cols);
+        let mut data = Vec::with_capacity(w.len() / GROUP * 34);
+        for block in w.chunks_exact(GROUP) {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            data.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            data.extend(block.iter().map(|v| (v * inv).round() as i8 as u8));
+        }
+        QMatrix::new(Format::Q8_0, rows, cols, data).expect("whole blocks")
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn groups(&self) -> usize {
+        self.cols / GROUP
+    }
+
+    fn row(&self, i: usize) -> &[u8] {
+        &self.data[i * self.row_bytes..(i + 1) * self.row_bytes]
+    }
+
+    /// Row `i` dequantized into `out[..cols]` (an embedding lookup).
+    pub fn row_f32(&self, i: usize, out: &mut [f32]) {
+        assert!(i < self.rows && out.len() >= self.cols);
+        kernels::row_f32(self.format, self.row(i), self.groups(), out);
+    }
+
+    /// `x · wᵀ` with `x` quantized to 8 bits per 32-group (integer formats; F32 and F16
+    /// weights take f32 activations). `x` holds whole rows of `cols`; returns `[n][rows]`.
+    pub fn matmul_q(&self, x: &[f32], threads: usize) -> Vec<f32> {
+        if !self.format.integer() {
+            return self.matmul_f32(x, threads);
+        }
+        let n = self.check(x);
+        let qx = QActs::quantize(x);
+        let groups = self.groups();
+        let kernel = kernels::int_kernel(self.format);
+        self.passes(n, threads, INT_ROWS, |row, r0, dst| {
+            kernel(row, groups, &qx, r0, dst)
+        })
+    }
+
+    /// `x · wᵀ` with f32 activations, each weight group unpacked in registers once for up to
+    /// four rows, in an order of its own (bits differ from [`QMatrix::matmul_tiled`]'s by
+    /// rounding): fast for one or two rows without packing a panel. The vocabulary projection
+    /// of decode steps.
+    pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
+        self.f32_product(x, threads)
+    }
+
+    fn f32_product(&self, x: &[f32], threads: usize) -> Vec<f32> {
+        let n = self.check(x);
+        let groups = self.groups();
+        let kernel = kernels::f32_kernel(self.format);
+        self.passes(n, threads, F32_ROWS, |row, r0, dst| {
+            kernel(row, groups, x, r0, dst)
+        })
+    }
+
+    /// `x · wᵀ` with f32 activations: panels of [`PANEL`] weight rows dequantized and
+    /// transposed, then each output one FMA per column in order (`Σ_k x[r][k] · w[i][k]`
+    /// from k = 0, nothing else), whatever the number of rows: a row's result does not depend
+    /// on the other rows of the call. Panels run on the thread pool.
+    pub fn matmul_tiled(&self, x: &[f32], _threads: usize) -> Vec<f32> {
+        let n = self.check(x);
+        let (cols, m, groups) = (self.cols, self.rows, self.groups());
+        if n == 0 {
+            return Vec::new();
+        }
+        let panels: Vec<Vec<f32>> = (0..m.div_ceil(PANEL))
+            .into_par_iter()
+            .map(|p| {
+                let r0 = p * PANEL;
+                let rows: Vec<&[u8]> = (r0..m.min(r0 + PANEL)).map(|i| self.row(i)).collect();
+                let mut panel = vec![0f32; cols * PANEL];
+                kernels::pack_panel(self.format, &rows, groups, &mut panel);
+                let mut o = vec![0f32; n * PANEL];
+                kernels::panel_product(x, cols, &panel, &mut o);
+                o
+            })
+            .collect();
+        let mut out = vec![0f32; n * m];
+        for (p, o) in panels.iter().enumerate() {
+            let r0 = p * PANEL;
+            let nb = PANEL.min(m - r0);
+            for (dst, src) in out.chunks_exact_mut(m).zip(o.chunks_exact(PANEL)) {
+                dst[r0..r0 + nb].copy_from_slice(&src[..nb]);
+            }
+        }
+        out
+    }
+
+    /// The number of activation rows in `x`, which must be whole rows.
+    fn check(&self, x: &[f32]) -> usize {
+        assert!(
+            x.len().is_multiple_of(self.cols),
+            "activations are not whole rows of {}",
+            self.cols
+        );
+        x.len() / self.cols
+    }
+
+    /// Runs `kernel(weight row, first activation row, outputs)` for every weight row and
+    /// every group of at most `group` of the `n` activation rows, weight rows split over
+    /// threads; returns `[n][rows]`.
+    fn passes(
+        &self,
+        n: usize,
+        threads: usize,
+        group: usize,
+        kernel: impl Fn(&[u8], usize, &mut [f32]) + Sync,
+    ) -> Vec<f32> {
+        let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
+        if n == 0 {
+            return out_t;
+        }
+        let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
+        out_t
+            .par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                for (k, dst) in o.chunks_exact_mut(n).enumerate() {
+                    let row = self.row(ci * chunk + k);
+                    let mut r = 0;
+                    while r < n {
+                        let g = (n - r).min(group);
+                        kernel(row, r, &mut dst[r..r + g]);
+                        r += g;
+                    }
+                }
+            });
+        transpose(&out_t, n, self.rows)
+    }
+}
+
+/// `[rows][n]` → `[n][rows]`.
+fn transpose(t: &[f32], n: usize, rows: usize) -> Vec<f32> {
+    if n == 1 {
+        return t.to_vec();
+    }
+    let mut out = vec![0f32; n * rows];
+    for (i, v) in t.chunks_exact(n).enumerate() {
+        for (r, &x) in v.iter().enumerate() {
+            out[r * rows + i] = x;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,219 @@
+//! Every format against candle's dequantization (the GGUF reference) and every kernel against
+//! the scalar reference, for row counts across the kernels' row groups and tails.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use super::format::{self, Format, QActs, GROUP};
+use super::{kernels, QMatrix};
+
+const ALL: [(GgmlDType, Format); 7] = [
+    (GgmlDType::F32, Format::F32),
+    (GgmlDType::F16, Format::F16),
+    (GgmlDType::Q4_0, Format::Q4_0),
+    (GgmlDType::Q4_1, Format::Q4_1),
+    (GgmlDType::Q8_0, Format::Q8_0),
+    (GgmlDType::Q4K, Format::Q4K),
+    (GgmlDType::Q6K, Format::Q6K),
+];
+
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    // A deterministic spread of magnitudes and signs, with an offset (exercises mins).
+    (0..n)
+        .map(|i| {
+            let h = (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 10007;
+            (h as f32 / 10007.0 - 0.45) * (1.0 + (i % 7) as f32 / 3.0)
+        })
+        .collect()
+}
+
+/// A `rows × cols` matrix quantized by candle, and candle's dequantization of it.
+fn matrix(d: GgmlDType, rows: usize, cols: usize, seed: usize) -> (QMatrix, Vec<f32>) {
+    let w = Tensor::from_vec(values(rows * cols, seed), (rows, cols), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, d).unwrap();
+    let deq = q
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    (QMatrix::from_qtensor(&q, "test").unwrap(), deq)
+}
+
+fn cols_for(f: Format) -> usize {
+    // An odd number of groups where the format allows (the AVX-512 kernels' tail).
+    if f.block_weights() == GROUP {
+        7 * GROUP
+    } else {
+        3 * 256
+    }
+}
+
+fn close(got: f32, want: f32, rel: f32, what: &str) {
+    assert!(
+        (got - want).abs() <= rel * want.abs().max(1.0),
+        "{what}: {got} vs {want}"
+    );
+}
+
+#[test]
+fn dequantization_matches_candle() {
+    for (d, f) in ALL {
+        let (rows, cols) = (5, cols_for(f));
+        let (m, deq) = matrix(d, rows, cols, 1);
+        assert_eq!(m.format, f);
+        let mut row = vec![0f32; cols];
+        let mut g = [0f32; GROUP];
+        for i in 0..rows {
+            m.row_f32(i, &mut row);
+            for (j, chunk) in row.chunks_exact(GROUP).enumerate() {
+                format::group_f32(f, m.row(i), j, &mut g);
+                for k in 0..GROUP {
+                    let want = deq[i * cols + j * GROUP + k];
+                    close(
+                        chunk[k],
+                        want,
+                        1e-6,
+                        &format!("{f:?} simd row {i} group {j}"),
+                    );
+                    close(g[k], want, 1e-6, &format!("{f:?} scalar row {i} group {j}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_match_the_reference() {
+    for (d, f) in ALL {
+        let (rows, cols) = (67, cols_for(f));
+        let (m, deq) = matrix(d, rows, cols, 2);
+        for n in [1, 2, 3, 4, 5, 8, 9, 13, 17] {
+            let x = values(n * cols, 100 + n);
+            let exact: Vec<f32> = (0..n * rows)
+                .map(|k| {
+                    let (r, i) = (k / rows, k % rows);
+                    let xr = &x[r * cols..(r + 1) * cols];
+                    xr.iter()
+                        .zip(&deq[i * cols..(i + 1) * cols])
+                        .map(|(a, b)| a * b)
+                        .sum()
+                })
+                .collect();
+            let (f32s, tiled, q) = (
+                m.matmul_f32(&x, 2),
+                m.matmul_tiled(&x, 2),
+                m.matmul_q(&x, 2),
+            );
+            let qx = QActs::quantize(&x);
+            let groups = cols / GROUP;
+            for k in 0..n * rows {
+                let what = format!("{f:?} n {n} out {k}");
+                close(f32s[k], exact[k], 1e-4, &format!("f32 {what}"));
+                close(tiled[k], exact[k], 1e-4, &format!("tiled {what}"));
+                if f.integer() {
+                    let (r, i) = (k / rows, k % rows);
+                    let want = format::dot_int(f, m.row(i), &qx, r * groups, groups);
+                    close(q[k], want, 1e-4, &format!("int {what}"));
+                    // Activation rounding moves each activation by at most half its group's
+                    // step: the product by at most Σ |w| · step / 2.
+                    let xr = &x[r * cols..(r + 1) * cols];
+                    let wr = &deq[i * cols..(i + 1) * cols];
+                    let bound: f32 = xr
+                        .chunks_exact(GROUP)
+                        .zip(wr.chunks_exact(GROUP))
+                        .map(|(xb, wb)| {
+                            let step = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                            wb.iter().map(|w| w.abs()).sum::<f32>() * step / 2.0
+                        })
+                        .sum();
+                    assert!(
+                        (q[k] - exact[k]).abs() <= bound * 1.01 + 1e-4,
+                        "int vs exact {what}: {} vs {} (bound {bound})",
+                        q[k],
+                        exact[k]
+                    );
+                } else {
+                    assert_eq!(q[k], f32s[k], "{what}: F32/F16 take f32 activations");
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 kernels against the scalar reference even on a CPU where AVX-512 is picked.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[test]
+fn avx2_kernels_where_avx512_is_picked() {
+    for (d, f) in ALL.into_iter().filter(|(_, f)| f.integer()) {
+        let (rows, cols) = (9, cols_for(f));
+        let (m, _) = matrix(d, rows, cols, 3);
+        let groups = cols / GROUP;
+        let n = 11;
+        let qx = QActs::quantize(&values(n * cols, 7));
+        let k = kernels::int_kernel_avx2(f);
+        for i in 0..rows {
+            let mut out = [0f32; 8];
+            for (r0, g) in [(0, 8), (8, 3)] {
+                k(m.row(i), groups, &qx, r0, &mut out[..g]);
+                for (r, &got) in out[..g].iter().enumerate() {
+                    let want = format::dot_int(f, m.row(i), &qx, (r0 + r) * groups, groups);
+                    close(got, want, 1e-4, &format!("{f:?} row {i} act {}", r0 + r));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn shapes_that_are_not_whole_blocks_are_refused() {
+    assert!(QMatrix::new(Format::Q4_1, 2, 48, vec![0; 2 * 30]).is_none());
+    assert!(QMatrix::new(Format::Q4K, 1, 32, vec![0; 18]).is_none());
+    assert!(QMatrix::new(Format::Q8_0, 2, 32, vec![0; 67]).is_none());
+    assert!(QMatrix::new(Format::Q8_0, usize::MAX, 32, vec![0; 34]).is_none());
+    assert!(QMatrix::new(Format::Q8_0, 2, 32, vec![0; 68]).is_some());
+}
+
+#[test]
+fn other_formats_become_q8_0() {
+    let (m, deq) = matrix(GgmlDType::Q5_1, 3, 64, 4);
+    assert_eq!(m.format, Format::Q8_0);
+    let mut row = vec![0f32; 64];
+    for i in 0..3 {
+        m.row_f32(i, &mut row);
+        for (k, &v) in row.iter().enumerate() {
+            // Q8_0 of the dequantized values: within half a step of 8 bits.
+            close(v, deq[i * 64 + k], 0.01, &format!("row {i} col {k}"));
+        }
+    }
+}
+
+/// A row's f32 product is the same bits whatever other rows share the call (prompt logits
+/// must not depend on chunking or on how much of a prompt was cached).
+#[test]
+fn tiled_rows_do_not_depend_on_the_batch() {
+    for (d, f) in ALL {
+        let (rows, cols) = (45, cols_for(f));
+        let (m, _) = matrix(d, rows, cols, 5);
+        let n = 29;
+        let x = values(n * cols, 13);
+        let all = m.matmul_tiled(&x, 2);
+        for (a, b) in [(0, 1), (3, 4), (5, 18), (17, 29), (1, 14)] {
+            let part = m.matmul_tiled(&x[a * cols..b * cols], 2);
+            for r in a..b {
+                for i in 0..rows {
+                    assert_eq!(
+                        part[(r - a) * rows + i].to_bits(),
+                        all[r * rows + i].to_bits(),
+                        "{f:?} rows {a}..{b}: row {r} out {i}"
+                    );
+                }
+            }
+        }
+    }
+}
