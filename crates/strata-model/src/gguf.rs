@@ -158,6 +158,18 @@ impl Gguf {
         })
     }
 
+    /// Bytes of all tensors' data in the file, in their stored formats.
+    pub fn tensor_bytes(&self) -> u64 {
+        self.content
+            .tensor_infos
+            .values()
+            .map(|t| {
+                let d = t.ggml_dtype;
+                (t.shape.elem_count() / d.block_size() * d.type_size()) as u64
+            })
+            .sum()
+    }
+
     /// Whether the file has tensor `name`.
     pub fn content_has(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)

@@ -20,9 +20,9 @@ pub struct SeqInput<'a> {
     pub windows: &'a [u32],
     /// Generated tokens (a decode step) rather than prompt tokens. Decode steps of at most
     /// [`crate::model::QUANTIZED_MAX_ROWS`] tokens may quantize their activations; prompt
-    /// tokens always keep f32 activations against the same dequantized weights (GEMM or
-    /// direct, which differ only in summation order), so a prompt's logits (and first token)
-    /// do not depend on how much of it was cached beyond float rounding.
+    /// tokens always take the f32 panel product, which gives a row the same bits whatever
+    /// else is in the call, so a prompt's logits (and first token) do not depend on how much
+    /// of it was cached or how it was chunked.
     pub decode: bool,
 }
 

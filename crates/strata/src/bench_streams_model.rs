@@ -33,8 +33,8 @@ fn work(m: &Model, n: usize, ctx: f64) -> Work {
     let kv_token = (2 * c.layers * c.kv_heads * c.head_dim * 2) as f64;
     Work {
         flop: n as f64 * (2.0 * w + attn),
-        // Q8_0: 32 int8 and one f32 scale per 32 weights.
-        bytes: w * (1.0 + 4.0 / 32.0) + n as f64 * ctx * kv_token,
+        // The weights as held (the file's block formats), once per step.
+        bytes: m.weight_bytes() as f64 + n as f64 * ctx * kv_token,
     }
 }
 
@@ -83,8 +83,9 @@ pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usiz
     let flops_peak = peak::kernel_flops(&[(f, h), (h, f)], threads);
     let read_peak = peak::read_bandwidth(threads);
     println!(
-        "ceilings ({threads} threads): decode kernel {:.1} GFLOP/s (Q8_0 × Q8_0, {f} × {h} and {h} × {f} weights from cache, 64 rows), memory read {:.1} GB/s",
+        "ceilings ({threads} threads): decode kernel {:.1} GFLOP/s (Q8_0 × 8-bit activations, {}, {f} × {h} and {h} × {f} weights from cache, 64 rows), memory read {:.1} GB/s",
         flops_peak / 1e9,
+        strata_model::qmat::kernel_name(),
         read_peak / 1e9
     );
     println!("| streams | tok/s | step ms | GFLOP/s | of kernel peak | GB/s read | of read peak |");

@@ -118,7 +118,15 @@ pub struct BenchArgs {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
-    let (_g, m, _tk) = a.model.load()?;
+    let (g, m, _tk) = a.model.load()?;
+    let (held, file) = (m.weight_bytes() as u64, g.tensor_bytes());
+    println!(
+        "weights: {held} bytes held ({:.1} MiB) for {file} bytes of tensors in the file \
+         ({:.3}×); integer kernels: {}",
+        held as f64 / 1048576.0,
+        held as f64 / file.max(1) as f64,
+        strata_model::qmat::kernel_name()
+    );
     if !a.streams.is_empty() {
         let t = a.model.threads;
         return crate::bench_streams_model::run(
@@ -178,7 +186,21 @@ fn bench(a: BenchArgs) -> Result<()> {
         "decode at context {}: {best:>8.1} tok/s ({} tokens)",
         a.decode_context, a.decode_tokens
     );
+    if let Some(hwm) = peak_resident() {
+        println!(
+            "peak resident memory of this process: {hwm} bytes ({:.1} MiB)",
+            hwm as f64 / 1048576.0
+        );
+    }
     Ok(())
+}
+
+/// The process's peak resident set (`VmHWM`), where /proc tells it.
+fn peak_resident() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 pub fn run_model(c: ModelCommand) -> Result<()> {

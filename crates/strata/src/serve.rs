@@ -68,8 +68,8 @@ pub struct ServeArgs {
     /// Threads for matrix products and attention.
     #[arg(long, default_value_t = 2, help_heading = "Compute")]
     pub threads: usize,
-    /// Use f32 weights for decode steps too (default: Q8_0). llama models only: DeepSeek-V4
-    /// always computes in f32.
+    /// Keep f32 activations for decode steps too (default: 8-bit activations, integer dot
+    /// products). llama models only: DeepSeek-V4 always computes in f32.
     #[arg(long, help_heading = "Compute")]
     pub f32_decode: bool,
 

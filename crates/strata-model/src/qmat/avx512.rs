@@ -38,7 +38,7 @@ pub(crate) fn kernel_name() -> &'static str {
     }
 }
 
-/// One weight row against `out.len()` (1..=8) quantized activation rows from `r0`.
+/// One weight row against `out.len()` (1..=16) quantized activation rows from `r0`.
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/DQ/VL/VNNI ([`available`]); `row` holds `groups` groups; `x` holds
@@ -59,7 +59,15 @@ pub(crate) unsafe fn int_rows<U: Unpack>(
         5 => dot::<U, 5>(row, groups, x, r0, out),
         6 => dot::<U, 6>(row, groups, x, r0, out),
         7 => dot::<U, 7>(row, groups, x, r0, out),
-        _ => dot::<U, 8>(row, groups, x, r0, out),
+        8 => dot::<U, 8>(row, groups, x, r0, out),
+        9 => dot::<U, 9>(row, groups, x, r0, out),
+        10 => dot::<U, 10>(row, groups, x, r0, out),
+        11 => dot::<U, 11>(row, groups, x, r0, out),
+        12 => dot::<U, 12>(row, groups, x, r0, out),
+        13 => dot::<U, 13>(row, groups, x, r0, out),
+        14 => dot::<U, 14>(row, groups, x, r0, out),
+        15 => dot::<U, 15>(row, groups, x, r0, out),
+        _ => dot::<U, 16>(row, groups, x, r0, out),
     }
 }
 
@@ -224,7 +232,7 @@ unsafe fn micro<const R: usize>(
     }
 }
 
-/// [`super::avx2::dot_f32`] on AVX-512: one weight row against `out.len()` (1..=4) f32
+/// [`super::avx2::dot_f32`] on AVX-512: one weight row against `out.len()` (1..=8) f32
 /// activation rows from row `r0` of `x`, two 16-lane accumulators per row.
 ///
 /// # Safety
@@ -242,7 +250,11 @@ pub(crate) unsafe fn f32_rows(
         1 => dot_f32::<1>(load, groups, x, r0, out),
         2 => dot_f32::<2>(load, groups, x, r0, out),
         3 => dot_f32::<3>(load, groups, x, r0, out),
-        _ => dot_f32::<4>(load, groups, x, r0, out),
+        4 => dot_f32::<4>(load, groups, x, r0, out),
+        5 => dot_f32::<5>(load, groups, x, r0, out),
+        6 => dot_f32::<6>(load, groups, x, r0, out),
+        7 => dot_f32::<7>(load, groups, x, r0, out),
+        _ => dot_f32::<8>(load, groups, x, r0, out),
     }
 }
 

@@ -237,13 +237,17 @@ impl QActs {
             Vec::with_capacity(n),
             vec![0i8; x.len()],
         );
+        // A NaN activation is skipped by the max and becomes 0 (`as i8`); the f32 products
+        // carry it through instead. Activations come from the model's own arithmetic.
         for (block, qb) in x.chunks_exact(GROUP).zip(q.chunks_exact_mut(GROUP)) {
             let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             let mut sum = 0i32;
             for (o, v) in qb.iter_mut().zip(block) {
-                *o = (v * inv).round() as i8;
+                // Within ±127 even when 1 / scale overflows (a subnormal group): the kernels'
+                // sign trick needs no −128.
+                *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
                 sum += *o as i32;
             }
             d.push(scale);

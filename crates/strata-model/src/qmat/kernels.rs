@@ -10,16 +10,52 @@ pub(crate) type IntKernel = fn(&[u8], usize, &QActs, usize, &mut [f32]);
 /// The same with f32 activations (rows of `groups · 32`).
 pub(crate) type F32Kernel = fn(&[u8], usize, &[f32], usize, &mut [f32]);
 
-/// Checks a weight row and the activation rows a kernel call reads.
-fn check(f: Format, row: &[u8], groups: usize, rows_needed: usize, have: usize, g: usize) {
-    let blocks = groups * GROUP / f.block_weights();
+/// Activation rows per pass of the integer kernels on this CPU.
+pub(crate) fn int_rows() -> usize {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if super::avx512::available() {
+        return super::INT_ROWS;
+    }
+    8
+}
+
+/// Activation rows per pass of the f32 kernel on this CPU.
+pub(crate) fn f32_rows() -> usize {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if super::avx512::available() {
+        return super::F32_ROWS;
+    }
+    4
+}
+
+/// Checks a weight row and the activation rows a kernel call reads: `groups` whole blocks of
+/// `f` within `row`, `rows_needed` (computed without overflow) at most `have`.
+fn check(f: Format, row: &[u8], groups: usize, rows_needed: Option<usize>, have: usize, g: usize) {
+    let weights = groups * GROUP;
+    let blocks = weights / f.block_weights();
     assert!(
-        row.len() >= blocks * f.block_bytes() && rows_needed <= have && g >= 1,
-        "kernel lengths: row {} bytes for {groups} groups of {}, activation rows {rows_needed} \
+        weights.is_multiple_of(f.block_weights())
+            && row.len() >= blocks * f.block_bytes()
+            && rows_needed.is_some_and(|r| r <= have)
+            && g >= 1,
+        "kernel lengths: row {} bytes for {groups} groups of {}, activation rows {rows_needed:?} \
          of {have}",
         row.len(),
         f.name()
     );
+}
+
+/// `(r0 + g) · per`, or `None` on overflow.
+fn end(r0: usize, g: usize, per: usize) -> Option<usize> {
+    r0.checked_add(g)?.checked_mul(per)
 }
 
 #[cfg(all(
@@ -40,9 +76,9 @@ mod simd {
         out: &mut [f32],
     ) {
         let g = out.len();
-        check(U::FORMAT, row, groups, (r0 + g) * groups, x.d.len(), g);
+        check(U::FORMAT, row, groups, end(r0, g, groups), x.d.len(), g);
         assert!(g <= super::super::INT_ROWS && x.q.len() == x.d.len() * GROUP);
-        assert!(x.s.len() == x.d.len());
+        assert!(x.s.len() == x.d.len() && x.d8.len() == 8 * x.d.len() && x.s8.len() == x.d8.len());
         if avx512::available() {
             // SAFETY: the CPU has the AVX-512 features the kernel needs (checked at run time);
             // the lengths were checked above.
@@ -61,8 +97,8 @@ mod simd {
         out: &mut [f32],
     ) {
         let g = out.len();
-        check(U::FORMAT, row, groups, (r0 + g) * groups, x.d.len(), g);
-        assert!(g <= super::super::INT_ROWS && x.q.len() == x.d.len() * GROUP);
+        check(U::FORMAT, row, groups, end(r0, g, groups), x.d.len(), g);
+        assert!(g <= 8 && x.q.len() == x.d.len() * GROUP);
         let p = row.as_ptr();
         // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths were checked above.
         unsafe {
@@ -104,7 +140,7 @@ mod simd {
         let f = FORMATS[F as usize];
         let g = out.len();
         let cols = groups * GROUP;
-        check(f, row, groups, (r0 + g) * cols, x.len(), g);
+        check(f, row, groups, end(r0, g, cols), x.len(), g);
         assert!(g <= super::super::F32_ROWS);
         let p = row.as_ptr();
         // Monomorphized per format: the loader inlines into the kernel.
@@ -117,6 +153,7 @@ mod simd {
                     let l = |j| $load(p, j);
                     match g {
                         _ if avx512::available() => avx512::f32_rows(l, groups, x, r0, out),
+                        5.. => unreachable!("AVX2 passes take at most 4 rows"),
                         1 => avx2::dot_f32::<1>(l, groups, x, r0, out),
                         2 => avx2::dot_f32::<2>(l, groups, x, r0, out),
                         3 => avx2::dot_f32::<3>(l, groups, x, r0, out),
@@ -251,7 +288,7 @@ pub(crate) fn pack_panel(f: Format, rows: &[&[u8]], groups: usize, panel: &mut [
     let cols = groups * GROUP;
     assert!(!rows.is_empty() && rows.len() <= PANEL && panel.len() == cols * PANEL);
     for r in rows {
-        check(f, r, groups, 0, 0, 1);
+        check(f, r, groups, Some(0), 0, 1);
     }
     let row = |i: usize| rows[i.min(rows.len() - 1)];
     #[cfg(all(
@@ -358,7 +395,7 @@ pub(crate) fn panel_product(x: &[f32], cols: usize, panel: &[f32], out: &mut [f3
 
 /// Dequantizes a row of `groups` groups into `out`.
 pub(crate) fn row_f32(f: Format, row: &[u8], groups: usize, out: &mut [f32]) {
-    check(f, row, groups, groups * GROUP, out.len(), 1);
+    check(f, row, groups, Some(groups * GROUP), out.len(), 1);
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",

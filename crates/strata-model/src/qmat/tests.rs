@@ -217,3 +217,42 @@ fn tiled_rows_do_not_depend_on_the_batch() {
         }
     }
 }
+
+/// Any bytes in the blocks (a hostile file: NaN and infinite scales, −128 weights, any Q6_K
+/// multipliers): every product runs without panicking, and where the scalar reference is
+/// finite the integer kernels agree with it.
+#[test]
+fn any_block_bytes_are_safe() {
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut byte = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed as u8
+    };
+    for (_, f) in ALL {
+        let (rows, cols) = (9, cols_for(f));
+        let bytes = rows * cols / f.block_weights() * f.block_bytes();
+        let data: Vec<u8> = (0..bytes).map(|_| byte()).collect();
+        let m = QMatrix::new(f, rows, cols, data).unwrap();
+        let n = 5;
+        let x = values(n * cols, 17);
+        let (q, a, t) = (
+            m.matmul_q(&x, 2),
+            m.matmul_f32(&x, 2),
+            m.matmul_tiled(&x, 2),
+        );
+        assert_eq!((q.len(), a.len(), t.len()), (n * rows, n * rows, n * rows));
+        if f.integer() {
+            let qx = QActs::quantize(&x);
+            let groups = cols / GROUP;
+            for k in 0..n * rows {
+                let (r, i) = (k / rows, k % rows);
+                let want = format::dot_int(f, m.row(i), &qx, r * groups, groups);
+                if want.is_finite() && q[k].is_finite() {
+                    close(q[k], want, 1e-3, &format!("{f:?} hostile bytes, out {k}"));
+                }
+            }
+        }
+    }
+}
