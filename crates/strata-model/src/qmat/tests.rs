@@ -246,11 +246,11 @@ fn any_block_bytes_are_safe() {
         if f.integer() {
             let qx = QActs::quantize(&x);
             let groups = cols / GROUP;
-            for k in 0..n * rows {
+            for (k, &got) in q.iter().enumerate() {
                 let (r, i) = (k / rows, k % rows);
                 let want = format::dot_int(f, m.row(i), &qx, r * groups, groups);
-                if want.is_finite() && q[k].is_finite() {
-                    close(q[k], want, 1e-3, &format!("{f:?} hostile bytes, out {k}"));
+                if want.is_finite() && got.is_finite() {
+                    close(got, want, 1e-3, &format!("{f:?} hostile bytes, out {k}"));
                 }
             }
         }
