@@ -37,6 +37,14 @@ unsafe fn f16(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))
 }
 
+/// Two adjacent f16 values (a scale and a min) in one conversion.
+#[inline(always)]
+unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+    let v = i32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+    let f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+    (_mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f)))
+}
+
 /// 16 bytes of nibbles → 32 bytes: low nibbles first, then high.
 #[inline(always)]
 unsafe fn nibbles(p: *const u8) -> __m256i {
@@ -97,11 +105,12 @@ impl Unpack for Q4_1 {
     #[inline(always)]
     unsafe fn group(row: *const u8, j: usize) -> Group {
         let b = row.add(j * 20);
+        let (scale, min) = f16_pair(b);
         Group {
             w: nibbles(b.add(4)),
             sub: no_sub(),
-            scale: f16(b),
-            min: f16(b.add(2)),
+            scale,
+            min,
         }
     }
 }
@@ -124,11 +133,12 @@ impl Unpack for Q4K {
         } else {
             _mm256_srli_epi16(q, 4)
         };
+        let (d, dmin) = f16_pair(b);
         Group {
             w: _mm256_and_si256(q, _mm256_set1_epi8(0x0F)),
             sub: no_sub(),
-            scale: f16(b) * s as f32,
-            min: -f16(b.add(2)) * m as f32,
+            scale: d * s as f32,
+            min: -dmin * m as f32,
         }
     }
 }
@@ -177,7 +187,7 @@ pub(crate) unsafe fn hsum(a: __m256) -> f32 {
 ///
 /// # Safety
 /// AVX2 and FMA; `row` holds `groups` groups; `x` holds rows `r0..r0 + G` of `groups`
-/// groups each; `out.len() >= G`.
+/// groups each (with their `d8` and `s8`); `out.len() >= G`.
 #[inline(always)]
 pub(crate) unsafe fn dot_int<U: Unpack, const G: usize>(
     row: *const u8,
@@ -188,8 +198,7 @@ pub(crate) unsafe fn dot_int<U: Unpack, const G: usize>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); G];
-    let mut off = [0f32; G];
-    let (xd, xs, xq) = (x.d.as_ptr(), x.s.as_ptr(), x.q.as_ptr());
+    let (xq, d8, s8) = (x.q.as_ptr(), x.d8.as_ptr(), x.s8.as_ptr());
     for j in 0..groups {
         let g = U::group(row, j);
         let aw = if U::SIGNED {
@@ -198,7 +207,8 @@ pub(crate) unsafe fn dot_int<U: Unpack, const G: usize>(
             g.w
         };
         let mul = if U::SUB { g.sub } else { ones };
-        for r in 0..G {
+        let (scale, min) = (_mm256_set1_ps(g.scale), _mm256_set1_ps(g.min));
+        for (r, a) in acc.iter_mut().enumerate() {
             let at = (r0 + r) * groups + j;
             let xv = _mm256_loadu_si256(xq.add(at * GROUP) as *const __m256i);
             let xv = if U::SIGNED {
@@ -207,14 +217,17 @@ pub(crate) unsafe fn dot_int<U: Unpack, const G: usize>(
                 xv
             };
             let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), mul));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(g.scale * *xd.add(at)), p, acc[r]);
+            // Per-lane copies of the activation scale (d8) and of s / 8 (s8): no scalar
+            // work per row.
+            let d = _mm256_mul_ps(scale, _mm256_loadu_ps(d8.add(at * 8)));
+            *a = _mm256_fmadd_ps(d, p, *a);
             if U::AFFINE {
-                off[r] += g.min * *xs.add(at);
+                *a = _mm256_fmadd_ps(min, _mm256_loadu_ps(s8.add(at * 8)), *a);
             }
         }
     }
     for r in 0..G {
-        out[r] = hsum(acc[r]) + off[r];
+        out[r] = hsum(acc[r]);
     }
 }
 

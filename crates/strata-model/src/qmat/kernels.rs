@@ -98,7 +98,8 @@ mod simd {
     ) {
         let g = out.len();
         check(U::FORMAT, row, groups, end(r0, g, groups), x.d.len(), g);
-        assert!(g <= 8 && x.q.len() == x.d.len() * GROUP);
+        assert!(g <= 8 && x.q.len() == x.d.len() * GROUP && x.s.len() == x.d.len());
+        assert!(x.d8.len() == 8 * x.d.len() && x.s8.len() == x.d8.len());
         let p = row.as_ptr();
         // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths were checked above.
         unsafe {
