@@ -10,30 +10,38 @@ pub(crate) type IntKernel = fn(&[u8], usize, &QActs, usize, &mut [f32]);
 /// The same with f32 activations (rows of `groups · 32`).
 pub(crate) type F32Kernel = fn(&[u8], usize, &[f32], usize, &mut [f32]);
 
-/// Activation rows per pass of the integer kernels on this CPU.
-pub(crate) fn int_rows() -> usize {
+/// Whether the AVX-512 kernels run on this CPU.
+fn avx512() -> bool {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if super::avx512::available() {
-        return super::INT_ROWS;
+    return super::avx512::available();
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    false
+}
+
+/// Activation rows per pass of the integer kernels on this CPU.
+pub(crate) fn int_rows() -> usize {
+    if avx512() {
+        super::INT_ROWS
+    } else {
+        8
     }
-    8
 }
 
 /// Activation rows per pass of the f32 kernel on this CPU.
 pub(crate) fn f32_rows() -> usize {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    if super::avx512::available() {
-        return super::F32_ROWS;
+    if avx512() {
+        super::F32_ROWS
+    } else {
+        4
     }
-    4
 }
 
 /// Checks a weight row and the activation rows a kernel call reads: `groups` whole blocks of
