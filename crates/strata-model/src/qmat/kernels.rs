@@ -66,6 +66,28 @@ fn end(r0: usize, g: usize, per: usize) -> Option<usize> {
     r0.checked_add(g)?.checked_mul(per)
 }
 
+/// `$go!(loader)` with the AVX2 group loader of format `$f` (each arm monomorphized, so the
+/// loader inlines into the kernel `$go` expands to).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+macro_rules! with_loader {
+    ($f:expr, $go:ident) => {{
+        use $crate::qmat::avx2 as a;
+        match $f {
+            Format::F32 => $go!(a::group_f32_plain),
+            Format::F16 => $go!(a::group_f32_half),
+            Format::Q4_0 => $go!(a::group_f32::<a::Q4_0>),
+            Format::Q4_1 => $go!(a::group_f32::<a::Q4_1>),
+            Format::Q8_0 => $go!(a::group_f32::<a::Q8_0>),
+            Format::Q4K => $go!(a::group_f32::<a::Q4K>),
+            Format::Q6K => $go!(a::group_f32::<a::Q6K>),
+        }
+    }};
+}
+
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -76,6 +98,22 @@ mod simd {
     use super::super::avx512;
     use super::*;
 
+    /// Checks what an integer kernel call reads: the weight row, `out.len()` (1..=`most`)
+    /// activation rows from `r0` with their scales, sums and per-lane copies.
+    fn check_int(
+        f: Format,
+        row: &[u8],
+        groups: usize,
+        x: &QActs,
+        r0: usize,
+        g: usize,
+        most: usize,
+    ) {
+        check(f, row, groups, end(r0, g, groups), x.d.len(), g);
+        assert!(g <= most && x.q.len() == x.d.len() * GROUP && x.s.len() == x.d.len());
+        assert!(x.d8.len() == 8 * x.d.len() && x.s8.len() == x.d8.len());
+    }
+
     pub(super) fn int_rows<U: Unpack>(
         row: &[u8],
         groups: usize,
@@ -83,11 +121,16 @@ mod simd {
         r0: usize,
         out: &mut [f32],
     ) {
-        let g = out.len();
-        check(U::FORMAT, row, groups, end(r0, g, groups), x.d.len(), g);
-        assert!(g <= super::super::INT_ROWS && x.q.len() == x.d.len() * GROUP);
-        assert!(x.s.len() == x.d.len() && x.d8.len() == 8 * x.d.len() && x.s8.len() == x.d8.len());
         if avx512::available() {
+            check_int(
+                U::FORMAT,
+                row,
+                groups,
+                x,
+                r0,
+                out.len(),
+                super::super::INT_ROWS,
+            );
             // SAFETY: the CPU has the AVX-512 features the kernel needs (checked at run time);
             // the lengths were checked above.
             unsafe { avx512::int_rows::<U>(row.as_ptr(), groups, x, r0, out) };
@@ -105,9 +148,7 @@ mod simd {
         out: &mut [f32],
     ) {
         let g = out.len();
-        check(U::FORMAT, row, groups, end(r0, g, groups), x.d.len(), g);
-        assert!(g <= 8 && x.q.len() == x.d.len() * GROUP && x.s.len() == x.d.len());
-        assert!(x.d8.len() == 8 * x.d.len() && x.s8.len() == x.d8.len());
+        check_int(U::FORMAT, row, groups, x, r0, g, 8);
         let p = row.as_ptr();
         // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths were checked above.
         unsafe {
@@ -121,21 +162,6 @@ mod simd {
                 7 => avx2::dot_int::<U, 7>(p, groups, x, r0, out),
                 _ => avx2::dot_int::<U, 8>(p, groups, x, r0, out),
             }
-        }
-    }
-
-    /// Group loaders per format, as one function pointer type.
-    pub(super) type Load = unsafe fn(*const u8, usize) -> [std::arch::x86_64::__m256; 4];
-
-    pub(super) fn load(f: Format) -> Load {
-        match f {
-            Format::F32 => avx2::group_f32_plain,
-            Format::F16 => avx2::group_f32_half,
-            Format::Q4_0 => avx2::group_f32::<avx2::Q4_0>,
-            Format::Q4_1 => avx2::group_f32::<avx2::Q4_1>,
-            Format::Q8_0 => avx2::group_f32::<avx2::Q8_0>,
-            Format::Q4K => avx2::group_f32::<avx2::Q4K>,
-            Format::Q6K => avx2::group_f32::<avx2::Q6K>,
         }
     }
 
@@ -171,15 +197,7 @@ mod simd {
                 }
             }};
         }
-        match f {
-            Format::F32 => go!(avx2::group_f32_plain),
-            Format::F16 => go!(avx2::group_f32_half),
-            Format::Q4_0 => go!(avx2::group_f32::<avx2::Q4_0>),
-            Format::Q4_1 => go!(avx2::group_f32::<avx2::Q4_1>),
-            Format::Q8_0 => go!(avx2::group_f32::<avx2::Q8_0>),
-            Format::Q4K => go!(avx2::group_f32::<avx2::Q4K>),
-            Format::Q6K => go!(avx2::group_f32::<avx2::Q6K>),
-        }
+        with_loader!(f, go)
     }
 }
 
@@ -317,15 +335,7 @@ pub(crate) fn pack_panel(f: Format, rows: &[&[u8]], groups: usize, panel: &mut [
                     unsafe { avx2::pack8(|r, j| $load(r, j), p, groups, out, c0) }
                 };
             }
-            match f {
-                Format::F32 => go!(avx2::group_f32_plain),
-                Format::F16 => go!(avx2::group_f32_half),
-                Format::Q4_0 => go!(avx2::group_f32::<avx2::Q4_0>),
-                Format::Q4_1 => go!(avx2::group_f32::<avx2::Q4_1>),
-                Format::Q8_0 => go!(avx2::group_f32::<avx2::Q8_0>),
-                Format::Q4K => go!(avx2::group_f32::<avx2::Q4K>),
-                Format::Q6K => go!(avx2::group_f32::<avx2::Q6K>),
-            }
+            with_loader!(f, go)
         }
     }
     #[cfg(not(all(
@@ -411,11 +421,15 @@ pub(crate) fn row_f32(f: Format, row: &[u8], groups: usize, out: &mut [f32]) {
         target_feature = "fma"
     ))]
     {
-        let load = simd::load(f);
         let p = row.as_ptr();
-        // SAFETY: x86-64-v3 build; the row holds `groups` groups and `out` as many values
-        // (checked above).
-        unsafe { super::avx2::row_f32(|j| load(p, j), groups, out) };
+        macro_rules! go {
+            ($load:expr) => {
+                // SAFETY: x86-64-v3 build; the row holds `groups` groups and `out` as many
+                // values (checked above).
+                unsafe { super::avx2::row_f32(|j| $load(p, j), groups, out) }
+            };
+        }
+        with_loader!(f, go)
     }
     #[cfg(not(all(
         target_arch = "x86_64",

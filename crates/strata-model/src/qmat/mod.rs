@@ -185,10 +185,6 @@ impl QMatrix {
     /// rounding): fast for one or two rows without packing a panel. The vocabulary projection
     /// of decode steps.
     pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
-        self.f32_product(x, threads)
-    }
-
-    fn f32_product(&self, x: &[f32], threads: usize) -> Vec<f32> {
         let n = self.check(x);
         let groups = self.groups();
         let kernel = kernels::f32_kernel(self.format);
