@@ -203,11 +203,12 @@ impl QMatrix {
         if n == 0 {
             return Vec::new();
         }
-        // Panels in batches, so the scratch outputs held at once stay bounded (a vocabulary
-        // product over a long prompt would otherwise hold its logits twice).
+        // Panels in batches whose scratch outputs stay under 16 MiB (a vocabulary product over
+        // a long prompt would otherwise hold its logits twice); a layer's projections fit in
+        // one batch, so the pool is entered once per product.
         let mut out = vec![0f32; n * m];
         let panels = m.div_ceil(PANEL);
-        let batch = (rayon::current_num_threads() * 4).max(1);
+        let batch = ((16 << 20) / (n * PANEL * 4)).max(rayon::current_num_threads() * 4);
         for first in (0..panels).step_by(batch) {
             let done: Vec<Vec<f32>> = (first..panels.min(first + batch))
                 .into_par_iter()
