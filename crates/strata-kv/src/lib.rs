@@ -25,6 +25,7 @@ pub mod stats;
 pub mod storage;
 #[doc(hidden)]
 pub mod testing;
+pub mod tp;
 pub mod tree;
 pub mod units;
 

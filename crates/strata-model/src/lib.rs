@@ -32,6 +32,7 @@ pub mod tiny_dsv4;
 mod tiny_spm;
 pub mod tokenizer;
 mod tokenizer_spm;
+pub mod tp;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::ModelError;
@@ -39,3 +40,4 @@ pub use gguf::{Config, Gguf, GgufHeader};
 pub use model::{Model, SeqInput};
 pub use runtime::{load, LoadOptions, Loaded, Runtime};
 pub use tokenizer::ModelTokenizer;
+pub use tp::{RankPlacement, TpModel, TpOptions};

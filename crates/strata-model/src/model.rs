@@ -19,6 +19,7 @@ use crate::gguf::{Config, Gguf};
 use crate::qmat::QMatrix;
 pub(crate) use crate::seq::check_seq;
 pub use crate::seq::SeqInput;
+use crate::tp::{Collective, Part, Solo};
 
 /// Decode steps with at most this many tokens in a call use quantized activations and integer
 /// dot products ([`QMatrix::matmul_q`]): they are bound by reading weights, which stay in their
@@ -66,6 +67,11 @@ pub struct Model {
     sin: Vec<f32>,
     threads: usize,
     quantized_decode: bool,
+    /// Which pool kind of the layout holds this model's K/V (a tensor-parallel rank's).
+    kind: usize,
+    kind_name: String,
+    /// The vocabulary rows `embed` / `output` hold (all of them but on a tensor-parallel rank).
+    vocab_rows: std::ops::Range<usize>,
 }
 
 fn vec1(t: &Tensor) -> Result<Vec<f32>, ModelError> {
@@ -75,6 +81,15 @@ fn vec1(t: &Tensor) -> Result<Vec<f32>, ModelError> {
 impl Model {
     /// Loads every weight, matrices in their block formats.
     pub fn load(g: &mut Gguf) -> Result<Model, ModelError> {
+        let c = &g.config;
+        let whole = Part::whole(c);
+        Model::load_part(g, &whole)
+    }
+
+    /// Loads the weights of one tensor-parallel rank ([`Part`]): its heads' rows of Q, K, V
+    /// and columns of the output projection, its slice of the feed-forward, its rows of the
+    /// vocabulary. Its config states the rank's heads and feed-forward size.
+    pub(crate) fn load_part(g: &mut Gguf, part: &Part) -> Result<Model, ModelError> {
         let c = g.config.clone();
         if !c.head_dim.is_multiple_of(16)
             || !c.hidden.is_multiple_of(32)
@@ -106,18 +121,26 @@ impl Model {
         let mut mat = |name: &str| -> Result<QMatrix, ModelError> {
             QMatrix::from_qtensor(&g.tensor(name)?, name)
         };
-        let embed = mat("token_embd.weight")?;
+        let vocab_part = |m: QMatrix| match part.vocab == (0..m.rows) {
+            true => m,
+            false => m.rows_range(part.vocab.clone()),
+        };
+        let embed = vocab_part(mat("token_embd.weight")?);
         let output = if has_output {
-            Some(mat("output.weight")?)
+            Some(vocab_part(mat("output.weight")?))
         } else {
             None
         };
         let layers = (0..c.layers)
-            .map(|l| load_layer(&c, l, g))
+            .map(|l| load_layer(&c, l, g, part))
             .collect::<Result<Vec<_>, _>>()?;
         let (cos, sin) = rope_tables(&c, freqs.as_deref());
+        let mut config = c;
+        config.heads = part.heads.q.len();
+        config.kv_heads = part.heads.kv.len();
+        config.ffn = part.ffn.len();
         Ok(Model {
-            config: c,
+            config,
             embed,
             output,
             norm,
@@ -126,6 +149,9 @@ impl Model {
             sin,
             threads: 2,
             quantized_decode: true,
+            kind: part.kind,
+            kind_name: part.kind_name.clone(),
+            vocab_rows: part.vocab.clone(),
         })
     }
 
@@ -149,15 +175,21 @@ impl Model {
         layers + self.embed.bytes() + self.output.as_ref().map_or(0, |m| m.bytes()) + f(&self.norm)
     }
 
+    /// Index of this model's pool kind in the page layout (its tensor-parallel rank).
+    pub(crate) fn kind(&self) -> usize {
+        self.kind
+    }
+
     /// Threads for attention (matrix products follow candle's own setting).
     pub fn set_threads(&mut self, n: usize) {
         self.threads = n.max(1);
     }
 
-    /// The KV pool kind this model computes into: f16 K and V per layer (one rank).
+    /// The KV pool kind this model computes into: f16 K and V per layer of its KV heads
+    /// (`kv`; a tensor-parallel rank's `kv.tpR`).
     pub fn pool_kind(&self) -> PoolKind {
         PoolKind::kv(
-            "kv",
+            &self.kind_name,
             self.config.layers,
             self.config.kv_heads,
             self.config.head_dim,
@@ -312,19 +344,24 @@ impl Model {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
         // On a worker of the thread pool, so parallel matrix products split between this
         // thread and the others instead of waking the pool and sleeping on every call.
-        rayon::scope(|_| self.forward_inner(pool, seqs, all))
+        rayon::scope(|_| self.forward_part(pool, seqs, all, &Solo))
+            .map(|v| v.expect("a lone model keeps its logits"))
     }
 
-    fn forward_inner(
+    /// The forward pass of one tensor-parallel rank (or of the whole model, with [`Solo`]):
+    /// partial sums of the output projections and embedding rows meet in `comm`'s all-reduce,
+    /// the vocabulary's parts in its gather. The logits come back on the rank that gathers.
+    pub(crate) fn forward_part(
         &self,
         pool: &DevicePool,
         seqs: &[SeqInput],
         all_logits: &[bool],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        comm: &dyn Collective,
+    ) -> Result<Option<Vec<Vec<f32>>>, ModelError> {
         let rows = self.rows_of(pool, seqs)?; // (seq, position)
         let n = rows.len();
         if n == 0 {
-            return Ok(vec![Vec::new(); seqs.len()]);
+            return Ok(Some(vec![Vec::new(); seqs.len()]));
         }
         let positions: Vec<usize> = rows.iter().map(|r| r.1).collect();
         // The product each row takes, decided per sequence (see `mm`).
@@ -340,11 +377,16 @@ impl Model {
             })
             .collect();
         let h = self.config.hidden;
+        // Each rank looks up the tokens in its vocabulary rows; the all-reduce adds the
+        // zeros of the others (exact).
         let mut x = vec![0f32; n * h];
         let tokens = seqs.iter().flat_map(|s| s.tokens);
         for (dst, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            self.embed.row_f32(t as usize, dst);
+            if self.vocab_rows.contains(&(t as usize)) {
+                self.embed.row_f32(t as usize - self.vocab_rows.start, dst);
+            }
         }
+        comm.all_reduce(&mut x);
         let batch = Batch {
             seqs,
             rows: &rows,
@@ -352,9 +394,9 @@ impl Model {
             paths: &paths,
         };
         for (l, w) in self.layers.iter().enumerate() {
-            self.layer(pool, l, w, &batch, &mut x)?;
+            self.layer(pool, l, w, &batch, &mut x, comm);
         }
-        self.logits(&x, seqs, &paths, all_logits)
+        Ok(self.logits(&x, seqs, &paths, all_logits, comm))
     }
 
     /// Checks the pool and every sequence against the model; returns the rows of the call:
@@ -365,7 +407,7 @@ impl Model {
         seqs: &[SeqInput],
     ) -> Result<Vec<(usize, usize)>, ModelError> {
         let c = &self.config;
-        if pool.layout().kinds().first() != Some(&self.pool_kind()) {
+        if pool.layout().kinds().get(self.kind) != Some(&self.pool_kind()) {
             return Err(ModelError::Forward(format!(
                 "device pool layout {:?} does not match the model's {:?}",
                 pool.layout().kinds(),
@@ -389,7 +431,8 @@ impl Model {
         w: &Layer,
         batch: &Batch,
         x: &mut [f32],
-    ) -> Result<(), ModelError> {
+        comm: &dyn Collective,
+    ) {
         let c = &self.config;
         let hn = self.rmsnorm(x, &w.attn_norm);
         let mut q = self.mm(&hn, batch.paths, &w.wq, false);
@@ -400,7 +443,8 @@ impl Model {
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
         let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
-        let o = self.mm(&attn, batch.paths, &w.wo, false);
+        let mut o = self.mm(&attn, batch.paths, &w.wo, false);
+        comm.all_reduce(&mut o);
         for (a, b) in x.iter_mut().zip(&o) {
             *a += b;
         }
@@ -412,11 +456,11 @@ impl Model {
             .zip(&u)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let d = self.mm(&act, batch.paths, &w.wd, false);
+        let mut d = self.mm(&act, batch.paths, &w.wd, false);
+        comm.all_reduce(&mut d);
         for (a, b) in x.iter_mut().zip(&d) {
             *a += b;
         }
-        Ok(())
     }
 
     /// Writes every row's K and V of layer `l` (f16) into its sequence's page.
@@ -431,7 +475,7 @@ impl Model {
                 for (d, &val) in buf.chunks_exact_mut(2).zip(&src[i * kvd..(i + 1) * kvd]) {
                     d.copy_from_slice(&f16::from_f32(val).to_le_bytes());
                 }
-                pool.write_token(0, l, plane, page, p % ps, &buf);
+                pool.write_token(self.kind, l, plane, page, p % ps, &buf);
             }
         }
     }
@@ -443,7 +487,8 @@ impl Model {
         seqs: &[SeqInput],
         layer_paths: &[Path],
         all_logits: &[bool],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        comm: &dyn Collective,
+    ) -> Option<Vec<Vec<f32>>> {
         let c = &self.config;
         let h = c.hidden;
         // Rows whose logits are asked for, and their product: decode steps (quantized in
@@ -468,11 +513,12 @@ impl Model {
         }
         let sel = self.rmsnorm(&sel, &self.norm);
         let head = self.output.as_ref().unwrap_or(&self.embed);
-        let logits = if pick.is_empty() {
+        let part = if pick.is_empty() {
             Vec::new()
         } else {
             self.mm(&sel, &paths, head, true)
         };
+        let logits = comm.gather_vocab(part, pick.len(), self.vocab_rows.len())?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for (s, &all) in seqs.iter().zip(all_logits) {
@@ -487,7 +533,7 @@ impl Model {
             }
             out.push(v);
         }
-        Ok(out)
+        Some(out)
     }
 
     /// Causal attention of every row over its sequence's pages ([`crate::attn`]): each
@@ -510,8 +556,8 @@ impl Model {
         // A row of queries (and of outputs): every head.
         let h = c.heads * c.head_dim;
         let ps = pool.layout().page_size();
-        let kp = as_f16(pool.plane(0, layer, 0));
-        let vp = as_f16(pool.plane(0, layer, 1));
+        let kp = as_f16(pool.plane(self.kind, layer, 0));
+        let vp = as_f16(pool.plane(self.kind, layer, 1));
         let gathered = gather(shape, kp, vp, ps, seqs, rows);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
@@ -563,7 +609,10 @@ impl Model {
 }
 
 /// Layer `l`'s weights from the file: matrices in their block formats, the rest as f32.
-fn load_layer(c: &Config, l: usize, g: &mut Gguf) -> Result<Layer, ModelError> {
+fn load_layer(c: &Config, l: usize, g: &mut Gguf, part: &Part) -> Result<Layer, ModelError> {
+    let hd = c.head_dim;
+    let (q, kv) = (&part.heads.q, &part.heads.kv);
+    let (q, kv) = (q.start * hd..q.end * hd, kv.start * hd..kv.end * hd);
     let mut vec = |n: &str| -> Result<Vec<f32>, ModelError> {
         vec1(
             &g.tensor(&format!("blk.{l}.{n}"))?
@@ -571,10 +620,16 @@ fn load_layer(c: &Config, l: usize, g: &mut Gguf) -> Result<Layer, ModelError> {
         )
     };
     let bias = if c.arch.qkv_bias() {
+        let mut slice = |n: &str, r: &std::ops::Range<usize>| -> Result<Vec<f32>, ModelError> {
+            let b = vec(n)?;
+            b.get(r.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
+                ModelError::Forward(format!("blk.{l}.{n}: {} values, expected more", b.len()))
+            })
+        };
         Some([
-            vec("attn_q.bias")?,
-            vec("attn_k.bias")?,
-            vec("attn_v.bias")?,
+            slice("attn_q.bias", &q)?,
+            slice("attn_k.bias", &kv)?,
+            slice("attn_v.bias", &kv)?,
         ])
     } else {
         None
@@ -585,22 +640,27 @@ fn load_layer(c: &Config, l: usize, g: &mut Gguf) -> Result<Layer, ModelError> {
         None
     };
     let (attn_norm, ffn_norm) = (vec("attn_norm.weight")?, vec("ffn_norm.weight")?);
-    let mut w = |n: &str| -> Result<QMatrix, ModelError> {
-        let name = format!("blk.{l}.{n}.weight");
-        QMatrix::from_qtensor(&g.tensor(&name)?, &name)
-    };
+    // A rank's output rows (Q/K/V of its heads, its gate/up slice) or input columns (the
+    // output and down projections over its heads / slice): the whole matrix on one rank.
+    let mut w =
+        |n: &str, rows: Option<&std::ops::Range<usize>>, cols: Option<&std::ops::Range<usize>>| {
+            let name = format!("blk.{l}.{n}.weight");
+            let m = QMatrix::from_qtensor(&g.tensor(&name)?, &name)?;
+            part.slice(m, rows, cols, &name)
+        };
+    let ffn = &part.ffn;
     Ok(Layer {
         bias,
         qk_norm,
         attn_norm,
         ffn_norm,
-        wq: w("attn_q")?,
-        wk: w("attn_k")?,
-        wv: w("attn_v")?,
-        wo: w("attn_output")?,
-        wg: w("ffn_gate")?,
-        wu: w("ffn_up")?,
-        wd: w("ffn_down")?,
+        wq: w("attn_q", Some(&q), None)?,
+        wk: w("attn_k", Some(&kv), None)?,
+        wv: w("attn_v", Some(&kv), None)?,
+        wo: w("attn_output", None, Some(&q))?,
+        wg: w("ffn_gate", Some(ffn), None)?,
+        wu: w("ffn_up", Some(ffn), None)?,
+        wd: w("ffn_down", None, Some(ffn))?,
     })
 }
 

@@ -22,6 +22,20 @@ pub trait Runtime: Send + Sync {
     /// The pool kinds of one rank's state in pages of `page_size` tokens, or why that page
     /// size cannot hold it.
     fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError>;
+    /// The pool kinds of a page crossing to another worker (a KV transfer): the whole
+    /// model's state, however this server splits it over ranks. Prefill and decode workers
+    /// of different tensor-parallel sizes agree on it.
+    fn wire_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
+        self.pool_kinds(page_size)
+    }
+    /// A page (host layout) in the wire layout; None when the layouts are the same.
+    fn page_to_wire(&self, _blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        Ok(None)
+    }
+    /// A page in the wire layout as this server's; None when the layouts are the same.
+    fn page_from_wire(&self, _blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        Ok(None)
+    }
     /// Computes the sequences' new tokens into their pages; per sequence the logits of its
     /// last token, or (`all[i]`) of every new token, row after row.
     fn forward_rows(
@@ -91,6 +105,15 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
     fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         (**self).pool_kinds(page_size)
     }
+    fn wire_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
+        (**self).wire_kinds(page_size)
+    }
+    fn page_to_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        (**self).page_to_wire(blob)
+    }
+    fn page_from_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        (**self).page_from_wire(blob)
+    }
     fn forward_rows(
         &self,
         pool: &DevicePool,
@@ -103,12 +126,27 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
 
 /// How to load a llama-architecture model (DeepSeek-V4 has no such options: its pass is
 /// plain f32 loops, threaded over sequences by rayon's pool).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct LoadOptions {
+    /// Threads (per rank with tensor-parallel ranks).
     pub threads: usize,
     /// 8-bit activations and integer products for decode steps (see
     /// [`Model::set_quantized_decode`]).
     pub quantized_decode: bool,
+    /// Tensor-parallel ranks, one placement each ([`crate::TpModel`]); empty or one
+    /// unpinned rank: the whole model on the caller's thread pool.
+    pub ranks: Vec<crate::RankPlacement>,
+}
+
+impl LoadOptions {
+    /// One rank on `threads` threads.
+    pub fn new(threads: usize) -> LoadOptions {
+        LoadOptions {
+            threads,
+            quantized_decode: true,
+            ranks: Vec::new(),
+        }
+    }
 }
 
 /// A loaded model with its text side.
@@ -126,8 +164,23 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let header = GgufHeader::open(path)?;
     let tokenizer = ModelTokenizer::from_gguf(&header)?;
     let template = header.chat_template()?;
+    let split = opts.ranks.len() > 1 || opts.ranks.iter().any(|r| r.cpus.is_some());
     let runtime: Box<dyn Runtime> = match header.architecture() {
+        Some("deepseek4") if split => {
+            return Err(ModelError::Forward(format!(
+                "DeepSeek-V4 runs as one rank: {} ranks asked for",
+                opts.ranks.len()
+            )))
+        }
         Some("deepseek4") => Box::new(crate::dsv4_load::load_dsv4(path)?),
+        _ if split => Box::new(crate::TpModel::load(
+            path,
+            &crate::TpOptions {
+                placements: opts.ranks.clone(),
+                threads_per_rank: opts.threads,
+                quantized_decode: opts.quantized_decode,
+            },
+        )?),
         _ => {
             // Gguf::open names the architecture it found when it is not llama.
             let mut g = Gguf::open(path)?;

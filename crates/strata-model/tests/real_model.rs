@@ -165,3 +165,134 @@ fn cache_equivalence_on_the_real_model() {
         assert!(d < 5e-4, "prefix {prefix}: max relative diff {d}");
     }
 }
+
+/// The logits of every step of `answer` after `prompt` (teacher-forced), through the runtime
+/// trait (one rank or several).
+fn logits_along(m: &dyn Runtime, prompt: &[u32], answer: &[u32]) -> Vec<Vec<f32>> {
+    let layout = PageLayout::new(16, m.pool_kinds(16).unwrap()).unwrap();
+    let pool = DevicePool::new(Arc::new(layout), 8, &HeapAllocator).unwrap();
+    let pages: Vec<u32> = (0..8).collect();
+    let step = |toks: &[u32], pos: usize| {
+        let seq = SeqInput {
+            tokens: toks,
+            pos,
+            pages: &pages,
+            windows: &[],
+            decode: pos > 0,
+        };
+        m.forward_rows(&pool, &[seq], &[false]).unwrap().remove(0)
+    };
+    let mut out = vec![step(prompt, 0)];
+    for (i, t) in answer
+        .iter()
+        .enumerate()
+        .take(answer.len().saturating_sub(1))
+    {
+        out.push(step(std::slice::from_ref(t), prompt.len() + i));
+    }
+    out
+}
+
+fn top2(l: &[f32]) -> (u32, f32) {
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.select_nth_unstable_by(1, |a, b| l[*b].total_cmp(&l[*a]));
+    let (a, b) = if l[idx[0]] >= l[idx[1]] {
+        (idx[0], idx[1])
+    } else {
+        (idx[1], idx[0])
+    };
+    (a as u32, l[a] - l[b])
+}
+
+fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
+    let rows = a.iter().flatten().zip(b.iter().flatten());
+    rows.flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0f32, f32::max)
+}
+
+/// SmolLM2's 9 heads and 3 KV heads over 2 ranks (KV heads 0–1 | 2) and over 4 (KV heads
+/// 0 | 1 | 2 | 2, the last replicated), along one rank's greedy answers (teacher-forced: a
+/// flipped near tie would change every later step):
+/// * f32 decode rows: every step's argmax is one rank's; logits agree to rounding (partial
+///   sums added in another order, K/V rounded to f16);
+/// * quantized decode rows (the default): 8-bit activations turn those rounding differences
+///   into whole quantization steps: the logits differ by less than twice one rank's own
+///   quantized-vs-f32 difference (two roundings of that size), and an argmax differs only where one rank's
+///   top two are closer than that difference.
+#[test]
+fn tp_ranks_answer_as_one_rank_on_smollm2() {
+    let g = Gguf::open(&model_path()).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+    ]
+    .iter()
+    .map(|q| {
+        let text = t.render(&[Message::new("user", q)], true).unwrap();
+        tk.encode(&text).unwrap()
+    })
+    .collect();
+    let load_tp = |tp: usize, quantized_decode: bool| {
+        let ranks = if tp == 1 {
+            Vec::new()
+        } else {
+            vec![RankPlacement::default(); tp]
+        };
+        let opts = LoadOptions {
+            ranks,
+            quantized_decode,
+            ..LoadOptions::new(2 / tp.min(2))
+        };
+        strata_model::load(&model_path(), opts).unwrap().runtime
+    };
+    let one_q = load_tp(1, true);
+    let mut answers = Vec::new();
+    for p in &prompts {
+        let mut a: Vec<u32> = Vec::new();
+        while a.len() < 20 && !a.last().is_some_and(|t| tk.stop.contains(t)) {
+            let l = logits_along(&*one_q, p, &a);
+            a.push(top2(l.last().unwrap()).0);
+        }
+        answers.push(a);
+    }
+    assert!(tk.decode(&answers[0]).unwrap().contains("Paris"));
+    let along = |m: &dyn Runtime| -> Vec<Vec<Vec<f32>>> {
+        prompts
+            .iter()
+            .zip(&answers)
+            .map(|(p, a)| logits_along(m, p, a))
+            .collect()
+    };
+    let want_q = along(&*one_q);
+    let want_f = along(&*load_tp(1, false));
+    let own_noise = max_abs_diff(&want_q, &want_f);
+    for (tp, quantized) in [(2, false), (4, false), (2, true), (4, true)] {
+        let m = load_tp(tp, quantized);
+        assert_eq!(m.pool_kinds(16).unwrap().len(), tp);
+        let got = along(&*m);
+        let want = if quantized { &want_q } else { &want_f };
+        let diff = max_abs_diff(&got, want);
+        let bound = if quantized { 2.0 * own_noise } else { 0.1 };
+        assert!(
+            diff < bound,
+            "TP {tp} quantized {quantized}: logits differ by {diff} (bound {bound})"
+        );
+        let mut flips = 0;
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            let ((ga, _), (wa, gap)) = (top2(g), top2(w));
+            if ga != wa {
+                assert!(
+                    quantized && gap <= diff,
+                    "TP {tp}: argmax {ga} vs {wa}, gap {gap}"
+                );
+                flips += 1;
+            }
+        }
+        eprintln!(
+            "TP {tp} quantized {quantized}: logits within {diff} of TP 1 (TP 1 quantized vs f32: \
+             {own_noise}), {flips} near ties flipped"
+        );
+    }
+}

@@ -146,6 +146,46 @@ impl QMatrix {
         QMatrix::new(Format::Q8_0, rows, cols, data).expect("whole blocks")
     }
 
+    /// Rows `r` (a copy in the same format): a tensor-parallel rank's output rows.
+    pub fn rows_range(&self, r: std::ops::Range<usize>) -> QMatrix {
+        assert!(
+            r.start < r.end && r.end <= self.rows,
+            "rows {r:?} of {}",
+            self.rows
+        );
+        let data = self.data[r.start * self.row_bytes..r.end * self.row_bytes].to_vec();
+        QMatrix::new(self.format, r.len(), self.cols, data).expect("whole rows")
+    }
+
+    /// Columns `c`, a tensor-parallel rank's input columns: the same blocks when `c` falls on
+    /// block boundaries, else the weights dequantized and requantized to Q8_0 (`c.len()` a
+    /// multiple of 32). None when neither is possible.
+    pub fn cols_range(&self, c: std::ops::Range<usize>) -> Option<QMatrix> {
+        if c.start >= c.end || c.end > self.cols {
+            return None;
+        }
+        let bw = self.format.block_weights();
+        if c.start.is_multiple_of(bw) && c.end.is_multiple_of(bw) {
+            let bb = self.format.block_bytes();
+            let (b0, b1) = (c.start / bw * bb, c.end / bw * bb);
+            let mut data = Vec::with_capacity(self.rows * (b1 - b0));
+            for i in 0..self.rows {
+                data.extend_from_slice(&self.row(i)[b0..b1]);
+            }
+            return QMatrix::new(self.format, self.rows, c.len(), data);
+        }
+        if !c.len().is_multiple_of(GROUP) {
+            return None;
+        }
+        let mut w = Vec::with_capacity(self.rows * c.len());
+        let mut row = vec![0f32; self.cols];
+        for i in 0..self.rows {
+            self.row_f32(i, &mut row);
+            w.extend_from_slice(&row[c.clone()]);
+        }
+        Some(QMatrix::quantize_q8_0(&w, self.rows, c.len()))
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.data.len()

@@ -256,3 +256,52 @@ fn any_block_bytes_are_safe() {
         }
     }
 }
+
+/// A tensor-parallel rank's slices: rows are the same bytes; products over column slices
+/// add up to the whole matrix's (each product in its own rounding).
+#[test]
+fn row_and_column_slices_add_up() {
+    for d in [
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::F32,
+    ] {
+        let f = Format::of(d).unwrap();
+        let cols = 3 * cols_for(f);
+        let (m, _) = matrix(d, 40, cols, 7);
+        let x = values(2 * cols, 3);
+        let part = m.rows_range(8..24);
+        let (want, got) = (m.matmul_tiled(&x, 1), part.matmul_tiled(&x, 1));
+        for r in 0..2 {
+            assert_eq!(&got[r * 16..(r + 1) * 16], &want[r * 40 + 8..r * 40 + 24]);
+        }
+        for split in [cols_for(f), cols / 2 / 32 * 32] {
+            let (a, b) = (
+                m.cols_range(0..split).unwrap(),
+                m.cols_range(split..cols).unwrap(),
+            );
+            let xs = |r: std::ops::Range<usize>| -> Vec<f32> {
+                x.chunks_exact(cols)
+                    .flat_map(|row| row[r.clone()].to_vec())
+                    .collect()
+            };
+            for prod in [
+                QMatrix::matmul_q,
+                QMatrix::matmul_f32,
+                QMatrix::matmul_tiled,
+            ] {
+                let whole = prod(&m, &x, 1);
+                let pa = prod(&a, &xs(0..split), 1);
+                let pb = prod(&b, &xs(split..cols), 1);
+                // Off block boundaries the slices are requantized to Q8_0 (lossy).
+                let blocks = split.is_multiple_of(f.block_weights());
+                let tol = if blocks { 2e-3 } else { 1e-1 };
+                for i in 0..whole.len() {
+                    let what = format!("{} split {split}", f.name());
+                    close(pa[i] + pb[i], whole[i], tol, &what);
+                }
+            }
+        }
+    }
+}
