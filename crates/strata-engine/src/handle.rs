@@ -130,20 +130,7 @@ impl Engine {
         if cfg.max_tokens_in_flight == 0 {
             cfg.max_tokens_in_flight = 4 * device_tokens;
         }
-        let info = EngineInfo {
-            context_length: model.context_length(),
-            vocab: model.vocab(),
-            page_size: cache.page_size(),
-            page_bytes: cache.layout().page_bytes(),
-            main_bytes: cache.layout().class_bytes(strata_kv::Class::Main),
-            window_tokens: cache.layout().window_tokens(),
-            layout: format!("{:?}", cache.layout().kinds()),
-            model_id: cfg.model_id.clone(),
-            hash_key: cache.hash_key(),
-            device_tokens,
-            max_waiting: cfg.max_waiting,
-            max_tokens_in_flight: cfg.max_tokens_in_flight,
-        };
+        let info = engine_info(&*model, &cache, &cfg, device_tokens);
         let shared = Arc::new(Shared {
             events: Mutex::new(EventLog::new(100_000)),
             waiting: AtomicUsize::new(0),
@@ -190,6 +177,36 @@ impl Engine {
             thread: Arc::new(Mutex::new(Some(thread))),
             stall_after,
         }
+    }
+}
+
+/// What the engine tells its callers: sizes, and the page layout a KV transfer carries.
+fn engine_info(
+    model: &dyn Runtime,
+    cache: &TieredCache,
+    cfg: &EngineConfig,
+    device_tokens: usize,
+) -> EngineInfo {
+    // Pages cross to other workers in the model's wire layout (the unsplit model's: a
+    // tensor-parallel server re-shards on export and import).
+    let wire = model
+        .wire_kinds(cache.page_size())
+        .ok()
+        .and_then(|k| strata_kv::PageLayout::new(cache.page_size(), k).ok())
+        .unwrap_or_else(|| cache.layout().clone());
+    EngineInfo {
+        context_length: model.context_length(),
+        vocab: model.vocab(),
+        page_size: cache.page_size(),
+        page_bytes: wire.page_bytes(),
+        main_bytes: wire.class_bytes(strata_kv::Class::Main),
+        window_tokens: wire.window_tokens(),
+        layout: format!("{:?}", wire.kinds()),
+        model_id: cfg.model_id.clone(),
+        hash_key: cache.hash_key(),
+        device_tokens,
+        max_waiting: cfg.max_waiting,
+        max_tokens_in_flight: cfg.max_tokens_in_flight,
     }
 }
 

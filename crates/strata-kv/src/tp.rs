@@ -12,8 +12,8 @@
 //!   rank 1 KV head 2 (query heads 6–8).
 //! * `tp > kv_heads`: each KV head is replicated on `tp / kv_heads` ranks (the first
 //!   `tp mod kv_heads` KV heads on one more), and its group's query heads are split between
-//!   them. SmolLM2 at TP 4: ranks 0, 1 hold KV heads 0 and 1 with all their query heads; ranks
-//!   2 and 3 both hold KV head 2, with query heads 6–7 and 8.
+//!   them. SmolLM2 at TP 4: ranks 0 and 1 both hold KV head 0, with query heads 0–1 and 2;
+//!   ranks 2 and 3 hold KV heads 1 and 2 with all their query heads.
 //!
 //! A rank holds at most `ceil(kv_heads / tp)` KV heads: what the planner sizes each rank's
 //! pools for. Ranks with fewer use less memory for the same pages.
@@ -99,8 +99,8 @@ mod tests {
         let r = split_heads(9, 3, 4).unwrap();
         let q: Vec<_> = r.iter().map(|h| h.q.clone()).collect();
         let kv: Vec<_> = r.iter().map(|h| h.kv.clone()).collect();
-        assert_eq!(q, vec![0..3, 3..6, 6..8, 8..9]);
-        assert_eq!(kv, vec![0..1, 1..2, 2..3, 2..3]);
+        assert_eq!(q, vec![0..2, 2..3, 3..6, 6..9]);
+        assert_eq!(kv, vec![0..1, 0..1, 1..2, 2..3]);
         assert!(split_heads(9, 3, 10).unwrap_err().contains("exceeds"));
         assert!(split_heads(9, 2, 1).is_err());
         assert!(split_heads(9, 3, 0).is_err());

@@ -44,12 +44,27 @@ pub struct KindSpec {
 }
 
 impl KindSpec {
-    /// Heads one rank holds: ceil(heads / tp) when split (ranks beyond the head count replicate).
+    /// Heads the largest rank holds: ceil(heads / tp) when split (ranks beyond the head count
+    /// replicate; [`strata_kv::tp`] is the split).
     pub fn heads_per_rank(&self, tp: u32) -> usize {
         if self.split_across_tp {
-            self.heads.div_ceil(tp.max(1) as usize)
+            strata_kv::tp::kv_heads_per_rank(self.heads, tp as usize)
         } else {
             self.heads
+        }
+    }
+
+    /// Heads each rank holds ([`strata_kv::tp::split_heads`]: whole KV heads in even runs,
+    /// one each when there are more ranks than heads).
+    pub fn heads_of_ranks(&self, tp: u32) -> Vec<usize> {
+        let tp = tp.max(1) as usize;
+        match self.split_across_tp {
+            true if tp <= self.heads => strata_kv::tp::even_runs(self.heads, tp)
+                .iter()
+                .map(|r| r.len())
+                .collect(),
+            true => vec![1; tp],
+            false => vec![self.heads; tp],
         }
     }
 

@@ -198,3 +198,37 @@ fn scaled_down_allocation_as_planned() {
         assert!(e.contains("mbind(bind to node(s) [1]) failed"), "{e}");
     }
 }
+
+/// SmolLM2's 3 KV heads over 2 ranks: 2 and 1 (`strata_kv::tp`). Each rank's pools hold the
+/// same pages, sized for the larger rank; the server's bytes are each rank's own, not 2 × the
+/// larger's.
+#[test]
+fn ranks_with_fewer_kv_heads_are_counted_as_they_are() {
+    let (_d, t) = topo();
+    let mut r = req("server", 0, Some(HostBudget::PerRank(GB)));
+    r.model = preset("smollm2-135m").unwrap();
+    r.page_size = 16;
+    for (tp, each) in [
+        (1, vec![23_040]),
+        (2, vec![15_360, 7_680]),
+        (4, vec![7_680; 4]),
+    ] {
+        r.tp = tp;
+        let p = make_plan(&r, &t).unwrap();
+        assert_eq!(p.rank_bytes_per_token, each, "TP {tp}");
+        assert_eq!(p.bytes_per_token, each[0]);
+        let all: u64 = each.iter().sum();
+        assert_eq!(p.server_host_bytes, p.host_tokens_per_rank * all);
+        assert_eq!(p.server_device_bytes, p.device_tokens_per_rank * all);
+        let text = p.render();
+        let line = text.lines().next().unwrap();
+        if tp == 2 {
+            assert!(
+                line.contains("ranks hold 15360 / 7680 bytes per token"),
+                "{line}"
+            );
+        } else {
+            assert!(line.contains("every rank identical"), "{line}");
+        }
+    }
+}

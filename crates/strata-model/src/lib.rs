@@ -26,6 +26,7 @@ pub mod peak;
 pub mod qmat;
 pub mod runtime;
 mod seq;
+mod shard;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tiny_dsv4;

@@ -211,7 +211,7 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
 }
 
 /// SmolLM2's 9 heads and 3 KV heads over 2 ranks (KV heads 0–1 | 2) and over 4 (KV heads
-/// 0 | 1 | 2 | 2, the last replicated), along one rank's greedy answers (teacher-forced: a
+/// 0 | 0 | 1 | 2, the first replicated), along one rank's greedy answers (teacher-forced: a
 /// flipped near tie would change every later step):
 /// * f32 decode rows: every step's argmax is one rank's; logits agree to rounding (partial
 ///   sums added in another order, K/V rounded to f16);

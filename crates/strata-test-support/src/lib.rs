@@ -152,6 +152,8 @@ pub struct WorkerSpec {
     pub body_limit: Option<usize>,
     /// How long a graceful stop waits for requests in flight.
     pub grace: Duration,
+    /// Tensor-parallel ranks (unpinned threads) of the worker's model.
+    pub tp: usize,
 }
 
 impl Default for WorkerSpec {
@@ -169,6 +171,7 @@ impl Default for WorkerSpec {
             admin_key: None,
             body_limit: None,
             grace: Duration::from_secs(5),
+            tp: 1,
         }
     }
 }
@@ -199,8 +202,11 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     let loaded = strata_model::load(
         path,
         LoadOptions {
-            threads: 2,
-            quantized_decode: true,
+            ranks: match spec.tp {
+                0 | 1 => Vec::new(),
+                n => vec![strata_model::RankPlacement::default(); n],
+            },
+            ..LoadOptions::new(2)
         },
     )
     .unwrap();

@@ -15,6 +15,7 @@ mod plan;
 mod route;
 mod serve;
 mod serve_kv;
+mod serve_tp;
 mod sim;
 mod sim_advice;
 mod sizing;

@@ -20,12 +20,12 @@ use strata_model::fetch::{cache_dir, ensure_model};
 use strata_model::{LoadOptions, ModelTokenizer};
 use strata_server::AppState;
 
+use crate::serve_tp;
 use crate::sizing::SizingArgs;
 
 #[derive(Args, Debug, Clone)]
-// One worker serves one rank of the model it loads: the sizing flags it would refuse are not
-// offered (still refused with the reason when given).
-#[command(mut_arg("tp_size", |a| a.hide(true)))]
+// A worker serves the model it loads: the sizing flags it would refuse are not offered (still
+// refused with the reason when given).
 #[command(mut_arg("model_preset", |a| a.hide(true)))]
 #[command(mut_arg("machine", |a| a.hide(true)))]
 pub struct ServeArgs {
@@ -65,9 +65,15 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Server")]
     pub cluster_key_file: Option<PathBuf>,
 
-    /// Threads for matrix products and attention.
+    /// Threads for matrix products and attention (split evenly over --tp-size ranks).
     #[arg(long, default_value_t = 2, help_heading = "Compute")]
     pub threads: usize,
+    /// NUMA node of each tensor-parallel rank, comma-separated (one per rank, or one for
+    /// all): a rank's threads are pinned to its node's CPUs (ranks sharing a node split them),
+    /// its weights are first touched there and its device pool is bound there. Default:
+    /// ranks unpinned.
+    #[arg(long, value_delimiter = ',', help_heading = "Compute")]
+    pub numa_nodes: Vec<u32>,
     /// Keep f32 activations for decode steps too (default: 8-bit activations, integer dot
     /// products). llama models only: DeepSeek-V4 always computes in f32.
     #[arg(long, help_heading = "Compute")]
@@ -283,22 +289,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     check_l3_specs(&a.l3)?;
     let prefetch = prefetch_policy(&a)?;
 
-    // Model.
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
-    let loaded = strata_model::load(
-        &path,
-        LoadOptions {
-            threads: a.threads,
-            quantized_decode: !a.f32_decode,
-        },
-    )?;
-    let (model, tk) = (loaded.runtime, loaded.tokenizer);
-    let template = loaded.template.map(Arc::new);
+    // Model: tensor-parallel ranks placed by --numa-nodes.
+    let (model, tk, template, ranks) = load_model(&a, &path, &topo)?;
 
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
-    check_plan_layout(&plan, &layout)?;
-    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout)?;
+    serve_tp::check_plan_layout(&plan, &layout)?;
+    let device_allocs = serve_tp::device_allocators(&ranks);
+    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout, &device_allocs)?;
     let gauges = plan_gauges(&plan, &cache);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
@@ -340,27 +338,6 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     serve_until_stopped(std_listener, addr, st, name, c.role, grace)
 }
 
-/// The plan sized every pool kind the model's pages hold, with the same bytes per token: what
-/// was printed is what is allocated.
-fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> Result<()> {
-    let planned: Vec<(&str, u64)> = plan
-        .pools
-        .iter()
-        .map(|p| (p.kind.as_str(), p.bytes_per_token))
-        .collect();
-    let built: Vec<(&str, u64)> = layout
-        .kinds()
-        .iter()
-        .map(|k| (k.name.as_str(), k.bytes_per_token() as u64))
-        .collect();
-    if planned != built {
-        bail!(
-            "the plan's pool kinds {planned:?} differ from the model's {built:?} (bytes per token)"
-        );
-    }
-    Ok(())
-}
-
 /// What the flags checked before anything is bound or loaded give.
 struct Checked {
     eviction: EvictionPolicy,
@@ -369,6 +346,40 @@ struct Checked {
     kv_staging: u64,
     addr: SocketAddr,
     cluster_key: Option<ClusterKey>,
+}
+
+/// The model's runtime, tokenizer and chat template, and where its ranks run.
+type LoadedModel = (
+    Box<dyn strata_model::Runtime>,
+    ModelTokenizer,
+    Option<Arc<strata_model::ChatTemplate>>,
+    Vec<strata_model::RankPlacement>,
+);
+
+/// The model with its tokenizer and template, its tensor-parallel ranks placed by
+/// `--numa-nodes` (each rank's line logged and printed).
+fn load_model(
+    a: &ServeArgs,
+    path: &std::path::Path,
+    topo: &strata_mem::Topology,
+) -> Result<LoadedModel> {
+    let tp = a.sizing.tp_size as usize;
+    let ranks = serve_tp::placements(&a.numa_nodes, tp, topo, &crate::sizing::allowed_cpus())?;
+    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
+    let loaded = strata_model::load(
+        path,
+        LoadOptions {
+            threads: (a.threads / tp).max(1),
+            quantized_decode: !a.f32_decode,
+            ranks: ranks.clone(),
+        },
+    )?;
+    for line in serve_tp::describe(&*loaded.runtime, &ranks) {
+        tracing::info!("{line}");
+        eprintln!("strata serve: {line}");
+    }
+    let template = loaded.template.map(Arc::new);
+    Ok((loaded.runtime, loaded.tokenizer, template, ranks))
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -388,11 +399,8 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
     if a.sizing.machine.is_some() {
         bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
     }
-    if a.sizing.tp_size != 1 {
-        bail!(
-            "--tp-size {}: a worker serves one rank on this CPU build; use `strata plan` to size TP servers",
-            a.sizing.tp_size
-        );
+    if a.sizing.tp_size == 0 {
+        bail!("--tp-size 0: expected at least 1 rank");
     }
     if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
         bail!(
@@ -502,6 +510,7 @@ fn build_cache(
     req: &PlanRequest,
     plan: &Plan,
     layout: PageLayout,
+    device_allocs: &[Box<dyn strata_kv::memory::HostAllocator>],
 ) -> Result<(TieredCache, String)> {
     let ps = req.page_size;
     let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
@@ -533,7 +542,10 @@ fn build_cache(
     cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
-    Ok((TieredCache::new(cc, &alloc, storage)?, storage_tier))
+    let device: Vec<&dyn strata_kv::memory::HostAllocator> =
+        device_allocs.iter().map(|a| &**a).collect();
+    let cache = TieredCache::with_device_allocators(cc, &alloc, &device, storage)?;
+    Ok((cache, storage_tier))
 }
 
 /// The plan's figures for `/metrics`, with where the host pool's pages landed (logged).

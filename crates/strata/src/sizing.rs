@@ -181,7 +181,7 @@ pub fn prefault_progress(label: String, min_bytes: u64) -> strata_mem::numa::Pro
 }
 
 /// CPUs this process may run on.
-fn allowed_cpus() -> Vec<u32> {
+pub(crate) fn allowed_cpus() -> Vec<u32> {
     // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for the calling thread.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: pid 0 = this thread; size and pointer describe `set`.

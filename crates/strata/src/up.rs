@@ -66,6 +66,10 @@ struct RouterSpec {
 struct WorkerSpec {
     port: u16,
     numa_node: Option<u32>,
+    /// Tensor-parallel ranks (`--tp-size`); prefill and decode workers may differ.
+    tp_size: Option<u32>,
+    /// NUMA node of each rank (`--numa-nodes`).
+    numa_nodes: Option<Vec<u32>>,
     #[serde(default)]
     args: Vec<String>,
 }
@@ -319,6 +323,13 @@ fn worker_commands(
                 "0.0.0.0" => args.extend(["--kv-advertise".into(), "127.0.0.1".into()]),
                 "::" | "[::]" => args.extend(["--kv-advertise".into(), "::1".into()]),
                 _ => {}
+            }
+            if let Some(tp) = w.tp_size {
+                args.extend(["--tp-size".into(), tp.to_string()]);
+            }
+            if let Some(n) = &w.numa_nodes {
+                let list: Vec<String> = n.iter().map(u32::to_string).collect();
+                args.extend(["--numa-nodes".into(), list.join(",")]);
             }
             if role == "decode" {
                 for u in &prefill_urls {

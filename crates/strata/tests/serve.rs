@@ -52,7 +52,7 @@ fn bad_flags_fail_once_with_the_reason() {
             &["--write-policy", "sometimes"],
             "invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N]",
         ),
-        (&["--tp-size", "2"], "--tp-size 2"),
+        (&["--tp-size", "0"], "--tp-size 0: expected at least 1 rank"),
         (&["--hicache-ratio", "-1"], "hicache-ratio"),
     ];
     for (args, want) in cases {
@@ -69,6 +69,36 @@ fn bad_flags_fail_once_with_the_reason() {
 
 #[test]
 fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
+    serve_real_model(&[]);
+}
+
+/// Two tensor-parallel ranks on NUMA node 0 (every machine has it): each rank's threads are
+/// pinned to its own share of the node's CPUs (one CPU each on two), its device pool bound
+/// there (the allocator verifies where the pages landed), and the answer is the same.
+#[test]
+fn two_tp_ranks_pinned_to_node_0_answer_over_http() {
+    serve_real_model(&["--tp-size", "2", "--numa-nodes", "0"]);
+}
+
+/// The CPUs a thread named `name` of process `pid` may run on.
+fn thread_cpus(pid: u32, name: &str) -> Option<String> {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let dir = t.ok()?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+        if comm.trim() == name {
+            let status = std::fs::read_to_string(dir.join("status")).ok()?;
+            let line = status
+                .lines()
+                .find(|l| l.starts_with("Cpus_allowed_list:"))?;
+            return Some(line.split(':').nth(1)?.trim().to_string());
+        }
+    }
+    None
+}
+
+/// Serves the real model with `extra` flags, asks it a question, checks the ranks' pinning
+/// (with `--tp-size`), stops it with SIGTERM.
+fn serve_real_model(extra: &[&str]) {
     let model = cache_dir().join(MODEL_FILE);
     assert!(
         model.exists(),
@@ -78,6 +108,7 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
     // Port 0: the server binds a port the OS picks and says which (no pick-then-bind race).
     let mut child = strata()
         .args(["serve", "--device-mem", "64MiB", "--hicache-size", "128MiB"])
+        .args(extra)
         .args(["--port", "0", "--model"])
         .arg(&model)
         .stderr(Stdio::piped())
@@ -129,6 +160,28 @@ fn the_real_model_answers_over_http_and_sigterm_exits_cleanly() {
     assert!(answer.contains("Paris"), "answer: {answer}");
     let (status, _) = http(port, "GET", "/health_generate", "");
     assert_eq!(status, 200);
+    let pid = child.0.id();
+    if extra.contains(&"--tp-size") {
+        assert!(
+            log.contains("rank 1: pool `kv.tp1` (7680 bytes of K/V per token), node 0"),
+            "{log}"
+        );
+        let node0 = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let (a, b) = (
+            thread_cpus(pid, "strata-tp0-0"),
+            thread_cpus(pid, "strata-tp1-0"),
+        );
+        let (a, b) = (a.expect("rank 0's thread"), b.expect("rank 1's thread"));
+        // Two CPUs or more: each rank on its own part of the node; one CPU: shared.
+        if node0.contains(['-', ',']) {
+            assert_ne!(a, b, "ranks on distinct CPUs of node 0 ({node0})");
+            for c in [&a, &b] {
+                assert_ne!(c, &node0, "a rank pinned to part of node 0 ({node0})");
+            }
+        }
+    }
     // SAFETY: kill(2) with a pid this test spawned and still owns.
     unsafe {
         libc::kill(child.0.id() as i32, libc::SIGTERM);
@@ -174,9 +227,11 @@ fn a_busy_port_is_refused_first_and_help_offers_only_what_serve_takes() {
     assert!(t.elapsed() < Duration::from_secs(10));
     let help = strata().args(["serve", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
-    for refused in ["--tp-size", "--model-preset"] {
-        assert!(!help.contains(refused), "serve --help offers {refused}");
-    }
+    assert!(
+        !help.contains("--model-preset"),
+        "serve --help offers --model-preset"
+    );
+    assert!(help.contains("--tp-size <TP_SIZE>") && help.contains("--numa-nodes <NUMA_NODES>"));
     assert!(
         help.contains("--port <PORT>\n          Port of the HTTP API"),
         "{help}"

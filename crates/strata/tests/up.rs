@@ -1,5 +1,6 @@
 //! `strata up` with the tiny model: a refused flag stops everything once with the worker's
-//! message; a worker killed while serving is restarted and the router answers again.
+//! message; a TP-2 prefill worker and a TP-1 decode worker answer the smoke test; a worker killed
+//! while serving is restarted and the router answers again.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use strata_model::tiny::{write_tiny, TinySpec};
 use strata_test_support::free_port;
 
-fn config(dir: &std::path::Path, prefill_args: &str) -> (std::path::PathBuf, u16) {
+fn config(dir: &std::path::Path, prefill_args: &str, tp: u32) -> (std::path::PathBuf, u16) {
     let (r, p, d) = (free_port(), free_port(), free_port());
     let text = format!(
         r#"host = "127.0.0.1"
@@ -19,6 +20,7 @@ smoke_test = true
 port = {r}
 [[prefill]]
 port = {p}
+tp_size = {tp}
 args = ["--device-mem", "16MiB", {prefill_args}]
 [[decode]]
 port = {d}
@@ -108,7 +110,7 @@ fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
 #[test]
 fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
     let d = tempfile::tempdir().unwrap();
-    let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#);
+    let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#, 1);
     let (child, rx) = up(d.path(), &cfg);
     let mut child = Up(child);
     let status = wait_exit(&mut child.0, 60);
@@ -130,12 +132,14 @@ fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
 }
 
 #[test]
-fn a_worker_killed_while_serving_is_restarted_and_the_router_answers() {
+fn a_tp2_prefill_and_tp1_decode_answer_and_a_killed_worker_is_restarted() {
     let d = tempfile::tempdir().unwrap();
-    let (cfg, router_port) = config(d.path(), r#""--hicache-size", "16MiB""#);
+    // A TP-2 prefill worker and a TP-1 decode worker: the smoke test's K/V is re-sharded.
+    let (cfg, router_port) = config(d.path(), r#""--hicache-size", "16MiB""#, 2);
     let (child, rx) = up(d.path(), &cfg);
     let mut child = Up(child);
     let mut log = Vec::new();
+    wait_for(&rx, &mut log, "rank 1: pool `kv.tp1`", 90);
     wait_for(&rx, &mut log, "smoke test through the router", 90);
     // The ready summary names the dashboard and the metrics, besides the API.
     wait_for(

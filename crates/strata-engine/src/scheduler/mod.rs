@@ -75,6 +75,8 @@ struct Req {
     export: bool,
     /// K/V computed elsewhere, written at admission instead of matching the cache.
     import: Option<ImportedKv>,
+    /// The imported pages are in this server's layout (converted from the wire layout).
+    import_local: bool,
     /// When it was submitted (the queueing-time limit counts from here).
     arrived: Instant,
     /// Its output constraint (taken out while its mask is computed).
@@ -100,6 +102,7 @@ impl Req {
             generated: 0,
             export: r.export,
             import: r.import,
+            import_local: false,
             arrived: Instant::now(),
             constraint: r.constraint,
             prompt_lps: Vec::new(),
@@ -251,6 +254,12 @@ impl Scheduler {
     /// reserves its pages, writes the K/V, and starts decoding after the first token. False
     /// when the pages cannot be reserved now.
     fn admit_imported(&mut self) -> bool {
+        if let Err(e) = self.localize_import() {
+            let r = self.waiting.pop_front().expect("front exists");
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.finish(r, Some(FinishReason::Error(e)));
+            return true;
+        }
         let r = self.waiting.front().expect("front exists");
         let kv = r.import.as_ref().expect("imported request");
         let new = r.params.max_tokens;
@@ -306,13 +315,38 @@ impl Scheduler {
         true
     }
 
-    /// The prompt's pages out of the device pool, in the host layout, with their hashes.
-    fn export_kv(&self, r: &Req) -> ExportedKv {
-        let (pages, hashes) = self.cache.export(r.lease(), &r.tokens[..r.prompt_len]);
-        ExportedKv {
+    /// The front request's imported pages in this server's layout: a transfer carries the
+    /// model's wire layout ([`Runtime::wire_kinds`]: tensor-parallel ranks re-shard). Once.
+    fn localize_import(&mut self) -> Result<(), String> {
+        let r = self.waiting.front_mut().expect("front exists");
+        if r.import_local {
+            return Ok(());
+        }
+        let kv = r.import.as_mut().expect("imported request");
+        for p in &mut kv.pages {
+            match self.model.page_from_wire(p) {
+                Ok(Some(local)) => *p = local,
+                Ok(None) => {}
+                Err(e) => return Err(format!("the K/V received: {e}")),
+            }
+        }
+        r.import_local = true;
+        Ok(())
+    }
+
+    /// The prompt's pages out of the device pool, in the wire layout (the host layout of the
+    /// unsplit model), with their hashes.
+    fn export_kv(&self, r: &Req) -> Result<ExportedKv, String> {
+        let (mut pages, hashes) = self.cache.export(r.lease(), &r.tokens[..r.prompt_len]);
+        for p in &mut pages {
+            if let Some(w) = self.model.page_to_wire(p).map_err(|e| e.to_string())? {
+                *p = w;
+            }
+        }
+        Ok(ExportedKv {
             pages,
             hashes: hashes.into_iter().map(|h| h.0).collect(),
-        }
+        })
     }
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.
@@ -537,13 +571,18 @@ impl Scheduler {
 
     /// Ends a request: on success its whole pages join the tree; everything else it holds
     /// returns to the pool. `None` = cancelled by the client (no event is sent).
-    fn finish(&mut self, mut r: Req, reason: Option<FinishReason>) {
+    fn finish(&mut self, mut r: Req, mut reason: Option<FinishReason>) {
         self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if ok && r.export && r.running && r.computed >= r.prompt_len {
-            let kv = self.export_kv(&r);
-            let _ = r.tx.send(Event::Kv(Arc::new(kv)));
+            match self.export_kv(&r) {
+                Ok(kv) => {
+                    let _ = r.tx.send(Event::Kv(Arc::new(kv)));
+                }
+                Err(e) => reason = Some(FinishReason::Error(format!("K/V export: {e}"))),
+            }
         }
+        let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if let Some(lease) = r.lease.take() {
             if ok && r.running && self.cfg.prefix_cache {
                 self.cache.commit(lease, &r.tokens, r.computed);

@@ -210,6 +210,18 @@ impl TieredCache {
         host_alloc: &dyn HostAllocator,
         storage: Option<Arc<dyn Storage>>,
     ) -> Result<TieredCache, CacheError> {
+        TieredCache::with_device_allocators(cfg, host_alloc, &[], storage)
+    }
+
+    /// [`TieredCache::new`] with the device pool's regions from `device_allocs[kind]` (e.g.
+    /// each tensor-parallel rank's kind on the rank's NUMA node); kinds beyond the slice take
+    /// the heap.
+    pub fn with_device_allocators(
+        cfg: CacheConfig,
+        host_alloc: &dyn HostAllocator,
+        device_allocs: &[&dyn HostAllocator],
+        storage: Option<Arc<dyn Storage>>,
+    ) -> Result<TieredCache, CacheError> {
         if cfg.device_pages == 0 {
             return Err(CacheError::NoDevicePages);
         }
@@ -229,7 +241,9 @@ impl TieredCache {
         tree.set_history_cap(pages.saturating_mul(cfg.gdsf_history));
         let (device, host) = if cfg.with_data {
             let (dp, dw) = (cfg.device_pages, cfg.device_window_pages);
-            let d = DevicePool::with_window(layout.clone(), dp, dw, &HeapAllocator)?;
+            let d = DevicePool::with_allocators(layout.clone(), dp, dw, &|k| {
+                device_allocs.get(k).copied().unwrap_or(&HeapAllocator)
+            })?;
             let (hp, hw) = (cfg.host_pages, cfg.host_window_pages);
             let h = HostPool::with_window(layout.clone(), hp, hw, host_alloc)?;
             (Some(Arc::new(d)), Some(Arc::new(h)))

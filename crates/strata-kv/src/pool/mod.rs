@@ -34,8 +34,20 @@ impl DevicePool {
         window_pages: u32,
         alloc: &dyn HostAllocator,
     ) -> Result<DevicePool, MemError> {
+        DevicePool::with_allocators(layout, pages, window_pages, &|_| alloc)
+    }
+
+    /// [`DevicePool::with_window`], each kind's region from `alloc(kind)` (a tensor-parallel
+    /// rank's kind on its NUMA node).
+    pub fn with_allocators<'a>(
+        layout: Arc<PageLayout>,
+        pages: u32,
+        window_pages: u32,
+        alloc_of: &dyn Fn(usize) -> &'a dyn HostAllocator,
+    ) -> Result<DevicePool, MemError> {
         let mut regions = Vec::new();
-        for k in layout.kinds() {
+        for (ki, k) in layout.kinds().iter().enumerate() {
+            let alloc = alloc_of(ki);
             let n = match k.class() {
                 Class::Main => pages,
                 Class::Window => window_pages,

@@ -6,7 +6,7 @@ use strata_kv::units::format_bytes;
 use strata_kv::PoolKind;
 use thiserror::Error;
 
-use crate::model::ModelSpec;
+use crate::model::{KindSpec, ModelSpec};
 use crate::topology::Topology;
 
 /// Device pool budget per rank.
@@ -173,7 +173,10 @@ pub struct Plan {
     pub model: String,
     pub tp: u32,
     pub page_size: usize,
+    /// Bytes per token of the largest rank (what each rank's pools are sized for).
     pub bytes_per_token: u64,
+    /// Each rank's: less on ranks holding fewer KV heads (SmolLM2's 3 over 2 ranks: 2 and 1).
+    pub rank_bytes_per_token: Vec<u64>,
     pub pools: Vec<PoolPlan>,
     pub device_tokens_per_rank: u64,
     pub host_tokens_per_rank: u64,
@@ -217,6 +220,31 @@ fn gb(b: u64) -> String {
 impl PlanRequest {
     /// The model's pool kinds on one rank in pages of the requested size: the layout a
     /// server allocates.
+    /// Each rank's pool kinds (ranks with fewer KV heads than the largest hold less).
+    pub fn rank_pool_kinds(&self) -> Result<Vec<Vec<PoolKind>>, PlanError> {
+        (0..self.tp as usize)
+            .map(|r| {
+                self.model
+                    .kinds
+                    .iter()
+                    .map(|k| {
+                        let heads = k.heads_of_ranks(self.tp)[r];
+                        let one = KindSpec {
+                            heads,
+                            split_across_tp: false,
+                            ..k.clone()
+                        };
+                        one.per_rank(1, self.page_size)
+                            .map_err(|why| PlanError::PageFit {
+                                page_size: self.page_size,
+                                why,
+                            })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     pub fn pool_kinds(&self) -> Result<Vec<PoolKind>, PlanError> {
         self.model
             .kinds
@@ -232,6 +260,21 @@ impl PlanRequest {
     }
 }
 
+/// Each rank's cost of a token and bytes per token (ranks with fewer KV heads hold less).
+fn rank_costs(req: &PlanRequest) -> Result<(Vec<Cost>, Vec<u64>), PlanError> {
+    let kinds = req.rank_pool_kinds()?;
+    let ratio = req.window_ratio.unwrap_or(1.0);
+    let costs = kinds
+        .iter()
+        .map(|k| Cost::new(k, ratio, req.page_size as u64))
+        .collect();
+    let bpt = kinds
+        .iter()
+        .map(|k| k.iter().map(|k| k.bytes_per_token() as u64).sum())
+        .collect();
+    Ok((costs, bpt))
+}
+
 /// Builds and validates the plan. Nothing is allocated here.
 pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> {
     validate(req)?;
@@ -239,6 +282,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let kinds = req.pool_kinds()?;
     let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
     let cost = Cost::new(&kinds, req.window_ratio.unwrap_or(1.0), ps);
+    let (rank_costs, rank_bpt) = rank_costs(req)?;
     let mut decided = Vec::new();
 
     // NUMA placement first: the fraction-of-free device budget needs it.
@@ -266,7 +310,14 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
-    let s = Sizes::new(req, &cost, device_budget, device_tokens, host_tokens);
+    let s = Sizes::new(
+        req,
+        &cost,
+        &rank_costs,
+        device_budget,
+        device_tokens,
+        host_tokens,
+    );
     let where_ = where_of(&room.nodes);
 
     if s.needed > room.usable {
@@ -280,6 +331,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         tp: req.tp,
         page_size: req.page_size,
         bytes_per_token: bpt,
+        rank_bytes_per_token: rank_bpt,
         pools,
         device_tokens_per_rank: device_tokens,
         host_tokens_per_rank: host_tokens,
@@ -333,6 +385,7 @@ impl Sizes {
     fn new(
         req: &PlanRequest,
         cost: &Cost,
+        rank_costs: &[Cost],
         device_budget: u64,
         device_tokens: u64,
         host_tokens: u64,
@@ -340,8 +393,9 @@ impl Sizes {
         let tp = req.tp as u64;
         let device_bytes = cost.bytes(device_tokens);
         let host_bytes = cost.bytes(host_tokens);
-        let server_host = host_bytes * tp;
-        let server_device = device_bytes * tp;
+        // Every rank holds the same pages; a rank with fewer heads, fewer bytes.
+        let server_host = rank_costs.iter().map(|c| c.bytes(host_tokens)).sum();
+        let server_device = rank_costs.iter().map(|c| c.bytes(device_tokens)).sum();
         let needed = server_host
             + if req.device_in_host_memory {
                 server_device

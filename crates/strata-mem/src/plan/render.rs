@@ -9,7 +9,24 @@ impl Plan {
     pub fn render(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
-        let _ = writeln!(s, "plan ({} role): model {}, TP {} (every rank identical), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
+        let ranks = if self
+            .rank_bytes_per_token
+            .iter()
+            .all(|&b| b == self.bytes_per_token)
+        {
+            "every rank identical".to_string()
+        } else {
+            let each: Vec<String> = self
+                .rank_bytes_per_token
+                .iter()
+                .map(u64::to_string)
+                .collect();
+            format!(
+                "ranks hold {} bytes per token: each rank's pools are sized for the largest",
+                each.join(" / ")
+            )
+        };
+        let _ = writeln!(s, "plan ({} role): model {}, TP {} ({ranks}), page {} tokens, {} bytes per token per rank", self.role, self.model, self.tp, self.page_size, self.bytes_per_token);
         self.pool_table(&mut s);
         let _ = writeln!(
             s,

@@ -294,12 +294,18 @@ fn row_and_column_slices_add_up() {
                 let whole = prod(&m, &x, 1);
                 let pa = prod(&a, &xs(0..split), 1);
                 let pb = prod(&b, &xs(split..cols), 1);
-                // Off block boundaries the slices are requantized to Q8_0 (lossy).
+                // Off block boundaries the slices are requantized to Q8_0: 8-bit rounding of
+                // every weight, ~1 % of the outputs' scale.
                 let blocks = split.is_multiple_of(f.block_weights());
-                let tol = if blocks { 2e-3 } else { 1e-1 };
+                let tol = if blocks { 2e-3 } else { 3e-2 };
+                let scale = whole.iter().fold(1f32, |m, v| m.max(v.abs()));
                 for i in 0..whole.len() {
-                    let what = format!("{} split {split}", f.name());
-                    close(pa[i] + pb[i], whole[i], tol, &what);
+                    let err = (pa[i] + pb[i] - whole[i]).abs();
+                    assert!(
+                        err <= tol * scale,
+                        "{} split {split}: {err} of {scale}",
+                        f.name()
+                    );
                 }
             }
         }

@@ -1,0 +1,59 @@
+//! Prefill and decode workers of different tensor-parallel sizes: the prefill worker's pages
+//! cross in the whole model's layout and the decode worker re-shards them on receipt; the
+//! greedy answers are one TP-1 worker's.
+
+mod common;
+use common::start_router;
+
+use serde_json::{json, Value};
+use strata_test_support::{post, spawn_worker, tiny_model, WorkerSpec};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_and_decode_of_different_tp_sizes_answer_as_one_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let single = spawn_worker(&path, WorkerSpec::default()).await;
+    let one = start_router(&[], std::slice::from_ref(&single.url)).await;
+    for (ptp, dtp) in [(2, 1), (1, 2)] {
+        let prefill = spawn_worker(
+            &path,
+            WorkerSpec {
+                tp: ptp,
+                ..WorkerSpec::default()
+            },
+        )
+        .await;
+        let spec = WorkerSpec {
+            tp: dtp,
+            kv_listener: true,
+            prefill_workers: vec![prefill.url.clone()],
+            ..WorkerSpec::default()
+        };
+        let decode = spawn_worker(&path, spec).await;
+        let pd = start_router(
+            std::slice::from_ref(&prefill.url),
+            std::slice::from_ref(&decode.url),
+        )
+        .await;
+        for start in [10u32, 90, 170] {
+            let body = json!({"prompt": (start..start + 45).collect::<Vec<u32>>(),
+                              "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+            let (st, a): (u16, Value) = post(&format!("{pd}/v1/completions"), &body).await;
+            assert_eq!(st, 200, "{a}");
+            let (_, b): (u16, Value) = post(&format!("{one}/v1/completions"), &body).await;
+            assert_eq!(
+                a["choices"][0]["text"], b["choices"][0]["text"],
+                "prefill TP {ptp}, decode TP {dtp}, prompt from {start}"
+            );
+        }
+        let snap = decode.state.engine.snapshot();
+        assert_eq!(
+            snap.transferred_prompt_tokens,
+            3 * 45,
+            "every prompt went through PD"
+        );
+        prefill.stop().await;
+        decode.stop().await;
+    }
+    single.stop().await;
+}

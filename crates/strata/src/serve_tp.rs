@@ -1,0 +1,205 @@
+//! `strata serve --tp-size N --numa-nodes ...`: where each tensor-parallel rank runs, the
+//! allocators of its device pool, and the check that what is built is what the plan printed.
+
+use anyhow::{bail, Result};
+use strata_kv::memory::HostAllocator;
+use strata_kv::tp::even_runs;
+use strata_kv::PageLayout;
+use strata_mem::{NumaAllocator, NumaPolicy, Topology};
+use strata_model::RankPlacement;
+
+/// Each rank's node and CPUs from `--numa-nodes` (one node per rank, or one for all): ranks
+/// on one node split its CPUs (those this process may use) into even runs, or share them
+/// all when there are fewer CPUs than ranks. No nodes: ranks unpinned (none for one rank:
+/// the whole model on the process's thread pool).
+pub fn placements(
+    nodes: &[u32],
+    tp: usize,
+    topo: &Topology,
+    allowed: &[u32],
+) -> Result<Vec<RankPlacement>> {
+    if nodes.is_empty() {
+        return Ok(if tp == 1 {
+            Vec::new()
+        } else {
+            vec![RankPlacement::default(); tp]
+        });
+    }
+    if nodes.len() != 1 && nodes.len() != tp {
+        bail!(
+            "--numa-nodes lists {} nodes for --tp-size {tp}: give one per rank or one for all",
+            nodes.len()
+        );
+    }
+    let node_of = |r: usize| nodes[if nodes.len() == 1 { 0 } else { r }];
+    let mut out = vec![RankPlacement::default(); tp];
+    let mut seen = Vec::new();
+    for r in 0..tp {
+        let n = node_of(r);
+        if seen.contains(&n) {
+            continue;
+        }
+        seen.push(n);
+        let Some(node) = topo.node(n) else {
+            bail!(
+                "--numa-nodes: node {n} is not on this machine (nodes: {:?})",
+                topo.ids()
+            );
+        };
+        let cpus: Vec<usize> = node
+            .cpus
+            .iter()
+            .filter(|c| allowed.is_empty() || allowed.contains(c))
+            .map(|&c| c as usize)
+            .collect();
+        if cpus.is_empty() {
+            bail!(
+                "--numa-nodes: node {n} has no CPU this process may run on (its CPUs {:?}, \
+                 allowed {allowed:?})",
+                node.cpus
+            );
+        }
+        let ranks: Vec<usize> = (0..tp).filter(|&q| node_of(q) == n).collect();
+        let runs = even_runs(cpus.len(), ranks.len());
+        for (i, &q) in ranks.iter().enumerate() {
+            let mine = if cpus.len() >= ranks.len() {
+                cpus[runs[i].clone()].to_vec()
+            } else {
+                cpus.clone()
+            };
+            out[q] = RankPlacement {
+                node: Some(n),
+                cpus: Some(mine),
+            };
+        }
+    }
+    Ok(out)
+}
+
+/// The device pool's allocator per pool kind: a pinned rank's kind bound to its node
+/// (`--numa-policy bind` semantics, pages verified), the rest on the heap.
+pub fn device_allocators(placements: &[RankPlacement]) -> Vec<Box<dyn HostAllocator>> {
+    placements
+        .iter()
+        .map(|p| -> Box<dyn HostAllocator> {
+            match p.node {
+                Some(n) => Box::new(NumaAllocator::new(vec![n], NumaPolicy::Bind)),
+                None => Box::new(strata_kv::memory::HeapAllocator),
+            }
+        })
+        .collect()
+}
+
+/// The plan sized every pool kind the model's pages hold, with the same bytes per token: what
+/// was printed is what is allocated. With tensor-parallel ranks each rank's kind is the
+/// planned kind of its heads (`kv.tpR` of `kv`), with the bytes per token the plan states
+/// for that rank.
+pub fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> Result<()> {
+    let planned: Vec<(String, u64)> = if plan.tp > 1 && plan.pools.len() == 1 {
+        let name = &plan.pools[0].kind;
+        let each = plan.rank_bytes_per_token.iter().enumerate();
+        each.map(|(r, &b)| (format!("{name}.tp{r}"), b)).collect()
+    } else {
+        plan.pools
+            .iter()
+            .map(|p| (p.kind.clone(), p.bytes_per_token))
+            .collect()
+    };
+    let built: Vec<(String, u64)> = layout
+        .kinds()
+        .iter()
+        .map(|k| (k.name.clone(), k.bytes_per_token() as u64))
+        .collect();
+    if planned != built {
+        bail!(
+            "the plan's pool kinds {planned:?} differ from the model's {built:?} (bytes per token)"
+        );
+    }
+    Ok(())
+}
+
+/// One line per rank for the log and stderr: its heads, node, CPUs and weights.
+pub fn describe(model: &dyn strata_model::Runtime, placements: &[RankPlacement]) -> Vec<String> {
+    let kinds = model.pool_kinds(1).unwrap_or_default();
+    placements
+        .iter()
+        .zip(&kinds)
+        .enumerate()
+        .map(|(r, (p, k))| {
+            let node = p
+                .node
+                .map_or("any node".to_string(), |n| format!("node {n}"));
+            let cpus = p
+                .cpus
+                .as_ref()
+                .map_or("unpinned".to_string(), |c| format!("CPUs {c:?}"));
+            format!(
+                "rank {r}: pool `{}` ({} bytes of K/V per token), {node}, {cpus}",
+                k.name,
+                k.bytes_per_token()
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_mem::topology::Node;
+
+    fn topo() -> Topology {
+        let node = |id, cpus: &[u32]| Node {
+            id,
+            cpus: cpus.to_vec(),
+            total_bytes: 64 << 30,
+            available_bytes: 60 << 30,
+            source: "test".into(),
+        };
+        Topology {
+            nodes: vec![node(0, &[0, 1, 2, 3]), node(1, &[4, 5, 6, 7])],
+        }
+    }
+
+    #[test]
+    fn ranks_take_their_nodes_cpus() {
+        let t = topo();
+        let all: Vec<u32> = (0..8).collect();
+        let p = placements(&[0, 1], 2, &t, &all).unwrap();
+        assert_eq!(p[0].cpus, Some(vec![0, 1, 2, 3]));
+        assert_eq!(
+            (p[1].node, p[1].cpus.clone()),
+            (Some(1), Some(vec![4, 5, 6, 7]))
+        );
+        // Two ranks per node split its CPUs.
+        let p = placements(&[0, 1, 0, 1], 4, &t, &all).unwrap();
+        let cpus: Vec<_> = p.iter().map(|r| r.cpus.clone().unwrap()).collect();
+        assert_eq!(cpus, vec![vec![0, 1], vec![4, 5], vec![2, 3], vec![6, 7]]);
+        // One node for all; only the CPUs this process may use; fewer CPUs than ranks: shared.
+        let p = placements(&[1], 3, &t, &[5, 6]).unwrap();
+        assert!(p.iter().all(|r| r.node == Some(1)));
+        assert_eq!(p[0].cpus, Some(vec![5, 6]));
+        assert_eq!(p[2].cpus, Some(vec![5, 6]));
+        assert!(placements(&[], 1, &t, &all).unwrap().is_empty());
+        assert_eq!(
+            placements(&[], 2, &t, &all).unwrap(),
+            vec![RankPlacement::default(); 2]
+        );
+    }
+
+    #[test]
+    fn bad_nodes_are_refused() {
+        let t = topo();
+        let e = placements(&[0, 1, 1], 2, &t, &[]).unwrap_err().to_string();
+        assert!(e.contains("lists 3 nodes for --tp-size 2"), "{e}");
+        let e = placements(&[2], 2, &t, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("node 2 is not on this machine (nodes: [0, 1])"),
+            "{e}"
+        );
+        let e = placements(&[0, 1], 2, &t, &[0, 1]).unwrap_err().to_string();
+        assert!(
+            e.contains("node 1 has no CPU this process may run on"),
+            "{e}"
+        );
+    }
+}
