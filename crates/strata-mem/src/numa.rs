@@ -251,9 +251,21 @@ pub fn placement_of(region: &Region, samples: usize) -> Placement {
     p
 }
 
-/// Where a host pool's pages are.
+/// Where a host pool's pages are: each region sampled in proportion to its size (a pool of
+/// tensor-parallel ranks holds one per rank), so sampled pages stand for bytes.
 pub fn placement_of_pool(pool: &strata_kv::pool::HostPool) -> Placement {
-    placement_of(pool.region(), 1024)
+    let total = pool.bytes().max(1);
+    let mut all = Placement::default();
+    for r in pool.regions() {
+        let samples = (1024 * r.len() / total).max(1);
+        let p = placement_of(r, samples);
+        all.sampled_pages += p.sampled_pages;
+        all.not_present += p.not_present;
+        for (n, k) in p.pages_per_node {
+            *all.pages_per_node.entry(n).or_insert(0) += k;
+        }
+    }
+    all
 }
 
 impl HostAllocator for NumaAllocator {

@@ -232,3 +232,47 @@ fn ranks_with_fewer_kv_heads_are_counted_as_they_are() {
         }
     }
 }
+
+/// `--numa-nodes`: each rank's pools on its node; each node holds its own ranks' pools with its
+/// own reserve; a node that cannot is named; interleave and unknown nodes are refused.
+#[test]
+fn ranks_on_their_own_nodes_fit_node_by_node() {
+    let (_d, t) = topo();
+    let mut r = req("server", 0, Some(HostBudget::PerRank(150 * GB)));
+    r.model = preset("smollm2-135m").unwrap();
+    r.page_size = 16;
+    r.tp = 2;
+    r.device_in_host_memory = true;
+    // One rank per node: 150 GB + 75 GB (the 1-head rank) fit their nodes.
+    r.numa = NumaChoice::Ranks(vec![0, 1]);
+    let p = make_plan(&r, &t).unwrap();
+    assert_eq!(p.numa.nodes, vec![0, 1]);
+    assert!(p
+        .decided_by
+        .iter()
+        .any(|d| d.by == "--numa-nodes: rank 0 on node 0, rank 1 on node 1"));
+    // Both on node 0 with bigger caches: node 0 cannot hold 2 × its share.
+    r.host = Some(HostBudget::PerRank(160 * GB));
+    r.numa = NumaChoice::Ranks(vec![0, 0]);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(e.contains("does not fit NUMA node 0"), "{e}");
+    // Node 1 with the big rank: its share alone is over what node 1 has.
+    r.host = Some(HostBudget::PerRank(225 * GB));
+    r.numa = NumaChoice::Ranks(vec![1, 0]);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(e.contains("node 1: ranks [0] need"), "{e}");
+    r.host = Some(HostBudget::PerRank(GB));
+    r.numa = NumaChoice::Ranks(vec![0, 2]);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(
+        e.contains("--numa-nodes node 2 is not on this machine"),
+        "{e}"
+    );
+    r.numa = NumaChoice::Ranks(vec![0]);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(e.contains("lists 1 nodes for --tp-size 2"), "{e}");
+    r.numa = NumaChoice::Ranks(vec![0, 1]);
+    r.policy = NumaPolicy::Interleave;
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(e.contains("--numa-policy interleave"), "{e}");
+}

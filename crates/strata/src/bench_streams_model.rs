@@ -8,7 +8,14 @@ use anyhow::{bail, Result};
 use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
-use strata_model::{peak, Model, SeqInput};
+use strata_model::{peak, SeqInput};
+
+/// The model a benchmark runs: one rank or tensor-parallel ranks, behind the engine's trait.
+pub struct BenchModel {
+    pub rt: Box<dyn strata_model::Runtime>,
+    pub config: strata_model::Config,
+    pub weight_bytes: usize,
+}
 
 /// What one decode step of `n` streams at context `ctx` computes and reads.
 struct Work {
@@ -17,14 +24,14 @@ struct Work {
 }
 
 /// Weights the decode step multiplies: every layer's projections and the vocabulary head.
-fn weights(m: &Model) -> f64 {
+fn weights(m: &BenchModel) -> f64 {
     let c = &m.config;
     let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
     let layer = q * h + 2 * kv * h + h * q + 3 * c.ffn * h;
     (c.layers * layer + c.vocab * h) as f64
 }
 
-fn work(m: &Model, n: usize, ctx: f64) -> Work {
+fn work(m: &BenchModel, n: usize, ctx: f64) -> Work {
     let c = &m.config;
     let w = weights(m);
     // Q·Kᵀ and P·V: 2 multiply-adds per context token, head dimension and head.
@@ -34,14 +41,35 @@ fn work(m: &Model, n: usize, ctx: f64) -> Work {
     Work {
         flop: n as f64 * (2.0 * w + attn),
         // The weights as held (the file's block formats), once per step.
-        bytes: m.weight_bytes() as f64 + n as f64 * ctx * kv_token,
+        bytes: m.weight_bytes as f64 + n as f64 * ctx * kv_token,
     }
+}
+
+/// This machine's measured ceilings for the model's decode shapes (printed): kernel FLOP/s
+/// and memory read bytes/s.
+fn ceilings(m: &BenchModel, threads: usize) -> (f64, f64) {
+    let (h, f) = (m.config.hidden, m.config.ffn);
+    let flops_peak = peak::kernel_flops(&[(f, h), (h, f)], threads);
+    let read_peak = peak::read_bandwidth(threads);
+    println!(
+        "ceilings ({threads} threads): decode kernel {:.1} GFLOP/s (Q8_0 × 8-bit activations, {}, {f} × {h} and {h} × {f} weights from cache, 64 rows), memory read {:.1} GB/s",
+        flops_peak / 1e9,
+        strata_model::qmat::kernel_name(),
+        read_peak / 1e9
+    );
+    (flops_peak, read_peak)
 }
 
 /// Decodes `steps` tokens for each count of `streams` (each stream with its own `ctx`-token
 /// context in its own pages, all streams in one forward call per step) and prints tokens/s,
 /// FLOP/s and bytes/s next to the measured ceilings.
-pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usize) -> Result<()> {
+pub fn run(
+    m: &BenchModel,
+    streams: &[usize],
+    ctx: usize,
+    steps: usize,
+    threads: usize,
+) -> Result<()> {
     let Some(&most) = streams.iter().max() else {
         return Ok(());
     };
@@ -50,7 +78,7 @@ pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usiz
     }
     let ps = 16;
     let per = (ctx + steps).div_ceil(ps);
-    let layout = Arc::new(PageLayout::new(ps, vec![m.pool_kind()])?);
+    let layout = Arc::new(PageLayout::new(ps, m.rt.pool_kinds(ps)?)?);
     let pool = DevicePool::new(layout, (per * most) as u32, &HeapAllocator)?;
     let vocab = m.config.vocab;
     let pages: Vec<Vec<u32>> = (0..most)
@@ -73,21 +101,13 @@ pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usiz
     let t = Instant::now();
     for group in (0..most).collect::<Vec<_>>().chunks(8) {
         let seqs: Vec<SeqInput> = group.iter().map(|&s| seq(s, 0, ctx, false)).collect();
-        m.forward(&pool, &seqs, false)?;
+        m.rt.forward_rows(&pool, &seqs, &vec![false; seqs.len()])?;
     }
     eprintln!(
         "prefilled {most} × {ctx} tokens in {:.1} s",
         t.elapsed().as_secs_f64()
     );
-    let (h, f) = (m.config.hidden, m.config.ffn);
-    let flops_peak = peak::kernel_flops(&[(f, h), (h, f)], threads);
-    let read_peak = peak::read_bandwidth(threads);
-    println!(
-        "ceilings ({threads} threads): decode kernel {:.1} GFLOP/s (Q8_0 × 8-bit activations, {}, {f} × {h} and {h} × {f} weights from cache, 64 rows), memory read {:.1} GB/s",
-        flops_peak / 1e9,
-        strata_model::qmat::kernel_name(),
-        read_peak / 1e9
-    );
+    let (flops_peak, read_peak) = ceilings(m, threads);
     println!("| streams | tok/s | step ms | GFLOP/s | of kernel peak | GB/s read | of read peak |");
     println!("|---|---|---|---|---|---|---|");
     for &n in streams {
@@ -97,7 +117,7 @@ pub fn run(m: &Model, streams: &[usize], ctx: usize, steps: usize, threads: usiz
             for i in 0..steps {
                 let pos = ctx + i;
                 let seqs: Vec<SeqInput> = (0..n).map(|s| seq(s, pos, pos + 1, true)).collect();
-                m.forward(&pool, &seqs, false)?;
+                m.rt.forward_rows(&pool, &seqs, &vec![false; seqs.len()])?;
             }
             best = best.min(t.elapsed().as_secs_f64());
         }

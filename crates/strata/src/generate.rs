@@ -11,7 +11,9 @@ use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
 use strata_model::fetch::{cache_dir, ensure_model};
-use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer};
+
+use crate::bench_streams_model::BenchModel;
+use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, SeqInput};
 
 #[derive(Subcommand, Debug)]
 pub enum ModelCommand {
@@ -115,11 +117,61 @@ pub struct BenchArgs {
     /// Tokens each stream decodes per measurement.
     #[arg(long, default_value_t = 16)]
     pub streams_steps: usize,
+    /// Tensor-parallel ranks (--threads split evenly over them), as `strata serve` runs them.
+    #[arg(long, default_value_t = 1)]
+    pub tp_size: usize,
+    /// NUMA node of each rank (one per rank or one for all; ranks on a node split its CPUs).
+    #[arg(long, value_delimiter = ',')]
+    pub numa_nodes: Vec<u32>,
+}
+
+impl BenchArgs {
+    /// The model as `strata serve` would run it with these ranks, and the file's tensor bytes.
+    fn load(&self) -> Result<(BenchModel, u64)> {
+        let (g, m, _tk) = self.model.load()?;
+        let file = g.tensor_bytes();
+        if self.tp_size <= 1 && self.numa_nodes.is_empty() {
+            let (config, weight_bytes) = (m.config.clone(), m.weight_bytes());
+            let rt = Box::new(m);
+            return Ok((
+                BenchModel {
+                    rt,
+                    config,
+                    weight_bytes,
+                },
+                file,
+            ));
+        }
+        drop(m);
+        let topo = strata_mem::Topology::detect()?;
+        let tp = self.tp_size.max(1);
+        let allowed = crate::sizing::allowed_cpus();
+        let ranks = crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)?;
+        let opts = strata_model::TpOptions {
+            placements: if ranks.is_empty() {
+                vec![Default::default()]
+            } else {
+                ranks
+            },
+            threads_per_rank: (self.model.threads / tp).max(1),
+            quantized_decode: !self.model.f32_decode,
+        };
+        let m = strata_model::TpModel::load(&self.model.path()?, &opts)?;
+        let (config, weight_bytes) = (m.config().clone(), m.weight_bytes());
+        Ok((
+            BenchModel {
+                rt: Box::new(m),
+                config,
+                weight_bytes,
+            },
+            file,
+        ))
+    }
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
-    let (g, m, _tk) = a.model.load()?;
-    let (held, file) = (m.weight_bytes() as u64, g.tensor_bytes());
+    let (bm, file) = a.load()?;
+    let held = bm.weight_bytes as u64;
     println!(
         "weights: {held} bytes held ({:.1} MiB) for {file} bytes of tensors in the file \
          ({:.3}×); integer kernels: {}",
@@ -130,13 +182,26 @@ fn bench(a: BenchArgs) -> Result<()> {
     if !a.streams.is_empty() {
         let t = a.model.threads;
         return crate::bench_streams_model::run(
-            &m,
+            &bm,
             &a.streams,
             a.streams_context,
             a.streams_steps,
             t,
         );
     }
+    prefill_and_decode(&bm, &a)?;
+    if let Some(hwm) = peak_resident() {
+        println!(
+            "peak resident memory of this process: {hwm} bytes ({:.1} MiB)",
+            hwm as f64 / 1048576.0
+        );
+    }
+    Ok(())
+}
+
+/// `strata model bench` without `--streams`: prefill of each length from an empty cache, then
+/// decode after a context, best of `--reps`.
+fn prefill_and_decode(bm: &BenchModel, a: &BenchArgs) -> Result<()> {
     let max = a
         .prefill
         .iter()
@@ -144,26 +209,41 @@ fn bench(a: BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(a.decode_context + a.decode_tokens);
-    let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()])?);
+    let m = &*bm.rt;
+    let layout = Arc::new(PageLayout::new(16, m.pool_kinds(16)?)?);
     let pages = max.div_ceil(16) as u32;
     let pool = DevicePool::new(layout, pages, &HeapAllocator)?;
     let page_list: Vec<u32> = (0..pages).collect();
     let tokens: Vec<u32> = (0..max as u32)
-        .map(|i| (i * 7919 + 13) % m.config.vocab as u32)
+        .map(|i| (i * 7919 + 13) % bm.config.vocab as u32)
         .collect();
+    let step = |toks: &[u32], pos: usize| -> Result<()> {
+        let seq = SeqInput {
+            tokens: toks,
+            pos,
+            pages: &page_list,
+            windows: &[],
+            decode: toks.len() == 1 && pos > 0,
+        };
+        m.forward_rows(&pool, &[seq], &[false])?;
+        Ok(())
+    };
     let prefill = |n: usize| -> Result<f64> {
         let t = Instant::now();
         let mut pos = 0;
         while pos < n {
             let end = (pos + a.chunk.max(1)).min(n);
-            m.forward_one(&pool, &tokens[pos..end], pos, &page_list, false)?;
+            step(&tokens[pos..end], pos)?;
             pos = end;
         }
         Ok(n as f64 / t.elapsed().as_secs_f64())
     };
     println!(
-        "model {} layers, {} threads, chunk {}",
-        m.config.layers, a.model.threads, a.chunk
+        "model {} layers, {} threads, {} rank(s), chunk {}",
+        bm.config.layers,
+        a.model.threads,
+        m.pool_kinds(16)?.len(),
+        a.chunk
     );
     for &n in &a.prefill {
         let mut best = 0f64;
@@ -178,7 +258,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         let t = Instant::now();
         for i in 0..a.decode_tokens {
             let pos = a.decode_context + i;
-            m.forward_one(&pool, &tokens[pos..pos + 1], pos, &page_list, false)?;
+            step(&tokens[pos..pos + 1], pos)?;
         }
         best = best.max(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
     }
@@ -186,12 +266,6 @@ fn bench(a: BenchArgs) -> Result<()> {
         "decode at context {}: {best:>8.1} tok/s ({} tokens)",
         a.decode_context, a.decode_tokens
     );
-    if let Some(hwm) = peak_resident() {
-        println!(
-            "peak resident memory of this process: {hwm} bytes ({:.1} MiB)",
-            hwm as f64 / 1048576.0
-        );
-    }
     Ok(())
 }
 

@@ -12,12 +12,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use strata_engine::{Engine, EngineConfig};
 use strata_kv::auth::ClusterKey;
+use strata_kv::memory::HostAllocator;
 use strata_kv::storage::{DiskStorage, Storage};
 use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
 use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
 use strata_model::fetch::{cache_dir, ensure_model};
-use strata_model::{LoadOptions, ModelTokenizer};
+use strata_model::ModelTokenizer;
 use strata_server::AppState;
 
 use crate::serve_tp;
@@ -68,12 +69,6 @@ pub struct ServeArgs {
     /// Threads for matrix products and attention (split evenly over --tp-size ranks).
     #[arg(long, default_value_t = 2, help_heading = "Compute")]
     pub threads: usize,
-    /// NUMA node of each tensor-parallel rank, comma-separated (one per rank, or one for
-    /// all): a rank's threads are pinned to its node's CPUs (ranks sharing a node split them),
-    /// its weights are first touched there and its device pool is bound there. Default:
-    /// ranks unpinned.
-    #[arg(long, value_delimiter = ',', help_heading = "Compute")]
-    pub numa_nodes: Vec<u32>,
     /// Keep f32 activations for decode steps too (default: 8-bit activations, integer dot
     /// products). llama models only: DeepSeek-V4 always computes in f32.
     #[arg(long, help_heading = "Compute")]
@@ -290,13 +285,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let prefetch = prefetch_policy(&a)?;
 
     // Model: tensor-parallel ranks placed by --numa-nodes.
-    let (model, tk, template, ranks) = load_model(&a, &path, &topo)?;
+    let (model, tk, template, ranks) =
+        serve_tp::load_model(&a.sizing, a.threads, !a.f32_decode, &topo)?;
 
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
     serve_tp::check_plan_layout(&plan, &layout)?;
-    let device_allocs = serve_tp::device_allocators(&ranks);
-    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout, &device_allocs)?;
+    let allocs = serve_tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
+    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
     let gauges = plan_gauges(&plan, &cache);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
@@ -346,40 +342,6 @@ struct Checked {
     kv_staging: u64,
     addr: SocketAddr,
     cluster_key: Option<ClusterKey>,
-}
-
-/// The model's runtime, tokenizer and chat template, and where its ranks run.
-type LoadedModel = (
-    Box<dyn strata_model::Runtime>,
-    ModelTokenizer,
-    Option<Arc<strata_model::ChatTemplate>>,
-    Vec<strata_model::RankPlacement>,
-);
-
-/// The model with its tokenizer and template, its tensor-parallel ranks placed by
-/// `--numa-nodes` (each rank's line logged and printed).
-fn load_model(
-    a: &ServeArgs,
-    path: &std::path::Path,
-    topo: &strata_mem::Topology,
-) -> Result<LoadedModel> {
-    let tp = a.sizing.tp_size as usize;
-    let ranks = serve_tp::placements(&a.numa_nodes, tp, topo, &crate::sizing::allowed_cpus())?;
-    std::env::set_var("RAYON_NUM_THREADS", a.threads.max(1).to_string());
-    let loaded = strata_model::load(
-        path,
-        LoadOptions {
-            threads: (a.threads / tp).max(1),
-            quantized_decode: !a.f32_decode,
-            ranks: ranks.clone(),
-        },
-    )?;
-    for line in serve_tp::describe(&*loaded.runtime, &ranks) {
-        tracing::info!("{line}");
-        eprintln!("strata serve: {line}");
-    }
-    let template = loaded.template.map(Arc::new);
-    Ok((loaded.runtime, loaded.tokenizer, template, ranks))
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -510,7 +472,7 @@ fn build_cache(
     req: &PlanRequest,
     plan: &Plan,
     layout: PageLayout,
-    device_allocs: &[Box<dyn strata_kv::memory::HostAllocator>],
+    rank_allocs: &serve_tp::RankAllocators,
 ) -> Result<(TieredCache, String)> {
     let ps = req.page_size;
     let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
@@ -542,9 +504,9 @@ fn build_cache(
     cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
-    let device: Vec<&dyn strata_kv::memory::HostAllocator> =
-        device_allocs.iter().map(|a| &**a).collect();
-    let cache = TieredCache::with_device_allocators(cc, &alloc, &device, storage)?;
+    let host: Vec<&dyn HostAllocator> = rank_allocs.0.iter().map(|a| &**a).collect();
+    let device: Vec<&dyn HostAllocator> = rank_allocs.1.iter().map(|a| &**a).collect();
+    let cache = TieredCache::with_allocators(cc, &alloc, &host, &device, storage)?;
     Ok((cache, storage_tier))
 }
 

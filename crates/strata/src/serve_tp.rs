@@ -1,12 +1,14 @@
 //! `strata serve --tp-size N --numa-nodes ...`: where each tensor-parallel rank runs, the
 //! allocators of its device pool, and the check that what is built is what the plan printed.
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use strata_kv::memory::HostAllocator;
 use strata_kv::tp::even_runs;
 use strata_kv::PageLayout;
 use strata_mem::{NumaAllocator, NumaPolicy, Topology};
-use strata_model::RankPlacement;
+use strata_model::{LoadOptions, ModelTokenizer, RankPlacement};
 
 /// Each rank's node and CPUs from `--numa-nodes` (one node per rank, or one for all): ranks
 /// on one node split its CPUs (those this process may use) into even runs, or share them
@@ -76,18 +78,80 @@ pub fn placements(
     Ok(out)
 }
 
-/// The device pool's allocator per pool kind: a pinned rank's kind bound to its node
-/// (`--numa-policy bind` semantics, pages verified), the rest on the heap.
-pub fn device_allocators(placements: &[RankPlacement]) -> Vec<Box<dyn HostAllocator>> {
-    placements
-        .iter()
-        .map(|p| -> Box<dyn HostAllocator> {
-            match p.node {
-                Some(n) => Box::new(NumaAllocator::new(vec![n], NumaPolicy::Bind)),
-                None => Box::new(strata_kv::memory::HeapAllocator),
-            }
-        })
-        .collect()
+/// Each rank's host and device pool allocators ([`rank_allocators`]).
+pub type RankAllocators = (Vec<Box<dyn HostAllocator>>, Vec<Box<dyn HostAllocator>>);
+
+/// The model's runtime, tokenizer and chat template, and where its ranks run.
+pub type LoadedModel = (
+    Box<dyn strata_model::Runtime>,
+    ModelTokenizer,
+    Option<Arc<strata_model::ChatTemplate>>,
+    Vec<strata_model::RankPlacement>,
+);
+
+/// The model with its tokenizer and template, its tensor-parallel ranks placed by
+/// `--numa-nodes` (each rank's line logged and printed).
+pub fn load_model(
+    sizing: &crate::sizing::SizingArgs,
+    threads: usize,
+    quantized_decode: bool,
+    topo: &strata_mem::Topology,
+) -> Result<LoadedModel> {
+    let tp = sizing.tp_size as usize;
+    let allowed = crate::sizing::allowed_cpus();
+    let ranks = placements(&sizing.numa_nodes, tp, topo, &allowed)?;
+    std::env::set_var("RAYON_NUM_THREADS", threads.max(1).to_string());
+    let path = sizing
+        .model
+        .as_deref()
+        .expect("the model's path is known by now");
+    let loaded = strata_model::load(
+        path,
+        LoadOptions {
+            threads: (threads / tp).max(1),
+            quantized_decode,
+            ranks: ranks.clone(),
+        },
+    )?;
+    for line in describe(&*loaded.runtime, &ranks) {
+        tracing::info!("{line}");
+        eprintln!("strata serve: {line}");
+    }
+    let template = loaded.template.map(Arc::new);
+    Ok((loaded.runtime, loaded.tokenizer, template, ranks))
+}
+
+/// Each rank's pools' allocators (one per pool kind: the rank's), host then device: with
+/// `--numa-nodes`, both bound to the rank's node under `--numa-policy` (pages verified where
+/// bind); without, none for the host (the plan's one allocator) and the heap for the device.
+pub fn rank_allocators(
+    placements: &[RankPlacement],
+    policy: NumaPolicy,
+    huge_pages: bool,
+) -> RankAllocators {
+    if placements.iter().all(|p| p.node.is_none()) {
+        let heap = || -> Box<dyn HostAllocator> { Box::new(strata_kv::memory::HeapAllocator) };
+        return (Vec::new(), placements.iter().map(|_| heap()).collect());
+    }
+    let on = |r: usize, n: u32, pool: &str, huge: bool| -> Box<dyn HostAllocator> {
+        let mut a = NumaAllocator::new(vec![n], policy);
+        a.huge_pages = huge;
+        a.progress = Some(crate::sizing::prefault_progress(
+            format!("rank {r} {pool} pool"),
+            1 << 30,
+        ));
+        Box::new(a)
+    };
+    let node = |p: &RankPlacement| p.node.expect("every rank placed");
+    let host = placements.iter().enumerate();
+    let host = host
+        .map(|(r, p)| on(r, node(p), "host", huge_pages))
+        .collect();
+    let device = placements.iter().enumerate();
+    let device = device
+        .map(|(r, p)| on(r, node(p), "device", false))
+        .collect();
+    (host, device)
 }
 
 /// The plan sized every pool kind the model's pages hold, with the same bytes per token: what

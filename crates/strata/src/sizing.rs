@@ -89,6 +89,17 @@ pub struct SizingArgs {
     /// use, else the one with the most available memory).
     #[arg(long, default_value = "auto", help_heading = "NUMA")]
     pub numa_node: String,
+    /// NUMA node of each tensor-parallel rank, comma-separated (one per rank, or one for all):
+    /// each rank's pools (host and device) are bound there, and `strata serve` pins the
+    /// rank's threads to the node's CPUs (ranks sharing a node split them) and first-touches
+    /// its weights there. Each node must hold its ranks' pools.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        conflicts_with = "numa_node",
+        help_heading = "NUMA"
+    )]
+    pub numa_nodes: Vec<u32>,
     /// bind (only that node), interleave (all nodes), preferred (that node, spill elsewhere).
     #[arg(long, default_value = "bind", help_heading = "NUMA")]
     pub numa_policy: String,
@@ -284,13 +295,21 @@ impl SizingArgs {
             (_, _, Some(r)) => Some(HostBudget::Ratio(r)),
             _ => None,
         };
-        let numa =
+        let numa = if !self.numa_nodes.is_empty() {
+            let n = &self.numa_nodes;
+            NumaChoice::Ranks(if n.len() == 1 {
+                vec![n[0]; self.tp_size as usize]
+            } else {
+                n.clone()
+            })
+        } else {
             match self.numa_node.as_str() {
                 "auto" => NumaChoice::Auto,
                 n => NumaChoice::Node(n.parse().with_context(|| {
                     format!("--numa-node `{n}`: expected a node number or `auto`")
                 })?),
-            };
+            }
+        };
         let Some(policy) = NumaPolicy::parse(&self.numa_policy) else {
             bail!(
                 "--numa-policy `{}`: expected bind, interleave or preferred",

@@ -210,15 +210,17 @@ impl TieredCache {
         host_alloc: &dyn HostAllocator,
         storage: Option<Arc<dyn Storage>>,
     ) -> Result<TieredCache, CacheError> {
-        TieredCache::with_device_allocators(cfg, host_alloc, &[], storage)
+        TieredCache::with_allocators(cfg, host_alloc, &[], &[], storage)
     }
 
-    /// [`TieredCache::new`] with the device pool's regions from `device_allocs[kind]` (e.g.
-    /// each tensor-parallel rank's kind on the rank's NUMA node); kinds beyond the slice take
-    /// the heap.
-    pub fn with_device_allocators(
+    /// [`TieredCache::new`] with each pool kind's memory from its own allocator (a
+    /// tensor-parallel rank's kind on the rank's NUMA node): in the host pool from
+    /// `host_allocs[kind]` (none given: one region from `host_alloc`; kinds beyond the slice
+    /// take `host_alloc`), in the device pool from `device_allocs[kind]` (else the heap).
+    pub fn with_allocators(
         cfg: CacheConfig,
         host_alloc: &dyn HostAllocator,
+        host_allocs: &[&dyn HostAllocator],
         device_allocs: &[&dyn HostAllocator],
         storage: Option<Arc<dyn Storage>>,
     ) -> Result<TieredCache, CacheError> {
@@ -245,7 +247,13 @@ impl TieredCache {
                 device_allocs.get(k).copied().unwrap_or(&HeapAllocator)
             })?;
             let (hp, hw) = (cfg.host_pages, cfg.host_window_pages);
-            let h = HostPool::with_window(layout.clone(), hp, hw, host_alloc)?;
+            let h = if host_allocs.is_empty() {
+                HostPool::with_window(layout.clone(), hp, hw, host_alloc)?
+            } else {
+                HostPool::with_allocators(layout.clone(), hp, hw, &|k| {
+                    host_allocs.get(k).copied().unwrap_or(host_alloc)
+                })?
+            };
             (Some(Arc::new(d)), Some(Arc::new(h)))
         } else {
             (None, None)

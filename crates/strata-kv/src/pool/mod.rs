@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
-use crate::layout::{Chunk, Class, PageLayout};
+use crate::layout::{Class, PageLayout};
 use crate::memory::{HostAllocator, MemError, Region};
+
+mod host;
+pub use host::HostPool;
 
 /// L1: per kind, per layer, per plane, one contiguous run of chunks for all pages of the kind's
 /// class (window kinds are addressed by window page, [`crate::layout::Class`]).
@@ -286,169 +289,6 @@ fn chunk_page(class: Class, page: u32, window: Option<u32>) -> Option<u32> {
     }
 }
 
-/// L2: page-first; page `p` is the main blob `[p × main, (p+1) × main)` of one region, window
-/// page `w` the window blob `[w × window, (w+1) × window)` of another.
-pub struct HostPool {
-    layout: Arc<PageLayout>,
-    pages: u32,
-    window_pages: u32,
-    region: Region,
-    window_region: Option<Region>,
-}
-
-impl HostPool {
-    /// A pool with as many window pages as pages.
-    pub fn new(
-        layout: Arc<PageLayout>,
-        pages: u32,
-        alloc: &dyn HostAllocator,
-    ) -> Result<HostPool, MemError> {
-        let window = layout.window_pages_for(pages);
-        HostPool::with_window(layout, pages, window, alloc)
-    }
-
-    /// A pool of `pages` main pages and `window_pages` window pages.
-    pub fn with_window(
-        layout: Arc<PageLayout>,
-        pages: u32,
-        window_pages: u32,
-        alloc: &dyn HostAllocator,
-    ) -> Result<HostPool, MemError> {
-        let size = |class: Class, n: u32| {
-            layout
-                .class_bytes(class)
-                .checked_mul(n as usize)
-                .ok_or_else(|| MemError::Alloc {
-                    bytes: usize::MAX,
-                    allocator: alloc.name(),
-                    reason: "host pool size overflows".into(),
-                })
-        };
-        let region = alloc.allocate(size(Class::Main, pages)?)?;
-        let wbytes = size(Class::Window, window_pages)?;
-        let window_region = if wbytes > 0 {
-            Some(alloc.allocate(wbytes)?)
-        } else {
-            None
-        };
-        Ok(HostPool {
-            layout,
-            pages,
-            window_pages,
-            region,
-            window_region,
-        })
-    }
-
-    pub fn pages(&self) -> u32 {
-        self.pages
-    }
-
-    /// Pages of `class`.
-    pub fn count(&self, class: Class) -> u32 {
-        match class {
-            Class::Main => self.pages,
-            Class::Window => self.window_pages,
-        }
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.region.len() + self.window_region.as_ref().map_or(0, Region::len)
-    }
-
-    pub fn layout(&self) -> &PageLayout {
-        &self.layout
-    }
-
-    /// The memory behind the main pages (for placement checks).
-    pub fn region(&self) -> &Region {
-        &self.region
-    }
-
-    /// The memory behind the window pages (None without window kinds).
-    pub fn window_region(&self) -> Option<&Region> {
-        self.window_region.as_ref()
-    }
-
-    /// Where the memory came from (allocator, NUMA placement).
-    pub fn origin(&self) -> &str {
-        self.region.origin()
-    }
-
-    /// Start of the blob of `page` in `class` (a window page for `Class::Window`).
-    fn class_ptr(&self, class: Class, page: u32) -> *mut u8 {
-        let n = self.count(class);
-        assert!(page < n, "host page {page} out of range");
-        let (region, bytes) = match class {
-            Class::Main => (&self.region, self.layout.class_bytes(Class::Main)),
-            Class::Window => (
-                self.window_region.as_ref().expect("window pages exist"),
-                self.layout.class_bytes(Class::Window),
-            ),
-        };
-        // SAFETY: page < the class's count, so the blob lies inside the class's region.
-        unsafe { region.as_ptr().add(page as usize * bytes) }
-    }
-
-    /// Where chunk `c` of host page `page` / window page `window` lives.
-    fn chunk_ptr(&self, c: &Chunk, page: u32, window: u32) -> *mut u8 {
-        match c.class {
-            // SAFETY: the chunk lies inside the page's main blob (host offsets of main chunks
-            // are below the main size).
-            Class::Main => unsafe { self.class_ptr(Class::Main, page).add(c.host_offset) },
-            // SAFETY: window chunks follow the main part of a blob; their offset minus the
-            // main size lies inside the window blob.
-            Class::Window => unsafe {
-                self.class_ptr(Class::Window, window)
-                    .add(c.host_offset - self.layout.class_bytes(Class::Main))
-            },
-        }
-    }
-
-    /// Copies one page blob out (its window part too when `window` is given).
-    pub fn read_page(&self, page: u32, window: Option<u32>, out: &mut [u8]) {
-        let main = self.layout.class_bytes(Class::Main);
-        assert_eq!(out.len(), blob_len(&self.layout, window));
-        // SAFETY: main-byte blob inside the region into a distinct buffer of at least that.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.class_ptr(Class::Main, page), out.as_mut_ptr(), main)
-        }
-        if let Some(w) = window {
-            let n = out.len() - main;
-            // SAFETY: the window blob is n bytes inside the window region; out[main..] is n.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.class_ptr(Class::Window, w),
-                    out.as_mut_ptr().add(main),
-                    n,
-                )
-            }
-        }
-    }
-
-    /// Writes one page blob (with its window part iff `window` is given). The pages must be
-    /// owned by the caller.
-    pub fn write_page(&self, page: u32, window: Option<u32>, data: &[u8]) {
-        let main = self.layout.class_bytes(Class::Main);
-        assert_eq!(data.len(), blob_len(&self.layout, window));
-        // SAFETY: main-byte blob inside the region, owned by the caller.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.class_ptr(Class::Main, page), main)
-        }
-        if let Some(w) = window {
-            let n = data.len() - main;
-            // SAFETY: n-byte window blob inside the window region, owned by the caller.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    data.as_ptr().add(main),
-                    self.class_ptr(Class::Window, w),
-                    n,
-                )
-            }
-        }
-    }
-}
-
 /// Direction of a tier copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
@@ -536,7 +376,7 @@ pub fn copy_pages(
     pairs: &[(u32, u32)],
     window_pairs: &[(u32, u32)],
 ) -> u64 {
-    let layout = &*host.layout;
+    let layout = host.layout();
     let total = pairs.len() * layout.class_bytes(Class::Main)
         + window_pairs.len() * layout.class_bytes(Class::Window);
     let stream = total >= STREAM_MIN_BYTES;

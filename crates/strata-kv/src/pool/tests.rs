@@ -155,3 +155,67 @@ fn a_window_page_beyond_the_window_pool_is_refused() {
     let dev = DevicePool::with_window(layout, 6, 2, &HeapAllocator).unwrap();
     dev.write_token(0, 0, 0, 2, 0, &[0; 4]);
 }
+
+/// A host pool with each kind's part of the pages in its own region (a tensor-parallel rank's
+/// on its node) holds the same blobs as a one-region pool: copies from and to the device pool,
+/// and whole blobs read and written, are byte for byte the same.
+#[test]
+fn a_host_pool_split_by_kind_holds_the_same_blobs() {
+    let layout = Arc::new(
+        PageLayout::new(
+            4,
+            vec![
+                PoolKind::kv("kv.tp0", 3, 2, 8, 2),
+                PoolKind::kv("kv.tp1", 3, 1, 8, 2),
+            ],
+        )
+        .unwrap(),
+    );
+    let n = 5;
+    let dev = DevicePool::new(layout.clone(), n, &HeapAllocator).unwrap();
+    let mut v = 3u8;
+    for p in 0..n {
+        for c in layout.chunks() {
+            let data: Vec<u8> = (0..c.bytes)
+                .map(|_| {
+                    v = v.wrapping_mul(13).wrapping_add(5);
+                    v
+                })
+                .collect();
+            dev.write_chunk(c.kind, c.layer, c.plane, p, &data);
+        }
+    }
+    let (a0, a1) = (HeapAllocator, HeapAllocator);
+    let allocs: [&dyn HostAllocator; 2] = [&a0, &a1];
+    let split = HostPool::with_allocators(layout.clone(), n, 0, &|k| allocs[k]).unwrap();
+    let one = HostPool::new(layout.clone(), n, &HeapAllocator).unwrap();
+    assert_eq!(split.regions().count(), 2);
+    assert_eq!(split.bytes(), one.bytes());
+    let pairs: Vec<(u32, u32)> = (0..n).map(|p| (p, (p + 2) % n)).collect();
+    for h in [&split, &one] {
+        copy_pages(&dev, h, Direction::DeviceToHost, &pairs, &[]);
+    }
+    let len = layout.page_bytes();
+    let mut blobs = Vec::new();
+    for p in 0..n {
+        let (mut a, mut b) = (vec![0; len], vec![0; len]);
+        split.read_page(p, None, &mut a);
+        one.read_page(p, None, &mut b);
+        assert_eq!(a, b, "page {p}");
+        blobs.push(a);
+    }
+    // Written back whole, each into the next page, then loaded back to the device.
+    for (p, a) in blobs.iter().enumerate() {
+        split.write_page((p as u32 + 1) % n, None, a);
+    }
+    let dev2 = DevicePool::new(layout.clone(), n, &HeapAllocator).unwrap();
+    let back: Vec<(u32, u32)> = (0..n).map(|p| (p, (p + 3) % n)).collect();
+    copy_pages(&dev2, &split, Direction::HostToDevice, &back, &[]);
+    for p in 0..n {
+        let mut want = vec![0; len];
+        dev.read_page_host_layout(p, None, &mut want);
+        let mut got = vec![0; len];
+        dev2.read_page_host_layout(p, None, &mut got);
+        assert_eq!(got, want, "device page {p} after the round trip");
+    }
+}

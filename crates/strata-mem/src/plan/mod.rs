@@ -56,11 +56,13 @@ impl NumaPolicy {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NumaChoice {
     Node(u32),
     /// The node the process's CPUs belong to, else the one with the most available memory.
     Auto,
+    /// Each tensor-parallel rank's node (`--numa-nodes`, one entry per rank): its pools there.
+    Ranks(Vec<u32>),
 }
 
 /// Everything the planner needs.
@@ -125,6 +127,8 @@ pub enum PlanError {
     },
     #[error("--numa-node {node}: no such NUMA node (this machine has {have})")]
     NoSuchNode { node: u32, have: String },
+    #[error("--numa-nodes {0}")]
+    RankNodes(String),
     #[error("{0}")]
     DoesNotFit(String),
 }
@@ -323,6 +327,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     if s.needed > room.usable {
         return Err(advice::does_not_fit(req, topo, &room, &s, &where_));
     }
+    ranks::check_rank_nodes(req, topo, &rank_costs, device_tokens, host_tokens)?;
     let warnings = advice::warnings(req, topo, &room, &s, &where_);
 
     Ok(Plan {
@@ -442,7 +447,10 @@ fn numa_room(
     topo: &Topology,
     decided: &mut Vec<Decision>,
 ) -> Result<Room, PlanError> {
-    let (nodes, auto_why) = choose_nodes(req, topo)?;
+    let (nodes, auto_why) = match ranks::rank_nodes(req, topo) {
+        Some(r) => r.map(|(nodes, why)| (nodes, Some(why)))?,
+        None => choose_nodes(req, topo)?,
+    };
     let avail: u64 = nodes
         .iter()
         .map(|&n| topo.node(n).expect("checked").available_bytes)
@@ -456,7 +464,14 @@ fn numa_room(
         .map(|&n| format!("node {}: {}", n, topo.node(n).expect("checked").source))
         .collect::<Vec<_>>()
         .join("; ");
-    let reserve = req.reserve.unwrap_or_else(|| (total / 10).min(10 << 30));
+    // A reserve on each node that holds a rank's pools; else one for the nodes together.
+    let reserve = match req.numa {
+        NumaChoice::Ranks(_) => nodes
+            .iter()
+            .map(|&n| ranks::node_reserve(req, topo.node(n).expect("checked").total_bytes))
+            .sum(),
+        _ => ranks::node_reserve(req, total),
+    };
     let usable = avail.saturating_sub(reserve);
     if let Some(why) = auto_why {
         decided.push(Decision {
@@ -484,14 +499,16 @@ fn choose_nodes(
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(", ");
-    Ok(match (req.policy, req.numa) {
+    Ok(match (req.policy, &req.numa) {
         (NumaPolicy::Interleave, _) => (topo.ids(), None),
-        (_, NumaChoice::Node(n)) => {
+        (_, &NumaChoice::Node(n)) => {
             if topo.node(n).is_none() {
                 return Err(PlanError::NoSuchNode { node: n, have });
             }
             (vec![n], None)
         }
+        // Answered by `ranks::rank_nodes` before.
+        (_, NumaChoice::Ranks(each)) => (each.clone(), None),
         (_, NumaChoice::Auto) => {
             let owner: Vec<u32> = topo
                 .nodes
@@ -664,3 +681,4 @@ mod cost;
 mod render;
 
 use cost::{kinds_decision, window_decisions, Cost};
+mod ranks;
