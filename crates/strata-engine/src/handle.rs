@@ -191,9 +191,14 @@ fn engine_info(
     // tensor-parallel server re-shards on export and import).
     let wire = model
         .wire_kinds(cache.page_size())
-        .ok()
-        .and_then(|k| strata_kv::PageLayout::new(cache.page_size(), k).ok())
-        .unwrap_or_else(|| cache.layout().clone());
+        .map_err(|e| e.to_string())
+        .and_then(|k| strata_kv::PageLayout::new(cache.page_size(), k).map_err(|e| e.to_string()))
+        .unwrap_or_else(|e| {
+            // Pages then cross in the local layout; a conversion a peer's page needs fails its
+            // request (the converters check every page's size).
+            tracing::error!(error = %e, "no wire layout for KV transfers: using this server's");
+            cache.layout().clone()
+        });
     EngineInfo {
         context_length: model.context_length(),
         vocab: model.vocab(),

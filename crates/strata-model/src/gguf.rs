@@ -170,6 +170,15 @@ impl Gguf {
             .sum()
     }
 
+    /// Weights per block of tensor `name`'s stored format (1 for F32/F16, 32, 256 for the
+    /// K-quants); None without that tensor.
+    pub fn block_weights(&self, name: &str) -> Option<usize> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|t| t.ggml_dtype.block_size())
+    }
+
     /// Whether the file has tensor `name`.
     pub fn content_has(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)

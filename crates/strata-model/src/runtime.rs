@@ -28,12 +28,18 @@ pub trait Runtime: Send + Sync {
     fn wire_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         self.pool_kinds(page_size)
     }
-    /// A page (host layout) in the wire layout; None when the layouts are the same.
-    fn page_to_wire(&self, _blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+    /// A page of `page_size` tokens (host layout) in the wire layout; None when the layouts
+    /// are the same. A blob of another size is an error.
+    fn page_to_wire(&self, _page_size: usize, _blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
         Ok(None)
     }
-    /// A page in the wire layout as this server's; None when the layouts are the same.
-    fn page_from_wire(&self, _blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+    /// A page of `page_size` tokens in the wire layout as this server's; None when the layouts
+    /// are the same. A blob of another size is an error.
+    fn page_from_wire(
+        &self,
+        _page_size: usize,
+        _blob: &[u8],
+    ) -> Result<Option<Vec<u8>>, ModelError> {
         Ok(None)
     }
     /// Computes the sequences' new tokens into their pages; per sequence the logits of its
@@ -108,11 +114,11 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
     fn wire_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         (**self).wire_kinds(page_size)
     }
-    fn page_to_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
-        (**self).page_to_wire(blob)
+    fn page_to_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        (**self).page_to_wire(ps, blob)
     }
-    fn page_from_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
-        (**self).page_from_wire(blob)
+    fn page_from_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        (**self).page_from_wire(ps, blob)
     }
     fn forward_rows(
         &self,
@@ -168,8 +174,9 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let runtime: Box<dyn Runtime> = match header.architecture() {
         Some("deepseek4") if split => {
             return Err(ModelError::Forward(format!(
-                "DeepSeek-V4 runs as one rank: {} ranks asked for",
-                opts.ranks.len()
+                "DeepSeek-V4 runs as one unpinned rank: --tp-size {} and --numa-nodes are for \
+                 llama-family models",
+                opts.ranks.len().max(1)
             )))
         }
         Some("deepseek4") => Box::new(crate::dsv4_load::load_dsv4(path)?),

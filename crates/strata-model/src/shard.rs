@@ -37,10 +37,11 @@ impl Part {
         }
     }
 
-    /// The parts of `tp` ranks: heads by [`split_heads`], the feed-forward in runs of 256
-    /// columns (a K-quant super-block) where it has enough of them, else of 32, the
-    /// vocabulary in even runs.
-    pub fn split(c: &Config, tp: usize) -> Result<Vec<Part>, ModelError> {
+    /// The parts of `tp` ranks: heads by [`split_heads`], the feed-forward in runs of the
+    /// down projection's block (`ffn_block` columns: 256 for a K-quant super-block, when every
+    /// rank gets one; else 32, and a K-quant down projection's slices are requantized to Q8_0),
+    /// the vocabulary in even runs.
+    pub fn split(c: &Config, tp: usize, ffn_block: usize) -> Result<Vec<Part>, ModelError> {
         let bad = |reason: String| ModelError::Forward(format!("--tp-size {tp}: {reason}"));
         if tp == 1 {
             return Ok(vec![Part::whole(c)]);
@@ -58,9 +59,10 @@ impl Part {
                 c.head_dim
             )));
         }
-        // Runs of 256 columns (whole K-quant super-blocks) where they split evenly, else 32.
-        let unit = if c.ffn.is_multiple_of(256) && (c.ffn / 256).is_multiple_of(tp) {
-            256
+        // Whole blocks of the down projection's format where every rank gets one (runs may
+        // then differ by a block), else 32-column runs.
+        let unit = if ffn_block > 32 && c.ffn.is_multiple_of(ffn_block) && c.ffn / ffn_block >= tp {
+            ffn_block
         } else {
             32
         };

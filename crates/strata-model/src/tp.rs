@@ -6,13 +6,16 @@
 //! K/V go to its own pool kind (`kv.tpR`, its KV heads only) in every page, so one radix tree
 //! and one page allocator serve all ranks: a page is allocated in every rank's pool at once.
 //!
-//! Ranks are threads, each with its own rayon pool whose workers are pinned to the rank's CPUs
-//! (its NUMA node's, [`RankPlacement`]); a rank's weights are copied out of the file by those
-//! workers, so the kernel's first-touch policy puts them on the rank's node. The ranks meet
+//! Each rank has its own rayon pool whose workers are pinned to the rank's CPUs (its NUMA
+//! node's, [`RankPlacement`]); a rank's weights are copied out of the file by those workers,
+//! so the kernel's first-touch policy puts them on the rank's node. A call runs each rank as a
+//! job on its pool (rank 0 through the caller): no thread is started per call. The ranks meet
 //! in [`Comm`] over shared memory: an all-reduce after each output and down projection (and
 //! after the embedding lookup), a gather of the vocabulary's parts at the end. Every rank
 //! adds the partial sums in rank order, so all ranks hold the same hidden state bit for bit;
-//! the sum differs from one rank's by rounding only (greedy outputs equal TP 1's in the tests).
+//! the sum differs from one rank's by rounding, and where a rank's input columns do not fall
+//! on the format's blocks (a K-quant's 256-column super-blocks split by heads) by that slice's
+//! requantization to Q8_0 (greedy outputs equal TP 1's in the tests).
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -147,9 +150,13 @@ struct Rank {
     placement: RankPlacement,
 }
 
+/// What a rank's pass returns: its logits (rank 0), its error, or its panic.
+type RankOut = std::thread::Result<Result<Option<Vec<Vec<f32>>>, ModelError>>;
+
 /// A llama-family model split over tensor-parallel ranks (see the module notes).
 pub struct TpModel {
     config: Config,
+    parts: Vec<Part>,
     ranks: Vec<Rank>,
     comm: Comm,
     /// One forward call at a time (the ranks share one [`Comm`]).
@@ -221,8 +228,11 @@ impl TpModel {
     /// Loads each rank's part on the rank's own (pinned) threads.
     pub fn load(path: &std::path::Path, opts: &TpOptions) -> Result<TpModel, ModelError> {
         let tp = opts.placements.len();
-        let config = Gguf::open(path)?.config.clone();
-        let parts = Part::split(&config, tp)?;
+        let g = Gguf::open(path)?;
+        let config = g.config.clone();
+        let ffn_block = g.block_weights("blk.0.ffn_down.weight").unwrap_or(32);
+        drop(g);
+        let parts = Part::split(&config, tp, ffn_block)?;
         let pools = opts
             .placements
             .iter()
@@ -263,6 +273,7 @@ impl TpModel {
         }
         Ok(TpModel {
             config,
+            parts,
             ranks,
             comm: Comm::new(tp),
             busy: Mutex::new(()),
@@ -281,9 +292,9 @@ impl TpModel {
 
     /// Each rank's part and placement.
     pub fn ranks(&self) -> Vec<(Part, RankPlacement, usize)> {
-        let parts = Part::split(&self.config, self.tp()).expect("split when loaded");
-        parts
-            .into_iter()
+        self.parts
+            .iter()
+            .cloned()
             .zip(&self.ranks)
             .map(|(p, r)| (p, r.placement.clone(), r.model.weight_bytes()))
             .collect()
@@ -318,25 +329,22 @@ impl TpModel {
             check_seq(pool, si, s, self.config.context_length, self.config.vocab)?;
         }
         let comm = &self.comm;
+        let slots: Vec<Mutex<Option<RankOut>>> = (0..self.tp()).map(|_| Mutex::new(None)).collect();
         let run = |r: usize| {
             let rank = &self.ranks[r];
-            rank.pool.install(|| {
-                let c = RankComm { comm, rank: r };
-                let out = catch_unwind(AssertUnwindSafe(|| {
-                    rank.model.forward_part(pool, seqs, all, &c)
-                }));
-                if !matches!(out, Ok(Ok(_))) {
-                    comm.failed.store(true, Ordering::Release);
-                }
-                out
-            })
+            let c = RankComm { comm, rank: r };
+            let out = catch_unwind(AssertUnwindSafe(|| {
+                rank.model.forward_part(pool, seqs, all, &c)
+            }));
+            if !matches!(out, Ok(Ok(_))) {
+                comm.failed.store(true, Ordering::Release);
+            }
+            *slots[r].lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
         };
-        let results = std::thread::scope(|sc| {
-            let run = &run;
-            let others: Vec<_> = (1..self.tp()).map(|r| sc.spawn(move || run(r))).collect();
-            let mut results = vec![run(0)];
-            results.extend(others.into_iter().map(|h| h.join().unwrap_or_else(Err)));
-            results
+        self.run_ranks(1, &run);
+        let results = slots.into_iter().map(|m| {
+            let out = m.into_inner().unwrap_or_else(|p| p.into_inner());
+            out.expect("every rank ran")
         });
         if comm.failed.load(Ordering::Acquire) {
             comm.reset();
@@ -360,25 +368,35 @@ impl TpModel {
         Ok(first.expect("rank 0 gathers the logits"))
     }
 
+    /// Runs `run(r)` for every rank from `from` on as a job on rank r's pool (a scope per
+    /// pool, borrowing the caller's stack), and rank 0 on the caller inside rank 0's pool: no
+    /// thread is created per call, and nothing can fail to start once a rank waits.
+    fn run_ranks(&self, from: usize, run: &(dyn Fn(usize) + Sync)) {
+        match self.ranks.get(from) {
+            None => self.ranks[0].pool.install(|| run(0)),
+            Some(rank) => rank.pool.in_place_scope(|s| {
+                s.spawn(move |_| run(from));
+                self.run_ranks(from + 1, run);
+            }),
+        }
+    }
+
     /// A page of this server's layout (the ranks' kinds, page-first) as the whole model's
     /// (one kind, every KV head once): what crosses to another worker.
-    pub fn page_to_wire(&self, blob: &[u8]) -> Result<Vec<u8>, ModelError> {
-        self.reshard(blob, true)
+    pub fn page_to_wire(&self, page_size: usize, blob: &[u8]) -> Result<Vec<u8>, ModelError> {
+        self.reshard(page_size, blob, true)
     }
 
     /// A page of the whole model's layout as this server's ranks' (KV heads copied to every
     /// rank that holds them).
-    pub fn page_from_wire(&self, blob: &[u8]) -> Result<Vec<u8>, ModelError> {
-        self.reshard(blob, false)
+    pub fn page_from_wire(&self, page_size: usize, blob: &[u8]) -> Result<Vec<u8>, ModelError> {
+        self.reshard(page_size, blob, false)
     }
 
-    fn reshard(&self, blob: &[u8], to_wire: bool) -> Result<Vec<u8>, ModelError> {
+    fn reshard(&self, ps: usize, blob: &[u8], to_wire: bool) -> Result<Vec<u8>, ModelError> {
         let c = &self.config;
         let head = c.head_dim * 2; // one f16 head row
-        let kvs: Vec<Range<usize>> = Part::split(c, self.tp())?
-            .into_iter()
-            .map(|p| p.heads.kv)
-            .collect();
+        let kvs: Vec<Range<usize>> = self.parts.iter().map(|p| p.heads.kv.clone()).collect();
         let local_tok: usize = kvs.iter().map(|k| k.len()).sum::<usize>() * head * 2 * c.layers;
         let wire_tok = c.kv_heads * head * 2 * c.layers;
         let (from_tok, to_tok) = if to_wire {
@@ -386,13 +404,12 @@ impl TpModel {
         } else {
             (wire_tok, local_tok)
         };
-        if blob.is_empty() || !blob.len().is_multiple_of(from_tok) {
+        if ps.checked_mul(from_tok) != Some(blob.len()) {
             return Err(ModelError::Forward(format!(
-                "a KV page of {} bytes is not whole tokens of {from_tok} bytes",
+                "a KV page of {} bytes, expected {ps} tokens of {from_tok} bytes",
                 blob.len()
             )));
         }
-        let ps = blob.len() / from_tok;
         let mut out = vec![0u8; ps * to_tok];
         // Page-first blobs: per kind, per layer, per plane, `ps` token rows of the kind's heads.
         let wire_chunk = |layer: usize, plane: usize| (layer * 2 + plane) * ps * c.kv_heads * head;
@@ -447,11 +464,11 @@ impl crate::Runtime for TpModel {
             "kv", c.layers, c.kv_heads, c.head_dim, 2,
         )])
     }
-    fn page_to_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
-        TpModel::page_to_wire(self, blob).map(Some)
+    fn page_to_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        TpModel::page_to_wire(self, ps, blob).map(Some)
     }
-    fn page_from_wire(&self, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
-        TpModel::page_from_wire(self, blob).map(Some)
+    fn page_from_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
+        TpModel::page_from_wire(self, ps, blob).map(Some)
     }
     fn forward_rows(
         &self,

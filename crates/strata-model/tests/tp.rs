@@ -162,14 +162,17 @@ fn pages_reshard_to_the_whole_model_and_back() {
             pool.read_page_host_layout(0, None, &mut blob);
             blobs.push(blob);
         }
-        let wire = m.page_to_wire(&blobs[1]).unwrap().unwrap();
+        let wire = m.page_to_wire(PAGE, &blobs[1]).unwrap().unwrap();
         assert_eq!(wire.len(), blobs[0].len());
         // Layer 0: its K and V chunks, PAGE rows of 2 KV heads × 32 f16 values each.
         let layer0 = 2 * PAGE * 2 * 32 * 2;
         assert_eq!(&wire[..layer0], &blobs[0][..layer0], "TP {tp}: layer 0 K/V");
-        assert_eq!(m.page_from_wire(&wire).unwrap().unwrap(), blobs[1]);
-        let e = m.page_from_wire(&wire[1..]).unwrap_err().to_string();
-        assert!(e.contains("not whole tokens"), "{e}");
+        assert_eq!(m.page_from_wire(PAGE, &wire).unwrap().unwrap(), blobs[1]);
+        for bad in [&wire[1..], &wire[..wire.len() / 2], &[][..]] {
+            let e = m.page_from_wire(PAGE, bad).unwrap_err().to_string();
+            assert!(e.contains("expected 16 tokens of"), "{e}");
+        }
+        assert!(m.page_to_wire(PAGE / 2, &blobs[1]).is_err());
     }
 }
 

@@ -177,17 +177,29 @@ fn plan(t: &mut Text, p: &PlanGauges) {
     for (pool, dev, host) in &p.pools {
         for rank in 0..p.ranks.max(1) {
             let r = rank.to_string();
+            // A rank with fewer KV heads holds the same pages in fewer bytes.
+            let own = |b: u64| match p.rank_bytes_per_token.get(rank as usize) {
+                Some(&rb) if p.bytes_per_token > 0 => {
+                    (b as u128 * rb as u128 / p.bytes_per_token as u128) as f64
+                }
+                _ => b as f64,
+            };
             t.sample(
                 "strata_plan_device_bytes",
                 &[("pool", pool), ("rank", &r)],
-                *dev as f64,
+                own(*dev),
             );
             t.sample(
                 "strata_plan_host_bytes",
                 &[("pool", pool), ("rank", &r)],
-                *host as f64,
+                own(*host),
             );
         }
+    }
+    for (rank, (node, cpus)) in p.rank_placement.iter().enumerate() {
+        let r = rank.to_string();
+        let labels = [("rank", r.as_str()), ("node", node), ("cpus", cpus)];
+        t.sample("strata_tp_rank_info", &labels, 1.0);
     }
     let nodes: Vec<String> = p.numa_nodes.iter().map(|n| n.to_string()).collect();
     t.sample(

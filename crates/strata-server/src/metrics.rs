@@ -28,9 +28,10 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_l3_entries", "gauge", "Pages held by the L3 tier."),
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
     // Sizing.
-    ("strata_plan_device_bytes", "gauge", "Device pool bytes per rank by pool kind, as planned."),
-    ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes per rank by pool kind, as planned."),
+    ("strata_plan_device_bytes", "gauge", "Device pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
+    ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
     ("strata_plan_info", "gauge", "The flag that decided the host pool size, the NUMA policy and node (value 1)."),
+    ("strata_tp_rank_info", "gauge", "A tensor-parallel rank's NUMA node and the CPUs its threads are pinned to (value 1)."),
     ("strata_host_pool_node_bytes", "gauge", "Host pool bytes found on each NUMA node (sampled page placement after allocation)."),
     // Serving.
     ("strata_requests_total", "counter", "Finished HTTP requests by outcome (ok, 4xx, 429, 5xx) and requests whose client went away (cancelled)."),
@@ -144,9 +145,16 @@ impl ServerMetrics {
 /// The memory plan, as gauges.
 #[derive(Clone, Debug, Default)]
 pub struct PlanGauges {
-    /// (pool kind, device bytes per rank, host bytes per rank).
+    /// (pool kind, device bytes per rank, host bytes per rank) of the largest rank.
     pub pools: Vec<(String, u64, u64)>,
     pub ranks: u32,
+    /// Bytes per token of the largest rank and of each rank (ranks with fewer KV heads hold
+    /// less of the same pages); empty: every rank the largest.
+    pub bytes_per_token: u64,
+    pub rank_bytes_per_token: Vec<u64>,
+    /// Each tensor-parallel rank's NUMA node and CPUs (`any`, `unpinned` without
+    /// `--numa-nodes`); empty for one unpinned rank.
+    pub rank_placement: Vec<(String, String)>,
     /// The flag that decided the host size (`--hicache-size`, ...; `none`).
     pub host_flag: String,
     pub numa_policy: String,

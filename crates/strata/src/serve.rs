@@ -293,7 +293,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     serve_tp::check_plan_layout(&plan, &layout)?;
     let allocs = serve_tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
     let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
-    let gauges = plan_gauges(&plan, &cache);
+    let gauges = plan_gauges(&plan, &cache, &ranks);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
     // The HTTP API's state; the KV-transfer listener for decode workers.
@@ -511,8 +511,15 @@ fn build_cache(
 }
 
 /// The plan's figures for `/metrics`, with where the host pool's pages landed (logged).
-fn plan_gauges(plan: &Plan, cache: &TieredCache) -> strata_server::metrics::PlanGauges {
+fn plan_gauges(
+    plan: &Plan,
+    cache: &TieredCache,
+    ranks: &[strata_model::RankPlacement],
+) -> strata_server::metrics::PlanGauges {
     let mut gauges = strata_server::metrics::PlanGauges {
+        bytes_per_token: plan.bytes_per_token,
+        rank_bytes_per_token: plan.rank_bytes_per_token.clone(),
+        rank_placement: ranks.iter().map(serve_tp::placement_labels).collect(),
         pools: plan
             .pools
             .iter()

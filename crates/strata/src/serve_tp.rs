@@ -182,9 +182,22 @@ pub fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> 
     Ok(())
 }
 
+/// A rank's node and CPUs as metric labels (`any`, `unpinned` when not placed).
+pub fn placement_labels(p: &RankPlacement) -> (String, String) {
+    let node = p.node.map_or("any".to_string(), |n| n.to_string());
+    let cpus = p.cpus.as_ref().map_or("unpinned".to_string(), |c| {
+        let c: Vec<String> = c.iter().map(usize::to_string).collect();
+        c.join(",")
+    });
+    (node, cpus)
+}
+
 /// One line per rank for the log and stderr: its heads, node, CPUs and weights.
 pub fn describe(model: &dyn strata_model::Runtime, placements: &[RankPlacement]) -> Vec<String> {
-    let kinds = model.pool_kinds(1).unwrap_or_default();
+    let kinds = model.pool_kinds(1).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "the ranks' pool kinds could not be listed");
+        Vec::new()
+    });
     placements
         .iter()
         .zip(&kinds)

@@ -324,7 +324,7 @@ impl Scheduler {
         }
         let kv = r.import.as_mut().expect("imported request");
         for p in &mut kv.pages {
-            match self.model.page_from_wire(p) {
+            match self.model.page_from_wire(self.cache.page_size(), p) {
                 Ok(Some(local)) => *p = local,
                 Ok(None) => {}
                 Err(e) => return Err(format!("the K/V received: {e}")),
@@ -339,7 +339,8 @@ impl Scheduler {
     fn export_kv(&self, r: &Req) -> Result<ExportedKv, String> {
         let (mut pages, hashes) = self.cache.export(r.lease(), &r.tokens[..r.prompt_len]);
         for p in &mut pages {
-            if let Some(w) = self.model.page_to_wire(p).map_err(|e| e.to_string())? {
+            let ps = self.cache.page_size();
+            if let Some(w) = self.model.page_to_wire(ps, p).map_err(|e| e.to_string())? {
                 *p = w;
             }
         }

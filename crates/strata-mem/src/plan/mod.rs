@@ -222,8 +222,6 @@ fn gb(b: u64) -> String {
 }
 
 impl PlanRequest {
-    /// The model's pool kinds on one rank in pages of the requested size: the layout a
-    /// server allocates.
     /// Each rank's pool kinds (ranks with fewer KV heads than the largest hold less).
     pub fn rank_pool_kinds(&self) -> Result<Vec<Vec<PoolKind>>, PlanError> {
         (0..self.tp as usize)
@@ -249,6 +247,8 @@ impl PlanRequest {
             .collect()
     }
 
+    /// The model's pool kinds on one rank (the largest) in pages of the requested size: what
+    /// each rank's pools are sized for.
     pub fn pool_kinds(&self) -> Result<Vec<PoolKind>, PlanError> {
         self.model
             .kinds
