@@ -482,9 +482,9 @@ impl Model {
         let gathered = gather(shape, kp, vp, ps, seqs, rows);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
-        // Threads only pay for themselves on enough work (a decode step is done inline).
+        // Splitting only pays on enough work (a single decode row is done inline).
         let work: usize = rows.iter().map(|r| r.1 + 1).sum();
-        let threads = if work < 4096 { 1 } else { self.threads };
+        let threads = if work < 1024 { 1 } else { self.threads };
         let gathered = &gathered;
         let run = |first: usize, chunk: &mut [f32]| {
             let n_rows = chunk.len() / h;
@@ -513,15 +513,16 @@ impl Model {
         if threads == 1 {
             run(0, &mut out);
         } else {
+            // On the pool the pass runs on (no thread started per call).
             let bounds = split_by_work(rows, threads, work);
             let run = &run;
-            std::thread::scope(|sc| {
+            rayon::scope(|sc| {
                 let mut rest: &mut [f32] = &mut out;
                 for w in bounds.windows(2) {
                     let (chunk, tail) = rest.split_at_mut((w[1] - w[0]) * h);
                     rest = tail;
                     let first = w[0];
-                    sc.spawn(move || run(first, chunk));
+                    sc.spawn(move |_| run(first, chunk));
                 }
             });
         }
