@@ -26,6 +26,9 @@ pub(crate) trait Unpack {
     const SIGNED: bool;
     const SUB: bool;
     const AFFINE: bool;
+    /// One block per group with its f16 scale first (and its f16 min right after when
+    /// `AFFINE`): the block's bytes. None for formats laid out otherwise (the K-quants).
+    const FLAT: Option<usize> = None;
     /// # Safety
     /// AVX2; `row` holds at least the blocks of group `j`.
     unsafe fn group(row: *const u8, j: usize) -> Group;
@@ -66,6 +69,7 @@ impl Unpack for Q8_0 {
     const SIGNED: bool = true;
     const SUB: bool = false;
     const AFFINE: bool = false;
+    const FLAT: Option<usize> = Some(34);
     #[inline(always)]
     unsafe fn group(row: *const u8, j: usize) -> Group {
         let b = row.add(j * 34);
@@ -84,6 +88,7 @@ impl Unpack for Q4_0 {
     const SIGNED: bool = true;
     const SUB: bool = false;
     const AFFINE: bool = false;
+    const FLAT: Option<usize> = Some(18);
     #[inline(always)]
     unsafe fn group(row: *const u8, j: usize) -> Group {
         let b = row.add(j * 18);
@@ -102,6 +107,7 @@ impl Unpack for Q4_1 {
     const SIGNED: bool = false;
     const SUB: bool = false;
     const AFFINE: bool = true;
+    const FLAT: Option<usize> = Some(20);
     #[inline(always)]
     unsafe fn group(row: *const u8, j: usize) -> Group {
         let b = row.add(j * 20);
@@ -229,6 +235,89 @@ pub(crate) unsafe fn dot_int<U: Unpack, const G: usize>(
     for r in 0..G {
         out[r] = hsum(acc[r]);
     }
+}
+
+/// The integer sums `Σ w·q` of group `j` against activation group `j` of `xq`, as 8 × i32.
+#[inline(always)]
+unsafe fn group_sums<U: Unpack>(row: *const u8, j: usize, xq: *const i8) -> __m256i {
+    let g = U::group(row, j);
+    let aw = if U::SIGNED {
+        _mm256_sign_epi8(g.w, g.w)
+    } else {
+        g.w
+    };
+    let xv = _mm256_loadu_si256(xq.add(j * GROUP) as *const __m256i);
+    let xv = if U::SIGNED {
+        _mm256_sign_epi8(xv, g.w)
+    } else {
+        xv
+    };
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), _mm256_set1_epi16(1))
+}
+
+/// Eight blocks' f16 values at `at` bytes into each block (blocks of `bb` bytes from group
+/// `j`), converted at once.
+#[inline(always)]
+unsafe fn eight_f16(row: *const u8, j: usize, bb: usize, at: usize) -> __m256 {
+    let h = |k: usize| {
+        let p = row.add((j + k) * bb + at);
+        u16::from_le_bytes([*p, *p.add(1)]) as i16
+    };
+    let v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+    _mm256_cvtph_ps(v)
+}
+
+/// [`dot_int`] for one activation row of a `FLAT` format (Q4_0, Q4_1, Q8_0): the integer
+/// sums of eight groups are reduced into one vector (lane k: group k) and scaled at once by
+/// the eight blocks' scales (one conversion for eight) times the eight activation scales,
+/// mins likewise; left-over groups one by one. Decode steps of one sequence.
+///
+/// # Safety
+/// As [`dot_int`] with `G = 1`; `U::FLAT` is `Some`.
+#[inline(always)]
+pub(crate) unsafe fn dot_int_flat<U: Unpack>(
+    row: *const u8,
+    groups: usize,
+    x: &QActs,
+    r0: usize,
+    out: &mut [f32],
+) {
+    let bb = U::FLAT.expect("a flat format");
+    let base = r0 * groups;
+    let (xq, xd, xs) = (
+        x.q.as_ptr().add(base * GROUP),
+        x.d.as_ptr().add(base),
+        x.s.as_ptr().add(base),
+    );
+    let mut acc = _mm256_setzero_ps();
+    let mut j = 0;
+    while j + 8 <= groups {
+        let s = |k| group_sums::<U>(row, j + k, xq);
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s(0), s(1)), _mm256_hadd_epi32(s(2), s(3)));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(s(4), s(5)), _mm256_hadd_epi32(s(6), s(7)));
+        // a = [g0..g3 over lanes 0-3 | g0..g3 over lanes 4-7], b likewise for g4..g7.
+        let lo = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        let hi = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        let sums = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+        let scale = _mm256_mul_ps(eight_f16(row, j, bb, 0), _mm256_loadu_ps(xd.add(j)));
+        acc = _mm256_fmadd_ps(scale, sums, acc);
+        if U::AFFINE {
+            let mins = eight_f16(row, j, bb, 2);
+            acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs.add(j)), acc);
+        }
+        j += 8;
+    }
+    let mut total = hsum(acc);
+    while j < groups {
+        let g = U::group(row, j);
+        let sum = hsum(_mm256_cvtepi32_ps(group_sums::<U>(row, j, xq)));
+        total += g.scale * *xd.add(j) * sum;
+        if U::AFFINE {
+            total += g.min * *xs.add(j);
+        }
+        j += 1;
+    }
+    out[0] = total;
 }
 
 /// Group `j` of a row as 32 f32 values in four registers.

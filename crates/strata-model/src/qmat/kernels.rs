@@ -153,6 +153,7 @@ mod simd {
         // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths were checked above.
         unsafe {
             match g {
+                1 if U::FLAT.is_some() => avx2::dot_int_flat::<U>(p, groups, x, r0, out),
                 1 => avx2::dot_int::<U, 1>(p, groups, x, r0, out),
                 2 => avx2::dot_int::<U, 2>(p, groups, x, r0, out),
                 3 => avx2::dot_int::<U, 3>(p, groups, x, r0, out),

@@ -150,16 +150,27 @@ fn products_match_the_reference() {
 ))]
 #[test]
 fn avx2_kernels_where_avx512_is_picked() {
-    for (d, f) in ALL.into_iter().filter(|(_, f)| f.integer()) {
-        let (rows, cols) = (9, cols_for(f));
+    // An odd count of groups, and (blocks of 32) two runs of eight groups plus three: the
+    // one-row kernel reduces eight groups at a time.
+    let shapes = ALL
+        .into_iter()
+        .filter(|(_, f)| f.integer())
+        .flat_map(|(d, f)| {
+            [
+                (d, f, cols_for(f)),
+                (d, f, 19 * f.block_weights().max(GROUP)),
+            ]
+        });
+    for (d, f, cols) in shapes {
+        let rows = 9;
         let (m, _) = matrix(d, rows, cols, 3);
         let groups = cols / GROUP;
-        let n = 11;
+        let n = 12;
         let qx = QActs::quantize(&values(n * cols, 7));
         let k = kernels::int_kernel_avx2(f);
         for i in 0..rows {
             let mut out = [0f32; 8];
-            for (r0, g) in [(0, 8), (8, 3)] {
+            for (r0, g) in [(0, 8), (8, 3), (11, 1)] {
                 k(m.row(i), groups, &qx, r0, &mut out[..g]);
                 for (r, &got) in out[..g].iter().enumerate() {
                     let want = format::dot_int(f, m.row(i), &qx, (r0 + r) * groups, groups);
