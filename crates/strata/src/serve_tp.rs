@@ -1,5 +1,6 @@
 //! `strata serve --tp-size N --numa-nodes ...`: where each tensor-parallel rank runs, the
-//! allocators of its device pool, and the check that what is built is what the plan printed.
+//! allocators of its host and device pools, and the check that what is built is what the plan
+//! printed.
 
 use std::sync::Arc;
 
