@@ -458,3 +458,89 @@ fn a_host_hit_loads_back_into_a_pool_that_holds_the_request_only_once() {
     assert_eq!(s.device_pages_held, 0);
     e.shutdown(Duration::from_secs(5));
 }
+
+/// An engine over tensor-parallel ranks (each rank's K/V its own pool kind; the host pool's
+/// pages split by rank over regions).
+fn start_tp(path: &Path, tp: usize, device_pages: u32, host_pages: u32) -> EngineHandle {
+    let opts = strata_model::LoadOptions {
+        ranks: vec![strata_model::RankPlacement::default(); tp],
+        ..strata_model::LoadOptions::new(1)
+    };
+    let m = strata_model::load(path, opts).unwrap().runtime;
+    let layout = PageLayout::new(PS, m.pool_kinds(PS).unwrap()).unwrap();
+    let mut cc = CacheConfig::new(layout, device_pages, host_pages);
+    cc.model_id = "tiny".into();
+    let (a, b) = (HeapAllocator, HeapAllocator);
+    let host: [&dyn strata_kv::memory::HostAllocator; 2] = [&a, &b];
+    let cache = TieredCache::with_allocators(cc, &HeapAllocator, &host, &[], None).unwrap();
+    Engine::start(m, cache, EngineConfig::default())
+}
+
+/// Pages leave and enter a TP-2 engine in the whole model's layout: TP 2 → TP 1 and TP 1 →
+/// TP 2 continue as one engine does; a prefix the TP-2 engine backed up to its split host
+/// pool and loaded back gives the same tokens; a page of another size is refused.
+#[test]
+fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let single = start(&path, 64, 0, None, EngineConfig::default());
+    let tp = start_tp(&path, 2, 16, 64);
+    assert_eq!(tp.info().page_bytes, single.info().page_bytes);
+    assert_eq!(tp.info().layout, single.info().layout);
+    let p = prompt(37, 5);
+    let (want, _, _) = run(&single, &p, greedy(10));
+    let export = |e: &EngineHandle| {
+        let mut s = e.submit_export(p.clone(), greedy(1)).unwrap();
+        let (mut first, mut kv) = (None, None);
+        while let Some(ev) = s.events.blocking_recv() {
+            match ev {
+                Event::Token(t) => first = Some(t),
+                Event::Kv(k) => kv = Some(k),
+                _ => {}
+            }
+        }
+        (first.unwrap(), kv.expect("K/V exported"))
+    };
+    let import = |e: &EngineHandle, first: u32, pages: Vec<Vec<u8>>| {
+        let kv = ImportedKv {
+            first_logprobs: None,
+            prompt_logprobs: None,
+            pages,
+            first_token: first,
+            cached: CachedTokens::default(),
+        };
+        let mut s = e.submit_prefilled(p.clone(), greedy(10), kv)?;
+        let mut got = Vec::new();
+        while let Some(ev) = s.events.blocking_recv() {
+            if let Event::Token(t) = ev {
+                got.push(t);
+            }
+        }
+        Ok::<_, SubmitError>(got)
+    };
+    let (first, kv) = export(&tp);
+    assert_eq!(
+        import(&single, first, kv.pages.clone()).unwrap(),
+        want,
+        "TP 2 → TP 1"
+    );
+    let (first, kv) = export(&single);
+    assert_eq!(
+        import(&tp, first, kv.pages.clone()).unwrap(),
+        want,
+        "TP 1 → TP 2"
+    );
+    let mut short = kv.pages.clone();
+    short[1].truncate(100);
+    let e = import(&tp, first, short).err().unwrap().to_string();
+    assert!(e.contains("a page of 100 bytes"), "{e}");
+    // Dropped from the device pool (kept on the host pool, split by rank), asked again: it
+    // comes back from there with the same answer.
+    assert_eq!(tp.flush(FlushScope::Device).map(|f| f.0 > 0), Some(true));
+    let (again, cached, _) = run(&tp, &p, greedy(10));
+    assert_eq!(again, want);
+    assert!(cached.host > 0, "served from the host tier: {cached:?}");
+    for e in [single, tp] {
+        e.shutdown(Duration::from_secs(5));
+    }
+}
