@@ -9,7 +9,7 @@
 //! Each rank has its own rayon pool whose workers are pinned to the rank's CPUs (its NUMA
 //! node's, [`RankPlacement`]); a rank's weights are copied out of the file by those workers,
 //! so the kernel's first-touch policy puts them on the rank's node. A call runs each rank as a
-//! job on its pool (rank 0 through the caller): no thread is started per call. The ranks meet
+//! job on its own pool while the caller waits: no thread is started per call. The ranks meet
 //! in [`Comm`] over shared memory: an all-reduce after each output and down projection (and
 //! after the embedding lookup), a gather of the vocabulary's parts at the end. Every rank
 //! adds the partial sums in rank order, so all ranks hold the same hidden state bit for bit;
@@ -314,6 +314,10 @@ impl TpModel {
         all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
+        debug_assert!(
+            rayon::current_thread_index().is_none(),
+            "TpModel::forward_rows from a rayon worker"
+        );
         let _busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         // Every check a rank makes, made before any rank waits on another.
         for r in &self.ranks {
@@ -369,8 +373,10 @@ impl TpModel {
     }
 
     /// Runs `run(r)` for every rank from `from` on as a job on rank r's pool (a scope per
-    /// pool, borrowing the caller's stack), and rank 0 on the caller inside rank 0's pool: no
-    /// thread is created per call, and nothing can fail to start once a rank waits.
+    /// pool, borrowing the caller's stack), and rank 0 on its pool through `install`, the
+    /// caller waiting: no thread is created per call, and nothing can fail to start once a
+    /// rank waits. The caller must not be a rayon worker (it would run other jobs of its pool
+    /// while it holds the model); the engine's scheduler thread and the tests' are not.
     fn run_ranks(&self, from: usize, run: &(dyn Fn(usize) + Sync)) {
         match self.ranks.get(from) {
             None => self.ranks[0].pool.install(|| run(0)),

@@ -282,6 +282,12 @@ pub(crate) unsafe fn dot_int_flat<U: Unpack>(
     r0: usize,
     out: &mut [f32],
 ) {
+    const {
+        assert!(
+            U::FLAT.is_none() || !U::SUB,
+            "flat formats have no sub-block multipliers"
+        )
+    };
     let bb = U::FLAT.expect("a flat format");
     let base = r0 * groups;
     let (xq, xd, xs) = (
