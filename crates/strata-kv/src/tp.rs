@@ -81,6 +81,22 @@ pub fn split_heads(heads: usize, kv_heads: usize, tp: usize) -> Result<Vec<RankH
     Ok(out)
 }
 
+/// The pool kind of rank `r`'s share of kind `base` (`kv` → `kv.tp0`, ...).
+pub fn rank_kind_name(base: &str, r: usize) -> String {
+    format!("{base}.tp{r}")
+}
+
+/// KV heads each rank holds, as [`split_heads`] gives them: even runs, or one each
+/// (replicated) when there are more ranks than KV heads.
+pub fn kv_heads_of_ranks(kv_heads: usize, tp: usize) -> Vec<usize> {
+    let tp = tp.max(1);
+    if tp <= kv_heads {
+        even_runs(kv_heads, tp).iter().map(|r| r.len()).collect()
+    } else {
+        vec![1; tp]
+    }
+}
+
 /// KV heads the largest rank holds: `ceil(kv_heads / tp)` (1 when `tp > kv_heads`).
 pub fn kv_heads_per_rank(kv_heads: usize, tp: usize) -> usize {
     kv_heads.div_ceil(tp.max(1))
@@ -117,11 +133,12 @@ mod tests {
             let r = split_heads(heads, kv, tp).unwrap();
             prop_assert_eq!(r.len(), tp);
             let mut next = 0;
-            for h in &r {
+            for (r, h) in r.iter().enumerate() {
                 prop_assert_eq!(h.q.start, next);
                 prop_assert!(!h.q.is_empty() && !h.kv.is_empty());
                 next = h.q.end;
                 prop_assert!(h.kv.len() <= kv_heads_per_rank(kv, tp));
+                prop_assert_eq!(h.kv.len(), kv_heads_of_ranks(kv, tp)[r]);
                 prop_assert!(h.q.len().is_multiple_of(h.kv.len()));
                 let local_group = h.q.len() / h.kv.len();
                 for (i, q) in h.q.clone().enumerate() {

@@ -58,13 +58,10 @@ impl KindSpec {
     /// one each when there are more ranks than heads).
     pub fn heads_of_ranks(&self, tp: u32) -> Vec<usize> {
         let tp = tp.max(1) as usize;
-        match self.split_across_tp {
-            true if tp <= self.heads => strata_kv::tp::even_runs(self.heads, tp)
-                .iter()
-                .map(|r| r.len())
-                .collect(),
-            true => vec![1; tp],
-            false => vec![self.heads; tp],
+        if self.split_across_tp {
+            strata_kv::tp::kv_heads_of_ranks(self.heads, tp)
+        } else {
+            vec![self.heads; tp]
         }
     }
 

@@ -33,7 +33,7 @@ fn products(c: &mut Criterion) {
                 });
             }
             g.bench_function(BenchmarkId::new(format!("{name}/tiled"), n), |b| {
-                b.iter(|| m.matmul_tiled(&x, 2))
+                b.iter(|| m.matmul_tiled(&x))
             });
         }
     }
@@ -48,7 +48,7 @@ fn products(c: &mut Criterion) {
         QMatrix::from_qtensor(&QTensor::quantize(&w2, GgmlDType::Q4_1).unwrap(), "q4_1").unwrap();
     let x2 = values(512 * rows, 11);
     g.bench_function(BenchmarkId::new("q4_1-down/tiled", 512), |b| {
-        b.iter(|| m2.matmul_tiled(&x2, 2))
+        b.iter(|| m2.matmul_tiled(&x2))
     });
     let (w2t, x2t) = (
         w2.t().unwrap(),

@@ -183,7 +183,7 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
         _ if split => Box::new(crate::TpModel::load(
             path,
             &crate::TpOptions {
-                placements: opts.ranks.clone(),
+                placements: opts.ranks,
                 threads_per_rank: opts.threads,
                 quantized_decode: opts.quantized_decode,
             },

@@ -84,7 +84,7 @@ impl Part {
             .enumerate()
             .map(|(r, ((heads, f), vocab))| Part {
                 kind: r,
-                kind_name: format!("kv.tp{r}"),
+                kind_name: strata_kv::tp::rank_kind_name("kv", r),
                 heads,
                 ffn: f.start * unit..f.end * unit,
                 vocab,
@@ -129,7 +129,7 @@ pub(crate) trait Collective: Sync {
     fn all_reduce(&self, x: &mut [f32]);
     /// Each rank's `[rows][its vocabulary rows]` logits → `[rows][vocabulary]` on the
     /// gathering rank (None on the others).
-    fn gather_vocab(&self, part: Vec<f32>, rows: usize, part_cols: usize) -> Option<Vec<f32>>;
+    fn gather_vocab(&self, part: Vec<f32>, rows: usize) -> Option<Vec<f32>>;
 }
 
 /// The whole model on one rank: nothing to meet.
@@ -137,7 +137,7 @@ pub(crate) struct Solo;
 
 impl Collective for Solo {
     fn all_reduce(&self, _x: &mut [f32]) {}
-    fn gather_vocab(&self, part: Vec<f32>, _rows: usize, _cols: usize) -> Option<Vec<f32>> {
+    fn gather_vocab(&self, part: Vec<f32>, _rows: usize) -> Option<Vec<f32>> {
         Some(part)
     }
 }

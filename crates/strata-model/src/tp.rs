@@ -89,6 +89,10 @@ impl Comm {
         s.extend_from_slice(x);
     }
 
+    fn put_vec(&self, rank: usize, x: Vec<f32>) {
+        *self.slots[rank].write().unwrap_or_else(|p| p.into_inner()) = x;
+    }
+
     fn slot(&self, rank: usize) -> std::sync::RwLockReadGuard<'_, Vec<f32>> {
         self.slots[rank].read().unwrap_or_else(|p| p.into_inner())
     }
@@ -114,10 +118,9 @@ impl Collective for RankComm<'_> {
         c.barrier();
     }
 
-    fn gather_vocab(&self, part: Vec<f32>, rows: usize, part_cols: usize) -> Option<Vec<f32>> {
+    fn gather_vocab(&self, part: Vec<f32>, rows: usize) -> Option<Vec<f32>> {
         let c = self.comm;
-        debug_assert_eq!(part.len(), rows * part_cols);
-        c.put(self.rank, &part);
+        c.put_vec(self.rank, part);
         c.barrier();
         let out = (self.rank == 0).then(|| {
             let parts: Vec<_> = (0..c.ranks()).map(|r| c.slot(r)).collect();
@@ -147,7 +150,6 @@ pub struct RankPlacement {
 struct Rank {
     model: Model,
     pool: rayon::ThreadPool,
-    placement: RankPlacement,
 }
 
 /// What a rank's pass returns: its logits (rank 0), its error, or its panic.
@@ -264,12 +266,8 @@ impl TpModel {
                 .collect()
         });
         let mut ranks = Vec::with_capacity(tp);
-        for ((m, pool), placement) in models.into_iter().zip(pools).zip(&opts.placements) {
-            ranks.push(Rank {
-                model: m?,
-                pool,
-                placement: placement.clone(),
-            });
+        for (m, pool) in models.into_iter().zip(pools) {
+            ranks.push(Rank { model: m?, pool });
         }
         Ok(TpModel {
             config,
@@ -288,16 +286,6 @@ impl TpModel {
     /// Ranks.
     pub fn tp(&self) -> usize {
         self.ranks.len()
-    }
-
-    /// Each rank's part and placement.
-    pub fn ranks(&self) -> Vec<(Part, RankPlacement, usize)> {
-        self.parts
-            .iter()
-            .cloned()
-            .zip(&self.ranks)
-            .map(|(p, r)| (p, r.placement.clone(), r.model.weight_bytes()))
-            .collect()
     }
 
     /// Bytes of weights all ranks hold.

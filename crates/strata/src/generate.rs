@@ -128,35 +128,29 @@ pub struct BenchArgs {
 impl BenchArgs {
     /// The model as `strata serve` would run it with these ranks, and the file's tensor bytes.
     fn load(&self) -> Result<(BenchModel, u64)> {
-        let (g, m, _tk) = self.model.load()?;
-        let file = g.tensor_bytes();
         if self.tp_size <= 1 && self.numa_nodes.is_empty() {
+            let (g, m, _tk) = self.model.load()?;
             let (config, weight_bytes) = (m.config.clone(), m.weight_bytes());
             let rt = Box::new(m);
-            return Ok((
-                BenchModel {
-                    rt,
-                    config,
-                    weight_bytes,
-                },
-                file,
-            ));
+            let bm = BenchModel {
+                rt,
+                config,
+                weight_bytes,
+            };
+            return Ok((bm, g.tensor_bytes()));
         }
-        drop(m);
+        std::env::set_var("RAYON_NUM_THREADS", self.model.threads.max(1).to_string());
+        let path = self.model.path()?;
+        let file = Gguf::open(&path)?.tensor_bytes();
         let topo = strata_mem::Topology::detect()?;
         let tp = self.tp_size.max(1);
         let allowed = crate::sizing::allowed_cpus();
-        let ranks = crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)?;
         let opts = strata_model::TpOptions {
-            placements: if ranks.is_empty() {
-                vec![Default::default()]
-            } else {
-                ranks
-            },
+            placements: crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)?,
             threads_per_rank: (self.model.threads / tp).max(1),
             quantized_decode: !self.model.f32_decode,
         };
-        let m = strata_model::TpModel::load(&self.model.path()?, &opts)?;
+        let m = strata_model::TpModel::load(&path, &opts)?;
         let (config, weight_bytes) = (m.config().clone(), m.weight_bytes());
         Ok((
             BenchModel {

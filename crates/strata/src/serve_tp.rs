@@ -131,8 +131,8 @@ pub fn rank_allocators(
     huge_pages: bool,
 ) -> RankAllocators {
     if placements.iter().all(|p| p.node.is_none()) {
-        let heap = || -> Box<dyn HostAllocator> { Box::new(strata_kv::memory::HeapAllocator) };
-        return (Vec::new(), placements.iter().map(|_| heap()).collect());
+        // The cache's defaults: one host region from the plan's allocator, heap device pools.
+        return (Vec::new(), Vec::new());
     }
     let on = |r: usize, n: u32, pool: &str, huge: bool| -> Box<dyn HostAllocator> {
         let mut a = NumaAllocator::new(vec![n], policy);
@@ -163,7 +163,8 @@ pub fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> 
     let planned: Vec<(String, u64)> = if plan.tp > 1 && plan.pools.len() == 1 {
         let name = &plan.pools[0].kind;
         let each = plan.rank_bytes_per_token.iter().enumerate();
-        each.map(|(r, &b)| (format!("{name}.tp{r}"), b)).collect()
+        each.map(|(r, &b)| (strata_kv::tp::rank_kind_name(name, r), b))
+            .collect()
     } else {
         plan.pools
             .iter()

@@ -24,6 +24,8 @@ pub struct HostPool {
     pages: u32,
     window_pages: u32,
     segments: Vec<Segment>,
+    /// The segment holding each main kind's chunks (whole kinds per segment).
+    segment_of_kind: Vec<usize>,
     window_region: Option<Region>,
 }
 
@@ -68,11 +70,13 @@ impl HostPool {
         alloc_of: &dyn Fn(usize) -> &'a dyn HostAllocator,
     ) -> Result<HostPool, MemError> {
         let mut parts: Vec<(usize, usize, &dyn HostAllocator)> = Vec::new();
+        let mut kind = None;
         for c in layout.chunks().iter().filter(|c| c.class == Class::Main) {
             match parts.last_mut() {
-                Some(p) if c.kind == parts_kind(&layout, p.0) => p.1 += c.bytes,
+                Some(p) if kind == Some(c.kind) => p.1 += c.bytes,
                 _ => parts.push((c.host_offset, c.bytes, alloc_of(c.kind))),
             }
+            kind = Some(c.kind);
         }
         let window_kind = layout.chunks().iter().find(|c| c.class == Class::Window);
         let walloc = alloc_of(window_kind.map_or(0, |c| c.kind));
@@ -103,11 +107,17 @@ impl HostPool {
         } else {
             None
         };
+        let mut segment_of_kind = vec![0; layout.kinds().len()];
+        for c in layout.chunks().iter().filter(|c| c.class == Class::Main) {
+            let within = |s: &Segment| (s.start..s.start + s.len).contains(&c.host_offset);
+            segment_of_kind[c.kind] = segments.iter().position(within).expect("segments cover");
+        }
         Ok(HostPool {
             layout,
             pages,
             window_pages,
             segments,
+            segment_of_kind,
             window_region,
         })
     }
@@ -165,11 +175,7 @@ impl HostPool {
     pub(super) fn chunk_ptr(&self, c: &Chunk, page: u32, window: u32) -> *mut u8 {
         match c.class {
             Class::Main => {
-                let s = self
-                    .segments
-                    .iter()
-                    .find(|s| (s.start..s.start + s.len).contains(&c.host_offset))
-                    .expect("every main chunk lies in a segment");
+                let s = &self.segments[self.segment_of_kind[c.kind]];
                 // SAFETY: the chunk lies inside the segment's part of the page (segments are
                 // whole kinds' runs of chunks).
                 unsafe { self.part_ptr(s, page).add(c.host_offset - s.start) }
@@ -220,13 +226,4 @@ impl HostPool {
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(main), self.window_ptr(w), n) }
         }
     }
-}
-
-/// The kind of the main chunk at `host_offset`.
-fn parts_kind(layout: &PageLayout, host_offset: usize) -> usize {
-    layout
-        .chunks()
-        .iter()
-        .find(|c| c.host_offset == host_offset)
-        .map_or(usize::MAX, |c| c.kind)
 }

@@ -224,13 +224,20 @@ fn gb(b: u64) -> String {
 impl PlanRequest {
     /// Each rank's pool kinds (ranks with fewer KV heads than the largest hold less).
     pub fn rank_pool_kinds(&self) -> Result<Vec<Vec<PoolKind>>, PlanError> {
+        let heads: Vec<Vec<usize>> = self
+            .model
+            .kinds
+            .iter()
+            .map(|k| k.heads_of_ranks(self.tp))
+            .collect();
         (0..self.tp as usize)
             .map(|r| {
                 self.model
                     .kinds
                     .iter()
-                    .map(|k| {
-                        let heads = k.heads_of_ranks(self.tp)[r];
+                    .zip(&heads)
+                    .map(|(k, heads)| {
+                        let heads = heads[r];
                         let one = KindSpec {
                             heads,
                             split_across_tp: false,

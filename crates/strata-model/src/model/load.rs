@@ -55,13 +55,12 @@ impl Model {
         let mut mat = |name: &str| -> Result<QMatrix, ModelError> {
             QMatrix::from_qtensor(&g.tensor(name)?, name)
         };
-        let vocab_part = |m: QMatrix| match part.vocab == (0..m.rows) {
-            true => m,
-            false => m.rows_range(part.vocab.clone()),
-        };
-        let embed = vocab_part(mat("token_embd.weight")?);
+        let vocab = Some(&part.vocab);
+        let name = "token_embd.weight";
+        let embed = part.slice(mat(name)?, vocab, None, name)?;
         let output = if has_output {
-            Some(vocab_part(mat("output.weight")?))
+            let name = "output.weight";
+            Some(part.slice(mat(name)?, vocab, None, name)?)
         } else {
             None
         };

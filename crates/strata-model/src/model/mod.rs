@@ -118,6 +118,21 @@ impl Model {
         )
     }
 
+    /// `x · wᵀ` for several matrices of one input: the input quantized once when every row
+    /// takes the quantized path (the bits [`Model::mm`] gives each).
+    fn mm_shared<const N: usize>(
+        &self,
+        x: &[f32],
+        paths: &[Path],
+        ws: [&QMatrix; N],
+    ) -> [Vec<f32>; N] {
+        if paths.iter().all(|&p| p == Path::Quant) && ws.iter().all(|w| w.format.integer()) {
+            let qx = crate::qmat::QActs::quantize(x);
+            return ws.map(|w| w.matmul_qacts(&qx, self.threads));
+        }
+        ws.map(|w| self.mm(x, paths, w, false))
+    }
+
     /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]; `vocab` (the vocabulary
     /// projection) keeps f32 activations for decode rows ([`QMatrix::matmul_f32`]): its argmax
     /// matters more than speed.
@@ -127,7 +142,7 @@ impl Model {
         let run = |p: Path, x: &[f32]| match p {
             Path::Quant if !vocab => w.matmul_q(x, self.threads),
             Path::Quant => w.matmul_f32(x, self.threads),
-            Path::Tiled => w.matmul_tiled(x, self.threads),
+            Path::Tiled => w.matmul_tiled(x),
         };
         if paths.iter().all(|&p| p == paths[0]) {
             return run(paths[0], x);
@@ -356,9 +371,7 @@ impl Model {
     ) {
         let c = &self.config;
         let hn = self.rmsnorm(x, &w.attn_norm);
-        let mut q = self.mm(&hn, batch.paths, &w.wq, false);
-        let mut k = self.mm(&hn, batch.paths, &w.wk, false);
-        let mut v = self.mm(&hn, batch.paths, &w.wv, false);
+        let [mut q, mut k, mut v] = self.mm_shared(&hn, batch.paths, [&w.wq, &w.wk, &w.wv]);
         self.qkv_extras(w, &mut q, &mut k, &mut v);
         self.rope(&mut q, c.heads, batch.positions);
         self.rope(&mut k, c.kv_heads, batch.positions);
@@ -370,8 +383,7 @@ impl Model {
             *a += b;
         }
         let hn = self.rmsnorm(x, &w.ffn_norm);
-        let g = self.mm(&hn, batch.paths, &w.wg, false);
-        let u = self.mm(&hn, batch.paths, &w.wu, false);
+        let [g, u] = self.mm_shared(&hn, batch.paths, [&w.wg, &w.wu]);
         let act: Vec<f32> = g
             .iter()
             .zip(&u)
@@ -439,7 +451,7 @@ impl Model {
         } else {
             self.mm(&sel, &paths, head, true)
         };
-        let logits = comm.gather_vocab(part, pick.len(), self.vocab_rows.len())?;
+        let logits = comm.gather_vocab(part, pick.len())?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut it = logits.chunks_exact(c.vocab);
         for (s, &all) in seqs.iter().zip(all_logits) {

@@ -211,12 +211,29 @@ impl QMatrix {
         if !self.format.integer() {
             return self.matmul_f32(x, threads);
         }
-        let n = self.check(x);
-        let qx = QActs::quantize(x);
+        self.check(x);
+        self.matmul_qacts(&QActs::quantize(x), threads)
+    }
+
+    /// [`QMatrix::matmul_q`] with the activations already quantized (several matrices
+    /// sharing one input quantize it once). Integer formats only.
+    pub fn matmul_qacts(&self, qx: &QActs, threads: usize) -> Vec<f32> {
+        assert!(
+            self.format.integer(),
+            "{} is not an integer format",
+            self.format.name()
+        );
+        let n = qx.q.len() / self.cols;
+        assert_eq!(
+            qx.q.len(),
+            n * self.cols,
+            "activations of {} columns",
+            self.cols
+        );
         let groups = self.groups();
         let kernel = kernels::int_kernel(self.format);
         self.passes(n, threads, kernels::int_rows(), |row, r0, dst| {
-            kernel(row, groups, &qx, r0, dst)
+            kernel(row, groups, qx, r0, dst)
         })
     }
 
@@ -237,7 +254,7 @@ impl QMatrix {
     /// transposed, then each output one FMA per column in order (`Σ_k x[r][k] · w[i][k]`
     /// from k = 0, nothing else), whatever the number of rows: a row's result does not depend
     /// on the other rows of the call. Panels run on the thread pool.
-    pub fn matmul_tiled(&self, x: &[f32], _threads: usize) -> Vec<f32> {
+    pub fn matmul_tiled(&self, x: &[f32]) -> Vec<f32> {
         let n = self.check(x);
         let (cols, m, groups) = (self.cols, self.rows, self.groups());
         if n == 0 {
@@ -312,14 +329,14 @@ impl QMatrix {
                     }
                 }
             });
-        transpose(&out_t, n, self.rows)
+        transpose(out_t, n, self.rows)
     }
 }
 
 /// `[rows][n]` → `[n][rows]`.
-fn transpose(t: &[f32], n: usize, rows: usize) -> Vec<f32> {
+fn transpose(t: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
     if n == 1 {
-        return t.to_vec();
+        return t;
     }
     let mut out = vec![0f32; n * rows];
     for (i, v) in t.chunks_exact(n).enumerate() {

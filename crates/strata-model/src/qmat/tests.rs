@@ -101,11 +101,7 @@ fn products_match_the_reference() {
                         .sum()
                 })
                 .collect();
-            let (f32s, tiled, q) = (
-                m.matmul_f32(&x, 2),
-                m.matmul_tiled(&x, 2),
-                m.matmul_q(&x, 2),
-            );
+            let (f32s, tiled, q) = (m.matmul_f32(&x, 2), m.matmul_tiled(&x), m.matmul_q(&x, 2));
             let qx = QActs::quantize(&x);
             let groups = cols / GROUP;
             for k in 0..n * rows {
@@ -213,9 +209,9 @@ fn tiled_rows_do_not_depend_on_the_batch() {
         let (m, _) = matrix(d, rows, cols, 5);
         let n = 29;
         let x = values(n * cols, 13);
-        let all = m.matmul_tiled(&x, 2);
+        let all = m.matmul_tiled(&x);
         for (a, b) in [(0, 1), (3, 4), (5, 18), (17, 29), (1, 14)] {
-            let part = m.matmul_tiled(&x[a * cols..b * cols], 2);
+            let part = m.matmul_tiled(&x[a * cols..b * cols]);
             for r in a..b {
                 for i in 0..rows {
                     assert_eq!(
@@ -248,11 +244,7 @@ fn any_block_bytes_are_safe() {
         let m = QMatrix::new(f, rows, cols, data).unwrap();
         let n = 5;
         let x = values(n * cols, 17);
-        let (q, a, t) = (
-            m.matmul_q(&x, 2),
-            m.matmul_f32(&x, 2),
-            m.matmul_tiled(&x, 2),
-        );
+        let (q, a, t) = (m.matmul_q(&x, 2), m.matmul_f32(&x, 2), m.matmul_tiled(&x));
         assert_eq!((q.len(), a.len(), t.len()), (n * rows, n * rows, n * rows));
         if f.integer() {
             let qx = QActs::quantize(&x);
@@ -267,6 +259,9 @@ fn any_block_bytes_are_safe() {
         }
     }
 }
+
+/// One of the three products, for tests over all of them.
+type Product = fn(&QMatrix, &[f32]) -> Vec<f32>;
 
 /// A tensor-parallel rank's slices: rows are the same bytes; products over column slices
 /// add up to the whole matrix's (each product in its own rounding).
@@ -283,7 +278,7 @@ fn row_and_column_slices_add_up() {
         let (m, _) = matrix(d, 40, cols, 7);
         let x = values(2 * cols, 3);
         let part = m.rows_range(8..24);
-        let (want, got) = (m.matmul_tiled(&x, 1), part.matmul_tiled(&x, 1));
+        let (want, got) = (m.matmul_tiled(&x), part.matmul_tiled(&x));
         for r in 0..2 {
             assert_eq!(&got[r * 16..(r + 1) * 16], &want[r * 40 + 8..r * 40 + 24]);
         }
@@ -297,14 +292,15 @@ fn row_and_column_slices_add_up() {
                     .flat_map(|row| row[r.clone()].to_vec())
                     .collect()
             };
-            for prod in [
-                QMatrix::matmul_q,
-                QMatrix::matmul_f32,
+            let prods: [Product; 3] = [
+                |m, x| m.matmul_q(x, 1),
+                |m, x| m.matmul_f32(x, 1),
                 QMatrix::matmul_tiled,
-            ] {
-                let whole = prod(&m, &x, 1);
-                let pa = prod(&a, &xs(0..split), 1);
-                let pb = prod(&b, &xs(split..cols), 1);
+            ];
+            for prod in prods {
+                let whole = prod(&m, &x);
+                let pa = prod(&a, &xs(0..split));
+                let pb = prod(&b, &xs(split..cols));
                 // Off block boundaries the slices are requantized to Q8_0: 8-bit rounding of
                 // every weight, ~1 % of the outputs' scale.
                 let blocks = split.is_multiple_of(f.block_weights());
