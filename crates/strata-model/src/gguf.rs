@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Seek};
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -177,6 +178,49 @@ impl Gguf {
             .tensor_infos
             .get(name)
             .map(|t| t.ggml_dtype.block_size())
+    }
+
+    /// Rows `rows` (all of them: None) of the matrix tensor `name`, read straight from the
+    /// file into its block format when [`QMatrix`](crate::qmat::QMatrix) keeps that format:
+    /// only those rows' bytes are read (a tensor-parallel rank's share). None when the format
+    /// or shape needs [`Gguf::tensor`] and a conversion instead.
+    pub fn matrix_rows(
+        &mut self,
+        name: &str,
+        rows: Option<&Range<usize>>,
+    ) -> Result<Option<crate::qmat::QMatrix>, ModelError> {
+        let err = |reason: String| ModelError::Tensor {
+            path: self.header.path.display().to_string(),
+            name: name.into(),
+            reason,
+        };
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            return Err(err("not in the file".into()));
+        };
+        let Some(format) = crate::qmat::Format::of(info.ggml_dtype) else {
+            return Ok(None);
+        };
+        let (r, c) = match info.shape.dims() {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => return Ok(None),
+        };
+        if c == 0 || !c.is_multiple_of(format.block_weights()) {
+            return Ok(None);
+        }
+        let row_bytes = c / format.block_weights() * format.block_bytes();
+        let rows = rows.cloned().unwrap_or(0..r);
+        if rows.is_empty() || rows.end > r {
+            return Err(err(format!("rows {rows:?} of {r}")));
+        }
+        // Inside the file: `Gguf::open` checked every tensor's extent.
+        let at = self.content.tensor_data_offset + info.offset + (rows.start * row_bytes) as u64;
+        let mut data = vec![0u8; rows.len() * row_bytes];
+        self.file
+            .seek(SeekFrom::Start(at))
+            .and_then(|_| self.file.read_exact(&mut data))
+            .map_err(|e| err(e.to_string()))?;
+        Ok(crate::qmat::QMatrix::new(format, rows.len(), c, data))
     }
 
     /// Whether the file has tensor `name`.

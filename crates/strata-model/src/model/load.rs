@@ -1,5 +1,7 @@
 //! Loading a model (or a tensor-parallel rank's part of it) from a GGUF file.
 
+use std::ops::Range;
+
 use candle_core::{Device, Tensor};
 
 use super::{Layer, Model};
@@ -52,15 +54,10 @@ impl Model {
         } else {
             None
         };
-        let mut mat = |name: &str| -> Result<QMatrix, ModelError> {
-            QMatrix::from_qtensor(&g.tensor(name)?, name)
-        };
         let vocab = Some(&part.vocab);
-        let name = "token_embd.weight";
-        let embed = part.slice(mat(name)?, vocab, None, name)?;
+        let embed = matrix(g, part, "token_embd.weight", vocab, None)?;
         let output = if has_output {
-            let name = "output.weight";
-            Some(part.slice(mat(name)?, vocab, None, name)?)
+            Some(matrix(g, part, "output.weight", vocab, None)?)
         } else {
             None
         };
@@ -123,12 +120,9 @@ fn load_layer(c: &Config, l: usize, g: &mut Gguf, part: &Part) -> Result<Layer, 
     let (attn_norm, ffn_norm) = (vec("attn_norm.weight")?, vec("ffn_norm.weight")?);
     // A rank's output rows (Q/K/V of its heads, its gate/up slice) or input columns (the
     // output and down projections over its heads / slice): the whole matrix on one rank.
-    let mut w =
-        |n: &str, rows: Option<&std::ops::Range<usize>>, cols: Option<&std::ops::Range<usize>>| {
-            let name = format!("blk.{l}.{n}.weight");
-            let m = QMatrix::from_qtensor(&g.tensor(&name)?, &name)?;
-            part.slice(m, rows, cols, &name)
-        };
+    let mut w = |n: &str, rows: Option<&Range<usize>>, cols: Option<&Range<usize>>| {
+        matrix(g, part, &format!("blk.{l}.{n}.weight"), rows, cols)
+    };
     let ffn = &part.ffn;
     Ok(Layer {
         bias,
@@ -161,4 +155,23 @@ fn rope_tables(c: &Config, freqs: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
         }
     }
     (cos, sin)
+}
+
+/// A rank's piece of weight matrix `name`: `rows` of its outputs read alone from the file
+/// where its format is kept as stored, else the whole tensor read (and converted) and cut by
+/// [`Part::slice`]; `cols` of its inputs cut from whole rows.
+fn matrix(
+    g: &mut Gguf,
+    part: &Part,
+    name: &str,
+    rows: Option<&Range<usize>>,
+    cols: Option<&Range<usize>>,
+) -> Result<QMatrix, ModelError> {
+    match g.matrix_rows(name, rows)? {
+        Some(m) => part.slice(m, None, cols, name),
+        None => {
+            let m = QMatrix::from_qtensor(&g.tensor(name)?, name)?;
+            part.slice(m, rows, cols, name)
+        }
+    }
 }
