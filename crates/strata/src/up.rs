@@ -308,8 +308,6 @@ fn worker_commands(
                 d.host.clone(),
                 "--port".into(),
                 w.port.to_string(),
-                "--numa-node".into(),
-                node.to_string(),
                 "--model".into(),
                 model.display().to_string(),
                 "--kv-host".into(),
@@ -327,9 +325,13 @@ fn worker_commands(
             if let Some(tp) = w.tp_size {
                 args.extend(["--tp-size".into(), tp.to_string()]);
             }
-            if let Some(n) = &w.numa_nodes {
-                let list: Vec<String> = n.iter().map(u32::to_string).collect();
-                args.extend(["--numa-nodes".into(), list.join(",")]);
+            // Each rank's node, or the worker's one node.
+            match &w.numa_nodes {
+                Some(n) => {
+                    let list: Vec<String> = n.iter().map(u32::to_string).collect();
+                    args.extend(["--numa-nodes".into(), list.join(",")]);
+                }
+                None => args.extend(["--numa-node".into(), node.to_string()]),
             }
             if role == "decode" {
                 for u in &prefill_urls {

@@ -21,6 +21,7 @@ port = {r}
 [[prefill]]
 port = {p}
 tp_size = {tp}
+numa_nodes = [0]
 args = ["--device-mem", "16MiB", {prefill_args}]
 [[decode]]
 port = {d}
