@@ -423,6 +423,54 @@ impl EngineHandle {
         Ok(needed)
     }
 
+    /// Refuses `count` requests (the choices of one request, submitted together) of a
+    /// `prompt`-token prompt and up to `max_tokens` each that could never run together: the
+    /// prompt's whole pages are shared, each choice holds its own last prompt page and its
+    /// output in the device pool, and each reserves prompt + max_tokens of the in-flight
+    /// bound. One choice is checked by [`EngineHandle::submit`] as it is.
+    pub fn check_choices(
+        &self,
+        prompt: usize,
+        max_tokens: usize,
+        count: usize,
+    ) -> Result<(), SubmitError> {
+        let i = &self.info;
+        if count <= 1 || prompt > i.context_length || max_tokens > i.context_length {
+            return Ok(()); // one choice, or sizes the per-request check names
+        }
+        let ps = i.page_size;
+        let (shared, tail) = (prompt / ps * ps, prompt % ps);
+        let own = |m: usize| (tail + m).div_ceil(ps) * ps;
+        let pool = shared.saturating_add(count.saturating_mul(own(max_tokens)));
+        if pool > i.device_tokens {
+            let room = i.device_tokens.saturating_sub(shared) / count;
+            let fits = (room / ps * ps).saturating_sub(tail);
+            return Err(SubmitError::ChoicesTooLarge {
+                count,
+                prompt,
+                max_tokens,
+                needed: pool,
+                capacity: i.device_tokens,
+                what: "device pool",
+                fits,
+            });
+        }
+        let flight = count.saturating_mul(prompt + max_tokens);
+        if flight > i.max_tokens_in_flight {
+            let fits = (i.max_tokens_in_flight / count).saturating_sub(prompt);
+            return Err(SubmitError::ChoicesTooLarge {
+                count,
+                prompt,
+                max_tokens,
+                needed: flight,
+                capacity: i.max_tokens_in_flight,
+                what: "in-flight bound (--max-tokens-in-flight)",
+                fits,
+            });
+        }
+        Ok(())
+    }
+
     /// Admission control: takes a place in the queue and `needed` tokens of the in-flight
     /// bound, or refuses (shutting down, queue full, too many tokens) holding neither.
     fn reserve(&self, needed: usize) -> Result<(), SubmitError> {

@@ -205,6 +205,20 @@ pub enum SubmitError {
         needed: usize,
         capacity: usize,
     },
+    #[error(
+        "n = {count} choices of up to {max_tokens} tokens each after a {prompt}-token prompt \
+         need {needed} tokens of the {what} at once, which holds {capacity}: set max_tokens to \
+         at most {fits} or ask for fewer choices"
+    )]
+    ChoicesTooLarge {
+        count: usize,
+        prompt: usize,
+        max_tokens: usize,
+        needed: usize,
+        capacity: usize,
+        what: &'static str,
+        fits: usize,
+    },
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
     #[error("max_tokens {max_tokens} exceeds the context length ({context} tokens)")]

@@ -12,6 +12,8 @@
 //! the schema says otherwise with llguidance's `x-guidance` options; small models otherwise
 //! spend their tokens on whitespace.
 
+pub mod limits;
+
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
@@ -113,19 +115,51 @@ impl Grammars {
         Ok(Grammars { factory, ends })
     }
 
-    /// Compiles a constraint; an invalid one is refused with llguidance's reason.
+    /// Compiles a constraint; one beyond the size caps ([`limits`]) is refused before any
+    /// work, an invalid one with llguidance's reason (its first line: no backtrace, no
+    /// source path), a panic of the grammar engine as an invalid constraint.
     pub fn compile(&self, c: &OutputConstraint) -> Result<Compiled, GrammarError> {
+        limits::check(c)?;
         let grammar = top_level(c)?;
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(grammar)
+        }));
+        let parser = match made {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => return Err(GrammarError::Invalid(first_line(&e.to_string()))),
+            Err(_) => {
+                return Err(GrammarError::Invalid(
+                    "the grammar engine could not compile this constraint (an internal limit \
+                     was reached); simplify it"
+                        .into(),
+                ))
+            }
+        };
         Ok(Compiled {
             spec: c.clone(),
             parser: Mutex::new(parser),
             ends: self.ends.clone(),
         })
     }
+}
+
+/// The first line of an error, at most 300 bytes: llguidance's messages can carry a
+/// backtrace or an assertion with source paths after it.
+fn first_line(m: &str) -> String {
+    let line = m
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim();
+    let mut end = line.len().min(300);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = line[..end].to_string();
+    if end < line.len() {
+        out.push('…');
+    }
+    out
 }
 
 /// Compact JSON unless the schema sets llguidance's own options.

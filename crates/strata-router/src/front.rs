@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use strata_server::ApiError;
 
@@ -19,24 +19,35 @@ type St = State<Arc<RouterState>>;
 #[derive(Clone)]
 pub struct ChosenWorker(pub String);
 
+/// The routes answered without an API key (docs/SECURITY.md): liveness checks and what
+/// operators and Prometheus read. Every other path needs a key when keys are configured,
+/// unknown paths included (a 401, not a 404, tells nothing about the routes).
+pub const OPEN_PATHS: &[&str] = &[
+    "/health",
+    "/health_generate",
+    "/metrics",
+    "/workers",
+    "/dashboard",
+    "/dashboard/data",
+    "/dashboard/history",
+];
+
 /// Counts every answer by route, status and worker; for the API routes, also the time to the
-/// end of the answer (when its body is done or dropped) and the requests in flight.
+/// end of the answer (when its body is done or dropped) and the requests in flight. Checks
+/// the API key of every path but the open ones.
 pub async fn front_door(
     State(st): St,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let route = match req.uri().path() {
-        p @ ("/v1/chat/completions"
-        | "/v1/completions"
-        | "/v1/models"
-        | "/health"
-        | "/metrics"
-        | "/workers"
-        | "/dashboard"
-        | "/dashboard/data") => p.to_string(),
-        _ => "other".to_string(),
-    };
+    if !OPEN_PATHS.contains(&req.uri().path()) {
+        if let Err(e) = check_key(&st, req.headers()) {
+            let route = known_route(req.uri().path());
+            st.front.answered(&route, 401, "none");
+            return e.into_response();
+        }
+    }
+    let route = known_route(req.uri().path());
     let api = route.starts_with("/v1/");
     // Made before the handler runs: if the client goes away and the handler is dropped, the
     // request still leaves the in-flight gauge, and is counted as 499 (client closed).
@@ -66,6 +77,24 @@ pub async fn front_door(
         c
     }));
     Response::from_parts(parts, body)
+}
+
+/// The route label of a path (a bounded set: unknown paths are "other").
+fn known_route(path: &str) -> String {
+    match path {
+        p @ ("/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/models"
+        | "/tokenize"
+        | "/detokenize"
+        | "/health"
+        | "/health_generate"
+        | "/metrics"
+        | "/workers"
+        | "/dashboard"
+        | "/dashboard/data") => p.to_string(),
+        _ => "other".to_string(),
+    }
 }
 
 /// Ends an API request's measurement when its body is done or dropped (or when the request

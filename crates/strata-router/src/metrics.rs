@@ -21,6 +21,8 @@ pub struct FrontMetrics {
     pub upstream_errors: [AtomicU64; 3],
     pub auth_failures: AtomicU64,
     pub in_flight: AtomicU64,
+    /// What the HTTP listener saw (connections, timeouts).
+    pub http: std::sync::Arc<strata_server::listen::HttpStats>,
 }
 
 impl FrontMetrics {
@@ -70,6 +72,7 @@ impl FrontMetrics {
             &[],
             self.in_flight.load(Ordering::Relaxed) as f64,
         );
+        self.http.render(t);
     }
 }
 

@@ -1,5 +1,5 @@
 //! The router's HTTP API: the routes, the cache-event follower, and the small handlers
-//! (`/metrics`, `/v1/models`, `/health`, `/workers`).
+//! (`/metrics`, `/v1/models`, `/health`, `/health_generate`, `/workers`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +31,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/version", get(version))
         .route("/health", get(health))
+        .route("/health_generate", get(health_generate))
         .route("/workers", get(workers))
         .route("/metrics", get(metrics))
         .route("/dashboard", get(crate::dashboard::page))
@@ -139,6 +140,12 @@ async fn detokenize(State(st): St, body: Bytes) -> Response {
 
 async fn version(State(st): St) -> Response {
     pass(&st, reqwest::Method::GET, "/version", None).await
+}
+
+/// A decode worker's `/health_generate` (a one-token generation), through the first healthy
+/// one that answers.
+async fn health_generate(State(st): St) -> Response {
+    pass(&st, reqwest::Method::GET, "/health_generate", None).await
 }
 
 async fn health(State(st): St) -> Response {

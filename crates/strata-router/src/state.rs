@@ -70,6 +70,9 @@ impl RouterState {
             api_keys: HashSet::new(),
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(2))
+                // Idle connections are dropped before the workers' idle keep-alive limit
+                // (--header-timeout, 10 s by default) would close them under a request.
+                .pool_idle_timeout(Duration::from_secs(4))
                 .tcp_keepalive(KEEPALIVE_IDLE)
                 .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
                 .tcp_keepalive_retries(KEEPALIVE_RETRIES)

@@ -57,8 +57,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Serves until `signal` resolves; then refuses new requests (503), lets running ones finish
-/// for up to `grace`, aborts the rest and returns.
 /// The listener with TCP_NODELAY on every accepted connection: without it a streamed token
 /// waits behind Nagle's algorithm for the client's delayed ACK (up to 40 ms on Linux), which
 /// would show as time to first token.
@@ -73,23 +71,27 @@ pub fn no_delay(
     })
 }
 
+/// Serves until `signal` resolves; then refuses new requests (503), lets running ones finish
+/// for up to `grace`, aborts the rest and returns. Connections are bounded by `limits`
+/// ([`crate::listen`]).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
+    limits: crate::listen::HttpLimits,
     signal: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
     let engine = state.engine.clone();
-    axum::serve(no_delay(listener), router(state))
-        .with_graceful_shutdown(async move {
-            signal.await;
-            tracing::info!(
-                grace_s = grace.as_secs_f64(),
-                "shutting down: new requests get 503; running requests may finish within the grace (seconds)"
-            );
-            let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
-        })
-        .await
+    let stats = state.http.clone();
+    let stop = async move {
+        signal.await;
+        tracing::info!(
+            grace_s = grace.as_secs_f64(),
+            "shutting down: new requests get 503; running requests may finish within the grace (seconds)"
+        );
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
+    };
+    crate::listen::serve(listener, router(state), limits, stats, stop).await
 }
 
 /// Counts the outcome of every API request by status.

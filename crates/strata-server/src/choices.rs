@@ -112,6 +112,10 @@ pub(crate) async fn answer(
         // The candidates are ranked by their tokens' log probabilities.
         params.logprobs = Some(params.logprobs.unwrap_or(0));
     }
+    // All candidates at their longest must fit together: refused now, before any is computed.
+    st.engine
+        .check_choices(ids.len(), params.max_tokens, best_of)
+        .map_err(|e| ApiError::from_submit(&e))?;
     let (cached, prompt_lps) = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
     // The same for every choice: rendered once.
     let rendered = prompt_lps

@@ -42,6 +42,9 @@ pub async fn request_id(mut req: Request, next: Next) -> Response {
     req.headers_mut().insert(REQUEST_ID, value.clone());
     let span = tracing::debug_span!("request", id = %id);
     let mut resp = next.run(req).instrument(span).await;
+    if let Some(crate::error::ErrorCode("queue_timeout")) = resp.extensions().get() {
+        tracing::warn!(request_id = %id, "request not admitted within --max-queue-time: 503 queue_timeout");
+    }
     resp.headers_mut().insert(REQUEST_ID, value);
     resp
 }

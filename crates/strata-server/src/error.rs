@@ -112,6 +112,9 @@ impl ApiError {
             SubmitError::BadModifier { field, .. } => {
                 ApiError::bad_request(e.to_string(), Some(field))
             }
+            SubmitError::ChoicesTooLarge { .. } => {
+                ApiError::bad_request(e.to_string(), Some("max_tokens"))
+            }
             SubmitError::TooLongForContext { .. } | SubmitError::TooLongForPool { .. } => {
                 ApiError::bad_request(e.to_string(), Some("messages"))
                     .with_code("context_length_exceeded")
@@ -147,12 +150,19 @@ impl ApiError {
     }
 }
 
+/// The `code` of an error answer, on the response (for logging by request id).
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if let Some(code) = self.code {
+            r.extensions_mut().insert(ErrorCode(code));
         }
         r
     }

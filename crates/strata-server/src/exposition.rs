@@ -15,11 +15,13 @@ pub fn worker(st: &AppState) -> String {
     cache_tiers(&mut t, st, &s);
     copies(&mut t, &s);
     l3(&mut t, &s);
+    t.sample("strata_l3_unavailable_tiers", &[], st.l3_unavailable as f64);
     if let Some(p) = &st.plan {
         plan(&mut t, p);
     }
     serving(&mut t, st, &s);
     transfers(&mut t, st);
+    st.http.render(&mut t);
     node_health(&mut t, &st.role);
     t.finish()
 }
@@ -312,5 +314,24 @@ fn transfers(t: &mut Text, st: &AppState) {
             &[("direction", "received")],
             k.nanos.load(Ordering::Relaxed) as f64 / 1e9,
         );
+        let (authed, strangers) = k.connections();
+        for (state, n) in [("authenticated", authed), ("unauthenticated", strangers)] {
+            t.sample(
+                "strata_kv_listener_connections",
+                &[("state", state)],
+                n as f64,
+            );
+        }
+        for (outcome, n) in [
+            ("refused", &k.refused_connections),
+            ("yielded", &k.yielded_connections),
+            ("handshake_failed", &k.handshake_failures),
+        ] {
+            t.sample(
+                "strata_kv_listener_connections_total",
+                &[("outcome", outcome)],
+                n.load(Ordering::Relaxed) as f64,
+            );
+        }
     }
 }

@@ -6,13 +6,15 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use strata_engine::transfer::{self, Admit, Hello, Paced, Received, RecvLimits, TransferId};
 use strata_kv::auth::ClusterKey;
 use tokio::sync::Notify;
+
+use crate::places::{self, Place, PlaceLimits, Places};
 
 /// Bounds of the KV listener: everything a peer can make it hold.
 #[derive(Clone, Debug)]
@@ -29,9 +31,12 @@ pub struct KvLimits {
     /// Connections served at once (more are closed at accept).
     pub max_connections: usize,
     /// Of those, connections not yet authenticated, in all and from one address (a peer
-    /// without the key cannot take the places of authenticated ones).
+    /// without the key cannot take the places of authenticated ones; the longest-idle
+    /// stranger yields to a newcomer, see [`crate::places`]).
     pub max_unauthenticated: usize,
     pub max_unauthenticated_per_ip: usize,
+    /// A stranger younger than this yields only to an address holding fewer places.
+    pub protect: Duration,
     /// The handshake must complete within this.
     pub handshake_timeout: Duration,
     /// Longest wait for a frame to start.
@@ -55,6 +60,7 @@ impl Default for KvLimits {
             max_connections: 64,
             max_unauthenticated: 16,
             max_unauthenticated_per_ip: 4,
+            protect: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(3),
             idle_timeout: Duration::from_secs(10),
             min_rate: 1 << 20,
@@ -77,45 +83,69 @@ enum Slot {
     Failed(String),
 }
 
-#[derive(Default)]
-struct Conns {
-    total: usize,
-    unauthenticated: usize,
-    by_ip: HashMap<IpAddr, usize>,
-}
-
-/// A connection's place; dropping it frees the place.
+/// A connection's place: unauthenticated ones hold a place in the listener's [`Places`]
+/// (where the longest-idle stranger yields to a newcomer); an authenticated one leaves them
+/// and counts among the authenticated until it ends.
 struct ConnTicket<'a> {
     inbox: &'a KvInbox,
-    ip: IpAddr,
+    place: Option<Place<TcpStream>>,
     authenticated: bool,
 }
 
 impl ConnTicket<'_> {
-    fn authenticated(&mut self) {
-        let mut c = self.inbox.conns();
-        c.unauthenticated -= 1;
-        dec_ip(&mut c, self.ip);
-        self.authenticated = true;
-    }
-}
-
-fn dec_ip(c: &mut Conns, ip: IpAddr) {
-    if let Some(n) = c.by_ip.get_mut(&ip) {
-        *n -= 1;
-        if *n == 0 {
-            c.by_ip.remove(&ip);
+    /// Leaves the unauthenticated places; false if this connection yielded its place
+    /// meanwhile (it is being closed).
+    fn authenticated(&mut self) -> bool {
+        let Some(p) = self.place.take() else {
+            return false;
+        };
+        if !p.release() {
+            return false;
         }
+        self.inbox.authenticated.fetch_add(1, Ordering::SeqCst);
+        self.authenticated = true;
+        true
     }
 }
 
 impl Drop for ConnTicket<'_> {
     fn drop(&mut self) {
-        let mut c = self.inbox.conns();
-        c.total -= 1;
-        if !self.authenticated {
-            c.unauthenticated -= 1;
-            dec_ip(&mut c, self.ip);
+        if self.authenticated {
+            self.inbox.authenticated.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Handshake failures logged once per address and window: the first in a window is a
+/// warning with its reason, the rest are counted into the next warning (and the metric).
+struct PeerLog {
+    window: Duration,
+    seen: Mutex<HashMap<IpAddr, (Instant, u64)>>,
+}
+
+impl PeerLog {
+    fn note(&self, ip: IpAddr, error: &dyn std::fmt::Display) {
+        let now = Instant::now();
+        let mut m = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 4096 {
+            let w = self.window;
+            m.retain(|_, (t, _)| now.duration_since(*t) < w);
+        }
+        match m.get_mut(&ip) {
+            Some((t, n)) if now.duration_since(*t) < self.window => *n += 1,
+            other => {
+                let earlier = other.map_or(0, |(_, n)| *n);
+                m.insert(ip, (now, 0));
+                drop(m);
+                tracing::warn!(
+                    peer = %ip,
+                    error = %error,
+                    earlier_unlogged = earlier,
+                    window_s = self.window.as_secs(),
+                    "KV connection refused (further refusals from this address within the \
+                     window are counted, not logged)"
+                );
+            }
         }
     }
 }
@@ -130,7 +160,10 @@ pub struct KvInbox {
     page_bytes: u64,
     limits: KvLimits,
     staged: AtomicU64,
-    conns: Mutex<Conns>,
+    /// Connections not yet authenticated.
+    strangers: Arc<Places<TcpStream>>,
+    authenticated: AtomicUsize,
+    peer_log: PeerLog,
     slots: Mutex<HashMap<TransferId, Slot>>,
     notify: Notify,
     /// Transfers received / failed, bytes received, connections refused (for metrics).
@@ -140,6 +173,10 @@ pub struct KvInbox {
     /// Time spent receiving transfers (first page announced to the last acknowledged).
     pub nanos: AtomicU64,
     pub refused_connections: AtomicU64,
+    /// Unauthenticated connections closed to make room for a newcomer.
+    pub yielded_connections: AtomicU64,
+    /// Connections whose handshake failed (no key, wrong key, wrong format, too slow).
+    pub handshake_failures: AtomicU64,
 }
 
 impl KvInbox {
@@ -153,6 +190,11 @@ impl KvInbox {
         key: Option<ClusterKey>,
     ) -> Arc<KvInbox> {
         let addr = listener.local_addr().expect("bound listener");
+        let strangers = Places::new(PlaceLimits {
+            total: limits.max_unauthenticated,
+            per_addr: limits.max_unauthenticated_per_ip,
+            protect: limits.protect,
+        });
         let inbox = Arc::new(KvInbox {
             addr,
             advertise: limits.advertise.unwrap_or(addr),
@@ -161,7 +203,12 @@ impl KvInbox {
             page_bytes,
             limits,
             staged: AtomicU64::new(0),
-            conns: Mutex::new(Conns::default()),
+            strangers,
+            authenticated: AtomicUsize::new(0),
+            peer_log: PeerLog {
+                window: Duration::from_secs(60),
+                seen: Mutex::new(HashMap::new()),
+            },
             slots: Mutex::new(HashMap::new()),
             notify: Notify::new(),
             received: AtomicU64::new(0),
@@ -169,37 +216,37 @@ impl KvInbox {
             bytes: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
+            yielded_connections: AtomicU64::new(0),
+            handshake_failures: AtomicU64::new(0),
         });
         let me = inbox.clone();
         std::thread::Builder::new()
             .name("strata-kv-accept".into())
             .spawn(move || {
                 for conn in listener.incoming() {
-                    let Ok(conn) = conn else { continue };
+                    let Ok(conn) = conn else {
+                        // Out of descriptors or memory: back off instead of spinning.
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    };
                     let Ok(peer) = conn.peer_addr() else { continue };
-                    if !me.take_place(peer.ip()) {
+                    let Some(place) = me.take_place(&conn, peer.ip()) else {
                         me.refused_connections.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(%peer, "KV connection refused: at a connection limit");
                         continue; // dropped: closed
-                    }
+                    };
                     let me2 = me.clone();
                     let spawned = std::thread::Builder::new()
                         .name("strata-kv-recv".into())
                         .spawn(move || {
                             let ticket = ConnTicket {
                                 inbox: &me2,
-                                ip: peer.ip(),
+                                place: Some(place),
                                 authenticated: false,
                             };
                             me2.serve(conn, ticket)
                         });
-                    if spawned.is_err() {
-                        drop(ConnTicket {
-                            inbox: &me,
-                            ip: peer.ip(),
-                            authenticated: false,
-                        });
-                    }
+                    // A thread that cannot start drops its place (and connection) with it.
+                    drop(spawned);
                 }
             })
             .expect("spawn the KV listener");
@@ -221,25 +268,24 @@ impl KvInbox {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn conns(&self) -> std::sync::MutexGuard<'_, Conns> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Takes a place for a new, unauthenticated connection from `ip`, if every limit allows.
-    fn take_place(&self, ip: IpAddr) -> bool {
-        let l = &self.limits;
-        let mut c = self.conns();
-        let from_ip = c.by_ip.get(&ip).copied().unwrap_or(0);
-        if c.total >= l.max_connections
-            || c.unauthenticated >= l.max_unauthenticated
-            || from_ip >= l.max_unauthenticated_per_ip
-        {
-            return false;
+    /// Takes a place for a new, unauthenticated connection from `ip`: refused (None) when
+    /// every connection is authenticated, or when every stranger that could yield is still
+    /// protected. A stranger that yields is closed here.
+    fn take_place(&self, conn: &TcpStream, ip: IpAddr) -> Option<Place<TcpStream>> {
+        let total = self.authenticated.load(Ordering::SeqCst) + self.strangers.held();
+        let outer_full = total >= self.limits.max_connections;
+        // A handle to close this connection if it must yield later.
+        let handle = conn.try_clone().ok()?;
+        match self.strangers.admit(ip, handle, outer_full) {
+            places::Admit::No => None,
+            places::Admit::Yes { place, yielded } => {
+                if let Some(s) = yielded {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    self.yielded_connections.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(place)
+            }
         }
-        c.total += 1;
-        c.unauthenticated += 1;
-        *c.by_ip.entry(ip).or_insert(0) += 1;
-        true
     }
 
     /// Drops transfers received longer ago than the limit, releasing their bytes. Expected
@@ -299,12 +345,16 @@ impl KvInbox {
         );
         link.set_deadline(Some(Instant::now() + self.limits.handshake_timeout));
         if let Err(e) = transfer::handshake_accept(&mut link, &self.hello, self.key.as_ref()) {
-            tracing::warn!(%peer, error = %e, "KV connection refused");
-            self.failed.fetch_add(1, Ordering::Relaxed);
+            self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            if let Ok(ip) = peer.parse::<SocketAddr>().map(|a| a.ip()) {
+                self.peer_log.note(ip, &e);
+            }
             return;
         }
         link.set_deadline(None);
-        ticket.authenticated();
+        if !ticket.authenticated() {
+            return; // it yielded its place while the handshake ran
+        }
         let lim = RecvLimits {
             page_bytes: self.page_bytes,
             main_page_bytes: self.limits.main_page_bytes,
@@ -412,9 +462,12 @@ impl KvInbox {
         self.staged.load(Ordering::SeqCst)
     }
 
-    /// Connections being served now.
-    pub fn connections(&self) -> usize {
-        self.conns().total
+    /// Connections being served now: (authenticated, not yet).
+    pub fn connections(&self) -> (usize, usize) {
+        (
+            self.authenticated.load(Ordering::SeqCst),
+            self.strangers.held(),
+        )
     }
 
     /// Transfers expected, arriving or waiting to be claimed.

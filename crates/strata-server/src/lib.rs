@@ -6,7 +6,11 @@
 //! * [`metrics`]: every metric (names, help, Prometheus text) of workers and the router.
 //! * [`text`]: incremental detokenization and stop strings.
 //! * [`app`]: the routes, the shared state and graceful shutdown.
+//! * [`listen`]: the HTTP listener of router and workers: header/body deadlines, connection
+//!   places, descriptor limit.
 //! * [`kv_inbox`]: the decode worker's KV listener, bounded against hostile peers.
+//! * [`places`]: bounded places for idle connections (HTTP and KV listeners), where idle
+//!   strangers yield to newcomers.
 //! * [`pd`]: prefill/decode disaggregation: `/pd/prefill`, the decode side.
 //! * [`auth`]: cluster MACs of calls between Strata processes.
 //! * [`structured`]: the fields that constrain the output → one compiled grammar.
@@ -24,9 +28,11 @@ pub mod exposition;
 pub mod fields;
 mod internal;
 pub mod kv_inbox;
+pub mod listen;
 mod logprobs;
 pub mod metrics;
 pub mod pd;
+pub mod places;
 pub mod prompt;
 mod respond;
 pub mod sampling;

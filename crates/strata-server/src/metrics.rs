@@ -25,6 +25,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_cache_copy_seconds_total", "counter", "Time spent in copies between tiers, by operation."),
     ("strata_cache_copy_duration_seconds", "histogram", "Duration of one copy between tiers (a batch of pages), by operation."),
     ("strata_l3_errors_total", "counter", "L3 storage errors by kind (corrupt: a checksum or header mismatch, treated as a miss; timeout: an operation past its bound; unavailable: any other failed operation)."),
+    ("strata_l3_unavailable_tiers", "gauge", "L3 tiers given with --l3 that were unreachable at start: the worker serves without them (restart it once they are up)."),
     ("strata_l3_entries", "gauge", "Pages held by the L3 tier."),
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
     // Sizing.
@@ -44,6 +45,12 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_request_duration_seconds", "histogram", "Time from receiving a request to its last token."),
     // PD.
     ("strata_kv_transfers_total", "counter", "KV transfers by direction (sent, received) and outcome (ok, failed)."),
+    ("strata_http_connections", "gauge", "HTTP connections open on this process's API port."),
+    ("strata_http_connections_total", "counter", "HTTP connections by outcome: accepted, refused (closed at accept: every place held by busy or protected connections), yielded (an idle connection closed to make room for a newcomer), header_timeout (closed: a request's headers did not arrive within --header-timeout, also between keep-alive requests)."),
+    ("strata_http_body_timeouts_total", "counter", "Requests answered 408 because their body did not arrive within --body-timeout."),
+    ("strata_http_accept_errors_total", "counter", "Failed accepts on the API port (e.g. out of file descriptors); the listener backs off from 5 ms to 1 s."),
+    ("strata_kv_listener_connections", "gauge", "Connections to this decode worker's KV listener now, by state (authenticated, unauthenticated)."),
+    ("strata_kv_listener_connections_total", "counter", "Connections to the KV listener that did not become transfers, by outcome: refused (closed at accept: every place held by protected or authenticated connections), yielded (an idle unauthenticated connection closed to make room for a newcomer), handshake_failed (no key, wrong key or format, too slow)."),
     ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
     ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: handshake to acknowledgement; received: first page announced to the last acknowledged)."),
     ("strata_pd_prefill_requests_total", "counter", "PD prefill requests this worker served for decode workers (POST /pd/prefill), by outcome (ok, failed)."),

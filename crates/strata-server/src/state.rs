@@ -36,6 +36,8 @@ pub struct AppState {
     pub role: String,
     /// Name of the L3 tier in metrics (`disk`, `remote`).
     pub storage_tier: String,
+    /// L3 tiers given with `--l3` but unreachable at start (served without them).
+    pub l3_unavailable: usize,
     /// Bounds CPU work done for requests outside the engine (tokenizing, template
     /// rendering): it runs on blocking threads, this many at once, never on the async
     /// workers that answer `/health`.
@@ -50,6 +52,8 @@ pub struct AppState {
     /// The grammar engine over this model's tokenizer, built on the first structured request
     /// (its error, if the tokenizer cannot be described to it).
     pub grammars: std::sync::OnceLock<Result<Arc<strata_grammar::Grammars>, String>>,
+    /// What the HTTP listener saw (connections, timeouts).
+    pub http: Arc<crate::listen::HttpStats>,
 }
 
 /// A worker's side of prefill/decode disaggregation.
@@ -71,7 +75,12 @@ impl Default for PdSide {
         PdSide {
             kv: None,
             kv_deadline: Duration::from_secs(30),
-            http: reqwest::Client::new(),
+            // Idle connections to prefill workers are dropped before their servers' idle
+            // keep-alive limit (--header-timeout, 10 s by default) would close them.
+            http: reqwest::Client::builder()
+                .pool_idle_timeout(Duration::from_secs(4))
+                .build()
+                .expect("HTTP client"),
             prefill_workers: Vec::new(),
             metrics: Default::default(),
         }
@@ -97,6 +106,7 @@ impl AppState {
             plan: None,
             role: "server".into(),
             storage_tier: "disk".into(),
+            l3_unavailable: 0,
             // One core fewer than the machine has (at least one): the async workers always
             // find a core free.
             cpu_gate: cpu_gate(),
@@ -104,6 +114,7 @@ impl AppState {
             replay: crate::auth::ReplayGuard::default(),
             pd: PdSide::default(),
             grammars: std::sync::OnceLock::new(),
+            http: Default::default(),
         }
     }
 }

@@ -21,6 +21,8 @@ use strata_server::AppState;
 use tokio::sync::oneshot;
 
 pub mod netbed;
+mod proc;
+pub use proc::{connect_from, port_after, raise_fd_limit, Proc};
 mod redis;
 pub use redis::{Redis, RedisCluster};
 
@@ -257,6 +259,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
 /// Serves `st` on a port the OS picks (no pick-then-bind race); a graceful stop waits `grace`
 /// for requests in flight.
 pub async fn serve_state(st: AppState, grace: Duration) -> TestWorker {
+    let limits = strata_server::listen::HttpLimits::for_fd_limit(4096, st.body_limit);
     let state = Arc::new(st);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -264,6 +267,7 @@ pub async fn serve_state(st: AppState, grace: Duration) -> TestWorker {
     let task = tokio::spawn(serve(
         listener,
         state.clone(),
+        limits,
         async move {
             let _ = rx.await;
         },

@@ -11,6 +11,7 @@ mod bench_router;
 mod bench_streams_model;
 mod bench_workload;
 mod generate;
+mod http_args;
 mod plan;
 mod route;
 mod serve;

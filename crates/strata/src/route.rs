@@ -60,6 +60,8 @@ pub struct RouteArgs {
     /// Largest request body, with a unit (the same default as `strata serve`).
     #[arg(long, default_value = "4MiB", help_heading = "Server")]
     pub body_limit: String,
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
 }
 
 fn check_url(u: &str) -> Result<()> {
@@ -99,6 +101,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
     let body_limit = strata_kv::units::parse_size(&a.body_limit).context("--body-limit")? as usize;
+    let limits = a.http.limits(body_limit)?;
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;
     st.body_limit = body_limit;
@@ -113,7 +116,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let every = Duration::from_secs_f64(a.health_interval);
     st.health_every = every;
-    serve(&a, Arc::new(st), policy, addr, every, index_every)
+    serve(&a, Arc::new(st), (policy, limits), addr, every, index_every)
 }
 
 /// The client API keys of `--api-key` and `--api-key-file`.
@@ -161,7 +164,7 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
 fn serve(
     a: &RouteArgs,
     st: Arc<RouterState>,
-    policy: Policy,
+    (policy, limits): (Policy, strata_server::listen::HttpLimits),
     addr: SocketAddr,
     every: Duration,
     index_every: Duration,
@@ -184,9 +187,15 @@ fn serve(
             a.decode.len(),
             policy.name()
         );
-        axum::serve(strata_server::app::no_delay(l), router(st))
-            .with_graceful_shutdown(crate::serve::shutdown_signal())
-            .await?;
+        let stats = st.front.http.clone();
+        strata_server::listen::serve(
+            l,
+            router(st),
+            limits,
+            stats,
+            crate::serve::shutdown_signal(),
+        )
+        .await?;
         Ok(())
     })
 }

@@ -32,6 +32,8 @@ use crate::sizing::SizingArgs;
 pub struct ServeArgs {
     #[command(flatten)]
     pub sizing: SizingArgs,
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
 
     /// Address to listen on (loopback unless you mean it).
     #[arg(long, default_value = "127.0.0.1", help_heading = "Server")]
@@ -210,14 +212,16 @@ fn is_loopback(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// The L3 tiers of `--l3`, in order. A Redis that cannot be reached at start is left out
-/// (said so in the log); a bad spec or an unusable disk path is an error.
+/// The L3 tiers of `--l3`, in order, and how many were left out: a Redis that cannot be
+/// reached at start is left out (a warning, and `strata_l3_unavailable_tiers`); a bad spec
+/// or an unusable disk path is an error.
 fn l3_storage(
     a: &ServeArgs,
     ns: &str,
     key: strata_kv::storage::blob::BlobKey,
     page_bytes: u64,
-) -> Result<Option<Arc<dyn Storage>>> {
+) -> Result<(Option<Arc<dyn Storage>>, usize)> {
+    let mut left_out = 0;
     let cap = parse_size(&a.l3_size).context("--l3-size")?;
     let mut tiers: Vec<Arc<dyn Storage>> = Vec::new();
     for spec in &a.l3 {
@@ -247,6 +251,7 @@ fn l3_storage(
                     tiers.push(Arc::new(r));
                 }
                 Err(e) => {
+                    left_out += 1;
                     tracing::warn!(url = %spec, error = %e, "L3 remote tier unavailable at start: serving without it");
                     eprintln!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
                 }
@@ -255,11 +260,12 @@ fn l3_storage(
             bail!("--l3 `{spec}`: {L3_SPECS}");
         }
     }
-    Ok(match tiers.len() {
+    let tiers: Option<Arc<dyn Storage>> = match tiers.len() {
         0 => None,
         1 => tiers.pop(),
         _ => Some(Arc::new(strata_kv::storage::Chain::new(tiers))),
-    })
+    };
+    Ok((tiers, left_out))
 }
 
 pub fn run(mut a: ServeArgs) -> Result<()> {
@@ -292,7 +298,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
     serve_tp::check_plan_layout(&plan, &layout)?;
     let allocs = serve_tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
-    let (cache, storage_tier) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
+    let (cache, (storage_tier, l3_unavailable)) =
+        build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
     let gauges = plan_gauges(&plan, &cache, &ranks);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
@@ -311,6 +318,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
     st.storage_tier = storage_tier;
+    st.l3_unavailable = l3_unavailable;
     st.role = c.role.to_string();
     st.cluster_key = c.cluster_key.clone();
     st.pd.prefill_workers = a.prefill_worker.clone();
@@ -331,7 +339,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         )?);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
-    serve_until_stopped(std_listener, addr, st, name, c.role, grace)
+    serve_until_stopped(std_listener, addr, st, name, (c.role, c.http), grace)
 }
 
 /// What the flags checked before anything is bound or loaded give.
@@ -342,6 +350,7 @@ struct Checked {
     kv_staging: u64,
     addr: SocketAddr,
     cluster_key: Option<ClusterKey>,
+    http: strata_server::listen::HttpLimits,
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -363,6 +372,9 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
     }
     if a.sizing.tp_size == 0 {
         bail!("--tp-size 0: expected at least 1 rank");
+    }
+    if a.threads == 0 {
+        bail!("--threads 0: expected at least 1 thread for matrix products and attention");
     }
     if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
         bail!(
@@ -388,6 +400,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
             bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
         }
     }
+    let http = a.http.limits(body_limit)?;
     Ok(Checked {
         eviction,
         body_limit,
@@ -395,6 +408,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
         kv_staging,
         addr,
         cluster_key,
+        http,
     })
 }
 
@@ -473,7 +487,7 @@ fn build_cache(
     plan: &Plan,
     layout: PageLayout,
     rank_allocs: &serve_tp::RankAllocators,
-) -> Result<(TieredCache, String)> {
+) -> Result<(TieredCache, (String, usize))> {
     let ps = req.page_size;
     let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
     let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
@@ -491,9 +505,9 @@ fn build_cache(
         .as_ref()
         .map(strata_kv::storage::blob::BlobKey::from_cluster)
         .unwrap_or_default();
-    let storage = l3_storage(a, &ns, blob_key, layout.page_bytes() as u64)?;
+    let (storage, l3_unavailable) = l3_storage(a, &ns, blob_key, layout.page_bytes() as u64)?;
     let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
-    let storage_tier = storage_tier.to_string();
+    let storage_tier = (storage_tier.to_string(), l3_unavailable);
     let mut cc = CacheConfig::new(layout, device_pages, host_pages);
     if cc.layout.has_window() {
         cc.device_window_pages = (plan.device_window_tokens_per_rank / ps as u64) as u32;
@@ -589,7 +603,7 @@ fn serve_until_stopped(
     addr: SocketAddr,
     st: AppState,
     name: String,
-    role: &str,
+    (role, limits): (&str, strata_server::listen::HttpLimits),
     grace: Duration,
 ) -> Result<()> {
     let role_s = role.to_string();
@@ -625,7 +639,7 @@ fn serve_until_stopped(
                 }
             }
         };
-        strata_server::app::serve(listener, Arc::new(st), signal, grace).await?;
+        strata_server::app::serve(listener, Arc::new(st), limits, signal, grace).await?;
         if died.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
             std::process::exit(ENGINE_DEAD_EXIT);
         }

@@ -5,88 +5,14 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use strata_model::tiny::{write_tiny, TinySpec};
+use strata_test_support::{port_after, Proc};
 
-/// A child process killed however the test ends, with its stderr lines on a channel.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    log: Vec<String>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn start(args: &[String]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        Proc {
-            child,
-            lines,
-            log: Vec::new(),
-        }
-    }
-
-    /// The first line containing `what` (waiting up to `secs`).
-    fn wait_for(&mut self, what: &str, secs: u64) -> String {
-        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
-            return l.clone();
-        }
-        let t = Instant::now();
-        loop {
-            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push(l.clone());
-                    if l.contains(what) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!("no `{what}` within {secs} s:\n{}", self.log.join("\n")),
-            }
-        }
-    }
-
-    fn exit_code(&mut self, secs: u64) -> Option<i32> {
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s.code();
-            }
-            assert!(t.elapsed() < Duration::from_secs(secs), "no exit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-/// The port in a line like `... ready on http://127.0.0.1:PORT ...`.
-fn port_after(line: &str, marker: &str) -> u16 {
-    let rest = &line[line.find(marker).unwrap() + marker.len()..];
-    let hostport: String = rest
-        .chars()
-        .take_while(|c| !c.is_whitespace() && *c != ')')
-        .collect();
-    hostport.rsplit(':').next().unwrap().parse().unwrap()
+fn start(args: &[String]) -> Proc {
+    Proc::start(env!("CARGO_BIN_EXE_strata"), args)
 }
 
 fn tiny(dir: &Path) -> PathBuf {
@@ -112,7 +38,7 @@ fn serve(model: &Path, extra: &[&str]) -> (Proc, u16) {
         args.extend(["--device-mem".to_string(), "16MiB".to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    let mut p = Proc::start(&args);
+    let mut p = start(&args);
     let line = p.wait_for("ready on http://", 60);
     let port = port_after(&line, "http://");
     // Logs to a pipe (not a terminal) are plain text: no ANSI colour codes.
@@ -532,7 +458,7 @@ fn stream_through_router_then(router_args: &[&str], to_worker: impl FnOnce(&mut 
         format!("http://127.0.0.1:{wport}"),
     ];
     args.extend(router_args.iter().map(|a| a.to_string()));
-    let mut router = Proc::start(&args);
+    let mut router = start(&args);
     let rport = port_after(&router.wait_for("ready on http://", 30), "http://");
     let mut s = TcpStream::connect(("127.0.0.1", rport)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();

@@ -1,0 +1,364 @@
+//! HTTP serving for the router and the workers, bounded against idle and slow clients:
+//!
+//! * a request's headers must arrive within `header_timeout`, counted from the accept or
+//!   from the end of the previous response (so it is also the idle keep-alive limit);
+//! * its whole body within `body_timeout` (else 408, and the connection is closed), and no
+//!   more than `body_limit` bytes of it (413);
+//! * connections in all and per address are bounded ([`crate::places`]): when a bound is
+//!   reached, the longest-idle connection yields to the newcomer, so idle or slow strangers
+//!   cannot keep anybody else (a health check, a client) out;
+//! * accept errors (out of file descriptors) back off instead of spinning; the process's
+//!   descriptor limit is raised to its hard limit at start ([`raise_fd_limit`]).
+//!
+//! HTTP/1.1 only (what OpenAI's clients, Prometheus and the router speak).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use axum::Router;
+use http_body::Frame;
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+
+use crate::error::ApiError;
+use crate::metrics::Text;
+use crate::places::{Admit, Busy, Place, PlaceLimits, Places};
+
+/// What one HTTP listener allows.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpLimits {
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    pub body_limit: usize,
+    pub max_connections: usize,
+    pub max_connections_per_ip: usize,
+}
+
+impl HttpLimits {
+    /// Defaults for a process whose descriptor limit is `fd_limit`: ¾ of it for connections,
+    /// a quarter of those per address.
+    pub fn for_fd_limit(fd_limit: u64, body_limit: usize) -> HttpLimits {
+        let total = (fd_limit.saturating_mul(3) / 4).clamp(64, 1 << 20) as usize;
+        HttpLimits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            body_limit,
+            max_connections: total,
+            max_connections_per_ip: (total / 4).max(16),
+        }
+    }
+}
+
+/// A connection's handle in the places: notified when it must yield.
+type Handle = Arc<Notify>;
+
+/// What an HTTP listener saw (for `/metrics`).
+#[derive(Default)]
+pub struct HttpStats {
+    places: std::sync::OnceLock<Arc<Places<Handle>>>,
+    accepted: AtomicU64,
+    refused: AtomicU64,
+    yielded: AtomicU64,
+    header_timeouts: AtomicU64,
+    body_timeouts: AtomicU64,
+    accept_errors: AtomicU64,
+}
+
+impl HttpStats {
+    /// Connections open now (0 before serving starts).
+    pub fn open(&self) -> usize {
+        self.places.get().map_or(0, |p| p.held())
+    }
+
+    /// Its samples, into `t`.
+    pub fn render(&self, t: &mut Text) {
+        t.sample("strata_http_connections", &[], self.open() as f64);
+        for (outcome, n) in [
+            ("accepted", &self.accepted),
+            ("refused", &self.refused),
+            ("yielded", &self.yielded),
+            ("header_timeout", &self.header_timeouts),
+        ] {
+            t.sample(
+                "strata_http_connections_total",
+                &[("outcome", outcome)],
+                n.load(Ordering::Relaxed) as f64,
+            );
+        }
+        t.sample(
+            "strata_http_body_timeouts_total",
+            &[],
+            self.body_timeouts.load(Ordering::Relaxed) as f64,
+        );
+        t.sample(
+            "strata_http_accept_errors_total",
+            &[],
+            self.accept_errors.load(Ordering::Relaxed) as f64,
+        );
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit; returns the soft limit
+/// in force afterwards.
+pub fn raise_fd_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let r = getrlimit(Resource::Nofile);
+    if r.current != r.maximum {
+        let want = Rlimit {
+            current: r.maximum,
+            maximum: r.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, want) {
+            tracing::warn!(error = %e, "cannot raise the open-file limit to its hard limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// Serves `app` on `listener` under `limits` until `stop` resolves; then stops accepting,
+/// closes idle connections, lets requests in progress finish and returns when every
+/// connection has closed.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    stats: Arc<HttpStats>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let places: Arc<Places<Handle>> = Places::new(PlaceLimits {
+        total: limits.max_connections,
+        per_addr: limits.max_connections_per_ip,
+        protect: Duration::from_secs(1),
+    });
+    let _ = stats.places.set(places.clone());
+    // A deep accept queue (the kernel caps it at net.core.somaxconn): a burst of connections
+    // waits there instead of having its SYNs dropped (a dropped SYN costs a client 1 s).
+    if let Err(e) = socket2::SockRef::from(&listener).listen(4096) {
+        tracing::debug!(error = %e, "cannot deepen the accept queue");
+    }
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let open = Arc::new((AtomicUsize::new(0), Notify::new()));
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    tokio::pin!(stop);
+    let mut backoff = Duration::from_millis(5);
+    let mut last_warned: Option<Instant> = None;
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut stop => break,
+            r = listener.accept() => match r {
+                Ok(x) => {
+                    backoff = Duration::from_millis(5);
+                    x
+                }
+                Err(e) => {
+                    stats.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    if last_warned.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        last_warned = Some(Instant::now());
+                        tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64,
+                            "cannot accept a connection; backing off (logged at most every 10 s)");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            },
+        };
+        let handle: Handle = Arc::new(Notify::new());
+        let place = match places.admit(peer.ip(), handle.clone(), false) {
+            Admit::No => {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                continue; // dropped: closed
+            }
+            Admit::Yes { place, yielded } => {
+                if let Some(y) = yielded {
+                    stats.yielded.fetch_add(1, Ordering::Relaxed);
+                    y.notify_one();
+                }
+                place
+            }
+        };
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+        }
+        open.0.fetch_add(1, Ordering::SeqCst);
+        let conn = Conn {
+            app: app.clone(),
+            limits,
+            stats: stats.clone(),
+            place: Arc::new(place),
+            peer,
+        };
+        let (builder, mut stop_rx, open) = (builder.clone(), stop_rx.clone(), open.clone());
+        tokio::spawn(async move {
+            let _open = OpenGuard(open);
+            let place = conn.place.clone();
+            let stats = conn.stats.clone();
+            let svc = hyper::service::service_fn(move |req| conn.clone().handle(req));
+            let c = builder.serve_connection(TokioIo::new(stream), svc);
+            tokio::pin!(c);
+            tokio::select! {
+                r = c.as_mut() => {
+                    if let Err(e) = r {
+                        if e.is_timeout() {
+                            stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                // It yielded its place: it is idle, so dropping it loses nothing.
+                _ = handle.notified() => {}
+                _ = async { stop_rx.wait_for(|s| *s).await.map(|_| ()) } => {
+                    c.as_mut().graceful_shutdown();
+                    let _ = c.await;
+                }
+            }
+            drop(place);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    loop {
+        let n = open.1.notified();
+        if open.0.load(Ordering::SeqCst) == 0 {
+            return Ok(());
+        }
+        n.await;
+    }
+}
+
+struct OpenGuard(Arc<(AtomicUsize, Notify)>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::SeqCst);
+        self.0 .1.notify_waiters();
+    }
+}
+
+/// One connection's request handler.
+#[derive(Clone)]
+struct Conn {
+    app: Router,
+    limits: HttpLimits,
+    stats: Arc<HttpStats>,
+    place: Arc<Place<Handle>>,
+    peer: SocketAddr,
+}
+
+impl Conn {
+    async fn handle(
+        self,
+        req: Request<hyper::body::Incoming>,
+    ) -> Result<Response<Body>, std::convert::Infallible> {
+        // The connection works from here until the response's body is done or dropped.
+        let Some(busy) = self.place.busy() else {
+            return Ok(close(
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "the connection was closed to make room; retry on a new one",
+                )
+                .into_response(),
+            ));
+        };
+        let (parts, body) = req.into_parts();
+        let limit = self.limits.body_limit;
+        let read = http_body_util::Limited::new(body, limit).collect();
+        let bytes: Bytes = match tokio::time::timeout(self.limits.body_timeout, read).await {
+            Ok(Ok(b)) => b.to_bytes(),
+            Ok(Err(e))
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                return Ok(close(
+                    ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "invalid_request_error",
+                        format!("the request body exceeds the limit of {limit} bytes"),
+                    )
+                    .into_response(),
+                ));
+            }
+            Ok(Err(e)) => {
+                return Ok(close(
+                    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+                        .into_response(),
+                ));
+            }
+            Err(_) => {
+                self.stats.body_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %self.peer, "request body too slow");
+                return Ok(close(
+                    ApiError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        format!(
+                            "the request body did not arrive within {} s (--body-timeout)",
+                            self.limits.body_timeout.as_secs_f64()
+                        ),
+                    )
+                    .into_response(),
+                ));
+            }
+        };
+        let req = Request::from_parts(parts, Body::from(bytes));
+        let resp = tower_service::Service::call(&mut self.app.clone(), req)
+            .await
+            .unwrap_or_else(|e: std::convert::Infallible| match e {});
+        Ok(resp.map(|b| {
+            Body::new(Tracked {
+                inner: b,
+                _busy: busy,
+            })
+        }))
+    }
+}
+
+/// A response that closes its connection after it.
+fn close(mut r: Response<Body>) -> Response<Body> {
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+/// A response body that keeps its connection marked busy until it is done or dropped.
+struct Tracked {
+    inner: Body,
+    _busy: Busy<Handle>,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,137 @@
+//! A child process for tests against real servers: killed however the test ends, its stderr
+//! lines kept (to wait for a line, or to count them); sockets from a chosen loopback address;
+//! the test's own open-file limit raised.
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A child process killed however the test ends, with its stderr lines on a channel.
+pub struct Proc {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+    pub log: Vec<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    /// Starts `program` with `args`, stdout discarded, stderr read line by line.
+    pub fn start(program: &str, args: &[String]) -> Proc {
+        let mut child = Command::new(program)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        Proc {
+            child,
+            lines,
+            log: Vec::new(),
+        }
+    }
+
+    /// The first line containing `what` (waiting up to `secs`).
+    pub fn wait_for(&mut self, what: &str, secs: u64) -> String {
+        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
+            return l.clone();
+        }
+        let t = Instant::now();
+        loop {
+            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.log.push(l.clone());
+                    if l.contains(what) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("no `{what}` within {secs} s:\n{}", self.log.join("\n")),
+            }
+        }
+    }
+
+    /// Every line so far (those not read yet are collected first).
+    pub fn drain(&mut self) -> &[String] {
+        while let Ok(l) = self.lines.try_recv() {
+            self.log.push(l);
+        }
+        &self.log
+    }
+
+    /// The exit code, waiting up to `secs`.
+    pub fn exit_code(&mut self, secs: u64) -> Option<i32> {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            assert!(t.elapsed() < Duration::from_secs(secs), "no exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The port in a line like `... ready on http://127.0.0.1:PORT ...` after `marker`.
+pub fn port_after(line: &str, marker: &str) -> u16 {
+    let rest = &line[line.find(marker).unwrap() + marker.len()..];
+    let hostport: String = rest
+        .chars()
+        .take_while(|c| !c.is_whitespace() && *c != ')')
+        .collect();
+    hostport.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// A TCP connection to `to` from the local address `from` (e.g. 127.0.0.2: one of several
+/// loopback "hosts").
+pub fn connect_from(from: IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(to),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    s.bind(&SocketAddr::new(from, 0).into())?;
+    s.connect_timeout(&to.into(), Duration::from_secs(5))?;
+    Ok(s.into())
+}
+
+/// Raises this process's open-file limit to `want` (the hard limit too, where allowed:
+/// root); returns the soft limit in force.
+pub fn raise_fd_limit(want: u64) -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let r = getrlimit(Resource::Nofile);
+    let hard = r.maximum.unwrap_or(u64::MAX);
+    if hard < want {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(want),
+                maximum: Some(want),
+            },
+        );
+    }
+    let r = getrlimit(Resource::Nofile);
+    let hard = r.maximum.unwrap_or(u64::MAX);
+    let _ = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(want.min(hard)),
+            maximum: r.maximum,
+        },
+    );
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}

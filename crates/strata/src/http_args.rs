@@ -1,0 +1,68 @@
+//! The HTTP listener's bounds, the same flags on `strata serve` and `strata route`
+//! (docs/SECURITY.md states each with its default).
+
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use strata_server::listen::{raise_fd_limit, HttpLimits};
+
+#[derive(Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Seconds a request's headers may take to arrive, counted from the accept or from the
+    /// end of the previous response on the connection (so also the idle keep-alive limit).
+    #[arg(long, default_value_t = 10.0, help_heading = "Connections")]
+    pub header_timeout: f64,
+    /// Seconds a request's whole body may take to arrive (beyond: 408, connection closed).
+    #[arg(long, default_value_t = 30.0, help_heading = "Connections")]
+    pub body_timeout: f64,
+    /// Connections open at once (default: ¾ of the open-file limit, which is raised to its
+    /// hard limit at start). When reached, the longest-idle connection yields to a newcomer.
+    #[arg(long, help_heading = "Connections")]
+    pub max_connections: Option<usize>,
+    /// Connections from one address (IPv4, or IPv6 /64) at once (default: a quarter of
+    /// --max-connections, at least 16).
+    #[arg(long, help_heading = "Connections")]
+    pub max_connections_per_ip: Option<usize>,
+}
+
+impl HttpArgs {
+    /// The limits these flags give (the descriptor limit raised first), or why not.
+    pub fn limits(&self, body_limit: usize) -> Result<HttpLimits> {
+        for (flag, v) in [
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+        ] {
+            if !(0.1..=86_400.0).contains(&v) {
+                bail!("{flag} {v}: expected seconds from 0.1 to 86400");
+            }
+        }
+        let fds = raise_fd_limit();
+        let mut l = HttpLimits::for_fd_limit(fds, body_limit);
+        l.header_timeout = Duration::from_secs_f64(self.header_timeout);
+        l.body_timeout = Duration::from_secs_f64(self.body_timeout);
+        if let Some(n) = self.max_connections {
+            if n == 0 {
+                bail!("--max-connections 0: expected at least 1");
+            }
+            if n as u64 > fds {
+                bail!(
+                    "--max-connections {n}: more than this process's open-file limit ({fds}, \
+                     its hard limit); raise the limit (ulimit -Hn, LimitNOFILE=) or lower the flag"
+                );
+            }
+            l.max_connections = n;
+            l.max_connections_per_ip = (n / 4).max(16).min(n);
+        }
+        if let Some(n) = self.max_connections_per_ip {
+            if n == 0 || n > l.max_connections {
+                bail!(
+                    "--max-connections-per-ip {n}: expected 1 to --max-connections ({})",
+                    l.max_connections
+                );
+            }
+            l.max_connections_per_ip = n;
+        }
+        Ok(l)
+    }
+}
