@@ -314,24 +314,29 @@ fn transfers(t: &mut Text, st: &AppState) {
             &[("direction", "received")],
             k.nanos.load(Ordering::Relaxed) as f64 / 1e9,
         );
-        let (authed, strangers) = k.connections();
-        for (state, n) in [("authenticated", authed), ("unauthenticated", strangers)] {
-            t.sample(
-                "strata_kv_listener_connections",
-                &[("state", state)],
-                n as f64,
-            );
-        }
-        for (outcome, n) in [
-            ("refused", &k.refused_connections),
-            ("yielded", &k.yielded_connections),
-            ("handshake_failed", &k.handshake_failures),
-        ] {
-            t.sample(
-                "strata_kv_listener_connections_total",
-                &[("outcome", outcome)],
-                n.load(Ordering::Relaxed) as f64,
-            );
-        }
+        kv_listener(t, k);
+    }
+}
+
+/// The KV listener's connections: held now, and those that did not become transfers.
+fn kv_listener(t: &mut Text, k: &crate::kv_inbox::KvInbox) {
+    let (authed, strangers) = k.connections();
+    for (state, n) in [("authenticated", authed), ("unauthenticated", strangers)] {
+        t.sample(
+            "strata_kv_listener_connections",
+            &[("state", state)],
+            n as f64,
+        );
+    }
+    for (outcome, n) in [
+        ("refused", &k.refused_connections),
+        ("yielded", &k.yielded_connections),
+        ("handshake_failed", &k.handshake_failures),
+    ] {
+        t.sample(
+            "strata_kv_listener_connections_total",
+            &[("outcome", outcome)],
+            n.load(Ordering::Relaxed) as f64,
+        );
     }
 }

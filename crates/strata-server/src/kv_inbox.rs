@@ -222,33 +222,7 @@ impl KvInbox {
         let me = inbox.clone();
         std::thread::Builder::new()
             .name("strata-kv-accept".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    let Ok(conn) = conn else {
-                        // Out of descriptors or memory: back off instead of spinning.
-                        std::thread::sleep(Duration::from_millis(10));
-                        continue;
-                    };
-                    let Ok(peer) = conn.peer_addr() else { continue };
-                    let Some(place) = me.take_place(&conn, peer.ip()) else {
-                        me.refused_connections.fetch_add(1, Ordering::Relaxed);
-                        continue; // dropped: closed
-                    };
-                    let me2 = me.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("strata-kv-recv".into())
-                        .spawn(move || {
-                            let ticket = ConnTicket {
-                                inbox: &me2,
-                                place: Some(place),
-                                authenticated: false,
-                            };
-                            me2.serve(conn, ticket)
-                        });
-                    // A thread that cannot start drops its place (and connection) with it.
-                    drop(spawned);
-                }
-            })
+            .spawn(move || me.accept_loop(listener))
             .expect("spawn the KV listener");
         let weak = Arc::downgrade(&inbox);
         std::thread::Builder::new()
@@ -262,6 +236,35 @@ impl KvInbox {
             })
             .expect("spawn the KV purger");
         inbox
+    }
+
+    /// Accepts connections, each served on a thread of its own once it has a place.
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else {
+                // Out of descriptors or memory: back off instead of spinning.
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            };
+            let Ok(peer) = conn.peer_addr() else { continue };
+            let Some(place) = self.take_place(&conn, peer.ip()) else {
+                self.refused_connections.fetch_add(1, Ordering::Relaxed);
+                continue; // dropped: closed
+            };
+            let me = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("strata-kv-recv".into())
+                .spawn(move || {
+                    let ticket = ConnTicket {
+                        inbox: &me,
+                        place: Some(place),
+                        authenticated: false,
+                    };
+                    me.serve(conn, ticket)
+                });
+            // A thread that cannot start drops its place (and connection) with it.
+            drop(spawned);
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TransferId, Slot>> {

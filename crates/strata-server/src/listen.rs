@@ -147,41 +147,104 @@ pub async fn serve(
         tracing::debug!(error = %e, "cannot deepen the accept queue");
     }
     let (stop_tx, stop_rx) = watch::channel(false);
-    let open = Arc::new((AtomicUsize::new(0), Notify::new()));
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
+    let mut acc = Acceptor {
+        listener,
+        backoff: Duration::from_millis(5),
+        last_warned: None,
+        spawner: Spawner {
+            app,
+            limits,
+            stats,
+            places,
+            builder,
+            stop_rx,
+            open: Arc::new((AtomicUsize::new(0), Notify::new())),
+        },
+    };
     tokio::pin!(stop);
-    let mut backoff = Duration::from_millis(5);
-    let mut last_warned: Option<Instant> = None;
     loop {
         let (stream, peer) = tokio::select! {
             _ = &mut stop => break,
-            r = listener.accept() => match r {
+            r = acc.accept() => r,
+        };
+        acc.spawner.spawn(stream, peer);
+    }
+    let open = acc.spawner.open.clone();
+    drop(acc);
+    let _ = stop_tx.send(true);
+    loop {
+        let n = open.1.notified();
+        if open.0.load(Ordering::SeqCst) == 0 {
+            return Ok(());
+        }
+        n.await;
+    }
+}
+
+/// The accept loop's state: accept errors back off from 5 ms to 1 s.
+struct Acceptor {
+    listener: TcpListener,
+    backoff: Duration,
+    last_warned: Option<Instant>,
+    spawner: Spawner,
+}
+
+impl Acceptor {
+    async fn accept(&mut self) -> (tokio::net::TcpStream, SocketAddr) {
+        loop {
+            match self.listener.accept().await {
                 Ok(x) => {
-                    backoff = Duration::from_millis(5);
-                    x
+                    self.backoff = Duration::from_millis(5);
+                    return x;
                 }
                 Err(e) => {
-                    stats.accept_errors.fetch_add(1, Ordering::Relaxed);
-                    if last_warned.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                        last_warned = Some(Instant::now());
-                        tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64,
+                    self.spawner
+                        .stats
+                        .accept_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    let quiet = self
+                        .last_warned
+                        .is_some_and(|t| t.elapsed() < Duration::from_secs(10));
+                    if !quiet {
+                        self.last_warned = Some(Instant::now());
+                        tracing::warn!(error = %e, backoff_ms = self.backoff.as_millis() as u64,
                             "cannot accept a connection; backing off (logged at most every 10 s)");
                     }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    continue;
+                    tokio::time::sleep(self.backoff).await;
+                    self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
                 }
-            },
-        };
+            }
+        }
+    }
+}
+
+/// What every connection's task shares.
+struct Spawner {
+    app: Router,
+    limits: HttpLimits,
+    stats: Arc<HttpStats>,
+    places: Arc<Places<Handle>>,
+    builder: hyper::server::conn::http1::Builder,
+    stop_rx: watch::Receiver<bool>,
+    /// Connection tasks running, and a wake-up when one ends.
+    open: Arc<(AtomicUsize, Notify)>,
+}
+
+impl Spawner {
+    /// Gives a newcomer a place (an idle connection may yield to it) and serves it on a task
+    /// of its own; or closes it when every place is held by busy or protected connections.
+    fn spawn(&self, stream: tokio::net::TcpStream, peer: SocketAddr) {
+        let stats = &self.stats;
         let handle: Handle = Arc::new(Notify::new());
-        let place = match places.admit(peer.ip(), handle.clone(), false) {
+        let place = match self.places.admit(peer.ip(), handle.clone(), false) {
             Admit::No => {
                 stats.refused.fetch_add(1, Ordering::Relaxed);
-                continue; // dropped: closed
+                return; // dropped: closed
             }
             Admit::Yes { place, yielded } => {
                 if let Some(y) = yielded {
@@ -195,18 +258,18 @@ pub async fn serve(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
         }
-        open.0.fetch_add(1, Ordering::SeqCst);
+        self.open.0.fetch_add(1, Ordering::SeqCst);
         let conn = Conn {
-            app: app.clone(),
-            limits,
+            app: self.app.clone(),
+            limits: self.limits,
             stats: stats.clone(),
             place: Arc::new(place),
             peer,
         };
-        let (builder, mut stop_rx, open) = (builder.clone(), stop_rx.clone(), open.clone());
+        let (builder, mut stop_rx) = (self.builder.clone(), self.stop_rx.clone());
+        let open = OpenGuard(self.open.clone());
         tokio::spawn(async move {
-            let _open = OpenGuard(open);
-            let place = conn.place.clone();
+            let _open = open;
             let stats = conn.stats.clone();
             let svc = hyper::service::service_fn(move |req| conn.clone().handle(req));
             let c = builder.serve_connection(TokioIo::new(stream), svc);
@@ -226,17 +289,7 @@ pub async fn serve(
                     let _ = c.await;
                 }
             }
-            drop(place);
         });
-    }
-    drop(listener);
-    let _ = stop_tx.send(true);
-    loop {
-        let n = open.1.notified();
-        if open.0.load(Ordering::SeqCst) == 0 {
-            return Ok(());
-        }
-        n.await;
     }
 }
 
