@@ -44,6 +44,8 @@ pub struct EngineInfo {
     pub device_tokens: usize,
     pub max_waiting: usize,
     pub max_tokens_in_flight: usize,
+    /// Requests share the cached pages of their prompts (`EngineConfig::prefix_cache`).
+    pub prefix_cache: bool,
 }
 
 /// An answer to [`EngineHandle::events_since`].
@@ -212,6 +214,7 @@ fn engine_info(
         device_tokens,
         max_waiting: cfg.max_waiting,
         max_tokens_in_flight: cfg.max_tokens_in_flight,
+        prefix_cache: cfg.prefix_cache,
     }
 }
 
@@ -424,10 +427,11 @@ impl EngineHandle {
     }
 
     /// Refuses `count` requests (the choices of one request, submitted together) of a
-    /// `prompt`-token prompt and up to `max_tokens` each that could never run together: the
-    /// prompt's whole pages are shared, each choice holds its own last prompt page and its
-    /// output in the device pool, and each reserves prompt + max_tokens of the in-flight
-    /// bound. One choice is checked by [`EngineHandle::submit`] as it is.
+    /// `prompt`-token prompt and up to `max_tokens` each that cannot all be held at once: as
+    /// the cache admits them, the prompt's pages before its last token are shared (with the
+    /// prefix cache on), each choice holds the rest of its pages up to prompt + max_tokens in
+    /// the device pool, and each reserves prompt + max_tokens of the in-flight bound. One
+    /// choice is checked by [`EngineHandle::submit`] as it is.
     pub fn check_choices(
         &self,
         prompt: usize,
@@ -435,38 +439,32 @@ impl EngineHandle {
         count: usize,
     ) -> Result<(), SubmitError> {
         let i = &self.info;
-        if count <= 1 || prompt > i.context_length || max_tokens > i.context_length {
+        if count <= 1 || prompt == 0 || prompt > i.context_length || max_tokens > i.context_length {
             return Ok(()); // one choice, or sizes the per-request check names
         }
         let ps = i.page_size;
-        let (shared, tail) = (prompt / ps * ps, prompt % ps);
-        let own = |m: usize| (tail + m).div_ceil(ps) * ps;
-        let pool = shared.saturating_add(count.saturating_mul(own(max_tokens)));
+        let shared = if i.prefix_cache { (prompt - 1) / ps } else { 0 };
+        let own = |m: usize| (prompt + m).div_ceil(ps) - shared;
+        let pool = (shared + count * own(max_tokens)) * ps;
+        let refuse = |needed, capacity, what, fits: usize| SubmitError::ChoicesTooLarge {
+            count,
+            prompt,
+            max_tokens,
+            needed,
+            capacity,
+            what,
+            fits,
+        };
         if pool > i.device_tokens {
-            let room = i.device_tokens.saturating_sub(shared) / count;
-            let fits = (room / ps * ps).saturating_sub(tail);
-            return Err(SubmitError::ChoicesTooLarge {
-                count,
-                prompt,
-                max_tokens,
-                needed: pool,
-                capacity: i.device_tokens,
-                what: "device pool",
-                fits,
-            });
+            let per = (i.device_tokens / ps).saturating_sub(shared) / count;
+            let fits = ((shared + per) * ps).saturating_sub(prompt);
+            return Err(refuse(pool, i.device_tokens, "device pool", fits));
         }
-        let flight = count.saturating_mul(prompt + max_tokens);
+        let flight = count * (prompt + max_tokens);
         if flight > i.max_tokens_in_flight {
             let fits = (i.max_tokens_in_flight / count).saturating_sub(prompt);
-            return Err(SubmitError::ChoicesTooLarge {
-                count,
-                prompt,
-                max_tokens,
-                needed: flight,
-                capacity: i.max_tokens_in_flight,
-                what: "in-flight bound (--max-tokens-in-flight)",
-                fits,
-            });
+            let what = "in-flight bound (--max-tokens-in-flight)";
+            return Err(refuse(flight, i.max_tokens_in_flight, what, fits));
         }
         Ok(())
     }

@@ -207,8 +207,9 @@ pub enum SubmitError {
     },
     #[error(
         "n = {count} choices of up to {max_tokens} tokens each after a {prompt}-token prompt \
-         need {needed} tokens of the {what} at once, which holds {capacity}: set max_tokens to \
-         at most {fits} or ask for fewer choices"
+         need {needed} tokens of the {what} at once, which holds {capacity}: {}",
+        if *fits == 0 { "ask for fewer choices (or use a shorter prompt)".to_string() }
+        else { format!("set max_tokens to at most {fits} or ask for fewer choices") }
     )]
     ChoicesTooLarge {
         count: usize,

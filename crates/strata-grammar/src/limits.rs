@@ -27,15 +27,21 @@ fn too_large(m: String) -> GrammarError {
 pub fn check(c: &OutputConstraint) -> Result<(), GrammarError> {
     match c {
         OutputConstraint::JsonObject => Ok(()),
-        OutputConstraint::JsonSchema(s) => spec_bytes("the JSON schema", s),
+        OutputConstraint::JsonSchema(s) => {
+            spec_bytes("the JSON schema", s)?;
+            // The regexes inside: `pattern` values and `patternProperties` keys.
+            match serde_json::from_str::<serde_json::Value>(s) {
+                Ok(v) => schema_patterns(&v),
+                Err(_) => Ok(()), // refused with the parser's reason when compiled
+            }
+        }
         OutputConstraint::Regex(rx) => {
             spec_bytes("the regex", rx)?;
-            repeats("the regex", rx)?;
-            regex_expansion(rx)
+            regex("the regex", rx)
         }
         OutputConstraint::Lark(g) => {
             spec_bytes("the grammar", g)?;
-            repeats("the grammar", g)?;
+            lark_repeats(g)?;
             let alts = g.bytes().filter(|&b| b == b'|').count();
             if alts > MAX_ALTERNATIVES {
                 return Err(too_large(format!(
@@ -72,37 +78,84 @@ fn spec_bytes(what: &str, s: &str) -> Result<(), GrammarError> {
     Ok(())
 }
 
-/// Every `{n}`, `{m,}` and `{m,n}` in the text (also inside a grammar's regexes and strings:
-/// conservative) has counts ≤ [`MAX_REPEAT`].
-fn repeats(what: &str, s: &str) -> Result<(), GrammarError> {
+/// Every regex of a JSON schema checked as a regex (serde_json bounds the nesting at 128).
+fn schema_patterns(v: &serde_json::Value) -> Result<(), GrammarError> {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match (k.as_str(), x) {
+                    ("pattern", serde_json::Value::String(rx)) => {
+                        regex("the schema's pattern", rx)?
+                    }
+                    ("patternProperties", serde_json::Value::Object(p)) => {
+                        for rx in p.keys() {
+                            regex("the schema's patternProperties", rx)?;
+                        }
+                    }
+                    _ => {}
+                }
+                schema_patterns(x)?;
+            }
+            Ok(())
+        }
+        serde_json::Value::Array(a) => a.iter().try_for_each(schema_patterns),
+        _ => Ok(()),
+    }
+}
+
+/// In a Lark grammar (its strings and regexes included: conservative), every `{n}`,
+/// `{m,}`, `{m,n}` (spaces allowed) and `~ n`, `~ m..n` has counts ≤ [`MAX_REPEAT`].
+/// Code-point escapes (`\x{…}`, `\u{…}`) are not counts.
+fn lark_repeats(s: &str) -> Result<(), GrammarError> {
     let b = s.as_bytes();
+    let digits = |mut j: usize| {
+        while j < b.len() && b[j] == b' ' {
+            j += 1;
+        }
+        let start = j;
+        while j < b.len() && b[j].is_ascii_digit() {
+            j += 1;
+        }
+        (start, j)
+    };
+    let refuse = |c: &str| {
+        Err(too_large(format!(
+            "the grammar repeats {c} times; at most {MAX_REPEAT}"
+        )))
+    };
+    let big = |c: &str| c.parse::<u64>().map_or(true, |n| n > MAX_REPEAT as u64);
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'{' {
-            let mut j = i + 1;
-            let mut counts = Vec::new();
-            loop {
-                let start = j;
-                while j < b.len() && b[j].is_ascii_digit() {
-                    j += 1;
-                }
-                if j > start {
-                    counts.push(&s[start..j]);
-                }
-                if j < b.len() && b[j] == b',' && counts.len() < 2 {
-                    j += 1;
-                    continue;
-                }
-                break;
+        let escaped = i >= 2 && matches!(b[i - 1], b'x' | b'u' | b'U') && b[i - 2] == b'\\';
+        if b[i] == b'{' && !escaped {
+            let (s1, e1) = digits(i + 1);
+            let mut counts = vec![&s[s1..e1]];
+            let mut j = e1;
+            while j < b.len() && b[j] == b' ' {
+                j += 1;
             }
-            if j < b.len() && b[j] == b'}' {
-                for c in counts {
-                    // Digits only: a count too long for u64 is too large too.
-                    if c.parse::<u64>().map_or(true, |n| n > MAX_REPEAT as u64) {
-                        return Err(too_large(format!(
-                            "{what} repeats {{{c}}} times; at most {MAX_REPEAT}"
-                        )));
-                    }
+            if j < b.len() && b[j] == b',' {
+                let (s2, e2) = digits(j + 1);
+                counts.push(&s[s2..e2]);
+                j = e2;
+                while j < b.len() && b[j] == b' ' {
+                    j += 1;
+                }
+            }
+            if j < b.len() && b[j] == b'}' && e1 > s1 {
+                if let Some(c) = counts.iter().find(|c| !c.is_empty() && big(c)) {
+                    return refuse(&format!("{{{c}}}"));
+                }
+            }
+        } else if b[i] == b'~' {
+            let (s1, e1) = digits(i + 1);
+            if e1 > s1 && big(&s[s1..e1]) {
+                return refuse(&format!("~ {}", &s[s1..e1]));
+            }
+            if s.get(e1..e1 + 2) == Some("..") {
+                let (s2, e2) = digits(e1 + 2);
+                if e2 > s2 && big(&s[s2..e2]) {
+                    return refuse(&format!("~ ..{}", &s[s2..e2]));
                 }
             }
         }
@@ -111,9 +164,10 @@ fn repeats(what: &str, s: &str) -> Result<(), GrammarError> {
     Ok(())
 }
 
-/// The regex parses, and the positions it expands to (each repetition's larger bound, or
-/// its lower one when unbounded, times what it repeats) stay within the cap.
-fn regex_expansion(rx: &str) -> Result<(), GrammarError> {
+/// A regex parses, its repetition counts are ≤ [`MAX_REPEAT`], and the positions it expands
+/// to (each repetition's larger bound, or its lower one when unbounded, times what it
+/// repeats) stay within [`MAX_REGEX_EXPANSION`].
+fn regex(what: &str, rx: &str) -> Result<(), GrammarError> {
     let hir = regex_syntax::ParserBuilder::new()
         .nest_limit(64)
         .build()
@@ -121,15 +175,31 @@ fn regex_expansion(rx: &str) -> Result<(), GrammarError> {
         .map_err(|e| {
             let first = e.to_string();
             let line = first.lines().last().unwrap_or("").trim().to_string();
-            GrammarError::Invalid(format!("the regex does not parse: {line}"))
+            GrammarError::Invalid(format!("{what} does not parse: {line}"))
         })?;
-    let n = expansion(&hir);
-    if n > MAX_REGEX_EXPANSION {
+    if let Some(n) = largest_repeat(&hir).filter(|&n| n > MAX_REPEAT) {
         return Err(too_large(format!(
-            "the regex expands to over {MAX_REGEX_EXPANSION} positions (nested repetitions multiply)"
+            "{what} repeats {{{n}}} times; at most {MAX_REPEAT}"
+        )));
+    }
+    if expansion(&hir) > MAX_REGEX_EXPANSION {
+        return Err(too_large(format!(
+            "{what} expands to over {MAX_REGEX_EXPANSION} positions (nested repetitions multiply)"
         )));
     }
     Ok(())
+}
+
+fn largest_repeat(h: &Hir) -> Option<u32> {
+    match h.kind() {
+        HirKind::Repetition(r) => {
+            let here = r.max.unwrap_or(r.min).max(r.min);
+            Some(largest_repeat(&r.sub).map_or(here, |n| n.max(here)))
+        }
+        HirKind::Capture(c) => largest_repeat(&c.sub),
+        HirKind::Concat(v) | HirKind::Alternation(v) => v.iter().filter_map(largest_repeat).max(),
+        _ => None,
+    }
 }
 
 fn expansion(h: &Hir) -> u64 {
@@ -164,10 +234,30 @@ mod tests {
             "70000 choices; at most 1024",
         );
         refused(OutputConstraint::Regex("a{1000000}".into()), "{1000000}");
+        refused(
+            OutputConstraint::Regex("(?x) a {5000}".into()),
+            "at most 1000",
+        );
+        refused(
+            OutputConstraint::Lark("start: \"a\" ~ 5000".into()),
+            "~ 5000",
+        );
+        refused(
+            OutputConstraint::Lark("start: \"a\" ~ 1..5000".into()),
+            "~ ..5000",
+        );
+        refused(
+            OutputConstraint::Lark("start: /a{ 2000 }/".into()),
+            "{2000}",
+        );
+        refused(
+            OutputConstraint::JsonSchema(r#"{"type":"string","pattern":"x{9999}"}"#.into()),
+            "pattern repeats",
+        );
         refused(OutputConstraint::Regex("(a{900}){900}".into()), "expands");
         refused(
             OutputConstraint::Regex("a{99999999999999999999999}".into()),
-            "at most 1000",
+            "does not parse",
         );
         let alts: Vec<String> = (0..20_001).map(|i| format!("\"x{i}\"")).collect();
         refused(
@@ -185,6 +275,9 @@ mod tests {
             OutputConstraint::Lark("start: \"a\" | \"b\"".into()),
             OutputConstraint::Choice(vec!["yes".into(), "no".into()]),
             OutputConstraint::Regex("{not a count}".into()),
+            OutputConstraint::Regex(r"\x{2000}\u{3000}+".into()),
+            OutputConstraint::Lark(r#"start: /\x{2019}/ "a" ~ 3"#.into()),
+            OutputConstraint::JsonSchema(r#"{"type":"string","maxLength":100000}"#.into()),
         ] {
             if let OutputConstraint::Regex(r) = &ok {
                 if r.starts_with('{') {

@@ -40,13 +40,6 @@ pub async fn front_door(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if !OPEN_PATHS.contains(&req.uri().path()) {
-        if let Err(e) = check_key(&st, req.headers()) {
-            let route = known_route(req.uri().path());
-            st.front.answered(&route, 401, "none");
-            return e.into_response();
-        }
-    }
     let route = known_route(req.uri().path());
     let api = route.starts_with("/v1/");
     // Made before the handler runs: if the client goes away and the handler is dropped, the
@@ -60,7 +53,10 @@ pub async fn front_door(
     if api {
         st.front.in_flight.fetch_add(1, Ordering::Relaxed);
     }
-    let resp = next.run(req).await;
+    let resp = match refusal(&st, req.uri().path(), req.headers()) {
+        Some(refused) => refused,
+        None => next.run(req).await,
+    };
     let worker = resp
         .extensions()
         .get::<ChosenWorker>()
@@ -77,6 +73,28 @@ pub async fn front_door(
         c
     }));
     Response::from_parts(parts, body)
+}
+
+/// The API key check of a request's head: a 401 for a path that is not open and a missing
+/// or wrong key.
+fn refusal(st: &RouterState, path: &str, headers: &HeaderMap) -> Option<Response> {
+    if OPEN_PATHS.contains(&path) {
+        return None;
+    }
+    let e = check_key(st, headers).err()?;
+    Some(e.into_response())
+}
+
+/// The listener's gate: the key is checked on a request's head, before any byte of its body
+/// is read (the front door checks again, for routers served otherwise); a refusal is
+/// counted by route as the front door counts answers.
+pub fn gate(st: Arc<RouterState>) -> strata_server::listen::Gate {
+    Arc::new(move |parts| {
+        let path = parts.uri.path();
+        let r = refusal(&st, path, &parts.headers)?;
+        st.front.answered(&known_route(path), 401, "none");
+        Some(r)
+    })
 }
 
 /// The route label of a path (a bounded set: unknown paths are "other").

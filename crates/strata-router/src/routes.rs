@@ -143,9 +143,26 @@ async fn version(State(st): St) -> Response {
 }
 
 /// A decode worker's `/health_generate` (a one-token generation), through the first healthy
-/// one that answers.
+/// one that answers; callers within a second of an answer (or waiting for it) share it.
 async fn health_generate(State(st): St) -> Response {
-    pass(&st, reqwest::Method::GET, "/health_generate", None).await
+    let mut last = st.health_generate.lock().await;
+    let fresh = last
+        .as_ref()
+        .filter(|(t, _, _)| t.elapsed() < Duration::from_secs(1));
+    let (code, body) = match fresh {
+        Some((_, code, body)) => (*code, body.clone()),
+        None => {
+            let r = pass(&st, reqwest::Method::GET, "/health_generate", None).await;
+            let code = r.status().as_u16();
+            let body = axum::body::to_bytes(r.into_body(), 64 << 10)
+                .await
+                .unwrap_or_default();
+            *last = Some((std::time::Instant::now(), code, body.clone()));
+            (code, body)
+        }
+    };
+    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY);
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 async fn health(State(st): St) -> Response {

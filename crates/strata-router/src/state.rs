@@ -47,6 +47,10 @@ pub struct RouterState {
     /// A worker's answer stream silent this long is cut (the client gets an error event).
     /// Workers send a keep-alive comment every 15 s: keep it above that.
     pub stream_idle: Duration,
+    /// The last `/health_generate` answer (status, body) and when it came: concurrent and
+    /// repeated calls within a second share it (the path is open, and each call costs a
+    /// worker a generation).
+    pub health_generate: tokio::sync::Mutex<Option<(std::time::Instant, u16, axum::body::Bytes)>>,
 }
 
 /// TCP keep-alive on every connection to a worker: a peer whose link went down is found
@@ -71,7 +75,7 @@ impl RouterState {
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(2))
                 // Idle connections are dropped before the workers' idle keep-alive limit
-                // (--header-timeout, 10 s by default) would close them under a request.
+                // (--header-timeout, 20 s by default) would close them under a request.
                 .pool_idle_timeout(Duration::from_secs(4))
                 .tcp_keepalive(KEEPALIVE_IDLE)
                 .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
@@ -89,6 +93,7 @@ impl RouterState {
             cpu_gate: strata_server::state::cpu_gate(),
             front: Default::default(),
             stream_idle: Duration::from_secs(45),
+            health_generate: Default::default(),
         }
     }
 

@@ -344,9 +344,19 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
                 .unwrap(),
             413,
         ),
-        (c().get(format!("{r}/nope")).send().await.unwrap(), 404),
+        // Unknown routes and wrong methods need the key first (401 without it).
+        (
+            c().get(format!("{r}/nope"))
+                .bearer_auth("sesame")
+                .send()
+                .await
+                .unwrap(),
+            404,
+        ),
+        (c().get(format!("{r}/nope")).send().await.unwrap(), 401),
         (
             c().get(format!("{r}/v1/chat/completions"))
+                .bearer_auth("sesame")
                 .send()
                 .await
                 .unwrap(),
@@ -378,7 +388,8 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
         1.0,
         "{m}"
     );
-    assert_eq!(sample(&m, "strata_router_auth_failures_total"), 2.0, "{m}");
+    // The two chat calls above and the unkeyed /nope.
+    assert_eq!(sample(&m, "strata_router_auth_failures_total"), 3.0, "{m}");
     assert!(
         sample(&m, "strata_router_request_duration_seconds_count") >= 4.0,
         "{m}"

@@ -91,7 +91,7 @@ pub async fn serve(
         );
         let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
     };
-    crate::listen::serve(listener, router(state), limits, stats, stop).await
+    crate::listen::serve(listener, router(state), (limits, None), stats, stop).await
 }
 
 /// Counts the outcome of every API request by status.

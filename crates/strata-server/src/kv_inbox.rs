@@ -125,11 +125,15 @@ struct PeerLog {
 
 impl PeerLog {
     fn note(&self, ip: IpAddr, error: &dyn std::fmt::Display) {
+        let ip = places::addr_key(ip);
         let now = Instant::now();
         let mut m = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        if m.len() > 4096 {
+        if m.len() >= 4096 && !m.contains_key(&ip) {
             let w = self.window;
             m.retain(|_, (t, _)| now.duration_since(*t) < w);
+            if m.len() >= 4096 {
+                return; // more addresses than the log follows: counted in the metric only
+            }
         }
         match m.get_mut(&ip) {
             Some((t, n)) if now.duration_since(*t) < self.window => *n += 1,
@@ -347,17 +351,24 @@ impl KvInbox {
             self.limits.min_rate,
         );
         link.set_deadline(Some(Instant::now() + self.limits.handshake_timeout));
-        if let Err(e) = transfer::handshake_accept(&mut link, &self.hello, self.key.as_ref()) {
-            self.handshake_failures.fetch_add(1, Ordering::Relaxed);
-            if let Ok(ip) = peer.parse::<SocketAddr>().map(|a| a.ip()) {
-                self.peer_log.note(ip, &e);
+        // The place is left (or found gone) before `Accept` is written: a connection that
+        // yielded meanwhile ends unanswered, and its sender retries.
+        let r =
+            transfer::handshake_accept_if(&mut link, &self.hello, self.key.as_ref(), &mut || {
+                ticket.authenticated()
+            });
+        if let Err(e) = r {
+            let yielded =
+                !ticket.authenticated && ticket.place.as_ref().is_none_or(|p| !p.is_held());
+            if !yielded {
+                self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                if let Ok(ip) = peer.parse::<SocketAddr>().map(|a| a.ip()) {
+                    self.peer_log.note(ip, &e);
+                }
             }
             return;
         }
         link.set_deadline(None);
-        if !ticket.authenticated() {
-            return; // it yielded its place while the handshake ran
-        }
         let lim = RecvLimits {
             page_bytes: self.page_bytes,
             main_page_bytes: self.limits.main_page_bytes,

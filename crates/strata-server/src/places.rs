@@ -11,11 +11,11 @@
 //!    has been idle at least `protect` (a flood from one address cannot push out its own
 //!    connections that are still completing their first exchange); otherwise the newcomer
 //!    is refused.
-//! 2. The total is at its cap: if some address holds more places than the newcomer's, the
-//!    longest-idle entry of the address holding the most (with an idle entry) yields,
-//!    whatever its age: an address below another's share always gets in. Otherwise the
-//!    longest-idle entry anywhere yields if idle at least `protect`, else the newcomer is
-//!    refused.
+//! 2. The total is at its cap: if some address holds at least two places more than the
+//!    newcomer's, the longest-idle entry among the addresses holding the most (with an idle
+//!    entry) yields, whatever its age: an address well below another's share always gets in
+//!    (and the two cannot trade one place back and forth). Otherwise the longest-idle entry
+//!    anywhere yields if idle at least `protect`, else the newcomer is refused.
 //!
 //! Addresses are counted as IPv4 addresses and IPv6 /64 prefixes (one host's usual share).
 
@@ -179,19 +179,28 @@ impl<H> Places<H> {
 }
 
 impl<H> Inner<H> {
-    /// The longest-idle entry of the address holding the most places (and more than
-    /// `than`), among addresses with an idle entry.
+    /// The longest-idle entry among the addresses holding the most places (at least two
+    /// more than `than`) that have an idle entry; among equally heavy ones the longest idle
+    /// (looking at 64 addresses at most).
     fn heaviest_idle_above(&self, than: usize) -> Option<u64> {
-        self.heavy
+        let mut best: Option<(usize, (Instant, u64))> = None;
+        let heavy = self
+            .heavy
             .iter()
             .rev()
-            .take_while(|(held, _)| *held > than)
-            .find_map(|(_, a)| {
-                self.by_addr
-                    .get(a)
-                    .and_then(|a| a.idle.first())
-                    .map(|x| x.1)
-            })
+            .take_while(|(held, _)| *held > than + 1);
+        for (held, a) in heavy.take(64) {
+            if best.is_some_and(|(h, _)| h > *held) {
+                break; // every heavier address was looked at
+            }
+            let Some(&first) = self.by_addr.get(a).and_then(|a| a.idle.first()) else {
+                continue;
+            };
+            if best.is_none_or(|(_, b)| first < b) {
+                best = Some((*held, first));
+            }
+        }
+        best.map(|(_, (_, id))| id)
     }
 
     fn add_held(&mut self, addr: IpAddr, delta: isize) {
@@ -244,6 +253,11 @@ impl<H> Place<H> {
             places: self.places.clone(),
             id: self.id,
         })
+    }
+
+    /// Whether the place is still held (false: it yielded).
+    pub fn is_held(&self) -> bool {
+        self.places.lock().entries.contains_key(&self.id)
     }
 
     /// Leaves the set for good (a KV connection that authenticated): true if the place was

@@ -76,7 +76,7 @@ impl Default for PdSide {
             kv: None,
             kv_deadline: Duration::from_secs(30),
             // Idle connections to prefill workers are dropped before their servers' idle
-            // keep-alive limit (--header-timeout, 10 s by default) would close them.
+            // keep-alive limit (--header-timeout, 20 s by default) would close them.
             http: reqwest::Client::builder()
                 .pool_idle_timeout(Duration::from_secs(4))
                 .build()

@@ -11,7 +11,7 @@ use strata_server::listen::{raise_fd_limit, HttpLimits};
 pub struct HttpArgs {
     /// Seconds a request's headers may take to arrive, counted from the accept or from the
     /// end of the previous response on the connection (so also the idle keep-alive limit).
-    #[arg(long, default_value_t = 10.0, help_heading = "Connections")]
+    #[arg(long, default_value_t = 20.0, help_heading = "Connections")]
     pub header_timeout: f64,
     /// Seconds a request's whole body may take to arrive (beyond: 408, connection closed).
     #[arg(long, default_value_t = 30.0, help_heading = "Connections")]

@@ -188,10 +188,11 @@ fn serve(
             policy.name()
         );
         let stats = st.front.http.clone();
+        let gate = strata_router::front::gate(st.clone());
         strata_server::listen::serve(
             l,
             router(st),
-            limits,
+            (limits, Some(gate)),
             stats,
             crate::serve::shutdown_signal(),
         )

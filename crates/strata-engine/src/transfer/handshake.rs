@@ -84,6 +84,18 @@ pub fn handshake_accept(
     me: &Hello,
     key: Option<&ClusterKey>,
 ) -> Result<Hello, TransferError> {
+    handshake_accept_if(link, me, key, &mut || true)
+}
+
+/// [`handshake_accept`], asking `keep` once the sender is authenticated and its format
+/// matches, before `Accept` is written: false ends the handshake without an answer (the
+/// sender sees the connection close before the handshake and retries).
+pub fn handshake_accept_if(
+    link: &mut dyn Link,
+    me: &Hello,
+    key: Option<&ClusterKey>,
+    keep: &mut dyn FnMut() -> bool,
+) -> Result<Hello, TransferError> {
     let (peer, theirs) = match read_frame(link, HANDSHAKE_MAX_FRAME)? {
         Frame::Hello { hello, nonce } => (hello, nonce),
         f => {
@@ -132,6 +144,12 @@ pub fn handshake_accept(
             link,
             format!("the workers' KV formats differ in: {}", diff.join(", ")),
         );
+    }
+    if !keep() {
+        return Err(TransferError::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the connection gave up its place before the handshake ended",
+        )));
     }
     write_frame(link, &Frame::Accept)?;
     Ok(peer)

@@ -434,6 +434,6 @@ mod stream;
 #[cfg(test)]
 mod tests;
 
-pub use handshake::{handshake_accept, handshake_connect};
+pub use handshake::{handshake_accept, handshake_accept_if, handshake_connect};
 pub use paced::Paced;
 pub use stream::{recv_kv, send_kv, Admit, OutPage, Received, RecvLimits, TransferStats};

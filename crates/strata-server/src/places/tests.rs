@@ -62,6 +62,27 @@ fn an_address_below_the_heaviest_always_gets_in_when_the_total_is_full() {
 }
 
 #[test]
+fn equal_shares_do_not_push_out_fresh_entries_and_ties_go_to_the_longest_idle() {
+    let p = Places::new(limits(3, 4));
+    let t0 = Instant::now();
+    // Three addresses with one place each, all fresh: a fourth address is refused (no
+    // address holds two more than it), not given a place still completing its first exchange.
+    let _held: Vec<_> = (0..3)
+        .map(|i| admit(&p, 2 + i, i as u32, t0).unwrap())
+        .collect();
+    assert!(admit(&p, 9, 9, t0 + Duration::from_millis(10)).is_none());
+    // Two equally heavy addresses: the longest-idle entry of the two yields, whichever
+    // address sorts higher.
+    let p = Places::new(limits(4, 4));
+    let (_a1, _) = admit(&p, 7, 71, t0 + Duration::from_millis(5)).unwrap();
+    let (_b1, _) = admit(&p, 3, 31, t0).unwrap();
+    let (_a2, _) = admit(&p, 7, 72, t0 + Duration::from_millis(6)).unwrap();
+    let (_b2, _) = admit(&p, 3, 32, t0 + Duration::from_millis(7)).unwrap();
+    let (_n, y) = admit(&p, 1, 100, t0 + Duration::from_millis(8)).unwrap();
+    assert_eq!(y, Some(31));
+}
+
+#[test]
 fn busy_entries_never_yield_and_idle_again_counts_from_the_end_of_the_request() {
     let p = Places::new(limits(2, 2));
     let t0 = Instant::now() - Duration::from_secs(10);
@@ -127,7 +148,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     /// Bounds hold whatever happens; a busy entry never yields; a newcomer from an address
-    /// holding fewer places than some other address with an idle entry is always admitted.
+    /// holding two places fewer than some other address with an idle entry is always
+    /// admitted.
     #[test]
     fn bounds_hold_and_the_rules_are_kept(
         total in 1usize..10,
@@ -149,7 +171,7 @@ proptest! {
                     };
                     let mine = count(from, &live);
                     let below_other_with_idle = mine < per
-                        && live.iter().any(|x| x.1.is_none() && count(x.2, &live) > mine);
+                        && live.iter().any(|x| x.1.is_none() && count(x.2, &live) > mine + 1);
                     match p.admit_at(ip(from), n as u32, false, now) {
                         Admit::Yes { place, yielded } => {
                             if let Some(y) = yielded {

@@ -14,25 +14,19 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::http::{header, Request, Response, StatusCode};
-use axum::response::IntoResponse;
+use axum::body::Body;
+use axum::http::Response;
 use axum::Router;
-use http_body::Frame;
-use http_body_util::BodyExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 
-use crate::error::ApiError;
 use crate::metrics::Text;
-use crate::places::{Admit, Busy, Place, PlaceLimits, Places};
+use crate::places::{Admit, PlaceLimits, Places};
 
 /// What one HTTP listener allows.
 #[derive(Clone, Copy, Debug)]
@@ -50,7 +44,7 @@ impl HttpLimits {
     pub fn for_fd_limit(fd_limit: u64, body_limit: usize) -> HttpLimits {
         let total = (fd_limit.saturating_mul(3) / 4).clamp(64, 1 << 20) as usize;
         HttpLimits {
-            header_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(20),
             body_timeout: Duration::from_secs(30),
             body_limit,
             max_connections: total,
@@ -131,7 +125,7 @@ pub fn raise_fd_limit() -> u64 {
 pub async fn serve(
     listener: TcpListener,
     app: Router,
-    limits: HttpLimits,
+    (limits, gate): (HttpLimits, Option<Gate>),
     stats: Arc<HttpStats>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -164,6 +158,8 @@ pub async fn serve(
             builder,
             stop_rx,
             open: Arc::new((AtomicUsize::new(0), Notify::new())),
+            gate,
+            bodies: Arc::new(tokio::sync::Semaphore::new(body_budget(limits.body_limit))),
         },
     };
     tokio::pin!(stop);
@@ -177,14 +173,39 @@ pub async fn serve(
     let open = acc.spawner.open.clone();
     drop(acc);
     let _ = stop_tx.send(true);
-    loop {
-        let n = open.1.notified();
-        if open.0.load(Ordering::SeqCst) == 0 {
-            return Ok(());
+    // Requests in progress finish; a client that stops reading does not hold the process.
+    let drained = async {
+        loop {
+            let n = open.1.notified();
+            if open.0.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            n.await;
         }
-        n.await;
+    };
+    if tokio::time::timeout(DRAIN, drained).await.is_err() {
+        tracing::warn!(
+            connections = open.0.load(Ordering::SeqCst),
+            "connections still open {} s after the stop: closing them",
+            DRAIN.as_secs()
+        );
     }
+    Ok(())
 }
+
+/// How long a stopping listener waits for its connections' requests to finish.
+const DRAIN: Duration = Duration::from_secs(30);
+
+/// Bytes of request bodies received at once, in all: 256 MiB, or 16 bodies at the limit.
+fn body_budget(body_limit: usize) -> usize {
+    body_limit
+        .saturating_mul(16)
+        .clamp(256 << 20, tokio::sync::Semaphore::MAX_PERMITS)
+}
+
+/// A check of a request's head before any byte of its body is read (the router's API key):
+/// Some(answer) refuses it.
+pub type Gate = Arc<dyn Fn(&axum::http::request::Parts) -> Option<Response<Body>> + Send + Sync>;
 
 /// The accept loop's state: accept errors back off from 5 ms to 1 s.
 struct Acceptor {
@@ -233,6 +254,8 @@ struct Spawner {
     stop_rx: watch::Receiver<bool>,
     /// Connection tasks running, and a wake-up when one ends.
     open: Arc<(AtomicUsize, Notify)>,
+    gate: Option<Gate>,
+    bodies: Arc<tokio::sync::Semaphore>,
 }
 
 impl Spawner {
@@ -265,6 +288,8 @@ impl Spawner {
             stats: stats.clone(),
             place: Arc::new(place),
             peer,
+            gate: self.gate.clone(),
+            bodies: self.bodies.clone(),
         };
         let (builder, mut stop_rx) = (self.builder.clone(), self.stop_rx.clone());
         let open = OpenGuard(self.open.clone());
@@ -282,8 +307,12 @@ impl Spawner {
                         }
                     }
                 }
-                // It yielded its place: it is idle, so dropping it loses nothing.
-                _ = handle.notified() => {}
+                // It yielded its place: it is idle (a response's last bytes may still be
+                // on their way: a second to write them), then it is closed.
+                _ = handle.notified() => {
+                    c.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(1), c).await;
+                }
                 _ = async { stop_rx.wait_for(|s| *s).await.map(|_| ()) } => {
                     c.as_mut().graceful_shutdown();
                     let _ = c.await;
@@ -302,116 +331,6 @@ impl Drop for OpenGuard {
     }
 }
 
-/// One connection's request handler.
-#[derive(Clone)]
-struct Conn {
-    app: Router,
-    limits: HttpLimits,
-    stats: Arc<HttpStats>,
-    place: Arc<Place<Handle>>,
-    peer: SocketAddr,
-}
+mod conn;
 
-impl Conn {
-    async fn handle(
-        self,
-        req: Request<hyper::body::Incoming>,
-    ) -> Result<Response<Body>, std::convert::Infallible> {
-        // The connection works from here until the response's body is done or dropped.
-        let Some(busy) = self.place.busy() else {
-            return Ok(close(
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
-                    "the connection was closed to make room; retry on a new one",
-                )
-                .into_response(),
-            ));
-        };
-        let (parts, body) = req.into_parts();
-        let limit = self.limits.body_limit;
-        let read = http_body_util::Limited::new(body, limit).collect();
-        let bytes: Bytes = match tokio::time::timeout(self.limits.body_timeout, read).await {
-            Ok(Ok(b)) => b.to_bytes(),
-            Ok(Err(e))
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                return Ok(close(
-                    ApiError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "invalid_request_error",
-                        format!("the request body exceeds the limit of {limit} bytes"),
-                    )
-                    .into_response(),
-                ));
-            }
-            Ok(Err(e)) => {
-                return Ok(close(
-                    ApiError::bad_request(format!("cannot read the request body: {e}"), None)
-                        .into_response(),
-                ));
-            }
-            Err(_) => {
-                self.stats.body_timeouts.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(peer = %self.peer, "request body too slow");
-                return Ok(close(
-                    ApiError::new(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "invalid_request_error",
-                        format!(
-                            "the request body did not arrive within {} s (--body-timeout)",
-                            self.limits.body_timeout.as_secs_f64()
-                        ),
-                    )
-                    .into_response(),
-                ));
-            }
-        };
-        let req = Request::from_parts(parts, Body::from(bytes));
-        let resp = tower_service::Service::call(&mut self.app.clone(), req)
-            .await
-            .unwrap_or_else(|e: std::convert::Infallible| match e {});
-        Ok(resp.map(|b| {
-            Body::new(Tracked {
-                inner: b,
-                _busy: busy,
-            })
-        }))
-    }
-}
-
-/// A response that closes its connection after it.
-fn close(mut r: Response<Body>) -> Response<Body> {
-    r.headers_mut().insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("close"),
-    );
-    r
-}
-
-/// A response body that keeps its connection marked busy until it is done or dropped.
-struct Tracked {
-    inner: Body,
-    _busy: Busy<Handle>,
-}
-
-impl http_body::Body for Tracked {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
+use conn::Conn;
