@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderName, HeaderValue};
+use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Json;
@@ -22,17 +22,7 @@ use crate::state::{off_async, AppState};
 
 type St = State<Arc<AppState>>;
 
-/// The header a request's id travels in (echoed on the answer; the router passes it on).
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-
-pub use crate::state::fresh_id;
-
-/// A client's request id, if it is one we can echo: 1 to 128 visible ASCII characters.
-pub fn client_request_id(v: Option<&HeaderValue>) -> Option<String> {
-    let s = v?.to_str().ok()?;
-    let ok = !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic());
-    ok.then(|| s.to_string())
-}
+pub use crate::ids::{client_request_id, fresh_id, REQUEST_ID};
 
 /// Echoes the request's `X-Request-Id` (or a fresh one) on the answer, and logs the request
 /// under it.

@@ -26,6 +26,7 @@ pub mod endpoints;
 pub mod error;
 pub mod exposition;
 pub mod fields;
+pub mod ids;
 mod internal;
 pub mod kv_inbox;
 pub mod listen;

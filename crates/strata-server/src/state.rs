@@ -151,9 +151,4 @@ pub fn cpu_gate() -> Arc<tokio::sync::Semaphore> {
     ))
 }
 
-/// A fresh random id (96 bits, hex): unique across workers and restarts.
-pub fn fresh_id() -> String {
-    let mut b = [0u8; 12];
-    getrandom::fill(&mut b).expect("the OS random source");
-    strata_kv::auth::hex(&b)
-}
+pub use crate::ids::fresh_id;

@@ -17,10 +17,9 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 
 use super::{Gate, Handle, HttpLimits, HttpStats};
-use crate::endpoints::{client_request_id, REQUEST_ID};
 use crate::error::ApiError;
+use crate::ids::{client_request_id, fresh_id, REQUEST_ID};
 use crate::places::{Busy, Place};
-use crate::state::fresh_id;
 
 /// One connection's request handler.
 #[derive(Clone)]
@@ -45,62 +44,10 @@ impl Conn {
         if let Some(refusal) = self.gate.as_ref().and_then(|g| g(&parts)) {
             return Ok(close(refusal, &id)); // no byte of the body read
         }
-        let limit = self.limits.body_limit;
-        let announced = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if announced.is_some_and(|n| n > limit as u64) {
-            return Ok(close(too_large(limit), &id));
-        }
-        // The body's room in the budget: what it announces, or the limit (one acquire takes
-        // at most u32::MAX permits: a larger limit reserves that much).
-        let room = announced
-            .unwrap_or(limit as u64)
-            .min(limit as u64)
-            .min(u32::MAX as u64) as u32;
-        let Ok(_room) = self.bodies.clone().try_acquire_many_owned(room) else {
-            let e = ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
-                    "too many request bodies are being received now; retry shortly",
-                )
-            };
-            return Ok(close(e.into_response(), &id));
+        let bytes = match self.read_body(&parts, body, &id).await {
+            Ok(b) => b,
+            Err(refused) => return Ok(close(refused, &id)),
         };
-        // Until the whole body is in, the connection stays idle: one that dribbles its body
-        // yields to a newcomer like one that dribbles its headers.
-        let read = http_body_util::Limited::new(body, limit).collect();
-        let bytes: Bytes = match tokio::time::timeout(self.limits.body_timeout, read).await {
-            Ok(Ok(b)) => b.to_bytes(),
-            Ok(Err(e))
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                return Ok(close(too_large(limit), &id));
-            }
-            Ok(Err(e)) => {
-                let e = ApiError::bad_request(format!("cannot read the request body: {e}"), None);
-                return Ok(close(e.into_response(), &id));
-            }
-            Err(_) => {
-                self.stats.body_timeouts.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(peer = %self.peer, request_id = %id, "request body too slow");
-                let e = ApiError::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    format!(
-                        "the request body did not arrive within {} s (--body-timeout)",
-                        self.limits.body_timeout.as_secs_f64()
-                    ),
-                );
-                return Ok(close(e.into_response(), &id));
-            }
-        };
-        drop(_room);
         // The connection works from here until the response's body is done or dropped.
         let Some(busy) = self.place.busy() else {
             let e = ApiError::new(
@@ -120,6 +67,71 @@ impl Conn {
                 _busy: busy,
             })
         }))
+    }
+
+    /// The whole body, read under the deadline, the size limit and the budget for bodies in
+    /// flight; or the answer that refuses it. The connection stays idle meanwhile: one that
+    /// dribbles its body yields to a newcomer like one that dribbles its headers.
+    async fn read_body(
+        &self,
+        parts: &axum::http::request::Parts,
+        body: hyper::body::Incoming,
+        id: &str,
+    ) -> Result<Bytes, Response<Body>> {
+        let limit = self.limits.body_limit;
+        let announced = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if announced.is_some_and(|n| n > limit as u64) {
+            return Err(too_large(limit));
+        }
+        // The body's room in the budget: what it announces, or the limit (one acquire takes
+        // at most u32::MAX permits: a larger limit reserves that much).
+        let room = announced
+            .unwrap_or(limit as u64)
+            .min(limit as u64)
+            .min(u32::MAX as u64) as u32;
+        let Ok(_room) = self.bodies.clone().try_acquire_many_owned(room) else {
+            let e = ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "too many request bodies are being received now; retry shortly",
+                )
+            };
+            return Err(e.into_response());
+        };
+        let read = http_body_util::Limited::new(body, limit).collect();
+        match tokio::time::timeout(self.limits.body_timeout, read).await {
+            Ok(Ok(b)) => Ok(b.to_bytes()),
+            Ok(Err(e))
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                Err(too_large(limit))
+            }
+            Ok(Err(e)) => Err(ApiError::bad_request(
+                format!("cannot read the request body: {e}"),
+                None,
+            )
+            .into_response()),
+            Err(_) => {
+                self.stats.body_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %self.peer, request_id = %id, "request body too slow");
+                Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    format!(
+                        "the request body did not arrive within {} s (--body-timeout)",
+                        self.limits.body_timeout.as_secs_f64()
+                    ),
+                )
+                .into_response())
+            }
+        }
     }
 }
 
