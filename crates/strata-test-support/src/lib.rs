@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 
 pub mod netbed;
 mod proc;
-pub use proc::{connect_from, port_after, raise_fd_limit, Proc};
+pub use proc::{connect_from, http1, port_after, raise_fd_limit, Proc};
 mod redis;
 pub use redis::{Redis, RedisCluster};
 

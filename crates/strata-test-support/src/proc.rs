@@ -2,7 +2,7 @@
 //! lines kept (to wait for a line, or to count them); sockets from a chosen loopback address;
 //! the test's own open-file limit raised.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -134,4 +134,21 @@ pub fn raise_fd_limit(want: u64) -> u64 {
         },
     );
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:`port` with extra header lines (each ending in CRLF),
+/// the connection closed after it; (status, headers + body as text).
+pub fn http1(port: u16, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{headers}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
+    (status, out)
 }

@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_test_support::{port_after, Proc};
+use strata_test_support::{http1 as http, port_after, Proc};
 
 fn start(args: &[String]) -> Proc {
     Proc::start(env!("CARGO_BIN_EXE_strata"), args)
@@ -48,22 +48,6 @@ fn serve(model: &Path, extra: &[&str]) -> (Proc, u16) {
         p.log.join("\n")
     );
     (p, port)
-}
-
-/// One HTTP/1.1 request with extra header lines; (status, headers + body as text).
-fn http(port: u16, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{headers}content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
-    (status, out)
 }
 
 fn body_of(resp: &str) -> serde_json::Value {

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_test_support::{
-    connect_from, port_after, raise_fd_limit, sample, tiny_model, tiny_model_with_context, Proc,
+    connect_from, http1 as http, port_after, raise_fd_limit, sample, tiny_model,
+    tiny_model_with_context, Proc,
 };
 
 fn start(args: &[&str]) -> Proc {
@@ -47,22 +48,6 @@ fn route(extra: &[&str]) -> (Proc, u16) {
     let mut p = start(&args);
     let port = port_after(&p.wait_for("ready on http://", 30), "http://");
     (p, port)
-}
-
-/// One HTTP/1.1 request from 127.0.0.1; (status, headers + body).
-fn http(port: u16, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n{headers}content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
-    (status, out)
 }
 
 fn attacker(n: u8) -> IpAddr {
