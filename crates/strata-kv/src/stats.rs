@@ -58,6 +58,11 @@ pub struct CacheStats {
     /// Matched tokens given up because the window state before their end was gone (the hit
     /// backs off to the deepest boundary it can continue from); counted as misses.
     pub window_cut_tokens: u64,
+    /// Hits of a layout with window kinds, by where they resume: where the match ended (a
+    /// committed sequence's end, or a checkpoint the query stopped at), or backed off to an
+    /// earlier boundary that kept its window state (a checkpoint; the rest is recomputed).
+    pub window_hits_as_matched: u64,
+    pub window_hits_backed_off: u64,
     pub load_back: Transfer,
     pub backup: Transfer,
     pub storage_get: Transfer,

@@ -4,8 +4,10 @@
 //!
 //! Checked after every step: the cache's page accounting (`check`); a ready lease's pages
 //! before its start position hold exactly the K/V of the prompt's pages (the prefix it was
-//! handed, copy-on-write page included); and at the end, with every lease gone, no page is
-//! held by anyone but the tree and every cached page holds the right bytes.
+//! handed, copy-on-write page included), and with window kinds the window pages of its span
+//! (with checkpoints, committed prefixes keep only some: a hit must back off to where they
+//! are); and at the end, with every lease gone, no page is held by anyone but the tree and
+//! every cached page holds the right bytes.
 
 use proptest::prelude::*;
 
@@ -192,15 +194,23 @@ impl World {
     }
 }
 
-fn world(ps: usize, wp: WritePolicy, ev: EvictionPolicy, l3: bool, window: Option<usize>) -> World {
+/// `window`: with window kinds reading the last `w` tokens, committed prefixes keeping their
+/// window pages every `k` pages (0: every page).
+fn world(
+    ps: usize,
+    wp: WritePolicy,
+    ev: EvictionPolicy,
+    l3: bool,
+    window: Option<(usize, usize)>,
+) -> World {
     let sizes = (96 / ps as u32 + 8, 64 / ps as u32 + 4);
     let (layout, windows) = match window {
         None => (common::layout(ps), None),
         // Fewer window pages than pages: room for the largest request (48 tokens) and its
         // span, so window pages are evicted while main pages stay.
-        Some(w) => {
+        Some((w, k)) => {
             let d = 48 / ps as u32 + 1 + (w / ps) as u32 + 3;
-            (common::window_layout(ps, w), Some((d, sizes.1 / 3)))
+            (common::window_layout(ps, w), Some((d, sizes.1 / 3, k)))
         }
     };
     let l3 = l3.then_some(40);
@@ -220,7 +230,7 @@ proptest! {
         wp in common::write_policy(),
         policy in 0..EvictionPolicy::ALL.len(),
         l3 in any::<bool>(),
-        window in prop_oneof![Just(None), (1usize..7).prop_map(Some)],
+        window in prop_oneof![Just(None), (1usize..7, 0usize..4).prop_map(Some)],
         ops in prop::collection::vec(op(), 1..80),
     ) {
         let ev = EvictionPolicy::ALL[policy];

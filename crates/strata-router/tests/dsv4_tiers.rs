@@ -292,3 +292,52 @@ async fn dropped_window_pages_back_off_the_hit_or_come_back_from_host() {
     }
     cold.stop().await;
 }
+
+/// Checkpoints every 64 pages of 4 tokens (256 tokens): the base (700 tokens) keeps window
+/// pages only for the spans before 256, 512 and its end. A hit at the end or at a checkpoint
+/// resumes whole; one between checkpoints (560) backs off to 512 and recomputes the rest; every
+/// answer equals the recomputed one, from device and from host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_resume_at_the_end_at_a_checkpoint_or_back_off_to_one() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_dsv4_model(d.path());
+    let c = Case {
+        ps: 4,
+        hits: &[(700, 8), (512, 8), (560, 8)],
+        base: 700,
+    };
+    let cold = cold_worker(&path, c).await;
+    let resumed = [700u64, 512, 512];
+    // A fresh worker for each tier: a hit's own commit keeps the window pages before its end,
+    // which a later hit at the same place would then find.
+    for (salt, flush) in [(21u32, None), (22, Some(FlushScope::Device))] {
+        let w = spawn_worker(
+            &path,
+            WorkerSpec {
+                window_checkpoint_pages: 64,
+                ..spec(c, None, "disk")
+            },
+        )
+        .await;
+        let want = recomputed(c, &cold, salt).await;
+        complete(&w.url, &base_of(c.base)).await;
+        // 700 prompt tokens and 5 computed answer tokens: 176 whole pages, of which the
+        // spans before 256 and 512 (32 pages each) and before the end (33) keep theirs.
+        let kept = w.state.engine.snapshot().device_window.pages_used;
+        assert_eq!(kept, 97, "window pages kept of a 176-page sequence");
+        for ((&h, want), &r) in c.hits.iter().zip(&want).zip(&resumed) {
+            if let Some(f) = flush {
+                w.state.engine.flush(f).unwrap();
+            }
+            let before = w.state.engine.snapshot();
+            let (got, cached) = complete(&w.url, &with_hit(h, salt)).await;
+            let after = w.state.engine.snapshot();
+            assert_eq!(cached, r, "hit of {h:?}");
+            let cut = after.cache.window_cut_tokens - before.cache.window_cut_tokens;
+            assert_eq!(cut, h.0 as u64 - r, "hit of {h:?}: recomputed tokens");
+            assert_eq!(&got, want, "hit of {h:?} (flush {flush:?})");
+        }
+        w.stop().await;
+    }
+    cold.stop().await;
+}

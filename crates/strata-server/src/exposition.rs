@@ -74,6 +74,13 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
     }
     let cut = c.window_cut_tokens as f64;
     t.sample("strata_cache_window_cut_tokens_total", &[], cut);
+    for (resumed, n) in [
+        ("as_matched", c.window_hits_as_matched),
+        ("backed_off", c.window_hits_backed_off),
+    ] {
+        let l = [("resumed", resumed)];
+        t.sample("strata_cache_window_hits_total", &l, n as f64);
+    }
     t.sample(
         "strata_cache_evicted_tokens_total",
         &[("tier", "device")],

@@ -16,6 +16,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_cache_pages", "gauge", "Pages of a cache tier, by tier and state (used, total)."),
     ("strata_cache_window_pages", "gauge", "Window pages of a cache tier (models with window kinds: their state for the last tokens before a continuation), by tier and state (used, total)."),
     ("strata_cache_window_evicted_pages_total", "counter", "Window pages dropped from a tier while their nodes kept their main pages, by tier."),
+    ("strata_cache_window_hits_total", "counter", "Prompt hits of a model with window kinds by where they resumed: as_matched (where the match ended: a committed sequence's end, or a checkpoint the prompt stopped at) or backed_off (to an earlier boundary that kept its window state, usually a checkpoint; the tokens after it are recomputed and counted in strata_cache_window_cut_tokens_total)."),
     ("strata_cache_window_cut_tokens_total", "counter", "Matched prompt tokens given up because the window state before their end was gone (the hit backed off to the deepest boundary that kept it; counted as misses)."),
     ("strata_pool_bytes_per_token", "gauge", "Bytes one token takes in a pool kind on one rank (kinds kept per block amortized over its tokens); a page holds every kind."),
     ("strata_cache_hit_bytes_total", "counter", "Bytes of each pool kind served from a cache tier: hit tokens by tier times the kind's bytes per token."),

@@ -140,6 +140,9 @@ pub struct WorkerSpec {
     pub host_pages: u32,
     /// Device and host window pages (layouts with window kinds; None: one per page).
     pub window_pages: Option<(u32, u32)>,
+    /// Committed prefixes keep window pages only at their end and every this many pages
+    /// (0: every page).
+    pub window_checkpoint_pages: usize,
     /// Start a KV listener (a decode worker under PD).
     pub kv_listener: bool,
     /// Prefill workers this worker may be told to use.
@@ -165,6 +168,7 @@ impl Default for WorkerSpec {
             device_pages: 128,
             host_pages: 128,
             window_pages: None,
+            window_checkpoint_pages: 0,
             kv_listener: false,
             prefill_workers: Vec::new(),
             engine: EngineConfig::default(),
@@ -218,6 +222,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     if let Some((d, h)) = spec.window_pages {
         (cc.device_window_pages, cc.host_window_pages) = (d, h);
     }
+    cc.window_checkpoint_pages = spec.window_checkpoint_pages;
     cc.model_id = "tiny".into();
     cc.hashing = true;
     let cache = TieredCache::new(cc, &HeapAllocator, spec.storage).unwrap();

@@ -113,6 +113,10 @@ pub struct ServeArgs {
     /// Which cached prefix leaves a tier first.
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
+    /// Models with window kinds (DeepSeek-V4): a committed prefix keeps its window state at
+    /// its end and at a checkpoint every this many pages only (0: every page keeps its own).
+    #[arg(long, default_value_t = 0, help_heading = "Cache")]
+    pub window_checkpoint_pages: usize,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
     /// first). A Redis shared by several workers makes one prefix cache for all of them. A
     /// URL naming a Redis Cluster node uses the whole cluster; `redis-cluster://H:P,H:P,...`
@@ -515,6 +519,14 @@ fn build_cache(
     }
     cc.model_id = model_id(path);
     cc.write_policy = a.write_policy;
+    if a.window_checkpoint_pages > 0 && !cc.layout.has_window() {
+        bail!(
+            "--window-checkpoint-pages {}: the model has no window kinds (every kind is read for \
+             the whole prefix)",
+            a.window_checkpoint_pages
+        );
+    }
+    cc.window_checkpoint_pages = a.window_checkpoint_pages;
     cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);

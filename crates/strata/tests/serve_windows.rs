@@ -85,3 +85,49 @@ fn the_window_ratio_sizes_the_window_pages_the_worker_allocates() {
     // The request's pages joined the tree with their window pages.
     assert!(g(r#"strata_cache_window_pages{tier="device",state="used"}"#) > 0);
 }
+
+/// `--window-checkpoint-pages K`: a committed prompt keeps window pages only before its end
+/// and at its checkpoints (counted on `/metrics`); refused for a model without window kinds.
+#[test]
+fn checkpoints_keep_window_pages_only_where_a_continuation_can_start() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_dsv4_model(d.path());
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2", "--page-size", "4"])
+        .args(["--device-mem", "8MiB", "--window-checkpoint-pages", "64"])
+        .arg("--model")
+        .arg(&model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    // 600 prompt tokens and 1 computed answer token: 150 whole pages. The spans before 256
+    // (pages 32..64: the widest window is 128 tokens, 32 pages of 4) and 512 (96..128) and
+    // before the end (from (600 - 1 - 128) / 4 = 117 to 150) keep theirs: 32 + 54 pages.
+    let prompt: Vec<u32> = (0..600u32).map(|i| (i * 37 + 11) % 280).collect();
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
+    let a = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &body.to_string(),
+        &format!("{url}/v1/completions"),
+    ]);
+    assert!(a.contains("\"choices\""), "{a}");
+    let m = curl(&[&format!("{url}/metrics")]);
+    let used = sample(
+        &m,
+        r#"strata_cache_window_pages{tier="device",state="used"}"#,
+    );
+    assert_eq!(used, 86.0, "{m}");
+    assert!(m.contains(r#"strata_cache_window_hits_total{resumed="backed_off"} 0"#));
+
+    let tiny = strata_test_support::tiny_model(d.path());
+    let o = strata()
+        .args(["serve", "--port", "0", "--window-checkpoint-pages", "8"])
+        .arg("--model")
+        .arg(&tiny)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no window kinds"), "{err}");
+}

@@ -602,8 +602,16 @@ impl TieredCache {
         let whole = (computed / ps).max(h.prefix_pages);
         let give = whole - h.prefix_pages;
         let (own, own_w) = (h.own(), h.own_windows());
-        let give_w = &own_w[..give.min(own_w.len())];
-        self.insert_with_windows(&tokens[..whole * ps], &own[..give], give_w, h.prefix_pages);
+        // Window pages kept only where a continuation can start (its end, checkpoints).
+        let mut give_w = own_w[..give.min(own_w.len())].to_vec();
+        let mut dropped = Vec::new();
+        for (i, w) in give_w.iter_mut().enumerate() {
+            if *w != NO_PAGE && !self.keeps_window(whole, h.prefix_pages + i) {
+                dropped.push(std::mem::replace(w, NO_PAGE));
+            }
+        }
+        self.free_windows(&dropped);
+        self.insert_with_windows(&tokens[..whole * ps], &own[..give], &give_w, h.prefix_pages);
         self.free_device(&own[give..])
             .expect("request pages are held");
         if own_w.len() > give {

@@ -33,6 +33,10 @@ pub struct CacheConfig {
     /// gives one per page.
     pub device_window_pages: u32,
     pub host_window_pages: u32,
+    /// Committed prefixes keep their window state only where a continuation can start: at
+    /// their end, and at a checkpoint every this many pages (0: every page keeps its own, as
+    /// [`CacheConfig::new`] sets). See `cache/window.rs`.
+    pub window_checkpoint_pages: usize,
     pub write_policy: WritePolicy,
     pub eviction: EvictionPolicy,
     /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (1 byte each; one key per
@@ -54,6 +58,7 @@ impl CacheConfig {
             model_id: "model".into(),
             device_window_pages: layout.window_pages_for(device_pages),
             host_window_pages: layout.window_pages_for(host_pages),
+            window_checkpoint_pages: 0,
             layout,
             device_pages,
             host_pages,
@@ -181,6 +186,8 @@ pub struct TieredCache {
     hwin_alloc: PageAllocator,
     /// Tokens before a continuation whose window state it reads (0: no window kinds).
     window: usize,
+    /// [`CacheConfig::window_checkpoint_pages`].
+    checkpoint_pages: usize,
     planes: Planes,
     engine: Option<CopyEngine>,
     pending: FxHashMap<u64, Pending>,
@@ -274,6 +281,7 @@ impl TieredCache {
             dwin_alloc: PageAllocator::new(cfg.device_window_pages),
             hwin_alloc: PageAllocator::new(cfg.host_window_pages),
             window: layout.window_tokens(),
+            checkpoint_pages: cfg.window_checkpoint_pages,
             layout,
             planes,
             engine,
@@ -495,6 +503,12 @@ impl TieredCache {
         s.hit_storage_tokens += m.storage_tokens as u64;
         s.miss_tokens += (m.queried_tokens - m.cached_tokens()) as u64;
         s.window_cut_tokens += m.window_cut_tokens as u64;
+        if self.window > 0 && m.cached_tokens() > 0 {
+            match m.window_cut_tokens {
+                0 => s.window_hits_as_matched += 1,
+                _ => s.window_hits_backed_off += 1,
+            }
+        }
         if let WritePolicy::WriteThroughSelective { threshold } = self.write_policy {
             let due: Vec<NodeId> = m
                 .path

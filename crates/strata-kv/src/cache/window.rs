@@ -13,6 +13,13 @@
 //!   policy's order, without a copy; main pages evicted take their window pages with them.
 //! * **Leases** hold a window page for each page they compute, and load (or keep) the window
 //!   pages of the span before their start on device.
+//! * **Residency of committed prefixes** (`checkpoint_pages` K > 0): a committed sequence
+//!   keeps the window pages a continuation can start from — those covering
+//!   `[end − 1 − w, end)` (a continuation at its end, or a repeat of it continuing at its last
+//!   token) and, for every checkpoint boundary `c` (a multiple of K pages) inside it, those
+//!   covering `[c − w, c)` — and gives the others back at commit. A later hit between
+//!   checkpoints backs off to the nearest kept boundary by the match rule, and recomputes the
+//!   rest. With K = 0 every page keeps its window page.
 
 use std::ops::Range;
 
@@ -24,6 +31,23 @@ impl TieredCache {
     /// Whether the layout has window kinds (and so window pages).
     pub fn has_window(&self) -> bool {
         self.window > 0
+    }
+
+    /// Whether a committed prefix of `whole` pages keeps the window page of its page `j`
+    /// (see the module docs).
+    pub(super) fn keeps_window(&self, whole: usize, j: usize) -> bool {
+        let k = self.checkpoint_pages;
+        if k == 0 {
+            return true;
+        }
+        let ps = self.page_size();
+        // Its end, and one token before it (a repeat of a page-aligned prompt resumes there).
+        if j >= (whole * ps).saturating_sub(1 + self.window) / ps {
+            return true;
+        }
+        // The nearest checkpoint after the page: later ones' spans start later.
+        let c = (j + 1).div_ceil(k) * k;
+        c <= whole && (c * ps).saturating_sub(self.window) / ps <= j
     }
 
     /// Where a request over `len` prompt tokens continues from after using `pages` cached

@@ -49,15 +49,16 @@ pub fn cache(
 pub fn cache_with_windows(
     layout: PageLayout,
     (device, host): (u32, u32),
-    windows: Option<(u32, u32)>,
+    windows: Option<(u32, u32, usize)>,
     wp: WritePolicy,
     ev: EvictionPolicy,
     l3_pages: Option<u64>,
 ) -> TieredCache {
     let mut cfg = CacheConfig::new(layout, device, host);
-    if let Some((d, h)) = windows {
+    if let Some((d, h, checkpoints)) = windows {
         cfg.device_window_pages = d;
         cfg.host_window_pages = h;
+        cfg.window_checkpoint_pages = checkpoints;
     }
     cfg.write_policy = wp;
     cfg.eviction = ev;

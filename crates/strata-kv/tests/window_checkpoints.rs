@@ -1,0 +1,130 @@
+//! Committed prefixes of a layout with window kinds keep their window pages only where a
+//! continuation can start: at their end (and one token before it) and at a checkpoint every
+//! K pages. A later hit that ends between checkpoints backs off to the nearest kept boundary
+//! (the rest is recomputed); with K = 0 every page keeps its window page.
+
+#[allow(dead_code)] // helpers the other test files use
+mod common;
+use strata_kv::memory::HeapAllocator;
+use strata_kv::testing::write_expected_page_with_window;
+use strata_kv::{CacheConfig, PrefetchPolicy, TieredCache, WritePolicy, NO_PAGE};
+
+const PS: usize = 4;
+
+/// A cache of pages of 4 tokens whose window kinds read the last `window` tokens, with
+/// checkpoints every `k` pages.
+fn cache(window: usize, k: usize) -> TieredCache {
+    let mut cfg = CacheConfig::new(common::window_layout(PS, window), 64, 32);
+    cfg.window_checkpoint_pages = k;
+    cfg.write_policy = WritePolicy::WriteBack;
+    cfg.hashing = true;
+    TieredCache::new(cfg, &HeapAllocator, None).unwrap()
+}
+
+/// Computes `tokens` through a lease (every page written) and commits them all.
+fn run(c: &mut TieredCache, tokens: &[u32]) -> usize {
+    let mut lease = c
+        .admit(tokens, 1, true, PrefetchPolicy::WaitComplete)
+        .expect("room");
+    while !c.advance(&mut lease) {
+        c.wait_all();
+    }
+    let start = lease.start();
+    let hashes = c.page_hashes(tokens);
+    let dev = c.device_pool().unwrap();
+    for (i, h) in hashes.iter().enumerate().skip(start / PS) {
+        let w = lease.windows().get(i).copied();
+        write_expected_page_with_window(dev, lease.pages()[i], w, h);
+    }
+    c.commit(lease, tokens, tokens.len());
+    c.check().unwrap();
+    start
+}
+
+/// Pages of the path to `tokens`' match that hold a device window page.
+fn kept(c: &mut TieredCache, tokens: &[u32]) -> Vec<usize> {
+    let m = c.lookup(tokens);
+    let mut out = Vec::new();
+    let mut at = 0;
+    for n in m.path {
+        let v = c.tree().view(n);
+        let pages = v.tokens.len() / PS;
+        for i in 0..pages {
+            if v.device_win.get(i).is_some_and(|&w| w != NO_PAGE) {
+                out.push(at + i);
+            }
+        }
+        at += pages;
+    }
+    out
+}
+
+fn seq(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt).collect()
+}
+
+#[test]
+fn a_commit_keeps_window_pages_at_its_end_and_its_checkpoints_only() {
+    // Window of 4 tokens (one page), a checkpoint every 2 pages, a 10-page sequence: the end
+    // keeps pages 8 and 9 ([39 − 4, 40)), checkpoints 2, 4, 6, 8 keep pages 1, 3, 5, 7.
+    let mut c = cache(4, 2);
+    let a = seq(40, 1);
+    run(&mut c, &a);
+    assert_eq!(kept(&mut c, &a), vec![1, 3, 5, 7, 8, 9]);
+    let (dwin, _) = c.window_usage();
+    assert_eq!(dwin.pages_used, 6, "the other window pages were given back");
+
+    // A hit ending at page 7 (the query diverges inside page 7) cannot resume at 7 (page 6
+    // has no window page): it backs off to the checkpoint at 6, and recomputes from there.
+    let mut b = a[..30].to_vec();
+    b.extend(seq(10, 900));
+    let m = c.match_prefix(&b);
+    assert_eq!(
+        m.device_tokens, 24,
+        "backed off to the checkpoint at page 6"
+    );
+    assert_eq!(m.window_cut_tokens, 4);
+    assert_eq!(c.stats().window_hits_backed_off, 1);
+    // Continuing at its end: used whole.
+    let mut d = a.clone();
+    d.extend(seq(8, 500));
+    let m = c.match_prefix(&d);
+    assert_eq!(m.device_tokens, 40);
+    assert_eq!(m.window_cut_tokens, 0);
+    // The same prompt again (page-aligned: it resumes at its last token): whole but the
+    // last page, which is recomputed as always.
+    let m = c.match_prefix(&a);
+    assert_eq!(m.window_cut_tokens, 0);
+    assert_eq!(c.stats().window_hits_as_matched, 2);
+
+    // The continuation that resumed at the checkpoint commits its own end; the shared part
+    // keeps what it had.
+    let start = run(&mut c, &b);
+    assert_eq!(start, 24);
+    let kept_b = kept(&mut c, &b);
+    assert!(kept_b.starts_with(&[1, 3, 5]), "{kept_b:?}");
+    assert!(kept_b.ends_with(&[8, 9]), "{kept_b:?}");
+}
+
+#[test]
+fn without_checkpoints_every_page_keeps_its_window_page() {
+    let mut c = cache(4, 0);
+    let a = seq(40, 3);
+    run(&mut c, &a);
+    assert_eq!(kept(&mut c, &a), (0..10).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_window_wider_than_the_interval_keeps_every_page_it_covers() {
+    // Window of 9 tokens (3 pages back from a boundary), a checkpoint every 2 pages.
+    let mut c = cache(9, 2);
+    let a = seq(48, 5);
+    run(&mut c, &a);
+    let k = kept(&mut c, &a);
+    // Checkpoint c covers pages from (4c − 9) / 4: c = 2 → 0..2, 4 → 1..4, ...: every page.
+    assert_eq!(k, (0..12).collect::<Vec<_>>());
+    // A wider interval: checkpoints 4, 8 keep 1..4 and 5..8; the end (48) keeps 9..12.
+    let mut c = cache(9, 4);
+    run(&mut c, &a);
+    assert_eq!(kept(&mut c, &a), vec![1, 2, 3, 5, 6, 7, 9, 10, 11]);
+}
