@@ -148,7 +148,7 @@ pub struct ModelSpec {
 /// Names accepted by [`preset`].
 pub const PRESETS: &[&str] = &[
     "smollm2-135m",
-    "dsv4-like",
+    "deepseek-v3.2",
     "deepseek-v4-flash",
     "deepseek-v4-pro",
 ];
@@ -205,7 +205,7 @@ pub fn dsv4_kinds(s: &Dsv4Shape) -> Vec<KindSpec> {
 
 /// Built-in models.
 /// * `smollm2-135m`: the reference model; 30 layers, 3 KV heads of 64, f16 KV.
-/// * `dsv4-like`: the seed incident's numbers as its operators wrote them: an MLA latent KV
+/// * `deepseek-v3.2`: the seed incident's numbers as its operators wrote them: an MLA latent KV
 ///   pool (61 layers, 576 values, bf16) plus a sparse-attention indexer pool (61 layers, 128
 ///   values, fp8), both replicated on every rank (DeepSeek-V3.2's shape).
 /// * `deepseek-v4-flash`, `deepseek-v4-pro`: DeepSeek-V4's published dimensions, every state
@@ -252,7 +252,7 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
                 }),
             })
         }
-        "dsv4-like" => Some(ModelSpec {
+        "deepseek-v3.2" => Some(ModelSpec {
             name: name.into(),
             kinds: vec![
                 kind("kv", 61, 1, 1, 576, 2, false),
@@ -274,7 +274,7 @@ mod tests {
         assert_eq!(r(&s.kinds[0], 1), 23_040);
         // 3 KV heads over 2 ranks: 2 heads each (one replicated).
         assert_eq!(r(&s.kinds[0], 2), 15_360);
-        let d = preset("dsv4-like").unwrap();
+        let d = preset("deepseek-v3.2").unwrap();
         assert_eq!(r(&d.kinds[0], 4), 61 * 576 * 2);
         assert_eq!(r(&d.kinds[1], 4), 61 * 128);
         assert!(preset("gpt-9").is_none());

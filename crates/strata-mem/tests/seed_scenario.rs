@@ -28,7 +28,7 @@ fn topo() -> (tempfile::TempDir, Topology) {
 fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
     PlanRequest {
         role: role.into(),
-        model: preset("dsv4-like").unwrap(),
+        model: preset("deepseek-v3.2").unwrap(),
         tp: 4,
         page_size: 64,
         device: DeviceBudget::Bytes(2 << 30),
@@ -171,7 +171,7 @@ fn auto_node_follows_the_cpus_the_process_may_use() {
 fn scaled_down_allocation_as_planned() {
     let (_d, t) = topo();
     let p = make_plan(&req("prefill", 0, Some(HostBudget::Total(150 * GB))), &t).unwrap();
-    let model = preset("dsv4-like").unwrap();
+    let model = preset("deepseek-v3.2").unwrap();
     let kinds: Vec<PoolKind> = model
         .kinds
         .iter()

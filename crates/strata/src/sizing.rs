@@ -35,7 +35,9 @@ impl Role {
 #[command(group(ArgGroup::new("host_budget").args(["hicache_size", "hicache_total", "hicache_ratio"]).multiple(false)))]
 #[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
 pub struct SizingArgs {
-    /// Built-in model whose pool kinds are sized (smollm2-135m, dsv4-like).
+    /// Built-in model whose pool kinds are sized: smollm2-135m, deepseek-v3.2 (an MLA latent
+    /// pool and an indexer pool: the incident's numbers as its operators wrote them),
+    /// deepseek-v4-flash, deepseek-v4-pro (DeepSeek-V4's seven state kinds).
     #[arg(
         long,
         default_value = "smollm2-135m",
@@ -272,8 +274,12 @@ impl SizingArgs {
         Ok(match &self.model {
             Some(path) => model_spec_of(path)?,
             None => preset(&self.model_preset).with_context(|| {
+                let renamed = match self.model_preset.as_str() {
+                    "dsv4-like" => " (`dsv4-like` was DeepSeek-V3.2's shape: now `deepseek-v3.2`; DeepSeek-V4 is `deepseek-v4-pro` / `deepseek-v4-flash`)",
+                    _ => "",
+                };
                 format!(
-                    "--model-preset `{}`: unknown (known: {})",
+                    "--model-preset `{}`: unknown (known: {}){renamed}",
                     self.model_preset,
                     PRESETS.join(", ")
                 )
