@@ -128,3 +128,26 @@ fn a_window_wider_than_the_interval_keeps_every_page_it_covers() {
     run(&mut c, &a);
     assert_eq!(kept(&mut c, &a), vec![1, 2, 3, 5, 6, 7, 9, 10, 11]);
 }
+
+#[test]
+fn the_point_where_a_prompt_left_the_cache_keeps_its_window_pages_for_the_next() {
+    // Window of 4 tokens, checkpoints too far apart to matter: a shared prefix of 6 pages (a
+    // system prompt) then different questions.
+    let mut c = cache(4, 100);
+    let system = seq(24, 7);
+    let ask = |q: u32| {
+        let mut p = system.clone();
+        p.extend(seq(16, 1000 + q * 50));
+        p
+    };
+    run(&mut c, &ask(0));
+    // The first sequence kept only its end: the second cannot resume at the system prompt's
+    // end (page 5 has no window page) and computes it all...
+    let m = c.match_prefix(&ask(1));
+    assert_eq!((m.cached_tokens(), m.window_cut_tokens), (0, 24));
+    run(&mut c, &ask(1));
+    // ...but keeps the window pages before where it left the cache (page 5): the third
+    // resumes there.
+    let m = c.match_prefix(&ask(2));
+    assert_eq!((m.cached_tokens(), m.window_cut_tokens), (24, 0));
+}

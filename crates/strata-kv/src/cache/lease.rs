@@ -68,6 +68,9 @@ pub(super) struct Held {
     /// Window pages held for the span's load-back (handed to it when it starts).
     spare: Vec<u32>,
     prefix_pages: usize,
+    /// Pages of the prompt the cache held when it was admitted, before the window rule cut
+    /// the hit back: where this prompt left the cached prefixes (its branch point).
+    branch: usize,
     /// Positions whose K/V are in `pages` once ready.
     start: usize,
     served: Served,
@@ -180,6 +183,7 @@ impl TieredCache {
             }
         };
         self.tree.lock(m.last);
+        let branch = (m.cached_tokens() + m.window_cut_tokens) / ps;
         // The last prompt token is always computed (its logits give the first token): at
         // most the pages before it are used as they are, and only as far as the window pages
         // on device allow.
@@ -218,6 +222,7 @@ impl TieredCache {
             windows,
             spare,
             prefix_pages: 0,
+            branch,
             start: 0,
             served: Served::default(),
         };
@@ -275,6 +280,7 @@ impl TieredCache {
             windows,
             spare: Vec::new(),
             prefix_pages: 0,
+            branch: 0,
             start: prompt_len,
             served: Served::default(),
         };
@@ -606,7 +612,7 @@ impl TieredCache {
         let mut give_w = own_w[..give.min(own_w.len())].to_vec();
         let mut dropped = Vec::new();
         for (i, w) in give_w.iter_mut().enumerate() {
-            if *w != NO_PAGE && !self.keeps_window(whole, h.prefix_pages + i) {
+            if *w != NO_PAGE && !self.keeps_window(whole, h.branch, h.prefix_pages + i) {
                 dropped.push(std::mem::replace(w, NO_PAGE));
             }
         }

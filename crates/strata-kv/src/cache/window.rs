@@ -16,8 +16,10 @@
 //! * **Residency of committed prefixes** (`checkpoint_pages` K > 0): a committed sequence
 //!   keeps the window pages a continuation can start from — those covering
 //!   `[end − 1 − w, end)` (a continuation at its end, or a repeat of it continuing at its last
-//!   token) and, for every checkpoint boundary `c` (a multiple of K pages) inside it, those
-//!   covering `[c − w, c)` — and gives the others back at commit. A later hit between
+//!   token), those covering `[b − w, b)` for its branch point `b` (where it left the prefixes
+//!   cached when it was admitted: a shared system prompt's end, from the second request that
+//!   shares it on) and, for every checkpoint boundary `c` (a multiple of K pages) inside it,
+//!   those covering `[c − w, c)` — and gives the others back at commit. A later hit between
 //!   checkpoints backs off to the nearest kept boundary by the match rule, and recomputes the
 //!   rest. With K = 0 every page keeps its window page.
 
@@ -33,9 +35,9 @@ impl TieredCache {
         self.window > 0
     }
 
-    /// Whether a committed prefix of `whole` pages keeps the window page of its page `j`
-    /// (see the module docs).
-    pub(super) fn keeps_window(&self, whole: usize, j: usize) -> bool {
+    /// Whether a committed prefix of `whole` pages that left the cached prefixes after
+    /// `branch` pages keeps the window page of its page `j` (see the module docs).
+    pub(super) fn keeps_window(&self, whole: usize, branch: usize, j: usize) -> bool {
         let k = self.checkpoint_pages;
         if k == 0 {
             return true;
@@ -43,6 +45,10 @@ impl TieredCache {
         let ps = self.page_size();
         // Its end, and one token before it (a repeat of a page-aligned prompt resumes there).
         if j >= (whole * ps).saturating_sub(1 + self.window) / ps {
+            return true;
+        }
+        // Its branch point: the next prompt that shares the prefix leaves it there too.
+        if branch > 0 && j < branch && j >= (branch * ps).saturating_sub(self.window) / ps {
             return true;
         }
         // The nearest checkpoint after the page: later ones' spans start later.
