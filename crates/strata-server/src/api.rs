@@ -70,7 +70,8 @@ pub struct Sampling {
     pub logprobs: Option<LogprobsField>,
     /// Chat: alternatives per token (0 to 20; needs `logprobs: true`).
     pub top_logprobs: Option<usize>,
-    #[serde(default)]
+    /// `null` is `false` (OpenAI's schema allows it).
+    #[serde(default, deserialize_with = "null_is_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     /// vLLM's constraint of the output (one of `json`, `regex`, `choice`, `grammar`,
@@ -231,4 +232,13 @@ impl Usage {
             },
         }
     }
+}
+
+/// A field whose `null` means its default.
+fn null_is_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + serde::Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }

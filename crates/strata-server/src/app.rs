@@ -168,7 +168,16 @@ async fn completions(
         tools: None,
         best_of: req.best_of,
     };
-    start(st, ids, &req.sampling, how, &headers, &bytes).await
+    // The engine names a prompt that does not fit `messages` (chat's field); here it is
+    // `prompt`.
+    start(st, ids, &req.sampling, how, &headers, &bytes)
+        .await
+        .map_err(|mut e| {
+            if e.param.as_deref() == Some("messages") {
+                e.param = Some("prompt".into());
+            }
+            e
+        })
 }
 
 async fn chat(

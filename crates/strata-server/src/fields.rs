@@ -96,7 +96,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "model", on: On::Both, fate: Fate::Supported, doc: "Must name the served model when given (404 otherwise)." },
     Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
     Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, a list of one text, or token ids." },
-    Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`." },
+    Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`; `null` is `false`." },
     Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false." },
     // Length and stopping.
     Field { name: "max_tokens", on: On::Both, fate: Fate::Supported, doc: "At most this many tokens (default: the room the context and the device pool leave, capped by --default-max-tokens)." },

@@ -135,3 +135,28 @@ async fn every_no_op_neutral_and_refused_field_behaves_as_documented() {
     assert_eq!((st, p), (400, json!("max_tokns")));
     w.stop().await;
 }
+
+/// `"stream": null` is `false` (OpenAI's schema allows null); a completions prompt too long
+/// for the context is refused naming `prompt` (chat's is `messages`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_null_stream_is_false_and_a_long_prompt_is_named_by_its_own_field() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let c = reqwest::Client::new();
+    for e in [Endpoint::Chat, Endpoint::Completions] {
+        let mut b = base(e);
+        b["stream"] = Value::Null;
+        let (st, _, m) = send(&c, &w.url, e, &b).await;
+        assert_eq!(st, 200, "{m}");
+    }
+    let context = w.state.engine.info().context_length;
+    let long: Vec<u32> = (0..context as u32 + 10).map(|i| 10 + i % 50).collect();
+    let b = json!({"prompt": long, "max_tokens": 1});
+    let (st, p, m) = send(&c, &w.url, Endpoint::Completions, &b).await;
+    assert_eq!((st, p), (400, json!("prompt")), "{m}");
+    let b =
+        json!({"messages": [{"role": "user", "content": "hi ".repeat(context)}], "max_tokens": 1});
+    let (st, p, m) = send(&c, &w.url, Endpoint::Chat, &b).await;
+    assert_eq!((st, p), (400, json!("messages")), "{m}");
+    w.stop().await;
+}
