@@ -341,7 +341,8 @@ impl KvInbox {
     }
 
     fn serve(&self, conn: TcpStream, mut ticket: ConnTicket<'_>) {
-        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let peer_addr = conn.peer_addr().ok();
+        let peer = peer_addr.map(|a| a.to_string()).unwrap_or_default();
         let _ = conn.set_nodelay(true);
         let _ = conn.set_write_timeout(Some(self.limits.idle_timeout));
         let mut link = Paced::new(
@@ -362,8 +363,8 @@ impl KvInbox {
                 !ticket.authenticated && ticket.place.as_ref().is_none_or(|p| !p.is_held());
             if !yielded {
                 self.handshake_failures.fetch_add(1, Ordering::Relaxed);
-                if let Ok(ip) = peer.parse::<SocketAddr>().map(|a| a.ip()) {
-                    self.peer_log.note(ip, &e);
+                if let Some(a) = peer_addr {
+                    self.peer_log.note(a.ip(), &e);
                 }
             }
             return;

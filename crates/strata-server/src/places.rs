@@ -102,10 +102,6 @@ impl<H> Places<H> {
         })
     }
 
-    pub fn limits(&self) -> PlaceLimits {
-        self.limits
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner<H>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
