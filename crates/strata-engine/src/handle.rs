@@ -122,13 +122,9 @@ impl Engine {
         mut cfg: EngineConfig,
     ) -> EngineHandle {
         let model: Box<dyn Runtime> = Box::new(model);
-        let d = cache.device_usage();
-        // A request computes into a page and a window page per page: the smaller pool bounds it.
-        let mut pages = d.pages_total;
-        if cache.has_window() {
-            pages = pages.min(cache.window_usage().0.pages_total);
-        }
-        let device_tokens = pages as usize * cache.page_size();
+        // A request computes into a page per page and, unless it holds its window state in a
+        // ring (window checkpoints), a window page per page.
+        let device_tokens = cache.request_capacity_tokens();
         if cfg.max_tokens_in_flight == 0 {
             cfg.max_tokens_in_flight = 4 * device_tokens;
         }

@@ -2,7 +2,7 @@
 //! a stand-in "model" whose K/V bytes for a page are a pure function of the page's identity, so
 //! any page read back from any tier can be checked byte for byte.
 
-use crate::cache::TieredCache;
+use crate::cache::{Lease, TieredCache};
 use crate::hash::PageHash;
 use crate::layout::Class;
 use crate::pool::{blob_len, DevicePool};
@@ -41,6 +41,60 @@ pub fn write_expected_page_with_window(
         };
         dev.write_chunk(c.kind, c.layer, c.plane, p, &expected_chunk(h, i, c.bytes));
     }
+}
+
+/// Computes positions `from..end` of a ready lease (`from` at least its start, where the
+/// previous call stopped) as the scheduler does: in chunks of
+/// at most `chunk` tokens, each after [`TieredCache::secure_windows`] (which may grant less).
+/// Before each chunk it checks that the window state the chunk reads (the whole pages of
+/// `[pos − w, pos)`) holds the bytes written for it; then it writes the expected bytes of the
+/// whole pages of `tokens` the chunk touches. Returns the chunks' sizes.
+pub fn compute_in_chunks(
+    cache: &mut TieredCache,
+    lease: &mut Lease,
+    tokens: &[u32],
+    (from, end): (usize, usize),
+    chunk: usize,
+) -> Vec<usize> {
+    assert!(
+        from >= lease.start(),
+        "positions before the start are the prefix's"
+    );
+    let ps = cache.page_size();
+    let hashes = cache.page_hashes(&tokens[..end.min(tokens.len())]);
+    let dev = cache.device_pool_shared().expect("cache with data");
+    let layout = dev.layout().clone();
+    let mut pos = from;
+    let mut sizes = Vec::new();
+    while pos < end {
+        let upto = cache.secure_windows(lease, pos, (pos + chunk.max(1)).min(end));
+        assert!(
+            upto > pos,
+            "a ready lease may always compute one more token"
+        );
+        if layout.has_window() {
+            let first = pos.saturating_sub(layout.window_tokens()) / ps;
+            for j in first..(pos / ps).min(hashes.len()) {
+                let w = lease.windows()[j];
+                assert_ne!(w, NO_PAGE, "page {j} is read from {pos} on");
+                for (ci, c) in layout.chunks().iter().enumerate() {
+                    if c.class == Class::Window {
+                        let mut got = vec![0; c.bytes];
+                        dev.read_chunk(c.kind, c.layer, c.plane, w, &mut got);
+                        assert_eq!(got, expected_chunk(&hashes[j], ci, c.bytes), "page {j}");
+                    }
+                }
+            }
+        }
+        for j in pos / ps..upto.div_ceil(ps).min(hashes.len()) {
+            let w = lease.windows().get(j).copied();
+            assert_ne!(w, Some(NO_PAGE), "page {j} is written from {pos}");
+            write_expected_page_with_window(&dev, lease.pages()[j], w, &hashes[j]);
+        }
+        sizes.push(upto - pos);
+        pos = upto;
+    }
+    sizes
 }
 
 /// Panics unless every device and host page in the tree holds exactly the bytes its identity

@@ -12,7 +12,7 @@
 use proptest::prelude::*;
 
 mod common;
-use strata_kv::testing::{expected_chunk, verify_tree_bytes, write_expected_page_with_window};
+use strata_kv::testing::{compute_in_chunks, expected_chunk, verify_tree_bytes};
 use strata_kv::{
     Class, EvictionPolicy, Lease, PrefetchPolicy, Slot, TieredCache, WritePolicy, NO_PAGE,
 };
@@ -21,7 +21,8 @@ use strata_kv::{
 enum Op {
     Admit(u8, u8, u8),
     Advance(u8),
-    Commit(u8),
+    /// Which lease, and the chunk size it computes in.
+    Commit(u8, u8),
     Release(u8),
     Drop(u8),
     EvictDevice(u8),
@@ -35,7 +36,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u8..6, 1u8..40, 1u8..8).prop_map(|(s, l, n)| Op::Admit(s, l, n)),
         4 => any::<u8>().prop_map(Op::Advance),
-        3 => any::<u8>().prop_map(Op::Commit),
+        3 => (any::<u8>(), 1u8..12).prop_map(|(i, c)| Op::Commit(i, c)),
         1 => any::<u8>().prop_map(Op::Release),
         1 => any::<u8>().prop_map(Op::Drop),
         1 => (1u8..12).prop_map(Op::EvictDevice),
@@ -107,9 +108,10 @@ impl World {
         }
     }
 
-    /// Computes the rest of the prompt and the new tokens into the lease's own pages, then
+    /// Computes the rest of the prompt and the new tokens into the lease's pages in chunks
+    /// (securing the window pages of each, which checks the window state each reads), then
     /// commits the whole pages.
-    fn commit(&mut self, l: Live) {
+    fn commit(&mut self, mut l: Live, chunk: usize) {
         if !l.lease.is_ready() {
             self.cache.release(l.lease);
             return;
@@ -119,17 +121,9 @@ impl World {
         let mut all = l.prompt.clone();
         all.extend((0..l.new as u32).map(|i| 50_000 + l.prompt.len() as u32 * 10 + i));
         let computed = all.len() - 1;
-        let hashes = self.cache.page_hashes(&all[..computed]);
-        let dev = self.cache.device_pool().unwrap();
-        let first = l.lease.start() / self.ps;
-        for (i, h) in hashes.iter().enumerate().skip(first) {
-            let w = l.lease.windows().get(i).copied();
-            assert!(
-                w.is_none() || w != Some(NO_PAGE),
-                "own pages have window pages"
-            );
-            write_expected_page_with_window(dev, l.lease.pages()[i], w, h);
-        }
+        let from = l.lease.start();
+        compute_in_chunks(&mut self.cache, &mut l.lease, &all, (from, computed), chunk);
+        self.cache.check().unwrap();
         self.cache.commit(l.lease, &all, computed);
     }
 
@@ -158,10 +152,10 @@ impl World {
                     }
                 }
             }
-            Op::Commit(i) => {
+            Op::Commit(i, chunk) => {
                 if let Some(i) = self.pick(i) {
                     let l = self.live.swap_remove(i);
-                    self.commit(l);
+                    self.commit(l, chunk as usize);
                 }
             }
             Op::Release(i) => {

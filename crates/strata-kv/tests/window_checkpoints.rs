@@ -6,7 +6,7 @@
 #[allow(dead_code)] // helpers the other test files use
 mod common;
 use strata_kv::memory::HeapAllocator;
-use strata_kv::testing::write_expected_page_with_window;
+use strata_kv::testing::compute_in_chunks;
 use strata_kv::{CacheConfig, PrefetchPolicy, TieredCache, WritePolicy, NO_PAGE};
 
 const PS: usize = 4;
@@ -21,7 +21,8 @@ fn cache(window: usize, k: usize) -> TieredCache {
     TieredCache::new(cfg, &HeapAllocator, None).unwrap()
 }
 
-/// Computes `tokens` through a lease (every page written) and commits them all.
+/// Computes `tokens` through a lease (in chunks of 5 tokens, as the scheduler would) and
+/// commits them all.
 fn run(c: &mut TieredCache, tokens: &[u32]) -> usize {
     let mut lease = c
         .admit(tokens, 1, true, PrefetchPolicy::WaitComplete)
@@ -30,12 +31,7 @@ fn run(c: &mut TieredCache, tokens: &[u32]) -> usize {
         c.wait_all();
     }
     let start = lease.start();
-    let hashes = c.page_hashes(tokens);
-    let dev = c.device_pool().unwrap();
-    for (i, h) in hashes.iter().enumerate().skip(start / PS) {
-        let w = lease.windows().get(i).copied();
-        write_expected_page_with_window(dev, lease.pages()[i], w, h);
-    }
+    compute_in_chunks(c, &mut lease, tokens, (start, tokens.len()), 5);
     c.commit(lease, tokens, tokens.len());
     c.check().unwrap();
     start
@@ -150,4 +146,67 @@ fn the_point_where_a_prompt_left_the_cache_keeps_its_window_pages_for_the_next()
     // resumes there.
     let m = c.match_prefix(&ask(2));
     assert_eq!((m.cached_tokens(), m.window_cut_tokens), (24, 0));
+}
+
+#[test]
+fn a_running_request_holds_window_pages_for_its_span_only() {
+    // Six device window pages (a one-token step reads at most 2 own pages of 4 tokens with a
+    // window of 4) and a 300-token request (75 pages): without the ring it could not start.
+    let mut cfg = CacheConfig::new(common::window_layout(PS, 4), 96, 32);
+    cfg.device_window_pages = 6;
+    cfg.host_window_pages = 8;
+    cfg.window_checkpoint_pages = 8;
+    cfg.hashing = true;
+    let mut c = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+    let a = seq(300, 11);
+    let mut lease = c
+        .admit(&a, 20, true, PrefetchPolicy::WaitComplete)
+        .expect("admitted with a ring, not a window page per page");
+    assert!(c.advance(&mut lease));
+    let mut peak = 0;
+    let mut pos = 0;
+    while pos < a.len() {
+        let end = (pos + 7).min(a.len());
+        compute_in_chunks(&mut c, &mut lease, &a, (pos, end), 7);
+        peak = peak.max(c.window_usage().0.pages_used);
+        c.check().unwrap();
+        pos = end;
+    }
+    assert!(peak <= 6, "{peak} window pages held at once");
+    // Decode steps go on in the same ring.
+    let mut all = a.clone();
+    all.extend(seq(20, 77));
+    for p in a.len()..all.len() - 1 {
+        assert_eq!(c.secure_windows(&mut lease, p, p + 1), p + 1);
+    }
+    c.commit(lease, &all, all.len() - 1);
+    c.check().unwrap();
+    // What the commit kept: its end span on device at least (checkpoints fight for six
+    // pages and may have been given up).
+    let kept = kept(&mut c, &all[..all.len() - 1]);
+    let whole = (all.len() - 1) / PS;
+    assert!(kept.ends_with(&[whole - 2, whole - 1]), "{kept:?}");
+}
+
+#[test]
+fn a_ring_keeps_the_checkpoints_when_window_pages_allow() {
+    // Plenty of window pages: the ring gives back what no commit keeps while it runs, so at
+    // most its span plus the checkpoints so far are held.
+    let mut c = cache(4, 4);
+    let a = seq(160, 13);
+    let mut lease = c.admit(&a, 1, true, PrefetchPolicy::WaitComplete).unwrap();
+    assert!(c.advance(&mut lease));
+    let mut pos = 0;
+    while pos < a.len() {
+        let end = (pos + 6).min(a.len());
+        compute_in_chunks(&mut c, &mut lease, &a, (pos, end), 6);
+        let held = c.window_usage().0.pages_used as usize;
+        // The checkpoints before `end` (one page each: the window is one page), the span
+        // and the chunk (≤ 4 pages), the ring (≤ 2).
+        assert!(held <= end / 16 + 4 + 2, "{held} held at {end}");
+        pos = end;
+    }
+    c.commit(lease, &a, a.len());
+    let k = kept(&mut c, &a);
+    assert_eq!(k, vec![3, 7, 11, 15, 19, 23, 27, 31, 35, 38, 39]);
 }

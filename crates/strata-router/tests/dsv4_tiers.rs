@@ -194,17 +194,7 @@ async fn every_tier(c: Case) {
 
     // Redis.
     let rd = Redis::start();
-    let remote: Arc<dyn Storage> = Arc::new(
-        RedisStorage::connect(&RedisConfig {
-            url: format!("redis://127.0.0.1:{}", rd.port),
-            namespace: "dsv4-test".into(),
-            ttl: None,
-            timeout: Duration::from_secs(2),
-            page_key: strata_kv::storage::blob::BlobKey::public(),
-            max_value_bytes: 1 << 24,
-        })
-        .unwrap(),
-    );
+    let remote: Arc<dyn Storage> = Arc::new(redis_storage(rd.port, "dsv4-test"));
     let r = spawn_worker(&path, spec(c, Some(remote), "remote")).await;
     through(c, &r, &cold, 3, Some(FlushScope::All), 2).await;
 
@@ -296,26 +286,34 @@ async fn dropped_window_pages_back_off_the_hit_or_come_back_from_host() {
 /// Checkpoints every 64 pages of 4 tokens (256 tokens): the base (700 tokens) keeps window
 /// pages only for the spans before 256, 512 and its end. A hit at the end or at a checkpoint
 /// resumes whole; one between checkpoints (560) backs off to 512 and recomputes the rest; every
-/// answer equals the recomputed one, from device and from host.
+/// answer equals the recomputed one, from device, host, disk, Redis and through PD (whose
+/// transfer carries the window part of the kept pages only).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_resume_at_the_end_at_a_checkpoint_or_back_off_to_one() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_dsv4_model(d.path());
-    let c = Case {
-        ps: 4,
-        hits: &[(700, 8), (512, 8), (560, 8)],
-        base: 700,
-    };
+    let c = CHECKPOINTS;
     let cold = cold_worker(&path, c).await;
-    let resumed = [700u64, 512, 512];
     // A fresh worker for each tier: a hit's own commit keeps the window pages before its end,
     // which a later hit at the same place would then find.
-    for (salt, flush) in [(21u32, None), (22, Some(FlushScope::Device))] {
+    let disk = || -> Arc<dyn Storage> {
+        let dir = tempfile::tempdir().unwrap().keep();
+        Arc::new(DiskStorage::open(dir, 1 << 30, false).unwrap())
+    };
+    let rd = Redis::start();
+    let redis = || -> Arc<dyn Storage> { Arc::new(redis_storage(rd.port, "dsv4-checkpoints")) };
+    let passes: [(u32, Option<FlushScope>, Option<Arc<dyn Storage>>, usize); 4] = [
+        (21, None, None, 0),
+        (22, Some(FlushScope::Device), None, 1),
+        (23, Some(FlushScope::All), Some(disk()), 2),
+        (24, Some(FlushScope::All), Some(redis()), 2),
+    ];
+    for (salt, flush, storage, tier) in passes {
         let w = spawn_worker(
             &path,
             WorkerSpec {
                 window_checkpoint_pages: 64,
-                ..spec(c, None, "disk")
+                ..spec(c, storage, "disk")
             },
         )
         .await;
@@ -325,19 +323,110 @@ async fn checkpoints_resume_at_the_end_at_a_checkpoint_or_back_off_to_one() {
         // spans before 256 and 512 (32 pages each) and before the end (33) keep theirs.
         let kept = w.state.engine.snapshot().device_window.pages_used;
         assert_eq!(kept, 97, "window pages kept of a 176-page sequence");
-        for ((&h, want), &r) in c.hits.iter().zip(&want).zip(&resumed) {
+        for ((&h, want), &r) in c.hits.iter().zip(&want).zip(&RESUMED) {
             if let Some(f) = flush {
                 w.state.engine.flush(f).unwrap();
             }
             let before = w.state.engine.snapshot();
+            let counted = counts(&w);
             let (got, cached) = complete(&w.url, &with_hit(h, salt)).await;
             let after = w.state.engine.snapshot();
-            assert_eq!(cached, r, "hit of {h:?}");
+            assert_eq!(cached, r, "hit of {h:?} (tier {tier})");
+            let t = tiers(&w, counted);
+            assert_eq!([t.0, t.1, t.2][tier], r, "hit of {h:?}: served by {t:?}");
             let cut = after.cache.window_cut_tokens - before.cache.window_cut_tokens;
             assert_eq!(cut, h.0 as u64 - r, "hit of {h:?}: recomputed tokens");
-            assert_eq!(&got, want, "hit of {h:?} (flush {flush:?})");
+            assert_eq!(&got, want, "hit of {h:?} (tier {tier})");
         }
         w.stop().await;
     }
+
+    // PD: the prefill worker resumes from its checkpoints; the decode worker, with a ring of
+    // its own, receives each prompt's pages, the window part only where the prefill keeps it.
+    let ck = |w: WorkerSpec| WorkerSpec {
+        window_checkpoint_pages: 64,
+        ..w
+    };
+    let prefill = spawn_worker(&path, ck(spec(c, None, "disk"))).await;
+    let decode = spawn_worker(
+        &path,
+        ck(WorkerSpec {
+            kv_listener: true,
+            prefill_workers: vec![prefill.url.clone()],
+            ..spec(c, None, "disk")
+        }),
+    )
+    .await;
+    let pd = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    complete(&pd, &base_of(c.base)).await;
+    let want = recomputed(c, &cold, 25).await;
+    for ((&h, want), &r) in c.hits.iter().zip(&want).zip(&RESUMED) {
+        let before = prefill.state.engine.snapshot().cached_device_tokens;
+        let (got, _) = complete(&pd, &with_hit(h, 25)).await;
+        let served = prefill.state.engine.snapshot().cached_device_tokens - before;
+        assert_eq!(served, r, "the prefill worker resumed hit {h:?}");
+        assert_eq!(&got, want, "hit of {h:?} through PD");
+    }
+    for x in [cold, prefill, decode] {
+        x.stop().await;
+    }
+}
+
+/// A request far longer than the device's window pages allow (48 window pages of 4 tokens:
+/// 192 tokens; the prompt is 700) completes with checkpoints: it holds window pages for the
+/// span it reads only. Its answer and the answers of the hits after it are the recomputed
+/// ones, to the bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_longer_than_the_window_pages_completes_in_a_ring() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_dsv4_model(d.path());
+    let c = CHECKPOINTS;
+    let cold = cold_worker(&path, c).await;
+    let w = spawn_worker(
+        &path,
+        WorkerSpec {
+            window_checkpoint_pages: 64,
+            window_pages: Some((48, 1024)),
+            ..spec(c, None, "disk")
+        },
+    )
+    .await;
+    let base = base_of(c.base);
+    let (want, _) = complete(&cold.url, &base).await;
+    let (got, cached) = complete(&w.url, &base).await;
+    assert_eq!(cached, 0);
+    assert_eq!(got, want, "the long request's answer");
+    let want = recomputed(c, &cold, 26).await;
+    for (&h, want) in c.hits.iter().zip(&want) {
+        let (got, cached) = complete(&w.url, &with_hit(h, 26)).await;
+        assert!(cached <= h.0 as u64, "hit of {h:?}");
+        assert_eq!(&got, want, "hit of {h:?} with 48 window pages");
+    }
+    w.stop().await;
     cold.stop().await;
+}
+
+/// Hits at the end, at a checkpoint and between checkpoints of a 700-token base.
+const CHECKPOINTS: Case = Case {
+    ps: 4,
+    hits: &[(700, 8), (512, 8), (560, 8)],
+    base: 700,
+};
+/// What each of those resumes from.
+const RESUMED: [u64; 3] = [700, 512, 512];
+
+fn redis_storage(port: u16, namespace: &str) -> RedisStorage {
+    RedisStorage::connect(&RedisConfig {
+        url: format!("redis://127.0.0.1:{port}"),
+        namespace: namespace.into(),
+        ttl: None,
+        timeout: Duration::from_secs(2),
+        page_key: strata_kv::storage::blob::BlobKey::public(),
+        max_value_bytes: 1 << 24,
+    })
+    .unwrap()
 }

@@ -442,8 +442,22 @@ impl Scheduler {
     }
 
     /// The next batch under `max_batch_tokens`: one decode token per running request first,
-    /// then prefill chunks, as (active index, first position, tokens).
-    fn batch(&self) -> Vec<(usize, usize, usize)> {
+    /// then prefill chunks, as (active index, first position, tokens). Each request's window
+    /// pages are secured for its part (with window checkpoints a request holds them for the
+    /// span it reads only; short of them, a chunk is cut, never below one token).
+    fn batch(&mut self) -> Vec<(usize, usize, usize)> {
+        let mut plan = self.plan_batch();
+        for (i, at, n) in &mut plan {
+            let lease = self.active[*i]
+                .lease
+                .as_mut()
+                .expect("a running request holds a lease");
+            *n = self.cache.secure_windows(lease, *at, *at + *n) - *at;
+        }
+        plan
+    }
+
+    fn plan_batch(&self) -> Vec<(usize, usize, usize)> {
         let mut budget = self.cfg.max_batch_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
         for (i, r) in self.active.iter().enumerate() {

@@ -17,10 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::hash::PageHash;
 use crate::layout::Class;
 use crate::policy::PrefetchPolicy;
-use crate::pool::blob_len;
 use crate::tree::{NodeId, TreeMatch, NO_PAGE, ROOT};
 
 use super::{CacheMatch, Ticket, TieredCache};
@@ -41,7 +39,7 @@ impl Served {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Phase {
+pub(super) enum Phase {
     /// L3 → host copy in flight (waited for until the deadline, if any), for these prompt
     /// tokens; then load-back.
     Prefetch(Ticket, Option<Instant>, Vec<u32>),
@@ -53,30 +51,39 @@ enum Phase {
 /// What a lease holds; moved to the cache's release queue if the lease is dropped.
 #[derive(Debug)]
 pub(super) struct Held {
-    prompt_len: usize,
+    pub(super) prompt_len: usize,
     /// Tokens reserved: prompt + new tokens.
-    reserve_tokens: usize,
+    pub(super) reserve_tokens: usize,
     /// Deepest tree node of the prefix in use (locked; ROOT if none).
-    lock: NodeId,
-    matched: CacheMatch,
-    phase: Phase,
+    pub(super) lock: NodeId,
+    pub(super) matched: CacheMatch,
+    pub(super) phase: Phase,
     /// Before ready: the reservation. Ready: the prefix's pages (tree-owned) then the own.
-    pages: Vec<u32>,
+    pub(super) pages: Vec<u32>,
     /// With window kinds: a device window page per entry of `pages` (the own ones held by the
-    /// lease; the prefix's the tree's, NO_PAGE where a page has none). Empty otherwise.
-    windows: Vec<u32>,
+    /// lease; the prefix's the tree's, NO_PAGE where a page has none). Empty otherwise. In
+    /// ring mode, before ready: the reserved window pages, in no order (`ring.rs`).
+    pub(super) windows: Vec<u32>,
+    /// Ring mode, once ready: window pages held and not assigned to a page.
+    pub(super) ring: Vec<u32>,
+    /// Ring mode: own pages before this one were looked at for release for good.
+    pub(super) swept: usize,
     /// Window pages held for the span's load-back (handed to it when it starts).
-    spare: Vec<u32>,
-    prefix_pages: usize,
+    pub(super) spare: Vec<u32>,
+    pub(super) prefix_pages: usize,
     /// Pages of the prompt the cache held when it was admitted, before the window rule cut
     /// the hit back: where this prompt left the cached prefixes (its branch point).
-    branch: usize,
+    pub(super) branch: usize,
     /// Positions whose K/V are in `pages` once ready.
-    start: usize,
-    served: Served,
+    pub(super) start: usize,
+    pub(super) served: Served,
 }
 
 impl Held {
+    pub(super) fn is_ready(&self) -> bool {
+        self.phase == Phase::Ready
+    }
+
     fn own(&self) -> &[u32] {
         &self.pages[self.prefix_pages..]
     }
@@ -108,6 +115,10 @@ impl Lease {
         self.held.as_ref().expect("a lease holds until consumed")
     }
 
+    pub(super) fn held_mut(&mut self) -> &mut Held {
+        self.held.as_mut().expect("a lease holds until consumed")
+    }
+
     /// Its prefix is on device and its pages are in position order: compute may start.
     pub fn is_ready(&self) -> bool {
         self.held().phase == Phase::Ready
@@ -119,7 +130,8 @@ impl Lease {
     }
 
     /// With window kinds: the device window page of each entry of [`Lease::pages`] (NO_PAGE
-    /// where a prefix page has none: a page the computation does not read); empty otherwise.
+    /// where a page has none: a page the computation does not read, or with checkpoints one
+    /// not yet secured by [`TieredCache::secure_windows`]); empty otherwise.
     pub fn windows(&self) -> &[u32] {
         &self.held().windows
     }
@@ -199,7 +211,7 @@ impl TieredCache {
         }
         let (mut windows, mut spare) = (Vec::new(), Vec::new());
         if self.has_window() {
-            let Some(w) = self.alloc_windows(total - dev_pages) else {
+            let Some(w) = self.alloc_windows(self.window_reserve(total - dev_pages)) else {
                 self.free_device(&own).expect("just allocated");
                 self.tree.unlock(m.last);
                 return None;
@@ -221,6 +233,8 @@ impl TieredCache {
             pages: own,
             windows,
             spare,
+            ring: Vec::new(),
+            swept: 0,
             prefix_pages: 0,
             branch,
             start: 0,
@@ -232,62 +246,7 @@ impl TieredCache {
         Some(self.lease(held))
     }
 
-    /// Admits a request whose prompt K/V were computed elsewhere (a prefill worker): reserves
-    /// pages for `prompt_len + new_tokens` tokens and writes `blobs` (one per prompt page, in
-    /// the host layout) into them. The lease is ready with every prompt position computed.
-    /// None when the pages cannot be reserved now.
-    pub fn admit_computed(
-        &mut self,
-        prompt_len: usize,
-        new_tokens: usize,
-        blobs: &[Vec<u8>],
-    ) -> Option<Lease> {
-        self.release_dropped();
-        let reserve_tokens = prompt_len + new_tokens;
-        let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
-        let mut windows = Vec::new();
-        if self.has_window() {
-            match self.alloc_windows(pages.len()) {
-                Some(w) => windows = w,
-                None => {
-                    self.free_device(&pages).expect("just allocated");
-                    return None;
-                }
-            }
-        }
-        let pool = self
-            .planes
-            .device
-            .clone()
-            .expect("K/V is imported into a cache with data");
-        let main = self.layout.class_bytes(Class::Main);
-        for (i, (blob, &page)) in blobs.iter().zip(&pages).enumerate() {
-            // A page sent without its window part keeps none (it is older than the window).
-            let w = windows.get(i).copied().filter(|_| blob.len() != main);
-            pool.write_page_host_layout(page, w, blob);
-            if w.is_none() && i < windows.len() {
-                let dropped = std::mem::replace(&mut windows[i], NO_PAGE);
-                self.free_windows(&[dropped]);
-            }
-        }
-        let held = Held {
-            prompt_len,
-            reserve_tokens,
-            lock: ROOT,
-            matched: CacheMatch::default(),
-            phase: Phase::Ready,
-            pages,
-            windows,
-            spare: Vec::new(),
-            prefix_pages: 0,
-            branch: 0,
-            start: prompt_len,
-            served: Served::default(),
-        };
-        Some(self.lease(held))
-    }
-
-    fn lease(&mut self, held: Held) -> Lease {
+    pub(super) fn lease(&mut self, held: Held) -> Lease {
         Lease {
             held: Some(held),
             dropped: self.dropped.clone(),
@@ -494,13 +453,23 @@ impl TieredCache {
                 .expect("reserved pages are held");
             h.pages.truncate(own_needed);
         }
-        if h.windows.len() > own_needed {
-            let surplus = h.windows.split_off(own_needed);
+        let wneeded = self.window_reserve(own_needed);
+        if h.windows.len() > wneeded {
+            let surplus = h.windows.split_off(wneeded);
             self.free_windows(&surplus);
+        }
+        if self.ring_mode() {
+            // The reservation becomes the ring; pages get theirs as the request computes.
+            h.ring = std::mem::replace(&mut h.windows, vec![NO_PAGE; own_needed]);
+            h.swept = prefix.len();
         }
         h.prefix_pages = prefix.len();
         h.start = h.prefix_pages * ps;
         if let Some(src) = cow {
+            if let (Some(_), true) = (cow_window, self.ring_mode()) {
+                // The copy's window page: the ring holds at least one.
+                h.windows[0] = h.ring.pop().expect("a ready lease's ring holds one");
+            }
             if let Some(pool) = self.device_pool() {
                 pool.copy_page(Class::Main, src, h.pages[0]);
                 if let (Some(w), Some(&dst)) = (cow_window, h.windows.first()) {
@@ -571,7 +540,7 @@ impl TieredCache {
     fn top_up(&mut self, h: &mut Held, own: usize) -> bool {
         let short = own.saturating_sub(h.pages.len());
         let wshort = if self.has_window() {
-            own.saturating_sub(h.windows.len())
+            self.window_reserve(own).saturating_sub(h.windows.len())
         } else {
             0
         };
@@ -623,6 +592,7 @@ impl TieredCache {
         if own_w.len() > give {
             self.free_windows(&own_w[give..]);
         }
+        self.free_windows(&h.ring);
         self.tree.unlock(h.lock);
     }
 
@@ -644,6 +614,7 @@ impl TieredCache {
         self.free_device(h.own()).expect("request pages are held");
         self.free_windows(h.own_windows());
         self.free_windows(&h.spare);
+        self.free_windows(&h.ring);
         self.tree.unlock(h.lock);
     }
 
@@ -656,41 +627,5 @@ impl TieredCache {
         for h in dropped {
             self.release_held(h);
         }
-    }
-
-    /// The first `pages` pages of a ready lease, each in the host layout (PD export), with
-    /// the chained hash of each whole page of `prompt` (zero for a partial last page, and all
-    /// zero when the cache computes no hashes).
-    pub fn export(&self, lease: &Lease, prompt: &[u32]) -> (Vec<Vec<u8>>, Vec<PageHash>) {
-        let ps = self.page_size();
-        let n = prompt.len().div_ceil(ps);
-        let mut blobs = Vec::with_capacity(n);
-        let pool = self
-            .device_pool()
-            .expect("K/V is exported from a cache with data");
-        for (i, &page) in lease.pages()[..n].iter().enumerate() {
-            // A page without a window page travels as its main part only.
-            let w = lease.windows().get(i).copied().filter(|&w| w != NO_PAGE);
-            let mut blob = vec![0u8; blob_len(&self.layout, w)];
-            pool.read_page_host_layout(page, w, &mut blob);
-            blobs.push(blob);
-        }
-        let mut hashes = self.page_hashes(prompt);
-        hashes.resize(n, PageHash([0; 16]));
-        (blobs, hashes)
-    }
-
-    /// Chained hashes of the whole pages of `tokens` from the root (empty when the cache
-    /// computes no hashes).
-    pub fn page_hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
-        match self.tree.namespace() {
-            Some(ns) => ns.chain(PageHash::ROOT, tokens, self.page_size()),
-            None => Vec::new(),
-        }
-    }
-
-    /// The key of the page-hash namespace (None when the cache computes no hashes).
-    pub fn hash_key(&self) -> Option<[u8; 32]> {
-        self.tree.namespace().map(|n| n.key())
     }
 }

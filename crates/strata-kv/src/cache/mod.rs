@@ -326,6 +326,11 @@ impl TieredCache {
         self.planes.device.as_deref()
     }
 
+    /// The device pool, shared (to read and write it while the cache is borrowed mutably).
+    pub(crate) fn device_pool_shared(&self) -> Option<Arc<DevicePool>> {
+        self.planes.device.clone()
+    }
+
     pub fn host_pool(&self) -> Option<&HostPool> {
         self.planes.host.as_deref()
     }
@@ -662,6 +667,8 @@ impl TieredCache {
 mod complete;
 mod lease;
 mod movement;
+mod ring;
+mod transfer;
 mod window;
 
 pub use lease::{Lease, Served};

@@ -109,11 +109,14 @@ impl TieredCache {
         self.held_host += n;
         let ps = self.page_size();
         let skip = (m.device_tokens + m.host_tokens) / ps;
-        // Host window pages for the L3 pages in the span before the match's end.
+        // Host window pages for the L3 pages in the span before the match's end, and (with
+        // checkpoints) before each checkpoint inside it, where the match may back off to.
         let mut windows = Vec::new();
         if self.has_window() {
             let span = self.span(skip + n, m.queried_tokens);
-            let want: Vec<usize> = (skip..skip + n).filter(|p| span.contains(p)).collect();
+            let want: Vec<usize> = (skip..skip + n)
+                .filter(|&p| span.contains(&p) || self.checkpoint_reads(p, skip + n))
+                .collect();
             let got = self.alloc_host_windows(want.len());
             self.held_hwin += got.len();
             windows = vec![NO_PAGE; n];

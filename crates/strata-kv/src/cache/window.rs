@@ -11,8 +11,9 @@
 //!   main part only; the match after the read applies the rule again).
 //! * **Eviction.** Window pages of unlocked nodes go first when window pages run short, in the
 //!   policy's order, without a copy; main pages evicted take their window pages with them.
-//! * **Leases** hold a window page for each page they compute, and load (or keep) the window
-//!   pages of the span before their start on device.
+//! * **Leases** load (or keep) the window pages of the span before their start on device, and
+//!   hold a window page for each page they compute — with checkpoints, only while a step can
+//!   still read it or a commit will keep it (`ring.rs`).
 //! * **Residency of committed prefixes** (`checkpoint_pages` K > 0): a committed sequence
 //!   keeps the window pages a continuation can start from — those covering
 //!   `[end − 1 − w, end)` (a continuation at its end, or a repeat of it continuing at its last
@@ -38,22 +39,37 @@ impl TieredCache {
     /// Whether a committed prefix of `whole` pages that left the cached prefixes after
     /// `branch` pages keeps the window page of its page `j` (see the module docs).
     pub(super) fn keeps_window(&self, whole: usize, branch: usize, j: usize) -> bool {
-        let k = self.checkpoint_pages;
-        if k == 0 {
-            return true;
-        }
+        self.checkpoint_pages == 0
+            || self.end_keeps(whole, j)
+            || self.lasting_keeps(whole, branch, j)
+    }
+
+    /// The end rule: page `j` covers `[end − 1 − w, end)` of a prefix of `whole` pages (its
+    /// end, and one token before it: a repeat of a page-aligned prompt resumes there). Fewer
+    /// pages the larger `whole`.
+    pub(super) fn end_keeps(&self, whole: usize, j: usize) -> bool {
         let ps = self.page_size();
-        // Its end, and one token before it (a repeat of a page-aligned prompt resumes there).
-        if j >= (whole * ps).saturating_sub(1 + self.window) / ps {
-            return true;
-        }
-        // Its branch point: the next prompt that shares the prefix leaves it there too.
+        j >= (whole * ps).saturating_sub(1 + self.window) / ps
+    }
+
+    /// The branch-point and checkpoint rules: page `j` covers the window before the branch
+    /// point (the next prompt that shares the prefix leaves it there too) or before its
+    /// nearest checkpoint at most `whole` pages in (later checkpoints' spans start later).
+    /// A page a whole `window` before the least possible end gets the same answer for every
+    /// larger `whole`.
+    pub(super) fn lasting_keeps(&self, whole: usize, branch: usize, j: usize) -> bool {
+        let (k, ps) = (self.checkpoint_pages, self.page_size());
         if branch > 0 && j < branch && j >= (branch * ps).saturating_sub(self.window) / ps {
             return true;
         }
-        // The nearest checkpoint after the page: later ones' spans start later.
         let c = (j + 1).div_ceil(k) * k;
         c <= whole && (c * ps).saturating_sub(self.window) / ps <= j
+    }
+
+    /// Whether page `j` is in the span before a checkpoint of a prefix of `pages` pages (one a
+    /// hit may back off to).
+    pub(super) fn checkpoint_reads(&self, j: usize, pages: usize) -> bool {
+        self.checkpoint_pages > 0 && self.lasting_keeps(pages, 0, j)
     }
 
     /// Where a request over `len` prompt tokens continues from after using `pages` cached
