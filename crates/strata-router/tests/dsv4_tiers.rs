@@ -302,7 +302,9 @@ async fn checkpoints_resume_at_the_end_at_a_checkpoint_or_back_off_to_one() {
     };
     let rd = Redis::start();
     let redis = || -> Arc<dyn Storage> { Arc::new(redis_storage(rd.port, "dsv4-checkpoints")) };
-    let passes: [(u32, Option<FlushScope>, Option<Arc<dyn Storage>>, usize); 4] = [
+    // (salt, flush before each hit, L3, the tier that serves the hits)
+    type Pass = (u32, Option<FlushScope>, Option<Arc<dyn Storage>>, usize);
+    let passes: [Pass; 4] = [
         (21, None, None, 0),
         (22, Some(FlushScope::Device), None, 1),
         (23, Some(FlushScope::All), Some(disk()), 2),
