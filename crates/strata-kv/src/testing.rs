@@ -88,7 +88,12 @@ pub fn compute_in_chunks(
             }
         }
         let written = pos / ps..upto.div_ceil(ps);
-        for (j, h) in hashes.iter().enumerate().take(written.end).skip(written.start) {
+        for (j, h) in hashes
+            .iter()
+            .enumerate()
+            .take(written.end)
+            .skip(written.start)
+        {
             let w = lease.windows().get(j).copied();
             assert_ne!(w, Some(NO_PAGE), "page {j} is written from {pos}");
             write_expected_page_with_window(&dev, lease.pages()[j], w, h);

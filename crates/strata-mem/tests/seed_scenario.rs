@@ -41,6 +41,9 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         host_text: None,
         device_text: None,
         window_ratio: None,
+        window_checkpoint_pages: None,
+        max_running: 32,
+        max_batch_tokens: 512,
     }
 }
 

@@ -76,12 +76,6 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Compute")]
     pub f32_decode: bool,
 
-    /// Tokens per model call (decode tokens first, then prefill chunks).
-    #[arg(long, default_value_t = 512, help_heading = "Scheduling")]
-    pub max_batch_tokens: usize,
-    /// Requests computing at once.
-    #[arg(long, default_value_t = 32, help_heading = "Scheduling")]
-    pub max_running: usize,
     /// Requests waiting for admission; beyond it: 429 with Retry-After.
     #[arg(long, default_value_t = 128, help_heading = "Scheduling")]
     pub max_waiting: usize,
@@ -113,10 +107,6 @@ pub struct ServeArgs {
     /// Which cached prefix leaves a tier first.
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
-    /// Models with window kinds (DeepSeek-V4): a committed prefix keeps its window state at
-    /// its end and at a checkpoint every this many pages only (0: every page keeps its own).
-    #[arg(long, default_value_t = 0, help_heading = "Cache")]
-    pub window_checkpoint_pages: usize,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
     /// first). A Redis shared by several workers makes one prefix cache for all of them. A
     /// URL naming a Redis Cluster node uses the whole cluster; `redis-cluster://H:P,H:P,...`
@@ -392,7 +382,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
             a.max_queue_time
         );
     }
-    if a.max_batch_tokens == 0 || a.max_running == 0 {
+    if a.sizing.max_batch_tokens == 0 || a.sizing.max_running == 0 {
         bail!("--max-batch-tokens and --max-running must be at least 1");
     }
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
@@ -519,14 +509,8 @@ fn build_cache(
     }
     cc.model_id = model_id(path);
     cc.write_policy = a.write_policy;
-    if a.window_checkpoint_pages > 0 && !cc.layout.has_window() {
-        bail!(
-            "--window-checkpoint-pages {}: the model has no window kinds (every kind is read for \
-             the whole prefix)",
-            a.window_checkpoint_pages
-        );
-    }
-    cc.window_checkpoint_pages = a.window_checkpoint_pages;
+    // The plan refused checkpoints for a model without window kinds.
+    cc.window_checkpoint_pages = plan.window_checkpoint_pages as usize;
     cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
@@ -555,7 +539,7 @@ fn plan_gauges(
         host_flag: plan
             .decided_by
             .iter()
-            .find(|d| d.what.starts_with("host"))
+            .find(|d| d.what == "host tokens per rank")
             .map(|d| d.by.split_whitespace().next().unwrap_or("").to_string())
             .unwrap_or_else(|| "none".into()),
         numa_policy: plan.numa.policy.name().into(),
@@ -589,8 +573,8 @@ fn engine_config(
     prefetch: strata_engine::PrefetchPolicy,
 ) -> EngineConfig {
     let mut cfg = EngineConfig {
-        max_batch_tokens: a.max_batch_tokens,
-        max_running: a.max_running,
+        max_batch_tokens: a.sizing.max_batch_tokens,
+        max_running: a.sizing.max_running,
         max_waiting: a.max_waiting,
         max_tokens_in_flight: a.max_tokens_in_flight,
         stop_token_ids: tk.stop.clone(),

@@ -86,6 +86,20 @@ pub struct SizingArgs {
     /// dropped resumes from the deepest boundary that kept them. Default 1.
     #[arg(long, help_heading = "Pools", allow_negative_numbers = true)]
     pub window_tokens_ratio: Option<f64>,
+    /// Models with window kinds (DeepSeek-V4): a committed prefix keeps its window state at
+    /// its end, where it left the cached prefixes, and at a checkpoint every this many pages
+    /// (a hit between checkpoints resumes from the one before it). Default: derived by the
+    /// plan from the host budget; 0: every page keeps its own (and a running request holds
+    /// one per page it computes).
+    #[arg(long, help_heading = "Pools")]
+    pub window_checkpoint_pages: Option<u64>,
+
+    /// Tokens per model call (decode tokens first, then prefill chunks).
+    #[arg(long, default_value_t = 512, help_heading = "Scheduling")]
+    pub max_batch_tokens: usize,
+    /// Requests computing at once (with window kinds, the plan keeps a window ring for each).
+    #[arg(long, default_value_t = 32, help_heading = "Scheduling")]
+    pub max_running: usize,
 
     /// NUMA node for the host cache: a number, or `auto` (the node of the CPUs this process may
     /// use, else the one with the most available memory).
@@ -351,6 +365,9 @@ impl SizingArgs {
                 .or_else(|| self.hicache_total.clone()),
             device_text: self.device_mem.clone(),
             window_ratio: self.window_tokens_ratio,
+            window_checkpoint_pages: self.window_checkpoint_pages,
+            max_running: self.max_running as u64,
+            max_batch_tokens: self.max_batch_tokens as u64,
         })
     }
 }

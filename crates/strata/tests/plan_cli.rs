@@ -460,31 +460,17 @@ fn every_familys_file_sizes_its_kv() {
 #[test]
 fn a_window_ratio_lets_the_same_budget_hold_more_prefix() {
     let plan = |ratio: Option<&str>, preset: &str| {
-        let mut args = vec![
-            "plan",
-            "--machine",
-            "2x240GB",
-            "--model-preset",
+        plan_incident(
             preset,
-            "--tp-size",
-            "4",
-            "--page-size",
-            "64",
-            "--device-mem",
-            "2GiB",
-            "--hicache-total",
-            "150GB",
-            "--numa-node",
-            "0",
-            "--json",
-        ];
-        if let Some(r) = ratio {
-            args.extend(["--window-tokens-ratio", r]);
-        }
-        strata(&args)
+            ratio.map(|r| ["--window-tokens-ratio", r]).as_slice(),
+        )
     };
-    let whole: serde_json::Value =
-        serde_json::from_str(&out(&plan(None, "deepseek-v4-pro"))).unwrap();
+    // Every page keeping its window kinds (the old default): what the ratio is against.
+    let whole: serde_json::Value = serde_json::from_str(&out(&plan_incident(
+        "deepseek-v4-pro",
+        &[["--window-checkpoint-pages", "0"]],
+    )))
+    .unwrap();
     let o = plan(Some("0.02"), "deepseek-v4-pro");
     assert!(o.status.success(), "{}", err(&o));
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
@@ -516,4 +502,103 @@ fn a_window_ratio_lets_the_same_budget_hold_more_prefix() {
         assert_eq!(o.status.code(), Some(2), "{ratio} {preset}");
         assert!(err(&o).contains(want), "{ratio} {preset}: {}", err(&o));
     }
+}
+
+/// The incident's plan (DeepSeek-V4-Pro, TP 4, 2 GiB device, 150 GB host on node 0) at pages
+/// of 64 tokens, with extra flags.
+fn plan_incident(preset: &str, extra: &[[&str; 2]]) -> std::process::Output {
+    let mut args = vec![
+        "plan",
+        "--machine",
+        "2x240GB",
+        "--model-preset",
+        preset,
+        "--tp-size",
+        "4",
+        "--page-size",
+        "64",
+        "--device-mem",
+        "2GiB",
+        "--hicache-total",
+        "150GB",
+        "--numa-node",
+        "0",
+        "--json",
+    ];
+    for f in extra {
+        args.extend(f);
+    }
+    strata(&args)
+}
+
+/// The incident with no window flag at the default page size: the host holds ≥ 2.9 M main
+/// tokens per rank (≥ 90 % of 37.5 GB at the 11,584 bytes per token a continuation needs for
+/// the whole prefix), the window pages are sized for `--max-running` sequence ends plus
+/// checkpoints (stated with their bytes, what K costs and saves), the device keeps rings, and
+/// a K given by the operator is honoured (more checkpoints: fewer main tokens).
+#[test]
+fn the_incidents_150gb_hold_the_prefix_tokens_the_operator_bought() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--machine",
+            "2x240GB",
+            "--model-preset",
+            "deepseek-v4-pro",
+            "--tp-size",
+            "4",
+            "--device-mem",
+            "2GiB",
+            "--hicache-total",
+            "150GB",
+            "--numa-node",
+            "0",
+            "--json",
+        ];
+        args.extend(extra);
+        let o = strata(&args);
+        assert!(o.status.success(), "{}", err(&o));
+        serde_json::from_str::<serde_json::Value>(&out(&o)).unwrap()
+    };
+    let v = run(&[]);
+    let host = v["host_tokens_per_rank"].as_u64().unwrap();
+    let bound = 37_500_000_000u64 / 11_584;
+    assert!(host >= 2_900_000, "{host} host tokens per rank");
+    assert!(host * 10 >= bound * 9, "{host} of {bound}");
+    assert!(v["host_bytes_per_rank"].as_u64().unwrap() <= 37_500_000_000);
+    let k = v["window_checkpoint_pages"].as_u64().unwrap();
+    assert!(k > 0, "checkpoints by default");
+    // 32 sequence ends of 9 pages at least, within ~10 % of the budget.
+    let window_pages = v["host_window_tokens_per_rank"].as_u64().unwrap() / 16;
+    assert!(window_pages >= 32 * 9, "{window_pages}");
+    let decided = v["decided_by"].to_string();
+    for want in [
+        "host window pages per rank",
+        "sequence ends",
+        "a checkpoint of 8 pages every",
+        "halving the interval would cost",
+        "a running request holds its window state",
+    ] {
+        assert!(decided.contains(want), "{want}: {decided}");
+    }
+    // The longest request: the device's main tokens, not its window tokens.
+    assert!(v["device_tokens_per_rank"].as_u64().unwrap() > 50_000);
+    // The operator's K: twice as many checkpoints cost main tokens.
+    let half = (k / 2).to_string();
+    let w = run(&["--window-checkpoint-pages", &half]);
+    assert_eq!(w["window_checkpoint_pages"].as_u64().unwrap(), k / 2);
+    assert!(w["host_tokens_per_rank"].as_u64().unwrap() < host);
+    // Every page keeping its window kinds: the incident again, as the plan says.
+    let every = run(&["--window-checkpoint-pages", "0"]);
+    assert!(every["host_tokens_per_rank"].as_u64().unwrap() < host / 30);
+    // Checkpoints for a model without window kinds: refused by name.
+    let o = strata(&[
+        "plan",
+        "--model-preset",
+        "smollm2-135m",
+        "--window-checkpoint-pages",
+        "8",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(err(&o).contains("has no window kinds"), "{}", err(&o));
 }

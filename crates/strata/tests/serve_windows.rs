@@ -94,7 +94,7 @@ fn checkpoints_keep_window_pages_only_where_a_continuation_can_start() {
     let model = tiny_dsv4_model(d.path());
     let mut cmd = strata();
     cmd.args(["serve", "--port", "0", "--threads", "2", "--page-size", "4"])
-        .args(["--device-mem", "8MiB", "--window-checkpoint-pages", "64"])
+        .args(["--device-mem", "32MiB", "--window-checkpoint-pages", "64"])
         .arg("--model")
         .arg(&model);
     let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
@@ -130,4 +130,58 @@ fn checkpoints_keep_window_pages_only_where_a_continuation_can_start() {
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("no window kinds"), "{err}");
+}
+
+/// No window flag: the plan's default residency. The device keeps window rings (not a window
+/// page per page), so a request far longer than its window pages completes; the worker
+/// allocates the window pages the plan states.
+#[test]
+fn by_default_a_request_longer_than_the_window_pages_completes() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_dsv4_model(d.path());
+    let pools = [
+        "--page-size",
+        "4",
+        "--device-mem",
+        "8MiB",
+        "--hicache-size",
+        "16MiB",
+    ];
+    let o = strata()
+        .arg("plan")
+        .args(pools)
+        .arg("--model")
+        .arg(&model)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let window_tokens = plan["device_window_tokens_per_rank"].as_u64().unwrap();
+    assert!(plan["window_checkpoint_pages"].as_u64().unwrap() > 0);
+    assert!(window_tokens < 900, "{window_tokens}");
+
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2"])
+        .args(pools)
+        .arg("--model")
+        .arg(&model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    let prompt: Vec<u32> = (0..900u32).map(|i| (i * 31 + 7) % 280).collect();
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let a = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &body.to_string(),
+        &format!("{url}/v1/completions"),
+    ]);
+    assert!(a.contains("\"choices\""), "{a}");
+    let m = curl(&[&format!("{url}/metrics")]);
+    let total = sample(
+        &m,
+        r#"strata_cache_window_pages{tier="device",state="total"}"#,
+    );
+    assert_eq!(total as u64, window_tokens / 4);
 }

@@ -458,17 +458,12 @@ impl TieredCache {
             let surplus = h.windows.split_off(wneeded);
             self.free_windows(&surplus);
         }
-        if self.ring_mode() {
-            // The reservation becomes the ring; pages get theirs as the request computes.
-            h.ring = std::mem::replace(&mut h.windows, vec![NO_PAGE; own_needed]);
-            h.swept = prefix.len();
-        }
+        self.ring_start(h, own_needed, prefix.len());
         h.prefix_pages = prefix.len();
         h.start = h.prefix_pages * ps;
         if let Some(src) = cow {
-            if let (Some(_), true) = (cow_window, self.ring_mode()) {
-                // The copy's window page: the ring holds at least one.
-                h.windows[0] = h.ring.pop().expect("a ready lease's ring holds one");
+            if cow_window.is_some() {
+                self.ring_assign_first(h);
             }
             if let Some(pool) = self.device_pool() {
                 pool.copy_page(Class::Main, src, h.pages[0]);

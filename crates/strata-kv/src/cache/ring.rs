@@ -57,6 +57,22 @@ impl TieredCache {
         pages * self.page_size()
     }
 
+    /// At ready (ring mode): the reservation becomes the ring; the lease's `own` pages get
+    /// their window pages as it computes, from page `prefix` on.
+    pub(super) fn ring_start(&self, h: &mut Held, own: usize, prefix: usize) {
+        if self.ring_mode() {
+            h.ring = std::mem::replace(&mut h.windows, vec![NO_PAGE; own]);
+            h.swept = prefix;
+        }
+    }
+
+    /// Ring mode: the first own page (a copy-on-write page) gets its window page now.
+    pub(super) fn ring_assign_first(&self, h: &mut Held) {
+        if self.ring_mode() {
+            h.windows[0] = h.ring.pop().expect("a ready lease's ring holds one");
+        }
+    }
+
     /// Before computing positions `from..upto` of a ready lease: gives back the window pages
     /// of its own pages that no step from `from` on reads and no commit keeps, and gives the
     /// pages of the span a window page each. Returns how far the lease may compute now

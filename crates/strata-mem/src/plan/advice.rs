@@ -46,7 +46,7 @@ pub(super) fn does_not_fit(
 
 /// The size that would fit, as the flag that was given, in the unit it was given in.
 fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
-    let (tp, c) = (s.tp, &s.cost);
+    let (tp, c) = (s.tp, &s.host_cost);
     let ht = req.host_text.as_deref();
     let fit_host_server = room.usable.saturating_sub(if req.device_in_host_memory {
         s.server_device
@@ -73,7 +73,8 @@ fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
             )
         }
         None => {
-            let dev_fit = c.bytes(c.tokens_for(room.usable / tp));
+            let d = &s.cost;
+            let dev_fit = d.bytes(d.tokens_for(room.usable / tp));
             match req.device {
                 DeviceBudget::Bytes(_) => format!(
                     "--device-mem {} per rank",

@@ -1,22 +1,30 @@
-//! What a token costs in a pool when window kinds keep their state for only a share of the
-//! tokens (`--window-tokens-ratio`), and the plan's line about it.
+//! What a token costs in a pool: its main kinds' bytes, plus its window kinds' bytes for the
+//! window pages the pool keeps beside its main pages ([`Share`]).
 
 use strata_kv::PoolKind;
 
-use super::{Decision, PlanError, PlanRequest};
+/// How many window pages a tier keeps for its main pages.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Share {
+    /// That many window pages per page (`--window-tokens-ratio`; 1: every page keeps its
+    /// window state).
+    Ratio(f64),
+    /// `fixed` window pages (running requests' rings, sequence ends), plus `span` for every
+    /// `k` main pages (checkpoints; `k` 0: none).
+    Pages { fixed: u64, k: u64, span: u64 },
+}
 
-/// The cost of a token in a pool: its main kinds' bytes, and its window kinds' bytes for the
-/// share of tokens that keep their window state (`--window-tokens-ratio`).
+/// The cost of a token in a pool.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Cost {
-    main: u64,
+    pub(crate) main: u64,
     pub(crate) window: u64,
-    pub(crate) ratio: f64,
+    pub(crate) share: Share,
     ps: u64,
 }
 
 impl Cost {
-    pub(crate) fn new(kinds: &[PoolKind], ratio: f64, ps: u64) -> Cost {
+    pub(crate) fn new(kinds: &[PoolKind], share: Share, ps: u64) -> Cost {
         let by = |w: bool| {
             kinds
                 .iter()
@@ -27,98 +35,129 @@ impl Cost {
         Cost {
             main: by(false),
             window: by(true),
-            ratio,
+            share,
             ps,
         }
     }
 
-    /// Whole-page tokens whose window state a pool of `tokens` tokens keeps.
+    /// The same kinds with another share.
+    pub(crate) fn with(&self, share: Share) -> Cost {
+        Cost { share, ..*self }
+    }
+
+    /// Bytes of one window page.
+    pub(crate) fn window_page(&self) -> u64 {
+        self.window * self.ps
+    }
+
+    /// Whole-page tokens whose window state a pool of `tokens` main tokens keeps.
     pub(crate) fn window_tokens(&self, tokens: u64) -> u64 {
         if self.window == 0 {
-            0
-        } else if self.ratio >= 1.0 {
-            tokens
-        } else {
-            (tokens as f64 * self.ratio) as u64 / self.ps * self.ps
+            return 0;
+        }
+        match self.share {
+            Share::Ratio(r) if r >= 1.0 => tokens,
+            Share::Ratio(r) => (tokens as f64 * r) as u64 / self.ps * self.ps,
+            Share::Pages { fixed, k, span } => {
+                let checkpoints = if k == 0 {
+                    0
+                } else {
+                    (tokens / self.ps).div_ceil(k) * span
+                };
+                (fixed + checkpoints) * self.ps
+            }
         }
     }
 
-    /// Bytes of a pool of `tokens` tokens.
+    /// Bytes of a pool of `tokens` main tokens.
     pub(crate) fn bytes(&self, tokens: u64) -> u64 {
         tokens * self.main + self.window_tokens(tokens) * self.window
     }
 
-    /// The most whole-page tokens whose pool fits in `budget` bytes.
+    /// The most whole-page main tokens whose pool fits in `budget` bytes.
     pub(crate) fn tokens_for(&self, budget: u64) -> u64 {
         let ps = self.ps;
-        if self.window == 0 || self.ratio >= 1.0 {
-            return budget / (self.main + self.window) / ps * ps;
+        let per = match self.share {
+            _ if self.window == 0 => self.main as f64,
+            Share::Ratio(r) if r >= 1.0 => (self.main + self.window) as f64,
+            Share::Ratio(r) => self.main as f64 + self.window as f64 * r,
+            Share::Pages { k: 0, .. } => self.main as f64,
+            Share::Pages { k, span, .. } => {
+                self.main as f64 + (span * self.window) as f64 / k as f64
+            }
+        };
+        let fixed = self.bytes(0);
+        if fixed >= budget || per == 0.0 {
+            return 0;
         }
-        let per = self.main as f64 + self.window as f64 * self.ratio;
-        let mut t = (budget as f64 / per) as u64 / ps * ps;
+        let mut t = ((budget - fixed) as f64 / per) as u64 / ps * ps;
         while t > 0 && self.bytes(t) > budget {
             t -= ps;
+        }
+        // A share rounded down per page may leave room for a few more.
+        while self.bytes(t + ps) <= budget {
+            t += ps;
         }
         t
     }
 
-    /// Bytes per token at this ratio, rounded up (for messages).
+    /// Bytes per main token of a large pool, rounded up (for messages).
     pub(crate) fn per_token(&self) -> u64 {
-        self.bytes(1 << 20).div_ceil(1 << 20)
+        let n = 1u64 << 30;
+        (self.bytes(n) - self.bytes(0)).div_ceil(n)
     }
 }
 
-/// States how many tokens keep their window state; refuses a ratio that leaves no window page
-/// on device (a request computes into one per page), or one given for a model without window
-/// kinds. (The ratio's range was validated with the request.)
-pub(crate) fn window_decisions(
-    req: &PlanRequest,
-    cost: &Cost,
-    device_tokens: u64,
-    device_window: u64,
-    decided: &mut Vec<Decision>,
-) -> Result<(), PlanError> {
-    let r = cost.ratio;
-    if cost.window == 0 {
-        return match req.window_ratio {
-            Some(ratio) => Err(PlanError::NoWindowKinds {
-                ratio,
-                model: req.model.name.clone(),
-            }),
-            None => Ok(()),
-        };
-    }
-    if device_window == 0 {
-        return Err(PlanError::NoWindowPage {
-            ratio: r,
-            tokens: (device_tokens as f64 * r) as u64,
-            page_size: req.page_size,
-        });
-    }
-    let by = match req.window_ratio {
-        Some(r) => format!(
-            "--window-tokens-ratio {r}: window kinds (read only for the last tokens before a continuation) in {device_window} of the {device_tokens} device tokens per rank, the same share on host; the longest request is {device_window} tokens"
-        ),
-        None => "no --window-tokens-ratio: every page keeps its window kinds (ratio 1)".into(),
-    };
-    decided.push(Decision {
-        what: "window kinds' tokens per rank".into(),
-        by,
-    });
-    Ok(())
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// How the kinds share the tokens (several kinds only).
-pub(crate) fn kinds_decision(cost: &Cost, n: usize, ps: u64, decided: &mut Vec<Decision>) {
-    if n > 1 {
-        let by = if cost.window > 0 {
-            format!("--page-size {ps}: a page holds every main kind (block kinds packed per page) and a window page every window kind, so each kind gets its class's tokens above at its bytes/token, inside the same budgets")
-        } else {
-            format!("--page-size {ps}: one page holds every kind (block kinds packed per page), so each kind gets the tokens above at its bytes/token, inside the same budgets")
-        };
-        decided.push(Decision {
-            what: format!("each of the {} pool kinds' tokens per rank", n),
-            by,
+    fn cost(share: Share) -> Cost {
+        let kinds = [
+            PoolKind::aux("main", 1, 10),
+            PoolKind::aux("raw", 1, 100).with_window(8),
+        ];
+        Cost::new(&kinds, share, 4)
+    }
+
+    #[test]
+    fn every_share_fits_its_budget_and_one_more_page_would_not() {
+        for share in [
+            Share::Ratio(1.0),
+            Share::Ratio(0.3),
+            Share::Pages {
+                fixed: 0,
+                k: 0,
+                span: 0,
+            },
+            Share::Pages {
+                fixed: 7,
+                k: 5,
+                span: 2,
+            },
+        ] {
+            let c = cost(share);
+            for budget in [0u64, 1, 999, 10_000, 123_457, 10_000_000] {
+                let t = c.tokens_for(budget);
+                assert_eq!(t % 4, 0);
+                assert!(c.bytes(t) <= budget || t == 0, "{share:?} {budget}");
+                if t > 0 || c.bytes(0) < budget {
+                    assert!(c.bytes(t + 4) > budget, "{share:?} {budget}: {t}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn checkpoints_cost_their_span_every_k_pages_on_top_of_the_fixed_pages() {
+        let c = cost(Share::Pages {
+            fixed: 3,
+            k: 10,
+            span: 2,
         });
+        // 100 pages: 10 checkpoints of 2 pages, 3 fixed.
+        assert_eq!(c.window_tokens(400), (3 + 20) * 4);
+        assert_eq!(c.window_tokens(404), (3 + 22) * 4);
+        assert_eq!(c.bytes(0), 3 * 4 * 100);
     }
 }

@@ -1,201 +1,16 @@
 //! The sizing planner: from flags and topology to exact per-rank, per-pool numbers, validated
 //! before anything is allocated.
 
-use serde::Serialize;
 use strata_kv::units::format_bytes;
 use strata_kv::PoolKind;
-use thiserror::Error;
 
-use crate::model::{KindSpec, ModelSpec};
+use crate::model::KindSpec;
 use crate::topology::Topology;
 
-/// Device pool budget per rank.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum DeviceBudget {
-    /// `--device-mem SIZE`: bytes per rank.
-    Bytes(u64),
-    /// `--device-mem-fraction F`: that fraction of the free device memory per rank.
-    FractionOfFree(f64),
-}
-
-/// Host (L2) budget: exactly one of the three flags.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum HostBudget {
-    /// `--hicache-size SIZE`: bytes per rank.
-    PerRank(u64),
-    /// `--hicache-total SIZE`: bytes for the whole server, split evenly over its ranks.
-    Total(u64),
-    /// `--hicache-ratio R`: host tokens = R × device tokens.
-    Ratio(f64),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NumaPolicy {
-    Bind,
-    Interleave,
-    Preferred,
-}
-
-impl NumaPolicy {
-    pub fn parse(s: &str) -> Option<NumaPolicy> {
-        match s {
-            "bind" => Some(NumaPolicy::Bind),
-            "interleave" => Some(NumaPolicy::Interleave),
-            "preferred" => Some(NumaPolicy::Preferred),
-            _ => None,
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            NumaPolicy::Bind => "bind",
-            NumaPolicy::Interleave => "interleave",
-            NumaPolicy::Preferred => "preferred",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NumaChoice {
-    Node(u32),
-    /// The node the process's CPUs belong to, else the one with the most available memory.
-    Auto,
-    /// Each tensor-parallel rank's node (`--numa-nodes`, one entry per rank): its pools there.
-    Ranks(Vec<u32>),
-}
-
-/// Everything the planner needs.
-#[derive(Clone, Debug)]
-pub struct PlanRequest {
-    /// `prefill`, `decode` or `server`: a label for reports.
-    pub role: String,
-    pub model: ModelSpec,
-    pub tp: u32,
-    pub page_size: usize,
-    pub device: DeviceBudget,
-    /// None: no host tier.
-    pub host: Option<HostBudget>,
-    pub numa: NumaChoice,
-    pub policy: NumaPolicy,
-    /// `--host-mem-reserve`; None: 10 % of the node, at most 10 GiB.
-    pub reserve: Option<u64>,
-    /// The device pool lives in host memory (this CPU build): it counts against the node too.
-    pub device_in_host_memory: bool,
-    /// CPUs the process may run on (for `--numa-node auto`).
-    pub allowed_cpus: Vec<u32>,
-    /// The host and device sizes as the operator typed them (`150GB`), to echo them in that
-    /// unit; None: binary units.
-    pub host_text: Option<String>,
-    pub device_text: Option<String>,
-    /// `--window-tokens-ratio R`: window pages per page in each tier (models with window
-    /// kinds); None: one per page.
-    pub window_ratio: Option<f64>,
-}
-
-/// A plan that cannot be carried out; each message is one line naming the fix.
-#[derive(Debug, Error, PartialEq)]
-pub enum PlanError {
-    #[error("--tp-size must be at least 1")]
-    Tp,
-    #[error("--page-size must be at least 1 token")]
-    PageSize,
-    #[error("model `{0}` declares no pool kinds")]
-    NoPools(String),
-    #[error("--page-size {page_size}: {why}")]
-    PageFit { page_size: usize, why: String },
-    #[error("--device-mem-fraction {0} must be in (0, 1]")]
-    Fraction(f64),
-    #[error("--hicache-ratio {0} must be a finite number ≥ 0")]
-    Ratio(f64),
-    #[error("--window-tokens-ratio {0} must be in (0, 1]")]
-    WindowRatio(f64),
-    #[error("--window-tokens-ratio {ratio}: model `{model}` has no window kinds (every kind is read for the whole prefix)")]
-    NoWindowKinds { ratio: f64, model: String },
-    #[error("--window-tokens-ratio {ratio} leaves {tokens} window tokens per rank on device, less than one page of {page_size}")]
-    NoWindowPage {
-        ratio: f64,
-        tokens: u64,
-        page_size: usize,
-    },
-    #[error("device budget of {budget} per rank holds {tokens} tokens, less than one page of {page_size} tokens at {bpt} bytes per token")]
-    DeviceTooSmall {
-        budget: String,
-        tokens: u64,
-        page_size: usize,
-        bpt: u64,
-    },
-    #[error("--numa-node {node}: no such NUMA node (this machine has {have})")]
-    NoSuchNode { node: u32, have: String },
-    #[error("--numa-nodes {0}")]
-    RankNodes(String),
-    #[error("{0}")]
-    DoesNotFit(String),
-}
-
-/// One pool kind's share, per rank.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PoolPlan {
-    pub kind: String,
-    /// What one item belongs to: `token`, `4-token block`, ... (bytes per token amortize it).
-    pub per: String,
-    /// What a continuation reads of a prefix: `prefix` or `last N tokens`.
-    pub needed: String,
-    pub bytes_per_token: u64,
-    pub device_tokens: u64,
-    pub device_pages: u64,
-    pub device_bytes: u64,
-    pub host_tokens: u64,
-    pub host_pages: u64,
-    pub host_bytes: u64,
-}
-
-/// Which flag decided a number.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Decision {
-    pub what: String,
-    pub by: String,
-}
-
-/// Where the host pools go and how much room that leaves.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct NumaPlan {
-    pub policy: NumaPolicy,
-    pub nodes: Vec<u32>,
-    pub available_bytes: u64,
-    pub source: String,
-    pub reserve_bytes: u64,
-    /// Bytes this server places there (host pools, plus device pools when in host memory).
-    pub needed_bytes: u64,
-    pub headroom_bytes: u64,
-}
-
-/// The validated plan. Every rank of the server gets the same pools.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Plan {
-    pub role: String,
-    pub model: String,
-    pub tp: u32,
-    pub page_size: usize,
-    /// Bytes per token of the largest rank (what each rank's pools are sized for).
-    pub bytes_per_token: u64,
-    /// Each rank's: less on ranks holding fewer KV heads (SmolLM2's 3 over 2 ranks: 2 and 1).
-    pub rank_bytes_per_token: Vec<u64>,
-    pub pools: Vec<PoolPlan>,
-    pub device_tokens_per_rank: u64,
-    pub host_tokens_per_rank: u64,
-    /// Tokens whose window state each tier keeps (= the tokens above without window kinds,
-    /// or with the ratio 1).
-    pub device_window_tokens_per_rank: u64,
-    pub host_window_tokens_per_rank: u64,
-    pub device_bytes_per_rank: u64,
-    pub host_bytes_per_rank: u64,
-    pub server_device_bytes: u64,
-    pub server_host_bytes: u64,
-    pub numa: NumaPlan,
-    pub decided_by: Vec<Decision>,
-    pub warnings: Vec<String>,
-}
+pub use types::{
+    Decision, DeviceBudget, HostBudget, NumaChoice, NumaPlan, NumaPolicy, Plan, PlanError,
+    PlanRequest, PoolPlan,
+};
 
 /// Share of a node below which a ratio-sized host pool is called out.
 pub const SMALL_POOL_SHARE: f64 = 0.10;
@@ -274,10 +89,9 @@ impl PlanRequest {
 /// Each rank's cost of a token and bytes per token (ranks with fewer KV heads hold less).
 fn rank_costs(req: &PlanRequest) -> Result<(Vec<Cost>, Vec<u64>), PlanError> {
     let kinds = req.rank_pool_kinds()?;
-    let ratio = req.window_ratio.unwrap_or(1.0);
     let costs = kinds
         .iter()
-        .map(|k| Cost::new(k, ratio, req.page_size as u64))
+        .map(|k| Cost::new(k, Share::Ratio(1.0), req.page_size as u64))
         .collect();
     let bpt = kinds
         .iter()
@@ -292,38 +106,32 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let ps = req.page_size as u64;
     let kinds = req.pool_kinds()?;
     let bpt: u64 = kinds.iter().map(|k| k.bytes_per_token() as u64).sum();
-    let cost = Cost::new(&kinds, req.window_ratio.unwrap_or(1.0), ps);
+    let base = Cost::new(&kinds, Share::Ratio(1.0), ps);
+    window::validate(req, &base)?;
     let (rank_costs, rank_bpt) = rank_costs(req)?;
-    let mut decided = Vec::new();
+    let (mut decided, mut window_warnings) = (Vec::new(), Vec::new());
 
     // NUMA placement first: the fraction-of-free device budget needs it.
     let room = numa_room(req, topo, &mut decided)?;
 
-    // Device pool.
-    let device_budget = device_budget(req, room.avail, &mut decided)?;
-    let device_tokens = cost.tokens_for(device_budget);
-    if device_tokens == 0 {
-        return Err(PlanError::DeviceTooSmall {
-            budget: format_bytes(device_budget),
-            tokens: device_budget / cost.per_token(),
-            page_size: req.page_size,
-            bpt: cost.per_token(),
-        });
-    }
-
-    // Host pool: whole tokens of every kind, never more bytes than asked.
-    let host_tokens = host_tokens(req, &cost, device_tokens, &mut decided)?;
+    let (device_budget, device_tokens, host_tokens, wplan) =
+        budgets(req, &base, room.avail, &mut decided, &mut window_warnings)?;
+    let (cost, host_cost) = (base.with(wplan.device), base.with(wplan.host));
     let (dw, hw) = (
         cost.window_tokens(device_tokens),
-        cost.window_tokens(host_tokens),
+        host_cost.window_tokens(host_tokens),
     );
-    window_decisions(req, &cost, device_tokens, dw, &mut decided)?;
+    window_decisions(req, device_tokens, dw, &mut decided)?;
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
+    let rank_costs: Vec<(Cost, Cost)> = rank_costs
+        .iter()
+        .map(|c| (c.with(wplan.device), c.with(wplan.host)))
+        .collect();
     let s = Sizes::new(
         req,
-        &cost,
+        (&cost, &host_cost),
         &rank_costs,
         device_budget,
         device_tokens,
@@ -335,7 +143,8 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         return Err(advice::does_not_fit(req, topo, &room, &s, &where_));
     }
     ranks::check_rank_nodes(req, topo, &rank_costs, device_tokens, host_tokens)?;
-    let warnings = advice::warnings(req, topo, &room, &s, &where_);
+    let mut warnings = advice::warnings(req, topo, &room, &s, &where_);
+    warnings.extend(window_warnings);
 
     Ok(Plan {
         role: req.role.clone(),
@@ -349,6 +158,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         host_tokens_per_rank: host_tokens,
         device_window_tokens_per_rank: dw,
         host_window_tokens_per_rank: hw,
+        window_checkpoint_pages: wplan.k,
         device_bytes_per_rank: s.device_bytes,
         host_bytes_per_rank: s.host_bytes,
         server_device_bytes: s.server_device,
@@ -367,6 +177,45 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     })
 }
 
+/// The device and host pools' sizes: each tier's window share first (the device's: running
+/// requests' rings; the host's: sequence ends and checkpoints), then its main tokens. Returns
+/// the device budget, the device and host main tokens, and the window plan.
+fn budgets(
+    req: &PlanRequest,
+    base: &Cost,
+    avail: u64,
+    decided: &mut Vec<Decision>,
+    warnings: &mut Vec<String>,
+) -> Result<(u64, u64, u64, window::WindowPlan), PlanError> {
+    let ps = req.page_size as u64;
+    let device_budget = device_budget(req, avail, decided)?;
+    let mut wplan = window::device_share(req, base, device_budget, decided, warnings)?;
+    let cost = base.with(wplan.device);
+    let device_tokens = cost.tokens_for(device_budget);
+    if device_tokens == 0 {
+        return Err(PlanError::DeviceTooSmall {
+            budget: format_bytes(device_budget),
+            tokens: device_budget / cost.per_token(),
+            page_size: req.page_size,
+            bpt: cost.per_token(),
+        });
+    }
+    // The host: never more bytes than asked.
+    let host_bytes = host_budget(req, base, device_tokens);
+    let mut host_window = Vec::new();
+    window::host_share(
+        req,
+        base,
+        &mut wplan,
+        host_bytes,
+        device_tokens / ps,
+        &mut host_window,
+    );
+    let host_tokens = host_tokens(req, &base.with(wplan.host), device_tokens, decided)?;
+    decided.extend(host_window);
+    Ok((device_budget, device_tokens, host_tokens, wplan))
+}
+
 /// The NUMA nodes chosen for the host pools and the room they have.
 struct Room {
     nodes: Vec<u32>,
@@ -380,7 +229,9 @@ struct Room {
 /// The per-rank and per-server numbers the budgets came to.
 struct Sizes {
     tp: u64,
+    /// The device's and the host's cost of a token.
     cost: Cost,
+    host_cost: Cost,
     device_budget: u64,
     device_tokens: u64,
     host_tokens: u64,
@@ -396,18 +247,18 @@ impl Sizes {
     /// Bytes per rank and per server of the token counts, and what lands on the NUMA nodes.
     fn new(
         req: &PlanRequest,
-        cost: &Cost,
-        rank_costs: &[Cost],
+        (cost, host_cost): (&Cost, &Cost),
+        rank_costs: &[(Cost, Cost)],
         device_budget: u64,
         device_tokens: u64,
         host_tokens: u64,
     ) -> Sizes {
         let tp = req.tp as u64;
         let device_bytes = cost.bytes(device_tokens);
-        let host_bytes = cost.bytes(host_tokens);
+        let host_bytes = host_cost.bytes(host_tokens);
         // Every rank holds the same pages; a rank with fewer heads, fewer bytes.
-        let server_host = rank_costs.iter().map(|c| c.bytes(host_tokens)).sum();
-        let server_device = rank_costs.iter().map(|c| c.bytes(device_tokens)).sum();
+        let server_host = rank_costs.iter().map(|c| c.1.bytes(host_tokens)).sum();
+        let server_device = rank_costs.iter().map(|c| c.0.bytes(device_tokens)).sum();
         let needed = server_host
             + if req.device_in_host_memory {
                 server_device
@@ -417,6 +268,7 @@ impl Sizes {
         Sizes {
             tp,
             cost: *cost,
+            host_cost: *host_cost,
             device_budget,
             device_tokens,
             host_tokens,
@@ -584,6 +436,20 @@ fn device_budget(
     })
 }
 
+/// Host pool bytes per rank the `--hicache-*` flag asks for (a ratio: what its tokens take
+/// with every window page, less the window share), if any.
+fn host_budget(req: &PlanRequest, base: &Cost, device_tokens: u64) -> Option<u64> {
+    Some(match req.host? {
+        HostBudget::PerRank(b) => b,
+        HostBudget::Total(b) => b / req.tp as u64,
+        HostBudget::Ratio(r) if r.is_finite() && r >= 0.0 => {
+            let tokens = (device_tokens as f64 * r) as u64;
+            (tokens.saturating_mul(base.main) as f64 / (1.0 - window::WINDOW_HOST_SHARE)) as u64
+        }
+        HostBudget::Ratio(_) => 0,
+    })
+}
+
 /// Host pool tokens per rank (whole pages) from the `--hicache-*` flag given, if any.
 fn host_tokens(
     req: &PlanRequest,
@@ -686,6 +552,10 @@ fn where_of(nodes: &[u32]) -> String {
 mod advice;
 mod cost;
 mod render;
+mod types;
+mod window;
 
-use cost::{kinds_decision, window_decisions, Cost};
+use cost::{Cost, Share};
+pub use window::WINDOW_HOST_SHARE;
+use window::{kinds_decision, window_decisions};
 mod ranks;

@@ -60,7 +60,7 @@ pub(super) fn rank_nodes(
 pub(super) fn check_rank_nodes(
     req: &PlanRequest,
     topo: &Topology,
-    rank_costs: &[Cost],
+    rank_costs: &[(Cost, Cost)],
     device_tokens: u64,
     host_tokens: u64,
 ) -> Result<(), PlanError> {
@@ -76,10 +76,10 @@ pub(super) fn check_rank_nodes(
         let need: u64 = ranks
             .iter()
             .map(|&r| {
-                let c = &rank_costs[r];
-                c.bytes(host_tokens)
+                let (d, h) = &rank_costs[r];
+                h.bytes(host_tokens)
                     + if req.device_in_host_memory {
-                        c.bytes(device_tokens)
+                        d.bytes(device_tokens)
                     } else {
                         0
                     }
