@@ -297,7 +297,15 @@ fn slow_header_floods_do_not_take_the_router_or_a_worker_down() {
             &m,
             r#"strata_http_connections_total{outcome="header_timeout"}"#,
         );
-        assert!(yielded >= 1000.0, "port {port}: {yielded} yielded");
+        let refused = sample(&m, r#"strata_http_connections_total{outcome="refused"}"#);
+        // 12,500 strangers against 4,000 places (opened faster than the header timeout):
+        // each one over the bound was refused at accept or made an idle one yield; how many
+        // of each depends on how fast they came (an entry yields once idle for a second).
+        assert!(yielded >= 100.0, "port {port}: {yielded} yielded");
+        assert!(
+            yielded + refused >= 8000.0,
+            "port {port}: {yielded} yielded, {refused} refused"
+        );
         assert!(timeouts >= 1.0, "port {port}: {timeouts} header timeouts");
     }
     drop((worker, router));
