@@ -210,3 +210,24 @@ fn a_ring_keeps_the_checkpoints_when_window_pages_allow() {
     let k = kept(&mut c, &a);
     assert_eq!(k, vec![3, 7, 11, 15, 19, 23, 27, 31, 35, 38, 39]);
 }
+
+#[test]
+fn the_prompts_end_keeps_its_window_pages_for_a_next_turn_that_renders_the_answer_otherwise() {
+    // Window of 4 tokens, checkpoints too far apart to matter: a 24-token prompt and a
+    // 16-token answer. The next turn re-sends the prompt with another rendering of the
+    // answer: it leaves the sequence at the prompt's end (page 6) and resumes there.
+    let mut c = cache(4, 100);
+    let prompt = seq(24, 9);
+    let mut turn = prompt.clone();
+    turn.extend(seq(16, 3000));
+    let mut lease = c
+        .admit(&prompt, 16, true, PrefetchPolicy::WaitComplete)
+        .unwrap();
+    assert!(c.advance(&mut lease));
+    compute_in_chunks(&mut c, &mut lease, &turn, (0, turn.len()), 5);
+    c.commit(lease, &turn, turn.len());
+    let mut next = prompt.clone();
+    next.extend(seq(20, 7000));
+    let m = c.match_prefix(&next);
+    assert_eq!((m.cached_tokens(), m.window_cut_tokens), (24, 0));
+}

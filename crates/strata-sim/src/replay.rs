@@ -48,6 +48,22 @@ pub struct SimConfig {
     /// Generate each request's output tokens and cache them as the engine does (`false`:
     /// only prompts are cached, as if every request asked for one token).
     pub cache_outputs: bool,
+    /// A layout with window kinds: each tier's window pages and the residency (None: one
+    /// window page per page, as [`CacheConfig::new`] gives).
+    pub windows: Option<SimWindows>,
+}
+
+/// Window pages per tier and the residency of a layout with window kinds (what `strata plan`
+/// decides for the model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimWindows {
+    pub device_pages: u32,
+    pub host_pages: u32,
+    /// [`CacheConfig::window_checkpoint_pages`] (0: every page keeps its window state).
+    pub checkpoint_pages: usize,
+    /// Tokens a request computes per model call (`--max-batch-tokens`): the chunks a running
+    /// request secures its window pages for.
+    pub chunk_tokens: usize,
 }
 
 /// Outcome of one replay.
@@ -121,6 +137,11 @@ pub fn build_cache(cfg: &SimConfig) -> Result<TieredCache, SimError> {
     cc.write_policy = cfg.write_policy;
     cc.eviction = cfg.eviction;
     cc.gdsf_history = cfg.gdsf_history;
+    if let Some(w) = cfg.windows {
+        cc.device_window_pages = w.device_pages;
+        cc.host_window_pages = w.host_pages;
+        cc.window_checkpoint_pages = w.checkpoint_pages;
+    }
     let storage =
         (l3 > 0).then(|| Arc::new(MemoryStorage::new(u64::MAX, l3 as u64)) as Arc<dyn Storage>);
     TieredCache::new(cc, &HeapAllocator, storage).map_err(|e| SimError::Cache(e.to_string()))
@@ -176,6 +197,12 @@ fn replay_one(
     // Every prompt token and every output token but the last (whose K/V a further step
     // would compute) are computed.
     let computed = prompt_len + new - 1;
+    // Computed in chunks, as the engine's scheduler does, each securing its window pages.
+    let chunk = cfg.windows.map_or(usize::MAX, |w| w.chunk_tokens.max(1));
+    let mut pos = lease.start();
+    while pos < computed {
+        pos = cache.secure_windows(&mut lease, pos, pos.saturating_add(chunk).min(computed));
+    }
     cache.commit(lease, &tokens, computed);
     let t2 = Instant::now();
     r.cache_nanos += (t2 - t0).as_nanos() as u64;
@@ -247,6 +274,7 @@ mod tests {
             eviction: EvictionPolicy::Lru,
             gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: false,
+            windows: None,
         }
     }
 

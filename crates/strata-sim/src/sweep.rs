@@ -98,6 +98,7 @@ mod tests {
             eviction: EvictionPolicy::Lru,
             gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: true,
+            windows: None,
         };
         let pts = sweep(
             &reqs,

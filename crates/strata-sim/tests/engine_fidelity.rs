@@ -111,6 +111,7 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
             eviction,
             gdsf_history: strata_kv::DEFAULT_GDSF_HISTORY,
             cache_outputs: true,
+            windows: None,
         };
         let sim = replay(&reqs, &cfg, |_| {}).unwrap();
         let s = sim.stats;

@@ -19,6 +19,7 @@ mod serve_kv;
 mod serve_tp;
 mod sim;
 mod sim_advice;
+mod sim_windows;
 mod sizing;
 mod up;
 

@@ -97,6 +97,14 @@ pub struct SimArgs {
     #[arg(long, default_value = "sim-sweep.svg", help_heading = "Sweep")]
     plot: PathBuf,
 
+    /// A model with window kinds (--model-preset deepseek-v4-pro): the requests computing at
+    /// once, whose window rings the plan keeps on device and whose sequence ends on host.
+    #[arg(long, default_value_t = 32, help_heading = "Window residency")]
+    max_running: usize,
+    /// A model with window kinds: tokens per model call (a running request's chunk).
+    #[arg(long, default_value_t = 512, help_heading = "Window residency")]
+    max_batch_tokens: usize,
+
     #[command(flatten)]
     advice: crate::sim_advice::AdviceArgs,
 }
@@ -174,22 +182,14 @@ pub fn run(a: SimArgs) -> Result<()> {
     if advising {
         advice_flags(&a)?;
     }
+    let windowed = windowed_model(&a, advising)?;
     // The layout only matters for byte figures; one pool with the given bytes per token.
     let layout = PageLayout::new(a.page_size, vec![PoolKind::aux("kv", 1, bpt)])
         .with_context(|| format!("--page-size {}", a.page_size))?;
     let (reqs, block_tokens, vocab) = load_trace(&a)?;
     let pt = PageTrace::new(&reqs, block_tokens, a.page_size);
     let distinct_tokens = (pt.distinct_pages * a.page_size) as u64;
-    info!(
-        requests = reqs.len(),
-        queried_tokens = pt.queried_tokens(),
-        distinct_pages = pt.distinct_pages,
-        "trace loaded: {} requests, {} prompt tokens, {} distinct pages of {} tokens",
-        reqs.len(),
-        pt.queried_tokens(),
-        pt.distinct_pages,
-        a.page_size
-    );
+    log_trace(&reqs, &pt, a.page_size);
     let base = SimConfig {
         layout: layout.clone(),
         block_tokens,
@@ -201,7 +201,11 @@ pub fn run(a: SimArgs) -> Result<()> {
         eviction: evictions[0],
         gdsf_history: a.gdsf_history as usize,
         cache_outputs: a.cache_outputs,
+        windows: None,
     };
+    if let Some(spec) = windowed {
+        return run_windowed(&a, spec, &reqs, &pt, &base, &evictions);
+    }
     if a.sweep {
         return run_sweep(&a, &reqs, &base, &evictions);
     }
@@ -241,6 +245,63 @@ pub fn run(a: SimArgs) -> Result<()> {
     );
     println!("{:<6} {:>44.2}", "inf", pct(pt.infinite_hit_tokens(), q));
     Ok(())
+}
+
+fn log_trace(reqs: &[TraceRequest], pt: &PageTrace, page_size: usize) {
+    info!(
+        requests = reqs.len(),
+        queried_tokens = pt.queried_tokens(),
+        distinct_pages = pt.distinct_pages,
+        "trace loaded: {} requests, {} prompt tokens, {} distinct pages of {} tokens",
+        reqs.len(),
+        pt.queried_tokens(),
+        pt.distinct_pages,
+        page_size
+    );
+}
+
+/// The model with window kinds `--model` / `--model-preset` names, if any; refuses the flags
+/// its replay does not model, and sizes not in bytes (before the trace is read).
+fn windowed_model(a: &SimArgs, advising: bool) -> Result<Option<strata_mem::ModelSpec>> {
+    if a.max_running == 0 || a.max_batch_tokens == 0 {
+        bail!("--max-running and --max-batch-tokens must be at least 1");
+    }
+    let windowed =
+        crate::sim_advice::model_spec(&a.advice)?.filter(crate::sim_windows::has_window_kinds);
+    if windowed.is_some() {
+        if a.sweep || advising || a.storage != "0" {
+            bail!("a model with window kinds replays its window residency side by side: --sweep, --advise, --compare and --storage are not modelled with it");
+        }
+        crate::sim_windows::check_sizes(&a.device, &a.host)?;
+    }
+    Ok(windowed)
+}
+
+/// The window residency side by side (`sim_windows.rs`).
+fn run_windowed(
+    a: &SimArgs,
+    spec: strata_mem::ModelSpec,
+    reqs: &[TraceRequest],
+    pt: &PageTrace,
+    base: &SimConfig,
+    evictions: &[EvictionPolicy],
+) -> Result<()> {
+    let w = crate::sim_windows::WindowSim {
+        spec,
+        tp: a.advice.tp_size,
+        page_size: a.page_size,
+        device: &a.device,
+        host: &a.host,
+        max_running: a.max_running,
+        max_batch_tokens: a.max_batch_tokens,
+    };
+    println!(
+        "trace: {} ({} requests, {} prompt tokens)",
+        a.trace.display(),
+        reqs.len(),
+        pt.queried_tokens()
+    );
+    crate::sim_windows::run(&w, reqs, base, evictions)
 }
 
 /// Reads the trace (block granularity with `--ids-as-tokens`); with the block size in tokens

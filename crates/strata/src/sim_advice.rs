@@ -44,18 +44,7 @@ pub fn bytes_per_token(
     given: Option<usize>,
     page_size: usize,
 ) -> Result<(usize, String)> {
-    let spec = match (&a.model, &a.model_preset) {
-        (Some(_), Some(_)) => bail!("--model and --model-preset: give one"),
-        (Some(p), None) => Some(crate::sizing::model_spec_of(p)?),
-        (None, Some(n)) => Some(strata_mem::preset(n).with_context(|| {
-            format!(
-                "--model-preset `{n}`: unknown (known: {})",
-                strata_mem::PRESETS.join(", ")
-            )
-        })?),
-        (None, None) => None,
-    };
-    match (spec, given) {
+    match (model_spec(a)?, given) {
         (Some(_), Some(_)) => bail!("--bytes-per-token and a model: give one"),
         (Some(spec), None) => {
             if a.tp_size == 0 {
@@ -89,6 +78,21 @@ pub fn bytes_per_token(
             Ok((bpt, format!("{bpt} bytes per token")))
         }
     }
+}
+
+/// The model `--model` or `--model-preset` names, if any.
+pub fn model_spec(a: &AdviceArgs) -> Result<Option<strata_mem::ModelSpec>> {
+    Ok(match (&a.model, &a.model_preset) {
+        (Some(_), Some(_)) => bail!("--model and --model-preset: give one"),
+        (Some(p), None) => Some(crate::sizing::model_spec_of(p)?),
+        (None, Some(n)) => Some(strata_mem::preset(n).with_context(|| {
+            format!(
+                "--model-preset `{n}`: unknown (known: {})",
+                strata_mem::PRESETS.join(", ")
+            )
+        })?),
+        (None, None) => None,
+    })
 }
 
 /// `x` as a percentage of `of` (0 when `of` is 0).

@@ -336,3 +336,75 @@ fn route_refuses_bad_flags_with_the_reason() {
         assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
     }
 }
+
+/// `strata sim` with DeepSeek-V4-Pro (window kinds) on a multi-turn trace: the window residency
+/// side by side at the incident's bytes per rank. The default caches 40 times the tokens of
+/// every page keeping its window state, serves far more hit tokens than it at the same bytes,
+/// and nearly all those of every page keeping it with the default's main tokens (40× the bytes).
+#[test]
+fn sim_puts_the_window_residency_side_by_side_for_deepseek_v4() {
+    let d = tempfile::tempdir().unwrap();
+    let t = strata_test_support::write_multi_turn_trace(d.path(), 24, 12, 64);
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t.to_str().unwrap(),
+        "--model-preset",
+        "deepseek-v4-pro",
+        "--tp-size",
+        "4",
+        "--device",
+        "2GiB",
+        "--host",
+        "37.5GB",
+        "--eviction",
+        "lru",
+    ]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    let row = |name: &str| -> Vec<String> {
+        let l = s
+            .lines()
+            .find(|l| l.starts_with("lru") && l.contains(name))
+            .unwrap_or_else(|| panic!("no `{name}` row in:\n{s}"));
+        l.split("  ")
+            .filter(|x| !x.trim().is_empty())
+            .map(|x| x.trim().to_string())
+            .collect()
+    };
+    let host_tokens = |r: &[String]| r[2].parse::<u64>().unwrap();
+    let (every, default) = (row("every page   "), row("default"));
+    assert!(host_tokens(&default) > 30 * host_tokens(&every), "{s}");
+    let share = s
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("default: "))
+        .unwrap_or_else(|| panic!("no summary in:\n{s}"));
+    let pct: f64 = share.split('%').next().unwrap().parse().unwrap();
+    assert!(pct >= 95.0, "{share}");
+    let times: f64 = share
+        .split(", ")
+        .nth(1)
+        .and_then(|x| x.split('×').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(times >= 2.0, "{share}");
+    // Flags it does not model are refused, not ignored.
+    let o = strata(&[
+        "sim",
+        "--trace",
+        t.to_str().unwrap(),
+        "--model-preset",
+        "deepseek-v4-pro",
+        "--device",
+        "2GiB",
+        "--host",
+        "10%",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("sized in bytes per rank"), "{}", text(&o));
+    assert!(
+        !text(&o).contains("trace loaded"),
+        "refused before any work"
+    );
+}

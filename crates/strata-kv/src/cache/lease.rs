@@ -80,6 +80,12 @@ pub(super) struct Held {
 }
 
 impl Held {
+    /// Where a continuation may resume besides its end and checkpoints, in pages: its
+    /// branch point and its prompt's end.
+    pub(super) fn points(&self, ps: usize) -> [usize; 2] {
+        [self.branch, self.prompt_len / ps]
+    }
+
     pub(super) fn is_ready(&self) -> bool {
         self.phase == Phase::Ready
     }
@@ -576,7 +582,7 @@ impl TieredCache {
         let mut give_w = own_w[..give.min(own_w.len())].to_vec();
         let mut dropped = Vec::new();
         for (i, w) in give_w.iter_mut().enumerate() {
-            if *w != NO_PAGE && !self.keeps_window(whole, h.branch, h.prefix_pages + i) {
+            if *w != NO_PAGE && !self.keeps_window(whole, h.points(ps), h.prefix_pages + i) {
                 dropped.push(std::mem::replace(w, NO_PAGE));
             }
         }

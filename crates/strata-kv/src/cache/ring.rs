@@ -14,7 +14,7 @@
 //!   `secure_windows` always grants at least one token, by reusing its ring, taking free
 //!   pages, or at worst giving up a page it kept for a checkpoint.
 //! * A page released early is one no commit would keep: it is before the span, and neither
-//!   a checkpoint nor the branch point keeps it (those do not depend on how far the request
+//!   a checkpoint nor the branch point nor the prompt's end keeps it (those do not depend on how far the request
 //!   gets), nor the end rule for the least end the request can still commit (the end rule
 //!   keeps fewer pages the further the end).
 
@@ -128,7 +128,7 @@ impl TieredCache {
                 break;
             }
             let w = h.windows[j];
-            if w != NO_PAGE && !self.lasting_keeps(whole_min, h.branch, j) {
+            if w != NO_PAGE && !self.lasting_keeps(whole_min, h.points(self.page_size()), j) {
                 h.ring.push(w);
                 h.windows[j] = NO_PAGE;
             }

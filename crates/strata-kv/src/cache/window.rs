@@ -19,7 +19,8 @@
 //!   `[end − 1 − w, end)` (a continuation at its end, or a repeat of it continuing at its last
 //!   token), those covering `[b − w, b)` for its branch point `b` (where it left the prefixes
 //!   cached when it was admitted: a shared system prompt's end, from the second request that
-//!   shares it on) and, for every checkpoint boundary `c` (a multiple of K pages) inside it,
+//!   shares it on) and for its prompt's end (a next turn that renders the answer otherwise
+//!   continues there), and, for every checkpoint boundary `c` (a multiple of K pages) inside it,
 //!   those covering `[c − w, c)` — and gives the others back at commit. A later hit between
 //!   checkpoints backs off to the nearest kept boundary by the match rule, and recomputes the
 //!   rest. With K = 0 every page keeps its window page.
@@ -36,12 +37,12 @@ impl TieredCache {
         self.window > 0
     }
 
-    /// Whether a committed prefix of `whole` pages that left the cached prefixes after
-    /// `branch` pages keeps the window page of its page `j` (see the module docs).
-    pub(super) fn keeps_window(&self, whole: usize, branch: usize, j: usize) -> bool {
+    /// Whether a committed prefix of `whole` pages keeps the window page of its page `j`,
+    /// `points` being its branch point and its prompt's end in pages (see the module docs).
+    pub(super) fn keeps_window(&self, whole: usize, points: [usize; 2], j: usize) -> bool {
         self.checkpoint_pages == 0
             || self.end_keeps(whole, j)
-            || self.lasting_keeps(whole, branch, j)
+            || self.lasting_keeps(whole, points, j)
     }
 
     /// The end rule: page `j` covers `[end − 1 − w, end)` of a prefix of `whole` pages (its
@@ -52,14 +53,16 @@ impl TieredCache {
         j >= (whole * ps).saturating_sub(1 + self.window) / ps
     }
 
-    /// The branch-point and checkpoint rules: page `j` covers the window before the branch
-    /// point (the next prompt that shares the prefix leaves it there too) or before its
-    /// nearest checkpoint at most `whole` pages in (later checkpoints' spans start later).
-    /// A page a whole `window` before the least possible end gets the same answer for every
-    /// larger `whole`.
-    pub(super) fn lasting_keeps(&self, whole: usize, branch: usize, j: usize) -> bool {
+    /// The point and checkpoint rules: page `j` covers the window before one of `points` —
+    /// the branch point (the next prompt that shares the prefix leaves it there too) and the
+    /// prompt's end (a next turn that renders the answer otherwise, or a retry, continues
+    /// there) — or before its nearest checkpoint at most `whole` pages in (later
+    /// checkpoints' spans start later). A page a whole `window` before the least possible end
+    /// gets the same answer for every larger `whole`.
+    pub(super) fn lasting_keeps(&self, whole: usize, points: [usize; 2], j: usize) -> bool {
         let (k, ps) = (self.checkpoint_pages, self.page_size());
-        if branch > 0 && j < branch && j >= (branch * ps).saturating_sub(self.window) / ps {
+        let before = |b: usize| b > 0 && j < b && j >= (b * ps).saturating_sub(self.window) / ps;
+        if points.into_iter().any(before) {
             return true;
         }
         let c = (j + 1).div_ceil(k) * k;
@@ -69,7 +72,7 @@ impl TieredCache {
     /// Whether page `j` is in the span before a checkpoint of a prefix of `pages` pages (one a
     /// hit may back off to).
     pub(super) fn checkpoint_reads(&self, j: usize, pages: usize) -> bool {
-        self.checkpoint_pages > 0 && self.lasting_keeps(pages, 0, j)
+        self.checkpoint_pages > 0 && self.lasting_keeps(pages, [0, 0], j)
     }
 
     /// Where a request over `len` prompt tokens continues from after using `pages` cached

@@ -179,11 +179,11 @@ fn window_pages_split_with_their_node_and_are_not_prefix_closed() {
     // An inner node is a window victim (window pages are not prefix-closed) while its main
     // pages are not evictable (it has a child on device).
     assert_eq!(t.device_victim(), Some(r.last));
-    // The suffix was not touched by the match: the least recently used holder goes first;
-    // skipping it, the inner head is next.
-    assert_eq!(t.window_victim(Slot::Device, |_| false), Some(r.last));
-    let inner = t.window_victim(Slot::Device, |n| n == r.last).unwrap();
+    // The inner head goes first, although the match touched it more recently than the
+    // suffix (a sequence end, a leaf); skipping it, the leaf is next.
+    let inner = t.window_victim(Slot::Device, |_| false).unwrap();
     assert_eq!(inner, m.last);
+    assert_eq!(t.window_victim(Slot::Device, |n| n == inner), Some(r.last));
     assert_eq!(t.take_windows(inner, Slot::Device), vec![10]);
     assert!(t.view(inner).device_win.is_empty());
     // Locked nodes are not victims.

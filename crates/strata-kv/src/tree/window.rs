@@ -4,7 +4,8 @@
 //! node, [`NO_PAGE`] where that page has none, and at least one real page. Window pages need
 //! the tier's main pages (a list in a tier without main pages is empty) but are not
 //! prefix-closed: any unlocked node (any position, not only leaves) holding some is a window
-//! victim of that tier, in the policy's order. A continuation reads window state only just
+//! victim of that tier — inner nodes before leaves (sequence ends), each in the policy's
+//! order. A continuation reads window state only just
 //! before it starts, which is what lets the cache drop it from the rest of a prefix.
 
 use super::node::WINDOWS;
@@ -113,13 +114,23 @@ impl RadixTree {
         real
     }
 
-    /// Window victims of `slot` in the policy's order, skipping those `skip` refuses.
+    /// The next window victim of `slot`, skipping those `skip` refuses: inner nodes first
+    /// (window state a sequence has moved past: checkpoints, earlier turns' ends, branch
+    /// points), then leaves (sequence ends, where conversations and agents continue), each in
+    /// the policy's order.
     pub fn window_victim(&self, slot: Slot, skip: impl Fn(NodeId) -> bool) -> Option<NodeId> {
         let set = match slot {
             Slot::Device => &self.device_windows,
             Slot::Host => &self.host_windows,
         };
-        set.iter().map(key_id).find(|&n| !skip(n))
+        let mut leaf = None;
+        for n in set.iter().map(key_id).filter(|&n| !skip(n)) {
+            if self.nodes[n.0 as usize].children > 0 {
+                return Some(n);
+            }
+            leaf.get_or_insert(n);
+        }
+        leaf
     }
 
     /// Shortens a match to its first `keep` tokens (a page boundary), splitting the node the
