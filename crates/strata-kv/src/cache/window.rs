@@ -277,11 +277,15 @@ impl TieredCache {
 
     fn evict_windows(&mut self, slot: Slot, n: usize) -> usize {
         let mut got = 0;
+        // What short sequence ends read of their parents' last pages.
+        let span = (self.window + 1).div_ceil(self.page_size());
+        let protect = self.tree.window_protection(slot, span);
         while got < n {
-            let Some(v) = self.tree.window_victim(slot, |_| false) else {
+            let Some((v, keep)) = self.tree.window_victim_protected(slot, &protect, |_| false)
+            else {
                 break;
             };
-            let k = self.drop_windows(v, slot);
+            let k = self.drop_windows_before(v, slot, keep);
             got += k;
             match slot {
                 Slot::Device => self.stats.evicted_device_window_pages += k as u64,
@@ -289,6 +293,18 @@ impl TieredCache {
             }
         }
         got
+    }
+
+    /// Frees the window pages of `id` in `slot` but those of its last `keep` pages; returns
+    /// how many.
+    fn drop_windows_before(&mut self, id: NodeId, slot: Slot, keep: usize) -> usize {
+        let w = self.tree.take_windows_before(id, slot, keep);
+        let alloc = match slot {
+            Slot::Device => &mut self.dwin_alloc,
+            Slot::Host => &mut self.hwin_alloc,
+        };
+        alloc.free(&w).expect("tree window pages are allocated");
+        w.len()
     }
 
     /// Frees the window pages of `id` in `slot` (before its main pages leave that tier);

@@ -294,3 +294,34 @@ fn s3fifo_promotes_hit_small_leaves_and_recognises_ghosts() {
 fn policy_state_is_12_bytes_a_node() {
     assert_eq!(std::mem::size_of::<GdsfNode>(), 12);
 }
+
+#[test]
+fn an_inner_node_keeps_the_last_window_pages_a_short_sequence_end_below_it_reads() {
+    // Pages of 2 tokens: a 5-page sequence, then one that shares its first 4 pages and ends
+    // one page later (a short turn): its end's span of 3 pages reaches 2 pages into the
+    // shared node, which is now inner.
+    let mut t = tree(2, EvictionPolicy::Lru);
+    let a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+    t.insert_with_windows(&a, &[0, 1, 2, 3, 4], &[10, 11, 12, 13, 14], Slot::Device, 0);
+    let b = [1, 2, 3, 4, 5, 6, 7, 8, 40, 41];
+    let r = t.insert_with_windows(&b, &[5, 6, 7, 8, 9], &[20, 21, 22, 23, 24], Slot::Device, 0);
+    t.check().unwrap();
+    let shared = t.view(r.last).parent;
+    assert_eq!(t.view(shared).device_win, &[10, 11, 12, 13]);
+    let protect = t.window_protection(Slot::Device, 3);
+    assert_eq!(protect.get(&shared), Some(&2));
+    // The inner node goes first, but only its pages before the last two.
+    let (v, keep) = t
+        .window_victim_protected(Slot::Device, &protect, |_| false)
+        .unwrap();
+    assert_eq!((v, keep), (shared, 2));
+    assert_eq!(t.take_windows_before(v, Slot::Device, keep), vec![10, 11]);
+    assert_eq!(t.view(shared).device_win, &[NO_PAGE, NO_PAGE, 12, 13]);
+    t.check().unwrap();
+    // Nothing left before them: the next victims are whole nodes in the policy's order.
+    let (next, keep) = t
+        .window_victim_protected(Slot::Device, &protect, |_| false)
+        .unwrap();
+    assert_eq!(keep, 0);
+    assert_ne!(next, shared, "the shared node's last pages go after the ends");
+}

@@ -8,6 +8,8 @@
 //! order. A continuation reads window state only just
 //! before it starts, which is what lets the cache drop it from the rest of a prefix.
 
+use rustc_hash::FxHashMap;
+
 use super::node::WINDOWS;
 use super::{key_id, window_half, NodeId, RadixTree, Slot, TreeMatch, NO_PAGE};
 
@@ -114,23 +116,89 @@ impl RadixTree {
         real
     }
 
-    /// The next window victim of `slot`, skipping those `skip` refuses: inner nodes first
-    /// (window state a sequence has moved past: checkpoints, earlier turns' ends, branch
-    /// points), then leaves (sequence ends, where conversations and agents continue), each in
-    /// the policy's order.
+    /// The next window victim of `slot`, skipping those `skip` refuses (see
+    /// [`RadixTree::window_victim_protected`], nothing protected).
     pub fn window_victim(&self, slot: Slot, skip: impl Fn(NodeId) -> bool) -> Option<NodeId> {
+        let none = FxHashMap::default();
+        self.window_victim_protected(slot, &none, skip)
+            .map(|(n, _)| n)
+    }
+
+    /// For each node holding window pages in `slot` whose end is a leaf's (a sequence end)
+    /// shorter than `span` pages: the ancestors whose last pages that end's span reaches
+    /// into, with how many of their last pages it needs.
+    pub fn window_protection(&self, slot: Slot, span: usize) -> FxHashMap<NodeId, usize> {
         let set = match slot {
             Slot::Device => &self.device_windows,
             Slot::Host => &self.host_windows,
         };
-        let mut leaf = None;
+        let ps = self.page_size;
+        let mut out: FxHashMap<NodeId, usize> = FxHashMap::default();
+        for n in set.iter().map(key_id) {
+            let node = &self.nodes[n.0 as usize];
+            if node.children > 0 {
+                continue;
+            }
+            let mut need = span.saturating_sub(node.pages(ps));
+            let mut p = node.parent;
+            while need > 0 && p != 0 {
+                let pages = self.nodes[p as usize].pages(ps);
+                let e = out.entry(NodeId(p)).or_default();
+                *e = (*e).max(need.min(pages));
+                need = need.saturating_sub(pages);
+                p = self.nodes[p as usize].parent;
+            }
+        }
+        out
+    }
+
+    /// The next window victim of `slot`, skipping those `skip` refuses, and how many of its
+    /// last pages to keep: first inner nodes' window pages (state a sequence has moved past:
+    /// checkpoints, earlier turns' ends, branch points) but the last pages a short sequence
+    /// end below them still reads (`protect`, from [`RadixTree::window_protection`]); then
+    /// any node's, whole (sequence ends, where conversations and agents continue), each in
+    /// the policy's order.
+    pub fn window_victim_protected(
+        &self,
+        slot: Slot,
+        protect: &FxHashMap<NodeId, usize>,
+        skip: impl Fn(NodeId) -> bool,
+    ) -> Option<(NodeId, usize)> {
+        let set = match slot {
+            Slot::Device => &self.device_windows,
+            Slot::Host => &self.host_windows,
+        };
+        let mut any = None;
         for n in set.iter().map(key_id).filter(|&n| !skip(n)) {
             if self.nodes[n.0 as usize].children > 0 {
-                return Some(n);
+                let keep = protect.get(&n).copied().unwrap_or(0);
+                let (d, h) = self.windows_of(n.0);
+                let list = if slot == Slot::Device { d } else { h };
+                let front = &list[..list.len().saturating_sub(keep)];
+                if front.iter().any(|&w| w != NO_PAGE) {
+                    return Some((n, keep));
+                }
             }
-            leaf.get_or_insert(n);
+            any.get_or_insert((n, 0));
         }
-        leaf
+        any
+    }
+
+    /// Removes `id`'s window pages in `slot` but those of its last `keep_last` pages and
+    /// returns them (real pages only).
+    pub fn take_windows_before(&mut self, id: NodeId, slot: Slot, keep_last: usize) -> Vec<u32> {
+        let mut list = self.take_win(id.0, slot);
+        let cut = list.len().saturating_sub(keep_last);
+        let mut real = Vec::new();
+        for w in &mut list[..cut] {
+            if *w != NO_PAGE {
+                real.push(std::mem::replace(w, NO_PAGE));
+            }
+        }
+        self.put_win(id.0, slot, window_half(list));
+        *self.win_count(slot) -= real.len();
+        self.refresh(id.0);
+        real
     }
 
     /// Shortens a match to its first `keep` tokens (a page boundary), splitting the node the
