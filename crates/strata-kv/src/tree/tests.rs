@@ -323,5 +323,8 @@ fn an_inner_node_keeps_the_last_window_pages_a_short_sequence_end_below_it_reads
         .window_victim_protected(Slot::Device, &protect, |_| false)
         .unwrap();
     assert_eq!(keep, 0);
-    assert_ne!(next, shared, "the shared node's last pages go after the ends");
+    assert_ne!(
+        next, shared,
+        "the shared node's last pages go after the ends"
+    );
 }
