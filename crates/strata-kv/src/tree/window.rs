@@ -156,8 +156,8 @@ impl RadixTree {
     /// last pages to keep: first inner nodes' window pages (state a sequence has moved past:
     /// checkpoints, earlier turns' ends, branch points) but the last pages a short sequence
     /// end below them still reads (`protect`, from [`RadixTree::window_protection`]); then
-    /// any node's, whole (sequence ends, where conversations and agents continue), each in
-    /// the policy's order.
+    /// leaves' (sequence ends, where conversations and agents continue), whole; then the
+    /// protected last pages of inner nodes; each in the policy's order.
     pub fn window_victim_protected(
         &self,
         slot: Slot,
@@ -168,7 +168,7 @@ impl RadixTree {
             Slot::Device => &self.device_windows,
             Slot::Host => &self.host_windows,
         };
-        let mut any = None;
+        let (mut leaf, mut inner) = (None, None);
         for n in set.iter().map(key_id).filter(|&n| !skip(n)) {
             if self.nodes[n.0 as usize].children > 0 {
                 let keep = protect.get(&n).copied().unwrap_or(0);
@@ -178,10 +178,13 @@ impl RadixTree {
                 if front.iter().any(|&w| w != NO_PAGE) {
                     return Some((n, keep));
                 }
+                inner.get_or_insert((n, 0));
+            } else {
+                leaf.get_or_insert((n, 0));
             }
-            any.get_or_insert((n, 0));
         }
-        any
+        // A protected parent's last pages go with (after) the ends that read them.
+        leaf.or(inner)
     }
 
     /// Removes `id`'s window pages in `slot` but those of its last `keep_last` pages and
