@@ -27,57 +27,45 @@ impl TieredCache {
         self.release_dropped();
         let reserve_tokens = prompt_len + new_tokens;
         let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
+        let main = self.layout.class_bytes(Class::Main);
         let (mut windows, mut ring) = (Vec::new(), Vec::new());
         if self.has_window() {
-            // A page for each page sent with its window part (all, without ring mode), and in
-            // ring mode the ring the decode steps go on with.
-            let main = self.layout.class_bytes(Class::Main);
-            let (n, extra) = if self.ring_mode() {
-                let sent = blobs.iter().filter(|b| b.len() != main).count();
-                (sent, self.window_reserve(pages.len()))
-            } else {
-                (pages.len(), 0)
+            // A window page for each page sent with its window part (one older than the
+            // window travels without), and for the pages after the prompt: without ring mode
+            // each has its own, in ring mode the decode steps take them from a ring.
+            let ring_mode = self.ring_mode();
+            let assigned = |i: usize| match blobs.get(i) {
+                Some(b) => b.len() != main,
+                None => !ring_mode,
             };
-            match self.alloc_windows(n + extra) {
-                Some(mut w) => {
-                    ring = w.split_off(n);
-                    windows = w;
-                }
-                None => {
-                    self.free_device(&pages).expect("just allocated");
-                    return None;
-                }
-            }
-        }
-        let pool = self
-            .planes
-            .device
-            .clone()
-            .expect("K/V is imported into a cache with data");
-        let main = self.layout.class_bytes(Class::Main);
-        if self.ring_mode() {
-            // Laid out by page: the pages sent with their window part take one each.
-            let mut it = std::mem::take(&mut windows).into_iter();
-            windows = pages
-                .iter()
-                .enumerate()
-                .map(|(i, _)| match blobs.get(i) {
-                    Some(b) if b.len() != main => it.next().expect("one per window part"),
-                    _ => NO_PAGE,
+            let n = (0..pages.len()).filter(|&i| assigned(i)).count();
+            let extra = if ring_mode {
+                self.window_reserve(pages.len())
+            } else {
+                0
+            };
+            let Some(mut got) = self.alloc_windows(n + extra) else {
+                self.free_device(&pages).expect("just allocated");
+                return None;
+            };
+            ring = got.split_off(n);
+            let mut it = got.into_iter();
+            windows = (0..pages.len())
+                .map(|i| {
+                    if assigned(i) {
+                        it.next().expect("one per assigned page")
+                    } else {
+                        NO_PAGE
+                    }
                 })
                 .collect();
         }
+        let pool = self
+            .device_pool_shared()
+            .expect("K/V is imported into a cache with data");
         for (i, (blob, &page)) in blobs.iter().zip(&pages).enumerate() {
-            // A page sent without its window part keeps none (it is older than the window).
-            let w = windows
-                .get(i)
-                .copied()
-                .filter(|&w| w != NO_PAGE && blob.len() != main);
+            let w = windows.get(i).copied().filter(|&w| w != NO_PAGE);
             pool.write_page_host_layout(page, w, blob);
-            if w.is_none() && windows.get(i).is_some_and(|&w| w != NO_PAGE) {
-                let dropped = std::mem::replace(&mut windows[i], NO_PAGE);
-                self.free_windows(&[dropped]);
-            }
         }
         let held = Held {
             prompt_len,
