@@ -47,6 +47,11 @@ pub struct SamplingParams {
     /// The output must follow this constraint (a grammar): only the tokens it allows are
     /// chosen, and the request ends when it is complete.
     pub constraint: Option<crate::constraint::Constraint>,
+    /// The first this many prompt tokens are a prefix other requests are expected to share
+    /// and leave (a chat's system part, up to where a user's turn starts; 0: none). With a
+    /// model whose window state is kept only where a continuation can start, the cache keeps
+    /// it there too, so those requests resume at that point. Changes no output.
+    pub shared_prefix: usize,
 }
 
 impl SamplingParams {
@@ -81,6 +86,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            shared_prefix: 0,
         }
     }
 }

@@ -149,6 +149,30 @@ fn the_point_where_a_prompt_left_the_cache_keeps_its_window_pages_for_the_next()
 }
 
 #[test]
+fn a_named_shared_prefix_keeps_its_window_pages_from_the_first_request_on() {
+    // The same system prompt and questions as above, but the first request names its
+    // shared prefix (the system prompt, 23 tokens: the point falls inside page 5, whose
+    // start is where the others resume): the second resumes there at once.
+    let mut c = cache(4, 100);
+    let system = seq(23, 7);
+    let ask = |q: u32| {
+        let mut p = system.clone();
+        p.extend(seq(17, 1000 + q * 50));
+        p
+    };
+    let a = ask(0);
+    let mut lease = c.admit(&a, 1, true, PrefetchPolicy::WaitComplete).unwrap();
+    lease.set_shared_prefix(23);
+    assert!(c.advance(&mut lease));
+    compute_in_chunks(&mut c, &mut lease, &a, (0, a.len()), 5);
+    c.commit(lease, &a, a.len());
+    // Kept: the span before page 5 (page 4), and the end's (pages 8 and 9).
+    assert_eq!(kept(&mut c, &a), vec![4, 8, 9]);
+    let m = c.match_prefix(&ask(1));
+    assert_eq!((m.cached_tokens(), m.window_cut_tokens), (20, 0));
+}
+
+#[test]
 fn a_running_request_holds_window_pages_for_its_span_only() {
     // Six device window pages (a one-token step reads at most 2 own pages of 4 tokens with a
     // window of 4) and a 300-token request (75 pages): without the ring it could not start.
@@ -226,6 +250,47 @@ fn the_prompts_end_keeps_its_window_pages_for_a_next_turn_that_renders_the_answe
     assert!(c.advance(&mut lease));
     compute_in_chunks(&mut c, &mut lease, &turn, (0, turn.len()), 5);
     c.commit(lease, &turn, turn.len());
+    let mut next = prompt.clone();
+    next.extend(seq(20, 7000));
+    let m = c.match_prefix(&next);
+    assert_eq!((m.cached_tokens(), m.window_cut_tokens), (24, 0));
+}
+
+#[test]
+fn evicting_part_of_a_sequence_keeps_its_end_an_end() {
+    // Window of 4 tokens, no checkpoint that matters, 24 device pages, write-through. A: a
+    // 24-token prompt and a 16-token answer (its prompt's end, page 5, keeps a window page);
+    // then C, and D continuing it (C's end is now state a sequence moved past).
+    let mut cfg = CacheConfig::new(common::window_layout(PS, 4), 24, 64);
+    cfg.window_checkpoint_pages = 100;
+    cfg.hashing = true;
+    let mut c = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+    let prompt = seq(24, 23);
+    let mut a = prompt.clone();
+    a.extend(seq(16, 5000));
+    let mut lease = c
+        .admit(&prompt, 16, true, PrefetchPolicy::WaitComplete)
+        .unwrap();
+    assert!(c.advance(&mut lease));
+    compute_in_chunks(&mut c, &mut lease, &a, (0, a.len()), 5);
+    c.commit(lease, &a, a.len());
+    let cs = seq(20, 21);
+    let mut d = cs.clone();
+    d.extend(seq(20, 4000));
+    run(&mut c, &cs);
+    run(&mut c, &d);
+    // A new request needs 4 pages more than are free: the device evicts from A (the least
+    // recently used sequence), which must stay one sequence end rather than become a head
+    // (an inner node, whose window pages go first) and a tail.
+    let b = seq(31, 6000);
+    let lease = c.admit(&b, 1, true, PrefetchPolicy::WaitComplete).unwrap();
+    c.release(lease);
+    c.wait_all();
+    c.check().unwrap();
+    // Window pressure on both tiers: state a sequence moved past (C's end) goes first.
+    c.evict_device_windows(1);
+    c.evict_host_windows(1);
+    c.check().unwrap();
     let mut next = prompt.clone();
     next.extend(seq(20, 7000));
     let m = c.match_prefix(&next);

@@ -135,6 +135,11 @@ pub struct PrefillRequest {
     /// greedy when absent.
     #[serde(default)]
     pub sampling: FirstTokenSampling,
+    /// The first this many of `tokens` are a prefix other prompts are expected to share and
+    /// leave (a chat's system part); the prefill worker's cache keeps the window state there.
+    /// At most `tokens.len()`.
+    #[serde(default)]
+    pub shared_prefix: usize,
 }
 
 /// The client's sampling as it travels to the prefill worker: the engine's parameters less

@@ -167,6 +167,7 @@ async fn completions(
         constraint,
         tools: None,
         best_of: req.best_of,
+        shared_prefix: 0,
     };
     // The engine names a prompt that does not fit `messages` (chat's field); here it is
     // `prompt`.
@@ -208,9 +209,13 @@ async fn chat(
     let ChatRequest {
         messages, sampling, ..
     } = req;
-    let ids = off_async(&st, move |st| {
+    // Only a model whose window state is kept where a continuation starts uses the shared
+    // prefix (it costs a second rendering of the system part).
+    let want_shared = st.engine.info().window_tokens > 0;
+    let (ids, shared_prefix) = off_async(&st, move |st| {
         let tpl = st.template.as_deref();
-        crate::prompt::chat_ids(&st.tokenizer, tpl, &messages, shown.as_deref())
+        let tk = &st.tokenizer;
+        crate::prompt::chat_ids_shared(tk, tpl, &messages, shown.as_deref(), want_shared)
     })
     .await?;
     let constraint = match asked {
@@ -223,6 +228,7 @@ async fn chat(
         constraint,
         tools: tools.and_then(|t| t.callable()),
         best_of: None,
+        shared_prefix,
     };
     start(st, ids, &sampling, how, &headers, &bytes).await
 }
@@ -236,6 +242,8 @@ struct How {
     tools: Option<Vec<String>>,
     /// Completions' `best_of` (None: `n`).
     best_of: Option<usize>,
+    /// Chat: where other conversations are expected to leave the prompt (0: unknown).
+    shared_prefix: usize,
 }
 
 async fn start(
@@ -250,6 +258,7 @@ async fn start(
     let kind = how.kind;
     let (mut params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
     params.constraint = how.constraint;
+    params.shared_prefix = how.shared_prefix;
     // Completions' echo with logprobs: the prompt's too, with as many alternatives.
     let prompt_logprobs = how.echo.is_some() && params.logprobs.is_some();
     if prompt_logprobs {

@@ -179,7 +179,18 @@ fn prefill_request(
         logprobs: w.logprobs,
         prompt_logprobs: w.prompt_logprobs,
         constraint: None,
+        shared_prefix: req.shared_prefix,
     };
+    if req.shared_prefix > req.tokens.len() {
+        return Err(ApiError::bad_request(
+            format!(
+                "shared_prefix {} is longer than the prompt's {} tokens",
+                req.shared_prefix,
+                req.tokens.len()
+            ),
+            Some("shared_prefix"),
+        ));
+    }
     Ok((req, id, addr, params))
 }
 
@@ -363,6 +374,7 @@ pub async fn decode_after_remote_prefill(
         transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
         tokens: ids.clone(),
         kv_target: inbox.advertise.to_string(),
+        shared_prefix: params.shared_prefix,
         sampling: FirstTokenSampling {
             temperature: params.temperature,
             top_p: params.top_p,
@@ -600,6 +612,7 @@ mod tests {
             transfer_id: String::new(),
             tokens: vec![0; prompt],
             kv_target: String::new(),
+            shared_prefix: 0,
             sampling: FirstTokenSampling {
                 logprobs: Some(k),
                 prompt_logprobs: Some(k),

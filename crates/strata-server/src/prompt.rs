@@ -130,6 +130,47 @@ pub fn chat_ids(
     encode(tk, &text)
 }
 
+/// [`chat_ids`], and where other conversations are expected to leave the prompt (see
+/// [`shared_prefix`]; 0 unless `shared` is asked).
+pub fn chat_ids_shared(
+    tk: &ModelTokenizer,
+    tpl: Option<&ChatTemplate>,
+    messages: &[ChatMessage],
+    tools: Option<&[ToolDef]>,
+    shared: bool,
+) -> Result<(Vec<u32>, usize), ApiError> {
+    let ids = chat_ids(tk, tpl, messages, tools)?;
+    let (Some(tpl), true) = (tpl, shared) else {
+        return Ok((ids, 0));
+    };
+    let msgs = template_messages(messages, tools)?;
+    let n = shared_prefix(tk, tpl, &msgs, &ids).unwrap_or(0);
+    Ok((ids, n))
+}
+
+/// The tokens of `ids` (a rendered chat) that every conversation with the same leading
+/// system (and developer) messages shares: those messages and the next turn's opening, up to
+/// where its text starts. None when the chat has no such part (or nothing after it).
+pub fn shared_prefix(
+    tk: &ModelTokenizer,
+    tpl: &ChatTemplate,
+    msgs: &[Message],
+    ids: &[u32],
+) -> Option<usize> {
+    let lead = msgs
+        .iter()
+        .take_while(|m| matches!(m.role.as_str(), "system" | "developer"))
+        .count();
+    let next = msgs.get(lead).filter(|_| lead > 0)?;
+    // The same leading messages and an empty next turn: the common start is what any other
+    // conversation's prompt shares with this one.
+    let mut probe = msgs[..lead].to_vec();
+    probe.push(Message::new(&next.role, ""));
+    let text = tpl.render(&probe, false).ok()?;
+    let p = tk.encode_prompt(&text).ok()?;
+    Some(p.iter().zip(ids).take_while(|(a, b)| a == b).count())
+}
+
 /// A completion request's prompt ids: one text (tokenized) or token ids as given.
 pub fn completion_ids(tk: &ModelTokenizer, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     match prompt {

@@ -340,7 +340,8 @@ fn route_refuses_bad_flags_with_the_reason() {
 /// `strata sim` with DeepSeek-V4-Pro (window kinds) on a multi-turn trace: the window residency
 /// side by side at the incident's bytes per rank. The default caches 40 times the tokens of
 /// every page keeping its window state, serves far more hit tokens than it at the same bytes,
-/// and nearly all those of every page keeping it with the default's main tokens (40× the bytes).
+/// and at least 99 % of those of every page keeping it with the default's main tokens (40× the
+/// bytes).
 #[test]
 fn sim_puts_the_window_residency_side_by_side_for_deepseek_v4() {
     let d = tempfile::tempdir().unwrap();
@@ -380,7 +381,7 @@ fn sim_puts_the_window_residency_side_by_side_for_deepseek_v4() {
         .find_map(|l| l.trim().strip_prefix("default: "))
         .unwrap_or_else(|| panic!("no summary in:\n{s}"));
     let pct: f64 = share.split('%').next().unwrap().parse().unwrap();
-    assert!(pct >= 95.0, "{share}");
+    assert!(pct >= 99.0, "{share}");
     let times: f64 = share
         .split(", ")
         .nth(1)

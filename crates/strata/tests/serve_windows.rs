@@ -185,3 +185,60 @@ fn by_default_a_request_longer_than_the_window_pages_completes() {
     );
     assert_eq!(total as u64, window_tokens / 4);
 }
+
+/// By default a chat's system part is a point where the window state stays: the first
+/// conversation keeps it, so the next conversation with the same system prompt resumes there
+/// (without it, the second would find the window state gone and recompute everything).
+#[test]
+fn the_next_conversation_resumes_at_the_shared_system_prompt() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_dsv4_model(d.path());
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2", "--page-size", "4"])
+        .args(["--device-mem", "32MiB", "--hicache-size", "32MiB"])
+        .arg("--model")
+        .arg(&model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    let system = "you are a careful assistant who answers in short sentences about the sea, \
+                  the ships on it, the weather that moves them and the ports they call at";
+    let ask = |user: &str| {
+        let body = serde_json::json!({
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": 3,
+            "temperature": 0,
+        });
+        let a = curl(&[
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &body.to_string(),
+            &format!("{url}/v1/chat/completions"),
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&a).unwrap_or_else(|_| panic!("{a}"));
+        let u = &v["usage"];
+        (
+            u["prompt_tokens"].as_u64().unwrap(),
+            u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        )
+    };
+    let (first, cached) = ask("which ship is the fastest");
+    assert_eq!(cached, 0);
+    let (second, cached) = ask("where do storms start");
+    // The system part is most of either prompt: the second resumes after it.
+    assert!(first > 40 && second > 40, "{first} {second}");
+    assert!(
+        cached * 2 > second,
+        "{cached} of {second} prompt tokens cached"
+    );
+    let m = curl(&[&format!("{url}/metrics")]);
+    assert!(
+        m.contains(r#"strata_cache_window_hits_total{resumed="backed_off"} 0"#),
+        "{m}"
+    );
+}

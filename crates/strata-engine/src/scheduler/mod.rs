@@ -231,12 +231,13 @@ impl Scheduler {
                 // copy): admit it without the prefix rather than never.
                 lease = self.cache.admit(prompt, new, false, prefetch);
             }
-            let Some(lease) = lease else {
+            let Some(mut lease) = lease else {
                 // Retried only once pages are freed or unlocked or copies land: each attempt
                 // matches the prompt (tree touches, an L3 round trip).
                 self.blocked_at = Some(self.progress);
                 break;
             };
+            lease.set_shared_prefix(r.params.shared_prefix);
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             tracing::debug!(
@@ -263,10 +264,11 @@ impl Scheduler {
         let r = self.waiting.front().expect("front exists");
         let kv = r.import.as_ref().expect("imported request");
         let new = r.params.max_tokens;
-        let Some(lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
+        let Some(mut lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
             self.blocked_at = Some(self.progress);
             return false;
         };
+        lease.set_shared_prefix(r.params.shared_prefix);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let kv = r.import.take().expect("imported request");

@@ -74,6 +74,9 @@ pub(super) struct Held {
     /// Pages of the prompt the cache held when it was admitted, before the window rule cut
     /// the hit back: where this prompt left the cached prefixes (its branch point).
     pub(super) branch: usize,
+    /// Tokens at the start of the prompt that later prompts are expected to share
+    /// ([`Lease::set_shared_prefix`]; 0: none).
+    pub(super) shared: usize,
     /// Positions whose K/V are in `pages` once ready.
     pub(super) start: usize,
     pub(super) served: Served,
@@ -81,9 +84,9 @@ pub(super) struct Held {
 
 impl Held {
     /// Where a continuation may resume besides its end and checkpoints, in pages: its
-    /// branch point and its prompt's end.
-    pub(super) fn points(&self, ps: usize) -> [usize; 2] {
-        [self.branch, self.prompt_len / ps]
+    /// branch point, its prompt's end and the end of its shared prefix.
+    pub(super) fn points(&self, ps: usize) -> [usize; 3] {
+        [self.branch, self.prompt_len / ps, self.shared / ps]
     }
 
     pub(super) fn is_ready(&self) -> bool {
@@ -155,6 +158,15 @@ impl Lease {
     /// Device pages the request holds itself (not the tree's).
     pub fn own_pages(&self) -> usize {
         self.held().own().len()
+    }
+
+    /// The first `tokens` of the prompt are where later prompts are expected to leave it (a
+    /// chat's system part, up to where each user's turn starts): with window kinds and
+    /// checkpoints, the commit keeps the window state before that point, so their hits
+    /// resume there instead of backing off. Set before computing; clamped to the prompt.
+    pub fn set_shared_prefix(&mut self, tokens: usize) {
+        let h = self.held_mut();
+        h.shared = tokens.min(h.prompt_len);
     }
 
     /// Waiting for an L3 prefetch.
@@ -243,6 +255,7 @@ impl TieredCache {
             swept: 0,
             prefix_pages: 0,
             branch,
+            shared: 0,
             start: 0,
             served: Served::default(),
         };

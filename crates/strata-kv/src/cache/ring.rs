@@ -3,8 +3,9 @@
 //! With checkpoint residency (`checkpoint_pages` K > 0) a request does not hold a window page
 //! for every page it computes. Once ready it holds them for the pages a step can still read
 //! or write — those covering `[pos − w, end of the step)` — plus the ones a commit will keep
-//! for good (its checkpoints, branch point and prompt's end, see `window.rs`); a page that leaves the
-//! span otherwise gives its window page back to the lease's ring, which the next pages reuse.
+//! for good (its checkpoints, branch point, prompt's end and shared prefix's end, see
+//! `window.rs`); a page that leaves the span otherwise gives its window page back to the
+//! lease's ring, which the next pages reuse.
 //! [`TieredCache::secure_windows`] does this before each model call. The longest request is
 //! then bounded by its main pages only.
 //!
@@ -14,8 +15,8 @@
 //!   `secure_windows` always grants at least one token, by reusing its ring, taking free
 //!   pages, or at worst giving up a page it kept for a checkpoint.
 //! * A page released early is one no commit would keep: it is before the span, and neither
-//!   a checkpoint, the branch point nor the prompt's end keeps it (those do not depend on
-//!   how far the request gets), nor the end rule for the least end the request can still
+//!   a checkpoint, the branch point, the prompt's end nor the shared prefix's end keeps it
+//!   (those do not depend on how far the request gets), nor the end rule for the least end the request can still
 //!   commit (the end rule keeps fewer pages the further the end).
 
 use crate::tree::NO_PAGE;

@@ -80,6 +80,7 @@ impl TieredCache {
             swept: 0,
             prefix_pages: 0,
             branch: 0,
+            shared: 0,
             start: prompt_len,
             served: Served::default(),
         };

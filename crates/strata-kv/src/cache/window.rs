@@ -19,8 +19,10 @@
 //!   `[end − 1 − w, end)` (a continuation at its end, or a repeat of it continuing at its last
 //!   token), those covering `[b − w, b)` for its branch point `b` (where it left the prefixes
 //!   cached when it was admitted: a shared system prompt's end, from the second request that
-//!   shares it on) and for its prompt's end (a next turn that renders the answer otherwise
-//!   continues there), and, for every checkpoint boundary `c` (a multiple of K pages) inside it,
+//!   shares it on), for its prompt's end (a next turn that renders the answer otherwise
+//!   continues there) and for the end of its shared prefix when the request names one (a
+//!   chat's system part: other conversations leave it there, from the first request on),
+//!   and, for every checkpoint boundary `c` (a multiple of K pages) inside it,
 //!   those covering `[c − w, c)` — and gives the others back at commit. A later hit between
 //!   checkpoints backs off to the nearest kept boundary by the match rule, and recomputes the
 //!   rest. With K = 0 every page keeps its window page.
@@ -38,8 +40,9 @@ impl TieredCache {
     }
 
     /// Whether a committed prefix of `whole` pages keeps the window page of its page `j`,
-    /// `points` being its branch point and its prompt's end in pages (see the module docs).
-    pub(super) fn keeps_window(&self, whole: usize, points: [usize; 2], j: usize) -> bool {
+    /// `points` being its branch point, its prompt's end and its shared prefix's end in pages
+    /// (see the module docs).
+    pub(super) fn keeps_window(&self, whole: usize, points: [usize; 3], j: usize) -> bool {
         self.checkpoint_pages == 0
             || self.end_keeps(whole, j)
             || self.lasting_keeps(whole, points, j)
@@ -54,12 +57,12 @@ impl TieredCache {
     }
 
     /// The point and checkpoint rules: page `j` covers the window before one of `points` —
-    /// the branch point (the next prompt that shares the prefix leaves it there too) and the
+    /// the branch point (the next prompt that shares the prefix leaves it there too), the
     /// prompt's end (a next turn that renders the answer otherwise, or a retry, continues
-    /// there) — or before its nearest checkpoint at most `whole` pages in (later
+    /// there) and the shared prefix's end (other conversations leave it there) — or before its nearest checkpoint at most `whole` pages in (later
     /// checkpoints' spans start later). A page a whole `window` before the least possible end
     /// gets the same answer for every larger `whole`.
-    pub(super) fn lasting_keeps(&self, whole: usize, points: [usize; 2], j: usize) -> bool {
+    pub(super) fn lasting_keeps(&self, whole: usize, points: [usize; 3], j: usize) -> bool {
         let (k, ps) = (self.checkpoint_pages, self.page_size());
         let before = |b: usize| b > 0 && j < b && j >= (b * ps).saturating_sub(self.window) / ps;
         if points.into_iter().any(before) {
@@ -72,7 +75,7 @@ impl TieredCache {
     /// Whether page `j` is in the span before a checkpoint of a prefix of `pages` pages (one a
     /// hit may back off to).
     pub(super) fn checkpoint_reads(&self, j: usize, pages: usize) -> bool {
-        self.checkpoint_pages > 0 && self.lasting_keeps(pages, [0, 0], j)
+        self.checkpoint_pages > 0 && self.lasting_keeps(pages, [0; 3], j)
     }
 
     /// Where a request over `len` prompt tokens continues from after using `pages` cached

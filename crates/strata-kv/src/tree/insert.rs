@@ -190,9 +190,15 @@ impl RadixTree {
 
     /// Splits `id` so that it keeps only its last `tail_pages` pages (its head becomes a new
     /// parent node). Eviction uses it to free just what is needed, keeping the more valuable
-    /// head of a prefix. No-op when the node is not longer than that.
+    /// head of a prefix. No-op when the node is not longer than that, or when it holds window
+    /// pages: its head would become an inner node, whose window pages are evicted first as
+    /// state a sequence has moved past, while it is still the end a continuation reads.
     pub fn split_tail(&mut self, id: NodeId, tail_pages: usize) {
-        let len = self.nodes[id.0 as usize].token_len(self.page_size);
+        let node = &self.nodes[id.0 as usize];
+        if node.has(WINDOWS) {
+            return;
+        }
+        let len = node.token_len(self.page_size);
         let keep = tail_pages.saturating_mul(self.page_size);
         if tail_pages > 0 && keep < len {
             self.split(id.0, len - keep);

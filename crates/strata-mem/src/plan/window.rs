@@ -7,9 +7,10 @@
 //! * a running request holds its window state in a ring of `⌈w / page⌉ + 1` pages, so the
 //!   device keeps `--max-running` rings plus the pages of one batch
 //!   (`--max-batch-tokens`), at most half the device budget;
-//! * a committed prefix keeps its window state at its end, its branch point and every K
-//!   pages, so the host keeps `--max-running` sequence ends plus a checkpoint span every K
-//!   main pages, [`WINDOW_HOST_SHARE`] of the host budget in all; K follows from that share
+//! * a committed prefix keeps its window state at its end (and its prompt's end), its branch
+//!   point, its shared system prompt's end and every K pages, so the host keeps
+//!   `--max-running` sequence ends, a span for a shared system prompt, and a checkpoint span
+//!   every K main pages, [`WINDOW_HOST_SHARE`] of the host budget in all; K follows from that share
 //!   unless `--window-checkpoint-pages` sets it.
 
 use strata_kv::units::format_bytes;
@@ -57,9 +58,11 @@ impl Geometry {
         self.span() + 1
     }
 
-    /// Pages a sequence end keeps (`[end − 1 − w, end)`).
+    /// Pages a committed sequence keeps at its end: those covering `[end − 1 − w, end)`, and
+    /// one more for its prompt's end (`[p − w, p)`, a page before it after a short answer; a
+    /// longer answer's prompt end is a checkpoint's worth on its own).
     fn end(&self) -> u64 {
-        (self.w + 1).div_ceil(self.ps)
+        (self.w + 1).div_ceil(self.ps) + 1
     }
 }
 
@@ -197,7 +200,8 @@ pub(crate) fn host_share(
         checkpoint_decision(req, cost, plan, None, decided);
         return;
     };
-    // Never more than half the budget; ends first, then checkpoints.
+    // Never more than half the budget; ends first (and one span for the system prompt they
+    // share), then checkpoints.
     let cap = budget / 2 / wp;
     let ends = (req.max_running * g.end()).min(cap.saturating_sub(g.span()));
     let share = (budget as f64 * WINDOW_HOST_SHARE) as u64 / wp;
@@ -253,7 +257,7 @@ fn checkpoint_decision(
     decided.push(Decision {
         what: "host window pages per rank".into(),
         by: format!(
-            "{windows} pages, {} ({:.1}% of the host budget): {} sequence ends × {} pages (--max-running {}: a conversation or agent continues at its end) + a checkpoint of {} pages every {k} pages ({} tokens, {by_k}) over the {main} main tokens; a hit that ends between checkpoints resumes from the one before it and recomputes up to {} tokens (half that on average); halving the interval would cost {} more (= {} fewer host tokens)",
+            "{windows} pages, {} ({:.1}% of the host budget): {} sequence ends × {} pages (--max-running {}: a conversation or agent continues at its end or its prompt's end) + a checkpoint of {} pages every {k} pages ({} tokens, {by_k}) over the {main} main tokens; a hit that ends between checkpoints resumes from the one before it and recomputes up to {} tokens (half that on average); halving the interval would cost {} more (= {} fewer host tokens)",
             format_bytes(windows * wp),
             (windows * wp) as f64 * 100.0 / budget as f64,
             ends / g.end().max(1),
