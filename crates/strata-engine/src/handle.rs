@@ -15,7 +15,7 @@ use crate::request::{
     EngineHealth, FlushScope, ImportedKv, RequestStream, SamplingParams, SubmitError,
     MAX_STOP_TOKEN_IDS,
 };
-use crate::scheduler::{Cmd, NewReq, Scheduler};
+use crate::scheduler::{Cmd, NewReq, Route, Scheduler};
 use crate::state::Shared;
 
 pub use crate::config::EngineConfig;
@@ -260,17 +260,19 @@ impl EngineHandle {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<RequestStream, SubmitError> {
-        self.submit_with(prompt, params, false, None)
+        self.submit_with(prompt, params, Route::Local)
     }
 
-    /// Like [`EngineHandle::submit`]; the prompt's K/V come back as an [`crate::Event::Kv`]
-    /// before `Done` (a prefill worker ships them to a decode worker).
+    /// Like [`EngineHandle::submit`]; the prompt's K/V from page `from` on come back as an
+    /// [`crate::Event::Kv`] before `Done` (a prefill worker ships them to a decode worker,
+    /// which holds the pages before).
     pub fn submit_export(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
+        from: usize,
     ) -> Result<RequestStream, SubmitError> {
-        self.submit_with(prompt, params, true, None)
+        self.submit_with(prompt, params, Route::Export(from))
     }
 
     /// A request whose prompt K/V were computed elsewhere: they are written into this pool and
@@ -281,16 +283,54 @@ impl EngineHandle {
         params: SamplingParams,
         kv: ImportedKv,
     ) -> Result<RequestStream, SubmitError> {
-        let want = prompt.len().div_ceil(self.info.page_size);
-        if kv.pages.len() != want {
+        if kv.first_page != 0 {
+            return Err(SubmitError::BadKv(
+                "a prefilled request's pages start at its first".into(),
+            ));
+        }
+        self.check_kv(prompt.len(), &kv)?;
+        self.submit_with(prompt, params, Route::Import(kv))
+    }
+
+    /// A request whose prompt is computed elsewhere except for the prefix this worker's cache
+    /// holds (PD with decode-side reuse): it is admitted here (its prefix matched, locked and
+    /// brought onto the device, its pages reserved), then `Event::Held` says how much of the
+    /// prompt the cache holds. If the rest is at most `local_tokens` and the cache holds some
+    /// of the prompt, it is computed here; otherwise the request waits for the rest's K/V
+    /// ([`EngineHandle::deliver`]).
+    pub fn submit_remote(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        local_tokens: usize,
+    ) -> Result<RequestStream, SubmitError> {
+        self.submit_with(prompt, params, Route::Remote(local_tokens))
+    }
+
+    /// The K/V of a request waiting after `Event::Held { prefill: true }`: the prompt's pages
+    /// from the held ones on, and the first token. A request gone meanwhile ignores them; one
+    /// they do not fit ends with an error.
+    pub fn deliver(&self, rs: &RequestStream, kv: ImportedKv) -> Result<(), SubmitError> {
+        self.check_kv(rs.prompt_tokens, &kv)?;
+        self.tx
+            .send(Cmd::Deliver(rs.id, Box::new(kv)))
+            .map_err(|_| SubmitError::ShuttingDown)
+    }
+
+    /// The pages of `kv` fit a prompt of `prompt_len` tokens from `kv.first_page` on, each a
+    /// whole page or its main part, and those the window before the first new token reads
+    /// (that the receiver does not hold) whole.
+    fn check_kv(&self, prompt_len: usize, kv: &ImportedKv) -> Result<(), SubmitError> {
+        let i = &self.info;
+        let want = prompt_len.div_ceil(i.page_size);
+        if kv.first_page >= want || kv.pages.len() != want - kv.first_page {
             return Err(SubmitError::BadKv(format!(
-                "{} pages received for a {}-token prompt ({want} pages of {})",
+                "{} pages from page {} received for a {prompt_len}-token prompt ({want} pages of {})",
                 kv.pages.len(),
-                prompt.len(),
-                self.info.page_size
+                kv.first_page,
+                i.page_size
             )));
         }
-        let i = &self.info;
         if let Some(p) = kv
             .pages
             .iter()
@@ -303,23 +343,21 @@ impl EngineHandle {
             )));
         }
         // The pages the window before the first new token reads must come whole.
-        let from = prompt.len().saturating_sub(i.window_tokens) / i.page_size;
-        if let Some(k) = (from..want).find(|&k| kv.pages[k].len() != i.page_bytes) {
+        let from = (prompt_len.saturating_sub(i.window_tokens) / i.page_size).max(kv.first_page);
+        if let Some(k) = (from..want).find(|&k| kv.pages[k - kv.first_page].len() != i.page_bytes) {
             return Err(SubmitError::BadKv(format!(
-                "page {k} arrived without its window part, which the window before position {} \
-                 reads",
-                prompt.len()
+                "page {k} arrived without its window part, which the window before position \
+                 {prompt_len} reads"
             )));
         }
-        self.submit_with(prompt, params, false, Some(kv))
+        Ok(())
     }
 
     fn submit_with(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
-        export: bool,
-        import: Option<ImportedKv>,
+        route: Route,
     ) -> Result<RequestStream, SubmitError> {
         let needed = self.check(&prompt, &params)?;
         // A fresh constraint per request, started here (off the scheduler thread).
@@ -340,8 +378,7 @@ impl EngineHandle {
             prompt,
             params,
             tx: etx,
-            export,
-            import,
+            route,
             constraint,
         };
         if self.tx.send(Cmd::Submit(Box::new(req))).is_err() {

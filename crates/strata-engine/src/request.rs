@@ -124,13 +124,19 @@ impl CachedTokens {
 /// A prompt's K/V, out of (or into) a device pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedKv {
+    /// The index of the first page in `pages` (the receiver holds the ones before).
+    pub first: usize,
     pub pages: Vec<Vec<u8>>,
+    /// The chained hash of each whole page of the prompt, from its first page on.
     pub hashes: Vec<[u8; 16]>,
 }
 
 /// K/V computed elsewhere (a prefill worker) for a prompt, and the first token it sampled.
 #[derive(Clone, Debug)]
 pub struct ImportedKv {
+    /// The index of the first page in `pages`: 0 for [`crate::EngineHandle::submit_prefilled`];
+    /// for [`crate::EngineHandle::deliver`], the pages the request held (`Event::Held`).
+    pub first_page: usize,
     pub pages: Vec<Vec<u8>>,
     pub first_token: u32,
     /// The first token's log probabilities, when the request asked for them.
@@ -153,6 +159,17 @@ pub struct PromptLogprobs {
 /// Events of one request, in order: `Admitted`, then `Token`s, then one `Done`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
+    /// A request submitted with [`crate::EngineHandle::submit_remote`], its prefix on device:
+    /// the prompt's first `tokens` (whole pages) are this worker's cache's, `last_hash` the
+    /// chained hash of their last page (zero when none, or when the cache computes no
+    /// hashes). With `prefill` it waits for the rest's K/V
+    /// ([`crate::EngineHandle::deliver`]); without, it computes the rest here (at most the
+    /// request's local threshold), and `Admitted` follows at once.
+    Held {
+        tokens: usize,
+        last_hash: [u8; 16],
+        prefill: bool,
+    },
     /// The prompt was matched against the cache; computing starts.
     Admitted { cached: CachedTokens },
     /// The prompt's log probabilities (requests that asked for them), once, before the first

@@ -50,6 +50,12 @@ pub struct Snapshot {
     pub computed_prompt_tokens: u64,
     /// Prompt tokens whose K/V arrived from a prefill worker.
     pub transferred_prompt_tokens: u64,
+    /// Prompt tokens of PD requests whose K/V this worker's cache held, so that a prefill
+    /// worker sent only the rest (also counted in `cached_*`).
+    pub pd_held_prompt_tokens: u64,
+    /// PD requests this worker computed itself: its cache held all of the prompt but at most
+    /// the request's local threshold (no prefill worker, no transfer).
+    pub pd_local_prefills: u64,
     pub generated_tokens: u64,
     pub finished: Finished,
 }

@@ -67,7 +67,7 @@ fn run(
     while let Some(ev) = s.events.blocking_recv() {
         match ev {
             Event::Admitted { cached: c } => cached = Some(c),
-            Event::Kv(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
+            Event::Kv(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Held { .. } => {}
             Event::Token(t) => out.push(t),
             Event::Done {
                 reason,
@@ -359,7 +359,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     let decode = start(&path, 64, 0, None, EngineConfig::default());
     let p = prompt(37, 2);
     let (want, _, _) = run(&single, &p, greedy(10));
-    let mut s = prefill.submit_export(p.clone(), greedy(1)).unwrap();
+    let mut s = prefill.submit_export(p.clone(), greedy(1), 0).unwrap();
     let (mut first, mut kv) = (None, None);
     while let Some(ev) = s.events.blocking_recv() {
         match ev {
@@ -371,6 +371,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     let kv = kv.expect("K/V exported");
     assert_eq!(kv.pages.len(), 3);
     let imported = ImportedKv {
+        first_page: 0,
         first_logprobs: None,
         prompt_logprobs: None,
         pages: kv.pages.clone(),
@@ -390,6 +391,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     assert_eq!(decode.snapshot().transferred_prompt_tokens, 37);
     // Wrong page count or size is refused with the numbers.
     let bad = ImportedKv {
+        first_page: 0,
         first_logprobs: None,
         prompt_logprobs: None,
         pages: kv.pages[..2].to_vec(),
@@ -402,7 +404,7 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
         .unwrap();
     assert!(
         e.to_string()
-            .contains("2 pages received for a 37-token prompt"),
+            .contains("2 pages from page 0 received for a 37-token prompt"),
         "{e}"
     );
     for e in [single, prefill, decode] {
@@ -490,7 +492,7 @@ fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
     let p = prompt(37, 5);
     let (want, _, _) = run(&single, &p, greedy(10));
     let export = |e: &EngineHandle| {
-        let mut s = e.submit_export(p.clone(), greedy(1)).unwrap();
+        let mut s = e.submit_export(p.clone(), greedy(1), 0).unwrap();
         let (mut first, mut kv) = (None, None);
         while let Some(ev) = s.events.blocking_recv() {
             match ev {
@@ -503,6 +505,7 @@ fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
     };
     let import = |e: &EngineHandle, first: u32, pages: Vec<Vec<u8>>| {
         let kv = ImportedKv {
+            first_page: 0,
             first_logprobs: None,
             prompt_logprobs: None,
             pages,
@@ -543,4 +546,124 @@ fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
     for e in [single, tp] {
         e.shutdown(Duration::from_secs(5));
     }
+}
+
+/// A prefill engine's first token and K/V of `p`'s pages from `from` on.
+fn export_from(e: &EngineHandle, p: &[u32], from: usize) -> (u32, Arc<ExportedKv>) {
+    let mut s = e.submit_export(p.to_vec(), greedy(1), from).unwrap();
+    let (mut first, mut kv) = (None, None);
+    while let Some(ev) = s.events.blocking_recv() {
+        match ev {
+            Event::Token(t) => first = Some(t),
+            Event::Kv(k) => kv = Some(k),
+            _ => {}
+        }
+    }
+    (first.unwrap(), kv.expect("K/V exported"))
+}
+
+/// The rest of a request's events: its tokens and how it ended.
+fn drain(s: &mut RequestStream) -> (Vec<u32>, FinishReason) {
+    let mut got = Vec::new();
+    while let Some(ev) = s.events.blocking_recv() {
+        match ev {
+            Event::Token(t) => got.push(t),
+            Event::Done { reason, .. } => return (got, reason),
+            _ => {}
+        }
+    }
+    panic!("stream ended without Done");
+}
+
+fn held(s: &mut RequestStream) -> (usize, [u8; 16], bool) {
+    match s.events.blocking_recv() {
+        Some(Event::Held {
+            tokens,
+            last_hash,
+            prefill,
+        }) => (tokens, last_hash, prefill),
+        e => panic!("{e:?}"),
+    }
+}
+
+/// PD with decode-side reuse: a decode engine that holds a prefix (an earlier turn) waits for
+/// the K/V of the pages after it only and decodes the tokens one engine gives; under its
+/// local threshold it computes the rest itself; pages that do not start where its prefix
+/// ends are refused. A TP-2 decode engine with a TP-1 prefill engine too.
+#[test]
+fn a_held_prefix_and_the_transferred_rest_continue_as_one_engine() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let single = start(&path, 64, 0, None, EngineConfig::default());
+    let prefill = start(&path, 64, 0, None, EngineConfig::default());
+    let turn = prompt(40, 9);
+    let mut p = turn.clone();
+    p.extend(prompt(30, 77));
+    let (want, _, _) = run(&single, &p, greedy(10));
+    let decoders = [
+        start(&path, 64, 0, None, EngineConfig::default()),
+        start_tp(&path, 2, 64, 0),
+    ];
+    for decode in decoders {
+        // The earlier turn leaves 2 whole pages (41 tokens computed) in the decode cache.
+        run(&decode, &turn, greedy(1));
+        let mut rs = decode.submit_remote(p.clone(), greedy(10), 0).unwrap();
+        let (n, hash, remote) = held(&mut rs);
+        assert_eq!((n, remote), (32, true));
+        let (first, kv) = export_from(&prefill, &p, n / PS);
+        assert_eq!(
+            (kv.first, kv.pages.len()),
+            (2, 3),
+            "70 tokens: pages 2..5 cross"
+        );
+        assert_eq!(kv.hashes[1], hash, "both hash the held prefix alike");
+        let imported = ImportedKv {
+            first_page: kv.first,
+            first_logprobs: None,
+            prompt_logprobs: None,
+            pages: kv.pages.clone(),
+            first_token: first,
+            cached: CachedTokens::default(),
+        };
+        decode.deliver(&rs, imported.clone()).unwrap();
+        assert_eq!(drain(&mut rs).0, want);
+        let snap = decode.snapshot();
+        assert_eq!(
+            (snap.pd_held_prompt_tokens, snap.transferred_prompt_tokens),
+            (32, 38)
+        );
+        // Pages from another page than where the held prefix ends: the request fails.
+        let mut other = turn.clone();
+        other.extend(prompt(30, 5));
+        let mut rs = decode.submit_remote(other.clone(), greedy(4), 0).unwrap();
+        assert_eq!(held(&mut rs).0, 32);
+        let (first, kv) = export_from(&prefill, &other, 0);
+        let whole = ImportedKv {
+            first_page: 0,
+            pages: kv.pages.clone(),
+            first_token: first,
+            ..imported
+        };
+        decode.deliver(&rs, whole).unwrap();
+        let (_, reason) = drain(&mut rs);
+        assert!(
+            matches!(&reason, FinishReason::Error(e) if e.contains("holds the first 2")),
+            "{reason:?}"
+        );
+        // The whole prompt held but for a few tokens, under the local threshold: computed
+        // here, with no transfer.
+        let mut rs = decode.submit_remote(p.clone(), greedy(10), 64).unwrap();
+        assert_eq!(held(&mut rs), (64, decode_hash(&prefill, &p, 4), false));
+        assert_eq!(drain(&mut rs).0, want);
+        assert_eq!(decode.snapshot().pd_local_prefills, 1);
+        decode.shutdown(Duration::from_secs(5));
+    }
+    for e in [single, prefill] {
+        e.shutdown(Duration::from_secs(5));
+    }
+}
+
+/// The chained hash of page `pages - 1` of `p` as `e` computes it.
+fn decode_hash(e: &EngineHandle, p: &[u32], pages: usize) -> [u8; 16] {
+    export_from(e, p, p.len().div_ceil(PS) - 1).1.hashes[pages - 1]
 }

@@ -38,9 +38,15 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
         (
             any::<u128>(),
             proptest::collection::vec(any::<u32>(), 0..80),
+            0u32..4,
             0u32..30
         )
-            .prop_map(|(id, tokens, pages)| Frame::Begin { id, tokens, pages }),
+            .prop_map(|(id, tokens, first, pages)| Frame::Begin {
+                id,
+                tokens,
+                first,
+                pages
+            }),
         (
             any::<u128>(),
             0u32..30,
@@ -95,10 +101,13 @@ proptest! {
             write_frame(&mut bytes, f).unwrap();
         }
         let mut link = Mem { input: &bytes };
-        if let Ok(r) = recv_kv(&mut link, &lim(), &mut |_, _| Admit::Yes) {
+        if let Ok(r) = recv_kv(&mut link, &lim(), &mut |_, _, _| Admit::Yes) {
             let l = lim();
             prop_assert!(!r.tokens.is_empty() && r.tokens.len() <= l.max_tokens);
-            prop_assert_eq!(r.pages.len(), r.tokens.len().div_ceil(l.page_size as usize));
+            prop_assert_eq!(
+                r.first as usize + r.pages.len(),
+                r.tokens.len().div_ceil(l.page_size as usize)
+            );
             prop_assert!(r.pages.iter().all(|p| p.len() as u64 == l.page_bytes));
         }
     }

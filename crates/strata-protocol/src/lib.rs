@@ -140,6 +140,14 @@ pub struct PrefillRequest {
     /// At most `tokens.len()`.
     #[serde(default)]
     pub shared_prefix: usize,
+    /// The first this many of `tokens` (whole pages) the decode worker's cache holds: only
+    /// the pages after them are sent. Less than `tokens.len()`.
+    #[serde(default)]
+    pub held_tokens: usize,
+    /// The chained page hash of the last held page (32 hex digits; empty when none are held):
+    /// the prefill worker checks that both hash the prompt alike.
+    #[serde(default)]
+    pub held_hash: String,
 }
 
 /// The client's sampling as it travels to the prefill worker: the engine's parameters less

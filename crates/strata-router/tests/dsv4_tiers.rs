@@ -199,13 +199,15 @@ async fn every_tier(c: Case) {
     through(c, &r, &cold, 3, Some(FlushScope::All), 2).await;
 
     // PD: the decode worker receives every prompt's state from the prefill worker, which
-    // itself resumes from its cache.
+    // itself resumes from its cache, but for the prefix the decode worker holds (its window
+    // state included).
     let prefill = spawn_worker(&path, spec(c, None, "disk")).await;
     let decode = spawn_worker(
         &path,
         WorkerSpec {
             kv_listener: true,
             prefill_workers: vec![prefill.url.clone()],
+            pd_local_prefill_tokens: 0,
             ..spec(c, None, "disk")
         },
     )
@@ -217,14 +219,28 @@ async fn every_tier(c: Case) {
     .await;
     complete(&pd, &base_of(c.base)).await;
     let want = recomputed(c, &cold, 4).await;
+    let mut held_any = 0;
     for (&h, want) in c.hits.iter().zip(&want) {
-        let before = decode.state.engine.snapshot().transferred_prompt_tokens;
+        let snap = || decode.state.engine.snapshot();
+        let before = (
+            snap().transferred_prompt_tokens,
+            snap().pd_held_prompt_tokens,
+        );
         let (got, _) = complete(&pd, &with_hit(h, 4)).await;
-        let moved = decode.state.engine.snapshot().transferred_prompt_tokens - before;
+        let moved = snap().transferred_prompt_tokens - before.0;
+        let held = snap().pd_held_prompt_tokens - before.1;
         let prompt = (h.0 + h.1) as u64;
-        assert_eq!(moved, prompt, "the prompt of hit {h:?} went through PD");
+        eprintln!("hit {h:?}: held {held}, moved {moved}");
+        assert_eq!(
+            moved + held,
+            prompt,
+            "the prompt of hit {h:?} went through PD"
+        );
+        assert!(moved > 0);
+        held_any += held;
         assert_eq!(&got, want, "hit of {h:?} through PD");
     }
+    assert!(held_any > 0, "the decode worker held some prefix");
     for x in [cold, w, r, prefill, decode] {
         x.stop().await;
     }
@@ -355,6 +371,7 @@ async fn checkpoints_resume_at_the_end_at_a_checkpoint_or_back_off_to_one() {
         ck(WorkerSpec {
             kv_listener: true,
             prefill_workers: vec![prefill.url.clone()],
+            pd_local_prefill_tokens: 0,
             ..spec(c, None, "disk")
         }),
     )

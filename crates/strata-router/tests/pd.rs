@@ -79,7 +79,8 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         want["choices"][0]["message"]["content"]
     );
     assert_eq!(got["usage"]["completion_tokens"], 12);
-    // Again: the prefill worker's cache serves the prefix, and says so.
+    // Again: the decode worker's cache holds all of the prompt but its last page, which it
+    // computes itself (no prefill worker, no transfer), and says so.
     let (_, again) = post(&format!("{r}/v1/chat/completions"), &chat(q, 12)).await;
     assert!(
         again["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -91,11 +92,14 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         again["choices"][0]["message"]["content"],
         want["choices"][0]["message"]["content"]
     );
-    assert!(decode.state.engine.snapshot().transferred_prompt_tokens > 0);
+    let snap = decode.state.engine.snapshot();
+    assert!(snap.transferred_prompt_tokens > 0);
+    assert_eq!(snap.pd_local_prefills, 1);
     // The prefill worker counts the PD prefill work it did, and both sides time the transfers.
     let pm = metrics_of(&prefill.url).await;
-    assert!(
-        sample(&pm, "strata_pd_prefill_requests_total{outcome=\"ok\"}") >= 2.0,
+    assert_eq!(
+        sample(&pm, "strata_pd_prefill_requests_total{outcome=\"ok\"}"),
+        1.0,
         "{pm}"
     );
     assert!(
@@ -103,7 +107,7 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
         "{pm}"
     );
     assert!(
-        sample(&pm, "strata_pd_prefill_duration_seconds_count") >= 2.0,
+        sample(&pm, "strata_pd_prefill_duration_seconds_count") >= 1.0,
         "{pm}"
     );
     assert!(
@@ -219,7 +223,18 @@ async fn cache_aware_routing_follows_the_prefix() {
     let path = strata_test_support::tiny_model(d.path());
     let p0 = worker(&path, 16, false, &[]).await;
     let p1 = worker(&path, 16, false, &[]).await;
-    let dec = worker(&path, 16, true, &[p0.url.clone(), p1.url.clone()]).await;
+    // Every repeat goes to a prefill worker (none is computed on the decode worker).
+    let dec = spawn_worker(
+        &path,
+        WorkerSpec {
+            page_size: 16,
+            kv_listener: true,
+            prefill_workers: vec![p0.url.clone(), p1.url.clone()],
+            pd_local_prefill_tokens: 0,
+            ..WorkerSpec::default()
+        },
+    )
+    .await;
     let g = Gguf::open(&path).unwrap();
     let tk = ModelTokenizer::from_gguf(&g).unwrap();
     let mut rs = RouterState::new(

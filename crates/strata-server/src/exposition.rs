@@ -179,6 +179,16 @@ fn l3(t: &mut Text, s: &Snapshot) {
         &[],
         s.transferred_prompt_tokens as f64,
     );
+    t.sample(
+        "strata_pd_held_prompt_tokens_total",
+        &[],
+        s.pd_held_prompt_tokens as f64,
+    );
+    t.sample(
+        "strata_pd_local_prefills_total",
+        &[],
+        s.pd_local_prefills as f64,
+    );
 }
 
 /// The memory plan as gauges, with the verified NUMA placement.

@@ -72,8 +72,9 @@ impl Default for KvLimits {
 }
 
 enum Slot {
-    /// A decode request waits for this id.
-    Expected,
+    /// A decode request waits for this id, for the pages from this index on (it holds the
+    /// ones before).
+    Expected(u32),
     /// Pages are arriving, with the bytes reserved for them.
     Receiving(u64),
     /// Pages are arriving for a request that gave up: the receiving thread releases the bytes
@@ -301,7 +302,7 @@ impl KvInbox {
         let ttl = self.limits.unclaimed_ttl;
         let mut m = self.lock();
         m.retain(|_, slot| match slot {
-            Slot::Expected => true,
+            Slot::Expected(_) => true,
             Slot::Received(t, r) => {
                 let keep = now.duration_since(*t) <= ttl;
                 if !keep {
@@ -317,8 +318,8 @@ impl KvInbox {
         self.staged.fetch_sub(bytes, Ordering::SeqCst);
     }
 
-    /// The verdict on a `Begin` for `id` of `pages` pages.
-    fn admit(&self, id: TransferId, pages: u32) -> Admit {
+    /// The verdict on a `Begin` for `id` of `pages` pages from page `first` on.
+    fn admit(&self, id: TransferId, first: u32, pages: u32) -> Admit {
         let want = pages as u64 * self.page_bytes;
         if want > self.limits.staging {
             return Admit::Refuse(format!(
@@ -328,7 +329,12 @@ impl KvInbox {
         }
         let mut m = self.lock();
         match m.get(&id) {
-            Some(Slot::Expected) => {}
+            Some(&Slot::Expected(want)) if want == first => {}
+            Some(&Slot::Expected(want)) => {
+                return Admit::Refuse(format!(
+                    "the transfer starts at page {first}; this receiver asked for the pages from {want} on"
+                ))
+            }
             _ => return Admit::Refuse("unknown or duplicate transfer id".into()),
         }
         let now = self.staged.load(Ordering::SeqCst);
@@ -379,8 +385,8 @@ impl KvInbox {
         loop {
             let mut admitted = None;
             let mut began = None;
-            let res = transfer::recv_kv(&mut link, &lim, &mut |id, pages| {
-                let v = self.admit(id, pages);
+            let res = transfer::recv_kv(&mut link, &lim, &mut |id, first, pages| {
+                let v = self.admit(id, first, pages);
                 if v == Admit::Yes {
                     admitted = Some(id);
                     began = Some(Instant::now());
@@ -450,12 +456,13 @@ impl KvInbox {
         self.notify.notify_waiters();
     }
 
-    /// Registers a transfer this worker will ask a prefill worker for: its fresh random id is
-    /// the only one a `Begin` may name. Dropping the expectation forgets it (and frees any
-    /// pages that arrived for it).
-    pub fn expect(self: &Arc<Self>) -> Expectation {
+    /// Registers a transfer this worker will ask a prefill worker for, of the prompt's pages
+    /// from index `first` on (it holds the ones before): its fresh random id is the only one a
+    /// `Begin` may name, and for those pages only. Dropping the expectation forgets it (and
+    /// frees any pages that arrived for it).
+    pub fn expect(self: &Arc<Self>, first: u32) -> Expectation {
         let id = transfer::new_transfer_id();
-        self.lock().insert(id, Slot::Expected);
+        self.lock().insert(id, Slot::Expected(first));
         Expectation {
             inbox: self.clone(),
             id,

@@ -29,6 +29,8 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_l3_unavailable_tiers", "gauge", "L3 tiers given with --l3 that were unreachable at start: the worker serves without them (restart it once they are up)."),
     ("strata_l3_entries", "gauge", "Pages held by the L3 tier."),
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
+    ("strata_pd_held_prompt_tokens_total", "counter", "Prompt tokens of PD requests whose K/V this decode worker's cache held, so the prefill worker sent only the pages after them (also counted as cache hits)."),
+    ("strata_pd_local_prefills_total", "counter", "PD requests this decode worker computed itself, with no prefill worker and no transfer: its cache held all of the prompt but at most --pd-local-prefill-tokens."),
     // Sizing.
     ("strata_plan_device_bytes", "gauge", "Device pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
     ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),

@@ -194,7 +194,7 @@ impl Answer {
         };
         let mut out = Vec::new();
         match ev {
-            Some(Event::Kv(_)) => {}
+            Some(Event::Kv(_) | Event::Held { .. }) => {}
             Some(Event::Logprobs(l)) => self.logprobs.push(l),
             Some(Event::PromptLogprobs(p)) => {
                 let v = crate::logprobs::render_prompt(&self.st.tokenizer, &p);

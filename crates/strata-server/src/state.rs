@@ -66,9 +66,17 @@ pub struct PdSide {
     pub http: reqwest::Client,
     /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
     pub prefill_workers: Vec<String>,
+    /// A PD request whose prompt this decode worker's cache holds but for at most this many
+    /// tokens is computed here, without a prefill worker (`--pd-local-prefill-tokens`).
+    pub local_prefill_tokens: usize,
     /// The PD prefill work this worker does for decode workers, and the K/V it sends.
     pub metrics: crate::metrics::PdPrefillMetrics,
 }
+
+/// `--pd-local-prefill-tokens` by default: a conversation's next turn of a few sentences is
+/// computed on the decode worker that holds the conversation (a chunk of a few hundred
+/// tokens beside its decode steps), a longer one by a prefill worker.
+pub const DEFAULT_LOCAL_PREFILL_TOKENS: usize = 256;
 
 impl Default for PdSide {
     fn default() -> Self {
@@ -82,6 +90,7 @@ impl Default for PdSide {
                 .build()
                 .expect("HTTP client"),
             prefill_workers: Vec::new(),
+            local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
             metrics: Default::default(),
         }
     }

@@ -62,7 +62,7 @@ fn send(i: &KvInbox, id: TransferId, pages: usize) -> Result<(), String> {
         })
         .collect();
     let tokens: Vec<u32> = (0..pages as u32 * 4).collect();
-    transfer::send_kv(&mut c, id, &tokens, &out, Duration::from_secs(1))
+    transfer::send_kv(&mut c, id, &tokens, 0, &out, Duration::from_secs(1))
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
@@ -94,7 +94,7 @@ fn only_expected_ids_once_and_staging_never_leaks() {
     let e = send(&i, 12345, 1).unwrap_err();
     assert!(e.contains("unknown or duplicate transfer id"), "{e}");
     // An expected one lands once; a repeat (before or after it is claimed) is refused.
-    let exp = i.expect();
+    let exp = i.expect(0);
     send(&i, exp.id, 2).unwrap();
     settle(&i, 2 * PAGE);
     let e = send(&i, exp.id, 2).unwrap_err();
@@ -106,34 +106,43 @@ fn only_expected_ids_once_and_staging_never_leaks() {
     drop(exp);
     assert!(send(&i, id, 2).unwrap_err().contains("duplicate"));
     // Larger than the whole staging area: refused outright, nothing reserved.
-    let big = i.expect();
+    let big = i.expect(0);
     let e = send(&i, big.id, 5).unwrap_err();
     assert!(e.contains("stages at most"), "{e}");
     settle(&i, 0);
     // A transfer whose request gave up: its bytes come back.
-    let gone = i.expect();
+    let gone = i.expect(0);
     send(&i, gone.id, 3).unwrap();
     settle(&i, 3 * PAGE);
     drop(gone);
     settle(&i, 0);
     // Pages that do not match the tokens announced: refused.
-    let odd = i.expect();
+    let odd = i.expect(0);
     let mut c = connect(&i);
     transfer::write_frame(
         &mut c,
         &Frame::Begin {
             id: odd.id,
             tokens: vec![1; 5],
+            first: 0,
             pages: 1,
         },
     )
     .unwrap();
     match transfer::read_frame(&mut c, 1 << 16).unwrap() {
-        Frame::Abort { reason, .. } => assert!(reason.contains("1 pages announced"), "{reason}"),
+        Frame::Abort { reason, .. } => {
+            assert!(reason.contains("1 pages from page 0 announced"), "{reason}")
+        }
         f => panic!("{f:?}"),
     }
+    // A transfer from another page than the receiver asked for (it holds the ones before
+    // page 2): refused.
+    let later = i.expect(2);
+    let e = send(&i, later.id, 3).unwrap_err();
+    assert!(e.contains("asked for the pages from 2 on"), "{e}");
+    settle(&i, 0);
     // And after all of it, the next legitimate transfer lands.
-    let next = i.expect();
+    let next = i.expect(0);
     send(&i, next.id, 4).unwrap();
     let got = rt.block_on(next.take(Duration::from_secs(1))).unwrap();
     assert_eq!(got.pages.len(), 4);
@@ -143,7 +152,7 @@ fn only_expected_ids_once_and_staging_never_leaks() {
 #[test]
 fn unclaimed_transfers_are_purged_on_a_timer() {
     let i = inbox(Duration::from_millis(300));
-    let exp = i.expect();
+    let exp = i.expect(0);
     send(&i, exp.id, 2).unwrap();
     settle(&i, 2 * PAGE);
     // Nobody takes it: the purge (every second) frees it.

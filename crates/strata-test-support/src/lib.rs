@@ -147,6 +147,9 @@ pub struct WorkerSpec {
     pub kv_listener: bool,
     /// Prefill workers this worker may be told to use.
     pub prefill_workers: Vec<String>,
+    /// `--pd-local-prefill-tokens` of a decode worker (0: every PD request goes through the
+    /// prefill worker, sending only the pages this worker lacks).
+    pub pd_local_prefill_tokens: usize,
     pub engine: EngineConfig,
     /// L3 storage and its tier name in metrics.
     pub storage: Option<Arc<dyn Storage>>,
@@ -171,6 +174,7 @@ impl Default for WorkerSpec {
             window_checkpoint_pages: 0,
             kv_listener: false,
             prefill_workers: Vec::new(),
+            pd_local_prefill_tokens: strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
             engine: EngineConfig::default(),
             storage: None,
             storage_tier: "disk",
@@ -236,6 +240,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
     st.pd.kv_deadline = Duration::from_secs(5);
     st.pd.prefill_workers = spec.prefill_workers;
+    st.pd.local_prefill_tokens = spec.pd_local_prefill_tokens;
     st.storage_tier = spec.storage_tier.into();
     st.admin_key = spec.admin_key;
     if let Some(limit) = spec.body_limit {

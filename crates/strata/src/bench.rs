@@ -363,7 +363,7 @@ fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
             max_tokens: npages * 16,
         };
         for _ in 0..reps {
-            transfer::recv_kv(&mut c, &lim, &mut |_, _| transfer::Admit::Yes)?;
+            transfer::recv_kv(&mut c, &lim, &mut |_, _, _| transfer::Admit::Yes)?;
         }
         Ok(())
     });
@@ -379,7 +379,14 @@ fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
         .collect();
     let mut proto = Vec::new();
     for r in 0..reps {
-        let st = transfer::send_kv(&mut c, r as u128, &tokens, &pages, Duration::from_secs(60))?;
+        let st = transfer::send_kv(
+            &mut c,
+            r as u128,
+            &tokens,
+            0,
+            &pages,
+            Duration::from_secs(60),
+        )?;
         proto.push(st.bytes as f64 / st.seconds / 1e9);
     }
     rx.join()

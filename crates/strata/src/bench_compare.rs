@@ -155,8 +155,10 @@ fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deploym
             .arg("--model")
             .arg(model);
         let w = |p: u16| format!("http://127.0.0.1:{p}");
+        // Both workers' caches serve prompts: the decode worker's what it holds (the prefill
+        // worker sends only the rest, or nothing when it computes the rest itself).
         (
-            vec![w(port + 1)],
+            vec![w(port + 1), w(port + 2)],
             vec![url.clone(), w(port + 1), w(port + 2)],
         )
     } else {

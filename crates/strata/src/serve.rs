@@ -163,6 +163,15 @@ pub struct ServeArgs {
     /// router's `x-strata-prefill` header is refused for any other.
     #[arg(long, help_heading = "PD disaggregation")]
     pub prefill_worker: Vec<String>,
+    /// A PD request whose prompt this decode worker's cache holds but for at most this many
+    /// tokens is computed here, with no prefill worker and no transfer (a conversation's next
+    /// turn on the worker that holds it); 0: always a prefill worker.
+    #[arg(
+        long,
+        default_value_t = strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
+        help_heading = "PD disaggregation"
+    )]
+    pub pd_local_prefill_tokens: usize,
 }
 
 /// `--eviction`.
@@ -316,6 +325,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.role = c.role.to_string();
     st.cluster_key = c.cluster_key.clone();
     st.pd.prefill_workers = a.prefill_worker.clone();
+    st.pd.local_prefill_tokens = a.pd_local_prefill_tokens;
     if matches!(c.role, "decode" | "both") {
         let flags = crate::serve_kv::KvFlags {
             host: &a.kv_host,

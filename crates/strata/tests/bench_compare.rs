@@ -107,7 +107,7 @@ fn compare_starts_every_configuration_and_reports_hits_by_tier() {
             "host {miss} vs device {miss_dev} misses\n{stdout}"
         );
         let (_, h, _, _) = tiers("pd", c);
-        assert!(h > 0.0, "the prefill worker's host tier serves under PD");
+        assert!(h > 0.0, "the workers' host tiers serve under PD");
     }
     // Samples over time were taken, and the plots drawn.
     assert!(runs[0]["samples"].as_array().unwrap().len() >= 2);

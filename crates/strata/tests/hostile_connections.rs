@@ -82,6 +82,9 @@ fn strangers_on_the_kv_listener_cannot_stop_pd() {
             k,
             "--prefill-worker",
             &pre_url,
+            // Every request crosses the listener (the repeats send their last page).
+            "--pd-local-prefill-tokens",
+            "0",
         ],
     );
     let kv_port = port_after(&dec.wait_for("KV-transfer listener on", 5), "listener on ");

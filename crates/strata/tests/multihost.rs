@@ -372,7 +372,9 @@ async fn run(bed: &Bed) {
         bed.shape(link);
         let prompt = format!("Setting {i}. {}", text.repeat(repeat));
         let m0 = metrics(&router).await;
+        let kv_before = kv_received(bed).await;
         let cold = stream(&router, &prompt, 4, |_| {}).await;
+        let kv_cold = kv_received(bed).await - kv_before;
         // (Its first page may be cached: the chat template's header is every prompt's.)
         assert!(
             cold.done && !cold.error_event,
@@ -415,13 +417,23 @@ async fn run(bed: &Bed) {
             hits, 3.0,
             "the router sent the repeats elsewhere than the prefix under {name}"
         );
+        assert!(
+            kv_cold > 0.0,
+            "no K/V crossed for the cold prompt under {name}"
+        );
+        // A decode host that holds the prompt asks only for what it lacks (or computes the
+        // rest itself): the repeats move less than the cold prompt.
         let kv = (kv_received(bed).await - kv0) / 3.0;
-        assert!(kv > 0.0, "no K/V crossed to a decode host under {name}");
+        assert!(
+            kv < kv_cold,
+            "the repeats moved {kv} bytes each, the cold prompt {kv_cold} under {name}"
+        );
         ttfts.sort();
         table.push(format!(
-            "| {name} | {delay_by} | {} ({} cached) | {} | {cached} | {hits}/3 | {:.2} MB |",
+            "| {name} | {delay_by} | {} ({} cached) | {:.2} MB | {} | {cached} | {hits}/3 | {:.2} MB |",
             ms(cold.ttft.unwrap()),
             cold.cached,
+            kv_cold / 1e6,
             ms(ttfts[1]),
             kv / 1e6
         ));
@@ -431,8 +443,8 @@ async fn run(bed: &Bed) {
         rate_bit: 0,
     });
     cut_a_decode_host_mid_stream(bed, &router).await;
-    eprintln!("\n| link (each host, one way) | delay by | cold TTFT (tokens cached) | cached TTFT (median of 3) | cached tokens | routed to the prefix | K/V per request |");
-    eprintln!("|---|---|---|---|---|---|---|");
+    eprintln!("\n| link (each host, one way) | delay by | cold TTFT (tokens cached) | cold K/V | cached TTFT (median of 3) | cached tokens | routed to the prefix | K/V per repeat |");
+    eprintln!("|---|---|---|---|---|---|---|---|");
     for row in table {
         eprintln!("{row}");
     }

@@ -68,7 +68,7 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
         format!(
             "smoke_test = true\n[router]\nport = {r}\npolicy = \"cache_aware\"\n\
              [[prefill]]\nport = {p}\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\", \"--admin-key\", \"obs-admin\"]\n\
-             [[decode]]\nport = {dd}\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\"]\n",
+             [[decode]]\nport = {dd}\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\", \"--pd-local-prefill-tokens\", \"0\"]\n",
             d.path().join("l3").display()
         ),
     )

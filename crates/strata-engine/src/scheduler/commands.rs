@@ -1,4 +1,4 @@
-//! The scheduler's housekeeping: commands from the handle (submit, flush, snapshot,
+//! The scheduler's housekeeping: commands from the handle (submit, deliver, flush, snapshot,
 //! shutdown), requests whose client went away or that waited past the queueing-time limit,
 //! and aborting everything at shutdown.
 
@@ -23,6 +23,7 @@ impl Scheduler {
                     .unwrap_or(r.id.wrapping_mul(0x2545_F491_4F6C_DD1D));
                 self.waiting.push_back(Req::new(*r, seed));
             }
+            Cmd::Deliver(id, kv) => self.deliver(id, *kv),
             Cmd::Flush(scope, reply) => {
                 self.progress += 1;
                 let _ = reply.send(self.flush(scope));

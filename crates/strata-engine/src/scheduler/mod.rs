@@ -29,22 +29,38 @@ use crate::state::{Shared, Snapshot};
 mod commands;
 mod constrained;
 mod prompt_logprobs;
+mod remote;
 
 use constrained::{commit, masks_of};
+use remote::{localize, Remote};
 
 pub(crate) struct NewReq {
     pub id: u64,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub tx: UnboundedSender<Event>,
-    pub export: bool,
-    pub import: Option<ImportedKv>,
+    pub route: Route,
     /// The request's constraint, started by the handle (off this thread).
     pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
+/// Where a request's prompt K/V come from and go.
+pub(crate) enum Route {
+    /// Computed here.
+    Local,
+    /// Computed here; its pages from this index on are sent back (`Event::Kv`).
+    Export(usize),
+    /// Computed elsewhere, all of it: written at admission instead of matching the cache.
+    Import(ImportedKv),
+    /// Computed elsewhere but for the prefix this cache holds, unless at most this many
+    /// tokens are left (`remote.rs`).
+    Remote(usize),
+}
+
 pub(crate) enum Cmd {
     Submit(Box<NewReq>),
+    /// The K/V of a request waiting in [`Remote::Awaiting`] (by id).
+    Deliver(u64, Box<ImportedKv>),
     Flush(FlushScope, Sender<(u64, u64)>),
     /// (epoch, next sequence number, pages per tier).
     CacheSnapshot(Sender<(u64, u64, Vec<strata_kv::CacheEvent>)>),
@@ -71,10 +87,12 @@ struct Req {
     generated: usize,
     /// Prompt + max_tokens, counted in the tokens-in-flight bound.
     budget: usize,
-    /// Send the prompt's K/V before `Done`.
-    export: bool,
+    /// Send the prompt's K/V from this page on before `Done`.
+    export: Option<usize>,
     /// K/V computed elsewhere, written at admission instead of matching the cache.
     import: Option<ImportedKv>,
+    /// Computed elsewhere but for the prefix this cache holds (`remote.rs`).
+    remote: Remote,
     /// The imported pages are in this server's layout (converted from the wire layout).
     import_local: bool,
     /// When it was submitted (the queueing-time limit counts from here).
@@ -87,6 +105,12 @@ struct Req {
 
 impl Req {
     fn new(r: NewReq, seed: u64) -> Req {
+        let (export, import, remote) = match r.route {
+            Route::Local => (None, None, Remote::No),
+            Route::Export(from) => (Some(from), None, Remote::No),
+            Route::Import(kv) => (None, Some(kv), Remote::No),
+            Route::Remote(local) => (None, None, Remote::Wanted { local }),
+        };
         Req {
             id: r.id,
             prompt_len: r.prompt.len(),
@@ -100,8 +124,9 @@ impl Req {
             cached: CachedTokens::default(),
             computed: 0,
             generated: 0,
-            export: r.export,
-            import: r.import,
+            export,
+            import,
+            remote,
             import_local: false,
             arrived: Instant::now(),
             constraint: r.constraint,
@@ -167,13 +192,18 @@ impl Scheduler {
             if idle && self.deadline.is_some() {
                 break;
             }
-            if idle {
-                // Wake for commands; poll copies (backups) while some are in flight.
-                let cmd = if self.cache.in_flight() == 0 {
-                    self.rx.recv_timeout(Duration::from_millis(500))
-                } else {
-                    self.rx.recv_timeout(Duration::from_millis(2))
+            // Only requests waiting for K/V from a prefill worker: nothing to run either.
+            let parked =
+                self.waiting.is_empty() && self.active.iter().all(|r| r.remote == Remote::Awaiting);
+            if idle || parked {
+                // Wake for commands; poll copies (backups) while some are in flight, and
+                // waiting requests' clients (one that left frees its pages).
+                let wait = match (self.cache.in_flight(), idle) {
+                    (0, true) => 500,
+                    (0, false) => 20,
+                    _ => 2,
                 };
+                let cmd = self.rx.recv_timeout(Duration::from_millis(wait));
                 match cmd {
                     Ok(c) => self.command(c),
                     Err(RecvTimeoutError::Timeout) => {}
@@ -278,42 +308,7 @@ impl Scheduler {
         r.running = true;
         self.snap.prompt_tokens += r.prompt_len as u64;
         self.snap.transferred_prompt_tokens += r.prompt_len as u64;
-        let _ = r.tx.send(Event::Admitted { cached: r.cached });
-        if let Some(tokens) = kv.prompt_logprobs {
-            prompt_logprobs::send(&r, tokens);
-        }
-        let first = kv.first_token;
-        let stop = r.params.stop_token_ids.contains(&first)
-            || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&first));
-        if stop {
-            self.finish(r, Some(FinishReason::Stop));
-            return true;
-        }
-        // The prefill worker drew it from the same seed: this generator moves past that draw,
-        // so the rest of the answer is the one a single worker gives for the seed.
-        crate::sampler::skip_choice(&r.params, &mut r.rng);
-        // The prefill worker chose it under the same constraint: this one follows it.
-        let complete = match commit(r.constraint.as_deref_mut(), first) {
-            Ok(c) => c,
-            Err(e) => {
-                self.finish(r, Some(FinishReason::Error(e)));
-                return true;
-            }
-        };
-        r.tokens.push(first);
-        r.generated = 1;
-        self.snap.generated_tokens += 1;
-        if let Some(lp) = kv.first_logprobs {
-            let _ = r.tx.send(Event::Logprobs(lp));
-        }
-        let _ = r.tx.send(Event::Token(first));
-        if complete {
-            self.finish(r, Some(FinishReason::Stop));
-        } else if r.generated >= r.params.max_tokens {
-            self.finish(r, Some(FinishReason::Length));
-        } else {
-            self.active.push(r);
-        }
+        self.begin_decode(r, kv);
         true
     }
 
@@ -325,13 +320,7 @@ impl Scheduler {
             return Ok(());
         }
         let kv = r.import.as_mut().expect("imported request");
-        for p in &mut kv.pages {
-            match self.model.page_from_wire(self.cache.page_size(), p) {
-                Ok(Some(local)) => *p = local,
-                Ok(None) => {}
-                Err(e) => return Err(format!("the K/V received: {e}")),
-            }
-        }
+        localize(self.model.as_ref(), self.cache.page_size(), &mut kv.pages)?;
         r.import_local = true;
         Ok(())
     }
@@ -339,7 +328,10 @@ impl Scheduler {
     /// The prompt's pages out of the device pool, in the wire layout (the host layout of the
     /// unsplit model), with their hashes.
     fn export_kv(&self, r: &Req) -> Result<ExportedKv, String> {
-        let (mut pages, hashes) = self.cache.export(r.lease(), &r.tokens[..r.prompt_len]);
+        let first = r.export.unwrap_or(0);
+        let (mut pages, hashes) = self
+            .cache
+            .export(r.lease(), &r.tokens[..r.prompt_len], first);
         for p in &mut pages {
             let ps = self.cache.page_size();
             if let Some(w) = self.model.page_to_wire(ps, p).map_err(|e| e.to_string())? {
@@ -347,6 +339,7 @@ impl Scheduler {
             }
         }
         Ok(ExportedKv {
+            first,
             pages,
             hashes: hashes.into_iter().map(|h| h.0).collect(),
         })
@@ -354,11 +347,21 @@ impl Scheduler {
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.
     fn promote(&mut self) {
-        for r in self.active.iter_mut().filter(|r| !r.running) {
+        let waiting = |r: &&mut Req| !r.running && r.remote != Remote::Awaiting;
+        for r in self.active.iter_mut().filter(waiting) {
             let lease = r.lease.as_mut().expect("an admitted request holds a lease");
             if !self.cache.advance(lease) {
                 continue;
             }
+            match remote::park(&self.cache, r) {
+                Some(true) => {
+                    self.progress += 1;
+                    continue;
+                }
+                Some(false) => self.snap.pd_local_prefills += 1,
+                None => {}
+            }
+            let lease = r.lease.as_ref().expect("an admitted request holds a lease");
             let Served {
                 device,
                 host,
@@ -557,7 +560,7 @@ impl Scheduler {
         let stop = r.params.stop_token_ids.contains(&next)
             || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&next));
         if stop {
-            if r.export {
+            if r.export.is_some() {
                 // A prefill worker forwards the first token, whatever it is, with the K/V.
                 if let Some(lp) = lp {
                     let _ = r.tx.send(Event::Logprobs(lp));
@@ -591,7 +594,7 @@ impl Scheduler {
     fn finish(&mut self, mut r: Req, mut reason: Option<FinishReason>) {
         self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
-        if ok && r.export && r.running && r.computed >= r.prompt_len {
+        if ok && r.export.is_some() && r.running && r.computed >= r.prompt_len {
             match self.export_kv(&r) {
                 Ok(kv) => {
                     let _ = r.tx.send(Event::Kv(Arc::new(kv)));

@@ -26,7 +26,7 @@ use thiserror::Error;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 const MAGIC: &[u8; 8] = b"STRATAKV";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 /// Largest frame accepted before the handshake completed.
 pub const HANDSHAKE_MAX_FRAME: usize = 16 << 10;
 /// Largest frame a sender reads (acknowledgements and refusals).
@@ -99,10 +99,12 @@ pub enum Frame {
     },
     /// The handshake passed.
     Accept,
-    /// A transfer starts: its id, the prompt's tokens, the pages that follow.
+    /// A transfer starts: its id, the prompt's tokens, the index of the first page sent (the
+    /// receiver holds those before it) and how many pages follow.
     Begin {
         id: TransferId,
         tokens: Vec<u32>,
+        first: u32,
         pages: u32,
     },
     /// One page: its position in the transfer, its content hash, its bytes.
@@ -163,6 +165,19 @@ impl Cursor<'_> {
     fn array<const N: usize>(&mut self) -> Result<[u8; N], TransferError> {
         Ok(self.take(N)?.try_into().expect("N bytes"))
     }
+    /// A count, then that many token ids.
+    fn tokens(&mut self) -> Result<Vec<u32>, TransferError> {
+        let n = self.u32()? as usize;
+        let raw = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| TransferError::Corrupt("token count overflows".into()))?,
+        )?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|x| u32::from_le_bytes(x.try_into().expect("4 bytes")))
+            .collect())
+    }
+
     fn string(&mut self) -> Result<String, TransferError> {
         let n = self.u32()? as usize;
         String::from_utf8(self.take(n)?.to_vec())
@@ -195,8 +210,14 @@ impl Frame {
                 9
             }
             Frame::Accept => 10,
-            Frame::Begin { id, tokens, pages } => {
+            Frame::Begin {
+                id,
+                tokens,
+                first,
+                pages,
+            } => {
                 b.extend_from_slice(&id.to_le_bytes());
+                b.extend_from_slice(&first.to_le_bytes());
                 b.extend_from_slice(&pages.to_le_bytes());
                 b.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
                 for t in tokens {
@@ -275,20 +296,12 @@ impl Frame {
             },
             9 => Frame::Proof { proof: c.array()? },
             10 => Frame::Accept,
-            3 => {
-                let id = c.u128()?;
-                let pages = c.u32()?;
-                let n = c.u32()? as usize;
-                let raw = c.take(
-                    n.checked_mul(4)
-                        .ok_or_else(|| TransferError::Corrupt("token count overflows".into()))?,
-                )?;
-                let tokens = raw
-                    .chunks_exact(4)
-                    .map(|x| u32::from_le_bytes(x.try_into().expect("4 bytes")))
-                    .collect();
-                Frame::Begin { id, tokens, pages }
-            }
+            3 => Frame::Begin {
+                id: c.u128()?,
+                first: c.u32()?,
+                pages: c.u32()?,
+                tokens: c.tokens()?,
+            },
             4 => {
                 let id = c.u128()?;
                 let index = c.u32()?;
@@ -362,7 +375,7 @@ pub fn page_frame_len(page_bytes: u64) -> usize {
 
 /// Largest frame a `Begin` of `max_tokens` tokens needs.
 pub fn begin_frame_len(max_tokens: usize) -> usize {
-    1 + 16 + 4 + 4 + 4 * max_tokens + 16
+    1 + 16 + 4 + 4 + 4 + 4 * max_tokens + 16
 }
 
 /// Reads one frame of at most `max` bytes (checked before anything is allocated), verifying

@@ -25,11 +25,13 @@ pub struct TransferStats {
 }
 
 /// Sends one request's KV: `Begin` (retried while the receiver is busy, until `deadline`),
-/// the pages, `End`, then waits for the receiver's `Ack`.
+/// the pages — the prompt's pages from index `first` on (the receiver holds the ones before)
+/// — `End`, then waits for the receiver's `Ack`.
 pub fn send_kv(
     link: &mut dyn Link,
     id: TransferId,
     tokens: &[u32],
+    first: u32,
     pages: &[OutPage],
     deadline: Duration,
 ) -> Result<TransferStats, TransferError> {
@@ -41,6 +43,7 @@ pub fn send_kv(
             &Frame::Begin {
                 id,
                 tokens: tokens.to_vec(),
+                first,
                 pages: pages.len() as u32,
             },
         )?;
@@ -76,7 +79,7 @@ pub fn send_kv(
             );
             return Err(TransferError::Timeout(deadline));
         }
-        write_page_frame(link, id, i as u32, &p.hash, p.data)?;
+        write_page_frame(link, id, first + i as u32, &p.hash, p.data)?;
         st.pages += 1;
         st.bytes += p.data.len() as u64;
     }
@@ -103,8 +106,10 @@ pub fn send_kv(
 pub struct Received {
     pub id: TransferId,
     pub tokens: Vec<u32>,
+    /// Index of the first page received (the receiver holds those before it).
+    pub first: u32,
     pub hashes: Vec<[u8; 16]>,
-    /// Page blobs in order.
+    /// Page blobs in order, from page `first` on.
     pub pages: Vec<Vec<u8>>,
 }
 
@@ -161,35 +166,42 @@ fn abort(link: &mut dyn Link, id: TransferId, reason: String) -> TransferError {
 }
 
 /// Receives one transfer on an open link. A `Begin` must be consistent (1 to `max_tokens`
-/// tokens, exactly the pages they fill); then `admit(id, pages)` decides. Pages must arrive
-/// in order with the agreed size; anything else aborts the transfer and nothing of it is kept.
+/// tokens, exactly the pages they fill from its first one on); then `admit(id, first,
+/// pages)` decides. Pages must arrive in order with the agreed size; anything else aborts
+/// the transfer and nothing of it is kept.
 pub fn recv_kv(
     link: &mut dyn Link,
     lim: &RecvLimits,
-    admit: &mut dyn FnMut(TransferId, u32) -> Admit,
+    admit: &mut dyn FnMut(TransferId, u32, u32) -> Admit,
 ) -> Result<Received, TransferError> {
     let max = lim.max_frame();
-    let (id, tokens, n) = recv_begin(link, lim, max, admit)?;
+    let (id, tokens, first, n) = recv_begin(link, lim, max, admit)?;
     let r = Received {
         id,
         tokens,
+        first,
         hashes: Vec::with_capacity(n as usize),
         pages: Vec::with_capacity(n as usize),
     };
     recv_pages(link, lim, max, r, n)
 }
 
-/// Reads `Begin`s until one is admitted (answering busy ones); returns its id, tokens and
-/// page count.
+/// Reads `Begin`s until one is admitted (answering busy ones); returns its id, tokens, first
+/// page and page count.
 fn recv_begin(
     link: &mut dyn Link,
     lim: &RecvLimits,
     max: usize,
-    admit: &mut dyn FnMut(TransferId, u32) -> Admit,
-) -> Result<(TransferId, Vec<u32>, u32), TransferError> {
+    admit: &mut dyn FnMut(TransferId, u32, u32) -> Admit,
+) -> Result<(TransferId, Vec<u32>, u32, u32), TransferError> {
     loop {
         match read_frame(link, max)? {
-            Frame::Begin { id, tokens, pages } => {
+            Frame::Begin {
+                id,
+                tokens,
+                first,
+                pages,
+            } => {
                 let want = tokens.len().div_ceil(lim.page_size.max(1) as usize);
                 if tokens.is_empty() || tokens.len() > lim.max_tokens {
                     return Err(abort(
@@ -202,17 +214,20 @@ fn recv_begin(
                         ),
                     ));
                 }
-                if pages as usize != want {
+                if first as usize >= want || pages as usize != want - first as usize {
                     return Err(abort(
                         link,
                         id,
-                        format!("{pages} pages announced for {} tokens", tokens.len()),
+                        format!(
+                            "{pages} pages from page {first} announced for {} tokens",
+                            tokens.len()
+                        ),
                     ));
                 }
-                match admit(id, pages) {
+                match admit(id, first, pages) {
                     Admit::Yes => {
                         ack(link, id, true, "")?;
-                        return Ok((id, tokens, pages));
+                        return Ok((id, tokens, first, pages));
                     }
                     Admit::Busy(why) => ack(link, id, false, &why)?,
                     Admit::Refuse(why) => return Err(abort(link, id, why)),
@@ -247,8 +262,11 @@ fn recv_pages(
             } => {
                 let bad = if pid != id {
                     Some("a page of another transfer".to_string())
-                } else if index as usize != r.pages.len() {
-                    Some(format!("page {index} arrived, expected {}", r.pages.len()))
+                } else if index as usize != r.first as usize + r.pages.len() {
+                    Some(format!(
+                        "page {index} arrived, expected {}",
+                        r.first as usize + r.pages.len()
+                    ))
                 } else if data.len() as u64 != lim.page_bytes
                     && Some(data.len() as u64) != lim.main_page_bytes
                 {

@@ -43,10 +43,10 @@ fn pages_arrive_intact_after_a_busy_answer() {
     let id = new_transfer_id();
     let rx = std::thread::spawn(move || {
         handshake_accept(&mut s, &hello(1), Some(&key(1))).unwrap();
-        let mut first = true;
-        recv_kv(&mut s, &lim(), &mut |got, n| {
-            assert_eq!((got, n), (id, 3));
-            if std::mem::replace(&mut first, false) {
+        let mut busy = true;
+        recv_kv(&mut s, &lim(), &mut |got, first, n| {
+            assert_eq!((got, first, n), (id, 0, 3));
+            if std::mem::replace(&mut busy, false) {
                 Admit::Busy("full".into())
             } else {
                 Admit::Yes
@@ -64,13 +64,47 @@ fn pages_arrive_intact_after_a_busy_answer() {
             data: d,
         })
         .collect();
-    let st = send_kv(&mut c, id, &[1, 2, 3], &pages, Duration::from_secs(5)).unwrap();
+    let st = send_kv(&mut c, id, &[1, 2, 3], 0, &pages, Duration::from_secs(5)).unwrap();
     assert_eq!((st.pages, st.bytes, st.busy_retries), (3, 192, 1));
     let r = rx.join().unwrap();
     assert_eq!(r.id, id);
     assert_eq!(r.tokens, vec![1, 2, 3]);
     assert_eq!(r.pages, blobs);
     assert_eq!(r.hashes[2], [2; 16]);
+}
+
+#[test]
+fn a_transfer_may_start_after_the_pages_the_receiver_holds() {
+    let (mut c, mut s) = pair();
+    let rx = std::thread::spawn(move || {
+        handshake_accept(&mut s, &hello(1), None).unwrap();
+        recv_kv(&mut s, &lim(), &mut |_, first, n| {
+            assert_eq!((first, n), (3, 2));
+            Admit::Yes
+        })
+        .unwrap()
+    });
+    handshake_connect(&mut c, &hello(1), None).unwrap();
+    let blobs: Vec<Vec<u8>> = (3..5u8).map(|i| vec![i; 64]).collect();
+    let pages: Vec<OutPage> = blobs
+        .iter()
+        .map(|d| OutPage {
+            hash: [d[0]; 16],
+            data: d,
+        })
+        .collect();
+    let st = send_kv(
+        &mut c,
+        9,
+        &[1, 2, 3, 4, 5],
+        3,
+        &pages,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!((st.pages, st.bytes), (2, 128));
+    let r = rx.join().unwrap();
+    assert_eq!((r.first, r.pages.clone()), (3, blobs));
 }
 
 #[test]
@@ -120,16 +154,32 @@ fn oversized_frames_are_refused_before_allocation() {
 
 #[test]
 fn inconsistent_or_refused_begins_abort() {
-    for (tokens, pages, verdict, want) in [
+    for (tokens, first, pages, verdict, want) in [
         (
             vec![1u32; 3],
+            0,
             2u32,
             Admit::Yes,
-            "2 pages announced for 3 tokens",
+            "2 pages from page 0 announced for 3 tokens",
         ),
-        (vec![1u32; 101], 101, Admit::Yes, "101 tokens"),
         (
             vec![1u32; 3],
+            3,
+            0u32,
+            Admit::Yes,
+            "0 pages from page 3 announced for 3 tokens",
+        ),
+        (
+            vec![1u32; 3],
+            1,
+            3u32,
+            Admit::Yes,
+            "3 pages from page 1 announced for 3 tokens",
+        ),
+        (vec![1u32; 101], 0, 101, Admit::Yes, "101 tokens"),
+        (
+            vec![1u32; 3],
+            0,
             3,
             Admit::Refuse("unknown transfer id".into()),
             "unknown transfer id",
@@ -137,13 +187,15 @@ fn inconsistent_or_refused_begins_abort() {
     ] {
         let (mut c, mut s) = pair();
         let v = verdict.clone();
-        let rx =
-            std::thread::spawn(move || recv_kv(&mut s, &lim(), &mut |_, _| v.clone()).unwrap_err());
+        let rx = std::thread::spawn(move || {
+            recv_kv(&mut s, &lim(), &mut |_, _, _| v.clone()).unwrap_err()
+        });
         write_frame(
             &mut c,
             &Frame::Begin {
                 id: 7,
                 tokens,
+                first,
                 pages,
             },
         )
@@ -196,7 +248,7 @@ fn a_peer_that_dies_mid_transfer_is_an_error_not_a_partial_result() {
     let (mut c, mut s) = pair();
     let rx = std::thread::spawn(move || {
         handshake_accept(&mut s, &hello(1), None).unwrap();
-        recv_kv(&mut s, &lim(), &mut |_, _| Admit::Yes)
+        recv_kv(&mut s, &lim(), &mut |_, _, _| Admit::Yes)
     });
     handshake_connect(&mut c, &hello(1), None).unwrap();
     write_frame(
@@ -204,6 +256,7 @@ fn a_peer_that_dies_mid_transfer_is_an_error_not_a_partial_result() {
         &Frame::Begin {
             id: 1,
             tokens: vec![1; 4],
+            first: 0,
             pages: 4,
         },
     )

@@ -150,6 +150,11 @@ impl Lease {
         self.held().start
     }
 
+    /// Pages at its start that the tree holds (once ready; its own pages follow).
+    pub fn prefix_pages(&self) -> usize {
+        self.held().prefix_pages
+    }
+
     /// Prompt tokens served per tier (final once ready).
     pub fn served(&self) -> Served {
         self.held().served

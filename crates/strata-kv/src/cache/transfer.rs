@@ -87,17 +87,94 @@ impl TieredCache {
         Some(self.lease(held))
     }
 
-    /// The first `pages` pages of a ready lease, each in the host layout (PD export), with
-    /// the chained hash of each whole page of `prompt` (zero for a partial last page, and all
-    /// zero when the cache computes no hashes).
-    pub fn export(&self, lease: &Lease, prompt: &[u32]) -> (Vec<Vec<u8>>, Vec<PageHash>) {
+    /// Writes K/V computed elsewhere into a ready lease whose prefix this cache held (a
+    /// decode worker that asked a prefill worker only for what it lacks): `blobs` (host
+    /// layout) are the prompt's pages from `first` on, `first` being where the lease's own
+    /// pages start. A page sent with its window part gets a window page (from the lease's
+    /// ring, then the pool); one sent without gives its window page back (its window state is
+    /// never read: the sender sends the span before the prompt's end whole). Err, with the
+    /// lease unchanged but for window pages, when the blobs do not fit it or window pages
+    /// cannot be had.
+    pub fn write_transferred(
+        &mut self,
+        lease: &mut Lease,
+        first: usize,
+        blobs: &[Vec<u8>],
+    ) -> Result<(), String> {
+        let ps = self.page_size();
+        let (full, main) = (
+            blob_len(&self.layout, Some(0)),
+            blob_len(&self.layout, None),
+        );
+        let h = lease.held_mut();
+        if !h.is_ready() {
+            return Err("the request's prefix is not on device yet".into());
+        }
+        let n = h.prompt_len.div_ceil(ps);
+        if first != h.prefix_pages || first + blobs.len() != n {
+            return Err(format!(
+                "pages {first}..{} arrived; this request holds the first {} of its {n}",
+                first + blobs.len(),
+                h.prefix_pages
+            ));
+        }
+        if let Some(b) = blobs.iter().find(|b| b.len() != full && b.len() != main) {
+            return Err(format!(
+                "a page of {} bytes, this pool's pages have {full}",
+                b.len()
+            ));
+        }
+        if self.has_window() {
+            let ring_mode = self.ring_mode();
+            for (i, b) in blobs.iter().enumerate() {
+                let j = first + i;
+                let (want, have) = (b.len() != main, h.windows[j] != NO_PAGE);
+                if want && !have {
+                    h.windows[j] = match h.ring.pop() {
+                        Some(w) => w,
+                        None => self
+                            .alloc_windows(1)
+                            .and_then(|mut v| v.pop())
+                            .ok_or("no window page is free for a page sent with its window part")?,
+                    };
+                } else if !want && have {
+                    let w = std::mem::replace(&mut h.windows[j], NO_PAGE);
+                    if ring_mode {
+                        h.ring.push(w);
+                    } else {
+                        self.free_windows(&[w]);
+                    }
+                }
+            }
+        }
+        let pool = self
+            .device_pool_shared()
+            .expect("K/V is imported into a cache with data");
+        for (i, blob) in blobs.iter().enumerate() {
+            let w = h.windows.get(first + i).copied().filter(|&w| w != NO_PAGE);
+            pool.write_page_host_layout(h.pages[first + i], w, blob);
+        }
+        h.start = h.prompt_len;
+        Ok(())
+    }
+
+    /// The pages of `prompt` from page `from` on of a ready lease, each in the host layout
+    /// (PD export: the receiver holds the ones before), with the chained hash of each whole
+    /// page of `prompt` from the first (zero for a partial last page, and all zero when the
+    /// cache computes no hashes).
+    pub fn export(
+        &self,
+        lease: &Lease,
+        prompt: &[u32],
+        from: usize,
+    ) -> (Vec<Vec<u8>>, Vec<PageHash>) {
         let ps = self.page_size();
         let n = prompt.len().div_ceil(ps);
-        let mut blobs = Vec::with_capacity(n);
+        let mut blobs = Vec::with_capacity(n.saturating_sub(from));
         let pool = self
             .device_pool()
             .expect("K/V is exported from a cache with data");
-        for (i, &page) in lease.pages()[..n].iter().enumerate() {
+        for (i, &page) in lease.pages()[..n].iter().enumerate().skip(from) {
             // A page without a window page travels as its main part only.
             let w = lease.windows().get(i).copied().filter(|&w| w != NO_PAGE);
             let mut blob = vec![0u8; blob_len(&self.layout, w)];

@@ -22,7 +22,12 @@ use strata_engine::{
 
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
+
+mod decode;
 use crate::state::AppState;
+#[cfg(test)]
+use decode::answer_cap;
+pub use decode::decode_after_remote_prefill;
 
 pub use strata_protocol::{FirstTokenSampling, PrefillRequest, PrefillResponse, WireLogprobs};
 
@@ -89,7 +94,17 @@ async fn prefill_work(
         params.constraint = Some(crate::structured::compile(st, (c, "sampling.constraint")).await?);
     }
     let prompt_tokens = req.tokens.len();
-    let done = compute_prefill(st, &req.tokens, params, arrived).await?;
+    let from = held_pages(st, &req)?;
+    let done = compute_prefill(st, &req.tokens, params, from, arrived).await?;
+    if from > 0 {
+        let ours = done.kv.hashes.get(from - 1).copied().unwrap_or([0; 16]);
+        if strata_kv::auth::hex(&ours) != req.held_hash {
+            return Err(ApiError::bad_request(
+                "held_hash: the decode worker hashes the held prefix otherwise (another model or hash namespace)",
+                Some("held_hash"),
+            ));
+        }
+    }
     let (first, cached) = (done.first, done.cached);
     let first_logprobs = done.logprobs.map(wire);
     let prompt_logprobs = done.prompt_logprobs.map(|p| {
@@ -194,6 +209,31 @@ fn prefill_request(
     Ok((req, id, addr, params))
 }
 
+/// The pages of a `/pd/prefill` request's prompt the decode worker holds (not to be sent):
+/// whole pages, fewer than the prompt's, and a hash for the last when there are any.
+fn held_pages(st: &AppState, req: &PrefillRequest) -> Result<usize, ApiError> {
+    let ps = st.engine.info().page_size;
+    let held = req.held_tokens;
+    let bad = |msg: String| Err(ApiError::bad_request(msg, Some("held_tokens")));
+    if held >= req.tokens.len() || !held.is_multiple_of(ps) {
+        return bad(format!(
+            "held_tokens {held}: whole pages of {ps} tokens, fewer than the prompt's {}",
+            req.tokens.len()
+        ));
+    }
+    let hash_ok = match held {
+        0 => req.held_hash.is_empty(),
+        _ => strata_kv::auth::unhex(&req.held_hash).is_some_and(|b| b.len() == 16),
+    };
+    if !hash_ok {
+        return Err(ApiError::bad_request(
+            "held_hash: 32 hex digits with held_tokens, empty without",
+            Some("held_hash"),
+        ));
+    }
+    Ok(held / ps)
+}
+
 /// A computed prompt.
 struct Prefilled {
     first: u32,
@@ -209,11 +249,12 @@ async fn compute_prefill(
     st: &AppState,
     tokens: &[u32],
     params: SamplingParams,
+    from: usize,
     arrived: std::time::Instant,
 ) -> Result<Prefilled, ApiError> {
     let mut rs = st
         .engine
-        .submit_export(tokens.to_vec(), params)
+        .submit_export(tokens.to_vec(), params, from)
         .map_err(|e| ApiError::from_submit(&e))?;
     let (mut first, mut kv, mut cached) = (None, None, CachedTokens::default());
     let (mut logprobs, mut prompt_logprobs) = (None, None);
@@ -234,6 +275,7 @@ async fn compute_prefill(
                 first = Some(t)
             }
             Event::Kv(k) => kv = Some(k),
+            Event::Held { .. } => {}
             Event::Done { reason, .. } => {
                 if let FinishReason::QueueTimeout { waited } = reason {
                     return Err(ApiError::queue_timeout(waited));
@@ -273,10 +315,10 @@ async fn send_prefill(
         let pages: Vec<OutPage> = kv
             .pages
             .iter()
-            .zip(&kv.hashes)
+            .zip(&kv.hashes[kv.first..])
             .map(|(d, h)| OutPage { hash: *h, data: d })
             .collect();
-        transfer::send_kv(&mut conn, id, &tokens, &pages, deadline)
+        transfer::send_kv(&mut conn, id, &tokens, kv.first as u32, &pages, deadline)
     })
     .await
 }
@@ -354,77 +396,6 @@ pub fn check_prefill_header(
     Ok(())
 }
 
-/// The decode side of a PD request: ask the prefill worker at `prefill_url` to compute the
-/// prompt and send its K/V here, then continue generation in this engine.
-pub async fn decode_after_remote_prefill(
-    st: &Arc<AppState>,
-    prefill_url: &str,
-    ids: Vec<u32>,
-    params: SamplingParams,
-) -> Result<strata_engine::RequestStream, ApiError> {
-    let Some(inbox) = &st.pd.kv else {
-        return Err(ApiError::bad_request(
-            "this worker has no KV listener: start it with --role decode (or both)",
-            None,
-        ));
-    };
-    check_fits(st, inbox, &ids, &params)?;
-    let exp = inbox.expect();
-    let body = PrefillRequest {
-        transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
-        tokens: ids.clone(),
-        kv_target: inbox.advertise.to_string(),
-        shared_prefix: params.shared_prefix,
-        sampling: FirstTokenSampling {
-            temperature: params.temperature,
-            top_p: params.top_p,
-            top_k: params.top_k,
-            seed: params.seed,
-            stop_token_ids: params.stop_token_ids.clone(),
-            ignore_eos: params.ignore_eos,
-            frequency_penalty: params.frequency_penalty,
-            presence_penalty: params.presence_penalty,
-            repetition_penalty: params.repetition_penalty,
-            logit_bias: params.logit_bias.clone(),
-            min_p: params.min_p,
-            min_tokens: params.min_tokens,
-            logprobs: params.logprobs,
-            prompt_logprobs: params.prompt_logprobs,
-            constraint: params
-                .constraint
-                .as_ref()
-                .and_then(crate::structured::spec_of),
-        },
-    };
-    let mut pr = call_prefill(st, prefill_url, &body).await?;
-    let got = exp
-        .take(st.pd.kv_deadline)
-        .await
-        .map_err(|e| bad_gateway(format!("KV transfer: {e}")))?;
-    drop(exp);
-    if got.tokens != ids {
-        return Err(bad_gateway("the K/V received is for other tokens".into()));
-    }
-    check_logprobs(&pr, &ids, &params)?;
-    let kv = strata_engine::ImportedKv {
-        first_logprobs: pr.first_logprobs.take().map(unwire),
-        prompt_logprobs: pr
-            .prompt_logprobs
-            .take()
-            .map(|v| v.into_iter().map(unwire).collect()),
-        pages: got.pages,
-        first_token: pr.first_token,
-        cached: CachedTokens {
-            device: pr.cached_device,
-            host: pr.cached_host,
-            storage: pr.cached_storage,
-        },
-    };
-    st.engine
-        .submit_prefilled(ids, params, kv)
-        .map_err(|e| ApiError::from_submit(&e))
-}
-
 fn wire(l: TokenLogprobs) -> WireLogprobs {
     WireLogprobs {
         token: l.token,
@@ -439,142 +410,6 @@ fn unwire(l: WireLogprobs) -> TokenLogprobs {
         logprob: l.logprob,
         top: l.top,
     }
-}
-
-/// The prefill worker's log probabilities are what was asked, for these tokens: the first
-/// token's when asked, and one entry per prompt token after the first, each for that token,
-/// with at most the alternatives asked.
-fn check_logprobs(pr: &PrefillResponse, ids: &[u32], p: &SamplingParams) -> Result<(), ApiError> {
-    let fits = |l: &WireLogprobs, k: usize| l.top.len() <= k && l.logprob <= 0.0;
-    let first_ok = match (&pr.first_logprobs, p.logprobs) {
-        (None, None) => true,
-        (Some(l), Some(k)) => l.token == pr.first_token && fits(l, k),
-        _ => false,
-    };
-    let prompt_ok = match (&pr.prompt_logprobs, p.prompt_logprobs) {
-        (None, None) => true,
-        (Some(v), Some(k)) => {
-            v.len() + 1 == ids.len()
-                && v.iter()
-                    .zip(&ids[1..])
-                    .all(|(l, &t)| l.token == t && fits(l, k))
-        }
-        _ => false,
-    };
-    if first_ok && prompt_ok {
-        Ok(())
-    } else {
-        Err(bad_gateway(
-            "the prefill worker's log probabilities do not match the request".into(),
-        ))
-    }
-}
-
-/// Refuses, before any remote work, what this worker could not run anyway: a request too
-/// long for its context or pool, or K/V larger than its staging area.
-fn check_fits(
-    st: &AppState,
-    inbox: &KvInbox,
-    ids: &[u32],
-    params: &SamplingParams,
-) -> Result<(), ApiError> {
-    let info = st.engine.info();
-    let needed = ids.len().saturating_add(params.max_tokens);
-    if needed > info.context_length
-        || needed.div_ceil(info.page_size) * info.page_size > info.device_tokens
-    {
-        return Err(ApiError::from_submit(
-            &strata_engine::SubmitError::TooLongForPool {
-                prompt: ids.len(),
-                max_tokens: params.max_tokens,
-                needed,
-                capacity: info.device_tokens.min(info.context_length),
-            },
-        ));
-    }
-    let need = ids.len().div_ceil(info.page_size) as u64 * inbox.page_bytes();
-    if need > inbox.staging_limit() {
-        return Err(ApiError::bad_request(
-            format!(
-                "the prompt's K/V ({need} bytes) exceeds this decode worker's KV staging area ({} bytes, --kv-staging)",
-                inbox.staging_limit()
-            ),
-            Some("messages"),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    Ok(())
-}
-
-/// Asks the prefill worker to compute the prompt and send its K/V here; its answer.
-async fn call_prefill(
-    st: &AppState,
-    prefill_url: &str,
-    body: &PrefillRequest,
-) -> Result<PrefillResponse, ApiError> {
-    let url = format!("{}/pd/prefill", prefill_url.trim_end_matches('/'));
-    let bytes = serde_json::to_vec(body).expect("a prefill request serializes");
-    let mut req = st
-        .pd
-        .http
-        .post(&url)
-        .timeout(st.pd.kv_deadline + Duration::from_secs(600))
-        .header(reqwest::header::CONTENT_TYPE, "application/json");
-    if let Some(k) = &st.cluster_key {
-        req = req.header(
-            crate::auth::AUTH_HEADER,
-            crate::auth::sign(k, &prefill_call(&bytes)),
-        );
-    }
-    let req = req.body(bytes);
-    let r = req
-        .send()
-        .await
-        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: {e}")))?;
-    let status = r.status();
-    if !status.is_success() {
-        // Its words go to the log only: nothing an upstream says is echoed to a client.
-        let text = r.text().await.unwrap_or_default();
-        tracing::warn!(prefill = prefill_url, %status, %text, "prefill worker refused");
-        if status == reqwest::StatusCode::TOO_MANY_REQUESTS
-            || status == reqwest::StatusCode::SERVICE_UNAVAILABLE
-        {
-            return Err(ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "service_unavailable",
-                    format!("the prefill worker is busy ({status}); retry later"),
-                )
-            });
-        }
-        return Err(bad_gateway(format!("the prefill worker answered {status}")));
-    }
-    let bytes = read_capped(r, answer_cap(body))
-        .await
-        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: {e}")))?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: bad answer: {e}")))
-}
-
-/// The most bytes a prefill worker's answer to `body` may take: a few KiB, and the log
-/// probabilities asked for (each entry a token id and a number, generously).
-fn answer_cap(body: &PrefillRequest) -> usize {
-    let per_token = |k: Option<usize>| k.map_or(0, |k| (k + 2) * 64);
-    let s = &body.sampling;
-    64 * 1024 + per_token(s.logprobs) + body.tokens.len() * per_token(s.prompt_logprobs)
-}
-
-/// Reads a response body of at most `cap` bytes (more is an error, read no further).
-async fn read_capped(mut r: reqwest::Response, cap: usize) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    while let Some(chunk) = r.chunk().await.map_err(|e| e.to_string())? {
-        if out.len() + chunk.len() > cap {
-            return Err(format!("answer over {cap} bytes"));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -613,6 +448,8 @@ mod tests {
             tokens: vec![0; prompt],
             kv_target: String::new(),
             shared_prefix: 0,
+            held_tokens: 0,
+            held_hash: String::new(),
             sampling: FirstTokenSampling {
                 logprobs: Some(k),
                 prompt_logprobs: Some(k),
