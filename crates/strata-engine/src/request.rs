@@ -160,16 +160,10 @@ pub struct PromptLogprobs {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// A request submitted with [`crate::EngineHandle::submit_remote`], its prefix on device:
-    /// the prompt's first `tokens` (whole pages) are this worker's cache's, `last_hash` the
-    /// chained hash of their last page (zero when none, or when the cache computes no
-    /// hashes). With `prefill` it waits for the rest's K/V
-    /// ([`crate::EngineHandle::deliver`]); without, it computes the rest here (at most the
-    /// request's local threshold), and `Admitted` follows at once.
-    Held {
-        tokens: usize,
-        last_hash: [u8; 16],
-        prefill: bool,
-    },
+    /// the prompt's first `tokens` (whole pages) are this worker's cache's. With `prefill` it
+    /// waits for the rest's K/V ([`crate::EngineHandle::deliver`]); without, it computes the
+    /// rest here (at most the request's local threshold), and `Admitted` follows at once.
+    Held { tokens: usize, prefill: bool },
     /// The prompt was matched against the cache; computing starts.
     Admitted { cached: CachedTokens },
     /// The prompt's log probabilities (requests that asked for them), once, before the first

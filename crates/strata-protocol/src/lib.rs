@@ -144,8 +144,8 @@ pub struct PrefillRequest {
     /// the pages after them are sent. Less than `tokens.len()`.
     #[serde(default)]
     pub held_tokens: usize,
-    /// The chained page hash of the last held page (32 hex digits; empty when none are held):
-    /// the prefill worker checks that both hash the prompt alike.
+    /// A digest of the held tokens in the transfer format (32 hex digits; empty when none are
+    /// held; `strata_server::pd::held_digest`): the prefill worker checks it before computing.
     #[serde(default)]
     pub held_hash: String,
 }

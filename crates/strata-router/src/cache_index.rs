@@ -96,7 +96,10 @@ impl CacheIndex {
     /// (device, host, remote) pages of the prefix of `hashes` worker `w` can use, page by page
     /// from the start: its own tiers first, then the shared remote L3.
     pub fn cached_prefix(&self, w: usize, hashes: &[PageHash]) -> (usize, usize, usize) {
-        let idx = self.workers[w].lock().expect("index lock");
+        let Some(idx) = self.workers.get(w) else {
+            return (0, 0, 0);
+        };
+        let idx = idx.lock().expect("index lock");
         let remote = self.remote.lock().expect("remote lock");
         let (mut dev, mut host, mut rem) = (0, 0, 0);
         for h in hashes {
@@ -170,6 +173,9 @@ impl CacheIndex {
         w: usize,
         url: &str,
     ) -> Result<(), String> {
+        if w >= self.workers.len() {
+            return Err(format!("the index has {} places", self.workers.len()));
+        }
         async fn get<T: serde::de::DeserializeOwned>(
             client: &reqwest::Client,
             key: Option<&strata_kv::auth::ClusterKey>,

@@ -158,7 +158,11 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
     } else {
         None
     };
-    let decode = b.pick(&st.decode, None, avoid_d.as_ref())?;
+    let decode = if b.reads_prompt() {
+        pick_decode_reading(st, body, avoid_d).await?
+    } else {
+        b.pick(&st.decode, None, avoid_d.as_ref())?
+    };
     let prefill = match prefill {
         Some(p) => p,
         None => b.pick(&st.prefill, None, avoid_p.as_ref())?,
@@ -188,6 +192,26 @@ async fn pick_reading(
         Ok(w) => w,
         // The scoring task failed: least load, as when the prompt cannot be read.
         Err(_) => LeastLoad.pick(st.cache_pool(), None, avoid.as_ref()),
+    }
+}
+
+/// [`pick_reading`] for the decode worker under PD (the one holding most of the prompt).
+async fn pick_decode_reading(
+    st: &Arc<RouterState>,
+    body: &Bytes,
+    avoid: Option<Arc<Worker>>,
+) -> Option<Arc<Worker>> {
+    let permit = st.cpu_gate.clone().acquire_owned().await.ok();
+    let (st2, body, avoid2) = (st.clone(), body.clone(), avoid.clone());
+    let picked = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        st2.balancer()
+            .pick_decode(&st2.decode, Some(&body), avoid2.as_ref())
+    })
+    .await;
+    match picked {
+        Ok(w) => w,
+        Err(_) => LeastLoad.pick(&st.decode, None, avoid.as_ref()),
     }
 }
 

@@ -125,6 +125,11 @@ pub fn render(v: &RouterView, front: &FrontMetrics) -> String {
             n as f64,
         );
     }
+    t.sample(
+        "strata_router_decode_cache_hits_total",
+        &[],
+        c.decode_hits as f64,
+    );
     t.sample("strata_router_retries_total", &[], v.retries as f64);
     if let Some((pages, bytes)) = v.index {
         t.sample("strata_router_index_pages", &[], pages as f64);

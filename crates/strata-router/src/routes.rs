@@ -50,15 +50,15 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .with_state(state)
 }
 
-/// Follows the cache events of the cache pool's workers, every `every`.
+/// Follows the cache events of every worker, every `every`.
 pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
     let Some(index) = state.index().cloned() else {
         return;
     };
     loop {
-        for (i, w) in state.cache_pool().iter().enumerate() {
+        for w in state.indexed() {
             if let Err(e) = index
-                .poll(&state.client, state.cluster_key.as_ref(), i, &w.url)
+                .poll(&state.client, state.cluster_key.as_ref(), w.slot, &w.url)
                 .await
             {
                 tracing::debug!(worker = %w.url, error = %e, "cache events not read");

@@ -66,9 +66,13 @@ impl RouterState {
             // Cache-aware without an index yet: least load.
             Policy::LeastLoad | Policy::CacheAware => Box::new(LeastLoad),
         };
+        // Cache index places: the prefill workers, then the decode workers.
+        let np = prefill.len();
         RouterState {
-            prefill: prefill.iter().map(|u| Worker::new(u)).collect(),
-            decode: decode.iter().map(|u| Worker::new(u)).collect(),
+            prefill: (0..np).map(|i| Worker::at(&prefill[i], i)).collect(),
+            decode: (0..decode.len())
+                .map(|j| Worker::at(&decode[j], np + j))
+                .collect(),
             policy,
             balancer,
             api_keys: HashSet::new(),
@@ -112,6 +116,12 @@ impl RouterState {
 
     pub fn balancer(&self) -> &dyn LoadBalancingPolicy {
         self.balancer.as_ref()
+    }
+
+    /// The workers whose cache events the index follows: every worker (under PD the decode
+    /// workers' caches serve the prefix they hold too), in index order.
+    pub fn indexed(&self) -> impl Iterator<Item = &Arc<Worker>> {
+        self.prefill.iter().chain(&self.decode)
     }
 
     /// The workers whose caches serve prompts: prefill workers under PD, else the workers.

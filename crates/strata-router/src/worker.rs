@@ -6,6 +6,8 @@ use std::sync::Arc;
 /// One worker as the router sees it.
 pub struct Worker {
     pub url: String,
+    /// Its place in the router's cache index.
+    pub slot: usize,
     pub healthy: AtomicBool,
     /// Unix milliseconds of the last successful scrape of its `/metrics` (0: never).
     pub last_seen_ms: AtomicU64,
@@ -16,8 +18,14 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(url: &str) -> Arc<Worker> {
+        Worker::at(url, 0)
+    }
+
+    /// A worker at place `slot` of the router's cache index.
+    pub fn at(url: &str, slot: usize) -> Arc<Worker> {
         Arc::new(Worker {
             url: url.trim_end_matches('/').to_string(),
+            slot,
             healthy: AtomicBool::new(true),
             last_seen_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),

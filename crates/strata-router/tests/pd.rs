@@ -245,7 +245,7 @@ async fn cache_aware_routing_follows_the_prefix() {
     rs.set_index(Arc::new(CacheIndex::new(
         Arc::new(tk),
         Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
-        2,
+        3,
     )));
     let rs = Arc::new(rs);
     tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
@@ -466,4 +466,91 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
     }
     busy.stop().await;
     w.stop().await;
+}
+
+/// Two decode workers: the repeats of a conversation go back to the decode worker that holds
+/// it (which asks the prefill worker only for the pages it lacks), not to the other by turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
+    use strata_router::cache_index::CacheIndex;
+    use strata_router::index_loop;
+    let d = tempfile::tempdir().unwrap();
+    let path = strata_test_support::tiny_model(d.path());
+    let p = worker(&path, 16, false, &[]).await;
+    let dec = |_| {
+        spawn_worker(
+            &path,
+            WorkerSpec {
+                page_size: 16,
+                kv_listener: true,
+                prefill_workers: vec![p.url.clone()],
+                pd_local_prefill_tokens: 0,
+                ..WorkerSpec::default()
+            },
+        )
+    };
+    let (d0, d1) = (dec(0).await, dec(1).await);
+    let g = Gguf::open(&path).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let mut rs = RouterState::new(
+        std::slice::from_ref(&p.url),
+        &[d0.url.clone(), d1.url.clone()],
+        Policy::CacheAware,
+    );
+    rs.set_index(Arc::new(CacheIndex::new(
+        Arc::new(tk),
+        Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
+        3,
+    )));
+    let rs = Arc::new(rs);
+    tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn({
+        let rs = rs.clone();
+        async move { axum::serve(l, router(rs)).await }
+    });
+    // Two conversations: with nothing cached yet they go to the two decode workers in turn.
+    let talks: Vec<String> = ["the weather", "the harbour"]
+        .iter()
+        .map(|t| format!("a conversation that goes on and on about {t}, ").repeat(6))
+        .collect();
+    let decoders = [&d0, &d1];
+    let moved = |i: usize| {
+        decoders[i]
+            .state
+            .engine
+            .snapshot()
+            .transferred_prompt_tokens
+    };
+    let mut holders = Vec::new();
+    for t in &talks {
+        let before = [moved(0), moved(1)];
+        let (st, _) = post(&format!("{r}/v1/chat/completions"), &chat(t, 4)).await;
+        assert_eq!(st, 200);
+        holders.push(if moved(0) > before[0] { 0 } else { 1 });
+    }
+    assert_ne!(
+        holders[0], holders[1],
+        "ties alternate between decode workers"
+    );
+    // Let the router read the decode workers' cache events.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = moved(0) + moved(1);
+    for t in talks.iter().chain(&talks) {
+        let (st, v) = post(&format!("{r}/v1/chat/completions"), &chat(t, 4)).await;
+        assert_eq!(st, 200, "{v}");
+    }
+    // Each repeat went to its holder, which received its last page only (a full prompt to
+    // the other would be over a hundred tokens).
+    assert!(moved(0) + moved(1) - before <= 4 * 16);
+    let m = metrics_of(&r).await;
+    assert_eq!(
+        sample(&m, "strata_router_decode_cache_hits_total"),
+        4.0,
+        "{m}"
+    );
+    for w in [p, d0, d1] {
+        w.stop().await;
+    }
 }

@@ -1,6 +1,7 @@
 //! Prefill and decode workers of different tensor-parallel sizes: the prefill worker's pages
 //! cross in the whole model's layout and the decode worker re-shards them on receipt; the
-//! greedy answers are one TP-1 worker's.
+//! greedy answers are one TP-1 worker's, also when the decode worker holds a prefix and
+//! receives only the pages after it.
 
 mod common;
 use common::start_router;
@@ -27,6 +28,7 @@ async fn prefill_and_decode_of_different_tp_sizes_answer_as_one_worker() {
             tp: dtp,
             kv_listener: true,
             prefill_workers: vec![prefill.url.clone()],
+            pd_local_prefill_tokens: 0,
             ..WorkerSpec::default()
         };
         let decode = spawn_worker(&path, spec).await;
@@ -51,6 +53,20 @@ async fn prefill_and_decode_of_different_tp_sizes_answer_as_one_worker() {
             snap.transferred_prompt_tokens,
             3 * 45,
             "every prompt went through PD"
+        );
+        // A longer prompt starting with one the decode worker holds: the prefill worker of
+        // the other TP size checks the held prefix and sends only the pages after it.
+        let body = json!({"prompt": (10u32..100).collect::<Vec<u32>>(),
+                          "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+        let (st, a): (u16, Value) = post(&format!("{pd}/v1/completions"), &body).await;
+        assert_eq!(st, 200, "{a}");
+        let (_, b): (u16, Value) = post(&format!("{one}/v1/completions"), &body).await;
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+        let after = decode.state.engine.snapshot();
+        assert_eq!(after.pd_held_prompt_tokens - snap.pd_held_prompt_tokens, 32);
+        assert_eq!(
+            after.transferred_prompt_tokens - snap.transferred_prompt_tokens,
+            58
         );
         prefill.stop().await;
         decode.stop().await;

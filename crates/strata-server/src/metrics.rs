@@ -62,6 +62,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     // Router.
     ("strata_router_requests_total", "counter", "Requests the router forwarded, by policy and reason (cache_hit, no_cache_hit, policy)."),
     ("strata_router_cache_hit_pages_total", "counter", "Cached pages on the chosen worker at cache-aware decisions, by tier."),
+    ("strata_router_decode_cache_hits_total", "counter", "PD requests the cache-aware policy sent to a decode worker that held some of the prompt (it asks the prefill worker only for the rest)."),
     ("strata_router_retries_total", "counter", "Requests retried on another worker pair."),
     ("strata_router_worker_up", "gauge", "1 when the router's health check of a worker passes."),
     ("strata_router_worker_in_flight", "gauge", "Requests in flight on a worker, as the router counts them."),

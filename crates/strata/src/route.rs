@@ -150,7 +150,7 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
     let g = strata_model::GgufHeader::open(path)?;
     let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
     let tpl = g.chat_template()?;
-    let n = st.cache_pool().len();
+    let n = st.indexed().count();
     st.set_index(Arc::new(strata_router::cache_index::CacheIndex::new(
         Arc::new(tk),
         tpl,

@@ -192,9 +192,12 @@ impl Scheduler {
             if idle && self.deadline.is_some() {
                 break;
             }
-            // Only requests waiting for K/V from a prefill worker: nothing to run either.
-            let parked =
-                self.waiting.is_empty() && self.active.iter().all(|r| r.remote == Remote::Awaiting);
+            // Only requests waiting for K/V from a prefill worker, and none that can be
+            // admitted: nothing to run either.
+            let stuck = self.waiting.is_empty()
+                || self.blocked_at == Some(self.progress)
+                || self.active.len() >= self.cfg.max_running;
+            let parked = stuck && self.active.iter().all(|r| r.remote == Remote::Awaiting);
             if idle || parked {
                 // Wake for commands; poll copies (backups) while some are in flight, and
                 // waiting requests' clients (one that left frees its pages).

@@ -37,16 +37,8 @@ pub(super) fn park(cache: &TieredCache, r: &mut Req) -> Option<bool> {
     let held = lease.prefix_pages() * cache.page_size();
     let left = r.prompt_len - lease.start();
     let prefill = held == 0 || left > local;
-    let last_hash = match held {
-        0 => [0; 16],
-        _ => cache
-            .page_hashes(&r.tokens[..held])
-            .last()
-            .map_or([0; 16], |h| h.0),
-    };
     let _ = r.tx.send(Event::Held {
         tokens: held,
-        last_hash,
         prefill,
     });
     r.remote = if prefill {
@@ -98,13 +90,22 @@ impl Scheduler {
             self.finish(r, Some(FinishReason::Error(e)));
             return;
         }
-        let served = r.lease().served();
+        // Served counts up to the lease's start, which is the last prompt token when a
+        // page-aligned prompt was held whole (its last page, a copy, was sent again): only
+        // the held pages count as served here.
+        let held = kv.first_page * ps;
+        let mut served = r.lease().served();
+        let mut over = (served.device + served.host + served.storage).saturating_sub(held);
+        for t in [&mut served.device, &mut served.host, &mut served.storage] {
+            let cut = over.min(*t);
+            *t -= cut;
+            over -= cut;
+        }
         r.remote = Remote::No;
         r.computed = r.prompt_len;
         r.cached = kv.cached;
         r.running = true;
         let s = &mut self.snap;
-        let held = served.device + served.host + served.storage;
         s.prompt_tokens += r.prompt_len as u64;
         s.cached_device_tokens += served.device as u64;
         s.cached_host_tokens += served.host as u64;

@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use strata_kv::PageHash;
+
 use super::{candidates, LeastLoad, LoadBalancingPolicy};
 use crate::cache_index::{CacheIndex, DEVICE_WEIGHT, HOST_WEIGHT, LOAD_TOKENS, REMOTE_WEIGHT};
 use crate::worker::Worker;
@@ -18,18 +20,23 @@ pub struct CacheAwareStats {
     pub hit_pages_device: u64,
     pub hit_pages_host: u64,
     pub hit_pages_remote: u64,
+    /// PD decisions that sent the request to a decode worker holding some of its prompt.
+    pub decode_hits: u64,
 }
 
 /// Scores every healthy worker of the pool on the prompt's cached pages (from the index the
 /// workers' cache events feed).
 pub struct CacheAware {
     index: Arc<CacheIndex>,
-    /// Where the scan starts (ties go to the first worker scanned).
+    /// Where the scan starts (ties go to the first worker scanned), in the pool a request's
+    /// cache reads from and in the decode pool under PD.
     start: AtomicUsize,
+    decode_start: AtomicUsize,
     hits: AtomicU64,
     misses: AtomicU64,
     /// Device, host, remote.
     hit_pages: [AtomicU64; 3],
+    decode_hits: AtomicU64,
 }
 
 impl CacheAware {
@@ -37,10 +44,44 @@ impl CacheAware {
         CacheAware {
             index,
             start: AtomicUsize::new(0),
+            decode_start: AtomicUsize::new(0),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             hit_pages: Default::default(),
+            decode_hits: AtomicU64::new(0),
         }
+    }
+
+    /// The candidate with the most weighted cached prefix of `hashes` minus load, and its
+    /// cached pages by tier; None when no worker is healthy.
+    fn best(
+        &self,
+        pool: &[Arc<Worker>],
+        hashes: &[PageHash],
+        avoid: Option<&Arc<Worker>>,
+        start: &AtomicUsize,
+    ) -> Option<(usize, [usize; 3])> {
+        let ps = self.index.page_size() as f64;
+        let up = candidates(pool, avoid);
+        if up.is_empty() {
+            return None;
+        }
+        let start = start.fetch_add(1, Ordering::Relaxed);
+        // (score, worker, pages by tier)
+        let mut best: Option<(f64, usize, [usize; 3])> = None;
+        for k in 0..up.len() {
+            let i = up[(start + k) % up.len()];
+            let (dev, host, rem) = self.index.cached_prefix(pool[i].slot, hashes);
+            let score = (dev as f64 * DEVICE_WEIGHT
+                + host as f64 * HOST_WEIGHT
+                + rem as f64 * REMOTE_WEIGHT)
+                * ps
+                - LOAD_TOKENS * pool[i].load() as f64;
+            if best.is_none_or(|b| score > b.0) {
+                best = Some((score, i, [dev, host, rem]));
+            }
+        }
+        best.map(|(_, i, pages)| (i, pages))
     }
 
     /// Most weighted cached prefix minus load; None when the prompt cannot be read.
@@ -51,27 +92,7 @@ impl CacheAware {
         avoid: Option<&Arc<Worker>>,
     ) -> Option<Arc<Worker>> {
         let hashes = self.index.hashes(&self.index.prompt_tokens(body)?);
-        let ps = self.index.page_size() as f64;
-        let up = candidates(pool, avoid);
-        if up.is_empty() {
-            return None;
-        }
-        let start = self.start.fetch_add(1, Ordering::Relaxed);
-        // (score, worker, pages by tier)
-        let mut best: Option<(f64, usize, [usize; 3])> = None;
-        for k in 0..up.len() {
-            let i = up[(start + k) % up.len()];
-            let (dev, host, rem) = self.index.cached_prefix(i, &hashes);
-            let score = (dev as f64 * DEVICE_WEIGHT
-                + host as f64 * HOST_WEIGHT
-                + rem as f64 * REMOTE_WEIGHT)
-                * ps
-                - LOAD_TOKENS * pool[i].load() as f64;
-            if best.is_none_or(|b| score > b.0) {
-                best = Some((score, i, [dev, host, rem]));
-            }
-        }
-        let (_, i, pages) = best?;
+        let (i, pages) = self.best(pool, &hashes, avoid, &self.start)?;
         if pages.iter().sum::<usize>() > 0 {
             self.hits.fetch_add(1, Ordering::Relaxed);
             for (counter, n) in self.hit_pages.iter().zip(pages) {
@@ -104,9 +125,30 @@ impl LoadBalancingPolicy for CacheAware {
             .or_else(|| LeastLoad.pick(pool, None, avoid))
     }
 
+    /// The decode worker holding the most of the prompt (its own device and host tiers: the
+    /// shared L3 is the prefill worker's to read) minus load: a conversation's next turn goes
+    /// back to the decode worker that holds it, which then asks only for the new pages.
+    fn pick_decode(
+        &self,
+        pool: &[Arc<Worker>],
+        prompt: Option<&[u8]>,
+        avoid: Option<&Arc<Worker>>,
+    ) -> Option<Arc<Worker>> {
+        let picked = prompt.and_then(|body| {
+            let hashes = self.index.hashes(&self.index.prompt_tokens(body)?);
+            let (i, [dev, host, _]) = self.best(pool, &hashes, avoid, &self.decode_start)?;
+            if dev + host > 0 {
+                self.decode_hits.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(pool[i].clone())
+        });
+        picked.or_else(|| LeastLoad.pick(pool, None, avoid))
+    }
+
     fn cache_stats(&self) -> Option<CacheAwareStats> {
         let [d, h, r] = &self.hit_pages;
         Some(CacheAwareStats {
+            decode_hits: self.decode_hits.load(Ordering::Relaxed),
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             hit_pages_device: d.load(Ordering::Relaxed),

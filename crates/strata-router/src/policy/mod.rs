@@ -2,8 +2,9 @@
 //!
 //! A policy picks in one pool (the decode workers, or the prefill workers under PD) among
 //! the healthy workers, avoiding the one a failed first attempt went to when another exists.
-//! Under PD the request's prompt is given only for the pool whose caches serve prompts (the
-//! prefill workers); the other pool is picked without it.
+//! Under PD the prefill worker is picked with the request's prompt (its cache computes what
+//! is missing) and so is the decode worker (`pick_decode`: its cache holds a prefix the prefill
+//! worker then does not send), by the policies that read prompts.
 
 use std::sync::Arc;
 
@@ -35,6 +36,18 @@ pub trait LoadBalancingPolicy: Send + Sync {
         prompt: Option<&[u8]>,
         avoid: Option<&Arc<Worker>>,
     ) -> Option<Arc<Worker>>;
+
+    /// A decode worker for a PD request (`prompt`: its JSON body, when the policy reads it):
+    /// by default as [`LoadBalancingPolicy::pick`] without the prompt.
+    fn pick_decode(
+        &self,
+        pool: &[Arc<Worker>],
+        prompt: Option<&[u8]>,
+        avoid: Option<&Arc<Worker>>,
+    ) -> Option<Arc<Worker>> {
+        let _ = prompt;
+        self.pick(pool, None, avoid)
+    }
 
     /// The cache-aware decisions made so far (None for policies that do not look at caches).
     fn cache_stats(&self) -> Option<CacheAwareStats> {

@@ -35,7 +35,7 @@ pub async fn decode_after_remote_prefill(
         .engine
         .submit_remote(ids.clone(), params.clone(), st.pd.local_prefill_tokens)
         .map_err(|e| ApiError::from_submit(&e))?;
-    let (held, last_hash, prefill) = held(&mut rs).await?;
+    let (held, prefill) = held(&mut rs).await?;
     if !prefill {
         return Ok(rs);
     }
@@ -50,7 +50,7 @@ pub async fn decode_after_remote_prefill(
         held_tokens: held,
         held_hash: match held {
             0 => String::new(),
-            _ => strata_kv::auth::hex(&last_hash),
+            _ => super::held_digest(&st.engine.info().hello(), &ids[..held]),
         },
         sampling: first_token_sampling(&params),
     };
@@ -85,15 +85,11 @@ pub async fn decode_after_remote_prefill(
     Ok(rs)
 }
 
-/// Waits for a remote request's `Event::Held`: (tokens held, the hash of their last page,
-/// whether a prefill worker computes the rest).
-async fn held(rs: &mut strata_engine::RequestStream) -> Result<(usize, [u8; 16], bool), ApiError> {
+/// Waits for a remote request's `Event::Held`: (tokens held, whether a prefill worker
+/// computes the rest).
+async fn held(rs: &mut strata_engine::RequestStream) -> Result<(usize, bool), ApiError> {
     match crate::respond::first_event(rs).await? {
-        Event::Held {
-            tokens,
-            last_hash,
-            prefill,
-        } => Ok((tokens, last_hash, prefill)),
+        Event::Held { tokens, prefill } => Ok((tokens, prefill)),
         Event::Done { reason, .. } => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",

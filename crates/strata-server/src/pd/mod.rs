@@ -95,16 +95,14 @@ async fn prefill_work(
     }
     let prompt_tokens = req.tokens.len();
     let from = held_pages(st, &req)?;
-    let done = compute_prefill(st, &req.tokens, params, from, arrived).await?;
-    if from > 0 {
-        let ours = done.kv.hashes.get(from - 1).copied().unwrap_or([0; 16]);
-        if strata_kv::auth::hex(&ours) != req.held_hash {
-            return Err(ApiError::bad_request(
-                "held_hash: the decode worker hashes the held prefix otherwise (another model or hash namespace)",
-                Some("held_hash"),
-            ));
-        }
+    let ours = held_digest(&st.engine.info().hello(), &req.tokens[..req.held_tokens]);
+    if from > 0 && ours != req.held_hash {
+        return Err(ApiError::bad_request(
+            "held_hash: not the digest of the held tokens in this worker's transfer format",
+            Some("held_hash"),
+        ));
     }
+    let done = compute_prefill(st, &req.tokens, params, from, arrived).await?;
     let (first, cached) = (done.first, done.cached);
     let first_logprobs = done.logprobs.map(wire);
     let prompt_logprobs = done.prompt_logprobs.map(|p| {
@@ -209,8 +207,26 @@ fn prefill_request(
     Ok((req, id, addr, params))
 }
 
+/// The digest both sides of a PD transfer compute over the prompt's first tokens, the ones
+/// the decode worker holds, in the transfer format (the handshake's `Hello`): the decode
+/// worker names its prefix with it, the prefill worker checks it before computing. Unlike
+/// the caches' page hashes, it does not depend on either worker's tensor-parallel layout.
+pub(crate) fn held_digest(hello: &transfer::Hello, tokens: &[u32]) -> String {
+    let mut h = blake3::Hasher::new_derive_key("strata 2026 pd held prefix v1");
+    for field in [hello.model_id.as_bytes(), hello.layout.as_bytes()] {
+        h.update(&(field.len() as u64).to_le_bytes());
+        h.update(field);
+    }
+    h.update(&hello.page_size.to_le_bytes());
+    h.update(&hello.page_bytes.to_le_bytes());
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    strata_kv::auth::hex(&h.finalize().as_bytes()[..16])
+}
+
 /// The pages of a `/pd/prefill` request's prompt the decode worker holds (not to be sent):
-/// whole pages, fewer than the prompt's, and a hash for the last when there are any.
+/// whole pages, fewer than the prompt's, and a digest of them when there are any.
 fn held_pages(st: &AppState, req: &PrefillRequest) -> Result<usize, ApiError> {
     let ps = st.engine.info().page_size;
     let held = req.held_tokens;
