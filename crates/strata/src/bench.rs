@@ -363,7 +363,9 @@ fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
             max_tokens: npages * 16,
         };
         for _ in 0..reps {
-            transfer::recv_kv(&mut c, &lim, &mut |_, _, _| transfer::Admit::Yes)?;
+            let r = transfer::recv_kv(&mut c, &lim, &mut |_, _, _| transfer::Admit::Yes)?;
+            // As the engine does once it wrote them into its pool.
+            transfer::recycle(r.pages);
         }
         Ok(())
     });

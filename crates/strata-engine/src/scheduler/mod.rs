@@ -304,7 +304,8 @@ impl Scheduler {
         lease.set_shared_prefix(r.params.shared_prefix);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-        let kv = r.import.take().expect("imported request");
+        let mut kv = r.import.take().expect("imported request");
+        crate::transfer::recycle(std::mem::take(&mut kv.pages));
         r.lease = Some(lease);
         r.computed = r.prompt_len;
         r.cached = kv.cached;

@@ -86,6 +86,7 @@ impl Scheduler {
                 .write_transferred(lease, kv.first_page, &kv.pages)
                 .map_err(|e| format!("the K/V received: {e}"))
         });
+        crate::transfer::recycle(std::mem::take(&mut kv.pages));
         if let Err(e) = written {
             self.finish(r, Some(FinishReason::Error(e)));
             return;

@@ -359,9 +359,22 @@ pub fn write_page_frame(
     let mut h = Xxh3::new();
     h.update(&head[4..]);
     h.update(data);
-    w.write_all(&head)?;
-    w.write_all(data)?;
-    w.write_all(&h.digest128().to_le_bytes())?;
+    let sum = h.digest128().to_le_bytes();
+    // One system call for the frame (most of the time), not three.
+    let mut parts = [
+        std::io::IoSlice::new(&head),
+        std::io::IoSlice::new(data),
+        std::io::IoSlice::new(&sum),
+    ];
+    let mut parts = &mut parts[..];
+    while !parts.is_empty() {
+        match w.write_vectored(parts) {
+            Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into()),
+            Ok(n) => std::io::IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     Ok(())
 }
 
@@ -389,26 +402,36 @@ pub fn read_frame(r: &mut dyn Read, max: usize) -> Result<Frame, TransferError> 
             "frame length {len} (at most {max} here)"
         )));
     }
+    // The kind and, for a page, its header first: a page's bytes are then read straight
+    // into their own buffer (no copy out of a frame buffer).
+    let head = PAGE_HEAD - 4;
+    let mut first = [0u8; PAGE_HEAD - 4];
+    let k = len.min(head);
+    r.read_exact(&mut first[..k])?;
+    if first[0] == 4 && len >= head + 16 {
+        let mut data = page_buffer(len - head - 16);
+        r.read_exact(&mut data)?;
+        let mut sum = [0u8; 16];
+        r.read_exact(&mut sum)?;
+        let mut h = Xxh3::new();
+        h.update(&first);
+        h.update(&data);
+        if h.digest128().to_le_bytes() != sum {
+            return Err(TransferError::Corrupt("checksum mismatch".into()));
+        }
+        return Ok(Frame::Page {
+            id: u128::from_le_bytes(first[1..17].try_into().expect("16 bytes")),
+            index: u32::from_le_bytes(first[17..21].try_into().expect("4 bytes")),
+            hash: first[21..37].try_into().expect("16 bytes"),
+            data,
+        });
+    }
     let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf)?;
+    buf[..k].copy_from_slice(&first[..k]);
+    r.read_exact(&mut buf[k..])?;
     let (payload, sum) = buf.split_at(len - 16);
     if xxh3_128(payload).to_le_bytes() != sum {
         return Err(TransferError::Corrupt("checksum mismatch".into()));
-    }
-    let head = PAGE_HEAD - 4;
-    if payload[0] == 4 && payload.len() >= head {
-        // A page: keep its bytes in place instead of copying them out.
-        let id = u128::from_le_bytes(payload[1..17].try_into().expect("16 bytes"));
-        let index = u32::from_le_bytes(payload[17..21].try_into().expect("4 bytes"));
-        let hash: [u8; 16] = payload[21..37].try_into().expect("16 bytes");
-        buf.truncate(len - 16);
-        buf.drain(..head);
-        return Ok(Frame::Page {
-            id,
-            index,
-            hash,
-            data: buf,
-        });
     }
     Frame::decode(payload[0], &payload[1..])
 }
@@ -441,12 +464,14 @@ impl Frame {
     }
 }
 
+mod buffers;
 mod handshake;
 mod paced;
 mod stream;
 #[cfg(test)]
 mod tests;
 
+pub use buffers::{page_buffer, recycle};
 pub use handshake::{handshake_accept, handshake_accept_if, handshake_connect};
 pub use paced::Paced;
 pub use stream::{recv_kv, send_kv, Admit, OutPage, Received, RecvLimits, TransferStats};

@@ -20,6 +20,9 @@ pub struct Paced {
     left: u64,
     frame_deadline: Option<Instant>,
     hard_deadline: Option<Instant>,
+    /// The read timeout set on the socket last (set again only when it must shrink or has
+    /// grown stale, not on every read: a read is a few hundred kilobytes at most).
+    timeout: Option<Duration>,
 }
 
 impl Paced {
@@ -34,6 +37,7 @@ impl Paced {
             left: 0,
             frame_deadline: None,
             hard_deadline: None,
+            timeout: None,
         }
     }
 
@@ -100,8 +104,14 @@ impl Read for Paced {
                 bounded = true;
             }
         }
-        self.conn
-            .set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
+        let wait = wait.max(Duration::from_millis(1));
+        // A timeout already set that is no longer than `wait` and not much shorter still
+        // bounds this read as it should.
+        let fits = self.timeout.is_some_and(|t| t <= wait && t * 5 >= wait * 4);
+        if !fits {
+            self.conn.set_read_timeout(Some(wait))?;
+            self.timeout = Some(wait);
+        }
         let n = match self.conn.read(buf) {
             Ok(n) => n,
             Err(e)
