@@ -176,36 +176,6 @@ impl CacheIndex {
         if w >= self.workers.len() {
             return Err(format!("the index has {} places", self.workers.len()));
         }
-        async fn get<T: serde::de::DeserializeOwned>(
-            client: &reqwest::Client,
-            key: Option<&strata_kv::auth::ClusterKey>,
-            url: &str,
-            path: &str,
-        ) -> Result<T, String> {
-            let mut req = client
-                .get(format!("{url}{path}"))
-                .timeout(Duration::from_secs(5));
-            if let Some(k) = key {
-                let call = strata_server::auth::Call {
-                    method: "GET",
-                    target: path,
-                    body: b"",
-                    prefill: None,
-                };
-                req = req.header(
-                    strata_server::auth::AUTH_HEADER,
-                    strata_server::auth::sign(k, &call),
-                );
-            }
-            req.send()
-                .await
-                .map_err(|e| e.to_string())?
-                .error_for_status()
-                .map_err(|e| e.to_string())?
-                .json::<T>()
-                .await
-                .map_err(|e| format!("{path}: {e}"))
-        }
         if self.ns.lock().expect("ns lock").is_none() {
             let info: CacheInfo = get(client, key, url, "/cache/info").await?;
             let hash_key = info.hash_key.ok_or("the worker computes no page hashes")?;
@@ -247,4 +217,36 @@ impl CacheIndex {
         self.workers[w].lock().expect("index lock").next = ev.next;
         Ok(())
     }
+}
+
+/// A typed GET of a worker's cache endpoint (signed with the cluster key when there is one).
+async fn get<T: serde::de::DeserializeOwned>(
+    client: &reqwest::Client,
+    key: Option<&strata_kv::auth::ClusterKey>,
+    url: &str,
+    path: &str,
+) -> Result<T, String> {
+    let mut req = client
+        .get(format!("{url}{path}"))
+        .timeout(Duration::from_secs(5));
+    if let Some(k) = key {
+        let call = strata_server::auth::Call {
+            method: "GET",
+            target: path,
+            body: b"",
+            prefill: None,
+        };
+        req = req.header(
+            strata_server::auth::AUTH_HEADER,
+            strata_server::auth::sign(k, &call),
+        );
+    }
+    req.send()
+        .await
+        .map_err(|e| e.to_string())?
+        .error_for_status()
+        .map_err(|e| e.to_string())?
+        .json::<T>()
+        .await
+        .map_err(|e| format!("{path}: {e}"))
 }

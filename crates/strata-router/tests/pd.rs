@@ -554,3 +554,42 @@ async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
         w.stop().await;
     }
 }
+
+/// `--pd-decode-reuse false`: every request receives its whole prompt's K/V, a repeat too,
+/// with the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_decode_reuse_a_repeat_moves_the_whole_prompt_again() {
+    let d = tempfile::tempdir().unwrap();
+    let path = strata_test_support::tiny_model(d.path());
+    let prefill = worker(&path, 16, false, &[]).await;
+    let decode = spawn_worker(
+        &path,
+        WorkerSpec {
+            page_size: 16,
+            kv_listener: true,
+            prefill_workers: vec![prefill.url.clone()],
+            pd_decode_reuse: false,
+            ..WorkerSpec::default()
+        },
+    )
+    .await;
+    let r = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    let q = "tell me about the weather in a long sentence please";
+    let (_, a) = post(&format!("{r}/v1/chat/completions"), &chat(q, 6)).await;
+    let once = decode.state.engine.snapshot().transferred_prompt_tokens;
+    let (_, b) = post(&format!("{r}/v1/chat/completions"), &chat(q, 6)).await;
+    let snap = decode.state.engine.snapshot();
+    assert_eq!(snap.transferred_prompt_tokens, 2 * once);
+    assert_eq!((snap.pd_held_prompt_tokens, snap.pd_local_prefills), (0, 0));
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
+    for w in [prefill, decode] {
+        w.stop().await;
+    }
+}

@@ -69,6 +69,9 @@ pub struct PdSide {
     /// A PD request whose prompt this decode worker's cache holds but for at most this many
     /// tokens is computed here, without a prefill worker (`--pd-local-prefill-tokens`).
     pub local_prefill_tokens: usize,
+    /// A PD request is matched in this decode worker's cache first, and only the pages after
+    /// the prefix it holds cross (`--pd-decode-reuse`; false: the whole prompt's K/V, always).
+    pub decode_reuse: bool,
     /// The PD prefill work this worker does for decode workers, and the K/V it sends.
     pub metrics: crate::metrics::PdPrefillMetrics,
 }
@@ -91,6 +94,7 @@ impl Default for PdSide {
                 .expect("HTTP client"),
             prefill_workers: Vec::new(),
             local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
+            decode_reuse: true,
             metrics: Default::default(),
         }
     }

@@ -150,6 +150,8 @@ pub struct WorkerSpec {
     /// `--pd-local-prefill-tokens` of a decode worker (0: every PD request goes through the
     /// prefill worker, sending only the pages this worker lacks).
     pub pd_local_prefill_tokens: usize,
+    /// `--pd-decode-reuse` of a decode worker.
+    pub pd_decode_reuse: bool,
     pub engine: EngineConfig,
     /// L3 storage and its tier name in metrics.
     pub storage: Option<Arc<dyn Storage>>,
@@ -175,6 +177,7 @@ impl Default for WorkerSpec {
             kv_listener: false,
             prefill_workers: Vec::new(),
             pd_local_prefill_tokens: strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
+            pd_decode_reuse: true,
             engine: EngineConfig::default(),
             storage: None,
             storage_tier: "disk",
@@ -241,6 +244,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.pd.kv_deadline = Duration::from_secs(5);
     st.pd.prefill_workers = spec.prefill_workers;
     st.pd.local_prefill_tokens = spec.pd_local_prefill_tokens;
+    st.pd.decode_reuse = spec.pd_decode_reuse;
     st.storage_tier = spec.storage_tier.into();
     st.admin_key = spec.admin_key;
     if let Some(limit) = spec.body_limit {

@@ -281,6 +281,7 @@ pub fn records_from_json(v: &Value) -> Result<(Vec<usize>, Vec<Record>, String)>
             host: f(&x["host"]),
             l3: f(&x["l3"]),
             miss: f(&x["miss"]),
+            kv_received: f(&x["kv_received"]),
         };
         let reqs = r["requests"].as_array().cloned().unwrap_or_default();
         recs.push(Record {
@@ -340,6 +341,7 @@ mod tests {
             host,
             l3,
             miss,
+            kv_received: 0.0,
         };
         let v = [
             s(0.0, 0.0, 0.0, 0.0, 0.0),

@@ -44,6 +44,8 @@ pub struct TierCounts {
     /// The L3 tiers (disk, remote).
     pub l3: f64,
     pub miss: f64,
+    /// K/V bytes the workers received from prefill workers (PD).
+    pub kv_received: f64,
 }
 
 impl TierCounts {
@@ -54,6 +56,7 @@ impl TierCounts {
             host: self.host - b.host,
             l3: self.l3 - b.l3,
             miss: self.miss - b.miss,
+            kv_received: self.kv_received - b.kv_received,
         }
     }
     pub fn prompt(&self) -> f64 {
@@ -68,6 +71,12 @@ pub fn add_counts(c: &mut TierCounts, text: &str) {
     c.host += w.hit_host;
     c.l3 += w.hit_l3;
     c.miss += w.miss;
+    let received = "strata_kv_transfer_bytes_total{direction=\"received\"} ";
+    c.kv_received += text
+        .lines()
+        .find_map(|l| l.strip_prefix(received))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
 }
 
 /// Reads the counters of every worker in `urls` now.
@@ -123,8 +132,8 @@ pub struct Row {
 }
 
 pub fn print_table(rows: &[Row]) {
-    println!("| configuration | requests | failures | TTFT p50 | p90 | p99 | ITL p50 | p99 | req/s | output tok/s | cached (usage) | hit device | hit host | hit L3 | miss |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| configuration | requests | failures | TTFT p50 | p90 | p99 | ITL p50 | p99 | req/s | output tok/s | cached (usage) | hit device | hit host | hit L3 | miss | K/V received per request |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let s = &r.s;
         let t = |f: fn(&TierCounts) -> f64| match &r.tiers {
@@ -132,7 +141,7 @@ pub fn print_table(rows: &[Row]) {
             None => "–".into(),
         };
         println!(
-            "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.3} | {:.1} | {:.1} % | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.3} | {:.1} | {:.1} % | {} | {} | {} | {} | {} |",
             r.label,
             s.requests,
             s.failures,
@@ -148,6 +157,13 @@ pub fn print_table(rows: &[Row]) {
             t(|c| c.host),
             t(|c| c.l3),
             t(|c| c.miss),
+            match &r.tiers {
+                Some(c) => format!(
+                    "{:.2} MB",
+                    c.kv_received / s.requests.max(1) as f64 / 1e6
+                ),
+                None => "–".into(),
+            },
         );
     }
 }
@@ -171,7 +187,8 @@ pub fn outcomes_json(o: &[Outcome]) -> Value {
 }
 
 pub fn tiers_json(t: &TierCounts) -> Value {
-    json!({"t": t.t, "device": t.device, "host": t.host, "l3": t.l3, "miss": t.miss})
+    json!({"t": t.t, "device": t.device, "host": t.host, "l3": t.l3, "miss": t.miss,
+           "kv_received": t.kv_received})
 }
 
 pub async fn run(a: WorkloadArgs) -> Result<()> {
@@ -227,11 +244,14 @@ mod tests {
             strata_cache_hit_tokens_total{tier=\"host\"} 20\n\
             strata_cache_hit_tokens_total{tier=\"disk\"} 5\n\
             strata_cache_miss_tokens_total 7\n\
+            strata_kv_transfer_bytes_total{direction=\"sent\"} 9\n\
+            strata_kv_transfer_bytes_total{direction=\"received\"} 1000\n\
             strata_prompt_tokens_total 42\n";
         let mut c = TierCounts::default();
         add_counts(&mut c, text);
         add_counts(&mut c, text);
         assert_eq!((c.device, c.host, c.l3, c.miss), (20.0, 40.0, 10.0, 14.0));
+        assert_eq!(c.kv_received, 2000.0);
         assert_eq!(c.prompt(), 84.0);
         let d = c.minus(&TierCounts {
             device: 1.0,

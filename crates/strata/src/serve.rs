@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{ArgAction, Args};
 use strata_engine::{Engine, EngineConfig};
 use strata_kv::auth::ClusterKey;
 use strata_kv::memory::HostAllocator;
@@ -19,6 +19,7 @@ use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolic
 use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
 use strata_model::fetch::{cache_dir, ensure_model};
 use strata_model::ModelTokenizer;
+use strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS as LOCAL_PREFILL;
 use strata_server::AppState;
 
 use crate::serve_tp;
@@ -164,14 +165,13 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "PD disaggregation")]
     pub prefill_worker: Vec<String>,
     /// A PD request whose prompt this decode worker's cache holds but for at most this many
-    /// tokens is computed here, with no prefill worker and no transfer (a conversation's next
-    /// turn on the worker that holds it); 0: always a prefill worker.
-    #[arg(
-        long,
-        default_value_t = strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
-        help_heading = "PD disaggregation"
-    )]
+    /// tokens is computed here, with no prefill worker and no transfer; 0: never.
+    #[arg(long, default_value_t = LOCAL_PREFILL, help_heading = "PD disaggregation")]
     pub pd_local_prefill_tokens: usize,
+    /// Match each PD prompt in this decode worker's cache and receive only the pages after
+    /// the prefix it holds; false: the whole prompt's K/V every time (to compare).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, help_heading = "PD disaggregation")]
+    pub pd_decode_reuse: bool,
 }
 
 /// `--eviction`.
@@ -326,6 +326,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.cluster_key = c.cluster_key.clone();
     st.pd.prefill_workers = a.prefill_worker.clone();
     st.pd.local_prefill_tokens = a.pd_local_prefill_tokens;
+    st.pd.decode_reuse = a.pd_decode_reuse;
     if matches!(c.role, "decode" | "both") {
         let flags = crate::serve_kv::KvFlags {
             host: &a.kv_host,

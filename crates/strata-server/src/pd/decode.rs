@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use strata_engine::{CachedTokens, Event, SamplingParams};
+use strata_engine::{CachedTokens, Event, ImportedKv, SamplingParams};
 
 use super::{bad_gateway, prefill_call, unwire};
 use super::{FirstTokenSampling, KvInbox, PrefillRequest, PrefillResponse, WireLogprobs};
@@ -31,6 +31,14 @@ pub async fn decode_after_remote_prefill(
         ));
     };
     check_fits(st, &ids, &params)?;
+    if !st.pd.decode_reuse {
+        // The whole prompt's K/V from the prefill worker, admitted with them.
+        let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
+        return st
+            .engine
+            .submit_prefilled(ids, params, kv)
+            .map_err(|e| ApiError::from_submit(&e));
+    }
     let mut rs = st
         .engine
         .submit_remote(ids.clone(), params.clone(), st.pd.local_prefill_tokens)
@@ -39,12 +47,30 @@ pub async fn decode_after_remote_prefill(
     if !prefill {
         return Ok(rs);
     }
+    let kv = fetch(st, inbox, prefill_url, &ids, &params, held).await?;
+    st.engine
+        .deliver(&rs, kv)
+        .map_err(|e| ApiError::from_submit(&e))?;
+    Ok(rs)
+}
+
+/// Asks the prefill worker at `prefill_url` to compute the prompt and send the K/V of its
+/// pages after the first `held` tokens (which this worker holds) here; they and the first
+/// token, as the engine takes them.
+async fn fetch(
+    st: &Arc<AppState>,
+    inbox: &Arc<KvInbox>,
+    prefill_url: &str,
+    ids: &[u32],
+    params: &SamplingParams,
+    held: usize,
+) -> Result<ImportedKv, ApiError> {
     let ps = st.engine.info().page_size;
     check_staging(inbox, (ids.len().div_ceil(ps) - held / ps) as u64)?;
     let exp = inbox.expect((held / ps) as u32);
     let body = PrefillRequest {
         transfer_id: strata_kv::auth::hex(&exp.id.to_le_bytes()),
-        tokens: ids.clone(),
+        tokens: ids.to_vec(),
         kv_target: inbox.advertise.to_string(),
         shared_prefix: params.shared_prefix,
         held_tokens: held,
@@ -52,7 +78,7 @@ pub async fn decode_after_remote_prefill(
             0 => String::new(),
             _ => super::held_digest(&st.engine.info().hello(), &ids[..held]),
         },
-        sampling: first_token_sampling(&params),
+        sampling: first_token_sampling(params),
     };
     let mut pr = call_prefill(st, prefill_url, &body).await?;
     let got = exp
@@ -63,8 +89,8 @@ pub async fn decode_after_remote_prefill(
     if got.tokens != ids {
         return Err(bad_gateway("the K/V received is for other tokens".into()));
     }
-    check_logprobs(&pr, &ids, &params)?;
-    let kv = strata_engine::ImportedKv {
+    check_logprobs(&pr, ids, params)?;
+    Ok(ImportedKv {
         first_page: got.first as usize,
         first_logprobs: pr.first_logprobs.take().map(unwire),
         prompt_logprobs: pr
@@ -78,11 +104,7 @@ pub async fn decode_after_remote_prefill(
             host: pr.cached_host,
             storage: pr.cached_storage,
         },
-    };
-    st.engine
-        .deliver(&rs, kv)
-        .map_err(|e| ApiError::from_submit(&e))?;
-    Ok(rs)
+    })
 }
 
 /// Waits for a remote request's `Event::Held`: (tokens held, whether a prefill worker
