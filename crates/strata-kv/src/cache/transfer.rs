@@ -93,8 +93,7 @@ impl TieredCache {
     /// pages start. A page sent with its window part gets a window page (from the lease's
     /// ring, then the pool); one sent without gives its window page back (its window state is
     /// never read: the sender sends the span before the prompt's end whole). Err, with the
-    /// lease unchanged but for window pages, when the blobs do not fit it or window pages
-    /// cannot be had.
+    /// lease unchanged, when the blobs do not fit it.
     pub fn write_transferred(
         &mut self,
         lease: &mut Lease,
@@ -125,36 +124,62 @@ impl TieredCache {
             ));
         }
         if self.has_window() {
-            let ring_mode = self.ring_mode();
-            for (i, b) in blobs.iter().enumerate() {
-                let j = first + i;
-                let (want, have) = (b.len() != main, h.windows[j] != NO_PAGE);
-                if want && !have {
-                    h.windows[j] = match h.ring.pop() {
-                        Some(w) => w,
-                        None => self
-                            .alloc_windows(1)
-                            .and_then(|mut v| v.pop())
-                            .ok_or("no window page is free for a page sent with its window part")?,
-                    };
-                } else if !want && have {
-                    let w = std::mem::replace(&mut h.windows[j], NO_PAGE);
-                    if ring_mode {
-                        h.ring.push(w);
-                    } else {
-                        self.free_windows(&[w]);
-                    }
-                }
-            }
+            self.window_transferred(h, first, blobs, main)?;
         }
         let pool = self
             .device_pool_shared()
             .expect("K/V is imported into a cache with data");
         for (i, blob) in blobs.iter().enumerate() {
             let w = h.windows.get(first + i).copied().filter(|&w| w != NO_PAGE);
+            // A page whose window part found no window page keeps its main part only.
+            let blob = if w.is_none() {
+                &blob[..main]
+            } else {
+                &blob[..]
+            };
             pool.write_page_host_layout(h.pages[first + i], w, blob);
         }
         h.start = h.prompt_len;
+        Ok(())
+    }
+
+    /// Window pages for the transferred pages of `h` (from `first` on) sent with their window
+    /// part: first those the next decode step reads (the window before the prompt's end: the
+    /// ring always holds enough for them), then the others while window pages can be had (the
+    /// sender keeps theirs for a commit: an end, a checkpoint); a page sent without one gives
+    /// its window page back.
+    fn window_transferred(
+        &mut self,
+        h: &mut Held,
+        first: usize,
+        blobs: &[Vec<u8>],
+        main: usize,
+    ) -> Result<(), String> {
+        let ps = self.page_size();
+        let read_from = h.prompt_len.saturating_sub(self.window) / ps;
+        let ring_mode = self.ring_mode();
+        let (reads, rest): (Vec<usize>, Vec<usize>) =
+            (0..blobs.len()).partition(|&i| first + i >= read_from);
+        for i in reads.into_iter().chain(rest) {
+            let j = first + i;
+            let (want, have) = (blobs[i].len() != main, h.windows[j] != NO_PAGE);
+            if want && !have {
+                match h.ring.pop().or_else(|| self.alloc_windows_upto(1).pop()) {
+                    Some(w) => h.windows[j] = w,
+                    None if j >= read_from => {
+                        return Err(format!("no window page for page {j}, which decoding reads"))
+                    }
+                    None => {}
+                }
+            } else if !want && have {
+                let w = std::mem::replace(&mut h.windows[j], NO_PAGE);
+                if ring_mode {
+                    h.ring.push(w);
+                } else {
+                    self.free_windows(&[w]);
+                }
+            }
+        }
         Ok(())
     }
 
