@@ -359,23 +359,14 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     let decode = start(&path, 64, 0, None, EngineConfig::default());
     let p = prompt(37, 2);
     let (want, _, _) = run(&single, &p, greedy(10));
-    let mut s = prefill.submit_export(p.clone(), greedy(1), 0).unwrap();
-    let (mut first, mut kv) = (None, None);
-    while let Some(ev) = s.events.blocking_recv() {
-        match ev {
-            Event::Token(t) => first = Some(t),
-            Event::Kv(k) => kv = Some(k),
-            _ => {}
-        }
-    }
-    let kv = kv.expect("K/V exported");
+    let (first, kv) = export_from(&prefill, &p, 0);
     assert_eq!(kv.pages.len(), 3);
     let imported = ImportedKv {
         first_page: 0,
         first_logprobs: None,
         prompt_logprobs: None,
         pages: kv.pages.clone(),
-        first_token: first.unwrap(),
+        first_token: first,
         cached: CachedTokens::default(),
     };
     let mut s = decode
@@ -491,18 +482,7 @@ fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
     assert_eq!(tp.info().layout, single.info().layout);
     let p = prompt(37, 5);
     let (want, _, _) = run(&single, &p, greedy(10));
-    let export = |e: &EngineHandle| {
-        let mut s = e.submit_export(p.clone(), greedy(1), 0).unwrap();
-        let (mut first, mut kv) = (None, None);
-        while let Some(ev) = s.events.blocking_recv() {
-            match ev {
-                Event::Token(t) => first = Some(t),
-                Event::Kv(k) => kv = Some(k),
-                _ => {}
-            }
-        }
-        (first.unwrap(), kv.expect("K/V exported"))
-    };
+    let export = |e: &EngineHandle| export_from(e, &p, 0);
     let import = |e: &EngineHandle, first: u32, pages: Vec<Vec<u8>>| {
         let kv = ImportedKv {
             first_page: 0,

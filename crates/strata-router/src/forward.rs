@@ -144,7 +144,7 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
     let b = st.balancer();
     if st.prefill.is_empty() {
         let decode = if b.reads_prompt() {
-            pick_reading(st, body, avoid_d).await?
+            pick_reading(st, body, avoid_d, false).await?
         } else {
             b.pick(&st.decode, None, avoid_d.as_ref())?
         };
@@ -154,12 +154,12 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
         });
     }
     let prefill = if b.reads_prompt() {
-        Some(pick_reading(st, body, avoid_p.clone()).await?)
+        Some(pick_reading(st, body, avoid_p.clone(), false).await?)
     } else {
         None
     };
     let decode = if b.reads_prompt() {
-        pick_decode_reading(st, body, avoid_d).await?
+        pick_reading(st, body, avoid_d, true).await?
     } else {
         b.pick(&st.decode, None, avoid_d.as_ref())?
     };
@@ -173,45 +173,36 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
     })
 }
 
-/// A pick in the cache pool that reads the prompt: CPU work, run off the async workers, a
-/// bounded number at once (the permit goes with the task).
+/// A pick that reads the prompt, in the cache pool or (`decode`, under PD) among the decode
+/// workers: CPU work, run off the async workers, a bounded number at once (the permit goes
+/// with the task).
 async fn pick_reading(
     st: &Arc<RouterState>,
     body: &Bytes,
     avoid: Option<Arc<Worker>>,
+    decode: bool,
 ) -> Option<Arc<Worker>> {
+    let pool = move |st: &RouterState| -> Vec<Arc<Worker>> {
+        match decode {
+            true => st.decode.clone(),
+            false => st.cache_pool().to_vec(),
+        }
+    };
     let permit = st.cpu_gate.clone().acquire_owned().await.ok();
     let (st2, body, avoid2) = (st.clone(), body.clone(), avoid.clone());
     let picked = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        st2.balancer()
-            .pick(st2.cache_pool(), Some(&body), avoid2.as_ref())
+        let (b, p) = (st2.balancer(), pool(&st2));
+        match decode {
+            true => b.pick_decode(&p, Some(&body), avoid2.as_ref()),
+            false => b.pick(&p, Some(&body), avoid2.as_ref()),
+        }
     })
     .await;
     match picked {
         Ok(w) => w,
         // The scoring task failed: least load, as when the prompt cannot be read.
-        Err(_) => LeastLoad.pick(st.cache_pool(), None, avoid.as_ref()),
-    }
-}
-
-/// [`pick_reading`] for the decode worker under PD (the one holding most of the prompt).
-async fn pick_decode_reading(
-    st: &Arc<RouterState>,
-    body: &Bytes,
-    avoid: Option<Arc<Worker>>,
-) -> Option<Arc<Worker>> {
-    let permit = st.cpu_gate.clone().acquire_owned().await.ok();
-    let (st2, body, avoid2) = (st.clone(), body.clone(), avoid.clone());
-    let picked = tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        st2.balancer()
-            .pick_decode(&st2.decode, Some(&body), avoid2.as_ref())
-    })
-    .await;
-    match picked {
-        Ok(w) => w,
-        Err(_) => LeastLoad.pick(&st.decode, None, avoid.as_ref()),
+        Err(_) => LeastLoad.pick(&pool(st), None, avoid.as_ref()),
     }
 }
 

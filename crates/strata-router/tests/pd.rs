@@ -217,8 +217,6 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
 /// only in that worker's host tier; the router counts the hits by tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_aware_routing_follows_the_prefix() {
-    use strata_router::cache_index::CacheIndex;
-    use strata_router::index_loop;
     let d = tempfile::tempdir().unwrap();
     let path = strata_test_support::tiny_model(d.path());
     let p0 = worker(&path, 16, false, &[]).await;
@@ -235,26 +233,12 @@ async fn cache_aware_routing_follows_the_prefix() {
         },
     )
     .await;
-    let g = Gguf::open(&path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let mut rs = RouterState::new(
+    let r = cache_aware_router(
+        &path,
         &[p0.url.clone(), p1.url.clone()],
         std::slice::from_ref(&dec.url),
-        Policy::CacheAware,
-    );
-    rs.set_index(Arc::new(CacheIndex::new(
-        Arc::new(tk),
-        Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
-        3,
-    )));
-    let rs = Arc::new(rs);
-    tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let r = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn({
-        let rs = rs.clone();
-        async move { axum::serve(l, router(rs)).await }
-    });
+    )
+    .await;
     let long = "a long shared document that many requests ask about, ".repeat(6);
     let prefills = [&p0, &p1];
     let holder = |i: usize| prefills[i].state.engine.snapshot();
@@ -472,8 +456,6 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
 /// it (which asks the prefill worker only for the pages it lacks), not to the other by turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
-    use strata_router::cache_index::CacheIndex;
-    use strata_router::index_loop;
     let d = tempfile::tempdir().unwrap();
     let path = strata_test_support::tiny_model(d.path());
     let p = worker(&path, 16, false, &[]).await;
@@ -490,30 +472,20 @@ async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
         )
     };
     let (d0, d1) = (dec(0).await, dec(1).await);
-    let g = Gguf::open(&path).unwrap();
-    let tk = ModelTokenizer::from_gguf(&g).unwrap();
-    let mut rs = RouterState::new(
+    let r = cache_aware_router(
+        &path,
         std::slice::from_ref(&p.url),
         &[d0.url.clone(), d1.url.clone()],
-        Policy::CacheAware,
-    );
-    rs.set_index(Arc::new(CacheIndex::new(
-        Arc::new(tk),
-        Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
-        3,
-    )));
-    let rs = Arc::new(rs);
-    tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let r = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn({
-        let rs = rs.clone();
-        async move { axum::serve(l, router(rs)).await }
-    });
-    // Two conversations: with nothing cached yet they go to the two decode workers in turn.
-    let talks: Vec<String> = ["the weather", "the harbour"]
+    )
+    .await;
+    // Two prompts sharing no page (token ids: no chat template's common start): with nothing
+    // cached yet they go to the two decode workers in turn.
+    let talks: Vec<Value> = [10u32, 150]
         .iter()
-        .map(|t| format!("a conversation that goes on and on about {t}, ").repeat(6))
+        .map(|&t| {
+            json!({"prompt": (t..t + 100).collect::<Vec<u32>>(), "max_tokens": 4,
+                   "temperature": 0, "ignore_eos": true})
+        })
         .collect();
     let decoders = [&d0, &d1];
     let moved = |i: usize| {
@@ -526,7 +498,7 @@ async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
     let mut holders = Vec::new();
     for t in &talks {
         let before = [moved(0), moved(1)];
-        let (st, _) = post(&format!("{r}/v1/chat/completions"), &chat(t, 4)).await;
+        let (st, _) = post(&format!("{r}/v1/completions"), t).await;
         assert_eq!(st, 200);
         holders.push(if moved(0) > before[0] { 0 } else { 1 });
     }
@@ -534,11 +506,19 @@ async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
         holders[0], holders[1],
         "ties alternate between decode workers"
     );
-    // Let the router read the decode workers' cache events.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The router has read every worker's cache events: each prompt's 6 whole pages on its
+    // decode worker and on the prefill worker.
+    let t = Instant::now();
+    while sample(&metrics_of(&r).await, "strata_router_index_pages") < 24.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the index never caught up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = moved(0) + moved(1);
     for t in talks.iter().chain(&talks) {
-        let (st, v) = post(&format!("{r}/v1/chat/completions"), &chat(t, 4)).await;
+        let (st, v) = post(&format!("{r}/v1/completions"), t).await;
         assert_eq!(st, 200, "{v}");
     }
     // Each repeat went to its holder, which received its last page only (a full prompt to
@@ -592,4 +572,29 @@ async fn without_decode_reuse_a_repeat_moves_the_whole_prompt_again() {
     for w in [prefill, decode] {
         w.stop().await;
     }
+}
+
+/// A cache-aware router over `prefill` and `decode`, following their cache events every
+/// 20 ms: its URL.
+async fn cache_aware_router(
+    path: &std::path::Path,
+    prefill: &[String],
+    decode: &[String],
+) -> String {
+    use strata_router::cache_index::CacheIndex;
+    use strata_router::index_loop;
+    let g = Gguf::open(path).unwrap();
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let mut rs = RouterState::new(prefill, decode, Policy::CacheAware);
+    rs.set_index(Arc::new(CacheIndex::new(
+        Arc::new(tk),
+        Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
+        prefill.len() + decode.len(),
+    )));
+    let rs = Arc::new(rs);
+    tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(rs)).await });
+    r
 }
