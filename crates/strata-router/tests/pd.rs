@@ -598,3 +598,41 @@ async fn cache_aware_router(
     tokio::spawn(async move { axum::serve(l, router(rs)).await });
     r
 }
+
+/// A client's mistake answers the same through the router under PD as from one worker (the
+/// decode worker checks the request before any prefill work): status, message and `param`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_request_answers_the_same_through_pd_as_from_one_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let path = strata_test_support::tiny_model(d.path());
+    let single = worker(&path, 16, false, &[]).await;
+    let prefill = worker(&path, 16, false, &[]).await;
+    let decode = worker(&path, 16, true, std::slice::from_ref(&prefill.url)).await;
+    let r = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    for body in [
+        json!({"prompt": [1, 2, 999999], "max_tokens": 2}),
+        json!({"prompt": "", "max_tokens": 2}),
+        json!({"prompt": "hello", "max_tokens": 2, "logit_bias": {"999999": 1}}),
+    ] {
+        let (s1, one) = post(&format!("{}/v1/completions", single.url), &body).await;
+        let (s2, pd) = post(&format!("{r}/v1/completions"), &body).await;
+        assert!((400..500).contains(&s1), "{one}");
+        assert_eq!((s2, &pd["error"]), (s1, &one["error"]), "{body}");
+    }
+    let pm = metrics_of(&prefill.url).await;
+    assert_eq!(
+        sample(&pm, "strata_pd_prefill_requests_total{outcome=\"ok\"}")
+            + sample(&pm, "strata_pd_prefill_requests_total{outcome=\"failed\"}"),
+        0.0,
+        "nothing reached the prefill worker"
+    );
+    let rm = metrics_of(&r).await;
+    assert_eq!(sample(&rm, "strata_router_retries_total"), 0.0, "{rm}");
+    for w in [single, prefill, decode] {
+        w.stop().await;
+    }
+}
