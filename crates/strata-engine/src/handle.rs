@@ -296,7 +296,9 @@ impl EngineHandle {
     /// holds (PD with decode-side reuse): it is admitted here (its prefix matched, locked and
     /// brought onto the device, its pages reserved), then `Event::Held` says how much of the
     /// prompt the cache holds. If the rest is at most `local_tokens` and the cache holds some
-    /// of the prompt, it is computed here; otherwise the request waits for the rest's K/V
+    /// of the prompt, it is computed here; if the cache holds none of it, the request is
+    /// handed back (its stream closes: submit it with all of its K/V,
+    /// [`EngineHandle::submit_prefilled`]); otherwise it waits for the rest's K/V
     /// ([`EngineHandle::deliver`]).
     pub fn submit_remote(
         &self,

@@ -163,6 +163,8 @@ pub enum Event {
     /// the prompt's first `tokens` (whole pages) are this worker's cache's. With `prefill` it
     /// waits for the rest's K/V ([`crate::EngineHandle::deliver`]); without, it computes the
     /// rest here (at most the request's local threshold), and `Admitted` follows at once.
+    /// With `tokens` 0 it is handed back: nothing follows (the stream closes); submit it
+    /// again with all of its K/V ([`crate::EngineHandle::submit_prefilled`]).
     Held { tokens: usize, prefill: bool },
     /// The prompt was matched against the cache; computing starts.
     Admitted { cached: CachedTokens },

@@ -581,6 +581,19 @@ fn a_held_prefix_and_the_transferred_rest_continue_as_one_engine() {
         start_tp(&path, 2, 64, 0),
     ];
     for decode in decoders {
+        // Nothing held yet: the request is handed back (no pages reserved meanwhile).
+        let mut rs = decode.submit_remote(p.clone(), greedy(10), 0).unwrap();
+        assert_eq!(held(&mut rs), (0, true));
+        assert!(rs.events.blocking_recv().is_none(), "the stream closes");
+        let t = Instant::now();
+        while decode.snapshot().device_pages_held > 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "its pages were not freed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(decode.snapshot().finished, Default::default());
         // The earlier turn leaves 2 whole pages (41 tokens computed) in the decode cache.
         run(&decode, &turn, greedy(1));
         let mut rs = decode.submit_remote(p.clone(), greedy(10), 0).unwrap();

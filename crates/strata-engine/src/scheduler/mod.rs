@@ -226,6 +226,7 @@ impl Scheduler {
             self.reap_cancelled();
             self.admit();
             self.promote();
+            self.hand_back();
             let ran = self.step();
             if !ran {
                 // Only copies (or freed pages) to wait for: let one land instead of spinning.
@@ -351,7 +352,8 @@ impl Scheduler {
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.
     fn promote(&mut self) {
-        let waiting = |r: &&mut Req| !r.running && r.remote != Remote::Awaiting;
+        let waiting =
+            |r: &&mut Req| !r.running && !matches!(r.remote, Remote::Awaiting | Remote::HandedBack);
         for r in self.active.iter_mut().filter(waiting) {
             let lease = r.lease.as_mut().expect("an admitted request holds a lease");
             if !self.cache.advance(lease) {

@@ -8,7 +8,9 @@
 //! ([`Remote::Awaiting`], in no batch, its pages held) for the K/V of the pages after its
 //! prefix. `Cmd::Deliver` writes them into its own pages ([`Scheduler::deliver`]), and it
 //! decodes from the prefill worker's first token ([`Scheduler::begin_decode`], shared with
-//! requests whose whole prompt was imported).
+//! requests whose whole prompt was imported). A request whose cache held nothing is handed
+//! back ([`Scheduler::hand_back`]): holding its pages through a cold prefill would only keep
+//! other requests out; the caller submits it again with all of its K/V.
 
 use strata_kv::TieredCache;
 use strata_model::Runtime;
@@ -25,6 +27,9 @@ pub(super) enum Remote {
     Wanted { local: usize },
     /// Waits for the K/V of the pages after its prefix.
     Awaiting,
+    /// Its cache held none of the prompt: handed back (its pages freed, its stream closed),
+    /// for the caller to submit it again with all of its K/V once they arrived.
+    HandedBack,
 }
 
 /// A request whose lease just became ready: for a remote one, sends `Event::Held` and returns
@@ -41,10 +46,10 @@ pub(super) fn park(cache: &TieredCache, r: &mut Req) -> Option<bool> {
         tokens: held,
         prefill,
     });
-    r.remote = if prefill {
-        Remote::Awaiting
-    } else {
-        Remote::No
+    r.remote = match (held, prefill) {
+        (0, _) => Remote::HandedBack,
+        (_, true) => Remote::Awaiting,
+        _ => Remote::No,
     };
     Some(prefill)
 }
@@ -67,6 +72,27 @@ pub(super) fn localize(
 }
 
 impl Scheduler {
+    /// Drops the requests handed back (nothing held: their pages would only wait for the
+    /// whole prompt's K/V, which the caller brings with a new request). Not counted as
+    /// finished: the caller's new request is the same one.
+    pub(super) fn hand_back(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].remote != Remote::HandedBack {
+                i += 1;
+                continue;
+            }
+            let mut r = self.active.swap_remove(i);
+            if let Some(lease) = r.lease.take() {
+                self.cache.release(lease);
+            }
+            self.shared
+                .tokens_in_flight
+                .fetch_sub(r.budget, std::sync::atomic::Ordering::SeqCst);
+            self.progress += 1;
+        }
+    }
+
     /// `Cmd::Deliver`: the K/V of the pages after a waiting request's prefix. A request gone
     /// meanwhile (its client left) ignores them.
     pub(super) fn deliver(&mut self, id: u64, mut kv: ImportedKv) {

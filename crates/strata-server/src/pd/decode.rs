@@ -47,6 +47,16 @@ pub async fn decode_after_remote_prefill(
     if !prefill {
         return Ok(rs);
     }
+    if held == 0 {
+        // Handed back (nothing held): no pages are reserved while the prefill worker
+        // computes; the request is admitted with all of its K/V, as before reuse.
+        drop(rs);
+        let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
+        return st
+            .engine
+            .submit_prefilled(ids, params, kv)
+            .map_err(|e| ApiError::from_submit(&e));
+    }
     let kv = fetch(st, inbox, prefill_url, &ids, &params, held).await?;
     st.engine
         .deliver(&rs, kv)
