@@ -147,6 +147,18 @@ async fn pd_returns_the_prompts_logprobs_from_the_prefill_worker() {
             assert!(lps[0].is_null() && lps[1..].iter().all(|v| v.as_f64() <= Some(0.0)));
         }
     }
+    // The first token ends the answer (end of sequence): its entry comes through PD as from
+    // one worker.
+    let body = json!({"prompt": (70..100).collect::<Vec<u32>>(), "max_tokens": 2,
+                      "temperature": 0, "echo": true, "logprobs": 1, "logit_bias": {"259": 100}});
+    let (st, a): (u16, Value) = post(&format!("{pd}/v1/completions"), &body).await;
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(&format!("{one}/v1/completions"), &body).await;
+    assert_eq!(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]);
+    let lps = a["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    assert_eq!(lps.len(), 31, "{a}");
     assert!(
         decode.state.engine.snapshot().transferred_prompt_tokens > 0,
         "the requests went through PD"

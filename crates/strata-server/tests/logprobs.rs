@@ -199,6 +199,18 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
     assert_eq!(st, 200, "{e}");
     assert_eq!(entries(&e["choices"][0]["logprobs"]).len(), 6, "{e}");
 
+    // The model's next token ends the answer (end of sequence): the harness still gets its
+    // entry, after the prompt's (it sums the entries after the context but the last).
+    let mut eos = ids.clone();
+    eos["logit_bias"] = json!({"259": 100});
+    let (st, e) = post(&url, &eos).await;
+    assert_eq!(st, 200, "{e}");
+    assert_eq!(e["usage"]["completion_tokens"], 0, "{e}");
+    assert_eq!(e["choices"][0]["finish_reason"], "stop", "{e}");
+    let l = &e["choices"][0]["logprobs"];
+    assert_eq!(entries(l).len(), 6, "{e}");
+    assert!(l["token_logprobs"][5].as_f64().unwrap() > -0.01, "{e}");
+
     // vLLM's prompt_logprobs shape is refused, naming the way that works.
     let mut v = plain.clone();
     v["prompt_logprobs"] = json!(0);

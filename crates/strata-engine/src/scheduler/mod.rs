@@ -572,6 +572,10 @@ impl Scheduler {
                     let _ = r.tx.send(Event::Logprobs(lp));
                 }
                 let _ = r.tx.send(Event::Token(next));
+            } else if let Some(lp) = lp.filter(|_| r.params.prompt_logprobs.is_some()) {
+                // An evaluation harness scoring a prompt and its answer (`echo` with
+                // `logprobs`) reads an entry for the token that ended it too.
+                let _ = r.tx.send(Event::Logprobs(lp));
             }
             return Some(FinishReason::Stop);
         }

@@ -154,6 +154,13 @@ impl Scheduler {
         let stop = r.params.stop_token_ids.contains(&first)
             || (!r.params.ignore_eos && self.cfg.stop_token_ids.contains(&first));
         if stop {
+            // As on one worker: the stop token's entry when the prompt's are asked for.
+            if let Some(lp) = kv
+                .first_logprobs
+                .filter(|_| r.params.prompt_logprobs.is_some())
+            {
+                let _ = r.tx.send(Event::Logprobs(lp));
+            }
             self.finish(r, Some(FinishReason::Stop));
             return;
         }
