@@ -29,13 +29,15 @@ pub enum LogprobsField {
     Count(usize),
 }
 
-/// `prompt` of `/v1/completions`: text, one text in a list, or token ids.
+/// `prompt` of `/v1/completions`: text, one text in a list, token ids, or one list of token
+/// ids in a list (what evaluation harnesses send by default).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]

@@ -137,6 +137,7 @@ async fn completions(
     // Token ids as given need no tokenizing; a text goes off the async workers.
     let ids = match req.prompt {
         Prompt::Tokens(t) => t,
+        Prompt::TokenLists(mut v) if v.len() == 1 => v.pop().expect("one list"),
         p => {
             off_async(&st, move |st| {
                 crate::prompt::completion_ids(&st.tokenizer, &p)

@@ -95,7 +95,7 @@ pub const FIELDS: &[Field] = &[
     // The request.
     Field { name: "model", on: On::Both, fate: Fate::Supported, doc: "Must name the served model when given (404 otherwise)." },
     Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
-    Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, a list of one text, or token ids." },
+    Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, a list of one text, token ids, or a list of one list of token ids (evaluation harnesses' default); several prompts in one request are refused." },
     Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`; `null` is `false`." },
     Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false." },
     // Length and stopping.
@@ -121,7 +121,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
     Field { name: "top_logprobs", on: On::Chat, fate: Fate::Supported, doc: "0 to 20 likeliest alternatives per token (needs `logprobs: true`)." },
     Field { name: "prompt_logprobs", on: On::Both, fate: Fate::Neutral(is_null, "vLLM's prompt_logprobs is not supported: on /v1/completions, echo with logprobs gives the prompt's"), doc: "vLLM: log probabilities of the prompt's tokens in vLLM's shape (use completions' `echo` with `logprobs`)." },
-    Field { name: "echo", on: On::Completions, fate: Fate::Supported, doc: "The prompt's text before the completion (streamed first). With `logprobs`, the prompt tokens' log probabilities come first too (the first token's null), from the model's own distribution; the prompt is then computed whole (not matched in the prefix cache, whose logits are not kept)." },
+    Field { name: "echo", on: On::Completions, fate: Fate::Supported, doc: "The prompt's text before the completion (streamed first). With `logprobs`, the prompt tokens' log probabilities come first too (the first token's null), from the model's own distribution; the prompt is then computed whole (not matched in the prefix cache, whose logits are not kept). An answer ended by a stop token (end of sequence) has an entry for that token too, as evaluation harnesses expect (it is not in the text, nor counted in `completion_tokens`)." },
     Field { name: "echo", on: On::Chat, fate: Fate::Neutral(is_false, "echo is not supported on chat"), doc: "vLLM: the last message repeated before the answer." },
     Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
     Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },

@@ -177,14 +177,18 @@ pub fn completion_ids(tk: &ModelTokenizer, prompt: &Prompt) -> Result<Vec<u32>, 
         Prompt::Tokens(t) => Ok(t.clone()),
         Prompt::Text(t) => encode(tk, t),
         Prompt::Texts(v) if v.len() == 1 => encode(tk, &v[0]),
-        Prompt::Texts(v) => Err(ApiError::bad_request(
-            format!(
-                "{} prompts in one request: send one prompt per request",
-                v.len()
-            ),
-            Some("prompt"),
-        )),
+        Prompt::TokenLists(v) if v.len() == 1 => Ok(v[0].clone()),
+        Prompt::Texts(v) => Err(several(v.len())),
+        Prompt::TokenLists(v) => Err(several(v.len())),
     }
+}
+
+/// A batch of prompts in one request (not served yet): refused, naming the way that works.
+fn several(n: usize) -> ApiError {
+    ApiError::bad_request(
+        format!("{n} prompts in one request: send one prompt per request"),
+        Some("prompt"),
+    )
 }
 
 pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {

@@ -198,6 +198,15 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
     let (st, e) = post(&url, &ids).await;
     assert_eq!(st, 200, "{e}");
     assert_eq!(entries(&e["choices"][0]["logprobs"]).len(), 6, "{e}");
+    // lm-eval's default shape, one list of token ids in a list: the same answer.
+    let mut listed = ids.clone();
+    listed["prompt"] = json!([[5, 6, 7, 8, 9]]);
+    let (st, l) = post(&url, &listed).await;
+    assert_eq!(st, 200, "{l}");
+    assert_eq!(l["choices"][0]["logprobs"], e["choices"][0]["logprobs"]);
+    listed["prompt"] = json!([[5, 6], [7, 8]]);
+    let (st, l) = post(&url, &listed).await;
+    assert_eq!((st, &l["error"]["param"]), (400, &json!("prompt")), "{l}");
 
     // The model's next token ends the answer (end of sequence): the harness still gets its
     // entry, after the prompt's (it sums the entries after the context but the last).
