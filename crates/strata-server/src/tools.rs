@@ -187,13 +187,15 @@ impl Tools {
                 .clone()
                 .unwrap_or_else(|| json!({"type": "object"}));
             closed(&mut args, 0);
-            let schema = json!({
+            let defs = hoist_defs(&mut args);
+            let mut schema = json!({
                 "type": "object",
                 "properties": {"name": {"const": d.function.name}, "arguments": args},
                 "required": ["name", "arguments"],
                 "additionalProperties": false,
                 "x-guidance": {"whitespace_flexible": false},
             });
+            schema.as_object_mut().expect("an object").extend(defs);
             g += &format!("f{i}: %json {schema}\n");
         }
         Some(OutputConstraint::Lark(g))
@@ -226,6 +228,50 @@ fn closed(schema: &mut Value, depth: usize) {
             }
             _ => {}
         }
+    }
+}
+
+/// The arguments' schema goes under the call's `properties.arguments`: its definitions
+/// (`$defs`, `definitions`) move to the call schema's root, where `#/$defs/..` references
+/// still find them, and its other local references (`#`, `#/properties/..`) are re-rooted
+/// under `#/properties/arguments`. Returns the definitions to put at the root.
+fn hoist_defs(args: &mut Value) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    if let Some(o) = args.as_object_mut() {
+        for key in ["$defs", "definitions"] {
+            if let Some(d) = o.remove(key) {
+                out.push((key.to_string(), d));
+            }
+        }
+    }
+    reroot(args, 0);
+    for (_, d) in &mut out {
+        reroot(d, 0);
+    }
+    out
+}
+
+/// Re-roots the local references of a schema moved under `#/properties/arguments` (those
+/// into the definitions stay), to a bounded depth.
+fn reroot(v: &mut Value, depth: usize) {
+    if depth > 64 {
+        return;
+    }
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                if let (true, Value::String(r)) = (k == "$ref", &mut *x) {
+                    let into_defs = r.starts_with("#/$defs/") || r.starts_with("#/definitions/");
+                    if (r == "#" || r.starts_with("#/")) && !into_defs {
+                        *r = format!("#/properties/arguments{}", &r[1..]);
+                    }
+                } else {
+                    reroot(x, depth + 1);
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| reroot(x, depth + 1)),
+        _ => {}
     }
 }
 
@@ -550,5 +596,28 @@ mod tests {
             {"type": "function", "function": {"name": "a"}}],
             "tool_choice": {"type": "function", "function": {"name": "b"}}}));
         assert_eq!(e.body()["error"]["param"], "tool_choice");
+    }
+
+    #[test]
+    fn definitions_move_to_the_call_root_and_local_references_follow_the_arguments() {
+        let mut args = json!({
+            "$defs": {"U": {"type": "object", "properties": {"self": {"$ref": "#"}}}},
+            "type": "object",
+            "properties": {"u": {"$ref": "#/$defs/U"}, "v": {"$ref": "#/properties/u"},
+                           "$ref": {"type": "string"}}});
+        let defs = hoist_defs(&mut args);
+        assert_eq!(defs.len(), 1);
+        assert_eq!(defs[0].0, "$defs");
+        assert!(args.get("$defs").is_none());
+        assert_eq!(args["properties"]["u"]["$ref"], "#/$defs/U");
+        assert_eq!(
+            args["properties"]["v"]["$ref"],
+            "#/properties/arguments/properties/u"
+        );
+        assert_eq!(args["properties"]["$ref"]["type"], "string");
+        assert_eq!(
+            defs[0].1["U"]["properties"]["self"]["$ref"],
+            "#/properties/arguments"
+        );
     }
 }

@@ -382,3 +382,40 @@ async fn forced_tool_calls_follow_the_tools_schemas_whole_and_streamed() {
     assert_eq!(n(&none), n(&auto));
     w.stop().await;
 }
+
+/// A forced call whose arguments' schema has definitions and references (a nested pydantic
+/// model, as instructor's TOOLS mode sends it): the references still resolve, and the
+/// arguments follow the nested schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_call_with_nested_definitions_follows_them() {
+    let (_d, w) = worker().await;
+    let url = format!("{}/v1/chat/completions", w.url);
+    let tools = json!([{"type": "function", "function": {"name": "save_pet",
+        "parameters": {
+            "$defs": {"Owner": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "indoor": {"type": "boolean"}}, "required": ["name", "indoor"]}},
+            "type": "object",
+            "properties": {"owner": {"$ref": "#/$defs/Owner"},
+                           "kind": {"enum": ["cat", "dog"]}},
+            "required": ["owner", "kind"]}}}]);
+    let named = json!({"type": "function", "function": {"name": "save_pet"}});
+    for seed in 0..3 {
+        let body = chat(
+            user("Save my cat."),
+            json!({"tools": tools, "tool_choice": named, "seed": seed}),
+        );
+        let (st, a) = post(&url, &body).await;
+        assert_eq!(st, 200, "{a}");
+        let call = &a["choices"][0]["message"]["tool_calls"][0]["function"];
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        let owner = args["owner"].as_object().expect("an owner object");
+        assert!(
+            owner["name"].as_str().unwrap().chars().count() <= 8,
+            "{args}"
+        );
+        assert!(owner["indoor"].is_boolean(), "{args}");
+        assert_eq!(owner.len(), 2, "no invented keys: {args}");
+        assert!(args["kind"] == "cat" || args["kind"] == "dog", "{args}");
+    }
+}
