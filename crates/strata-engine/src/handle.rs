@@ -399,8 +399,10 @@ impl EngineHandle {
     }
 
     /// Refuses a request this engine can never serve (bad fields, too long for the context or
-    /// the pool, a dead engine); returns the tokens it needs (prompt + max_tokens).
-    fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, SubmitError> {
+    /// the pool, a dead engine); returns the tokens it needs (prompt + max_tokens). Every
+    /// submit checks it; a caller about to do work for a request first (a PD decode worker)
+    /// may too.
+    pub fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<usize, SubmitError> {
         let info = &self.info;
         if prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);

@@ -30,7 +30,10 @@ pub async fn decode_after_remote_prefill(
             None,
         ));
     };
-    check_fits(st, &ids, &params)?;
+    // Refused before any remote work, as one worker refuses it.
+    st.engine
+        .check(&ids, &params)
+        .map_err(|e| ApiError::from_submit(&e))?;
     if !st.pd.decode_reuse {
         // The whole prompt's K/V from the prefill worker, admitted with them.
         let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
@@ -186,26 +189,6 @@ fn check_logprobs(pr: &PrefillResponse, ids: &[u32], p: &SamplingParams) -> Resu
             "the prefill worker's log probabilities do not match the request".into(),
         ))
     }
-}
-
-/// Refuses, before any remote work, what this worker could not run anyway: a request too
-/// long for its context or pool.
-fn check_fits(st: &AppState, ids: &[u32], params: &SamplingParams) -> Result<(), ApiError> {
-    let info = st.engine.info();
-    let needed = ids.len().saturating_add(params.max_tokens);
-    if needed > info.context_length
-        || needed.div_ceil(info.page_size) * info.page_size > info.device_tokens
-    {
-        return Err(ApiError::from_submit(
-            &strata_engine::SubmitError::TooLongForPool {
-                prompt: ids.len(),
-                max_tokens: params.max_tokens,
-                needed,
-                capacity: info.device_tokens.min(info.context_length),
-            },
-        ));
-    }
-    Ok(())
 }
 
 /// Refuses K/V larger than this worker's staging area (`pages` to receive).
