@@ -118,16 +118,7 @@ pub fn chat_ids(
     messages: &[ChatMessage],
     tools: Option<&[ToolDef]>,
 ) -> Result<Vec<u32>, ApiError> {
-    let Some(tpl) = tpl else {
-        return Err(ApiError::bad_request(
-            "this model has no chat template: use /v1/completions",
-            Some("messages"),
-        ));
-    };
-    let text = tpl
-        .render(&template_messages(messages, tools)?, true)
-        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-    encode(tk, &text)
+    chat_ids_shared(tk, tpl, messages, tools, false).map(|(ids, _)| ids)
 }
 
 /// [`chat_ids`], and where other conversations are expected to leave the prompt (see
@@ -139,12 +130,21 @@ pub fn chat_ids_shared(
     tools: Option<&[ToolDef]>,
     shared: bool,
 ) -> Result<(Vec<u32>, usize), ApiError> {
-    let ids = chat_ids(tk, tpl, messages, tools)?;
-    let (Some(tpl), true) = (tpl, shared) else {
-        return Ok((ids, 0));
+    let Some(tpl) = tpl else {
+        return Err(ApiError::bad_request(
+            "this model has no chat template: use /v1/completions",
+            Some("messages"),
+        ));
     };
     let msgs = template_messages(messages, tools)?;
-    let n = shared_prefix(tk, tpl, &msgs, &ids).unwrap_or(0);
+    let text = tpl
+        .render(&msgs, true)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
+    let ids = encode(tk, &text)?;
+    let n = match shared {
+        true => shared_prefix(tk, tpl, &msgs, &ids).unwrap_or(0),
+        false => 0,
+    };
     Ok((ids, n))
 }
 

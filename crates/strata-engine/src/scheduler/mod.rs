@@ -93,8 +93,9 @@ struct Req {
     import: Option<ImportedKv>,
     /// Computed elsewhere but for the prefix this cache holds (`remote.rs`).
     remote: Remote,
-    /// The imported pages are in this server's layout (converted from the wire layout).
-    import_local: bool,
+    /// The imported pages are in this server's layout: Some(whether they are copies
+    /// converted from the wire layout, not the received buffers).
+    import_local: Option<bool>,
     /// When it was submitted (the queueing-time limit counts from here).
     arrived: Instant,
     /// Its output constraint (taken out while its mask is computed).
@@ -127,7 +128,7 @@ impl Req {
             export,
             import,
             remote,
-            import_local: false,
+            import_local: None,
             arrived: Instant::now(),
             constraint: r.constraint,
             prompt_lps: Vec::new(),
@@ -226,7 +227,6 @@ impl Scheduler {
             self.reap_cancelled();
             self.admit();
             self.promote();
-            self.hand_back();
             let ran = self.step();
             if !ran {
                 // Only copies (or freed pages) to wait for: let one land instead of spinning.
@@ -306,7 +306,9 @@ impl Scheduler {
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let mut kv = r.import.take().expect("imported request");
-        crate::transfer::recycle(std::mem::take(&mut kv.pages));
+        if r.import_local == Some(false) {
+            crate::transfer::recycle(std::mem::take(&mut kv.pages));
+        }
         r.lease = Some(lease);
         r.computed = r.prompt_len;
         r.cached = kv.cached;
@@ -321,12 +323,15 @@ impl Scheduler {
     /// model's wire layout ([`Runtime::wire_kinds`]: tensor-parallel ranks re-shard). Once.
     fn localize_import(&mut self) -> Result<(), String> {
         let r = self.waiting.front_mut().expect("front exists");
-        if r.import_local {
+        if r.import_local.is_some() {
             return Ok(());
         }
         let kv = r.import.as_mut().expect("imported request");
-        localize(self.model.as_ref(), self.cache.page_size(), &mut kv.pages)?;
-        r.import_local = true;
+        r.import_local = Some(localize(
+            self.model.as_ref(),
+            self.cache.page_size(),
+            &mut kv.pages,
+        )?);
         Ok(())
     }
 
@@ -352,8 +357,8 @@ impl Scheduler {
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.
     fn promote(&mut self) {
-        let waiting =
-            |r: &&mut Req| !r.running && !matches!(r.remote, Remote::Awaiting | Remote::HandedBack);
+        let waiting = |r: &&mut Req| !r.running && r.remote != Remote::Awaiting;
+        let mut handed_back = false;
         for r in self.active.iter_mut().filter(waiting) {
             let lease = r.lease.as_mut().expect("an admitted request holds a lease");
             if !self.cache.advance(lease) {
@@ -362,6 +367,7 @@ impl Scheduler {
             match remote::park(&self.cache, r) {
                 Some(true) => {
                     self.progress += 1;
+                    handed_back |= r.remote == Remote::HandedBack;
                     continue;
                 }
                 Some(false) => self.snap.pd_local_prefills += 1,
@@ -388,6 +394,9 @@ impl Scheduler {
             r.running = true;
             self.progress += 1;
             let _ = r.tx.send(Event::Admitted { cached: r.cached });
+        }
+        if handed_back {
+            self.hand_back();
         }
     }
 

@@ -55,20 +55,25 @@ pub(super) fn park(cache: &TieredCache, r: &mut Req) -> Option<bool> {
 }
 
 /// Pages from the wire layout into this server's ([`Runtime::wire_kinds`]: tensor-parallel
-/// ranks re-shard).
+/// ranks re-shard). A received buffer replaced by its local copy goes back to the transfer's
+/// buffers at once; returns whether any was (then the pages are not the received buffers).
 pub(super) fn localize(
     model: &dyn Runtime,
     page_size: usize,
     pages: &mut [Vec<u8>],
-) -> Result<(), String> {
+) -> Result<bool, String> {
+    let mut converted = false;
     for p in pages {
         match model.page_from_wire(page_size, p) {
-            Ok(Some(local)) => *p = local,
+            Ok(Some(local)) => {
+                crate::transfer::recycle([std::mem::replace(p, local)]);
+                converted = true;
+            }
             Ok(None) => {}
             Err(e) => return Err(format!("the K/V received: {e}")),
         }
     }
-    Ok(())
+    Ok(converted)
 }
 
 impl Scheduler {
@@ -82,6 +87,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            // Its stream closes when it is dropped here.
             let mut r = self.active.swap_remove(i);
             if let Some(lease) = r.lease.take() {
                 self.cache.release(lease);
@@ -106,13 +112,17 @@ impl Scheduler {
         let mut r = self.active.swap_remove(i);
         self.progress += 1;
         let ps = self.cache.page_size();
-        let written = localize(self.model.as_ref(), ps, &mut kv.pages).and_then(|()| {
+        let written = localize(self.model.as_ref(), ps, &mut kv.pages).and_then(|converted| {
             let lease = r.lease.as_mut().expect("an admitted request holds a lease");
-            self.cache
+            let w = self
+                .cache
                 .write_transferred(lease, kv.first_page, &kv.pages)
-                .map_err(|e| format!("the K/V received: {e}"))
+                .map_err(|e| format!("the K/V received: {e}"));
+            if !converted {
+                crate::transfer::recycle(std::mem::take(&mut kv.pages));
+            }
+            w
         });
-        crate::transfer::recycle(std::mem::take(&mut kv.pages));
         if let Err(e) = written {
             self.finish(r, Some(FinishReason::Error(e)));
             return;
@@ -121,13 +131,7 @@ impl Scheduler {
         // page-aligned prompt was held whole (its last page, a copy, was sent again): only
         // the held pages count as served here.
         let held = kv.first_page * ps;
-        let mut served = r.lease().served();
-        let mut over = (served.device + served.host + served.storage).saturating_sub(held);
-        for t in [&mut served.device, &mut served.host, &mut served.storage] {
-            let cut = over.min(*t);
-            *t -= cut;
-            over -= cut;
-        }
+        let served = r.lease().served().capped(held);
         r.remote = Remote::No;
         r.computed = r.prompt_len;
         r.cached = kv.cached;

@@ -36,6 +36,18 @@ impl Served {
     pub fn total(&self) -> usize {
         self.device + self.host + self.storage
     }
+
+    /// The same, counting `tokens` at most (what goes over comes off the device's share
+    /// first: a page-aligned prompt held whole counts its last token, a device copy).
+    pub fn capped(mut self, tokens: usize) -> Served {
+        let mut over = self.total().saturating_sub(tokens);
+        for t in [&mut self.device, &mut self.host, &mut self.storage] {
+            let cut = over.min(*t);
+            *t -= cut;
+            over -= cut;
+        }
+        self
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

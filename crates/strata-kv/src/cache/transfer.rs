@@ -92,8 +92,9 @@ impl TieredCache {
     /// layout) are the prompt's pages from `first` on, `first` being where the lease's own
     /// pages start. A page sent with its window part gets a window page (from the lease's
     /// ring, then the pool); one sent without gives its window page back (its window state is
-    /// never read: the sender sends the span before the prompt's end whole). Err, with the
-    /// lease unchanged, when the blobs do not fit it.
+    /// never read: the sender sends the span before the prompt's end whole). Err when the
+    /// blobs do not fit the lease (before anything is written), or when a page the next step
+    /// reads finds no window page.
     pub fn write_transferred(
         &mut self,
         lease: &mut Lease,
@@ -144,8 +145,8 @@ impl TieredCache {
     }
 
     /// Window pages for the transferred pages of `h` (from `first` on) sent with their window
-    /// part: first those the next decode step reads (the window before the prompt's end: the
-    /// ring always holds enough for them), then the others while window pages can be had (the
+    /// part: first those the next decode step reads (the window before the prompt's end, the
+    /// last pages: the ring always holds enough for them), then the others while window pages can be had (the
     /// sender keeps theirs for a commit: an end, a checkpoint); a page sent without one gives
     /// its window page back.
     fn window_transferred(
@@ -158,9 +159,8 @@ impl TieredCache {
         let ps = self.page_size();
         let read_from = h.prompt_len.saturating_sub(self.window) / ps;
         let ring_mode = self.ring_mode();
-        let (reads, rest): (Vec<usize>, Vec<usize>) =
-            (0..blobs.len()).partition(|&i| first + i >= read_from);
-        for i in reads.into_iter().chain(rest) {
+        // Last first: the pages the next step reads are the last ones.
+        for i in (0..blobs.len()).rev() {
             let j = first + i;
             let (want, have) = (blobs[i].len() != main, h.windows[j] != NO_PAGE);
             if want && !have {

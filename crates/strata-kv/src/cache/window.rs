@@ -313,13 +313,7 @@ impl TieredCache {
     /// Frees the window pages of `id` in `slot` (before its main pages leave that tier);
     /// returns how many.
     pub(super) fn drop_windows(&mut self, id: NodeId, slot: Slot) -> usize {
-        let w = self.tree.take_windows(id, slot);
-        let alloc = match slot {
-            Slot::Device => &mut self.dwin_alloc,
-            Slot::Host => &mut self.hwin_alloc,
-        };
-        alloc.free(&w).expect("tree window pages are allocated");
-        w.len()
+        self.drop_windows_before(id, slot, 0)
     }
 
     /// Window pages a lease may need to load its span's window state onto the device: span

@@ -108,12 +108,7 @@ impl RadixTree {
 
     /// Removes `id`'s window pages in `slot` and returns them (real pages only).
     pub fn take_windows(&mut self, id: NodeId, slot: Slot) -> Vec<u32> {
-        let v = self.take_win(id.0, slot);
-        self.put_win(id.0, slot, Vec::new());
-        let real: Vec<u32> = v.into_iter().filter(|&w| w != NO_PAGE).collect();
-        *self.win_count(slot) -= real.len();
-        self.refresh(id.0);
-        real
+        self.take_windows_before(id, slot, 0)
     }
 
     /// The next window victim of `slot`, skipping those `skip` refuses (see

@@ -30,41 +30,35 @@ pub async fn decode_after_remote_prefill(
             None,
         ));
     };
-    // Refused before any remote work, as one worker refuses it.
-    st.engine
-        .check(&ids, &params)
-        .map_err(|e| ApiError::from_submit(&e))?;
-    if !st.pd.decode_reuse {
-        // The whole prompt's K/V from the prefill worker, admitted with them.
-        let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
-        return st
+    if st.pd.decode_reuse {
+        let mut rs = st
             .engine
-            .submit_prefilled(ids, params, kv)
-            .map_err(|e| ApiError::from_submit(&e));
+            .submit_remote(ids.clone(), params.clone(), st.pd.local_prefill_tokens)
+            .map_err(|e| ApiError::from_submit(&e))?;
+        match held(&mut rs).await? {
+            (_, false) => return Ok(rs),
+            (0, true) => {} // handed back: nothing held
+            (held, true) => {
+                let kv = fetch(st, inbox, prefill_url, &ids, &params, held).await?;
+                st.engine
+                    .deliver(&rs, kv)
+                    .map_err(|e| ApiError::from_submit(&e))?;
+                return Ok(rs);
+            }
+        }
+    } else {
+        // Refused before any remote work, as one worker refuses it (`submit_remote` checks
+        // the same).
+        st.engine
+            .check(&ids, &params)
+            .map_err(|e| ApiError::from_submit(&e))?;
     }
-    let mut rs = st
-        .engine
-        .submit_remote(ids.clone(), params.clone(), st.pd.local_prefill_tokens)
-        .map_err(|e| ApiError::from_submit(&e))?;
-    let (held, prefill) = held(&mut rs).await?;
-    if !prefill {
-        return Ok(rs);
-    }
-    if held == 0 {
-        // Handed back (nothing held): no pages are reserved while the prefill worker
-        // computes; the request is admitted with all of its K/V, as before reuse.
-        drop(rs);
-        let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
-        return st
-            .engine
-            .submit_prefilled(ids, params, kv)
-            .map_err(|e| ApiError::from_submit(&e));
-    }
-    let kv = fetch(st, inbox, prefill_url, &ids, &params, held).await?;
+    // The whole prompt's K/V (nothing held, or reuse off): no pages are reserved while the
+    // prefill worker computes; the request is admitted with all of them.
+    let kv = fetch(st, inbox, prefill_url, &ids, &params, 0).await?;
     st.engine
-        .deliver(&rs, kv)
-        .map_err(|e| ApiError::from_submit(&e))?;
-    Ok(rs)
+        .submit_prefilled(ids, params, kv)
+        .map_err(|e| ApiError::from_submit(&e))
 }
 
 /// Asks the prefill worker at `prefill_url` to compute the prompt and send the K/V of its

@@ -95,13 +95,6 @@ async fn prefill_work(
     }
     let prompt_tokens = req.tokens.len();
     let from = held_pages(st, &req)?;
-    let ours = held_digest(&st.engine.info().hello(), &req.tokens[..req.held_tokens]);
-    if from > 0 && ours != req.held_hash {
-        return Err(ApiError::bad_request(
-            "held_hash: not the digest of the held tokens in this worker's transfer format",
-            Some("held_hash"),
-        ));
-    }
     let done = compute_prefill(st, &req.tokens, params, from, arrived).await?;
     let (first, cached) = (done.first, done.cached);
     let first_logprobs = done.logprobs.map(wire);
@@ -226,7 +219,8 @@ pub(crate) fn held_digest(hello: &transfer::Hello, tokens: &[u32]) -> String {
 }
 
 /// The pages of a `/pd/prefill` request's prompt the decode worker holds (not to be sent):
-/// whole pages, fewer than the prompt's, and a digest of them when there are any.
+/// whole pages, fewer than the prompt's, named by their digest (checked here, before any
+/// work) when there are any.
 fn held_pages(st: &AppState, req: &PrefillRequest) -> Result<usize, ApiError> {
     let ps = st.engine.info().page_size;
     let held = req.held_tokens;
@@ -244,6 +238,12 @@ fn held_pages(st: &AppState, req: &PrefillRequest) -> Result<usize, ApiError> {
     if !hash_ok {
         return Err(ApiError::bad_request(
             "held_hash: 32 hex digits with held_tokens, empty without",
+            Some("held_hash"),
+        ));
+    }
+    if held > 0 && held_digest(&st.engine.info().hello(), &req.tokens[..held]) != req.held_hash {
+        return Err(ApiError::bad_request(
+            "held_hash: not the digest of the held tokens in this worker's transfer format",
             Some("held_hash"),
         ));
     }
