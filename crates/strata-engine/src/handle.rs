@@ -263,9 +263,9 @@ impl EngineHandle {
         self.submit_with(prompt, params, Route::Local)
     }
 
-    /// Like [`EngineHandle::submit`]; the prompt's K/V from page `from` on come back as an
-    /// [`crate::Event::Kv`] before `Done` (a prefill worker ships them to a decode worker,
-    /// which holds the pages before).
+    /// Like [`EngineHandle::submit`]; the prompt's K/V from page `from` on come back as
+    /// [`crate::Event::Kv`] parts, as its chunks are computed, the last before `Done` (a
+    /// prefill worker ships them to a decode worker, which holds the pages before).
     pub fn submit_export(
         &self,
         prompt: Vec<u32>,

@@ -121,13 +121,13 @@ impl CachedTokens {
     }
 }
 
-/// A prompt's K/V, out of (or into) a device pool.
+/// A prompt's K/V (or part of it), out of (or into) a device pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedKv {
     /// The index of the first page in `pages` (the receiver holds the ones before).
     pub first: usize,
     pub pages: Vec<Vec<u8>>,
-    /// The chained hash of each whole page of the prompt, from its first page on.
+    /// The chained hash of each page in `pages` (zero for a partial last page).
     pub hashes: Vec<[u8; 16]>,
 }
 
@@ -175,9 +175,11 @@ pub enum Event {
     Logprobs(TokenLogprobs),
     /// One generated token.
     Token(u32),
-    /// The prompt's K/V (requests submitted with `export_kv`), sent before `Done`: one blob per
-    /// page in the host layout, with the chained page hash of each whole page (zero for a
-    /// partial last page).
+    /// Part of the prompt's K/V (requests submitted with
+    /// [`crate::EngineHandle::submit_export`]): one blob per page in the wire layout, with the
+    /// chained page hash of each whole page (zero for a partial last page). Parts come in
+    /// order without gaps, as the prompt's chunks are computed; the last one (it ends at the
+    /// prompt's last page) comes after the first `Token`, before `Done`.
     Kv(Arc<ExportedKv>),
     /// The request ended; nothing follows.
     Done {

@@ -56,6 +56,9 @@ pub struct Snapshot {
     /// PD requests this worker computed itself: its cache held all of the prompt but at most
     /// the request's local threshold (no prefill worker, no transfer).
     pub pd_local_prefills: u64,
+    /// Pages a prefill worker exported while their prompt was still being computed (sent to
+    /// the decode worker during the prefill, not after it).
+    pub pd_overlapped_pages: u64,
     pub generated_tokens: u64,
     pub finished: Finished,
 }

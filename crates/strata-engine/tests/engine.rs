@@ -12,77 +12,9 @@ use strata_kv::pool::DevicePool;
 use strata_kv::storage::DiskStorage;
 use strata_kv::storage::Storage;
 use strata_kv::{CacheConfig, PageLayout, TieredCache};
-use strata_model::tiny::{write_tiny, TinySpec};
-use strata_model::{Gguf, Model};
 
-const PS: usize = 16;
-
-fn model(path: &Path) -> Model {
-    let mut g = Gguf::open(path).unwrap();
-    Model::load(&mut g).unwrap()
-}
-
-fn start(
-    path: &Path,
-    device_pages: u32,
-    host_pages: u32,
-    storage: Option<Arc<dyn Storage>>,
-    cfg: EngineConfig,
-) -> EngineHandle {
-    let m = model(path);
-    let layout = PageLayout::new(PS, vec![m.pool_kind()]).unwrap();
-    let mut cc = CacheConfig::new(layout, device_pages, host_pages);
-    cc.model_id = "tiny".into();
-    let cache = TieredCache::new(cc, &HeapAllocator, storage).unwrap();
-    Engine::start(m, cache, cfg)
-}
-
-fn tiny_file(dir: &Path) -> std::path::PathBuf {
-    let p = dir.join("tiny.gguf");
-    write_tiny(&p, &TinySpec::default()).unwrap();
-    p
-}
-
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + 11 + salt) % 280).collect()
-}
-
-fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        max_tokens,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    }
-}
-
-/// Runs a request to the end: (tokens, cached tokens, finish reason).
-fn run(
-    e: &EngineHandle,
-    p: &[u32],
-    params: SamplingParams,
-) -> (Vec<u32>, CachedTokens, FinishReason) {
-    let mut s = e.submit(p.to_vec(), params).unwrap();
-    let mut out = Vec::new();
-    let mut cached = None;
-    while let Some(ev) = s.events.blocking_recv() {
-        match ev {
-            Event::Admitted { cached: c } => cached = Some(c),
-            Event::Kv(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) | Event::Held { .. } => {}
-            Event::Token(t) => out.push(t),
-            Event::Done {
-                reason,
-                completion_tokens,
-                cached: c,
-                ..
-            } => {
-                assert_eq!(completion_tokens, out.len());
-                assert_eq!(Some(c), cached);
-                return (out, c, reason);
-            }
-        }
-    }
-    panic!("stream ended without Done");
-}
+mod common;
+use common::*;
 
 /// The same greedy tokens through the plain forward pass (prefill at once, then one by one).
 fn reference(path: &Path, p: &[u32], n: usize) -> Vec<u32> {
@@ -526,20 +458,6 @@ fn tp_engines_trade_kv_with_one_rank_engines_in_the_wire_layout() {
     for e in [single, tp] {
         e.shutdown(Duration::from_secs(5));
     }
-}
-
-/// A prefill engine's first token and K/V of `p`'s pages from `from` on.
-fn export_from(e: &EngineHandle, p: &[u32], from: usize) -> (u32, Arc<ExportedKv>) {
-    let mut s = e.submit_export(p.to_vec(), greedy(1), from).unwrap();
-    let (mut first, mut kv) = (None, None);
-    while let Some(ev) = s.events.blocking_recv() {
-        match ev {
-            Event::Token(t) => first = Some(t),
-            Event::Kv(k) => kv = Some(k),
-            _ => {}
-        }
-    }
-    (first.unwrap(), kv.expect("K/V exported"))
 }
 
 /// The rest of a request's events: its tokens and how it ended.

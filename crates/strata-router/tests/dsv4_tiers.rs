@@ -429,6 +429,64 @@ async fn a_request_longer_than_the_window_pages_completes_in_a_ring() {
     cold.stop().await;
 }
 
+/// Under PD with a prefill worker computing in chunks of 64 tokens and holding window pages
+/// for its span only, the pages no later chunk reads leave while the prompt is still being
+/// computed; the decode worker's answers to the long base and the hits after it are the
+/// recomputed ones, to the bit. The decode worker's 48 window pages hold fewer than the
+/// prefill worker kept (its checkpoints and the prompt's end) plus a ring: it takes those
+/// decoding reads and keeps the others' main parts only (it waited forever before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_crosses_in_parts_as_its_chunks_are_computed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_dsv4_model(d.path());
+    let c = CHECKPOINTS;
+    let cold = cold_worker(&path, c).await;
+    let ring = |engine| WorkerSpec {
+        window_checkpoint_pages: 64,
+        window_pages: Some((48, 1024)),
+        engine,
+        ..spec(c, None, "disk")
+    };
+    let chunks = EngineConfig {
+        max_batch_tokens: 64,
+        ..EngineConfig::default()
+    };
+    let prefill = spawn_worker(&path, ring(chunks)).await;
+    let decode = spawn_worker(
+        &path,
+        WorkerSpec {
+            kv_listener: true,
+            prefill_workers: vec![prefill.url.clone()],
+            pd_local_prefill_tokens: 0,
+            ..ring(EngineConfig::default())
+        },
+    )
+    .await;
+    let pd = start_router(
+        std::slice::from_ref(&prefill.url),
+        std::slice::from_ref(&decode.url),
+    )
+    .await;
+    let base = base_of(c.base);
+    let (want, _) = complete(&cold.url, &base).await;
+    let (got, _) = complete(&pd, &base).await;
+    assert_eq!(got, want, "the long prompt's answer through PD");
+    let early = prefill.state.engine.snapshot().pd_overlapped_pages;
+    eprintln!("{early} of the base's 175 pages crossed before its end");
+    assert!(
+        early >= 100,
+        "{early} of the base's 175 pages left before its end"
+    );
+    let want = recomputed(c, &cold, 27).await;
+    for (&h, want) in c.hits.iter().zip(&want) {
+        let (got, _) = complete(&pd, &with_hit(h, 27)).await;
+        assert_eq!(&got, want, "hit of {h:?} through PD, in parts");
+    }
+    for x in [cold, prefill, decode] {
+        x.stop().await;
+    }
+}
+
 /// Hits at the end, at a checkpoint and between checkpoints of a 700-token base.
 const CHECKPOINTS: Case = Case {
     ps: 4,

@@ -189,6 +189,11 @@ fn l3(t: &mut Text, s: &Snapshot) {
         &[],
         s.pd_local_prefills as f64,
     );
+    t.sample(
+        "strata_pd_overlapped_pages_total",
+        &[],
+        s.pd_overlapped_pages as f64,
+    );
 }
 
 /// The memory plan as gauges, with the verified NUMA placement.
@@ -258,6 +263,11 @@ fn serving(t: &mut Text, st: &AppState, s: &Snapshot) {
     t.sample("strata_running_requests", &[], s.running as f64);
     t.sample("strata_tokens_in_flight", &[], s.tokens_in_flight as f64);
     t.sample(
+        "strata_cache_copies_in_flight",
+        &[],
+        s.copies_in_flight as f64,
+    );
+    t.sample(
         "strata_generation_tokens_total",
         &[],
         s.generated_tokens as f64,
@@ -285,6 +295,11 @@ fn transfers(t: &mut Text, st: &AppState) {
         "strata_kv_transfer_bytes_total",
         &[("direction", "sent")],
         st.pd.metrics.kv_sent_bytes.load(Ordering::Relaxed) as f64,
+    );
+    t.sample(
+        "strata_kv_transfer_pages_total",
+        &[("direction", "sent")],
+        st.pd.metrics.kv_sent_pages.load(Ordering::Relaxed) as f64,
     );
     t.sample(
         "strata_kv_transfer_seconds_total",
@@ -325,6 +340,11 @@ fn transfers(t: &mut Text, st: &AppState) {
             "strata_kv_transfer_bytes_total",
             &[("direction", "received")],
             bytes as f64,
+        );
+        t.sample(
+            "strata_kv_transfer_pages_total",
+            &[("direction", "received")],
+            k.pages.load(Ordering::Relaxed) as f64,
         );
         t.sample(
             "strata_kv_transfer_seconds_total",

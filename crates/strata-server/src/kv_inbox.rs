@@ -175,6 +175,7 @@ pub struct KvInbox {
     pub received: AtomicU64,
     pub failed: AtomicU64,
     pub bytes: AtomicU64,
+    pub pages: AtomicU64,
     /// Time spent receiving transfers (first page announced to the last acknowledged).
     pub nanos: AtomicU64,
     pub refused_connections: AtomicU64,
@@ -219,6 +220,7 @@ impl KvInbox {
             received: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            pages: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
             yielded_connections: AtomicU64::new(0),
@@ -385,14 +387,17 @@ impl KvInbox {
         loop {
             let mut admitted = None;
             let mut began = None;
-            let res = transfer::recv_kv(&mut link, &lim, &mut |id, first, pages| {
+            let mut admit = |id, first, pages| {
                 let v = self.admit(id, first, pages);
                 if v == Admit::Yes {
                     admitted = Some(id);
                     began = Some(Instant::now());
                 }
                 v
-            });
+            };
+            // A transfer whose request gave up is cut at the sender's next `Wait`.
+            let mut wanted = |id| matches!(self.lock().get(&id), Some(Slot::Receiving(_)));
+            let res = transfer::recv_kv_watched(&mut link, &lim, &mut admit, &mut wanted);
             if let Some(t) = began {
                 self.nanos
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -420,6 +425,8 @@ impl KvInbox {
     /// up meanwhile, the pages are dropped here and their bytes released.
     fn landed(&self, r: Received) {
         self.received.fetch_add(1, Ordering::Relaxed);
+        self.pages
+            .fetch_add(r.pages.len() as u64, Ordering::Relaxed);
         self.bytes
             .fetch_add(r.pages.len() as u64 * self.page_bytes, Ordering::Relaxed);
         let mut m = self.lock();

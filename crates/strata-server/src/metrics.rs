@@ -31,6 +31,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
     ("strata_pd_held_prompt_tokens_total", "counter", "Prompt tokens of PD requests whose K/V this decode worker's cache held, so the prefill worker sent only the pages after them (also counted as cache hits)."),
     ("strata_pd_local_prefills_total", "counter", "PD requests this decode worker computed itself, with no prefill worker and no transfer: its cache held all of the prompt but at most --pd-local-prefill-tokens."),
+    ("strata_pd_overlapped_pages_total", "counter", "Pages this prefill worker sent to decode workers while their prompt was still being computed (each chunk's pages leave as it completes, overlapping the chunks after it); the rest leave once the prompt is done."),
     // Sizing.
     ("strata_plan_device_bytes", "gauge", "Device pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
     ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
@@ -42,6 +43,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_queue_depth", "gauge", "Requests waiting for admission."),
     ("strata_running_requests", "gauge", "Requests admitted and not finished."),
     ("strata_tokens_in_flight", "gauge", "Prompt + max_tokens of accepted unfinished requests."),
+    ("strata_cache_copies_in_flight", "gauge", "Copies between cache tiers under way (load-backs, backups to host, L3 writes and prefetches); one that stays high says a tier does not keep up."),
     ("strata_generation_tokens_total", "counter", "Tokens generated."),
     ("strata_time_to_first_token_seconds", "histogram", "Time from receiving a request to its first token."),
     ("strata_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request."),
@@ -55,7 +57,8 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_kv_listener_connections", "gauge", "Connections to this decode worker's KV listener now, by state (authenticated, unauthenticated)."),
     ("strata_kv_listener_connections_total", "counter", "Connections to the KV listener that did not become transfers, by outcome: refused (closed at accept: every place held by protected or authenticated connections), yielded (an idle unauthenticated connection closed to make room for a newcomer), handshake_failed (no key, wrong key or format, too slow)."),
     ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
-    ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: handshake to acknowledgement; received: first page announced to the last acknowledged)."),
+    ("strata_kv_transfer_pages_total", "counter", "KV pages transferred, by direction."),
+    ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: writing pages and awaiting the acknowledgement, not waiting for the prefill's next pages; received: first page announced to the last acknowledged)."),
     ("strata_pd_prefill_requests_total", "counter", "PD prefill requests this worker served for decode workers (POST /pd/prefill), by outcome (ok, failed)."),
     ("strata_pd_prefill_prompt_tokens_total", "counter", "Prompt tokens of the PD prefill requests this worker served."),
     ("strata_pd_prefill_duration_seconds", "histogram", "Time from a PD prefill request's arrival to its first token (the prefill's TTFT; the K/V transfer comes after)."),
@@ -320,9 +323,11 @@ pub fn node_health(t: &mut Text, role: &str) {
 /// What a prefill worker measures of the PD prefill work it does.
 #[derive(Default)]
 pub struct PdPrefillMetrics {
-    /// K/V transfers sent to decode workers: whole, failed, bytes and time.
+    /// K/V transfers sent to decode workers: whole, failed, pages, bytes and time (spent
+    /// sending, not waiting for the prefill's next pages).
     pub kv_sent: AtomicU64,
     pub kv_send_failures: AtomicU64,
+    pub kv_sent_pages: AtomicU64,
     pub kv_sent_bytes: AtomicU64,
     pub kv_send_nanos: AtomicU64,
     pub ok: AtomicU64,

@@ -310,11 +310,11 @@ async fn transfer(a: TransferArgs) -> Result<()> {
     let total = (a.pages * a.page_bytes) as f64;
     let (pb, reps) = (a.page_bytes as u64, a.reps);
     tokio::task::spawn_blocking(move || -> Result<()> {
-        let mut proto = protocol_rates(&blobs, pb, reps)?;
-        let mut plain = plain_tcp_rates(&blobs, total, reps)?;
+        let (mut proto, mut plain) = interleaved_rates(&blobs, pb, total, reps)?;
+        let mut ratios: Vec<f64> = proto.iter().zip(&plain).map(|(p, q)| p / q).collect();
         let (pm, qm) = (median(&mut proto.clone()), median(&mut plain.clone()));
         println!(
-            "KV transfer on loopback: {} pages × {} bytes = {:.1} MB per transfer, {reps} transfers",
+            "KV transfer on loopback: {} pages × {} bytes = {:.1} MB per transfer, {reps} transfers each way, interleaved",
             blobs.len(),
             pb,
             total / 1e6
@@ -323,119 +323,171 @@ async fn transfer(a: TransferArgs) -> Result<()> {
         println!("|---|---|---|");
         println!("| plain TCP copy | {qm:.2} | {:.2} |", pct(&mut plain, 1.0));
         println!("| Strata KV protocol (framed, xxh3-128 per frame, handshake, acks) | {pm:.2} | {:.2} |", pct(&mut proto, 1.0));
-        println!("protocol / plain (median): {:.2}", pm / qm);
+        println!("protocol / plain (median of medians): {:.2}", pm / qm);
+        println!(
+            "protocol / plain (median of the {reps} side-by-side pairs): {:.2}",
+            median(&mut ratios)
+        );
         Ok(())
     })
     .await??;
     Ok(())
 }
 
-/// The KV transfer protocol on loopback: one connection, `reps` transfers of `blobs`; GB/s
-/// of each.
-fn protocol_rates(blobs: &[Vec<u8>], pb: u64, reps: usize) -> Result<Vec<f64>> {
-    use std::net::{TcpListener, TcpStream};
-    use strata_engine::transfer::{self, Hello, OutPage};
-    let npages = blobs.len();
-    let hello = Hello {
-        model_id: "bench".into(),
-        page_size: 16,
-        page_bytes: pb,
-        layout: "bench".into(),
-    };
-    let h2 = hello.clone();
-    let key = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).expect("32 bytes");
-    let key2 = key.clone();
-    // One token per page slot: the pages announced match the tokens they hold.
-    let tokens: Vec<u32> = (0..npages * 16).map(|i| i as u32 % 100).collect();
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let rx = std::thread::spawn(move || -> Result<()> {
-        let (c, _) = l.accept()?;
-        c.set_nodelay(true)?;
-        // As a decode worker receives: paced frames, the cluster key's handshake.
-        let mut c =
-            transfer::Paced::new(c, Duration::from_secs(10), Duration::from_secs(1), 1 << 20);
-        transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
-        let lim = transfer::RecvLimits {
-            page_bytes: pb,
-            main_page_bytes: None,
-            page_size: 16,
-            max_tokens: npages * 16,
-        };
-        for _ in 0..reps {
-            let r = transfer::recv_kv(&mut c, &lim, &mut |_, _, _| transfer::Admit::Yes)?;
-            // As the engine does once it wrote them into its pool.
-            transfer::recycle(r.pages);
-        }
-        Ok(())
-    });
-    let mut c = TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
-    transfer::handshake_connect(&mut c, &hello, Some(&key))?;
-    let pages: Vec<OutPage> = blobs
-        .iter()
-        .map(|d| OutPage {
-            hash: [1; 16],
-            data: d,
-        })
-        .collect();
-    let mut proto = Vec::new();
+/// The KV transfer protocol and a plain TCP copy of the same bytes on loopback, one
+/// connection each, one transfer of each in turn (`reps` pairs, the order alternating), so
+/// both see the same machine from moment to moment: GB/s of each transfer, by path.
+fn interleaved_rates(
+    blobs: &[Vec<u8>],
+    pb: u64,
+    total: f64,
+    reps: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut proto = ProtocolPath::start(blobs.len(), pb, reps)?;
+    let mut plain = PlainPath::start(total as usize, reps)?;
+    let (mut p, mut q) = (Vec::new(), Vec::new());
     for r in 0..reps {
+        if r % 2 == 0 {
+            p.push(proto.once(blobs, r)?);
+            q.push(plain.once(blobs, total)?);
+        } else {
+            q.push(plain.once(blobs, total)?);
+            p.push(proto.once(blobs, r)?);
+        }
+    }
+    proto.finish()?;
+    plain.finish()?;
+    Ok((p, q))
+}
+
+/// The KV transfer protocol on loopback, as a decode worker receives (paced frames, the
+/// cluster key's handshake, pages into reused buffers given back after each transfer).
+struct ProtocolPath {
+    conn: std::net::TcpStream,
+    tokens: Vec<u32>,
+    rx: std::thread::JoinHandle<Result<()>>,
+}
+
+impl ProtocolPath {
+    fn start(npages: usize, pb: u64, reps: usize) -> Result<ProtocolPath> {
+        use std::net::{TcpListener, TcpStream};
+        use strata_engine::transfer::{self, Hello};
+        let hello = Hello {
+            model_id: "bench".into(),
+            page_size: 16,
+            page_bytes: pb,
+            layout: "bench".into(),
+        };
+        let h2 = hello.clone();
+        let key = strata_kv::auth::ClusterKey::from_secret(&[7; 32]).expect("32 bytes");
+        let key2 = key.clone();
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let addr = l.local_addr()?;
+        let rx = std::thread::spawn(move || -> Result<()> {
+            let (c, _) = l.accept()?;
+            c.set_nodelay(true)?;
+            let mut c =
+                transfer::Paced::new(c, Duration::from_secs(10), Duration::from_secs(1), 1 << 20);
+            transfer::handshake_accept(&mut c, &h2, Some(&key2))?;
+            let lim = transfer::RecvLimits {
+                page_bytes: pb,
+                main_page_bytes: None,
+                page_size: 16,
+                max_tokens: npages * 16,
+            };
+            for _ in 0..reps {
+                let r = transfer::recv_kv(&mut c, &lim, &mut |_, _, _| transfer::Admit::Yes)?;
+                // As the engine does once it wrote them into its pool.
+                transfer::recycle(r.pages);
+            }
+            Ok(())
+        });
+        let mut conn = TcpStream::connect(addr)?;
+        conn.set_nodelay(true)?;
+        transfer::handshake_connect(&mut conn, &hello, Some(&key))?;
+        // One token per page slot: the pages announced match the tokens they hold.
+        let tokens = (0..npages * 16).map(|i| i as u32 % 100).collect();
+        Ok(ProtocolPath { conn, tokens, rx })
+    }
+
+    /// One transfer (acknowledged by the receiver); its GB/s.
+    fn once(&mut self, blobs: &[Vec<u8>], r: usize) -> Result<f64> {
+        use strata_engine::transfer::{self, OutPage};
+        let pages: Vec<OutPage> = blobs
+            .iter()
+            .map(|d| OutPage {
+                hash: [1; 16],
+                data: d,
+            })
+            .collect();
         let st = transfer::send_kv(
-            &mut c,
+            &mut self.conn,
             r as u128,
-            &tokens,
+            &self.tokens,
             0,
             &pages,
             Duration::from_secs(60),
         )?;
-        proto.push(st.bytes as f64 / st.seconds / 1e9);
+        Ok(st.bytes as f64 / st.seconds / 1e9)
     }
-    rx.join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    Ok(proto)
+
+    fn finish(self) -> Result<()> {
+        self.rx
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver panicked"))?
+    }
 }
 
-/// Plain TCP on loopback: the same bytes, written and read back to back, acknowledged by one
-/// byte, `reps` times; GB/s of each.
-fn plain_tcp_rates(blobs: &[Vec<u8>], total: f64, reps: usize) -> Result<Vec<f64>> {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let n = (total as usize) * reps;
-    let rx = std::thread::spawn(move || -> Result<()> {
-        let (mut c, _) = l.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
-        let per = n / reps;
-        for _ in 0..reps {
-            let mut got = 0;
-            while got < per {
-                let k = c.read(&mut buf[..(per - got).min(1 << 20)])?;
-                if k == 0 {
-                    bail!("plain copy: early EOF");
+/// Plain TCP on loopback: the same bytes written and read back to back (into one reused
+/// buffer), acknowledged by one byte.
+struct PlainPath {
+    conn: std::net::TcpStream,
+    rx: std::thread::JoinHandle<Result<()>>,
+}
+
+impl PlainPath {
+    fn start(per: usize, reps: usize) -> Result<PlainPath> {
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let addr = l.local_addr()?;
+        let rx = std::thread::spawn(move || -> Result<()> {
+            let (mut c, _) = l.accept()?;
+            let mut buf = vec![0u8; 1 << 20];
+            for _ in 0..reps {
+                let mut got = 0;
+                while got < per {
+                    let k = c.read(&mut buf[..(per - got).min(1 << 20)])?;
+                    if k == 0 {
+                        bail!("plain copy: early EOF");
+                    }
+                    got += k;
                 }
-                got += k;
+                c.write_all(&[1])?;
             }
-            c.write_all(&[1])?;
-        }
-        Ok(())
-    });
-    let mut c = TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
-    let mut plain = Vec::new();
-    for _ in 0..reps {
+            Ok(())
+        });
+        let conn = TcpStream::connect(addr)?;
+        conn.set_nodelay(true)?;
+        Ok(PlainPath { conn, rx })
+    }
+
+    fn once(&mut self, blobs: &[Vec<u8>], total: f64) -> Result<f64> {
+        use std::io::{Read, Write};
         let t = Instant::now();
         for b in blobs {
-            c.write_all(b)?;
+            self.conn.write_all(b)?;
         }
         let mut ack = [0u8; 1];
-        c.read_exact(&mut ack)?;
-        plain.push(total / t.elapsed().as_secs_f64() / 1e9);
+        self.conn.read_exact(&mut ack)?;
+        Ok(total / t.elapsed().as_secs_f64() / 1e9)
     }
-    rx.join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    Ok(plain)
+
+    fn finish(self) -> Result<()> {
+        self.rx
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver panicked"))?
+    }
 }
 
 async fn router_latency(a: RouterArgs) -> Result<()> {

@@ -20,14 +20,13 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
 use crate::constraint::{TokenConstraint, TokenMask};
-use crate::request::{
-    CachedTokens, Event, ExportedKv, FinishReason, FlushScope, ImportedKv, SamplingParams,
-};
+use crate::request::{CachedTokens, Event, FinishReason, FlushScope, ImportedKv, SamplingParams};
 use crate::sampler::{sample_with_logprobs, History, Rng};
 use crate::state::{Shared, Snapshot};
 
 mod commands;
 mod constrained;
+mod export;
 mod prompt_logprobs;
 mod remote;
 
@@ -87,8 +86,12 @@ struct Req {
     generated: usize,
     /// Prompt + max_tokens, counted in the tokens-in-flight bound.
     budget: usize,
-    /// Send the prompt's K/V from this page on before `Done`.
+    /// Send the prompt's K/V from this page on before `Done` (`export.rs`).
     export: Option<usize>,
+    /// The next page to export (the parts sent so far end there).
+    export_next: usize,
+    /// The prompt's page hashes (computed at the first export).
+    export_hashes: Vec<[u8; 16]>,
     /// K/V computed elsewhere, written at admission instead of matching the cache.
     import: Option<ImportedKv>,
     /// Computed elsewhere but for the prefix this cache holds (`remote.rs`).
@@ -126,6 +129,8 @@ impl Req {
             computed: 0,
             generated: 0,
             export,
+            export_next: 0,
+            export_hashes: Vec::new(),
             import,
             remote,
             import_local: None,
@@ -299,6 +304,15 @@ impl Scheduler {
         let kv = r.import.as_ref().expect("imported request");
         let new = r.params.max_tokens;
         let Some(mut lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
+            if self.active.is_empty() && self.cache.in_flight() == 0 {
+                // Nothing running frees pages: it never fits (it would block the queue).
+                let r = self.waiting.pop_front().expect("front exists");
+                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                let e = "the transferred prompt needs more device or window pages than this \
+                         worker's pool holds";
+                self.finish(r, Some(FinishReason::Error(e.into())));
+                return true;
+            }
             self.blocked_at = Some(self.progress);
             return false;
         };
@@ -333,26 +347,6 @@ impl Scheduler {
             &mut kv.pages,
         )?);
         Ok(())
-    }
-
-    /// The prompt's pages out of the device pool, in the wire layout (the host layout of the
-    /// unsplit model), with their hashes.
-    fn export_kv(&self, r: &Req) -> Result<ExportedKv, String> {
-        let first = r.export.unwrap_or(0);
-        let (mut pages, hashes) = self
-            .cache
-            .export(r.lease(), &r.tokens[..r.prompt_len], first);
-        for p in &mut pages {
-            let ps = self.cache.page_size();
-            if let Some(w) = self.model.page_to_wire(ps, p).map_err(|e| e.to_string())? {
-                *p = w;
-            }
-        }
-        Ok(ExportedKv {
-            first,
-            pages,
-            hashes: hashes.into_iter().map(|h| h.0).collect(),
-        })
     }
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.
@@ -453,6 +447,7 @@ impl Scheduler {
             }
         };
         let mut done = self.sample_batch(&plan, &logits, masks);
+        self.export_parts();
         done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
         for (i, reason) in done {
             let r = self.active.swap_remove(i);
@@ -614,7 +609,7 @@ impl Scheduler {
         self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if ok && r.export.is_some() && r.running && r.computed >= r.prompt_len {
-            match self.export_kv(&r) {
+            match self.export_rest(&mut r) {
                 Ok(kv) => {
                     let _ = r.tx.send(Event::Kv(Arc::new(kv)));
                 }

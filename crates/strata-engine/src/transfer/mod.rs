@@ -18,6 +18,10 @@
 //!
 //! Transfer ids are 128-bit random numbers chosen by the receiver, which accepts a `Begin`
 //! only for an id it is expecting.
+//!
+//! A transfer (version 4): `Begin`, its pages in order — sent as the sender's prefill computes
+//! them, with a `Wait` at least every [`WAIT_EVERY`] while it computes the next ones — `End`,
+//! and the receiver's `Ack`.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -26,9 +30,12 @@ use thiserror::Error;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 const MAGIC: &[u8; 8] = b"STRATAKV";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 /// Largest frame accepted before the handshake completed.
 pub const HANDSHAKE_MAX_FRAME: usize = 16 << 10;
+/// A streaming sender waiting for its next pages sends a `Wait` this often (well inside any
+/// receiver's wait for a frame to start).
+pub const WAIT_EVERY: Duration = Duration::from_secs(1);
 /// Largest frame a sender reads (acknowledgements and refusals).
 const REPLY_MAX_FRAME: usize = 64 << 10;
 
@@ -126,6 +133,11 @@ pub enum Frame {
     Abort {
         id: TransferId,
         reason: String,
+    },
+    /// The sender is still computing the transfer's next pages (sent while it waits, so the
+    /// receiver's wait for a frame to start stays bounded).
+    Wait {
+        id: TransferId,
     },
 }
 
@@ -252,6 +264,10 @@ impl Frame {
                 put_str(&mut b, reason);
                 7
             }
+            Frame::Wait { id } => {
+                b.extend_from_slice(&id.to_le_bytes());
+                11
+            }
         };
         let mut out = Vec::with_capacity(b.len() + 21);
         out.extend_from_slice(&((b.len() + 1 + 16) as u32).to_le_bytes());
@@ -327,6 +343,7 @@ impl Frame {
                 id: c.u128()?,
                 reason: c.string()?,
             },
+            11 => Frame::Wait { id: c.u128()? },
             k => return Err(TransferError::Corrupt(format!("unknown frame kind {k}"))),
         };
         Ok(f)
@@ -460,6 +477,7 @@ impl Frame {
             Frame::End { .. } => "End",
             Frame::Ack { .. } => "Ack",
             Frame::Abort { .. } => "Abort",
+            Frame::Wait { .. } => "Wait",
         }
     }
 }
@@ -474,4 +492,7 @@ mod tests;
 pub use buffers::{page_buffer, recycle};
 pub use handshake::{handshake_accept, handshake_accept_if, handshake_connect};
 pub use paced::Paced;
-pub use stream::{recv_kv, send_kv, Admit, OutPage, Received, RecvLimits, TransferStats};
+pub use stream::{
+    begin_kv, recv_kv, recv_kv_watched, send_kv, Admit, KvSender, OutPage, Received, RecvLimits,
+    TransferStats,
+};

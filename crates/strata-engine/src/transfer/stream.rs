@@ -1,5 +1,5 @@
-//! One transfer: `Begin`, the pages, `End`, acknowledged; the receiver checks every frame
-//! against its limits.
+//! One transfer: `Begin`, the pages (at once, or as they are computed with `Wait`s between),
+//! `End`, acknowledged; the receiver checks every frame against its limits.
 
 use std::time::{Duration, Instant};
 
@@ -24,9 +24,9 @@ pub struct TransferStats {
     pub busy_retries: u32,
 }
 
-/// Sends one request's KV: `Begin` (retried while the receiver is busy, until `deadline`),
-/// the pages — the prompt's pages from index `first` on (the receiver holds the ones before)
-/// — `End`, then waits for the receiver's `Ack`.
+/// Sends one request's KV at once: `Begin` (retried while the receiver is busy, until
+/// `deadline`), the pages — the prompt's pages from index `first` on (the receiver holds the
+/// ones before) — `End`, then waits for the receiver's `Ack`.
 pub fn send_kv(
     link: &mut dyn Link,
     id: TransferId,
@@ -35,18 +35,49 @@ pub fn send_kv(
     pages: &[OutPage],
     deadline: Duration,
 ) -> Result<TransferStats, TransferError> {
+    let mut s = begin_kv(link, id, tokens, first, pages.len() as u32, deadline)?;
+    for p in pages {
+        s.page(p)?;
+    }
+    s.end()
+}
+
+/// A transfer under way whose pages are sent as they come (a prefill worker sends each chunk's
+/// pages while it computes the next): [`begin_kv`], then [`KvSender::page`] for every page in
+/// order ([`KvSender::wait`] while none is ready), then [`KvSender::end`]. Dropped before its
+/// end, it aborts the transfer.
+pub struct KvSender<'a> {
+    link: &'a mut dyn Link,
+    id: TransferId,
+    next: u32,
+    end: u32,
+    deadline: Duration,
+    /// Time spent sending (writing pages, awaiting the `Ack`), not waiting for pages.
+    busy: Duration,
+    st: TransferStats,
+    done: bool,
+}
+
+/// Starts a transfer: `Begin` for `tokens`' `pages` pages from index `first` on (retried while
+/// the receiver is busy, until `deadline`).
+pub fn begin_kv<'a>(
+    link: &'a mut dyn Link,
+    id: TransferId,
+    tokens: &[u32],
+    first: u32,
+    pages: u32,
+    deadline: Duration,
+) -> Result<KvSender<'a>, TransferError> {
     let t = Instant::now();
     let mut st = TransferStats::default();
     loop {
-        write_frame(
-            link,
-            &Frame::Begin {
-                id,
-                tokens: tokens.to_vec(),
-                first,
-                pages: pages.len() as u32,
-            },
-        )?;
+        let begin = Frame::Begin {
+            id,
+            tokens: tokens.to_vec(),
+            first,
+            pages,
+        };
+        write_frame(link, &begin)?;
         match read_frame(link, REPLY_MAX_FRAME)? {
             Frame::Ack { ok: true, .. } => break,
             Frame::Ack {
@@ -60,45 +91,97 @@ pub fn send_kv(
                 std::thread::sleep(Duration::from_millis(10));
             }
             Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),
-            f => {
-                return Err(TransferError::Protocol(format!(
-                    "expected Ack, got {}",
-                    f.name()
-                )))
-            }
+            f => return Err(unexpected("Ack", &f)),
         }
     }
-    for (i, p) in pages.iter().enumerate() {
-        if t.elapsed() >= deadline {
-            let _ = write_frame(
-                link,
-                &Frame::Abort {
-                    id,
-                    reason: "sender deadline".into(),
-                },
-            );
-            return Err(TransferError::Timeout(deadline));
-        }
-        write_page_frame(link, id, first + i as u32, &p.hash, p.data)?;
-        st.pages += 1;
-        st.bytes += p.data.len() as u64;
-    }
-    write_frame(link, &Frame::End { id })?;
-    match read_frame(link, REPLY_MAX_FRAME)? {
-        Frame::Ack { ok: true, .. } => {}
-        Frame::Ack {
-            ok: false, reason, ..
-        }
-        | Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),
-        f => {
+    Ok(KvSender {
+        link,
+        id,
+        next: first,
+        end: first + pages,
+        deadline,
+        busy: t.elapsed(),
+        st,
+        done: false,
+    })
+}
+
+fn unexpected(want: &str, f: &Frame) -> TransferError {
+    TransferError::Protocol(format!("expected {want}, got {}", f.name()))
+}
+
+impl KvSender<'_> {
+    /// Sends the next page (its index follows the last one's). Past `deadline` of sending
+    /// (time spent waiting for pages not counted), the transfer is aborted.
+    pub fn page(&mut self, p: &OutPage) -> Result<(), TransferError> {
+        if self.next >= self.end {
             return Err(TransferError::Protocol(format!(
-                "expected Ack, got {}",
-                f.name()
-            )))
+                "more than the {} pages announced",
+                self.end
+            )));
+        }
+        if self.busy >= self.deadline {
+            self.abort("sender deadline");
+            return Err(TransferError::Timeout(self.deadline));
+        }
+        let t = Instant::now();
+        write_page_frame(self.link, self.id, self.next, &p.hash, p.data)?;
+        self.busy += t.elapsed();
+        self.next += 1;
+        self.st.pages += 1;
+        self.st.bytes += p.data.len() as u64;
+        Ok(())
+    }
+
+    /// Tells the receiver the next pages are being computed (call at least every
+    /// [`super::WAIT_EVERY`] while waiting for them).
+    pub fn wait(&mut self) -> Result<(), TransferError> {
+        write_frame(self.link, &Frame::Wait { id: self.id })
+    }
+
+    /// Ends the transfer once every page announced was sent: `End`, then the receiver's
+    /// `Ack`. Its stats count the time spent sending, not waiting for pages.
+    pub fn end(mut self) -> Result<TransferStats, TransferError> {
+        self.done = true;
+        if self.next != self.end {
+            let reason = format!("{} of the pages announced were sent", self.st.pages);
+            self.abort(&reason);
+            return Err(TransferError::Protocol(reason));
+        }
+        let t = Instant::now();
+        write_frame(self.link, &Frame::End { id: self.id })?;
+        match read_frame(self.link, REPLY_MAX_FRAME)? {
+            Frame::Ack { ok: true, .. } => {}
+            Frame::Ack {
+                ok: false, reason, ..
+            }
+            | Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),
+            f => return Err(unexpected("Ack", &f)),
+        }
+        self.busy += t.elapsed();
+        self.st.seconds = self.busy.as_secs_f64();
+        Ok(self.st)
+    }
+
+    /// Aborts the transfer, telling the receiver why (best effort).
+    pub fn abort(&mut self, reason: &str) {
+        self.done = true;
+        let _ = write_frame(
+            self.link,
+            &Frame::Abort {
+                id: self.id,
+                reason: reason.to_string(),
+            },
+        );
+    }
+}
+
+impl Drop for KvSender<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.abort("the sender stopped before the transfer's end");
         }
     }
-    st.seconds = t.elapsed().as_secs_f64();
-    Ok(st)
 }
 
 /// One received transfer.
@@ -174,6 +257,17 @@ pub fn recv_kv(
     lim: &RecvLimits,
     admit: &mut dyn FnMut(TransferId, u32, u32) -> Admit,
 ) -> Result<Received, TransferError> {
+    recv_kv_watched(link, lim, admit, &mut |_| true)
+}
+
+/// [`recv_kv`], asking `wanted(id)` at each `Wait`: once the transfer is no longer wanted
+/// (its request gave up), it is aborted there instead of waiting on.
+pub fn recv_kv_watched(
+    link: &mut dyn Link,
+    lim: &RecvLimits,
+    admit: &mut dyn FnMut(TransferId, u32, u32) -> Admit,
+    wanted: &mut dyn FnMut(TransferId) -> bool,
+) -> Result<Received, TransferError> {
     let max = lim.max_frame();
     let (id, tokens, first, n) = recv_begin(link, lim, max, admit)?;
     let r = Received {
@@ -183,7 +277,7 @@ pub fn recv_kv(
         hashes: Vec::with_capacity(n as usize),
         pages: Vec::with_capacity(n as usize),
     };
-    recv_pages(link, lim, max, r, n)
+    recv_pages(link, lim, max, r, n, wanted)
 }
 
 /// Reads `Begin`s until one is admitted (answering busy ones); returns its id, tokens, first
@@ -250,6 +344,7 @@ fn recv_pages(
     max: usize,
     mut r: Received,
     n: u32,
+    wanted: &mut dyn FnMut(TransferId) -> bool,
 ) -> Result<Received, TransferError> {
     let id = r.id;
     loop {
@@ -293,6 +388,13 @@ fn recv_pages(
                 }
                 ack(link, id, true, "")?;
                 return Ok(r);
+            }
+            // The sender computes the next pages: the wait for a frame starts again.
+            Frame::Wait { id: wid } if wid == id => {
+                if !wanted(id) {
+                    let reason = "the receiver no longer wants this transfer".to_string();
+                    return Err(abort(link, id, reason));
+                }
             }
             Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),
             f => return Err(TransferError::Protocol(format!("unexpected {}", f.name()))),

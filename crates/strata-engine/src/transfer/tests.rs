@@ -285,3 +285,71 @@ fn page_frames_written_in_place_equal_encoded_ones() {
     let mut r: &[u8] = &a;
     assert_eq!(read_frame(&mut r, page_frame_len(64)).unwrap(), f);
 }
+
+/// Pages sent as they come, with `Wait`s between, arrive as one transfer; a receiver whose
+/// transfer is no longer wanted cuts it at the next `Wait`; a sender dropped midway aborts.
+#[test]
+fn a_streamed_transfer_waits_between_its_parts_and_can_be_cut() {
+    let blobs: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i; 64]).collect();
+    let page = |i: usize| OutPage {
+        hash: [i as u8; 16],
+        data: &blobs[i],
+    };
+    // Whole: pages, waits between them, end.
+    let (mut c, mut s) = pair();
+    let waits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let w2 = waits.clone();
+    let rx = std::thread::spawn(move || {
+        handshake_accept(&mut s, &hello(1), None).unwrap();
+        recv_kv_watched(&mut s, &lim(), &mut |_, _, _| Admit::Yes, &mut |_| {
+            w2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            true
+        })
+        .unwrap()
+    });
+    handshake_connect(&mut c, &hello(1), None).unwrap();
+    let mut tx = begin_kv(&mut c, 5, &[1, 2, 3], 0, 3, Duration::from_secs(5)).unwrap();
+    tx.page(&page(0)).unwrap();
+    tx.wait().unwrap();
+    tx.wait().unwrap();
+    tx.page(&page(1)).unwrap();
+    tx.page(&page(2)).unwrap();
+    assert!(tx.page(&page(2)).is_err(), "more pages than announced");
+    let st = tx.end().unwrap();
+    assert_eq!((st.pages, st.bytes), (3, 192));
+    let r = rx.join().unwrap();
+    assert_eq!(r.pages, blobs);
+    assert_eq!(waits.load(std::sync::atomic::Ordering::SeqCst), 2);
+
+    // Unwanted: the receiver aborts at the first `Wait`; the sender fails (a write to the
+    // closed connection, or the `Abort` read at its end).
+    let (mut c, mut s) = pair();
+    let rx = std::thread::spawn(move || {
+        handshake_accept(&mut s, &hello(1), None).unwrap();
+        recv_kv_watched(&mut s, &lim(), &mut |_, _, _| Admit::Yes, &mut |_| false).unwrap_err()
+    });
+    handshake_connect(&mut c, &hello(1), None).unwrap();
+    let mut tx = begin_kv(&mut c, 6, &[1, 2, 3], 0, 3, Duration::from_secs(5)).unwrap();
+    tx.page(&page(0)).unwrap();
+    tx.wait().unwrap();
+    let e = rx.join().unwrap();
+    assert!(e.to_string().contains("no longer wants"), "{e}");
+    let sent = tx.page(&page(1)).and_then(|_| tx.page(&page(2)));
+    assert!(sent.is_err() || tx.end().is_err(), "the sender failed");
+
+    // Dropped midway: the receiver is told the sender stopped.
+    let (mut c, mut s) = pair();
+    let rx = std::thread::spawn(move || {
+        handshake_accept(&mut s, &hello(1), None).unwrap();
+        recv_kv(&mut s, &lim(), &mut |_, _, _| Admit::Yes).unwrap_err()
+    });
+    handshake_connect(&mut c, &hello(1), None).unwrap();
+    let mut tx = begin_kv(&mut c, 7, &[1, 2, 3], 0, 3, Duration::from_secs(5)).unwrap();
+    tx.page(&page(0)).unwrap();
+    drop(tx);
+    let e = rx.join().unwrap();
+    assert!(
+        e.to_string().contains("stopped before the transfer's end"),
+        "{e}"
+    );
+}

@@ -27,44 +27,22 @@ impl TieredCache {
         self.release_dropped();
         let reserve_tokens = prompt_len + new_tokens;
         let pages = self.alloc_device(reserve_tokens.div_ceil(self.page_size()))?;
-        let main = self.layout.class_bytes(Class::Main);
         let (mut windows, mut ring) = (Vec::new(), Vec::new());
         if self.has_window() {
-            // A window page for each page sent with its window part (one older than the
-            // window travels without), and for the pages after the prompt: without ring mode
-            // each has its own, in ring mode the decode steps take them from a ring.
-            let ring_mode = self.ring_mode();
-            let assigned = |i: usize| match blobs.get(i) {
-                Some(b) => b.len() != main,
-                None => !ring_mode,
-            };
-            let n = (0..pages.len()).filter(|&i| assigned(i)).count();
-            let extra = if ring_mode {
-                self.window_reserve(pages.len())
-            } else {
-                0
-            };
-            let Some(mut got) = self.alloc_windows(n + extra) else {
+            let Some((w, r)) = self.import_windows(prompt_len, pages.len(), blobs) else {
                 self.free_device(&pages).expect("just allocated");
                 return None;
             };
-            ring = got.split_off(n);
-            let mut it = got.into_iter();
-            windows = (0..pages.len())
-                .map(|i| {
-                    if assigned(i) {
-                        it.next().expect("one per assigned page")
-                    } else {
-                        NO_PAGE
-                    }
-                })
-                .collect();
+            (windows, ring) = (w, r);
         }
         let pool = self
             .device_pool_shared()
             .expect("K/V is imported into a cache with data");
+        let main_len = blob_len(&self.layout, None);
         for (i, (blob, &page)) in blobs.iter().zip(&pages).enumerate() {
             let w = windows.get(i).copied().filter(|&w| w != NO_PAGE);
+            // A page whose window part found no window page keeps its main part only.
+            let blob = if w.is_none() { &blob[..main_len] } else { blob };
             pool.write_page_host_layout(page, w, blob);
         }
         let held = Held {
@@ -85,6 +63,44 @@ impl TieredCache {
             served: Served::default(),
         };
         Some(self.lease(held))
+    }
+
+    /// The window pages of an imported prompt of `n` pages (`blobs` sent, the rest to
+    /// decode): one for each page sent with its window part that decoding reads (within the
+    /// window of the prompt's end), and without ring mode one for each page after the prompt
+    /// — all of them or nothing (None: not now); in ring mode a ring making what the lease
+    /// holds up to what one step needs. Pages sent whole before that (checkpoints kept by the
+    /// sender, read only by later hits) get one while the pool has them, the newest first;
+    /// the others keep their main part only.
+    fn import_windows(
+        &mut self,
+        prompt_len: usize,
+        n: usize,
+        blobs: &[Vec<u8>],
+    ) -> Option<(Vec<u32>, Vec<u32>)> {
+        let main = self.layout.class_bytes(Class::Main);
+        let ring_mode = self.ring_mode();
+        let read_from = prompt_len.saturating_sub(self.window) / self.page_size();
+        let whole = |i: usize| blobs.get(i).is_some_and(|b| b.len() != main);
+        let must = |i: usize| (whole(i) && i >= read_from) || (i >= blobs.len() && !ring_mode);
+        let n_must = (0..n).filter(|&i| must(i)).count();
+        let extra = if ring_mode {
+            self.window_reserve(n).saturating_sub(n_must)
+        } else {
+            0
+        };
+        let mut got = self.alloc_windows(n_must + extra)?;
+        let ring = got.split_off(n_must);
+        let mut windows = vec![NO_PAGE; n];
+        for (i, w) in (0..n).filter(|&i| must(i)).zip(got) {
+            windows[i] = w;
+        }
+        let optional: Vec<usize> = (0..n).filter(|&i| whole(i) && !must(i)).collect();
+        let spare = self.alloc_windows_upto(optional.len());
+        for (&i, w) in optional.iter().rev().zip(spare) {
+            windows[i] = w;
+        }
+        Some((windows, ring))
     }
 
     /// Writes K/V computed elsewhere into a ready lease whose prefix this cache held (a
@@ -183,32 +199,43 @@ impl TieredCache {
         Ok(())
     }
 
-    /// The pages of `prompt` from page `from` on of a ready lease, each in the host layout
-    /// (PD export: the receiver holds the ones before), with the chained hash of each whole
-    /// page of `prompt` from the first (zero for a partial last page, and all zero when the
-    /// cache computes no hashes).
-    pub fn export(
-        &self,
-        lease: &Lease,
-        prompt: &[u32],
-        from: usize,
-    ) -> (Vec<Vec<u8>>, Vec<PageHash>) {
-        let ps = self.page_size();
-        let n = prompt.len().div_ceil(ps);
-        let mut blobs = Vec::with_capacity(n.saturating_sub(from));
+    /// Pages `pages` of a ready lease, each in the host layout (PD export: the receiver holds
+    /// the ones before; a prefill worker sends them as its chunks complete). A page holding
+    /// no window page travels as its main part only.
+    pub fn export(&self, lease: &Lease, pages: std::ops::Range<usize>) -> Vec<Vec<u8>> {
         let pool = self
             .device_pool()
             .expect("K/V is exported from a cache with data");
-        for (i, &page) in lease.pages()[..n].iter().enumerate().skip(from) {
-            // A page without a window page travels as its main part only.
-            let w = lease.windows().get(i).copied().filter(|&w| w != NO_PAGE);
+        let mut blobs = Vec::with_capacity(pages.len());
+        for i in pages {
+            let w = self.export_window(lease, i);
             let mut blob = vec![0u8; blob_len(&self.layout, w)];
-            pool.read_page_host_layout(page, w, &mut blob);
+            pool.read_page_host_layout(lease.pages()[i], w, &mut blob);
             blobs.push(blob);
         }
-        let mut hashes = self.page_hashes(prompt);
-        hashes.resize(n, PageHash([0; 16]));
-        (blobs, hashes)
+        blobs
+    }
+
+    /// The end (in pages) of what a lease computing its prompt can export now, from page
+    /// `from` on, `computed` positions being in its pages: every whole page computed, or with
+    /// window kinds only pages no later step gives a window page again (entirely before the
+    /// window of the next position) that hold none, up to the first that holds one — so a
+    /// page leaves as it would at the prompt's end. At least `from`.
+    pub fn exportable_pages(&self, lease: &Lease, from: usize, computed: usize) -> usize {
+        let ps = self.page_size();
+        if !self.has_window() {
+            return (computed / ps).max(from);
+        }
+        let settled = computed.saturating_sub(self.window) / ps;
+        (from..settled)
+            .find(|&i| self.export_window(lease, i).is_some())
+            .unwrap_or(settled)
+            .max(from)
+    }
+
+    /// The window page a lease's page `i` travels with (None: its main part only).
+    pub fn export_window(&self, lease: &Lease, i: usize) -> Option<u32> {
+        lease.windows().get(i).copied().filter(|&w| w != NO_PAGE)
     }
 
     /// Chained hashes of the whole pages of `tokens` from the root (empty when the cache

@@ -15,15 +15,16 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
-use strata_engine::transfer::{self, OutPage};
+use strata_engine::transfer;
 use strata_engine::{
-    CachedTokens, Event, ExportedKv, FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs,
+    CachedTokens, Event, FinishReason, PromptLogprobs, SamplingParams, TokenLogprobs,
 };
 
 use crate::error::ApiError;
 pub use crate::kv_inbox::{Expectation, KvInbox, KvLimits};
 
 mod decode;
+mod ship;
 use crate::state::AppState;
 #[cfg(test)]
 use decode::answer_cap;
@@ -83,7 +84,7 @@ pub async fn prefill(
     r
 }
 
-/// An authenticated `/pd/prefill`: compute, export, send.
+/// An authenticated `/pd/prefill`: compute, and send the pages as they are computed.
 async fn prefill_work(
     st: &Arc<AppState>,
     bytes: &[u8],
@@ -95,14 +96,20 @@ async fn prefill_work(
     }
     let prompt_tokens = req.tokens.len();
     let from = held_pages(st, &req)?;
-    let done = compute_prefill(st, &req.tokens, params, from, arrived).await?;
+    let ship = ship::Shipment::new(ship::Route {
+        addr,
+        id,
+        tokens: req.tokens.clone(),
+        from,
+    });
+    let (done, ship) = compute_prefill(st, &req.tokens, params, from, arrived, ship).await?;
     let (first, cached) = (done.first, done.cached);
     let first_logprobs = done.logprobs.map(wire);
     let prompt_logprobs = done.prompt_logprobs.map(|p| {
         let tokens = Arc::try_unwrap(p).map_or_else(|p| p.tokens.clone(), |p| p.tokens);
         tokens.into_iter().map(wire).collect()
     });
-    let stats = match send_prefill(st, addr, id, req.tokens, done.kv).await {
+    let stats = match ship.finish().await {
         Ok(Ok(stats)) => stats,
         Ok(Err(e)) => {
             st.pd
@@ -120,17 +127,9 @@ async fn prefill_work(
         pages = stats.pages,
         bytes = stats.bytes,
         seconds = stats.seconds,
-        "KV sent (bytes, seconds)"
+        "KV sent (bytes, seconds sending)"
     );
-    st.pd.metrics.kv_sent.fetch_add(1, Ordering::Relaxed);
-    st.pd
-        .metrics
-        .kv_sent_bytes
-        .fetch_add(stats.bytes, Ordering::Relaxed);
-    st.pd
-        .metrics
-        .kv_send_nanos
-        .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
+    count_sent(st, &stats);
     Ok(Json(PrefillResponse {
         first_logprobs,
         prompt_logprobs,
@@ -143,6 +142,15 @@ async fn prefill_work(
         transfer_bytes: stats.bytes,
         transfer_seconds: stats.seconds,
     }))
+}
+
+fn count_sent(st: &AppState, stats: &transfer::TransferStats) {
+    let m = &st.pd.metrics;
+    m.kv_sent.fetch_add(1, Ordering::Relaxed);
+    m.kv_sent_bytes.fetch_add(stats.bytes, Ordering::Relaxed);
+    m.kv_sent_pages.fetch_add(stats.pages, Ordering::Relaxed);
+    m.kv_send_nanos
+        .fetch_add((stats.seconds * 1e9) as u64, Ordering::Relaxed);
 }
 
 /// The request checked: its transfer id, the decode worker's KV address, the sampling of the
@@ -255,28 +263,31 @@ struct Prefilled {
     first: u32,
     logprobs: Option<TokenLogprobs>,
     prompt_logprobs: Option<Arc<PromptLogprobs>>,
-    kv: Arc<ExportedKv>,
     cached: CachedTokens,
 }
 
-/// Computes the prompt: the first token (and its log probabilities if asked), the prompt's K/V
-/// and how the cache served it.
+/// Computes the prompt: the first token (and its log probabilities if asked) and how the
+/// cache served it; its pages go to `ship` as they are computed.
 async fn compute_prefill(
     st: &AppState,
     tokens: &[u32],
     params: SamplingParams,
     from: usize,
     arrived: std::time::Instant,
-) -> Result<Prefilled, ApiError> {
+    mut ship: ship::Shipment,
+) -> Result<(Prefilled, ship::Shipment), ApiError> {
     let mut rs = st
         .engine
         .submit_export(tokens.to_vec(), params, from)
         .map_err(|e| ApiError::from_submit(&e))?;
-    let (mut first, mut kv, mut cached) = (None, None, CachedTokens::default());
+    let (mut first, mut cached) = (None, CachedTokens::default());
     let (mut logprobs, mut prompt_logprobs) = (None, None);
     while let Some(ev) = rs.events.recv().await {
         match ev {
-            Event::Admitted { cached: c } => cached = c,
+            Event::Admitted { cached: c } => {
+                cached = c;
+                ship.start(st);
+            }
             Event::PromptLogprobs(p) => prompt_logprobs = Some(p),
             Event::Logprobs(l) => logprobs = Some(l),
             Event::Token(t) => {
@@ -290,7 +301,7 @@ async fn compute_prefill(
                     .fetch_add(tokens.len() as u64, Ordering::Relaxed);
                 first = Some(t)
             }
-            Event::Kv(k) => kv = Some(k),
+            Event::Kv(k) => ship.part(k),
             Event::Held { .. } => {}
             Event::Done { reason, .. } => {
                 if let FinishReason::QueueTimeout { waited } = reason {
@@ -302,41 +313,18 @@ async fn compute_prefill(
             }
         }
     }
-    match (first, kv) {
-        (Some(first), Some(kv)) => Ok(Prefilled {
-            first,
-            logprobs,
-            prompt_logprobs,
-            kv,
-            cached,
-        }),
+    match first {
+        Some(first) => Ok((
+            Prefilled {
+                first,
+                logprobs,
+                prompt_logprobs,
+                cached,
+            },
+            ship,
+        )),
         _ => Err(bad_gateway("prefill produced no token".into())),
     }
-}
-
-/// Sends the prompt's K/V to the decode worker's listener (blocking I/O, off the async
-/// workers). The outer error: the task itself failed; the inner one: the transfer did.
-async fn send_prefill(
-    st: &AppState,
-    addr: SocketAddr,
-    id: u128,
-    tokens: Vec<u32>,
-    kv: Arc<ExportedKv>,
-) -> Result<Result<transfer::TransferStats, transfer::TransferError>, tokio::task::JoinError> {
-    let hello = st.engine.info().hello();
-    let deadline = st.pd.kv_deadline;
-    let key = st.cluster_key.clone();
-    tokio::task::spawn_blocking(move || -> Result<_, transfer::TransferError> {
-        let mut conn = connect_kv(addr, &hello, key.as_ref(), deadline)?;
-        let pages: Vec<OutPage> = kv
-            .pages
-            .iter()
-            .zip(&kv.hashes[kv.first..])
-            .map(|(d, h)| OutPage { hash: *h, data: d })
-            .collect();
-        transfer::send_kv(&mut conn, id, &tokens, kv.first as u32, &pages, deadline)
-    })
-    .await
 }
 
 /// Connects to a decode worker's KV listener and completes the handshake. A connection closed
