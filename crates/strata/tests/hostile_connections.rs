@@ -303,8 +303,9 @@ fn slow_header_floods_do_not_take_the_router_or_a_worker_down() {
         let refused = sample(&m, r#"strata_http_connections_total{outcome="refused"}"#);
         // 12,500 strangers against 4,000 places (opened faster than the header timeout):
         // each one over the bound was refused at accept or made an idle one yield; how many
-        // of each depends on how fast they came (an entry yields once idle for a second).
-        assert!(yielded >= 100.0, "port {port}: {yielded} yielded");
+        // of each depends on how fast they came (an entry from the same address yields only
+        // once idle for a second: a flood opened within a second is all refusals, which is
+        // why no share of yields is asserted here; `places` tests the yielding itself).
         assert!(
             yielded + refused >= 8000.0,
             "port {port}: {yielded} yielded, {refused} refused"
