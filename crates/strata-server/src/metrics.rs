@@ -31,7 +31,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_transferred_prompt_tokens_total", "counter", "Prompt tokens whose K/V arrived from a prefill worker."),
     ("strata_pd_held_prompt_tokens_total", "counter", "Prompt tokens of PD requests whose K/V this decode worker's cache held, so the prefill worker sent only the pages after them (also counted as cache hits)."),
     ("strata_pd_local_prefills_total", "counter", "PD requests this decode worker computed itself, with no prefill worker and no transfer: its cache held all of the prompt but at most --pd-local-prefill-tokens."),
-    ("strata_pd_overlapped_pages_total", "counter", "Pages this prefill worker sent to decode workers while their prompt was still being computed (each chunk's pages leave as it completes, overlapping the chunks after it); the rest leave once the prompt is done."),
+    ("strata_pd_overlapped_pages_total", "counter", "Pages this prefill worker exported for decode workers while their prompt was still being computed (each chunk's pages are handed to the sending thread as the chunk completes, their transfer overlapping the chunks after it); the rest leave once the prompt is done. With window kinds only pages before the next position's window that hold no window page leave early."),
     // Sizing.
     ("strata_plan_device_bytes", "gauge", "Device pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
     ("strata_plan_host_bytes", "gauge", "Host (L2) pool bytes of each rank by pool kind, as planned (a tensor-parallel rank with fewer KV heads holds less)."),
@@ -58,10 +58,10 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_kv_listener_connections_total", "counter", "Connections to the KV listener that did not become transfers, by outcome: refused (closed at accept: every place held by protected or authenticated connections), yielded (an idle unauthenticated connection closed to make room for a newcomer), handshake_failed (no key, wrong key or format, too slow)."),
     ("strata_kv_transfer_bytes_total", "counter", "KV bytes transferred, by direction."),
     ("strata_kv_transfer_pages_total", "counter", "KV pages transferred, by direction."),
-    ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: writing pages and awaiting the acknowledgement, not waiting for the prefill's next pages; received: first page announced to the last acknowledged)."),
+    ("strata_kv_transfer_seconds_total", "counter", "Time spent in KV transfers, by direction (sent: writing pages and awaiting the acknowledgement, not waiting for the prefill's next pages; received: `Begin` accepted to the last page acknowledged, which for a streamed transfer includes the prefill computing the chunks after the first)."),
     ("strata_pd_prefill_requests_total", "counter", "PD prefill requests this worker served for decode workers (POST /pd/prefill), by outcome (ok, failed)."),
     ("strata_pd_prefill_prompt_tokens_total", "counter", "Prompt tokens of the PD prefill requests this worker served."),
-    ("strata_pd_prefill_duration_seconds", "histogram", "Time from a PD prefill request's arrival to its first token (the prefill's TTFT; the K/V transfer comes after)."),
+    ("strata_pd_prefill_duration_seconds", "histogram", "Time from a PD prefill request's arrival to its first token (the prefill's TTFT; the K/V transfer overlaps it from the first chunk's pages on, and its last pages follow)."),
     // Router.
     ("strata_router_requests_total", "counter", "Requests the router forwarded, by policy and reason (cache_hit, no_cache_hit, policy)."),
     ("strata_router_cache_hit_pages_total", "counter", "Cached pages on the chosen worker at cache-aware decisions, by tier."),

@@ -200,7 +200,21 @@ impl Cursor<'_> {
 impl Frame {
     fn encode(&self) -> Vec<u8> {
         let mut b = Vec::new();
-        let kind: u8 = match self {
+        let kind = self.put_body(&mut b);
+        let mut out = Vec::with_capacity(b.len() + 21);
+        out.extend_from_slice(&((b.len() + 1 + 16) as u32).to_le_bytes());
+        out.push(kind);
+        let mut h = Xxh3::new();
+        h.update(&[kind]);
+        h.update(&b);
+        out.extend_from_slice(&b);
+        out.extend_from_slice(&h.digest128().to_le_bytes());
+        out
+    }
+
+    /// Appends the frame's body to `b`; its kind.
+    fn put_body(&self, b: &mut Vec<u8>) -> u8 {
+        match self {
             Frame::Hello { hello, nonce } => {
                 b.extend_from_slice(MAGIC);
                 b.extend_from_slice(&VERSION.to_le_bytes());
@@ -209,7 +223,7 @@ impl Frame {
                 1
             }
             Frame::Refuse(r) => {
-                put_str(&mut b, r);
+                put_str(b, r);
                 2
             }
             Frame::Challenge { nonce, proof } => {
@@ -256,28 +270,19 @@ impl Frame {
             Frame::Ack { id, ok, reason } => {
                 b.extend_from_slice(&id.to_le_bytes());
                 b.push(*ok as u8);
-                put_str(&mut b, reason);
+                put_str(b, reason);
                 6
             }
             Frame::Abort { id, reason } => {
                 b.extend_from_slice(&id.to_le_bytes());
-                put_str(&mut b, reason);
+                put_str(b, reason);
                 7
             }
             Frame::Wait { id } => {
                 b.extend_from_slice(&id.to_le_bytes());
                 11
             }
-        };
-        let mut out = Vec::with_capacity(b.len() + 21);
-        out.extend_from_slice(&((b.len() + 1 + 16) as u32).to_le_bytes());
-        out.push(kind);
-        let mut h = Xxh3::new();
-        h.update(&[kind]);
-        h.update(&b);
-        out.extend_from_slice(&b);
-        out.extend_from_slice(&h.digest128().to_le_bytes());
-        out
+        }
     }
 
     fn decode(kind: u8, body: &[u8]) -> Result<Frame, TransferError> {

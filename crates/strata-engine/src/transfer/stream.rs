@@ -59,7 +59,7 @@ pub struct KvSender<'a> {
 }
 
 /// Starts a transfer: `Begin` for `tokens`' `pages` pages from index `first` on (retried while
-/// the receiver is busy, until `deadline`).
+/// the receiver is busy, until `deadline`; the sending's own `deadline` starts after it).
 pub fn begin_kv<'a>(
     link: &'a mut dyn Link,
     id: TransferId,
@@ -100,7 +100,7 @@ pub fn begin_kv<'a>(
         next: first,
         end: first + pages,
         deadline,
-        busy: t.elapsed(),
+        busy: Duration::ZERO,
         st,
         done: false,
     })
@@ -337,7 +337,10 @@ fn recv_begin(
     }
 }
 
-/// Reads the `n` pages of transfer `r.id` into `r`, then its `End`, and acknowledges it.
+/// Reads the `n` pages of transfer `r.id` into `r`, then its `End`, and acknowledges it. A
+/// transfer no longer `wanted` (asked at every frame) is aborted; so is one whose sender sends
+/// `Wait`s faster than one each half [`super::WAIT_EVERY`] (beyond a few), which would only
+/// hold the receiver's place.
 fn recv_pages(
     link: &mut dyn Link,
     lim: &RecvLimits,
@@ -347,35 +350,21 @@ fn recv_pages(
     wanted: &mut dyn FnMut(TransferId) -> bool,
 ) -> Result<Received, TransferError> {
     let id = r.id;
+    let (began, mut waits) = (Instant::now(), 0u64);
     loop {
-        match read_frame(link, max)? {
+        let f = read_frame(link, max)?;
+        if !wanted(id) {
+            let reason = "the receiver no longer wants this transfer".to_string();
+            return Err(abort(link, id, reason));
+        }
+        match f {
             Frame::Page {
                 id: pid,
                 index,
                 hash,
                 data,
             } => {
-                let bad = if pid != id {
-                    Some("a page of another transfer".to_string())
-                } else if index as usize != r.first as usize + r.pages.len() {
-                    Some(format!(
-                        "page {index} arrived, expected {}",
-                        r.first as usize + r.pages.len()
-                    ))
-                } else if data.len() as u64 != lim.page_bytes
-                    && Some(data.len() as u64) != lim.main_page_bytes
-                {
-                    Some(format!(
-                        "page of {} bytes, agreed {}",
-                        data.len(),
-                        lim.page_bytes
-                    ))
-                } else if r.pages.len() as u32 >= n {
-                    Some(format!("more than the {n} pages announced"))
-                } else {
-                    None
-                };
-                if let Some(reason) = bad {
+                if let Some(reason) = bad_page(lim, &r, n, (pid, index, data.len())) {
                     return Err(abort(link, id, reason));
                 }
                 r.hashes.push(hash);
@@ -391,13 +380,37 @@ fn recv_pages(
             }
             // The sender computes the next pages: the wait for a frame starts again.
             Frame::Wait { id: wid } if wid == id => {
-                if !wanted(id) {
-                    let reason = "the receiver no longer wants this transfer".to_string();
+                waits += 1;
+                let half = super::WAIT_EVERY.as_millis() as u64 / 2;
+                if waits > 4 + began.elapsed().as_millis() as u64 / half.max(1) {
+                    let reason = "Wait frames faster than one each half second".to_string();
                     return Err(abort(link, id, reason));
                 }
             }
             Frame::Abort { reason, .. } => return Err(TransferError::Aborted(reason)),
             f => return Err(TransferError::Protocol(format!("unexpected {}", f.name()))),
         }
+    }
+}
+
+/// Why page `index` of `len` bytes, of transfer `pid`, does not belong next in `r` (of `n`
+/// pages announced), if it does not.
+fn bad_page(
+    lim: &RecvLimits,
+    r: &Received,
+    n: u32,
+    (pid, index, len): (TransferId, u32, usize),
+) -> Option<String> {
+    let next = r.first as usize + r.pages.len();
+    if pid != r.id {
+        Some("a page of another transfer".to_string())
+    } else if index as usize != next {
+        Some(format!("page {index} arrived, expected {next}"))
+    } else if len as u64 != lim.page_bytes && Some(len as u64) != lim.main_page_bytes {
+        Some(format!("page of {len} bytes, agreed {}", lim.page_bytes))
+    } else if r.pages.len() as u32 >= n {
+        Some(format!("more than the {n} pages announced"))
+    } else {
+        None
     }
 }

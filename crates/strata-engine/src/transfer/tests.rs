@@ -319,9 +319,30 @@ fn a_streamed_transfer_waits_between_its_parts_and_can_be_cut() {
     assert_eq!((st.pages, st.bytes), (3, 192));
     let r = rx.join().unwrap();
     assert_eq!(r.pages, blobs);
-    assert_eq!(waits.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // Asked at every frame: three pages, two waits, the end.
+    assert_eq!(waits.load(std::sync::atomic::Ordering::SeqCst), 6);
 
-    // Unwanted: the receiver aborts at the first `Wait`; the sender fails (a write to the
+    // A flood of `Wait`s (a sender holding the receiver's place with no page) is cut.
+    let (mut c, mut s) = pair();
+    let rx = std::thread::spawn(move || {
+        handshake_accept(&mut s, &hello(1), None).unwrap();
+        recv_kv(&mut s, &lim(), &mut |_, _, _| Admit::Yes).unwrap_err()
+    });
+    handshake_connect(&mut c, &hello(1), None).unwrap();
+    let mut tx = begin_kv(&mut c, 8, &[1, 2, 3], 0, 3, Duration::from_secs(5)).unwrap();
+    for _ in 0..20 {
+        if tx.wait().is_err() {
+            break;
+        }
+    }
+    let e = rx.join().unwrap();
+    assert!(
+        e.to_string().contains("faster than one each half second"),
+        "{e}"
+    );
+    drop(tx);
+
+    // Unwanted: the receiver aborts at the next frame; the sender fails (a write to the
     // closed connection, or the `Abort` read at its end).
     let (mut c, mut s) = pair();
     let rx = std::thread::spawn(move || {

@@ -284,10 +284,7 @@ async fn compute_prefill(
     let (mut logprobs, mut prompt_logprobs) = (None, None);
     while let Some(ev) = rs.events.recv().await {
         match ev {
-            Event::Admitted { cached: c } => {
-                cached = c;
-                ship.start(st);
-            }
+            Event::Admitted { cached: c } => cached = c,
             Event::PromptLogprobs(p) => prompt_logprobs = Some(p),
             Event::Logprobs(l) => logprobs = Some(l),
             Event::Token(t) => {
@@ -301,7 +298,7 @@ async fn compute_prefill(
                     .fetch_add(tokens.len() as u64, Ordering::Relaxed);
                 first = Some(t)
             }
-            Event::Kv(k) => ship.part(k),
+            Event::Kv(k) => ship.part(st, k),
             Event::Held { .. } => {}
             Event::Done { reason, .. } => {
                 if let FinishReason::QueueTimeout { waited } = reason {

@@ -1,7 +1,9 @@
-//! A prefill worker's K/V on its way to the decode worker: once the prompt is admitted, a
-//! thread connects to the decode worker's KV listener and announces the transfer; each part of
-//! the prompt's pages is sent as the engine computes it (the chunks still to compute overlap
-//! the transfer), with a `Wait` while the next part is computed; `End` follows the last page.
+//! A prefill worker's K/V on its way to the decode worker: once the first part of the prompt's
+//! pages is computed, a thread connects to the decode worker's KV listener and announces the
+//! transfer (the decode worker's staging and a connection are held from then on, not while the
+//! prompt waits or its first chunk computes); each part is sent as the engine computes it (the
+//! chunks still to compute overlap the transfer), with a `Wait` while the next part computes;
+//! `End` follows the last page.
 
 use std::net::SocketAddr;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -37,8 +39,8 @@ impl Shipment {
         }
     }
 
-    /// Connects and announces the transfer (the prompt was admitted: its pages follow).
-    pub fn start(&mut self, st: &AppState) {
+    /// Connects and announces the transfer (its first pages are computed).
+    fn start(&mut self, st: &AppState) {
         let Some(route) = self.route.take() else {
             return;
         };
@@ -58,14 +60,15 @@ impl Shipment {
                 pages,
                 deadline,
             )?;
-            send_parts(&mut s, &rx, pages)?;
+            send_parts(&mut s, &rx, route.from, pages)?;
             s.end()
         }));
     }
 
-    /// Hands a part of the pages to the sending thread (a thread that failed already says why
-    /// at [`Shipment::finish`]).
-    pub fn part(&mut self, kv: Arc<ExportedKv>) {
+    /// Hands a part of the pages to the sending thread, started with the first part (a thread
+    /// that failed already says why at [`Shipment::finish`]).
+    pub fn part(&mut self, st: &AppState, kv: Arc<ExportedKv>) {
+        self.start(st);
         if let Some(tx) = &self.parts {
             let _ = tx.send(kv);
         }
@@ -80,23 +83,35 @@ impl Shipment {
         match self.task.take() {
             Some(t) => t.await,
             None => Ok(Err(TransferError::Protocol(
-                "the prompt was never admitted".into(),
+                "no page of the prompt was computed".into(),
             ))),
         }
     }
 }
 
-/// Sends the parts as they arrive until `pages` pages went; a `Wait` each
-/// [`transfer::WAIT_EVERY`] without one. The parts ending early (the prefill failed) aborts.
+/// Sends the parts (pages from `from` on, in order, without gaps) as they arrive until `pages`
+/// pages went; a `Wait` each [`transfer::WAIT_EVERY`] without one. The parts ending early
+/// (the prefill failed) or out of order abort.
 fn send_parts(
     s: &mut transfer::KvSender<'_>,
     rx: &Receiver<Arc<ExportedKv>>,
+    from: usize,
     pages: u32,
 ) -> Result<(), TransferError> {
     let mut sent = 0u32;
     while sent < pages {
         match rx.recv_timeout(transfer::WAIT_EVERY) {
             Ok(kv) => {
+                if kv.first != from + sent as usize || kv.pages.len() != kv.hashes.len() {
+                    let why = format!(
+                        "a part of {} pages from page {} after page {}",
+                        kv.pages.len(),
+                        kv.first,
+                        from + sent as usize
+                    );
+                    s.abort(&why);
+                    return Err(TransferError::Protocol(why));
+                }
                 for (d, h) in kv.pages.iter().zip(&kv.hashes) {
                     s.page(&OutPage { hash: *h, data: d })?;
                     sent += 1;
