@@ -137,14 +137,21 @@ struct Pair {
 }
 
 /// Picks a pair, avoiding the previous attempt's workers. The pool whose caches serve
-/// prompts is picked with the prompt when the policy reads it; the other without.
+/// prompts is picked with the prompt when the policy reads it (under PD both pools, the
+/// prompt read once); the other without.
 async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) -> Option<Pair> {
     let avoid_d = avoid.map(|p| p.decode.clone());
     let avoid_p = avoid.and_then(|p| p.prefill.clone());
     let b = st.balancer();
     if st.prefill.is_empty() {
         let decode = if b.reads_prompt() {
-            pick_reading(st, body, avoid_d, false).await?
+            let (body, a) = (body.clone(), avoid_d.clone());
+            off_async(
+                st,
+                move |st| st.balancer().pick(&st.decode, Some(&body), a.as_ref()),
+                || LeastLoad.pick(&st.decode, None, avoid_d.as_ref()),
+            )
+            .await?
         } else {
             b.pick(&st.decode, None, avoid_d.as_ref())?
         };
@@ -153,19 +160,24 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
             prefill: None,
         });
     }
-    let prefill = if b.reads_prompt() {
-        Some(pick_reading(st, body, avoid_p.clone(), false).await?)
+    let (prefill, decode) = if b.reads_prompt() {
+        let (body, ap, ad) = (body.clone(), avoid_p.clone(), avoid_d.clone());
+        off_async(
+            st,
+            move |st| {
+                let avoid = (ap.as_ref(), ad.as_ref());
+                st.balancer()
+                    .pick_pd(&st.prefill, &st.decode, Some(&body), avoid)
+            },
+            || {
+                let p = LeastLoad.pick(&st.prefill, None, avoid_p.as_ref())?;
+                Some((p, LeastLoad.pick(&st.decode, None, avoid_d.as_ref())?))
+            },
+        )
+        .await?
     } else {
-        None
-    };
-    let decode = if b.reads_prompt() {
-        pick_reading(st, body, avoid_d, true).await?
-    } else {
-        b.pick(&st.decode, None, avoid_d.as_ref())?
-    };
-    let prefill = match prefill {
-        Some(p) => p,
-        None => b.pick(&st.prefill, None, avoid_p.as_ref())?,
+        let decode = b.pick(&st.decode, None, avoid_d.as_ref())?;
+        (b.pick(&st.prefill, None, avoid_p.as_ref())?, decode)
     };
     Some(Pair {
         decode,
@@ -173,37 +185,22 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
     })
 }
 
-/// A pick that reads the prompt, in the cache pool or (`decode`, under PD) among the decode
-/// workers: CPU work, run off the async workers, a bounded number at once (the permit goes
-/// with the task).
-async fn pick_reading(
+/// A pick that reads the prompt: CPU work, run off the async workers, a bounded number at
+/// once (the permit goes with the task); `fallback` if the task failed.
+async fn off_async<T: Send + 'static>(
     st: &Arc<RouterState>,
-    body: &Bytes,
-    avoid: Option<Arc<Worker>>,
-    decode: bool,
-) -> Option<Arc<Worker>> {
-    let pool = move |st: &RouterState| -> Vec<Arc<Worker>> {
-        match decode {
-            true => st.decode.clone(),
-            false => st.cache_pool().to_vec(),
-        }
-    };
+    pick: impl FnOnce(&RouterState) -> T + Send + 'static,
+    fallback: impl FnOnce() -> T,
+) -> T {
     let permit = st.cpu_gate.clone().acquire_owned().await.ok();
-    let (st2, body, avoid2) = (st.clone(), body.clone(), avoid.clone());
+    let st2 = st.clone();
     let picked = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let (b, p) = (st2.balancer(), pool(&st2));
-        match decode {
-            true => b.pick_decode(&p, Some(&body), avoid2.as_ref()),
-            false => b.pick(&p, Some(&body), avoid2.as_ref()),
-        }
+        pick(&st2)
     })
     .await;
-    match picked {
-        Ok(w) => w,
-        // The scoring task failed: least load, as when the prompt cannot be read.
-        Err(_) => LeastLoad.pick(&pool(st), None, avoid.as_ref()),
-    }
+    // The scoring task failed: least load, as when the prompt cannot be read.
+    picked.unwrap_or_else(|_| fallback())
 }
 
 /// The request to the pair's decode worker, signed when the deployment has a cluster key.

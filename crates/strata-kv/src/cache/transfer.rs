@@ -234,7 +234,7 @@ impl TieredCache {
     }
 
     /// The window page a lease's page `i` travels with (None: its main part only).
-    pub fn export_window(&self, lease: &Lease, i: usize) -> Option<u32> {
+    fn export_window(&self, lease: &Lease, i: usize) -> Option<u32> {
         lease.windows().get(i).copied().filter(|&w| w != NO_PAGE)
     }
 

@@ -84,15 +84,20 @@ impl CacheAware {
         best.map(|(_, i, pages)| (i, pages))
     }
 
-    /// Most weighted cached prefix minus load; None when the prompt cannot be read.
+    /// The chained page hashes of a request's prompt; None when it cannot be read.
+    fn prompt_hashes(&self, body: &[u8]) -> Option<Vec<PageHash>> {
+        Some(self.index.hashes(&self.index.prompt_tokens(body)?))
+    }
+
+    /// Most weighted cached prefix of `hashes` minus load (counted as a hit or a miss); None
+    /// when no worker is healthy.
     fn pick_cached(
         &self,
         pool: &[Arc<Worker>],
-        body: &[u8],
+        hashes: &[PageHash],
         avoid: Option<&Arc<Worker>>,
     ) -> Option<Arc<Worker>> {
-        let hashes = self.index.hashes(&self.index.prompt_tokens(body)?);
-        let (i, pages) = self.best(pool, &hashes, avoid, &self.start)?;
+        let (i, pages) = self.best(pool, hashes, avoid, &self.start)?;
         if pages.iter().sum::<usize>() > 0 {
             self.hits.fetch_add(1, Ordering::Relaxed);
             for (counter, n) in self.hit_pages.iter().zip(pages) {
@@ -100,6 +105,22 @@ impl CacheAware {
             }
         } else {
             self.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(pool[i].clone())
+    }
+
+    /// The decode worker holding the most of `hashes` (its own device and host tiers: the
+    /// shared L3 is the prefill worker's to read) minus load: a conversation's next turn goes
+    /// back to the decode worker that holds it, which then asks only for the new pages.
+    fn pick_holding(
+        &self,
+        pool: &[Arc<Worker>],
+        hashes: &[PageHash],
+        avoid: Option<&Arc<Worker>>,
+    ) -> Option<Arc<Worker>> {
+        let (i, [dev, host, _]) = self.best(pool, hashes, avoid, &self.decode_start)?;
+        if dev + host > 0 {
+            self.decode_hits.fetch_add(1, Ordering::Relaxed);
         }
         Some(pool[i].clone())
     }
@@ -121,28 +142,29 @@ impl LoadBalancingPolicy for CacheAware {
         avoid: Option<&Arc<Worker>>,
     ) -> Option<Arc<Worker>> {
         prompt
-            .and_then(|body| self.pick_cached(pool, body, avoid))
+            .and_then(|body| self.pick_cached(pool, &self.prompt_hashes(body)?, avoid))
             .or_else(|| LeastLoad.pick(pool, None, avoid))
     }
 
-    /// The decode worker holding the most of the prompt (its own device and host tiers: the
-    /// shared L3 is the prefill worker's to read) minus load: a conversation's next turn goes
-    /// back to the decode worker that holds it, which then asks only for the new pages.
-    fn pick_decode(
+    /// The prefill worker by its cache (L3 included) and the decode worker holding the most
+    /// of the prompt, from one reading of it (least load where it cannot be read).
+    fn pick_pd(
         &self,
-        pool: &[Arc<Worker>],
+        prefill: &[Arc<Worker>],
+        decode: &[Arc<Worker>],
         prompt: Option<&[u8]>,
-        avoid: Option<&Arc<Worker>>,
-    ) -> Option<Arc<Worker>> {
-        let picked = prompt.and_then(|body| {
-            let hashes = self.index.hashes(&self.index.prompt_tokens(body)?);
-            let (i, [dev, host, _]) = self.best(pool, &hashes, avoid, &self.decode_start)?;
-            if dev + host > 0 {
-                self.decode_hits.fetch_add(1, Ordering::Relaxed);
-            }
-            Some(pool[i].clone())
-        });
-        picked.or_else(|| LeastLoad.pick(pool, None, avoid))
+        (avoid_p, avoid_d): (Option<&Arc<Worker>>, Option<&Arc<Worker>>),
+    ) -> Option<(Arc<Worker>, Arc<Worker>)> {
+        let hashes = prompt.and_then(|body| self.prompt_hashes(body));
+        let p = hashes
+            .as_ref()
+            .and_then(|h| self.pick_cached(prefill, h, avoid_p))
+            .or_else(|| LeastLoad.pick(prefill, None, avoid_p))?;
+        let d = hashes
+            .as_ref()
+            .and_then(|h| self.pick_holding(decode, h, avoid_d))
+            .or_else(|| LeastLoad.pick(decode, None, avoid_d))?;
+        Some((p, d))
     }
 
     fn cache_stats(&self) -> Option<CacheAwareStats> {

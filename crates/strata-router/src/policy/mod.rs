@@ -3,8 +3,8 @@
 //! A policy picks in one pool (the decode workers, or the prefill workers under PD) among
 //! the healthy workers, avoiding the one a failed first attempt went to when another exists.
 //! Under PD the prefill worker is picked with the request's prompt (its cache computes what
-//! is missing) and so is the decode worker (`pick_decode`: its cache holds a prefix the prefill
-//! worker then does not send), by the policies that read prompts.
+//! is missing) and so is the decode worker (`pick_pd`: its cache holds a prefix the prefill
+//! worker then does not send), by the policies that read prompts — the prompt read once.
 
 use std::sync::Arc;
 
@@ -37,16 +37,18 @@ pub trait LoadBalancingPolicy: Send + Sync {
         avoid: Option<&Arc<Worker>>,
     ) -> Option<Arc<Worker>>;
 
-    /// A decode worker for a PD request (`prompt`: its JSON body, when the policy reads it):
-    /// by default as [`LoadBalancingPolicy::pick`] without the prompt.
-    fn pick_decode(
+    /// A PD request's prefill and decode workers (`prompt`: its JSON body, read once by the
+    /// policies that read prompts), avoiding `avoid` = (prefill, decode): by default
+    /// [`LoadBalancingPolicy::pick`] in `prefill` with the prompt and in `decode` without it.
+    fn pick_pd(
         &self,
-        pool: &[Arc<Worker>],
+        prefill: &[Arc<Worker>],
+        decode: &[Arc<Worker>],
         prompt: Option<&[u8]>,
-        avoid: Option<&Arc<Worker>>,
-    ) -> Option<Arc<Worker>> {
-        let _ = prompt;
-        self.pick(pool, None, avoid)
+        avoid: (Option<&Arc<Worker>>, Option<&Arc<Worker>>),
+    ) -> Option<(Arc<Worker>, Arc<Worker>)> {
+        let p = self.pick(prefill, prompt, avoid.0)?;
+        Some((p, self.pick(decode, None, avoid.1)?))
     }
 
     /// The cache-aware decisions made so far (None for policies that do not look at caches).
