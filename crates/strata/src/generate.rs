@@ -1,4 +1,4 @@
-//! `strata model fetch` and `strata generate`.
+//! `strata model fetch|tiny|bench` and `strata generate`.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,6 +26,20 @@ pub enum ModelCommand {
         /// Cache directory (default: $STRATA_MODEL_DIR, else ~/.cache/strata/models).
         #[arg(long)]
         dir: Option<PathBuf>,
+    },
+    /// Write a tiny random-weight test model (seeded: the same bytes every time), the one the
+    /// tests and docs/DSV4-FORWARD.md run: `strata model tiny deepseek4 tiny-dsv4.gguf`, then
+    /// `strata serve --model tiny-dsv4.gguf --page-size 16`.
+    Tiny {
+        /// Architecture: llama, llama3, qwen2, qwen3, mistral (the llama family's tiny models)
+        /// or deepseek4 (DeepSeek-V4: 6 layers of every attention kind, its seven state kinds).
+        #[arg(value_parser = ["llama", "llama3", "qwen2", "qwen3", "mistral", "deepseek4"])]
+        arch: String,
+        /// The GGUF file to write.
+        out: PathBuf,
+        /// Replace the file if it exists.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -280,7 +294,35 @@ pub fn run_model(c: ModelCommand) -> Result<()> {
             println!("{}", p.display());
             Ok(())
         }
+        ModelCommand::Tiny { arch, out, force } => write_tiny(&arch, &out, force),
     }
+}
+
+/// `strata model tiny`: writes the seeded tiny model of `arch` to `out` (an existing file only
+/// with `force`), through a temporary file renamed into place.
+fn write_tiny(arch: &str, out: &std::path::Path, force: bool) -> Result<()> {
+    use strata_model::tiny::{write_tiny, TinySpec};
+    use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
+    if out.exists() && !force {
+        bail!(
+            "{} exists: give --force to replace it",
+            out.display()
+        );
+    }
+    let tmp = out.with_extension("gguf.partial");
+    let written = match (arch, TinySpec::family(arch)) {
+        ("deepseek4", _) => write_tiny_dsv4(&tmp, &TinyDsv4Spec::default()),
+        (_, Some(spec)) => write_tiny(&tmp, &spec),
+        (a, None) => bail!("unknown architecture `{a}`"),
+    };
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", out.display()));
+    }
+    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    println!("{} ({arch}, {bytes} bytes)", out.display());
+    Ok(())
 }
 
 pub fn run_generate(a: GenerateArgs) -> Result<()> {

@@ -409,3 +409,29 @@ fn sim_puts_the_window_residency_side_by_side_for_deepseek_v4() {
         "refused before any work"
     );
 }
+
+#[test]
+fn model_tiny_writes_the_test_models_and_keeps_an_existing_file() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("tiny-dsv4.gguf");
+    let o = strata(&["model", "tiny", "deepseek4", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    // The same seeded bytes the tests' generator writes.
+    let want = d.path().join("want.gguf");
+    strata_model::tiny_dsv4::write_tiny_dsv4(&want, &Default::default()).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&want).unwrap());
+    // It loads as DeepSeek-V4.
+    strata_model::dsv4_load::load_dsv4(&out).unwrap();
+    // An existing file is kept unless --force.
+    std::fs::write(&out, b"mine").unwrap();
+    let o = strata(&["model", "tiny", "llama3", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("exists: give --force"), "{}", text(&o));
+    assert_eq!(std::fs::read(&out).unwrap(), b"mine");
+    let o = strata(&["model", "tiny", "llama3", out.to_str().unwrap(), "--force"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let g = strata_model::Gguf::open(&out).unwrap();
+    assert_eq!(g.config.arch.name(), "llama");
+    let o = strata(&["model", "tiny", "gpt5", out.to_str().unwrap()]);
+    assert!(text(&o).contains("possible values"), "{}", text(&o));
+}
