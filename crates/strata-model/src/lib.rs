@@ -34,6 +34,7 @@ mod tiny_spm;
 pub mod tokenizer;
 mod tokenizer_spm;
 pub mod tp;
+mod tp_ranks;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::ModelError;

@@ -304,10 +304,7 @@ fn write_tiny(arch: &str, out: &std::path::Path, force: bool) -> Result<()> {
     use strata_model::tiny::{write_tiny, TinySpec};
     use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
     if out.exists() && !force {
-        bail!(
-            "{} exists: give --force to replace it",
-            out.display()
-        );
+        bail!("{} exists: give --force to replace it", out.display());
     }
     let tmp = out.with_extension("gguf.partial");
     let written = match (arch, TinySpec::family(arch)) {
