@@ -11,22 +11,49 @@ pub use crate::dsv4_config::{expected, Dsv4Config};
 use crate::dsv4_math::{
     dot, hadamard, heap_select, matvec, rmsnorm, rmsnorm_w, rope, sigmoid, softplus,
 };
+pub use crate::dsv4_part::Dsv4Part;
 pub use crate::dsv4_store::Dsv4State;
 use crate::dsv4_store::{Rows, Store};
+use crate::shard::{Collective, Solo};
+
+/// A half layer's output (a part's share), post gates and combination.
+pub(crate) type Half = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// A tensor: shape as llama.cpp states it (`ne`, fastest first) and its values.
 pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// The model: configuration and weights by GGUF name.
+/// The model (or a tensor-parallel rank's part of it): configuration and weights by GGUF name.
 pub struct Dsv4 {
     pub cfg: Dsv4Config,
     w: Weights,
+    pub(crate) part: Dsv4Part,
+    /// The output groups the part's heads touch, with the part's columns of each.
+    groups: Vec<(usize, std::ops::Range<usize>)>,
 }
 
 impl Dsv4 {
     /// The model, once every tensor the configuration needs is there with its shape, and
     /// every hash layer's expert ids are experts.
     pub fn new(cfg: Dsv4Config, w: Weights) -> Result<Dsv4, String> {
+        let part = Dsv4Part::whole(&cfg);
+        Dsv4::new_part(cfg, w, part)
+    }
+
+    /// A tensor-parallel rank's part of the model ([`Dsv4Part`]), its tensors checked whole
+    /// ([`Dsv4::new`]'s checks) and then cut.
+    pub fn new_part(cfg: Dsv4Config, w: Weights, part: Dsv4Part) -> Result<Dsv4, String> {
+        Dsv4::check(&cfg, &w)?;
+        let w = part.cut(&cfg, w);
+        let groups = part.groups(&cfg);
+        Ok(Dsv4 {
+            cfg,
+            w,
+            part,
+            groups,
+        })
+    }
+
+    fn check(cfg: &Dsv4Config, w: &Weights) -> Result<(), String> {
         cfg.validate()?;
         for (name, ne) in expected(&cfg) {
             match w.get(&name) {
@@ -46,7 +73,7 @@ impl Dsv4 {
                 ));
             }
         }
-        Ok(Dsv4 { cfg, w })
+        Ok(())
     }
 
     fn t(&self, name: &str) -> &[f32] {
@@ -73,31 +100,58 @@ impl Dsv4 {
                 self.cfg.vocab
             ));
         }
+        if !self.part.is_whole(&self.cfg) {
+            return Err("the reference pass runs the whole model, not a rank's part".into());
+        }
         let p = st.pos;
-        let hs = self.token(st, p, token);
+        let hs = self.token(st, p, token, &Solo);
         st.pos += 1;
         Ok(self.head(&hs))
     }
 
     /// One token at position `p` through every layer, its state written to `st` (positions
     /// before `p` must be there); returns the hyper-connection streams for [`Dsv4::head`].
-    /// `token` must be inside the vocabulary.
-    pub(crate) fn token<S: Store>(&self, st: &mut S, p: usize, token: u32) -> Vec<f32> {
-        let c = &self.cfg;
-        let e = c.embd;
-        let emb = &self.t("token_embd.weight")[token as usize * e..(token as usize + 1) * e];
-        let mut hs: Vec<f32> = (0..c.hc).flat_map(|_| emb.iter().copied()).collect();
-        for l in 0..c.ratios.len() {
-            let (x, post, comb) = self.hc_pre(&hs, l, "attn");
-            let a = rmsnorm_w(&x, self.l(l, "attn_norm.weight"), c.eps_rms);
-            let o = self.attention(&a, p, l, st);
+    /// `token` must be inside the vocabulary. A rank's part meets the others in `comm` after
+    /// each attention and feed-forward.
+    pub(crate) fn token<S: Store>(
+        &self,
+        st: &mut S,
+        p: usize,
+        token: u32,
+        comm: &dyn Collective,
+    ) -> Vec<f32> {
+        let mut hs = self.embed(token);
+        for l in 0..self.cfg.ratios.len() {
+            let (mut o, post, comb) = self.attn_half(&hs, p, l, st);
+            comm.all_reduce(&mut o);
             hs = self.hc_post(&o, &hs, &post, &comb);
-            let (x, post, comb) = self.hc_pre(&hs, l, "ffn");
-            let f = rmsnorm_w(&x, self.l(l, "ffn_norm.weight"), c.eps_rms);
-            let y = self.ffn(&f, token, l);
+            let (mut y, post, comb) = self.ffn_half(&hs, token, l);
+            comm.all_reduce(&mut y);
             hs = self.hc_post(&y, &hs, &post, &comb);
         }
         hs
+    }
+
+    /// A token's streams before the first layer: its embedding in every stream.
+    pub(crate) fn embed(&self, token: u32) -> Vec<f32> {
+        let e = self.cfg.embd;
+        let emb = &self.t("token_embd.weight")[token as usize * e..(token as usize + 1) * e];
+        (0..self.cfg.hc).flat_map(|_| emb.iter().copied()).collect()
+    }
+
+    /// Layer `l`'s attention up to its output (this part's share of it), with the post gates
+    /// and combination [`Dsv4::hc_post`] applies once the ranks' shares are summed.
+    pub(crate) fn attn_half<S: Store>(&self, hs: &[f32], p: usize, l: usize, st: &mut S) -> Half {
+        let (x, post, comb) = self.hc_pre(hs, l, "attn");
+        let a = rmsnorm_w(&x, self.l(l, "attn_norm.weight"), self.cfg.eps_rms);
+        (self.attention(&a, p, l, st), post, comb)
+    }
+
+    /// Layer `l`'s feed-forward (this part's share), as [`Dsv4::attn_half`].
+    pub(crate) fn ffn_half(&self, hs: &[f32], token: u32, l: usize) -> Half {
+        let (x, post, comb) = self.hc_pre(hs, l, "ffn");
+        let f = rmsnorm_w(&x, self.l(l, "ffn_norm.weight"), self.cfg.eps_rms);
+        (self.ffn(&f, token, l), post, comb)
     }
 
     /// §2.4 and the head: the logits from a token's streams.
@@ -180,7 +234,7 @@ impl Dsv4 {
     }
 
     /// §2.3.
-    fn hc_post(&self, y: &[f32], res: &[f32], post: &[f32], a: &[f32]) -> Vec<f32> {
+    pub(crate) fn hc_post(&self, y: &[f32], res: &[f32], post: &[f32], a: &[f32]) -> Vec<f32> {
         let (s, e) = (self.cfg.hc, self.cfg.embd);
         let mut out = vec![0.0f32; s * e];
         for d in 0..s {
@@ -277,7 +331,7 @@ impl Dsv4 {
     /// §3–§6: one token's attention in layer `l`.
     fn attention<S: Store>(&self, a: &[f32], p: usize, l: usize, st: &mut S) -> Vec<f32> {
         let c = &self.cfg;
-        let (h, d, r) = (c.heads, c.head_dim, c.ratios[l]);
+        let (h, d, r) = (self.part.heads.len(), c.head_dim, c.ratios[l]);
         let base = if r == 0 {
             c.rope_base
         } else {
@@ -359,19 +413,20 @@ impl Dsv4 {
         }
     }
 
-    /// §6.3: the heads' outputs through the grouped low-rank projection.
+    /// §6.3: the heads' outputs through the grouped low-rank projection (a part: its heads'
+    /// columns of each group they touch, through those groups' columns of `attn_output_b`).
     fn grouped_output(&self, o: &[f32], l: usize) -> Vec<f32> {
-        let c = &self.cfg;
-        let (g, lo_r) = (c.out_groups, c.out_lora_rank);
-        let gw = c.heads * c.head_dim / g;
+        let lo_r = self.cfg.out_lora_rank;
         let wa = self.l(l, "attn_output_a.weight");
-        let mut u = vec![0.0f32; g * lo_r];
-        for gi in 0..g {
-            let z = &o[gi * gw..(gi + 1) * gw];
+        let mut u = vec![0.0f32; self.groups.len() * lo_r];
+        let (mut at, mut from) = (0, 0);
+        for (k, (_, cols)) in self.groups.iter().enumerate() {
+            let z = &o[from..from + cols.len()];
             for ri in 0..lo_r {
-                let row = gi * lo_r + ri;
-                u[row] = dot(&wa[row * gw..(row + 1) * gw], z);
+                u[k * lo_r + ri] = dot(&wa[at..at + cols.len()], z);
+                at += cols.len();
             }
+            from += cols.len();
         }
         matvec(self.l(l, "attn_output_b.weight"), &u)
     }
@@ -407,7 +462,7 @@ impl Dsv4 {
     /// §7: routed experts (by score, or by the token on hash layers) and the shared expert.
     fn ffn(&self, f: &[f32], token: u32, l: usize) -> Vec<f32> {
         let c = &self.cfg;
-        let (e, ff, n) = (c.embd, c.expert_ffn, c.experts);
+        let (e, ff, n) = (c.embd, self.part.ffn.len(), c.experts);
         let scores: Vec<f32> = matvec(self.l(l, "ffn_gate_inp.weight"), f)
             .iter()
             .map(|&x| softplus(x).sqrt())

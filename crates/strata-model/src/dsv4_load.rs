@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::dsv4::{Dsv4, Dsv4Config, Weights};
+use crate::dsv4::{Dsv4, Dsv4Config, Dsv4Part, Weights};
 use candle_core::quantized::gguf_file::Value;
 
 use crate::error::ModelError;
@@ -195,6 +195,12 @@ fn check_architecture(p: &str, meta: &HashMap<String, Value>) -> Result<(), Mode
 
 /// Loads a DeepSeek-V4 GGUF.
 pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
+    load_dsv4_part(path, None)
+}
+
+/// Loads a tensor-parallel rank's part of a DeepSeek-V4 GGUF (None: the whole model).
+pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<Dsv4, ModelError> {
+    let part = part.into();
     use std::io::{Read, Seek, SeekFrom};
     let p = path.display().to_string();
     let open_err = |e: std::io::Error| ModelError::Open {
@@ -254,7 +260,8 @@ pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
             .collect();
         w.insert(name, (ne, vals));
     }
-    Dsv4::new(cfg, w).map_err(|reason| ModelError::Tensor {
+    let part = part.unwrap_or_else(|| Dsv4Part::whole(&cfg));
+    Dsv4::new_part(cfg, w, part).map_err(|reason| ModelError::Tensor {
         path: p,
         name: "(the model)".into(),
         reason,

@@ -27,9 +27,10 @@ use crate::dsv4::Dsv4;
 use crate::dsv4_store::{Rows, Store};
 use crate::error::ModelError;
 use crate::model::SeqInput;
+use crate::shard::Solo;
 
 /// Where each state item of a model lives in a page layout.
-struct PageMap {
+pub(crate) struct PageMap {
     ps: usize,
     d: usize,
     di: usize,
@@ -105,20 +106,55 @@ impl Dsv4 {
         Ok(kinds.into_iter().filter(|k| k.layers > 0).collect())
     }
 
-    fn page_map(&self, pool: &DevicePool) -> Result<PageMap, ModelError> {
+    /// This model's pool kinds renamed as tensor-parallel rank `rank`'s of `tp` (`raw.tp1`,
+    /// ...; one rank keeps the plain names).
+    pub(crate) fn rank_kinds(
+        &self,
+        page_size: usize,
+        rank: usize,
+        tp: usize,
+    ) -> Result<Vec<PoolKind>, ModelError> {
+        let mut kinds = self.pool_kinds(page_size)?;
+        if tp > 1 {
+            for k in &mut kinds {
+                k.name = strata_kv::tp::rank_kind_name(&k.name, rank);
+            }
+        }
+        Ok(kinds)
+    }
+
+    /// Where the state lives in `pool`: the whole layout is this model's kinds, or (`rank`
+    /// of `tp` ranks) the layout is every rank's kinds in rank order and the rank's are its
+    /// `rank`-th run of them.
+    pub(crate) fn page_map(
+        &self,
+        pool: &DevicePool,
+        rank: Option<(usize, usize)>,
+    ) -> Result<PageMap, ModelError> {
         let c = &self.cfg;
         let ps = pool.layout().page_size();
-        let want = self.pool_kinds(ps)?;
-        if pool.layout().kinds() != want.as_slice() {
+        let (want, first, tp) = match rank {
+            None => (self.pool_kinds(ps)?, 0, 1),
+            Some((r, tp)) => {
+                let k = self.rank_kinds(ps, r, tp)?;
+                let n = k.len();
+                (k, r * n, tp)
+            }
+        };
+        let kinds = pool.layout().kinds();
+        if kinds.len() != want.len() * tp || kinds[first..first + want.len()] != want[..] {
             return Err(kind_err(format!(
-                "device pool layout {:?} does not match the model's {want:?}",
-                pool.layout().kinds()
+                "device pool layout {kinds:?} does not match the model's {want:?}{}",
+                match rank {
+                    Some((r, tp)) => format!(" (rank {r} of {tp})"),
+                    None => String::new(),
+                }
             )));
         }
         let at = |name: &str| {
             want.iter()
-                .position(|k| k.name == name)
-                .unwrap_or(usize::MAX)
+                .position(|k| k.name.split(".tp").next() == Some(name))
+                .map_or(usize::MAX, |i| first + i)
         };
         let mut seen = [0usize; 3];
         let ord = c
@@ -160,7 +196,34 @@ impl Dsv4 {
         all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
-        let map = self.page_map(pool)?;
+        let map = self.page_map(pool, None)?;
+        self.check_seqs(pool, seqs)?;
+        Ok(seqs
+            .par_iter()
+            .zip(all)
+            .map(|(s, &all)| {
+                let mut st = Paged::of(pool, s, &map);
+                let mut out = Vec::new();
+                for (j, &t) in s.tokens.iter().enumerate() {
+                    let hs = self.token(&mut st, s.pos + j, t, &Solo);
+                    if all || j + 1 == s.tokens.len() {
+                        out.extend(self.head(&hs));
+                    }
+                }
+                out
+            })
+            .collect())
+    }
+}
+
+impl Dsv4 {
+    /// Every check a call's sequences must pass before any state is written (and before any
+    /// tensor-parallel rank waits on another): sizes, tokens, positions, and pages.
+    pub(crate) fn check_seqs(
+        &self,
+        pool: &DevicePool,
+        seqs: &[SeqInput],
+    ) -> Result<(), ModelError> {
         for (si, s) in seqs.iter().enumerate() {
             crate::model::check_seq(pool, si, s, self.cfg.context, self.cfg.vocab)?;
         }
@@ -192,26 +255,7 @@ impl Dsv4 {
                 w[0].1, w[1].1, w[0].0 as u32
             )));
         }
-        Ok(seqs
-            .par_iter()
-            .zip(all)
-            .map(|(s, &all)| {
-                let mut st = Paged {
-                    pool,
-                    pages: s.pages,
-                    windows: s.windows,
-                    map: &map,
-                };
-                let mut out = Vec::new();
-                for (j, &t) in s.tokens.iter().enumerate() {
-                    let hs = self.token(&mut st, s.pos + j, t);
-                    if all || j + 1 == s.tokens.len() {
-                        out.extend(self.head(&hs));
-                    }
-                }
-                out
-            })
-            .collect())
+        Ok(())
     }
 }
 
@@ -228,12 +272,23 @@ fn hca_slots(ps: usize) -> Option<usize> {
 }
 
 /// One sequence's state in its device pages.
-struct Paged<'a> {
+pub(crate) struct Paged<'a> {
     pool: &'a DevicePool,
     pages: &'a [u32],
     /// The window page of each page (window kinds live there).
     windows: &'a [u32],
     map: &'a PageMap,
+}
+
+impl<'a> Paged<'a> {
+    pub(crate) fn of(pool: &'a DevicePool, s: &SeqInput<'a>, map: &'a PageMap) -> Paged<'a> {
+        Paged {
+            pool,
+            pages: s.pages,
+            windows: s.windows,
+            map,
+        }
+    }
 }
 
 /// Where an item lives: kind, layer of the kind, page, and its index in units of its width.

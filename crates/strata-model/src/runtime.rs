@@ -130,8 +130,8 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
     }
 }
 
-/// How to load a llama-architecture model (DeepSeek-V4 has no such options: its pass is
-/// plain f32 loops, threaded over sequences by rayon's pool).
+/// How to load a model (DeepSeek-V4 has no quantized decode: its pass is plain f32 loops,
+/// threaded over sequences by rayon's pool, or over its tensor-parallel ranks' pools).
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     /// Threads (per rank with tensor-parallel ranks).
@@ -172,13 +172,11 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let template = header.chat_template()?;
     let split = opts.ranks.len() > 1 || opts.ranks.iter().any(|r| r.cpus.is_some());
     let runtime: Box<dyn Runtime> = match header.architecture() {
-        Some("deepseek4") if split => {
-            return Err(ModelError::Forward(format!(
-                "DeepSeek-V4 runs as one unpinned rank: --tp-size {} and --numa-nodes are for \
-                 llama-family models",
-                opts.ranks.len().max(1)
-            )))
-        }
+        Some("deepseek4") if split => Box::new(crate::dsv4_tp::Dsv4Tp::load(
+            path,
+            &opts.ranks,
+            opts.threads,
+        )?),
         Some("deepseek4") => Box::new(crate::dsv4_load::load_dsv4(path)?),
         _ if split => Box::new(crate::TpModel::load(
             path,
