@@ -55,7 +55,7 @@ impl Dsv4 {
 
     fn check(cfg: &Dsv4Config, w: &Weights) -> Result<(), String> {
         cfg.validate()?;
-        for (name, ne) in expected(&cfg) {
+        for (name, ne) in expected(cfg) {
             match w.get(&name) {
                 None => return Err(format!("tensor {name} is missing")),
                 Some((got, data)) if *got != ne || data.len() != ne.iter().product::<usize>() => {
