@@ -104,7 +104,7 @@ impl Dsv4Part {
         if self.is_whole(c) {
             return w;
         }
-        let put = |w: &mut Weights, name: String, f: &Cut| {
+        let put = |w: &mut Weights, name: String, f: &Cut<'_>| {
             if let Some((_, data)) = w.get(&name) {
                 let cut = f(data);
                 w.insert(name, cut);
@@ -171,7 +171,7 @@ impl Dsv4Part {
 }
 
 /// How a tensor's values become the rank's (shape, values).
-type Cut = dyn Fn(&[f32]) -> (Vec<usize>, Vec<f32>);
+type Cut<'a> = dyn Fn(&[f32]) -> (Vec<usize>, Vec<f32>) + 'a;
 
 /// Columns `cols` of a row-major matrix with rows of `width`.
 fn columns(v: &[f32], width: usize, cols: &Range<usize>) -> Vec<f32> {
