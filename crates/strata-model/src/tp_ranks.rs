@@ -181,8 +181,8 @@ fn rank_pool(
 
 /// One rank's pass: its index and where it meets the others → rank 0's value (None on the
 /// others).
-pub(crate) type RankPass<T> =
-    dyn Fn(usize, &dyn Collective) -> Result<Option<T>, ModelError> + Sync;
+pub(crate) type RankPass<'a, T> =
+    dyn Fn(usize, &dyn Collective) -> Result<Option<T>, ModelError> + Sync + 'a;
 
 /// What a rank's pass returns: rank 0's value, its error, or its panic.
 type RankOut<T> = std::thread::Result<Result<Option<T>, ModelError>>;
@@ -243,7 +243,7 @@ impl RankSet {
     /// rank's error fails the call; a rank's panic panics here (on the caller's thread, where
     /// the engine sees it). Every check a rank would make must be made before: a rank that
     /// fails makes the others leave their barriers by panicking.
-    pub(crate) fn run<T: Send>(&self, pass: &RankPass<T>) -> Result<T, ModelError> {
+    pub(crate) fn run<T: Send>(&self, pass: &RankPass<'_, T>) -> Result<T, ModelError> {
         debug_assert!(
             rayon::current_thread_index().is_none(),
             "a tensor-parallel pass from a rayon worker"
