@@ -198,26 +198,11 @@ fn l3(t: &mut Text, s: &Snapshot) {
 
 /// The memory plan as gauges, with the verified NUMA placement.
 fn plan(t: &mut Text, p: &PlanGauges) {
-    for (pool, dev, host) in &p.pools {
-        for rank in 0..p.ranks.max(1) {
-            let r = rank.to_string();
-            // A rank with fewer KV heads holds the same pages in fewer bytes.
-            let own = |b: u64| match p.rank_bytes_per_token.get(rank as usize) {
-                Some(&rb) if p.bytes_per_token > 0 => {
-                    (b as u128 * rb as u128 / p.bytes_per_token as u128) as f64
-                }
-                _ => b as f64,
-            };
-            t.sample(
-                "strata_plan_device_bytes",
-                &[("pool", pool), ("rank", &r)],
-                own(*dev),
-            );
-            t.sample(
-                "strata_plan_host_bytes",
-                &[("pool", pool), ("rank", &r)],
-                own(*host),
-            );
+    for pool in &p.pools {
+        for (rank, (dev, host)) in pool.device_bytes.iter().zip(&pool.host_bytes).enumerate() {
+            let labels = [("pool", pool.kind.as_str()), ("rank", &rank.to_string())];
+            t.sample("strata_plan_device_bytes", &labels, *dev as f64);
+            t.sample("strata_plan_host_bytes", &labels, *host as f64);
         }
     }
     for (rank, (node, cpus)) in p.rank_placement.iter().enumerate() {

@@ -156,16 +156,22 @@ impl ServerMetrics {
     }
 }
 
+/// One pool kind of the plan: its bytes on each rank.
+#[derive(Clone, Debug, Default)]
+pub struct PoolGauge {
+    pub kind: String,
+    /// Per rank.
+    pub device_bytes: Vec<u64>,
+    pub host_bytes: Vec<u64>,
+}
+
 /// The memory plan, as gauges.
 #[derive(Clone, Debug, Default)]
 pub struct PlanGauges {
-    /// (pool kind, device bytes per rank, host bytes per rank) of the largest rank.
-    pub pools: Vec<(String, u64, u64)>,
+    /// Each pool kind as planned, on each rank (ranks with fewer KV heads hold less of the
+    /// same pages).
+    pub pools: Vec<PoolGauge>,
     pub ranks: u32,
-    /// Bytes per token of the largest rank and of each rank (ranks with fewer KV heads hold
-    /// less of the same pages); empty: every rank the largest.
-    pub bytes_per_token: u64,
-    pub rank_bytes_per_token: Vec<u64>,
     /// Each tensor-parallel rank's NUMA node and CPUs (`any`, `unpinned` without
     /// `--numa-nodes`); empty for one unpinned rank.
     pub rank_placement: Vec<(String, String)>,

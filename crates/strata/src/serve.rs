@@ -484,6 +484,12 @@ fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPolicy> {
 
 /// The tiered cache: device and host pools as planned, the L3 tiers of `--l3`; also the name
 /// of its L3 tier (for the metrics).
+/// One allocator per pool kind from one per rank (`per_rank` kinds each).
+fn per_kind(allocs: &[Box<dyn HostAllocator>], per_rank: usize) -> Vec<&dyn HostAllocator> {
+    let kinds = 0..allocs.len() * per_rank;
+    kinds.map(|k| &*allocs[k / per_rank]).collect()
+}
+
 fn build_cache(
     a: &ServeArgs,
     c: &Checked,
@@ -525,8 +531,12 @@ fn build_cache(
     cc.eviction = c.eviction;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
-    let host: Vec<&dyn HostAllocator> = rank_allocs.0.iter().map(|a| &**a).collect();
-    let device: Vec<&dyn HostAllocator> = rank_allocs.1.iter().map(|a| &**a).collect();
+    // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).
+    let per_rank = cc.layout.kinds().len() / rank_allocs.0.len().max(1);
+    let (host, device) = (
+        per_kind(&rank_allocs.0, per_rank),
+        per_kind(&rank_allocs.1, per_rank),
+    );
     let cache = TieredCache::with_allocators(cc, &alloc, &host, &device, storage)?;
     Ok((cache, storage_tier))
 }
@@ -538,13 +548,15 @@ fn plan_gauges(
     ranks: &[strata_model::RankPlacement],
 ) -> strata_server::metrics::PlanGauges {
     let mut gauges = strata_server::metrics::PlanGauges {
-        bytes_per_token: plan.bytes_per_token,
-        rank_bytes_per_token: plan.rank_bytes_per_token.clone(),
         rank_placement: ranks.iter().map(serve_tp::placement_labels).collect(),
         pools: plan
             .pools
             .iter()
-            .map(|p| (p.kind.clone(), p.device_bytes, p.host_bytes))
+            .map(|p| strata_server::metrics::PoolGauge {
+                kind: p.kind.clone(),
+                device_bytes: p.rank_bytes_per_token.iter().map(|b| b * p.device_tokens).collect(),
+                host_bytes: p.rank_bytes_per_token.iter().map(|b| b * p.host_tokens).collect(),
+            })
             .collect(),
         ranks: plan.tp,
         host_flag: plan

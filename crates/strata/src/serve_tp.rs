@@ -156,14 +156,19 @@ pub fn rank_allocators(
 }
 
 /// The plan sized every pool kind the model's pages hold, with the same bytes per token: what
-/// was printed is what is allocated. With tensor-parallel ranks each rank's kind is the
-/// planned kind of its heads (`kv.tpR` of `kv`), with the bytes per token the plan states
-/// for that rank.
+/// was printed is what is allocated. With tensor-parallel ranks the layout holds each rank's
+/// kinds in rank order (`kv.tpR`, or DeepSeek-V4's `raw.tpR`, `csa.tpR`, ...), each with the
+/// bytes per token the plan states for that rank.
 pub fn check_plan_layout(plan: &strata_mem::plan::Plan, layout: &PageLayout) -> Result<()> {
-    let planned: Vec<(String, u64)> = if plan.tp > 1 && plan.pools.len() == 1 {
-        let name = &plan.pools[0].kind;
-        let each = plan.rank_bytes_per_token.iter().enumerate();
-        each.map(|(r, &b)| (strata_kv::tp::rank_kind_name(name, r), b))
+    let planned: Vec<(String, u64)> = if plan.tp > 1 {
+        let ranks = 0..plan.tp as usize;
+        ranks
+            .flat_map(|r| {
+                plan.pools.iter().map(move |p| {
+                    let b = p.rank_bytes_per_token.get(r).copied().unwrap_or(0);
+                    (strata_kv::tp::rank_kind_name(&p.kind, r), b)
+                })
+            })
             .collect()
     } else {
         plan.pools
@@ -194,17 +199,17 @@ pub fn placement_labels(p: &RankPlacement) -> (String, String) {
     (node, cpus)
 }
 
-/// One line per rank for the log and stderr: its heads, node, CPUs and weights.
+/// One line per rank for the log and stderr: its pools, node and CPUs.
 pub fn describe(model: &dyn strata_model::Runtime, placements: &[RankPlacement]) -> Vec<String> {
     let kinds = model.pool_kinds(1).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "the ranks' pool kinds could not be listed");
         Vec::new()
     });
+    let per = kinds.len() / placements.len().max(1);
     placements
         .iter()
-        .zip(&kinds)
         .enumerate()
-        .map(|(r, (p, k))| {
+        .map(|(r, p)| {
             let node = p
                 .node
                 .map_or("any node".to_string(), |n| format!("node {n}"));
@@ -212,10 +217,13 @@ pub fn describe(model: &dyn strata_model::Runtime, placements: &[RankPlacement])
                 .cpus
                 .as_ref()
                 .map_or("unpinned".to_string(), |c| format!("CPUs {c:?}"));
+            let mine = kinds.get(r * per..(r + 1) * per).unwrap_or_default();
+            let names: Vec<String> = mine.iter().map(|k| format!("`{}`", k.name)).collect();
+            let bytes: usize = mine.iter().map(|k| k.bytes_per_token()).sum();
             format!(
-                "rank {r}: pool `{}` ({} bytes of K/V per token), {node}, {cpus}",
-                k.name,
-                k.bytes_per_token()
+                "rank {r}: pool{} {} ({bytes} bytes of state per token), {node}, {cpus}",
+                if names.len() == 1 { "" } else { "s" },
+                names.join(", ")
             )
         })
         .collect()

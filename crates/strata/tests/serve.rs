@@ -163,7 +163,7 @@ fn serve_real_model(extra: &[&str]) {
     let pid = child.0.id();
     if extra.contains(&"--tp-size") {
         assert!(
-            log.contains("rank 1: pool `kv.tp1` (7680 bytes of K/V per token), node 0"),
+            log.contains("rank 1: pool `kv.tp1` (7680 bytes of state per token), node 0"),
             "{log}"
         );
         let node0 = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")

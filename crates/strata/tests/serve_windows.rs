@@ -242,3 +242,72 @@ fn the_next_conversation_resumes_at_the_shared_system_prompt() {
         "{m}"
     );
 }
+
+/// DeepSeek-V4 at TP 2: each rank holds its own copy of every state kind (one K = V head,
+/// replicated), and what each rank allocates per kind is what `strata plan` stated for it.
+#[test]
+fn at_tp_2_each_rank_allocates_the_planned_pool_of_every_kind() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_dsv4_model(d.path());
+    let pools = [
+        "--page-size",
+        "16",
+        "--device-mem",
+        "8MiB",
+        "--hicache-size",
+        "16MiB",
+        "--tp-size",
+        "2",
+    ];
+    let o = strata()
+        .arg("plan")
+        .args(pools)
+        .arg("--model")
+        .arg(&model)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let kinds = plan["pools"].as_array().unwrap();
+    assert_eq!(kinds.len(), 7, "DeepSeek-V4's seven state kinds");
+
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2"])
+        .args(pools)
+        .arg("--model")
+        .arg(&model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18],"max_tokens":4,"temperature":0}"#;
+    let a = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        body,
+        &format!("{url}/v1/completions"),
+    ]);
+    assert!(a.contains("\"choices\""), "{a}");
+    let m = curl(&[&format!("{url}/metrics")]);
+    let g = |k: String| sample(&m, &k) as u64;
+    for p in kinds {
+        let kind = p["kind"].as_str().unwrap();
+        assert_eq!(p["tp"], "replicated", "{kind}");
+        for r in 0..2u64 {
+            let bpt = p["rank_bytes_per_token"][r as usize].as_u64().unwrap();
+            assert_eq!(bpt, p["bytes_per_token"].as_u64().unwrap(), "{kind}: every rank all of it");
+            let own = format!("{kind}.tp{r}");
+            for (tier, tokens) in [("device", "device_tokens"), ("host", "host_tokens")] {
+                let planned = bpt * p[tokens].as_u64().unwrap();
+                assert!(planned > 0, "{kind} {tier}");
+                let gauge = format!(r#"strata_plan_{tier}_bytes{{pool="{kind}",rank="{r}"}}"#);
+                assert_eq!(g(gauge), planned, "{kind} rank {r} {tier}: the plan's gauge");
+                let built =
+                    format!(r#"strata_cache_capacity_bytes{{tier="{tier}",pool="{own}"}}"#);
+                assert_eq!(g(built), planned, "{own} {tier}: allocated = planned");
+            }
+            let built = format!(r#"strata_pool_bytes_per_token{{pool="{own}"}}"#);
+            assert_eq!(g(built), bpt, "{own}");
+        }
+    }
+}

@@ -123,7 +123,13 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     );
     window_decisions(req, device_tokens, dw, &mut decided)?;
 
-    let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
+    let mut pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
+    for (r, kinds) in req.rank_pool_kinds()?.iter().enumerate() {
+        for (p, k) in pools.iter_mut().zip(kinds) {
+            debug_assert_eq!(p.rank_bytes_per_token.len(), r);
+            p.rank_bytes_per_token.push(k.bytes_per_token() as u64);
+        }
+    }
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
     let rank_costs: Vec<(Cost, Cost)> = rank_costs
         .iter()
@@ -521,7 +527,9 @@ fn pool_plans(
                 kind: k.name.clone(),
                 per: spec.per_text(),
                 needed: spec.needed_text(),
+                tp: if spec.split_across_tp { "split" } else { "replicated" }.into(),
                 bytes_per_token: b,
+                rank_bytes_per_token: Vec::new(),
                 device_tokens,
                 device_pages: device_tokens / ps,
                 device_bytes: device_tokens * b,

@@ -35,6 +35,7 @@ impl Plan {
             format_bytes(self.server_device_bytes),
             format_bytes(self.server_host_bytes)
         );
+        self.tp_line(&mut s);
         let n = &self.numa;
         let _ =
             writeln!(
@@ -55,6 +56,38 @@ impl Plan {
             let _ = writeln!(s, "WARNING: {w}");
         }
         s
+    }
+
+    /// With tensor-parallel ranks: which kinds each rank holds a share of, and which every
+    /// rank holds whole (so the server holds a copy per rank).
+    fn tp_line(&self, s: &mut String) {
+        use std::fmt::Write;
+        if self.tp <= 1 {
+            return;
+        }
+        let of = |how: &str| -> Vec<&str> {
+            let kinds = self.pools.iter().filter(|p| p.tp == how);
+            kinds.map(|p| p.kind.as_str()).collect()
+        };
+        let (split, copies) = (of("split"), of("replicated"));
+        if !split.is_empty() {
+            let _ = writeln!(
+                s,
+                "TP {}: split over the ranks (each its KV heads): {}",
+                self.tp,
+                split.join(", ")
+            );
+        }
+        if !copies.is_empty() {
+            let _ = writeln!(
+                s,
+                "TP {}: replicated, every rank holds all of it (one K = V head or latent cannot \
+                 be split), so the server keeps {} copies: {}",
+                self.tp,
+                self.tp,
+                copies.join(", ")
+            );
+        }
     }
 
     /// One row per pool kind (what an item belongs to, what a continuation reads, per-rank

@@ -151,7 +151,13 @@ pub struct PoolPlan {
     pub per: String,
     /// What a continuation reads of a prefix: `prefix` or `last N tokens`.
     pub needed: String,
+    /// How tensor-parallel ranks hold it: `split` (each rank its KV heads) or `replicated`
+    /// (every rank all of it: one K = V head, an MLA latent, indexer keys).
+    pub tp: String,
+    /// Of the largest rank.
     pub bytes_per_token: u64,
+    /// Of each rank (what each rank's pool of this kind is built with; `strata serve` checks).
+    pub rank_bytes_per_token: Vec<u64>,
     pub device_tokens: u64,
     pub device_pages: u64,
     pub device_bytes: u64,
