@@ -27,6 +27,8 @@ struct Case {
     ps: usize,
     hits: &'static [(usize, usize)],
     base: usize,
+    /// Tensor-parallel ranks of every worker.
+    tp: usize,
 }
 
 const SMALL: Case = Case {
@@ -44,11 +46,13 @@ const SMALL: Case = Case {
         (260, 0),
     ],
     base: 300,
+    tp: 1,
 };
 const LARGE: Case = Case {
     ps: 256,
     hits: &[(256, 12), (512, 12), (512, 0)],
     base: 700,
+    tp: 1,
 };
 
 fn base_of(n: usize) -> Vec<u32> {
@@ -79,6 +83,7 @@ fn spec(c: Case, storage: Option<Arc<dyn Storage>>, tier: &'static str) -> Worke
         host_pages: pages,
         storage,
         storage_tier: tier,
+        tp: c.tp,
         ..WorkerSpec::default()
     }
 }
@@ -176,6 +181,15 @@ async fn every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_of_two_128_blocks_resume_through_every_tier() {
     every_tier(LARGE).await;
+}
+
+/// The same at TP 2 and TP 4 (every worker's ranks each holding a copy of every kind): the
+/// answers are the recomputed ones at that TP size, to the bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_tp_2_and_4_every_tier_and_pd_resume_a_prefix_with_the_recomputed_logits() {
+    for tp in [2, 4] {
+        every_tier(Case { tp, ..SMALL }).await;
+    }
 }
 
 async fn every_tier(c: Case) {
@@ -492,6 +506,7 @@ const CHECKPOINTS: Case = Case {
     ps: 4,
     hits: &[(700, 8), (512, 8), (560, 8)],
     base: 700,
+    tp: 1,
 };
 /// What each of those resumes from.
 const RESUMED: [u64; 3] = [700, 512, 512];
