@@ -554,8 +554,16 @@ fn plan_gauges(
             .iter()
             .map(|p| strata_server::metrics::PoolGauge {
                 kind: p.kind.clone(),
-                device_bytes: p.rank_bytes_per_token.iter().map(|b| b * p.device_tokens).collect(),
-                host_bytes: p.rank_bytes_per_token.iter().map(|b| b * p.host_tokens).collect(),
+                device_bytes: p
+                    .rank_bytes_per_token
+                    .iter()
+                    .map(|b| b * p.device_tokens)
+                    .collect(),
+                host_bytes: p
+                    .rank_bytes_per_token
+                    .iter()
+                    .map(|b| b * p.host_tokens)
+                    .collect(),
             })
             .collect(),
         ranks: plan.tp,

@@ -114,7 +114,7 @@ pub fn load_model(
             ranks: ranks.clone(),
         },
     )?;
-    for line in describe(&*loaded.runtime, &ranks) {
+    for line in describe(&*loaded.runtime, &ranks, sizing.page_size) {
         tracing::info!("{line}");
         eprintln!("strata serve: {line}");
     }
@@ -200,8 +200,12 @@ pub fn placement_labels(p: &RankPlacement) -> (String, String) {
 }
 
 /// One line per rank for the log and stderr: its pools, node and CPUs.
-pub fn describe(model: &dyn strata_model::Runtime, placements: &[RankPlacement]) -> Vec<String> {
-    let kinds = model.pool_kinds(1).unwrap_or_else(|e| {
+pub fn describe(
+    model: &dyn strata_model::Runtime,
+    placements: &[RankPlacement],
+    page_size: usize,
+) -> Vec<String> {
+    let kinds = model.pool_kinds(page_size).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "the ranks' pool kinds could not be listed");
         Vec::new()
     });

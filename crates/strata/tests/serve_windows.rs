@@ -295,15 +295,22 @@ fn at_tp_2_each_rank_allocates_the_planned_pool_of_every_kind() {
         assert_eq!(p["tp"], "replicated", "{kind}");
         for r in 0..2u64 {
             let bpt = p["rank_bytes_per_token"][r as usize].as_u64().unwrap();
-            assert_eq!(bpt, p["bytes_per_token"].as_u64().unwrap(), "{kind}: every rank all of it");
+            assert_eq!(
+                bpt,
+                p["bytes_per_token"].as_u64().unwrap(),
+                "{kind}: every rank all of it"
+            );
             let own = format!("{kind}.tp{r}");
             for (tier, tokens) in [("device", "device_tokens"), ("host", "host_tokens")] {
                 let planned = bpt * p[tokens].as_u64().unwrap();
                 assert!(planned > 0, "{kind} {tier}");
                 let gauge = format!(r#"strata_plan_{tier}_bytes{{pool="{kind}",rank="{r}"}}"#);
-                assert_eq!(g(gauge), planned, "{kind} rank {r} {tier}: the plan's gauge");
-                let built =
-                    format!(r#"strata_cache_capacity_bytes{{tier="{tier}",pool="{own}"}}"#);
+                assert_eq!(
+                    g(gauge),
+                    planned,
+                    "{kind} rank {r} {tier}: the plan's gauge"
+                );
+                let built = format!(r#"strata_cache_capacity_bytes{{tier="{tier}",pool="{own}"}}"#);
                 assert_eq!(g(built), planned, "{own} {tier}: allocated = planned");
             }
             let built = format!(r#"strata_pool_bytes_per_token{{pool="{own}"}}"#);

@@ -1,6 +1,7 @@
 //! `strata up` with the tiny model: a refused flag stops everything once with the worker's
 //! message; a TP-2 prefill worker and a TP-1 decode worker answer the smoke test; a worker killed
-//! while serving is restarted and the router answers again.
+//! while serving is restarted and the router answers again; DeepSeek-V4 with a TP-2 prefill
+//! worker and a TP-1 decode worker chats as one TP-1 worker.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -49,11 +50,16 @@ impl Drop for Up {
 fn up(dir: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
     let model = dir.join("tiny.gguf");
     write_tiny(&model, &TinySpec::default()).unwrap();
+    up_with(&model, cfg)
+}
+
+/// `strata up` with the model at `model`, its output lines on the receiver.
+fn up_with(model: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["up", "--startup-timeout", "60", "--config"])
         .arg(cfg)
         .arg("--model")
-        .arg(&model)
+        .arg(model)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -288,4 +294,92 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
     // Restarted after the engine died and after the kill; the restart that could not listen
     // is the last one.
     assert_eq!(text.matches("decode-0 restarted").count(), 2, "{text}");
+}
+
+fn chat(port: u16, body: &serde_json::Value) -> serde_json::Value {
+    let out = Command::new("curl")
+        .args(["-s", "-H", "content-type: application/json", "-d"])
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The incident's model in miniature, as its operators ran it: DeepSeek-V4 (the tiny model,
+/// written by `strata model tiny`) with a TP-2 prefill worker and a TP-1 decode worker. The
+/// smoke test passes, and a 5-turn chat through the router gets a single TP-1 worker's
+/// answers, every turn's prompt state crossing from the prefill worker's two ranks.
+#[test]
+fn deepseek_v4_with_a_tp2_prefill_and_tp1_decode_chats_as_one_tp1_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("tiny-dsv4.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["model", "tiny", "deepseek4"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (r, p, dp) = (free_port(), free_port(), free_port());
+    let pools = r#""--page-size", "16", "--device-mem", "16MiB", "--hicache-size", "16MiB""#;
+    let text = format!(
+        r#"host = "127.0.0.1"
+smoke_test = true
+[router]
+port = {r}
+[[prefill]]
+port = {p}
+tp_size = 2
+args = [{pools}]
+[[decode]]
+port = {dp}
+args = [{pools}]
+"#
+    );
+    let cfg = d.path().join("up.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let (child, rx) = up_with(&model, &cfg);
+    let _child = Up(child);
+    let mut log = Vec::new();
+    wait_for(&rx, &mut log, "rank 1: pools `raw.tp1`", 90);
+    wait_for(&rx, &mut log, "smoke test through the router", 90);
+
+    let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
+    one.args(["serve", "--port", "0", "--threads", "1"])
+        .args([
+            "--page-size",
+            "16",
+            "--device-mem",
+            "16MiB",
+            "--hicache-size",
+            "16MiB",
+        ])
+        .arg("--model")
+        .arg(&model);
+    let (_one, one_port) = strata_test_support::spawn_ready(&mut one, Duration::from_secs(60));
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You answer in few words."})];
+    for turn in 0..5 {
+        let q = format!("Turn {turn}: what comes after {}?", turn * 7 + 3);
+        messages.push(serde_json::json!({"role": "user", "content": q}));
+        let body = serde_json::json!({"messages": messages, "max_tokens": 8,
+                                      "temperature": 0, "ignore_eos": true});
+        let (a, b) = (chat(r, &body), chat(one_port, &body));
+        let said = a["choices"][0]["message"]["content"].clone();
+        assert!(said.is_string(), "turn {turn}: {a}");
+        assert_eq!(said, b["choices"][0]["message"]["content"], "turn {turn}");
+        messages.push(serde_json::json!({"role": "assistant", "content": said}));
+    }
+    let m = Command::new("curl")
+        .arg("-s")
+        .arg(format!("http://127.0.0.1:{dp}/metrics"))
+        .output()
+        .unwrap();
+    let m = String::from_utf8_lossy(&m.stdout);
+    let moved = strata_test_support::sample(&m, "strata_transferred_prompt_tokens_total");
+    assert!(
+        moved >= 5.0 * 20.0,
+        "the turns' state came from the prefill worker: {moved}"
+    );
 }

@@ -527,7 +527,12 @@ fn pool_plans(
                 kind: k.name.clone(),
                 per: spec.per_text(),
                 needed: spec.needed_text(),
-                tp: if spec.split_across_tp { "split" } else { "replicated" }.into(),
+                tp: if spec.split_across_tp {
+                    "split"
+                } else {
+                    "replicated"
+                }
+                .into(),
                 bytes_per_token: b,
                 rank_bytes_per_token: Vec::new(),
                 device_tokens,
