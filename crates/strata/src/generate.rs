@@ -178,6 +178,10 @@ impl BenchArgs {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    let path = a.model.path()?;
+    if strata_model::GgufHeader::open(&path)?.architecture() == Some("deepseek4") {
+        return bench_dsv4(&a, &path);
+    }
     let (bm, file) = a.load()?;
     let held = bm.weight_bytes as u64;
     println!(
@@ -197,19 +201,63 @@ fn bench(a: BenchArgs) -> Result<()> {
             t,
         );
     }
-    prefill_and_decode(&bm, &a)?;
+    let ranks = a.tp_size.max(1);
+    prefill_and_decode(&*bm.rt, bm.config.layers, ranks, &a)?;
+    print_peak();
+    Ok(())
+}
+
+/// `strata model bench` for a DeepSeek-V4 file: prefill and decode as `strata serve` runs the
+/// model (its ranks with --tp-size / --numa-nodes), in f32.
+fn bench_dsv4(a: &BenchArgs, path: &std::path::Path) -> Result<()> {
+    if !a.streams.is_empty() {
+        bail!(
+            "--streams measures the llama family's batched decode kernels; DeepSeek-V4 runs \
+             plain f32 loops: measure it with --prefill and --decode-context"
+        );
+    }
+    if a.model.f32_decode {
+        bail!("--f32-decode: DeepSeek-V4 always decodes in f32 (the flag is for llama models)");
+    }
+    std::env::set_var("RAYON_NUM_THREADS", a.model.threads.max(1).to_string());
+    let tp = a.tp_size.max(1);
+    let ranks = if tp == 1 && a.numa_nodes.is_empty() {
+        Vec::new()
+    } else {
+        let topo = strata_mem::Topology::detect()?;
+        let allowed = crate::sizing::allowed_cpus();
+        crate::serve_tp::placements(&a.numa_nodes, tp, &topo, &allowed)?
+    };
+    let opts = strata_model::LoadOptions {
+        ranks,
+        quantized_decode: false,
+        ..strata_model::LoadOptions::new((a.model.threads / tp).max(1))
+    };
+    let cfg = strata_model::dsv4_load::read_dsv4_config(path)?;
+    let loaded = strata_model::load(path, opts)?;
+    println!("DeepSeek-V4 {}: f32 weights and state", path.display());
+    prefill_and_decode(&*loaded.runtime, cfg.ratios.len(), tp, a)?;
+    print_peak();
+    Ok(())
+}
+
+fn print_peak() {
     if let Some(hwm) = peak_resident() {
         println!(
             "peak resident memory of this process: {hwm} bytes ({:.1} MiB)",
             hwm as f64 / 1048576.0
         );
     }
-    Ok(())
 }
 
 /// `strata model bench` without `--streams`: prefill of each length from an empty cache, then
 /// decode after a context, best of `--reps`.
-fn prefill_and_decode(bm: &BenchModel, a: &BenchArgs) -> Result<()> {
+fn prefill_and_decode(
+    m: &dyn strata_model::Runtime,
+    layers: usize,
+    ranks: usize,
+    a: &BenchArgs,
+) -> Result<()> {
     let max = a
         .prefill
         .iter()
@@ -217,20 +265,37 @@ fn prefill_and_decode(bm: &BenchModel, a: &BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(a.decode_context + a.decode_tokens);
-    let m = &*bm.rt;
+    if max > m.context_length() {
+        bail!(
+            "--prefill {:?} / --decode-context {} + --decode-tokens {}: {max} tokens exceed the \
+             model's context length {}",
+            a.prefill,
+            a.decode_context,
+            a.decode_tokens,
+            m.context_length()
+        );
+    }
     let layout = Arc::new(PageLayout::new(16, m.pool_kinds(16)?)?);
     let pages = max.div_ceil(16) as u32;
-    let pool = DevicePool::new(layout, pages, &HeapAllocator)?;
+    // Models with window kinds (DeepSeek-V4): every page with its window page.
+    let windowed = layout.has_window();
+    let pool = DevicePool::with_window(
+        layout,
+        pages,
+        if windowed { pages } else { 0 },
+        &HeapAllocator,
+    )?;
     let page_list: Vec<u32> = (0..pages).collect();
+    let windows: &[u32] = if windowed { &page_list } else { &[] };
     let tokens: Vec<u32> = (0..max as u32)
-        .map(|i| (i * 7919 + 13) % bm.config.vocab as u32)
+        .map(|i| (i * 7919 + 13) % m.vocab() as u32)
         .collect();
     let step = |toks: &[u32], pos: usize| -> Result<()> {
         let seq = SeqInput {
             tokens: toks,
             pos,
             pages: &page_list,
-            windows: &[],
+            windows,
             decode: toks.len() == 1 && pos > 0,
         };
         m.forward_rows(&pool, &[seq], &[false])?;
@@ -248,10 +313,7 @@ fn prefill_and_decode(bm: &BenchModel, a: &BenchArgs) -> Result<()> {
     };
     println!(
         "model {} layers, {} threads, {} rank(s), chunk {}",
-        bm.config.layers,
-        a.model.threads,
-        m.pool_kinds(16)?.len(),
-        a.chunk
+        layers, a.model.threads, ranks, a.chunk
     );
     for &n in &a.prefill {
         let mut best = 0f64;
