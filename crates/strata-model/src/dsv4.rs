@@ -5,9 +5,7 @@
 //! reference [`Dsv4::step`]) or in the tiered cache's device pages (`crate::dsv4_paged`, the
 //! forward pass the engine runs), with the same arithmetic either way.
 
-use std::collections::HashMap;
-
-pub use crate::dsv4_config::{expected, Dsv4Config};
+pub use crate::dsv4_config::{expected, Dsv4Config, Weights};
 use crate::dsv4_math::{
     dot, hadamard, heap_select, matvec, rmsnorm, rmsnorm_w, rope, sigmoid, softplus,
 };
@@ -18,9 +16,6 @@ use crate::shard::{Collective, Solo};
 
 /// A half layer's output (a part's share), post gates and combination.
 pub(crate) type Half = (Vec<f32>, Vec<f32>, Vec<f32>);
-
-/// A tensor: shape as llama.cpp states it (`ne`, fastest first) and its values.
-pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// The model (or a tensor-parallel rank's part of it): configuration and weights by GGUF name.
 pub struct Dsv4 {

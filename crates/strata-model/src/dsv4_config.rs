@@ -1,6 +1,9 @@
 //! A DeepSeek-V4 model's hyper-parameters, and the tensors they imply with their shapes:
 //! what a file must hold (`Dsv4::new` checks it).
 
+/// A tensor: shape as llama.cpp states it (`ne`, fastest first) and its values.
+pub type Weights = std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// The hyper-parameters the forward pass needs.
 #[derive(Clone, Debug)]
 pub struct Dsv4Config {

@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use strata_kv::tp::even_runs;
 
-use crate::dsv4::{Dsv4Config, Weights};
+use crate::dsv4_config::{Dsv4Config, Weights};
 use crate::error::ModelError;
 
 /// One rank's share of the model (the whole model: [`Dsv4Part::whole`]).
@@ -87,7 +87,7 @@ impl Dsv4Part {
 
     /// The output groups the rank's heads touch, each as (the group, its columns the rank
     /// holds: a range of the group's `heads·head_dim / groups` inputs).
-    pub(crate) fn groups(&self, c: &Dsv4Config) -> Vec<(usize, Range<usize>)> {
+    pub fn groups(&self, c: &Dsv4Config) -> Vec<(usize, Range<usize>)> {
         let gw = c.heads * c.head_dim / c.out_groups;
         let (lo, hi) = (self.heads.start * c.head_dim, self.heads.end * c.head_dim);
         (0..c.out_groups)
@@ -179,38 +179,4 @@ fn columns(v: &[f32], width: usize, cols: &Range<usize>) -> Vec<f32> {
         .flat_map(|row| &row[cols.clone()])
         .copied()
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
-
-    fn cfg() -> Dsv4Config {
-        let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("tiny.gguf");
-        write_tiny_dsv4(&path, &TinyDsv4Spec::default()).unwrap();
-        crate::dsv4_load::read_dsv4_config(&path).unwrap()
-    }
-
-    #[test]
-    fn parts_cover_heads_width_and_vocabulary_and_groups_split_between_ranks() {
-        let c = cfg();
-        let p = Dsv4Part::split(&c, 4).unwrap();
-        assert_eq!(p[3].heads, 3..4);
-        assert_eq!(p[1].ffn, 8..16);
-        assert_eq!(p.iter().map(|p| p.vocab.len()).sum::<usize>(), c.vocab);
-        // 4 heads of 128 in 2 groups of 256 inputs: rank 1 holds the second half of group 0.
-        assert_eq!(p[1].groups(&c), vec![(0, 128..256)]);
-        assert_eq!(
-            Dsv4Part::split(&c, 2).unwrap()[1].groups(&c),
-            vec![(1, 0..256)]
-        );
-        assert_eq!(
-            Dsv4Part::whole(&c).groups(&c),
-            vec![(0, 0..256), (1, 0..256)]
-        );
-        let e = Dsv4Part::split(&c, 5).unwrap_err().to_string();
-        assert!(e.contains("its 4 attention heads"), "{e}");
-    }
 }

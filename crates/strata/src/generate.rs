@@ -250,6 +250,17 @@ fn print_peak() {
     }
 }
 
+/// A device pool of 16-token pages for `max` tokens, its pages in order, and whether every
+/// page has a window page (models with window kinds: DeepSeek-V4).
+fn bench_pool(m: &dyn strata_model::Runtime, max: usize) -> Result<(DevicePool, Vec<u32>, bool)> {
+    let layout = Arc::new(PageLayout::new(16, m.pool_kinds(16)?)?);
+    let pages = max.div_ceil(16) as u32;
+    let windowed = layout.has_window();
+    let window_pages = if windowed { pages } else { 0 };
+    let pool = DevicePool::with_window(layout, pages, window_pages, &HeapAllocator)?;
+    Ok((pool, (0..pages).collect(), windowed))
+}
+
 /// `strata model bench` without `--streams`: prefill of each length from an empty cache, then
 /// decode after a context, best of `--reps`.
 fn prefill_and_decode(
@@ -275,17 +286,7 @@ fn prefill_and_decode(
             m.context_length()
         );
     }
-    let layout = Arc::new(PageLayout::new(16, m.pool_kinds(16)?)?);
-    let pages = max.div_ceil(16) as u32;
-    // Models with window kinds (DeepSeek-V4): every page with its window page.
-    let windowed = layout.has_window();
-    let pool = DevicePool::with_window(
-        layout,
-        pages,
-        if windowed { pages } else { 0 },
-        &HeapAllocator,
-    )?;
-    let page_list: Vec<u32> = (0..pages).collect();
+    let (pool, page_list, windowed) = bench_pool(m, max)?;
     let windows: &[u32] = if windowed { &page_list } else { &[] };
     let tokens: Vec<u32> = (0..max as u32)
         .map(|i| (i * 7919 + 13) % m.vocab() as u32)

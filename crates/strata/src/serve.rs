@@ -12,9 +12,8 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Args};
 use strata_engine::{Engine, EngineConfig};
 use strata_kv::auth::ClusterKey;
-use strata_kv::memory::HostAllocator;
 use strata_kv::storage::{DiskStorage, Storage};
-use strata_kv::units::{format_bytes, parse_size};
+use strata_kv::units::parse_size;
 use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
 use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
 use strata_model::fetch::{cache_dir, ensure_model};
@@ -303,7 +302,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let allocs = serve_tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
     let (cache, (storage_tier, l3_unavailable)) =
         build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
-    let gauges = plan_gauges(&plan, &cache, &ranks);
+    let gauges = serve_tp::plan_gauges(&plan, &cache, &ranks);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
     // The HTTP API's state; the KV-transfer listener for decode workers.
@@ -484,12 +483,6 @@ fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPolicy> {
 
 /// The tiered cache: device and host pools as planned, the L3 tiers of `--l3`; also the name
 /// of its L3 tier (for the metrics).
-/// One allocator per pool kind from one per rank (`per_rank` kinds each).
-fn per_kind(allocs: &[Box<dyn HostAllocator>], per_rank: usize) -> Vec<&dyn HostAllocator> {
-    let kinds = 0..allocs.len() * per_rank;
-    kinds.map(|k| &*allocs[k / per_rank]).collect()
-}
-
 fn build_cache(
     a: &ServeArgs,
     c: &Checked,
@@ -534,66 +527,11 @@ fn build_cache(
     // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).
     let per_rank = cc.layout.kinds().len() / rank_allocs.0.len().max(1);
     let (host, device) = (
-        per_kind(&rank_allocs.0, per_rank),
-        per_kind(&rank_allocs.1, per_rank),
+        serve_tp::per_kind(&rank_allocs.0, per_rank),
+        serve_tp::per_kind(&rank_allocs.1, per_rank),
     );
     let cache = TieredCache::with_allocators(cc, &alloc, &host, &device, storage)?;
     Ok((cache, storage_tier))
-}
-
-/// The plan's figures for `/metrics`, with where the host pool's pages landed (logged).
-fn plan_gauges(
-    plan: &Plan,
-    cache: &TieredCache,
-    ranks: &[strata_model::RankPlacement],
-) -> strata_server::metrics::PlanGauges {
-    let mut gauges = strata_server::metrics::PlanGauges {
-        rank_placement: ranks.iter().map(serve_tp::placement_labels).collect(),
-        pools: plan
-            .pools
-            .iter()
-            .map(|p| strata_server::metrics::PoolGauge {
-                kind: p.kind.clone(),
-                device_bytes: p
-                    .rank_bytes_per_token
-                    .iter()
-                    .map(|b| b * p.device_tokens)
-                    .collect(),
-                host_bytes: p
-                    .rank_bytes_per_token
-                    .iter()
-                    .map(|b| b * p.host_tokens)
-                    .collect(),
-            })
-            .collect(),
-        ranks: plan.tp,
-        host_flag: plan
-            .decided_by
-            .iter()
-            .find(|d| d.what == "host tokens per rank")
-            .map(|d| d.by.split_whitespace().next().unwrap_or("").to_string())
-            .unwrap_or_else(|| "none".into()),
-        numa_policy: plan.numa.policy.name().into(),
-        numa_nodes: plan.numa.nodes.clone(),
-        placement: Vec::new(),
-    };
-    if let Some(h) = cache.host_pool().filter(|h| h.bytes() > 0) {
-        let p = strata_mem::numa::placement_of_pool(h);
-        let sampled = p.sampled_pages.max(1);
-        gauges.placement = p
-            .pages_per_node
-            .iter()
-            .filter(|(n, _)| **n >= 0)
-            .map(|(n, k)| (*n as u32, h.bytes() as u64 * k / sampled))
-            .collect();
-        tracing::info!(
-            bytes = h.bytes(),
-            size = %format_bytes(h.bytes() as u64),
-            placement = %p.describe(),
-            "host pool allocated (bytes)"
-        );
-    }
-    gauges
 }
 
 /// The engine's configuration from the scheduling flags (says so when the prefix cache is off).

@@ -233,6 +233,67 @@ pub fn describe(
         .collect()
 }
 
+/// One allocator per pool kind from one per rank (`per_rank` kinds each).
+pub fn per_kind(allocs: &[Box<dyn HostAllocator>], per_rank: usize) -> Vec<&dyn HostAllocator> {
+    let kinds = 0..allocs.len() * per_rank;
+    kinds.map(|k| &*allocs[k / per_rank]).collect()
+}
+
+/// The plan's figures for `/metrics`, with where the host pool's pages landed (logged).
+pub fn plan_gauges(
+    plan: &strata_mem::plan::Plan,
+    cache: &strata_kv::cache::TieredCache,
+    ranks: &[strata_model::RankPlacement],
+) -> strata_server::metrics::PlanGauges {
+    let mut gauges = strata_server::metrics::PlanGauges {
+        rank_placement: ranks.iter().map(placement_labels).collect(),
+        pools: plan
+            .pools
+            .iter()
+            .map(|p| strata_server::metrics::PoolGauge {
+                kind: p.kind.clone(),
+                device_bytes: p
+                    .rank_bytes_per_token
+                    .iter()
+                    .map(|b| b * p.device_tokens)
+                    .collect(),
+                host_bytes: p
+                    .rank_bytes_per_token
+                    .iter()
+                    .map(|b| b * p.host_tokens)
+                    .collect(),
+            })
+            .collect(),
+        ranks: plan.tp,
+        host_flag: plan
+            .decided_by
+            .iter()
+            .find(|d| d.what == "host tokens per rank")
+            .map(|d| d.by.split_whitespace().next().unwrap_or("").to_string())
+            .unwrap_or_else(|| "none".into()),
+        numa_policy: plan.numa.policy.name().into(),
+        numa_nodes: plan.numa.nodes.clone(),
+        placement: Vec::new(),
+    };
+    if let Some(h) = cache.host_pool().filter(|h| h.bytes() > 0) {
+        let p = strata_mem::numa::placement_of_pool(h);
+        let sampled = p.sampled_pages.max(1);
+        gauges.placement = p
+            .pages_per_node
+            .iter()
+            .filter(|(n, _)| **n >= 0)
+            .map(|(n, k)| (*n as u32, h.bytes() as u64 * k / sampled))
+            .collect();
+        tracing::info!(
+            bytes = h.bytes(),
+            size = %strata_kv::units::format_bytes(h.bytes() as u64),
+            placement = %p.describe(),
+            "host pool allocated (bytes)"
+        );
+    }
+    gauges
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -331,6 +331,7 @@ port = {r}
 [[prefill]]
 port = {p}
 tp_size = 2
+numa_nodes = [0]
 args = [{pools}]
 [[decode]]
 port = {dp}

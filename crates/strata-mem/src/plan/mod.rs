@@ -123,13 +123,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     );
     window_decisions(req, device_tokens, dw, &mut decided)?;
 
-    let mut pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw));
-    for (r, kinds) in req.rank_pool_kinds()?.iter().enumerate() {
-        for (p, k) in pools.iter_mut().zip(kinds) {
-            debug_assert_eq!(p.rank_bytes_per_token.len(), r);
-            p.rank_bytes_per_token.push(k.bytes_per_token() as u64);
-        }
-    }
+    let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw))?;
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
     let rank_costs: Vec<(Cost, Cost)> = rank_costs
         .iter()
@@ -513,11 +507,13 @@ fn pool_plans(
     ps: u64,
     (device_main, device_window): (u64, u64),
     (host_main, host_window): (u64, u64),
-) -> Vec<PoolPlan> {
-    kinds
+) -> Result<Vec<PoolPlan>, PlanError> {
+    let ranks = req.rank_pool_kinds()?;
+    Ok(kinds
         .iter()
         .zip(&req.model.kinds)
-        .map(|(k, spec)| {
+        .enumerate()
+        .map(|(i, (k, spec))| {
             let b = k.bytes_per_token() as u64;
             let (device_tokens, host_tokens) = match k.window {
                 None => (device_main, host_main),
@@ -534,7 +530,10 @@ fn pool_plans(
                 }
                 .into(),
                 bytes_per_token: b,
-                rank_bytes_per_token: Vec::new(),
+                rank_bytes_per_token: ranks
+                    .iter()
+                    .map(|r| r[i].bytes_per_token() as u64)
+                    .collect(),
                 device_tokens,
                 device_pages: device_tokens / ps,
                 device_bytes: device_tokens * b,
@@ -543,7 +542,7 @@ fn pool_plans(
                 host_bytes: host_tokens * b,
             }
         })
-        .collect()
+        .collect())
 }
 
 /// `NUMA node 0` or `NUMA nodes 0,1`.
