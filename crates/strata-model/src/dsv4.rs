@@ -34,11 +34,22 @@ impl Dsv4 {
         Dsv4::new_part(cfg, w, part)
     }
 
-    /// A tensor-parallel rank's part of the model ([`Dsv4Part`]), its tensors checked whole
-    /// ([`Dsv4::new`]'s checks) and then cut.
+    /// A tensor-parallel rank's part of the model ([`Dsv4Part`]), from the whole model's
+    /// tensors: checked whole ([`Dsv4::new`]'s checks), then cut.
     pub fn new_part(cfg: Dsv4Config, w: Weights, part: Dsv4Part) -> Result<Dsv4, String> {
-        Dsv4::check(&cfg, &w)?;
+        cfg.validate()?;
+        part.check(&cfg)?;
+        Dsv4::check(&cfg, &w, &Dsv4Part::whole(&cfg))?;
         let w = part.cut(&cfg, w);
+        Dsv4::from_cut(cfg, w, part)
+    }
+
+    /// A part from tensors already cut ([`Dsv4Part::cut_one`], as the loader does tensor by
+    /// tensor): every tensor there with the part's shape.
+    pub(crate) fn from_cut(cfg: Dsv4Config, w: Weights, part: Dsv4Part) -> Result<Dsv4, String> {
+        cfg.validate()?;
+        part.check(&cfg)?;
+        Dsv4::check(&cfg, &w, &part)?;
         let groups = part.groups(&cfg);
         Ok(Dsv4 {
             cfg,
@@ -48,9 +59,11 @@ impl Dsv4 {
         })
     }
 
-    fn check(cfg: &Dsv4Config, w: &Weights) -> Result<(), String> {
-        cfg.validate()?;
+    /// Every tensor the configuration needs is there with `part`'s shape of it, and every
+    /// hash layer's expert ids are experts.
+    fn check(cfg: &Dsv4Config, w: &Weights, part: &Dsv4Part) -> Result<(), String> {
         for (name, ne) in expected(cfg) {
+            let ne = part.cut_shape(cfg, &name, ne);
             match w.get(&name) {
                 None => return Err(format!("tensor {name} is missing")),
                 Some((got, data)) if *got != ne || data.len() != ne.iter().product::<usize>() => {

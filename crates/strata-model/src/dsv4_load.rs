@@ -247,6 +247,20 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
             reason: format!("its tensors claim {total} bytes of data, more than the file's {len}"),
         });
     }
+    // Every tensor the model reads has its shape before any is read (a rank cuts each as it
+    // is read: the whole model is never in memory at once).
+    let want: HashMap<String, Vec<usize>> = crate::dsv4::expected(&cfg).into_iter().collect();
+    for (name, ne, _, _) in &h.tensors {
+        if let Some(exp) = want.get(name).filter(|e| *e != ne) {
+            return Err(ModelError::Tensor {
+                path: p.clone(),
+                name: name.clone(),
+                reason: format!("shape {ne:?}, expected {exp:?}"),
+            });
+        }
+    }
+    let part = part.unwrap_or_else(|| Dsv4Part::whole(&cfg));
+    part.check(&cfg).map_err(ModelError::Forward)?;
     let mut w: Weights = HashMap::new();
     for ((name, ne, _, _), (start, end)) in h.tensors.into_iter().zip(extents) {
         // Bounded by the file's length (checked above).
@@ -258,10 +272,10 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
             .chunks_exact(4)
             .map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes"))))
             .collect();
-        w.insert(name, (ne, vals));
+        let cut = part.cut_one(&cfg, &name, ne, vals);
+        w.insert(name, cut);
     }
-    let part = part.unwrap_or_else(|| Dsv4Part::whole(&cfg));
-    Dsv4::new_part(cfg, w, part).map_err(|reason| ModelError::Tensor {
+    Dsv4::from_cut(cfg, w, part).map_err(|reason| ModelError::Tensor {
         path: p,
         name: "(the model)".into(),
         reason,

@@ -196,6 +196,11 @@ impl Dsv4 {
         all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
+        if !self.part.is_whole(&self.cfg) {
+            return Err(kind_err(
+                "a rank's part runs with the other ranks (Dsv4Tp), not alone".into(),
+            ));
+        }
         let map = self.page_map(pool, None)?;
         self.check_seqs(pool, seqs)?;
         Ok(seqs

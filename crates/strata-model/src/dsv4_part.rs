@@ -55,7 +55,9 @@ impl Dsv4Part {
             ))
         };
         if tp == 0 {
-            return Err(ModelError::Forward("--tp-size 0".into()));
+            return Err(ModelError::Forward(
+                "--tp-size 0: a model needs at least one rank".into(),
+            ));
         }
         if tp > c.heads {
             return Err(bad("attention heads", c.heads));
@@ -98,80 +100,142 @@ impl Dsv4Part {
             .collect()
     }
 
-    /// The rank's tensors from the whole model's (checked against the configuration first):
-    /// the split ones cut as the module notes say, the rest kept whole.
-    pub(crate) fn cut(&self, c: &Dsv4Config, mut w: Weights) -> Weights {
-        if self.is_whole(c) {
-            return w;
-        }
-        let put = |w: &mut Weights, name: String, f: &Cut<'_>| {
-            if let Some((_, data)) = w.get(&name) {
-                let cut = f(data);
-                w.insert(name, cut);
+    /// Why this cannot be a part of a model of `c` (ranges empty or beyond its sizes).
+    pub fn check(&self, c: &Dsv4Config) -> Result<(), String> {
+        for (what, r, n) in [
+            ("heads", &self.heads, c.heads),
+            ("expert width", &self.ffn, c.expert_ffn),
+            ("vocabulary", &self.vocab, c.vocab),
+        ] {
+            if r.is_empty() || r.end > n {
+                return Err(format!(
+                    "rank {}: {what} {r:?} is not a non-empty part of 0..{n}",
+                    self.rank
+                ));
             }
+        }
+        Ok(())
+    }
+
+    /// The rank's tensors from the whole model's ([`Dsv4Part::cut_one`] each).
+    pub(crate) fn cut(&self, c: &Dsv4Config, w: Weights) -> Weights {
+        w.into_iter()
+            .map(|(name, (ne, v))| {
+                let cut = self.cut_one(c, &name, ne, v);
+                (name, cut)
+            })
+            .collect()
+    }
+
+    /// Which cut a tensor takes, by its name (`blk.L.` stripped).
+    fn split_of(name: &str) -> Option<Split> {
+        let base = match name.strip_prefix("blk.") {
+            Some(rest) => rest.split_once('.').map_or(rest, |(_, b)| b),
+            None => name,
+        };
+        Some(match base {
+            "attn_q_b.weight" => Split::QRows,
+            "attn_sinks.weight" => Split::Sinks,
+            "attn_output_a.weight" => Split::OutA,
+            "attn_output_b.weight" => Split::OutB,
+            "ffn_gate_exps.weight" | "ffn_up_exps.weight" => Split::ExpertRows,
+            "ffn_down_exps.weight" => Split::ExpertCols,
+            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" => Split::SharedRows,
+            "ffn_down_shexp.weight" => Split::SharedCols,
+            "output.weight" => Split::Vocab,
+            _ => return None,
+        })
+    }
+
+    /// The rank's shape of a tensor of the whole model's shape `ne` (the module notes).
+    pub(crate) fn cut_shape(&self, c: &Dsv4Config, name: &str, ne: Vec<usize>) -> Vec<usize> {
+        let (e, d, lo_r, x) = (c.embd, c.head_dim, c.out_lora_rank, c.experts);
+        let (hl, fl) = (self.heads.len(), self.ffn.len());
+        match Dsv4Part::split_of(name).filter(|_| !self.is_whole(c)) {
+            None => ne,
+            Some(Split::QRows) => vec![c.q_lora_rank, hl * d],
+            Some(Split::Sinks) => vec![hl],
+            Some(Split::OutA) => {
+                let groups = self.groups(c);
+                vec![groups.iter().map(|(_, cols)| lo_r * cols.len()).sum()]
+            }
+            Some(Split::OutB) => vec![self.groups(c).len() * lo_r, e],
+            Some(Split::ExpertRows) => vec![e, fl, x],
+            Some(Split::ExpertCols) => vec![fl, e, x],
+            Some(Split::SharedRows) => vec![e, fl],
+            Some(Split::SharedCols) => vec![fl, e],
+            Some(Split::Vocab) => vec![e, self.vocab.len()],
+        }
+    }
+
+    /// The rank's piece of one tensor of the whole model's shape (checked by the caller: the
+    /// expected shape for its name), with its shape ([`Dsv4Part::cut_shape`]).
+    pub(crate) fn cut_one(
+        &self,
+        c: &Dsv4Config,
+        name: &str,
+        ne: Vec<usize>,
+        v: Vec<f32>,
+    ) -> (Vec<usize>, Vec<f32>) {
+        let Some(split) = Dsv4Part::split_of(name).filter(|_| !self.is_whole(c)) else {
+            return (ne, v);
         };
         let (e, d, f) = (c.embd, c.head_dim, c.expert_ffn);
         let (h, fr) = (self.heads.clone(), self.ffn.clone());
         let (qr, lo_r, x) = (c.q_lora_rank, c.out_lora_rank, c.experts);
-        let gw = c.heads * d / c.out_groups;
-        let groups = self.groups(c);
-        for l in 0..c.ratios.len() {
-            let n = |s: &str| format!("blk.{l}.{s}");
-            put(&mut w, n("attn_q_b.weight"), &|v| {
-                (
-                    vec![qr, h.len() * d],
-                    v[h.start * d * qr..h.end * d * qr].to_vec(),
-                )
-            });
-            put(&mut w, n("attn_sinks.weight"), &|v| {
-                (vec![h.len()], v[h.clone()].to_vec())
-            });
+        let out = match split {
+            Split::QRows => v[h.start * d * qr..h.end * d * qr].to_vec(),
+            Split::Sinks => v[h].to_vec(),
             // Rows of each touched group, only the rank's columns of each row.
-            put(&mut w, n("attn_output_a.weight"), &|v| {
+            Split::OutA => {
+                let gw = c.heads * d / c.out_groups;
                 let mut out = Vec::new();
-                for (g, cols) in &groups {
+                for (g, cols) in self.groups(c) {
                     for row in g * lo_r..(g + 1) * lo_r {
                         out.extend_from_slice(&v[row * gw + cols.start..row * gw + cols.end]);
                     }
                 }
-                (vec![out.len()], out)
-            });
-            let (g0, g1) = (groups[0].0, groups[groups.len() - 1].0 + 1);
-            let all = c.out_groups * lo_r;
-            put(&mut w, n("attn_output_b.weight"), &|v| {
-                let cols = g0 * lo_r..g1 * lo_r;
-                (vec![cols.len(), e], columns(v, all, &cols))
-            });
-            for name in ["ffn_gate_exps.weight", "ffn_up_exps.weight"] {
-                put(&mut w, n(name), &|v| {
-                    let rows =
-                        (0..x).flat_map(|xi| &v[(xi * f + fr.start) * e..(xi * f + fr.end) * e]);
-                    (vec![e, fr.len(), x], rows.copied().collect())
-                });
+                out
             }
-            put(&mut w, n("ffn_down_exps.weight"), &|v| {
-                let per = (0..x).flat_map(|xi| columns(&v[xi * e * f..(xi + 1) * e * f], f, &fr));
-                (vec![fr.len(), e, x], per.collect())
-            });
-            for name in ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"] {
-                put(&mut w, n(name), &|v| {
-                    (vec![e, fr.len()], v[fr.start * e..fr.end * e].to_vec())
-                });
+            Split::OutB => {
+                let groups = self.groups(c);
+                let (g0, g1) = (groups[0].0, groups[groups.len() - 1].0 + 1);
+                columns(&v, c.out_groups * lo_r, &(g0 * lo_r..g1 * lo_r))
             }
-            put(&mut w, n("ffn_down_shexp.weight"), &|v| {
-                (vec![fr.len(), e], columns(v, f, &fr))
-            });
-        }
-        let vr = self.vocab.clone();
-        put(&mut w, "output.weight".into(), &|v| {
-            (vec![e, vr.len()], v[vr.start * e..vr.end * e].to_vec())
-        });
-        w
+            Split::ExpertRows => (0..x)
+                .flat_map(|xi| &v[(xi * f + fr.start) * e..(xi * f + fr.end) * e])
+                .copied()
+                .collect(),
+            Split::ExpertCols => (0..x)
+                .flat_map(|xi| columns(&v[xi * e * f..(xi + 1) * e * f], f, &fr))
+                .collect(),
+            Split::SharedRows => v[fr.start * e..fr.end * e].to_vec(),
+            Split::SharedCols => columns(&v, f, &fr),
+            Split::Vocab => v[self.vocab.start * e..self.vocab.end * e].to_vec(),
+        };
+        (self.cut_shape(c, name, ne), out)
     }
 }
 
-/// How a tensor's values become the rank's (shape, values).
-type Cut<'a> = dyn Fn(&[f32]) -> (Vec<usize>, Vec<f32>) + 'a;
+/// How a rank cuts a tensor.
+#[derive(Clone, Copy)]
+enum Split {
+    /// `attn_q_b`: the rows of the rank's heads.
+    QRows,
+    Sinks,
+    /// `attn_output_a`: of each group the heads touch, its rows with the heads' columns.
+    OutA,
+    /// `attn_output_b`: the columns of those groups.
+    OutB,
+    /// Every expert's gate / up rows of the rank's width.
+    ExpertRows,
+    /// Every expert's down columns of the rank's width.
+    ExpertCols,
+    SharedRows,
+    SharedCols,
+    /// `output`: the rank's vocabulary rows.
+    Vocab,
+}
 
 /// Columns `cols` of a row-major matrix with rows of `width`.
 fn columns(v: &[f32], width: usize, cols: &Range<usize>) -> Vec<f32> {

@@ -57,10 +57,15 @@ impl Dsv4Tp {
 
     /// Bytes of a page's main part and window part in the whole model's layout.
     fn wire_parts(&self, ps: usize) -> Result<(usize, usize), ModelError> {
-        let l = strata_kv::PageLayout::new(ps, self.models[0].pool_kinds(ps)?)
-            .map_err(|e| ModelError::Forward(e.to_string()))?;
-        let main = l.class_bytes(strata_kv::layout::Class::Main);
-        Ok((main, l.page_bytes() - main))
+        let (mut main, mut window) = (0, 0);
+        for k in self.models[0].pool_kinds(ps)? {
+            let b = ps * k.bytes_per_token();
+            match k.window {
+                None => main += b,
+                Some(_) => window += b,
+            }
+        }
+        Ok((main, window))
     }
 
     /// A page blob (main part, then its window part if any) from one layout to the other:

@@ -115,6 +115,8 @@ impl Collective for RankComm<'_> {
             out
         });
         c.barrier();
+        // Rank 0 has read every part: no slot keeps a batch's logits until the next call.
+        c.put_vec(self.rank, Vec::new());
         out
     }
 }

@@ -317,6 +317,31 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("rank 0 of 2"), "{e}");
+    // A part that is no part of this model, or a part run alone, is refused.
+    use strata_model::dsv4_load::load_dsv4_part;
+    use strata_model::dsv4_part::Dsv4Part;
+    let c = strata_model::dsv4_load::read_dsv4_config(&path).unwrap();
+    let mut bad = Dsv4Part::split(&c, 2).unwrap().remove(1);
+    bad.vocab = 100..400;
+    let e = load_dsv4_part(&path, bad).err().unwrap().to_string();
+    assert!(
+        e.contains("vocabulary 100..400 is not a non-empty part of 0..288"),
+        "{e}"
+    );
+    let half = load_dsv4_part(&path, Dsv4Part::split(&c, 2).unwrap().remove(0)).unwrap();
+    let p = pool(&half, 4);
+    let seq = SeqInput {
+        tokens: &[1, 2],
+        pos: 0,
+        pages: &pages,
+        windows: &pages,
+        decode: false,
+    };
+    let e = half
+        .forward_rows(&p, &[seq], &[false])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("runs with the other ranks"), "{e}");
 }
 
 #[test]

@@ -221,7 +221,9 @@ pub fn describe(
                 .cpus
                 .as_ref()
                 .map_or("unpinned".to_string(), |c| format!("CPUs {c:?}"));
-            let mine = kinds.get(r * per..(r + 1) * per).unwrap_or_default();
+            let Some(mine) = kinds.get(r * per..(r + 1) * per).filter(|k| !k.is_empty()) else {
+                return format!("rank {r}: pools unknown (see the error above), {node}, {cpus}");
+            };
             let names: Vec<String> = mine.iter().map(|k| format!("`{}`", k.name)).collect();
             let bytes: usize = mine.iter().map(|k| k.bytes_per_token()).sum();
             format!(
