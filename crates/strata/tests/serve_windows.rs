@@ -20,6 +20,41 @@ fn curl(args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// `strata plan --json` for `model` with the pool flags `pools`.
+fn plan_json(model: &std::path::Path, pools: &[&str]) -> serde_json::Value {
+    let o = strata()
+        .arg("plan")
+        .args(pools)
+        .arg("--model")
+        .arg(model)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// A worker with `pools` answers an 18-token prompt; its `/metrics` then.
+fn served_metrics(model: &std::path::Path, pools: &[&str]) -> String {
+    let mut cmd = strata();
+    cmd.args(["serve", "--port", "0", "--threads", "2"])
+        .args(pools)
+        .arg("--model")
+        .arg(model);
+    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
+    let url = format!("http://127.0.0.1:{port}");
+    let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18],"max_tokens":4,"temperature":0}"#;
+    let a = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        body,
+        &format!("{url}/v1/completions"),
+    ]);
+    assert!(a.contains("\"choices\""), "{a}");
+    curl(&[&format!("{url}/metrics")])
+}
+
 #[test]
 fn the_window_ratio_sizes_the_window_pages_the_worker_allocates() {
     let d = tempfile::tempdir().unwrap();
@@ -34,16 +69,7 @@ fn the_window_ratio_sizes_the_window_pages_the_worker_allocates() {
         "--window-tokens-ratio",
         "0.25",
     ];
-    let o = strata()
-        .arg("plan")
-        .args(pools)
-        .arg("--model")
-        .arg(&model)
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let plan = plan_json(&model, &pools);
     let pages = |k: &str| plan[k].as_u64().unwrap() / 4;
     let (main, window) = (
         pages("device_tokens_per_rank"),
@@ -52,23 +78,7 @@ fn the_window_ratio_sizes_the_window_pages_the_worker_allocates() {
     let host_window = pages("host_window_tokens_per_rank");
     assert!(window > 0 && window < main / 3, "{main} {window}");
 
-    let mut cmd = strata();
-    cmd.args(["serve", "--port", "0", "--threads", "2"])
-        .args(pools)
-        .arg("--model")
-        .arg(&model);
-    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
-    let url = format!("http://127.0.0.1:{port}");
-    let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18],"max_tokens":4,"temperature":0}"#;
-    let a = curl(&[
-        "-H",
-        "content-type: application/json",
-        "-d",
-        body,
-        &format!("{url}/v1/completions"),
-    ]);
-    assert!(a.contains("\"choices\""), "{a}");
-    let m = curl(&[&format!("{url}/metrics")]);
+    let m = served_metrics(&model, &pools);
     let g = |k: &str| sample(&m, k) as u64;
     assert_eq!(
         g(r#"strata_cache_pages{tier="device",state="total"}"#),
@@ -259,36 +269,11 @@ fn at_tp_2_each_rank_allocates_the_planned_pool_of_every_kind() {
         "--tp-size",
         "2",
     ];
-    let o = strata()
-        .arg("plan")
-        .args(pools)
-        .arg("--model")
-        .arg(&model)
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let plan = plan_json(&model, &pools);
     let kinds = plan["pools"].as_array().unwrap();
     assert_eq!(kinds.len(), 7, "DeepSeek-V4's seven state kinds");
 
-    let mut cmd = strata();
-    cmd.args(["serve", "--port", "0", "--threads", "2"])
-        .args(pools)
-        .arg("--model")
-        .arg(&model);
-    let (_guard, port) = spawn_ready(&mut cmd, Duration::from_secs(120));
-    let url = format!("http://127.0.0.1:{port}");
-    let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18],"max_tokens":4,"temperature":0}"#;
-    let a = curl(&[
-        "-H",
-        "content-type: application/json",
-        "-d",
-        body,
-        &format!("{url}/v1/completions"),
-    ]);
-    assert!(a.contains("\"choices\""), "{a}");
-    let m = curl(&[&format!("{url}/metrics")]);
+    let m = served_metrics(&model, &pools);
     let g = |k: String| sample(&m, &k) as u64;
     for p in kinds {
         let kind = p["kind"].as_str().unwrap();
