@@ -24,6 +24,7 @@ impl Message {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -31,7 +32,15 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
-        Ok(ChatTemplate { env })
+        Ok(ChatTemplate {
+            env,
+            source: source.to_string(),
+        })
+    }
+
+    /// The template's Jinja source, as the GGUF holds it.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.

@@ -105,6 +105,7 @@ fn known_route(path: &str) -> String {
         | "/v1/models"
         | "/tokenize"
         | "/detokenize"
+        | "/tokenizer_info"
         | "/health"
         | "/health_generate"
         | "/metrics"

@@ -29,6 +29,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route("/version", get(version))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
@@ -136,6 +137,10 @@ async fn tokenize(State(st): St, body: Bytes) -> Response {
 
 async fn detokenize(State(st): St, body: Bytes) -> Response {
     pass(&st, reqwest::Method::POST, "/detokenize", Some(body)).await
+}
+
+async fn tokenizer_info(State(st): St) -> Response {
+    pass(&st, reqwest::Method::GET, "/tokenizer_info", None).await
 }
 
 async fn version(State(st): St) -> Response {

@@ -37,6 +37,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(crate::endpoints::tokenizer_info))
         .route("/version", get(version))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))

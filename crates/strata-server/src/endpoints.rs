@@ -1,5 +1,5 @@
 //! The small endpoints around generation: `/v1/models` (and one model), `/tokenize`,
-//! `/detokenize`, `/version`; request ids (`X-Request-Id` echoed or made) and fresh completion
+//! `/detokenize`, `/tokenizer_info`, `/version`; request ids (`X-Request-Id` echoed or made) and fresh completion
 //! ids.
 
 use std::sync::Arc;
@@ -69,13 +69,36 @@ pub async fn version() -> Json<Value> {
 }
 
 /// `POST /tokenize`: a completion prompt or chat messages (rendered with the template, as
-/// generation would) → token ids.
+/// generation would) → token ids, as vLLM answers it.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<Prompt>,
     messages: Option<Vec<ChatMessage>>,
+    /// A text prompt with the model's BOS (as generation adds it; default) or without.
+    add_special_tokens: Option<bool>,
+    /// Each token's text beside its id (`token_strs`).
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+/// `GET /tokenizer_info`: what a client needs to tokenize as this server does (vLLM's
+/// endpoint; lm-eval's remote tokenizer reads it): the special tokens' texts, the chat
+/// template, the context length.
+pub async fn tokenizer_info(State(st): St) -> Json<Value> {
+    let tk = &st.tokenizer;
+    let text = |id: Option<u32>| id.and_then(|i| tk.inner.id_to_token(i));
+    Json(json!({
+        "tokenizer_class": "StrataGgufTokenizer",
+        "eos_token": text(Some(tk.eos)),
+        "bos_token": text(tk.bos),
+        "pad_token": null,
+        "add_bos_token": tk.add_bos && tk.bos.is_some(),
+        "chat_template": st.template.as_ref().map(|t| t.source()),
+        "model_max_length": st.engine.info().context_length,
+        "vocab_size": st.engine.info().vocab,
+    }))
 }
 
 pub async fn tokenize(
@@ -84,11 +107,31 @@ pub async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     let req: TokenizeRequest = parse_json(&body_bytes(body, st.body_limit)?)?;
     check_model(&st, req.model.as_deref())?;
+    if req.messages.is_some() && req.add_special_tokens.is_some() {
+        return Err(ApiError::bad_request(
+            "add_special_tokens applies to a prompt; messages are rendered by the chat template \
+             as generation renders them",
+            Some("add_special_tokens"),
+        ));
+    }
+    let special = req.add_special_tokens.unwrap_or(true);
     let ids = match (req.prompt, req.messages) {
         (Some(Prompt::Tokens(t)), None) => t,
         (Some(p), None) => {
             off_async(&st, move |st| {
-                crate::prompt::completion_ids(&st.tokenizer, &p)
+                let text = match &p {
+                    Prompt::Text(t) => Some(t),
+                    Prompt::Texts(v) if v.len() == 1 => v.first(),
+                    _ => None,
+                };
+                match text.filter(|_| !special) {
+                    // Without special tokens: the text's own ids, no BOS added.
+                    Some(t) => st
+                        .tokenizer
+                        .encode(t)
+                        .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt"))),
+                    None => crate::prompt::completion_ids(&st.tokenizer, &p),
+                }
             })
             .await?
         }
@@ -106,9 +149,15 @@ pub async fn tokenize(
         }
     };
     let ctx = st.engine.info().context_length;
-    Ok(Json(
-        json!({"tokens": ids, "count": ids.len(), "max_model_len": ctx}),
-    ))
+    let mut out = json!({"tokens": ids, "count": ids.len(), "max_model_len": ctx});
+    if req.return_token_strs {
+        let strs: Vec<Option<String>> = ids
+            .iter()
+            .map(|&i| st.tokenizer.inner.id_to_token(i))
+            .collect();
+        out["token_strs"] = json!(strs);
+    }
+    Ok(Json(out))
 }
 
 /// `POST /detokenize`: token ids → text.

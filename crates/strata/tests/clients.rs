@@ -1,4 +1,4 @@
-//! The official `openai` Python client and langchain-openai (pinned in
+//! The official `openai` Python client, langchain-openai and lm-eval (pinned in
 //! scripts/requirements-test.txt, installed by scripts/test.sh) against real processes: a
 //! `strata serve`, then the router (`strata route`) in front of a prefill and a decode worker
 //! (`strata serve --role prefill|decode`), all on port 0 with the tiny model. The scripts
@@ -6,7 +6,9 @@
 //! sampling fields, documented no-ops, refusals naming their field, unknown fields refused,
 //! models, request ids, structured output (20/20 valid at temperature 1) and tool calls; and
 //! langchain-openai's `bind_tools` (`tool_choice="required"`) and `with_structured_output`
-//! (json_schema, 20/20).
+//! (json_schema, 20/20); lm-evaluation-harness's `local-completions` (its default tokenized
+//! requests, the server's tokenizer) and `local-chat-completions` on a log-likelihood and a
+//! generate-until task, the same scores cold and warm.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -76,7 +78,11 @@ fn serve(model: &Path, extra: &[&str]) -> (Proc, String) {
 
 /// Runs both client scripts against `base`; fails with their output.
 fn client_checks(base: &str, mode: &str) {
-    for script in ["openai_client.py", "langchain_client.py"] {
+    for script in [
+        "openai_client.py",
+        "langchain_client.py",
+        "lm_eval_client.py",
+    ] {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/python")
             .join(script);
