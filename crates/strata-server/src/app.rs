@@ -130,42 +130,14 @@ async fn completions(
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, req.model.as_deref())?;
     let echo = req.echo == Some(true);
-    let echoed = match (&req.prompt, echo) {
-        (Prompt::Text(t), true) => Some(t.clone()),
-        (Prompt::Texts(v), true) => Some(v.concat()),
-        _ => None,
-    };
-    // Token ids as given need no tokenizing; a text goes off the async workers.
-    let ids = match req.prompt {
-        Prompt::Tokens(t) => t,
-        Prompt::TokenLists(mut v) if v.len() == 1 => v.pop().expect("one list"),
-        p => {
-            off_async(&st, move |st| {
-                crate::prompt::completion_ids(&st.tokenizer, &p)
-            })
-            .await?
-        }
-    };
-    let echoed = match (echoed, echo) {
-        (Some(t), _) => Some(t),
-        (None, true) => {
-            let ids = ids.clone();
-            Some(
-                off_async(&st, move |st| {
-                    crate::prompt::decode_ids(&st.tokenizer, &ids)
-                })
-                .await?,
-            )
-        }
-        (None, false) => None,
-    };
+    let prompts = batch(&st, req.prompt, echo).await?;
     let constraint = match crate::structured::asked(&req.sampling, None, None)? {
         Some(a) => Some(crate::structured::compile(&st, a).await?),
         None => None,
     };
     let how = How {
         kind: Kind::Completion,
-        echo: echoed,
+        echo,
         constraint,
         tools: None,
         best_of: req.best_of,
@@ -173,7 +145,7 @@ async fn completions(
     };
     // The engine names a prompt that does not fit `messages` (chat's field); here it is
     // `prompt`.
-    start(st, ids, &req.sampling, how, &headers, &bytes)
+    start(st, prompts, &req.sampling, how, &headers, &bytes)
         .await
         .map_err(|mut e| {
             if e.param.as_deref() == Some("messages") {
@@ -226,20 +198,22 @@ async fn chat(
     };
     let how = How {
         kind: Kind::Chat,
-        echo: None,
+        echo: false,
         constraint,
         tools: tools.and_then(|t| t.callable()),
         best_of: None,
         shared_prefix,
     };
-    start(st, ids, &sampling, how, &headers, &bytes).await
+    let prompt = crate::choices::OnePrompt { ids, echo: None };
+    start(st, vec![prompt], &sampling, how, &headers, &bytes).await
 }
 
 /// Which endpoint a request came by, what it echoes, its output constraint and the tools
 /// whose calls are parsed out of its answer.
 struct How {
     kind: Kind,
-    echo: Option<String>,
+    /// Completions' `echo`: each prompt's text before its completion.
+    echo: bool,
     constraint: Option<strata_engine::Constraint>,
     tools: Option<Vec<String>>,
     /// Completions' `best_of` (None: `n`).
@@ -250,7 +224,7 @@ struct How {
 
 async fn start(
     st: Arc<AppState>,
-    ids: Vec<u32>,
+    mut prompts: Vec<crate::choices::OnePrompt>,
     s: &Sampling,
     how: How,
     headers: &HeaderMap,
@@ -258,16 +232,18 @@ async fn start(
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let kind = how.kind;
-    let (mut params, stops) = crate::sampling::sampling(&st, s, ids.len())?;
+    let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let (mut params, stops) = crate::sampling::sampling(&st, s, longest)?;
     params.constraint = how.constraint;
     params.shared_prefix = how.shared_prefix;
+    let n = s.n.unwrap_or(1);
     // Completions' echo with logprobs: the prompt's too, with as many alternatives.
-    let prompt_logprobs = how.echo.is_some() && params.logprobs.is_some();
+    let prompt_logprobs = how.echo && params.logprobs.is_some();
     if prompt_logprobs {
         params.prompt_logprobs = params.logprobs;
-        check_prompt_logprobs(s.n.unwrap_or(1), ids.len(), params.logprobs.unwrap_or(0))?;
+        let tokens = prompts.iter().map(|p| p.ids.len()).sum();
+        check_prompt_logprobs(n, tokens, params.logprobs.unwrap_or(0))?;
     }
-    let n = s.n.unwrap_or(1);
     let best_of = crate::choices::best_of(how.best_of, n, s.stream)?;
     let prefill = prefill_worker(&st, headers, kind, body)?;
     let prefix = if kind == Kind::Chat {
@@ -288,12 +264,21 @@ async fn start(
         min_tokens: params.min_tokens,
         logprobs: params.logprobs.is_some(),
         prompt_logprobs,
-        echo: how.echo,
+        echo: None,
         tools: how.tools,
     };
-    if best_of > 1 {
-        return crate::choices::answer(st, ids, params, job, (n, best_of), prefill).await;
+    if best_of > 1 || prompts.len() > 1 {
+        let nb = (n, best_of);
+        return crate::choices::answer(st, prompts, params, job, nb, prefill).await;
     }
+    let one = prompts.pop().expect("a request has a prompt");
+    let (ids, job) = (
+        one.ids,
+        Job {
+            echo: one.echo,
+            ..job
+        },
+    );
     let mut rs = match prefill {
         Some(url) => crate::pd::decode_after_remote_prefill(&st, &url, ids, params).await?,
         None => st
@@ -307,6 +292,62 @@ async fn start(
     } else {
         whole_response(st, rs, job, first).await
     }
+}
+
+/// Most prompts one completions request may batch (each prompt's choices count against
+/// `MAX_CHOICES` on their own; together they are queued like as many requests).
+pub const MAX_BATCH_PROMPTS: usize = 64;
+
+/// A completions prompt as the batch it is: a string, a token-id list (one prompt each), a
+/// list of strings or of token-id lists (one prompt per entry), with each prompt's text for
+/// `echo`. Text is tokenized off the async workers.
+async fn batch(
+    st: &Arc<AppState>,
+    prompt: Prompt,
+    echo: bool,
+) -> Result<Vec<crate::choices::OnePrompt>, ApiError> {
+    use crate::choices::OnePrompt;
+    let entries = match &prompt {
+        Prompt::Texts(v) => v.len(),
+        Prompt::TokenLists(v) => v.len(),
+        _ => 1,
+    };
+    if entries == 0 || entries > MAX_BATCH_PROMPTS {
+        return Err(ApiError::bad_request(
+            format!("{entries} prompts in one request: from 1 to {MAX_BATCH_PROMPTS}"),
+            Some("prompt"),
+        ));
+    }
+    let ids: Vec<Vec<u32>> = match prompt.clone() {
+        Prompt::Tokens(t) => vec![t],
+        Prompt::TokenLists(v) => v,
+        p => {
+            off_async(st, move |st| {
+                let texts = match p {
+                    Prompt::Text(t) => vec![t],
+                    Prompt::Texts(v) => v,
+                    _ => unreachable!("token prompts are matched above"),
+                };
+                let one = |t: &String| crate::prompt::encode(&st.tokenizer, t);
+                texts.iter().map(one).collect::<Result<Vec<_>, _>>()
+            })
+            .await?
+        }
+    };
+    let mut out = Vec::with_capacity(ids.len());
+    for (i, ids) in ids.into_iter().enumerate() {
+        let echo = match (&prompt, echo) {
+            (_, false) => None,
+            (Prompt::Text(t), true) => Some(t.clone()),
+            (Prompt::Texts(v), true) => Some(v[i].clone()),
+            (_, true) => {
+                let ids = ids.clone();
+                Some(off_async(st, move |st| crate::prompt::decode_ids(&st.tokenizer, &ids)).await?)
+            }
+        };
+        out.push(OnePrompt { ids, echo });
+    }
+    Ok(out)
 }
 
 /// Most log-probability entries (a token or an alternative) of the prompt one answer carries

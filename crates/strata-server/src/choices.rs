@@ -15,6 +15,7 @@ use std::sync::Arc;
 use axum::response::sse::{Event as SseEvent, KeepAlive};
 use axum::response::{IntoResponse, Response, Sse};
 use futures_util::stream::{self, StreamExt};
+use serde_json::Value;
 use strata_engine::request::CachedTokens;
 use strata_engine::{Event, FinishReason, PromptLogprobs, SamplingParams};
 
@@ -99,10 +100,17 @@ fn mean_logprob(lps: &[strata_engine::TokenLogprobs]) -> f64 {
     lps.iter().map(|l| l.logprob as f64).sum::<f64>() / lps.len() as f64
 }
 
-/// Answers a request for `n` choices out of `best_of` candidates.
+/// One prompt of a request: its ids and (completions' `echo`) its text.
+pub(crate) struct OnePrompt {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) echo: Option<String>,
+}
+
+/// Answers a request for `n` choices out of `best_of` candidates for each of its prompts
+/// (completions take a batch: prompt `p`'s choices are indices `p·n ..`, OpenAI's order).
 pub(crate) async fn answer(
     st: Arc<AppState>,
-    ids: Vec<u32>,
+    prompts: Vec<OnePrompt>,
     mut params: SamplingParams,
     job: Job,
     (n, best_of): (usize, usize),
@@ -112,70 +120,108 @@ pub(crate) async fn answer(
         // The candidates are ranked by their tokens' log probabilities.
         params.logprobs = Some(params.logprobs.unwrap_or(0));
     }
-    // All candidates at their longest must fit together: refused now, before any is computed.
-    st.engine
-        .check_choices(ids.len(), params.max_tokens, best_of)
-        .map_err(|e| ApiError::from_submit(&e))?;
-    let (cached, prompt_lps) = prefill_once(&st, &ids, &params, prefill.as_deref()).await?;
-    // The same for every choice: rendered once.
-    let rendered = prompt_lps
-        .as_deref()
-        .map(|p| Arc::new(crate::logprobs::render_prompt(&st.tokenizer, p)));
-    let prompt = ids.len();
-    let mut answers = Vec::with_capacity(best_of);
-    for i in 0..best_of {
-        let p = SamplingParams {
-            seed: params.seed.map(|s| s.wrapping_add(i as u64)),
-            // Computed once above; each choice finds the prompt cached.
-            prompt_logprobs: None,
-            ..params.clone()
-        };
-        let mut rs = st
-            .engine
-            .submit(ids.clone(), p)
+    // All candidates of a prompt at their longest must fit together: refused now, before
+    // any is computed.
+    for p in &prompts {
+        st.engine
+            .check_choices(p.ids.len(), params.max_tokens, best_of)
             .map_err(|e| ApiError::from_submit(&e))?;
-        let first = first_event(&mut rs).await?;
-        let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
-        answers.push(a);
+    }
+    // Every prompt computed once, all at once.
+    let once = prompts
+        .iter()
+        .map(|p| prefill_once(&st, &p.ids, &params, prefill.as_deref()));
+    let computed = futures_util::future::join_all(once).await;
+    let (mut prompt_tokens, mut cached_tokens) = (0, 0);
+    let mut answers = Vec::with_capacity(prompts.len() * best_of);
+    for (pi, (p, c)) in prompts.into_iter().zip(computed).enumerate() {
+        let (cached, prompt_lps) = c?;
+        prompt_tokens += p.ids.len();
+        cached_tokens += cached.total();
+        // The same for every choice of the prompt: rendered once.
+        let rendered = prompt_lps
+            .as_deref()
+            .map(|l| Arc::new(crate::logprobs::render_prompt(&st.tokenizer, l)));
+        let job = Job {
+            echo: p.echo,
+            ..job.clone()
+        };
+        for i in 0..best_of {
+            let sp = SamplingParams {
+                seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+                // Computed once above; each choice finds the prompt cached.
+                prompt_logprobs: None,
+                ..params.clone()
+            };
+            let mut rs = st
+                .engine
+                .submit(p.ids.clone(), sp)
+                .map_err(|e| ApiError::from_submit(&e))?;
+            let first = first_event(&mut rs).await?;
+            let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
+            answers.push(Candidate {
+                answer: a,
+                job: job.clone(),
+                prompt: pi,
+                rendered: rendered.clone(),
+            });
+        }
     }
     if job.stream {
-        return Ok(streamed(st, job, answers, prompt, cached).into_response());
+        let streams = answers
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c.answer, c.job, i));
+        let usage = (prompt_tokens, cached_tokens);
+        return Ok(streamed(st, job, streams.collect(), usage).into_response());
     }
-    let results = futures_util::future::join_all(answers.iter_mut().map(collect)).await;
-    let mut done = Vec::with_capacity(best_of);
+    let results =
+        futures_util::future::join_all(answers.iter_mut().map(|c| collect(&mut c.answer))).await;
+    let mut done: Vec<Vec<_>> = (0..answers.len() / best_of).map(|_| Vec::new()).collect();
     let mut completion = 0;
-    for (r, a) in results.into_iter().zip(&answers) {
-        completion += a.completion_tokens();
-        done.push((r?, a));
+    for (r, c) in results.into_iter().zip(&answers) {
+        completion += c.answer.completion_tokens();
+        done[c.prompt].push((r?, c));
     }
-    if best_of > n {
-        // Likeliest first (the earlier candidate on a tie); the rest are dropped.
-        done.sort_by(|x, y| mean_logprob(&y.0 .2).total_cmp(&mean_logprob(&x.0 .2)));
-        done.truncate(n);
+    let mut choices = Vec::with_capacity(done.len() * n);
+    for mut per in done {
+        if best_of > n {
+            // Likeliest first (the earlier candidate on a tie); the rest are dropped.
+            per.sort_by(|x, y| mean_logprob(&y.0 .2).total_cmp(&mean_logprob(&x.0 .2)));
+            per.truncate(n);
+        }
+        for ((text, reason, lps), c) in per {
+            let prompt = c.rendered.as_deref().cloned();
+            let i = choices.len();
+            choices.push(choice_json(&st, &c.job, i, &text, reason, &lps, prompt));
+        }
     }
-    let mut choices = Vec::with_capacity(n);
-    for (i, ((text, reason, lps), _)) in done.into_iter().enumerate() {
-        let prompt = rendered.as_deref().cloned();
-        choices.push(choice_json(&st, &job, i, &text, reason, &lps, prompt));
-    }
-    let usage = Usage::new(prompt, completion, cached.total());
+    let usage = Usage::new(prompt_tokens, completion, cached_tokens);
     Ok(whole_body(&st, &job, choices, usage))
+}
+
+/// A candidate answer with what its choice needs.
+struct Candidate {
+    answer: Answer,
+    /// The request's job with its prompt's echo.
+    job: Job,
+    /// Its prompt's index in the batch.
+    prompt: usize,
+    rendered: Option<Arc<Value>>,
 }
 
 /// The choices' chunks as they come, then one usage chunk (if asked) and `[DONE]`.
 fn streamed(
     st: Arc<AppState>,
     job: Job,
-    answers: Vec<Answer>,
-    prompt: usize,
-    cached: CachedTokens,
+    answers: Vec<(Answer, Job, usize)>,
+    (prompt, cached): (usize, usize),
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let completion = Arc::new(AtomicUsize::new(0));
     let choices: Vec<_> = answers
         .into_iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let s = Streaming::new(a, job.clone(), i, false);
+        .map(|(a, own, i)| {
+            let s = Streaming::new(a, own, i, false);
             let total = completion.clone();
             stream::unfold(Some(s), move |s| {
                 let total = total.clone();
@@ -196,7 +242,7 @@ fn streamed(
     let end = stream::once(async move {
         let mut out = Vec::new();
         if job.include_usage {
-            let usage = Usage::new(prompt, completion.load(Ordering::Relaxed), cached.total());
+            let usage = Usage::new(prompt, completion.load(Ordering::Relaxed), cached);
             out.push(usage_event(&st, &job, usage));
         }
         out.push(SseEvent::default().data("[DONE]"));

@@ -52,17 +52,42 @@ async fn models_tokenize_detokenize_version_and_ids() {
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
         (
             "/tokenize",
-            json!({"prompt": "a", "add_special_tokens": false}),
+            json!({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": false}),
             "add_special_tokens",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "add_bos": false}),
+            "add_bos",
         ),
         ("/tokenize", json!({}), "prompt"),
     ] {
         let (st, e) = post(&format!("{u}{path}"), &body).await;
         assert_eq!(st, 400, "{path} {body}: {e}");
-        if param != "add_special_tokens" {
+        if param != "add_bos" {
             assert_eq!(e["error"]["param"], param, "{e}");
         }
     }
+    // vLLM's fields: the text's own ids without special tokens, each token's text.
+    let plain =
+        json!({"prompt": "hello world", "add_special_tokens": false, "return_token_strs": true});
+    let (_, p) = post(&format!("{u}/tokenize"), &plain).await;
+    let own: Vec<u32> = serde_json::from_value(p["tokens"].clone()).unwrap();
+    assert!(
+        ids.ends_with(&own) && ids.len() - own.len() <= 1,
+        "{p} vs {ids:?}"
+    );
+    assert_eq!(p["token_strs"].as_array().unwrap().len(), own.len(), "{p}");
+    let info: serde_json::Value = reqwest::get(format!("{u}/tokenizer_info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        info["eos_token"].is_string() && info["model_max_length"].as_u64() > Some(0),
+        "{info}"
+    );
 
     // X-Request-Id: echoed when given, made when not.
     let client = reqwest::Client::new();

@@ -44,6 +44,32 @@ text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 check("stream", text == r.choices[0].message.content, (text, r.choices[0].message.content))
 check("stream usage", chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6)
 
+# A batch of prompts: each its own choices, in OpenAI's order (prompt p's at p·n ..).
+texts = ["one two three", "four five", "six"]
+plain = dict(model=model, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+singles = [client.completions.create(prompt=t, **plain) for t in texts]
+b = client.completions.create(prompt=texts, n=2, **plain)
+check("batch indices", [c.index for c in b.choices] == list(range(6)), b)
+check("batch order", all(b.choices[2 * i + j].text == singles[i].choices[0].text
+                         for i in range(3) for j in range(2)), (b, singles))
+check("batch usage", b.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+      and b.usage.completion_tokens == 18, b.usage)
+tb = client.completions.create(model=model, prompt=[[40, 41, 42], [43, 44]], max_tokens=2,
+                               temperature=0, echo=True, logprobs=1,
+                               extra_body={"ignore_eos": True})
+check("token-list batch with echo", [len(c.logprobs.token_logprobs) for c in tb.choices] == [5, 4]
+      and tb.choices[0].text.startswith("()*") and tb.choices[1].text.startswith("+,"), tb)
+got = {}
+for c in client.completions.create(prompt=texts, stream=True, **plain):
+    for ch in c.choices:
+        got[ch.index] = got.get(ch.index, "") + ch.text
+check("batch streamed", [got.get(i) for i in range(3)] == [s.choices[0].text for s in singles], got)
+try:
+    client.completions.create(model=model, prompt=["a"] * 65, max_tokens=1)
+    sys.exit("FAILED a batch of 65 prompts: accepted")
+except openai.BadRequestError as e:
+    check("a batch of 65 refused", (e.body or {}).get("param") == "prompt", e.body)
+
 # Log probabilities, consistent with the greedy choice.
 lp = client.chat.completions.create(**greedy, logprobs=True, top_logprobs=2,
                                     extra_body={"ignore_eos": True})
