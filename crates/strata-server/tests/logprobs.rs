@@ -204,9 +204,20 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
     let (st, l) = post(&url, &listed).await;
     assert_eq!(st, 200, "{l}");
     assert_eq!(l["choices"][0]["logprobs"], e["choices"][0]["logprobs"]);
+    // A batch (lm-eval with a batch size): each prompt's choice is its answer alone.
     listed["prompt"] = json!([[5, 6], [7, 8]]);
     let (st, l) = post(&url, &listed).await;
-    assert_eq!((st, &l["error"]["param"]), (400, &json!("prompt")), "{l}");
+    assert_eq!(st, 200, "{l}");
+    for (i, one) in [[5, 6], [7, 8]].iter().enumerate() {
+        let mut alone = ids.clone();
+        alone["prompt"] = json!(one);
+        let (_, a) = post(&url, &alone).await;
+        assert_eq!(l["choices"][i]["index"], i, "{l}");
+        assert_eq!(
+            l["choices"][i]["logprobs"], a["choices"][0]["logprobs"],
+            "prompt {i}"
+        );
+    }
 
     // The model's next token ends the answer (end of sequence): the harness still gets its
     // entry, after the prompt's (it sums the entries after the context but the last).
