@@ -115,7 +115,9 @@ pub struct JsonSchemaFormat {
     pub description: Option<String>,
     /// Absent: any JSON value.
     pub schema: Option<serde_json::Value>,
-    /// The output always validates here, strict or not.
+    /// The output always validates; `true` also closes every object that lists its
+    /// properties (`additionalProperties: false` where it says nothing), as OpenAI's strict
+    /// mode defines it.
     pub strict: Option<bool>,
 }
 

@@ -73,6 +73,12 @@ pub fn asked(
         }
         Some(ResponseFormat::JsonSchema { json_schema }) => {
             let schema = match &json_schema.schema {
+                // OpenAI's strict mode: an object has no keys beyond its properties.
+                Some(v) if json_schema.strict == Some(true) && v.is_object() => {
+                    let mut v = v.clone();
+                    crate::tools::closed(&mut v, 0);
+                    schema_text(&v, "response_format")?
+                }
                 Some(v) => schema_text(v, "response_format")?,
                 None => "{}".into(),
             };

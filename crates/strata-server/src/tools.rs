@@ -204,8 +204,9 @@ impl Tools {
 
 /// Objects of an argument schema that list their properties and say nothing of others take
 /// only those (`additionalProperties: false`): a forced call writes the arguments the tool
-/// names, not invented ones. Nested schemas too, to a bounded depth.
-fn closed(schema: &mut Value, depth: usize) {
+/// names, not invented ones; a `strict` response format likewise. Nested schemas too, to a
+/// bounded depth.
+pub(crate) fn closed(schema: &mut Value, depth: usize) {
     let Some(o) = schema.as_object_mut() else {
         return;
     };
