@@ -106,6 +106,7 @@ fn known_route(path: &str) -> String {
         | "/tokenize"
         | "/detokenize"
         | "/tokenizer_info"
+        | "/flush_cache"
         | "/health"
         | "/health_generate"
         | "/metrics"

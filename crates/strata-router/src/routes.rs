@@ -30,6 +30,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/tokenizer_info", get(tokenizer_info))
+        .route("/flush_cache", post(flush_cache))
         .route("/version", get(version))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
@@ -137,6 +138,39 @@ async fn tokenize(State(st): St, body: Bytes) -> Response {
 
 async fn detokenize(State(st): St, body: Bytes) -> Response {
     pass(&st, reqwest::Method::POST, "/detokenize", Some(body)).await
+}
+
+/// `POST /flush_cache` on every worker (prefill and decode), with the caller's `Authorization`
+/// and query (`?tier=device`): 200 with each worker's answer when all flushed; else the first
+/// refusal as its worker gave it (a missing admin key is the worker's 401), or 502 naming a
+/// worker that did not answer.
+async fn flush_cache(
+    State(st): St,
+    headers: axum::http::HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    let mut answers = Vec::new();
+    for w in st.indexed() {
+        let mut req = st.client.post(format!("{}/flush_cache{query}", w.url));
+        if let Some(a) = headers.get(header::AUTHORIZATION) {
+            req = req.header(header::AUTHORIZATION, a.clone());
+        }
+        let r = match req.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = format!("worker {} did not answer /flush_cache: {e}", w.url);
+                return ApiError::new(StatusCode::BAD_GATEWAY, "server_error", msg).into_response();
+            }
+        };
+        let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        let body: serde_json::Value = r.json().await.unwrap_or(serde_json::Value::Null);
+        if !status.is_success() {
+            return (status, axum::Json(body)).into_response();
+        }
+        answers.push(serde_json::json!({"worker": w.url, "answer": body}));
+    }
+    axum::Json(serde_json::json!({"workers": answers})).into_response()
 }
 
 async fn tokenizer_info(State(st): St) -> Response {

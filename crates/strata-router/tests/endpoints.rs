@@ -59,3 +59,67 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
     assert_eq!(resp.headers()["x-request-id"], "abc-123");
     w.stop().await;
 }
+
+/// `/tokenizer_info` passes to a worker; `/flush_cache` reaches every worker with the
+/// caller's admin key, and a worker's refusal comes back as it gave it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let spec = || WorkerSpec {
+        admin_key: Some("op-key".into()),
+        ..WorkerSpec::default()
+    };
+    let (a, b) = (
+        spawn_worker(&path, spec()).await,
+        spawn_worker(&path, spec()).await,
+    );
+    let st = Arc::new(RouterState::new(
+        &[],
+        &[a.url.clone(), b.url.clone()],
+        Policy::RoundRobin,
+    ));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    let info: Value = reqwest::get(format!("{r}/tokenizer_info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(info["eos_token"].is_string(), "{info}");
+    // Both workers cache a prompt.
+    for w in [&a, &b] {
+        let body = json!({"prompt": (1..40).collect::<Vec<u32>>(), "max_tokens": 1});
+        let (st, x) = post(&format!("{}/v1/completions", w.url), &body).await;
+        assert_eq!(st, 200, "{x}");
+    }
+    let used = |w: &strata_test_support::TestWorker| w.state.engine.snapshot().device.pages_used;
+    assert!(used(&a) > 0 && used(&b) > 0);
+    let c = reqwest::Client::new();
+    let no_key = c.post(format!("{r}/flush_cache")).send().await.unwrap();
+    assert_eq!(no_key.status(), 401);
+    let e: Value = no_key.json().await.unwrap();
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("admin key"),
+        "{e}"
+    );
+    assert!(used(&a) > 0, "nothing flushed without the key");
+    let ok = c
+        .post(format!("{r}/flush_cache?tier=device"))
+        .bearer_auth("op-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let v: Value = ok.json().await.unwrap();
+    assert_eq!(v["workers"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["workers"][1]["answer"]["flushed"], "device", "{v}");
+    assert_eq!((used(&a), used(&b)), (0, 0));
+    a.stop().await;
+    b.stop().await;
+}
