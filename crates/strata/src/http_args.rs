@@ -24,6 +24,11 @@ pub struct HttpArgs {
     /// --max-connections, at least 16).
     #[arg(long, help_heading = "Connections")]
     pub max_connections_per_ip: Option<usize>,
+    /// Origins whose browsers may call this API (CORS), comma-separated
+    /// (`https://app.example.com,http://localhost:3000`), or `*` for any. Default: none — no
+    /// CORS headers, as every non-browser client needs.
+    #[arg(long, value_delimiter = ',', help_heading = "Connections")]
+    pub allowed_origins: Vec<String>,
 }
 
 impl HttpArgs {
@@ -37,10 +42,12 @@ impl HttpArgs {
                 bail!("{flag} {v}: expected seconds from 0.1 to 86400");
             }
         }
+        strata_server::listen::cors(&self.allowed_origins).map_err(anyhow::Error::msg)?;
         let fds = raise_fd_limit();
         let mut l = HttpLimits::for_fd_limit(fds, body_limit);
         l.header_timeout = Duration::from_secs_f64(self.header_timeout);
         l.body_timeout = Duration::from_secs_f64(self.body_timeout);
+        l.allowed_origins = self.allowed_origins.clone();
         if let Some(n) = self.max_connections {
             if n == 0 {
                 bail!("--max-connections 0: expected at least 1");

@@ -510,3 +510,95 @@ fn a_worker_going_silent_mid_stream_is_cut_after_the_idle_timeout() {
     });
     assert_error_event_then_done(&rest, "no data from the worker for 1.0 s");
 }
+
+/// A raw request with `Origin` (and a preflight's headers for OPTIONS); the whole answer.
+fn with_origin(port: u16, method: &str, path: &str, origin: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = r#"{"prompt":[1,2],"max_tokens":1}"#;
+    let extra = if method == "OPTIONS" {
+        "Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type, authorization\r\n".to_string()
+    } else {
+        format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        )
+    };
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nOrigin: {origin}\r\n{extra}Connection: close\r\n\r\n{}",
+        if method == "OPTIONS" { "" } else { body }
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.to_ascii_lowercase()
+}
+
+/// CORS is off by default (no header for any origin); `--allowed-origins` answers preflights
+/// and requests of the listed origins only (worker and router alike); a bad origin is refused
+/// at start.
+#[test]
+fn cors_is_off_by_default_and_allows_only_the_listed_origins() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let (_plain, p) = serve(&model, &[]);
+    let r = with_origin(p, "POST", "/v1/completions", "https://app.example");
+    assert!(
+        r.starts_with("http/1.1 200") && !r.contains("access-control-allow-origin"),
+        "{r}"
+    );
+    let (_w, p) = serve(
+        &model,
+        &[
+            "--allowed-origins",
+            "https://app.example,http://localhost:3000",
+        ],
+    );
+    let pre = with_origin(p, "OPTIONS", "/v1/completions", "https://app.example");
+    assert!(pre.starts_with("http/1.1 200"), "{pre}");
+    assert!(
+        pre.contains("access-control-allow-origin: https://app.example"),
+        "{pre}"
+    );
+    assert!(pre.contains("access-control-allow-methods"), "{pre}");
+    let ok = with_origin(p, "POST", "/v1/completions", "http://localhost:3000");
+    assert!(
+        ok.contains("access-control-allow-origin: http://localhost:3000"),
+        "{ok}"
+    );
+    assert!(
+        ok.contains("access-control-expose-headers: x-request-id"),
+        "{ok}"
+    );
+    let other = with_origin(p, "POST", "/v1/completions", "https://evil.example");
+    assert!(!other.contains("access-control-allow-origin"), "{other}");
+    // The router, any origin.
+    let url = format!("http://127.0.0.1:{p}");
+    let mut r = start(
+        &[
+            "route",
+            "--port",
+            "0",
+            "--decode",
+            &url,
+            "--allowed-origins",
+            "*",
+        ]
+        .map(String::from),
+    );
+    let rp = port_after(&r.wait_for("ready on http://", 60), "http://");
+    let pre = with_origin(rp, "OPTIONS", "/v1/completions", "https://any.example");
+    assert!(pre.contains("access-control-allow-origin: *"), "{pre}");
+    // A path or another scheme is not an origin: refused before anything starts.
+    for bad in ["https://app.example/x", "ftp://a", "*,https://a.example"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model)
+            .args(["--allowed-origins", bad])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {e}");
+        assert!(e.contains("--allowed-origins"), "{bad}: {e}");
+    }
+}

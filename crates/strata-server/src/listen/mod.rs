@@ -29,13 +29,15 @@ use crate::metrics::Text;
 use crate::places::{Admit, PlaceLimits, Places};
 
 /// What one HTTP listener allows.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HttpLimits {
     pub header_timeout: Duration,
     pub body_timeout: Duration,
     pub body_limit: usize,
     pub max_connections: usize,
     pub max_connections_per_ip: usize,
+    /// Origins whose browsers may call the API (CORS; `*`: any); empty: no CORS headers.
+    pub allowed_origins: Vec<String>,
 }
 
 impl HttpLimits {
@@ -49,8 +51,59 @@ impl HttpLimits {
             body_limit,
             max_connections: total,
             max_connections_per_ip: (total / 4).max(16),
+            allowed_origins: Vec::new(),
         }
     }
+}
+
+/// The CORS layer of `--allowed-origins` (None when empty), or why an origin is not one:
+/// `*` alone, or `http(s)://host[:port]` with no path. A browser on an allowed origin may send
+/// the API's requests (preflight `OPTIONS` answered here, before any other check) and read
+/// `X-Request-Id`; credentials (cookies) are never allowed.
+pub fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>, String> {
+    use axum::http::{header, HeaderName, HeaderValue, Method};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        if origins.len() > 1 {
+            return Err("--allowed-origins: `*` (any origin) stands alone".into());
+        }
+        AllowOrigin::any()
+    } else {
+        let mut list = Vec::with_capacity(origins.len());
+        for o in origins {
+            let rest = o
+                .strip_prefix("https://")
+                .or_else(|| o.strip_prefix("http://"));
+            let ok = rest.is_some_and(|h| {
+                !h.is_empty()
+                    && !h.contains(['/', '?', '#', '@'])
+                    && !h.contains(char::is_whitespace)
+            });
+            let v = HeaderValue::from_str(o).ok().filter(|_| ok);
+            list.push(v.ok_or_else(|| {
+                format!(
+                    "--allowed-origins `{o}`: an origin is http(s)://host[:port], without a path \
+                     (or `*` for any)"
+                )
+            })?);
+        }
+        AllowOrigin::list(list)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_headers([
+                header::CONTENT_TYPE,
+                header::AUTHORIZATION,
+                HeaderName::from_static("x-request-id"),
+            ])
+            .expose_headers([HeaderName::from_static("x-request-id")])
+            .max_age(Duration::from_secs(600)),
+    ))
 }
 
 /// A connection's handle in the places: notified when it must yield.
@@ -129,6 +182,14 @@ pub async fn serve(
     stats: Arc<HttpStats>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // Taken out: the limits are copied to every connection (an empty list allocates nothing).
+    let mut limits = limits;
+    let origins = std::mem::take(&mut limits.allowed_origins);
+    let app = match cors(&origins) {
+        Ok(Some(layer)) => app.layer(layer),
+        Ok(None) => app,
+        Err(e) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)),
+    };
     let places: Arc<Places<Handle>> = Places::new(PlaceLimits {
         total: limits.max_connections,
         per_addr: limits.max_connections_per_ip,
@@ -146,6 +207,7 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
+    let bodies = Arc::new(tokio::sync::Semaphore::new(body_budget(limits.body_limit)));
     let mut acc = Acceptor {
         listener,
         backoff: Duration::from_millis(5),
@@ -159,7 +221,7 @@ pub async fn serve(
             stop_rx,
             open: Arc::new((AtomicUsize::new(0), Notify::new())),
             gate,
-            bodies: Arc::new(tokio::sync::Semaphore::new(body_budget(limits.body_limit))),
+            bodies,
         },
     };
     tokio::pin!(stop);
@@ -284,7 +346,7 @@ impl Spawner {
         self.open.0.fetch_add(1, Ordering::SeqCst);
         let conn = Conn {
             app: self.app.clone(),
-            limits: self.limits,
+            limits: self.limits.clone(),
             stats: stats.clone(),
             place: Arc::new(place),
             peer,
