@@ -18,6 +18,7 @@ kill             procps
 curl             curl
 python3          python3
 pip              python3-pip
+venv             python3-venv
 prometheus       prometheus
 promtool         prometheus
 redis-server     redis-server
@@ -27,7 +28,11 @@ tc               iproute2
 chromium         chromium
 "
 has() {
-  if [ "$1" = pip ]; then python3 -m pip --version >/dev/null 2>&1; else command -v "$1" >/dev/null; fi
+  case "$1" in
+    pip) python3 -m pip --version >/dev/null 2>&1 ;;
+    venv) python3 -c 'import ensurepip, venv' >/dev/null 2>&1 ;;
+    *) command -v "$1" >/dev/null ;;
+  esac
 }
 missing=()
 while read -r prog pkg; do
@@ -49,6 +54,10 @@ fi
 echo "== Python packages the tests use (scripts/requirements-test.txt)"
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
   -r scripts/requirements-test.txt
+echo "== instructor in its own virtual environment (scripts/requirements-instructor.txt)"
+[ -x target/py-instructor/bin/python ] || python3 -m venv target/py-instructor
+target/py-instructor/bin/python -m pip install -q --disable-pip-version-check \
+  -r scripts/requirements-instructor.txt
 # CI builds once from scratch: incremental state would only take disk.
 if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
 echo "== cargo fmt --check"

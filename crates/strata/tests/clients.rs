@@ -1,4 +1,4 @@
-//! The official `openai` Python client, langchain-openai and lm-eval (pinned in
+//! The official `openai` Python client, langchain-openai, lm-eval and instructor (pinned in
 //! scripts/requirements-test.txt, installed by scripts/test.sh) against real processes: a
 //! `strata serve`, then the router (`strata route`) in front of a prefill and a decode worker
 //! (`strata serve --role prefill|decode`), all on port 0 with the tiny model. The scripts
@@ -8,7 +8,8 @@
 //! langchain-openai's `bind_tools` (`tool_choice="required"`) and `with_structured_output`
 //! (json_schema, 20/20); lm-evaluation-harness's `local-completions` (its default tokenized
 //! requests, the server's tokenizer) and `local-chat-completions` on a log-likelihood and a
-//! generate-until task, the same scores cold and warm.
+//! generate-until task, the same scores cold and warm; instructor's TOOLS mode with nested
+//! models (`$defs`), validated 10 times out of 10.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -78,15 +79,29 @@ fn serve(model: &Path, extra: &[&str]) -> (Proc, String) {
 
 /// Runs both client scripts against `base`; fails with their output.
 fn client_checks(base: &str, mode: &str) {
+    // instructor pins a jiter the openai client cannot take: its own virtual environment
+    // (scripts/test.sh makes it).
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/py-instructor/bin/python");
+    assert!(
+        venv.exists(),
+        "{} is missing: scripts/test.sh makes it (python3 -m venv, scripts/requirements-instructor.txt)",
+        venv.display()
+    );
     for script in [
         "openai_client.py",
         "langchain_client.py",
         "lm_eval_client.py",
+        "instructor_client.py",
     ] {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/python")
             .join(script);
-        let out = Command::new("python3")
+        let python = if script == "instructor_client.py" {
+            venv.as_os_str()
+        } else {
+            std::ffi::OsStr::new("python3")
+        };
+        let out = Command::new(python)
             .arg(&path)
             .args([base, "tiny", mode])
             .output()
