@@ -135,6 +135,14 @@ impl Grammars {
                 ))
             }
         };
+        // A constraint that admits nothing (`{"$ref": "#"}`, two definitions naming each
+        // other) fails its first mask: refused here, not as a failed generation.
+        if let Err(e) = Matcher::new(Ok(parser.deep_clone())).compute_mask_or_eos() {
+            return Err(GrammarError::Invalid(format!(
+                "the constraint admits no output ({})",
+                first_line(&e.to_string())
+            )));
+        }
         Ok(Compiled {
             spec: c.clone(),
             parser: Mutex::new(parser),

@@ -18,6 +18,9 @@ pub const MAX_REPEAT: u32 = 1000;
 pub const MAX_REGEX_EXPANSION: u64 = 100_000;
 /// Most alternatives (`|`) in a Lark grammar.
 pub const MAX_ALTERNATIVES: usize = 4096;
+/// Deepest a JSON schema may nest, counting each local `$ref` followed as a level (a chain of
+/// thousands of definitions overflowed the compiler's stack and killed the process).
+pub const MAX_SCHEMA_DEPTH: usize = 100;
 
 fn too_large(m: String) -> GrammarError {
     GrammarError::Invalid(m)
@@ -29,9 +32,8 @@ pub fn check(c: &OutputConstraint) -> Result<(), GrammarError> {
         OutputConstraint::JsonObject => Ok(()),
         OutputConstraint::JsonSchema(s) => {
             spec_bytes("the JSON schema", s)?;
-            // The regexes inside: `pattern` values and `patternProperties` keys.
             match serde_json::from_str::<serde_json::Value>(s) {
-                Ok(v) => schema_patterns(&v),
+                Ok(v) => schema(&v),
                 Err(_) => Ok(()), // refused with the parser's reason when compiled
             }
         }
@@ -42,6 +44,7 @@ pub fn check(c: &OutputConstraint) -> Result<(), GrammarError> {
         OutputConstraint::Lark(g) => {
             spec_bytes("the grammar", g)?;
             lark_repeats(g)?;
+            lark_schemas(g)?;
             let alts = g.bytes().filter(|&b| b == b'|').count();
             if alts > MAX_ALTERNATIVES {
                 return Err(too_large(format!(
@@ -76,6 +79,97 @@ fn spec_bytes(what: &str, s: &str) -> Result<(), GrammarError> {
         )));
     }
     Ok(())
+}
+
+/// A JSON schema's regexes (`pattern` values, `patternProperties` keys) and depth.
+pub fn schema(v: &serde_json::Value) -> Result<(), GrammarError> {
+    schema_patterns(v)?;
+    Depth::new(v).walk(v, 0).map(|_| ())
+}
+
+/// The JSON schemas a Lark grammar embeds (`%json {…}`, as forced tool calls do) checked as
+/// schemas.
+fn lark_schemas(g: &str) -> Result<(), GrammarError> {
+    let mut rest = g;
+    while let Some(i) = rest.find("%json") {
+        rest = &rest[i + "%json".len()..];
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<serde_json::Value>();
+        if let Some(Ok(v)) = values.next() {
+            schema(&v)?;
+        }
+    }
+    Ok(())
+}
+
+/// How deep a JSON schema nests, following its local `$ref`s (a reference back to a schema
+/// being walked is recursion, which the compiler takes lazily: no deeper). Each target's depth
+/// is counted once. Its own recursion stops at [`MAX_SCHEMA_DEPTH`].
+struct Depth<'a> {
+    root: &'a serde_json::Value,
+    below: std::collections::HashMap<&'a str, usize>,
+    open: std::collections::HashSet<&'a str>,
+}
+
+impl<'a> Depth<'a> {
+    fn new(root: &'a serde_json::Value) -> Depth<'a> {
+        Depth {
+            root,
+            below: Default::default(),
+            open: Default::default(),
+        }
+    }
+
+    /// The deepest level under `v` (at level `d`).
+    fn walk(&mut self, v: &'a serde_json::Value, d: usize) -> Result<usize, GrammarError> {
+        use serde_json::Value;
+        if d > MAX_SCHEMA_DEPTH {
+            return Err(too_large(format!(
+                "the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels (each `$ref` followed \
+                 counts as one)"
+            )));
+        }
+        let mut deepest = d;
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::String(r)) = m.get("$ref") {
+                    deepest = deepest.max(self.reference(r, d)?);
+                }
+                for (k, x) in m {
+                    if k != "$ref" {
+                        deepest = deepest.max(self.walk(x, d + 1)?);
+                    }
+                }
+            }
+            Value::Array(a) => {
+                for x in a {
+                    deepest = deepest.max(self.walk(x, d + 1)?);
+                }
+            }
+            _ => {}
+        }
+        Ok(deepest)
+    }
+
+    /// The deepest level reached through a local reference at level `d`.
+    fn reference(&mut self, r: &'a str, d: usize) -> Result<usize, GrammarError> {
+        let Some(ptr) = r.strip_prefix('#') else {
+            return Ok(d);
+        };
+        if self.open.contains(r) {
+            return Ok(d);
+        }
+        if let Some(&b) = self.below.get(r) {
+            return Ok(d + b);
+        }
+        let Some(target) = self.root.pointer(ptr) else {
+            return Ok(d); // refused with the compiler's reason
+        };
+        self.open.insert(r);
+        let deepest = self.walk(target, d + 1)?;
+        self.open.remove(r);
+        self.below.insert(r, deepest - d);
+        Ok(deepest)
+    }
 }
 
 /// Every regex of a JSON schema checked as a regex (serde_json bounds the nesting at 128).

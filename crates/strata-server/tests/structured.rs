@@ -472,3 +472,100 @@ async fn a_strict_schema_takes_no_keys_beyond_its_properties() {
     );
     w.stop().await;
 }
+
+/// Hostile schemas: a chain of thousands of `$ref`s (it overflowed the grammar compiler's
+/// stack and killed the worker) is refused by its depth wherever a schema can come from; a
+/// schema that admits nothing (`{"$ref": "#"}`, two definitions naming each other) is a 400
+/// naming the field, not a failed generation; the worker keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_and_cyclic_ref_chains_are_refused_and_the_worker_keeps_serving() {
+    let (_d, w) = worker().await;
+    let n = 5000;
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("D{i}"),
+            json!({"$ref": format!("#/$defs/D{}", i + 1)}),
+        );
+    }
+    defs.insert(format!("D{n}"), json!({"type": "integer"}));
+    let deep = json!({"$defs": defs, "$ref": "#/$defs/D0"});
+    let format =
+        |s: &Value| json!({"type": "json_schema", "json_schema": {"name": "s", "schema": s}});
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/D0"}}, "$defs": deep["$defs"]}}}]);
+    let chat_url = format!("{}/v1/chat/completions", w.url);
+    let comp_url = format!("{}/v1/completions", w.url);
+    let grammar = format!("start: %json {deep}");
+    for (url, body, field) in [
+        (
+            &chat_url,
+            chat(user("x"), json!({"response_format": format(&deep)})),
+            "response_format",
+        ),
+        (
+            &chat_url,
+            chat(
+                user("x"),
+                json!({"tools": tools, "tool_choice": "required"}),
+            ),
+            "tool_choice",
+        ),
+        (
+            &comp_url,
+            json!({"prompt": "a", "guided_json": deep}),
+            "guided_json",
+        ),
+        (
+            &comp_url,
+            json!({"prompt": "a", "guided_grammar": grammar}),
+            "guided_grammar",
+        ),
+    ] {
+        let (st, e) = post(url, &body).await;
+        assert_eq!((st, &e["error"]["param"]), (400, &json!(field)), "{e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("deeper than 100 levels"),
+            "{e}"
+        );
+    }
+    let cyclic = json!({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+                        "$ref": "#/$defs/A"});
+    for s in [json!({"$ref": "#"}), cyclic] {
+        let (st, e) = post(
+            &chat_url,
+            &chat(user("x"), json!({"response_format": format(&s)})),
+        )
+        .await;
+        assert_eq!(
+            (st, &e["error"]["param"]),
+            (400, &json!("response_format")),
+            "{e}"
+        );
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("admits no output"),
+            "{e}"
+        );
+    }
+    // Recursion that admits output is fine: a tree of bounded width.
+    let tree = json!({"$defs": {"N": {"type": "object", "properties": {"c": {"type": "array",
+        "items": {"$ref": "#/$defs/N"}, "maxItems": 2}}, "required": ["c"]}}, "$ref": "#/$defs/N"});
+    let (st, a) = post(
+        &chat_url,
+        &chat(
+            user("x"),
+            json!({"response_format": format(&tree), "max_tokens": 30}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{a}");
+    let (st, _) = post(&comp_url, &json!({"prompt": "a", "max_tokens": 2})).await;
+    assert_eq!(st, 200, "still serving");
+    w.stop().await;
+}
