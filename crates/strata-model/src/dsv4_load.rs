@@ -193,6 +193,26 @@ fn check_architecture(p: &str, meta: &HashMap<String, Value>) -> Result<(), Mode
     }
 }
 
+/// Every tensor the model reads has its shape, checked from the header before any is read (a
+/// rank cuts each as it is read: the whole model is never in memory at once).
+fn check_shapes(
+    p: &str,
+    cfg: &Dsv4Config,
+    tensors: &[(String, Vec<usize>, u32, u64)],
+) -> Result<(), ModelError> {
+    let want: HashMap<String, Vec<usize>> = crate::dsv4::expected(cfg).into_iter().collect();
+    for (name, ne, _, _) in tensors {
+        if let Some(exp) = want.get(name).filter(|e| *e != ne) {
+            return Err(ModelError::Tensor {
+                path: p.to_string(),
+                name: name.clone(),
+                reason: format!("shape {ne:?}, expected {exp:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Loads a DeepSeek-V4 GGUF.
 pub fn load_dsv4(path: &Path) -> Result<Dsv4, ModelError> {
     load_dsv4_part(path, None)
@@ -247,18 +267,7 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
             reason: format!("its tensors claim {total} bytes of data, more than the file's {len}"),
         });
     }
-    // Every tensor the model reads has its shape before any is read (a rank cuts each as it
-    // is read: the whole model is never in memory at once).
-    let want: HashMap<String, Vec<usize>> = crate::dsv4::expected(&cfg).into_iter().collect();
-    for (name, ne, _, _) in &h.tensors {
-        if let Some(exp) = want.get(name).filter(|e| *e != ne) {
-            return Err(ModelError::Tensor {
-                path: p.clone(),
-                name: name.clone(),
-                reason: format!("shape {ne:?}, expected {exp:?}"),
-            });
-        }
-    }
+    check_shapes(&p, &cfg, &h.tensors)?;
     let part = part.unwrap_or_else(|| Dsv4Part::whole(&cfg));
     part.check(&cfg).map_err(ModelError::Forward)?;
     let mut w: Weights = HashMap::new();

@@ -175,6 +175,18 @@ pub(crate) async fn answer(
         let usage = (prompt_tokens, cached_tokens);
         return Ok(streamed(st, job, streams.collect(), usage).into_response());
     }
+    let usage = (prompt_tokens, cached_tokens);
+    whole(&st, &job, answers, (n, best_of), usage).await
+}
+
+/// The whole answer of a request's candidates: each prompt's `n` best, in order.
+async fn whole(
+    st: &Arc<AppState>,
+    job: &Job,
+    mut answers: Vec<Candidate>,
+    (n, best_of): (usize, usize),
+    (prompt_tokens, cached_tokens): (usize, usize),
+) -> Result<Response, ApiError> {
     let results =
         futures_util::future::join_all(answers.iter_mut().map(|c| collect(&mut c.answer))).await;
     let mut done: Vec<Vec<_>> = (0..answers.len() / best_of).map(|_| Vec::new()).collect();
@@ -193,11 +205,11 @@ pub(crate) async fn answer(
         for ((text, reason, lps), c) in per {
             let prompt = c.rendered.as_deref().cloned();
             let i = choices.len();
-            choices.push(choice_json(&st, &c.job, i, &text, reason, &lps, prompt));
+            choices.push(choice_json(st, &c.job, i, &text, reason, &lps, prompt));
         }
     }
     let usage = Usage::new(prompt_tokens, completion, cached_tokens);
-    Ok(whole_body(&st, &job, choices, usage))
+    Ok(whole_body(st, job, choices, usage))
 }
 
 /// A candidate answer with what its choice needs.

@@ -52,6 +52,8 @@ pub struct AppState {
     /// The grammar engine over this model's tokenizer, built on the first structured request
     /// (its error, if the tokenizer cannot be described to it).
     pub grammars: std::sync::OnceLock<Result<Arc<strata_grammar::Grammars>, String>>,
+    /// The conversations `/v1/responses`' `previous_response_id` continues.
+    pub responses: Arc<crate::response_store::ResponseStore>,
     /// What the HTTP listener saw (connections, timeouts).
     pub http: Arc<crate::listen::HttpStats>,
 }
@@ -127,6 +129,7 @@ impl AppState {
             replay: crate::auth::ReplayGuard::default(),
             pd: PdSide::default(),
             grammars: std::sync::OnceLock::new(),
+            responses: Arc::default(),
             http: Default::default(),
         }
     }

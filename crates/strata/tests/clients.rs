@@ -92,7 +92,12 @@ fn client_checks(base: &str, mode: &str) {
         "langchain_client.py",
         "lm_eval_client.py",
         "instructor_client.py",
+        "responses_client.py",
     ] {
+        if script == "responses_client.py" && mode != "single" {
+            // The router does not serve /v1/responses yet (docs/API.md).
+            continue;
+        }
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/python")
             .join(script);

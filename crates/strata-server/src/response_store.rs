@@ -1,0 +1,146 @@
+//! The conversations `previous_response_id` continues: each stored response's messages (its
+//! input and its answer, without its instructions), in memory, bounded in count, bytes and
+//! age. Past a bound the oldest go first; an id that is gone is a 400 naming the field (the
+//! client sends the conversation again). Ids are random (128 bits), so one client cannot
+//! reach another's conversation by guessing.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Most responses kept.
+pub const MAX_ENTRIES: usize = 10_000;
+/// Most bytes of kept conversations (their JSON).
+pub const MAX_BYTES: usize = 64 << 20;
+/// How long a response is kept.
+pub const TTL: Duration = Duration::from_secs(3600);
+
+struct Kept {
+    at: Instant,
+    bytes: usize,
+    messages: Arc<Vec<Value>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<String, Kept>,
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// The store (see the module notes).
+pub struct ResponseStore {
+    inner: Mutex<Inner>,
+    max_entries: usize,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+impl Default for ResponseStore {
+    fn default() -> Self {
+        ResponseStore::new(MAX_ENTRIES, MAX_BYTES, TTL)
+    }
+}
+
+impl ResponseStore {
+    pub fn new(max_entries: usize, max_bytes: usize, ttl: Duration) -> ResponseStore {
+        ResponseStore {
+            inner: Mutex::new(Inner::default()),
+            max_entries,
+            max_bytes,
+            ttl,
+        }
+    }
+
+    /// The conversation kept under `id`, unless it expired.
+    pub fn get(&self, id: &str) -> Option<Arc<Vec<Value>>> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let k = g.map.get(id)?;
+        if k.at.elapsed() > self.ttl {
+            let b = k.bytes;
+            g.map.remove(id);
+            g.bytes -= b;
+            return None;
+        }
+        Some(k.messages.clone())
+    }
+
+    /// Keeps `messages` under `id`; the oldest (and the expired) go past the bounds. A
+    /// conversation larger than a quarter of the byte bound is not kept.
+    pub fn put(&self, id: &str, messages: Vec<Value>) {
+        let bytes = serde_json::to_vec(&messages).map_or(usize::MAX, |v| v.len());
+        if bytes > self.max_bytes / 4 {
+            return;
+        }
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = Kept {
+            at: Instant::now(),
+            bytes,
+            messages: Arc::new(messages),
+        };
+        if let Some(old) = g.map.insert(id.to_string(), kept) {
+            g.bytes -= old.bytes;
+        } else {
+            g.order.push_back(id.to_string());
+        }
+        g.bytes += bytes;
+        while g.bytes > self.max_bytes || g.map.len() > self.max_entries {
+            let Some(oldest) = g.order.pop_front() else {
+                break;
+            };
+            if let Some(k) = g.map.remove(&oldest) {
+                g.bytes -= k.bytes;
+            }
+        }
+        // Ids whose entries expired or were replaced leave the order list as it is read.
+        while g.order.len() > 2 * g.map.len() + 16 {
+            let Some(id) = g.order.pop_front() else { break };
+            if g.map.contains_key(&id) {
+                g.order.push_back(id);
+                break;
+            }
+        }
+    }
+
+    /// Responses kept now, and their bytes.
+    pub fn size(&self) -> (usize, usize) {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        (g.map.len(), g.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_oldest_go_past_the_bounds_and_old_ones_expire() {
+        let s = ResponseStore::new(3, 1 << 20, Duration::from_secs(3600));
+        for i in 0..5 {
+            s.put(
+                &format!("r{i}"),
+                vec![json!({"role": "user", "content": i})],
+            );
+        }
+        assert_eq!(s.size().0, 3);
+        assert!(s.get("r0").is_none() && s.get("r1").is_none() && s.get("r4").is_some());
+        let s = ResponseStore::new(100, 200, Duration::from_secs(3600));
+        s.put("big", vec![json!({"content": "x".repeat(100)})]);
+        assert!(
+            s.get("big").is_none(),
+            "over a quarter of the bytes: not kept"
+        );
+        for i in 0..20 {
+            s.put(&format!("r{i}"), vec![json!({"c": i})]);
+        }
+        assert!(s.size().1 <= 200, "{:?}", s.size());
+        let s = ResponseStore::new(10, 1 << 20, Duration::from_millis(1));
+        s.put("a", vec![json!(1)]);
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(s.get("a").is_none());
+        assert_eq!(s.size(), (0, 0));
+    }
+}
