@@ -9,7 +9,8 @@
 //! (json_schema, 20/20); lm-evaluation-harness's `local-completions` (its default tokenized
 //! requests, the server's tokenizer) and `local-chat-completions` on a log-likelihood and a
 //! generate-until task, the same scores cold and warm; instructor's TOOLS mode with nested
-//! models (`$defs`), validated 10 times out of 10.
+//! models (`$defs`), validated 10 times out of 10; the Responses API through the openai client
+//! and the OpenAI Agents SDK's default model with a function tool (on a worker).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -93,8 +94,9 @@ fn client_checks(base: &str, mode: &str) {
         "lm_eval_client.py",
         "instructor_client.py",
         "responses_client.py",
+        "agents_client.py",
     ] {
-        if script == "responses_client.py" && mode != "single" {
+        if matches!(script, "responses_client.py" | "agents_client.py") && mode != "single" {
             // The router does not serve /v1/responses yet (docs/API.md).
             continue;
         }

@@ -62,18 +62,55 @@ const FIELDS: &[&str] = &[
     "truncation",
 ];
 
-/// A field this endpoint does not serve is refused by name (`reasoning`, `include`,
-/// `background`, ...), before the body is read further.
-pub fn known_fields(body: &[u8]) -> Result<(), ApiError> {
-    let Ok(serde_json::Value::Object(m)) = serde_json::from_slice::<Value>(body) else {
-        return Ok(()); // the parser names what is wrong
+/// Fields taken only with a value that asks for nothing (null, false, empty, 0; for
+/// `service_tier`, `auto` or `default`): what SDKs send by default.
+const NEUTRAL: &[&str] = &[
+    "include",
+    "reasoning",
+    "top_logprobs",
+    "background",
+    "service_tier",
+    "user",
+    "stream_options",
+    "conversation",
+    "prompt",
+    "max_tool_calls",
+    "safety_identifier",
+    "prompt_cache_key",
+];
+
+/// The request, any field this endpoint does not serve refused by name (`reasoning` with an
+/// effort, `include` with items, ...).
+pub fn parse(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
+    let Ok(serde_json::Value::Object(mut m)) = serde_json::from_slice::<Value>(body) else {
+        return crate::body::parse_json(body); // the parser names what is wrong
     };
-    match m.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+    // Fields a client sends with values that ask for nothing: taken as the absence they are.
+    let neutral = |k: &str, v: &Value| {
+        NEUTRAL.contains(&k)
+            && match v {
+                Value::Null | Value::Bool(false) => true,
+                Value::Bool(true) => false,
+                Value::Array(a) => a.is_empty(),
+                Value::Object(o) => o.is_empty(),
+                Value::Number(n) => n.as_f64() == Some(0.0),
+                Value::String(s) => k == "service_tier" && matches!(s.as_str(), "auto" | "default"),
+            }
+    };
+    match m
+        .iter()
+        .find(|(k, v)| !FIELDS.contains(&k.as_str()) && !neutral(k, v))
+        .map(|(k, _)| k)
+    {
         Some(k) => Err(bad(
             format!("`{k}` is not served by /v1/responses (docs/API.md lists the fields)"),
             k,
         )),
-        None => Ok(()),
+        None => {
+            m.retain(|k, _| FIELDS.contains(&k.as_str()));
+            serde_json::from_value(Value::Object(m))
+                .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use crate::body::{body_bytes, parse_json};
+use crate::body::body_bytes;
 use crate::error::ApiError;
 use crate::state::AppState;
 
@@ -34,8 +34,7 @@ pub async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body, st.body_limit)?;
-    convert::known_fields(&bytes)?;
-    let req: ResponsesRequest = parse_json(&bytes)?;
+    let req: ResponsesRequest = convert::parse(&bytes)?;
     crate::endpoints::check_model(&st, req.model.as_deref())?;
     let earlier = match &req.previous_response_id {
         Some(id) => Some(st.responses.get(id).ok_or_else(|| {
