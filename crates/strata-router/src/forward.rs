@@ -211,12 +211,32 @@ fn request(
     body: &Bytes,
     request_id: Option<&axum::http::HeaderValue>,
 ) -> reqwest::RequestBuilder {
+    request_to(
+        st,
+        &pair.decode,
+        pair.prefill.as_deref(),
+        path,
+        body,
+        request_id,
+    )
+}
+
+/// The request to `decode` (with `prefill` named under PD), signed when the deployment has a
+/// cluster key.
+pub(crate) fn request_to(
+    st: &RouterState,
+    decode: &Worker,
+    prefill: Option<&Worker>,
+    path: &str,
+    body: &Bytes,
+    request_id: Option<&axum::http::HeaderValue>,
+) -> reqwest::RequestBuilder {
     let mut req = st
         .client
-        .post(format!("{}{path}", pair.decode.url))
+        .post(format!("{}{path}", decode.url))
         .header(header::CONTENT_TYPE, "application/json")
         .body(body.clone());
-    if let Some(p) = &pair.prefill {
+    if let Some(p) = prefill {
         req = req.header(PREFILL_HEADER, &p.url);
     }
     // The worker logs and echoes the same id as the router.
@@ -228,7 +248,7 @@ fn request(
             method: "POST",
             target: path,
             body,
-            prefill: pair.prefill.as_ref().map(|w| w.url.as_str()),
+            prefill: prefill.map(|w| w.url.as_str()),
         };
         req = req.header(
             strata_server::auth::AUTH_HEADER,

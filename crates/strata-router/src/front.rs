@@ -102,6 +102,7 @@ fn known_route(path: &str) -> String {
     match path {
         p @ ("/v1/chat/completions"
         | "/v1/completions"
+        | "/v1/responses"
         | "/v1/models"
         | "/tokenize"
         | "/detokenize"

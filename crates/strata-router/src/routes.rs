@@ -25,6 +25,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(forward_chat))
         .route("/v1/completions", post(forward_completions))
+        .route("/v1/responses", post(crate::responses::forward_responses))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))

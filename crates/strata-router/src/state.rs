@@ -42,6 +42,8 @@ pub struct RouterState {
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
     /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
+    /// Which decode worker stores which `/v1/responses` response.
+    pub response_owners: Mutex<crate::responses::Owners>,
     /// Requests by route, status and worker; latencies; upstream and auth failures.
     pub front: FrontMetrics,
     /// A worker's answer stream silent this long is cut (the client gets an error event).
@@ -95,6 +97,7 @@ impl RouterState {
             health_every: Duration::from_secs(1),
             cluster_key: None,
             cpu_gate: strata_server::state::cpu_gate(),
+            response_owners: Default::default(),
             front: Default::default(),
             stream_idle: Duration::from_secs(45),
             health_generate: Default::default(),

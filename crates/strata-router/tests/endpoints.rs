@@ -123,3 +123,45 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
     a.stop().await;
     b.stop().await;
 }
+
+/// `/v1/responses` through the router: a turn continuing a stored response goes to the worker
+/// that stores it (with two workers, a wrong one would answer 400).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_turn_goes_to_the_worker_storing_its_previous_response() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let (a, b) = (
+        spawn_worker(&path, WorkerSpec::default()).await,
+        spawn_worker(&path, WorkerSpec::default()).await,
+    );
+    let st = Arc::new(RouterState::new(
+        &[],
+        &[a.url.clone(), b.url.clone()],
+        Policy::RoundRobin,
+    ));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    let url = format!("{r}/v1/responses");
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let (st, x) = post(
+            &url,
+            &json!({"input": format!("turn {i}"), "max_output_tokens": 2}),
+        )
+        .await;
+        assert_eq!(st, 200, "{x}");
+        ids.push(x["id"].as_str().unwrap().to_string());
+    }
+    // Round robin spread the first turns over both workers.
+    let kept = |w: &strata_test_support::TestWorker| w.state.responses.size().0;
+    assert!(kept(&a) > 0 && kept(&b) > 0, "{} {}", kept(&a), kept(&b));
+    for id in &ids {
+        let body = json!({"input": "again", "previous_response_id": id, "max_output_tokens": 2});
+        let (st, x) = post(&url, &body).await;
+        assert_eq!(st, 200, "{x}");
+        assert_eq!(x["previous_response_id"], json!(id));
+    }
+    a.stop().await;
+    b.stop().await;
+}

@@ -10,7 +10,7 @@
 //! requests, the server's tokenizer) and `local-chat-completions` on a log-likelihood and a
 //! generate-until task, the same scores cold and warm; instructor's TOOLS mode with nested
 //! models (`$defs`), validated 10 times out of 10; the Responses API through the openai client
-//! and the OpenAI Agents SDK's default model with a function tool (on a worker).
+//! and the OpenAI Agents SDK's default model with a function tool.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -96,10 +96,6 @@ fn client_checks(base: &str, mode: &str) {
         "responses_client.py",
         "agents_client.py",
     ] {
-        if matches!(script, "responses_client.py" | "agents_client.py") && mode != "single" {
-            // The router does not serve /v1/responses yet (docs/API.md).
-            continue;
-        }
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/python")
             .join(script);

@@ -1,0 +1,160 @@
+//! `POST /v1/responses` through the router: to a healthy decode worker (the policy's pick), or — for a
+//! request continuing a stored response (`previous_response_id`) — to the worker that stores
+//! it (a worker keeps its responses' conversations; the router learns each response's worker
+//! from the answer: the JSON's `id`, or the stream's first event). The worker computes the
+//! prompt itself (no prefill worker: its own prefix cache holds the conversation so far).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::Response;
+use futures_util::StreamExt;
+use strata_server::ApiError;
+
+use crate::front::ChosenWorker;
+use crate::policy::{LeastLoad, LoadBalancingPolicy};
+use crate::state::RouterState;
+use crate::worker::{InFlight, Worker};
+
+/// Most response ids whose worker the router remembers (the oldest are forgotten first; a
+/// forgotten id's request goes to any worker, which answers 400 if it does not hold it).
+pub const MAX_OWNERS: usize = 100_000;
+
+/// Which worker stores which response.
+#[derive(Default)]
+pub struct Owners {
+    map: HashMap<String, String>,
+    order: VecDeque<String>,
+}
+
+impl Owners {
+    fn record(&mut self, id: String, worker: &str) {
+        if self.map.insert(id.clone(), worker.to_string()).is_none() {
+            self.order.push_back(id);
+        }
+        while self.map.len() > MAX_OWNERS {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.map.remove(&old);
+        }
+    }
+}
+
+/// The response id in the first bytes of an answer (`"id":"resp_…"`).
+fn response_id(bytes: &[u8]) -> Option<String> {
+    let pat = b"\"id\":\"resp_";
+    let at = bytes.windows(pat.len()).position(|w| w == pat)?;
+    let rest = &bytes[at + 6..];
+    let end = rest.iter().position(|&b| b == b'"')?;
+    let id = std::str::from_utf8(&rest[..end]).ok()?;
+    (id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .then(|| id.to_string())
+}
+
+/// The decode worker for a request: the one storing its previous response when known and
+/// healthy, else the router's policy's (without the prompt: the conversation is the worker's).
+fn pick(st: &RouterState, body: &Bytes) -> Option<Arc<Worker>> {
+    let previous = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["previous_response_id"].as_str().map(String::from));
+    if let Some(id) = previous {
+        let owner = st
+            .response_owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .get(&id)
+            .cloned();
+        if let Some(w) = owner.and_then(|u| {
+            st.decode
+                .iter()
+                .find(|w| w.url == u && w.is_healthy())
+                .cloned()
+        }) {
+            return Some(w);
+        }
+    }
+    st.balancer()
+        .pick(&st.decode, None, None)
+        .or_else(|| LeastLoad.pick(&st.decode, None, None))
+}
+
+pub async fn forward_responses(
+    State(st): State<Arc<RouterState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = strata_server::body::body_bytes(body, st.body_limit)?;
+    st.forwarded.fetch_add(1, Ordering::Relaxed);
+    let Some(w) = pick(&st, &body) else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "no healthy worker to route to",
+        ));
+    };
+    let rid = headers.get(strata_server::endpoints::REQUEST_ID);
+    let req = crate::forward::request_to(&st, &w, None, "/v1/responses", &body, rid);
+    let guard = InFlight::start(vec![w.clone()]);
+    let r = match req.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+            w.failures.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                format!("the worker was unreachable: {e}"),
+            ));
+        }
+    };
+    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+    let url = w.url.clone();
+    let (st2, mut seen) = (st.clone(), false);
+    let body = r.bytes_stream().map(move |c| {
+        let _keep = &guard;
+        if let (Ok(b), false) = (&c, seen) {
+            if let Some(id) = response_id(b) {
+                seen = true;
+                st2.response_owners
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .record(id, &url);
+            }
+        }
+        c
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    *resp.status_mut() = status;
+    if let Some(c) = ctype {
+        resp.headers_mut().insert(header::CONTENT_TYPE, c);
+    }
+    resp.extensions_mut().insert(ChosenWorker(w.url.clone()));
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_read_from_an_answer_and_owners_are_bounded() {
+        let b = br#"event: response.created
+data: {"response":{"id":"resp_ab12","object":"response"}}"#;
+        assert_eq!(response_id(b).as_deref(), Some("resp_ab12"));
+        assert_eq!(response_id(br#"{"id":"resp_x\"y"}"#), None);
+        assert_eq!(response_id(br#"{"previous_response_id":"resp_a"}"#), None);
+        let mut o = Owners::default();
+        for i in 0..MAX_OWNERS + 5 {
+            o.record(format!("resp_{i}"), "http://w");
+        }
+        assert_eq!(o.map.len(), MAX_OWNERS);
+        assert!(!o.map.contains_key("resp_0"));
+    }
+}
