@@ -19,6 +19,7 @@ pub mod forward;
 pub mod front;
 pub mod metrics;
 pub mod policy;
+pub mod response_owners;
 pub mod responses;
 pub mod routes;
 pub mod scrape;

@@ -4,7 +4,6 @@
 //! from the answer: the JSON's `id`, or the stream's first event). The worker computes the
 //! prompt itself (no prefill worker: its own prefix cache holds the conversation so far).
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -19,31 +18,6 @@ use crate::front::ChosenWorker;
 use crate::policy::{LeastLoad, LoadBalancingPolicy};
 use crate::state::RouterState;
 use crate::worker::{InFlight, Worker};
-
-/// Most response ids whose worker the router remembers (the oldest are forgotten first; a
-/// forgotten id's request goes to any worker, which answers 400 if it does not hold it).
-pub const MAX_OWNERS: usize = 100_000;
-
-/// Which worker stores which response.
-#[derive(Default)]
-pub struct Owners {
-    map: HashMap<String, String>,
-    order: VecDeque<String>,
-}
-
-impl Owners {
-    fn record(&mut self, id: String, worker: &str) {
-        if self.map.insert(id.clone(), worker.to_string()).is_none() {
-            self.order.push_back(id);
-        }
-        while self.map.len() > MAX_OWNERS {
-            let Some(old) = self.order.pop_front() else {
-                break;
-            };
-            self.map.remove(&old);
-        }
-    }
-}
 
 /// The response id in the first bytes of an answer (`"id":"resp_…"`).
 fn response_id(bytes: &[u8]) -> Option<String> {
@@ -67,9 +41,7 @@ fn pick(st: &RouterState, body: &Bytes) -> Option<Arc<Worker>> {
             .response_owners
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .map
-            .get(&id)
-            .cloned();
+            .get(&id);
         if let Some(w) = owner.and_then(|u| {
             st.decode
                 .iter()
@@ -150,11 +122,15 @@ data: {"response":{"id":"resp_ab12","object":"response"}}"#;
         assert_eq!(response_id(b).as_deref(), Some("resp_ab12"));
         assert_eq!(response_id(br#"{"id":"resp_x\"y"}"#), None);
         assert_eq!(response_id(br#"{"previous_response_id":"resp_a"}"#), None);
-        let mut o = Owners::default();
-        for i in 0..MAX_OWNERS + 5 {
+        let mut o = crate::response_owners::Owners::default();
+        let max = crate::response_owners::MAX_OWNERS;
+        for i in 0..max + 5 {
             o.record(format!("resp_{i}"), "http://w");
         }
-        assert_eq!(o.map.len(), MAX_OWNERS);
-        assert!(!o.map.contains_key("resp_0"));
+        assert_eq!(o.get("resp_0"), None);
+        assert_eq!(
+            o.get(&format!("resp_{}", max + 4)).as_deref(),
+            Some("http://w")
+        );
     }
 }

@@ -43,7 +43,7 @@ pub struct RouterState {
     /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
     /// Which decode worker stores which `/v1/responses` response.
-    pub response_owners: Mutex<crate::responses::Owners>,
+    pub response_owners: Mutex<crate::response_owners::Owners>,
     /// Requests by route, status and worker; latencies; upstream and auth failures.
     pub front: FrontMetrics,
     /// A worker's answer stream silent this long is cut (the client gets an error event).
