@@ -13,7 +13,7 @@ use strata_kv::PageLayout;
 use strata_model::fetch::{cache_dir, ensure_model};
 
 use crate::bench_streams_model::BenchModel;
-use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, SeqInput};
+use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, RankPlacement, SeqInput};
 
 #[derive(Subcommand, Debug)]
 pub enum ModelCommand {
@@ -68,10 +68,14 @@ impl ModelArgs {
 
     /// Opens, validates and loads the model and its tokenizer.
     pub fn load(&self) -> Result<(Gguf, Model, ModelTokenizer)> {
+        self.load_at(&self.path()?)
+    }
+
+    /// [`ModelArgs::load`] of the file at `path` (already resolved).
+    fn load_at(&self, path: &std::path::Path) -> Result<(Gguf, Model, ModelTokenizer)> {
         // Before anything starts a thread pool: candle's GEMM reads RAYON_NUM_THREADS.
         std::env::set_var("RAYON_NUM_THREADS", self.threads.max(1).to_string());
-        let path = self.path()?;
-        let mut g = Gguf::open(&path)?;
+        let mut g = Gguf::open(path)?;
         let tk = ModelTokenizer::from_gguf(&g)?;
         let mut m = Model::load(&mut g)?;
         m.set_threads(self.threads);
@@ -141,9 +145,21 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     /// The model as `strata serve` would run it with these ranks, and the file's tensor bytes.
-    fn load(&self) -> Result<(BenchModel, u64)> {
+    /// Each rank's placement as `strata serve` places them (none: one unpinned rank).
+    fn placements(&self) -> Result<Vec<RankPlacement>> {
         if self.tp_size <= 1 && self.numa_nodes.is_empty() {
-            let (g, m, _tk) = self.model.load()?;
+            return Ok(Vec::new());
+        }
+        let topo = strata_mem::Topology::detect()?;
+        let allowed = crate::sizing::allowed_cpus();
+        let tp = self.tp_size.max(1);
+        crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)
+    }
+
+    fn load(&self, path: &std::path::Path) -> Result<(BenchModel, u64)> {
+        let placements = self.placements()?;
+        if placements.is_empty() {
+            let (g, m, _tk) = self.model.load_at(path)?;
             let (config, weight_bytes) = (m.config.clone(), m.weight_bytes());
             let rt = Box::new(m);
             let bm = BenchModel {
@@ -154,17 +170,14 @@ impl BenchArgs {
             return Ok((bm, g.tensor_bytes()));
         }
         std::env::set_var("RAYON_NUM_THREADS", self.model.threads.max(1).to_string());
-        let path = self.model.path()?;
-        let file = Gguf::open(&path)?.tensor_bytes();
-        let topo = strata_mem::Topology::detect()?;
+        let file = Gguf::open(path)?.tensor_bytes();
         let tp = self.tp_size.max(1);
-        let allowed = crate::sizing::allowed_cpus();
         let opts = strata_model::TpOptions {
-            placements: crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)?,
+            placements,
             threads_per_rank: (self.model.threads / tp).max(1),
             quantized_decode: !self.model.f32_decode,
         };
-        let m = strata_model::TpModel::load(&path, &opts)?;
+        let m = strata_model::TpModel::load(path, &opts)?;
         let (config, weight_bytes) = (m.config().clone(), m.weight_bytes());
         Ok((
             BenchModel {
@@ -182,7 +195,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     if strata_model::GgufHeader::open(&path)?.architecture() == Some("deepseek4") {
         return bench_dsv4(&a, &path);
     }
-    let (bm, file) = a.load()?;
+    let (bm, file) = a.load(&path)?;
     let held = bm.weight_bytes as u64;
     println!(
         "weights: {held} bytes held ({:.1} MiB) for {file} bytes of tensors in the file \
@@ -221,15 +234,8 @@ fn bench_dsv4(a: &BenchArgs, path: &std::path::Path) -> Result<()> {
     }
     std::env::set_var("RAYON_NUM_THREADS", a.model.threads.max(1).to_string());
     let tp = a.tp_size.max(1);
-    let ranks = if tp == 1 && a.numa_nodes.is_empty() {
-        Vec::new()
-    } else {
-        let topo = strata_mem::Topology::detect()?;
-        let allowed = crate::sizing::allowed_cpus();
-        crate::serve_tp::placements(&a.numa_nodes, tp, &topo, &allowed)?
-    };
     let opts = strata_model::LoadOptions {
-        ranks,
+        ranks: a.placements()?,
         quantized_decode: false,
         ..strata_model::LoadOptions::new((a.model.threads / tp).max(1))
     };
