@@ -187,7 +187,7 @@ async fn pick_pair(st: &Arc<RouterState>, body: &Bytes, avoid: Option<&Pair>) ->
 
 /// A pick that reads the prompt: CPU work, run off the async workers, a bounded number at
 /// once (the permit goes with the task); `fallback` if the task failed.
-async fn off_async<T: Send + 'static>(
+pub(crate) async fn off_async<T: Send + 'static>(
     st: &Arc<RouterState>,
     pick: impl FnOnce(&RouterState) -> T + Send + 'static,
     fallback: impl FnOnce() -> T,

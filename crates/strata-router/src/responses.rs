@@ -1,8 +1,10 @@
 //! `POST /v1/responses` through the router: to a healthy decode worker (the policy's pick), or — for a
 //! request continuing a stored response (`previous_response_id`) — to the worker that stores
 //! it (a worker keeps its responses' conversations; the router learns each response's worker
-//! from the answer: the JSON's `id`, or the stream's first event). The worker computes the
-//! prompt itself (no prefill worker: its own prefix cache holds the conversation so far).
+//! from the answer: the JSON's `id`, or the stream's first event). Under PD a prefill worker
+//! is named too (the policy's, without the prompt): the decode worker computes a turn whose
+//! conversation so far it holds itself (`--pd-local-prefill-tokens`), and has a longer one
+//! computed there, receiving only the pages it lacks.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,9 +35,13 @@ fn response_id(bytes: &[u8]) -> Option<String> {
 /// The decode worker for a request: the one storing its previous response when known and
 /// healthy, else the router's policy's (without the prompt: the conversation is the worker's).
 fn pick(st: &RouterState, body: &Bytes) -> Option<Arc<Worker>> {
-    let previous = serde_json::from_slice::<serde_json::Value>(body)
+    #[derive(serde::Deserialize)]
+    struct Previous {
+        previous_response_id: Option<String>,
+    }
+    let previous = serde_json::from_slice::<Previous>(body)
         .ok()
-        .and_then(|v| v["previous_response_id"].as_str().map(String::from));
+        .and_then(|v| v.previous_response_id);
     if let Some(id) = previous {
         let owner = st
             .response_owners
@@ -63,16 +69,26 @@ pub async fn forward_responses(
 ) -> Result<Response, ApiError> {
     let body = strata_server::body::body_bytes(body, st.body_limit)?;
     st.forwarded.fetch_add(1, Ordering::Relaxed);
-    let Some(w) = pick(&st, &body) else {
+    // Reading the body is CPU work (up to --body-limit): off the async workers.
+    let b = body.clone();
+    let fallback = || LeastLoad.pick(&st.decode, None, None);
+    let Some(w) = crate::forward::off_async(&st, move |st| pick(st, &b), fallback).await else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
             "no healthy worker to route to",
         ));
     };
+    let prefill = match st.prefill.is_empty() {
+        true => None,
+        false => st
+            .balancer()
+            .pick(&st.prefill, None, None)
+            .or_else(|| LeastLoad.pick(&st.prefill, None, None)),
+    };
     let rid = headers.get(strata_server::endpoints::REQUEST_ID);
-    let req = crate::forward::request_to(&st, &w, None, "/v1/responses", &body, rid);
-    let guard = InFlight::start(vec![w.clone()]);
+    let req = crate::forward::request_to(&st, &w, prefill.as_deref(), "/v1/responses", &body, rid);
+    let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill).collect());
     let r = match req.send().await {
         Ok(r) => r,
         Err(e) => {

@@ -619,6 +619,7 @@ async fn a_bad_request_answers_the_same_through_pd_as_from_one_worker() {
         json!({"prompt": "hello", "max_tokens": 2, "logit_bias": {"999999": 1}}),
         json!({"prompt": "hello", "max_tokens": 510}),
         json!({"prompt": "hello", "max_tokens": 5000}),
+        json!({"prompt": vec![vec![5u32, 6]; 65], "max_tokens": 2}),
     ] {
         let (s1, one) = post(&format!("{}/v1/completions", single.url), &body).await;
         let (s2, pd) = post(&format!("{r}/v1/completions"), &body).await;

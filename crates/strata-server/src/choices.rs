@@ -1,4 +1,5 @@
-//! `n` > 1: several choices for one prompt at the cost of one prefill. The prompt is computed
+//! `n` > 1: several choices for one prompt at the cost of one prefill (a batch of prompts
+//! with one choice each: one request per prompt, [`one_each`]). The prompt is computed
 //! once (a one-token request whose whole pages then join the tree: here, or on the prefill
 //! worker with its K/V imported here under PD); each choice is a request that finds the prompt
 //! cached and computes only its last page, then samples on its own (seed + index when a seed
@@ -45,13 +46,7 @@ async fn prefill_once(
         constraint: None,
         ..params.clone()
     };
-    let mut rs = match prefill {
-        Some(url) => crate::pd::decode_after_remote_prefill(st, url, ids.to_vec(), p).await?,
-        None => st
-            .engine
-            .submit(ids.to_vec(), p)
-            .map_err(|e| ApiError::from_submit(&e))?,
-    };
+    let mut rs = submit(st, ids.to_vec(), p, prefill).await?;
     let (mut cached, mut prompt) = (CachedTokens::default(), None);
     while let Some(ev) = rs.events.recv().await {
         match ev {
@@ -75,6 +70,91 @@ async fn prefill_once(
     Err(ApiError::from_submit(
         &strata_engine::SubmitError::EngineDead("the engine stopped".into()),
     ))
+}
+
+/// A request for `ids`: here, or with the prompt computed on `prefill` and its K/V imported.
+async fn submit(
+    st: &Arc<AppState>,
+    ids: Vec<u32>,
+    params: SamplingParams,
+    prefill: Option<&str>,
+) -> Result<strata_engine::RequestStream, ApiError> {
+    match prefill {
+        Some(url) => crate::pd::decode_after_remote_prefill(st, url, ids, params).await,
+        None => st
+            .engine
+            .submit(ids, params)
+            .map_err(|e| ApiError::from_submit(&e)),
+    }
+}
+
+/// A batch of prompts with one choice each: one request per prompt, all at once (no prompt
+/// is computed twice); their usage's cached tokens are summed as they end.
+async fn one_each(
+    st: Arc<AppState>,
+    prompts: Vec<OnePrompt>,
+    params: SamplingParams,
+    job: Job,
+    prefill: Option<String>,
+) -> Result<Response, ApiError> {
+    let subs = prompts
+        .iter()
+        .map(|p| submit(&st, p.ids.clone(), params.clone(), prefill.as_deref()));
+    let streams = futures_util::future::join_all(subs).await;
+    let (mut answers, mut prompt_tokens) = (Vec::with_capacity(prompts.len()), 0);
+    for (pi, (p, rs)) in prompts.into_iter().zip(streams).enumerate() {
+        let mut rs = rs?;
+        let first = first_event(&mut rs).await?;
+        prompt_tokens += p.ids.len();
+        let job = Job {
+            echo: p.echo,
+            ..job.clone()
+        };
+        answers.push(Candidate {
+            answer: Answer::new(st.clone(), rs, &job, first),
+            job,
+            prompt: pi,
+            rendered: None,
+        });
+    }
+    finish(st, job, answers, (1, 1), (prompt_tokens, None)).await
+}
+
+/// A batch's prompts are queued together (each computed at once; a prompt's further candidates
+/// follow one by one): more prompts than the queue takes (`--max-waiting`), or prompts and
+/// candidates at their longest beyond the in-flight bound, could never be accepted together
+/// (the last would be refused with 429 while the first run): a 400 before any runs.
+fn check_batch(
+    st: &AppState,
+    prompts: &[OnePrompt],
+    max_tokens: usize,
+    best_of: usize,
+) -> Result<(), ApiError> {
+    let i = st.engine.info();
+    if prompts.len() > i.max_waiting {
+        return Err(ApiError::bad_request(
+            format!(
+                "{} prompts in one request, more than this server queues at once (--max-waiting {}): send fewer prompts per request",
+                prompts.len(),
+                i.max_waiting
+            ),
+            Some("prompt"),
+        ));
+    }
+    let tokens = prompts.iter().fold(0usize, |t, p| {
+        t.saturating_add(best_of.saturating_mul(p.ids.len().saturating_add(max_tokens)))
+    });
+    if prompts.len() > 1 && tokens > i.max_tokens_in_flight {
+        return Err(ApiError::bad_request(
+            format!(
+                "the batch's {} prompts with {best_of} candidates each at max_tokens {max_tokens} take {tokens} tokens, more than this server holds in flight (--max-tokens-in-flight {}): send fewer prompts per request or a smaller max_tokens",
+                prompts.len(),
+                i.max_tokens_in_flight
+            ),
+            Some("prompt"),
+        ));
+    }
+    Ok(())
 }
 
 /// Completions' `best_of` checked against `n`: the number of candidates to generate.
@@ -120,12 +200,16 @@ pub(crate) async fn answer(
         // The candidates are ranked by their tokens' log probabilities.
         params.logprobs = Some(params.logprobs.unwrap_or(0));
     }
-    // All candidates of a prompt at their longest must fit together: refused now, before
-    // any is computed.
+    // All candidates of a prompt at their longest must fit together, and all of a batch's
+    // in the queue at once: refused now, before any is computed.
+    check_batch(&st, &prompts, params.max_tokens, best_of)?;
     for p in &prompts {
         st.engine
             .check_choices(p.ids.len(), params.max_tokens, best_of)
             .map_err(|e| ApiError::from_submit(&e))?;
+    }
+    if best_of == 1 {
+        return one_each(st, prompts, params, job, prefill).await;
     }
     // Every prompt computed once, all at once.
     let once = prompts
@@ -153,10 +237,7 @@ pub(crate) async fn answer(
                 prompt_logprobs: None,
                 ..params.clone()
             };
-            let mut rs = st
-                .engine
-                .submit(p.ids.clone(), sp)
-                .map_err(|e| ApiError::from_submit(&e))?;
+            let mut rs = submit(&st, p.ids.clone(), sp, None).await?;
             let first = first_event(&mut rs).await?;
             let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
             answers.push(Candidate {
@@ -167,16 +248,33 @@ pub(crate) async fn answer(
             });
         }
     }
+    finish(
+        st,
+        job,
+        answers,
+        (n, best_of),
+        (prompt_tokens, Some(cached_tokens)),
+    )
+    .await
+}
+
+/// The answer of a request's candidates, streamed or whole; usage's cached tokens as counted
+/// when the prompts were computed, or (None) summed over the candidates as they end.
+async fn finish(
+    st: Arc<AppState>,
+    job: Job,
+    answers: Vec<Candidate>,
+    nb: (usize, usize),
+    usage: (usize, Option<usize>),
+) -> Result<Response, ApiError> {
     if job.stream {
         let streams = answers
             .into_iter()
             .enumerate()
             .map(|(i, c)| (c.answer, c.job, i));
-        let usage = (prompt_tokens, cached_tokens);
         return Ok(streamed(st, job, streams.collect(), usage).into_response());
     }
-    let usage = (prompt_tokens, cached_tokens);
-    whole(&st, &job, answers, (n, best_of), usage).await
+    whole(&st, &job, answers, nb, usage).await
 }
 
 /// The whole answer of a request's candidates: each prompt's `n` best, in order.
@@ -185,14 +283,15 @@ async fn whole(
     job: &Job,
     mut answers: Vec<Candidate>,
     (n, best_of): (usize, usize),
-    (prompt_tokens, cached_tokens): (usize, usize),
+    (prompt_tokens, cached_tokens): (usize, Option<usize>),
 ) -> Result<Response, ApiError> {
     let results =
         futures_util::future::join_all(answers.iter_mut().map(|c| collect(&mut c.answer))).await;
     let mut done: Vec<Vec<_>> = (0..answers.len() / best_of).map(|_| Vec::new()).collect();
-    let mut completion = 0;
+    let (mut completion, mut cached) = (0, 0);
     for (r, c) in results.into_iter().zip(&answers) {
         completion += c.answer.completion_tokens();
+        cached += c.answer.cached_tokens();
         done[c.prompt].push((r?, c));
     }
     let mut choices = Vec::with_capacity(done.len() * n);
@@ -203,12 +302,16 @@ async fn whole(
             per.truncate(n);
         }
         for ((text, reason, lps), c) in per {
-            let prompt = c.rendered.as_deref().cloned();
+            let prompt = c
+                .rendered
+                .as_deref()
+                .or(c.answer.prompt_logprobs())
+                .cloned();
             let i = choices.len();
             choices.push(choice_json(st, &c.job, i, &text, reason, &lps, prompt));
         }
     }
-    let usage = Usage::new(prompt_tokens, completion, cached_tokens);
+    let usage = Usage::new(prompt_tokens, completion, cached_tokens.unwrap_or(cached));
     Ok(whole_body(st, job, choices, usage))
 }
 
@@ -227,22 +330,24 @@ fn streamed(
     st: Arc<AppState>,
     job: Job,
     answers: Vec<(Answer, Job, usize)>,
-    (prompt, cached): (usize, usize),
+    (prompt, cached): (usize, Option<usize>),
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let completion = Arc::new(AtomicUsize::new(0));
+    let summed = Arc::new(AtomicUsize::new(0));
     let choices: Vec<_> = answers
         .into_iter()
         .map(|(a, own, i)| {
             let s = Streaming::new(a, own, i, false);
-            let total = completion.clone();
+            let totals = (completion.clone(), summed.clone());
             stream::unfold(Some(s), move |s| {
-                let total = total.clone();
+                let (total, cached) = totals.clone();
                 async move {
                     let mut s = s?;
                     match s.next().await {
                         Some(ev) => Some((ev, Some(s))),
                         None => {
                             total.fetch_add(s.completion_tokens(), Ordering::Relaxed);
+                            cached.fetch_add(s.cached_tokens(), Ordering::Relaxed);
                             None
                         }
                     }
@@ -254,6 +359,7 @@ fn streamed(
     let end = stream::once(async move {
         let mut out = Vec::new();
         if job.include_usage {
+            let cached = cached.unwrap_or(summed.load(Ordering::Relaxed));
             let usage = Usage::new(prompt, completion.load(Ordering::Relaxed), cached);
             out.push(usage_event(&st, &job, usage));
         }

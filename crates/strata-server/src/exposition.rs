@@ -22,6 +22,7 @@ pub fn worker(st: &AppState) -> String {
     serving(&mut t, st, &s);
     transfers(&mut t, st);
     st.http.render(&mut t);
+    st.responses.render(&mut t);
     node_health(&mut t, &st.role);
     t.finish()
 }

@@ -95,7 +95,7 @@ pub const FIELDS: &[Field] = &[
     // The request.
     Field { name: "model", on: On::Both, fate: Fate::Supported, doc: "Must name the served model when given (404 otherwise)." },
     Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
-    Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, token ids, a list of texts or a list of token-id lists (evaluation harnesses' default): a batch of up to 64 prompts, prompt p's choices at indices p·n to p·n + n − 1 (OpenAI's order), usage summed over the batch." },
+    Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, token ids, a list of texts or a list of token-id lists (evaluation harnesses' default): a batch of up to 64 prompts (at most `--max-waiting`; their prompts and every candidate's answer at `max_tokens` within `--max-tokens-in-flight`: else a 400 before any runs), prompt p's choices at indices p·n to p·n + n − 1 (OpenAI's order), usage summed over the batch." },
     Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`; `null` is `false`." },
     Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false." },
     // Length and stopping.

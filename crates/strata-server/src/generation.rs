@@ -43,9 +43,10 @@ pub(crate) async fn completions(
         best_of: req.best_of,
         shared_prefix: 0,
     };
+    let prefill = prefill_worker(&st, &headers, Kind::Completion, &bytes)?;
     // The engine names a prompt that does not fit `messages` (chat's field); here it is
     // `prompt`.
-    start(st, prompts, &req.sampling, how, &headers, &bytes)
+    start(st, prompts, &req.sampling, how, prefill)
         .await
         .map_err(|mut e| {
             if e.param.as_deref() == Some("messages") {
@@ -55,13 +56,14 @@ pub(crate) async fn completions(
         })
 }
 
-/// A chat answer (JSON or event stream) for a request body built here (`/v1/responses`).
+/// A chat answer (JSON or event stream) for a request body built here (`/v1/responses`),
+/// its prompt computed on `prefill` (a prefill worker the caller checked) under PD.
 pub(crate) async fn chat_answer(
     st: Arc<AppState>,
-    headers: HeaderMap,
+    prefill: Option<String>,
     body: Vec<u8>,
 ) -> Result<Response, ApiError> {
-    chat(State(st), headers, Ok(Bytes::from(body))).await
+    chat_body(st, prefill, &body).await
 }
 
 pub(crate) async fn chat(
@@ -70,8 +72,17 @@ pub(crate) async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body, st.body_limit)?;
-    crate::fields::check(&bytes, Endpoint::Chat, st.lenient_fields)?;
-    let req: ChatRequest = parse_json(&bytes)?;
+    let prefill = prefill_worker(&st, &headers, Kind::Chat, &bytes)?;
+    chat_body(st, prefill, &bytes).await
+}
+
+async fn chat_body(
+    st: Arc<AppState>,
+    prefill: Option<String>,
+    bytes: &[u8],
+) -> Result<Response, ApiError> {
+    crate::fields::check(bytes, Endpoint::Chat, st.lenient_fields)?;
+    let req: ChatRequest = parse_json(bytes)?;
     check_model(&st, req.model.as_deref())?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty", Some("messages")));
@@ -114,7 +125,7 @@ pub(crate) async fn chat(
         shared_prefix,
     };
     let prompt = crate::choices::OnePrompt { ids, echo: None };
-    start(st, vec![prompt], &sampling, how, &headers, &bytes).await
+    start(st, vec![prompt], &sampling, how, prefill).await
 }
 
 /// Which endpoint a request came by, what it echoes, its output constraint and the tools
@@ -136,8 +147,7 @@ async fn start(
     mut prompts: Vec<crate::choices::OnePrompt>,
     s: &Sampling,
     how: How,
-    headers: &HeaderMap,
-    body: &[u8],
+    prefill: Option<String>,
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let kind = how.kind;
@@ -154,7 +164,6 @@ async fn start(
         check_prompt_logprobs(n, tokens, params.logprobs.unwrap_or(0))?;
     }
     let best_of = crate::choices::best_of(how.best_of, n, s.stream)?;
-    let prefill = prefill_worker(&st, headers, kind, body)?;
     let prefix = if kind == Kind::Chat {
         "chatcmpl"
     } else {

@@ -171,7 +171,8 @@ pub fn shared_prefix(
     Some(p.iter().zip(ids).take_while(|(a, b)| a == b).count())
 }
 
-/// A completion request's prompt ids: one text (tokenized) or token ids as given.
+/// One prompt's ids (`/tokenize`, the router's cache-aware pick): one text (tokenized) or token
+/// ids as given; a batch is refused here (`/v1/completions` serves batches itself).
 pub fn completion_ids(tk: &ModelTokenizer, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     match prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
@@ -183,7 +184,7 @@ pub fn completion_ids(tk: &ModelTokenizer, prompt: &Prompt) -> Result<Vec<u32>, 
     }
 }
 
-/// A batch of prompts in one request (not served yet): refused, naming the way that works.
+/// A batch where one prompt is wanted: refused, naming the way that works.
 fn several(n: usize) -> ApiError {
     ApiError::bad_request(
         format!("{n} prompts in one request: send one prompt per request"),

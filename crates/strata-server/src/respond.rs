@@ -186,6 +186,11 @@ impl Answer {
         self.completion
     }
 
+    /// Prompt tokens the cache served (final once ended).
+    pub(crate) fn cached_tokens(&self) -> usize {
+        self.cached.total()
+    }
+
     /// The steps of the next engine event (None: the answer has ended).
     pub(crate) async fn next(&mut self) -> Option<Vec<Step>> {
         let ev = match self.pending.take() {
@@ -438,6 +443,11 @@ impl Streaming {
         self.answer.completion_tokens()
     }
 
+    /// Prompt tokens the cache served this choice.
+    pub(crate) fn cached_tokens(&self) -> usize {
+        self.answer.cached_tokens()
+    }
+
     fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> SseEvent {
         self.chunk_with(text, finish, Value::Null)
     }
@@ -548,8 +558,9 @@ impl Streaming {
         self.echoed = true;
     }
 
-    /// Chat with tools: text (None: the end) → content chunks and one tool-call delta per
-    /// completed call; log probabilities go with the first chunk that carries text.
+    /// Chat with tools: text (None: the end) → content chunks and tool-call deltas (a call's
+    /// id and name, then its arguments as written); log probabilities go with the first chunk
+    /// that carries text.
     fn render_tools(&mut self, d: Option<&str>, lps: Vec<TokenLogprobs>, out: &mut Vec<SseEvent>) {
         let ts = self.tools.as_mut().expect("a chat with tools");
         let outs = match d {
@@ -563,10 +574,12 @@ impl Streaming {
                 (true, Some(l)) => crate::logprobs::render(&st.tokenizer, true, &l, 0),
                 _ => Value::Null,
             };
-            match o {
-                crate::tools::ToolOut::Content(c) => out.push(self.chunk_with(Some(&c), None, lp)),
-                crate::tools::ToolOut::Call(c) => {
-                    let mut delta = json!({"tool_calls": [c.delta_json()]});
+            match (&o, o.delta_json()) {
+                (crate::tools::ToolOut::Content(c), _) => {
+                    out.push(self.chunk_with(Some(c), None, lp))
+                }
+                (_, call) => {
+                    let mut delta = json!({"tool_calls": [call]});
                     if !self.started {
                         delta["role"] = json!("assistant");
                     }

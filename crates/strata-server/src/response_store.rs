@@ -1,6 +1,6 @@
 //! The conversations `previous_response_id` continues: each stored response's messages (its
 //! input and its answer, without its instructions), in memory, bounded in count, bytes and
-//! age. Past a bound the oldest go first; an id that is gone is a 400 naming the field (the
+//! age (`strata serve --response-store-{max,size,ttl}`). Past a bound the oldest go first; an id that is gone is a 400 naming the field (the
 //! client sends the conversation again). Ids are random (128 bits), so one client cannot
 //! reach another's conversation by guessing.
 
@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// Most responses kept.
+/// Most responses kept by default.
 pub const MAX_ENTRIES: usize = 10_000;
-/// Most bytes of kept conversations (their JSON).
+/// Most bytes of kept conversations (their JSON) by default.
 pub const MAX_BYTES: usize = 64 << 20;
-/// How long a response is kept.
+/// How long a response is kept by default.
 pub const TTL: Duration = Duration::from_secs(3600);
 
 struct Kept {
@@ -28,6 +28,8 @@ struct Inner {
     map: HashMap<String, Kept>,
     order: VecDeque<String>,
     bytes: usize,
+    /// Responses dropped before their time to stay within the bounds.
+    evicted: u64,
 }
 
 /// The store (see the module notes).
@@ -86,15 +88,21 @@ impl ResponseStore {
             g.order.push_back(id.to_string());
         }
         g.bytes += bytes;
-        while g.bytes > self.max_bytes || g.map.len() > self.max_entries {
-            let Some(oldest) = g.order.pop_front() else {
+        // The oldest go first: expired ones, then any past the bounds.
+        while let Some(oldest) = g.order.front().cloned() {
+            let expired = g.map.get(&oldest).is_none_or(|k| k.at.elapsed() > self.ttl);
+            let over = g.bytes > self.max_bytes || g.map.len() > self.max_entries;
+            if !(expired || over) {
                 break;
-            };
+            }
+            g.order.pop_front();
             if let Some(k) = g.map.remove(&oldest) {
                 g.bytes -= k.bytes;
+                g.evicted += u64::from(!expired);
             }
         }
-        // Ids whose entries expired or were replaced leave the order list as it is read.
+        // Ids whose entries were read expired or were replaced leave the order list as it is
+        // read.
         while g.order.len() > 2 * g.map.len() + 16 {
             let Some(id) = g.order.pop_front() else { break };
             if g.map.contains_key(&id) {
@@ -102,6 +110,33 @@ impl ResponseStore {
                 break;
             }
         }
+    }
+
+    /// Drops the expired responses at the front (the oldest); the rest leave as they are read
+    /// or reached.
+    fn purge_expired(&self, g: &mut Inner) {
+        while let Some(oldest) = g.order.front() {
+            match g.map.get(oldest) {
+                Some(k) if k.at.elapsed() <= self.ttl => break,
+                Some(k) => g.bytes -= k.bytes,
+                None => {}
+            }
+            let id = g.order.pop_front().expect("a front");
+            g.map.remove(&id);
+        }
+    }
+
+    /// Its gauges and counter, into `t` (after the expired at the front left).
+    pub fn render(&self, t: &mut crate::metrics::Text) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        self.purge_expired(&mut g);
+        t.sample("strata_response_store_responses", &[], g.map.len() as f64);
+        t.sample("strata_response_store_bytes", &[], g.bytes as f64);
+        t.sample(
+            "strata_response_store_evictions_total",
+            &[],
+            g.evicted as f64,
+        );
     }
 
     /// Responses kept now, and their bytes.
@@ -126,6 +161,7 @@ mod tests {
             );
         }
         assert_eq!(s.size().0, 3);
+        assert_eq!(s.inner.lock().unwrap().evicted, 2);
         assert!(s.get("r0").is_none() && s.get("r1").is_none() && s.get("r4").is_some());
         let s = ResponseStore::new(100, 200, Duration::from_secs(3600));
         s.put("big", vec![json!({"content": "x".repeat(100)})]);
@@ -141,6 +177,16 @@ mod tests {
         s.put("a", vec![json!(1)]);
         std::thread::sleep(Duration::from_millis(5));
         assert!(s.get("a").is_none());
+        assert_eq!(s.size(), (0, 0));
+        // Expired ones nobody reads leave as others come (not counted as evictions).
+        s.put("b", vec![json!(1)]);
+        std::thread::sleep(Duration::from_millis(5));
+        s.put("c", vec![json!(2)]);
+        assert_eq!(s.size().0, 1);
+        assert_eq!(s.inner.lock().unwrap().evicted, 0);
+        // The gauges count only what has not expired.
+        std::thread::sleep(Duration::from_millis(5));
+        s.render(&mut crate::metrics::Text::new());
         assert_eq!(s.size(), (0, 0));
     }
 }

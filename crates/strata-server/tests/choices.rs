@@ -137,3 +137,72 @@ async fn best_of_returns_the_likeliest_candidates() {
     assert!(post_text(&url, &ok).await.contains("[DONE]"));
     w.stop().await;
 }
+
+/// Huge batches: past 64 prompts, past what the queue takes at once or the in-flight bound, a 400 naming `prompt` before anything runs; the largest batch that
+/// fits answers every prompt in order, and the worker keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_batches_are_refused_before_anything_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let url = format!("{}/v1/completions", w.url);
+    let ids = |n: usize, len: usize| -> Vec<Vec<u32>> {
+        (0..n)
+            .map(|p| {
+                (0..len)
+                    .map(|i| ((p * 31 + i * 7 + 11) % 250) as u32)
+                    .collect()
+            })
+            .collect()
+    };
+    let before = sample(&metrics_of(&w.url).await, "strata_prompt_tokens_total");
+    let cases = [
+        (json!({"prompt": ids(65, 3), "max_tokens": 2}), "64"),
+        (
+            json!({"prompt": ids(64, 200), "max_tokens": 300}),
+            "--max-tokens-in-flight",
+        ),
+    ];
+    for (body, names) in cases {
+        let (st, e) = post(&url, &body).await;
+        assert_eq!((st, &e["error"]["param"]), (400, &json!("prompt")), "{e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(names),
+            "{e}"
+        );
+    }
+    let after = sample(&metrics_of(&w.url).await, "strata_prompt_tokens_total");
+    assert_eq!(after, before, "nothing ran");
+    let (st, a) = post(&url, &json!({"prompt": ids(64, 3), "max_tokens": 2})).await;
+    assert_eq!(st, 200, "{a}");
+    let choices = a["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 64);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    assert_eq!(a["usage"]["prompt_tokens"], 64 * 3);
+    w.stop().await;
+    // A server that queues 8 requests: 9 prompts are refused, 8 with 3 choices each served.
+    let spec = WorkerSpec {
+        engine: strata_engine::EngineConfig {
+            max_waiting: 8,
+            ..Default::default()
+        },
+        ..WorkerSpec::default()
+    };
+    let w = spawn_worker(&tiny_model(d.path()), spec).await;
+    let url = format!("{}/v1/completions", w.url);
+    let (st, e) = post(&url, &json!({"prompt": ids(9, 3), "max_tokens": 2})).await;
+    assert_eq!((st, &e["error"]["param"]), (400, &json!("prompt")), "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-waiting 8"),
+        "{e}"
+    );
+    let body = json!({"prompt": ids(8, 3), "max_tokens": 2, "n": 3});
+    let (st, a) = post(&url, &body).await;
+    assert_eq!(st, 200, "{a}");
+    assert_eq!(a["choices"].as_array().unwrap().len(), 24);
+    w.stop().await;
+}

@@ -2,7 +2,9 @@
 //! streamed, consistent with the greedy choice; bad combinations refused naming the field.
 
 use serde_json::{json, Value};
-use strata_test_support::{post, post_text, spawn_worker, tiny_model, WorkerSpec};
+use strata_test_support::{
+    metrics_of, post, post_text, sample, spawn_worker, tiny_model, WorkerSpec,
+};
 
 fn sse(body: &str) -> Vec<Value> {
     body.lines()
@@ -218,6 +220,24 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
             "prompt {i}"
         );
     }
+
+    // A batch of fresh prompts computes each prompt once (not once more for its choice).
+    let fresh: Vec<Vec<u32>> = (0..3)
+        .map(|p| (0..40).map(|i| (p * 41 + i * 13 + 101) % 250).collect())
+        .collect();
+    let miss = || async { sample(&metrics_of(&w.url).await, "strata_cache_miss_tokens_total") };
+    let before = miss().await;
+    let batch = json!({"prompt": fresh, "max_tokens": 2, "temperature": 0});
+    let (st, b) = post(&url, &batch).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["usage"]["prompt_tokens"], 120, "{b}");
+    assert_eq!(miss().await - before, 120.0, "{b}");
+    // Again: served from the cache but each prompt's last page, and usage says so.
+    let (_, b) = post(&url, &batch).await;
+    assert_eq!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
+        "{b}"
+    );
 
     // The model's next token ends the answer (end of sequence): the harness still gets its
     // entry, after the prompt's (it sums the entries after the context but the last).

@@ -317,7 +317,7 @@ async fn forced_tool_calls_follow_the_tools_schemas_whole_and_streamed() {
     let calls = a["choices"][0]["message"]["tool_calls"].as_array().unwrap();
     assert_eq!(calls.len(), 1);
     assert_eq!(check_call(&calls[0]), "add");
-    // Streamed: one delta per call with its whole arguments, then finish_reason tool_calls.
+    // Streamed: the call's deltas, then finish_reason tool_calls.
     let mut s = body.clone();
     s["stream"] = json!(true);
     let text = post_text(&url, &s).await;
@@ -331,9 +331,24 @@ async fn forced_tool_calls_follow_the_tools_schemas_whole_and_streamed() {
         .iter()
         .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
         .collect();
-    assert_eq!(deltas.len(), 1, "{text}");
-    assert_eq!(deltas[0][0]["index"], 0);
-    assert_eq!(check_call(&deltas[0][0]), "add");
+    // The first delta has the id and name, the others the arguments as written: together,
+    // the whole answer's call (same seed).
+    assert!(deltas.len() > 2, "{text}");
+    let first = &deltas[0][0];
+    assert_eq!(first["function"]["arguments"], "", "{text}");
+    let mut whole = first.clone();
+    let mut args = String::new();
+    for d in &deltas[1..] {
+        assert_eq!(d[0]["index"], 0);
+        assert!(d[0].get("id").is_none() && d[0]["function"].get("name").is_none());
+        args += d[0]["function"]["arguments"].as_str().unwrap();
+    }
+    whole["function"]["arguments"] = json!(args);
+    assert_eq!(check_call(&whole), "add");
+    assert_eq!(
+        args, calls[0]["function"]["arguments"],
+        "streamed and whole answers call alike"
+    );
     assert_eq!(
         chunks.last().unwrap()["choices"][0]["finish_reason"],
         "tool_calls"

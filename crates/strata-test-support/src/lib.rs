@@ -164,6 +164,8 @@ pub struct WorkerSpec {
     pub grace: Duration,
     /// Tensor-parallel ranks (unpinned threads) of the worker's model.
     pub tp: usize,
+    /// `/v1/responses`' store (None: the server's default bounds).
+    pub response_store: Option<strata_server::response_store::ResponseStore>,
 }
 
 impl Default for WorkerSpec {
@@ -185,6 +187,7 @@ impl Default for WorkerSpec {
             body_limit: None,
             grace: Duration::from_secs(5),
             tp: 1,
+            response_store: None,
         }
     }
 }
@@ -249,6 +252,9 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.admin_key = spec.admin_key;
     if let Some(limit) = spec.body_limit {
         st.body_limit = limit;
+    }
+    if let Some(store) = spec.response_store {
+        st.responses = Arc::new(store);
     }
     if spec.kv_listener {
         let info = st.engine.info().clone();

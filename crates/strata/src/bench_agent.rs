@@ -52,7 +52,7 @@ fn step_body(msgs: &[Value], call: bool, answer: (usize, bool)) -> Value {
 }
 
 /// Appends a step's call and its result to the conversation: as `tool_calls` and `tool`
-/// messages, or (a call cut short, so none parsed) as the text and a user turn.
+/// messages, or (no call parsed) as the text and a user turn.
 fn append(msgs: &mut Vec<Value>, text: String, calls: &[Value], result: &str) {
     if calls.is_empty() {
         msgs.push(json!({"role": "assistant", "content": text}));

@@ -82,8 +82,8 @@ async fn read_stream(r: reqwest::Response, t0: Instant) -> (Outcome, String, Vec
                 .or(v["choices"][0]["text"].as_str())
                 .unwrap_or("");
             let delta_calls = v["choices"][0]["delta"]["tool_calls"].as_array();
-            if let Some(d) = delta_calls {
-                calls.extend(d.iter().cloned());
+            for d in delta_calls.into_iter().flatten() {
+                merge_call(&mut calls, d);
             }
             if !piece.is_empty() || delta_calls.is_some_and(|d| !d.is_empty()) {
                 let now = Instant::now();
@@ -198,4 +198,22 @@ pub(crate) async fn poisson_load(
         }
     }
     Ok((lat, fails))
+}
+
+/// A streamed `tool_calls` delta into the calls so far: one with an `id` begins a call, one
+/// without adds to the `function.arguments` of the call at its `index`.
+fn merge_call(calls: &mut Vec<Value>, d: &Value) {
+    if d.get("id").is_some_and(|i| !i.is_null()) {
+        calls.push(d.clone());
+        return;
+    }
+    let piece = d["function"]["arguments"].as_str().unwrap_or("");
+    if let Some(c) = calls.iter_mut().rev().find(|c| c["index"] == d["index"]) {
+        let args = c["function"]["arguments"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+            + piece;
+        c["function"]["arguments"] = Value::String(args);
+    }
 }

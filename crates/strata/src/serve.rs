@@ -68,6 +68,17 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Server")]
     pub cluster_key_file: Option<PathBuf>,
 
+    /// Conversations kept for /v1/responses' previous_response_id: at most this many bytes
+    /// (their JSON), with a unit; the oldest go first.
+    #[arg(long, default_value = "64MiB", help_heading = "Responses API")]
+    pub response_store_size: String,
+    /// At most this many responses kept.
+    #[arg(long, default_value_t = 10_000, help_heading = "Responses API")]
+    pub response_store_max: usize,
+    /// Seconds a response is kept.
+    #[arg(long, default_value_t = 3600.0, help_heading = "Responses API")]
+    pub response_store_ttl: f64,
+
     /// Threads for matrix products and attention (split evenly over --tp-size ranks).
     #[arg(long, default_value_t = 2, help_heading = "Compute")]
     pub threads: usize,
@@ -317,6 +328,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     st.default_max_tokens = a.default_max_tokens;
     st.body_limit = c.body_limit;
     st.lenient_fields = a.lenient_fields;
+    st.responses = Arc::new(c.responses);
     st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
     st.storage_tier = storage_tier;
@@ -355,6 +367,7 @@ struct Checked {
     addr: SocketAddr,
     cluster_key: Option<ClusterKey>,
     http: strata_server::listen::HttpLimits,
+    responses: strata_server::response_store::ResponseStore,
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -405,6 +418,7 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
         }
     }
     let http = a.http.limits(body_limit)?;
+    let responses = response_store(a)?;
     Ok(Checked {
         eviction,
         body_limit,
@@ -413,7 +427,25 @@ fn check_flags(a: &ServeArgs) -> Result<Checked> {
         addr,
         cluster_key,
         http,
+        responses,
     })
+}
+
+/// The `--response-store-*` bounds, checked (nothing is allocated until responses come).
+fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::ResponseStore> {
+    let size = parse_size(&a.response_store_size).context("--response-store-size")?;
+    if size < 1 << 20 || a.response_store_max == 0 {
+        bail!("--response-store-size must be at least 1MiB and --response-store-max at least 1 (a conversation over a quarter of the size is not kept; one the store cannot keep cannot be continued)");
+    }
+    let ttl = a.response_store_ttl;
+    if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
+        bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
+    }
+    Ok(strata_server::response_store::ResponseStore::new(
+        a.response_store_max,
+        usize::try_from(size).unwrap_or(usize::MAX),
+        Duration::from_secs_f64(ttl),
+    ))
 }
 
 /// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.

@@ -220,17 +220,18 @@ fn a_client_cannot_steer_a_decode_worker_to_any_prefill_url() {
     let (trap, hits) = tripwire();
     let url = format!("http://127.0.0.1:{trap}");
     let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+    let asks = [
+        ("/v1/chat/completions", chat),
+        ("/v1/responses", r#"{"input":"hi","max_output_tokens":2}"#),
+    ];
     // Without a cluster key: only configured prefill workers are followed.
     let (_p, port) = serve(&model, &["--role", "decode"]);
-    let (status, resp) = http(
-        port,
-        "POST",
-        "/v1/chat/completions",
-        &format!("x-strata-prefill: {url}\r\n"),
-        chat,
-    );
-    assert_eq!(status, 400, "{resp}");
-    assert!(resp.contains("configured"), "{resp}");
+    for (path, body) in asks {
+        let header = format!("x-strata-prefill: {url}\r\n");
+        let (status, resp) = http(port, "POST", path, &header, body);
+        assert_eq!(status, 400, "{path}: {resp}");
+        assert!(resp.contains("configured"), "{path}: {resp}");
+    }
     // With a key: even a configured prefill worker is followed only with the router's proof.
     let key = key_file(d.path());
     let (_q, port) = serve(
@@ -244,14 +245,11 @@ fn a_client_cannot_steer_a_decode_worker_to_any_prefill_url() {
             &url,
         ],
     );
-    let (status, resp) = http(
-        port,
-        "POST",
-        "/v1/chat/completions",
-        &format!("x-strata-prefill: {url}\r\n"),
-        chat,
-    );
-    assert_eq!(status, 401, "{resp}");
+    for (path, body) in asks {
+        let header = format!("x-strata-prefill: {url}\r\n");
+        let (status, resp) = http(port, "POST", path, &header, body);
+        assert_eq!(status, 401, "{path}: {resp}");
+    }
     // Internal endpoints want the proof too.
     for path in ["/cache/info", "/cache/events", "/cache/snapshot"] {
         let (status, resp) = http(port, "GET", path, "", "");
@@ -421,6 +419,31 @@ fn the_kv_listener_drops_hostile_peers_and_keeps_serving_pd() {
     let (status, resp) = http(dec_port, "POST", "/v1/chat/completions", &headers, body);
     assert_eq!(status, 401, "{resp}");
     assert!(resp.contains("replay"), "{resp}");
+    // A Responses turn: the proof covers its own path and body.
+    let body = r#"{"input":"hello over there","max_output_tokens":3,"temperature":0}"#;
+    let call = |target| strata_server::auth::Call {
+        method: "POST",
+        target,
+        body: body.as_bytes(),
+        prefill: Some(&pre_url),
+    };
+    let headers = |sig: axum::http::HeaderValue| {
+        format!(
+            "x-strata-prefill: {pre_url}\r\n{}: {}\r\n",
+            strata_server::auth::AUTH_HEADER,
+            sig.to_str().unwrap()
+        )
+    };
+    let wrong = headers(strata_server::auth::sign(
+        &ck,
+        &call("/v1/chat/completions"),
+    ));
+    let (status, resp) = http(dec_port, "POST", "/v1/responses", &wrong, body);
+    assert_eq!(status, 401, "a proof for another path: {resp}");
+    let right = headers(strata_server::auth::sign(&ck, &call("/v1/responses")));
+    let (status, resp) = http(dec_port, "POST", "/v1/responses", &right, body);
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(body_of(&resp)["object"], "response", "{resp}");
 }
 
 /// Streams a long answer from a worker through a router (with `router_args`), does `to_worker`

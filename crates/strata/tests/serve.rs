@@ -45,8 +45,11 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn bad_flags_fail_once_with_the_reason() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
+        (&["--response-store-size", "0B"], "--response-store-size must be at least 1MiB"),
+        (&["--response-store-size", "lots"], "--response-store-size"),
+        (&["--response-store-ttl", "inf"], "--response-store-ttl inf: expected seconds > 0"),
         (&["--l3", "rediss://h:6380"], "TLS to Redis is not built in"),
         (
             &["--write-policy", "sometimes"],

@@ -34,6 +34,21 @@ pub async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body, st.body_limit)?;
+    // Under PD the router names the prefill worker, signing this request (checked once: the
+    // chat request built below is this worker's own).
+    let prefill = match headers.get(crate::state::PREFILL_HEADER) {
+        Some(v) => {
+            let url = v.to_str().map_err(|_| {
+                ApiError::bad_request(
+                    format!("{} is not ASCII", crate::state::PREFILL_HEADER),
+                    None,
+                )
+            })?;
+            crate::pd::check_prefill_header(&st, &headers, "/v1/responses", &bytes, url)?;
+            Some(url.to_string())
+        }
+        None => None,
+    };
     let req: ResponsesRequest = convert::parse(&bytes)?;
     crate::endpoints::check_model(&st, req.model.as_deref())?;
     let earlier = match &req.previous_response_id {
@@ -47,7 +62,7 @@ pub async fn create(
     };
     let (chat_body, conversation) = convert::to_chat(&req, earlier.as_deref().map(Vec::as_slice))?;
     let stream = req.stream == Some(true);
-    let answer = crate::generation::chat_answer(st.clone(), headers, chat_body).await;
+    let answer = crate::generation::chat_answer(st.clone(), prefill, chat_body).await;
     let answer = answer.map_err(convert::rename_param)?;
     let echo = convert::Echo::of(&req, &st.model_name);
     let keep = req.store != Some(false);

@@ -28,6 +28,8 @@ struct Translate {
     finish: String,
     usage: Value,
     tool_calls: Vec<Value>,
+    /// The function call being written: its item and its chat form (arguments so far).
+    call: Option<(Value, Value)>,
     tx: mpsc::Sender<SseEvent>,
 }
 
@@ -41,6 +43,9 @@ impl Translate {
     }
 
     async fn text(&mut self, delta: &str) -> bool {
+        if !self.close_call().await {
+            return false;
+        }
         let index = self.output.len();
         if self.message.is_none() {
             let id = format!("msg_{}", crate::state::fresh_id());
@@ -78,49 +83,135 @@ impl Translate {
         ok
     }
 
-    async fn call(&mut self, c: &Value) -> bool {
-        if !self.close_message().await {
+    /// A function call begins (the chat delta with its id and name): its item is added and
+    /// the arguments it came with are its first delta.
+    async fn open_call(&mut self, c: &Value) -> bool {
+        if !self.close_message().await || !self.close_call().await {
             return false;
         }
         let f = &c["function"];
-        let (id, name, args) = (
+        let (id, name) = (
             c["id"].as_str().unwrap_or(""),
             f["name"].as_str().unwrap_or(""),
-            f["arguments"].as_str().unwrap_or(""),
         );
+        let item = convert::call_item(id, name, "", "in_progress");
+        let mut chat = c.clone();
+        chat["function"]["arguments"] = json!("");
+        if let Some(o) = chat.as_object_mut() {
+            o.remove("index");
+        }
+        self.call = Some((item.clone(), chat));
         let index = self.output.len();
-        let open = convert::call_item(id, name, "", "in_progress");
-        let item_id = open["id"].clone();
-        let mut done = open.clone();
-        done["arguments"] = json!(args);
-        done["status"] = json!("completed");
+        self.send(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        )
+        .await
+            && self.call_args(f["arguments"].as_str().unwrap_or("")).await
+    }
+
+    /// More of the open call's arguments.
+    async fn call_args(&mut self, delta: &str) -> bool {
+        let Some((item, chat)) = self.call.as_mut() else {
+            return true;
+        };
+        if delta.is_empty() {
+            return true;
+        }
+        let args = chat["function"]["arguments"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+            + delta;
+        chat["function"]["arguments"] = json!(args);
+        let item_id = item["id"].clone();
+        let index = self.output.len();
+        self.send(
+            "response.function_call_arguments.delta",
+            json!({"item_id": item_id, "output_index": index, "delta": delta}),
+        )
+        .await
+    }
+
+    async fn close_call(&mut self) -> bool {
+        let Some((mut item, chat)) = self.call.take() else {
+            return true;
+        };
+        let args = chat["function"]["arguments"].clone();
+        item["arguments"] = args.clone();
+        item["status"] = json!("completed");
+        let index = self.output.len();
         let ok = self
             .send(
-                "response.output_item.added",
-                json!({"output_index": index, "item": open}),
+                "response.function_call_arguments.done",
+                json!({"item_id": item["id"], "output_index": index, "arguments": args}),
             )
             .await
             && self
                 .send(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": item_id, "output_index": index, "delta": args}),
-                )
-                .await
-            && self
-                .send(
-                    "response.function_call_arguments.done",
-                    json!({"item_id": item_id, "output_index": index, "arguments": args}),
-                )
-                .await
-            && self
-                .send(
                     "response.output_item.done",
-                    json!({"output_index": index, "item": done}),
+                    json!({"output_index": index, "item": item}),
                 )
                 .await;
-        self.output.push(done);
-        self.tool_calls.push(c.clone());
+        self.output.push(item);
+        self.tool_calls.push(chat);
         ok
+    }
+
+    /// Translates the chat stream's events as they come; false when the client is gone or
+    /// the stream failed.
+    async fn relay(&mut self, answer: Response) -> bool {
+        let mut body = answer.into_body().into_data_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        while let Some(Ok(bytes)) = body.next().await {
+            buf.extend_from_slice(&bytes);
+            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                    if data == "[DONE]" {
+                        continue;
+                    }
+                    let Ok(v) = serde_json::from_str::<Value>(data) else {
+                        continue;
+                    };
+                    if !self.chunk(&v).await {
+                        return false;
+                    }
+                }
+            }
+        }
+        self.close_message().await && self.close_call().await
+    }
+
+    /// The last event, with the whole response; the conversation kept when `keep`.
+    async fn end(&mut self, st: &AppState, conversation: Vec<Value>, keep: bool) {
+        let mut r = self.echo.object();
+        convert::status(&self.finish, &mut r);
+        r["output"] = Value::Array(self.output.clone());
+        r["usage"] = self.usage.clone();
+        let kind = if r["status"] == "completed" {
+            "response.completed"
+        } else {
+            "response.incomplete"
+        };
+        if keep {
+            let text: String = self
+                .output
+                .iter()
+                .filter(|o| o["type"] == "message")
+                .filter_map(|o| o["content"][0]["text"].as_str())
+                .collect();
+            let calls = if self.tool_calls.is_empty() {
+                Value::Null
+            } else {
+                json!(self.tool_calls)
+            };
+            let said = json!({"role": "assistant", "content": text, "tool_calls": calls});
+            st.responses
+                .put(&self.echo.id, convert::with_answer(conversation, said));
+        }
+        self.send(kind, json!({"response": r})).await;
     }
 
     /// One chat chunk; false when the client is gone or the stream failed.
@@ -142,7 +233,14 @@ impl Translate {
             }
         }
         for call in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
-            if !self.call(call).await {
+            let ok = match call.get("id") {
+                Some(_) => self.open_call(call).await,
+                None => {
+                    let delta = call["function"]["arguments"].as_str().unwrap_or("");
+                    self.call_args(delta).await
+                }
+            };
+            if !ok {
                 return false;
             }
         }
@@ -172,6 +270,7 @@ pub fn events(
             finish: "stop".into(),
             usage: Value::Null,
             tool_calls: Vec::new(),
+            call: None,
             tx,
         };
         let start = super::in_progress(&t.echo);
@@ -182,55 +281,9 @@ pub fn events(
         {
             return;
         }
-        let mut body = answer.into_body().into_data_stream();
-        let mut buf: Vec<u8> = Vec::new();
-        while let Some(Ok(bytes)) = body.next().await {
-            buf.extend_from_slice(&bytes);
-            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = buf.drain(..end + 2).collect();
-                let text = String::from_utf8_lossy(&event);
-                for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                    if data == "[DONE]" {
-                        continue;
-                    }
-                    let Ok(v) = serde_json::from_str::<Value>(data) else {
-                        continue;
-                    };
-                    if !t.chunk(&v).await {
-                        return;
-                    }
-                }
-            }
+        if t.relay(answer).await {
+            t.end(&st, conversation, keep).await;
         }
-        if !t.close_message().await {
-            return;
-        }
-        let mut r = t.echo.object();
-        convert::status(&t.finish, &mut r);
-        r["output"] = Value::Array(t.output.clone());
-        r["usage"] = t.usage.clone();
-        let kind = if r["status"] == "completed" {
-            "response.completed"
-        } else {
-            "response.incomplete"
-        };
-        if keep {
-            let text: String = t
-                .output
-                .iter()
-                .filter(|o| o["type"] == "message")
-                .filter_map(|o| o["content"][0]["text"].as_str())
-                .collect();
-            let calls = if t.tool_calls.is_empty() {
-                Value::Null
-            } else {
-                json!(t.tool_calls)
-            };
-            let said = json!({"role": "assistant", "content": text, "tool_calls": calls});
-            st.responses
-                .put(&t.echo.id, convert::with_answer(conversation, said));
-        }
-        t.send(kind, json!({"response": r})).await;
     });
     let events = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok);
     Sse::new(events).keep_alive(KeepAlive::default())

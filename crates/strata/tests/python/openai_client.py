@@ -163,8 +163,10 @@ st = list(client.chat.completions.create(model=model, messages=msgs, tools=tools
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                          max_tokens=100))
 deltas = [tc for c in st if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-check("streamed tool call", len(deltas) == 1 and deltas[0].function.name == "get_weather"
-      and isinstance(json.loads(deltas[0].function.arguments), dict), deltas)
+streamed_args = "".join(d.function.arguments or "" for d in deltas)
+check("streamed tool call (arguments as deltas)", len(deltas) > 2 and deltas[0].function.name == "get_weather"
+      and deltas[0].id and all(d.index == 0 and d.id is None for d in deltas[1:])
+      and isinstance(json.loads(streamed_args), dict), deltas)
 
 # Models and request ids.
 m = client.models.retrieve(model)

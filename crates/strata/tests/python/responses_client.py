@@ -68,8 +68,16 @@ back = client.responses.create(model=model, previous_response_id=t.id, tools=[to
 check("function output sent back", back.previous_response_id == t.id and back.status in ("completed", "incomplete"), back)
 st = client.responses.create(model=model, input="What is the weather in Paris?", tools=[tool],
                              tool_choice="required", max_output_tokens=200, temperature=0, stream=True)
-kinds = [e.type for e in st]
-check("function call streamed", "response.function_call_arguments.done" in kinds, kinds)
+events = list(st)
+kinds = [e.type for e in events]
+streamed_args = {}
+for e in events:
+    if e.type == "response.function_call_arguments.delta":
+        streamed_args[e.item_id] = streamed_args.get(e.item_id, "") + e.delta
+done = {e.item_id: e.arguments for e in events if e.type == "response.function_call_arguments.done"}
+check("function call streamed (arguments as deltas)",
+      kinds.count("response.function_call_arguments.delta") > 2 and done == streamed_args
+      and all(isinstance(json.loads(a)["city"], str) for a in done.values()), kinds)
 
 # Structured output.
 schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

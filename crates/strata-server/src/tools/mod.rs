@@ -1,7 +1,7 @@
 //! Tool calling in a documented generic format (the served models' chat templates have no
 //! tool support): the tools are rendered into the system message, the model answers a call
 //! as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and the answer is parsed
-//! back into OpenAI's `tool_calls` (streamed as one delta per completed call).
+//! back into OpenAI's `tool_calls` ([`parse`]: a call's arguments stream as deltas).
 //!
 //! `tool_choice`: `none` (tools shown, nothing parsed), `auto` (shown; calls the model
 //! writes are parsed), `required` (at least one call, or exactly one without
@@ -14,11 +14,14 @@ use strata_protocol::OutputConstraint;
 use crate::api::{ChatRequest, ToolDef};
 use crate::error::ApiError;
 
+mod parse;
+pub use parse::{parse_all, Call, ToolOut, ToolStream};
+
 /// Most tools one request may define.
 pub const MAX_TOOLS: usize = 128;
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+pub(crate) const OPEN: &str = "<tool_call>";
+pub(crate) const CLOSE: &str = "</tool_call>";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
@@ -328,177 +331,9 @@ pub fn response_text(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
 }
 
-/// One parsed call.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Call {
-    /// Its place among the answer's calls.
-    pub index: usize,
-    pub id: String,
-    pub name: String,
-    /// JSON text.
-    pub arguments: String,
-}
-
-impl Call {
-    /// As a whole message's `tool_calls` entry.
-    pub fn json(&self) -> Value {
-        json!({"id": self.id, "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}})
-    }
-
-    /// As a streamed delta's entry (with its index).
-    pub fn delta_json(&self) -> Value {
-        let mut v = self.json();
-        v["index"] = json!(self.index);
-        v
-    }
-}
-
-/// What the answer's text turns into.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ToolOut {
-    Content(String),
-    Call(Call),
-}
-
-/// The answer's text → content and calls, incrementally (a stream) or at once (push all,
-/// then finish). Text that may begin a call is held back until it is known.
-#[derive(Debug)]
-pub struct ToolStream {
-    names: Vec<String>,
-    buf: String,
-    in_call: bool,
-    /// Whitespace after a call is no content.
-    after_call: bool,
-    pub calls: usize,
-}
-
-fn parse_call(body: &str, names: &[String], index: usize) -> Option<Call> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?;
-    if !names.iter().any(|n| n == name) {
-        return None;
-    }
-    let arguments = match v.get("arguments")? {
-        Value::String(s) => s.clone(),
-        a @ Value::Object(_) => a.to_string(),
-        _ => return None,
-    };
-    Some(Call {
-        index,
-        id: format!("call_{}", crate::state::fresh_id()),
-        name: name.to_string(),
-        arguments,
-    })
-}
-
-/// Length of the longest suffix of `s` that is a proper prefix of `pat`.
-fn partial_suffix(s: &str, pat: &str) -> usize {
-    (1..pat.len().min(s.len() + 1))
-        .rev()
-        .find(|&k| s.is_char_boundary(s.len() - k) && pat.starts_with(&s[s.len() - k..]))
-        .unwrap_or(0)
-}
-
-impl ToolStream {
-    pub fn new(names: Vec<String>) -> ToolStream {
-        ToolStream {
-            names,
-            buf: String::new(),
-            in_call: false,
-            after_call: false,
-            calls: 0,
-        }
-    }
-
-    fn content(&mut self, mut s: String, out: &mut Vec<ToolOut>) {
-        if self.after_call {
-            s = s.trim_start().to_string();
-            if !s.is_empty() {
-                self.after_call = false;
-            }
-        }
-        if !s.is_empty() {
-            out.push(ToolOut::Content(s));
-        }
-    }
-
-    pub fn push(&mut self, delta: &str) -> Vec<ToolOut> {
-        self.buf += delta;
-        let mut out = Vec::new();
-        loop {
-            if !self.in_call {
-                if let Some(i) = self.buf.find(OPEN) {
-                    let before = self.buf[..i].trim_end().to_string();
-                    self.buf.drain(..i + OPEN.len());
-                    self.content(before, &mut out);
-                    self.in_call = true;
-                    continue;
-                }
-                // Held back: what may begin a call, and the whitespace before it (no content
-                // if a call follows).
-                let partial = partial_suffix(&self.buf, OPEN);
-                let head = &self.buf[..self.buf.len() - partial];
-                let keep = partial + (head.len() - head.trim_end().len());
-                let ready: String = self.buf.drain(..self.buf.len() - keep).collect();
-                self.content(ready, &mut out);
-                break;
-            }
-            let Some(j) = self.buf.find(CLOSE) else {
-                break;
-            };
-            let body: String = self.buf.drain(..j + CLOSE.len()).collect();
-            let body = &body[..j];
-            self.in_call = false;
-            match parse_call(body, &self.names, self.calls) {
-                Some(c) => {
-                    self.calls += 1;
-                    self.after_call = true;
-                    out.push(ToolOut::Call(c));
-                }
-                None => out.push(ToolOut::Content(format!("{OPEN}{body}{CLOSE}"))),
-            }
-        }
-        out
-    }
-
-    /// The rest: text held back, or a call never closed (as content).
-    pub fn finish(&mut self) -> Vec<ToolOut> {
-        let rest = std::mem::take(&mut self.buf);
-        let mut out = Vec::new();
-        if self.in_call {
-            self.in_call = false;
-            out.push(ToolOut::Content(format!("{OPEN}{rest}")));
-        } else {
-            self.content(rest, &mut out);
-        }
-        out
-    }
-}
-
-/// A whole answer's text → (content, calls).
-pub fn parse_all(text: &str, names: Vec<String>) -> (Option<String>, Vec<Call>) {
-    let mut ts = ToolStream::new(names);
-    let mut outs = ts.push(text);
-    outs.extend(ts.finish());
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    for o in outs {
-        match o {
-            ToolOut::Content(c) => content += &c,
-            ToolOut::Call(c) => calls.push(c),
-        }
-    }
-    ((!content.is_empty()).then_some(content), calls)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn names() -> Vec<String> {
-        vec!["get_weather".into(), "add".into()]
-    }
 
     #[test]
     fn a_history_call_is_rendered_as_a_forced_call_writes_it() {
@@ -510,63 +345,6 @@ mod tests {
         // Not JSON: a JSON string, so the block stays one JSON object.
         let t = call_text("f", "not json");
         assert!(t.contains("\"arguments\":\"not json\"}"), "{t}");
-    }
-
-    #[test]
-    fn calls_are_parsed_from_the_text_in_any_split() {
-        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":1}}\n</tool_call>";
-        let (content, calls) = parse_all(text, names());
-        assert_eq!(content.as_deref(), Some("Let me check."));
-        assert_eq!(calls.len(), 2);
-        assert_eq!(calls[0].name, "get_weather");
-        assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
-        assert_eq!(calls[1].arguments, r#"{"a":1}"#);
-        // Streamed in pieces of every size: the same content and calls.
-        for step in 1..12 {
-            let mut ts = ToolStream::new(names());
-            let mut outs = Vec::new();
-            let chars: Vec<char> = text.chars().collect();
-            for piece in chars.chunks(step) {
-                outs.extend(ts.push(&piece.iter().collect::<String>()));
-            }
-            outs.extend(ts.finish());
-            let content: String = outs
-                .iter()
-                .filter_map(|o| match o {
-                    ToolOut::Content(c) => Some(c.as_str()),
-                    _ => None,
-                })
-                .collect();
-            let got: Vec<(&str, &str)> = outs
-                .iter()
-                .filter_map(|o| match o {
-                    ToolOut::Call(c) => Some((c.name.as_str(), c.arguments.as_str())),
-                    _ => None,
-                })
-                .collect();
-            assert_eq!(content, "Let me check.", "step {step}");
-            assert_eq!(
-                got,
-                vec![
-                    ("get_weather", r#"{"city":"Paris"}"#),
-                    ("add", r#"{"a":1}"#)
-                ]
-            );
-        }
-    }
-
-    #[test]
-    fn text_that_is_no_call_stays_content() {
-        let (c, calls) = parse_all("a < b and <tool_ is not a tag", names());
-        assert_eq!(c.as_deref(), Some("a < b and <tool_ is not a tag"));
-        assert!(calls.is_empty());
-        // An unknown function or broken JSON: the block stays as text.
-        let t = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
-        assert_eq!(parse_all(t, names()), (Some(t.to_string()), vec![]));
-        let (c, calls) = parse_all("<tool_call>{\"name\": \"add\"", names());
-        assert_eq!(c.as_deref(), Some("<tool_call>{\"name\": \"add\""));
-        assert!(calls.is_empty());
-        assert_eq!(parse_all("", names()), (None, vec![]));
     }
 
     #[test]
