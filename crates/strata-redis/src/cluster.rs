@@ -262,7 +262,7 @@ impl Cluster {
         self.redirects.load(Ordering::Relaxed)
     }
 
-    async fn conn(&self, addr: &str) -> Result<ConnectionManager, StorageError> {
+    pub(crate) async fn conn(&self, addr: &str) -> Result<ConnectionManager, StorageError> {
         if let Some(c) = self
             .conns
             .lock()

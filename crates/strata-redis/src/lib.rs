@@ -25,6 +25,7 @@ use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
 use strata_kv::PageHash;
 
 mod cluster;
+mod measure;
 mod slot;
 
 /// Settings of the remote tier.
@@ -55,6 +56,8 @@ pub struct RedisStorage {
     key: blob::BlobKey,
     max_value: u64,
     stats: Mutex<StorageStats>,
+    /// What Redis holds of this tier, measured in the background ([`measure`]).
+    measured: Arc<Mutex<measure::Measured>>,
 }
 
 /// One Redis, or a Redis Cluster.
@@ -192,6 +195,7 @@ impl RedisStorage {
             key: cfg.page_key,
             max_value: cfg.max_value_bytes,
             stats: Mutex::new(StorageStats::default()),
+            measured: Arc::default(),
         })
     }
 
@@ -489,7 +493,31 @@ impl Storage for RedisStorage {
         Ok(int_reply(r)? > 0)
     }
 
+    /// The counters of this worker's operations, with what Redis holds under this tier's
+    /// prefix (entries, value bytes), its memory limit and the keys it evicted or expired since
+    /// this worker connected, as last measured; a new measurement starts in the background when
+    /// the last is older than its interval.
     fn stats(&self) -> StorageStats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+        let mut s = *self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let due = self
+            .measured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .due(std::time::Instant::now());
+        if due {
+            measure::start(
+                &self.rt,
+                &self.backend,
+                self.prefix.clone(),
+                self.timeout,
+                self.measured.clone(),
+            );
+        }
+        let m = self.measured.lock().unwrap_or_else(|e| e.into_inner());
+        s.entries = m.entries;
+        s.bytes = m.bytes;
+        s.capacity_bytes = m.capacity;
+        s.evictions = m.evictions;
+        s
     }
 }

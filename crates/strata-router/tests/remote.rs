@@ -128,7 +128,7 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
         .await
         .unwrap();
     assert!(
-        m.contains("strata_l3_errors_total{kind=\"unavailable\"}"),
+        m.contains("strata_l3_errors_total{kind=\"unavailable\",tier=\"remote\"}"),
         "{m}"
     );
     assert!(

@@ -11,7 +11,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 pub use crate::body::{body_bytes, method_not_allowed, not_found, parse, parse_json};
-use crate::endpoints::{detokenize, model, models, request_id, tokenize, version};
+use crate::endpoints::{detokenize, logged_request, model, models, tokenize, version};
 use crate::generation::{chat, completions};
 pub use crate::internal::watch_engine;
 use crate::internal::{
@@ -49,7 +49,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             count_outcome,
         ))
-        .layer(axum::middleware::from_fn(request_id))
+        .layer(axum::middleware::from_fn_with_state(
+            state.request_log,
+            logged_request,
+        ))
         .with_state(state)
 }
 

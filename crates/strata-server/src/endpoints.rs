@@ -25,13 +25,31 @@ type St = State<Arc<AppState>>;
 pub use crate::ids::{client_request_id, fresh_id, REQUEST_ID};
 
 /// Echoes the request's `X-Request-Id` (or a fresh one) on the answer, and logs the request
-/// under it.
-pub async fn request_id(mut req: Request, next: Next) -> Response {
+/// under it (its spans).
+pub async fn request_id(req: Request, next: Next) -> Response {
+    logged_request(State(false), req, next).await
+}
+
+/// [`request_id`], and with `State(true)` one line when the request is over
+/// ([`crate::request_log`]).
+pub async fn logged_request(State(on): State<bool>, mut req: Request, next: Next) -> Response {
     let id = client_request_id(req.headers().get(&REQUEST_ID)).unwrap_or_else(fresh_id);
     let value = HeaderValue::from_str(&id).expect("checked or hex");
     req.headers_mut().insert(REQUEST_ID, value.clone());
     let span = tracing::debug_span!("request", id = %id);
-    let mut resp = next.run(req).instrument(span).await;
+    let path = req.uri().path();
+    let log = (on && crate::request_log::logged(path)).then(|| {
+        let route: String = path.chars().take(80).collect();
+        crate::request_log::RequestLog::new(&id, req.method().as_str(), &route)
+    });
+    let run = next.run(req).instrument(span);
+    let mut resp = match &log {
+        Some(l) => l.scope(run).await,
+        None => run.await,
+    };
+    if let Some(l) = &log {
+        l.set_status(resp.status().as_u16());
+    }
     if let Some(crate::error::ErrorCode("queue_timeout")) = resp.extensions().get() {
         tracing::warn!(request_id = %id, "request not admitted within --max-queue-time: 503 queue_timeout");
     }

@@ -14,7 +14,8 @@ pub fn worker(st: &AppState) -> String {
     let mut t = Text::new();
     cache_tiers(&mut t, st, &s);
     copies(&mut t, &s);
-    l3(&mut t, &s);
+    l3(&mut t, st);
+    pd_tokens(&mut t, &s);
     t.sample("strata_l3_unavailable_tiers", &[], st.l3_unavailable as f64);
     if let Some(p) = &st.plan {
         plan(&mut t, p);
@@ -156,25 +157,34 @@ fn copies(t: &mut Text, s: &Snapshot) {
     }
 }
 
-/// L3 errors and entries, and prompt tokens that arrived by KV transfer.
-fn l3(t: &mut Text, s: &Snapshot) {
-    let st_stats = s.storage.unwrap_or_default();
-    t.sample(
-        "strata_l3_errors_total",
-        &[("kind", "corrupt")],
-        st_stats.corrupt as f64,
-    );
-    t.sample(
-        "strata_l3_errors_total",
-        &[("kind", "timeout")],
-        st_stats.timeouts as f64,
-    );
-    t.sample(
-        "strata_l3_errors_total",
-        &[("kind", "unavailable")],
-        (st_stats.errors - st_stats.timeouts.min(st_stats.errors)) as f64,
-    );
-    t.sample("strata_l3_entries", &[], st_stats.entries as f64);
+/// Each L3 tier's occupancy, evictions and errors, as the tier itself measures them at this
+/// scrape (a tier absent: nothing; a disk tier: its index; Redis: what it holds under this
+/// tier's prefix, measured in the background).
+fn l3(t: &mut Text, st: &AppState) {
+    let parts = st.l3.as_ref().map(|l| l.parts()).unwrap_or_default();
+    for (tier, x) in parts {
+        let l = [("tier", tier)];
+        t.sample("strata_l3_entries", &l, x.entries as f64);
+        t.sample("strata_l3_used_bytes", &l, x.bytes as f64);
+        t.sample("strata_l3_capacity_bytes", &l, x.capacity_bytes as f64);
+        t.sample("strata_l3_evictions_total", &l, x.evictions as f64);
+        let unavailable = x.errors - x.timeouts.min(x.errors);
+        for (kind, v) in [
+            ("corrupt", x.corrupt),
+            ("timeout", x.timeouts),
+            ("unavailable", unavailable),
+        ] {
+            t.sample(
+                "strata_l3_errors_total",
+                &[("kind", kind), ("tier", tier)],
+                v as f64,
+            );
+        }
+    }
+}
+
+/// Prompt tokens that arrived by KV transfer, and the PD counters of the decode side.
+fn pd_tokens(t: &mut Text, s: &Snapshot) {
     t.sample(
         "strata_transferred_prompt_tokens_total",
         &[],

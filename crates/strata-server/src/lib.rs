@@ -12,6 +12,7 @@
 //! * [`places`]: bounded places for idle connections (HTTP and KV listeners), where idle
 //!   strangers yield to newcomers.
 //! * [`pd`]: prefill/decode disaggregation: `/pd/prefill`, the decode side.
+//! * [`request_log`]: one log line per finished request (id, route, status, tokens, TTFT).
 //! * [`auth`]: cluster MACs of calls between Strata processes.
 //! * [`structured`]: the fields that constrain the output → one compiled grammar.
 //! * [`tools`]: tool calling — tools shown in the prompt, forced calls as a grammar, the
@@ -36,6 +37,7 @@ pub mod metrics;
 pub mod pd;
 pub mod places;
 pub mod prompt;
+pub mod request_log;
 mod respond;
 pub mod response_store;
 pub mod responses;

@@ -141,6 +141,8 @@ pub(crate) struct Answer {
     logprobs: Vec<TokenLogprobs>,
     /// The prompt's log probabilities (requests that asked for them), rendered once.
     prompt_lps: Option<Arc<Value>>,
+    /// The request's log line, told of tokens and of the end (None once told).
+    log: Option<Arc<crate::request_log::RequestLog>>,
 }
 
 impl Answer {
@@ -157,6 +159,14 @@ impl Answer {
             cached: CachedTokens::default(),
             logprobs: Vec::new(),
             prompt_lps: None,
+            log: crate::request_log::current(),
+        }
+    }
+
+    /// Tells the request's log line how this answer ended (once).
+    fn log_end(&mut self, finish: &'static str) {
+        if let Some(l) = self.log.take() {
+            l.ended(self.prompt, self.cached.total(), self.completion, finish);
         }
     }
 
@@ -213,6 +223,9 @@ impl Answer {
             Some(Event::Token(t)) => {
                 self.completion += 1;
                 token_time(&self.st.metrics, self.started, &mut self.last);
+                if let Some(l) = &self.log {
+                    l.token();
+                }
                 let d = self.text.push(&self.st.tokenizer, t);
                 if !d.is_empty() {
                     out.push(self.text_step(d));
@@ -223,6 +236,7 @@ impl Answer {
                         .metrics
                         .e2e
                         .observe(self.started.elapsed().as_secs_f64());
+                    self.log_end("stop");
                     out.push(Step::End(End::Finished(FinishReason::Stop, true)));
                 }
             }
@@ -248,14 +262,23 @@ impl Answer {
                     out.push(self.text_step(d));
                 }
                 self.rs = None;
+                self.log_end(finish_name(&reason, false));
                 out.push(Step::End(End::Finished(reason, false)));
             }
             None => {
                 self.rs = None;
+                self.log_end("error");
                 out.push(Step::End(End::EngineGone));
             }
         }
         Some(out)
+    }
+}
+
+impl Drop for Answer {
+    /// An answer dropped before its end: the client went away (or another choice failed).
+    fn drop(&mut self) {
+        self.log_end("cancelled");
     }
 }
 

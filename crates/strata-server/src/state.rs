@@ -56,6 +56,10 @@ pub struct AppState {
     pub responses: Arc<crate::response_store::ResponseStore>,
     /// What the HTTP listener saw (connections, timeouts).
     pub http: Arc<crate::listen::HttpStats>,
+    /// One log line per finished request ([`crate::request_log`]; `--no-request-log`: off).
+    pub request_log: bool,
+    /// The L3 tiers, measured when `/metrics` is read (bytes, entries, evictions per tier).
+    pub l3: Option<Arc<dyn strata_kv::storage::Storage>>,
 }
 
 /// A worker's side of prefill/decode disaggregation.
@@ -131,6 +135,8 @@ impl AppState {
             grammars: std::sync::OnceLock::new(),
             responses: Arc::default(),
             http: Default::default(),
+            request_log: true,
+            l3: None,
         }
     }
 }

@@ -24,7 +24,7 @@ pub mod netbed;
 mod proc;
 pub use proc::{connect_from, http1, port_after, raise_fd_limit, Proc};
 mod redis;
-pub use redis::{Redis, RedisCluster};
+pub use redis::{redis_cli, Redis, RedisCluster};
 
 /// Writes the tiny model with a context of `context` tokens into `dir` (prompts that show
 /// tools need more than the default: its tokenizer spends about a token per byte).
@@ -235,6 +235,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     cc.window_checkpoint_pages = spec.window_checkpoint_pages;
     cc.model_id = "tiny".into();
     cc.hashing = true;
+    let l3 = spec.storage.clone();
     let cache = TieredCache::new(cc, &HeapAllocator, spec.storage).unwrap();
     let cfg = EngineConfig {
         stop_token_ids: tk.stop.clone(),
@@ -249,6 +250,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.pd.local_prefill_tokens = spec.pd_local_prefill_tokens;
     st.pd.decode_reuse = spec.pd_decode_reuse;
     st.storage_tier = spec.storage_tier.into();
+    st.l3 = l3;
     st.admin_key = spec.admin_key;
     if let Some(limit) = spec.body_limit {
         st.body_limit = limit;

@@ -153,7 +153,7 @@ impl BenchArgs {
         let topo = strata_mem::Topology::detect()?;
         let allowed = crate::sizing::allowed_cpus();
         let tp = self.tp_size.max(1);
-        crate::serve_tp::placements(&self.numa_nodes, tp, &topo, &allowed)
+        crate::serve::tp::placements(&self.numa_nodes, tp, &topo, &allowed)
     }
 
     fn load(&self, path: &std::path::Path) -> Result<(BenchModel, u64)> {

@@ -15,8 +15,6 @@ mod http_args;
 mod plan;
 mod route;
 mod serve;
-mod serve_kv;
-mod serve_tp;
 mod sim;
 mod sim_advice;
 mod sim_windows;

@@ -85,6 +85,11 @@ pub trait Storage: Send + Sync {
     fn delete(&self, hash: &PageHash) -> Result<bool, StorageError>;
 
     fn stats(&self) -> StorageStats;
+
+    /// Each tier's own numbers (a [`Chain`]: each of its tiers, in order).
+    fn parts(&self) -> Vec<(&'static str, StorageStats)> {
+        vec![(self.tier(), self.stats())]
+    }
 }
 
 /// Several backends as one L3, in order (disk first, then remote): a page is held if any holds
@@ -179,6 +184,10 @@ impl Storage for Chain {
             any |= t.delete(hash)?;
         }
         Ok(any)
+    }
+
+    fn parts(&self) -> Vec<(&'static str, StorageStats)> {
+        self.tiers.iter().flat_map(|t| t.parts()).collect()
     }
 
     fn stats(&self) -> StorageStats {

@@ -1,4 +1,5 @@
-//! A decode worker's KV-transfer listener: bound, started, and the address it announces.
+//! A decode worker's KV-transfer listener: bound and checked before anything is allocated,
+//! started once the engine runs, and the address it announces.
 
 use std::sync::Arc;
 
@@ -17,34 +18,46 @@ pub(crate) struct KvFlags<'a> {
     pub max_connections: usize,
 }
 
-/// The KV-transfer listener of a decode worker (decode and both roles), bound and started.
-pub(crate) fn kv_listener(
-    a: &KvFlags,
-    st: &AppState,
-    kv_staging: u64,
-    cluster_key: Option<ClusterKey>,
-) -> Result<Arc<strata_server::pd::KvInbox>> {
-    let info = st.engine.info().clone();
-    let hello = info.hello();
+/// A decode worker's KV-transfer listener, bound (before anything is allocated) and the
+/// address it announces, checked.
+pub(crate) struct KvBound {
+    listener: std::net::TcpListener,
+    advertise: Option<std::net::SocketAddr>,
+}
+
+/// Binds the KV-transfer listener and checks the address prefill workers are told: a port in
+/// use or an address they cannot reach is refused before the model or any pool is loaded.
+pub(crate) fn kv_bind(a: &KvFlags, keyed: bool) -> Result<KvBound> {
     let kv_addr = format!("{}:{}", a.host, a.port);
-    let l = std::net::TcpListener::bind(&kv_addr)
+    let listener = std::net::TcpListener::bind(&kv_addr)
         .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
-    let bound = l.local_addr()?;
-    let advertise = kv_advertise(a.advertise, bound)?;
+    let advertise = kv_advertise(a.advertise, listener.local_addr()?)?;
     if let Some(ad) = advertise {
         // A prefill worker without the key accepts only a loopback KV target (pd.rs): say so
         // now rather than fail every transfer.
-        if cluster_key.is_none() && !ad.ip().is_loopback() {
+        if !keyed && !ad.ip().is_loopback() {
             bail!(
                 "--kv-advertise {ad}: without --cluster-key-file prefill workers send K/V to \
                  loopback addresses only"
             );
         }
     }
-    // One request of the longest prompt this worker can hold must fit the staging area,
-    // or such prompts could never arrive.
-    let longest = info.context_length.min(info.device_tokens);
-    let one = longest.div_ceil(info.page_size) as u64 * info.page_bytes as u64;
+    Ok(KvBound {
+        listener,
+        advertise,
+    })
+}
+
+/// One request of the longest prompt this worker can hold (`longest` tokens) must fit the
+/// staging area, or such prompts could never arrive.
+pub(crate) fn check_staging(
+    a: &KvFlags,
+    kv_staging: u64,
+    longest: usize,
+    page_size: usize,
+    page_bytes: u64,
+) -> Result<()> {
+    let one = longest.div_ceil(page_size.max(1)) as u64 * page_bytes;
     if kv_staging < one {
         bail!(
             "--kv-staging {}: one prompt of {longest} tokens needs {one} bytes of K/V ({}); give at least that",
@@ -52,17 +65,43 @@ pub(crate) fn kv_listener(
             format_bytes(one)
         );
     }
+    Ok(())
+}
+
+/// Starts the bound listener with the engine's exact sizes.
+pub(crate) fn kv_start(
+    bound: KvBound,
+    a: &KvFlags,
+    st: &AppState,
+    kv_staging: u64,
+    cluster_key: Option<ClusterKey>,
+) -> Result<Arc<strata_server::pd::KvInbox>> {
+    let info = st.engine.info().clone();
+    let hello = info.hello();
+    let longest = info.context_length.min(info.device_tokens);
+    check_staging(
+        a,
+        kv_staging,
+        longest,
+        info.page_size,
+        info.page_bytes as u64,
+    )?;
     let limits = strata_server::pd::KvLimits {
         staging: kv_staging,
         max_connections: a.max_connections.max(1),
         max_tokens: info.context_length,
         page_size: info.page_size as u32,
         main_page_bytes: info.main_page_bytes(),
-        advertise,
+        advertise: bound.advertise,
         ..strata_server::pd::KvLimits::default()
     };
-    let inbox =
-        strata_server::pd::KvInbox::start(l, hello, info.page_bytes as u64, limits, cluster_key);
+    let inbox = strata_server::pd::KvInbox::start(
+        bound.listener,
+        hello,
+        info.page_bytes as u64,
+        limits,
+        cluster_key,
+    );
     tracing::info!(addr = %inbox.addr, advertised = %inbox.advertise, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
     eprintln!(
         "strata serve: KV-transfer listener on {} (announced as {})",

@@ -2,27 +2,35 @@
 //!
 //! Order: every flag is checked and the memory plan printed before anything is allocated; a
 //! bad flag or a plan that does not fit exits once with the reason (exit code 2), never a loop.
+//!
+//! - [`checks`]: the flags and their combinations, checked before anything is bound or loaded.
+//! - [`cache`]: the tiered cache as planned, and its L3 tiers.
+//! - [`kv`]: a decode worker's KV-transfer listener (bound and checked first, started last).
+//! - [`tp`]: tensor-parallel ranks: placement, allocators, the model per rank.
+
+mod cache;
+mod checks;
+pub(crate) mod kv;
+pub(crate) mod tp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{ArgAction, Args};
 use strata_engine::{Engine, EngineConfig};
-use strata_kv::auth::ClusterKey;
-use strata_kv::storage::{DiskStorage, Storage};
-use strata_kv::units::parse_size;
-use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, TieredCache, WritePolicy};
-use strata_mem::{make_plan, NumaAllocator, Plan, PlanRequest};
+use strata_kv::{PageLayout, WritePolicy};
+use strata_mem::make_plan;
 use strata_model::fetch::{cache_dir, ensure_model};
 use strata_model::ModelTokenizer;
 use strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS as LOCAL_PREFILL;
 use strata_server::AppState;
 
-use crate::serve_tp;
 use crate::sizing::SizingArgs;
+use cache::build_cache;
+use checks::{check_flags, check_l3_specs, check_staging_before_pools, prefetch_policy, Checked};
 
 #[derive(Args, Debug, Clone)]
 // A worker serves the model it loads: the sizing flags it would refuse are not offered (still
@@ -59,6 +67,10 @@ pub struct ServeArgs {
     /// (docs/API.md lists the fields it knows; refused ones stay refused).
     #[arg(long, help_heading = "Server")]
     pub lenient_fields: bool,
+    /// No log line per finished request (by default one at info under `strata::request`: id,
+    /// route, status, prompt / cached / output tokens, time to first token, duration).
+    #[arg(long, help_heading = "Server")]
+    pub no_request_log: bool,
     /// Seconds running requests may take to finish after SIGTERM / Ctrl-C.
     #[arg(long, default_value_t = 30.0, help_heading = "Server")]
     pub shutdown_grace: f64,
@@ -218,78 +230,20 @@ pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
     })
 }
 
-fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
-/// The L3 tiers of `--l3`, in order, and how many were left out: a Redis that cannot be
-/// reached at start is left out (a warning, and `strata_l3_unavailable_tiers`); a bad spec
-/// or an unusable disk path is an error.
-fn l3_storage(
-    a: &ServeArgs,
-    ns: &str,
-    key: strata_kv::storage::blob::BlobKey,
-    page_bytes: u64,
-) -> Result<(Option<Arc<dyn Storage>>, usize)> {
-    let mut left_out = 0;
-    let cap = parse_size(&a.l3_size).context("--l3-size")?;
-    let mut tiers: Vec<Arc<dyn Storage>> = Vec::new();
-    for spec in &a.l3 {
-        if let Some(path) = spec.strip_prefix("disk:").filter(|p| !p.is_empty()) {
-            let d = DiskStorage::open(PathBuf::from(path), cap, false)
-                .with_context(|| format!("--l3 {spec}"))?
-                .with_key(key)
-                .with_page_bytes(page_bytes);
-            tracing::info!(
-                path,
-                capacity_bytes = cap,
-                "L3 disk tier ready (capacity in bytes)"
-            );
-            tiers.push(Arc::new(d));
-        } else if is_redis(spec) {
-            let cfg = strata_redis::RedisConfig {
-                url: spec.clone(),
-                namespace: ns.to_string(),
-                ttl: (a.l3_ttl > 0).then(|| Duration::from_secs(a.l3_ttl)),
-                timeout: Duration::from_millis(a.l3_timeout_ms.max(1)),
-                page_key: key,
-                max_value_bytes: page_bytes + strata_kv::storage::blob::HEADER as u64,
-            };
-            match strata_redis::RedisStorage::connect(&cfg) {
-                Ok(r) => {
-                    tracing::info!(url = %spec, namespace = ns, "L3 remote tier (Redis) ready");
-                    tiers.push(Arc::new(r));
-                }
-                Err(e) => {
-                    left_out += 1;
-                    tracing::warn!(url = %spec, error = %e, "L3 remote tier unavailable at start: serving without it");
-                    eprintln!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
-                }
-            }
-        } else {
-            bail!("--l3 `{spec}`: {L3_SPECS}");
-        }
-    }
-    let tiers: Option<Arc<dyn Storage>> = match tiers.len() {
-        0 => None,
-        1 => tiers.pop(),
-        _ => Some(Arc::new(strata_kv::storage::Chain::new(tiers))),
-    };
-    Ok((tiers, left_out))
-}
-
 pub fn run(mut a: ServeArgs) -> Result<()> {
     // Check everything cheap first.
-    let c = check_flags(&a)?;
+    let mut c = check_flags(&a)?;
     // Bind before loading anything: a port in use is a configuration error, said at once.
     let std_listener = std::net::TcpListener::bind(c.addr)
         .with_context(|| format!("cannot listen on {}", c.addr))?;
     std_listener.set_nonblocking(true)?;
     // The port really bound (--port 0: any free one, said in the ready line).
     let addr = std_listener.local_addr()?;
+    // A decode worker's KV listener, likewise, and the address it announces.
+    let kv = match c.role {
+        "decode" | "both" => Some(kv::kv_bind(&kv_flags(&a), c.cluster_key.is_some())?),
+        _ => None,
+    };
     // The memory plan, printed before anything is allocated.
     let path = match &a.sizing.model {
         Some(p) => p.clone(),
@@ -304,16 +258,17 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let prefetch = prefetch_policy(&a)?;
 
     // Model: tensor-parallel ranks placed by --numa-nodes.
-    let (model, tk, template, ranks) =
-        serve_tp::load_model(&a.sizing, a.threads, !a.f32_decode, &topo)?;
+    let (model, tk, template, ranks) = tp::load_model(&a.sizing, a.threads, !a.f32_decode, &topo)?;
 
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
-    serve_tp::check_plan_layout(&plan, &layout)?;
-    let allocs = serve_tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
-    let (cache, (storage_tier, l3_unavailable)) =
-        build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
-    let gauges = serve_tp::plan_gauges(&plan, &cache, &ranks);
+    tp::check_plan_layout(&plan, &layout)?;
+    if kv.is_some() {
+        check_staging_before_pools(&a, &c, &*model, &plan, &layout)?;
+    }
+    let allocs = tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
+    let (cache, l3) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
+    let gauges = tp::plan_gauges(&plan, &cache, &ranks);
     let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
 
     // The HTTP API's state; the KV-transfer listener for decode workers.
@@ -324,246 +279,42 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     });
     let mut st = AppState::new(engine, Arc::new(tk), name.clone());
     st.template = template;
-    st.admin_key = a.admin_key.clone();
-    st.default_max_tokens = a.default_max_tokens;
-    st.body_limit = c.body_limit;
-    st.lenient_fields = a.lenient_fields;
-    st.responses = Arc::new(c.responses);
-    st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
     st.plan = Some(gauges);
-    st.storage_tier = storage_tier;
-    st.l3_unavailable = l3_unavailable;
-    st.role = c.role.to_string();
-    st.cluster_key = c.cluster_key.clone();
-    st.pd.prefill_workers = a.prefill_worker.clone();
-    st.pd.local_prefill_tokens = a.pd_local_prefill_tokens;
-    st.pd.decode_reuse = a.pd_decode_reuse;
-    if matches!(c.role, "decode" | "both") {
-        let flags = crate::serve_kv::KvFlags {
-            host: &a.kv_host,
-            port: a.kv_port,
-            advertise: a.kv_advertise.as_deref(),
-            staging_text: &a.kv_staging,
-            max_connections: a.kv_max_connections,
-        };
+    (st.storage_tier, st.l3_unavailable, st.l3) = (l3.tier, l3.unavailable, l3.storage);
+    configure(&mut st, &a, &mut c);
+    if let Some(bound) = kv {
         let key = c.cluster_key.clone();
-        st.pd.kv = Some(crate::serve_kv::kv_listener(
-            &flags,
-            &st,
-            c.kv_staging,
-            key,
-        )?);
+        st.pd.kv = Some(kv::kv_start(bound, &kv_flags(&a), &st, c.kv_staging, key)?);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
     serve_until_stopped(std_listener, addr, st, name, (c.role, c.http), grace)
 }
 
-/// What the flags checked before anything is bound or loaded give.
-struct Checked {
-    eviction: EvictionPolicy,
-    body_limit: usize,
-    role: &'static str,
-    kv_staging: u64,
-    addr: SocketAddr,
-    cluster_key: Option<ClusterKey>,
-    http: strata_server::listen::HttpLimits,
-    responses: strata_server::response_store::ResponseStore,
+/// The `--kv-*` flags.
+fn kv_flags(a: &ServeArgs) -> kv::KvFlags<'_> {
+    kv::KvFlags {
+        host: &a.kv_host,
+        port: a.kv_port,
+        advertise: a.kv_advertise.as_deref(),
+        staging_text: &a.kv_staging,
+        max_connections: a.kv_max_connections,
+    }
 }
 
-/// Checks every flag that needs neither the model nor the plan.
-fn check_flags(a: &ServeArgs) -> Result<Checked> {
-    let eviction = match a.eviction {
-        Eviction::Lru => EvictionPolicy::Lru,
-        Eviction::Gdsf => EvictionPolicy::Gdsf,
-        Eviction::Sieve => EvictionPolicy::Sieve,
-        Eviction::S3fifo => EvictionPolicy::S3Fifo,
-    };
-    let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
-    let role = a.sizing.role.name();
-    let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
-    if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
-        bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
-    }
-    if a.sizing.machine.is_some() {
-        bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
-    }
-    if a.sizing.tp_size == 0 {
-        bail!("--tp-size 0: expected at least 1 rank");
-    }
-    if a.threads == 0 {
-        bail!("--threads 0: expected at least 1 thread for matrix products and attention");
-    }
-    if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
-        bail!(
-            "--shutdown-grace {}: expected seconds ≥ 0",
-            a.shutdown_grace
-        );
-    }
-    if !(a.max_queue_time >= 0.0 && a.max_queue_time.is_finite()) {
-        bail!(
-            "--max-queue-time {}: expected seconds ≥ 0 (0: no limit)",
-            a.max_queue_time
-        );
-    }
-    if a.sizing.max_batch_tokens == 0 || a.sizing.max_running == 0 {
-        bail!("--max-batch-tokens and --max-running must be at least 1");
-    }
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
-    let cluster_key = cluster_key(a)?;
-    for u in &a.prefill_worker {
-        if !(u.starts_with("http://") || u.starts_with("https://")) {
-            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
-        }
-    }
-    let http = a.http.limits(body_limit)?;
-    let responses = response_store(a)?;
-    Ok(Checked {
-        eviction,
-        body_limit,
-        role,
-        kv_staging,
-        addr,
-        cluster_key,
-        http,
-        responses,
-    })
-}
-
-/// The `--response-store-*` bounds, checked (nothing is allocated until responses come).
-fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::ResponseStore> {
-    let size = parse_size(&a.response_store_size).context("--response-store-size")?;
-    if size < 1 << 20 || a.response_store_max == 0 {
-        bail!("--response-store-size must be at least 1MiB and --response-store-max at least 1 (a conversation over a quarter of the size is not kept; one the store cannot keep cannot be continued)");
-    }
-    let ttl = a.response_store_ttl;
-    if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
-        bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
-    }
-    Ok(strata_server::response_store::ResponseStore::new(
-        a.response_store_max,
-        usize::try_from(size).unwrap_or(usize::MAX),
-        Duration::from_secs_f64(ttl),
-    ))
-}
-
-/// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.
-fn cluster_key(a: &ServeArgs) -> Result<Option<ClusterKey>> {
-    Ok(match &a.cluster_key_file {
-        Some(f) => Some(ClusterKey::from_file(f).context("--cluster-key-file")?),
-        None => {
-            for (flag, host) in [("--host", &a.host), ("--kv-host", &a.kv_host)] {
-                if !is_loopback(host) {
-                    bail!(
-                        "{flag} {host}: a worker without --cluster-key-file listens on loopback only \
-                         (its worker-to-worker endpoints would be open to the network); give the \
-                         deployment's key file, see docs/SECURITY.md"
-                    );
-                }
-            }
-            eprintln!(
-                "strata serve: no cluster key (--cluster-key-file): worker endpoints are unauthenticated; listening on loopback only"
-            );
-            None
-        }
-    })
-}
-
-/// What `--l3` takes.
-const L3_SPECS: &str =
-    "expected disk:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT[,HOST:PORT...]";
-
-fn is_redis(spec: &str) -> bool {
-    spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
-}
-
-/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use.
-fn check_l3_specs(l3: &[String]) -> Result<()> {
-    for spec in l3 {
-        if spec.starts_with("rediss://") {
-            bail!(
-                "--l3 `{spec}`: TLS to Redis is not built in; reach Redis over a private network \
-                 or a TLS tunnel (e.g. stunnel) with redis://"
-            );
-        }
-        if !(spec.starts_with("disk:") || is_redis(spec)) {
-            bail!("--l3 `{spec}`: {L3_SPECS}");
-        }
-    }
-    Ok(())
-}
-
-/// The engine's prefetch policy from `--prefetch-policy` and `--prefetch-ms-per-token`.
-fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPolicy> {
-    Ok(match a.prefetch_policy {
-        Prefetch::BestEffort => strata_engine::PrefetchPolicy::BestEffort,
-        Prefetch::WaitComplete => strata_engine::PrefetchPolicy::WaitComplete,
-        Prefetch::Timeout
-            if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() =>
-        {
-            strata_engine::PrefetchPolicy::Timeout {
-                per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
-            }
-        }
-        Prefetch::Timeout => bail!(
-            "--prefetch-ms-per-token {}: expected milliseconds ≥ 0",
-            a.prefetch_ms_per_token
-        ),
-    })
-}
-
-/// The tiered cache: device and host pools as planned, the L3 tiers of `--l3`; also the name
-/// of its L3 tier (for the metrics).
-fn build_cache(
-    a: &ServeArgs,
-    c: &Checked,
-    path: &std::path::Path,
-    req: &PlanRequest,
-    plan: &Plan,
-    layout: PageLayout,
-    rank_allocs: &serve_tp::RankAllocators,
-) -> Result<(TieredCache, (String, usize))> {
-    let ps = req.page_size;
-    let device_pages = (plan.device_tokens_per_rank / ps as u64) as u32;
-    let host_pages = (plan.host_tokens_per_rank / ps as u64) as u32;
-    let mut alloc = NumaAllocator::new(plan.numa.nodes.clone(), req.policy);
-    alloc.huge_pages = a.sizing.huge_pages;
-    // Pools under 1 GiB pre-fault in well under a second: no progress line for them.
-    alloc.progress = Some(crate::sizing::prefault_progress(
-        "host pool".into(),
-        1 << 30,
-    ));
-    let ns_key = strata_kv::HashNamespace::new(&model_id(path), &layout).key();
-    let ns: String = ns_key[..8].iter().map(|b| format!("{b:02x}")).collect();
-    let blob_key = c
-        .cluster_key
-        .as_ref()
-        .map(strata_kv::storage::blob::BlobKey::from_cluster)
-        .unwrap_or_default();
-    let (storage, l3_unavailable) = l3_storage(a, &ns, blob_key, layout.page_bytes() as u64)?;
-    let storage_tier = storage.as_ref().map(|s| s.tier()).unwrap_or("disk");
-    let storage_tier = (storage_tier.to_string(), l3_unavailable);
-    let mut cc = CacheConfig::new(layout, device_pages, host_pages);
-    if cc.layout.has_window() {
-        cc.device_window_pages = (plan.device_window_tokens_per_rank / ps as u64) as u32;
-        cc.host_window_pages = (plan.host_window_tokens_per_rank / ps as u64) as u32;
-    }
-    cc.model_id = model_id(path);
-    cc.write_policy = a.write_policy;
-    // The plan refused checkpoints for a model without window kinds.
-    cc.window_checkpoint_pages = plan.window_checkpoint_pages as usize;
-    cc.eviction = c.eviction;
-    cc.hashing = true;
-    cc.copy_threads = a.copy_threads.max(1);
-    // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).
-    let per_rank = cc.layout.kinds().len() / rank_allocs.0.len().max(1);
-    let (host, device) = (
-        serve_tp::per_kind(&rank_allocs.0, per_rank),
-        serve_tp::per_kind(&rank_allocs.1, per_rank),
-    );
-    let cache = TieredCache::with_allocators(cc, &alloc, &host, &device, storage)?;
-    Ok((cache, storage_tier))
+/// The HTTP state's settings from the flags.
+fn configure(st: &mut AppState, a: &ServeArgs, c: &mut Checked) {
+    st.admin_key = a.admin_key.clone();
+    st.default_max_tokens = a.default_max_tokens;
+    st.body_limit = c.body_limit;
+    st.lenient_fields = a.lenient_fields;
+    st.request_log = !a.no_request_log;
+    st.responses = Arc::new(std::mem::take(&mut c.responses));
+    st.pd.kv_deadline = Duration::from_secs_f64(a.kv_deadline);
+    st.role = c.role.to_string();
+    st.cluster_key = c.cluster_key.clone();
+    st.pd.prefill_workers = a.prefill_worker.clone();
+    st.pd.local_prefill_tokens = a.pd_local_prefill_tokens;
+    st.pd.decode_reuse = a.pd_decode_reuse;
 }
 
 /// The engine's configuration from the scheduling flags (says so when the prefix cache is off).

@@ -1,0 +1,202 @@
+//! The flags of `strata serve` and their combinations, checked before anything is bound,
+//! loaded or allocated (and `--kv-staging` against the planned pools before they are).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use strata_kv::auth::ClusterKey;
+use strata_kv::units::parse_size;
+use strata_kv::{EvictionPolicy, PageLayout};
+use strata_mem::Plan;
+
+use super::{kv_flags, Eviction, Prefetch, ServeArgs};
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// `--kv-staging` against the longest prompt the planned pools can hold, before any pool is
+/// allocated (the listener checks again with the engine's exact capacity).
+pub(super) fn check_staging_before_pools(
+    a: &ServeArgs,
+    c: &Checked,
+    model: &dyn strata_model::runtime::Runtime,
+    plan: &Plan,
+    layout: &PageLayout,
+) -> Result<()> {
+    let ps = layout.page_size();
+    let wire = PageLayout::new(ps, model.wire_kinds(ps)?)?;
+    // A model with window kinds holds no more than its window pools do (a lower bound: the
+    // exact capacity may be larger in ring mode, never smaller).
+    let mut device = plan.device_tokens_per_rank as usize;
+    if layout.has_window() {
+        device = device.min(plan.device_window_tokens_per_rank as usize);
+    }
+    let longest = model.context_length().min(device / ps * ps);
+    super::kv::check_staging(
+        &kv_flags(a),
+        c.kv_staging,
+        longest,
+        ps,
+        wire.page_bytes() as u64,
+    )
+}
+
+/// What the flags checked before anything is bound or loaded give.
+pub(super) struct Checked {
+    pub eviction: EvictionPolicy,
+    pub body_limit: usize,
+    pub role: &'static str,
+    pub kv_staging: u64,
+    pub addr: SocketAddr,
+    pub cluster_key: Option<ClusterKey>,
+    pub http: strata_server::listen::HttpLimits,
+    pub responses: strata_server::response_store::ResponseStore,
+}
+
+/// Checks every flag that needs neither the model nor the plan.
+pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
+    let eviction = match a.eviction {
+        Eviction::Lru => EvictionPolicy::Lru,
+        Eviction::Gdsf => EvictionPolicy::Gdsf,
+        Eviction::Sieve => EvictionPolicy::Sieve,
+        Eviction::S3fifo => EvictionPolicy::S3Fifo,
+    };
+    let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
+    let role = a.sizing.role.name();
+    let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
+    if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
+        bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
+    }
+    if a.sizing.machine.is_some() {
+        bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
+    }
+    if a.sizing.tp_size == 0 {
+        bail!("--tp-size 0: expected at least 1 rank");
+    }
+    if a.threads == 0 {
+        bail!("--threads 0: expected at least 1 thread for matrix products and attention");
+    }
+    if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
+        bail!(
+            "--shutdown-grace {}: expected seconds ≥ 0",
+            a.shutdown_grace
+        );
+    }
+    if !(a.max_queue_time >= 0.0 && a.max_queue_time.is_finite()) {
+        bail!(
+            "--max-queue-time {}: expected seconds ≥ 0 (0: no limit)",
+            a.max_queue_time
+        );
+    }
+    if a.sizing.max_batch_tokens == 0 || a.sizing.max_running == 0 {
+        bail!("--max-batch-tokens and --max-running must be at least 1");
+    }
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let cluster_key = cluster_key(a)?;
+    for u in &a.prefill_worker {
+        if !(u.starts_with("http://") || u.starts_with("https://")) {
+            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
+        }
+    }
+    let http = a.http.limits(body_limit)?;
+    let responses = response_store(a)?;
+    Ok(Checked {
+        eviction,
+        body_limit,
+        role,
+        kv_staging,
+        addr,
+        cluster_key,
+        http,
+        responses,
+    })
+}
+
+/// The `--response-store-*` bounds, checked (nothing is allocated until responses come).
+fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::ResponseStore> {
+    let size = parse_size(&a.response_store_size).context("--response-store-size")?;
+    if size < 1 << 20 || a.response_store_max == 0 {
+        bail!("--response-store-size must be at least 1MiB and --response-store-max at least 1 (a conversation over a quarter of the size is not kept; one the store cannot keep cannot be continued)");
+    }
+    let ttl = a.response_store_ttl;
+    if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
+        bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
+    }
+    Ok(strata_server::response_store::ResponseStore::new(
+        a.response_store_max,
+        usize::try_from(size).unwrap_or(usize::MAX),
+        Duration::from_secs_f64(ttl),
+    ))
+}
+
+/// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.
+fn cluster_key(a: &ServeArgs) -> Result<Option<ClusterKey>> {
+    Ok(match &a.cluster_key_file {
+        Some(f) => Some(ClusterKey::from_file(f).context("--cluster-key-file")?),
+        None => {
+            for (flag, host) in [("--host", &a.host), ("--kv-host", &a.kv_host)] {
+                if !is_loopback(host) {
+                    bail!(
+                        "{flag} {host}: a worker without --cluster-key-file listens on loopback only \
+                         (its worker-to-worker endpoints would be open to the network); give the \
+                         deployment's key file, see docs/SECURITY.md"
+                    );
+                }
+            }
+            eprintln!(
+                "strata serve: no cluster key (--cluster-key-file): worker endpoints are unauthenticated; listening on loopback only"
+            );
+            None
+        }
+    })
+}
+
+/// What `--l3` takes.
+pub(super) const L3_SPECS: &str =
+    "expected disk:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT[,HOST:PORT...]";
+
+pub(super) fn is_redis(spec: &str) -> bool {
+    spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
+}
+
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use.
+pub(super) fn check_l3_specs(l3: &[String]) -> Result<()> {
+    for spec in l3 {
+        if spec.starts_with("rediss://") {
+            bail!(
+                "--l3 `{spec}`: TLS to Redis is not built in; reach Redis over a private network \
+                 or a TLS tunnel (e.g. stunnel) with redis://"
+            );
+        }
+        if !(spec.starts_with("disk:") || is_redis(spec)) {
+            bail!("--l3 `{spec}`: {L3_SPECS}");
+        }
+    }
+    Ok(())
+}
+
+/// The engine's prefetch policy from `--prefetch-policy` and `--prefetch-ms-per-token`.
+pub(super) fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPolicy> {
+    Ok(match a.prefetch_policy {
+        Prefetch::BestEffort => strata_engine::PrefetchPolicy::BestEffort,
+        Prefetch::WaitComplete => strata_engine::PrefetchPolicy::WaitComplete,
+        Prefetch::Timeout
+            if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() =>
+        {
+            strata_engine::PrefetchPolicy::Timeout {
+                per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
+            }
+        }
+        Prefetch::Timeout => bail!(
+            "--prefetch-ms-per-token {}: expected milliseconds ≥ 0",
+            a.prefetch_ms_per_token
+        ),
+    })
+}

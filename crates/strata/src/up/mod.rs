@@ -1,0 +1,361 @@
+//! `strata up`: router + prefill + decode workers as separate processes of this binary, from
+//! an embedded default deployment (or a TOML file). Every port is checked free before anything
+//! starts; each process is healthy only once it said it is ready on its own port; the
+//! deployment has its own cluster key (in its state directory). Start-up failures stop
+//! everything once, with the worker's own message and exit code; later crashes restart with
+//! backoff.
+//!
+//! - [`procs`]: starting, reading, health-checking and stopping the processes.
+//! - [`ports`]: the ports checked free before anything starts, the holder of a taken one.
+//! - [`key`]: the deployment's state directory and cluster key.
+//! - [`supervise`]: restarts with backoff while serving.
+
+mod key;
+mod ports;
+mod procs;
+mod supervise;
+
+pub use procs::{healthy, stop_all};
+use procs::{terminate, Proc};
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Deserialize;
+use strata_model::fetch::{cache_dir, ensure_model};
+
+/// The embedded default deployment.
+pub const DEFAULT: &str = include_str!("up.toml");
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Deployment file (TOML); default: the embedded one (`strata up --print-config`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print the embedded default deployment and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// GGUF file for every worker (overrides the file's `model`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The deployment's state directory (its cluster key); default: the file's `state_dir`,
+    /// else `$XDG_STATE_HOME/strata/up/HOST_ROUTERPORT` (`~/.local/state/...`).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Seconds to wait for every process to become healthy.
+    #[arg(long, default_value_t = 300.0)]
+    pub startup_timeout: f64,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct Deployment {
+    #[serde(default = "localhost")]
+    host: String,
+    #[serde(default)]
+    model: String,
+    #[serde(default = "yes")]
+    smoke_test: bool,
+    /// The cluster key file every process gets; default: `cluster.key` in the state
+    /// directory, made for this deployment on its first run.
+    #[serde(default)]
+    cluster_key_file: Option<PathBuf>,
+    /// The deployment's state directory (see `--state-dir`).
+    #[serde(default)]
+    state_dir: Option<PathBuf>,
+    router: RouterSpec,
+    #[serde(default)]
+    prefill: Vec<WorkerSpec>,
+    decode: Vec<WorkerSpec>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct RouterSpec {
+    port: u16,
+    #[serde(default = "round_robin")]
+    policy: String,
+    #[serde(default)]
+    args: Vec<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct WorkerSpec {
+    port: u16,
+    numa_node: Option<u32>,
+    /// Tensor-parallel ranks (`--tp-size`); prefill and decode workers may differ.
+    tp_size: Option<u32>,
+    /// NUMA node of each rank (`--numa-nodes`).
+    numa_nodes: Option<Vec<u32>>,
+    #[serde(default)]
+    args: Vec<String>,
+}
+
+fn localhost() -> String {
+    "127.0.0.1".into()
+}
+fn yes() -> bool {
+    true
+}
+fn round_robin() -> String {
+    "round_robin".into()
+}
+
+pub fn run(a: UpArgs) -> Result<()> {
+    if a.print_config {
+        print!("{DEFAULT}");
+        return Ok(());
+    }
+    let d = load_deployment(&a)?;
+    let model = match (&a.model, d.model.as_str()) {
+        (Some(p), _) => p.clone(),
+        (None, "") => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+        (None, p) => PathBuf::from(p),
+    };
+    if !model.exists() {
+        bail!("model {} does not exist", model.display());
+    }
+    ports::check_free(&d.host, &d.ports())?;
+    let nodes = strata_mem::Topology::detect()
+        .map(|t| t.nodes.len())
+        .unwrap_or(1);
+    if nodes < 2 {
+        eprintln!(
+            "strata up: this machine has one NUMA node: prefill and decode workers both use node 0"
+        );
+    }
+    let state = key::state_dir(
+        a.state_dir.as_deref().or(d.state_dir.as_deref()),
+        &d.host,
+        d.router.port,
+    )?;
+    let key_file = key::cluster_key(d.cluster_key_file.as_deref(), &state)?;
+    let w = WorkerCtx {
+        d: &d,
+        model: &model,
+        key: key_file.display().to_string(),
+        nodes,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs_f64(a.startup_timeout);
+    // Prefill workers, then decode workers (told the prefill workers' addresses: when one
+    // takes any free port, decode waits until it has said which), then the router in front.
+    let mut procs: Vec<Proc> = Vec::new();
+    for (i, s) in d.prefill.iter().enumerate() {
+        procs.push(w.start("prefill", i, s, &[])?);
+    }
+    let prefill_first = d.prefill.iter().any(|s| s.port == 0);
+    if prefill_first {
+        procs::wait_healthy(&rt, &client, &mut procs, 0, deadline)?;
+    }
+    let prefill_urls: Vec<String> = procs.iter().map(Proc::url).collect();
+    let first = if prefill_first { procs.len() } else { 0 };
+    for (i, s) in d.decode.iter().enumerate() {
+        procs.push(w.start("decode", i, s, &prefill_urls)?);
+    }
+    procs::wait_healthy(&rt, &client, &mut procs, first, deadline)?;
+    let rargs = router_command(&d, &model, &w.key, &procs);
+    eprintln!("strata up: starting router on {}:{}", d.host, d.router.port);
+    let n = procs.len();
+    procs.push(Proc::start("router".into(), rargs, &d.host, d.router.port)?);
+    procs::wait_healthy(&rt, &client, &mut procs, n, deadline)?;
+    let router_url = procs[n].url();
+    if d.smoke_test {
+        if let Err(e) = smoke_test(&rt, &client, &router_url) {
+            terminate(&mut procs);
+            return Err(e);
+        }
+    }
+    print_ready(&router_url, &key_file, &procs);
+    supervise::supervise(&rt, procs)
+}
+
+/// The deployment of `--config`, or the embedded one.
+fn load_deployment(a: &UpArgs) -> Result<Deployment> {
+    let text = match &a.config {
+        Some(p) => {
+            std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?
+        }
+        None => DEFAULT.to_string(),
+    };
+    let what = a
+        .config
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or("the embedded deployment".into());
+    let d: Deployment = toml::from_str(&text).with_context(|| what.clone())?;
+    if d.decode.is_empty() {
+        bail!("{what}: at least one [[decode]] worker is needed");
+    }
+    let ports = d.ports();
+    for (i, (who, p)) in ports.iter().enumerate() {
+        if let Some((other, _)) = ports[..i].iter().find(|(_, q)| *q == *p && *p != 0) {
+            bail!("{what}: port {p} is given to both {other} and {who}");
+        }
+    }
+    Ok(d)
+}
+
+impl Deployment {
+    /// Every process's name and port (0: any free one).
+    fn ports(&self) -> Vec<(String, u16)> {
+        let mut v = vec![("router".to_string(), self.router.port)];
+        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            v.extend(
+                list.iter()
+                    .enumerate()
+                    .map(|(i, w)| (format!("{role}-{i}"), w.port)),
+            );
+        }
+        v
+    }
+}
+
+/// What every worker's command line shares.
+struct WorkerCtx<'a> {
+    d: &'a Deployment,
+    model: &'a Path,
+    key: String,
+    nodes: usize,
+}
+
+impl WorkerCtx<'_> {
+    /// Starts `ROLE-I`, its NUMA node by default prefill 0, decode 1 on a machine with two or
+    /// more; a decode worker is told `prefill_urls`.
+    fn start(&self, role: &str, i: usize, w: &WorkerSpec, prefill_urls: &[String]) -> Result<Proc> {
+        let d = self.d;
+        let default_node = if role == "prefill" { 0 } else { 1 };
+        let node = w
+            .numa_node
+            .unwrap_or(if self.nodes >= 2 { default_node } else { 0 });
+        let role_flag = if d.prefill.is_empty() { "both" } else { role };
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--role".into(),
+            role_flag.into(),
+            "--host".into(),
+            d.host.clone(),
+            "--port".into(),
+            w.port.to_string(),
+            "--model".into(),
+            self.model.display().to_string(),
+            "--kv-host".into(),
+            d.host.clone(),
+            "--cluster-key-file".into(),
+            self.key.clone(),
+        ];
+        // Every worker of `strata up` is on this machine: an unspecified listen address is
+        // reached through loopback.
+        match d.host.as_str() {
+            "0.0.0.0" => args.extend(["--kv-advertise".into(), "127.0.0.1".into()]),
+            "::" | "[::]" => args.extend(["--kv-advertise".into(), "::1".into()]),
+            _ => {}
+        }
+        if let Some(tp) = w.tp_size {
+            args.extend(["--tp-size".into(), tp.to_string()]);
+        }
+        // Each rank's node, or the worker's one node.
+        match &w.numa_nodes {
+            Some(n) => {
+                let list: Vec<String> = n.iter().map(u32::to_string).collect();
+                args.extend(["--numa-nodes".into(), list.join(",")]);
+            }
+            None => args.extend(["--numa-node".into(), node.to_string()]),
+        }
+        for u in prefill_urls {
+            args.extend(["--prefill-worker".into(), u.clone()]);
+        }
+        args.extend(w.args.iter().cloned());
+        let name = format!("{role}-{i}");
+        eprintln!("strata up: starting {name} on {}:{}", d.host, w.port);
+        Proc::start(name, args, &d.host, w.port)
+    }
+}
+
+/// `strata route` arguments for the router in front of the started workers.
+fn router_command(d: &Deployment, model: &Path, key_arg: &str, workers: &[Proc]) -> Vec<String> {
+    let mut rargs: Vec<String> = vec![
+        "route".into(),
+        "--host".into(),
+        d.host.clone(),
+        "--port".into(),
+        d.router.port.to_string(),
+        "--policy".into(),
+        d.router.policy.clone(),
+        "--model".into(),
+        model.display().to_string(),
+        "--cluster-key-file".into(),
+        key_arg.to_string(),
+    ];
+    for p in workers {
+        let flag = if p.name.starts_with("prefill") {
+            "--prefill"
+        } else {
+            "--decode"
+        };
+        rargs.push(flag.into());
+        rargs.push(p.url());
+    }
+    rargs.extend(d.router.args.iter().cloned());
+    rargs
+}
+
+/// One chat request through the router; an error says why it failed.
+fn smoke_test(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    router_url: &str,
+) -> Result<()> {
+    let answer = rt.block_on(async {
+        let r = client
+            .post(format!("{router_url}/v1/chat/completions"))
+            .json(
+                &serde_json::json!({"messages": [{"role": "user", "content": "say OK"}],
+                                      "max_tokens": 16, "temperature": 0}),
+            )
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await?;
+        let status = r.status();
+        let v: serde_json::Value = r.json().await?;
+        anyhow::Ok((status, v))
+    });
+    match answer {
+        Ok((s, v)) if s.is_success() => eprintln!(
+            "strata up: smoke test through the router: \"say OK\" → {:?} (cached {} tokens)",
+            v["choices"][0]["message"]["content"].as_str().unwrap_or(""),
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ),
+        Ok((s, v)) => bail!("smoke test failed: {s}: {v}"),
+        Err(e) => bail!("smoke test failed: {e}"),
+    }
+    Ok(())
+}
+
+/// Where the API, the dashboard and the metrics are (stdout).
+fn print_ready(router_url: &str, key: &Path, procs: &[Proc]) {
+    println!("strata up: ready");
+    println!("  API (OpenAI-compatible): {router_url}/v1");
+    println!("  dashboard: {router_url}/dashboard");
+    println!(
+        "  metrics (Prometheus): {router_url}/metrics (router), <worker>/metrics (each worker)"
+    );
+    for p in &procs[..procs.len() - 1] {
+        println!(
+            "  {}: {} (pid {}), metrics {}/metrics",
+            p.name,
+            p.url(),
+            p.child.id(),
+            p.url()
+        );
+    }
+    println!("  cluster key: {}", key.display());
+    println!("  Ctrl-C stops everything");
+}
