@@ -35,6 +35,13 @@ pub struct WorkerStats {
     pub requests_429: f64,
     pub kv_sent_bytes: f64,
     pub kv_received_bytes: f64,
+    /// Tokens evicted from the device and host tiers; pages the L3 tiers dropped (all tiers).
+    pub evicted_device: f64,
+    pub evicted_host: f64,
+    pub evicted_l3: f64,
+    /// Bytes the L3 tiers hold and may hold (all tiers).
+    pub l3_used_bytes: f64,
+    pub l3_capacity_bytes: f64,
 }
 
 impl WorkerStats {
@@ -94,6 +101,13 @@ impl WorkerStats {
                     w.kv_sent_bytes = v
                 }
                 "strata_kv_transfer_bytes_total" => w.kv_received_bytes = v,
+                "strata_cache_evicted_tokens_total" if has("tier=\"device\"") => {
+                    w.evicted_device = v
+                }
+                "strata_cache_evicted_tokens_total" => w.evicted_host += v,
+                "strata_l3_evictions_total" => w.evicted_l3 += v,
+                "strata_l3_used_bytes" => w.l3_used_bytes += v,
+                "strata_l3_capacity_bytes" => w.l3_capacity_bytes += v,
                 _ => {}
             }
         }

@@ -5,6 +5,8 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -270,8 +272,7 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
 }
 
 /// The router's built-in page in headless Chromium: no console messages, no error shown, and
-/// per worker the same numbers as that worker's /metrics. The screenshot is kept in
-/// `target/ci-artifacts/dashboard.png` (or `$STRATA_ARTIFACTS`).
+/// per worker the same numbers as that worker's /metrics; then every chart draws under traffic.
 fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
     let chromium = chromium();
     // The router scrapes every second; the traffic is over, so its figures are final.
@@ -283,7 +284,8 @@ fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
         "--disable-gpu",
         "--disable-dev-shm-usage",
         "--hide-scrollbars",
-        "--window-size=1500,1500",
+        "--window-size=1500,2200",
+        "--force-device-scale-factor=1",
         "--virtual-time-budget=4000",
         "--enable-logging=stderr",
         "--v=0",
@@ -341,24 +343,112 @@ fn check_dashboard(router: u16, workers: &[u16], tmp: &Path) {
         assert_eq!(shown("ttft"), ttft, ":{port} {row}");
         assert!(row.contains(">up<"), "{row}");
     }
+    charts_draw_under_traffic(router, &base, &profile);
+}
+
+/// Chat requests through the router on another thread until `stop` is set.
+fn traffic(router: u16, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut i = 0;
+        while !stop.load(Ordering::Relaxed) {
+            curl(&[
+                "-H",
+                "content-type: application/json",
+                "-d",
+                &format!(
+                    r#"{{"messages":[{{"role":"user","content":"question {} about the shared document"}}],"max_tokens":4,"temperature":0}}"#,
+                    i % 5
+                ),
+                &format!("http://127.0.0.1:{router}/v1/chat/completions"),
+            ]);
+            i += 1;
+        }
+    })
+}
+
+/// A headless Chromium screenshot of the page under traffic, kept in
+/// `target/ci-artifacts/dashboard.png` (or `$STRATA_ARTIFACTS`): every chart the page names has
+/// drawn pixels of a series colour inside its plot (where each plot is, the page says in
+/// `data-box`; its layout does not move with the figures).
+fn charts_draw_under_traffic(router: u16, base: &[&str], profile: &str) {
+    let chromium = chromium();
+    let url = format!("http://127.0.0.1:{router}/dashboard");
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = traffic(router, stop.clone());
+    // Samples of the traffic in every window the page draws.
+    std::thread::sleep(Duration::from_millis(4000));
+    let dom = Command::new(chromium)
+        .args(base)
+        .arg(profile)
+        .args(["--dump-dom", &url])
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&dom.stdout).into_owned();
     let dir = std::env::var_os("STRATA_ARTIFACTS")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo().join("target/ci-artifacts"));
     std::fs::create_dir_all(&dir).unwrap();
     let png = dir.join("dashboard.png");
+    let _ = std::fs::remove_file(&png);
     let shot = Command::new(chromium)
         .args(base)
-        .arg(&profile)
+        .arg(profile)
         .arg(format!("--screenshot={}", png.display()))
         .arg(&url)
         .output()
         .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    load.join().unwrap();
     assert!(
         shot.status.success() && png.exists(),
         "no screenshot: {}",
         String::from_utf8_lossy(&shot.stderr)
     );
     eprintln!("dashboard screenshot: {}", png.display());
+    let (w, h, rgb) = decode(&png);
+    let mut charts = 0;
+    let mut blank = Vec::new();
+    for part in dom.split("data-chart=\"").skip(1) {
+        let id = &part[..part.find('"').unwrap()];
+        let b = attr_after(part, "", "data-box");
+        let b: Vec<usize> = b.split(',').map(|v| v.parse().unwrap()).collect();
+        let (x0, y0) = (b[0], b[1]);
+        let (x1, y1) = ((b[0] + b[2]).min(w), (b[1] + b[3]).min(h));
+        let coloured = (y0..y1)
+            .flat_map(|y| (x0..x1).map(move |x| (x, y)))
+            .filter(|&(x, y)| {
+                let p = &rgb[(y * w + x) * 3..][..3];
+                let (hi, lo) = (*p.iter().max().unwrap(), *p.iter().min().unwrap());
+                hi - lo > 50
+            })
+            .count();
+        charts += 1;
+        if coloured < 20 {
+            blank.push(format!("{id} ({coloured} coloured pixels in {b:?})"));
+        }
+    }
+    assert_eq!(charts, 10, "charts in the page:\n{dom}");
+    assert!(
+        blank.is_empty(),
+        "charts with nothing drawn: {blank:?} (see {})",
+        png.display()
+    );
+}
+
+/// A PNG's width, height and RGB bytes.
+fn decode(path: &Path) -> (usize, usize, Vec<u8>) {
+    let mut r = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()))
+        .read_info()
+        .unwrap();
+    let mut buf = vec![0; r.output_buffer_size()];
+    let info = r.next_frame(&mut buf).unwrap();
+    let n = info.color_type.samples();
+    assert!(info.bit_depth == png::BitDepth::Eight && n >= 3, "{info:?}");
+    let rgb = buf[..info.buffer_size()]
+        .chunks(n)
+        .flat_map(|p| [p[0], p[1], p[2]])
+        .collect();
+    (info.width as usize, info.height as usize, rgb)
 }
 
 /// The Chromium binary (Debian's `chromium`; other names where a machine has them).
