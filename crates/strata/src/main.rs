@@ -53,9 +53,13 @@ fn init_logs(format: LogFormat) {
     use std::io::IsTerminal;
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into());
+    // A log line that cannot be written (stderr closed: a supervisor gone, a pipe nobody
+    // reads) is dropped: the default would report it with eprintln!, which panics, and take
+    // the request being logged down with it.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     match format {
         LogFormat::Text => b.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => b.json().init(),
