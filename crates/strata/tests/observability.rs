@@ -399,6 +399,7 @@ fn charts_draw_under_traffic(router: u16, base: &[&str], profile: &str) {
         .unwrap();
     stop.store(true, Ordering::Relaxed);
     load.join().unwrap();
+    settle(router);
     assert!(
         shot.status.success() && png.exists(),
         "no screenshot: {}",
@@ -433,6 +434,32 @@ fn charts_draw_under_traffic(router: u16, base: &[&str], profile: &str) {
         "charts with nothing drawn: {blank:?} (see {})",
         png.display()
     );
+}
+
+/// Waits until the router's latest scrape of every worker shows the prompt tokens that
+/// worker's /metrics does (the traffic is over: its figures stop moving).
+fn settle(router: u16) {
+    let t = std::time::Instant::now();
+    loop {
+        let data: Value = serde_json::from_str(&curl(&[&format!(
+            "http://127.0.0.1:{router}/dashboard/data"
+        )]))
+        .unwrap();
+        let same = data["workers"].as_array().unwrap().iter().all(|w| {
+            let m = curl(&[&format!("{}/metrics", w["url"].as_str().unwrap())]);
+            let used = value(&m, "strata_cache_pages{tier=\"device\",state=\"used\"}");
+            w["stats"]["prompt_tokens"].as_f64() == Some(value(&m, "strata_prompt_tokens_total"))
+                && w["stats"]["device_used"].as_f64() == Some(used)
+        });
+        if same {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the router's figures never settled: {data}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// A PNG's width, height and RGB bytes.
