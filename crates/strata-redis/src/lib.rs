@@ -48,7 +48,7 @@ pub struct RedisConfig {
 
 /// The remote tier.
 pub struct RedisStorage {
-    rt: tokio::runtime::Runtime,
+    rt: OwnRuntime,
     backend: Backend,
     prefix: String,
     ttl: Option<Duration>,
@@ -58,6 +58,26 @@ pub struct RedisStorage {
     stats: Mutex<StorageStats>,
     /// What Redis holds of this tier, measured in the background ([`measure`]).
     measured: Arc<Mutex<measure::Measured>>,
+}
+
+/// The tier's own runtime. Dropped without waiting for its threads: the last holder of the
+/// tier (a server's state, a test) may be inside another runtime, where a blocking shutdown
+/// panics.
+struct OwnRuntime(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for OwnRuntime {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("taken only on drop")
+    }
+}
+
+impl Drop for OwnRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// One Redis, or a Redis Cluster.
@@ -181,7 +201,7 @@ impl RedisStorage {
             rt.block_on(Self::single_or_cluster(&cfg.url, timeout))?
         };
         Ok(RedisStorage {
-            rt,
+            rt: OwnRuntime(Some(rt)),
             backend,
             prefix: format!(
                 "strata:v2:{}:{}:",

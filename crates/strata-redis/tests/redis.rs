@@ -226,3 +226,20 @@ fn a_wrong_type_key_is_a_miss_for_that_key_not_the_batch() {
     );
     assert_eq!(s.stats().errors, 0);
 }
+
+/// The last holder of the tier may drop it inside another runtime (a server's state at
+/// shutdown, an async test): the tier's own runtime must not block there, measurement running
+/// or not.
+#[test]
+fn the_tier_can_be_dropped_inside_an_async_runtime() {
+    let r = Redis::start();
+    let outer = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let s = RedisStorage::connect(&cfg(&r.url())).unwrap();
+    assert!(s.put_many(&[(h(1), vec![1; 100])])[0].is_ok());
+    let _ = s.stats(); // starts a measurement in the tier's runtime
+    outer.block_on(async move { drop(s) });
+}
