@@ -12,7 +12,8 @@
 * the Grafana dashboards ConfigMap holds exactly deploy/grafana/dashboards/*.json
   (`check.py --write` regenerates it).
 
-Usage: check.py --strata PATH/TO/strata [--write]
+Usage: check.py --strata PATH/TO/strata [--write]  (e.g. --strata ./target/release/strata)
+Needs kubernetes-validate and PyYAML (scripts/requirements-test.txt).
 """
 
 import argparse
@@ -23,8 +24,12 @@ import re
 import subprocess
 import sys
 
-import kubernetes_validate
-import yaml
+try:
+    import kubernetes_validate
+    import yaml
+except ImportError as e:
+    sys.exit(f"check.py: {e}: it needs kubernetes-validate and PyYAML, pinned in "
+             "scripts/requirements-test.txt (python3 -m pip install -r scripts/requirements-test.txt)")
 
 HERE = pathlib.Path(__file__).resolve().parent
 DASHBOARDS = HERE.parent / "grafana" / "dashboards"

@@ -29,6 +29,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let req = a.sizing.request()?;
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
+    if !a.json {
+        // The plan before anything is allocated (the pre-fault progress follows it).
+        print!("{}", plan.render());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
     let mut placements = Vec::new();
     if a.allocate && plan.host_tokens_per_rank > 0 {
         let kinds: Vec<PoolKind> = req.pool_kinds()?;
@@ -58,7 +64,6 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        print!("{}", plan.render());
         for (rank, bytes, alloc, p) in &placements {
             println!(
                 "allocated rank {rank}: {} with {} — pages: {}",

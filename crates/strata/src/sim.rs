@@ -109,8 +109,22 @@ pub struct SimArgs {
     advice: crate::sim_advice::AdviceArgs,
 }
 
-/// Parses a capacity into tokens.
-fn capacity(s: &str, distinct_tokens: u64, bytes_per_token: usize, what: &str) -> Result<u64> {
+/// Parses a capacity into tokens, in whole pages (what a tier of that size holds, as the
+/// engine and `strata plan` count it).
+fn capacity(s: &str, distinct_tokens: u64, bpt: usize, page: usize, what: &str) -> Result<u64> {
+    let tokens = capacity_tokens(s, distinct_tokens, bpt, what)?;
+    if tokens > 0 && tokens < page as u64 {
+        bail!("--{what} `{s}`: {what} capacity of {tokens} tokens is smaller than one page ({page} tokens)");
+    }
+    Ok(tokens / page as u64 * page as u64)
+}
+
+fn capacity_tokens(
+    s: &str,
+    distinct_tokens: u64,
+    bytes_per_token: usize,
+    what: &str,
+) -> Result<u64> {
     let t = s.trim();
     if let Some(p) = t.strip_suffix('%') {
         let v: f64 = p
@@ -194,9 +208,9 @@ pub fn run(a: SimArgs) -> Result<()> {
         layout: layout.clone(),
         block_tokens,
         vocab,
-        device_tokens: capacity(&a.device, distinct_tokens, bpt, "device")?,
-        host_tokens: capacity(&a.host, distinct_tokens, bpt, "host")?,
-        storage_tokens: capacity(&a.storage, distinct_tokens, bpt, "storage")?,
+        device_tokens: capacity(&a.device, distinct_tokens, bpt, a.page_size, "device")?,
+        host_tokens: capacity(&a.host, distinct_tokens, bpt, a.page_size, "host")?,
+        storage_tokens: capacity(&a.storage, distinct_tokens, bpt, a.page_size, "storage")?,
         write_policy: a.write_policy,
         eviction: evictions[0],
         gdsf_history: a.gdsf_history as usize,
@@ -506,18 +520,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn capacities_in_tokens_bytes_and_percent() {
-        assert_eq!(capacity("200000", 1000, 100, "device").unwrap(), 200_000);
-        assert_eq!(capacity("5000 tokens", 1000, 100, "device").unwrap(), 5000);
-        assert_eq!(capacity("1MB", 1000, 100, "device").unwrap(), 10_000);
-        assert_eq!(capacity("1MiB", 1000, 1024, "device").unwrap(), 1024);
-        assert_eq!(capacity("5%", 1000, 100, "device").unwrap(), 50);
-        assert!(capacity("150%", 1000, 100, "host")
+    fn capacities_in_tokens_bytes_and_percent_in_whole_pages() {
+        assert_eq!(
+            capacity("200000", 1000, 100, 16, "device").unwrap(),
+            200_000
+        );
+        assert_eq!(
+            capacity("5000 tokens", 1000, 100, 1, "device").unwrap(),
+            5000
+        );
+        assert_eq!(
+            capacity("5000 tokens", 1000, 100, 16, "device").unwrap(),
+            4992
+        );
+        assert_eq!(capacity("1MB", 1000, 100, 16, "device").unwrap(), 10_000);
+        assert_eq!(capacity("1MiB", 1000, 1024, 16, "device").unwrap(), 1024);
+        // 2 GiB at SmolLM2's 23,040 B per token: 93,206 tokens, 5,825 whole pages of 16.
+        assert_eq!(capacity("2GiB", 0, 23_040, 16, "device").unwrap(), 93_200);
+        assert_eq!(capacity("5%", 1000, 100, 1, "device").unwrap(), 50);
+        assert_eq!(capacity("5%", 1000, 100, 16, "device").unwrap(), 48);
+        assert!(capacity("3", 1000, 100, 16, "device")
+            .unwrap_err()
+            .to_string()
+            .contains("device capacity of 3 tokens is smaller than one page (16 tokens)"));
+        assert!(capacity("150%", 1000, 100, 16, "host")
             .unwrap_err()
             .to_string()
             .contains("between 0 and 100"));
-        assert!(capacity("12XB", 1000, 100, "host").is_err());
-        assert!(capacity("lots", 1000, 100, "host").is_err());
+        assert!(capacity("12XB", 1000, 100, 16, "host").is_err());
+        assert!(capacity("lots", 1000, 100, 16, "host").is_err());
     }
 
     #[test]

@@ -183,27 +183,43 @@ fn size_of_machine(spec: &str, part: &str) -> Result<u64> {
 }
 
 /// Pre-fault progress on stderr for host pools of at least `min_bytes`: percent, GiB done and
-/// GiB/s, redrawn on one line.
+/// GiB/s, redrawn on one line on a terminal, else a line per quarter (a log file reads it).
+/// A stderr that cannot be written (closed) loses the progress, nothing else.
 pub fn prefault_progress(label: String, min_bytes: u64) -> strata_mem::numa::Progress {
+    use std::io::IsTerminal;
     let start = std::time::Instant::now();
+    let terminal = std::io::stderr().is_terminal();
+    let last_quarter = std::sync::Mutex::new(None::<u64>);
     std::sync::Arc::new(move |done: u64, total: u64| {
         use std::io::Write;
         if total < min_bytes {
             return;
         }
+        let pct = done * 100 / total.max(1);
+        if !terminal {
+            let mut last = last_quarter.lock().unwrap_or_else(|e| e.into_inner());
+            if *last == Some(pct / 25) {
+                return;
+            }
+            *last = Some(pct / 25);
+        }
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let secs = start.elapsed().as_secs_f64().max(1e-9);
-        eprint!(
-            "\rpre-faulting {label}: {:>3}% ({:.2} of {:.2} GiB, {:.2} GiB/s)",
-            done * 100 / total.max(1),
+        let line = format!(
+            "pre-faulting {label}: {pct:>3}% ({:.2} of {:.2} GiB, {:.2} GiB/s)",
             gib(done),
             gib(total),
             gib(done) / secs
         );
-        if done == total {
-            eprintln!();
-        }
-        let _ = std::io::stderr().flush();
+        let mut err = std::io::stderr().lock();
+        let _ = if !terminal {
+            writeln!(err, "{line}")
+        } else if done == total {
+            writeln!(err, "\r{line}")
+        } else {
+            write!(err, "\r{line}")
+        };
+        let _ = err.flush();
     })
 }
 
