@@ -1,5 +1,6 @@
 //! The router's front door: every answer counted by route, status and worker; the time to
-//! the end of each API answer; requests in flight; API keys checked.
+//! the end of each API answer; requests in flight; API keys checked; one log line per
+//! finished API request (`strata::request`, as the workers log theirs).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -48,6 +49,10 @@ pub async fn front_door(
         st: st.clone(),
         t: std::time::Instant::now(),
         route: route.clone(),
+        method: req.method().to_string(),
+        id: request_id(req.headers()),
+        status: 499,
+        worker: "none".into(),
         answered: false,
     });
     if api {
@@ -67,6 +72,11 @@ pub async fn front_door(
         return resp;
     };
     end.answered = true;
+    end.status = resp.status().as_u16();
+    end.worker = worker;
+    if end.id == "-" {
+        end.id = request_id(resp.headers());
+    }
     let (parts, body) = resp.into_parts();
     let body = Body::from_stream(body.into_data_stream().map(move |c| {
         let _end = &end;
@@ -118,12 +128,26 @@ fn known_route(path: &str) -> String {
     }
 }
 
+/// The client's `X-Request-Id` (or the worker's, on an answer), printable and bounded; `-`
+/// when there is none.
+fn request_id(h: &HeaderMap) -> String {
+    h.get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .unwrap_or("-")
+        .to_string()
+}
+
 /// Ends an API request's measurement when its body is done or dropped (or when the request
-/// is dropped before an answer: then it is counted as 499).
+/// is dropped before an answer: then it is counted as 499), and logs its line.
 struct End {
     st: Arc<RouterState>,
     t: std::time::Instant,
     route: String,
+    method: String,
+    id: String,
+    status: u16,
+    worker: String,
     answered: bool,
 }
 
@@ -133,8 +157,21 @@ impl Drop for End {
         if !self.answered {
             f.answered(&self.route, 499, "none");
         }
-        f.duration.observe(self.t.elapsed().as_secs_f64());
+        let secs = self.t.elapsed().as_secs_f64();
+        f.duration.observe(secs);
         f.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.st.request_log {
+            tracing::info!(
+                target: "strata::request",
+                request_id = %self.id,
+                method = %self.method,
+                route = %self.route,
+                status = self.status,
+                worker = %self.worker,
+                duration_ms = %format!("{:.1}", secs * 1e3),
+                "request"
+            );
+        }
     }
 }
 

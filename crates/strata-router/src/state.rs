@@ -53,6 +53,8 @@ pub struct RouterState {
     /// repeated calls within a second share it (the path is open, and each call costs a
     /// worker a generation).
     pub health_generate: tokio::sync::Mutex<Option<(std::time::Instant, u16, axum::body::Bytes)>>,
+    /// One log line per finished API request (`strata route --no-request-log`: off).
+    pub request_log: bool,
 }
 
 /// TCP keep-alive on every connection to a worker: a peer whose link went down is found
@@ -101,6 +103,7 @@ impl RouterState {
             front: Default::default(),
             stream_idle: Duration::from_secs(45),
             health_generate: Default::default(),
+            request_log: true,
         }
     }
 

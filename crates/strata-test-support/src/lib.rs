@@ -25,6 +25,7 @@ mod proc;
 pub use proc::{connect_from, http1, port_after, raise_fd_limit, Proc};
 mod redis;
 pub use redis::{redis_cli, Redis, RedisCluster};
+pub mod up;
 
 /// Writes the tiny model with a context of `context` tokens into `dir` (prompts that show
 /// tools need more than the default: its tokenizer spends about a token per byte).

@@ -1,5 +1,14 @@
 //! `strata`: the command-line entry point.
 
+/// `eprintln!` for processes that keep serving: a stderr nobody reads any more (a closed pipe)
+/// loses the line instead of panicking the thread that said it.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod bench;
 mod bench_agent;
 mod bench_compare;

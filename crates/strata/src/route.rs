@@ -60,6 +60,10 @@ pub struct RouteArgs {
     /// Largest request body, with a unit (the same default as `strata serve`).
     #[arg(long, default_value = "4MiB", help_heading = "Server")]
     pub body_limit: String,
+    /// No log line per finished API request (by default one at info under `strata::request`:
+    /// id, method, route, status, the worker that answered, duration).
+    #[arg(long, help_heading = "Server")]
+    pub no_request_log: bool,
     #[command(flatten)]
     pub http: crate::http_args::HttpArgs,
 }
@@ -105,6 +109,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;
     st.body_limit = body_limit;
+    st.request_log = !a.no_request_log;
     st.stream_idle = Duration::from_secs_f64(a.stream_idle_timeout);
     if let Some(f) = &a.cluster_key_file {
         st.cluster_key =
@@ -181,7 +186,7 @@ fn serve(
         let addr = l.local_addr()?;
         tokio::spawn(health_loop(st.clone(), every));
         tokio::spawn(index_loop(st.clone(), index_every));
-        eprintln!(
+        say!(
             "strata route: ready on http://{addr} ({} prefill, {} decode workers, policy {})",
             a.prefill.len(),
             a.decode.len(),

@@ -2,7 +2,6 @@
 //! of every dashboard panel returns data, `promtool check metrics` accepts every `/metrics`,
 //! and the tier counters sum to the prompt tokens after a mixed workload.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use strata_model::tiny::{write_tiny, TinySpec};
 use strata_test_support::free_port;
+use strata_test_support::up::Up;
 
 fn curl(args: &[&str]) -> String {
     let out = Command::new("curl")
@@ -63,55 +63,33 @@ fn dashboards_query_real_prometheus_and_counters_balance() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("tiny.gguf");
     write_tiny(&model, &TinySpec::default()).unwrap();
-    let (r, p, dd, prom) = (free_port(), free_port(), free_port(), free_port());
+    // Prometheus cannot say which port it took: it gets a free one; the deployment binds 0.
+    let prom = free_port();
     let cfg = d.path().join("up.toml");
     std::fs::write(
         &cfg,
         format!(
-            "smoke_test = true\n[router]\nport = {r}\npolicy = \"cache_aware\"\n\
-             [[prefill]]\nport = {p}\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\", \"--admin-key\", \"obs-admin\"]\n\
-             [[decode]]\nport = {dd}\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\", \"--pd-local-prefill-tokens\", \"0\"]\n",
+            "smoke_test = true\n[router]\nport = 0\npolicy = \"cache_aware\"\n\
+             [[prefill]]\nport = 0\nargs = [\"--device-mem\", \"2MiB\", \"--hicache-size\", \"8MiB\", \"--l3\", \"disk:{}\", \"--admin-key\", \"obs-admin\"]\n\
+             [[decode]]\nport = 0\nargs = [\"--device-mem\", \"4MiB\", \"--hicache-size\", \"8MiB\", \"--pd-local-prefill-tokens\", \"0\"]\n",
             d.path().join("l3").display()
         ),
     )
     .unwrap();
-    let mut up = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["up", "--startup-timeout", "60", "--config"])
-        .arg(&cfg)
-        .arg("--model")
-        .arg(&model)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = up.stdout.take().unwrap();
-    let up = Kill(up);
-    let mut ready = false;
-    let mut prefill_pid = None;
-    let mut lines = BufReader::new(out).lines().map_while(Result::ok);
-    for l in lines.by_ref() {
-        if l.contains("strata up: ready") {
-            ready = true;
-            break;
-        }
-    }
-    assert!(ready, "strata up did not come up");
-    for l in lines.by_ref() {
-        if let Some(rest) = l.trim().strip_prefix("prefill-0: ") {
-            let pid: String = rest
-                .split("(pid ")
-                .nth(1)
-                .unwrap_or("")
-                .chars()
-                .take_while(|c| c.is_ascii_digit())
-                .collect();
-            prefill_pid = pid.parse::<i32>().ok();
-        }
-        if l.contains("Ctrl-C stops everything") {
-            break;
-        }
-    }
-    let prefill_pid = prefill_pid.expect("up printed the prefill worker's pid");
+    let mut up = Up::start(
+        env!("CARGO_BIN_EXE_strata"),
+        &cfg,
+        &model,
+        &d.path().join("state"),
+        &[],
+    );
+    let ready = up.ready(90);
+    let (r, p, dd) = (
+        ready.router,
+        ready.port("prefill-0"),
+        ready.port("decode-0"),
+    );
+    let prefill_pid = ready.pid("prefill-0");
     let pcfg = d.path().join("prometheus.yml");
     std::fs::write(
         &pcfg,

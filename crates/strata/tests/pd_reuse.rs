@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_test_support::{free_port, sample, Proc};
+use strata_test_support::sample;
+use strata_test_support::up::Up;
 
 fn post(url: &str, body: &Value) -> Option<Value> {
     let out = std::process::Command::new("curl")
@@ -41,35 +42,30 @@ fn a_repeat_and_a_next_turn_move_only_what_the_decode_worker_lacks() {
         ..TinySpec::default()
     };
     write_tiny(&model, &spec).unwrap();
-    let (r, p, dp) = (free_port(), free_port(), free_port());
     // Every request goes through the prefill worker (none is computed on the decode worker),
     // so what crosses is what the decode worker lacks.
-    let cfg = format!(
-        r#"host = "127.0.0.1"
+    let cfg = r#"host = "127.0.0.1"
 smoke_test = false
 [router]
-port = {r}
+port = 0
 [[prefill]]
-port = {p}
+port = 0
 args = ["--device-mem", "64MiB", "--hicache-size", "64MiB"]
 [[decode]]
-port = {dp}
+port = 0
 args = ["--device-mem", "64MiB", "--hicache-size", "64MiB", "--pd-local-prefill-tokens", "0"]
-"#
-    );
+"#;
     let path = d.path().join("up.toml");
     std::fs::write(&path, cfg).unwrap();
-    let exe = env!("CARGO_BIN_EXE_strata").to_string();
-    let args: Vec<String> = ["up", "--startup-timeout", "90", "--config"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([
-            path.display().to_string(),
-            "--model".into(),
-            model.display().to_string(),
-        ])
-        .collect();
-    let _up = Proc::start(&exe, &args);
+    let mut up = Up::start(
+        env!("CARGO_BIN_EXE_strata"),
+        &path,
+        &model,
+        &d.path().join("state"),
+        &[],
+    );
+    let ready = up.ready(120);
+    let (r, dp) = (ready.router, ready.port("decode-0"));
     let url = format!("http://127.0.0.1:{r}/v1/chat/completions");
     let system = "the harbour log of a long voyage, read again at every question. ".repeat(32);
     let mut messages = vec![

@@ -120,3 +120,60 @@ fn every_finished_request_gets_one_line() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert!(request_lines(&mut q, 0).is_empty(), "{:#?}", q.drain());
 }
+
+fn route(worker: u16, extra: &[&str]) -> (Proc, u16) {
+    let mut args: Vec<String> = ["route", "--port", "0", "--decode"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(format!("http://127.0.0.1:{worker}"));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut p = Proc::start(env!("CARGO_BIN_EXE_strata"), &args);
+    let line = p.wait_for("ready on http://", 60);
+    let port = port_after(&line, "ready on http://");
+    (p, port)
+}
+
+/// The router logs its own line per API request: the id, the status it answered and the
+/// worker that answered; probes get none; `strata route --no-request-log` turns it off.
+#[test]
+fn the_router_logs_each_api_request_with_the_worker_that_answered() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("tiny.gguf");
+    strata_model::tiny::write_tiny(&model, &strata_model::tiny::TinySpec::default()).unwrap();
+    let (_w, wport) = serve(&model, &["--no-request-log"]);
+    let (mut r, port) = route(wport, &[]);
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"temperature":0}"#;
+    assert_eq!(curl(port, "/health", &[], None), "200");
+    let id = ["x-request-id: routed-7"];
+    assert_eq!(curl(port, "/v1/chat/completions", &id, Some(chat)), "200");
+    assert_eq!(
+        curl(
+            port,
+            "/v1/completions",
+            &[],
+            Some(r#"{"prompt":"x","max_tokens":-1}"#)
+        ),
+        "400"
+    );
+    let lines = request_lines(&mut r, 2);
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    let (ok, refused) = (&lines[0], &lines[1]);
+    assert_eq!(field(ok, "request_id"), "routed-7", "{ok}");
+    assert_eq!(field(ok, "route"), "/v1/chat/completions", "{ok}");
+    assert_eq!(field(ok, "status"), "200", "{ok}");
+    assert_eq!(
+        field(ok, "worker"),
+        format!("http://127.0.0.1:{wport}"),
+        "{ok}"
+    );
+    assert!(field(ok, "duration_ms").parse::<f64>().is_ok(), "{ok}");
+    assert_eq!(field(refused, "route"), "/v1/completions", "{refused}");
+    assert_eq!(field(refused, "status"), "400", "{refused}");
+    drop(r);
+
+    let (mut q, port) = route(wport, &["--no-request-log"]);
+    assert_eq!(curl(port, "/v1/chat/completions", &[], Some(chat)), "200");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(request_lines(&mut q, 0).is_empty(), "{:#?}", q.drain());
+}

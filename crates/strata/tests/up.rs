@@ -3,127 +3,55 @@
 //! while serving is restarted and the router answers again; DeepSeek-V4 with a TP-2 prefill
 //! worker and a TP-1 decode worker chats as one TP-1 worker.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_test_support::free_port;
+use strata_test_support::up::Up;
 
-fn config(dir: &std::path::Path, prefill_args: &str, tp: u32) -> (std::path::PathBuf, u16) {
-    let (r, p, d) = (free_port(), free_port(), free_port());
+fn config(dir: &std::path::Path, prefill_args: &str, tp: u32) -> std::path::PathBuf {
     let text = format!(
         r#"host = "127.0.0.1"
 smoke_test = true
 [router]
-port = {r}
+port = 0
 [[prefill]]
-port = {p}
+port = 0
 tp_size = {tp}
 numa_nodes = [0]
 args = ["--device-mem", "16MiB", {prefill_args}]
 [[decode]]
-port = {d}
+port = 0
 args = ["--device-mem", "16MiB", "--hicache-size", "16MiB"]
 "#
     );
     let path = dir.join("up.toml");
     std::fs::write(&path, text).unwrap();
-    (path, r)
+    path
 }
 
-/// Stops `strata up` (and so its workers) however the test ends.
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on the `strata up` this test started.
-        unsafe {
-            libc::kill(self.0.id() as i32, libc::SIGTERM);
-        }
-        let _ = self.0.wait();
-    }
-}
-
-fn up(dir: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
+/// `strata up` with the tiny model written into `dir`.
+fn up(dir: &Path, cfg: &Path) -> Up {
     let model = dir.join("tiny.gguf");
     write_tiny(&model, &TinySpec::default()).unwrap();
     up_with(&model, cfg)
 }
 
-/// `strata up` with the model at `model`, its output lines on the receiver.
-fn up_with(model: &std::path::Path, cfg: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["up", "--startup-timeout", "60", "--config"])
-        .arg(cfg)
-        .arg("--model")
-        .arg(model)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel();
-    for s in [
-        Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stdout.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(s).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-    }
-    (child, rx)
-}
-
-fn wait_for(rx: &mpsc::Receiver<String>, log: &mut Vec<String>, what: &str, secs: u64) -> String {
-    // stdout and stderr interleave in any order: look at what came already first.
-    if let Some(l) = log.iter().find(|l| l.contains(what)) {
-        return l.clone();
-    }
-    let t = Instant::now();
-    loop {
-        let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
-        match rx.recv_timeout(left) {
-            Ok(l) => {
-                log.push(l.clone());
-                if l.contains(what) {
-                    return l;
-                }
-            }
-            Err(_) => panic!("no `{what}` within {secs} s:\n{}", log.join("\n")),
-        }
-    }
-}
-
-/// The exit status of `strata up`, which must come within `secs`.
-fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "strata up did not exit within {secs} s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// `strata up` with the model at `model`, its state beside the configuration.
+fn up_with(model: &Path, cfg: &Path) -> Up {
+    let state = cfg.parent().unwrap().join("state");
+    Up::start(env!("CARGO_BIN_EXE_strata"), cfg, model, &state, &[])
 }
 
 #[test]
 fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
     let d = tempfile::tempdir().unwrap();
-    let (cfg, _) = config(d.path(), r#""--hicache-size", "999TB""#, 1);
-    let (child, rx) = up(d.path(), &cfg);
-    let mut child = Up(child);
-    let status = wait_exit(&mut child.0, 60);
-    std::thread::sleep(Duration::from_millis(200));
-    let log: Vec<String> = rx.try_iter().collect();
-    let text = log.join("\n");
+    let cfg = config(d.path(), r#""--hicache-size", "999TB""#, 1);
+    let mut up = up(d.path(), &cfg);
+    let status = up.wait_exit(60);
+    let text = up.drain(200);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(
         text.contains("prefill-0 exited during start-up (exit code 2)"),
@@ -142,36 +70,25 @@ fn an_impossible_host_cache_stops_up_once_with_the_workers_message() {
 fn a_tp2_prefill_and_tp1_decode_answer_and_a_killed_worker_is_restarted() {
     let d = tempfile::tempdir().unwrap();
     // A TP-2 prefill worker and a TP-1 decode worker: the smoke test's K/V is re-sharded.
-    let (cfg, router_port) = config(d.path(), r#""--hicache-size", "16MiB""#, 2);
-    let (child, rx) = up(d.path(), &cfg);
-    let mut child = Up(child);
-    let mut log = Vec::new();
-    wait_for(&rx, &mut log, "rank 1: pool `kv.tp1`", 90);
-    wait_for(&rx, &mut log, "smoke test through the router", 90);
+    let cfg = config(d.path(), r#""--hicache-size", "16MiB""#, 2);
+    let mut up = up(d.path(), &cfg);
+    up.wait_for("rank 1: pool `kv.tp1`", 90);
+    up.wait_for("smoke test through the router", 90);
+    let ready = up.ready(10);
+    let router_port = ready.router;
     // The ready summary names the dashboard and the metrics, besides the API.
-    wait_for(
-        &rx,
-        &mut log,
+    up.wait_for(
         &format!("dashboard: http://127.0.0.1:{router_port}/dashboard"),
         10,
     );
-    wait_for(&rx, &mut log, "metrics (Prometheus):", 10);
-    let line = wait_for(&rx, &mut log, "decode-0: http", 10);
-    let pid: i32 = line
-        .split("pid ")
-        .nth(1)
-        .unwrap()
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap();
+    up.wait_for("metrics (Prometheus):", 10);
+    let pid = ready.pid("decode-0");
     // SAFETY: kill(2) on the decode worker `strata up` started (its pid was printed).
     unsafe {
         libc::kill(pid, libc::SIGKILL);
     }
-    wait_for(&rx, &mut log, "decode-0 crashed", 20);
-    wait_for(&rx, &mut log, "decode-0 restarted", 20);
+    up.wait_for("decode-0 crashed", 20);
+    up.wait_for("decode-0 restarted", 20);
     let t = Instant::now();
     loop {
         let out = Command::new("curl")
@@ -190,11 +107,8 @@ fn a_tp2_prefill_and_tp1_decode_answer_and_a_killed_worker_is_restarted() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    // SAFETY: kill(2) on the `strata up` this test started.
-    unsafe {
-        libc::kill(child.0.id() as i32, libc::SIGTERM);
-    }
-    let status = child.0.wait().unwrap();
+    up.terminate();
+    let status = up.wait_exit(60);
     assert_eq!(status.code(), Some(0));
 }
 
@@ -205,26 +119,23 @@ fn a_tp2_prefill_and_tp1_decode_answer_and_a_killed_worker_is_restarted() {
 #[test]
 fn a_dead_engine_is_restarted_and_a_configuration_error_stops_up() {
     let d = tempfile::tempdir().unwrap();
-    let (r, p, dp) = (free_port(), free_port(), free_port());
-    let text = format!(
-        r#"host = "127.0.0.1"
+    let text = r#"host = "127.0.0.1"
 smoke_test = true
 [router]
-port = {r}
+port = 0
 [[prefill]]
-port = {p}
+port = 0
 args = ["--device-mem", "16MiB"]
 [[decode]]
-port = {dp}
+port = 0
 args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
-"#
-    );
+"#;
     let cfg = d.path().join("up.toml");
     std::fs::write(&cfg, text).unwrap();
-    let (child, rx) = up(d.path(), &cfg);
-    let mut child = Up(child);
-    let mut log = Vec::new();
-    wait_for(&rx, &mut log, "smoke test through the router", 90);
+    let mut up = up(d.path(), &cfg);
+    up.wait_for("smoke test through the router", 90);
+    let ready = up.ready(10);
+    let (r, dp) = (ready.router, ready.port("decode-0"));
     let post = |body: &str| -> String {
         let out = Command::new("curl")
             .args([
@@ -245,20 +156,22 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
     };
     let code = post(r#"{"prompt":[7,8,9],"max_tokens":3}"#);
     assert_ne!(code, "200", "the fault did not fire");
-    wait_for(&rx, &mut log, "exiting with code 70", 20);
-    wait_for(&rx, &mut log, "decode-0 crashed", 20);
-    wait_for(&rx, &mut log, "decode-0 restarted", 20);
+    up.wait_for("exiting with code 70", 20);
+    up.wait_for("decode-0 crashed", 20);
+    up.wait_for("decode-0 restarted", 20);
     let t = Instant::now();
     while post(r#"{"prompt":[1,2,3],"max_tokens":3}"#) != "200" {
         assert!(
             t.elapsed() < Duration::from_secs(60),
             "the router never answered again:\n{}",
-            log.join("\n")
+            up.drain(0)
         );
         std::thread::sleep(Duration::from_millis(200));
     }
     // Kill it and take its port: the restart cannot listen (exit 2) and `up` gives up.
-    let line = log
+    up.drain(0);
+    let line = up
+        .log
         .iter()
         .rev()
         .find(|l| l.contains("decode-0 restarted (pid"))
@@ -283,10 +196,8 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
         assert!(t.elapsed() < Duration::from_secs(5), "the port stayed busy");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let status = wait_exit(&mut child.0, 60);
-    std::thread::sleep(Duration::from_millis(200));
-    log.extend(rx.try_iter());
-    let text = log.join("\n");
+    let status = up.wait_exit(60);
+    let text = up.drain(200);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(text.contains("not restarting decode-0"), "{text}");
     assert!(text.contains("configuration error"), "{text}");
@@ -321,30 +232,29 @@ fn deepseek_v4_with_a_tp2_prefill_and_tp1_decode_chats_as_one_tp1_worker() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (r, p, dp) = (free_port(), free_port(), free_port());
     let pools = r#""--page-size", "16", "--device-mem", "16MiB", "--hicache-size", "16MiB""#;
     let text = format!(
         r#"host = "127.0.0.1"
 smoke_test = true
 [router]
-port = {r}
+port = 0
 [[prefill]]
-port = {p}
+port = 0
 tp_size = 2
 numa_nodes = [0]
 args = [{pools}]
 [[decode]]
-port = {dp}
+port = 0
 args = [{pools}]
 "#
     );
     let cfg = d.path().join("up.toml");
     std::fs::write(&cfg, text).unwrap();
-    let (child, rx) = up_with(&model, &cfg);
-    let _child = Up(child);
-    let mut log = Vec::new();
-    wait_for(&rx, &mut log, "rank 1: pools `raw.tp1`", 90);
-    wait_for(&rx, &mut log, "smoke test through the router", 90);
+    let mut up = up_with(&model, &cfg);
+    up.wait_for("rank 1: pools `raw.tp1`", 90);
+    up.wait_for("smoke test through the router", 90);
+    let ready = up.ready(10);
+    let (r, dp) = (ready.router, ready.port("decode-0"));
 
     let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
     one.args(["serve", "--port", "0", "--threads", "1"])

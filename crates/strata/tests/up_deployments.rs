@@ -3,84 +3,18 @@
 //! never "healthy"; two deployments on one host (every port 0) get two keys, and a worker of
 //! one refuses K/V from the other.
 
-use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
 
 use strata_model::tiny::{write_tiny, TinySpec};
+use strata_test_support::up::Up;
 
-/// `strata up` (SIGTERM on drop), its stdout and stderr lines.
-struct Up {
-    child: Child,
-    rx: mpsc::Receiver<String>,
-    log: Vec<String>,
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on the `strata up` this test started.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Up {
-    fn start(dir: &Path, model: &Path, toml: &str) -> Up {
-        let cfg = dir.join("up.toml");
-        std::fs::write(&cfg, toml).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-            .args(["up", "--startup-timeout", "60", "--config"])
-            .arg(&cfg)
-            .arg("--model")
-            .arg(model)
-            .env("XDG_STATE_HOME", dir.join("state"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        for s in [
-            Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stdout.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for l in BufReader::new(s).lines().map_while(Result::ok) {
-                    let _ = tx.send(l);
-                }
-            });
-        }
-        Up {
-            child,
-            rx,
-            log: Vec::new(),
-        }
-    }
-
-    /// The first line containing `what`, within `secs`.
-    fn wait_for(&mut self, what: &str, secs: u64) -> String {
-        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
-            return l.clone();
-        }
-        let t = Instant::now();
-        loop {
-            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
-            match self.rx.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push(l.clone());
-                    if l.contains(what) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!("no `{what}` within {secs} s:\n{}", self.log.join("\n")),
-            }
-        }
-    }
+/// `strata up` with the deployment described by `toml`, its state under `dir`.
+fn up(dir: &Path, model: &Path, toml: &str) -> Up {
+    let cfg = dir.join("up.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let exe = env!("CARGO_BIN_EXE_strata");
+    Up::start(exe, &cfg, model, &dir.join("state"), &[])
 }
 
 fn tiny(dir: &Path) -> PathBuf {
@@ -99,21 +33,9 @@ fn a_taken_port_stops_up_before_anything_starts_naming_the_port_and_its_holder()
         "host = \"127.0.0.1\"\n[router]\nport = 0\n[[prefill]]\nport = {port}\n\
          args = [\"--device-mem\", \"16MiB\"]\n[[decode]]\nport = 0\nargs = [\"--device-mem\", \"16MiB\"]\n"
     );
-    let mut up = Up::start(d.path(), &model, &toml);
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = up.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "strata up did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    std::thread::sleep(Duration::from_millis(200));
-    up.log.extend(up.rx.try_iter());
-    let text = up.log.join("\n");
+    let mut up = up(d.path(), &model, &toml);
+    let status = up.wait_exit(30);
+    let text = up.drain(200);
     assert_eq!(status.code(), Some(2), "{text}");
     assert!(text.contains(&format!("port {port} (prefill-0)")), "{text}");
     assert!(
@@ -128,7 +50,7 @@ fn a_taken_port_stops_up_before_anything_starts_naming_the_port_and_its_holder()
 fn deployment(dir: &Path, model: &Path) -> (Up, PathBuf, String) {
     let toml = "host = \"127.0.0.1\"\nsmoke_test = false\n[router]\nport = 0\n[[decode]]\n\
                 port = 0\nargs = [\"--device-mem\", \"16MiB\", \"--hicache-size\", \"16MiB\"]\n";
-    let mut up = Up::start(dir, model, toml);
+    let mut up = up(dir, model, toml);
     let kv = up.wait_for("[decode-0] strata serve: KV-transfer listener on ", 60);
     let kv = kv
         .split("listener on ")

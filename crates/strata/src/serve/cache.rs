@@ -55,7 +55,7 @@ fn l3_storage(
                 Err(e) => {
                     left_out += 1;
                     tracing::warn!(url = %spec, error = %e, "L3 remote tier unavailable at start: serving without it");
-                    eprintln!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
+                    say!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
                 }
             }
         } else {

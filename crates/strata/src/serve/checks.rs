@@ -150,7 +150,7 @@ fn cluster_key(a: &ServeArgs) -> Result<Option<ClusterKey>> {
                     );
                 }
             }
-            eprintln!(
+            say!(
                 "strata serve: no cluster key (--cluster-key-file): worker endpoints are unauthenticated; listening on loopback only"
             );
             None

@@ -103,9 +103,10 @@ pub(crate) fn kv_start(
         cluster_key,
     );
     tracing::info!(addr = %inbox.addr, advertised = %inbox.advertise, staging_bytes = kv_staging, "KV-transfer listener ready (staging limit in bytes)");
-    eprintln!(
+    say!(
         "strata serve: KV-transfer listener on {} (announced as {})",
-        inbox.addr, inbox.advertise
+        inbox.addr,
+        inbox.advertise
     );
     Ok(inbox)
 }

@@ -247,7 +247,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // The memory plan, printed before anything is allocated.
     let path = match &a.sizing.model {
         Some(p) => p.clone(),
-        None => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+        None => ensure_model(&cache_dir(), |m| say!("{m}"))?,
     };
     a.sizing.model = Some(path.clone());
     let req = a.sizing.request()?;
@@ -339,7 +339,7 @@ fn engine_config(
     };
     if a.disable_prefix_cache {
         tracing::warn!("prefix cache disabled: every prompt is computed in full");
-        eprintln!("strata serve: prefix cache disabled (--disable-prefix-cache): every prompt is computed in full");
+        say!("strata serve: prefix cache disabled (--disable-prefix-cache): every prompt is computed in full");
     }
     cfg.stop_token_ids.dedup();
     cfg
@@ -363,7 +363,7 @@ fn serve_until_stopped(
         let listener = tokio::net::TcpListener::from_std(std_listener)
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
-        eprintln!("strata serve: ready on http://{addr} (model `{name}`, role {role_s})");
+        say!("strata serve: ready on http://{addr} (model `{name}`, role {role_s})");
         // Stop on SIGTERM / Ctrl-C, or when the engine dies: then `/health` answers 503 for two
         // seconds, the server stops gracefully (responses in flight, e.g. the failed requests'
         // errors, are written out), and the process exits 70 so that a supervisor restarts it.
@@ -375,7 +375,7 @@ fn serve_until_stopped(
                 _ = shutdown_signal() => {}
                 why = strata_server::app::watch_engine(engine) => {
                     tracing::error!(reason = %why, "engine dead: exiting with code {ENGINE_DEAD_EXIT}");
-                    eprintln!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
+                    say!("strata serve: the engine died ({why}); exiting with code {ENGINE_DEAD_EXIT} so that a supervisor restarts this worker");
                     *d2.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
                     // Whatever the graceful stop waits for (a slow client, a scheduler still
                     // tearing down), the process is gone 7 s from now.

@@ -116,7 +116,7 @@ pub fn load_model(
     )?;
     for line in describe(&*loaded.runtime, &ranks, sizing.page_size) {
         tracing::info!("{line}");
-        eprintln!("strata serve: {line}");
+        say!("strata serve: {line}");
     }
     let template = loaded.template.map(Arc::new);
     Ok((loaded.runtime, loaded.tokenizer, template, ranks))

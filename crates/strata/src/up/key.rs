@@ -43,7 +43,7 @@ pub(super) fn state_dir(given: Option<&Path>, host: &str, router_port: u16) -> R
 pub(super) fn cluster_key(named: Option<&Path>, state: &Path) -> Result<PathBuf> {
     if let Some(f) = named {
         strata_kv::auth::ClusterKey::from_file(f).context("cluster_key_file")?;
-        eprintln!(
+        say!(
             "strata up: using the cluster key {} (named by the deployment)",
             f.display()
         );
@@ -61,7 +61,7 @@ pub(super) fn cluster_key(named: Option<&Path>, state: &Path) -> Result<PathBuf>
     let f = state.join("cluster.key");
     let (_, made) =
         strata_kv::auth::ClusterKey::load_or_create(&f).context("the deployment's cluster key")?;
-    eprintln!(
+    say!(
         "strata up: {} this deployment's cluster key {} (mode 600; its router and workers \
          authenticate each other with it, and no other deployment has it)",
         if made { "made" } else { "using" },

@@ -112,7 +112,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     let d = load_deployment(&a)?;
     let model = match (&a.model, d.model.as_str()) {
         (Some(p), _) => p.clone(),
-        (None, "") => ensure_model(&cache_dir(), |m| eprintln!("{m}"))?,
+        (None, "") => ensure_model(&cache_dir(), |m| say!("{m}"))?,
         (None, p) => PathBuf::from(p),
     };
     if !model.exists() {
@@ -123,7 +123,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         .map(|t| t.nodes.len())
         .unwrap_or(1);
     if nodes < 2 {
-        eprintln!(
+        say!(
             "strata up: this machine has one NUMA node: prefill and decode workers both use node 0"
         );
     }
@@ -162,7 +162,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     }
     procs::wait_healthy(&rt, &client, &mut procs, first, deadline)?;
     let rargs = router_command(&d, &model, &w.key, &procs);
-    eprintln!("strata up: starting router on {}:{}", d.host, d.router.port);
+    say!("strata up: starting router on {}:{}", d.host, d.router.port);
     let n = procs.len();
     procs.push(Proc::start("router".into(), rargs, &d.host, d.router.port)?);
     procs::wait_healthy(&rt, &client, &mut procs, n, deadline)?;
@@ -274,7 +274,7 @@ impl WorkerCtx<'_> {
         }
         args.extend(w.args.iter().cloned());
         let name = format!("{role}-{i}");
-        eprintln!("strata up: starting {name} on {}:{}", d.host, w.port);
+        say!("strata up: starting {name} on {}:{}", d.host, w.port);
         Proc::start(name, args, &d.host, w.port)
     }
 }
@@ -328,7 +328,7 @@ fn smoke_test(
         anyhow::Ok((status, v))
     });
     match answer {
-        Ok((s, v)) if s.is_success() => eprintln!(
+        Ok((s, v)) if s.is_success() => say!(
             "strata up: smoke test through the router: \"say OK\" → {:?} (cached {} tokens)",
             v["choices"][0]["message"]["content"].as_str().unwrap_or(""),
             v["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -105,7 +105,7 @@ pub(super) fn spawn(name: &str, args: &[String]) -> Result<(Child, Arc<Mutex<Out
     let (o, n) = (out.clone(), name.to_string());
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(Result::ok) {
-            eprintln!("[{n}] {line}");
+            say!("[{n}] {line}");
             let mut q = o.lock().expect("output lock");
             if q.ready_port.is_none() {
                 q.ready_port = ready_port(&line);
@@ -209,7 +209,7 @@ pub(super) fn wait_healthy(
             let p = &mut procs[i];
             if p.reported_port()?.is_some() && rt.block_on(healthy(client, &p.url())) {
                 ready[i - first] = true;
-                eprintln!("strata up: {} is healthy on {}", p.name, p.url());
+                say!("strata up: {} is healthy on {}", p.name, p.url());
             }
         }
         if Instant::now() > deadline {
@@ -238,11 +238,11 @@ fn startup_exit(procs: &mut Vec<Proc>, i: usize, code: Option<i32>) -> ! {
         }
     }
     let code = code.filter(|&c| c != 0).unwrap_or(1);
-    eprintln!(
+    say!(
         "strata up: {} exited during start-up (exit code {code}): {why}",
         p.name
     );
-    eprintln!("strata up: stopping everything; nothing is restarted after a start-up failure");
+    say!("strata up: stopping everything; nothing is restarted after a start-up failure");
     let mut rest: Vec<Proc> = std::mem::take(procs);
     rest.remove(i);
     terminate(&mut rest);

@@ -70,7 +70,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                     match on_exit(status.code(), &mut p.crashes, Instant::now()) {
                         Crash::Restart { after } => {
                             p.restarts += 1;
-                            eprintln!(
+                            say!(
                                 "strata up: {} crashed ({status}: {why}); restart #{} in {} s",
                                 p.name,
                                 p.restarts,
@@ -79,8 +79,8 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                             p.next_restart = Some(Instant::now() + after);
                         }
                         Crash::GiveUp(because) => {
-                            eprintln!("strata up: {} exited ({status}): {why}", p.name);
-                            eprintln!(
+                            say!("strata up: {} exited ({status}): {why}", p.name);
+                            say!(
                                 "strata up: not restarting {}: {because}; stopping everything",
                                 p.name
                             );
@@ -99,7 +99,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                 p.child = child;
                 p.out = out;
                 p.next_restart = None;
-                eprintln!("strata up: {} restarted (pid {})", p.name, p.child.id());
+                say!("strata up: {} restarted (pid {})", p.name, p.child.id());
             }
         }
         if let Some(code) = give_up {
@@ -109,7 +109,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    eprintln!("strata up: stopping every process");
+    say!("strata up: stopping every process");
     terminate(&mut procs);
     Ok(())
 }
