@@ -13,6 +13,7 @@ cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 # installed, once.
 PROGRAMS="
 sh               dash
+bash             bash
 cp               coreutils
 kill             procps
 curl             curl
