@@ -12,6 +12,7 @@
 //!   flush, snapshots for metrics, shutdown.
 //! * `config` ([`EngineConfig`]) and `state` (what the handles and the scheduler share:
 //!   counters, the [`EventLog`], the latest [`Snapshot`]), both re-exported from [`handle`].
+//! * [`transfer`]: KV transfer between workers (framed, checksummed, a handshake first).
 
 mod config;
 pub mod constraint;

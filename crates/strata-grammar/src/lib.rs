@@ -7,6 +7,7 @@
 //! * [`Grammars`]: built once per tokenizer (the token trie and llguidance's factory).
 //! * [`Compiled`]: one compiled constraint; every request (and every choice of `n`) starts its
 //!   own matcher from it.
+//! * [`limits`]: size caps checked before anything is compiled.
 //!
 //! JSON is generated compact (no free whitespace between tokens: `{"a":1,"b":[2]}`) unless
 //! the schema says otherwise with llguidance's `x-guidance` options; small models otherwise

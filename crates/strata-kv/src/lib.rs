@@ -8,6 +8,10 @@
 //! * [`storage`]: the L3 trait with disk and memory backends.
 //! * [`copy`]: asynchronous copy workers.
 //! * [`cache`]: [`TieredCache`], which ties it all together and keeps [`CacheStats`].
+//! * [`stats`]: the counters every cache operation updates; [`units`]: sizes with units.
+//! * [`auth`]: the cluster key and its MACs; [`rng`]: the workspace's one deterministic
+//!   generator; [`tp`]: how heads, feed-forward columns and vocabulary split over ranks.
+//! * [`testing`]: a stand-in model whose pages are a function of their identity (tests).
 //!
 //! No async runtime here: callers own a `TieredCache` on one thread; copies run on workers.
 

@@ -170,7 +170,7 @@ pub struct Dsv4Shape {
     pub state_bytes: usize,
 }
 
-/// DeepSeek-V4's pool kinds, as the engine lays them out in pages (`strata_model::dsv4`'s
+/// DeepSeek-V4's pool kinds, as the engine lays them out in pages (`strata_model::deepseek4`'s
 /// `pool_kinds`; `strata serve` refuses to start when the two disagree). The state is one
 /// K = V head, the same on every tensor-parallel rank. Kinds of a ratio no layer has are
 /// left out.

@@ -40,6 +40,7 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         allowed_cpus: vec![0, 1],
         host_text: None,
         device_text: None,
+        device_default: false,
         window_ratio: None,
         window_checkpoint_pages: None,
         max_running: 32,

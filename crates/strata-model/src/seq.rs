@@ -19,7 +19,7 @@ pub struct SeqInput<'a> {
     /// otherwise.
     pub windows: &'a [u32],
     /// Generated tokens (a decode step) rather than prompt tokens. Decode steps of at most
-    /// [`crate::model::QUANTIZED_MAX_ROWS`] tokens may quantize their activations; prompt
+    /// [`crate::llama::QUANTIZED_MAX_ROWS`] tokens may quantize their activations; prompt
     /// tokens always take the f32 panel product, which gives a row the same bits whatever
     /// else is in the call, so a prompt's logits (and first token) do not depend on how much
     /// of it was cached or how it was chunked.

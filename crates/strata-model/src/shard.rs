@@ -1,5 +1,5 @@
 //! A tensor-parallel rank's share of a llama-family model ([`Part`]) and what a rank's
-//! forward pass asks of the others ([`Collective`]); [`crate::tp`] runs the ranks.
+//! forward pass asks of the others ([`Collective`]); [`crate::llama::tp`] runs the ranks.
 
 use std::ops::Range;
 

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::{blob_len, DevicePool};
 use strata_kv::{PageLayout, NO_PAGE};
-use strata_model::dsv4::Dsv4;
-use strata_model::dsv4_load::load_dsv4;
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
+use strata_model::deepseek4::load::load_dsv4;
+use strata_model::deepseek4::Dsv4;
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::SeqInput;
 
 fn model() -> Dsv4 {

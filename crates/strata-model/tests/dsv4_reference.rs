@@ -1,12 +1,12 @@
-//! The DeepSeek-V4 reference forward pass (`strata_model::dsv4`, one token at a time, the model
+//! The DeepSeek-V4 reference forward pass (`strata_model::deepseek4`, one token at a time, the model
 //! loaded from the generated GGUF by `dsv4_load`) against llama.cpp's logits on the tiny model (tests/fixtures/tiny_dsv4_logits.json): every prompt's
 //! argmax at every position (but for near ties, where the choice is llama.cpp's runner-up),
 //! whole logits at the window and block boundaries, and greedy decode steps.
 
 use serde_json::Value;
-use strata_model::dsv4::Dsv4;
-use strata_model::dsv4_load::load_dsv4;
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
+use strata_model::deepseek4::load::load_dsv4;
+use strata_model::deepseek4::Dsv4;
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 
 /// Largest |Strata − llama.cpp| allowed per logit (both f32; summation orders differ):
 /// measured 7.7e-6 over every prompt and decode step. Matching needs the indexer's top-k to

@@ -1,4 +1,4 @@
-//! DeepSeek-V4 over tensor-parallel ranks (`strata_model::dsv4_tp`, the tiny model): at TP 2
+//! DeepSeek-V4 over tensor-parallel ranks (`strata_model::deepseek4::tp`, the tiny model): at TP 2
 //! and TP 4 the reference prompts give llama.cpp's logits within the reference tolerance and
 //! TP 1's greedy tokens; at each TP size a batch, any chunking and a prefix moved through the
 //! host layout give the bits of one sequence computed at once; pages cross to the whole
@@ -11,7 +11,7 @@ use serde_json::Value;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::{load, LoadOptions, RankPlacement, Runtime, SeqInput};
 
 /// llama.cpp's tolerance of the reference pass (tests/dsv4_reference.rs).
@@ -318,9 +318,9 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         .to_string();
     assert!(e.contains("rank 0 of 2"), "{e}");
     // A part that is no part of this model, or a part run alone, is refused.
-    use strata_model::dsv4_load::load_dsv4_part;
-    use strata_model::dsv4_part::Dsv4Part;
-    let c = strata_model::dsv4_load::read_dsv4_config(&path).unwrap();
+    use strata_model::deepseek4::load::load_dsv4_part;
+    use strata_model::deepseek4::part::Dsv4Part;
+    let c = strata_model::deepseek4::load::read_dsv4_config(&path).unwrap();
     let mut bad = Dsv4Part::split(&c, 2).unwrap().remove(1);
     bad.vocab = 100..400;
     let e = load_dsv4_part(&path, bad).err().unwrap().to_string();
@@ -346,9 +346,9 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
 
 #[test]
 fn parts_cover_heads_width_and_vocabulary_and_groups_split_between_ranks() {
-    use strata_model::dsv4_part::Dsv4Part;
+    use strata_model::deepseek4::part::Dsv4Part;
     let d = tempfile::tempdir().unwrap();
-    let c = strata_model::dsv4_load::read_dsv4_config(&tiny(d.path())).unwrap();
+    let c = strata_model::deepseek4::load::read_dsv4_config(&tiny(d.path())).unwrap();
     let p = Dsv4Part::split(&c, 4).unwrap();
     assert_eq!(p[3].heads, 3..4);
     assert_eq!(p[1].ffn, 8..16);

@@ -5,9 +5,9 @@
 //! computes a few tokens without a panic.
 
 use proptest::prelude::*;
-use strata_model::dsv4_load::load_dsv4;
+use strata_model::deepseek4::load::load_dsv4;
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::{Gguf, Model};
 
 fn valid() -> Vec<u8> {
@@ -34,7 +34,7 @@ fn header_side(p: &std::path::Path) {
         let _ = strata_model::ModelTokenizer::from_gguf(&h);
         let _ = h.chat_template();
     }
-    let _ = strata_model::dsv4_load::read_dsv4_config(p);
+    let _ = strata_model::deepseek4::load::read_dsv4_config(p);
 }
 
 fn valid_dsv4() -> Vec<u8> {
@@ -136,7 +136,7 @@ fn hostile_dimensions_are_refused_by_name() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("f.gguf");
         std::fs::write(&p, with_u32(key, v)).unwrap();
-        let e = strata_model::dsv4_load::read_dsv4_config(&p)
+        let e = strata_model::deepseek4::load::read_dsv4_config(&p)
             .unwrap_err()
             .to_string();
         assert!(e.contains(want), "{key} = {v}: {e}");

@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
+use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 
 fn fixture() -> Value {
     let text = std::fs::read_to_string(concat!(

@@ -16,6 +16,9 @@
 //! hash decides the slot; the namespace may not hold a hash tag). A batch goes as one pipeline
 //! per master, concurrently; a master that is down makes its own pages misses (counted as
 //! errors) until the cluster fails over to its replica and the slot map is fetched again.
+//!
+//! Modules: `cluster` (the cluster client), `slot` (key slots), `measure` (what the tier holds,
+//! measured in Redis).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -9,6 +9,8 @@
 //! * [`dashboard`], [`scrape`]: the workers' scraped figures, `/dashboard` and its history.
 //! * [`routes`]: the HTTP API and the cache-event follower.
 //! * [`state`], [`worker`]: what the handlers share.
+//! * [`responses`], [`response_owners`]: `/v1/responses`, a continuation routed to the worker
+//!   that stores its conversation.
 //!
 //! Wire types (cache events, cache info, PD requests) come from `strata-protocol`; request
 //! bodies, errors, the prompt builder and cluster MACs from `strata-server`.

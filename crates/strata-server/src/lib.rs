@@ -17,6 +17,18 @@
 //! * [`structured`]: the fields that constrain the output → one compiled grammar.
 //! * [`tools`]: tool calling — tools shown in the prompt, forced calls as a grammar, the
 //!   answer parsed into `tool_calls`.
+//! * [`generation`]: `/v1/completions` and `/v1/chat/completions`, request to engine and back;
+//!   [`choices`]: `n` > 1 at the cost of one prefill; [`respond`]: one engine request as a JSON
+//!   body or an SSE stream; [`logprobs`]: log probabilities in OpenAI's two shapes.
+//! * [`responses`], [`response_store`]: the Responses API and the bounded store
+//!   `previous_response_id` continues.
+//! * [`prompt`]: requests → prompt token ids (the one builder worker and router share);
+//!   [`sampling`]: the sampling fields checked into the engine's parameters; [`fields`]: every
+//!   request field's fate.
+//! * [`body`]: request bodies read within limits; [`ids`]: request and completion ids;
+//!   [`endpoints`]: `/v1/models`, `/tokenize`, `/detokenize`, `/tokenizer_info`, `/version`;
+//!   [`internal`]: health, the admin flush, the cache views routers read.
+//! * [`exposition`]: a worker's `/metrics` page; [`state`]: what every handler shares.
 
 pub mod api;
 pub mod app;

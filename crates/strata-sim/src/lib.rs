@@ -5,6 +5,7 @@
 //! * [`replay`]: the trace through the real tiered cache and policies.
 //! * [`belady`]: offline MIN and infinite-cache bounds.
 //! * [`sweep`]: miss-ratio curves over capacities, and their plot.
+//! * [`plot`]: a dependency-free SVG line chart.
 
 pub mod belady;
 pub mod plot;

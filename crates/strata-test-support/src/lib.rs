@@ -1,6 +1,11 @@
 //! Helpers the integration tests share (dev-dependency only): the tiny random-weight model,
 //! a worker started in-process on a port the OS picks, and probes of its HTTP answers and
 //! `/metrics`.
+//!
+//! * `proc`: a child process killed however the test ends, its stderr lines kept;
+//!   [`up`]: `strata up` stopped with SIGTERM, its ready summary's ports.
+//! * `redis`: redis-server processes, one or a Redis Cluster.
+//! * [`netbed`]: hosts as network namespaces on a bridge (root only).
 
 use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
@@ -52,8 +57,11 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
 /// Writes the tiny DeepSeek-V4 model (default spec: window 32, ratios 4 and 128) into `dir`.
 pub fn tiny_dsv4_model(dir: &Path) -> PathBuf {
     let p = dir.join("tiny-dsv4.gguf");
-    strata_model::tiny_dsv4::write_tiny_dsv4(&p, &strata_model::tiny_dsv4::TinyDsv4Spec::default())
-        .unwrap();
+    strata_model::tiny::deepseek4::write_tiny_dsv4(
+        &p,
+        &strata_model::tiny::deepseek4::TinyDsv4Spec::default(),
+    )
+    .unwrap();
     p
 }
 

@@ -12,7 +12,7 @@ use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
 use strata_model::fetch::{cache_dir, ensure_model};
 
-use crate::bench_streams_model::BenchModel;
+use crate::bench::streams_model::BenchModel;
 use strata_model::{ChatTemplate, Gguf, Message, Model, ModelTokenizer, RankPlacement, SeqInput};
 
 #[derive(Subcommand, Debug)]
@@ -206,7 +206,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     );
     if !a.streams.is_empty() {
         let t = a.model.threads;
-        return crate::bench_streams_model::run(
+        return crate::bench::streams_model::run(
             &bm,
             &a.streams,
             a.streams_context,
@@ -239,7 +239,7 @@ fn bench_dsv4(a: &BenchArgs, path: &std::path::Path) -> Result<()> {
         quantized_decode: false,
         ..strata_model::LoadOptions::new((a.model.threads / tp).max(1))
     };
-    let cfg = strata_model::dsv4_load::read_dsv4_config(path)?;
+    let cfg = strata_model::deepseek4::load::read_dsv4_config(path)?;
     let loaded = strata_model::load(path, opts)?;
     println!("DeepSeek-V4 {}: f32 weights and state", path.display());
     prefill_and_decode(&*loaded.runtime, cfg.ratios.len(), tp, a)?;
@@ -370,8 +370,8 @@ pub fn run_model(c: ModelCommand) -> Result<()> {
 /// `strata model tiny`: writes the seeded tiny model of `arch` to `out` (an existing file only
 /// with `force`), through a temporary file renamed into place.
 fn write_tiny(arch: &str, out: &std::path::Path, force: bool) -> Result<()> {
+    use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
     use strata_model::tiny::{write_tiny, TinySpec};
-    use strata_model::tiny_dsv4::{write_tiny_dsv4, TinyDsv4Spec};
     if out.exists() && !force {
         bail!("{} exists: give --force to replace it", out.display());
     }

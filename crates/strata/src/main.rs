@@ -1,4 +1,13 @@
-//! `strata`: the command-line entry point.
+//! `strata`: the command-line entry point. It parses arguments and wires the libraries; each
+//! subcommand lives in its own module or folder:
+//!
+//! * `serve/`: `strata serve`, one worker; `route`: `strata route`, the router; `up/`:
+//!   `strata up`, a whole deployment as supervised processes.
+//! * `plan`: `strata plan`; `sizing`: the sizing flags every allocating command shares.
+//! * `sim/`: `strata sim` (replay, sweeps, sizing advice, window residency).
+//! * `bench/`: `strata bench`, one file per subcommand and the pieces they share.
+//! * `generate`: `strata model fetch|tiny|bench` and `strata generate`.
+//! * `http_args`: the HTTP listener's bounds, shared by `serve` and `route`.
 
 /// `eprintln!` for processes that keep serving: a stderr nobody reads any more (a closed pipe)
 /// loses the line instead of panicking the thread that said it.
@@ -10,23 +19,12 @@ macro_rules! say {
 }
 
 mod bench;
-mod bench_agent;
-mod bench_compare;
-mod bench_health;
-mod bench_http;
-mod bench_load;
-mod bench_report;
-mod bench_router;
-mod bench_streams_model;
-mod bench_workload;
 mod generate;
 mod http_args;
 mod plan;
 mod route;
 mod serve;
 mod sim;
-mod sim_advice;
-mod sim_windows;
 mod sizing;
 mod up;
 

@@ -31,18 +31,29 @@ impl Role {
     }
 }
 
+/// The device pool per rank when no device flag is given.
+const DEFAULT_DEVICE_MEM: &str = "1GiB";
+
+/// `--model-preset`'s help, from the table the planner uses (every preset it knows).
+fn preset_help() -> String {
+    format!(
+        "Built-in model whose pool kinds are sized: {} (docs/SIZING.md: deepseek-v3.2 is the \
+         incident's MLA latent and indexer pools as its operators wrote them; deepseek-v4-* \
+         DeepSeek-V4's seven state kinds)",
+        strata_mem::PRESETS.join(", ")
+    )
+}
+
 #[derive(Args, Debug, Clone)]
 #[command(group(ArgGroup::new("host_budget").args(["hicache_size", "hicache_total", "hicache_ratio"]).multiple(false)))]
 #[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
 pub struct SizingArgs {
-    /// Built-in model whose pool kinds are sized: smollm2-135m, deepseek-v3.2 (an MLA latent
-    /// pool and an indexer pool: the incident's numbers as its operators wrote them),
-    /// deepseek-v4-flash, deepseek-v4-pro (DeepSeek-V4's seven state kinds).
     #[arg(
         long,
         default_value = "smollm2-135m",
         conflicts_with = "model",
-        help_heading = "Model"
+        help_heading = "Model",
+        help = preset_help()
     )]
     pub model_preset: String,
     /// A GGUF file: its pool kinds (f16 K/V per layer, KV heads split over TP ranks) are sized.
@@ -250,7 +261,7 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
         .unwrap_or_default();
     let header = strata_model::GgufHeader::open(path)?;
     if header.architecture() == Some("deepseek4") {
-        let c = strata_model::dsv4_load::read_dsv4_config(path)?;
+        let c = strata_model::deepseek4::load::read_dsv4_config(path)?;
         let count = |r| c.ratios.iter().filter(|&&x| x == r).count();
         let kinds = strata_mem::dsv4_kinds(&strata_mem::Dsv4Shape {
             layers: c.ratios.len(),
@@ -323,7 +334,7 @@ impl SizingArgs {
         let device = match (&self.device_mem, self.device_mem_fraction) {
             (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
             (None, Some(f)) => DeviceBudget::FractionOfFree(f),
-            (None, None) => DeviceBudget::Bytes(1 << 30),
+            (None, None) => DeviceBudget::Bytes(size("device-mem", DEFAULT_DEVICE_MEM)?),
         };
         let host = match (&self.hicache_size, &self.hicache_total, self.hicache_ratio) {
             (Some(s), _, _) => Some(HostBudget::PerRank(size("hicache-size", s)?)),
@@ -379,7 +390,13 @@ impl SizingArgs {
                 .hicache_size
                 .clone()
                 .or_else(|| self.hicache_total.clone()),
-            device_text: self.device_mem.clone(),
+            // The default is echoed as it would be typed.
+            device_text: self.device_mem.clone().or_else(|| {
+                self.device_mem_fraction
+                    .is_none()
+                    .then(|| DEFAULT_DEVICE_MEM.to_string())
+            }),
+            device_default: self.device_mem.is_none() && self.device_mem_fraction.is_none(),
             window_ratio: self.window_tokens_ratio,
             window_checkpoint_pages: self.window_checkpoint_pages,
             max_running: self.max_running as u64,

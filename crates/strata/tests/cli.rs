@@ -418,10 +418,10 @@ fn model_tiny_writes_the_test_models_and_keeps_an_existing_file() {
     assert!(o.status.success(), "{}", text(&o));
     // The same seeded bytes the tests' generator writes.
     let want = d.path().join("want.gguf");
-    strata_model::tiny_dsv4::write_tiny_dsv4(&want, &Default::default()).unwrap();
+    strata_model::tiny::deepseek4::write_tiny_dsv4(&want, &Default::default()).unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&want).unwrap());
     // It loads as DeepSeek-V4.
-    strata_model::dsv4_load::load_dsv4(&out).unwrap();
+    strata_model::deepseek4::load::load_dsv4(&out).unwrap();
     // An existing file is kept unless --force.
     std::fs::write(&out, b"mine").unwrap();
     let o = strata(&["model", "tiny", "llama3", out.to_str().unwrap()]);

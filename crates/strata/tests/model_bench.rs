@@ -59,7 +59,7 @@ fn streams_bench_reports_every_count_against_the_ceilings() {
 fn deepseek_v4_bench_runs_at_tp_1_and_2_and_refuses_what_it_cannot_measure() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("tiny-dsv4.gguf");
-    strata_model::tiny_dsv4::write_tiny_dsv4(&model, &Default::default()).unwrap();
+    strata_model::tiny::deepseek4::write_tiny_dsv4(&model, &Default::default()).unwrap();
     let run = |extra: &[&str]| {
         let mut args = vec!["model", "bench", "--model", model.to_str().unwrap()];
         args.extend_from_slice(extra);

@@ -301,9 +301,9 @@ fn advice_names_the_flag_that_was_given() {
 fn a_deepseek_v4_file_plans_every_state_kind_as_the_engine_lays_it_out() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("tiny-dsv4.gguf");
-    let spec = strata_model::tiny_dsv4::TinyDsv4Spec::default();
-    strata_model::tiny_dsv4::write_tiny_dsv4(&m, &spec).unwrap();
-    let model = strata_model::dsv4_load::load_dsv4(&m).unwrap();
+    let spec = strata_model::tiny::deepseek4::TinyDsv4Spec::default();
+    strata_model::tiny::deepseek4::write_tiny_dsv4(&m, &spec).unwrap();
+    let model = strata_model::deepseek4::load::load_dsv4(&m).unwrap();
     for ps in [4usize, 16, 64, 256] {
         let o = strata(&[
             "plan",
@@ -601,4 +601,17 @@ fn the_incidents_150gb_hold_the_prefix_tokens_the_operator_bought() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(err(&o).contains("has no window kinds"), "{}", err(&o));
+}
+
+/// `--help` names every preset the planner knows (from its own table), for plan, serve and
+/// sim alike.
+#[test]
+fn help_names_every_preset() {
+    for cmd in ["plan", "sim"] {
+        let o = strata(&[cmd, "--help"]);
+        let text = out(&o);
+        for p in strata_mem::PRESETS {
+            assert!(text.contains(p), "`strata {cmd} --help` lacks {p}:\n{text}");
+        }
+    }
 }

@@ -309,3 +309,46 @@ fn the_engine_names_no_tree_node() {
         }
     }
 }
+
+/// Every crate root opens with a true module map: each module it declares (tests aside) is
+/// named in its `//!` header.
+#[test]
+fn every_crate_root_names_its_modules() {
+    let mut missing = Vec::new();
+    for c in crates() {
+        for root in ["src/lib.rs", "src/main.rs"] {
+            let Ok(text) = std::fs::read_to_string(c.join(root)) else {
+                continue;
+            };
+            let header: String = text
+                .lines()
+                .filter(|l| l.starts_with("//!"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, l) in lines.iter().enumerate() {
+                let decl = l
+                    .trim_start_matches("pub(crate) ")
+                    .trim_start_matches("pub ")
+                    .strip_prefix("mod ")
+                    .and_then(|r| r.strip_suffix(';'));
+                let Some(name) = decl else { continue };
+                if i > 0 && lines[i - 1].contains("cfg(test)") {
+                    continue;
+                }
+                let named = header.match_indices(&format!("`{name}")).any(|(at, _)| {
+                    let next = header[at + 1 + name.len()..].chars().next();
+                    !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                });
+                if !named {
+                    missing.push(format!("{}: `{name}`", c.join(root).display()));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "modules missing from their crate's map:\n{}",
+        missing.join("\n")
+    );
+}

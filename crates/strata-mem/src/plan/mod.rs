@@ -413,8 +413,9 @@ fn device_budget(
             decided.push(Decision {
                 what: "device tokens per rank".into(),
                 by: format!(
-                    "--device-mem {} per rank",
-                    gbx(b, req.device_text.as_deref())
+                    "--device-mem {}{} per rank",
+                    gbx(b, req.device_text.as_deref()),
+                    if req.device_default { " (default)" } else { "" }
                 ),
             });
             b

@@ -85,6 +85,8 @@ pub struct PlanRequest {
     /// unit; None: binary units.
     pub host_text: Option<String>,
     pub device_text: Option<String>,
+    /// The device budget is the default (no device flag given): said so where it is echoed.
+    pub device_default: bool,
     /// `--window-tokens-ratio R`: window pages per page in each tier (models with window
     /// kinds); None: the default residency (`plan/window.rs`).
     pub window_ratio: Option<f64>,

@@ -9,7 +9,7 @@ use serde_json::Value;
 use strata_bench::stats::Summary;
 use strata_sim::plot::{Chart, Series};
 
-use crate::bench_workload::TierCounts;
+use crate::bench::workload::TierCounts;
 
 /// A configuration `strata bench compare` starts (`--configs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,9 +20,9 @@ use serde_json::{json, Value};
 use strata_bench::stats::{quantile, summarize};
 use strata_model::fetch::{cache_dir, ensure_model};
 
-use crate::bench_load::{client, drive, prepare, Prepared, WorkloadOpts};
-use crate::bench_report::{level, plots, ratio_lines, records_from_json, Config, Record};
-use crate::bench_workload::{
+use crate::bench::load::{client, drive, prepare, Prepared, WorkloadOpts};
+use crate::bench::report::{level, plots, ratio_lines, records_from_json, Config, Record};
+use crate::bench::workload::{
     counts, outcomes_json, print_table, sampler, summary_json, tiers_json, Row, TierCounts,
 };
 

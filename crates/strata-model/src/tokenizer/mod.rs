@@ -5,6 +5,8 @@
 //! they are, a BOS token first), `qwen2`, `deepseek-v3`), and control tokens as special
 //! tokens. tests/tokenizer_llama_cpp.rs checks the ids against llama.cpp's.
 
+pub(crate) mod spm;
+
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -126,7 +128,7 @@ fn byte_level_bpe(g: &GgufHeader, tokens: &[String]) -> Result<(Tokenizer, bool)
 }
 
 /// A SentencePiece vocabulary (`llama`): pieces and scores, `▁` for spaces, byte tokens
-/// (`tokenizer_spm`); with a space prefix, also the tokenizer of fragments (without it).
+/// (`spm`); with a space prefix, also the tokenizer of fragments (without it).
 fn sentencepiece(
     g: &GgufHeader,
     tokens: &[String],
@@ -145,7 +147,7 @@ fn sentencepiece(
         .u32("tokenizer.ggml.unknown_token_id")
         .and_then(|i| tokens.get(i as usize))
         .map(String::as_str);
-    crate::tokenizer_spm::spm_tokenizers(tokens, &scores, types, add_space_prefix, unk)
+    crate::tokenizer::spm::spm_tokenizers(tokens, &scores, types, add_space_prefix, unk)
 }
 
 /// The tokens and their types, checked as llama.cpp checks them: types that cover the

@@ -1,6 +1,9 @@
 //! GGUF loading and validation (the llama family: llama, qwen2, qwen3), through candle's
 //! reader.
 
+pub(crate) mod meta;
+pub mod scan;
+
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -108,7 +111,7 @@ impl std::ops::Deref for Gguf {
 impl GgufHeader {
     /// Reads the header of `path` only.
     pub fn open(path: &Path) -> Result<GgufHeader, ModelError> {
-        let h = crate::gguf_meta::read(path)?;
+        let h = crate::gguf::meta::read(path)?;
         Ok(GgufHeader {
             path: path.to_path_buf(),
             metadata: h.metadata,
@@ -281,7 +284,7 @@ fn read_header(path: &Path, p: &str) -> Result<(Content, BufReader<File>, u64), 
     let mut file = BufReader::new(f);
     // Every length and count in the header must fit in the file before candle's reader
     // allocates for it (a hostile length would abort the process, not fail).
-    crate::gguf_scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
+    crate::gguf::scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
         path: p.into(),
         reason,
     })?;

@@ -4,6 +4,16 @@
 //!   tier, the host tier (after `/flush_cache?tier=device`) and L3 (after `?tier=all`).
 //! * `streams`: decode throughput with N concurrent streams.
 
+pub(crate) mod agent;
+pub(crate) mod compare;
+pub(crate) mod health;
+pub(crate) mod http;
+pub(crate) mod load;
+pub(crate) mod report;
+pub(crate) mod router;
+pub(crate) mod streams_model;
+pub(crate) mod workload;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -22,17 +32,17 @@ pub enum BenchCommand {
     Router(RouterArgs),
     /// The cache-aware router over many simulated workers publishing cache events: events
     /// absorbed per second, routing latency at a request rate, index bytes per cached page.
-    RouterScale(crate::bench_router::RouterScaleArgs),
+    RouterScale(crate::bench::router::RouterScaleArgs),
     /// Remote L3 (Redis) page put/get throughput and latency.
     L3(L3Args),
     /// One workload (multi-turn, shared-prefix, trace replay) against a deployment: TTFT, ITL,
     /// throughput, cached fraction; optional JSON record.
-    Workload(crate::bench_workload::WorkloadArgs),
+    Workload(crate::bench::workload::WorkloadArgs),
     /// Starts each configuration itself (no cache / device / +host / +disk / PD) and runs the
     /// same workload against each: table, JSON, SVG plots.
-    Compare(crate::bench_compare::CompareArgs),
+    Compare(crate::bench::compare::CompareArgs),
     /// `/health` latency while clients send megabyte prompts.
-    Health(crate::bench_health::HealthArgs),
+    Health(crate::bench::health::HealthArgs),
 }
 
 #[derive(Args, Debug)]
@@ -129,11 +139,11 @@ pub fn run(c: BenchCommand) -> Result<()> {
             BenchCommand::Streams(a) => streams(a).await,
             BenchCommand::Transfer(a) => transfer(a).await,
             BenchCommand::Router(a) => router_latency(a).await,
-            BenchCommand::RouterScale(a) => crate::bench_router::run(a).await,
+            BenchCommand::RouterScale(a) => crate::bench::router::run(a).await,
             BenchCommand::L3(a) => l3(a).await,
-            BenchCommand::Workload(a) => crate::bench_workload::run(a).await,
-            BenchCommand::Compare(a) => crate::bench_compare::run(a).await,
-            BenchCommand::Health(a) => crate::bench_health::run(a).await,
+            BenchCommand::Workload(a) => crate::bench::workload::run(a).await,
+            BenchCommand::Compare(a) => crate::bench::compare::run(a).await,
+            BenchCommand::Health(a) => crate::bench::health::run(a).await,
         }
     })
 }
@@ -518,9 +528,9 @@ async fn router_latency(a: RouterArgs) -> Result<()> {
     let load = (a.rate, a.seconds);
     let chat = |u: &str| format!("{u}/v1/chat/completions");
     let (mut direct, f1) =
-        crate::bench_http::poisson_load(&c, &chat(&backend), load, |_, _| body.clone()).await?;
+        crate::bench::http::poisson_load(&c, &chat(&backend), load, |_, _| body.clone()).await?;
     let (mut routed, f2) =
-        crate::bench_http::poisson_load(&c, &chat(&front), load, |_, _| body.clone()).await?;
+        crate::bench::http::poisson_load(&c, &chat(&front), load, |_, _| body.clone()).await?;
     println!(
         "router latency, open loop {} req/s for {} s each, fake instant backend ({} + {} failures)",
         a.rate, a.seconds, f1, f2

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use strata_bench::stats::Outcome;
 use strata_bench::workload::AgentTask;
 
-use crate::bench_http::{stream_post, Progress};
+use crate::bench::http::{stream_post, Progress};
 
 /// How many tools every request carries.
 pub const TOOLS: usize = 3;

@@ -12,6 +12,14 @@ use strata_sim::replay::{replay, SimConfig, SimResult};
 use strata_sim::sweep::SweepPoint;
 use strata_sim::trace::TraceRequest;
 
+/// `--model-preset`'s help, from the planner's table.
+fn preset_help() -> String {
+    format!(
+        "Or a preset, as `strata plan --model-preset` takes it: {}",
+        strata_mem::PRESETS.join(", ")
+    )
+}
+
 #[derive(Args, Debug)]
 pub struct AdviceArgs {
     /// Host (L2) sizes per rank to put side by side, as `--hicache-size` takes them (e.g.
@@ -30,8 +38,7 @@ pub struct AdviceArgs {
     /// --bytes-per-token).
     #[arg(long, help_heading = "Sizing advice")]
     pub model: Option<PathBuf>,
-    /// Or a preset, as `strata plan --model-preset` takes it.
-    #[arg(long, help_heading = "Sizing advice")]
+    #[arg(long, help_heading = "Sizing advice", help = preset_help())]
     pub model_preset: Option<String>,
     /// Tensor-parallel ranks per server: sizes are per rank.
     #[arg(long, default_value_t = 1, help_heading = "Sizing advice")]

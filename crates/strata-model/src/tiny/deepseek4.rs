@@ -352,7 +352,7 @@ mod tests {
         assert_eq!(bytes, std::fs::read(&b).unwrap());
         // A well-formed header (every length and count within the file).
         let mut f = std::fs::File::open(&a).unwrap();
-        crate::gguf_scan::scan(&mut f, bytes.len() as u64).unwrap();
+        crate::gguf::scan::scan(&mut f, bytes.len() as u64).unwrap();
         let (t, ints) = tensors(&s).unwrap();
         let names: Vec<&str> = t.iter().map(|(n, _)| n.as_str()).collect();
         for name in [

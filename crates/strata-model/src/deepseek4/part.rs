@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use strata_kv::tp::even_runs;
 
-use crate::dsv4_config::{Dsv4Config, Weights};
+use crate::deepseek4::config::{Dsv4Config, Weights};
 use crate::error::ModelError;
 
 /// One rank's share of the model (the whole model: [`Dsv4Part::whole`]).

@@ -1,4 +1,4 @@
-//! A GGUF header read into candle's metadata values, after `gguf_scan` has checked every length
+//! A GGUF header read into candle's metadata values, after `gguf::scan` has checked every length
 //! and count against the file: for files candle's own reader refuses (it knows no GGML I32
 //! tensor, which DeepSeek-V4's hash layers use), so the tokenizer, the chat template and the
 //! configuration of any architecture come from one reader.
@@ -129,7 +129,7 @@ pub(crate) fn read(path: &std::path::Path) -> Result<Header, crate::ModelError> 
     let f = std::fs::File::open(path).map_err(open_err)?;
     let len = f.metadata().map_err(open_err)?.len();
     let mut f = std::io::BufReader::new(f);
-    let end = crate::gguf_scan::scan(&mut f, len).map_err(not_gguf)?;
+    let end = crate::gguf::scan::scan(&mut f, len).map_err(not_gguf)?;
     let mut b = vec![0u8; end as usize];
     f.seek(std::io::SeekFrom::Start(0)).map_err(open_err)?;
     f.read_exact(&mut b).map_err(open_err)?;

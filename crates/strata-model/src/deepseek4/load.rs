@@ -1,7 +1,7 @@
 //! Loading a DeepSeek-V4 GGUF (`general.architecture = deepseek4`) into [`Dsv4`]: the
 //! configuration from llama.cpp's metadata keys and the tensors by name. candle's reader
 //! refuses GGML's I32 type (the hash layers' token → experts table), so this reads the file
-//! itself, after `gguf_scan` has checked every length and count of the header against the
+//! itself, after `gguf::scan` has checked every length and count of the header against the
 //! file. The configuration is checked (`Dsv4Config::validate`), then every tensor's type and
 //! extent against the file, before any weight is read; then each tensor is read on its own. F32
 //! and I32 tensors only, for now (the tiny test model).
@@ -9,11 +9,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::dsv4::{Dsv4, Dsv4Config, Dsv4Part, Weights};
+use crate::deepseek4::{Dsv4, Dsv4Config, Dsv4Part, Weights};
 use candle_core::quantized::gguf_file::Value;
 
 use crate::error::ModelError;
-use crate::gguf_meta;
+use crate::gguf::meta;
 
 /// GGML type ids this loader reads.
 const F32: u32 = 0;
@@ -102,8 +102,8 @@ impl Keys<'_> {
 fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelError> {
     let k = Keys { path, m };
     let layers = k.int("block_count")?;
-    if !(1..=crate::dsv4_config::MAX_LAYERS).contains(&layers) {
-        let max = crate::dsv4_config::MAX_LAYERS;
+    if !(1..=crate::deepseek4::config::MAX_LAYERS).contains(&layers) {
+        let max = crate::deepseek4::config::MAX_LAYERS;
         return Err(bad(
             path,
             "deepseek4.block_count",
@@ -172,7 +172,7 @@ fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelEr
 /// The hyper-parameters of a DeepSeek-V4 GGUF from its header alone (sizing a model of any
 /// size without reading its weights).
 pub fn read_dsv4_config(path: &Path) -> Result<Dsv4Config, ModelError> {
-    let h = gguf_meta::read(path)?;
+    let h = meta::read(path)?;
     check_architecture(&path.display().to_string(), &h.metadata)?;
     config(path, &h.metadata)
 }
@@ -200,7 +200,7 @@ fn check_shapes(
     cfg: &Dsv4Config,
     tensors: &[(String, Vec<usize>, u32, u64)],
 ) -> Result<(), ModelError> {
-    let want: HashMap<String, Vec<usize>> = crate::dsv4::expected(cfg).into_iter().collect();
+    let want: HashMap<String, Vec<usize>> = crate::deepseek4::expected(cfg).into_iter().collect();
     for (name, ne, _, _) in tensors {
         if let Some(exp) = want.get(name).filter(|e| *e != ne) {
             return Err(ModelError::Tensor {
@@ -229,7 +229,7 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
     };
     // The header alone first: the configuration, and every tensor's type and extent, are
     // checked before any weight is read (a quantized file is refused by name, not read).
-    let h = gguf_meta::read(path)?;
+    let h = meta::read(path)?;
     check_architecture(&p, &h.metadata)?;
     let cfg = config(path, &h.metadata)?;
     let mut f = std::fs::File::open(path).map_err(open_err)?;

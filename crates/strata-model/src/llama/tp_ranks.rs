@@ -1,7 +1,7 @@
 //! Tensor-parallel ranks inside one server, whatever the model: each rank's pinned thread pool,
 //! the shared memory where they meet ([`Comm`], the [`Collective`] a rank's pass calls), and
 //! running one pass on every rank ([`RankSet::run`]) or loading every rank's part
-//! ([`RankSet::load`]). [`crate::tp`] (llama family) and [`crate::dsv4_tp`] (DeepSeek-V4)
+//! ([`RankSet::load`]). [`crate::llama::tp`] (llama family) and [`crate::deepseek4::tp`] (DeepSeek-V4)
 //! split the model; this runs the ranks.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};

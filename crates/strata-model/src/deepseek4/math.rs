@@ -1,4 +1,4 @@
-//! The arithmetic of the DeepSeek-V4 reference forward pass (`crate::dsv4`): products,
+//! The arithmetic of the DeepSeek-V4 reference forward pass (`crate::deepseek4`): products,
 //! norms, RoPE on the last dims, the Hadamard rotation and llama.cpp's top-k selection.
 
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {

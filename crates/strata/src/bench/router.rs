@@ -374,7 +374,7 @@ async fn load(front: &str, a: &RouterScaleArgs) -> Result<(Vec<f64>, usize)> {
         .pool_max_idle_per_host(1024)
         .build()?;
     let url = format!("{front}/v1/completions");
-    let (lat, fails) = crate::bench_http::poisson_load(&c, &url, (a.rate, a.seconds), |k, r| {
+    let (lat, fails) = crate::bench::http::poisson_load(&c, &url, (a.rate, a.seconds), |k, r| {
         let mut prompt = document((r % a.documents as u64) as usize, a.document_tokens);
         prompt.extend([40_001 + (k % 997) as u32, 40_002]);
         json!({"prompt": prompt, "max_tokens": 1})

@@ -1,6 +1,6 @@
 //! `strata bench workload`: one workload against one OpenAI-compatible URL, streamed, summarised
 //! (TTFT, ITL, throughput, cached fraction, hit tokens by tier from `/metrics`), with a JSON
-//! record. The workload is built and checked before any request is sent (`bench_load`). The
+//! record. The workload is built and checked before any request is sent (`load`). The
 //! pieces here (counters, sampler, table, JSON) are also what `strata bench compare` reports
 //! per configuration.
 
@@ -14,7 +14,7 @@ use clap::Args;
 use serde_json::{json, Value};
 use strata_bench::stats::{summarize, Outcome, Summary};
 
-use crate::bench_load::{client, drive, prepare, WorkloadOpts};
+use crate::bench::load::{client, drive, prepare, WorkloadOpts};
 
 #[derive(Args, Debug)]
 pub struct WorkloadArgs {

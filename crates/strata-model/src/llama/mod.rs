@@ -8,6 +8,9 @@
 //! batched decode are the same call. Weights stay in the file's block formats
 //! ([`crate::qmat::QMatrix`]); each sequence's rows take one of three products ([`Path`]).
 
+pub mod tp;
+pub(crate) mod tp_ranks;
+
 use half::f16;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;

@@ -24,7 +24,7 @@ use strata_mem::{
 use strata_sim::replay::{replay, SimConfig, SimResult, SimWindows};
 use strata_sim::trace::TraceRequest;
 
-use crate::sim_advice::pct;
+use crate::sim::advice::pct;
 
 /// What the window replay needs besides the trace.
 pub struct WindowSim<'a> {
@@ -84,6 +84,7 @@ impl WindowSim<'_> {
             allowed_cpus: Vec::new(),
             host_text: None,
             device_text: None,
+            device_default: false,
             window_ratio: None,
             window_checkpoint_pages: k,
             max_running: self.max_running as u64,

@@ -11,8 +11,8 @@ use clap::Args;
 use serde_json::{json, Value};
 use strata_bench::stats::Outcome;
 
-pub use crate::bench_http::client;
-use crate::bench_http::{stream_post, Progress};
+pub use crate::bench::http::client;
+use crate::bench::http::{stream_post, Progress};
 use strata_bench::workload::{
     Agent, AgentTask, Conversation, MultiTurn, Rng, SharedPrefix, TraceReplay,
 };
@@ -203,7 +203,7 @@ fn agent(w: &WorkloadOpts) -> Result<(String, Body)> {
             w.steps,
             w.steps - 1,
             w.system_words,
-            crate::bench_agent::TOOLS,
+            crate::bench::agent::TOOLS,
             w.task_words,
             w.result_words
         ),
@@ -333,7 +333,7 @@ pub async fn drive(
         Body::Chats(convs) => drive_chats(c, &url, p, convs.len(), &prog, &sem).await?,
         Body::Agents(a) => {
             let answer = (p.max_tokens, p.ignore_eos);
-            crate::bench_agent::drive(c, &url, answer, a, &prog, &sem).await?
+            crate::bench::agent::drive(c, &url, answer, a, &prog, &sem).await?
         }
         Body::Jobs(jobs) => drive_jobs(c, &url, p, jobs, t0, &prog, &sem).await?,
     };

@@ -1,5 +1,8 @@
 //! `strata sim`: trace replay and capacity sweeps.
 
+pub(crate) mod advice;
+pub(crate) mod windows;
+
 use std::fs::File;
 use std::io::BufReader;
 use std::path::PathBuf;
@@ -13,7 +16,7 @@ use strata_sim::replay::{replay, SimConfig, SimResult};
 use strata_sim::trace::{read_trace, TraceRequest};
 use strata_sim::{plot, sweep};
 
-use crate::sim_advice::pct;
+use crate::sim::advice::pct;
 use tracing::info;
 
 #[derive(Args, Debug)]
@@ -106,7 +109,7 @@ pub struct SimArgs {
     max_batch_tokens: usize,
 
     #[command(flatten)]
-    advice: crate::sim_advice::AdviceArgs,
+    advice: crate::sim::advice::AdviceArgs,
 }
 
 /// Parses a capacity into tokens, in whole pages (what a tier of that size holds, as the
@@ -188,7 +191,7 @@ fn advice_flags(a: &SimArgs) -> Result<()> {
 pub fn run(a: SimArgs) -> Result<()> {
     let evictions = policies(&a.eviction)?;
     let (bpt, bpt_label) =
-        crate::sim_advice::bytes_per_token(&a.advice, a.bytes_per_token, a.page_size)?;
+        crate::sim::advice::bytes_per_token(&a.advice, a.bytes_per_token, a.page_size)?;
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
@@ -224,11 +227,11 @@ pub fn run(a: SimArgs) -> Result<()> {
         return run_sweep(&a, &reqs, &base, &evictions);
     }
     if !a.advice.compare.is_empty() {
-        crate::sim_advice::compare(&a.advice, &reqs, &base, bpt, &bpt_label)?;
+        crate::sim::advice::compare(&a.advice, &reqs, &base, bpt, &bpt_label)?;
     }
     if a.advice.advise {
         let bytes = (bpt, bpt_label.as_str());
-        crate::sim_advice::advise(&a.advice, &reqs, &base, &a.fractions, &a.plot, bytes)?;
+        crate::sim::advice::advise(&a.advice, &reqs, &base, &a.fractions, &a.plot, bytes)?;
     }
     if advising {
         return Ok(());
@@ -281,17 +284,17 @@ fn windowed_model(a: &SimArgs, advising: bool) -> Result<Option<strata_mem::Mode
         bail!("--max-running and --max-batch-tokens must be at least 1");
     }
     let windowed =
-        crate::sim_advice::model_spec(&a.advice)?.filter(crate::sim_windows::has_window_kinds);
+        crate::sim::advice::model_spec(&a.advice)?.filter(crate::sim::windows::has_window_kinds);
     if windowed.is_some() {
         if a.sweep || advising || a.storage != "0" {
             bail!("a model with window kinds replays its window residency side by side: --sweep, --advise, --compare and --storage are not modelled with it");
         }
-        crate::sim_windows::check_sizes(&a.device, &a.host)?;
+        crate::sim::windows::check_sizes(&a.device, &a.host)?;
     }
     Ok(windowed)
 }
 
-/// The window residency side by side (`sim_windows.rs`).
+/// The window residency side by side (`windows.rs`).
 fn run_windowed(
     a: &SimArgs,
     spec: strata_mem::ModelSpec,
@@ -300,7 +303,7 @@ fn run_windowed(
     base: &SimConfig,
     evictions: &[EvictionPolicy],
 ) -> Result<()> {
-    let w = crate::sim_windows::WindowSim {
+    let w = crate::sim::windows::WindowSim {
         spec,
         tp: a.advice.tp_size,
         page_size: a.page_size,
@@ -315,7 +318,7 @@ fn run_windowed(
         reqs.len(),
         pt.queried_tokens()
     );
-    crate::sim_windows::run(&w, reqs, base, evictions)
+    crate::sim::windows::run(&w, reqs, base, evictions)
 }
 
 /// Reads the trace (block granularity with `--ids-as-tokens`); with the block size in tokens

@@ -10,7 +10,7 @@
 //! node's, [`RankPlacement`]); a rank's weights are copied out of the file by those workers,
 //! so the kernel's first-touch policy puts them on the rank's node. A call runs each rank as a
 //! job on its own pool while the caller waits: no thread is started per call. The ranks meet
-//! over shared memory (`crate::tp_ranks`): an all-reduce after each output and down projection (and
+//! over shared memory (`crate::llama::tp_ranks`): an all-reduce after each output and down projection (and
 //! after the embedding lookup), a gather of the vocabulary's parts at the end. Every rank
 //! adds the partial sums in rank order, so all ranks hold the same hidden state bit for bit;
 //! the sum differs from one rank's by rounding, and where a rank's input columns do not fall
@@ -24,10 +24,10 @@ use strata_kv::PoolKind;
 
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf};
-use crate::model::{check_seq, Model, SeqInput};
+pub use crate::llama::tp_ranks::RankPlacement;
+use crate::llama::tp_ranks::RankSet;
+use crate::llama::{check_seq, Model, SeqInput};
 pub use crate::shard::Part;
-pub use crate::tp_ranks::RankPlacement;
-use crate::tp_ranks::RankSet;
 
 /// A llama-family model split over tensor-parallel ranks (see the module notes).
 pub struct TpModel {

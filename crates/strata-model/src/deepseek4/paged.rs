@@ -1,6 +1,6 @@
 //! DeepSeek-V4 over the tiered cache's device pages: the pool kinds its state needs
 //! (docs/ARCHITECTURE.md, "DeepSeek-V4 state in the tiered cache") and the forward pass the
-//! engine runs, the reference arithmetic (`crate::dsv4`) with every state item in a sequence's
+//! engine runs, the reference arithmetic (`crate::deepseek4`) with every state item in a sequence's
 //! pages ([`Paged`]). A page of `ps` tokens holds, for each kind, what its tokens produce:
 //!
 //! | kind | layers | planes | per page |
@@ -23,10 +23,10 @@ use rayon::prelude::*;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
-use crate::dsv4::Dsv4;
-use crate::dsv4_store::{Rows, Store};
+use crate::deepseek4::store::{Rows, Store};
+use crate::deepseek4::Dsv4;
 use crate::error::ModelError;
-use crate::model::SeqInput;
+use crate::llama::SeqInput;
 use crate::shard::Solo;
 
 /// Where each state item of a model lives in a page layout.
@@ -230,7 +230,7 @@ impl Dsv4 {
         seqs: &[SeqInput],
     ) -> Result<(), ModelError> {
         for (si, s) in seqs.iter().enumerate() {
-            crate::model::check_seq(pool, si, s, self.cfg.context, self.cfg.vocab)?;
+            crate::llama::check_seq(pool, si, s, self.cfg.context, self.cfg.vocab)?;
         }
         // Sequences run in parallel: the pages they write must be distinct (a request's own
         // pages are; shared prefix pages are only read). Window pages are tagged apart.

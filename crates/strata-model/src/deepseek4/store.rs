@@ -1,7 +1,7 @@
 //! Where DeepSeek-V4's per-sequence state lives between tokens (docs/DSV4-FORWARD.md §11): the
-//! forward pass (`crate::dsv4`) reads and writes it only through [`Store`], so the reference
+//! forward pass (`crate::deepseek4`) reads and writes it only through [`Store`], so the reference
 //! (every item held whole, [`Dsv4State`]) and the paged pass over the tiered cache's device
-//! pool (`crate::dsv4_paged`) run the same arithmetic and give the same bits.
+//! pool (`crate::deepseek4::paged`) run the same arithmetic and give the same bits.
 
 /// Which compressor's rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

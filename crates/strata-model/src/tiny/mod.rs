@@ -2,6 +2,9 @@
 //! symbols, a few merges, ChatML control tokens) and a model of the llama family (llama, with
 //! Llama 3's RoPE frequency factors and an output head of its own as options; qwen2; qwen3).
 
+pub mod deepseek4;
+pub(crate) mod spm;
+
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{self, Value};
@@ -139,8 +142,8 @@ pub const TINY_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' +
 /// Writes a tiny model to `path`; vocabulary size is 288 (SentencePiece: 343).
 pub fn write_tiny(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
     let (n_vocab, tok) = if spec.spm {
-        let v = crate::tiny_spm::spm_vocab();
-        let mut md = crate::tiny_spm::spm_metadata(&v);
+        let v = crate::tiny::spm::spm_vocab();
+        let mut md = crate::tiny::spm::spm_metadata(&v);
         md.push((
             "tokenizer.chat_template",
             Value::String(TINY_TEMPLATE.into()),

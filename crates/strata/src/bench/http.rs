@@ -128,21 +128,32 @@ impl Progress {
         }
     }
 
+    /// One more request done: the bar redrawn on a terminal, else a line per tenth (a log
+    /// file reads it); a stderr that cannot be written loses the progress, nothing else.
     pub(crate) fn tick(&self) {
+        use std::io::{IsTerminal, Write};
         let d = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        let total = self.total.max(1);
+        let terminal = std::io::stderr().is_terminal();
+        if !terminal && d != total && d * 10 / total == (d - 1) * 10 / total {
+            return;
+        }
         let w = 30;
-        let filled = d * w / self.total.max(1);
-        eprint!(
-            "\r{} [{}{}] {d}/{} requests, {:.0} s",
+        let filled = (d * w / total).min(w);
+        let line = format!(
+            "{} [{}{}] {d}/{} requests, {:.0} s",
             self.label,
             "#".repeat(filled),
             ".".repeat(w - filled),
             self.total,
             self.t0.elapsed().as_secs_f64()
         );
-        if d == self.total {
-            eprintln!();
-        }
+        let mut err = std::io::stderr().lock();
+        let _ = match (terminal, d == self.total) {
+            (true, false) => write!(err, "\r{line}"),
+            (true, true) => writeln!(err, "\r{line}"),
+            (false, _) => writeln!(err, "{line}"),
+        };
     }
 }
 

@@ -3,7 +3,7 @@
 //! merge into words, digit runs and runs of `▁`, and the ChatML control tokens. Newlines,
 //! tabs and non-ASCII characters have no piece: they come out as byte tokens.
 
-use crate::tokenizer_spm::SPACE;
+use crate::tokenizer::spm::SPACE;
 use candle_core::quantized::gguf_file::Value;
 
 /// Tokens, their scores and GGUF token types.

@@ -2,16 +2,24 @@
 //! (section numbers below are that document's), checked against llama.cpp's logits on the tiny
 //! model (tests/dsv4_reference.rs). Plain loops in f32 (sums of squares in f64, as ggml). The
 //! state a sequence keeps is reached only through [`Store`]: held whole ([`Dsv4State`], the
-//! reference [`Dsv4::step`]) or in the tiered cache's device pages (`crate::dsv4_paged`, the
+//! reference [`Dsv4::step`]) or in the tiered cache's device pages (`crate::deepseek4::paged`, the
 //! forward pass the engine runs), with the same arithmetic either way.
 
-pub use crate::dsv4_config::{expected, Dsv4Config, Weights};
-use crate::dsv4_math::{
+pub(crate) mod config;
+pub mod load;
+pub(crate) mod math;
+pub(crate) mod paged;
+pub mod part;
+pub(crate) mod store;
+pub mod tp;
+
+pub use crate::deepseek4::config::{expected, Dsv4Config, Weights};
+use crate::deepseek4::math::{
     dot, hadamard, heap_select, matvec, rmsnorm, rmsnorm_w, rope, sigmoid, softplus,
 };
-pub use crate::dsv4_part::Dsv4Part;
-pub use crate::dsv4_store::Dsv4State;
-use crate::dsv4_store::{Rows, Store};
+pub use crate::deepseek4::part::Dsv4Part;
+pub use crate::deepseek4::store::Dsv4State;
+use crate::deepseek4::store::{Rows, Store};
 use crate::shard::{Collective, Solo};
 
 /// A half layer's output (a part's share), post gates and combination.

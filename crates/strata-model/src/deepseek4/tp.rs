@@ -1,5 +1,5 @@
 //! DeepSeek-V4 over tensor-parallel ranks inside one server ([`Dsv4Tp`]): each rank a
-//! [`Dsv4`] holding its [`Dsv4Part`] on its own pinned threads (`crate::tp_ranks`), its copy
+//! [`Dsv4`] holding its [`Dsv4Part`] on its own pinned threads (`crate::llama::tp_ranks`), its copy
 //! of every state kind in its own pool kinds (`raw.tpR`, `csa.tpR`, ...: the state is one
 //! K = V head, replicated, as the plan sizes it), one radix tree and page allocator for all.
 //!
@@ -19,12 +19,12 @@ use rayon::prelude::*;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
-use crate::dsv4::{Dsv4, Dsv4Config, Dsv4Part};
-use crate::dsv4_paged::{PageMap, Paged};
+use crate::deepseek4::paged::{PageMap, Paged};
+use crate::deepseek4::{Dsv4, Dsv4Config, Dsv4Part};
 use crate::error::ModelError;
-use crate::model::SeqInput;
+use crate::llama::tp_ranks::{RankPlacement, RankSet};
+use crate::llama::SeqInput;
 use crate::shard::Collective;
-use crate::tp_ranks::{RankPlacement, RankSet};
 
 /// DeepSeek-V4 split over tensor-parallel ranks (see the module notes).
 pub struct Dsv4Tp {
@@ -39,10 +39,11 @@ impl Dsv4Tp {
         placements: &[RankPlacement],
         threads_per_rank: usize,
     ) -> Result<Dsv4Tp, ModelError> {
-        let cfg = crate::dsv4_load::read_dsv4_config(path)?;
+        let cfg = crate::deepseek4::load::read_dsv4_config(path)?;
         let parts = Dsv4Part::split(&cfg, placements.len())?;
         let ranks = RankSet::new(placements, threads_per_rank)?;
-        let models = ranks.load(&|r| crate::dsv4_load::load_dsv4_part(path, parts[r].clone()))?;
+        let models =
+            ranks.load(&|r| crate::deepseek4::load::load_dsv4_part(path, parts[r].clone()))?;
         Ok(Dsv4Tp { models, ranks })
     }
 
@@ -173,7 +174,7 @@ impl Dsv4 {
         &self,
         live: &[usize],
         hs: &mut [Vec<f32>],
-        halves: Vec<crate::dsv4::Half>,
+        halves: Vec<crate::deepseek4::Half>,
         comm: &dyn Collective,
     ) {
         let e = self.cfg.embd;
