@@ -47,22 +47,7 @@ impl Proc {
 
     /// The first line containing `what` (waiting up to `secs`).
     pub fn wait_for(&mut self, what: &str, secs: u64) -> String {
-        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
-            return l.clone();
-        }
-        let t = Instant::now();
-        loop {
-            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push(l.clone());
-                    if l.contains(what) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!("no `{what}` within {secs} s:\n{}", self.log.join("\n")),
-            }
-        }
+        wait_line(&self.lines, &mut self.log, what, secs)
     }
 
     /// Every line so far (those not read yet are collected first).
@@ -82,6 +67,32 @@ impl Proc {
             }
             assert!(t.elapsed() < Duration::from_secs(secs), "no exit");
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The first line containing `what` among those read into `log` (looked at first: lines of
+/// two streams arrive in any order) or arriving on `lines` within `secs` (kept in `log`).
+pub(crate) fn wait_line(
+    lines: &mpsc::Receiver<String>,
+    log: &mut Vec<String>,
+    what: &str,
+    secs: u64,
+) -> String {
+    if let Some(l) = log.iter().find(|l| l.contains(what)) {
+        return l.clone();
+    }
+    let t = Instant::now();
+    loop {
+        let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
+        match lines.recv_timeout(left) {
+            Ok(l) => {
+                log.push(l.clone());
+                if l.contains(what) {
+                    return l;
+                }
+            }
+            Err(_) => panic!("no `{what}` within {secs} s:\n{}", log.join("\n")),
         }
     }
 }

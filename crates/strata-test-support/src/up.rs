@@ -96,22 +96,7 @@ impl Up {
     /// The first line containing `what` (stdout and stderr interleave in any order, so the
     /// lines already read are looked at first), within `secs`.
     pub fn wait_for(&mut self, what: &str, secs: u64) -> String {
-        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
-            return l.clone();
-        }
-        let t = Instant::now();
-        loop {
-            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push(l.clone());
-                    if l.contains(what) {
-                        return l;
-                    }
-                }
-                Err(_) => panic!("no `{what}` within {secs} s:\n{}", self.log.join("\n")),
-            }
-        }
+        crate::proc::wait_line(&self.lines, &mut self.log, what, secs)
     }
 
     /// Waits for the ready summary and reads the router's and each worker's port from it.
