@@ -8,7 +8,8 @@
 //! * [`storage`]: the L3 trait with disk and memory backends.
 //! * [`copy`]: asynchronous copy workers.
 //! * [`cache`]: [`TieredCache`], which ties it all together and keeps [`CacheStats`].
-//! * [`stats`]: the counters every cache operation updates; [`units`]: sizes with units.
+//! * [`stats`]: the counters every cache operation updates; [`units`]: sizes with units;
+//!   [`dtype`]: element types of cached state (K/V quantized or not) and their row bytes.
 //! * [`auth`]: the cluster key and its MACs; [`rng`]: the workspace's one deterministic
 //!   generator; [`tp`]: how heads, feed-forward columns and vocabulary split over ranks.
 //! * [`testing`]: a stand-in model whose pages are a function of their identity (tests).
@@ -18,6 +19,7 @@
 pub mod auth;
 pub mod cache;
 pub mod copy;
+pub mod dtype;
 pub mod hash;
 pub mod layout;
 pub mod memory;

@@ -1,6 +1,7 @@
 //! Model pool kinds as a deployment sees them: per-rank bytes per token under tensor parallelism.
 
 use serde::Serialize;
+use strata_kv::dtype::Dtype;
 use strata_kv::PoolKind;
 
 /// What one item of a kind belongs to.
@@ -35,12 +36,18 @@ pub struct KindSpec {
     pub planes: usize,
     pub heads: usize,
     pub head_dim: usize,
-    pub dtype_bytes: usize,
+    /// Element type of every value (K/V: `--kv-cache-dtype`; others as the model defines).
+    #[serde(serialize_with = "dtype_name")]
+    pub dtype: Dtype,
     /// Heads are divided over TP ranks (attention KV); otherwise every rank holds all of them
     /// (MLA latents and indexer keys are replicated).
     pub split_across_tp: bool,
     pub per: Per,
     pub needed: Needed,
+}
+
+fn dtype_name<S: serde::Serializer>(d: &Dtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
 }
 
 impl KindSpec {
@@ -66,11 +73,13 @@ impl KindSpec {
     }
 
     /// Bytes of one item (a token's row, or a block's) per layer and plane on one rank; None
-    /// when that overflows.
+    /// when that overflows or a head does not hold whole blocks of the dtype.
     pub fn item_bytes(&self, tp: u32) -> Option<usize> {
-        self.heads_per_rank(tp)
-            .checked_mul(self.head_dim)?
-            .checked_mul(self.dtype_bytes)
+        if !self.head_dim.is_multiple_of(self.dtype.block()) {
+            return None;
+        }
+        self.dtype
+            .bytes_of(self.heads_per_rank(tp).checked_mul(self.head_dim)?)
     }
 
     /// The kind on one rank in pages of `page_size` tokens, or why such a page cannot hold it.
@@ -145,6 +154,69 @@ pub struct ModelSpec {
     pub kinds: Vec<KindSpec>,
 }
 
+impl ModelSpec {
+    /// The model with its attention K and V stored as `k` and `v` (`--kv-cache-dtype`, or
+    /// `--cache-type-k` / `--cache-type-v`): the K/V kind (two planes, heads split over ranks)
+    /// takes that dtype, or becomes two kinds `k` and `v` of a plane each when they differ.
+    /// Other kinds keep the dtypes the model defines; a model without a K/V kind refuses
+    /// anything but f16, as does a head that does not hold whole blocks of the dtype.
+    pub fn with_kv_dtypes(&self, k: Dtype, v: Dtype) -> Result<ModelSpec, String> {
+        let is_kv = |c: &KindSpec| c.planes == 2 && c.split_across_tp && c.dtype == Dtype::F16;
+        if (k, v) == (Dtype::F16, Dtype::F16) {
+            return Ok(self.clone());
+        }
+        if !self.kinds.iter().any(is_kv) {
+            let kinds: Vec<String> = self
+                .kinds
+                .iter()
+                .map(|c| format!("{} {}", c.name, c.dtype))
+                .collect();
+            return Err(format!(
+                "model {} has no attention K/V pool to store as {k}/{v}: its state kinds keep the \
+                 dtypes the model defines ({})",
+                self.name,
+                kinds.join(", ")
+            ));
+        }
+        let mut kinds = Vec::new();
+        for c in &self.kinds {
+            if !is_kv(c) {
+                kinds.push(c.clone());
+                continue;
+            }
+            for d in [k, v] {
+                if !c.head_dim.is_multiple_of(d.block()) {
+                    return Err(format!(
+                        "{d} stores blocks of {} values; a KV head of {} values does not hold \
+                         whole blocks",
+                        d.block(),
+                        c.head_dim
+                    ));
+                }
+            }
+            if k == v {
+                kinds.push(KindSpec {
+                    dtype: k,
+                    ..c.clone()
+                });
+            } else {
+                for (name, d) in [("k", k), ("v", v)] {
+                    kinds.push(KindSpec {
+                        name: name.into(),
+                        planes: 1,
+                        dtype: d,
+                        ..c.clone()
+                    });
+                }
+            }
+        }
+        Ok(ModelSpec {
+            name: self.name.clone(),
+            kinds,
+        })
+    }
+}
+
 /// Names accepted by [`preset`].
 pub const PRESETS: &[&str] = &[
     "smollm2-135m",
@@ -165,9 +237,10 @@ pub struct Dsv4Shape {
     pub indexer_dim: usize,
     /// The raw sliding window.
     pub window: usize,
-    /// Bytes of a cached value (raw, compressed, indexer keys) and of a compressor-state value.
-    pub cache_bytes: usize,
-    pub state_bytes: usize,
+    /// Element type of a cached value (raw, compressed, indexer keys) and of a
+    /// compressor-state value.
+    pub cache_dtype: Dtype,
+    pub state_dtype: Dtype,
 }
 
 /// DeepSeek-V4's pool kinds, as the engine lays them out in pages (`strata_model::deepseek4`'s
@@ -175,18 +248,18 @@ pub struct Dsv4Shape {
 /// K = V head, the same on every tensor-parallel rank. Kinds of a ratio no layer has are
 /// left out.
 pub fn dsv4_kinds(s: &Dsv4Shape) -> Vec<KindSpec> {
-    let kind = |name: &str, layers, planes, head_dim, bytes, per, needed| KindSpec {
+    let kind = |name: &str, layers, planes, head_dim, dtype, per, needed| KindSpec {
         name: name.into(),
         layers,
         planes,
         heads: 1,
         head_dim,
-        dtype_bytes: bytes,
+        dtype,
         split_across_tp: false,
         per,
         needed,
     };
-    let (d, di, c, st) = (s.head_dim, s.indexer_dim, s.cache_bytes, s.state_bytes);
+    let (d, di, c, st) = (s.head_dim, s.indexer_dim, s.cache_dtype, s.state_dtype);
     let (prefix, w) = (Needed::Prefix, Needed::Window);
     [
         kind("raw", s.layers, 1, d, c, Per::Token, w(s.window)),
@@ -211,13 +284,13 @@ pub fn dsv4_kinds(s: &Dsv4Shape) -> Vec<KindSpec> {
 /// * `deepseek-v4-flash`, `deepseek-v4-pro`: DeepSeek-V4's published dimensions, every state
 ///   kind ([`dsv4_kinds`]).
 pub fn preset(name: &str) -> Option<ModelSpec> {
-    let kind = |name: &str, layers, planes, heads, head_dim, dtype_bytes, split| KindSpec {
+    let kind = |name: &str, layers, planes, heads, head_dim, dtype, split| KindSpec {
         name: name.into(),
         layers,
         planes,
         heads,
         head_dim,
-        dtype_bytes,
+        dtype,
         split_across_tp: split,
         per: Per::Token,
         needed: Needed::Prefix,
@@ -225,7 +298,7 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
     match name {
         "smollm2-135m" => Some(ModelSpec {
             name: name.into(),
-            kinds: vec![kind("kv", 30, 2, 3, 64, 2, true)],
+            kinds: vec![kind("kv", 30, 2, 3, 64, Dtype::F16, true)],
         }),
         // Published configurations (docs/SIZING.md cites them): 1 K = V head of 512, window
         // 128, indexer keys of 128; caches in bf16 and compressor state in f32, as DeepSeek's
@@ -247,16 +320,16 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
                     head_dim: 512,
                     indexer_dim: 128,
                     window: 128,
-                    cache_bytes: 2,
-                    state_bytes: 4,
+                    cache_dtype: Dtype::Bf16,
+                    state_dtype: Dtype::F32,
                 }),
             })
         }
         "deepseek-v3.2" => Some(ModelSpec {
             name: name.into(),
             kinds: vec![
-                kind("kv", 61, 1, 1, 576, 2, false),
-                kind("indexer", 61, 1, 1, 128, 1, false),
+                kind("kv", 61, 1, 1, 576, Dtype::Bf16, false),
+                kind("indexer", 61, 1, 1, 128, Dtype::Fp8E4m3, false),
             ],
         }),
         _ => None,
@@ -278,5 +351,43 @@ mod tests {
         assert_eq!(r(&d.kinds[0], 4), 61 * 576 * 2);
         assert_eq!(r(&d.kinds[1], 4), 61 * 128);
         assert!(preset("gpt-9").is_none());
+    }
+
+    #[test]
+    fn kv_dtypes_size_the_kv_kind_and_nothing_else() {
+        let s = preset("smollm2-135m").unwrap();
+        let bpt = |m: &ModelSpec, tp| -> usize {
+            m.kinds
+                .iter()
+                .map(|k| k.per_rank(tp, 16).unwrap().bytes_per_token())
+                .sum()
+        };
+        let q8 = s.with_kv_dtypes(Dtype::Q8_0, Dtype::Q8_0).unwrap();
+        assert_eq!(q8.kinds.len(), 1);
+        // 30 layers × 2 planes × 3 heads × 64 values: 34 bytes per 32 values.
+        assert_eq!(bpt(&q8, 1), 30 * 2 * 6 * 34);
+        assert!(bpt(&s, 1) as f64 / bpt(&q8, 1) as f64 > 1.85);
+        // At TP 2 each rank holds 2 heads (one replicated), still whole blocks.
+        assert_eq!(bpt(&q8, 2), 30 * 2 * 4 * 34);
+        let fp8 = s.with_kv_dtypes(Dtype::Fp8E4m3, Dtype::Fp8E4m3).unwrap();
+        assert_eq!(bpt(&fp8, 1), bpt(&s, 1) / 2);
+        // K and V apart: two kinds of one plane each.
+        let kv = s.with_kv_dtypes(Dtype::Q8_0, Dtype::F16).unwrap();
+        let names: Vec<&str> = kv.kinds.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["k", "v"]);
+        assert_eq!(bpt(&kv, 1), 30 * 6 * 34 + 30 * 192 * 2);
+        assert_eq!(s.with_kv_dtypes(Dtype::F16, Dtype::F16).unwrap(), s);
+        // DeepSeek's kinds are not K/V planes: refused, naming what they are.
+        let e = preset("deepseek-v4-pro")
+            .unwrap()
+            .with_kv_dtypes(Dtype::Q8_0, Dtype::Q8_0)
+            .unwrap_err();
+        assert!(e.contains("keep the dtypes the model defines"), "{e}");
+        assert!(e.contains("raw bf16"), "{e}");
+        // A head of 48 values holds no whole Q8_0 blocks.
+        let mut odd = s.clone();
+        odd.kinds[0].head_dim = 48;
+        let e = odd.with_kv_dtypes(Dtype::Q8_0, Dtype::Q8_0).unwrap_err();
+        assert!(e.contains("does not hold whole blocks"), "{e}");
     }
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};
+use strata_kv::dtype::Dtype;
 use strata_kv::units::parse_size;
 use strata_mem::{
     preset, DeviceBudget, HostBudget, KindSpec, ModelSpec, NumaChoice, NumaPolicy, PlanRequest,
@@ -44,6 +45,47 @@ fn preset_help() -> String {
     )
 }
 
+/// How the K/V pools store their values (the llama family's; other models' state kinds keep
+/// the dtypes the model defines).
+#[derive(Args, Debug, Clone)]
+pub struct KvDtypeArgs {
+    /// Element type of the K and V pools: f16, q8_0 (ggml's blocks of 32 values: 34 bytes,
+    /// 1.88× the tokens of f16 in every tier) or fp8_e4m3 (a byte a value).
+    #[arg(long, default_value = "f16", value_parser = kv_dtype, help_heading = "K/V dtype")]
+    pub kv_cache_dtype: Dtype,
+    /// K alone (as llama.cpp's -ctk); default: --kv-cache-dtype.
+    #[arg(long, value_parser = kv_dtype, help_heading = "K/V dtype")]
+    pub cache_type_k: Option<Dtype>,
+    /// V alone (as llama.cpp's -ctv); default: --kv-cache-dtype.
+    #[arg(long, value_parser = kv_dtype, help_heading = "K/V dtype")]
+    pub cache_type_v: Option<Dtype>,
+}
+
+fn kv_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::parse_kv(s).ok_or_else(|| {
+        let known: Vec<&str> = Dtype::KV.iter().map(|d| d.name()).collect();
+        format!("`{s}`: expected one of {}", known.join(", "))
+    })
+}
+
+impl KvDtypeArgs {
+    /// The K and V dtypes asked for.
+    pub fn kv(&self) -> (Dtype, Dtype) {
+        (
+            self.cache_type_k.unwrap_or(self.kv_cache_dtype),
+            self.cache_type_v.unwrap_or(self.kv_cache_dtype),
+        )
+    }
+
+    /// `model` with its K/V pools in those dtypes, or why they do not apply to it.
+    pub fn apply(&self, model: ModelSpec) -> Result<ModelSpec> {
+        let (k, v) = self.kv();
+        model
+            .with_kv_dtypes(k, v)
+            .map_err(|why| anyhow::anyhow!("--kv-cache-dtype {k} (K) / {v} (V): {why}"))
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 #[command(group(ArgGroup::new("host_budget").args(["hicache_size", "hicache_total", "hicache_ratio"]).multiple(false)))]
 #[command(group(ArgGroup::new("device_budget").args(["device_mem", "device_mem_fraction"]).multiple(false)))]
@@ -69,6 +111,8 @@ pub struct SizingArgs {
     /// or server (one worker, no PD). Also a label in reports.
     #[arg(long, value_enum, default_value_t = Role::Server, help_heading = "Model")]
     pub role: Role,
+    #[command(flatten)]
+    pub kv_dtype: KvDtypeArgs,
 
     /// Device KV pool per rank, with a unit: `8GiB` (2^30) or `8GB` (10^9).
     #[arg(long, help_heading = "Device pool (one of)")]
@@ -270,8 +314,8 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
             head_dim: c.head_dim,
             indexer_dim: c.indexer_dim,
             window: c.window,
-            cache_bytes: 4,
-            state_bytes: 4,
+            cache_dtype: strata_kv::dtype::Dtype::F32,
+            state_dtype: strata_kv::dtype::Dtype::F32,
         });
         return Ok(ModelSpec { name, kinds });
     }
@@ -285,7 +329,7 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
             planes: 2,
             heads: c.kv_heads,
             head_dim: c.head_dim,
-            dtype_bytes: 2,
+            dtype: strata_kv::dtype::Dtype::F16,
             split_across_tp: true,
             per: strata_mem::Per::Token,
             needed: strata_mem::Needed::Prefix,
@@ -310,8 +354,14 @@ impl SizingArgs {
         })
     }
 
-    /// The pools of `--model` (read from the GGUF) or of `--model-preset`.
+    /// The pools of `--model` (read from the GGUF) or of `--model-preset`, K/V in the dtypes
+    /// asked for.
     fn model_spec(&self) -> Result<ModelSpec> {
+        let model = self.model_spec_f16()?;
+        self.kv_dtype.apply(model)
+    }
+
+    fn model_spec_f16(&self) -> Result<ModelSpec> {
         Ok(match &self.model {
             Some(path) => model_spec_of(path)?,
             None => preset(&self.model_preset).with_context(|| {

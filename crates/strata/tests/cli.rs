@@ -435,3 +435,26 @@ fn model_tiny_writes_the_test_models_and_keeps_an_existing_file() {
     let o = strata(&["model", "tiny", "gpt5", out.to_str().unwrap()]);
     assert!(text(&o).contains("possible values"), "{}", text(&o));
 }
+
+/// `strata sim` sizes byte capacities with the K/V dtype asked for, as `strata plan` does.
+#[test]
+fn sim_sizes_by_the_kv_dtype() {
+    let d = tempfile::tempdir().unwrap();
+    let t = write_trace(d.path());
+    let t = t.to_str().unwrap();
+    let args = ["sim", "--trace", t, "--model-preset", "smollm2-135m"];
+    let o = strata(&[&args[..], &["--device", "1MiB"]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("at 23040 B/token"), "{}", text(&o));
+    let o = strata(&[&args[..], &["--device", "1MiB", "--kv-cache-dtype", "q8_0"]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("at 12240 B/token"), "{}", text(&o));
+    // Without a model there are no K/V pools to size: refused, not ignored.
+    let o = strata(&["sim", "--trace", t, "--kv-cache-dtype", "q8_0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("need --model or --model-preset"),
+        "{}",
+        text(&o)
+    );
+}

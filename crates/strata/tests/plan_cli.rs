@@ -615,3 +615,45 @@ fn help_names_every_preset() {
         }
     }
 }
+
+/// `--kv-cache-dtype q8_0` holds ≥ 1.85× the host tokens of f16 in the same bytes, the plan
+/// says why, K and V apart become two kinds, and a model without K/V planes refuses it.
+#[test]
+fn quantized_kv_plans_more_tokens_in_the_same_bytes() {
+    let host_tokens = |extra: &[&str]| -> (u64, serde_json::Value) {
+        let mut a = vec!["plan", "--machine", "2x240GB", "--numa-node", "0"];
+        a.extend(["--tp-size", "4", "--hicache-total", "150GB", "--json"]);
+        a.extend(extra);
+        let o = strata(&a);
+        assert!(o.status.success(), "{extra:?}: {}", err(&o));
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        (v["host_tokens_per_rank"].as_u64().unwrap(), v)
+    };
+    let (f16, _) = host_tokens(&[]);
+    let (q8, v) = host_tokens(&["--kv-cache-dtype", "q8_0"]);
+    assert!(q8 as f64 >= 1.85 * f16 as f64, "{q8} vs {f16}");
+    let said = v["decided_by"].to_string();
+    assert!(said.contains("K and V as q8_0"), "{said}");
+    let (split, v) = host_tokens(&["--cache-type-k", "q8_0", "--cache-type-v", "f16"]);
+    assert!(split > f16 && split < q8, "{split}");
+    let kinds: Vec<&str> = v["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["k", "v"], "{v}");
+    let o = strata(&[
+        "plan",
+        "--model-preset",
+        "deepseek-v4-pro",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        err(&o).contains("keep the dtypes the model defines"),
+        "{}",
+        err(&o)
+    );
+}

@@ -125,6 +125,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw))?;
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
+    kv_dtype_decision(req, &mut decided);
     let rank_costs: Vec<(Cost, Cost)> = rank_costs
         .iter()
         .map(|c| (c.with(wplan.device), c.with(wplan.host)))
@@ -175,6 +176,46 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         decided_by: decided,
         warnings,
     })
+}
+
+/// What a quantized K/V dtype does to the bytes per token (nothing said for f16).
+fn kv_dtype_decision(req: &PlanRequest, decided: &mut Vec<Decision>) {
+    use strata_kv::dtype::Dtype;
+    let kv: Vec<&KindSpec> = req
+        .model
+        .kinds
+        .iter()
+        .filter(|k| k.split_across_tp)
+        .collect();
+    if kv.iter().all(|k| k.dtype == Dtype::F16) {
+        return;
+    }
+    let bytes = |k: &KindSpec, d: Dtype| {
+        let one = KindSpec {
+            dtype: d,
+            ..k.clone()
+        };
+        one.item_bytes(1).unwrap_or(0) * k.planes * k.layers
+    };
+    let now: usize = kv.iter().map(|k| bytes(k, k.dtype)).sum();
+    let f16: usize = kv.iter().map(|k| bytes(k, Dtype::F16)).sum();
+    let stored = match kv.as_slice() {
+        [one] => format!("K and V as {}", one.dtype),
+        _ => kv
+            .iter()
+            .map(|k| format!("{} as {}", k.name.to_uppercase(), k.dtype))
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    decided.push(Decision {
+        what: "K/V dtype".into(),
+        by: format!(
+            "--kv-cache-dtype / --cache-type-k / --cache-type-v: {stored}: {now} bytes per token \
+             (whole model, one rank) where f16 takes {f16}: {:.2}× the tokens per byte in every \
+             tier",
+            f16 as f64 / now.max(1) as f64
+        ),
+    });
 }
 
 /// The device and host pools' sizes: each tier's window share first (the device's: running

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use strata_kv::auth::ClusterKey;
+use strata_kv::dtype::Dtype;
 use strata_kv::units::parse_size;
 use strata_kv::{EvictionPolicy, PageLayout};
 use strata_mem::Plan;
@@ -77,6 +78,14 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     }
     if a.sizing.tp_size == 0 {
         bail!("--tp-size 0: expected at least 1 rank");
+    }
+    let (k, v) = a.sizing.kv_dtype.kv();
+    if (k, v) != (Dtype::F16, Dtype::F16) {
+        bail!(
+            "--kv-cache-dtype {k} (K) / {v} (V): this build stores K/V in f16 only (the \
+             attention kernels that read quantized pages are not built yet); \
+             `strata plan --kv-cache-dtype {k}` shows what the pools would hold"
+        );
     }
     if a.threads == 0 {
         bail!("--threads 0: expected at least 1 thread for matrix products and attention");

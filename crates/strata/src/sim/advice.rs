@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use strata_kv::dtype::Dtype;
 use strata_kv::units::{echo_size, parse_size};
 use strata_sim::belady::PageTrace;
 use strata_sim::replay::{replay, SimConfig, SimResult};
@@ -43,6 +44,9 @@ pub struct AdviceArgs {
     /// Tensor-parallel ranks per server: sizes are per rank.
     #[arg(long, default_value_t = 1, help_heading = "Sizing advice")]
     pub tp_size: u32,
+    /// The model's K/V pools in these dtypes (with --model or --model-preset).
+    #[command(flatten)]
+    pub kv_dtype: crate::sizing::KvDtypeArgs,
 }
 
 /// Bytes per token per rank, and what they come from (for the report).
@@ -51,7 +55,14 @@ pub fn bytes_per_token(
     given: Option<usize>,
     page_size: usize,
 ) -> Result<(usize, String)> {
-    match (model_spec(a)?, given) {
+    let spec = match model_spec(a)? {
+        Some(m) => Some(a.kv_dtype.apply(m)?),
+        None if a.kv_dtype.kv() != (Dtype::F16, Dtype::F16) => {
+            bail!("--kv-cache-dtype / --cache-type-k / --cache-type-v need --model or --model-preset (with --bytes-per-token give the bytes of the dtype)")
+        }
+        None => None,
+    };
+    match (spec, given) {
         (Some(_), Some(_)) => bail!("--bytes-per-token and a model: give one"),
         (Some(spec), None) => {
             if a.tp_size == 0 {
