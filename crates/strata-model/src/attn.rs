@@ -11,6 +11,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use strata_kv::dtype::Dtype;
 
 /// Keys per block.
 pub const KB: usize = 32;
@@ -36,6 +37,38 @@ impl Shape {
     }
 }
 
+/// One K or V plane of a layer, `[page][slot][kv_head * head_dim]` values in the pool's dtype:
+/// f16 read as it is, a quantized dtype ([`crate::kvcodec`]) decoded a head at a time.
+#[derive(Clone, Copy)]
+pub enum Plane<'a> {
+    F16(&'a [f16]),
+    Packed {
+        bytes: &'a [u8],
+        dtype: Dtype,
+        /// Bytes of one slot's row (every KV head).
+        row: usize,
+    },
+}
+
+impl Plane<'_> {
+    /// Values `from..from + out.len()` of slot `slot` (page × page size + offset) whose rows
+    /// hold `kvd` values, in f32 (`from` and the length whole blocks of the dtype).
+    #[inline]
+    pub fn read(&self, slot: usize, kvd: usize, from: usize, out: &mut [f32]) {
+        match *self {
+            Plane::F16(p) => {
+                let b = slot * kvd + from;
+                p[b..b + out.len()].convert_to_f32_slice(out);
+            }
+            Plane::Packed { bytes, dtype, row } => {
+                let at = slot * row + dtype.bytes_of(from).expect("whole blocks");
+                let n = dtype.bytes_of(out.len()).expect("whole blocks");
+                crate::kvcodec::decode(dtype, &bytes[at..at + n], out);
+            }
+        }
+    }
+}
+
 /// One sequence's K/V for one layer, in f32, padded with zeros to whole blocks.
 pub struct SeqKv {
     /// `[kv_head][block][dim][KB]`.
@@ -46,23 +79,16 @@ pub struct SeqKv {
 }
 
 impl SeqKv {
-    /// Gathers positions `0..n` from f16 K/V planes (`[page][slot][kv_head * head_dim]`).
-    pub fn gather(
-        shape: Shape,
-        kp: &[f16],
-        vp: &[f16],
-        pages: &[u32],
-        ps: usize,
-        n: usize,
-    ) -> Self {
+    /// Gathers positions `0..n` from the K/V planes.
+    pub fn gather(shape: Shape, kp: Plane, vp: Plane, pages: &[u32], ps: usize, n: usize) -> Self {
         let (hd, kvd) = (shape.head_dim, shape.kvd());
         let blocks = n.div_ceil(KB);
         let mut kt = vec![0f32; shape.kv_heads * blocks * hd * KB];
         let mut v = vec![0f32; blocks * KB * kvd];
         let mut row = vec![0f32; kvd];
         for t in 0..n {
-            let base = (pages[t / ps] as usize * ps + t % ps) * kvd;
-            kp[base..base + kvd].convert_to_f32_slice(&mut row);
+            let slot = pages[t / ps] as usize * ps + t % ps;
+            kp.read(slot, kvd, 0, &mut row);
             let (b, j) = (t / KB, t % KB);
             for g in 0..shape.kv_heads {
                 let dst = ((g * blocks + b) * hd) * KB + j;
@@ -70,7 +96,7 @@ impl SeqKv {
                     kt[dst + d * KB] = x;
                 }
             }
-            vp[base..base + kvd].convert_to_f32_slice(&mut v[t * kvd..(t + 1) * kvd]);
+            vp.read(slot, kvd, 0, &mut v[t * kvd..(t + 1) * kvd]);
         }
         SeqKv { kt, v, blocks }
     }
@@ -205,13 +231,13 @@ fn normalized_out(shape: Shape, g: usize, o: &[f32], l: &[f32], out: &mut [f32])
     }
 }
 
-/// Attention for one row (a decode step) read straight from the f16 pages: no gather. Per KV
+/// Attention for one row (a decode step) read straight from the pages: no gather. Per KV
 /// head, each block of keys is converted once and shared by the group's query heads.
 #[allow(clippy::too_many_arguments)]
 pub fn row(
     shape: Shape,
-    kp: &[f16],
-    vp: &[f16],
+    kp: Plane,
+    vp: Plane,
     pages: &[u32],
     ps: usize,
     q: &[f32],
@@ -234,9 +260,9 @@ pub fn row(
             let nb = (p + 1 - t0).min(KB);
             for b in 0..nb {
                 let t = t0 + b;
-                let base = (pages[t / ps] as usize * ps + t % ps) * kvd + g * hd;
-                kp[base..base + hd].convert_to_f32_slice(&mut kb[b * hd..(b + 1) * hd]);
-                vp[base..base + hd].convert_to_f32_slice(&mut vb[b * hd..(b + 1) * hd]);
+                let slot = pages[t / ps] as usize * ps + t % ps;
+                kp.read(slot, kvd, g * hd, &mut kb[b * hd..(b + 1) * hd]);
+                vp.read(slot, kvd, g * hd, &mut vb[b * hd..(b + 1) * hd]);
             }
             for j in 0..group {
                 let qh = &q[(g * group + j) * hd..(g * group + j + 1) * hd];
@@ -541,7 +567,7 @@ mod tests {
         let vp: Vec<f16> = (0..slots * kvd)
             .map(|_| f16::from_f32(rand(&mut seed)))
             .collect();
-        let kv = SeqKv::gather(shape, &kp, &vp, &pages, ps, n);
+        let kv = SeqKv::gather(shape, Plane::F16(&kp), Plane::F16(&vp), &pages, ps, n);
         let at = |t: usize| (pages[t / ps] as usize * ps + t % ps) * kvd;
         for rows in [1usize, 2, 5, 8] {
             for first in [0usize, 30, 31, 32, 75 - rows] {
@@ -551,7 +577,17 @@ mod tests {
                 tile(shape, &kv, &q, &pos, &mut out, 0.25);
                 if rows == 1 {
                     let mut direct = vec![0f32; h];
-                    row(shape, &kp, &vp, &pages, ps, &q, first, &mut direct, 0.25);
+                    row(
+                        shape,
+                        Plane::F16(&kp),
+                        Plane::F16(&vp),
+                        &pages,
+                        ps,
+                        &q,
+                        first,
+                        &mut direct,
+                        0.25,
+                    );
                     for (a, b) in direct.iter().zip(&out) {
                         assert!((a - b).abs() < 1e-5, "row() {a} vs tile() {b}");
                     }

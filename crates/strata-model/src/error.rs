@@ -32,6 +32,8 @@ pub enum ModelError {
     Fetch(String),
     #[error("forward pass: {0}")]
     Forward(String),
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 impl From<candle_core::Error> for ModelError {

@@ -14,6 +14,7 @@
 //!   header pre-scan every file passes first).
 //! * [`tokenizer`]: byte-level BPE built from the GGUF metadata (`tokenizer::spm`: SentencePiece
 //!   vocabularies).
+//! * [`kvcodec`]: K/V rows in their stored dtype (f16, q8_0, fp8_e4m3), quantized on write.
 //! * [`qmat`]: block-format weight matrices and their kernels (AVX2, AVX-512).
 //! * [`attn`]: paged causal attention (online softmax, micro-kernels); `seq`: one sequence of a
 //!   forward call and the checks every forward pass runs on it; `shard`: a tensor-parallel
@@ -31,6 +32,7 @@ pub mod deepseek4;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod kvcodec;
 pub mod llama;
 pub mod peak;
 pub mod qmat;

@@ -142,6 +142,9 @@ pub struct LoadOptions {
     /// Tensor-parallel ranks, one placement each ([`crate::TpModel`]); empty or one
     /// unpinned rank: the whole model on the caller's thread pool.
     pub ranks: Vec<crate::RankPlacement>,
+    /// How the llama family stores K and V ([`Model::set_kv_dtype`]); DeepSeek-V4 keeps its
+    /// state kinds in the dtypes it defines and refuses anything but f16.
+    pub kv_dtype: strata_kv::dtype::Dtype,
 }
 
 impl LoadOptions {
@@ -151,6 +154,7 @@ impl LoadOptions {
             threads,
             quantized_decode: true,
             ranks: Vec::new(),
+            kv_dtype: strata_kv::dtype::Dtype::F16,
         }
     }
 }
@@ -171,6 +175,12 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let tokenizer = ModelTokenizer::from_gguf(&header)?;
     let template = header.chat_template()?;
     let split = opts.ranks.len() > 1 || opts.ranks.iter().any(|r| r.cpus.is_some());
+    let kv = opts.kv_dtype;
+    if header.architecture() == Some("deepseek4") && kv != strata_kv::dtype::Dtype::F16 {
+        return Err(ModelError::Unsupported(format!(
+            "K/V dtype {kv} for deepseek4: its state kinds keep the dtypes the model defines"
+        )));
+    }
     let runtime: Box<dyn Runtime> = match header.architecture() {
         Some("deepseek4") if split => Box::new(crate::deepseek4::tp::Dsv4Tp::load(
             path,
@@ -178,20 +188,25 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
             opts.threads,
         )?),
         Some("deepseek4") => Box::new(crate::deepseek4::load::load_dsv4(path)?),
-        _ if split => Box::new(crate::TpModel::load(
-            path,
-            &crate::TpOptions {
-                placements: opts.ranks,
-                threads_per_rank: opts.threads,
-                quantized_decode: opts.quantized_decode,
-            },
-        )?),
+        _ if split => {
+            let mut m = crate::TpModel::load(
+                path,
+                &crate::TpOptions {
+                    placements: opts.ranks,
+                    threads_per_rank: opts.threads,
+                    quantized_decode: opts.quantized_decode,
+                },
+            )?;
+            m.set_kv_dtype(kv)?;
+            Box::new(m)
+        }
         _ => {
             // Gguf::open names the architecture it found when it is not llama.
             let mut g = Gguf::open(path)?;
             let mut m = Model::load(&mut g)?;
             m.set_threads(opts.threads);
             m.set_quantized_decode(opts.quantized_decode);
+            m.set_kv_dtype(kv)?;
             Box::new(m)
         }
     };

@@ -296,3 +296,33 @@ fn tp_ranks_answer_as_one_rank_on_smollm2() {
         );
     }
 }
+
+/// SmolLM2 with K/V stored as q8_0 and as fp8_e4m3 (heads of 64 values: two Q8_0 blocks) still
+/// answers the question; its pages take the dtype's bytes.
+#[test]
+fn quantized_kv_answers_on_smollm2() {
+    let (g, mut m, tk) = load();
+    let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
+    let text = t
+        .render(
+            &[Message::new("user", "What is the capital of France?")],
+            true,
+        )
+        .unwrap();
+    let p = tk.encode(&text).unwrap();
+    for (dtype, row) in [
+        (strata_kv::dtype::Dtype::Q8_0, 3 * 2 * 34),
+        (strata_kv::dtype::Dtype::Fp8E4m3, 3 * 64),
+    ] {
+        m.set_kv_dtype(dtype).unwrap();
+        assert_eq!(m.pool_kind().plane_bytes_per_token, row);
+        let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()]).unwrap());
+        let pool = DevicePool::new(layout, 8, &HeapAllocator).unwrap();
+        let a: Vec<u32> = (0..8).collect();
+        let s = tk
+            .decode(&greedy(&m, &pool, &p, 0, &a, 24, &tk.stop))
+            .unwrap();
+        eprintln!("{dtype}: {s}");
+        assert!(s.contains("Paris"), "{dtype}: {s}");
+    }
+}

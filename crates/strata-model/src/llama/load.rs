@@ -80,6 +80,7 @@ impl Model {
             threads: 2,
             quantized_decode: true,
             kind: part.kind,
+            kv_dtype: strata_kv::dtype::Dtype::F16,
             kind_name: part.kind_name.clone(),
             vocab_rows: part.vocab.clone(),
         })

@@ -12,6 +12,7 @@ pub mod tp;
 pub(crate) mod tp_ranks;
 
 use half::f16;
+use strata_kv::dtype::Dtype;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
@@ -73,6 +74,8 @@ pub struct Model {
     quantized_decode: bool,
     /// Which pool kind of the layout holds this model's K/V (a tensor-parallel rank's).
     kind: usize,
+    /// How K and V are stored in their pages (`f16`, or quantized: [`crate::kvcodec`]).
+    kv_dtype: Dtype,
     kind_name: String,
     /// The vocabulary rows `embed` / `output` hold (all of them but on a tensor-parallel rank).
     vocab_rows: std::ops::Range<usize>,
@@ -109,16 +112,35 @@ impl Model {
         self.threads = n.max(1);
     }
 
-    /// The KV pool kind this model computes into: f16 K and V per layer of its KV heads
-    /// (`kv`; a tensor-parallel rank's `kv.tpR`).
+    /// The KV pool kind this model computes into: K and V per layer of its KV heads in its
+    /// K/V dtype (`kv`; a tensor-parallel rank's `kv.tpR`).
     pub fn pool_kind(&self) -> PoolKind {
-        PoolKind::kv(
-            &self.kind_name,
-            self.config.layers,
-            self.config.kv_heads,
-            self.config.head_dim,
-            2,
-        )
+        let kvd = self.config.kv_heads * self.config.head_dim;
+        PoolKind {
+            name: self.kind_name.clone(),
+            layers: self.config.layers,
+            planes: 2,
+            plane_bytes_per_token: self.kv_dtype.bytes_of(kvd).expect("checked when set"),
+            window: None,
+        }
+    }
+
+    /// Stores K and V as `dtype` from now on (before any page is written): `f16`, `q8_0` or
+    /// `fp8_e4m3`; refused when a KV head does not hold whole blocks of it.
+    pub fn set_kv_dtype(&mut self, dtype: Dtype) -> Result<(), ModelError> {
+        if !Dtype::KV.contains(&dtype) || !self.config.head_dim.is_multiple_of(dtype.block()) {
+            return Err(ModelError::Unsupported(format!(
+                "K/V dtype {dtype} for KV heads of {} values",
+                self.config.head_dim
+            )));
+        }
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+
+    /// How K and V are stored.
+    pub fn kv_dtype(&self) -> Dtype {
+        self.kv_dtype
     }
 
     /// `x · wᵀ` for several matrices of one input: the input quantized once when every row
@@ -399,18 +421,16 @@ impl Model {
         }
     }
 
-    /// Writes every row's K and V of layer `l` (f16) into its sequence's page.
+    /// Writes every row's K and V of layer `l` (in the K/V dtype) into its sequence's page.
     fn write_kv(&self, pool: &DevicePool, l: usize, batch: &Batch, k: &[f32], v: &[f32]) {
         let c = &self.config;
         let ps = pool.layout().page_size();
         let kvd = c.kv_heads * c.head_dim;
-        let mut buf = vec![0u8; kvd * 2];
+        let mut buf = vec![0u8; self.kv_dtype.bytes_of(kvd).expect("checked when set")];
         for (i, &(si, p)) in batch.rows.iter().enumerate() {
             let page = batch.seqs[si].pages[p / ps];
             for (plane, src) in [(0, k), (1, v)] {
-                for (d, &val) in buf.chunks_exact_mut(2).zip(&src[i * kvd..(i + 1) * kvd]) {
-                    d.copy_from_slice(&f16::from_f32(val).to_le_bytes());
-                }
+                crate::kvcodec::encode(self.kv_dtype, &src[i * kvd..(i + 1) * kvd], &mut buf);
                 pool.write_token(self.kind, l, plane, page, p % ps, &buf);
             }
         }
@@ -492,8 +512,7 @@ impl Model {
         // A row of queries (and of outputs): every head.
         let h = c.heads * c.head_dim;
         let ps = pool.layout().page_size();
-        let kp = as_f16(pool.plane(self.kind, layer, 0));
-        let vp = as_f16(pool.plane(self.kind, layer, 1));
+        let (kp, vp) = (self.plane(pool, layer, 0), self.plane(pool, layer, 1));
         let gathered = gather(shape, kp, vp, ps, seqs, rows);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * h];
@@ -559,8 +578,8 @@ struct Batch<'a> {
 /// attends to (single rows, decode steps, read the pages directly).
 fn gather(
     shape: attn::Shape,
-    kp: &[f16],
-    vp: &[f16],
+    kp: attn::Plane,
+    vp: attn::Plane,
     ps: usize,
     seqs: &[SeqInput],
     rows: &[(usize, usize)],
@@ -602,4 +621,19 @@ fn as_f16(b: &[u8]) -> &[f16] {
         "pool plane is not f16-aligned"
     );
     mid
+}
+
+impl Model {
+    /// Plane `plane` (0: K, 1: V) of `layer` in this model's pool kind, as attention reads it.
+    fn plane<'a>(&self, pool: &'a DevicePool, layer: usize, plane: usize) -> attn::Plane<'a> {
+        let bytes = pool.plane(self.kind, layer, plane);
+        match self.kv_dtype {
+            Dtype::F16 => attn::Plane::F16(as_f16(bytes)),
+            dtype => attn::Plane::Packed {
+                bytes,
+                dtype,
+                row: self.pool_kind().plane_bytes_per_token,
+            },
+        }
+    }
 }

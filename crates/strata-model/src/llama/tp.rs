@@ -19,6 +19,7 @@
 
 use std::ops::Range;
 
+use strata_kv::dtype::Dtype;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
@@ -124,9 +125,22 @@ impl TpModel {
         self.reshard(page_size, blob, false)
     }
 
+    /// Stores K and V as `dtype` on every rank ([`Model::set_kv_dtype`]).
+    pub fn set_kv_dtype(&mut self, dtype: Dtype) -> Result<(), ModelError> {
+        self.models
+            .iter_mut()
+            .try_for_each(|m| m.set_kv_dtype(dtype))
+    }
+
+    /// Bytes of one KV head's row in the K/V dtype (heads hold whole blocks: checked when set).
+    fn head_bytes(&self) -> usize {
+        let d = self.models[0].kv_dtype();
+        d.bytes_of(self.config.head_dim).expect("checked when set")
+    }
+
     fn reshard(&self, ps: usize, blob: &[u8], to_wire: bool) -> Result<Vec<u8>, ModelError> {
         let c = &self.config;
-        let head = c.head_dim * 2; // one f16 head row
+        let head = self.head_bytes();
         let kvs: Vec<Range<usize>> = self.parts.iter().map(|p| p.heads.kv.clone()).collect();
         let local_tok: usize = kvs.iter().map(|k| k.len()).sum::<usize>() * head * 2 * c.layers;
         let wire_tok = c.kv_heads * head * 2 * c.layers;
@@ -183,9 +197,13 @@ impl crate::Runtime for TpModel {
     }
     fn wire_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         let c = &self.config;
-        Ok(vec![PoolKind::kv(
-            "kv", c.layers, c.kv_heads, c.head_dim, 2,
-        )])
+        Ok(vec![PoolKind {
+            name: "kv".into(),
+            layers: c.layers,
+            planes: 2,
+            plane_bytes_per_token: c.kv_heads * self.head_bytes(),
+            window: None,
+        }])
     }
     fn page_to_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
         TpModel::page_to_wire(self, ps, blob).map(Some)

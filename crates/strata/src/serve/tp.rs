@@ -112,6 +112,8 @@ pub fn load_model(
             threads: (threads / tp).max(1),
             quantized_decode,
             ranks: ranks.clone(),
+            // f16 until pages record their dtype (checks.rs refuses the others).
+            kv_dtype: sizing.kv_dtype.kv().0,
         },
     )?;
     for line in describe(&*loaded.runtime, &ranks, sizing.page_size) {
