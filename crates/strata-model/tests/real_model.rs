@@ -115,11 +115,8 @@ fn greedy(
     out
 }
 
-/// A simple chat question gets a sensible answer; a cached prefix (system prompt and question,
-/// computed earlier into other pages) gives the identical greedy answer.
-#[test]
-fn answers_a_simple_question_with_and_without_cached_prefix() {
-    let (g, m, tk) = load();
+/// "What is the capital of France?" in the file's chat template, as token ids.
+fn capital_question(g: &Gguf, tk: &ModelTokenizer) -> Vec<u32> {
     let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
     let text = t
         .render(
@@ -127,7 +124,15 @@ fn answers_a_simple_question_with_and_without_cached_prefix() {
             true,
         )
         .unwrap();
-    let p = tk.encode(&text).unwrap();
+    tk.encode(&text).unwrap()
+}
+
+/// A simple chat question gets a sensible answer; a cached prefix (system prompt and question,
+/// computed earlier into other pages) gives the identical greedy answer.
+#[test]
+fn answers_a_simple_question_with_and_without_cached_prefix() {
+    let (g, m, tk) = load();
+    let p = capital_question(&g, &tk);
     let layout = Arc::new(PageLayout::new(16, vec![m.pool_kind()]).unwrap());
     let pool = DevicePool::new(layout, 32, &HeapAllocator).unwrap();
     let a: Vec<u32> = (0..8).collect();
@@ -302,14 +307,7 @@ fn tp_ranks_answer_as_one_rank_on_smollm2() {
 #[test]
 fn quantized_kv_answers_on_smollm2() {
     let (g, mut m, tk) = load();
-    let t = ChatTemplate::new(g.string("tokenizer.chat_template").unwrap()).unwrap();
-    let text = t
-        .render(
-            &[Message::new("user", "What is the capital of France?")],
-            true,
-        )
-        .unwrap();
-    let p = tk.encode(&text).unwrap();
+    let p = capital_question(&g, &tk);
     for (dtype, row) in [
         (strata_kv::dtype::Dtype::Q8_0, 3 * 2 * 34),
         (strata_kv::dtype::Dtype::Fp8E4m3, 3 * 64),
