@@ -99,16 +99,10 @@ fn fp8_e4m3_of(v: f32) -> u8 {
     }
     let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
     let a = v.abs().min(448.0);
-    // The largest magnitude ≤ a, then whichever of it and the next is nearer (even on a tie).
+    // The largest magnitude ≤ a (bytes 0..=0x7e are increasing), then whichever of it and
+    // the next is nearer (even on a tie).
     let t = fp8_table();
-    let mut lo = 0u8;
-    for b in 0..=0x7eu8 {
-        if t[b as usize] <= a {
-            lo = b;
-        } else {
-            break;
-        }
-    }
+    let mut lo = (t[..=0x7e].partition_point(|&x| x <= a) - 1) as u8;
     if lo < 0x7e {
         let (x, y) = (t[lo as usize], t[lo as usize + 1]);
         let up = (a - x) > (y - a) || ((a - x) == (y - a) && lo & 1 == 1);

@@ -128,14 +128,11 @@ fn known_route(path: &str) -> String {
     }
 }
 
-/// The client's `X-Request-Id` (or the worker's, on an answer), printable and bounded; `-`
+/// The client's `X-Request-Id` (or the worker's, on an answer) when it can be echoed; `-`
 /// when there is none.
 fn request_id(h: &HeaderMap) -> String {
-    h.get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .unwrap_or("-")
-        .to_string()
+    use strata_server::ids::{client_request_id, REQUEST_ID};
+    client_request_id(h.get(REQUEST_ID)).unwrap_or_else(|| "-".into())
 }
 
 /// Ends an API request's measurement when its body is done or dropped (or when the request

@@ -41,8 +41,13 @@ fn preset_help() -> String {
         "Built-in model whose pool kinds are sized: {} (docs/SIZING.md: deepseek-v3.2 is the \
          incident's MLA latent and indexer pools as its operators wrote them; deepseek-v4-* \
          DeepSeek-V4's seven state kinds)",
-        strata_mem::PRESETS.join(", ")
+        preset_names()
     )
+}
+
+/// Every preset the planner knows, comma-separated (help texts).
+pub(crate) fn preset_names() -> String {
+    strata_mem::PRESETS.join(", ")
 }
 
 /// How the K/V pools store their values (the llama family's; other models' state kinds keep

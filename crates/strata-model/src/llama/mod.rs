@@ -632,7 +632,7 @@ impl Model {
             dtype => attn::Plane::Packed {
                 bytes,
                 dtype,
-                row: self.pool_kind().plane_bytes_per_token,
+                row: pool.layout().kinds()[self.kind].plane_bytes_per_token,
             },
         }
     }

@@ -17,7 +17,7 @@ use strata_sim::trace::TraceRequest;
 fn preset_help() -> String {
     format!(
         "Or a preset, as `strata plan --model-preset` takes it: {}",
-        strata_mem::PRESETS.join(", ")
+        crate::sizing::preset_names()
     )
 }
 
