@@ -73,20 +73,7 @@ impl HashNamespace {
     pub fn new(model_id: &str, layout: &PageLayout) -> HashNamespace {
         let mut h = blake3::Hasher::new_derive_key("strata 2026 page hash namespace v1");
         put_str(&mut h, model_id);
-        h.update(&(layout.page_size() as u64).to_le_bytes());
-        h.update(&(layout.kinds().len() as u64).to_le_bytes());
-        for k in layout.kinds() {
-            put_str(&mut h, &k.name);
-            for v in [k.layers, k.planes, k.plane_bytes_per_token] {
-                h.update(&(v as u64).to_le_bytes());
-            }
-            // A window kind changes the blob's order (main chunks first): its own namespace.
-            // Main kinds add nothing, so the hashes of layouts without windows are unchanged.
-            if let Some(w) = k.window {
-                h.update(b"window");
-                h.update(&(w as u64).to_le_bytes());
-            }
-        }
+        layout.hash_into(&mut h);
         HashNamespace {
             key: *h.finalize().as_bytes(),
         }
@@ -187,6 +174,30 @@ mod tests {
         assert_ne!(
             a.page_hash(PageHash::ROOT, &t),
             c.page_hash(PageHash::ROOT, &t)
+        );
+    }
+
+    #[test]
+    fn a_stored_dtype_is_its_own_namespace_even_at_equal_sizes() {
+        use crate::dtype::Dtype;
+        let of = |d| PageLayout::new(4, vec![PoolKind::kv_of("kv", 2, 1, 32, d).unwrap()]);
+        let (f16, bf16, q8) = (
+            of(Dtype::F16).unwrap(),
+            of(Dtype::Bf16).unwrap(),
+            of(Dtype::Q8_0).unwrap(),
+        );
+        assert_eq!(f16.page_bytes(), bf16.page_bytes());
+        let t = [1, 2, 3, 4];
+        let h = |l: &PageLayout| HashNamespace::new("m", l).page_hash(PageHash::ROOT, &t);
+        assert_ne!(h(&f16), h(&bf16));
+        assert_ne!(h(&f16), h(&q8));
+        assert_ne!(f16.tag(), bf16.tag());
+        // A kind of no stated dtype keeps the hashes it always had.
+        let plain = PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 32, 2)]).unwrap();
+        assert_ne!(h(&plain), h(&f16));
+        assert_eq!(
+            plain.kinds()[0].bytes_per_token(),
+            f16.kinds()[0].bytes_per_token()
         );
     }
 

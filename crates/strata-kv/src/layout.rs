@@ -17,6 +17,8 @@
 
 use thiserror::Error;
 
+use crate::dtype::Dtype;
+
 /// A layout that cannot be built.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum LayoutError {
@@ -47,6 +49,11 @@ pub struct PoolKind {
     /// `Some(w)`: a continuation at position `P` reads this kind only for positions in
     /// `[P − w, P)` (a window kind); `None`: for the whole prefix (a main kind).
     pub window: Option<usize>,
+    /// `Some(d)`: every value is stored as `d`, a choice of the deployment (K/V as
+    /// `--kv-cache-dtype`), part of the kind's identity: page hashes, L3 page headers and
+    /// KV-transfer handshakes differ between dtypes, so a page of another dtype is a miss or a
+    /// refusal, never misread. `None`: bytes whose type the model alone defines.
+    pub dtype: Option<Dtype>,
 }
 
 /// A pool kind's class: which page space of a tier holds it.
@@ -71,7 +78,31 @@ impl PoolKind {
             planes: 2,
             plane_bytes_per_token: kv_heads * head_dim * dtype_bytes,
             window: None,
+            dtype: None,
         }
+    }
+
+    /// Attention KV stored as `dtype`: K and V planes of `kv_heads × head_dim` values per
+    /// token per layer; None when a head does not hold whole blocks of the dtype or the size
+    /// overflows.
+    pub fn kv_of(
+        name: &str,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: Dtype,
+    ) -> Option<Self> {
+        if !head_dim.is_multiple_of(dtype.block()) {
+            return None;
+        }
+        Some(PoolKind {
+            name: name.to_string(),
+            layers,
+            planes: 2,
+            plane_bytes_per_token: dtype.bytes_of(kv_heads.checked_mul(head_dim)?)?,
+            window: None,
+            dtype: Some(dtype),
+        })
     }
 
     /// A one-plane auxiliary state (e.g. a sparse-attention indexer) of `bytes` per token per layer.
@@ -82,6 +113,7 @@ impl PoolKind {
             planes: 1,
             plane_bytes_per_token: bytes,
             window: None,
+            dtype: None,
         }
     }
 
@@ -195,6 +227,46 @@ impl PageLayout {
 
     pub fn kinds(&self) -> &[PoolKind] {
         &self.kinds
+    }
+
+    /// 16 bytes naming this layout (page size, kinds, their dtypes), without the model: what
+    /// every L3 page header carries, so a page written for another layout is told apart from
+    /// ours.
+    pub fn tag(&self) -> [u8; 16] {
+        let mut h = blake3::Hasher::new_derive_key("strata 2026 page layout v1");
+        self.hash_into(&mut h);
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+        out
+    }
+
+    /// The page size and every kind (name, shape, window, stored dtype) into `h`: what makes
+    /// two layouts' pages interchangeable (the page-hash namespace and the tag hash this).
+    pub(crate) fn hash_into(&self, h: &mut blake3::Hasher) {
+        let put_str = |h: &mut blake3::Hasher, s: &str| {
+            h.update(&(s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        };
+        h.update(&(self.page_size as u64).to_le_bytes());
+        h.update(&(self.kinds.len() as u64).to_le_bytes());
+        for k in &self.kinds {
+            put_str(h, &k.name);
+            for v in [k.layers, k.planes, k.plane_bytes_per_token] {
+                h.update(&(v as u64).to_le_bytes());
+            }
+            // A window kind changes the blob's order (main chunks first): its own namespace.
+            // Main kinds add nothing, so the hashes of layouts without windows are unchanged.
+            if let Some(w) = k.window {
+                h.update(b"window");
+                h.update(&(w as u64).to_le_bytes());
+            }
+            // A stored dtype (quantized K/V) is what the bytes mean: pages of another dtype
+            // never share a hash, even where the sizes agree (f16 and bf16).
+            if let Some(d) = k.dtype {
+                h.update(b"dtype");
+                put_str(h, d.name());
+            }
+        }
     }
 
     /// Every chunk of one page, in host (page-first) order.

@@ -127,6 +127,8 @@ impl KindSpec {
                 Needed::Prefix => None,
                 Needed::Window(n) => Some(n),
             },
+            // Sizing only: the loaded model's layout names the dtype its pages hold.
+            dtype: None,
         })
     }
 

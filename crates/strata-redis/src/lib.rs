@@ -1,11 +1,12 @@
 //! `strata-redis`: an L3 [`Storage`] on Redis, shared by every worker that points at it.
 //!
-//! Pages are keyed `strata:v2:{namespace}:{key tag}:{page hash}` (the namespace: model id,
-//! page size and layout, so foreign pages never match; the key tag: derived from the page MAC
-//! key, so deployments with different cluster keys sharing one Redis never meet, and neither
-//! deletes the other's pages as corrupt) and stored in the shared page format (header with
-//! format version, length, BLAKE3 checksum and the page hash): a corrupt or foreign value is a
-//! miss, counted and deleted, never used. Every operation is bounded by a timeout; batches go
+//! Pages are keyed `strata:v3:{namespace}:{key tag}:{page hash}` (the namespace: model id,
+//! page size, layout and K/V dtype, so foreign pages never match; the key tag: derived from the
+//! page MAC key and the layout tag, so deployments with different cluster keys sharing one
+//! Redis never meet, and neither deletes the other's pages as corrupt) and stored in the
+//! shared page format (header with format version, length, keyed MAC, the page hash and the
+//! layout tag): a corrupt, foreign or other-layout value is a miss, counted and deleted, never
+//! used. Every operation is bounded by a timeout; batches go
 //! in one pipelined round trip; an optional TTL lets Redis expire pages; Redis' own eviction
 //! (maxmemory) is simply a miss here. The connection reconnects by itself with backoff
 //! (redis' `ConnectionManager`); while Redis is down, operations fail fast as errors (counted)
@@ -207,11 +208,9 @@ impl RedisStorage {
             rt: OwnRuntime(Some(rt)),
             backend,
             prefix: format!(
-                "strata:v2:{}:{}:",
+                "strata:v3:{}:{}:",
                 cfg.namespace,
-                strata_kv::auth::hex(
-                    &blake3::derive_key("strata redis key tag", &cfg.page_key.0)[..6]
-                )
+                strata_kv::auth::hex(&cfg.page_key.id()[..6])
             ),
             ttl: cfg.ttl,
             timeout,
@@ -370,7 +369,7 @@ impl RedisStorage {
         }
         tracing::warn!(
             pages = bad.len(),
-            "corrupt or foreign L3 values dropped from Redis"
+            "corrupt, foreign or other-layout L3 values dropped from Redis"
         );
         let _ = self.batch(bad.iter().map(|h| self.op(h, "DEL")).collect());
     }
@@ -381,9 +380,11 @@ impl RedisStorage {
             // GETRANGE of a missing key is empty; a page is never empty.
             redis::Value::BulkString(b) if b.is_empty() => Ok(Read::Miss),
             redis::Value::BulkString(b) if b.len() as u64 > self.max_value => Ok(Read::Bad),
-            redis::Value::BulkString(b) => {
-                Ok(blob::decode(&self.key, h, &b).map_or(Read::Bad, Read::Page))
-            }
+            redis::Value::BulkString(b) => Ok(match blob::decode(&self.key, h, &b) {
+                Ok(p) => Read::Page(p),
+                Err(blob::Refused::Damaged) => Read::Bad,
+                Err(blob::Refused::OtherLayout) => Read::OtherLayout,
+            }),
             redis::Value::Nil => Ok(Read::Miss),
             redis::Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(Read::Bad),
             redis::Value::ServerError(e) => Err(unavailable(format!(
@@ -401,6 +402,8 @@ enum Read {
     Page(Vec<u8>),
     Miss,
     Bad,
+    /// An intact page written for another page layout (page size, kinds or K/V dtype).
+    OtherLayout,
 }
 
 /// A reply that is not what the command answers on success: its server error, or what it was.
@@ -486,6 +489,11 @@ impl Storage for RedisStorage {
                     Read::Miss => Ok(None),
                     Read::Bad => {
                         self.count(|s| s.corrupt += 1);
+                        bad.push(*h);
+                        Ok(None)
+                    }
+                    Read::OtherLayout => {
+                        self.count(|s| s.other_layout += 1);
                         bad.push(*h);
                         Ok(None)
                     }

@@ -171,6 +171,7 @@ fn l3(t: &mut Text, st: &AppState) {
         let unavailable = x.errors - x.timeouts.min(x.errors);
         for (kind, v) in [
             ("corrupt", x.corrupt),
+            ("layout", x.other_layout),
             ("timeout", x.timeouts),
             ("unavailable", unavailable),
         ] {

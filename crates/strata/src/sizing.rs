@@ -66,7 +66,8 @@ pub struct KvDtypeArgs {
     pub cache_type_v: Option<Dtype>,
 }
 
-fn kv_dtype(s: &str) -> Result<Dtype, String> {
+/// A K/V dtype flag's value (one of [`Dtype::KV`]).
+pub fn kv_dtype(s: &str) -> Result<Dtype, String> {
     Dtype::parse_kv(s).ok_or_else(|| {
         let known: Vec<&str> = Dtype::KV.iter().map(|d| d.name()).collect();
         format!("`{s}`: expected one of {}", known.join(", "))

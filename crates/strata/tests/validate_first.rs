@@ -46,12 +46,12 @@ fn every_kv_check_comes_before_the_pools() {
             vec!["--kv-port", &port],
             "cannot listen for KV transfers on 127.0.0.1:",
         ),
-        // Quantized K/V is planned, not stored yet: refused, never accepted and ignored.
+        // K and V in different dtypes is planned, not served: refused, never accepted and
+        // ignored.
         (
-            vec!["--kv-cache-dtype", "q8_0"],
-            "--kv-cache-dtype q8_0 (K) / q8_0 (V): this build stores K/V in f16 only",
+            vec!["--cache-type-v", "fp8_e4m3"],
+            "--cache-type-k f16 / --cache-type-v fp8_e4m3: a worker stores K and V in one dtype",
         ),
-        (vec!["--cache-type-v", "fp8_e4m3"], "f16 (K) / fp8_e4m3 (V)"),
         (
             vec!["--kv-cache-dtype", "q4_0"],
             "expected one of f16, q8_0, fp8_e4m3",

@@ -234,13 +234,16 @@ impl Storage for DiskStorage {
             }
         };
         match blob::decode(&self.key, h, &bytes) {
-            Some(payload) => {
+            Ok(payload) => {
                 self.index().touch(*h, bytes.len() as u64);
                 self.count(|s| s.hits += 1);
                 Ok(Some(payload))
             }
-            None => {
-                self.count(|s| s.corrupt += 1);
+            Err(why) => {
+                self.count(|s| match why {
+                    blob::Refused::Damaged => s.corrupt += 1,
+                    blob::Refused::OtherLayout => s.other_layout += 1,
+                });
                 self.index().remove(h);
                 let _ = fs::remove_file(&p);
                 Ok(None)

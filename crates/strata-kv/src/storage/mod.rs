@@ -45,6 +45,9 @@ pub struct StorageStats {
     pub evictions: u64,
     /// Entries found corrupt or truncated (each was treated as a miss and removed).
     pub corrupt: u64,
+    /// Intact entries written for another page layout: another page size, pool kinds or K/V
+    /// dtype (each was treated as a miss and removed).
+    pub other_layout: u64,
     /// Failed operations.
     pub errors: u64,
     /// Operations that ran past their time limit (also counted in `errors`).
@@ -202,6 +205,7 @@ impl Storage for Chain {
             s.puts += x.puts;
             s.evictions += x.evictions;
             s.corrupt += x.corrupt;
+            s.other_layout += x.other_layout;
             s.errors += x.errors;
             s.timeouts += x.timeouts;
         }

@@ -212,7 +212,9 @@ fn kv_dtype_decision(req: &PlanRequest, decided: &mut Vec<Decision>) {
         by: format!(
             "--kv-cache-dtype / --cache-type-k / --cache-type-v: {stored}: {now} bytes per token \
              (whole model, one rank) where f16 takes {f16}: {:.2}× the tokens per byte in every \
-             tier",
+             tier; pages record it (a page of another dtype in L3 is a miss) and prefill and \
+             decode workers must use the same one (a KV transfer between dtypes is refused at \
+             its handshake; `strata up` sets one for the deployment)",
             f16 as f64 / now.max(1) as f64
         ),
     });

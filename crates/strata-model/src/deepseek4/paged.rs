@@ -90,6 +90,7 @@ impl Dsv4 {
             planes,
             plane_bytes_per_token: bytes,
             window,
+            dtype: None,
         };
         // Window kinds and what a continuation at P reads of them (docs/DSV4-FORWARD.md §11):
         // the raw K of [P + 1 − window, P]; a 4-block's rows from 4 tokens before it (7 before

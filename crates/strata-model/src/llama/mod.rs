@@ -115,14 +115,15 @@ impl Model {
     /// The KV pool kind this model computes into: K and V per layer of its KV heads in its
     /// K/V dtype (`kv`; a tensor-parallel rank's `kv.tpR`).
     pub fn pool_kind(&self) -> PoolKind {
-        let kvd = self.config.kv_heads * self.config.head_dim;
-        PoolKind {
-            name: self.kind_name.clone(),
-            layers: self.config.layers,
-            planes: 2,
-            plane_bytes_per_token: self.kv_dtype.bytes_of(kvd).expect("checked when set"),
-            window: None,
-        }
+        let c = &self.config;
+        PoolKind::kv_of(
+            &self.kind_name,
+            c.layers,
+            c.kv_heads,
+            c.head_dim,
+            self.kv_dtype,
+        )
+        .expect("checked when set")
     }
 
     /// Stores K and V as `dtype` from now on (before any page is written): `f16`, `q8_0` or

@@ -197,13 +197,9 @@ impl crate::Runtime for TpModel {
     }
     fn wire_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         let c = &self.config;
-        Ok(vec![PoolKind {
-            name: "kv".into(),
-            layers: c.layers,
-            planes: 2,
-            plane_bytes_per_token: c.kv_heads * self.head_bytes(),
-            window: None,
-        }])
+        let d = self.models[0].kv_dtype();
+        let kind = PoolKind::kv_of("kv", c.layers, c.kv_heads, c.head_dim, d);
+        Ok(vec![kind.expect("checked when set")])
     }
     fn page_to_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
         TpModel::page_to_wire(self, ps, blob).map(Some)

@@ -97,7 +97,8 @@ pub(super) fn build_cache(
         .cluster_key
         .as_ref()
         .map(strata_kv::storage::blob::BlobKey::from_cluster)
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .for_layout(&layout);
     let (storage, l3_unavailable) = l3_storage(a, &ns, blob_key, layout.page_bytes() as u64)?;
     let l3 = L3 {
         tier: storage.as_ref().map(|s| s.tier()).unwrap_or("disk").into(),

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use strata_kv::auth::ClusterKey;
-use strata_kv::dtype::Dtype;
 use strata_kv::units::parse_size;
 use strata_kv::{EvictionPolicy, PageLayout};
 use strata_mem::Plan;
@@ -80,11 +79,11 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         bail!("--tp-size 0: expected at least 1 rank");
     }
     let (k, v) = a.sizing.kv_dtype.kv();
-    if (k, v) != (Dtype::F16, Dtype::F16) {
+    if k != v {
         bail!(
-            "--kv-cache-dtype {k} (K) / {v} (V): this build stores K/V in f16 only (the \
-             attention kernels that read quantized pages are not built yet); \
-             `strata plan --kv-cache-dtype {k}` shows what the pools would hold"
+            "--cache-type-k {k} / --cache-type-v {v}: a worker stores K and V in one dtype \
+             (give --kv-cache-dtype alone); `strata plan --cache-type-k {k} --cache-type-v {v}` \
+             shows what the pools would hold"
         );
     }
     if a.threads == 0 {

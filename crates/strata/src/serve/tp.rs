@@ -112,7 +112,7 @@ pub fn load_model(
             threads: (threads / tp).max(1),
             quantized_decode,
             ranks: ranks.clone(),
-            // f16 until pages record their dtype (checks.rs refuses the others).
+            // K and V in one dtype (checks.rs refused the others).
             kv_dtype: sizing.kv_dtype.kv().0,
         },
     )?;

@@ -47,6 +47,10 @@ pub struct UpArgs {
     /// Seconds to wait for every process to become healthy.
     #[arg(long, default_value_t = 300.0)]
     pub startup_timeout: f64,
+    /// How every worker stores K/V (overrides the file's `kv_cache_dtype`): f16, q8_0 or
+    /// fp8_e4m3. One for the deployment: a KV transfer between dtypes is refused.
+    #[arg(long, value_parser = crate::sizing::kv_dtype)]
+    pub kv_cache_dtype: Option<strata_kv::dtype::Dtype>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -56,6 +60,9 @@ struct Deployment {
     host: String,
     #[serde(default)]
     model: String,
+    /// How every worker stores K/V (`--kv-cache-dtype`): one dtype for the deployment.
+    #[serde(default = "f16")]
+    kv_cache_dtype: String,
     #[serde(default = "yes")]
     smoke_test: bool,
     /// The cluster key file every process gets; default: `cluster.key` in the state
@@ -96,6 +103,9 @@ struct WorkerSpec {
 
 fn localhost() -> String {
     "127.0.0.1".into()
+}
+fn f16() -> String {
+    "f16".into()
 }
 fn yes() -> bool {
     true
@@ -190,9 +200,34 @@ fn load_deployment(a: &UpArgs) -> Result<Deployment> {
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or("the embedded deployment".into());
-    let d: Deployment = toml::from_str(&text).with_context(|| what.clone())?;
+    let mut d: Deployment = toml::from_str(&text).with_context(|| what.clone())?;
     if d.decode.is_empty() {
         bail!("{what}: at least one [[decode]] worker is needed");
+    }
+    if let Some(dt) = a.kv_cache_dtype {
+        d.kv_cache_dtype = dt.name().into();
+    }
+    if strata_kv::dtype::Dtype::parse_kv(&d.kv_cache_dtype).is_none() {
+        bail!(
+            "{what}: kv_cache_dtype `{}`: expected one of f16, q8_0, fp8_e4m3",
+            d.kv_cache_dtype
+        );
+    }
+    // Prefill and decode must store K/V alike (a transfer between dtypes is refused at its
+    // handshake): the dtype is the deployment's, never one worker's.
+    for (who, args) in d.worker_args() {
+        let dtype_flag = ["--kv-cache-dtype", "--cache-type-k", "--cache-type-v"]
+            .into_iter()
+            .find(|f| {
+                args.iter()
+                    .any(|a| a == f || a.starts_with(&format!("{f}=")))
+            });
+        if let Some(f) = dtype_flag {
+            bail!(
+                "{what}: {who}'s args give {f}: set kv_cache_dtype once for the deployment \
+                 (prefill and decode workers must store K/V alike)"
+            );
+        }
     }
     let ports = d.ports();
     for (i, (who, p)) in ports.iter().enumerate() {
@@ -204,6 +239,17 @@ fn load_deployment(a: &UpArgs) -> Result<Deployment> {
 }
 
 impl Deployment {
+    /// Every worker's name and its own args.
+    fn worker_args(&self) -> Vec<(String, &[String])> {
+        let mut v = Vec::new();
+        for (role, list) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, w) in list.iter().enumerate() {
+                v.push((format!("{role}-{i}"), w.args.as_slice()));
+            }
+        }
+        v
+    }
+
     /// Every process's name and port (0: any free one).
     fn ports(&self) -> Vec<(String, u16)> {
         let mut v = vec![("router".to_string(), self.router.port)];
@@ -250,6 +296,8 @@ impl WorkerCtx<'_> {
             d.host.clone(),
             "--cluster-key-file".into(),
             self.key.clone(),
+            "--kv-cache-dtype".into(),
+            d.kv_cache_dtype.clone(),
         ];
         // Every worker of `strata up` is on this machine: an unspecified listen address is
         // reached through loopback.
