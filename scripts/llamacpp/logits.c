@@ -1,7 +1,9 @@
 // Reference logits from llama.cpp for Strata's tiny test models (scripts/llamacpp/reference.py
 // builds and runs this against llama.cpp's libllama; nothing of llama.cpp is committed).
 //
-// usage: logits MODEL.gguf PROMPTS.tsv [THREADS] > out.jsonl
+// usage: logits MODEL.gguf PROMPTS.tsv [THREADS [KV]] > out.jsonl
+// KV: f32 (default) or q8_0 (K and V caches as q8_0, which llama.cpp stores only with flash
+// attention: -ctk q8_0 -ctv q8_0 -fa on).
 // PROMPTS.tsv: one prompt a line: name <TAB> positions <TAB> decode steps <TAB> token ids
 // (positions: comma-separated prompt positions whose whole logits are printed; the argmax of
 // every position, its runner-up and the gap between them are printed). After the prompt, `decode steps` greedy tokens are decoded one
@@ -51,11 +53,16 @@ static int runner_up(const float * l, int n, int best) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 3 && argc != 4) {
-        fprintf(stderr, "usage: %s MODEL.gguf PROMPTS.tsv [THREADS]\n", argv[0]);
+    if (argc < 3 || argc > 5) {
+        fprintf(stderr, "usage: %s MODEL.gguf PROMPTS.tsv [THREADS [f32|q8_0]]\n", argv[0]);
         return 2;
     }
-    const int threads = argc == 4 ? atoi(argv[3]) : 2;
+    const int threads = argc >= 4 ? atoi(argv[3]) : 2;
+    const int q8_kv = argc == 5 && strcmp(argv[4], "q8_0") == 0;
+    if (argc == 5 && !q8_kv && strcmp(argv[4], "f32") != 0) {
+        fprintf(stderr, "KV type %s: expected f32 or q8_0\n", argv[4]);
+        return 2;
+    }
     llama_log_set(quiet, NULL);
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
@@ -73,9 +80,9 @@ int main(int argc, char ** argv) {
     cp.n_seq_max = 1;
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
-    cp.type_k = GGML_TYPE_F32;
-    cp.type_v = GGML_TYPE_F32;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k = q8_kv ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
+    cp.type_v = q8_kv ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
+    cp.flash_attn_type = q8_kv ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     struct llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         fprintf(stderr, "cannot create a context\n");

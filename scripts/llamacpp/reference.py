@@ -13,11 +13,18 @@ crates/strata-model/tests/fixtures/tiny_{llama,llama3,qwen2,qwen3,mistral,dsv4}_
 3. Runs it on prompts whose lengths cross the pages (16 tokens), DeepSeek-V4's 32-token window
    and its 4- and 128-token compression blocks, with greedy decode steps after each, F32 K/V
    caches, no flash attention.
+   (`--kv q8_0`: q8_0 K/V caches with flash attention, as `-ctk q8_0 -ctv q8_0 -fa on`).
 4. Runs it again with 1 thread and checks the output is the same (the values do not depend on
    threads).
 
 python3 scripts/llamacpp/reference.py --arch deepseek4 --llama-cpp /path/to/llama-cpp-python-0.3.36/vendor/llama.cpp
 python3 scripts/llamacpp/reference.py --arch llama --llama-cpp (the same)   # also llama3, qwen2, qwen3, mistral
+
+With `--kv q8_0` the K and V caches are q8_0 (llama.cpp's `-ctk q8_0 -ctv q8_0`, which needs
+flash attention: on) and the fixture is tiny_{arch}_q8kv_logits.json; for the families whose KV
+heads hold whole 32-value blocks (qwen3, llama-h32):
+
+python3 scripts/llamacpp/reference.py --arch qwen3 --kv q8_0 --llama-cpp (the same)
 """
 
 import argparse
@@ -33,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FIXTURES = {"llama": "tiny_llama_logits.json", "llama3": "tiny_llama3_logits.json",
             "qwen2": "tiny_qwen2_logits.json", "qwen3": "tiny_qwen3_logits.json",
             "mistral": "tiny_mistral_logits.json",
-            "deepseek4": "tiny_dsv4_logits.json"}
+            "deepseek4": "tiny_dsv4_logits.json", "llama-h32": "tiny_llama-h32_logits.json"}
 
 # (name, length, decode steps): lengths before, on and after the window (32) and the 4- and
 # 128-token block boundaries, and past two 128-blocks with more than top-k (8) 4-blocks.
@@ -48,9 +55,13 @@ def main():
     p.add_argument("--llama-cpp", required=True, help="llama.cpp source tree with build/bin")
     p.add_argument("--sdist", default="llama-cpp-python 0.3.36")
     p.add_argument("--arch", choices=sorted(FIXTURES), required=True)
+    p.add_argument("--kv", choices=["f32", "q8_0"], default="f32")
     p.add_argument("--out")
     a = p.parse_args()
-    out_path = a.out or os.path.join(ROOT, "crates/strata-model/tests/fixtures", FIXTURES[a.arch])
+    name = FIXTURES[a.arch]
+    if a.kv == "q8_0":
+        name = name.replace("_logits.json", "_q8kv_logits.json")
+    out_path = a.out or os.path.join(ROOT, "crates/strata-model/tests/fixtures", name)
     lib = os.path.join(a.llama_cpp, "build", "bin")
     commit = subprocess.run(["git", "-C", a.llama_cpp, "rev-parse", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "unknown"
@@ -73,8 +84,9 @@ def main():
                 prompts.append((name, toks))
                 keep = ",".join(str(x) for x in POSITIONS + [n - 1] if x < n)
                 f.write(f"{name}\t{keep}\t{steps}\t{' '.join(map(str, toks))}\n")
-        out = subprocess.run([exe, model, tsv], capture_output=True, text=True, check=True).stdout
-        again = subprocess.run([exe, model, tsv, "1"], capture_output=True, text=True,
+        out = subprocess.run([exe, model, tsv, "2", a.kv], capture_output=True, text=True,
+                             check=True).stdout
+        again = subprocess.run([exe, model, tsv, "1", a.kv], capture_output=True, text=True,
                                check=True).stdout
         if again != out:
             sys.exit("llama.cpp's logits differ between 2 threads and 1")
@@ -85,8 +97,9 @@ def main():
     fixture = {
         "about": f"llama.cpp's logits for the tiny {a.arch} model (scripts/llamacpp/reference.py)",
         "llama_cpp": {"source": a.sdist + " sdist, vendor/llama.cpp", "commit": commit,
-                      "settings": "F32 K/V cache, flash attention off, one batch per prompt, "
-                                  "then one token per decode step"},
+                      "settings": ("F32 K/V cache, flash attention off" if a.kv == "f32" else
+                                   "Q8_0 K and V caches (-ctk q8_0 -ctv q8_0), flash attention on")
+                                  + ", one batch per prompt, then one token per decode step"},
         "model_sha256": sha,
         "prompts": rows,
     }

@@ -1,5 +1,5 @@
 //! Writes a tiny test model to the path given: `cargo run -p strata-model --example write_tiny
-//! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `qwen2`, `qwen3`, `mistral`
+//! -- ARCH OUT.gguf` with ARCH `llama`, `llama3`, `llama-h32`, `qwen2`, `qwen3`, `mistral`
 //! (`TinySpec::family`) or `deepseek4` (`TinyDsv4Spec::default()`), or a tokenizer file
 //! `tok-PRE` (PRE: smollm, gpt-2, llama-bpe, qwen2, deepseek-v3, spm); scripts/llamacpp/reference.py and tokens.py run llama.cpp
 //! on them.
@@ -12,7 +12,9 @@ use strata_model::tiny::{write_tiny, TinySpec};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [arch, out] = args.as_slice() else {
-        eprintln!("usage: write_tiny llama|llama3|qwen2|qwen3|mistral|deepseek4 OUT.gguf");
+        eprintln!(
+            "usage: write_tiny llama|llama3|llama-h32|qwen2|qwen3|mistral|deepseek4 OUT.gguf"
+        );
         std::process::exit(2);
     };
     let out = Path::new(out);
@@ -21,7 +23,7 @@ fn main() {
         (_, Some(spec)) => write_tiny(out, &spec),
         (a, None) => {
             eprintln!(
-                "unknown architecture `{a}`: llama, llama3, qwen2, qwen3, mistral or deepseek4"
+                "unknown architecture `{a}`: llama, llama3, llama-h32, qwen2, qwen3, mistral or deepseek4"
             );
             std::process::exit(2);
         }

@@ -8,6 +8,11 @@
 //! head a tile's query vectors (rows × query heads of the group) share every K/V block: scores
 //! `Q·Kᵀ` and the update `O += P·V` are register-blocked micro-kernels ([`QB`] query vectors ×
 //! 16 lanes), AVX2+FMA where the build has them, portable loops otherwise.
+//!
+//! K stored as q8_0 is dotted with queries rounded to q8_0 as well, as ggml does (its q8_0 dot
+//! product takes both sides in blocks of 32 signed bytes and a scale): Strata's logits then
+//! follow llama.cpp's `-ctk q8_0` to within f32 rounding instead of within one more rounding
+//! of every query. The rounded query is decoded to f32, so the kernels stay the f32 ones.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -51,6 +56,17 @@ pub enum Plane<'a> {
 }
 
 impl Plane<'_> {
+    /// The dtype queries are rounded to before their dot products with this (K) plane: q8_0
+    /// for a q8_0 plane, as ggml's `vec_dot_q8_0_q8_0` takes them; none otherwise.
+    fn query_rounding(&self) -> Option<Dtype> {
+        match *self {
+            Plane::Packed {
+                dtype: Dtype::Q8_0, ..
+            } => Some(Dtype::Q8_0),
+            _ => None,
+        }
+    }
+
     /// Values `from..from + out.len()` of slot `slot` (page × page size + offset) whose rows
     /// hold `kvd` values, in f32 (`from` and the length whole blocks of the dtype).
     #[inline]
@@ -76,6 +92,17 @@ pub struct SeqKv {
     /// `[position][kv_head * head_dim]`.
     v: Vec<f32>,
     blocks: usize,
+    /// Queries are rounded to this dtype before their K dot products ([`Plane`]).
+    q_round: Option<Dtype>,
+}
+
+/// `x` rounded to `dtype` and back, in place (a head's query: whole blocks of the dtype).
+#[inline]
+fn round_trip(dtype: Option<Dtype>, x: &mut [f32], buf: &mut Vec<u8>) {
+    let Some(d) = dtype else { return };
+    buf.resize(d.bytes_of(x.len()).expect("whole blocks"), 0);
+    crate::kvcodec::encode(d, x, buf);
+    crate::kvcodec::decode(d, buf, x);
 }
 
 impl SeqKv {
@@ -98,7 +125,12 @@ impl SeqKv {
             }
             vp.read(slot, kvd, 0, &mut v[t * kvd..(t + 1) * kvd]);
         }
-        SeqKv { kt, v, blocks }
+        SeqKv {
+            kt,
+            v,
+            blocks,
+            q_round: kp.query_rounding(),
+        }
     }
 }
 
@@ -114,7 +146,7 @@ pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32],
     let mut l = vec![0f32; nq];
     let mut o = vec![0f32; nq * hd];
     for g in 0..shape.kv_heads {
-        scaled_queries(shape, g, q, scale, &mut qb);
+        scaled_queries(shape, g, q, scale, kv.q_round, &mut qb);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         o.fill(0.0);
@@ -136,18 +168,28 @@ pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32],
     }
 }
 
-/// Query vectors of KV head `g` from the tile's rows `q`, scaled, into `qb`: index
-/// r * group + j.
+/// Query vectors of KV head `g` from the tile's rows `q`, rounded to `round` (a q8_0 K) and
+/// scaled, into `qb`: index r * group + j.
 #[inline]
-fn scaled_queries(shape: Shape, g: usize, q: &[f32], scale: f32, qb: &mut [f32]) {
+fn scaled_queries(
+    shape: Shape,
+    g: usize,
+    q: &[f32],
+    scale: f32,
+    round: Option<Dtype>,
+    qb: &mut [f32],
+) {
     let (hd, group) = (shape.head_dim, shape.group());
     let h = shape.heads * hd;
+    let mut buf = Vec::new();
     for (r, qr) in q.chunks_exact(h).enumerate() {
         for j in 0..group {
             let src = &qr[(g * group + j) * hd..(g * group + j + 1) * hd];
             let dst = &mut qb[(r * group + j) * hd..(r * group + j + 1) * hd];
-            for (d, &x) in dst.iter_mut().zip(src) {
-                *d = x * scale;
+            dst.copy_from_slice(src);
+            round_trip(round, dst, &mut buf);
+            for d in dst.iter_mut() {
+                *d *= scale;
             }
         }
     }
@@ -251,7 +293,13 @@ pub fn row(
     let mut s = vec![0f32; group * KB];
     let mut o = vec![0f32; group * hd];
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
+    // The group's queries, rounded as the K plane asks (a q8_0 K: to q8_0).
+    let (mut qg, mut buf) = (vec![0f32; group * hd], Vec::new());
     for g in 0..shape.kv_heads {
+        qg.copy_from_slice(&q[g * group * hd..(g + 1) * group * hd]);
+        for qh in qg.chunks_exact_mut(hd) {
+            round_trip(kp.query_rounding(), qh, &mut buf);
+        }
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         o.fill(0.0);
@@ -265,7 +313,7 @@ pub fn row(
                 vp.read(slot, kvd, g * hd, &mut vb[b * hd..(b + 1) * hd]);
             }
             for j in 0..group {
-                let qh = &q[(g * group + j) * hd..(g * group + j + 1) * hd];
+                let qh = &qg[j * hd..(j + 1) * hd];
                 let sr = &mut s[j * KB..j * KB + nb];
                 for (b, x) in sr.iter_mut().enumerate() {
                     *x = dot(qh, &kb[b * hd..(b + 1) * hd]) * scale;

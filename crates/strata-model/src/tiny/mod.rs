@@ -49,7 +49,7 @@ impl TinySpec {
     /// The tiny model of a family, by the name `write_tiny` takes: `llama`, `llama3` (RoPE
     /// frequency factors, an output head, base 500000), `qwen2` (Q/K/V biases), `qwen3` (Q/K
     /// norms, head size 32 with 4 heads of a 64-wide embedding), `mistral` (llama with a
-    /// SentencePiece vocabulary).
+    /// SentencePiece vocabulary), `llama-h32` (llama with 2 KV heads of 32 values: q8_0 K/V).
     pub fn family(name: &str) -> Option<TinySpec> {
         let d = TinySpec::default();
         Some(match name {
@@ -68,6 +68,13 @@ impl TinySpec {
                 arch: Arch::Qwen3,
                 head_dim: Some(32),
                 untied_output: true,
+                ..d
+            },
+            // Llama with KV heads of 32 values (a whole q8_0 block each): quantized K/V.
+            "llama-h32" => TinySpec {
+                hidden: 128,
+                heads: 4,
+                kv_heads: 2,
                 ..d
             },
             // Mistral's files: the llama architecture with a SentencePiece vocabulary.
