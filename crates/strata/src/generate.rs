@@ -141,6 +141,10 @@ pub struct BenchArgs {
     /// NUMA node of each rank (one per rank or one for all; ranks on a node split its CPUs).
     #[arg(long, value_delimiter = ',')]
     pub numa_nodes: Vec<u32>,
+    /// How K/V is stored, as `strata serve --kv-cache-dtype` (llama family): f16, q8_0 or
+    /// fp8_e4m3.
+    #[arg(long, default_value = "f16", value_parser = crate::sizing::kv_dtype)]
+    pub kv_cache_dtype: strata_kv::dtype::Dtype,
 }
 
 impl BenchArgs {
@@ -159,7 +163,8 @@ impl BenchArgs {
     fn load(&self, path: &std::path::Path) -> Result<(BenchModel, u64)> {
         let placements = self.placements()?;
         if placements.is_empty() {
-            let (g, m, _tk) = self.model.load_at(path)?;
+            let (g, mut m, _tk) = self.model.load_at(path)?;
+            m.set_kv_dtype(self.kv_cache_dtype)?;
             let (config, weight_bytes) = (m.config.clone(), m.weight_bytes());
             let rt = Box::new(m);
             let bm = BenchModel {
@@ -177,7 +182,8 @@ impl BenchArgs {
             threads_per_rank: (self.model.threads / tp).max(1),
             quantized_decode: !self.model.f32_decode,
         };
-        let m = strata_model::TpModel::load(path, &opts)?;
+        let mut m = strata_model::TpModel::load(path, &opts)?;
+        m.set_kv_dtype(self.kv_cache_dtype)?;
         let (config, weight_bytes) = (m.config().clone(), m.weight_bytes());
         Ok((
             BenchModel {
@@ -193,6 +199,12 @@ impl BenchArgs {
 fn bench(a: BenchArgs) -> Result<()> {
     let path = a.model.path()?;
     if strata_model::GgufHeader::open(&path)?.architecture() == Some("deepseek4") {
+        if a.kv_cache_dtype != strata_kv::dtype::Dtype::F16 {
+            bail!(
+                "--kv-cache-dtype {}: DeepSeek-V4 keeps the dtypes its kinds define",
+                a.kv_cache_dtype
+            );
+        }
         return bench_dsv4(&a, &path);
     }
     let (bm, file) = a.load(&path)?;

@@ -2,7 +2,8 @@
 //! another dtype where a worker looks for its own: an f16 worker sharing the stores with a
 //! q8_0 one never reads the q8_0 pages (other hashes), and q8_0 pages planted under the f16
 //! worker's own hashes, on disk and in Redis, are counted misses
-//! (`strata_l3_errors_total{kind="layout"}`) and the answer equals the cold run's.
+//! (`strata_l3_errors_total{kind="layout"}`) and the answer equals the cold run's; q8_0 pages
+//! read back from disk and from Redis give the same bits.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -76,8 +77,9 @@ struct Worker {
     port: u16,
 }
 
-fn serve(model: &Path, dtype: &str, disk: &Path, redis: &Redis) -> Worker {
-    let args: Vec<String> = [
+/// A worker storing K/V as `dtype`, its L3 the disk tier `disk` (when given) then Redis.
+fn serve(model: &Path, dtype: &str, disk: Option<&Path>, redis: &Redis) -> Worker {
+    let mut args: Vec<String> = [
         "serve",
         "--port",
         "0",
@@ -91,16 +93,16 @@ fn serve(model: &Path, dtype: &str, disk: &Path, redis: &Redis) -> Worker {
         "64MiB",
         "--kv-cache-dtype",
         dtype,
-        "--l3",
-        &format!("disk:{}", disk.display()),
-        "--l3",
-        &redis.url(),
         "--model",
         model.to_str().unwrap(),
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if let Some(d) = disk {
+        args.extend(["--l3".into(), format!("disk:{}", d.display())]);
+    }
+    args.extend(["--l3".into(), redis.url()]);
     let mut proc = Proc::start(env!("CARGO_BIN_EXE_strata"), &args);
     let port = port_after(&proc.wait_for("ready on http://", 60), "ready on http://");
     Worker { _proc: proc, port }
@@ -159,7 +161,7 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
     let redis = Redis::start();
 
     // A q8_0 worker answers and stores pages of q8_0's size.
-    let q8 = serve(&model, "q8_0", &disk, &redis);
+    let q8 = serve(&model, "q8_0", Some(&disk), &redis);
     q8.ask();
     q8.settle();
     drop(q8);
@@ -168,7 +170,7 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
     assert!(!q8_files.is_empty() && !q8_keys.is_empty());
 
     // An f16 worker on the same stores finds none of them (other hashes): a cold run.
-    let f16 = serve(&model, "f16", &disk, &redis);
+    let f16 = serve(&model, "f16", Some(&disk), &redis);
     let (cold, cached) = f16.ask();
     assert_eq!(cached, 0);
     f16.settle();
@@ -211,7 +213,7 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
     }
 
     // The f16 worker again: every planted page is a counted miss, the answer the cold one.
-    let f16 = serve(&model, "f16", &disk, &redis);
+    let f16 = serve(&model, "f16", Some(&disk), &redis);
     let (again, cached) = f16.ask();
     assert_eq!(cached, 0, "a page of another dtype was used");
     assert_eq!(again, cold);
@@ -223,4 +225,14 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
         assert_eq!(sample(&m, &k), 0.0, "{k}");
     }
     drop(f16);
+
+    // The q8_0 pages themselves: a prefix from the disk tier and the same prefix from Redis
+    // alone give the same bits (tokens and log-probabilities).
+    let from_disk = serve(&model, "q8_0", Some(&disk), &redis).ask();
+    let from_redis = serve(&model, "q8_0", None, &redis).ask();
+    assert_eq!(
+        from_disk.1, 192,
+        "the prompt's whole pages but the last token's"
+    );
+    assert_eq!(from_disk, from_redis);
 }

@@ -58,6 +58,10 @@ pub struct CompareArgs {
     /// Bytes the L3 disk tier may use in the disk configuration, with a unit.
     #[arg(long, default_value = "8GiB", help_heading = "Configurations")]
     pub l3_size: String,
+    /// How every worker stores K/V (`--kv-cache-dtype`; under pd the deployment's one):
+    /// f16, q8_0 or fp8_e4m3.
+    #[arg(long, default_value = "f16", value_parser = crate::sizing::kv_dtype, help_heading = "Configurations")]
+    pub kv_cache_dtype: strata_kv::dtype::Dtype,
     /// A flag for every worker (repeat), e.g. `--serve-arg=--threads=2`.
     #[arg(long, allow_hyphen_values = true, help_heading = "Configurations")]
     pub serve_arg: Vec<String>,
@@ -142,7 +146,8 @@ fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deploym
         std::fs::write(
             &toml,
             format!(
-                "host = \"127.0.0.1\"\nsmoke_test = false\n\n[router]\nport = {port}\npolicy = \"cache_aware\"\n\n[[prefill]]\nport = {}\nargs = {}\n\n[[decode]]\nport = {}\nargs = {}\n",
+                "host = \"127.0.0.1\"\nsmoke_test = false\nkv_cache_dtype = \"{}\"\n\n[router]\nport = {port}\npolicy = \"cache_aware\"\n\n[[prefill]]\nport = {}\nargs = {}\n\n[[decode]]\nport = {}\nargs = {}\n",
+                a.kv_cache_dtype,
                 port + 1,
                 q(&worker),
                 port + 2,
@@ -166,6 +171,7 @@ fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deploym
         cmd.args(["serve", "--port", &port.to_string()])
             .arg("--model")
             .arg(model)
+            .args(["--kv-cache-dtype", a.kv_cache_dtype.name()])
             .args(&worker);
         (vec![url.clone()], vec![url.clone()])
     };
@@ -413,6 +419,7 @@ fn write_json(
         "max_tokens": a.w.max_tokens, "device_mem": a.device_mem,
         "hicache_size": a.hicache_size, "model": model.display().to_string(),
         "serve_args": a.serve_arg,
+        "kv_cache_dtype": a.kv_cache_dtype.name(),
         "ratios": ratios,
         "runs": recs.iter().map(|r| json!({
             "configuration": r.cfg.name(), "description": r.cfg.describe(),
