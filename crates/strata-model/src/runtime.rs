@@ -63,7 +63,7 @@ impl Runtime for Model {
         self.config.vocab
     }
     fn pool_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
-        Ok(vec![self.pool_kind()])
+        Ok(Model::pool_kinds(self))
     }
     fn forward_rows(
         &self,
@@ -145,6 +145,9 @@ pub struct LoadOptions {
     /// How the llama family stores K and V ([`Model::set_kv_dtype`]); DeepSeek-V4 keeps its
     /// state kinds in the dtypes it defines and refuses anything but f16.
     pub kv_dtype: strata_kv::dtype::Dtype,
+    /// V's own dtype when it differs from K's (llama.cpp's `-ctv`; [`Model::set_kv_dtypes`]):
+    /// `kv_dtype` is then K's alone.
+    pub v_dtype: Option<strata_kv::dtype::Dtype>,
 }
 
 impl LoadOptions {
@@ -155,6 +158,7 @@ impl LoadOptions {
             quantized_decode: true,
             ranks: Vec::new(),
             kv_dtype: strata_kv::dtype::Dtype::F16,
+            v_dtype: None,
         }
     }
 }
@@ -175,10 +179,11 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
     let tokenizer = ModelTokenizer::from_gguf(&header)?;
     let template = header.chat_template()?;
     let split = opts.ranks.len() > 1 || opts.ranks.iter().any(|r| r.cpus.is_some());
-    let kv = opts.kv_dtype;
-    if header.architecture() == Some("deepseek4") && kv != strata_kv::dtype::Dtype::F16 {
+    let (k, v) = (opts.kv_dtype, opts.v_dtype.unwrap_or(opts.kv_dtype));
+    let f16 = strata_kv::dtype::Dtype::F16;
+    if header.architecture() == Some("deepseek4") && (k, v) != (f16, f16) {
         return Err(ModelError::Unsupported(format!(
-            "K/V dtype {kv} for deepseek4: its state kinds keep the dtypes the model defines"
+            "K/V dtype {k} / {v} for deepseek4: its state kinds keep the dtypes the model defines"
         )));
     }
     let runtime: Box<dyn Runtime> = match header.architecture() {
@@ -197,7 +202,7 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
                     quantized_decode: opts.quantized_decode,
                 },
             )?;
-            m.set_kv_dtype(kv)?;
+            m.set_kv_dtypes(k, v)?;
             Box::new(m)
         }
         _ => {
@@ -206,7 +211,7 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
             let mut m = Model::load(&mut g)?;
             m.set_threads(opts.threads);
             m.set_quantized_decode(opts.quantized_decode);
-            m.set_kv_dtype(kv)?;
+            m.set_kv_dtypes(k, v)?;
             Box::new(m)
         }
     };

@@ -17,6 +17,11 @@ const PAGE: usize = 16;
 
 /// The tiny model with heads of 32 values (a whole Q8_0 block each), loaded with `dtype`.
 fn load_with(dir: &Path, dtype: Dtype, ranks: usize) -> Box<dyn Runtime> {
+    load_kv(dir, dtype, dtype, ranks)
+}
+
+/// The same with K stored as `k` and V as `v`.
+fn load_kv(dir: &Path, k: Dtype, v: Dtype, ranks: usize) -> Box<dyn Runtime> {
     let p = dir.join("tiny.gguf");
     if !p.exists() {
         let spec = TinySpec {
@@ -28,7 +33,7 @@ fn load_with(dir: &Path, dtype: Dtype, ranks: usize) -> Box<dyn Runtime> {
         write_tiny(&p, &spec).unwrap();
     }
     let mut o = LoadOptions::new(1);
-    o.kv_dtype = dtype;
+    (o.kv_dtype, o.v_dtype) = (k, Some(v));
     o.quantized_decode = false;
     if ranks > 1 {
         o.ranks = vec![RankPlacement::default(); ranks];
@@ -163,6 +168,75 @@ fn tp2_pages_cross_in_the_dtype_and_back() {
         assert_eq!(&wire[..layer0], &blobs[0][..layer0], "{dtype}: layer 0");
         assert_eq!(two.page_from_wire(PAGE, &wire).unwrap().unwrap(), blobs[1]);
     }
+}
+
+/// K as q8_0 and V as f16 (llama.cpp's `-ctk q8_0 -ctv f16`): two kinds of one plane each,
+/// logits near f16's, a prefix read back exactly, TP-2 pages crossing to the whole model's
+/// layout and back.
+#[test]
+fn k_and_v_in_different_dtypes_are_two_kinds() {
+    let d = tempfile::tempdir().unwrap();
+    let m = load_kv(d.path(), Dtype::Q8_0, Dtype::F16, 1);
+    let kinds = m.pool_kinds(PAGE).unwrap();
+    let shape: Vec<(&str, usize, usize)> = kinds
+        .iter()
+        .map(|k| (k.name.as_str(), k.planes, k.plane_bytes_per_token))
+        .collect();
+    assert_eq!(shape, [("k", 1, 2 * 34), ("v", 1, 2 * 32 * 2)]);
+    assert_eq!(
+        (kinds[0].dtype, kinds[1].dtype),
+        (Some(Dtype::Q8_0), Some(Dtype::F16))
+    );
+    // Near f16's logits (K alone rounded: no further than both rounded).
+    let f16 = load_with(d.path(), Dtype::F16, 1);
+    let toks = prompt(45);
+    let want = run(&*f16, &pool(&*f16, 4), &toks, 0, &[0, 1, 2]);
+    let got = run(&*m, &pool(&*m, 4), &toks, 0, &[0, 1, 2]);
+    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let err = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale;
+    assert!(err > 0.0 && err < 0.10, "{err}");
+    // A prefix read back through the host layout: the recomputed bits.
+    let pool = pool(&*m, 8);
+    run(&*m, &pool, &toks[..32], 0, &[0, 1, 2]);
+    let want = run(&*m, &pool, &toks[32..], 32, &[0, 1, 2]);
+    let mut blob = vec![0u8; pool.layout().page_bytes()];
+    for (from, to) in [(0, 4), (1, 5)] {
+        pool.read_page_host_layout(from, None, &mut blob);
+        pool.write_page_host_layout(to, None, &blob);
+    }
+    assert_eq!(run(&*m, &pool, &toks[32..], 32, &[4, 5, 6]), want);
+    // TP 2: each rank holds `k.tpR` and `v.tpR`; the wire is TP 1's layout.
+    let two = load_kv(d.path(), Dtype::Q8_0, Dtype::F16, 2);
+    let names: Vec<String> = two
+        .pool_kinds(PAGE)
+        .unwrap()
+        .into_iter()
+        .map(|k| k.name)
+        .collect();
+    assert_eq!(names, ["k.tp0", "v.tp0", "k.tp1", "v.tp1"]);
+    assert_eq!(two.wire_kinds(PAGE).unwrap(), kinds);
+    let toks = prompt(PAGE);
+    let mut blobs = Vec::new();
+    for r in [&m, &two] {
+        let pool = self::pool(&**r, 1);
+        run(&**r, &pool, &toks, 0, &[0]);
+        let mut blob = vec![0u8; pool.layout().page_bytes()];
+        pool.read_page_host_layout(0, None, &mut blob);
+        blobs.push(blob);
+    }
+    let wire = two.page_to_wire(PAGE, &blobs[1]).unwrap().unwrap();
+    assert_eq!(wire.len(), blobs[0].len());
+    // Layer 0's K, and layer 0's V after every layer's K: equal to TP 1's.
+    let (k0, v_at) = (PAGE * 68, kinds[0].layers * PAGE * 68);
+    assert_eq!(&wire[..k0], &blobs[0][..k0], "layer 0 K");
+    let v0 = v_at..v_at + PAGE * 128;
+    assert_eq!(&wire[v0.clone()], &blobs[0][v0], "layer 0 V");
+    assert_eq!(two.page_from_wire(PAGE, &wire).unwrap().unwrap(), blobs[1]);
 }
 
 #[test]

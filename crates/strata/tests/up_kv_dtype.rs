@@ -1,6 +1,7 @@
 //! `strata up --kv-cache-dtype q8_0`: every worker stores K/V as q8_0 (each says so), K/V moves
 //! from the prefill worker to the decode worker in q8_0 and the answer equals one q8_0 worker's;
-//! a worker's own args setting a dtype stop `up` before anything starts.
+//! a worker's own args setting a dtype stop `up` before anything starts; a worker with K and V
+//! in two dtypes holds them as two kinds.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -123,4 +124,41 @@ fn a_workers_own_dtype_stops_up_before_anything_starts() {
         "{text}"
     );
     assert!(!text.contains("starting"), "something started: {text}");
+}
+
+/// `strata serve --cache-type-k q8_0 --cache-type-v f16`: the pools are two kinds, `k` and `v`,
+/// each sized in its dtype, and the worker answers.
+#[test]
+fn a_worker_stores_k_and_v_in_two_dtypes() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny32(d.path());
+    let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
+    one.args([
+        "serve",
+        "--port",
+        "0",
+        "--page-size",
+        "16",
+        "--device-mem",
+        "16MiB",
+    ])
+    .args(["--hicache-size", "16MiB", "--cache-type-k", "q8_0"])
+    .args(["--cache-type-v", "f16", "--model"])
+    .arg(&model);
+    let (_one, port) = strata_test_support::spawn_ready(&mut one, Duration::from_secs(60));
+    assert!(completion(port)["choices"][0]["text"].is_string());
+    let m = Command::new("curl")
+        .arg("-s")
+        .arg(format!("http://127.0.0.1:{port}/metrics"))
+        .output()
+        .unwrap();
+    let m = String::from_utf8_lossy(&m.stdout);
+    let cap = |pool: &str| {
+        let k = format!("strata_cache_capacity_bytes{{tier=\"host\",pool=\"{pool}\"}}");
+        strata_test_support::sample(&m, &k)
+    };
+    // The same tokens in each: K's 34 bytes per 32 values against V's 64.
+    let (k, v) = (cap("k"), cap("v"));
+    assert!(k > 0.0 && v > 0.0, "{m}");
+    assert_eq!(k * 64.0, v * 34.0, "{m}");
 }

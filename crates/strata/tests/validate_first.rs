@@ -46,11 +46,10 @@ fn every_kv_check_comes_before_the_pools() {
             vec!["--kv-port", &port],
             "cannot listen for KV transfers on 127.0.0.1:",
         ),
-        // K and V in different dtypes is planned, not served: refused, never accepted and
-        // ignored.
+        // The tiny model's KV heads hold 16 values: no whole q8_0 block.
         (
-            vec!["--cache-type-v", "fp8_e4m3"],
-            "--cache-type-k f16 / --cache-type-v fp8_e4m3: a worker stores K and V in one dtype",
+            vec!["--cache-type-k", "q8_0"],
+            "K/V dtype q8_0 for KV heads of 16 values",
         ),
         (
             vec!["--kv-cache-dtype", "q4_0"],

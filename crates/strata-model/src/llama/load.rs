@@ -80,7 +80,8 @@ impl Model {
             threads: 2,
             quantized_decode: true,
             kind: part.kind,
-            kv_dtype: strata_kv::dtype::Dtype::F16,
+            k_dtype: strata_kv::dtype::Dtype::F16,
+            v_dtype: strata_kv::dtype::Dtype::F16,
             kind_name: part.kind_name.clone(),
             vocab_rows: part.vocab.clone(),
         })

@@ -1,7 +1,8 @@
 //! The llama forward pass over paged KV.
 //!
 //! K and V live in the cache core's device pool (one pool kind `kv`, layer-first, plane 0 = K,
-//! plane 1 = V, f16, `kv_heads × head_dim` values per token). A forward call takes several
+//! plane 1 = V, `kv_heads × head_dim` values per token in the K/V dtype; two kinds `k` and `v`
+//! when K and V are stored in different dtypes: [`kv`]). A forward call takes several
 //! sequences, each with the tokens to compute, how many tokens it already has in its pages, and
 //! its page list; it writes the new tokens' K/V into those pages and attends over all of them with
 //! an online softmax (flash-style: no score matrix, memory linear in context). Prefill chunks and
@@ -11,7 +12,6 @@
 pub mod tp;
 pub(crate) mod tp_ranks;
 
-use half::f16;
 use strata_kv::dtype::Dtype;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
@@ -24,7 +24,10 @@ pub(crate) use crate::seq::check_seq;
 pub use crate::seq::SeqInput;
 use crate::shard::{Collective, Solo};
 
+mod kv;
 mod load;
+
+pub(crate) use kv::kv_kinds;
 
 /// Decode steps with at most this many tokens in a call use quantized activations and integer
 /// dot products ([`QMatrix::matmul_q`]): they are bound by reading weights, which stay in their
@@ -72,10 +75,13 @@ pub struct Model {
     sin: Vec<f32>,
     threads: usize,
     quantized_decode: bool,
-    /// Which pool kind of the layout holds this model's K/V (a tensor-parallel rank's).
+    /// This model's tensor-parallel rank (0 alone): its kinds come after the lower ranks'.
     kind: usize,
-    /// How K and V are stored in their pages (`f16`, or quantized: [`crate::kvcodec`]).
-    kv_dtype: Dtype,
+    /// How K and V are stored in their pages (`f16`, or quantized: [`crate::kvcodec`]); in
+    /// one kind (`kv`) when they agree, in two (`k`, `v`) when they differ.
+    k_dtype: Dtype,
+    v_dtype: Dtype,
+    /// The K/V kind's name: `kv`, a rank's `kv.tpR` (split: `k`/`v` with the same suffix).
     kind_name: String,
     /// The vocabulary rows `embed` / `output` hold (all of them but on a tensor-parallel rank).
     vocab_rows: std::ops::Range<usize>,
@@ -102,9 +108,10 @@ impl Model {
         layers + self.embed.bytes() + self.output.as_ref().map_or(0, |m| m.bytes()) + f(&self.norm)
     }
 
-    /// Index of this model's pool kind in the page layout (its tensor-parallel rank).
-    pub(crate) fn kind(&self) -> usize {
-        self.kind
+    /// Index of this model's first pool kind in the page layout (every rank holds as many
+    /// kinds: one, or K and V apart).
+    pub(crate) fn first_kind(&self) -> usize {
+        self.kind * self.pool_kinds().len()
     }
 
     /// Threads for attention (matrix products follow candle's own setting).
@@ -112,36 +119,54 @@ impl Model {
         self.threads = n.max(1);
     }
 
-    /// The KV pool kind this model computes into: K and V per layer of its KV heads in its
-    /// K/V dtype (`kv`; a tensor-parallel rank's `kv.tpR`).
+    /// The KV pool kind this model computes into when K and V share a dtype: K and V per
+    /// layer of its KV heads (`kv`; a tensor-parallel rank's `kv.tpR`). With K and V in
+    /// different dtypes there are two ([`Model::pool_kinds`]): this panics.
     pub fn pool_kind(&self) -> PoolKind {
+        let mut kinds = self.pool_kinds();
+        assert_eq!(kinds.len(), 1, "K and V are stored apart: use pool_kinds");
+        kinds.remove(0)
+    }
+
+    /// The pool kinds this model computes into: `kv` (K and V planes) when K and V share a
+    /// dtype, else `k` and `v` of one plane each (a rank's with its `.tpR`).
+    pub fn pool_kinds(&self) -> Vec<PoolKind> {
         let c = &self.config;
-        PoolKind::kv_of(
-            &self.kind_name,
+        let suffix = self.kind_name.strip_prefix("kv").unwrap_or("");
+        kv_kinds(
+            suffix,
             c.layers,
             c.kv_heads,
             c.head_dim,
-            self.kv_dtype,
+            self.k_dtype,
+            self.v_dtype,
         )
-        .expect("checked when set")
     }
 
     /// Stores K and V as `dtype` from now on (before any page is written): `f16`, `q8_0` or
     /// `fp8_e4m3`; refused when a KV head does not hold whole blocks of it.
     pub fn set_kv_dtype(&mut self, dtype: Dtype) -> Result<(), ModelError> {
-        if !Dtype::KV.contains(&dtype) || !self.config.head_dim.is_multiple_of(dtype.block()) {
-            return Err(ModelError::Unsupported(format!(
-                "K/V dtype {dtype} for KV heads of {} values",
-                self.config.head_dim
-            )));
+        self.set_kv_dtypes(dtype, dtype)
+    }
+
+    /// Stores K as `k` and V as `v` (llama.cpp's `-ctk` / `-ctv`), each as
+    /// [`Model::set_kv_dtype`] checks it.
+    pub fn set_kv_dtypes(&mut self, k: Dtype, v: Dtype) -> Result<(), ModelError> {
+        for d in [k, v] {
+            if !Dtype::KV.contains(&d) || !self.config.head_dim.is_multiple_of(d.block()) {
+                return Err(ModelError::Unsupported(format!(
+                    "K/V dtype {d} for KV heads of {} values",
+                    self.config.head_dim
+                )));
+            }
         }
-        self.kv_dtype = dtype;
+        (self.k_dtype, self.v_dtype) = (k, v);
         Ok(())
     }
 
-    /// How K and V are stored.
-    pub fn kv_dtype(&self) -> Dtype {
-        self.kv_dtype
+    /// How K and V are stored: (K's dtype, V's).
+    pub fn kv_dtypes(&self) -> (Dtype, Dtype) {
+        (self.k_dtype, self.v_dtype)
     }
 
     /// `x · wᵀ` for several matrices of one input: the input quantized once when every row
@@ -369,11 +394,11 @@ impl Model {
         seqs: &[SeqInput],
     ) -> Result<Vec<(usize, usize)>, ModelError> {
         let c = &self.config;
-        if pool.layout().kinds().get(self.kind) != Some(&self.pool_kind()) {
+        let (first, kinds) = (self.first_kind(), self.pool_kinds());
+        if pool.layout().kinds().get(first..first + kinds.len()) != Some(&kinds[..]) {
             return Err(ModelError::Forward(format!(
-                "device pool layout {:?} does not match the model's {:?}",
+                "device pool layout {:?} does not match the model's {kinds:?}",
                 pool.layout().kinds(),
-                self.pool_kind()
             )));
         }
         let mut rows = Vec::new();
@@ -427,12 +452,14 @@ impl Model {
         let c = &self.config;
         let ps = pool.layout().page_size();
         let kvd = c.kv_heads * c.head_dim;
-        let mut buf = vec![0u8; self.kv_dtype.bytes_of(kvd).expect("checked when set")];
+        let mut buf = Vec::new();
         for (i, &(si, p)) in batch.rows.iter().enumerate() {
             let page = batch.seqs[si].pages[p / ps];
             for (plane, src) in [(0, k), (1, v)] {
-                crate::kvcodec::encode(self.kv_dtype, &src[i * kvd..(i + 1) * kvd], &mut buf);
-                pool.write_token(self.kind, l, plane, page, p % ps, &buf);
+                let (kind, kind_plane, dtype) = self.plane_at(plane);
+                buf.resize(dtype.bytes_of(kvd).expect("checked when set"), 0);
+                crate::kvcodec::encode(dtype, &src[i * kvd..(i + 1) * kvd], &mut buf);
+                pool.write_token(kind, l, kind_plane, page, p % ps, &buf);
             }
         }
     }
@@ -611,30 +638,4 @@ fn split_by_work(rows: &[(usize, usize)], threads: usize, work: usize) -> Vec<us
     }
     bounds.push(rows.len());
     bounds
-}
-
-fn as_f16(b: &[u8]) -> &[f16] {
-    // SAFETY: f16 is a plain 2-byte value for which every bit pattern is valid; align_to only
-    // reinterprets the aligned middle, and pool planes start 4 KiB aligned with even lengths.
-    let (pre, mid, post) = unsafe { b.align_to::<f16>() };
-    assert!(
-        pre.is_empty() && post.is_empty(),
-        "pool plane is not f16-aligned"
-    );
-    mid
-}
-
-impl Model {
-    /// Plane `plane` (0: K, 1: V) of `layer` in this model's pool kind, as attention reads it.
-    fn plane<'a>(&self, pool: &'a DevicePool, layer: usize, plane: usize) -> attn::Plane<'a> {
-        let bytes = pool.plane(self.kind, layer, plane);
-        match self.kv_dtype {
-            Dtype::F16 => attn::Plane::F16(as_f16(bytes)),
-            dtype => attn::Plane::Packed {
-                bytes,
-                dtype,
-                row: pool.layout().kinds()[self.kind].plane_bytes_per_token,
-            },
-        }
-    }
 }

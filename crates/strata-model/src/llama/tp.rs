@@ -98,10 +98,10 @@ impl TpModel {
         assert_eq!(all.len(), seqs.len(), "one logits choice per sequence");
         // Every check a rank makes, made before any rank waits on another.
         for m in &self.models {
-            let k = m.pool_kind();
-            if pool.layout().kinds().get(m.kind()) != Some(&k) {
+            let (first, k) = (m.first_kind(), m.pool_kinds());
+            if pool.layout().kinds().get(first..first + k.len()) != Some(&k[..]) {
                 return Err(ModelError::Forward(format!(
-                    "device pool layout {:?} lacks rank pool {k:?}",
+                    "device pool layout {:?} lacks rank pools {k:?}",
                     pool.layout().kinds()
                 )));
             }
@@ -127,23 +127,35 @@ impl TpModel {
 
     /// Stores K and V as `dtype` on every rank ([`Model::set_kv_dtype`]).
     pub fn set_kv_dtype(&mut self, dtype: Dtype) -> Result<(), ModelError> {
-        self.models
-            .iter_mut()
-            .try_for_each(|m| m.set_kv_dtype(dtype))
+        self.set_kv_dtypes(dtype, dtype)
     }
 
-    /// Bytes of one KV head's row in the K/V dtype (heads hold whole blocks: checked when set).
-    fn head_bytes(&self) -> usize {
-        let d = self.models[0].kv_dtype();
-        d.bytes_of(self.config.head_dim).expect("checked when set")
+    /// Stores K as `k` and V as `v` on every rank ([`Model::set_kv_dtypes`]).
+    pub fn set_kv_dtypes(&mut self, k: Dtype, v: Dtype) -> Result<(), ModelError> {
+        self.models
+            .iter_mut()
+            .try_for_each(|m| m.set_kv_dtypes(k, v))
+    }
+
+    /// Per pool kind of a rank (`kv`, or `k` and `v`), the bytes of one KV head's row in each
+    /// of its planes (heads hold whole blocks of the dtypes: checked when set).
+    fn kind_head_bytes(&self) -> Vec<Vec<usize>> {
+        let (k, v) = self.models[0].kv_dtypes();
+        let hb = |d: Dtype| d.bytes_of(self.config.head_dim).expect("checked when set");
+        if k == v {
+            vec![vec![hb(k), hb(v)]]
+        } else {
+            vec![vec![hb(k)], vec![hb(v)]]
+        }
     }
 
     fn reshard(&self, ps: usize, blob: &[u8], to_wire: bool) -> Result<Vec<u8>, ModelError> {
         let c = &self.config;
-        let head = self.head_bytes();
+        let kinds = self.kind_head_bytes();
+        let per_head: usize = kinds.iter().flatten().sum::<usize>() * c.layers;
         let kvs: Vec<Range<usize>> = self.parts.iter().map(|p| p.heads.kv.clone()).collect();
-        let local_tok: usize = kvs.iter().map(|k| k.len()).sum::<usize>() * head * 2 * c.layers;
-        let wire_tok = c.kv_heads * head * 2 * c.layers;
+        let local_tok: usize = kvs.iter().map(|k| k.len()).sum::<usize>() * per_head;
+        let wire_tok = c.kv_heads * per_head;
         let (from_tok, to_tok) = if to_wire {
             (local_tok, wire_tok)
         } else {
@@ -156,27 +168,29 @@ impl TpModel {
             )));
         }
         let mut out = vec![0u8; ps * to_tok];
-        // Page-first blobs: per kind, per layer, per plane, `ps` token rows of the kind's heads.
-        let wire_chunk = |layer: usize, plane: usize| (layer * 2 + plane) * ps * c.kv_heads * head;
-        let mut base = 0;
+        // Page-first blobs: per kind, per layer, per plane, `ps` token rows of the kind's heads
+        // (a rank's kinds after the lower ranks'; the wire's with every head).
+        let mut local = 0;
         for kv in &kvs {
-            let row = kv.len() * head;
-            for layer in 0..c.layers {
-                for plane in 0..2 {
-                    let local = base + (layer * 2 + plane) * ps * row;
-                    let wire = wire_chunk(layer, plane);
-                    for t in 0..ps {
-                        let l = local + t * row;
-                        let w = wire + (t * c.kv_heads + kv.start) * head;
-                        if to_wire {
-                            out[w..w + row].copy_from_slice(&blob[l..l + row]);
-                        } else {
-                            out[l..l + row].copy_from_slice(&blob[w..w + row]);
+            let mut wire = 0;
+            for hbs in &kinds {
+                for _layer in 0..c.layers {
+                    for &head in hbs {
+                        let row = kv.len() * head;
+                        for t in 0..ps {
+                            let l = local + t * row;
+                            let w = wire + (t * c.kv_heads + kv.start) * head;
+                            if to_wire {
+                                out[w..w + row].copy_from_slice(&blob[l..l + row]);
+                            } else {
+                                out[l..l + row].copy_from_slice(&blob[w..w + row]);
+                            }
                         }
+                        local += ps * row;
+                        wire += ps * c.kv_heads * head;
                     }
                 }
             }
-            base += c.layers * 2 * ps * row;
         }
         Ok(out)
     }
@@ -193,13 +207,12 @@ impl crate::Runtime for TpModel {
         self.config.vocab
     }
     fn pool_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
-        Ok(self.models.iter().map(|m| m.pool_kind()).collect())
+        Ok(self.models.iter().flat_map(|m| m.pool_kinds()).collect())
     }
     fn wire_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         let c = &self.config;
-        let d = self.models[0].kv_dtype();
-        let kind = PoolKind::kv_of("kv", c.layers, c.kv_heads, c.head_dim, d);
-        Ok(vec![kind.expect("checked when set")])
+        let (k, v) = self.models[0].kv_dtypes();
+        Ok(super::kv_kinds("", c.layers, c.kv_heads, c.head_dim, k, v))
     }
     fn page_to_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
         TpModel::page_to_wire(self, ps, blob).map(Some)

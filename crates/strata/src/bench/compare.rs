@@ -107,12 +107,8 @@ fn port_free(p: u16) -> Result<()> {
         .with_context(|| format!("port {p} is in use: pass another --base-port"))
 }
 
-fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deployment> {
-    let port = a.base_port + 10 * k as u16;
-    let exe = std::env::current_exe().context("path of this binary")?;
-    let logs = a.out.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("--out {}", logs.display()))?;
-    let log = logs.join(format!("{k:02}-{}.log", cfg.name()));
+/// The flags every worker of configuration `cfg` (run `k`) gets.
+fn worker_args(a: &CompareArgs, cfg: Config, k: usize) -> Vec<String> {
     let mut worker: Vec<String> = vec!["--device-mem".into(), a.device_mem.clone()];
     match cfg {
         Config::NoCache => worker.push("--disable-prefix-cache".into()),
@@ -134,6 +130,16 @@ fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deploym
         }
     }
     worker.extend(a.serve_arg.iter().cloned());
+    worker
+}
+
+fn start(a: &CompareArgs, cfg: Config, k: usize, model: &Path) -> Result<Deployment> {
+    let port = a.base_port + 10 * k as u16;
+    let exe = std::env::current_exe().context("path of this binary")?;
+    let logs = a.out.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("--out {}", logs.display()))?;
+    let log = logs.join(format!("{k:02}-{}.log", cfg.name()));
+    let worker = worker_args(a, cfg, k);
     let logf = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
     let url = format!("http://127.0.0.1:{port}");
     let mut cmd = Command::new(&exe);

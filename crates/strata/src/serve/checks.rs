@@ -78,14 +78,6 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     if a.sizing.tp_size == 0 {
         bail!("--tp-size 0: expected at least 1 rank");
     }
-    let (k, v) = a.sizing.kv_dtype.kv();
-    if k != v {
-        bail!(
-            "--cache-type-k {k} / --cache-type-v {v}: a worker stores K and V in one dtype \
-             (give --kv-cache-dtype alone); `strata plan --cache-type-k {k} --cache-type-v {v}` \
-             shows what the pools would hold"
-        );
-    }
     if a.threads == 0 {
         bail!("--threads 0: expected at least 1 thread for matrix products and attention");
     }

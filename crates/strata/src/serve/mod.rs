@@ -37,8 +37,6 @@ use checks::{check_flags, check_l3_specs, check_staging_before_pools, prefetch_p
 // refused with the reason when given).
 #[command(mut_arg("model_preset", |a| a.hide(true)))]
 #[command(mut_arg("machine", |a| a.hide(true)))]
-#[command(mut_arg("cache_type_k", |a| a.hide(true)))]
-#[command(mut_arg("cache_type_v", |a| a.hide(true)))]
 pub struct ServeArgs {
     #[command(flatten)]
     pub sizing: SizingArgs,

@@ -112,8 +112,8 @@ pub fn load_model(
             threads: (threads / tp).max(1),
             quantized_decode,
             ranks: ranks.clone(),
-            // K and V in one dtype (checks.rs refused the others).
             kv_dtype: sizing.kv_dtype.kv().0,
+            v_dtype: Some(sizing.kv_dtype.kv().1),
         },
     )?;
     for line in describe(&*loaded.runtime, &ranks, sizing.page_size) {
