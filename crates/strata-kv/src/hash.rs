@@ -192,7 +192,8 @@ mod tests {
         assert_ne!(h(&f16), h(&bf16));
         assert_ne!(h(&f16), h(&q8));
         assert_ne!(f16.tag(), bf16.tag());
-        // A kind of no stated dtype keeps the hashes it always had.
+        // A kind of no stated dtype hashes as kinds did before dtypes were stated (the llama
+        // family's kinds state theirs, f16 included, so their hashes changed with them).
         let plain = PageLayout::new(4, vec![PoolKind::kv("kv", 2, 1, 32, 2)]).unwrap();
         assert_ne!(h(&plain), h(&f16));
         assert_eq!(

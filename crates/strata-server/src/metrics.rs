@@ -25,7 +25,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_cache_copy_operations_total", "counter", "Copies between tiers, by operation."),
     ("strata_cache_copy_seconds_total", "counter", "Time spent in copies between tiers, by operation."),
     ("strata_cache_copy_duration_seconds", "histogram", "Duration of one copy between tiers (a batch of pages), by operation."),
-    ("strata_l3_errors_total", "counter", "L3 storage errors by kind and tier (corrupt: a checksum or header mismatch, treated as a miss; layout: an intact page written for another page layout, e.g. another K/V dtype, treated as a miss; timeout: an operation past its bound; unavailable: any other failed operation)."),
+    ("strata_l3_errors_total", "counter", "L3 storage errors by kind and tier (corrupt: a checksum or header mismatch, treated as a miss; layout: an intact, correctly keyed page of a page's size whose header names another page layout (e.g. another K/V dtype) under this page's hash, treated as a miss: pages of another layout have other hashes, so this is a misconfigured or forging writer; timeout: an operation past its bound; unavailable: any other failed operation)."),
     ("strata_l3_unavailable_tiers", "gauge", "L3 tiers given with --l3 that were unreachable at start: the worker serves without them (restart it once they are up)."),
     ("strata_l3_entries", "gauge", "Pages an L3 tier holds, by tier (disk: its index; remote: the keys under this worker's prefix in Redis, measured at most once a second)."),
     ("strata_l3_used_bytes", "gauge", "Bytes of the pages an L3 tier holds, by tier (page files; Redis values)."),

@@ -111,7 +111,7 @@ impl Model {
     /// Index of this model's first pool kind in the page layout (every rank holds as many
     /// kinds: one, or K and V apart).
     pub(crate) fn first_kind(&self) -> usize {
-        self.kind * self.pool_kinds().len()
+        self.kind * if self.k_dtype == self.v_dtype { 1 } else { 2 }
     }
 
     /// Threads for attention (matrix products follow candle's own setting).

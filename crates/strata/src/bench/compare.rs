@@ -320,6 +320,14 @@ fn check(a: &CompareArgs) -> Result<Vec<Config>> {
     if a.concurrency.is_empty() || a.concurrency.contains(&0) {
         bail!("--concurrency: every level must be at least 1");
     }
+    let dtype_flags = ["--kv-cache-dtype", "--cache-type-k", "--cache-type-v"];
+    if let Some(f) = a.serve_arg.iter().find(|s| {
+        dtype_flags
+            .iter()
+            .any(|f| s == f || s.starts_with(&format!("{f}=")))
+    }) {
+        bail!("--serve-arg {f}: give the K/V dtype as --kv-cache-dtype (every configuration gets it; pd's deployment once)");
+    }
     if !(a.sample_interval > 0.0 && a.sample_interval.is_finite()) {
         bail!(
             "--sample-interval {}: expected seconds > 0",
