@@ -8,6 +8,7 @@
 //! * [`storage`]: the L3 trait with disk and memory backends.
 //! * [`copy`]: asynchronous copy workers.
 //! * [`cache`]: [`TieredCache`], which ties it all together and keeps [`CacheStats`].
+//! * [`mrc`]: a live miss-ratio curve from the page stream (SHARDS sampling, fixed memory).
 //! * [`stats`]: the counters every cache operation updates; [`units`]: sizes with units;
 //!   [`dtype`]: element types of cached state (K/V quantized or not) and their row bytes.
 //! * [`auth`]: the cluster key and its MACs; [`rng`]: the workspace's one deterministic
@@ -23,6 +24,7 @@ pub mod dtype;
 pub mod hash;
 pub mod layout;
 pub mod memory;
+pub mod mrc;
 pub mod pages;
 pub mod policy;
 pub mod pool;
