@@ -49,7 +49,7 @@ fn every_kv_check_comes_before_the_pools() {
         // The tiny model's KV heads hold 16 values: no whole q8_0 block.
         (
             vec!["--cache-type-k", "q8_0"],
-            "K/V dtype q8_0 for KV heads of 16 values",
+            "a KV head of 16 values does not hold whole blocks",
         ),
         (
             vec!["--kv-cache-dtype", "q4_0"],
