@@ -3,7 +3,9 @@
 //! * match_prefix / insert of an 8K-token prompt in a tree holding 1M tokens (page 16);
 //! * eviction of 10K pages;
 //! * device↔host copy of 64 MiB next to a plain memcpy of the same size and a contiguous
-//!   streaming copy.
+//!   streaming copy;
+//! * the miss-ratio-curve sampler: one page reference (`mrc::Shards::access`), sampled at its
+//!   budget or not.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -162,9 +164,34 @@ fn bench_copy(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_mrc(c: &mut Criterion) {
+    let mut s = strata_kv::mrc::Shards::new(65536, 1.0, [7; 32]);
+    let page = |i: u64| {
+        let mut h = [0u8; 16];
+        h[..8].copy_from_slice(&strata_kv::rng::mix(i % 400_000).to_le_bytes());
+        strata_kv::PageHash(h)
+    };
+    // Past the budget: the rate has fallen to where a steady stream keeps it.
+    for i in 0..2_000_000 {
+        s.access(&page(i));
+    }
+    let mut g = c.benchmark_group("mrc");
+    g.throughput(Throughput::Elements(1000));
+    let mut i = 0u64;
+    g.bench_function("access_1000_pages", |b| {
+        b.iter(|| {
+            for _ in 0..1000 {
+                i += 1;
+                s.access(black_box(&page(i)));
+            }
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
-    targets = bench_tree, bench_evict, bench_copy
+    targets = bench_tree, bench_evict, bench_copy, bench_mrc
 }
 criterion_main!(benches);

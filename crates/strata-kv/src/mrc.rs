@@ -156,7 +156,8 @@ impl Shards {
     /// sizes.
     pub fn hit_ratio(&self, pages: f64) -> f64 {
         let total = self.seen as f64;
-        if total <= 0.0 || !(pages >= 1.0) {
+        // Below one page (or NaN) nothing hits.
+        if total <= 0.0 || pages.is_nan() || pages < 1.0 {
             return 0.0;
         }
         let mut hits = total - self.sampled_weight();
@@ -215,7 +216,7 @@ impl Shards {
 
 /// The bucket of distance `d` (pages): one per page under [`SUB`], then [`SUB`] per octave.
 fn bucket(d: f64) -> usize {
-    if !(d >= 0.0) {
+    if d.is_nan() || d < 0.0 {
         return 0;
     }
     if d < SUB as f64 {
