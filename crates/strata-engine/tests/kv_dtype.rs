@@ -19,17 +19,12 @@ use strata_model::tiny::{write_tiny, TinySpec};
 use strata_model::{Gguf, Model};
 
 mod common;
-use common::{export_from, prompt, PS};
+use common::{export_from, imported, prompt, PS};
 
 /// The tiny model with heads of 32 values (a whole q8_0 block each).
 fn tiny32(dir: &Path) -> std::path::PathBuf {
     let p = dir.join("tiny32.gguf");
-    let spec = TinySpec {
-        hidden: 128,
-        heads: 4,
-        kv_heads: 2,
-        ..TinySpec::default()
-    };
+    let spec = TinySpec::family("llama-h32").unwrap();
     write_tiny(&p, &spec).unwrap();
     p
 }
@@ -115,16 +110,8 @@ fn q8_0_kv_moved_by_pd_continues_with_one_engines_bits() {
     let (want, _) = run(&single, &p);
     let (first, kv) = export_from(&prefill, &p, 0);
     assert_eq!(first, want[0].0);
-    let imported = ImportedKv {
-        first_page: 0,
-        first_logprobs: None,
-        prompt_logprobs: None,
-        pages: kv.pages.clone(),
-        first_token: first,
-        cached: CachedTokens::default(),
-    };
     let mut s = decode
-        .submit_prefilled(p.clone(), params(), imported)
+        .submit_prefilled(p.clone(), params(), imported(&kv, first))
         .unwrap();
     let (got, _) = collect(&mut s);
     // The first token's log-probabilities stay with the prefill worker (none were asked

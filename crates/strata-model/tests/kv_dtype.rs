@@ -24,13 +24,7 @@ fn load_with(dir: &Path, dtype: Dtype, ranks: usize) -> Box<dyn Runtime> {
 fn load_kv(dir: &Path, k: Dtype, v: Dtype, ranks: usize) -> Box<dyn Runtime> {
     let p = dir.join("tiny.gguf");
     if !p.exists() {
-        let spec = TinySpec {
-            hidden: 128,
-            heads: 4,
-            kv_heads: 2,
-            ..TinySpec::default()
-        };
-        write_tiny(&p, &spec).unwrap();
+        write_tiny(&p, &TinySpec::family("llama-h32").unwrap()).unwrap();
     }
     let mut o = LoadOptions::new(1);
     (o.kv_dtype, o.v_dtype) = (k, Some(v));

@@ -163,3 +163,25 @@ pub fn http1(port: u16, method: &str, path: &str, headers: &str, body: &str) -> 
     let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
     (status, out)
 }
+
+/// `body` POSTed as JSON to `http://127.0.0.1:PORT{path}` (curl); the answer as JSON (panics
+/// with its text when it is not).
+pub fn post_json(port: u16, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    let o = std::process::Command::new("curl")
+        .args(["-s", "-H", "content-type: application/json", "-d"])
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .output()
+        .expect("curl is missing: install the Debian package curl (scripts/test.sh does)");
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|_| panic!("not JSON: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// `GET /metrics` of the worker or router on 127.0.0.1:`port` (curl), as text.
+pub fn metrics_text(port: u16) -> String {
+    let o = std::process::Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+        .output()
+        .expect("curl is missing: install the Debian package curl (scripts/test.sh does)");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}

@@ -15,7 +15,7 @@ use strata_kv::dtype::Dtype;
 use strata_kv::storage::blob::{self, BlobKey};
 use strata_kv::{PageHash, PageLayout};
 use strata_model::tiny::{write_tiny, TinySpec};
-use strata_test_support::{port_after, redis_cli, sample, Proc, Redis};
+use strata_test_support::{metrics_text, port_after, post_json, redis_cli, sample, Proc, Redis};
 
 const PAGE: usize = 16;
 
@@ -61,17 +61,6 @@ fn hash_of(hex: &str) -> PageHash {
     PageHash(h)
 }
 
-fn post(port: u16, path: &str, body: &serde_json::Value) -> serde_json::Value {
-    let o = Command::new("curl")
-        .args(["-s", "-H", "content-type: application/json", "-d"])
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{port}{path}"))
-        .output()
-        .unwrap();
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&o.stdout)))
-}
-
 struct Worker {
     _proc: Proc,
     port: u16,
@@ -115,7 +104,7 @@ impl Worker {
         let body = serde_json::json!({
             "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3,
         });
-        let r = post(self.port, "/v1/completions", &body);
+        let r = post_json(self.port, "/v1/completions", &body);
         let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or_else(|| panic!("no cached_tokens: {r}"));
@@ -124,11 +113,7 @@ impl Worker {
     }
 
     fn metrics(&self) -> String {
-        let o = Command::new("curl")
-            .args(["-s", &format!("http://127.0.0.1:{}/metrics", self.port)])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
+        metrics_text(self.port)
     }
 
     /// Waits until every copy to the stores has landed.
@@ -150,11 +135,8 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
     let model = d.path().join("tiny32.gguf");
     // Heads of 32 values: a whole q8_0 block each.
     let spec = TinySpec {
-        hidden: 128,
-        heads: 4,
-        kv_heads: 2,
         context: 1024,
-        ..TinySpec::default()
+        ..TinySpec::family("llama-h32").unwrap()
     };
     write_tiny(&model, &spec).unwrap();
     let disk = d.path().join("l3");

@@ -21,11 +21,8 @@ fn up(dir: &Path, model: &Path, toml: &str, extra: &[&str]) -> Up {
 fn tiny32(dir: &Path) -> PathBuf {
     let model = dir.join("tiny32.gguf");
     let spec = TinySpec {
-        hidden: 128,
-        heads: 4,
-        kv_heads: 2,
         context: 1024,
-        ..TinySpec::default()
+        ..TinySpec::family("llama-h32").unwrap()
     };
     write_tiny(&model, &spec).unwrap();
     model
@@ -34,18 +31,30 @@ fn tiny32(dir: &Path) -> PathBuf {
 const WORKER: &str =
     "[\"--page-size\", \"16\", \"--device-mem\", \"16MiB\", \"--hicache-size\", \"16MiB\"]";
 
+/// One `strata serve` on the model with `dtype_args`, ready; its port.
+fn serve(model: &Path, dtype_args: &[&str]) -> (strata_test_support::ChildGuard, u16) {
+    let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
+    one.args([
+        "serve",
+        "--port",
+        "0",
+        "--page-size",
+        "16",
+        "--device-mem",
+        "16MiB",
+    ])
+    .args(["--hicache-size", "16MiB"])
+    .args(dtype_args)
+    .arg("--model")
+    .arg(model);
+    strata_test_support::spawn_ready(&mut one, Duration::from_secs(60))
+}
+
 fn completion(port: u16) -> serde_json::Value {
     let prompt: Vec<u32> = (0..100).map(|j| 3 + (j * 29) % 250).collect();
     let body = serde_json::json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
                                   "ignore_eos": true});
-    let o = Command::new("curl")
-        .args(["-s", "-H", "content-type: application/json", "-d"])
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{port}/v1/completions"))
-        .output()
-        .unwrap();
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&o.stdout)))
+    strata_test_support::post_json(port, "/v1/completions", &body)
 }
 
 #[test]
@@ -71,36 +80,10 @@ fn one_q8_0_dtype_for_the_deployment_and_pd_moves_it() {
     let text = via_pd["choices"][0]["text"].clone();
     assert!(text.is_string(), "{via_pd}");
 
-    let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
-    one.args([
-        "serve",
-        "--port",
-        "0",
-        "--page-size",
-        "16",
-        "--device-mem",
-        "16MiB",
-    ])
-    .args([
-        "--hicache-size",
-        "16MiB",
-        "--kv-cache-dtype",
-        "q8_0",
-        "--model",
-    ])
-    .arg(&model);
-    let (_one, port) = strata_test_support::spawn_ready(&mut one, Duration::from_secs(60));
+    let (_one, port) = serve(&model, &["--kv-cache-dtype", "q8_0"]);
     assert_eq!(completion(port)["choices"][0]["text"], text);
 
-    let m = Command::new("curl")
-        .arg("-s")
-        .arg(format!(
-            "http://127.0.0.1:{}/metrics",
-            ready.port("decode-0")
-        ))
-        .output()
-        .unwrap();
-    let m = String::from_utf8_lossy(&m.stdout);
+    let m = strata_test_support::metrics_text(ready.port("decode-0"));
     let moved = strata_test_support::sample(&m, "strata_transferred_prompt_tokens_total");
     assert!(
         moved >= 96.0,
@@ -132,27 +115,9 @@ fn a_workers_own_dtype_stops_up_before_anything_starts() {
 fn a_worker_stores_k_and_v_in_two_dtypes() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny32(d.path());
-    let mut one = Command::new(env!("CARGO_BIN_EXE_strata"));
-    one.args([
-        "serve",
-        "--port",
-        "0",
-        "--page-size",
-        "16",
-        "--device-mem",
-        "16MiB",
-    ])
-    .args(["--hicache-size", "16MiB", "--cache-type-k", "q8_0"])
-    .args(["--cache-type-v", "f16", "--model"])
-    .arg(&model);
-    let (_one, port) = strata_test_support::spawn_ready(&mut one, Duration::from_secs(60));
+    let (_one, port) = serve(&model, &["--cache-type-k", "q8_0", "--cache-type-v", "f16"]);
     assert!(completion(port)["choices"][0]["text"].is_string());
-    let m = Command::new("curl")
-        .arg("-s")
-        .arg(format!("http://127.0.0.1:{port}/metrics"))
-        .output()
-        .unwrap();
-    let m = String::from_utf8_lossy(&m.stdout);
+    let m = strata_test_support::metrics_text(port);
     let cap = |pool: &str| {
         let k = format!("strata_cache_capacity_bytes{{tier=\"host\",pool=\"{pool}\"}}");
         strata_test_support::sample(&m, &k)

@@ -123,3 +123,16 @@ pub fn export_from(e: &EngineHandle, p: &[u32], from: usize) -> (u32, Arc<Export
     );
     (first, Arc::new(kv))
 }
+
+/// K/V pages a prefill engine exported for `p`, as a decode engine imports them after the
+/// prefill's first token `first` (no log-probabilities, nothing cached before).
+pub fn imported(kv: &ExportedKv, first: u32) -> ImportedKv {
+    ImportedKv {
+        first_page: kv.first,
+        first_logprobs: None,
+        prompt_logprobs: None,
+        pages: kv.pages.clone(),
+        first_token: first,
+        cached: CachedTokens::default(),
+    }
+}
