@@ -293,16 +293,8 @@ fn exported_kv_continues_on_another_engine_with_identical_tokens() {
     let (want, _, _) = run(&single, &p, greedy(10));
     let (first, kv) = export_from(&prefill, &p, 0);
     assert_eq!(kv.pages.len(), 3);
-    let imported = ImportedKv {
-        first_page: 0,
-        first_logprobs: None,
-        prompt_logprobs: None,
-        pages: kv.pages.clone(),
-        first_token: first,
-        cached: CachedTokens::default(),
-    };
     let mut s = decode
-        .submit_prefilled(p.clone(), greedy(10), imported)
+        .submit_prefilled(p.clone(), greedy(10), imported(&kv, first))
         .unwrap();
     let mut got = Vec::new();
     while let Some(ev) = s.events.blocking_recv() {
@@ -523,14 +515,7 @@ fn a_held_prefix_and_the_transferred_rest_continue_as_one_engine() {
             (2, 3),
             "70 tokens: pages 2..5 cross"
         );
-        let imported = ImportedKv {
-            first_page: kv.first,
-            first_logprobs: None,
-            prompt_logprobs: None,
-            pages: kv.pages.clone(),
-            first_token: first,
-            cached: CachedTokens::default(),
-        };
+        let imported = imported(&kv, first);
         decode.deliver(&rs, imported.clone()).unwrap();
         assert_eq!(drain(&mut rs).0, want);
         let snap = decode.snapshot();

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use strata_engine::request::CachedTokens;
 use strata_engine::*;
 
 mod common;
@@ -18,16 +17,8 @@ fn chunked(tokens: usize) -> EngineConfig {
 }
 
 fn decode_with(e: &EngineHandle, p: &[u32], first: u32, kv: &ExportedKv) -> Vec<u32> {
-    let imported = ImportedKv {
-        first_page: kv.first,
-        first_logprobs: None,
-        prompt_logprobs: None,
-        pages: kv.pages.clone(),
-        first_token: first,
-        cached: CachedTokens::default(),
-    };
     let mut s = e
-        .submit_prefilled(p.to_vec(), greedy(10), imported)
+        .submit_prefilled(p.to_vec(), greedy(10), imported(kv, first))
         .unwrap();
     let mut got = Vec::new();
     while let Some(ev) = s.events.blocking_recv() {
