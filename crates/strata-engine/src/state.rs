@@ -32,6 +32,8 @@ pub struct Snapshot {
     pub device_window: TierUsage,
     pub host_window: TierUsage,
     pub pools: Vec<PoolUsage>,
+    /// The cache's live miss-ratio curve (None: it keeps none).
+    pub curve: Option<strata_kv::cache::curve::Curve>,
     /// Device pages held by requests (not in the tree): their own pages.
     pub device_pages_held: u64,
     pub waiting: usize,

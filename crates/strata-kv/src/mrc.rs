@@ -106,7 +106,8 @@ impl Shards {
     pub fn memory_bytes(&self) -> usize {
         let entry = std::mem::size_of::<(PageHash, (u32, u64))>() + 1;
         let heap = std::mem::size_of::<(u64, PageHash)>();
-        self.tracked.capacity() * entry
+        // hashbrown keeps 8 buckets for every 7 usable.
+        self.tracked.capacity() * 8 / 7 * entry
             + self.by_hash.capacity() * heap
             + self.fenwick.len() * 4
             + self.hist.len() * 8
@@ -172,6 +173,36 @@ impl Shards {
         (hits / total).clamp(0.0, 1.0)
     }
 
+    /// [`Shards::hit_ratio`] at each of `sizes`, in one pass over the histogram.
+    pub fn hit_ratios(&self, sizes: &[f64]) -> Vec<f64> {
+        let total = self.seen as f64;
+        // Weight of the buckets before each bucket.
+        let mut before = Vec::with_capacity(self.hist.len());
+        let mut acc = 0.0;
+        for &w in &self.hist {
+            before.push(acc);
+            acc += w;
+        }
+        let adj = total - self.sampled_weight();
+        sizes
+            .iter()
+            .map(|&pages| {
+                if total <= 0.0 || pages.is_nan() || pages < 1.0 {
+                    return 0.0;
+                }
+                // Past the last bucket: every recorded distance.
+                let under = if pages >= bucket_range(self.hist.len() - 1).1 {
+                    acc
+                } else {
+                    let i = bucket(pages);
+                    let (lo, hi) = bucket_range(i);
+                    before[i] + self.hist[i] * ((pages - lo) / (hi - lo)).clamp(0.0, 1.0)
+                };
+                ((adj + under) / total).clamp(0.0, 1.0)
+            })
+            .collect()
+    }
+
     fn sample_hash(&self, h: &PageHash) -> u64 {
         let out = blake3::keyed_hash(&self.key, &h.0);
         u64::from_le_bytes(out.as_bytes()[..8].try_into().expect("8 bytes"))
@@ -222,7 +253,8 @@ fn bucket(d: f64) -> usize {
     if d < SUB as f64 {
         return d as usize;
     }
-    let octave = d.log2().floor() as usize; // ≥ log2(SUB)
+    // ≥ log2(SUB); capped so a huge (or infinite) distance lands in the last bucket.
+    let octave = (d.log2().floor() as usize).min(OCTAVES + SUB.trailing_zeros() as usize);
     let base = (1u64 << octave.min(62)) as f64;
     let sub = (((d - base) / base) * SUB as f64) as usize;
     let i = (octave + 1 - SUB.trailing_zeros() as usize) * SUB + sub.min(SUB - 1);

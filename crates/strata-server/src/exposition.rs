@@ -14,6 +14,7 @@ pub fn worker(st: &AppState) -> String {
     let mut t = Text::new();
     cache_tiers(&mut t, st, &s);
     copies(&mut t, &s);
+    curve(&mut t, &s);
     l3(&mut t, st);
     pd_tokens(&mut t, &s);
     t.sample("strata_l3_unavailable_tiers", &[], st.l3_unavailable as f64);
@@ -182,6 +183,35 @@ fn l3(t: &mut Text, st: &AppState) {
             );
         }
     }
+}
+
+/// The live miss-ratio curve (nothing when the worker keeps none).
+fn curve(t: &mut Text, s: &Snapshot) {
+    let Some(c) = &s.curve else {
+        return;
+    };
+    for p in &c.points {
+        let scale = format!("{}", p.scale);
+        let l = [("tier", p.tier), ("scale", scale.as_str())];
+        t.sample("strata_cache_curve_hit_ratio", &l, p.hit_ratio);
+        t.sample("strata_cache_curve_pages", &l, p.pages as f64);
+    }
+    t.sample("strata_cache_curve_sample_rate", &[], c.rate);
+    t.sample(
+        "strata_cache_curve_tracked_pages",
+        &[],
+        c.tracked_pages as f64,
+    );
+    t.sample(
+        "strata_cache_curve_memory_bytes",
+        &[],
+        c.memory_bytes as f64,
+    );
+    t.sample(
+        "strata_cache_curve_references_total",
+        &[],
+        c.references as f64,
+    );
 }
 
 /// Prompt tokens that arrived by KV transfer, and the PD counters of the decode side.

@@ -669,6 +669,7 @@ impl Scheduler {
         s.host = self.cache.host_usage();
         (s.device_window, s.host_window) = self.cache.window_usage();
         s.pools = self.cache.pool_usage();
+        s.curve = self.cache.curve();
         s.device_pages_held = self
             .active
             .iter()

@@ -47,6 +47,8 @@ pub struct CacheConfig {
     /// Allocate real bytes. `false` gives the metadata-only cache the simulator uses.
     pub with_data: bool,
     pub copy_threads: usize,
+    /// Pages the live miss-ratio curve may track (`curve.rs`; 0: no curve).
+    pub curve_pages: usize,
 }
 
 /// Default [`CacheConfig::gdsf_history`].
@@ -68,6 +70,7 @@ impl CacheConfig {
             hashing: false,
             with_data: true,
             copy_threads: 1,
+            curve_pages: 0,
         }
     }
 }
@@ -115,6 +118,8 @@ pub enum CacheError {
     Mem(#[from] MemError),
     #[error(transparent)]
     Page(#[from] PageError),
+    #[error("no random key for the miss-ratio curve's sampler: {0}")]
+    Random(String),
 }
 
 /// An in-flight copy; its pages are usable once [`TieredCache::wait`] returns or
@@ -209,6 +214,7 @@ pub struct TieredCache {
     /// Buffers reused by leases (no allocation per request).
     scratch_path: Vec<NodeId>,
     scratch_pages: Vec<u32>,
+    curve: Option<curve::CurveState>,
 }
 
 impl TieredCache {
@@ -273,6 +279,10 @@ impl TieredCache {
         let engine = cfg
             .with_data
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
+        let curve = (cfg.curve_pages > 0)
+            .then(|| curve::CurveState::new(cfg.curve_pages))
+            .transpose()
+            .map_err(|e| CacheError::Random(e.to_string()))?;
         Ok(TieredCache {
             tree,
             write_policy: cfg.write_policy,
@@ -298,6 +308,7 @@ impl TieredCache {
             loading_windows: Default::default(),
             scratch_path: Vec::new(),
             scratch_pages: Vec::new(),
+            curve,
         })
     }
 
@@ -665,6 +676,7 @@ impl TieredCache {
 }
 
 mod complete;
+pub mod curve;
 mod lease;
 mod movement;
 mod ring;

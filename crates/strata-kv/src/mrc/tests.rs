@@ -93,6 +93,9 @@ fn a_sampled_curve_is_within_a_point_of_the_exact_one() {
             s.access(&page(p));
         }
         let got: Vec<f64> = SIZES.iter().map(|&c| s.hit_ratio(c)).collect();
+        for (a, b) in s.hit_ratios(&SIZES).iter().zip(&got) {
+            assert!((a - b).abs() < 1e-9, "one pass, the same figures: {a} {b}");
+        }
         let mae = want
             .iter()
             .zip(&got)
@@ -145,9 +148,11 @@ fn memory_stays_at_the_budget_whatever_arrives() {
         }
     }
     assert!(s.rate() < 0.01, "{}", s.rate());
-    for c in [0.0, 1.0, 1e6, f64::INFINITY, f64::NAN, -1.0] {
-        let h = s.hit_ratio(c);
+    let odd = [0.0, 1.0, 1e6, 1e300, f64::INFINITY, f64::NAN, -1.0];
+    for (c, h2) in odd.iter().zip(s.hit_ratios(&odd)) {
+        let h = s.hit_ratio(*c);
         assert!(h.is_finite() && (0.0..=1.0).contains(&h), "{c}: {h}");
+        assert!((h - h2).abs() < 1e-9, "{c}: {h} {h2}");
     }
     assert!(Shards::new(1, 1.0, [0; 32]).hit_ratio(10.0) == 0.0);
 }

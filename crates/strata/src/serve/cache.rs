@@ -115,6 +115,7 @@ pub(super) fn build_cache(
     // The plan refused checkpoints for a model without window kinds.
     cc.window_checkpoint_pages = plan.window_checkpoint_pages as usize;
     cc.eviction = c.eviction;
+    cc.curve_pages = a.curve_pages;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
     // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).

@@ -130,6 +130,10 @@ pub struct ServeArgs {
     /// Which cached prefix leaves a tier first.
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
+    /// Pages the live miss-ratio curve may track (its fixed memory, about 100 bytes a page:
+    /// 6 MiB at the default; past this the sampling rate falls instead); 0: no curve.
+    #[arg(long, default_value_t = 65536, help_heading = "Cache")]
+    pub curve_pages: usize,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
     /// first). A Redis shared by several workers makes one prefix cache for all of them. A
     /// URL naming a Redis Cluster node uses the whole cluster; `redis-cluster://H:P,H:P,...`
