@@ -20,6 +20,14 @@ pub(super) struct CurveState {
 }
 
 impl CurveState {
+    /// The curve of [`super::CacheConfig::curve_pages`] pages (0: none).
+    pub(super) fn of(max_pages: usize) -> Result<Option<CurveState>, super::CacheError> {
+        (max_pages > 0)
+            .then(|| CurveState::new(max_pages))
+            .transpose()
+            .map_err(|e| super::CacheError::Random(e.to_string()))
+    }
+
     /// A sampler tracking at most `max_pages` pages, under a fresh random key.
     pub(super) fn new(max_pages: usize) -> Result<CurveState, getrandom::Error> {
         let mut key = [0u8; 32];

@@ -279,10 +279,7 @@ impl TieredCache {
         let engine = cfg
             .with_data
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
-        let curve = (cfg.curve_pages > 0)
-            .then(|| curve::CurveState::new(cfg.curve_pages))
-            .transpose()
-            .map_err(|e| CacheError::Random(e.to_string()))?;
+        let curve = curve::CurveState::of(cfg.curve_pages)?;
         Ok(TieredCache {
             tree,
             write_policy: cfg.write_policy,
