@@ -156,21 +156,7 @@ impl Shards {
     /// whole), whose references are the shortest reuses: without it the curve sags at small
     /// sizes.
     pub fn hit_ratio(&self, pages: f64) -> f64 {
-        let total = self.seen as f64;
-        // Below one page (or NaN) nothing hits.
-        if total <= 0.0 || pages.is_nan() || pages < 1.0 {
-            return 0.0;
-        }
-        let mut hits = total - self.sampled_weight();
-        for (i, &w) in self.hist.iter().enumerate() {
-            if w == 0.0 {
-                continue;
-            }
-            let (lo, hi) = bucket_range(i);
-            // Distances spread evenly over the bucket: the part under `pages` hits.
-            hits += w * ((pages - lo) / (hi - lo)).clamp(0.0, 1.0);
-        }
-        (hits / total).clamp(0.0, 1.0)
+        self.hit_ratios(&[pages])[0]
     }
 
     /// [`Shards::hit_ratio`] at each of `sizes`, in one pass over the histogram.

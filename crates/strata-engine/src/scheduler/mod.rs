@@ -669,7 +669,9 @@ impl Scheduler {
         s.host = self.cache.host_usage();
         (s.device_window, s.host_window) = self.cache.window_usage();
         s.pools = self.cache.pool_usage();
-        s.curve = self.cache.curve();
+        if self.cache.curve_references() != s.curve.as_ref().map(|c| c.references) {
+            s.curve = self.cache.curve();
+        }
         s.device_pages_held = self
             .active
             .iter()

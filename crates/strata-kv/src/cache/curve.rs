@@ -76,6 +76,12 @@ impl TieredCache {
         }
     }
 
+    /// Prompt pages the curve has observed (None: no curve): a caller that keeps the last
+    /// [`TieredCache::curve`] reads it again only when this moved.
+    pub fn curve_references(&self) -> Option<u64> {
+        self.curve.as_ref().map(|c| c.shards.references())
+    }
+
     /// The curve at [`CURVE_SCALES`] of the device, host and (with a known capacity) L3
     /// tiers' pages, each tier counting the tiers above it in (a tier of N pages: a cache of
     /// N pages); None when the cache keeps none ([`super::CacheConfig::curve_pages`] 0).
