@@ -19,6 +19,8 @@
 
 use std::collections::BinaryHeap;
 
+pub mod mini;
+
 use rustc_hash::FxHashMap;
 
 use crate::hash::PageHash;
@@ -48,6 +50,11 @@ pub struct Shards {
     cold: f64,
     /// Every reference, sampled or not.
     seen: u64,
+    /// The last sampled references' sampling hashes (a ring of fixed size: the window the
+    /// miniature simulations replay, [`Shards::recent`]).
+    recent: Vec<u64>,
+    /// Sampled references recorded in `recent` (the next goes at this modulo its length).
+    recorded: u64,
 }
 
 impl Shards {
@@ -71,6 +78,8 @@ impl Shards {
             hist: vec![0.0; OCTAVES * SUB],
             cold: 0.0,
             seen: 0,
+            recent: vec![0; 2 * max_tracked],
+            recorded: 0,
         }
     }
 
@@ -111,6 +120,25 @@ impl Shards {
             + self.by_hash.capacity() * heap
             + self.fenwick.len() * 4
             + self.hist.len() * 8
+            + self.recent.len() * 8
+    }
+
+    /// The recent window of sampled references (at most twice the tracked budget), oldest
+    /// first, as sampling hashes (one per page), only those of pages sampled at today's rate;
+    /// and whether older sampled references have left it (false: it holds every one).
+    pub fn recent(&self) -> (Vec<u64>, bool) {
+        let n = self.recent.len() as u64;
+        let start = self.recorded.saturating_sub(n);
+        let v = (start..self.recorded)
+            .map(|i| self.recent[(i % n) as usize])
+            .filter(|&s| s < self.threshold)
+            .collect();
+        (v, start > 0)
+    }
+
+    /// Sampled references recorded so far (the window moved when this did).
+    pub fn recorded(&self) -> u64 {
+        self.recorded
     }
 
     /// One reference to page `h`.
@@ -121,6 +149,9 @@ impl Shards {
             return;
         }
         let weight = 1.0 / self.rate().max(f64::MIN_POSITIVE);
+        let n = self.recent.len() as u64;
+        self.recent[(self.recorded % n) as usize] = s;
+        self.recorded += 1;
         match self.tracked.remove(h) {
             Some((slot, _)) => {
                 let since = self.prefix(self.now) - self.prefix(slot as usize + 1);

@@ -122,6 +122,64 @@ pub struct CacheSnapshot {
     pub tiers: Vec<WireEvent>,
 }
 
+/// `GET /cache/curve` on a worker: its live miss-ratio curve (what each tier's hit ratio
+/// would be at other sizes) and the answer to "what would more memory buy".
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CurveReport {
+    /// The worker's role (`prefill`, `decode`, `both`).
+    pub role: String,
+    /// The eviction policy the hit ratios are for.
+    pub policy: String,
+    pub page_size: usize,
+    /// Tensor-parallel ranks: a tier's bytes are every rank's together.
+    pub ranks: usize,
+    /// The sampler's rate, the prompt pages observed, those the window simulations counted.
+    pub sample_rate: f64,
+    pub references: u64,
+    pub window_references: u64,
+    pub prompt_pages_per_second: f64,
+    pub points: Vec<CurvePointReport>,
+    pub gains: Vec<CurveGain>,
+}
+
+/// One point of a [`CurveReport`]: a cache of `scale` × the tier's pages.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CurvePointReport {
+    pub tier: String,
+    pub scale: f64,
+    pub pages: u64,
+    pub bytes: u64,
+    pub hit_ratio: f64,
+    /// Belady's MIN over the recent window (None until simulated).
+    pub belady: Option<f64>,
+}
+
+/// What `added_bytes` more in one tier would have bought over the last five minutes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CurveGain {
+    pub tier: String,
+    pub added_bytes: u64,
+    pub hit_ratio: f64,
+    pub hit_ratio_after: f64,
+    pub saved_prompt_tokens_per_second: f64,
+}
+
+/// `GET /cache/curve` on a router: its workers' curves, and per role the fleet's (each
+/// worker at the same multiple of its own tiers; hit ratios weighted by the prompt pages each
+/// observed, bytes and saved tokens summed).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FleetCurve {
+    pub roles: Vec<CurveReport>,
+    pub workers: Vec<WorkerCurve>,
+}
+
+/// One worker's curve in a [`FleetCurve`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerCurve {
+    pub url: String,
+    pub curve: CurveReport,
+}
+
 /// `POST /pd/prefill`: compute a prompt, ship its K/V to `kv_target`, answer the first token.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]

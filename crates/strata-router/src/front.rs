@@ -31,6 +31,7 @@ pub const OPEN_PATHS: &[&str] = &[
     "/dashboard",
     "/dashboard/data",
     "/dashboard/history",
+    "/cache/curve",
 ];
 
 /// Counts every answer by route, status and worker; for the API routes, also the time to the
@@ -123,7 +124,8 @@ fn known_route(path: &str) -> String {
         | "/metrics"
         | "/workers"
         | "/dashboard"
-        | "/dashboard/data") => p.to_string(),
+        | "/dashboard/data"
+        | "/cache/curve") => p.to_string(),
         _ => "other".to_string(),
     }
 }

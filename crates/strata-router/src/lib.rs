@@ -7,6 +7,7 @@
 //! * [`front`]: the front door: answers counted, latencies, API keys.
 //! * [`metrics`]: the router's `/metrics`, rendered from a snapshot of its figures.
 //! * [`dashboard`], [`scrape`]: the workers' scraped figures, `/dashboard` and its history.
+//! * [`curve`]: `/cache/curve`, the workers' live miss-ratio curves and the fleet's per role.
 //! * [`routes`]: the HTTP API and the cache-event follower.
 //! * [`state`], [`worker`]: what the handlers share.
 //! * [`responses`], [`response_owners`]: `/v1/responses`, a continuation routed to the worker
@@ -16,6 +17,7 @@
 //! bodies, errors, the prompt builder and cluster MACs from `strata-server`.
 
 pub mod cache_index;
+pub mod curve;
 pub mod dashboard;
 pub mod forward;
 pub mod front;

@@ -36,6 +36,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/workers", get(workers))
+        .route("/cache/curve", get(crate::curve::curve))
         .route("/metrics", get(metrics))
         .route("/dashboard", get(crate::dashboard::page))
         .route("/dashboard/data", get(crate::dashboard::data))

@@ -42,6 +42,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/cache/events", get(cache_events))
         .route("/cache/snapshot", get(cache_snapshot))
+        .route("/cache/curve", get(crate::curve::curve))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))

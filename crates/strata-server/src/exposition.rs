@@ -193,25 +193,45 @@ fn curve(t: &mut Text, s: &Snapshot) {
     for p in &c.points {
         let scale = format!("{}", p.scale);
         let l = [("tier", p.tier), ("scale", scale.as_str())];
-        t.sample("strata_cache_curve_hit_ratio", &l, p.hit_ratio);
+        let lp = [
+            ("tier", p.tier),
+            ("scale", scale.as_str()),
+            ("policy", c.policy),
+        ];
+        t.sample("strata_cache_curve_hit_ratio", &lp, p.hit_ratio);
+        if let Some(b) = p.belady {
+            t.sample("strata_cache_curve_belady_hit_ratio", &l, b);
+        }
         t.sample("strata_cache_curve_pages", &l, p.pages as f64);
+        t.sample("strata_cache_curve_bytes", &l, p.bytes as f64);
     }
-    t.sample("strata_cache_curve_sample_rate", &[], c.rate);
-    t.sample(
-        "strata_cache_curve_tracked_pages",
-        &[],
-        c.tracked_pages as f64,
-    );
-    t.sample(
-        "strata_cache_curve_memory_bytes",
-        &[],
-        c.memory_bytes as f64,
-    );
-    t.sample(
-        "strata_cache_curve_references_total",
-        &[],
-        c.references as f64,
-    );
+    for g in &c.gains {
+        let l = [("tier", g.tier)];
+        t.sample("strata_cache_curve_step_bytes", &l, g.added_bytes as f64);
+        t.sample("strata_cache_curve_step_hit_ratio", &l, g.hit_ratio_after);
+        t.sample(
+            "strata_cache_curve_step_saved_prompt_tokens_per_second",
+            &l,
+            g.saved_prompt_tokens_per_second,
+        );
+    }
+    let scalars = [
+        ("strata_cache_curve_sample_rate", c.rate),
+        ("strata_cache_curve_tracked_pages", c.tracked_pages as f64),
+        ("strata_cache_curve_memory_bytes", c.memory_bytes as f64),
+        ("strata_cache_curve_references_total", c.references as f64),
+        (
+            "strata_cache_curve_window_references",
+            c.window_references as f64,
+        ),
+        (
+            "strata_cache_curve_prompt_pages_per_second",
+            c.prompt_pages_per_second,
+        ),
+    ];
+    for (name, v) in scalars {
+        t.sample(name, &[], v);
+    }
 }
 
 /// Prompt tokens that arrived by KV transfer, and the PD counters of the decode side.

@@ -28,13 +28,15 @@
 //! * [`body`]: request bodies read within limits; [`ids`]: request and completion ids;
 //!   [`endpoints`]: `/v1/models`, `/tokenize`, `/detokenize`, `/tokenizer_info`, `/version`;
 //!   [`internal`]: health, the admin flush, the cache views routers read.
-//! * [`exposition`]: a worker's `/metrics` page; [`state`]: what every handler shares.
+//! * [`exposition`]: a worker's `/metrics` page; [`state`]: what every handler shares;
+//!   [`curve`]: `/cache/curve`, the live miss-ratio curve as JSON.
 
 pub mod api;
 pub mod app;
 pub mod auth;
 pub mod body;
 mod choices;
+pub mod curve;
 pub mod endpoints;
 pub mod error;
 pub mod exposition;

@@ -27,7 +27,9 @@ use tokio::sync::oneshot;
 
 pub mod netbed;
 mod proc;
-pub use proc::{connect_from, http1, metrics_text, port_after, post_json, raise_fd_limit, Proc};
+pub use proc::{
+    connect_from, get_json, http1, metrics_text, port_after, post_json, raise_fd_limit, Proc,
+};
 mod redis;
 pub use redis::{redis_cli, Redis, RedisCluster};
 pub mod up;

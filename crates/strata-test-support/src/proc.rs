@@ -177,6 +177,17 @@ pub fn post_json(port: u16, path: &str, body: &serde_json::Value) -> serde_json:
         .unwrap_or_else(|_| panic!("not JSON: {}", String::from_utf8_lossy(&o.stdout)))
 }
 
+/// `GET http://127.0.0.1:PORT{path}` (curl), the answer as JSON (panics with its text when
+/// it is not).
+pub fn get_json(port: u16, path: &str) -> serde_json::Value {
+    let o = std::process::Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{port}{path}")])
+        .output()
+        .expect("curl is missing: install the Debian package curl (scripts/test.sh does)");
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|_| panic!("not JSON: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
 /// `GET /metrics` of the worker or router on 127.0.0.1:`port` (curl), as text.
 pub fn metrics_text(port: u16) -> String {
     let o = std::process::Command::new("curl")

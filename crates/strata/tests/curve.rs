@@ -1,11 +1,16 @@
-//! The live miss-ratio curve on a worker's `/metrics`: every tier's points at 0.25× to 8× its
-//! pages, rising with the size, counting every admitted prompt's whole pages, in a memory that
-//! does not change with the traffic; `--curve-pages 0` turns it off.
+//! The live miss-ratio curve on a worker's `/metrics` and `/cache/curve`: every tier's points
+//! at 0.25× to 8× its pages, rising with the size, Belady's bound beside them, counting every
+//! served prompt's whole pages once (PD: on the prefill and the decode worker), in a memory
+//! that does not change with the traffic; the router's fleet curve per role; `--curve-pages
+//! 0` turns it off.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
+use serde_json::Value;
+use strata_test_support::up::Up;
 use strata_test_support::{
-    metrics_text, port_after, post_json, sample, tiny_model_with_context, Proc,
+    get_json, metrics_text, port_after, post_json, sample, tiny_model_with_context, Proc,
 };
 
 fn serve(model: &Path, extra: &[&str]) -> (Proc, u16) {
@@ -57,7 +62,9 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     assert_eq!(sample(&m, "strata_cache_curve_sample_rate"), 1.0);
     for tier in ["device", "host"] {
         let at = |scale: &str| {
-            let k = format!("strata_cache_curve_hit_ratio{{tier=\"{tier}\",scale=\"{scale}\"}}");
+            let k = format!(
+                "strata_cache_curve_hit_ratio{{tier=\"{tier}\",scale=\"{scale}\",policy=\"lru\"}}"
+            );
             sample(&m, &k)
         };
         let curve: Vec<f64> = ["0.25", "0.5", "1", "2", "4", "8"].map(at).to_vec();
@@ -77,8 +84,125 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
         }
     }
 
+    // The same as JSON, with Belady's bound once the window was simulated (in the background).
+    let c = settled(port, pages as u64);
+    assert_eq!(c["policy"], "lru");
+    for p in c["points"].as_array().unwrap() {
+        let (h, b) = (
+            p["hit_ratio"].as_f64().unwrap(),
+            p["belady"].as_f64().unwrap(),
+        );
+        assert!(h <= b + 0.02, "{p}");
+        assert!(
+            p["bytes"].as_f64().unwrap() >= p["pages"].as_f64().unwrap(),
+            "{p}"
+        );
+    }
+    let host = c["gains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["tier"] == "host")
+        .unwrap();
+    assert_eq!(host["added_bytes"], 1u64 << 30);
+    let saved = host["saved_prompt_tokens_per_second"].as_f64().unwrap();
+    assert!(saved.is_finite() && saved >= 0.0, "{host}");
+    let m = metrics_text(port);
+    assert!(m.contains("strata_cache_curve_belady_hit_ratio{"), "{m}");
+    assert!(m.contains("strata_cache_curve_step_saved_prompt_tokens_per_second{tier=\"host\"}"));
+
     let (_off, port) = serve(&model, &["--curve-pages", "0"]);
     ask(port, &doc);
     let m = metrics_text(port);
     assert!(!m.contains("strata_cache_curve_"), "{m}");
+    let (status, _) = strata_test_support::http1(port, "GET", "/cache/curve", "", "");
+    assert_eq!(status, 404);
+}
+
+/// `/cache/curve` of the worker on `port` once its window simulations counted `refs`
+/// references (they run in the background).
+fn settled(port: u16, refs: u64) -> Value {
+    let t = Instant::now();
+    loop {
+        let c = get_json(port, "/cache/curve");
+        if c["window_references"].as_u64() == Some(refs) {
+            return c;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "never settled: {c}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Under PD (decode-side reuse on), the prefill and the decode worker each count every
+/// request's prompt pages once (a request the decode worker handed back and took again with
+/// its K/V too), and the router's `/cache/curve` has a fleet curve per role.
+#[test]
+fn pd_workers_count_each_prompt_once_and_the_router_draws_the_fleet() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model_with_context(d.path(), 2048);
+    let cfg = r#"host = "127.0.0.1"
+smoke_test = false
+[router]
+port = 0
+[[prefill]]
+port = 0
+args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB"]
+[[decode]]
+port = 0
+args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB", "--pd-local-prefill-tokens", "0"]
+"#;
+    let path = d.path().join("up.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let state = d.path().join("state");
+    let mut up = Up::start(env!("CARGO_BIN_EXE_strata"), &path, &model, &state, &[]);
+    let ready = up.ready(120);
+    let (r, pp, dp) = (
+        ready.router,
+        ready.port("prefill-0"),
+        ready.port("decode-0"),
+    );
+    // A document asked about four times (the decode worker holds it from the second on),
+    // and four one-off prompts (handed back: nothing held).
+    let doc: Vec<u32> = (0..320).map(|j| 3 + (j * 7) % 250).collect();
+    let mut pages = 0u64;
+    for i in 0..8u32 {
+        let mut p = if i % 2 == 0 {
+            doc.clone()
+        } else {
+            (0..320).map(|j| 3 + (i * 131 + j * 17) % 250).collect()
+        };
+        p.extend([5 + i, 6, 7]);
+        let body = serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0});
+        let a = post_json(r, "/v1/completions", &body);
+        assert!(a["choices"][0]["text"].is_string(), "{a}");
+        pages += (p.len() / 16) as u64;
+    }
+    for port in [pp, dp] {
+        let m = metrics_text(port);
+        assert_eq!(
+            sample(&m, "strata_cache_curve_references_total"),
+            pages as f64,
+            "{m}"
+        );
+    }
+    let t = Instant::now();
+    let fleet = loop {
+        let f = get_json(r, "/cache/curve");
+        let roles: Vec<&str> = f["roles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c["role"].as_str())
+            .collect();
+        if roles == ["prefill", "decode"] {
+            break f;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "{f}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for role in fleet["roles"].as_array().unwrap() {
+        assert_eq!(role["references"].as_u64(), Some(pages), "{role}");
+        assert!(!role["points"].as_array().unwrap().is_empty(), "{role}");
+    }
+    assert_eq!(fleet["workers"].as_array().unwrap().len(), 2);
 }

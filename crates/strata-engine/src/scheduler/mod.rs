@@ -28,6 +28,7 @@ mod commands;
 mod constrained;
 mod export;
 mod prompt_logprobs;
+mod publish;
 mod remote;
 
 use constrained::{commit, masks_of};
@@ -276,6 +277,9 @@ impl Scheduler {
                 self.blocked_at = Some(self.progress);
                 break;
             };
+            if r.remote == Remote::No {
+                self.cache.observe(prompt); // a remote one once it is not handed back (park)
+            }
             lease.set_shared_prefix(r.params.shared_prefix);
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -317,6 +321,7 @@ impl Scheduler {
             return false;
         };
         lease.set_shared_prefix(r.params.shared_prefix);
+        self.cache.observe(&r.tokens[..r.prompt_len]);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let mut kv = r.import.take().expect("imported request");
@@ -358,7 +363,7 @@ impl Scheduler {
             if !self.cache.advance(lease) {
                 continue;
             }
-            match remote::park(&self.cache, r) {
+            match remote::park(&mut self.cache, r) {
                 Some(true) => {
                     self.progress += 1;
                     handed_back |= r.remote == Remote::HandedBack;
@@ -652,36 +657,6 @@ impl Scheduler {
                 cached: r.cached,
             });
         }
-    }
-
-    fn publish(&mut self) {
-        let events = self.cache.take_events();
-        if !events.is_empty() {
-            let mut log = self.shared.events.lock().expect("event log lock");
-            for e in events {
-                log.push(e);
-            }
-        }
-        let s = &mut self.snap;
-        s.cache = *self.cache.stats();
-        s.storage = self.cache.storage().map(|st| st.stats());
-        s.device = self.cache.device_usage();
-        s.host = self.cache.host_usage();
-        (s.device_window, s.host_window) = self.cache.window_usage();
-        s.pools = self.cache.pool_usage();
-        if self.cache.curve_references() != s.curve.as_ref().map(|c| c.references) {
-            s.curve = self.cache.curve();
-        }
-        s.device_pages_held = self
-            .active
-            .iter()
-            .map(|r| r.lease().own_pages() as u64)
-            .sum();
-        s.waiting = self.shared.waiting.load(Ordering::SeqCst);
-        s.running = self.active.len();
-        s.tokens_in_flight = self.shared.tokens_in_flight.load(Ordering::SeqCst);
-        s.copies_in_flight = self.cache.in_flight();
-        *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
     }
 }
 

@@ -34,7 +34,7 @@ pub(super) enum Remote {
 
 /// A request whose lease just became ready: for a remote one, sends `Event::Held` and returns
 /// whether it now waits for the K/V (true) or computes here (false); None for others.
-pub(super) fn park(cache: &TieredCache, r: &mut Req) -> Option<bool> {
+pub(super) fn park(cache: &mut TieredCache, r: &mut Req) -> Option<bool> {
     let Remote::Wanted { local } = r.remote else {
         return None;
     };
@@ -51,6 +51,10 @@ pub(super) fn park(cache: &TieredCache, r: &mut Req) -> Option<bool> {
         (_, true) => Remote::Awaiting,
         _ => Remote::No,
     };
+    if r.remote != Remote::HandedBack {
+        // One handed back is observed when it comes back with its K/V.
+        cache.observe(&r.tokens[..r.prompt_len]);
+    }
     Some(prefill)
 }
 

@@ -1,70 +1,251 @@
-//! The cache's live miss-ratio curve: every admitted prompt's whole pages, once, into a SHARDS
+//! The cache's live miss-ratio curve: every served prompt's whole pages, once, into a SHARDS
 //! sampler ([`crate::mrc::Shards`]), read at multiples of each tier's pages.
 //!
 //! The pages are named by a chain hash under a namespace of this process's own random key (not
 //! the deployment's page hashes, which other processes know), so the sampler's choice of pages
-//! depends on nothing a client can see. A request is observed when it is admitted
-//! ([`TieredCache::admit`]): an admission retried after a wait is counted once.
+//! depends on nothing a client can see. The engine observes each request's prompt once
+//! ([`TieredCache::observe`]): when it is admitted, when its K/V arrive whole from a prefill
+//! worker, or (PD with decode-side reuse) once it is known not to be handed back, so a
+//! request handed back and submitted again with its K/V counts once.
+//!
+//! The LRU curve comes from the sampler's reuse distances over all traffic seen. Belady's MIN,
+//! and the curve of a policy other than LRU, come from miniature simulations over the
+//! sampler's recent window ([`crate::mrc::mini`]), run on a thread of their own so that the
+//! request path never waits for them, at most about 2 % of that thread's time.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::TieredCache;
 use crate::hash::{HashNamespace, PageHash};
-use crate::mrc::Shards;
+use crate::layout::Class;
+use crate::mrc::{mini, Shards};
+use crate::policy::EvictionPolicy;
 
 /// Multiples of a tier's pages the curve is read at.
 pub const CURVE_SCALES: [f64; 6] = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0];
 
-/// The sampler and the namespace its pages are named in.
+/// Bounds on the pause between two window simulations: 50 × the last one's time, within.
+const PAUSE: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(30));
+
+/// The span the prompt page rate is measured over, and how often it is sampled.
+const RATE_SPAN: Duration = Duration::from_secs(300);
+const RATE_EVERY: Duration = Duration::from_secs(5);
+
+/// The sampler, the namespace its pages are named in, and the window's simulations.
 pub(super) struct CurveState {
     shards: Shards,
     ns: HashNamespace,
+    policy: EvictionPolicy,
+    sims: Sims,
+    /// Bytes the answer adds to each tier.
+    step_bytes: u64,
+    /// (when, references then), every [`RATE_EVERY`] over the last [`RATE_SPAN`] and now.
+    seen: VecDeque<(Instant, u64)>,
+    /// Samples taken into `seen` (the rate moved when this did).
+    samples: u64,
+}
+
+/// The window's simulations: a thread taking one job at a time, and its last result.
+struct Sims {
+    tx: SyncSender<Job>,
+    last: Arc<Mutex<Option<Window>>>,
+    /// When the last job was sent, the window's position then, and the pause before the next.
+    sent: Option<(Instant, u64)>,
+    pause: Arc<Mutex<Duration>>,
+}
+
+struct Job {
+    refs: Vec<u64>,
+    wrapped: bool,
+    rate: f64,
+    /// Cache sizes in pages of the whole stream.
+    sizes: Vec<f64>,
+    policy: EvictionPolicy,
+}
+
+/// What the miniature simulations found over the window, at each of `sizes`.
+#[derive(Clone, Debug, PartialEq)]
+struct Window {
+    sizes: Vec<f64>,
+    belady: Vec<f64>,
+    policy: Vec<f64>,
+    references: u64,
+    /// Results so far (the curve's version moves with it).
+    generation: u64,
 }
 
 impl CurveState {
     /// The curve of [`super::CacheConfig::curve_pages`] pages (0: none).
-    pub(super) fn of(max_pages: usize) -> Result<Option<CurveState>, super::CacheError> {
-        (max_pages > 0)
-            .then(|| CurveState::new(max_pages))
+    pub(super) fn of(
+        pages: usize,
+        policy: EvictionPolicy,
+        step_bytes: u64,
+    ) -> Result<Option<CurveState>, super::CacheError> {
+        (pages > 0)
+            .then(|| CurveState::new(pages, policy, step_bytes))
             .transpose()
-            .map_err(|e| super::CacheError::Random(e.to_string()))
     }
 
     /// A sampler tracking at most `max_pages` pages, under a fresh random key.
-    pub(super) fn new(max_pages: usize) -> Result<CurveState, getrandom::Error> {
+    fn new(
+        max_pages: usize,
+        policy: EvictionPolicy,
+        step_bytes: u64,
+    ) -> Result<CurveState, super::CacheError> {
+        let random = |e: getrandom::Error| super::CacheError::Random(e.to_string());
         let mut key = [0u8; 32];
-        getrandom::fill(&mut key)?;
+        getrandom::fill(&mut key).map_err(random)?;
+        let (tx, rx) = sync_channel::<Job>(1);
+        let last: Arc<Mutex<Option<Window>>> = Arc::new(Mutex::new(None));
+        let pause = Arc::new(Mutex::new(PAUSE.0));
+        let (out, wait) = (last.clone(), pause.clone());
+        std::thread::Builder::new()
+            .name("strata-curve".into())
+            .spawn(move || {
+                // Ends when the cache (the sender) is dropped.
+                while let Ok(job) = rx.recv() {
+                    let t = Instant::now();
+                    let mut w = simulate(&job);
+                    let mut slot = out.lock().expect("curve lock");
+                    w.generation = slot.as_ref().map_or(1, |p| p.generation + 1);
+                    *slot = Some(w);
+                    *wait.lock().expect("curve lock") = (t.elapsed() * 50).clamp(PAUSE.0, PAUSE.1);
+                }
+            })
+            .map_err(|e| super::CacheError::Thread(e.to_string()))?;
         Ok(CurveState {
-            shards: Shards::with_random_key(max_pages, 1.0)?,
+            shards: Shards::with_random_key(max_pages, 1.0).map_err(random)?,
             ns: HashNamespace::from_key(key),
+            policy,
+            sims: Sims {
+                tx,
+                last,
+                sent: None,
+                pause,
+            },
+            step_bytes,
+            seen: VecDeque::from([(Instant::now(), 0)]),
+            samples: 0,
         })
+    }
+
+    /// Prompt pages observed per second over the last [`RATE_SPAN`] (since the start when
+    /// younger).
+    fn pages_per_second(&self) -> f64 {
+        let (t0, r0) = *self.seen.front().expect("one sample at least");
+        let secs = t0.elapsed().as_secs_f64();
+        match secs > 0.0 {
+            true => self.shards.references().saturating_sub(r0) as f64 / secs,
+            false => 0.0,
+        }
+    }
+
+    /// Samples the reference count for the rate, and forgets samples past the span.
+    fn note_rate(&mut self) {
+        let now = Instant::now();
+        if self.seen.back().is_none_or(|&(t, _)| now - t >= RATE_EVERY) {
+            self.seen.push_back((now, self.shards.references()));
+            self.samples += 1;
+        }
+        while self.seen.len() > 1 && now - self.seen[1].0 >= RATE_SPAN {
+            self.seen.pop_front();
+        }
     }
 }
 
-/// One point of the curve: the LRU hit ratio of whole prompt pages a cache of `pages` pages
-/// (`scale` × the tier's) would have had over the traffic seen.
+/// Runs one job: Belady and the policy at each size, over the window (its second half counted
+/// when older references have left it, the first warming the caches).
+fn simulate(job: &Job) -> Window {
+    let (ids, n) = mini::dense(&job.refs);
+    let from = if job.wrapped { ids.len() / 2 } else { 0 };
+    let counted = (ids.len() - from).max(1) as f64;
+    let all = mini::reuses(&ids, n, from);
+    let (mut belady, mut policy) = (Vec::new(), Vec::new());
+    for &size in &job.sizes {
+        let cap = (size * job.rate).round();
+        let cap = if cap.is_finite() { cap as usize } else { 0 };
+        let (b, p) = if cap >= n {
+            (all, all)
+        } else {
+            (
+                mini::belady(&ids, n, cap, from),
+                mini::policy(job.policy, &ids, n, cap, from),
+            )
+        };
+        belady.push(b as f64 / counted);
+        policy.push(p as f64 / counted);
+    }
+    Window {
+        sizes: job.sizes.clone(),
+        belady,
+        policy,
+        references: (ids.len() - from) as u64,
+        generation: 0,
+    }
+}
+
+/// One point of the curve: the hit ratio of whole prompt pages a cache of `pages` pages
+/// (`scale` × the tier's, `bytes` with their window state) would have had.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CurvePoint {
     /// `device`, `host`, or the L3 tier's own name (`disk`, `remote`, `disk+remote`).
     pub tier: &'static str,
     pub scale: f64,
     pub pages: u64,
+    /// What the pages cost in the tier: main pages, and window pages in the tier's proportion
+    /// of window to main pages (the plan sizes it by the residency rule).
+    pub bytes: u64,
+    /// Under the worker's policy: LRU over all traffic seen (reuse distances), another policy
+    /// over the recent window (a miniature simulation).
     pub hit_ratio: f64,
+    /// Belady's MIN over the recent window (None until the first simulation).
+    pub belady: Option<f64>,
+}
+
+/// The answer: what [`super::CacheConfig::curve_step_bytes`] more in one tier would have
+/// bought over the last five minutes, as if that tier were the last (its hits counted whether
+/// or not a tier below would have served them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gain {
+    pub tier: &'static str,
+    pub added_bytes: u64,
+    /// The hit ratio at today's size, and with the bytes added.
+    pub hit_ratio: f64,
+    pub hit_ratio_after: f64,
+    /// Prompt tokens per second the added bytes would have served from the cache instead of
+    /// computing them (the hit ratio's gain × the prompt pages per second × the page size).
+    pub saved_prompt_tokens_per_second: f64,
 }
 
 /// The curve and what its sampler holds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Curve {
+    /// The eviction policy the hit ratios are for.
+    pub policy: &'static str,
     /// The sampling rate now (it falls as the working set outgrows the budget).
     pub rate: f64,
     pub tracked_pages: usize,
     pub memory_bytes: usize,
     /// Prompt pages observed.
     pub references: u64,
+    /// Sampled references the window's simulations counted.
+    pub window_references: u64,
+    /// Prompt pages observed per second over the last five minutes.
+    pub prompt_pages_per_second: f64,
+    /// Moves whenever the curve would read differently ([`TieredCache::curve_tick`]).
+    pub version: u64,
     pub points: Vec<CurvePoint>,
+    /// One per tier whose points are known.
+    pub gains: Vec<Gain>,
 }
 
 impl TieredCache {
-    /// Counts one admitted prompt's whole pages into the curve (nothing without one).
-    pub(super) fn observe(&mut self, prompt: &[u32]) {
+    /// Counts one request's prompt's whole pages into the curve (nothing without one): call it
+    /// once per request the worker serves.
+    pub fn observe(&mut self, prompt: &[u32]) {
         let ps = self.page_size();
         let Some(c) = self.curve.as_mut() else {
             return;
@@ -76,50 +257,289 @@ impl TieredCache {
         }
     }
 
-    /// Prompt pages the curve has observed (None: no curve): a caller that keeps the last
-    /// [`TieredCache::curve`] reads it again only when this moved.
-    pub fn curve_references(&self) -> Option<u64> {
-        self.curve.as_ref().map(|c| c.shards.references())
+    /// Starts the window's simulations when they are due (new references, and the pause
+    /// after the last one over), without waiting for them; returns the curve's version (None:
+    /// no curve): a caller that keeps the last [`TieredCache::curve`] reads it again only when
+    /// this moved.
+    pub fn curve_tick(&mut self) -> Option<u64> {
+        let tiers = self.curve_tiers();
+        let c = self.curve.as_mut()?;
+        c.note_rate();
+        let recorded = c.shards.recorded();
+        let pause = *c.sims.pause.lock().expect("curve lock");
+        let due = match c.sims.sent {
+            None => recorded > 0,
+            Some((at, seen)) => recorded > seen && at.elapsed() >= pause,
+        };
+        if due {
+            let (refs, wrapped) = c.shards.recent();
+            let job = Job {
+                refs,
+                wrapped,
+                rate: c.shards.rate(),
+                sizes: sizes(&tiers),
+                policy: c.policy,
+            };
+            // Busy: the next tick sends it.
+            if c.sims.tx.try_send(job).is_ok() {
+                c.sims.sent = Some((Instant::now(), recorded));
+            }
+        }
+        let generation = c
+            .sims
+            .last
+            .lock()
+            .expect("curve lock")
+            .as_ref()
+            .map_or(0, |w| w.generation);
+        Some(c.shards.references() + generation + c.samples)
     }
 
-    /// The curve at [`CURVE_SCALES`] of the device, host and (with a known capacity) L3
-    /// tiers' pages, each tier counting the tiers above it in (a tier of N pages: a cache of
-    /// N pages); None when the cache keeps none ([`super::CacheConfig::curve_pages`] 0).
-    pub fn curve(&self) -> Option<Curve> {
-        let c = self.curve.as_ref()?;
-        let page_bytes = self.layout.page_bytes().max(1) as u64;
+    /// The tiers the curve is read for: name, main pages, bytes a main page costs with its
+    /// share of window pages. L3 only with a known capacity; each tier counts the tiers above
+    /// it in (a tier of N pages: a cache of N pages).
+    fn curve_tiers(&self) -> Vec<(&'static str, u64, f64)> {
+        let main = self.layout.class_bytes(Class::Main) as f64;
+        let win = self.layout.class_bytes(Class::Window) as f64;
+        let (dw, hw) = self.window_usage();
+        let cost = |pages: u64, wpages: u64| match pages {
+            0 => main + win,
+            p => main + win * wpages as f64 / p as f64,
+        };
+        let (d, h) = (
+            self.device_usage().pages_total,
+            self.host_usage().pages_total,
+        );
         let mut tiers = vec![
-            ("device", self.device_usage().pages_total),
-            ("host", self.host_usage().pages_total),
+            ("device", d, cost(d, dw.pages_total)),
+            ("host", h, cost(h, hw.pages_total)),
         ];
         if let Some(st) = self.storage() {
             let cap = st.stats().capacity_bytes;
+            let per = cost(h, hw.pages_total).max(1.0);
             if cap > 0 && cap < u64::MAX {
-                tiers.push((st.tier(), cap / page_bytes));
+                tiers.push((st.tier(), (cap as f64 / per) as u64, per));
             }
         }
-        let sizes: Vec<f64> = tiers
+        tiers
+    }
+
+    /// The curve at [`CURVE_SCALES`] of the device, host and (with a known capacity) L3
+    /// tiers' pages; None when the cache keeps none ([`super::CacheConfig::curve_pages`] 0).
+    /// Under a policy other than LRU, points come once the window was simulated.
+    pub fn curve(&self) -> Option<Curve> {
+        let tiers = self.curve_tiers();
+        let c = self.curve.as_ref()?;
+        let sizes = sizes(&tiers);
+        let window = c.sims.last.lock().expect("curve lock").clone();
+        let generation = window.as_ref().map_or(0, |w| w.generation);
+        // Another tier's size since (an L3 store's capacity): not these points'.
+        let window = window.filter(|w| w.sizes == sizes);
+        let ratios = match (c.policy, &window) {
+            (EvictionPolicy::Lru, _) => c.shards.hit_ratios(&sizes),
+            (_, Some(w)) => w.policy.clone(),
+            (_, None) => Vec::new(),
+        };
+        let points: Vec<CurvePoint> = tiers
             .iter()
-            .flat_map(|&(_, pages)| CURVE_SCALES.map(|s| s * pages as f64))
-            .collect();
-        let ratios = c.shards.hit_ratios(&sizes);
-        let points = tiers
-            .iter()
-            .flat_map(|&(tier, pages)| CURVE_SCALES.map(move |scale| (tier, scale, pages)))
+            .flat_map(|&(tier, pages, cost)| CURVE_SCALES.map(move |s| (tier, s, pages, cost)))
             .zip(ratios)
-            .map(|((tier, scale, pages), hit_ratio)| CurvePoint {
+            .enumerate()
+            .map(|(i, ((tier, scale, pages, cost), hit_ratio))| CurvePoint {
                 tier,
                 scale,
                 pages: (scale * pages as f64) as u64,
+                bytes: (scale * pages as f64 * cost) as u64,
                 hit_ratio,
+                belady: window.as_ref().map(|w| w.belady[i]),
             })
             .collect();
         Some(Curve {
+            policy: c.policy.name(),
             rate: c.shards.rate(),
             tracked_pages: c.shards.tracked(),
             memory_bytes: c.shards.memory_bytes(),
             references: c.shards.references(),
+            window_references: window.as_ref().map_or(0, |w| w.references),
+            prompt_pages_per_second: c.pages_per_second(),
+            version: c.shards.references() + generation + c.samples,
+            gains: gains(c, &tiers, &points, self.page_size()),
             points,
         })
+    }
+}
+
+/// [`Gain`] of each tier whose points are known: LRU read from the sampler at the size, other
+/// policies between their points (past the largest: its value).
+fn gains(
+    c: &CurveState,
+    tiers: &[(&'static str, u64, f64)],
+    points: &[CurvePoint],
+    page_size: usize,
+) -> Vec<Gain> {
+    let per_second = c.pages_per_second() * page_size as f64;
+    tiers
+        .iter()
+        .filter(|&&(tier, ..)| points.iter().any(|p| p.tier == tier))
+        .map(|&(tier, pages, cost)| {
+            let (now, after) = (
+                pages as f64,
+                pages as f64 + c.step_bytes as f64 / cost.max(1.0),
+            );
+            let [hit_ratio, hit_ratio_after] = match c.policy {
+                EvictionPolicy::Lru => {
+                    let h = c.shards.hit_ratios(&[now, after]);
+                    [h[0], h[1]]
+                }
+                _ => {
+                    let of = points.iter().filter(|p| p.tier == tier);
+                    let xy: Vec<(f64, f64)> = of.map(|p| (p.pages as f64, p.hit_ratio)).collect();
+                    [between(&xy, now), between(&xy, after)]
+                }
+            };
+            Gain {
+                tier,
+                added_bytes: c.step_bytes,
+                hit_ratio,
+                hit_ratio_after,
+                saved_prompt_tokens_per_second: (hit_ratio_after - hit_ratio).max(0.0) * per_second,
+            }
+        })
+        .collect()
+}
+
+/// `xy` (ascending x) read at `x` by straight lines; before the first point its value times
+/// the fraction of its x, past the last the last value.
+fn between(xy: &[(f64, f64)], x: f64) -> f64 {
+    let Some(&(x0, y0)) = xy.first() else {
+        return 0.0;
+    };
+    if x <= x0 {
+        return if x0 > 0.0 { y0 * (x / x0).max(0.0) } else { y0 };
+    }
+    for w in xy.windows(2) {
+        let ((a, ya), (b, yb)) = (w[0], w[1]);
+        if x <= b {
+            return if b > a {
+                ya + (yb - ya) * (x - a) / (b - a)
+            } else {
+                yb
+            };
+        }
+    }
+    xy.last().map_or(0.0, |p| p.1)
+}
+
+/// Cache sizes (pages) of the curve's points, tier by tier.
+fn sizes(tiers: &[(&'static str, u64, f64)]) -> Vec<f64> {
+    tiers
+        .iter()
+        .flat_map(|&(_, pages, _)| CURVE_SCALES.map(|s| s * pages as f64))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::CacheConfig;
+    use crate::layout::{PageLayout, PoolKind};
+    use crate::memory::HeapAllocator;
+
+    fn cache(policy: EvictionPolicy, layout: PageLayout, dev: u32, host: u32) -> TieredCache {
+        let mut cfg = CacheConfig::new(layout, dev, host);
+        cfg.with_data = false;
+        cfg.eviction = policy;
+        cfg.curve_pages = 4096;
+        cfg.curve_step_bytes = 64 * 4 * 16;
+        if cfg.layout.has_window() {
+            cfg.device_window_pages = dev / 4;
+            cfg.host_window_pages = host / 4;
+        }
+        TieredCache::new(cfg, &HeapAllocator, None).unwrap()
+    }
+
+    /// Prompts of 8 pages of 4 tokens: a few shared documents among one-off ones.
+    fn traffic(c: &mut TieredCache, n: u32) {
+        for i in 0..n {
+            let doc = if i % 3 == 0 { i % 7 } else { 1000 + i };
+            let p: Vec<u32> = (0..32).map(|j| doc * 64 + j).collect();
+            c.observe(&p);
+        }
+    }
+
+    /// Ticks until the window's simulations counted `refs` references.
+    fn settled(c: &mut TieredCache, refs: u64) -> Curve {
+        for _ in 0..2000 {
+            c.curve_tick();
+            let k = c.curve().unwrap();
+            if k.window_references == refs {
+                return k;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("the window's simulations never counted {refs} references");
+    }
+
+    fn kv() -> PageLayout {
+        PageLayout::new(4, vec![PoolKind::kv("kv", 1, 1, 8, 2)]).unwrap()
+    }
+
+    #[test]
+    fn belady_bounds_every_policy_and_more_bytes_never_hurt() {
+        for policy in EvictionPolicy::ALL {
+            let mut c = cache(policy, kv(), 16, 64);
+            traffic(&mut c, 300);
+            let k = settled(&mut c, 300 * 8);
+            assert_eq!(k.policy, policy.name());
+            assert_eq!(k.points.len(), 12, "{k:?}");
+            for p in &k.points {
+                let b = p.belady.expect("simulated");
+                // LRU's own curve interpolates its distance buckets: near, not at, MIN.
+                assert!(p.hit_ratio <= b + 0.02, "{}: {p:?}", policy.name());
+                assert!((0.0..=1.0).contains(&p.hit_ratio), "{p:?}");
+            }
+            for t in ["device", "host"] {
+                let h: Vec<f64> = k
+                    .points
+                    .iter()
+                    .filter(|p| p.tier == t)
+                    .map(|p| p.belady.unwrap())
+                    .collect();
+                assert!(h.windows(2).all(|w| w[0] <= w[1]), "{t}: {h:?}");
+            }
+            assert_eq!(k.gains.len(), 2);
+            for g in &k.gains {
+                assert!(g.hit_ratio_after >= g.hit_ratio, "{g:?}");
+                assert!(g.saved_prompt_tokens_per_second.is_finite(), "{g:?}");
+                assert!(g.saved_prompt_tokens_per_second >= 0.0, "{g:?}");
+            }
+            assert!(k.prompt_pages_per_second > 0.0);
+        }
+    }
+
+    #[test]
+    fn a_window_kind_counts_its_share_of_window_pages_in_the_bytes() {
+        let layout = PageLayout::new(
+            4,
+            vec![
+                PoolKind::kv("kv", 1, 1, 8, 2),
+                PoolKind::kv("swa", 1, 1, 8, 2).with_window(8),
+            ],
+        )
+        .unwrap();
+        let c = cache(EvictionPolicy::Lru, layout, 16, 64);
+        let k = c.curve().unwrap();
+        // A main page 2 planes × 16 bytes × 4 tokens = 128 bytes, a window page as much, one
+        // window page for four main pages.
+        let one = |t: &str| {
+            k.points
+                .iter()
+                .find(|p| p.tier == t && p.scale == 1.0)
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(one("device").bytes, 16 * 128 + 4 * 128);
+        assert_eq!(one("host").bytes, 64 * 128 + 16 * 128);
+        assert_eq!(one("host").pages, 64);
     }
 }

@@ -257,7 +257,6 @@ impl TieredCache {
             spare = self.alloc_windows_upto(want);
         }
         self.record(&m);
-        self.observe(prompt);
         let mut m = m;
         let phase = self.start_prefetch(prompt, &mut m, prefetch);
         let mut held = Held {

@@ -49,6 +49,8 @@ pub struct CacheConfig {
     pub copy_threads: usize,
     /// Pages the live miss-ratio curve may track (`curve.rs`; 0: no curve).
     pub curve_pages: usize,
+    /// Bytes the curve's answer adds to each tier ([`curve::Gain`]; a worker: 1 GiB per rank).
+    pub curve_step_bytes: u64,
 }
 
 /// Default [`CacheConfig::gdsf_history`].
@@ -71,6 +73,7 @@ impl CacheConfig {
             with_data: true,
             copy_threads: 1,
             curve_pages: 0,
+            curve_step_bytes: 1 << 30,
         }
     }
 }
@@ -120,6 +123,8 @@ pub enum CacheError {
     Page(#[from] PageError),
     #[error("no random key for the miss-ratio curve's sampler: {0}")]
     Random(String),
+    #[error("no thread for the miss-ratio curve's simulations: {0}")]
+    Thread(String),
 }
 
 /// An in-flight copy; its pages are usable once [`TieredCache::wait`] returns or
@@ -279,7 +284,7 @@ impl TieredCache {
         let engine = cfg
             .with_data
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
-        let curve = curve::CurveState::of(cfg.curve_pages)?;
+        let curve = curve::CurveState::of(cfg.curve_pages, cfg.eviction, cfg.curve_step_bytes)?;
         Ok(TieredCache {
             tree,
             write_policy: cfg.write_policy,

@@ -1,0 +1,40 @@
+//! The scheduler's snapshot: what `/metrics`, `/health` and the router read, published after
+//! every step.
+
+use std::sync::atomic::Ordering;
+
+use super::Scheduler;
+
+impl Scheduler {
+    /// Copies the cache's statistics, usage, events and curve and the queue's counts into the
+    /// shared snapshot.
+    pub(super) fn publish(&mut self) {
+        let events = self.cache.take_events();
+        if !events.is_empty() {
+            let mut log = self.shared.events.lock().expect("event log lock");
+            for e in events {
+                log.push(e);
+            }
+        }
+        let s = &mut self.snap;
+        s.cache = *self.cache.stats();
+        s.storage = self.cache.storage().map(|st| st.stats());
+        s.device = self.cache.device_usage();
+        s.host = self.cache.host_usage();
+        (s.device_window, s.host_window) = self.cache.window_usage();
+        s.pools = self.cache.pool_usage();
+        if self.cache.curve_tick() != s.curve.as_ref().map(|c| c.version) {
+            s.curve = self.cache.curve();
+        }
+        s.device_pages_held = self
+            .active
+            .iter()
+            .map(|r| r.lease().own_pages() as u64)
+            .sum();
+        s.waiting = self.shared.waiting.load(Ordering::SeqCst);
+        s.running = self.active.len();
+        s.tokens_in_flight = self.shared.tokens_in_flight.load(Ordering::SeqCst);
+        s.copies_in_flight = self.cache.in_flight();
+        *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
+    }
+}
