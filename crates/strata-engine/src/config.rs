@@ -1,8 +1,11 @@
 //! The engine's configuration: scheduling limits and admission bounds.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use strata_kv::PrefetchPolicy;
+
+use crate::record::TraceRecorder;
 
 /// Scheduling limits.
 #[derive(Clone, Debug)]
@@ -33,6 +36,9 @@ pub struct EngineConfig {
     /// starts with this token id. Never set in production; it exists so that tests can check
     /// what a dead engine does to `/health` and to a supervisor.
     pub fault_panic_token: Option<u32>,
+    /// Records every served request into a Mooncake-format trace (`strata serve
+    /// --record-trace`); None: nothing recorded.
+    pub record_trace: Option<Arc<Mutex<TraceRecorder>>>,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +55,7 @@ impl Default for EngineConfig {
             max_queue_time: None,
             stall_after: Duration::from_secs(60),
             fault_panic_token: None,
+            record_trace: None,
         }
     }
 }

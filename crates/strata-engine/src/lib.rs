@@ -13,10 +13,13 @@
 //! * `config` ([`EngineConfig`]) and `state` (what the handles and the scheduler share:
 //!   counters, the [`EventLog`], the latest [`Snapshot`]), both re-exported from [`handle`].
 //! * [`transfer`]: KV transfer between workers (framed, checksummed, a handshake first).
+//! * [`record`]: the served requests as a Mooncake-format trace (keyed page hashes, no
+//!   tokens; `strata serve --record-trace`).
 
 mod config;
 pub mod constraint;
 pub mod handle;
+pub mod record;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

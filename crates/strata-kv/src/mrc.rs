@@ -50,6 +50,8 @@ pub struct Shards {
     cold: f64,
     /// Every reference, sampled or not.
     seen: u64,
+    /// Pages of prompt no size serves ([`Shards::add_misses`]).
+    misses: f64,
     /// The last sampled references' sampling hashes (a ring of fixed size: the window the
     /// miniature simulations replay, [`Shards::recent`]).
     recent: Vec<u64>,
@@ -78,6 +80,7 @@ impl Shards {
             hist: vec![0.0; OCTAVES * SUB],
             cold: 0.0,
             seen: 0,
+            misses: 0.0,
             recent: vec![0; 2 * max_tracked],
             recorded: 0,
         }
@@ -124,16 +127,28 @@ impl Shards {
     }
 
     /// The recent window of sampled references (at most twice the tracked budget), oldest
-    /// first, as sampling hashes (one per page), only those of pages sampled at today's rate;
-    /// and whether older sampled references have left it (false: it holds every one).
+    /// first, as sampling hashes (one per page; the low bit set where the reference counts,
+    /// clear for [`Shards::touch`]), only those of pages sampled at today's rate; and whether
+    /// older sampled references have left it (false: it holds every one).
     pub fn recent(&self) -> (Vec<u64>, bool) {
         let n = self.recent.len() as u64;
         let start = self.recorded.saturating_sub(n);
         let v = (start..self.recorded)
             .map(|i| self.recent[(i % n) as usize])
-            .filter(|&s| s < self.threshold)
+            .filter(|&s| s & !1 < self.threshold)
             .collect();
         (v, start > 0)
+    }
+
+    /// The share of the curve's denominator that whole prompt pages are (the rest:
+    /// [`Shards::add_misses`]); miniature simulations over pages scale their ratios by it.
+    pub fn page_share(&self) -> f64 {
+        let total = self.seen as f64 + self.misses;
+        if total > 0.0 {
+            self.seen as f64 / total
+        } else {
+            1.0
+        }
     }
 
     /// Sampled references recorded so far (the window moved when this did).
@@ -141,26 +156,50 @@ impl Shards {
         self.recorded
     }
 
-    /// One reference to page `h`.
+    /// One reference to page `h`: a hit or a miss of the curve.
     pub fn access(&mut self, h: &PageHash) {
-        self.seen += 1;
+        self.reference(h, true);
+    }
+
+    /// Page `h` entered the cache without being asked for (a request's generated tokens,
+    /// cached when it ends): it becomes the most recent, and counts as neither hit nor miss.
+    pub fn touch(&mut self, h: &PageHash) {
+        self.reference(h, false);
+    }
+
+    /// `pages` of prompt that no cache size serves (the part of a page a prompt ends in, its
+    /// last token's page): counted in the ratio's denominator only, so that hit ratios are of
+    /// prompt tokens, as the cache's own hit rate is. Non-finite or negative: ignored.
+    pub fn add_misses(&mut self, pages: f64) {
+        if pages.is_finite() && pages > 0.0 {
+            self.misses += pages;
+        }
+    }
+
+    fn reference(&mut self, h: &PageHash, counted: bool) {
+        self.seen += counted as u64;
         let s = self.sample_hash(h);
         if s >= self.threshold {
             return;
         }
         let weight = 1.0 / self.rate().max(f64::MIN_POSITIVE);
         let n = self.recent.len() as u64;
-        self.recent[(self.recorded % n) as usize] = s;
+        // The low bit says whether the reference counts (the sampling hash keeps the rest).
+        self.recent[(self.recorded % n) as usize] = (s & !1) | counted as u64;
         self.recorded += 1;
         match self.tracked.remove(h) {
             Some((slot, _)) => {
-                let since = self.prefix(self.now) - self.prefix(slot as usize + 1);
-                let b = bucket(since as f64 / self.rate());
-                self.hist[b] += weight;
+                if counted {
+                    let since = self.prefix(self.now) - self.prefix(slot as usize + 1);
+                    let b = bucket(since as f64 / self.rate());
+                    self.hist[b] += weight;
+                }
                 self.add(slot as usize, -1);
             }
             None => {
-                self.cold += weight;
+                if counted {
+                    self.cold += weight;
+                }
                 self.by_hash.push((s, *h));
             }
         }
@@ -193,6 +232,7 @@ impl Shards {
     /// [`Shards::hit_ratio`] at each of `sizes`, in one pass over the histogram.
     pub fn hit_ratios(&self, sizes: &[f64]) -> Vec<f64> {
         let total = self.seen as f64;
+        let denominator = total + self.misses;
         // Weight of the buckets before each bucket.
         let mut before = Vec::with_capacity(self.hist.len());
         let mut acc = 0.0;
@@ -215,7 +255,7 @@ impl Shards {
                     let (lo, hi) = bucket_range(i);
                     before[i] + self.hist[i] * ((pages - lo) / (hi - lo)).clamp(0.0, 1.0)
                 };
-                ((adj + under) / total).clamp(0.0, 1.0)
+                ((adj + under) / denominator).clamp(0.0, 1.0)
             })
             .collect()
     }

@@ -138,6 +138,8 @@ pub struct CurveReport {
     pub references: u64,
     pub window_references: u64,
     pub prompt_pages_per_second: f64,
+    /// The hit ratio of a cache that never evicts: the curve's ceiling.
+    pub unbounded_hit_ratio: f64,
     pub points: Vec<CurvePointReport>,
     pub gains: Vec<CurveGain>,
 }

@@ -78,7 +78,7 @@ pub fn check(c: &CurveReport) -> Result<(), String> {
     if c.points.len() > MAX_POINTS || c.gains.len() > MAX_POINTS {
         return Err("too many points".into());
     }
-    if !ratio(c.sample_rate) || !fine(c.prompt_pages_per_second) {
+    if !ratio(c.sample_rate) || !ratio(c.unbounded_hit_ratio) || !fine(c.prompt_pages_per_second) {
         return Err("a rate out of range".into());
     }
     for p in &c.points {
@@ -168,6 +168,7 @@ pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
         references: curves.iter().map(|c| c.references).sum(),
         window_references: curves.iter().map(|c| c.window_references).sum(),
         prompt_pages_per_second: curves.iter().map(|c| c.prompt_pages_per_second).sum(),
+        unbounded_hit_ratio: avg(&|c| Some(c.unbounded_hit_ratio)).unwrap_or(0.0),
         points,
         gains,
     })
@@ -187,6 +188,7 @@ mod tests {
             references: refs,
             window_references: refs,
             prompt_pages_per_second: pps,
+            unbounded_hit_ratio: h + 0.2,
             points: vec![CurvePointReport {
                 tier: "host".into(),
                 scale: 1.0,

@@ -37,6 +37,7 @@ pub fn report(c: &Curve, role: &str, page_size: usize, ranks: usize) -> CurveRep
         references: c.references,
         window_references: c.window_references,
         prompt_pages_per_second: c.prompt_pages_per_second,
+        unbounded_hit_ratio: c.unbounded_hit_ratio,
         points: c
             .points
             .iter()

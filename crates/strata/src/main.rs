@@ -3,7 +3,8 @@
 //!
 //! * `serve/`: `strata serve`, one worker; `route`: `strata route`, the router; `up/`:
 //!   `strata up`, a whole deployment as supervised processes.
-//! * `plan`: `strata plan`; `sizing`: the sizing flags every allocating command shares.
+//! * `plan`: `strata plan`; `sizing`: the sizing flags every allocating command shares;
+//!   `advise_from`: `strata plan --advise-from URL`, sizes from a live miss-ratio curve.
 //! * `sim/`: `strata sim` (replay, sweeps, sizing advice, window residency).
 //! * `bench/`: `strata bench`, one file per subcommand and the pieces they share.
 //! * `generate`: `strata model fetch|tiny|bench` and `strata generate`.
@@ -18,6 +19,7 @@ macro_rules! say {
     }};
 }
 
+mod advise_from;
 mod bench;
 mod generate;
 mod http_args;

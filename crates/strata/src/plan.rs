@@ -23,9 +23,38 @@ pub struct PlanArgs {
     /// this one).
     #[arg(long, help_heading = "Output", conflicts_with = "machine")]
     pub allocate: bool,
+    /// Propose --hicache-size per rank from a live deployment: a worker's or a router's
+    /// URL, whose `GET /cache/curve` (the live miss-ratio curve) is read; no plan is made.
+    #[arg(long, value_name = "URL", help_heading = "Advice from live traffic", conflicts_with_all = ["allocate", "json"])]
+    pub advise_from: Option<String>,
+    /// With --advise-from: the hit ratio to reach, as a fraction of what a cache that never
+    /// evicts gets (as `strata sim --advise --target`).
+    #[arg(
+        long,
+        default_value_t = 0.9,
+        requires = "advise_from",
+        help_heading = "Advice from live traffic"
+    )]
+    pub target: f64,
+    /// With --advise-from a router over prefill and decode workers: how this total of host
+    /// cache (every rank of both roles, e.g. `300GB`) is best split between them.
+    #[arg(
+        long,
+        value_name = "SIZE",
+        requires = "advise_from",
+        help_heading = "Advice from live traffic"
+    )]
+    pub pd_total: Option<String>,
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
+    if let Some(url) = &a.advise_from {
+        return crate::advise_from::run(&crate::advise_from::AdviseFrom {
+            url,
+            target: a.target,
+            pd_total: a.pd_total.as_deref(),
+        });
+    }
     let req = a.sizing.request()?;
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;

@@ -36,11 +36,13 @@ fn ask(port: u16, prompt: &[u32]) {
 fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny_model_with_context(d.path(), 2048);
-    let (_w, port) = serve(&model, &[]);
+    let rec = d.path().join("rec.jsonl");
+    let rec_s = rec.display().to_string();
+    let (_w, port) = serve(&model, &["--record-trace", &rec_s]);
     let before = metrics_text(port);
     let memory = sample(&before, "strata_cache_curve_memory_bytes");
     assert!(memory > 0.0, "{before}");
-    // A 320-token document read three times between 12 others: 20 pages each.
+    // A 320-token document read three times between 12 others: 20 pages each, 19 referenced.
     let doc: Vec<u32> = (0..320).map(|j| 3 + (j * 7) % 250).collect();
     let mut pages = 0;
     for i in 0..15u32 {
@@ -50,7 +52,8 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
             (0..320).map(|j| 3 + (i * 131 + j * 17) % 250).collect()
         };
         ask(port, &p);
-        pages += p.len() / 16;
+        // The pages before the one holding the last token (always computed) are referenced.
+        pages += (p.len() - 1) / 16;
     }
     let m = metrics_text(port);
     assert_eq!(
@@ -80,7 +83,8 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
             sample(&m, &k)
         };
         if pages_of("8") > 100.0 {
-            assert!(curve[5] >= 40.0 / pages as f64 - 1e-9, "{tier}: {curve:?}");
+            // 2 × 19 pages of 16 tokens of 15 × 320 prompt tokens.
+            assert!(curve[5] >= 608.0 / 4800.0 - 1e-9, "{tier}: {curve:?}");
         }
     }
 
@@ -109,6 +113,7 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     assert!(saved.is_finite() && saved >= 0.0, "{host}");
     let m = metrics_text(port);
     assert!(m.contains("strata_cache_curve_belady_hit_ratio{"), "{m}");
+    recorded_trace_replays_as_the_curve_says(port, &rec, &c);
     assert!(m.contains("strata_cache_curve_step_saved_prompt_tokens_per_second{tier=\"host\"}"));
 
     let (_off, port) = serve(&model, &["--curve-pages", "0"]);
@@ -117,6 +122,90 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     assert!(!m.contains("strata_cache_curve_"), "{m}");
     let (status, _) = strata_test_support::http1(port, "GET", "/cache/curve", "", "");
     assert_eq!(status, 404);
+}
+
+/// The recorded trace: one line per request, mode 0600, lengths and ids only; `strata sim` on
+/// it hits what the worker's curve says at the host tier's size; `strata plan --advise-from`
+/// reads the curve.
+fn recorded_trace_replays_as_the_curve_says(port: u16, rec: &Path, c: &Value) {
+    use std::os::unix::fs::PermissionsExt;
+    let text = std::fs::read_to_string(rec).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 15);
+    for l in &lines {
+        let mut keys: Vec<&String> = l.as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            ["hash_ids", "input_length", "output_length", "timestamp"],
+            "{l}"
+        );
+        assert_eq!(l["input_length"], 320);
+        assert_eq!(l["hash_ids"].as_array().unwrap().len(), 20);
+    }
+    // The document's readings share their ids, the others none with it.
+    assert_eq!(lines[0]["hash_ids"], lines[5]["hash_ids"]);
+    assert_ne!(lines[0]["hash_ids"][0], lines[1]["hash_ids"][0]);
+    let mode = std::fs::metadata(rec).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    let host = c["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["tier"] == "host" && p["scale"] == 1.0)
+        .unwrap();
+    let tokens = host["pages"].as_u64().unwrap() * 16;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "sim",
+            "--trace",
+            &rec.display().to_string(),
+            "--block-tokens",
+            "16",
+        ])
+        .args([
+            "--page-size",
+            "16",
+            "--eviction",
+            "lru",
+            "--device",
+            &tokens.to_string(),
+        ])
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{so}");
+    let lru: f64 = so
+        .lines()
+        .find_map(|l| l.strip_prefix("lru "))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("{so}"));
+    let live = host["hit_ratio"].as_f64().unwrap() * 100.0;
+    assert!(
+        (live - lru).abs() <= 2.0,
+        "live {live} % vs strata sim {lru} %\n{so}"
+    );
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["plan", "--advise-from", &format!("http://127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{so}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(so.contains("advice: --hicache-size "), "{so}");
+    assert!(
+        so.contains("answer: +1.00 GiB (1073741824 bytes) per rank of host cache"),
+        "{so}"
+    );
 }
 
 /// `/cache/curve` of the worker on `port` once its window simulations counted `refs`
@@ -175,7 +264,7 @@ args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB", "
         let body = serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0});
         let a = post_json(r, "/v1/completions", &body);
         assert!(a["choices"][0]["text"].is_string(), "{a}");
-        pages += (p.len() / 16) as u64;
+        pages += ((p.len() - 1) / 16) as u64;
     }
     for port in [pp, dp] {
         let m = metrics_text(port);
@@ -205,4 +294,14 @@ args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB", "
         assert!(!role["points"].as_array().unwrap().is_empty(), "{role}");
     }
     assert_eq!(fleet["workers"].as_array().unwrap().len(), 2);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["plan", "--advise-from", &format!("http://127.0.0.1:{r}")])
+        .args(["--pd-total", "32MiB"])
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{so}");
+    for line in ["prefill: ", "decode: ", "| 50% |", "split: "] {
+        assert!(so.contains(line), "{line}: {so}");
+    }
 }

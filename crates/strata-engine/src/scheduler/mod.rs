@@ -278,7 +278,7 @@ impl Scheduler {
                 break;
             };
             if r.remote == Remote::No {
-                self.cache.observe(prompt); // a remote one once it is not handed back (park)
+                publish::observe(&mut self.cache, &self.cfg, r); // a remote one: in `park`
             }
             lease.set_shared_prefix(r.params.shared_prefix);
             let mut r = self.waiting.pop_front().expect("front exists");
@@ -321,7 +321,7 @@ impl Scheduler {
             return false;
         };
         lease.set_shared_prefix(r.params.shared_prefix);
-        self.cache.observe(&r.tokens[..r.prompt_len]);
+        publish::observe(&mut self.cache, &self.cfg, r);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let mut kv = r.import.take().expect("imported request");
@@ -363,7 +363,7 @@ impl Scheduler {
             if !self.cache.advance(lease) {
                 continue;
             }
-            match remote::park(&mut self.cache, r) {
+            match remote::park(&mut self.cache, &self.cfg, r) {
                 Some(true) => {
                     self.progress += 1;
                     handed_back |= r.remote == Remote::HandedBack;

@@ -1,9 +1,23 @@
 //! The scheduler's snapshot: what `/metrics`, `/health` and the router read, published after
-//! every step.
+//! every step; and what it tells of each request it serves (the curve, the trace).
 
 use std::sync::atomic::Ordering;
 
-use super::Scheduler;
+use strata_kv::TieredCache;
+
+use super::{Req, Scheduler};
+use crate::config::EngineConfig;
+
+/// A request the worker serves, once: into the cache's miss-ratio curve and the recorded
+/// trace (when there is one).
+pub(super) fn observe(cache: &mut TieredCache, cfg: &EngineConfig, r: &Req) {
+    let prompt = &r.tokens[..r.prompt_len];
+    cache.observe(prompt);
+    if let Some(t) = &cfg.record_trace {
+        let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+        t.record(prompt, r.params.max_tokens, r.arrived);
+    }
+}
 
 impl Scheduler {
     /// Copies the cache's statistics, usage, events and curve and the queue's counts into the

@@ -16,6 +16,7 @@ use strata_kv::TieredCache;
 use strata_model::Runtime;
 
 use super::{commit, prompt_logprobs, Req, Scheduler};
+use crate::config::EngineConfig;
 use crate::request::{Event, FinishReason, ImportedKv};
 
 /// A request's part in PD with decode-side reuse.
@@ -34,7 +35,7 @@ pub(super) enum Remote {
 
 /// A request whose lease just became ready: for a remote one, sends `Event::Held` and returns
 /// whether it now waits for the K/V (true) or computes here (false); None for others.
-pub(super) fn park(cache: &mut TieredCache, r: &mut Req) -> Option<bool> {
+pub(super) fn park(cache: &mut TieredCache, cfg: &EngineConfig, r: &mut Req) -> Option<bool> {
     let Remote::Wanted { local } = r.remote else {
         return None;
     };
@@ -53,7 +54,7 @@ pub(super) fn park(cache: &mut TieredCache, r: &mut Req) -> Option<bool> {
     };
     if r.remote != Remote::HandedBack {
         // One handed back is observed when it comes back with its K/V.
-        cache.observe(&r.tokens[..r.prompt_len]);
+        super::publish::observe(cache, cfg, r);
     }
     Some(prefill)
 }

@@ -59,6 +59,8 @@ struct Sims {
 
 struct Job {
     refs: Vec<u64>,
+    /// Whole prompt pages' share of the prompt ([`Shards::page_share`]).
+    share: f64,
     wrapped: bool,
     rate: f64,
     /// Cache sizes in pages of the whole stream.
@@ -70,6 +72,8 @@ struct Job {
 #[derive(Clone, Debug, PartialEq)]
 struct Window {
     sizes: Vec<f64>,
+    /// Reuses counted: the hit ratio of a cache that never evicts.
+    unbounded: f64,
     belady: Vec<f64>,
     policy: Vec<f64>,
     references: u64,
@@ -157,12 +161,18 @@ impl CurveState {
 }
 
 /// Runs one job: Belady and the policy at each size, over the window (its second half counted
-/// when older references have left it, the first warming the caches).
+/// when older references have left it, the first warming the caches), in prompt tokens.
 fn simulate(job: &Job) -> Window {
-    let (ids, n) = mini::dense(&job.refs);
+    let keys: Vec<u64> = job.refs.iter().map(|r| r & !1).collect();
+    let (ids, n) = mini::dense(&keys);
     let from = if job.wrapped { ids.len() / 2 } else { 0 };
-    let counted = (ids.len() - from).max(1) as f64;
-    let all = mini::reuses(&ids, n, from);
+    let counted: Vec<bool> = (job.refs.iter().enumerate())
+        .map(|(i, r)| i >= from && r & 1 == 1)
+        .collect();
+    let refs = counted.iter().filter(|&&c| c).count() as u64;
+    // Ratios of prompt tokens: the counted pages' share of them.
+    let per = job.share / refs.max(1) as f64;
+    let all = mini::reuses(&ids, n, &counted);
     let (mut belady, mut policy) = (Vec::new(), Vec::new());
     for &size in &job.sizes {
         let cap = (size * job.rate).round();
@@ -171,18 +181,19 @@ fn simulate(job: &Job) -> Window {
             (all, all)
         } else {
             (
-                mini::belady(&ids, n, cap, from),
-                mini::policy(job.policy, &ids, n, cap, from),
+                mini::belady(&ids, n, cap, &counted),
+                mini::policy(job.policy, &ids, n, cap, &counted),
             )
         };
-        belady.push(b as f64 / counted);
-        policy.push(p as f64 / counted);
+        belady.push(b as f64 * per);
+        policy.push(p as f64 * per);
     }
     Window {
         sizes: job.sizes.clone(),
+        unbounded: all as f64 * per,
         belady,
         policy,
-        references: (ids.len() - from) as u64,
+        references: refs,
         generation: 0,
     }
 }
@@ -235,6 +246,8 @@ pub struct Curve {
     pub window_references: u64,
     /// Prompt pages observed per second over the last five minutes.
     pub prompt_pages_per_second: f64,
+    /// The hit ratio of a cache that never evicts (every reuse hits): the curve's ceiling.
+    pub unbounded_hit_ratio: f64,
     /// Moves whenever the curve would read differently ([`TieredCache::curve_tick`]).
     pub version: u64,
     pub points: Vec<CurvePoint>,
@@ -243,17 +256,41 @@ pub struct Curve {
 }
 
 impl TieredCache {
-    /// Counts one request's prompt's whole pages into the curve (nothing without one): call it
-    /// once per request the worker serves.
+    /// Counts one request's prompt into the curve (nothing without one): call it once per
+    /// request the worker serves. The pages before the one holding its last token are
+    /// references (that token is always computed, as admission does); the rest of the prompt
+    /// is a miss at every size. So the curve's hit ratios are of prompt tokens, as
+    /// `strata_cache_hit_tokens_total` counts them.
     pub fn observe(&mut self, prompt: &[u32]) {
         let ps = self.page_size();
         let Some(c) = self.curve.as_mut() else {
             return;
         };
+        let usable = prompt.len().saturating_sub(1) / ps;
         let mut parent = PageHash::ROOT;
-        for page in prompt.chunks_exact(ps) {
+        for page in prompt.chunks_exact(ps).take(usable) {
             parent = c.ns.page_hash(parent, page);
             c.shards.access(&parent);
+        }
+        c.shards
+            .add_misses((prompt.len() - usable * ps) as f64 / ps as f64);
+    }
+
+    /// A sequence of `tokens` (whole pages) joined the cache at a request's end, its prompt of
+    /// `prompt_len` tokens: the pages the prompt did not reference (its last token's, its
+    /// generated tokens') enter the curve's cache unasked.
+    pub(super) fn observe_commit(&mut self, tokens: &[u32], prompt_len: usize) {
+        let ps = self.page_size();
+        let Some(c) = self.curve.as_mut() else {
+            return;
+        };
+        let usable = prompt_len.saturating_sub(1) / ps;
+        let mut parent = PageHash::ROOT;
+        for (i, page) in tokens.chunks_exact(ps).enumerate() {
+            parent = c.ns.page_hash(parent, page);
+            if i >= usable {
+                c.shards.touch(&parent);
+            }
         }
     }
 
@@ -275,6 +312,7 @@ impl TieredCache {
             let (refs, wrapped) = c.shards.recent();
             let job = Job {
                 refs,
+                share: c.shards.page_share(),
                 wrapped,
                 rate: c.shards.rate(),
                 sizes: sizes(&tiers),
@@ -362,6 +400,11 @@ impl TieredCache {
             references: c.shards.references(),
             window_references: window.as_ref().map_or(0, |w| w.references),
             prompt_pages_per_second: c.pages_per_second(),
+            unbounded_hit_ratio: match (c.policy, &window) {
+                (EvictionPolicy::Lru, _) => c.shards.hit_ratio(f64::INFINITY),
+                (_, Some(w)) => w.unbounded,
+                (_, None) => 0.0,
+            },
             version: c.shards.references() + generation + c.samples,
             gains: gains(c, &tiers, &points, self.page_size()),
             points,
@@ -458,7 +501,8 @@ mod tests {
         TieredCache::new(cfg, &HeapAllocator, None).unwrap()
     }
 
-    /// Prompts of 8 pages of 4 tokens: a few shared documents among one-off ones.
+    /// Prompts of 8 pages of 4 tokens (7 referenced: the last holds the last token): a few
+    /// shared documents among one-off ones.
     fn traffic(c: &mut TieredCache, n: u32) {
         for i in 0..n {
             let doc = if i % 3 == 0 { i % 7 } else { 1000 + i };
@@ -489,7 +533,7 @@ mod tests {
         for policy in EvictionPolicy::ALL {
             let mut c = cache(policy, kv(), 16, 64);
             traffic(&mut c, 300);
-            let k = settled(&mut c, 300 * 8);
+            let k = settled(&mut c, 300 * 7);
             assert_eq!(k.policy, policy.name());
             assert_eq!(k.points.len(), 12, "{k:?}");
             for p in &k.points {
@@ -514,6 +558,70 @@ mod tests {
                 assert!(g.saved_prompt_tokens_per_second >= 0.0, "{g:?}");
             }
             assert!(k.prompt_pages_per_second > 0.0);
+        }
+    }
+
+    /// Replays prompts through a cache of `dev` device pages (no host tier) as the engine does
+    /// (admit, observe, commit); the cache's own hit rate and its curve.
+    fn replay(dev: u32, prompts: &[Vec<u32>]) -> (f64, Curve) {
+        let mut c = cache(EvictionPolicy::Lru, kv(), dev, 0);
+        for p in prompts {
+            let wait = crate::policy::PrefetchPolicy::WaitComplete;
+            let mut l = c
+                .admit(p, 1, true, wait)
+                .or_else(|| c.admit(p, 1, false, wait))
+                .unwrap();
+            while !c.advance(&mut l) {
+                c.poll();
+            }
+            c.observe(p);
+            c.commit(l, p, p.len());
+        }
+        (c.stats().hit_rate(), c.curve().unwrap())
+    }
+
+    #[test]
+    fn the_curve_at_the_cache_s_own_size_is_its_hit_rate() {
+        // 40 documents of 8–20 pages, asked with Zipf-like popularity, each with a short
+        // question of its own (1–9 tokens).
+        let mut x = 7u64;
+        let mut next = |m: u64| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) % m
+        };
+        let prompts: Vec<Vec<u32>> = (0..800)
+            .map(|i| {
+                let doc = (next(40) * next(40) / 40) as u32;
+                let len = 4 * (8 + (doc as usize * 7) % 13);
+                let mut p: Vec<u32> = (0..len as u32).map(|j| doc * 1000 + j).collect();
+                p.extend((0..1 + next(9) as u32).map(|j| 900_000 + i * 16 + j));
+                p
+            })
+            .collect();
+        for dev in [32u32, 96, 400] {
+            let (rate, k) = replay(dev, &prompts);
+            let at = |s: f64| {
+                k.points
+                    .iter()
+                    .find(|p| p.tier == "device" && p.scale == s)
+                    .unwrap()
+                    .hit_ratio
+            };
+            assert!(
+                (at(1.0) - rate).abs() < 0.03,
+                "{dev} pages: curve {} cache {rate}",
+                at(1.0)
+            );
+            if dev == 96 {
+                let (big, _) = replay(4 * dev, &prompts);
+                assert!(
+                    (at(4.0) - big).abs() < 0.03,
+                    "4x: curve {} cache {big}",
+                    at(4.0)
+                );
+            }
         }
     }
 

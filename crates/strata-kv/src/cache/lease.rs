@@ -618,6 +618,7 @@ impl TieredCache {
         }
         self.free_windows(&dropped);
         self.insert_with_windows(&tokens[..whole * ps], &own[..give], &give_w, h.prefix_pages);
+        self.observe_commit(&tokens[..whole * ps], h.prompt_len);
         self.free_device(&own[give..])
             .expect("request pages are held");
         if own_w.len() > give {

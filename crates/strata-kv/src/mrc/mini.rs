@@ -5,8 +5,9 @@
 //! of the tree's policies (LRU, GDSF of equal-size pages, SIEVE, S3-FIFO), over a bounded
 //! window of recent sampled references.
 //!
-//! The references are dense ids (`0..n`, [`dense`]); each simulation counts the hits at
-//! references `from..`, the ones before only warming the cache.
+//! The references are dense ids (`0..n`, [`dense`]); each simulation counts the hits at the
+//! references `counted` marks, the others only warming the cache (the window's first half) or
+//! bringing a page in unasked (a request's generated tokens, cached when it ends).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -28,22 +29,22 @@ pub fn dense(refs: &[u64]) -> (Vec<u32>, usize) {
     (v, ids.len())
 }
 
-/// References at `from..` whose page was referenced before (the hits of a cache that never
+/// Counted references whose page was referenced before (the hits of a cache that never
 /// evicts): the most any cache hits.
-pub fn reuses(ids: &[u32], n: usize, from: usize) -> u64 {
+pub fn reuses(ids: &[u32], n: usize, counted: &[bool]) -> u64 {
     let mut seen = vec![false; n];
     let mut hits = 0;
     for (i, &p) in ids.iter().enumerate() {
-        if std::mem::replace(&mut seen[p as usize], true) && i >= from {
+        if std::mem::replace(&mut seen[p as usize], true) && counted[i] {
             hits += 1;
         }
     }
     hits
 }
 
-/// Hits at `from..` of Belady's MIN with room for `cap` pages: evicts the page used furthest
+/// Counted hits of Belady's MIN with room for `cap` pages: evicts the page used furthest
 /// ahead, and does not admit a page used later than everything cached.
-pub fn belady(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+pub fn belady(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     const NEVER: u32 = u32::MAX;
     let mut next = vec![NEVER; ids.len()];
     let mut last = vec![NEVER; n];
@@ -59,7 +60,7 @@ pub fn belady(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
     for (i, &p) in ids.iter().enumerate() {
         let nu = next[i];
         if let Some(e) = cached[p as usize].as_mut() {
-            hits += (i >= from) as u64;
+            hits += counted[i] as u64;
             *e = nu;
             heap.push((nu, p));
             continue;
@@ -89,16 +90,16 @@ pub fn belady(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
     hits
 }
 
-/// Hits at `from..` of a cache of `cap` pages under `policy`, page by page.
-pub fn policy(policy: EvictionPolicy, ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+/// Counted hits of a cache of `cap` pages under `policy`, page by page.
+pub fn policy(policy: EvictionPolicy, ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     if cap == 0 {
         return 0;
     }
     match policy {
-        EvictionPolicy::Lru => lru(ids, n, cap, from),
-        EvictionPolicy::Gdsf => gdsf(ids, n, cap, from),
-        EvictionPolicy::Sieve => sieve(ids, n, cap, from),
-        EvictionPolicy::S3Fifo => s3fifo(ids, n, cap, from),
+        EvictionPolicy::Lru => lru(ids, n, cap, counted),
+        EvictionPolicy::Gdsf => gdsf(ids, n, cap, counted),
+        EvictionPolicy::Sieve => sieve(ids, n, cap, counted),
+        EvictionPolicy::S3Fifo => s3fifo(ids, n, cap, counted),
     }
 }
 
@@ -150,13 +151,13 @@ impl List {
     }
 }
 
-fn lru(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+fn lru(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     let mut list = List::new(n);
     let mut cached = vec![false; n];
     let mut hits = 0;
     for (i, &p) in ids.iter().enumerate() {
         if cached[p as usize] {
-            hits += (i >= from) as u64;
+            hits += counted[i] as u64;
             list.remove(p);
         } else {
             if list.len >= cap {
@@ -174,7 +175,7 @@ fn lru(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
 /// GDSF of equal-size pages: priority = L + frequency; L rises to each victim's priority; an
 /// evicted page's frequency is remembered (within the window: the tree keeps it in a bounded
 /// sketch).
-fn gdsf(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+fn gdsf(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     let mut freq = vec![0u64; n];
     let mut prio = vec![None::<u64>; n];
     let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
@@ -182,7 +183,7 @@ fn gdsf(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
     for (i, &p) in ids.iter().enumerate() {
         freq[p as usize] += 1;
         if prio[p as usize].is_some() {
-            hits += (i >= from) as u64;
+            hits += counted[i] as u64;
         } else {
             if len >= cap {
                 let (v, q) = loop {
@@ -206,14 +207,14 @@ fn gdsf(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
 
 /// SIEVE: insertion order, a hit sets a visited bit, a hand from the oldest towards the newest
 /// clears bits and evicts the first page without one.
-fn sieve(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+fn sieve(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     let mut list = List::new(n);
     let mut cached = vec![false; n];
     let mut visited = vec![false; n];
     let (mut hand, mut hits) = (NIL, 0u64);
     for (i, &p) in ids.iter().enumerate() {
         if cached[p as usize] {
-            hits += (i >= from) as u64;
+            hits += counted[i] as u64;
             visited[p as usize] = true;
             continue;
         }
@@ -247,7 +248,7 @@ enum Queue {
 
 /// S3-FIFO: new pages in a small FIFO (a tenth), promoted to the main FIFO when hit there or
 /// remembered by the ghost FIFO of pages evicted from it; 2-bit frequencies, reinsertion.
-fn s3fifo(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
+fn s3fifo(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     let small_cap = (cap / 10).max(1);
     let mut at = vec![Queue::None; n];
     let mut freq = vec![0u8; n];
@@ -258,7 +259,7 @@ fn s3fifo(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
     let mut hits = 0u64;
     for (i, &p) in ids.iter().enumerate() {
         if at[p as usize] != Queue::None {
-            hits += (i >= from) as u64;
+            hits += counted[i] as u64;
             freq[p as usize] = (freq[p as usize] + 1).min(3);
             continue;
         }
@@ -309,6 +310,10 @@ fn s3fifo(ids: &[u32], n: usize, cap: usize, from: usize) -> u64 {
 mod tests {
     use super::*;
 
+    fn all(v: &[u32]) -> Vec<bool> {
+        vec![true; v.len()]
+    }
+
     fn ids(v: &[u32]) -> (Vec<u32>, usize) {
         dense(&v.iter().map(|&x| x as u64).collect::<Vec<_>>())
     }
@@ -317,20 +322,21 @@ mod tests {
     fn belady_on_a_known_sequence() {
         // 1 2 3 1 2 4 1 2 with two pages: MIN keeps 1 and 2 (4 bypassed): hits 1 2 1 2.
         let (v, n) = ids(&[1, 2, 3, 1, 2, 4, 1, 2]);
-        assert_eq!(belady(&v, n, 2, 0), 4);
+        assert_eq!(belady(&v, n, 2, &all(&v)), 4);
         // LRU with two pages hits nothing (3 evicts 1, 1 evicts 2, ...).
-        assert_eq!(lru(&v, n, 2, 0), 0);
-        assert_eq!(reuses(&v, n, 0), 4);
+        assert_eq!(lru(&v, n, 2, &all(&v)), 0);
+        assert_eq!(reuses(&v, n, &all(&v)), 4);
     }
 
     #[test]
     fn a_cache_holding_everything_hits_every_reuse() {
         let v: Vec<u32> = (0..5000u32).map(|i| (i * 7919) % 613).collect();
         let (v, n) = ids(&v);
-        let all = reuses(&v, n, 100);
-        assert_eq!(belady(&v, n, n, 100), all);
+        let c: Vec<bool> = (0..v.len()).map(|i| i >= 100 && i % 7 != 0).collect();
+        let every = reuses(&v, n, &c);
+        assert_eq!(belady(&v, n, n, &c), every);
         for p in EvictionPolicy::ALL {
-            assert_eq!(policy(p, &v, n, n, 100), all, "{}", p.name());
+            assert_eq!(policy(p, &v, n, n, &c), every, "{}", p.name());
         }
     }
 
@@ -350,11 +356,11 @@ mod tests {
         let (v, n) = ids(&v);
         let mut prev = 0;
         for cap in [4, 16, 64, 256, 1000] {
-            let min = belady(&v, n, cap, 0);
+            let min = belady(&v, n, cap, &all(&v));
             assert!(min >= prev, "MIN grows with the size");
             prev = min;
             for p in EvictionPolicy::ALL {
-                let h = policy(p, &v, n, cap, 0);
+                let h = policy(p, &v, n, cap, &all(&v));
                 assert!(h <= min, "{} at {cap}: {h} > MIN {min}", p.name());
                 assert!(h > 0, "{} at {cap} hits something", p.name());
             }

@@ -56,6 +56,8 @@ pub(super) struct Checked {
     pub cluster_key: Option<ClusterKey>,
     pub http: strata_server::listen::HttpLimits,
     pub responses: strata_server::response_store::ResponseStore,
+    /// `--record-trace-size` in bytes.
+    pub record_trace_size: u64,
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -107,6 +109,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     }
     let http = a.http.limits(body_limit)?;
     let responses = response_store(a)?;
+    let record_trace_size = record_trace(a)?;
     Ok(Checked {
         eviction,
         body_limit,
@@ -116,7 +119,36 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         cluster_key,
         http,
         responses,
+        record_trace_size,
     })
+}
+
+/// `--record-trace FILE` and its size, checked (the file is made once the flags all pass).
+fn record_trace(a: &ServeArgs) -> Result<u64> {
+    let size = parse_size(&a.record_trace_size).context("--record-trace-size")?;
+    if size < 4096 {
+        bail!(
+            "--record-trace-size {}: expected at least 4KiB",
+            a.record_trace_size
+        );
+    }
+    if let Some(f) = &a.record_trace {
+        let dir = match f.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if !dir.is_dir() {
+            bail!(
+                "--record-trace {}: the directory {} does not exist",
+                f.display(),
+                dir.display()
+            );
+        }
+        if f.is_dir() {
+            bail!("--record-trace {}: a directory, not a file", f.display());
+        }
+    }
+    Ok(size)
 }
 
 /// The `--response-store-*` bounds, checked (nothing is allocated until responses come).

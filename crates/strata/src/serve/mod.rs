@@ -15,11 +15,12 @@ pub(crate) mod tp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{ArgAction, Args};
+use strata_engine::record::TraceRecorder;
 use strata_engine::{Engine, EngineConfig};
 use strata_kv::{PageLayout, WritePolicy};
 use strata_mem::make_plan;
@@ -134,6 +135,15 @@ pub struct ServeArgs {
     /// 6 MiB at the default; past this the sampling rate falls instead); 0: no curve.
     #[arg(long, default_value_t = 65536, help_heading = "Cache")]
     pub curve_pages: usize,
+    /// Record the served requests as a Mooncake-format trace in FILE (timestamps, lengths,
+    /// keyed page hashes; never token ids or text; mode 0600), for `strata sim --block-tokens
+    /// P --page-size P` (P: --page-size). Off by default.
+    #[arg(long, value_name = "FILE", help_heading = "Cache")]
+    pub record_trace: Option<PathBuf>,
+    /// Bytes of --record-trace before the file is renamed FILE.1 and a new one begun (at most
+    /// twice this on disk).
+    #[arg(long, default_value = "1GiB", help_heading = "Cache")]
+    pub record_trace_size: String,
     /// L3 storage: `disk:PATH` and/or `redis://HOST:PORT` (repeat for both; disk is read
     /// first). A Redis shared by several workers makes one prefix cache for all of them. A
     /// URL naming a Redis Cluster node uses the whole cluster; `redis-cluster://H:P,H:P,...`
@@ -273,7 +283,13 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let allocs = tp::rank_allocators(&ranks, req.policy, a.sizing.huge_pages);
     let (cache, l3) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
     let gauges = tp::plan_gauges(&plan, &cache, &ranks);
-    let engine = Engine::start(model, cache, engine_config(&a, &path, &tk, prefetch));
+    let mut ecfg = engine_config(&a, &path, &tk, prefetch);
+    if let Some(f) = &a.record_trace {
+        let r = TraceRecorder::create(f, c.record_trace_size, req.page_size)
+            .with_context(|| format!("--record-trace {}", f.display()))?;
+        ecfg.record_trace = Some(Arc::new(Mutex::new(r)));
+    }
+    let engine = Engine::start(model, cache, ecfg);
 
     // The HTTP API's state; the KV-transfer listener for decode workers.
     let name = a.served_model_name.clone().unwrap_or_else(|| {
