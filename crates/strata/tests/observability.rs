@@ -406,7 +406,18 @@ fn charts_draw_under_traffic(router: u16, base: &[&str], profile: &str) {
             blank.push(format!("{id} ({coloured} coloured pixels in {b:?})"));
         }
     }
-    assert_eq!(charts, 10, "charts in the page:\n{dom}");
+    // The ten time series, and each role's miss-ratio curve (prefill, decode).
+    assert_eq!(charts, 12, "charts in the page:\n{dom}");
+    for role in ["prefill", "decode"] {
+        let at = dom
+            .find(&format!("data-answer=\"{role}\""))
+            .unwrap_or_else(|| panic!("no answer under the {role} curve:\n{dom}"));
+        let line = &dom[at..at + dom[at..].find("</div>").unwrap()];
+        assert!(
+            line.contains(" per rank: ") && line.contains("tokens/s"),
+            "{line}"
+        );
+    }
     assert!(
         blank.is_empty(),
         "charts with nothing drawn: {blank:?} (see {})",
