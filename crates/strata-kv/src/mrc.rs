@@ -38,6 +38,9 @@ pub struct Shards {
     max_tracked: usize,
     /// Tracked pages: the time slot of their last reference and their sampling hash.
     tracked: FxHashMap<PageHash, (u32, u64)>,
+    /// Bytes of `tracked`'s table, as made (its capacity reads lower while it holds
+    /// tombstones; its buckets do not change).
+    table_bytes: usize,
     /// Tracked pages by sampling hash, largest first: who leaves when over the budget.
     by_hash: BinaryHeap<(u64, PageHash)>,
     /// Fenwick tree over time slots: 1 at the slot of each tracked page's last reference.
@@ -69,11 +72,19 @@ impl Shards {
         } else {
             1.0
         };
+        let tracked =
+            FxHashMap::with_capacity_and_hasher(2 * (max_tracked + 1), Default::default());
+        // hashbrown keeps 8 buckets for every 7 usable, a control byte each.
+        let entry = std::mem::size_of::<(PageHash, (u32, u64))>() + 1;
+        let table_bytes = tracked.capacity() * 8 / 7 * entry;
         Shards {
             key,
+            table_bytes,
             threshold: (rate * u64::MAX as f64) as u64,
             max_tracked,
-            tracked: FxHashMap::with_capacity_and_hasher(max_tracked + 1, Default::default()),
+            // Twice what it ever holds: tombstones of removed pages are then cleared by
+            // rehashing in place, never by growing the table.
+            tracked,
             by_hash: BinaryHeap::with_capacity(max_tracked + 1),
             fenwick: vec![0; 2 * max_tracked + 1],
             now: 0,
@@ -116,10 +127,8 @@ impl Shards {
     /// Bytes the sampler holds: its tables are sized for the budget when it is made and never
     /// grow past it.
     pub fn memory_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(PageHash, (u32, u64))>() + 1;
         let heap = std::mem::size_of::<(u64, PageHash)>();
-        // hashbrown keeps 8 buckets for every 7 usable.
-        self.tracked.capacity() * 8 / 7 * entry
+        self.table_bytes
             + self.by_hash.capacity() * heap
             + self.fenwick.len() * 4
             + self.hist.len() * 8

@@ -305,3 +305,44 @@ args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB", "
         assert!(so.contains(line), "{line}: {so}");
     }
 }
+
+/// Prompts a client chooses cannot grow the sampler past its budget or make a figure of the
+/// curve non-finite: a worker tracking 64 pages, sent more distinct pages than that, one-token
+/// prompts (nothing to reference, all miss) and a prompt of one page repeated.
+#[test]
+fn crafted_prompts_keep_the_sampler_in_its_budget_and_every_figure_finite() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model_with_context(d.path(), 2048);
+    let (_w, port) = serve(&model, &["--curve-pages", "64"]);
+    let memory = sample(&metrics_text(port), "strata_cache_curve_memory_bytes");
+    ask(port, &[7]);
+    let m = metrics_text(port);
+    assert_eq!(
+        sample(&m, "strata_cache_curve_references_total"),
+        0.0,
+        "{m}"
+    );
+    for i in 0..12u32 {
+        let p: Vec<u32> = (0..320).map(|j| 3 + (i * 977 + j * 31) % 250).collect();
+        ask(port, &p);
+        ask(port, &[5 + i]);
+    }
+    let same: Vec<u32> = [9u32; 16].repeat(40);
+    ask(port, &same);
+    let m = metrics_text(port);
+    assert_eq!(sample(&m, "strata_cache_curve_memory_bytes"), memory, "{m}");
+    assert!(
+        sample(&m, "strata_cache_curve_tracked_pages") <= 64.0,
+        "{m}"
+    );
+    assert!(sample(&m, "strata_cache_curve_sample_rate") < 1.0, "{m}");
+    for line in m.lines().filter(|l| l.starts_with("strata_cache_curve_")) {
+        let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(v.is_finite() && v >= 0.0, "{line}");
+    }
+    let c = get_json(port, "/cache/curve");
+    for p in c["points"].as_array().unwrap() {
+        let h = p["hit_ratio"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&h), "{p}");
+    }
+}

@@ -299,7 +299,6 @@ impl TieredCache {
     /// no curve): a caller that keeps the last [`TieredCache::curve`] reads it again only when
     /// this moved.
     pub fn curve_tick(&mut self) -> Option<u64> {
-        let tiers = self.curve_tiers();
         let c = self.curve.as_mut()?;
         c.note_rate();
         let recorded = c.shards.recorded();
@@ -309,13 +308,16 @@ impl TieredCache {
             Some((at, seen)) => recorded > seen && at.elapsed() >= pause,
         };
         if due {
+            // The tiers only when a job goes (an L3 store's statistics are not free).
+            let sizes = sizes(&self.curve_tiers());
+            let c = self.curve.as_mut().expect("checked above");
             let (refs, wrapped) = c.shards.recent();
             let job = Job {
                 refs,
                 share: c.shards.page_share(),
                 wrapped,
                 rate: c.shards.rate(),
-                sizes: sizes(&tiers),
+                sizes,
                 policy: c.policy,
             };
             // Busy: the next tick sends it.
@@ -323,6 +325,7 @@ impl TieredCache {
                 c.sims.sent = Some((Instant::now(), recorded));
             }
         }
+        let c = self.curve.as_ref().expect("checked above");
         let generation = c
             .sims
             .last

@@ -131,8 +131,9 @@ pub struct ServeArgs {
     /// Which cached prefix leaves a tier first.
     #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
     pub eviction: Eviction,
-    /// Pages the live miss-ratio curve may track (its fixed memory, about 100 bytes a page:
-    /// 6 MiB at the default; past this the sampling rate falls instead); 0: no curve.
+    /// Pages the live miss-ratio curve may track (its fixed memory, about 180 bytes a page
+    /// with its window of recent references: 12 MiB at the default; past this the sampling
+    /// rate falls instead); 0: no curve.
     #[arg(long, default_value_t = 65536, help_heading = "Cache")]
     pub curve_pages: usize,
     /// Record the served requests as a Mooncake-format trace in FILE (timestamps, lengths,
