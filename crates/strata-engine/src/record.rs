@@ -11,34 +11,53 @@
 //!   curve's order: admission), with its arrival time (never before the line above it) and
 //!   its output budget (`max_tokens`) as `output_length`.
 //! * **Bounded.** Past `cap_bytes` the file is renamed `FILE.1` (replacing the one before) and
-//!   a new one begun: at most twice the cap on disk. Created with mode 0600, never through a
-//!   symbolic link. A write that fails stops the recording (logged), never the engine.
+//!   a new one begun (never an existing one): at most twice the cap on disk.
+//! * **Safe to point anywhere.** The file must be a regular file of this user with one link,
+//!   opened without following a symbolic link and without blocking (a FIFO is refused), and is
+//!   set to mode 0600 whatever it was.
+//! * **Off the request path.** The scheduler hashes a request's pages and hands the line to a
+//!   writer thread through a bounded queue: a slow disk drops lines (counted), never slows
+//!   decoding; a write that fails stops the recording (logged), never the engine.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
 use std::time::Instant;
+
+/// Lines waiting for the writer at most (beyond: dropped, counted).
+const QUEUE: usize = 4096;
 
 /// The recorder; shared through [`crate::EngineConfig::record_trace`].
 pub struct TraceRecorder {
-    path: PathBuf,
-    cap_bytes: u64,
     page_size: usize,
     key: [u8; 32],
-    file: Option<File>,
-    written: u64,
     began: Instant,
     last_ms: u64,
-    /// Requests written, over every file.
-    pub requests: u64,
+    tx: SyncSender<Msg>,
+    counts: Arc<Counts>,
+}
+
+/// What the writer did: lines written, lines dropped (queue full or recording stopped).
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub written: AtomicU64,
+    pub dropped: AtomicU64,
+}
+
+enum Msg {
+    Line(String),
+    /// Answered once every line before it is written.
+    Sync(SyncSender<()>),
 }
 
 impl std::fmt::Debug for TraceRecorder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TraceRecorder")
-            .field("path", &self.path)
-            .field("cap_bytes", &self.cap_bytes)
+            .field("counts", &self.counts)
             .finish_non_exhaustive()
     }
 }
@@ -47,31 +66,36 @@ impl std::fmt::Debug for TraceRecorder {
 const ID_BITS: u32 = 53;
 
 impl TraceRecorder {
-    /// Creates (or truncates) `path` with mode 0600, not through a symbolic link; blocks are
-    /// pages of `page_size` tokens.
+    /// Opens (or creates) `path` as [`open`] does and starts its writer; blocks are pages of
+    /// `page_size` tokens.
     pub fn create(path: &Path, cap_bytes: u64, page_size: usize) -> std::io::Result<Self> {
         let mut key = [0u8; 32];
         getrandom::fill(&mut key).map_err(std::io::Error::other)?;
-        let mut r = TraceRecorder {
+        let file = open(path, false)?;
+        let (tx, rx) = sync_channel(QUEUE);
+        let counts = Arc::new(Counts::default());
+        let w = Writer {
             path: path.to_path_buf(),
             cap_bytes: cap_bytes.max(1),
+            file,
+            written: 0,
+            counts: counts.clone(),
+        };
+        std::thread::Builder::new()
+            .name("strata-trace".into())
+            .spawn(move || w.run(rx))?;
+        Ok(TraceRecorder {
             page_size: page_size.max(1),
             key,
-            file: None,
-            written: 0,
             began: Instant::now(),
             last_ms: 0,
-            requests: 0,
-        };
-        r.file = Some(open(path)?);
-        Ok(r)
+            tx,
+            counts,
+        })
     }
 
-    /// One request: its prompt, output budget and arrival. Nothing after a failed write.
+    /// One request: its prompt, output budget and arrival. Never waits for the disk.
     pub fn record(&mut self, prompt: &[u32], max_tokens: usize, arrived: Instant) {
-        if self.file.is_none() {
-            return;
-        }
         let ms = arrived.saturating_duration_since(self.began).as_millis() as u64;
         self.last_ms = self.last_ms.max(ms);
         let ids = self.hash_ids(prompt);
@@ -82,10 +106,24 @@ impl TraceRecorder {
             max_tokens,
             ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
         );
-        if let Err(e) = self.write(line.as_bytes()) {
-            tracing::warn!(path = %self.path.display(), error = %e, "trace recording stopped");
-            self.file = None;
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.tx.try_send(Msg::Line(line))
+        {
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Waits until every line recorded so far is written (or dropped).
+    pub fn sync(&self) {
+        let (tx, rx) = sync_channel(1);
+        if self.tx.send(Msg::Sync(tx)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+
+    /// Lines written and dropped so far.
+    pub fn counts(&self) -> &Counts {
+        &self.counts
     }
 
     /// One id per page of the prompt (the last one partial), chained.
@@ -105,37 +143,88 @@ impl TraceRecorder {
             })
             .collect()
     }
+}
+
+/// The writer thread's side: the file, its size, the rotation.
+struct Writer {
+    path: PathBuf,
+    cap_bytes: u64,
+    file: Option<File>,
+    written: u64,
+    counts: Arc<Counts>,
+}
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Msg>) {
+        // Ends when the recorder (the sender) is dropped.
+        while let Ok(m) = rx.recv() {
+            match m {
+                Msg::Sync(done) => {
+                    let _ = done.send(());
+                }
+                Msg::Line(_) if self.file.is_none() => {
+                    self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                Msg::Line(line) => match self.write(line.as_bytes()) {
+                    Ok(()) => {
+                        self.counts.written.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = %self.path.display(), error = %e, "trace recording stopped");
+                        self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+                        self.file = None;
+                    }
+                },
+            }
+        }
+    }
 
     fn write(&mut self, line: &[u8]) -> std::io::Result<()> {
         if self.written > 0 && self.written + line.len() as u64 > self.cap_bytes {
             let mut old = self.path.clone().into_os_string();
             old.push(".1");
             std::fs::rename(&self.path, &old)?;
-            self.file = Some(open(&self.path)?);
+            self.file = open(&self.path, true)?;
             self.written = 0;
         }
         let f = self.file.as_mut().expect("checked by the caller");
         f.write_all(line)?;
         self.written += line.len() as u64;
-        self.requests += 1;
         Ok(())
     }
 }
 
-fn open(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
+/// Opens `path` for writing, truncated: never through a symbolic link, never blocking (a FIFO
+/// without a reader is refused), created with mode 0600 (`fresh`: only a new file, else an
+/// existing one too, which must be a regular file of this user with one link, and is set to
+/// 0600).
+fn open(path: &Path, fresh: bool) -> std::io::Result<Option<File>> {
+    let mut o = OpenOptions::new();
+    o.write(true)
         .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC);
+    if fresh {
+        o.create_new(true);
+    } else {
+        o.create(true);
+    }
+    let f = o.open(path)?;
+    let m = f.metadata()?;
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !m.file_type().is_file() || m.nlink() != 1 || m.uid() != me {
+        return Err(std::io::Error::other(format!(
+            "{}: not a regular file of this user with one link",
+            path.display()
+        )));
+    }
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.set_len(0)?;
+    Ok(Some(f))
 }
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::PermissionsExt;
-
     use super::*;
 
     #[test]
@@ -149,6 +238,7 @@ mod tests {
         b.extend([7, 7, 7, 7, 7]);
         r.record(&a, 5, t0);
         r.record(&b, 3, t0);
+        r.sync();
         let text = std::fs::read_to_string(&p).unwrap();
         let lines: Vec<serde_json::Value> = text
             .lines()
@@ -167,7 +257,8 @@ mod tests {
         assert_ne!(ids(0)[2], ids(1)[2]);
         assert!(ids(0).iter().all(|&x| x < 1 << ID_BITS));
         for l in &lines {
-            let keys: Vec<&str> = l.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+            let mut keys: Vec<&str> = l.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+            keys.sort();
             assert_eq!(
                 keys,
                 ["hash_ids", "input_length", "output_length", "timestamp"]
@@ -192,7 +283,8 @@ mod tests {
         for i in 0..40u32 {
             r.record(&[i; 64], 1, Instant::now());
         }
-        assert_eq!(r.requests, 40);
+        r.sync();
+        assert_eq!(r.counts().written.load(Ordering::Relaxed), 40);
         let now = std::fs::metadata(&p).unwrap().len();
         let old = std::fs::metadata(d.path().join("t.jsonl.1")).unwrap().len();
         assert!(now <= 300 && old <= 300, "{now} {old}");
@@ -200,5 +292,19 @@ mod tests {
         std::os::unix::fs::symlink(d.path().join("elsewhere"), &link).unwrap();
         assert!(TraceRecorder::create(&link, 300, 16).is_err());
         assert!(!d.path().join("elsewhere").exists());
+        // A FIFO (it would block), a second link, a loose mode: refused, or tightened.
+        let fifo = d.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path in this test's own directory.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(TraceRecorder::create(&fifo, 300, 16).is_err());
+        let linked = d.path().join("linked");
+        std::fs::hard_link(&p, &linked).unwrap();
+        assert!(TraceRecorder::create(&p, 300, 16).is_err());
+        std::fs::remove_file(&linked).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let _r = TraceRecorder::create(&p, 300, 16).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
     }
 }

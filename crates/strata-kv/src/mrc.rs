@@ -149,6 +149,11 @@ impl Shards {
         (v, start > 0)
     }
 
+    /// The curve's denominator: references, and pages of prompt no size serves.
+    pub fn denominator(&self) -> f64 {
+        self.seen as f64 + self.misses
+    }
+
     /// The share of the curve's denominator that whole prompt pages are (the rest:
     /// [`Shards::add_misses`]); miniature simulations over pages scale their ratios by it.
     pub fn page_share(&self) -> f64 {

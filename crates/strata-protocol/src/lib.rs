@@ -137,7 +137,7 @@ pub struct CurveReport {
     pub sample_rate: f64,
     pub references: u64,
     pub window_references: u64,
-    pub prompt_pages_per_second: f64,
+    pub prompt_tokens_per_second: f64,
     /// The hit ratio of a cache that never evicts: the curve's ceiling.
     pub unbounded_hit_ratio: f64,
     pub points: Vec<CurvePointReport>,

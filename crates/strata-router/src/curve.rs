@@ -7,10 +7,11 @@
 //! [0, 1], at most [`MAX_POINTS`] points): one that fails is left out, never trusted.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::Json;
+use futures_util::future::join_all;
 use strata_protocol::{CurveGain, CurvePointReport, CurveReport, FleetCurve, WorkerCurve};
 
 use crate::state::RouterState;
@@ -20,8 +21,21 @@ pub const MAX_POINTS: usize = 64;
 /// Largest worker answer read.
 const MAX_BYTES: usize = 256 << 10;
 
-/// The fleet's curves.
+/// The fleet's curves: one answer a second at most (later calls within it share it), each
+/// worker read at once.
 pub async fn curve(State(st): State<Arc<RouterState>>) -> Json<FleetCurve> {
+    let mut last = st.curve.lock().await;
+    if let Some((at, f)) = last.as_ref() {
+        if at.elapsed() < Duration::from_secs(1) {
+            return Json(f.clone());
+        }
+    }
+    let f = read_fleet(&st).await;
+    *last = Some((Instant::now(), f.clone()));
+    Json(f)
+}
+
+async fn read_fleet(st: &RouterState) -> FleetCurve {
     let decode_role = if st.prefill.is_empty() {
         "both"
     } else {
@@ -30,9 +44,11 @@ pub async fn curve(State(st): State<Arc<RouterState>>) -> Json<FleetCurve> {
     let mut workers = Vec::new();
     let mut roles = Vec::new();
     for (role, pool) in [("prefill", &st.prefill), (decode_role, &st.decode)] {
+        let healthy: Vec<_> = pool.iter().filter(|w| w.is_healthy()).collect();
+        let answers = join_all(healthy.iter().map(|w| fetch(&st.client, &w.url))).await;
         let mut of_role = Vec::new();
-        for w in pool.iter().filter(|w| w.is_healthy()) {
-            match fetch(&st.client, &w.url).await {
+        for (w, a) in healthy.iter().zip(answers) {
+            match a {
                 Ok(c) => of_role.push(WorkerCurve {
                     url: w.url.clone(),
                     curve: c,
@@ -46,7 +62,7 @@ pub async fn curve(State(st): State<Arc<RouterState>>) -> Json<FleetCurve> {
         }
         workers.extend(of_role);
     }
-    Json(FleetCurve { roles, workers })
+    FleetCurve { roles, workers }
 }
 
 async fn fetch(client: &reqwest::Client, url: &str) -> Result<CurveReport, String> {
@@ -70,27 +86,42 @@ async fn fetch(client: &reqwest::Client, url: &str) -> Result<CurveReport, Strin
     Ok(c)
 }
 
-/// Refuses a curve the fleet could not use: non-finite or negative figures, ratios outside
-/// [0, 1], too many points.
+/// Most of any count a worker may report (pages, bytes, references): far above any real
+/// one, far below where sums of 4,096 workers overflow.
+const MAX_COUNT: u64 = 1 << 48;
+/// Most tokens per second a worker may report.
+const MAX_RATE: f64 = 1e12;
+
+/// Refuses a curve the fleet could not use: non-finite, negative or absurd figures, ratios
+/// outside [0, 1], too many points.
 pub fn check(c: &CurveReport) -> Result<(), String> {
     let ratio = |x: f64| (0.0..=1.0).contains(&x);
-    let fine = |x: f64| x.is_finite() && x >= 0.0;
+    let rate = |x: f64| (0.0..=MAX_RATE).contains(&x);
+    let count = |x: u64| x <= MAX_COUNT;
     if c.points.len() > MAX_POINTS || c.gains.len() > MAX_POINTS {
         return Err("too many points".into());
     }
-    if !ratio(c.sample_rate) || !ratio(c.unbounded_hit_ratio) || !fine(c.prompt_pages_per_second) {
+    if !(1..=4096).contains(&c.ranks) || !(1..=1 << 20).contains(&c.page_size) {
+        return Err(format!(
+            "ranks {} or page size {} out of range",
+            c.ranks, c.page_size
+        ));
+    }
+    if !ratio(c.sample_rate) || !ratio(c.unbounded_hit_ratio) || !rate(c.prompt_tokens_per_second) {
         return Err("a rate out of range".into());
     }
+    if !count(c.references) || !count(c.window_references) {
+        return Err("a count out of range".into());
+    }
     for p in &c.points {
-        if !ratio(p.hit_ratio) || !p.belady.is_none_or(ratio) || !fine(p.scale) {
+        let fine = ratio(p.hit_ratio) && p.belady.is_none_or(ratio);
+        if !fine || !(0.0..=1e6).contains(&p.scale) || !count(p.pages) || !count(p.bytes) {
             return Err(format!("a point out of range: {p:?}"));
         }
     }
     for g in &c.gains {
-        if !ratio(g.hit_ratio) || !ratio(g.hit_ratio_after) {
-            return Err(format!("a gain out of range: {g:?}"));
-        }
-        if !fine(g.saved_prompt_tokens_per_second) {
+        let fine = ratio(g.hit_ratio) && ratio(g.hit_ratio_after);
+        if !fine || !rate(g.saved_prompt_tokens_per_second) || !count(g.added_bytes) {
             return Err(format!("a gain out of range: {g:?}"));
         }
     }
@@ -99,8 +130,15 @@ pub fn check(c: &CurveReport) -> Result<(), String> {
 
 /// The fleet's curve of `curves` (None without any): the points every worker has (by tier
 /// and scale), hit ratios weighted by references (equal weights before any), the rest summed.
+/// Only workers of the first one's page size and policy count (their points are alike).
 pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
-    let first = curves.first()?;
+    let first = *curves.first()?;
+    let curves: Vec<&CurveReport> = curves
+        .iter()
+        .copied()
+        .filter(|c| c.page_size == first.page_size && c.policy == first.policy)
+        .collect();
+    let curves = &curves[..];
     let refs: f64 = curves.iter().map(|c| c.references as f64).sum();
     let weight = |c: &CurveReport| match refs > 0.0 {
         true => c.references as f64 / refs,
@@ -167,7 +205,7 @@ pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
         sample_rate: avg(&|c| Some(c.sample_rate)).unwrap_or(0.0),
         references: curves.iter().map(|c| c.references).sum(),
         window_references: curves.iter().map(|c| c.window_references).sum(),
-        prompt_pages_per_second: curves.iter().map(|c| c.prompt_pages_per_second).sum(),
+        prompt_tokens_per_second: curves.iter().map(|c| c.prompt_tokens_per_second).sum(),
         unbounded_hit_ratio: avg(&|c| Some(c.unbounded_hit_ratio)).unwrap_or(0.0),
         points,
         gains,
@@ -187,7 +225,7 @@ mod tests {
             sample_rate: 1.0,
             references: refs,
             window_references: refs,
-            prompt_pages_per_second: pps,
+            prompt_tokens_per_second: pps,
             unbounded_hit_ratio: h + 0.2,
             points: vec![CurvePointReport {
                 tier: "host".into(),
@@ -220,6 +258,10 @@ mod tests {
         assert!((g.saved_prompt_tokens_per_second - 12.0 * 0.8).abs() < 1e-9);
         assert_eq!(f.references, 400);
         assert!(fleet("decode", &[]).is_none());
+        // A worker of another page size does not join the first one's fleet.
+        let mut other = report(1000, 0.9, 5.0);
+        other.page_size = 32;
+        assert_eq!(fleet("decode", &[&a, &b, &other]).unwrap(), f);
     }
 
     #[test]
@@ -237,5 +279,15 @@ mod tests {
         let mut bad = report(1, 0.5, 1.0);
         bad.points = vec![bad.points[0].clone(); MAX_POINTS + 1];
         assert!(check(&bad).is_err());
+        for absurd in [
+            |c: &mut CurveReport| c.references = u64::MAX,
+            |c: &mut CurveReport| c.points[0].bytes = u64::MAX,
+            |c: &mut CurveReport| c.gains[0].saved_prompt_tokens_per_second = 1e300,
+            |c: &mut CurveReport| c.ranks = 0,
+        ] {
+            let mut bad = report(1, 0.5, 1.0);
+            absurd(&mut bad);
+            assert!(check(&bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -55,6 +55,9 @@ pub struct RouterState {
     pub health_generate: tokio::sync::Mutex<Option<(std::time::Instant, u16, axum::body::Bytes)>>,
     /// One log line per finished API request (`strata route --no-request-log`: off).
     pub request_log: bool,
+    /// The last `/cache/curve` answer and when it was made: calls within a second share it
+    /// (the path is open, and each answer reads every worker).
+    pub curve: tokio::sync::Mutex<Option<(std::time::Instant, strata_protocol::FleetCurve)>>,
 }
 
 /// TCP keep-alive on every connection to a worker: a peer whose link went down is found
@@ -103,6 +106,7 @@ impl RouterState {
             front: Default::default(),
             stream_idle: Duration::from_secs(45),
             health_generate: Default::default(),
+            curve: Default::default(),
             request_log: true,
         }
     }

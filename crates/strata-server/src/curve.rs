@@ -36,7 +36,7 @@ pub fn report(c: &Curve, role: &str, page_size: usize, ranks: usize) -> CurveRep
         sample_rate: c.rate,
         references: c.references,
         window_references: c.window_references,
-        prompt_pages_per_second: c.prompt_pages_per_second,
+        prompt_tokens_per_second: c.prompt_tokens_per_second,
         unbounded_hit_ratio: c.unbounded_hit_ratio,
         points: c
             .points

@@ -225,8 +225,8 @@ fn curve(t: &mut Text, s: &Snapshot) {
             c.window_references as f64,
         ),
         (
-            "strata_cache_curve_prompt_pages_per_second",
-            c.prompt_pages_per_second,
+            "strata_cache_curve_prompt_tokens_per_second",
+            c.prompt_tokens_per_second,
         ),
     ];
     for (name, v) in scalars {

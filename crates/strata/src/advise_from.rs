@@ -106,13 +106,23 @@ pub fn curves_of(body: &[u8]) -> Result<Vec<CurveReport>> {
     Ok(curves)
 }
 
-/// The host tier's points: (bytes per rank, hit ratio), smallest first.
+/// The tier the advice reads: the host tier, or the device tier where a worker has no host
+/// tier (a cache of N pages hits the same whichever tier holds them).
+fn advised_tier(c: &CurveReport) -> &'static str {
+    match c.points.iter().any(|p| p.tier == "host" && p.bytes > 0) {
+        true => "host",
+        false => "device",
+    }
+}
+
+/// The advised tier's points: (bytes per rank, hit ratio), smallest first.
 pub fn host_points(c: &CurveReport) -> Vec<(f64, f64)> {
     let ranks = c.ranks.max(1) as f64;
+    let tier = advised_tier(c);
     let mut v: Vec<(f64, f64)> = c
         .points
         .iter()
-        .filter(|p| p.tier == "host" && p.bytes > 0)
+        .filter(|p| p.tier == tier && p.bytes > 0)
         .map(|p| (p.bytes as f64 / ranks, p.hit_ratio))
         .collect();
     v.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -152,16 +162,23 @@ pub fn size_for(points: &[(f64, f64)], goal: f64) -> Option<f64> {
 /// One role's (or worker's) curve, its advice and its answer.
 fn role(c: &CurveReport, target: f64) {
     let pts = host_points(c);
+    let tier = advised_tier(c);
+    if tier == "device" {
+        println!(
+            "{}: no host tier: the curve is read at multiples of the device tier (a host tier of that size hits as much)",
+            c.role
+        );
+    }
     let today = c
         .points
         .iter()
-        .find(|p| p.tier == "host" && p.scale == 1.0)
+        .find(|p| p.tier == tier && p.scale == 1.0)
         .map_or(0.0, |p| p.bytes as f64 / c.ranks.max(1) as f64);
     println!(
         "{}: {} prompt pages seen ({:.1}/s over the last 5 min, page {} tokens, {} rank{}, policy {}, sample rate {:.4}); host cache today {} per rank; unbounded hit ratio {:.2}%",
         c.role,
         c.references,
-        c.prompt_pages_per_second,
+        c.prompt_tokens_per_second,
         c.page_size,
         c.ranks,
         if c.ranks == 1 { "" } else { "s" },
@@ -172,7 +189,7 @@ fn role(c: &CurveReport, target: f64) {
     );
     println!("| host per rank | hit % | Belady % |");
     println!("|---|---|---|");
-    for p in c.points.iter().filter(|p| p.tier == "host") {
+    for p in c.points.iter().filter(|p| p.tier == tier) {
         println!(
             "| {} | {:.2} | {} |",
             format_bytes(p.bytes / c.ranks.max(1) as u64),
@@ -211,7 +228,7 @@ fn role(c: &CurveReport, target: f64) {
 /// prints each split's hit ratios and tokens/s served from cache, and the best.
 fn split(p: &CurveReport, d: &CurveReport, total: u64, typed: &str) {
     let (pp, dp) = (host_points(p), host_points(d));
-    let tokens = |c: &CurveReport, h: f64| h * c.prompt_pages_per_second * c.page_size as f64;
+    let tokens = |c: &CurveReport, h: f64| h * c.prompt_tokens_per_second * c.page_size as f64;
     println!(
         "PD split of {typed} ({total} bytes) over {} prefill and {} decode ranks: prefill hits are prompt tokens not computed, decode hits prompt tokens not transferred",
         p.ranks, d.ranks

@@ -42,7 +42,7 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     let before = metrics_text(port);
     let memory = sample(&before, "strata_cache_curve_memory_bytes");
     assert!(memory > 0.0, "{before}");
-    // A 320-token document read three times between 12 others: 20 pages each, 19 referenced.
+    // A 320-token document read three times between 12 others: 20 pages each.
     let doc: Vec<u32> = (0..320).map(|j| 3 + (j * 7) % 250).collect();
     let mut pages = 0;
     for i in 0..15u32 {
@@ -52,8 +52,7 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
             (0..320).map(|j| 3 + (i * 131 + j * 17) % 250).collect()
         };
         ask(port, &p);
-        // The pages before the one holding the last token (always computed) are referenced.
-        pages += (p.len() - 1) / 16;
+        pages += p.len() / 16;
     }
     let m = metrics_text(port);
     assert_eq!(
@@ -83,8 +82,8 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
             sample(&m, &k)
         };
         if pages_of("8") > 100.0 {
-            // 2 × 19 pages of 16 tokens of 15 × 320 prompt tokens.
-            assert!(curve[5] >= 608.0 / 4800.0 - 1e-9, "{tier}: {curve:?}");
+            // 2 × 20 pages of 16 tokens of 15 × 320 prompt tokens.
+            assert!(curve[5] >= 640.0 / 4800.0 - 1e-9, "{tier}: {curve:?}");
         }
     }
 
@@ -264,7 +263,7 @@ args = ["--page-size", "16", "--device-mem", "4MiB", "--hicache-size", "8MiB", "
         let body = serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0});
         let a = post_json(r, "/v1/completions", &body);
         assert!(a["choices"][0]["text"].is_string(), "{a}");
-        pages += ((p.len() - 1) / 16) as u64;
+        pages += (p.len() / 16) as u64;
     }
     for port in [pp, dp] {
         let m = metrics_text(port);

@@ -42,15 +42,20 @@ pub fn reuses(ids: &[u32], n: usize, counted: &[bool]) -> u64 {
     hits
 }
 
-/// Counted hits of Belady's MIN with room for `cap` pages: evicts the page used furthest
-/// ahead, and does not admit a page used later than everything cached.
+/// Counted hits of Belady's MIN with room for `cap` pages: evicts the page whose next counted
+/// use is furthest ahead, and does not admit a page used later than everything cached; any
+/// reference may admit its page (a policy can only do so at a reference): a bound no policy
+/// beats on the counted references.
 pub fn belady(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
     const NEVER: u32 = u32::MAX;
     let mut next = vec![NEVER; ids.len()];
     let mut last = vec![NEVER; n];
+    // The next counted use: an uncounted one earns nothing, it only lets the page in free.
     for i in (0..ids.len()).rev() {
         next[i] = last[ids[i] as usize];
-        last[ids[i] as usize] = i as u32;
+        if counted[i] {
+            last[ids[i] as usize] = i as u32;
+        }
     }
     // A cached page's next use (NEVER: not cached), and a heap of (next use, page) whose
     // entries are live while they match it.

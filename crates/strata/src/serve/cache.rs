@@ -117,7 +117,7 @@ pub(super) fn build_cache(
     cc.eviction = c.eviction;
     cc.curve_pages = a.curve_pages;
     // The curve's answer: one more GiB per rank (a page holds every rank's part).
-    cc.curve_step_bytes = (1u64 << 30) * rank_allocs.0.len().max(1) as u64;
+    cc.curve_step_bytes = (1u64 << 30) * plan.tp.max(1) as u64;
     cc.hashing = true;
     cc.copy_threads = a.copy_threads.max(1);
     // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).
