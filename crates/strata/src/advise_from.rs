@@ -266,9 +266,10 @@ fn split(p: &CurveReport, d: &CurveReport, total: u64, typed: &str) {
     );
 }
 
-/// A size in decimal GB as operators type it, rounded up to the hundredth.
+/// A size in decimal GB as operators type it, rounded up to the hundredth (as `strata sim
+/// --advise` says it).
 fn typed_gb(bytes: f64) -> String {
-    format!("{:.2}GB", (bytes / 1e7).ceil() / 100.0)
+    crate::sim::advice::typed_gb(bytes.max(0.0).ceil() as u64)
 }
 
 #[cfg(test)]

@@ -189,7 +189,7 @@ pub fn target_and_knee(points: &[(u64, f64)], goal: f64) -> (Option<usize>, Opti
 }
 
 /// A size in decimal GB as operators type it, rounded up to the hundredth.
-fn typed_gb(bytes: u64) -> String {
+pub(crate) fn typed_gb(bytes: u64) -> String {
     format!("{:.2}GB", (bytes as f64 / 1e7).ceil() / 100.0)
 }
 
