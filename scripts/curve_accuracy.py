@@ -3,8 +3,10 @@
 Starts `strata serve` with `--record-trace`, replays a Mooncake trace through it with
 `strata bench workload --workload trace --closed-loop --concurrency 1`, reads the worker's
 `GET /cache/curve`, and for every point of the device and host tiers replays the recorded trace
-with `strata sim` (LRU, one tier of the point's size, the worker's page size): a Markdown table
-of both hit rates and Belady's bounds, and the mean absolute error in points.
+with `strata sim` (the worker's eviction policy, one tier of the point's size, the worker's page
+size): a Markdown table of both hit rates and Belady's bounds, and the mean absolute error in
+points. `--serve-arg=--eviction=lru` measures the LRU curve (sampled reuse distances over all
+traffic) instead of the default's (a miniature simulation over the recent window).
 
 python3 scripts/curve_accuracy.py STRATA TRACE [--length-scale 0.03125] [--limit 1000]
     [--hicache-size 900MiB] [--device-mem 256MiB] [--out DIR]
@@ -46,15 +48,15 @@ def serve(a, out):
     sys.exit("strata serve never became ready")
 
 
-def sim(a, rec, tokens):
+def sim(a, rec, tokens, policy):
     out = subprocess.run(
         [a.strata, "sim", "--trace", rec, "--block-tokens", "16", "--page-size", "16",
-         "--eviction", "lru", "--device", str(tokens), "--plot", os.devnull],
+         "--eviction", policy, "--device", str(tokens), "--plot", os.devnull],
         capture_output=True, text=True, check=True).stdout
     lru = belady = None
     for line in out.splitlines():
         f = line.split()
-        if f[:1] == ["lru"]:
+        if f[:1] == [policy]:
             lru = float(f[4])
         if f[:1] == ["belady"]:
             belady = float(f[1])
@@ -109,7 +111,7 @@ def main():
     for pt in c["points"]:
         if pt["tier"] not in ("device", "host") or pt["pages"] == 0:
             continue
-        lru, belady = sim(a, rec, pt["pages"] * 16)
+        lru, belady = sim(a, rec, pt["pages"] * 16, c["policy"])
         live = 100 * pt["hit_ratio"]
         errs.append(abs(live - lru))
         rows.append((pt["tier"], pt["pages"], live, lru))
@@ -124,7 +126,7 @@ def main():
     fractions = ",".join(f"{k / 40:g}" for k in range(1, 41))
     sim_advice = subprocess.run(
         [a.strata, "sim", "--trace", rec, "--block-tokens", "16", "--page-size", "16",
-         "--eviction", "lru", "--device", str(dev * 16), "--advise", "--fractions", fractions,
+         "--eviction", c["policy"], "--device", str(dev * 16), "--advise", "--fractions", fractions,
          "--plot", os.path.join(out, "sim-advise.svg")],
         capture_output=True, text=True, check=True).stdout
     print("strata sim --advise on the recorded trace (the same device tier):")

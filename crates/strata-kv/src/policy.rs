@@ -59,20 +59,38 @@ pub enum EvictionPolicy {
     /// main queue for nodes hit while small or remembered in a ghost of evicted nodes, 2-bit
     /// frequencies and reinsertion instead of reordering.
     S3Fifo,
+    /// The default: GDSF where a leaf new to the history starts on probation, with a credit
+    /// below one access learnt online from which removed nodes come back (those removed on
+    /// probation against the others, as ARC balances its lists): one-off continuations go
+    /// first when they never return, newcomers are kept like GDSF's when they do (see
+    /// `tree/auto.rs`).
+    Auto,
 }
 
 impl EvictionPolicy {
     /// Every policy, in the order reports list them.
-    pub const ALL: [EvictionPolicy; 4] = [
+    pub const ALL: [EvictionPolicy; 5] = [
         EvictionPolicy::Lru,
         EvictionPolicy::Gdsf,
         EvictionPolicy::Sieve,
         EvictionPolicy::S3Fifo,
+        EvictionPolicy::Auto,
     ];
+
+    /// What a cache runs when nobody chose.
+    pub const DEFAULT: EvictionPolicy = EvictionPolicy::Auto;
 
     /// Whether the policy keeps a history of evicted nodes (keyed where each started).
     pub fn has_history(&self) -> bool {
-        matches!(self, EvictionPolicy::Gdsf | EvictionPolicy::S3Fifo)
+        matches!(
+            self,
+            EvictionPolicy::Gdsf | EvictionPolicy::S3Fifo | EvictionPolicy::Auto
+        )
+    }
+
+    /// Whether the policy orders leaves by GDSF's priority (GDSF and `auto`).
+    pub fn is_gdsf(&self) -> bool {
+        matches!(self, EvictionPolicy::Gdsf | EvictionPolicy::Auto)
     }
 
     pub fn parse(s: &str) -> Option<EvictionPolicy> {
@@ -81,6 +99,7 @@ impl EvictionPolicy {
             "gdsf" => Some(EvictionPolicy::Gdsf),
             "sieve" => Some(EvictionPolicy::Sieve),
             "s3fifo" => Some(EvictionPolicy::S3Fifo),
+            "auto" => Some(EvictionPolicy::Auto),
             _ => None,
         }
     }
@@ -91,6 +110,7 @@ impl EvictionPolicy {
             EvictionPolicy::Gdsf => "gdsf",
             EvictionPolicy::Sieve => "sieve",
             EvictionPolicy::S3Fifo => "s3fifo",
+            EvictionPolicy::Auto => "auto",
         }
     }
 }
@@ -211,6 +231,150 @@ impl FrequencyHistory {
     }
 }
 
+/// One access in an `auto` node's fixed-point frequency.
+pub const UNIT: u32 = 20;
+/// The newcomer's credit: where it starts, its bounds, and its step (a twentieth of an access).
+const START: u32 = UNIT / 2;
+const LO: u32 = UNIT / 4;
+const HI: u32 = UNIT;
+const STEP: u32 = 1;
+/// What each window keeps of the counts before it.
+const DECAY: f64 = 0.9;
+/// The fewest removed pages in a window.
+const MIN_WINDOW: usize = 64;
+
+/// `auto`'s credit for newcomers (see `tree/auto.rs`): the fixed-point frequency a leaf new to
+/// the eviction history starts with, learnt ARC-style from which removed pages come back soon.
+/// Removed nodes are remembered for about one cache of removed pages in two ghosts (removed on
+/// probation, or not); over each window of removed pages (an eighth of the cache), if pages
+/// removed on probation came back more often per removed page than the others, the credit
+/// rises a step, else it falls one, within [0.25, 1] access.
+#[derive(Debug)]
+pub struct Newcomers {
+    /// Fixed-point frequency of a leaf the history does not know.
+    credit: u32,
+    /// Keys of nodes removed lately, [on probation, otherwise].
+    ghosts: [Ghost; 2],
+    /// Pages removed, and pages that came back while their key was in a ghost, [on
+    /// probation, otherwise] (decayed).
+    removed: [f64; 2],
+    returned: [f64; 2],
+    /// Pages removed since the credit last moved, and how many move it.
+    since: usize,
+    window: usize,
+}
+
+impl Newcomers {
+    /// State for a cache of `cap` pages.
+    pub fn new(cap: usize) -> Newcomers {
+        Newcomers {
+            credit: START,
+            ghosts: [Ghost::new(cap), Ghost::new(cap)],
+            removed: [1.0; 2],
+            returned: [0.0; 2],
+            since: 0,
+            window: (cap / 8).max(MIN_WINDOW),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.ghosts[0].bytes() + self.ghosts[1].bytes()
+    }
+
+    /// The fixed-point frequency a newcomer starts with ([`UNIT`]: one access).
+    pub fn credit(&self) -> u32 {
+        self.credit
+    }
+
+    /// A key the eviction history knew came back with `pages` pages.
+    pub fn returned(&mut self, key: u64, pages: usize) {
+        if let Some(k) = (0..2).find(|&k| self.ghosts[k].contains(key)) {
+            self.returned[k] += pages as f64;
+        }
+    }
+
+    /// `pages` pages under `key` left the cache, `probation` if they never earned an access.
+    pub fn removed(&mut self, key: u64, probation: bool, pages: usize) {
+        let k = usize::from(!probation);
+        self.ghosts[k].record(key, pages);
+        self.removed[k] += pages as f64;
+        self.since += pages;
+        if self.since >= self.window {
+            self.adapt();
+        }
+    }
+
+    /// Moves the credit once a window of pages has been removed.
+    fn adapt(&mut self) {
+        self.since = 0;
+        let rate = |k: usize| self.returned[k] / self.removed[k];
+        self.credit = if rate(0) > rate(1) {
+            (self.credit + STEP).min(HI)
+        } else {
+            self.credit.saturating_sub(STEP).max(LO)
+        };
+        for k in 0..2 {
+            self.removed[k] *= DECAY;
+            self.returned[k] *= DECAY;
+        }
+    }
+}
+
+/// Keys of nodes removed lately: two generations of a Bloom filter of two bits a key, each
+/// of `cap` bits; a generation takes the keys of `cap / 2` removed pages, then the older is
+/// cleared and becomes the newer. A key is remembered while its node is among the last
+/// `cap / 2` to `cap` removed pages (the horizon in which keeping it would have been a hit,
+/// as ARC's ghost lists are one cache long); a quarter of a byte per cached page.
+#[derive(Debug)]
+struct Ghost {
+    bits: [Vec<u64>; 2],
+    /// Bits per generation; pages a generation takes, and has taken; which one is current.
+    width: usize,
+    span: usize,
+    pages: usize,
+    current: usize,
+}
+
+impl Ghost {
+    fn new(cap: usize) -> Ghost {
+        let width = cap.clamp(64, 1 << 32).next_multiple_of(64);
+        Ghost {
+            bits: [vec![0; width / 64], vec![0; width / 64]],
+            width,
+            span: (cap / 2).max(1),
+            pages: 0,
+            current: 0,
+        }
+    }
+
+    fn positions(&self, key: u64) -> [usize; 2] {
+        ROW_MUL.map(|m| ((key.wrapping_mul(m) as u128 * self.width as u128) >> 64) as usize)
+    }
+
+    fn record(&mut self, key: u64, pages: usize) {
+        for b in self.positions(key) {
+            self.bits[self.current][b / 64] |= 1 << (b % 64);
+        }
+        self.pages += pages;
+        if self.pages >= self.span {
+            self.current ^= 1;
+            self.bits[self.current].fill(0);
+            self.pages = 0;
+        }
+    }
+
+    fn contains(&self, key: u64) -> bool {
+        let p = self.positions(key);
+        self.bits
+            .iter()
+            .any(|g| p.iter().all(|&b| g[b / 64] >> (b % 64) & 1 == 1))
+    }
+
+    fn bytes(&self) -> usize {
+        self.width / 4
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,6 +393,59 @@ mod tests {
         assert_eq!(WritePolicy::parse("write_through_selective:65536"), None);
         assert_eq!(EvictionPolicy::parse("gdsf"), Some(EvictionPolicy::Gdsf));
         assert_eq!(EvictionPolicy::parse("mru"), None);
+    }
+
+    #[test]
+    fn the_credit_follows_which_removed_pages_come_back() {
+        let mut a = Newcomers::new(800);
+        assert_eq!((a.credit(), a.window), (START, 100));
+        // Pages removed on probation come back (per page) more than the others: newcomers
+        // deserve more credit.
+        for k in 0..6u64 {
+            a.removed(k, true, 50);
+            a.returned(k, 50);
+            a.removed(1000 + k, false, 50);
+        }
+        assert_eq!(a.credit(), START + 6 * STEP);
+        // Pages that earned their place come back, newcomers removed on probation never do.
+        for k in 0..1000u64 {
+            a.removed(2000 + k, true, 50);
+            a.removed(1_000_000 + k, false, 50);
+            a.returned(1_000_000 + k, 50);
+        }
+        assert_eq!(a.credit(), LO, "the credit falls to its floor");
+        // The other way round: newcomers come back, the rest does not.
+        for k in 0..1000u64 {
+            a.removed(5000 + k, true, 50);
+            a.returned(5000 + k, 50);
+            a.removed(2_000_000 + k, false, 50);
+        }
+        assert_eq!(a.credit(), HI);
+        assert_eq!(Newcomers::new(10).window, MIN_WINDOW);
+    }
+
+    #[test]
+    fn a_ghost_remembers_about_one_cache_of_removed_pages() {
+        let mut g = Ghost::new(4096);
+        assert_eq!(
+            g.bytes(),
+            1024,
+            "an eighth of a byte a page, per generation"
+        );
+        // Nodes of 8 pages: a generation takes 256 of them.
+        for k in 0..250u64 {
+            g.record(k, 8);
+        }
+        assert!((0..250).all(|k| g.contains(k)));
+        let strangers = (10_000..20_000u64).filter(|&k| g.contains(k)).count();
+        assert!(strangers < 500, "{strangers} false positives of 10,000");
+        for k in 250..620u64 {
+            g.record(k, 8);
+        }
+        // The current generation and the one before: the last 1 to 2 spans of pages.
+        assert!((256..620).all(|k| g.contains(k)), "the last cache of pages");
+        let old = (0..250u64).filter(|&k| g.contains(k)).count();
+        assert!(old < 25, "{old} of 250 keys older than a cache still seen");
     }
 
     #[test]

@@ -137,6 +137,12 @@ pub struct CurveReport {
     pub sample_rate: f64,
     pub references: u64,
     pub window_references: u64,
+    /// Pages the sampler tracks now, and the memory it holds (fixed when it starts, whatever
+    /// the traffic; a fleet's: every worker's together).
+    #[serde(default)]
+    pub tracked_pages: u64,
+    #[serde(default)]
+    pub memory_bytes: u64,
     pub prompt_tokens_per_second: f64,
     /// The hit ratio of a cache that never evicts: the curve's ceiling.
     pub unbounded_hit_ratio: f64,

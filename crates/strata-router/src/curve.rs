@@ -110,7 +110,15 @@ pub fn check(c: &CurveReport) -> Result<(), String> {
     if !ratio(c.sample_rate) || !ratio(c.unbounded_hit_ratio) || !rate(c.prompt_tokens_per_second) {
         return Err("a rate out of range".into());
     }
-    if !count(c.references) || !count(c.window_references) {
+    if ![
+        c.references,
+        c.window_references,
+        c.tracked_pages,
+        c.memory_bytes,
+    ]
+    .into_iter()
+    .all(count)
+    {
         return Err("a count out of range".into());
     }
     for p in &c.points {
@@ -205,6 +213,8 @@ pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
         sample_rate: avg(&|c| Some(c.sample_rate)).unwrap_or(0.0),
         references: curves.iter().map(|c| c.references).sum(),
         window_references: curves.iter().map(|c| c.window_references).sum(),
+        tracked_pages: curves.iter().map(|c| c.tracked_pages).sum(),
+        memory_bytes: curves.iter().map(|c| c.memory_bytes).sum(),
         prompt_tokens_per_second: curves.iter().map(|c| c.prompt_tokens_per_second).sum(),
         unbounded_hit_ratio: avg(&|c| Some(c.unbounded_hit_ratio)).unwrap_or(0.0),
         points,
@@ -225,6 +235,8 @@ mod tests {
             sample_rate: 1.0,
             references: refs,
             window_references: refs,
+            tracked_pages: refs,
+            memory_bytes: 1 << 20,
             prompt_tokens_per_second: pps,
             unbounded_hit_ratio: h + 0.2,
             points: vec![CurvePointReport {

@@ -36,6 +36,8 @@ pub fn report(c: &Curve, role: &str, page_size: usize, ranks: usize) -> CurveRep
         sample_rate: c.rate,
         references: c.references,
         window_references: c.window_references,
+        tracked_pages: c.tracked_pages as u64,
+        memory_bytes: c.memory_bytes as u64,
         prompt_tokens_per_second: c.prompt_tokens_per_second,
         unbounded_hit_ratio: c.unbounded_hit_ratio,
         points: c

@@ -126,7 +126,10 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
         };
         match eviction {
             // The same victim searches in the same order: the same evictions, the same hits.
-            EvictionPolicy::Lru | EvictionPolicy::Gdsf | EvictionPolicy::Sieve => {
+            EvictionPolicy::Lru
+            | EvictionPolicy::Gdsf
+            | EvictionPolicy::Sieve
+            | EvictionPolicy::Auto => {
                 assert_eq!(tiers(&s), tiers(&live), "{eviction:?}: simulator vs engine")
             }
             // S3-FIFO picks its queue by the small queue's share of the tier's pages at that

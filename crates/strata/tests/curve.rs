@@ -38,22 +38,12 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     let model = tiny_model_with_context(d.path(), 2048);
     let rec = d.path().join("rec.jsonl");
     let rec_s = rec.display().to_string();
-    let (_w, port) = serve(&model, &["--record-trace", &rec_s]);
+    // LRU: the curve over all traffic from the sampled reuse distances.
+    let (_w, port) = serve(&model, &["--record-trace", &rec_s, "--eviction", "lru"]);
     let before = metrics_text(port);
     let memory = sample(&before, "strata_cache_curve_memory_bytes");
     assert!(memory > 0.0, "{before}");
-    // A 320-token document read three times between 12 others: 20 pages each.
-    let doc: Vec<u32> = (0..320).map(|j| 3 + (j * 7) % 250).collect();
-    let mut pages = 0;
-    for i in 0..15u32 {
-        let p: Vec<u32> = if i % 5 == 0 {
-            doc.clone()
-        } else {
-            (0..320).map(|j| 3 + (i * 131 + j * 17) % 250).collect()
-        };
-        ask(port, &p);
-        pages += p.len() / 16;
-    }
+    let (doc, pages) = a_document_read_three_times(port);
     let m = metrics_text(port);
     assert_eq!(
         sample(&m, "strata_cache_curve_references_total"),
@@ -123,6 +113,42 @@ fn the_curve_rises_with_the_size_and_counts_every_prompt_page() {
     assert_eq!(status, 404);
 }
 
+/// A 320-token document read three times between 12 others (20 pages each): the doc and the
+/// prompt pages sent.
+fn a_document_read_three_times(port: u16) -> (Vec<u32>, usize) {
+    let doc: Vec<u32> = (0..320).map(|j| 3 + (j * 7) % 250).collect();
+    let mut pages = 0;
+    for i in 0..15u32 {
+        let p: Vec<u32> = if i % 5 == 0 {
+            doc.clone()
+        } else {
+            (0..320).map(|j| 3 + (i * 131 + j * 17) % 250).collect()
+        };
+        ask(port, &p);
+        pages += p.len() / 16;
+    }
+    (doc, pages)
+}
+
+/// The default policy (`auto`): the curve from the miniature simulation of its page-granular
+/// form over the window, against `strata sim --eviction auto` on the recorded trace.
+#[test]
+fn the_default_policy_has_its_curve_too() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model_with_context(d.path(), 2048);
+    let rec = d.path().join("rec.jsonl");
+    let (_w, port) = serve(&model, &["--record-trace", &rec.display().to_string()]);
+    let (_, pages) = a_document_read_three_times(port);
+    let c = settled(port, pages as u64);
+    assert_eq!(c["policy"], "auto");
+    let m = metrics_text(port);
+    assert!(
+        m.contains("strata_cache_curve_hit_ratio{tier=\"host\",scale=\"1\",policy=\"auto\"}"),
+        "{m}"
+    );
+    recorded_trace_replays_as_the_curve_says(port, &rec, &c);
+}
+
 /// The recorded trace: one line per request, mode 0600, lengths and ids only; `strata sim` on
 /// it hits what the worker's curve says at the host tier's size; `strata plan --advise-from`
 /// reads the curve.
@@ -158,6 +184,7 @@ fn recorded_trace_replays_as_the_curve_says(port: u16, rec: &Path, c: &Value) {
         .find(|p| p["tier"] == "host" && p["scale"] == 1.0)
         .unwrap();
     let tokens = host["pages"].as_u64().unwrap() * 16;
+    let policy = c["policy"].as_str().unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
         .args([
             "sim",
@@ -170,7 +197,7 @@ fn recorded_trace_replays_as_the_curve_says(port: u16, rec: &Path, c: &Value) {
             "--page-size",
             "16",
             "--eviction",
-            "lru",
+            policy,
             "--device",
             &tokens.to_string(),
         ])
@@ -178,16 +205,16 @@ fn recorded_trace_replays_as_the_curve_says(port: u16, rec: &Path, c: &Value) {
         .unwrap();
     let so = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{so}");
-    let lru: f64 = so
+    let sim: f64 = so
         .lines()
-        .find_map(|l| l.strip_prefix("lru "))
+        .find_map(|l| l.strip_prefix(&format!("{policy} ")))
         .and_then(|l| l.split_whitespace().nth(3))
         .and_then(|x| x.parse().ok())
         .unwrap_or_else(|| panic!("{so}"));
     let live = host["hit_ratio"].as_f64().unwrap() * 100.0;
     assert!(
-        (live - lru).abs() <= 2.0,
-        "live {live} % vs strata sim {lru} %\n{so}"
+        (live - sim).abs() <= 2.0,
+        "{policy}: live {live} % vs strata sim {sim} %\n{so}"
     );
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))

@@ -67,7 +67,7 @@ impl CacheConfig {
             device_pages,
             host_pages,
             write_policy: WritePolicy::WriteThrough,
-            eviction: EvictionPolicy::Lru,
+            eviction: EvictionPolicy::DEFAULT,
             gdsf_history: DEFAULT_GDSF_HISTORY,
             hashing: false,
             with_data: true,

@@ -2,7 +2,7 @@
 //! Miniature Simulations", ATC '17): a cache of `C × rate` pages replayed over the sampled
 //! page stream hits about the ratio a cache of `C` pages would over the whole stream, for any
 //! policy. Here: Belady's MIN (with bypass: what no policy could beat) and page-granular forms
-//! of the tree's policies (LRU, GDSF of equal-size pages, SIEVE, S3-FIFO), over a bounded
+//! of the tree's policies (LRU, GDSF of equal-size pages, SIEVE, S3-FIFO, `auto`), over a bounded
 //! window of recent sampled references.
 //!
 //! The references are dense ids (`0..n`, [`dense`]); each simulation counts the hits at the
@@ -14,7 +14,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use rustc_hash::FxHashMap;
 
-use crate::policy::EvictionPolicy;
+use crate::policy::{EvictionPolicy, Newcomers, UNIT};
 
 /// `refs` renumbered densely in order of first appearance, and how many distinct there are.
 pub fn dense(refs: &[u64]) -> (Vec<u32>, usize) {
@@ -105,6 +105,7 @@ pub fn policy(policy: EvictionPolicy, ids: &[u32], n: usize, cap: usize, counted
         EvictionPolicy::Gdsf => gdsf(ids, n, cap, counted),
         EvictionPolicy::Sieve => sieve(ids, n, cap, counted),
         EvictionPolicy::S3Fifo => s3fifo(ids, n, cap, counted),
+        EvictionPolicy::Auto => auto(ids, n, cap, counted),
     }
 }
 
@@ -191,20 +192,64 @@ fn gdsf(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
             hits += counted[i] as u64;
         } else {
             if len >= cap {
-                let (v, q) = loop {
-                    let Reverse((v, q)) = heap.pop().expect("the cache is full");
-                    if prio[q as usize] == Some(v) {
-                        break (v, q);
-                    }
-                };
-                l = v;
-                prio[q as usize] = None;
+                (l, _) = pop_least(&mut heap, &mut prio);
                 len -= 1;
             }
             len += 1;
         }
         let v = l + freq[p as usize];
         prio[p as usize] = Some(v);
+        heap.push(Reverse((v, p)));
+    }
+    hits
+}
+
+/// Takes the cached page of least priority out of `heap` (entries whose priority changed since
+/// are stale and skipped) and `prio`: its priority and id.
+fn pop_least(heap: &mut BinaryHeap<Reverse<(u64, u32)>>, prio: &mut [Option<u64>]) -> (u64, u32) {
+    loop {
+        let Reverse((v, q)) = heap.pop().expect("the cache is full");
+        if prio[q as usize] == Some(v) {
+            prio[q as usize] = None;
+            return (v, q);
+        }
+    }
+}
+
+/// `auto`: GDSF's order (every access counted over the window) where a page never seen before
+/// starts on probation with the credit [`Newcomers`] learns from which removed pages return.
+fn auto(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
+    let (mut seen, mut freq) = (vec![0u64; n], vec![0u64; n]);
+    let mut prio = vec![None::<u64>; n];
+    let mut probation = vec![false; n];
+    let mut newcomers = Newcomers::new(cap);
+    let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+    let (mut l, mut len, mut hits) = (0u64, 0usize, 0u64);
+    for (i, &p) in ids.iter().enumerate() {
+        let u = p as usize;
+        seen[u] += 1;
+        if prio[u].is_some() {
+            hits += counted[i] as u64;
+            freq[u] += UNIT as u64;
+            probation[u] = false;
+        } else {
+            if len >= cap {
+                let q;
+                (l, q) = pop_least(&mut heap, &mut prio);
+                len -= 1;
+                newcomers.removed(q as u64, probation[q as usize], 1);
+            }
+            len += 1;
+            probation[u] = seen[u] == 1;
+            freq[u] = if probation[u] {
+                newcomers.credit() as u64
+            } else {
+                newcomers.returned(u as u64, 1);
+                seen[u] * UNIT as u64
+            };
+        }
+        let v = l + freq[u];
+        prio[u] = Some(v);
         heap.push(Reverse((v, p)));
     }
     hits

@@ -1,7 +1,7 @@
 //! Insertion: walking a token sequence into the tree, filling a slot's pages (and window
 //! pages) where nodes lack them, new leaves, and splitting nodes at page boundaries.
 
-use super::node::{Tokens, IN_STORAGE, LIVE, VISITED, WINDOWS};
+use super::node::{Tokens, IN_STORAGE, LIVE, PROBATION, VISITED, WINDOWS};
 use super::{
     chain_step, window_half, GdsfNode, Inserted, Node, NodeId, RadixTree, Slot, Windows, NO_PAGE,
     ROOT,
@@ -156,6 +156,10 @@ impl RadixTree {
                 let chain = self.gdsf[id as usize].base;
                 self.gdsf[id as usize].freq = self.history.take(chain).saturating_add(1);
             }
+            EvictionPolicy::Auto => {
+                let chain = self.gdsf[id as usize].base;
+                self.auto_place(id, chain, pages.len());
+            }
             EvictionPolicy::S3Fifo => self.s3_place(id, self.gdsf[id as usize].base),
             // Its place in the queue: when it came.
             EvictionPolicy::Sieve => self.prio[id as usize] = self.clock,
@@ -233,7 +237,7 @@ impl RadixTree {
         // the split, `TieredCache::absorb_splits`).
         head.host_lock = n.host_lock;
         head.hits = n.hits;
-        head.flags |= LIVE | (n.flags & (IN_STORAGE | VISITED));
+        head.flags |= LIVE | (n.flags & (IN_STORAGE | VISITED | PROBATION));
         let parent = n.parent;
         // The suffix keeps its id, its place in the eviction sets (its key does not change)
         // and everything but the head's part of its tokens and pages.

@@ -173,6 +173,8 @@ pub struct RadixTree {
     policy: EvictionPolicy,
     inflation: u64,
     history: FrequencyHistory,
+    /// `auto`'s newcomer credit and what it learns from.
+    adaptive: crate::policy::Newcomers,
     /// SIEVE's hands (device, host leaves): the key from which the next sweep starts.
     hands: [Key; 2],
     /// S3-FIFO: the last queue position given, and pages of small-queue nodes per tier.
@@ -241,6 +243,7 @@ impl RadixTree {
             policy,
             inflation: 0,
             history: FrequencyHistory::new(16),
+            adaptive: crate::policy::Newcomers::new(16),
             hands: [0; 2],
             seq: 0,
             small_pages: [0; 2],
@@ -264,11 +267,15 @@ impl RadixTree {
         self.namespace.as_ref()
     }
 
-    /// Sizes the eviction history of GDSF and S3-FIFO (keys; 1 byte each), e.g. to a few
-    /// times the cache's page count. Only those policies allocate it.
+    /// Sizes the eviction history of GDSF, S3-FIFO and `auto` (keys; 1 byte each), e.g. to a
+    /// few times the cache's page count, and `auto`'s probation ghost and window (from `cap`
+    /// too). Only those policies allocate it.
     pub fn set_history_cap(&mut self, cap: usize) {
         if self.policy.has_history() {
             self.history = FrequencyHistory::new(cap);
+        }
+        if self.policy == EvictionPolicy::Auto {
+            self.adaptive = crate::policy::Newcomers::new(cap);
         }
     }
 
@@ -315,10 +322,10 @@ impl RadixTree {
             + self.host_leaves.len()
             + self.device_windows.len()
             + self.host_windows.len();
-        let history = if self.policy.has_history() {
-            self.history.bytes()
-        } else {
-            0
+        let history = match self.policy {
+            EvictionPolicy::Auto => self.history.bytes() + self.adaptive.bytes(),
+            p if p.has_history() => self.history.bytes(),
+            _ => 0,
         };
         // A B-tree leaf of 11 keys (192 bytes) is about 6/11 full after appends (new keys
         // mostly come last): 32 bytes an entry.
@@ -521,7 +528,7 @@ impl RadixTree {
     /// `id`'s key in the eviction sets.
     fn key_of(&self, id: u32) -> Key {
         let tie = match self.policy {
-            EvictionPolicy::Gdsf => self.nodes[id as usize].stamp as u32,
+            EvictionPolicy::Gdsf | EvictionPolicy::Auto => self.nodes[id as usize].stamp as u32,
             _ => 0,
         };
         (self.priority_of(id) as u128) << 64 | (tie as u128) << 32 | id as u128
@@ -549,11 +556,16 @@ impl RadixTree {
         n.stamp = clock;
         if hit {
             n.hits = n.hits.saturating_add(1);
+            n.set(node::PROBATION, false);
         }
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.is_gdsf() {
+            let one = match self.policy {
+                EvictionPolicy::Auto => crate::policy::UNIT,
+                _ => 1,
+            };
             let g = &mut self.gdsf[id as usize];
             if hit {
-                g.freq = g.freq.saturating_add(1);
+                g.freq = g.freq.saturating_add(one);
             }
             self.prio[id as usize] = self.inflation + g.freq as u64;
         }
@@ -598,6 +610,7 @@ fn window_half(v: Vec<u32>) -> Vec<u32> {
     }
 }
 
+mod auto;
 mod check;
 mod insert;
 mod node;

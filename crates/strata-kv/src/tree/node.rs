@@ -35,6 +35,8 @@ pub(super) const VISITED: u16 = 1 << 9;
 pub(super) const WINDOWS: u16 = 1 << 10;
 /// Narrow tokens only: their number is odd (the last word holds one).
 const ODD: u16 = 1 << 11;
+/// `auto`: a leaf new to the history and never hit since (see `auto.rs`).
+pub(super) const PROBATION: u16 = 1 << 12;
 
 pub(super) const IN_ANY: u16 = IN_DEV | IN_HOST | IN_DWIN | IN_HWIN;
 

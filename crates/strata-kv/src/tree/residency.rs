@@ -274,7 +274,7 @@ impl RadixTree {
     }
 
     fn bump_inflation(&mut self, i: u32) {
-        if self.policy == EvictionPolicy::Gdsf {
+        if self.policy.is_gdsf() {
             self.inflation = self.inflation.max(self.prio[i as usize]);
         }
     }
@@ -285,15 +285,15 @@ impl RadixTree {
         let n = &self.nodes[i as usize];
         debug_assert!(n.children == 0);
         let hash = edge_hash(n.parent, n.tokens(ps).page_key(ps));
-        let parent = n.parent;
+        let (parent, pages) = (n.parent, n.pages(ps));
         if self.policy.has_history() {
             // GDSF remembers the frequency; S3-FIFO's ghost only that the node was here.
             let chain = self.chain_of(i);
-            let count = match self.policy {
-                EvictionPolicy::Gdsf => self.gdsf[i as usize].freq,
-                _ => 1,
-            };
-            self.history.record(chain, count);
+            match self.policy {
+                EvictionPolicy::Gdsf => self.history.record(chain, self.gdsf[i as usize].freq),
+                EvictionPolicy::Auto => self.auto_removed(i, chain, pages),
+                _ => self.history.record(chain, 1),
+            }
         }
         // Drop from the sets before the slot is recycled.
         self.unfile(i);

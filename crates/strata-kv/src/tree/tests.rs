@@ -1,5 +1,6 @@
 use super::*;
 use crate::layout::{PageLayout, PoolKind};
+use node::PROBATION;
 
 fn tree(ps: usize, policy: EvictionPolicy) -> RadixTree {
     let layout = PageLayout::new(ps, vec![PoolKind::aux("kv", 1, 1)]).unwrap();
@@ -327,4 +328,49 @@ fn an_inner_node_keeps_the_last_window_pages_a_short_sequence_end_below_it_reads
         next, shared,
         "the shared node's last pages go after the ends"
     );
+}
+
+#[test]
+fn auto_puts_a_newcomer_on_probation_below_a_used_leaf_gdsf_would_evict() {
+    // Z is hit once, W and Y are one-offs; W goes first (L rises to its priority), then Y
+    // arrives. GDSF ranks Y level with Z (L + 1 against 1 + 1) and evicts the older, Z; `auto`
+    // starts Y on probation at L + ½ and evicts Y.
+    let victim_after = |policy| {
+        let mut t = tree(1, policy);
+        let z = ins(&mut t, &[1, 1], 0).last;
+        t.match_prefix(&[1, 1]);
+        let w = ins(&mut t, &[2, 2], 2).last;
+        assert_eq!(t.device_victim(), Some(w), "{policy:?}");
+        t.take_device(w);
+        let y = ins(&mut t, &[3, 3], 4).last;
+        t.check().unwrap();
+        (t.device_victim().unwrap(), z, y)
+    };
+    let (v, z, _) = victim_after(EvictionPolicy::Gdsf);
+    assert_eq!(v, z);
+    let (v, _, y) = victim_after(EvictionPolicy::Auto);
+    assert_eq!(v, y);
+}
+
+#[test]
+fn auto_probation_splits_with_its_node_and_ends_with_a_hit() {
+    let mut t = tree(1, EvictionPolicy::Auto);
+    assert_eq!(t.auto_credit(), 0.5);
+    let a = ins(&mut t, &[7, 7, 7, 7], 0).last;
+    assert!(t.nodes[a.0 as usize].has(PROBATION));
+    // A second prompt sharing two tokens splits the node: both halves stay on probation,
+    // until the shared head is hit.
+    ins(&mut t, &[7, 7, 8, 8], 4);
+    let head = t.nodes[a.0 as usize].parent;
+    assert!(t.nodes[head as usize].has(PROBATION) && t.nodes[a.0 as usize].has(PROBATION));
+    t.match_prefix(&[7, 7]);
+    assert!(!t.nodes[head as usize].has(PROBATION));
+    assert!(t.nodes[a.0 as usize].has(PROBATION));
+    t.check().unwrap();
+    // Removed and back: the history knows it, no probation.
+    let leaf = t.match_prefix(&[7, 7, 7, 7]).last;
+    t.take_device(leaf);
+    let again = ins(&mut t, &[7, 7, 7, 7], 8).last;
+    assert!(!t.nodes[again.0 as usize].has(PROBATION));
+    t.check().unwrap();
 }

@@ -67,6 +67,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         Eviction::Gdsf => EvictionPolicy::Gdsf,
         Eviction::Sieve => EvictionPolicy::Sieve,
         Eviction::S3fifo => EvictionPolicy::S3Fifo,
+        Eviction::Auto => EvictionPolicy::Auto,
     };
     let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
     let role = a.sizing.role.name();

@@ -128,8 +128,9 @@ pub struct ServeArgs {
         help_heading = "Cache"
     )]
     pub write_policy: WritePolicy,
-    /// Which cached prefix leaves a tier first.
-    #[arg(long, value_enum, default_value_t = Eviction::Lru, help_heading = "Cache")]
+    /// Which cached prefix leaves a tier first (`auto`: learns how much a new prefix is
+    /// worth from which evicted prefixes come back; docs/ARCHITECTURE.md, "Eviction policies").
+    #[arg(long, value_enum, default_value_t = Eviction::Auto, help_heading = "Cache")]
     pub eviction: Eviction,
     /// Pages the live miss-ratio curve may track (its fixed memory, about 180 bytes a page
     /// with its window of recent references: 12 MiB at the default; past this the sampling
@@ -222,6 +223,9 @@ pub enum Eviction {
     Sieve,
     /// S3-FIFO: small and main FIFO queues, a ghost of evicted prefixes, 2-bit frequencies.
     S3fifo,
+    /// GDSF where a prefix new to the cache starts on probation, with a credit learnt from
+    /// which evicted prefixes come back (the default).
+    Auto,
 }
 
 /// `--prefetch-policy`.

@@ -71,7 +71,8 @@ pub struct SimArgs {
         help_heading = "Cache"
     )]
     write_policy: WritePolicy,
-    /// `lru`, `gdsf`, `sieve`, `s3fifo`, a comma-separated list, or `all` (each, side by side).
+    /// `auto` (the engine's default), `lru`, `gdsf`, `sieve`, `s3fifo`, a comma-separated list,
+    /// or `all` (each, side by side).
     #[arg(long, default_value = "all", help_heading = "Cache")]
     eviction: String,
     /// GDSF's (and S3-FIFO's ghost) memory of evicted nodes, in keys per cached page (1 byte
@@ -157,7 +158,7 @@ fn policies(s: &str) -> Result<Vec<EvictionPolicy>> {
     s.split(',')
         .map(|p| {
             EvictionPolicy::parse(p.trim()).with_context(|| {
-                format!("--eviction `{p}`: expected lru, gdsf, sieve, s3fifo or all")
+                format!("--eviction `{p}`: expected auto, lru, gdsf, sieve, s3fifo or all")
             })
         })
         .collect()
