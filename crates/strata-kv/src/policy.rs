@@ -307,7 +307,9 @@ impl Newcomers {
     /// Moves the credit once a window of pages has been removed.
     fn adapt(&mut self) {
         self.since = 0;
-        let rate = |k: usize| self.returned[k] / self.removed[k];
+        // At least one page below the rate: a class with no removals for long reads 0, never
+        // NaN or infinite.
+        let rate = |k: usize| self.returned[k] / self.removed[k].max(1.0);
         self.credit = if rate(0) > rate(1) {
             (self.credit + STEP).min(HI)
         } else {
