@@ -136,16 +136,18 @@ pub fn check(c: &CurveReport) -> Result<(), String> {
     Ok(())
 }
 
+/// One count of every worker's, summed.
+fn sum(curves: &[&CurveReport], f: impl Fn(&CurveReport) -> u64) -> u64 {
+    curves.iter().map(|c| f(c)).sum()
+}
+
 /// The fleet's curve of `curves` (None without any): the points every worker has (by tier
 /// and scale), hit ratios weighted by references (equal weights before any), the rest summed.
 /// Only workers of the first one's page size and policy count (their points are alike).
 pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
     let first = *curves.first()?;
-    let curves: Vec<&CurveReport> = curves
-        .iter()
-        .copied()
-        .filter(|c| c.page_size == first.page_size && c.policy == first.policy)
-        .collect();
+    let alike = |c: &&CurveReport| c.page_size == first.page_size && c.policy == first.policy;
+    let curves: Vec<&CurveReport> = curves.iter().copied().filter(alike).collect();
     let curves = &curves[..];
     let refs: f64 = curves.iter().map(|c| c.references as f64).sum();
     let weight = |c: &CurveReport| match refs > 0.0 {
@@ -211,10 +213,10 @@ pub fn fleet(role: &str, curves: &[&CurveReport]) -> Option<CurveReport> {
         page_size: first.page_size,
         ranks: curves.iter().map(|c| c.ranks).sum(),
         sample_rate: avg(&|c| Some(c.sample_rate)).unwrap_or(0.0),
-        references: curves.iter().map(|c| c.references).sum(),
-        window_references: curves.iter().map(|c| c.window_references).sum(),
-        tracked_pages: curves.iter().map(|c| c.tracked_pages).sum(),
-        memory_bytes: curves.iter().map(|c| c.memory_bytes).sum(),
+        references: sum(curves, |c| c.references),
+        window_references: sum(curves, |c| c.window_references),
+        tracked_pages: sum(curves, |c| c.tracked_pages),
+        memory_bytes: sum(curves, |c| c.memory_bytes),
         prompt_tokens_per_second: curves.iter().map(|c| c.prompt_tokens_per_second).sum(),
         unbounded_hit_ratio: avg(&|c| Some(c.unbounded_hit_ratio)).unwrap_or(0.0),
         points,
