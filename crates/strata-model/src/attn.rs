@@ -9,6 +9,9 @@
 //! `Q·Kᵀ` and the update `O += P·V` are register-blocked micro-kernels ([`QB`] query vectors ×
 //! 16 lanes), AVX2+FMA where the build has them, portable loops otherwise.
 //!
+//! A decode row (one position of a sequence whose K/V are not gathered) reads the pages in
+//! place instead, split into fixed parts reduced in parallel and merged: [`decode`].
+//!
 //! K stored as q8_0 is dotted with queries rounded to q8_0 as well, as ggml does (its q8_0 dot
 //! product takes both sides in blocks of 32 signed bytes and a scale): Strata's logits then
 //! follow llama.cpp's `-ctk q8_0` to within f32 rounding instead of within one more rounding
@@ -17,6 +20,9 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use strata_kv::dtype::Dtype;
+
+mod decode;
+pub use decode::{row, PART};
 
 /// Keys per block.
 pub const KB: usize = 32;
@@ -273,100 +279,6 @@ fn normalized_out(shape: Shape, g: usize, o: &[f32], l: &[f32], out: &mut [f32])
     }
 }
 
-/// Attention for one row (a decode step) read straight from the pages: no gather. Per KV
-/// head, each block of keys is converted once and shared by the group's query heads.
-#[allow(clippy::too_many_arguments)]
-pub fn row(
-    shape: Shape,
-    kp: Plane,
-    vp: Plane,
-    pages: &[u32],
-    ps: usize,
-    q: &[f32],
-    p: usize,
-    out: &mut [f32],
-    scale: f32,
-) {
-    let (hd, group, kvd) = (shape.head_dim, shape.group(), shape.kvd());
-    let mut kb = vec![0f32; KB * hd];
-    let mut vb = vec![0f32; KB * hd];
-    let mut s = vec![0f32; group * KB];
-    let mut o = vec![0f32; group * hd];
-    let (mut m, mut l) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
-    // The group's queries, rounded as the K plane asks (a q8_0 K: to q8_0).
-    let (mut qg, mut buf) = (vec![0f32; group * hd], Vec::new());
-    for g in 0..shape.kv_heads {
-        qg.copy_from_slice(&q[g * group * hd..(g + 1) * group * hd]);
-        for qh in qg.chunks_exact_mut(hd) {
-            round_trip(kp.query_rounding(), qh, &mut buf);
-        }
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        o.fill(0.0);
-        let mut t0 = 0;
-        while t0 <= p {
-            let nb = (p + 1 - t0).min(KB);
-            for b in 0..nb {
-                let t = t0 + b;
-                let slot = pages[t / ps] as usize * ps + t % ps;
-                kp.read(slot, kvd, g * hd, &mut kb[b * hd..(b + 1) * hd]);
-                vp.read(slot, kvd, g * hd, &mut vb[b * hd..(b + 1) * hd]);
-            }
-            for j in 0..group {
-                let qh = &qg[j * hd..(j + 1) * hd];
-                let sr = &mut s[j * KB..j * KB + nb];
-                for (b, x) in sr.iter_mut().enumerate() {
-                    *x = dot(qh, &kb[b * hd..(b + 1) * hd]) * scale;
-                }
-                let bmax = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let oj = &mut o[j * hd..(j + 1) * hd];
-                if bmax > m[j] {
-                    let f = fast_exp(m[j] - bmax);
-                    l[j] *= f;
-                    for x in oj.iter_mut() {
-                        *x *= f;
-                    }
-                    m[j] = bmax;
-                }
-                for x in sr.iter_mut() {
-                    *x = fast_exp(*x - m[j]);
-                }
-                l[j] += sr.iter().sum::<f32>();
-                for (b, &e) in sr.iter().enumerate() {
-                    for (x, &v) in oj.iter_mut().zip(&vb[b * hd..(b + 1) * hd]) {
-                        *x += e * v;
-                    }
-                }
-            }
-            t0 += KB;
-        }
-        for j in 0..group {
-            let dst = &mut out[(g * group + j) * hd..(g * group + j + 1) * hd];
-            for (d, &x) in dst.iter_mut().zip(&o[j * hd..(j + 1) * hd]) {
-                *d = x / l[j];
-            }
-        }
-    }
-}
-
-/// Dot product with 8 independent accumulators, so the compiler keeps it in SIMD lanes.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
 /// `s[i][0..KB] = Σ_d q[i][d] · kt[d][0..KB]` for `n ≤ QB` query vectors.
 fn qk(n: usize, q: &[f32], kt: &[f32], hd: usize, s: &mut [f32]) {
     assert!(q.len() == n * hd && kt.len() == hd * KB && s.len() == n * KB && hd.is_multiple_of(8));
@@ -539,6 +451,19 @@ mod avx {
     }
 }
 
+/// Taylor series of 2^f = e^(f ln 2) to the 8th power (after the constant 1): truncation error
+/// below 2e-7 on [0, 1).
+const EXP2_TAYLOR: [f32; 8] = [
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355,
+    0.000_154_035_3,
+    0.000_015_252_73,
+    0.000_001_321_548,
+];
+
 /// e^x for x ≤ 0 (softmax arguments), branch-free so loops over it vectorise: 2^(x·log2 e) by
 /// splitting into integer and fraction, with a degree-8 polynomial for 2^f (relative error
 /// below 1e-5, from rounding x·log2 e in f32); arguments below -87 (and -∞) give about 0.
@@ -548,17 +473,7 @@ pub fn fast_exp(x: f32) -> f32 {
     let y = x * std::f32::consts::LOG2_E;
     let n = y.floor();
     let f = y - n;
-    // Taylor series of 2^f = e^(f ln 2) to the 8th power: truncation error below 2e-7.
-    let c = [
-        std::f32::consts::LN_2,
-        0.240_226_5,
-        0.055_504_11,
-        0.009_618_129,
-        0.001_333_355,
-        0.000_154_035_3,
-        0.000_015_252_73,
-        0.000_001_321_548,
-    ];
+    let c = EXP2_TAYLOR;
     let mut p = c[7];
     for k in (0..7).rev() {
         p = c[k] + f * p;

@@ -6,7 +6,10 @@
 //! `vpdpbusd` multiplies unsigned by signed bytes. The affine formats (Q4_1, Q4_K) have
 //! unsigned weights and multiply the signed activations directly; the signed ones (Q8_0,
 //! Q4_0, Q6_K) multiply activations shifted to unsigned (`q + 128`) and start the sum at
-//! `−128 · Σ w`, computed once per weight pair for all activation rows.
+//! `−128 · Σ w`, computed once per weight pair for all activation rows. The affine formats'
+//! `min · s` terms are taken sixteen groups at a time: the weight row's mins against each
+//! activation row's group sums, one FMA per row (the activations' per-lane copies of `s` are
+//! for the AVX2 kernels).
 //!
 //! `STRATA_NO_AVX512=1` keeps the AVX2 kernels (to compare the two side by side).
 
@@ -72,17 +75,12 @@ pub(crate) unsafe fn int_rows<U: Unpack>(
 }
 
 /// A pair of groups ready for every row: weight bytes, the starting sums (`−128 · Σ w` per
-/// lane for signed formats), per-lane scales (times Q6_K's half multipliers) and mins.
+/// lane for signed formats) and per-lane scales (times Q6_K's half multipliers); the affine
+/// formats' mins are taken by [`dot`] itself.
 struct Pair {
     w: __m512i,
     start: __m512i,
     scale: __m512,
-    min: __m512,
-}
-
-#[inline(always)]
-unsafe fn halves(a: f32, b: f32) -> __m512 {
-    _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1)
 }
 
 /// Per-lane scale of a group: its scale times the multiplier of the half each lane (four
@@ -103,9 +101,9 @@ unsafe fn lane_scales<U: Unpack>(g: &Group) -> __m256 {
 
 #[inline(always)]
 unsafe fn pair<U: Unpack>(g0: Group, g1: Option<Group>) -> Pair {
-    let (w1, s1, m1) = match &g1 {
-        Some(g) => (g.w, lane_scales::<U>(g), g.min),
-        None => (_mm256_setzero_si256(), _mm256_setzero_ps(), 0.0),
+    let (w1, s1) = match &g1 {
+        Some(g) => (g.w, lane_scales::<U>(g)),
+        None => (_mm256_setzero_si256(), _mm256_setzero_ps()),
     };
     let w = _mm512_inserti64x4(_mm512_castsi256_si512(g0.w), w1, 1);
     let start = if U::SIGNED {
@@ -116,14 +114,11 @@ unsafe fn pair<U: Unpack>(g0: Group, g1: Option<Group>) -> Pair {
         _mm512_setzero_si512()
     };
     let scale = _mm512_insertf32x8(_mm512_castps256_ps512(lane_scales::<U>(&g0)), s1, 1);
-    // Every lane carries the group's min; the activations' `s8` holds s / 8 per lane.
-    Pair {
-        w,
-        start,
-        scale,
-        min: halves(g0.min, m1),
-    }
+    Pair { w, start, scale }
 }
+
+/// Groups whose mins are gathered before their activations' sums are multiplied in.
+const MIN_CHUNK: usize = 16;
 
 #[inline(always)]
 unsafe fn dot<U: Unpack, const G: usize>(
@@ -135,25 +130,32 @@ unsafe fn dot<U: Unpack, const G: usize>(
 ) {
     let mut acc = [_mm512_setzero_ps(); G];
     let flip = _mm512_set1_epi8(-128);
-    let (xq, d8, s8) = (x.q.as_ptr(), x.d8.as_ptr(), x.s8.as_ptr());
+    let (xq, d8, s) = (x.q.as_ptr(), x.d8.as_ptr(), x.s.as_ptr());
+    // The affine formats' `min · s` terms: the weight row's mins of up to 16 groups are
+    // gathered, then each activation row's 16 sums `s` are multiplied in by one FMA (not one
+    // per pair of groups and row).
+    let mut mins = [0f32; MIN_CHUNK];
     let mut j = 0;
     while j < groups {
         let whole = j + 1 < groups;
+        let g0 = U::group(row, j);
         let g1 = whole.then(|| U::group(row, j + 1));
-        let p = pair::<U>(U::group(row, j), g1);
+        if U::AFFINE {
+            mins[j % MIN_CHUNK] = g0.min;
+            mins[(j + 1) % MIN_CHUNK] = g1.as_ref().map_or(0.0, |g| g.min);
+        }
+        let p = pair::<U>(g0, g1);
         for (r, a) in acc.iter_mut().enumerate() {
             let at = (r0 + r) * groups + j;
-            let (xv, d, s) = if whole {
+            let (xv, d) = if whole {
                 (
                     _mm512_loadu_si512(xq.add(at * GROUP) as *const _),
                     _mm512_loadu_ps(d8.add(at * 8)),
-                    _mm512_loadu_ps(s8.add(at * 8)),
                 )
             } else {
                 (
                     _mm512_zextsi256_si512(_mm256_loadu_si256(xq.add(at * GROUP) as *const _)),
                     _mm512_zextps256_ps512(_mm256_loadu_ps(d8.add(at * 8))),
-                    _mm512_zextps256_ps512(_mm256_loadu_ps(s8.add(at * 8))),
                 )
             };
             let sums = if U::SIGNED {
@@ -162,11 +164,19 @@ unsafe fn dot<U: Unpack, const G: usize>(
                 _mm512_dpbusd_epi32(p.start, p.w, xv)
             };
             *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(p.scale, d), *a);
-            if U::AFFINE {
-                *a = _mm512_fmadd_ps(p.min, s, *a);
-            }
         }
         j += 2;
+        let done = j.min(groups);
+        if U::AFFINE && (done % MIN_CHUNK == 0 || done == groups) {
+            // Groups c0..done of this chunk (16, or the rest).
+            let c0 = (done - 1) / MIN_CHUNK * MIN_CHUNK;
+            let mask: __mmask16 = ((1u32 << (done - c0)) - 1) as __mmask16;
+            let mv = _mm512_loadu_ps(mins.as_ptr());
+            for (r, a) in acc.iter_mut().enumerate() {
+                let sv = _mm512_maskz_loadu_ps(mask, s.add((r0 + r) * groups + c0));
+                *a = _mm512_fmadd_ps(_mm512_maskz_mov_ps(mask, mv), sv, *a);
+            }
+        }
     }
     for (o, a) in out.iter_mut().zip(acc) {
         *o = _mm512_reduce_add_ps(a);

@@ -318,3 +318,26 @@ fn row_and_column_slices_add_up() {
         }
     }
 }
+
+/// The affine formats' min terms, gathered sixteen groups at a time by the AVX-512 kernel:
+/// rows of several chunks and a partial one (odd group counts), against the scalar product.
+#[test]
+fn affine_min_terms_across_chunks() {
+    for (d, f, cols) in [
+        (GgmlDType::Q4_1, Format::Q4_1, 37 * GROUP),
+        (GgmlDType::Q4K, Format::Q4K, 5 * 256),
+    ] {
+        let rows = 5;
+        let (m, _) = matrix(d, rows, cols, 11);
+        let groups = cols / GROUP;
+        for n in [1usize, 3, 16] {
+            let x = values(n * cols, 40 + n);
+            let (q, qx) = (m.matmul_q(&x, 2), QActs::quantize(&x));
+            for (k, &got) in q.iter().enumerate() {
+                let (r, i) = (k / rows, k % rows);
+                let want = format::dot_int(f, m.row(i), &qx, r * groups, groups);
+                close(got, want, 1e-4, &format!("{f:?} n {n} out {k}"));
+            }
+        }
+    }
+}
