@@ -132,17 +132,21 @@ unsafe fn dot<U: Unpack, const G: usize>(
     let flip = _mm512_set1_epi8(-128);
     let (xq, d8, s) = (x.q.as_ptr(), x.d8.as_ptr(), x.s.as_ptr());
     // The affine formats' `min · s` terms: the weight row's mins of up to 16 groups are
-    // gathered, then each activation row's 16 sums `s` are multiplied in by one FMA (not one
-    // per pair of groups and row).
-    let mut mins = [0f32; MIN_CHUNK];
+    // gathered into the lanes of a register (not through memory: a vector load of scalar
+    // stores would wait on store forwarding), then each activation row's 16 sums `s` are
+    // multiplied in by one FMA (not one per pair of groups and row).
+    let mut mins = _mm512_setzero_ps();
     let mut j = 0;
     while j < groups {
         let whole = j + 1 < groups;
         let g0 = U::group(row, j);
         let g1 = whole.then(|| U::group(row, j + 1));
         if U::AFFINE {
-            mins[j % MIN_CHUNK] = g0.min;
-            mins[(j + 1) % MIN_CHUNK] = g1.as_ref().map_or(0.0, |g| g.min);
+            let lane = (j % MIN_CHUNK) as u32;
+            mins = _mm512_mask_mov_ps(mins, 1 << lane, _mm512_set1_ps(g0.min));
+            if let Some(g) = &g1 {
+                mins = _mm512_mask_mov_ps(mins, 1 << (lane + 1), _mm512_set1_ps(g.min));
+            }
         }
         let p = pair::<U>(g0, g1);
         for (r, a) in acc.iter_mut().enumerate() {
@@ -171,10 +175,11 @@ unsafe fn dot<U: Unpack, const G: usize>(
             // Groups c0..done of this chunk (16, or the rest).
             let c0 = (done - 1) / MIN_CHUNK * MIN_CHUNK;
             let mask: __mmask16 = ((1u32 << (done - c0)) - 1) as __mmask16;
-            let mv = _mm512_loadu_ps(mins.as_ptr());
+            // Lanes past the chunk's groups hold an earlier chunk's mins: masked out.
+            let mv = _mm512_maskz_mov_ps(mask, mins);
             for (r, a) in acc.iter_mut().enumerate() {
                 let sv = _mm512_maskz_loadu_ps(mask, s.add((r0 + r) * groups + c0));
-                *a = _mm512_fmadd_ps(_mm512_maskz_mov_ps(mask, mv), sv, *a);
+                *a = _mm512_fmadd_ps(mv, sv, *a);
             }
         }
     }
