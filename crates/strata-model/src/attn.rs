@@ -22,7 +22,7 @@ use half::slice::HalfFloatSliceExt;
 use strata_kv::dtype::Dtype;
 
 mod decode;
-pub use decode::{row, PART};
+pub use decode::row;
 
 /// Keys per block.
 pub const KB: usize = 32;
