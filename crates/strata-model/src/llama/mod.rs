@@ -12,6 +12,7 @@
 pub mod tp;
 pub(crate) mod tp_ranks;
 
+use rayon::prelude::*;
 use strata_kv::dtype::Dtype;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
@@ -19,7 +20,7 @@ use strata_kv::PoolKind;
 use crate::attn;
 use crate::error::ModelError;
 use crate::gguf::Config;
-use crate::qmat::QMatrix;
+use crate::qmat::{QMatrix, PAR_MIN_ELEMS};
 pub(crate) use crate::seq::check_seq;
 pub use crate::seq::SeqInput;
 use crate::shard::{Collective, Solo};
@@ -179,7 +180,8 @@ impl Model {
     ) -> [Vec<f32>; N] {
         if paths.iter().all(|&p| p == Path::Quant) && ws.iter().all(|w| w.format.integer()) {
             let qx = crate::qmat::QActs::quantize(x);
-            return ws.map(|w| w.matmul_qacts(&qx, self.threads));
+            let mut outs = QMatrix::matmul_qacts_many(&ws, &qx, self.threads).into_iter();
+            return std::array::from_fn(|_| outs.next().expect("one output per matrix"));
         }
         ws.map(|w| self.mm(x, paths, w, false))
     }
@@ -435,9 +437,11 @@ impl Model {
         }
         let hn = self.rmsnorm(x, &w.ffn_norm);
         let [g, u] = self.mm_shared(&hn, batch.paths, [&w.wg, &w.wu]);
+        // SiLU(g) · u, element by element (the same bits on any number of threads).
         let act: Vec<f32> = g
-            .iter()
+            .par_iter()
             .zip(&u)
+            .with_min_len(PAR_MIN_ELEMS)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
         let mut d = self.mm(&act, batch.paths, &w.wd, false);

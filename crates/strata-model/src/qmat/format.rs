@@ -16,6 +16,7 @@
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
+use rayon::prelude::*;
 
 /// Weights per group: every format is read 32 weights at a time.
 pub const GROUP: usize = 32;
@@ -232,31 +233,38 @@ pub struct QActs {
 impl QActs {
     pub fn quantize(x: &[f32]) -> QActs {
         let n = x.len() / GROUP;
-        let (mut d, mut s, mut q) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            vec![0i8; x.len()],
-        );
-        // A NaN activation is skipped by the max and becomes 0 (`as i8`); the f32 products
-        // carry it through instead. Activations come from the model's own arithmetic.
-        for (block, qb) in x.chunks_exact(GROUP).zip(q.chunks_exact_mut(GROUP)) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (o, v) in qb.iter_mut().zip(block) {
-                // Within ±127 even when 1 / scale overflows (a subnormal group): the kernels'
-                // sign trick needs no −128.
-                *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                sum += *o as i32;
-            }
-            d.push(scale);
-            s.push(scale * sum as f32);
-        }
-        let d8 = d.iter().flat_map(|&v| [v; 8]).collect();
-        let s8 = s.iter().flat_map(|&v| [v / 8.0; 8]).collect();
+        let (mut d, mut s, mut q) = (vec![0f32; n], vec![0f32; n], vec![0i8; n * GROUP]);
+        let (mut d8, mut s8) = (vec![0f32; n * 8], vec![0f32; n * 8]);
+        // Each group on its own: the same bits whichever thread takes it.
+        x.par_chunks_exact(GROUP)
+            .zip(q.par_chunks_exact_mut(GROUP))
+            .zip(d.par_iter_mut().zip(s.par_iter_mut()))
+            .zip(d8.par_chunks_exact_mut(8).zip(s8.par_chunks_exact_mut(8)))
+            .with_min_len(super::PAR_MIN_ELEMS / GROUP)
+            .for_each(|(((block, qb), (d, s)), (d8, s8))| {
+                (*d, *s) = quantize_group(block, qb);
+                d8.fill(*d);
+                s8.fill(*s / 8.0);
+            });
         QActs { d, s, q, d8, s8 }
     }
+}
+
+/// One group of activations to 8 bits: returns `d` (the step) and `d · Σ q`.
+fn quantize_group(block: &[f32], qb: &mut [i8]) -> (f32, f32) {
+    // A NaN activation is skipped by the max and becomes 0 (`as i8`); the f32 products carry it
+    // through instead. Activations come from the model's own arithmetic.
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let mut sum = 0i32;
+    for (o, v) in qb.iter_mut().zip(block) {
+        // Within ±127 even when 1 / scale overflows (a subnormal group): the kernels' sign
+        // trick needs no −128.
+        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        sum += *o as i32;
+    }
+    (scale, scale * sum as f32)
 }
 
 /// One row of `f` against one quantized activation row (`groups` groups from `g0`): the

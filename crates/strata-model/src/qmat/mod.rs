@@ -40,6 +40,10 @@ pub(crate) const PANEL: usize = 32;
 pub(crate) const INT_ROWS: usize = 16;
 /// The same for f32 activations: 4 on AVX2, 8 on AVX-512.
 pub(crate) const F32_ROWS: usize = 8;
+/// The fewest elements an element-wise step (quantizing activations, the feed-forward
+/// activation) hands to one thread: below it a step stays on the calling thread (one decode
+/// row), above it a batch's rows are shared by the pool.
+pub(crate) const PAR_MIN_ELEMS: usize = 4096;
 
 /// The integer kernels this CPU runs: `avx512-vnni`, `avx2` or `scalar`.
 pub fn kernel_name() -> &'static str {
@@ -310,42 +314,92 @@ impl QMatrix {
         group: usize,
         kernel: impl Fn(&[u8], usize, &mut [f32]) + Sync,
     ) -> Vec<f32> {
-        let mut out_t = vec![0f32; self.rows * n]; // [row i][x row r]
-        if n == 0 {
-            return out_t;
+        let mut outs = passes_many(&[self], n, threads, group, |_, row, r0, dst| {
+            kernel(row, r0, dst)
+        });
+        outs.pop().expect("one output per matrix")
+    }
+
+    /// [`QMatrix::matmul_qacts`] of several matrices sharing one input, in one split over
+    /// the threads (one wait for the slowest thread instead of one per matrix).
+    pub fn matmul_qacts_many(ws: &[&QMatrix], qx: &QActs, threads: usize) -> Vec<Vec<f32>> {
+        for w in ws {
+            assert!(
+                w.format.integer(),
+                "{} is not an integer format",
+                w.format.name()
+            );
+            assert_eq!(qx.q.len() % w.cols, 0, "activations of {} columns", w.cols);
         }
-        let chunk = self.rows.div_ceil(threads.max(1) * 4).max(64);
-        out_t
-            .par_chunks_mut(chunk * n)
-            .enumerate()
-            .for_each(|(ci, o)| {
-                for (k, dst) in o.chunks_exact_mut(n).enumerate() {
-                    let row = self.row(ci * chunk + k);
-                    let mut r = 0;
-                    while r < n {
-                        let g = (n - r).min(group);
-                        kernel(row, r, &mut dst[r..r + g]);
-                        r += g;
-                    }
-                }
-            });
-        transpose(out_t, n, self.rows)
+        let Some(first) = ws.first() else {
+            return Vec::new();
+        };
+        let n = qx.q.len() / first.cols;
+        assert!(
+            ws.iter().all(|w| w.cols == first.cols),
+            "one input for every matrix"
+        );
+        let kernels: Vec<_> = ws.iter().map(|w| kernels::int_kernel(w.format)).collect();
+        passes_many(ws, n, threads, kernels::int_rows(), |m, row, r0, dst| {
+            kernels[m](row, ws[m].groups(), qx, r0, dst)
+        })
     }
 }
 
-/// `[rows][n]` → `[n][rows]`.
-fn transpose(t: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
-    if n == 1 {
-        return t;
+/// [`QMatrix::passes`] over several matrices at once, `kernel` told which (its index in
+/// `mats`): each job a range of one matrix's weight rows, writing its column range of every
+/// output row (no transpose afterwards, no serial step after the parallel one). Returns
+/// `[n][rows]` per matrix.
+fn passes_many(
+    mats: &[&QMatrix],
+    n: usize,
+    threads: usize,
+    group: usize,
+    kernel: impl Fn(usize, &[u8], usize, &mut [f32]) + Sync,
+) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
+    if n == 0 {
+        return outs;
     }
-    let mut out = vec![0f32; n * rows];
-    for (i, v) in t.chunks_exact(n).enumerate() {
-        for (r, &x) in v.iter().enumerate() {
-            out[r * rows + i] = x;
+    // (matrix, first weight row, the job's segment of each output row)
+    let mut jobs: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
+    for (mi, (m, out)) in mats.iter().zip(outs.iter_mut()).enumerate() {
+        let chunk = m.rows.div_ceil(threads.max(1) * 4).max(64);
+        let first = jobs.len();
+        jobs.extend((0..m.rows.div_ceil(chunk)).map(|ci| (mi, ci * chunk, Vec::with_capacity(n))));
+        for out_row in out.chunks_exact_mut(m.rows) {
+            for (job, seg) in jobs[first..].iter_mut().zip(out_row.chunks_mut(chunk)) {
+                job.2.push(seg);
+            }
         }
     }
-    out
+    jobs.into_par_iter().for_each(|(mi, i0, mut segs)| {
+        // A tile of TILE weight rows × n outputs, then copied out a row of outputs at a time.
+        let mut tile = vec![0f32; TILE * n];
+        let len = segs[0].len();
+        for k0 in (0..len).step_by(TILE) {
+            let b = TILE.min(len - k0);
+            for (kk, dst) in tile.chunks_exact_mut(n).take(b).enumerate() {
+                let row = mats[mi].row(i0 + k0 + kk);
+                let mut r = 0;
+                while r < n {
+                    let g = (n - r).min(group);
+                    kernel(mi, row, r, &mut dst[r..r + g]);
+                    r += g;
+                }
+            }
+            for (r, seg) in segs.iter_mut().enumerate() {
+                for (o, t) in seg[k0..k0 + b].iter_mut().zip(tile.chunks_exact(n)) {
+                    *o = t[r];
+                }
+            }
+        }
+    });
+    outs
 }
+
+/// Weight rows whose outputs [`passes_many`] gathers before writing them out.
+const TILE: usize = 16;
 
 #[cfg(test)]
 mod tests;

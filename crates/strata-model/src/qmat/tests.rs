@@ -341,3 +341,42 @@ fn affine_min_terms_across_chunks() {
         }
     }
 }
+
+/// Several matrices in one split over the threads give each matrix's own product, bit for
+/// bit, and each output where the scalar reference puts it: weight rows across jobs and
+/// output tiles (137 rows), activation rows across the kernels' row groups (1, 17, 33).
+#[test]
+fn matrices_sharing_one_input_give_their_own_products() {
+    let ints: Vec<_> = ALL.into_iter().filter(|(_, f)| f.integer()).collect();
+    let cols = ints.iter().map(|&(_, f)| cols_for(f)).max().unwrap();
+    let mats: Vec<QMatrix> = ints
+        .iter()
+        .enumerate()
+        .map(|(k, &(d, _))| matrix(d, 137 + 64 * k, cols, k).0)
+        .collect();
+    let ws: Vec<&QMatrix> = mats.iter().collect();
+    for n in [1, 17, 33] {
+        let qx = QActs::quantize(&values(n * cols, 11 + n));
+        for threads in [1, 3] {
+            let many = QMatrix::matmul_qacts_many(&ws, &qx, threads);
+            for (w, got) in ws.iter().zip(&many) {
+                let one = w.matmul_qacts(&qx, 2);
+                assert_eq!(got.len(), n * w.rows);
+                assert!(got
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                for (r, i) in [(0, 0), (n - 1, w.rows - 1), (n / 2, 70)] {
+                    let want = format::dot_int(w.format, w.row(i), &qx, r * w.groups(), w.groups());
+                    close(
+                        got[r * w.rows + i],
+                        want,
+                        1e-4,
+                        &format!("{:?} {r} {i}", w.format),
+                    );
+                }
+            }
+        }
+    }
+    assert!(QMatrix::matmul_qacts_many(&[], &QActs::quantize(&[]), 2).is_empty());
+}
