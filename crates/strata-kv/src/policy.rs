@@ -246,15 +246,20 @@ const MIN_WINDOW: usize = 64;
 /// `auto`'s credit for newcomers (see `tree/auto.rs`): the fixed-point frequency a leaf new to
 /// the eviction history starts with, learnt ARC-style from which removed pages come back soon.
 /// Removed nodes are remembered for about one cache of removed pages in two ghosts (removed on
-/// probation, or not); over each window of removed pages (an eighth of the cache), if pages
-/// removed on probation came back more often per removed page than the others, the credit
-/// rises a step, else it falls one, within [0.25, 1] access.
+/// probation, or not), whose generations advance together on every removed page, so both
+/// remember the same stretch of removals; over each window of removed pages (an eighth of the
+/// cache), if pages removed on probation came back more often per removed page than the
+/// others, the credit rises a step, else it falls one, within [0.25, 1] access. A key found in
+/// both ghosts (a collision, or a key removed twice in different states) counts for neither.
 #[derive(Debug)]
 pub struct Newcomers {
     /// Fixed-point frequency of a leaf the history does not know.
     credit: u32,
     /// Keys of nodes removed lately, [on probation, otherwise].
     ghosts: [Ghost; 2],
+    /// Pages removed into the ghosts' current generation, and how many fill one.
+    generation: usize,
+    span: usize,
     /// Pages removed, and pages that came back while their key was in a ghost, [on
     /// probation, otherwise] (decayed).
     removed: [f64; 2],
@@ -267,9 +272,12 @@ pub struct Newcomers {
 impl Newcomers {
     /// State for a cache of `cap` pages.
     pub fn new(cap: usize) -> Newcomers {
+        let span = (cap / 2).max(1);
         Newcomers {
             credit: START,
-            ghosts: [Ghost::new(cap), Ghost::new(cap)],
+            ghosts: [Ghost::new(span), Ghost::new(span)],
+            generation: 0,
+            span,
             removed: [1.0; 2],
             returned: [0.0; 2],
             since: 0,
@@ -286,18 +294,25 @@ impl Newcomers {
         self.credit
     }
 
-    /// A key the eviction history knew came back with `pages` pages.
+    /// A new leaf under `key` with `pages` pages: a return if a ghost remembers the key.
     pub fn returned(&mut self, key: u64, pages: usize) {
-        if let Some(k) = (0..2).find(|&k| self.ghosts[k].contains(key)) {
-            self.returned[k] += pages as f64;
+        match [0, 1].map(|k| self.ghosts[k].contains(key)) {
+            [true, false] => self.returned[0] += pages as f64,
+            [false, true] => self.returned[1] += pages as f64,
+            _ => {}
         }
     }
 
     /// `pages` pages under `key` left the cache, `probation` if they never earned an access.
     pub fn removed(&mut self, key: u64, probation: bool, pages: usize) {
         let k = usize::from(!probation);
-        self.ghosts[k].record(key, pages);
+        self.ghosts[k].insert(key);
         self.removed[k] += pages as f64;
+        self.generation += pages;
+        if self.generation >= self.span {
+            self.generation = 0;
+            self.ghosts.iter_mut().for_each(Ghost::advance);
+        }
         self.since += pages;
         if self.since >= self.window {
             self.adapt();
@@ -322,58 +337,75 @@ impl Newcomers {
     }
 }
 
-/// Keys of nodes removed lately: two generations of a Bloom filter of two bits a key, each
-/// of `cap` bits; a generation takes the keys of `cap / 2` removed pages, then the older is
-/// cleared and becomes the newer. A key is remembered while its node is among the last
-/// `cap / 2` to `cap` removed pages (the horizon in which keeping it would have been a hit,
-/// as ARC's ghost lists are one cache long); a quarter of a byte per cached page.
+/// Bloom bits per key a ghost generation has room for: 1.4 % false positives full, so a
+/// lookup in two full generations errs 3 % of the time.
+const GHOST_BITS: usize = 16;
+/// The ghosts' hash multipliers, apart from the history's so their collisions are unrelated.
+const GHOST_MUL: [u64; 2] = [0xC2B2_AE3D_27D4_EB4F, 0x1656_67B1_9E37_79F9 | 1];
+
+/// Keys of nodes removed lately: two generations of a Bloom filter of two bits a key;
+/// [`Newcomers`] advances the generations every `span` removed pages (the older is cleared and
+/// takes the keys from then on). A key is remembered while its node is among the last `span`
+/// to `2 · span` removed pages (`span` half a cache: the horizon in which keeping it would have
+/// been a hit, as ARC's ghost lists are one cache long). A generation starts with
+/// [`GHOST_BITS`] bits for each key the one before it took (for `span` keys, a page each, at
+/// first): nodes of many pages (page size 1, long prompts) cost a fraction of a bit a page.
 #[derive(Debug)]
 struct Ghost {
     bits: [Vec<u64>; 2],
-    /// Bits per generation; pages a generation takes, and has taken; which one is current.
-    width: usize,
-    span: usize,
-    pages: usize,
+    /// Which generation takes keys now, and how many it has taken.
     current: usize,
+    keys: usize,
 }
 
 impl Ghost {
-    fn new(cap: usize) -> Ghost {
-        let width = cap.clamp(64, 1 << 32).next_multiple_of(64);
+    fn new(span: usize) -> Ghost {
+        let g = || vec![0; Ghost::words(span)];
         Ghost {
-            bits: [vec![0; width / 64], vec![0; width / 64]],
-            width,
-            span: (cap / 2).max(1),
-            pages: 0,
+            bits: [g(), g()],
             current: 0,
+            keys: 0,
         }
     }
 
-    fn positions(&self, key: u64) -> [usize; 2] {
-        ROW_MUL.map(|m| ((key.wrapping_mul(m) as u128 * self.width as u128) >> 64) as usize)
+    /// Words of a generation with room for `keys` keys.
+    fn words(keys: usize) -> usize {
+        keys.saturating_mul(GHOST_BITS).clamp(64, 1 << 32) / 64
     }
 
-    fn record(&mut self, key: u64, pages: usize) {
-        for b in self.positions(key) {
-            self.bits[self.current][b / 64] |= 1 << (b % 64);
+    fn positions(key: u64, width: usize) -> [usize; 2] {
+        GHOST_MUL.map(|m| ((key.wrapping_mul(m) as u128 * width as u128) >> 64) as usize)
+    }
+
+    fn insert(&mut self, key: u64) {
+        let g = &mut self.bits[self.current];
+        for b in Ghost::positions(key, g.len() * 64) {
+            g[b / 64] |= 1 << (b % 64);
         }
-        self.pages += pages;
-        if self.pages >= self.span {
-            self.current ^= 1;
-            self.bits[self.current].fill(0);
-            self.pages = 0;
-        }
+        self.keys += 1;
+    }
+
+    /// The older generation is forgotten, sized for as many keys as the current one took,
+    /// and takes the keys from now on.
+    fn advance(&mut self) {
+        self.current ^= 1;
+        let g = &mut self.bits[self.current];
+        g.clear();
+        g.resize(Ghost::words(self.keys), 0);
+        g.shrink_to_fit();
+        self.keys = 0;
     }
 
     fn contains(&self, key: u64) -> bool {
-        let p = self.positions(key);
-        self.bits
-            .iter()
-            .any(|g| p.iter().all(|&b| g[b / 64] >> (b % 64) & 1 == 1))
+        self.bits.iter().any(|g| {
+            Ghost::positions(key, g.len() * 64)
+                .iter()
+                .all(|&b| g[b / 64] >> (b % 64) & 1 == 1)
+        })
     }
 
     fn bytes(&self) -> usize {
-        self.width / 4
+        (self.bits[0].len() + self.bits[1].len()) * 8
     }
 }
 
@@ -427,27 +459,54 @@ mod tests {
     }
 
     #[test]
-    fn a_ghost_remembers_about_one_cache_of_removed_pages() {
-        let mut g = Ghost::new(4096);
-        assert_eq!(
-            g.bytes(),
-            1024,
-            "an eighth of a byte a page, per generation"
-        );
-        // Nodes of 8 pages: a generation takes 256 of them.
+    fn the_ghosts_remember_about_one_cache_of_removed_pages() {
+        let mut a = Newcomers::new(4096);
+        assert_eq!(a.bytes(), 16384, "four bytes a cached page at first");
+        // Nodes of 8 pages, every other one on probation: a generation takes 256 of them.
+        let g = |a: &Newcomers, k: u64| a.ghosts[usize::from(k % 2 == 1)].contains(k);
         for k in 0..250u64 {
-            g.record(k, 8);
+            a.removed(k, k % 2 == 0, 8);
         }
-        assert!((0..250).all(|k| g.contains(k)));
-        let strangers = (10_000..20_000u64).filter(|&k| g.contains(k)).count();
-        assert!(strangers < 500, "{strangers} false positives of 10,000");
+        assert!((0..250).all(|k| g(&a, k)));
+        let strangers = (10_000..20_000u64)
+            .filter(|&k| a.ghosts.iter().any(|g| g.contains(k)))
+            .count();
+        assert!(strangers < 50, "{strangers} false positives of 10,000");
         for k in 250..620u64 {
-            g.record(k, 8);
+            a.removed(k, k % 2 == 0, 8);
         }
         // The current generation and the one before: the last 1 to 2 spans of pages.
-        assert!((256..620).all(|k| g.contains(k)), "the last cache of pages");
-        let old = (0..250u64).filter(|&k| g.contains(k)).count();
-        assert!(old < 25, "{old} of 250 keys older than a cache still seen");
+        assert!((256..620).all(|k| g(&a, k)), "the last cache of pages");
+        let old = (0..250u64).filter(|&k| g(&a, k)).count();
+        assert!(old < 20, "{old} of 250 keys older than a cache still seen");
+        // Generations are sized by the keys they take: 128 keys of 8 pages a generation.
+        assert_eq!(
+            a.bytes(),
+            4 * 128 * GHOST_BITS / 8,
+            "a fraction of a byte a page"
+        );
+        // Probation alone from here on: the other ghost forgets as fast, and shrinks.
+        for k in 620..1300u64 {
+            a.removed(k * 2, true, 8);
+        }
+        assert_eq!((256..620u64).filter(|&k| k % 2 == 1 && g(&a, k)).count(), 0);
+        assert_eq!(
+            a.ghosts[1].bytes(),
+            2 * 8,
+            "an empty ghost keeps a word a generation"
+        );
+    }
+
+    #[test]
+    fn a_key_in_both_ghosts_counts_for_neither() {
+        let mut a = Newcomers::new(800);
+        a.removed(7, true, 1);
+        a.removed(7, false, 1);
+        a.returned(7, 5);
+        assert_eq!(a.returned, [0.0, 0.0]);
+        a.removed(8, false, 1);
+        a.returned(8, 5);
+        assert_eq!(a.returned, [0.0, 5.0]);
     }
 
     #[test]

@@ -43,6 +43,7 @@ impl Scheduler {
         let dev_before = self.cache.device_usage().pages_used;
         let host_before = self.cache.host_usage().pages_used;
         let all = self.cache.device_usage().pages_total as usize;
+        self.cache.set_flushing(true);
         self.cache.evict_device(all);
         // Write-back victims are freed when their copies land.
         self.cache.wait_all();
@@ -50,6 +51,7 @@ impl Scheduler {
             let all = self.cache.host_usage().pages_total as usize;
             self.cache.evict_host(all);
         }
+        self.cache.set_flushing(false);
         let dev = dev_before.saturating_sub(self.cache.device_usage().pages_used);
         let host = host_before.saturating_sub(self.cache.host_usage().pages_used);
         let st = self.cache.stats();

@@ -258,7 +258,7 @@ impl TieredCache {
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
         // GDSF's history: `gdsf_history` keys per cached page (the tree sizes it, LRU skips it).
         let pages = cfg.device_pages as usize + cfg.host_pages as usize;
-        tree.set_history_cap(pages.saturating_mul(cfg.gdsf_history));
+        tree.set_history_cap(pages.saturating_mul(cfg.gdsf_history), pages);
         let (device, host) = if cfg.with_data {
             let (dp, dw) = (cfg.device_pages, cfg.device_window_pages);
             let d = DevicePool::with_allocators(layout.clone(), dp, dw, &|k| {

@@ -271,6 +271,12 @@ impl TieredCache {
             .expect("tree pages are allocated");
     }
 
+    /// Marks the removals from now on as the operator's (a flush: `true`) or the policy's
+    /// (`false`): the `auto` policy learns its newcomer credit only from its own evictions.
+    pub fn set_flushing(&mut self, flushing: bool) {
+        self.tree.set_flushing(flushing);
+    }
+
     /// Frees at least `n` host pages if possible (only nodes already off device).
     pub fn evict_host(&mut self, n: usize) -> usize {
         let mut got = 0;

@@ -240,11 +240,11 @@ fn auto(ids: &[u32], n: usize, cap: usize, counted: &[bool]) -> u64 {
                 newcomers.removed(q as u64, probation[q as usize], 1);
             }
             len += 1;
+            newcomers.returned(u as u64, 1);
             probation[u] = seen[u] == 1;
             freq[u] = if probation[u] {
                 newcomers.credit() as u64
             } else {
-                newcomers.returned(u as u64, 1);
                 seen[u] * UNIT as u64
             };
         }

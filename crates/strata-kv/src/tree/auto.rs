@@ -28,25 +28,29 @@ impl RadixTree {
     /// The new leaf `id` (key `chain`, `pages` pages): back with its remembered accesses and
     /// one more, or on probation with the credit.
     pub(super) fn auto_place(&mut self, id: u32, chain: u64, pages: usize) {
+        // A return whether or not the history still knows the key (it forgets on its own).
+        self.adaptive.returned(chain, pages);
         let known = self.history.take(chain);
         let n = &mut self.nodes[id as usize];
         if known > 0 {
             n.set(PROBATION, false);
             self.gdsf[id as usize].freq = known.saturating_add(1).saturating_mul(UNIT);
-            self.adaptive.returned(chain, pages);
         } else {
             n.set(PROBATION, true);
             self.gdsf[id as usize].freq = self.adaptive.credit();
         }
     }
 
-    /// `id` (its key `chain`, `pages` pages) leaves the tree: its accesses go to the history,
-    /// its key to the probation ghost if it never earned one.
+    /// `id` (its key `chain`, `pages` pages) leaves the tree: its accesses go to the history
+    /// (a part access, the insertion's, counts whole), its key to the probation ghost if it
+    /// never earned one. Removals the operator asked for (a flush) teach the credit nothing.
     pub(super) fn auto_removed(&mut self, id: u32, chain: u64, pages: usize) {
-        let accesses = (self.gdsf[id as usize].freq / UNIT).max(1);
+        let accesses = self.gdsf[id as usize].freq.div_ceil(UNIT).max(1);
         self.history.record(chain, accesses);
-        let probation = self.nodes[id as usize].has(PROBATION);
-        self.adaptive.removed(chain, probation, pages);
+        if !self.flushing {
+            let probation = self.nodes[id as usize].has(PROBATION);
+            self.adaptive.removed(chain, probation, pages);
+        }
     }
 
     /// The credit a newcomer gets now, in accesses (for reports and tests).

@@ -175,6 +175,8 @@ pub struct RadixTree {
     history: FrequencyHistory,
     /// `auto`'s newcomer credit and what it learns from.
     adaptive: crate::policy::Newcomers,
+    /// Removals now are the operator's (a flush), not the policy's: `auto` learns nothing.
+    flushing: bool,
     /// SIEVE's hands (device, host leaves): the key from which the next sweep starts.
     hands: [Key; 2],
     /// S3-FIFO: the last queue position given, and pages of small-queue nodes per tier.
@@ -244,6 +246,7 @@ impl RadixTree {
             inflation: 0,
             history: FrequencyHistory::new(16),
             adaptive: crate::policy::Newcomers::new(16),
+            flushing: false,
             hands: [0; 2],
             seq: 0,
             small_pages: [0; 2],
@@ -267,16 +270,22 @@ impl RadixTree {
         self.namespace.as_ref()
     }
 
-    /// Sizes the eviction history of GDSF, S3-FIFO and `auto` (keys; 1 byte each), e.g. to a
-    /// few times the cache's page count, and `auto`'s probation ghost and window (from `cap`
-    /// too). Only those policies allocate it.
-    pub fn set_history_cap(&mut self, cap: usize) {
+    /// Sizes the eviction history of GDSF, S3-FIFO and `auto` (`keys`, 1 byte each), e.g. to a
+    /// few times the cache's page count, and `auto`'s ghosts and window from the cache's
+    /// `pages`. Only those policies allocate them.
+    pub fn set_history_cap(&mut self, keys: usize, pages: usize) {
         if self.policy.has_history() {
-            self.history = FrequencyHistory::new(cap);
+            self.history = FrequencyHistory::new(keys);
         }
         if self.policy == EvictionPolicy::Auto {
-            self.adaptive = crate::policy::Newcomers::new(cap);
+            self.adaptive = crate::policy::Newcomers::new(pages);
         }
+    }
+
+    /// Marks what is removed from now on as the operator's doing (a flush, `true`) or the
+    /// policy's (`false`, the default): `auto`'s credit learns only from the policy's.
+    pub fn set_flushing(&mut self, flushing: bool) {
+        self.flushing = flushing;
     }
 
     /// Pages referenced by nodes, per slot.

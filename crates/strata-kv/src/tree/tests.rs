@@ -374,3 +374,25 @@ fn auto_probation_splits_with_its_node_and_ends_with_a_hit() {
     assert!(!t.nodes[again.0 as usize].has(PROBATION));
     t.check().unwrap();
 }
+
+#[test]
+fn auto_learns_nothing_from_a_flush() {
+    // A window of removed one-offs (64 pages) moves the credit down a step; the same removals
+    // by the operator (a flush) leave it.
+    let removals = |flushing: bool| {
+        let mut t = tree(1, EvictionPolicy::Auto);
+        t.set_history_cap(1024, 128);
+        let leaves: Vec<_> = (0..64u32)
+            .map(|k| ins(&mut t, &[1000 + k], 2 * k).last)
+            .collect();
+        t.set_flushing(flushing);
+        for l in leaves {
+            t.take_device(l);
+        }
+        t.set_flushing(false);
+        t.check().unwrap();
+        t.auto_credit()
+    };
+    assert_eq!(removals(true), 0.5);
+    assert_eq!(removals(false), 0.45);
+}
