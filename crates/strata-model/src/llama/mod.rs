@@ -183,18 +183,19 @@ impl Model {
             let mut outs = QMatrix::matmul_qacts_many(&ws, &qx, self.threads).into_iter();
             return std::array::from_fn(|_| outs.next().expect("one output per matrix"));
         }
-        ws.map(|w| self.mm(x, paths, w, false))
+        ws.map(|w| self.mm(x, paths, w))
     }
 
-    /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]; `vocab` (the vocabulary
-    /// projection) keeps f32 activations for decode rows ([`QMatrix::matmul_f32`]): its argmax
-    /// matters more than speed.
-    fn mm(&self, x: &[f32], paths: &[Path], w: &QMatrix, vocab: bool) -> Vec<f32> {
+    /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]. The vocabulary projection of
+    /// a decode row takes 8-bit activations like every other product of the row, as
+    /// llama.cpp's does (ggml quantizes the activations of a Q8_0 product to Q8_0): next to
+    /// llama.cpp's decode logits on SmolLM2 it agrees as often as f32 activations did
+    /// (docs/BENCHMARKS.md), at the integer kernels' speed.
+    fn mm(&self, x: &[f32], paths: &[Path], w: &QMatrix) -> Vec<f32> {
         let n = paths.len();
         let k = x.len() / n;
         let run = |p: Path, x: &[f32]| match p {
-            Path::Quant if !vocab => w.matmul_q(x, self.threads),
-            Path::Quant => w.matmul_f32(x, self.threads),
+            Path::Quant => w.matmul_q(x, self.threads),
             Path::Tiled => w.matmul_tiled(x),
         };
         if paths.iter().all(|&p| p == paths[0]) {
@@ -430,7 +431,7 @@ impl Model {
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
         let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
-        let mut o = self.mm(&attn, batch.paths, &w.wo, false);
+        let mut o = self.mm(&attn, batch.paths, &w.wo);
         comm.all_reduce(&mut o);
         for (a, b) in x.iter_mut().zip(&o) {
             *a += b;
@@ -444,7 +445,7 @@ impl Model {
             .with_min_len(PAR_MIN_ELEMS)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let mut d = self.mm(&act, batch.paths, &w.wd, false);
+        let mut d = self.mm(&act, batch.paths, &w.wd);
         comm.all_reduce(&mut d);
         for (a, b) in x.iter_mut().zip(&d) {
             *a += b;
@@ -504,7 +505,7 @@ impl Model {
         let part = if pick.is_empty() {
             Vec::new()
         } else {
-            self.mm(&sel, &paths, head, true)
+            self.mm(&sel, &paths, head)
         };
         let logits = comm.gather_vocab(part, pick.len())?;
         let mut out = Vec::with_capacity(seqs.len());

@@ -243,8 +243,8 @@ impl QMatrix {
 
     /// `x · wᵀ` with f32 activations, each weight group unpacked in registers once for up to
     /// four rows, in an order of its own (bits differ from [`QMatrix::matmul_tiled`]'s by
-    /// rounding): fast for one or two rows without packing a panel. The vocabulary projection
-    /// of decode steps.
+    /// rounding): fast for one or two rows without packing a panel. Decode rows against F32
+    /// and F16 weights, which have no integer kernel.
     pub fn matmul_f32(&self, x: &[f32], threads: usize) -> Vec<f32> {
         let n = self.check(x);
         let groups = self.groups();
