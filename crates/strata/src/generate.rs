@@ -214,7 +214,7 @@ fn bench(a: BenchArgs) -> Result<()> {
          ({:.3}×); integer kernels: {}",
         held as f64 / 1048576.0,
         held as f64 / file.max(1) as f64,
-        strata_model::qmat::kernel_name()
+        strata_model::qmat::kernel_description()
     );
     if !a.streams.is_empty() {
         let t = a.model.threads;

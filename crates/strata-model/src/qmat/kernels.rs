@@ -121,7 +121,7 @@ mod simd {
         r0: usize,
         out: &mut [f32],
     ) {
-        if avx512::available() {
+        if avx512::available() && !(out.len() == 1 && one_row_avx2::<U>()) {
             check_int(
                 U::FORMAT,
                 row,
@@ -137,6 +137,33 @@ mod simd {
         } else {
             int_rows_avx2::<U>(row, groups, x, r0, out);
         }
+    }
+
+    /// Whether one activation row of `U` takes the AVX2 one-row kernel on this AVX-512 CPU
+    /// ([`super::super::pick`]: measured once per format). Never for a format without one.
+    pub(super) fn one_row_avx2<U: Unpack>() -> bool {
+        let Some(bb) = U::FLAT else {
+            return false;
+        };
+        super::super::pick::one_row(
+            index(U::FORMAT),
+            |d, g, x| {
+                super::super::pick::pass(d, g, x, bb, |row, x, out| {
+                    // SAFETY: only asked where AVX-512 VNNI is available; `row` holds `g`
+                    // groups of `U` and `x` one row of `g` groups (the pick's test matrix).
+                    unsafe { avx512::int_rows::<U>(row.as_ptr(), g, x, 0, out) }
+                })
+            },
+            |d, g, x| {
+                super::super::pick::pass(d, g, x, bb, |row, x, out| {
+                    // SAFETY: AVX2 and FMA (the build's target); lengths as above; `U` is
+                    // flat.
+                    unsafe { avx2::dot_int_flat::<U>(row.as_ptr(), g, x, 0, out) }
+                })
+            },
+            U::FORMAT,
+        )
+        .avx2
     }
 
     /// [`int_rows`] on AVX2 whatever the CPU has beyond it.
@@ -251,6 +278,28 @@ pub(crate) fn int_kernel(f: Format) -> IntKernel {
             Format::F32 | Format::F16 => unreachable!("{} takes f32 activations", f.name()),
         }
     }
+}
+
+/// The one-row pick of flat format `f` ([`super::pick`]), measured now if not yet.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+pub(crate) fn one_row_pick(f: Format) -> super::pick::Pick {
+    use super::avx2;
+    let avx2 = match f {
+        Format::Q4_0 => simd::one_row_avx2::<avx2::Q4_0>(),
+        Format::Q4_1 => simd::one_row_avx2::<avx2::Q4_1>(),
+        Format::Q8_0 => simd::one_row_avx2::<avx2::Q8_0>(),
+        _ => {
+            return super::pick::Pick {
+                avx2: false,
+                ratio: 0.0,
+            }
+        }
+    };
+    super::pick::cached(index(f)).unwrap_or(super::pick::Pick { avx2, ratio: 0.0 })
 }
 
 /// The AVX2 integer kernel even where AVX-512 is picked (tests compare the two).

@@ -13,11 +13,12 @@
 //!   AVX2); panels run on the thread pool. Prompt rows, any number: a row's result is the
 //!   same bits however the prompt was chunked or how much of it was cached.
 //! * [`QMatrix::matmul_f32`]: f32 activations, each group unpacked in registers for up to
-//!   four rows, no panel: the vocabulary projection of decode steps (its argmax matters more
-//!   than the speed quantized activations would give).
+//!   four rows, no panel: decode rows against F32 and F16 weights (no integer kernel).
 //!
 //! Kernels are AVX2 ([`avx2`], the build's x86-64-v3 baseline), with AVX-512 VNNI ones picked
-//! at run time where the CPU has them ([`avx512`]); [`format`] is the scalar reference.
+//! at run time where the CPU has them ([`avx512`]), except that a single activation row of a
+//! flat format takes whichever of the two one-row kernels measured faster at first use
+//! ([`pick`]); [`format`] is the scalar reference.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -25,6 +26,8 @@ mod avx2;
 mod avx512;
 pub mod format;
 mod kernels;
+#[cfg(target_arch = "x86_64")]
+mod pick;
 
 use candle_core::quantized::QTensor;
 use candle_core::Device;
@@ -59,6 +62,33 @@ pub fn kernel_name() -> &'static str {
         target_feature = "fma"
     )))]
     "scalar"
+}
+
+/// The integer kernels this CPU runs, with the one-row choice of each flat format where
+/// AVX-512 is picked (measured now if not yet): e.g. `avx512-vnni (one row: Q4_0 avx2 1.21×,
+/// Q4_1 avx2 1.18×, Q8_0 avx512 1.02×)`, the ratio AVX-512's time over AVX2's.
+pub fn kernel_description() -> String {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if avx512::available() {
+        let picks: Vec<String> = [Format::Q4_0, Format::Q4_1, Format::Q8_0]
+            .iter()
+            .map(|&f| {
+                let p = kernels::one_row_pick(f);
+                let k = if p.avx2 { "avx2" } else { "avx512" };
+                if p.ratio > 0.0 {
+                    format!("{} {k} {:.2}×", f.name(), p.ratio)
+                } else {
+                    format!("{} {k} (STRATA_ONE_ROW_KERNEL)", f.name())
+                }
+            })
+            .collect();
+        return format!("{} (one row: {})", kernel_name(), picks.join(", "));
+    }
+    kernel_name().to_string()
 }
 
 /// A `[rows, cols]` weight matrix in a block format.

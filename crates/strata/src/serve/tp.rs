@@ -120,6 +120,10 @@ pub fn load_model(
         tracing::info!("{line}");
         say!("strata serve: {line}");
     }
+    // Measured here, at start, where the one-row kernel is chosen by throughput.
+    let kernels = strata_model::qmat::kernel_description();
+    tracing::info!("integer kernels: {kernels}");
+    say!("strata serve: integer kernels: {kernels}");
     let template = loaded.template.map(Arc::new);
     Ok((loaded.runtime, loaded.tokenizer, template, ranks))
 }
