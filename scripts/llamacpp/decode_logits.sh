@@ -18,6 +18,7 @@ cargo build -q --release -p strata-model --example decode_vs_llama_cpp
 EX=target/release/examples/decode_vs_llama_cpp
 "$EX" prompts > "$T/prompts.tsv"
 MODEL=$("$EX" model)
-"$T/logits" "$MODEL" "$T/prompts.tsv" 2 f32 > "$T/llama.jsonl" 2> "$T/llama.err"
+"$T/logits" "$MODEL" "$T/prompts.tsv" 2 f32 > "$T/llama.jsonl" 2> "$T/llama.err" ||
+    { cat "$T/llama.err" >&2; exit 1; }
 "$EX" compare "$T/llama.jsonl"
 "$EX" compare "$T/llama.jsonl" f32-decode

@@ -35,8 +35,9 @@ pub(crate) use kv::kv_kinds;
 /// 4- to 8-bit blocks.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
-/// How a row's matrix products run, chosen per sequence so a sequence's result does not
-/// depend on what else is in the batch.
+/// How a row's matrix products run, chosen per sequence (a prompt row's result does not
+/// depend on what else is in the batch; a decode row's, to rounding, on the kernel its batch
+/// size takes: `qmat`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Path {
     /// Quantized activations, integer dot products (decode steps).
@@ -183,18 +184,21 @@ impl Model {
             let mut outs = QMatrix::matmul_qacts_many(&ws, &qx, self.threads).into_iter();
             return std::array::from_fn(|_| outs.next().expect("one output per matrix"));
         }
-        ws.map(|w| self.mm(x, paths, w))
+        ws.map(|w| self.mm(x, paths, w, false))
     }
 
-    /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]. The vocabulary projection of
-    /// a decode row takes 8-bit activations like every other product of the row, as
-    /// llama.cpp's does (ggml quantizes the activations of a Q8_0 product to Q8_0): next to
-    /// llama.cpp's decode logits on SmolLM2 it agrees as often as f32 activations did
-    /// (docs/BENCHMARKS.md), at the integer kernels' speed.
-    fn mm(&self, x: &[f32], paths: &[Path], w: &QMatrix) -> Vec<f32> {
+    /// `x · wᵀ` for the rows of `x`, each row by its [`Path`]. The vocabulary projection
+    /// (`vocab`) of a decode row takes 8-bit activations like every other product of the row,
+    /// as llama.cpp's does (ggml quantizes the activations of a Q8_0 product to Q8_0): next to
+    /// llama.cpp's decode logits on SmolLM2 its argmax agrees as often as f32 activations'
+    /// did (docs/BENCHMARKS.md), at the integer kernels' speed. A vocabulary matrix converted
+    /// to Q8_0 at load ([`QMatrix::requantized`]) keeps f32 activations: rounding both sides
+    /// once more is what once flipped an answer.
+    fn mm(&self, x: &[f32], paths: &[Path], w: &QMatrix, vocab: bool) -> Vec<f32> {
         let n = paths.len();
         let k = x.len() / n;
         let run = |p: Path, x: &[f32]| match p {
+            Path::Quant if vocab && w.requantized() => w.matmul_f32(x, self.threads),
             Path::Quant => w.matmul_q(x, self.threads),
             Path::Tiled => w.matmul_tiled(x),
         };
@@ -431,7 +435,7 @@ impl Model {
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
         let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
-        let mut o = self.mm(&attn, batch.paths, &w.wo);
+        let mut o = self.mm(&attn, batch.paths, &w.wo, false);
         comm.all_reduce(&mut o);
         for (a, b) in x.iter_mut().zip(&o) {
             *a += b;
@@ -445,7 +449,7 @@ impl Model {
             .with_min_len(PAR_MIN_ELEMS)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        let mut d = self.mm(&act, batch.paths, &w.wd);
+        let mut d = self.mm(&act, batch.paths, &w.wd, false);
         comm.all_reduce(&mut d);
         for (a, b) in x.iter_mut().zip(&d) {
             *a += b;
@@ -480,8 +484,8 @@ impl Model {
     ) -> Option<Vec<Vec<f32>>> {
         let c = &self.config;
         let h = c.hidden;
-        // Rows whose logits are asked for, and their product: decode steps (quantized in
-        // the layers) keep f32 activations without a panel; prompt rows take the panels.
+        // Rows whose logits are asked for, and their product: decode steps take the
+        // quantized product as in the layers (see `mm`); prompt rows take the panels.
         let (mut pick, mut paths) = (Vec::new(), Vec::new());
         let mut at = 0;
         for (s, &all) in seqs.iter().zip(all_logits) {
@@ -505,7 +509,7 @@ impl Model {
         let part = if pick.is_empty() {
             Vec::new()
         } else {
-            self.mm(&sel, &paths, head)
+            self.mm(&sel, &paths, head, true)
         };
         let logits = comm.gather_vocab(part, pick.len())?;
         let mut out = Vec::with_capacity(seqs.len());

@@ -378,7 +378,7 @@ pub(crate) unsafe fn group_f32_half(row: *const u8, j: usize) -> [__m256; 4] {
 /// One weight row (`groups` groups, unpacked by `load`) against `G` f32 activation rows
 /// starting at row `r0` of `x` (rows of `groups · 32`): each group's four chunks summed
 /// apart, then added, so many multiplies are in flight even for one row. For products no
-/// other kernel must match bit for bit (the vocabulary projection of decode steps).
+/// other kernel must match bit for bit (decode rows against F32 and F16 weights).
 ///
 /// # Safety
 /// AVX2 and FMA; `load` reads within `row` for every `j < groups`; `x` holds rows

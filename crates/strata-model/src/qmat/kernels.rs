@@ -121,7 +121,7 @@ mod simd {
         r0: usize,
         out: &mut [f32],
     ) {
-        if avx512::available() && !(out.len() == 1 && one_row_avx2::<U>()) {
+        if avx512::available() {
             check_int(
                 U::FORMAT,
                 row,
@@ -139,25 +139,49 @@ mod simd {
         }
     }
 
-    /// Whether one activation row of `U` takes the AVX2 one-row kernel on this AVX-512 CPU
-    /// ([`super::super::pick`]: measured once per format). Never for a format without one.
+    /// [`int_rows`] for a call of one activation row: AVX2's one-row kernel where it measured
+    /// clearly faster than AVX-512's on this CPU ([`one_row_avx2`]). Only whole one-row calls
+    /// take it, never the last row of a batch, so a batch's rows keep one kernel's bits.
+    pub(super) fn int_one<U: Unpack>(
+        row: &[u8],
+        groups: usize,
+        x: &QActs,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        if out.len() == 1 && one_row_avx2::<U>() {
+            int_rows_avx2::<U>(row, groups, x, r0, out);
+        } else {
+            int_rows::<U>(row, groups, x, r0, out);
+        }
+    }
+
+    /// Whether one activation row of `U` takes the AVX2 one-row kernel on this CPU
+    /// (`super::super::pick`: measured once per format). Never without AVX-512 (there is no
+    /// other kernel to choose) or for a format without a one-row kernel.
     pub(super) fn one_row_avx2<U: Unpack>() -> bool {
         let Some(bb) = U::FLAT else {
             return false;
         };
+        if !avx512::available() {
+            return false;
+        }
+        debug_assert_eq!(bb, U::FORMAT.block_bytes());
         super::super::pick::one_row(
             index(U::FORMAT),
             |d, g, x| {
                 super::super::pick::pass(d, g, x, bb, |row, x, out| {
-                    // SAFETY: only asked where AVX-512 VNNI is available; `row` holds `g`
-                    // groups of `U` and `x` one row of `g` groups (the pick's test matrix).
+                    check_int(U::FORMAT, row, g, x, 0, 1, super::super::INT_ROWS);
+                    // SAFETY: AVX-512 VNNI is available (checked above); the lengths were
+                    // checked on the line before.
                     unsafe { avx512::int_rows::<U>(row.as_ptr(), g, x, 0, out) }
                 })
             },
             |d, g, x| {
                 super::super::pick::pass(d, g, x, bb, |row, x, out| {
-                    // SAFETY: AVX2 and FMA (the build's target); lengths as above; `U` is
-                    // flat.
+                    check_int(U::FORMAT, row, g, x, 0, 1, 8);
+                    // SAFETY: AVX2 and FMA (the build's target); lengths checked on the line
+                    // before; `U` is flat.
                     unsafe { avx2::dot_int_flat::<U>(row.as_ptr(), g, x, 0, out) }
                 })
             },
@@ -295,11 +319,32 @@ pub(crate) fn one_row_pick(f: Format) -> super::pick::Pick {
         _ => {
             return super::pick::Pick {
                 avx2: false,
-                ratio: 0.0,
+                ratio: None,
             }
         }
     };
-    super::pick::cached(index(f)).unwrap_or(super::pick::Pick { avx2, ratio: 0.0 })
+    super::pick::cached(index(f)).unwrap_or(super::pick::Pick { avx2, ratio: None })
+}
+
+/// The integer kernel for a product of `n` activation rows: [`int_kernel`], except that a
+/// one-row product of a flat format may take AVX2's one-row kernel (`simd::int_one`).
+pub(crate) fn int_kernel_for(f: Format, n: usize) -> IntKernel {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if n == 1 {
+        use super::avx2;
+        match f {
+            Format::Q4_0 => return simd::int_one::<avx2::Q4_0>,
+            Format::Q4_1 => return simd::int_one::<avx2::Q4_1>,
+            Format::Q8_0 => return simd::int_one::<avx2::Q8_0>,
+            _ => {}
+        }
+    }
+    let _ = n;
+    int_kernel(f)
 }
 
 /// The AVX2 integer kernel even where AVX-512 is picked (tests compare the two).

@@ -16,9 +16,9 @@
 //!   four rows, no panel: decode rows against F32 and F16 weights (no integer kernel).
 //!
 //! Kernels are AVX2 ([`avx2`], the build's x86-64-v3 baseline), with AVX-512 VNNI ones picked
-//! at run time where the CPU has them ([`avx512`]), except that a single activation row of a
-//! flat format takes whichever of the two one-row kernels measured faster at first use
-//! ([`pick`]); [`format`] is the scalar reference.
+//! at run time where the CPU has them ([`avx512`]), except that a call of a single activation
+//! row of a flat format takes AVX2's one-row kernel where that measured clearly faster
+//! (`pick`); [`format`] is the scalar reference.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -26,7 +26,11 @@ mod avx2;
 mod avx512;
 pub mod format;
 mod kernels;
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
 mod pick;
 
 use candle_core::quantized::QTensor;
@@ -65,8 +69,8 @@ pub fn kernel_name() -> &'static str {
 }
 
 /// The integer kernels this CPU runs, with the one-row choice of each flat format where
-/// AVX-512 is picked (measured now if not yet): e.g. `avx512-vnni (one row: Q4_0 avx2 1.21×,
-/// Q4_1 avx2 1.18×, Q8_0 avx512 1.02×)`, the ratio AVX-512's time over AVX2's.
+/// AVX-512 is picked (measured now if not yet): e.g. `avx512-vnni (one row: Q4_0 avx512
+/// 1.17×, Q4_1 avx2 1.46×, Q8_0 avx512 1.14×)`, the ratio AVX-512's time over AVX2's.
 pub fn kernel_description() -> String {
     #[cfg(all(
         target_arch = "x86_64",
@@ -79,10 +83,9 @@ pub fn kernel_description() -> String {
             .map(|&f| {
                 let p = kernels::one_row_pick(f);
                 let k = if p.avx2 { "avx2" } else { "avx512" };
-                if p.ratio > 0.0 {
-                    format!("{} {k} {:.2}×", f.name(), p.ratio)
-                } else {
-                    format!("{} {k} (STRATA_ONE_ROW_KERNEL)", f.name())
+                match p.ratio {
+                    Some(r) => format!("{} {k} {r:.2}×", f.name()),
+                    None => format!("{} {k} (STRATA_ONE_ROW_KERNEL)", f.name()),
                 }
             })
             .collect();
@@ -98,6 +101,9 @@ pub struct QMatrix {
     pub cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
+    /// Converted to Q8_0 from another format (or columns cut off block boundaries): one
+    /// rounding more than the file's weights ([`QMatrix::requantized`]).
+    requantized: bool,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -130,7 +136,15 @@ impl QMatrix {
             cols,
             row_bytes,
             data,
+            requantized: false,
         })
+    }
+
+    /// Whether the weights were converted to Q8_0 at load (not the file's blocks): a decode
+    /// row's vocabulary projection keeps f32 activations against such a matrix, where a second
+    /// rounding of the activations once flipped an answer.
+    pub fn requantized(&self) -> bool {
+        self.requantized
     }
 
     /// A GGUF tensor `[rows, cols]` (GGUF's dims reversed) kept in its own format, or
@@ -177,7 +191,9 @@ impl QMatrix {
             data.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
             data.extend(block.iter().map(|v| (v * inv).round() as i8 as u8));
         }
-        QMatrix::new(Format::Q8_0, rows, cols, data).expect("whole blocks")
+        let mut m = QMatrix::new(Format::Q8_0, rows, cols, data).expect("whole blocks");
+        m.requantized = true;
+        m
     }
 
     /// Rows `r` (a copy in the same format): a tensor-parallel rank's output rows.
@@ -188,7 +204,9 @@ impl QMatrix {
             self.rows
         );
         let data = self.data[r.start * self.row_bytes..r.end * self.row_bytes].to_vec();
-        QMatrix::new(self.format, r.len(), self.cols, data).expect("whole rows")
+        let mut m = QMatrix::new(self.format, r.len(), self.cols, data).expect("whole rows");
+        m.requantized = self.requantized;
+        m
     }
 
     /// Columns `c`, a tensor-parallel rank's input columns: the same blocks when `c` falls on
@@ -265,7 +283,7 @@ impl QMatrix {
             self.cols
         );
         let groups = self.groups();
-        let kernel = kernels::int_kernel(self.format);
+        let kernel = kernels::int_kernel_for(self.format, n);
         self.passes(n, threads, kernels::int_rows(), |row, r0, dst| {
             kernel(row, groups, qx, r0, dst)
         })
@@ -369,7 +387,10 @@ impl QMatrix {
             ws.iter().all(|w| w.cols == first.cols),
             "one input for every matrix"
         );
-        let kernels: Vec<_> = ws.iter().map(|w| kernels::int_kernel(w.format)).collect();
+        let kernels: Vec<_> = ws
+            .iter()
+            .map(|w| kernels::int_kernel_for(w.format, n))
+            .collect();
         passes_many(ws, n, threads, kernels::int_rows(), |m, row, r0, dst| {
             kernels[m](row, ws[m].groups(), qx, r0, dst)
         })
