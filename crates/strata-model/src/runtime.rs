@@ -186,6 +186,11 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
             "K/V dtype {k} / {v} for deepseek4: its state kinds keep the dtypes the model defines"
         )));
     }
+    if header.architecture() != Some("deepseek4") && opts.quantized_decode {
+        // The llama family's one-row kernels measured now, at start, not inside a first
+        // forward pass.
+        crate::qmat::kernel_description();
+    }
     let runtime: Box<dyn Runtime> = match header.architecture() {
         Some("deepseek4") if split => Box::new(crate::deepseek4::tp::Dsv4Tp::load(
             path,
@@ -194,9 +199,6 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
         )?),
         Some("deepseek4") => Box::new(crate::deepseek4::load::load_dsv4(path)?),
         _ if split => {
-            if opts.quantized_decode {
-                crate::qmat::kernel_description();
-            }
             let mut m = crate::TpModel::load(
                 path,
                 &crate::TpOptions {
@@ -209,10 +211,6 @@ pub fn load(path: &Path, opts: LoadOptions) -> Result<Loaded, ModelError> {
             Box::new(m)
         }
         _ => {
-            if opts.quantized_decode {
-                // The one-row kernels measured now, at start, not inside a first forward pass.
-                crate::qmat::kernel_description();
-            }
             // Gguf::open names the architecture it found when it is not llama.
             let mut g = Gguf::open(path)?;
             let mut m = Model::load(&mut g)?;

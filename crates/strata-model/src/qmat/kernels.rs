@@ -139,35 +139,16 @@ mod simd {
         }
     }
 
-    /// [`int_rows`] for a call of one activation row: AVX2's one-row kernel where it measured
-    /// clearly faster than AVX-512's on this CPU ([`one_row_avx2`]). Only whole one-row calls
-    /// take it, never the last row of a batch, so a batch's rows keep one kernel's bits.
-    pub(super) fn int_one<U: Unpack>(
-        row: &[u8],
-        groups: usize,
-        x: &QActs,
-        r0: usize,
-        out: &mut [f32],
-    ) {
-        if out.len() == 1 && one_row_avx2::<U>() {
-            int_rows_avx2::<U>(row, groups, x, r0, out);
-        } else {
-            int_rows::<U>(row, groups, x, r0, out);
-        }
-    }
-
-    /// Whether one activation row of `U` takes the AVX2 one-row kernel on this CPU
-    /// (`super::super::pick`: measured once per format). Never without AVX-512 (there is no
-    /// other kernel to choose) or for a format without a one-row kernel.
-    pub(super) fn one_row_avx2<U: Unpack>() -> bool {
-        let Some(bb) = U::FLAT else {
-            return false;
-        };
+    /// The one-row pick of `U` on this CPU (`super::super::pick`: measured once per format):
+    /// None without AVX-512 (there is no other kernel to choose) or for a format without a
+    /// one-row kernel.
+    pub(super) fn one_row_pick<U: Unpack>() -> Option<super::super::pick::Pick> {
+        let bb = U::FLAT?;
         if !avx512::available() {
-            return false;
+            return None;
         }
         debug_assert_eq!(bb, U::FORMAT.block_bytes());
-        super::super::pick::one_row(
+        Some(super::super::pick::one_row(
             index(U::FORMAT),
             |d, g, x| {
                 super::super::pick::pass(d, g, x, bb, |row, x, out| {
@@ -186,8 +167,17 @@ mod simd {
                 })
             },
             U::FORMAT,
-        )
-        .avx2
+        ))
+    }
+
+    /// The kernel of a one-row product of `U`: AVX2's where it measured clearly faster than
+    /// AVX-512's on this CPU, else [`int_rows`]. Chosen once per product, not per weight row.
+    pub(super) fn one_row_kernel<U: Unpack>() -> IntKernel {
+        if one_row_pick::<U>().is_some_and(|p| p.avx2) {
+            int_rows_avx2::<U>
+        } else {
+            int_rows::<U>
+        }
     }
 
     /// [`int_rows`] on AVX2 whatever the CPU has beyond it.
@@ -304,30 +294,25 @@ pub(crate) fn int_kernel(f: Format) -> IntKernel {
     }
 }
 
-/// The one-row pick of flat format `f` ([`super::pick`]), measured now if not yet.
+/// The one-row pick of flat format `f` ([`super::pick`]), measured now if not yet; None where
+/// there is nothing to pick (no AVX-512, or a format without a one-row kernel).
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-pub(crate) fn one_row_pick(f: Format) -> super::pick::Pick {
+pub(crate) fn one_row_pick(f: Format) -> Option<super::pick::Pick> {
     use super::avx2;
-    let avx2 = match f {
-        Format::Q4_0 => simd::one_row_avx2::<avx2::Q4_0>(),
-        Format::Q4_1 => simd::one_row_avx2::<avx2::Q4_1>(),
-        Format::Q8_0 => simd::one_row_avx2::<avx2::Q8_0>(),
-        _ => {
-            return super::pick::Pick {
-                avx2: false,
-                ratio: None,
-            }
-        }
-    };
-    super::pick::cached(index(f)).unwrap_or(super::pick::Pick { avx2, ratio: None })
+    match f {
+        Format::Q4_0 => simd::one_row_pick::<avx2::Q4_0>(),
+        Format::Q4_1 => simd::one_row_pick::<avx2::Q4_1>(),
+        Format::Q8_0 => simd::one_row_pick::<avx2::Q8_0>(),
+        _ => None,
+    }
 }
 
 /// The integer kernel for a product of `n` activation rows: [`int_kernel`], except that a
-/// one-row product of a flat format may take AVX2's one-row kernel (`simd::int_one`).
+/// one-row product of a flat format may take AVX2's one-row kernel (`simd::one_row_kernel`).
 pub(crate) fn int_kernel_for(f: Format, n: usize) -> IntKernel {
     #[cfg(all(
         target_arch = "x86_64",
@@ -337,9 +322,9 @@ pub(crate) fn int_kernel_for(f: Format, n: usize) -> IntKernel {
     if n == 1 {
         use super::avx2;
         match f {
-            Format::Q4_0 => return simd::int_one::<avx2::Q4_0>,
-            Format::Q4_1 => return simd::int_one::<avx2::Q4_1>,
-            Format::Q8_0 => return simd::int_one::<avx2::Q8_0>,
+            Format::Q4_0 => return simd::one_row_kernel::<avx2::Q4_0>(),
+            Format::Q4_1 => return simd::one_row_kernel::<avx2::Q4_1>(),
+            Format::Q8_0 => return simd::one_row_kernel::<avx2::Q8_0>(),
             _ => {}
         }
     }

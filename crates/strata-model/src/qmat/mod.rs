@@ -80,8 +80,8 @@ pub fn kernel_description() -> String {
     if avx512::available() {
         let picks: Vec<String> = [Format::Q4_0, Format::Q4_1, Format::Q8_0]
             .iter()
-            .map(|&f| {
-                let p = kernels::one_row_pick(f);
+            .filter_map(|&f| kernels::one_row_pick(f).map(|p| (f, p)))
+            .map(|(f, p)| {
                 let k = if p.avx2 { "avx2" } else { "avx512" };
                 match p.ratio {
                     Some(r) => format!("{} {k} {r:.2}×", f.name()),

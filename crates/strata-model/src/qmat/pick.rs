@@ -82,11 +82,6 @@ pub(crate) fn one_row(
     })
 }
 
-/// The pick of the format at `index`, once measured.
-pub(crate) fn cached(index: usize) -> Option<Pick> {
-    PICKS[index].get().copied()
-}
-
 /// The fastest of eleven timed passes of each, taken in turn (a, b, a, b, ...) so a change of
 /// the core's clock meets both, after ~2 ms of untimed passes.
 fn best_of_alternating(a: impl Fn(), b: impl Fn()) -> (Duration, Duration) {
@@ -127,8 +122,8 @@ fn test_matrix(f: Format) -> (Vec<u8>, usize, QActs) {
         (seed >> 33) as u8
     };
     let mut data: Vec<u8> = (0..ROWS * groups * bb).map(|_| next()).collect();
-    // Scale (and min) halves: 0x2000 is 2^-7 in f16, finite.
-    let halves = if bb == 20 { 2 } else { 1 };
+    // The scale (and Q4_1's min) halves first in each block: 0x2000 is 2^-7 in f16, finite.
+    let halves = if f == Format::Q4_1 { 2 } else { 1 };
     for block in data.chunks_exact_mut(bb) {
         for h in 0..halves {
             block[2 * h..2 * h + 2].copy_from_slice(&0x2000u16.to_le_bytes());
