@@ -232,6 +232,8 @@ pub struct TimedRequest {
     pub at_us: u64,
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
+    /// The trace's `session_id`, as its stable hash (sent as `prompt_cache_key`).
+    pub session: Option<u64>,
 }
 
 impl TraceReplay {
@@ -284,6 +286,7 @@ impl TraceReplay {
                     at_us: us,
                     prompt,
                     max_tokens: out.min(self.max_tokens),
+                    session: r.session,
                 }
             })
             .collect())

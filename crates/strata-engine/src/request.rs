@@ -52,6 +52,11 @@ pub struct SamplingParams {
     /// model whose window state is kept only where a continuation can start, the cache keeps
     /// it there too, so those requests resume at that point. Changes no output.
     pub shared_prefix: usize,
+    /// The conversation or agent session this request belongs to (a keyed hash of the API's
+    /// `prompt_cache_key` or `user`): the cache retires the session's previous answer when
+    /// this prompt continues that request's prompt without it (`strata_kv` `cache/session.rs`).
+    /// Changes no output.
+    pub session: Option<u64>,
 }
 
 impl SamplingParams {
@@ -87,6 +92,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             constraint: None,
             shared_prefix: 0,
+            session: None,
         }
     }
 }

@@ -74,6 +74,10 @@ pub struct CacheStats {
     /// Storage-matched pages that turned out missing or corrupt at read time.
     pub storage_read_misses: u64,
     pub storage_errors: u64,
+    /// Leaves retired because their session's next request did not continue them (evicted
+    /// first; `cache/session.rs`), and their tokens.
+    pub session_retired_nodes: u64,
+    pub session_retired_tokens: u64,
 }
 
 impl CacheStats {

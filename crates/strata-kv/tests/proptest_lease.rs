@@ -19,7 +19,12 @@ use strata_kv::{
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit(u8, u8, u8),
+    /// Prompt, length, new tokens, and whether it names its session (its prompt's: the same
+    /// prompt at two lengths is a conversation and its next turn).
+    Admit(u8, u8, u8, bool),
+    /// A conversation's next turn, whole (admitted, advanced, committed): prompt `s`'s
+    /// session, its prompt this many tokens past its last one, this many new tokens.
+    Turn(u8, u8, u8),
     Advance(u8),
     /// Which lease, and the chunk size it computes in.
     Commit(u8, u8),
@@ -34,7 +39,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u8..6, 1u8..40, 1u8..8).prop_map(|(s, l, n)| Op::Admit(s, l, n)),
+        4 => (0u8..6, 1u8..40, 1u8..8, any::<bool>()).prop_map(|(s, l, n, k)| Op::Admit(s, l, n, k)),
+        2 => (0u8..6, 1u8..8, 1u8..8).prop_map(|(s, m, n)| Op::Turn(s, m, n)),
         4 => any::<u8>().prop_map(Op::Advance),
         3 => (any::<u8>(), 1u8..12).prop_map(|(i, c)| Op::Commit(i, c)),
         1 => any::<u8>().prop_map(Op::Release),
@@ -62,6 +68,8 @@ struct World {
     cache: TieredCache,
     ps: usize,
     live: Vec<Live>,
+    /// Each prompt's last turn's length ([`Op::Turn`]).
+    turns: [u8; 6],
 }
 
 impl World {
@@ -129,13 +137,34 @@ impl World {
 
     fn step(&mut self, op: &Op) {
         match *op {
-            Op::Admit(s, len, new) => {
+            Op::Admit(s, len, new, session) => {
                 let prompt = tokens(s, len);
                 let new = new as usize;
                 let p = PrefetchPolicy::WaitComplete;
-                if let Some(lease) = self.cache.admit(&prompt, new, true, p) {
+                if let Some(mut lease) = self.cache.admit(&prompt, new, true, p) {
                     assert!(lease.own_pages() >= 1);
+                    if session {
+                        self.cache.set_session(&mut lease, s as u64);
+                    }
                     self.live.push(Live { lease, prompt, new });
+                }
+            }
+            Op::Turn(s, more, new) => {
+                let len = self.turns[s as usize].saturating_add(more).min(48);
+                self.turns[s as usize] = len;
+                let prompt = tokens(s, len);
+                let p = PrefetchPolicy::WaitComplete;
+                if let Some(mut lease) = self.cache.admit(&prompt, new as usize, true, p) {
+                    self.cache.set_session(&mut lease, s as u64);
+                    while !self.cache.advance(&mut lease) {
+                        self.cache.poll();
+                    }
+                    let l = Live {
+                        lease,
+                        prompt,
+                        new: new as usize,
+                    };
+                    self.commit(l, 4);
                 }
             }
             Op::Advance(i) => {
@@ -212,6 +241,7 @@ fn world(
         cache: common::cache_with_windows(layout, sizes, windows, wp, ev, l3),
         ps,
         live: Vec::new(),
+        turns: [0; 6],
     }
 }
 
@@ -247,6 +277,9 @@ proptest! {
         prop_assert_eq!(w.cache.device_usage().pages_used, tree_pages, "pages held outside the tree");
         let tree_windows = w.cache.tree().window_pages_in(Slot::Device) as u64;
         prop_assert_eq!(w.cache.window_usage().0.pages_used, tree_windows, "window pages held outside the tree");
+        let s = w.cache.stats();
+        prop_assert!(s.session_retired_tokens <= s.inserted_tokens);
+        prop_assert!(w.cache.sessions() <= 6);
         // With every lease gone everything is evictable: no lock leaked.
         common::assert_all_evictable(&mut w.cache);
     }

@@ -214,6 +214,11 @@ pub struct PrefillRequest {
     /// held; `strata_server::pd::held_digest`): the prefill worker checks it before computing.
     #[serde(default)]
     pub held_hash: String,
+    /// The request's session (the decode worker's keyed hash of the client's
+    /// `prompt_cache_key` or `user`, opaque here): the prefill worker's cache retires the
+    /// session's previous answer the same way (`strata_kv` `cache/session.rs`).
+    #[serde(default)]
+    pub session: Option<u64>,
 }
 
 /// The client's sampling as it travels to the prefill worker: the engine's parameters less

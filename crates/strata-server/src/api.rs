@@ -84,6 +84,10 @@ pub struct Sampling {
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
     pub guided_grammar: Option<String>,
+    /// The conversation or agent session (OpenAI's cache hint): see `sampling::session`.
+    pub prompt_cache_key: Option<String>,
+    /// An end-user id: the session when `prompt_cache_key` is absent.
+    pub user: Option<String>,
 }
 
 /// vLLM's `structured_outputs`: exactly one constraint.

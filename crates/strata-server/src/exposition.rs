@@ -94,6 +94,11 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         &[("tier", "host")],
         c.evicted_host_tokens as f64,
     );
+    t.sample(
+        "strata_cache_session_retired_tokens_total",
+        &[],
+        c.session_retired_tokens as f64,
+    );
 }
 
 /// Per pool kind: bytes per token and the bytes served from each tier.

@@ -140,11 +140,11 @@ pub const FIELDS: &[Field] = &[
     Field { name: "continue_final_message", on: On::Chat, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: continue the last assistant message." },
     Field { name: "chat_template_kwargs", on: On::Chat, fate: Fate::Neutral(is_empty, NOT_YET), doc: "vLLM: extra template variables." },
     // Accounting and routing hints.
-    Field { name: "user", on: On::Both, fate: Fate::NoOp("no per-user accounting"), doc: "An end-user id." },
+    Field { name: "user", on: On::Both, fate: Fate::Supported, doc: "An end-user id (a string): the prefix cache's session when `prompt_cache_key` is absent (see there); no per-user accounting." },
     Field { name: "metadata", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Tags for stored completions." },
     Field { name: "store", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Store the completion." },
     Field { name: "service_tier", on: On::Chat, fate: Fate::Neutral(default_tier, "one service tier"), doc: "`auto` or `default`." },
-    Field { name: "prompt_cache_key", on: On::Chat, fate: Fate::NoOp("prefixes are matched by content, no key is needed"), doc: "A cache-routing hint." },
+    Field { name: "prompt_cache_key", on: On::Both, fate: Fate::Supported, doc: "A conversation or agent session (a string; empty: none). Prefixes are still matched by content; when a request's prompt begins with its session's previous prompt but not with the answer the cache holds after it, that answer is evicted first, on every tier, until something uses it (`strata_cache_session_retired_tokens_total`; docs/ARCHITECTURE.md, \"Sessions\")." },
     Field { name: "safety_identifier", on: On::Chat, fate: Fate::NoOp("no per-user accounting"), doc: "An end-user id for abuse detection." },
     // Refused.
     Field { name: "audio", on: On::Chat, fate: Fate::Refused("only text output"), doc: "Audio output." },

@@ -21,6 +21,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_pool_bytes_per_token", "gauge", "Bytes one token takes in a pool kind on one rank (kinds kept per block amortized over its tokens); a page holds every kind."),
     ("strata_cache_hit_bytes_total", "counter", "Bytes of each pool kind served from a cache tier: hit tokens by tier times the kind's bytes per token."),
     ("strata_cache_evicted_tokens_total", "counter", "Tokens evicted from a tier."),
+    ("strata_cache_session_retired_tokens_total", "counter", "Cached tokens of answers marked evict-first because their session's next request (same prompt_cache_key or user) continued the previous prompt without them."),
     ("strata_cache_copy_bytes_total", "counter", "Bytes moved between tiers, by operation (load_back, backup, prefetch, l3_put)."),
     ("strata_cache_copy_operations_total", "counter", "Copies between tiers, by operation."),
     ("strata_cache_copy_seconds_total", "counter", "Time spent in copies between tiers, by operation."),

@@ -45,7 +45,26 @@ pub fn sampling(
     };
     modifiers(s, &mut params)?;
     params.logprobs = logprobs(s)?;
+    params.session = session(s);
     Ok((params, stops))
+}
+
+/// The request's session for the prefix cache (`strata_kv` `cache/session.rs`): a hash of
+/// `prompt_cache_key`, else of `user`, keyed per process (clients cannot aim a key at another
+/// one's), each in its own namespace. An empty string is no session. The cache uses it only
+/// to find the session's previous request, and acts only when this prompt continues that
+/// one's, so a coarse key (a `user` with several chats) costs nothing.
+pub fn session(s: &Sampling) -> Option<u64> {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let key = KEY.get_or_init(Default::default);
+    let named = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
+    if let Some(k) = named(&s.prompt_cache_key) {
+        Some(key.hash_one(("prompt_cache_key", k)))
+    } else {
+        named(&s.user).map(|u| key.hash_one(("user", u)))
+    }
 }
 
 /// `logprobs` (a flag, or a number of alternatives) and `top_logprobs` → how many

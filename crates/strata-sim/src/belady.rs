@@ -128,6 +128,7 @@ mod tests {
             input_length: ids.len() * 4,
             output_length: 1,
             hash_ids: ids.to_vec(),
+            session: None,
         }
     }
 

@@ -190,6 +190,9 @@ fn replay_one(
         r.refused += 1;
         return;
     };
+    if let Some(k) = q.session {
+        cache.set_session(&mut lease, k);
+    }
     let t1 = Instant::now();
     while !cache.advance(&mut lease) {
         cache.poll();
@@ -284,6 +287,7 @@ mod tests {
             input_length: len,
             output_length: 1,
             hash_ids: ids.to_vec(),
+            session: None,
         }
     }
 

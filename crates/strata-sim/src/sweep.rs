@@ -84,6 +84,7 @@ mod tests {
                     input_length: 24,
                     output_length: 1,
                     hash_ids: ids,
+                    session: None,
                 }
             })
             .collect();

@@ -31,6 +31,47 @@ pub struct TraceRequest {
     pub input_length: usize,
     pub output_length: usize,
     pub hash_ids: Vec<u64>,
+    /// The optional `session_id` (a string or a non-negative integer; the API's
+    /// `prompt_cache_key`), as a stable 64-bit hash: replayed as the request's session.
+    pub session: Option<u64>,
+}
+
+/// Longest `session_id` string taken (the API takes any; a trace line is bounded anyway).
+pub const MAX_SESSION_ID_BYTES: usize = 1024;
+
+/// The `session_id` field, if any, as a stable hash (the same id in two traces, or two runs,
+/// gives the same key; strings and integers in separate namespaces).
+fn session_id(
+    obj: &serde_json::Map<String, Value>,
+    line: usize,
+) -> Result<Option<u64>, TraceError> {
+    let field = "session_id";
+    let hash = |tag: u8, bytes: &[u8]| {
+        let mut h = rustc_hash::FxHasher::default();
+        std::hash::Hasher::write_u8(&mut h, tag);
+        std::hash::Hasher::write(&mut h, bytes);
+        std::hash::Hasher::finish(&h)
+    };
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s.len() <= MAX_SESSION_ID_BYTES => {
+            Ok(Some(hash(0, s.as_bytes())))
+        }
+        Some(Value::String(s)) => Err(TraceError::Field {
+            line,
+            field,
+            msg: format!("{} bytes, at most {MAX_SESSION_ID_BYTES}", s.len()),
+        }),
+        Some(v) => match v.as_u64() {
+            Some(n) => Ok(Some(hash(1, &n.to_le_bytes()))),
+            None => Err(TraceError::Field {
+                line,
+                field,
+                msg: format!("expected a string or a non-negative integer, got {v}"),
+            }),
+        },
+    }
 }
 
 fn uint(
@@ -108,6 +149,7 @@ pub fn parse_line(
         input_length,
         output_length,
         hash_ids,
+        session: session_id(obj, line)?,
     })
 }
 

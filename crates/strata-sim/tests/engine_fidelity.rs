@@ -1,7 +1,7 @@
 //! The simulator replays a trace through the same lease lifecycle as the engine: the same
 //! trace through `replay` and through an engine running a tiny model (one request at a
 //! time, the same tiers and pool sizes, L3 in memory for both) gives the same hit tokens
-//! per tier, token for token.
+//! per tier, token for token, and retires the same answers of named sessions.
 
 use std::sync::Arc;
 
@@ -41,6 +41,11 @@ fn trace() -> Vec<TraceRequest> {
             input_length: input,
             output_length: 1 + (rng.next_u64() % 6) as usize,
             hash_ids: ids,
+            // Three conversations in four name their session: an answer that filled a page
+            // (cached; the next turn continues the prompt with the rest of its block instead)
+            // is retired. Answers stay short: the simulator's answer tokens are not the
+            // model's, and policies that hash a node's first page would part on longer ones.
+            session: (c % 4 != 3).then_some(c),
         });
     }
     out
@@ -65,10 +70,11 @@ fn engine(path: &std::path::Path, eviction: EvictionPolicy) -> EngineHandle {
 
 /// Runs one request to the end; then waits until the cache has no copy in flight, so the
 /// next admission sees what the simulator's inline copies would leave.
-fn run(e: &EngineHandle, prompt: Vec<u32>, max_tokens: usize) {
+fn run(e: &EngineHandle, prompt: Vec<u32>, max_tokens: usize, session: Option<u64>) {
     let params = SamplingParams {
         max_tokens,
         ignore_eos: true,
+        session,
         ..SamplingParams::default()
     };
     let mut s = e.submit(prompt, params).unwrap();
@@ -96,7 +102,7 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
         let e = engine(&path, eviction);
         for q in &reqs {
             let prompt = request_tokens(&q.hash_ids, q.input_length, BLOCK, VOCAB);
-            run(&e, prompt, q.output_length);
+            run(&e, prompt, q.output_length, q.session);
         }
         let live = e.snapshot().cache;
         let (_, layout) = model(&path);
@@ -130,7 +136,10 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
             | EvictionPolicy::Gdsf
             | EvictionPolicy::Sieve
             | EvictionPolicy::Auto => {
-                assert_eq!(tiers(&s), tiers(&live), "{eviction:?}: simulator vs engine")
+                assert_eq!(tiers(&s), tiers(&live), "{eviction:?}: simulator vs engine");
+                let retired =
+                    |c: &strata_kv::CacheStats| (c.session_retired_nodes, c.session_retired_tokens);
+                assert_eq!(retired(&s), retired(&live), "{eviction:?}: sessions");
             }
             // S3-FIFO picks its queue by the small queue's share of the tier's pages at that
             // moment, and while a request is admitted the engine's device tier holds other
@@ -156,6 +165,10 @@ fn simulator_and_engine_hit_the_same_tokens_per_tier() {
         assert!(
             s.evicted_device_nodes > 0 && s.evicted_host_nodes > 0,
             "{s:?}"
+        );
+        assert!(
+            s.session_retired_nodes > 0 && live.session_retired_nodes > 0,
+            "{eviction:?}: sessions retire answers: {s:?}"
         );
     }
 }

@@ -281,6 +281,9 @@ impl Scheduler {
                 publish::observe(&mut self.cache, &self.cfg, r); // a remote one: in `park`
             }
             lease.set_shared_prefix(r.params.shared_prefix);
+            if let Some(k) = r.params.session {
+                self.cache.set_session(&mut lease, k);
+            }
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             tracing::debug!(
@@ -321,6 +324,9 @@ impl Scheduler {
             return false;
         };
         lease.set_shared_prefix(r.params.shared_prefix);
+        if let Some(k) = r.params.session {
+            self.cache.set_session(&mut lease, k);
+        }
         publish::observe(&mut self.cache, &self.cfg, r);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);

@@ -92,6 +92,8 @@ pub(super) struct Held {
     /// Positions whose K/V are in `pages` once ready.
     pub(super) start: usize,
     pub(super) served: Served,
+    /// The request's session and its leaf at admission ([`TieredCache::set_session`]).
+    pub(super) session: Option<super::session::LeaseSession>,
 }
 
 impl Held {
@@ -275,6 +277,7 @@ impl TieredCache {
             shared: 0,
             start: 0,
             served: Served::default(),
+            session: None,
         };
         if held.phase == Phase::Loading(None) {
             self.start_load_back(&mut held);
@@ -617,7 +620,11 @@ impl TieredCache {
             }
         }
         self.free_windows(&dropped);
-        self.insert_with_windows(&tokens[..whole * ps], &own[..give], &give_w, h.prefix_pages);
+        let ins =
+            self.insert_with_windows(&tokens[..whole * ps], &own[..give], &give_w, h.prefix_pages);
+        if let Some(s) = h.session {
+            self.session_committed(s, tokens, h.prompt_len, ins.last);
+        }
         self.observe_commit(&tokens[..whole * ps], h.prompt_len);
         self.free_device(&own[give..])
             .expect("request pages are held");

@@ -220,6 +220,8 @@ pub struct TieredCache {
     scratch_path: Vec<NodeId>,
     scratch_pages: Vec<u32>,
     curve: Option<curve::CurveState>,
+    /// Each session's last committed leaf (`session.rs`).
+    sessions: session::Sessions,
 }
 
 impl TieredCache {
@@ -311,6 +313,7 @@ impl TieredCache {
             scratch_path: Vec::new(),
             scratch_pages: Vec::new(),
             curve,
+            sessions: Default::default(),
         })
     }
 
@@ -401,7 +404,7 @@ impl TieredCache {
         out
     }
 
-    /// Bytes of tree metadata, and the tokens the tree holds.
+    /// Bytes of tree metadata (with the sessions remembered), and the tokens the tree holds.
     pub fn tree_footprint(&self) -> (usize, usize) {
         let tokens = self
             .tree
@@ -409,7 +412,7 @@ impl TieredCache {
             .iter()
             .map(|&n| self.tree.view(n).tokens.len())
             .sum();
-        (self.tree.metadata_bytes(), tokens)
+        (self.tree.metadata_bytes() + self.sessions.bytes(), tokens)
     }
 
     /// Copies still in flight.
@@ -682,6 +685,8 @@ pub mod curve;
 mod lease;
 mod movement;
 mod ring;
+mod session;
+pub use session::MAX_SESSIONS;
 mod transfer;
 mod window;
 

@@ -61,6 +61,7 @@ impl TieredCache {
             shared: 0,
             start: prompt_len,
             served: Served::default(),
+            session: None,
         };
         Some(self.lease(held))
     }

@@ -1,7 +1,7 @@
 //! [`RadixTree::check`]: the structural invariants, verified node by node, then the page
 //! counters, the edge map and the eviction sets.
 
-use super::node::{Tokens, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, WINDOWS};
+use super::node::{Tokens, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, RETIRED, WINDOWS};
 use super::{child_hash, key_id, NodeId, RadixTree, NO_PAGE};
 use crate::hash::PageHash;
 
@@ -43,6 +43,11 @@ impl RadixTree {
                     "node {i}: {} children ({} on device) but {} ({}) counted",
                     n.children, n.device_children, b.children, b.device_children
                 ));
+            }
+            // A use clears the mark, and a child comes only through a use (a lock may come
+            // from a write-back's backup, which is no use).
+            if n.has(RETIRED) && n.children != 0 {
+                return Err(format!("node {i}: retired with children"));
             }
             if i != 0 && n.lock_ref < b.locks {
                 return Err(format!(

@@ -534,8 +534,11 @@ impl RadixTree {
         }
     }
 
-    /// `id`'s key in the eviction sets.
+    /// `id`'s key in the eviction sets: a retired node's has priority 0 (it sorts first).
     fn key_of(&self, id: u32) -> Key {
+        if self.nodes[id as usize].has(node::RETIRED) {
+            return id as u128;
+        }
         let tie = match self.policy {
             EvictionPolicy::Gdsf | EvictionPolicy::Auto => self.nodes[id as usize].stamp as u32,
             _ => 0,
@@ -544,6 +547,12 @@ impl RadixTree {
     }
 
     fn touch(&mut self, id: u32, hit: bool) {
+        // Used again: no longer a dead end (its key changes, so out of the sets first).
+        let revived = self.nodes[id as usize].has(node::RETIRED);
+        if revived {
+            self.unfile(id);
+            self.nodes[id as usize].set(node::RETIRED, false);
+        }
         if matches!(self.policy, EvictionPolicy::Sieve | EvictionPolicy::S3Fifo) {
             // A hit marks the node (a visited bit, a frequency); its place in the queue (its
             // key) does not change.
@@ -555,6 +564,9 @@ impl RadixTree {
                     EvictionPolicy::Sieve => n.set(node::VISITED, true),
                     _ => self.s3_hit(id),
                 }
+            }
+            if revived {
+                self.refresh(id);
             }
             return;
         }

@@ -37,6 +37,9 @@ pub(super) const WINDOWS: u16 = 1 << 10;
 const ODD: u16 = 1 << 11;
 /// `auto`: a leaf new to the history and never hit since (see `auto.rs`).
 pub(super) const PROBATION: u16 = 1 << 12;
+/// A leaf its session moved past (see `RadixTree::retire`): evicted before the policy's own
+/// choice until something uses it again.
+pub(super) const RETIRED: u16 = 1 << 13;
 
 pub(super) const IN_ANY: u16 = IN_DEV | IN_HOST | IN_DWIN | IN_HWIN;
 

@@ -1,7 +1,9 @@
 //! Residency: which tier holds a node's pages, locks, the eviction sets and their victims,
 //! and taking pages out of the tree (which removes nodes left with none).
 
-use super::node::{IN_ANY, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, IN_STORAGE, LIVE, VISITED, WINDOWS};
+use super::node::{
+    IN_ANY, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, IN_STORAGE, LIVE, RETIRED, VISITED, WINDOWS,
+};
 use super::{edge_hash, key_id, Key, Node, NodeId, RadixTree, Slot};
 use crate::policy::EvictionPolicy;
 
@@ -163,9 +165,52 @@ impl RadixTree {
         self.device_leaves.first().map(key_id)
     }
 
+    /// Marks the leaf `id` a dead end: its session's next request went elsewhere (the
+    /// session's previous leaf, `TieredCache::set_session`). It is then evicted, on every
+    /// tier, before whatever the policy would choose, until something uses it again (a match
+    /// or an insertion through it clears the mark). `stamp` is its last access as the caller
+    /// saw it (`NodeView::last_access`): a node used since, or a slot reused by another
+    /// node, is left alone, as is a node with children or locks. True if it was marked.
+    pub fn retire(&mut self, id: NodeId, stamp: u64) -> bool {
+        let i = id.0 as usize;
+        let Some(n) = self.nodes.get(i) else {
+            return false;
+        };
+        if i == 0
+            || !n.live()
+            || n.stamp != stamp
+            || n.children != 0
+            || n.lock_ref != 0
+            || n.has(RETIRED)
+        {
+            return false;
+        }
+        self.unfile(id.0);
+        self.nodes[i].set(RETIRED, true);
+        self.refresh(id.0);
+        true
+    }
+
+    /// The first retired leaf of the device (0) or host (1) set not in `skip`. Retired keys
+    /// have priority 0 and sort first, so this looks at them (and at most a few others of
+    /// priority 0) only.
+    fn retired_victim(&self, tier: usize, skip: &[NodeId]) -> Option<NodeId> {
+        let set = if tier == 0 {
+            &self.device_leaves
+        } else {
+            &self.host_leaves
+        };
+        set.range(..1u128 << 64)
+            .map(key_id)
+            .find(|id| !skip.contains(id) && self.nodes[id.0 as usize].has(RETIRED))
+    }
+
     /// The device victim to evict next that is not in `skip` (under SIEVE this moves the
     /// hand and clears the visited bits it passes).
     pub fn device_victim_excluding(&mut self, skip: &[NodeId]) -> Option<NodeId> {
+        if let Some(id) = self.retired_victim(0, skip) {
+            return Some(id);
+        }
         if self.policy == EvictionPolicy::S3Fifo {
             return self.s3_victim(Slot::Device, skip);
         }
@@ -180,6 +225,9 @@ impl RadixTree {
 
     /// Next host victim: off device, unlocked, childless (under SIEVE this moves the hand).
     pub fn host_victim(&mut self) -> Option<NodeId> {
+        if let Some(id) = self.retired_victim(1, &[]) {
+            return Some(id);
+        }
         if self.policy == EvictionPolicy::S3Fifo {
             return self.s3_victim(Slot::Host, &[]);
         }

@@ -80,6 +80,7 @@ async fn fetch(
         tokens: ids.to_vec(),
         kv_target: inbox.advertise.to_string(),
         shared_prefix: params.shared_prefix,
+        session: params.session,
         held_tokens: held,
         held_hash: match held {
             0 => String::new(),

@@ -194,6 +194,7 @@ fn prefill_request(
         prompt_logprobs: w.prompt_logprobs,
         constraint: None,
         shared_prefix: req.shared_prefix,
+        session: req.session,
     };
     if req.shared_prefix > req.tokens.len() {
         return Err(ApiError::bad_request(
@@ -451,6 +452,7 @@ mod tests {
             shared_prefix: 0,
             held_tokens: 0,
             held_hash: String::new(),
+            session: None,
             sampling: FirstTokenSampling {
                 logprobs: Some(k),
                 prompt_logprobs: Some(k),

@@ -27,6 +27,9 @@ pub struct ResponsesRequest {
     pub metadata: Option<serde_json::Map<String, Value>>,
     /// Only `disabled` (a prompt longer than the context is refused, never cut).
     pub truncation: Option<String>,
+    /// The session hints, passed to the chat request (the prefix cache's session).
+    pub prompt_cache_key: Option<String>,
+    pub user: Option<String>,
 }
 
 /// `input`: a text (one user message) or items.
@@ -60,6 +63,8 @@ const FIELDS: &[&str] = &[
     "store",
     "metadata",
     "truncation",
+    "prompt_cache_key",
+    "user",
 ];
 
 /// Fields taken only with a value that asks for nothing (null, false, empty, 0; for
@@ -70,13 +75,11 @@ const NEUTRAL: &[&str] = &[
     "top_logprobs",
     "background",
     "service_tier",
-    "user",
     "stream_options",
     "conversation",
     "prompt",
     "max_tool_calls",
     "safety_identifier",
-    "prompt_cache_key",
 ];
 
 /// The request, any field this endpoint does not serve refused by name (`reasoning` with an
@@ -286,6 +289,14 @@ pub fn to_chat(
     if let Some(p) = req.parallel_tool_calls {
         body["parallel_tool_calls"] = json!(p);
     }
+    for (k, v) in [
+        ("prompt_cache_key", &req.prompt_cache_key),
+        ("user", &req.user),
+    ] {
+        if let Some(v) = v {
+            body[k] = json!(v);
+        }
+    }
     if let Some(f) = req.text.as_ref().and_then(|t| t.format.as_ref()) {
         if let Some(rf) = response_format(f)? {
             body["response_format"] = rf;
@@ -460,4 +471,24 @@ pub fn with_answer(mut conversation: Vec<Value>, mut said: Value) -> Vec<Value> 
     }
     conversation.push(said);
     conversation
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The session hints reach the chat request; one that is not a string is refused.
+    #[test]
+    fn session_hints_are_passed_to_chat() {
+        let body = br#"{"input": "hi", "prompt_cache_key": "conv-1", "user": "alice"}"#;
+        let req = parse(body).unwrap();
+        let (chat, _) = to_chat(&req, None).unwrap();
+        let chat: Value = serde_json::from_slice(&chat).unwrap();
+        assert_eq!(chat["prompt_cache_key"], "conv-1");
+        assert_eq!(chat["user"], "alice");
+        let (chat, _) = to_chat(&parse(br#"{"input": "hi"}"#).unwrap(), None).unwrap();
+        let chat: Value = serde_json::from_slice(&chat).unwrap();
+        assert!(chat.get("prompt_cache_key").is_none() && chat.get("user").is_none());
+        assert!(parse(br#"{"input": "hi", "prompt_cache_key": 3}"#).is_err());
+    }
 }

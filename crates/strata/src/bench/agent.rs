@@ -79,6 +79,7 @@ pub async fn drive(
     c: &reqwest::Client,
     url: &str,
     answer: (usize, bool),
+    session_keys: bool,
     agents: &[AgentTask],
     prog: &Arc<Progress>,
     sem: &Arc<tokio::sync::Semaphore>,
@@ -86,7 +87,7 @@ pub async fn drive(
     let endpoint = format!("{url}/v1/chat/completions");
     let called = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
-    for a in agents {
+    for (i, a) in agents.iter().enumerate() {
         let called = called.clone();
         let (c, endpoint, prog, sem, a) = (
             c.clone(),
@@ -103,7 +104,10 @@ pub async fn drive(
             let mut out = Vec::new();
             for step in 0..=a.results.len() {
                 let result = a.results.get(step);
-                let body = step_body(&msgs, result.is_some(), answer);
+                let mut body = step_body(&msgs, result.is_some(), answer);
+                if session_keys {
+                    body["prompt_cache_key"] = json!(format!("agent-{i}"));
+                }
                 let permit = sem.acquire().await.expect("semaphore open");
                 let (o, text, calls) = stream_post(&c, &endpoint, &body).await;
                 drop(permit);

@@ -33,6 +33,11 @@ pub struct WorkloadOpts {
     /// --max-tokens, so configurations do the same decode work).
     #[arg(long)]
     pub stop_at_eos: bool,
+    /// Send each conversation's (agent's) id as `prompt_cache_key`, as a chat client that
+    /// names its sessions does (`false`: no key; the cache then cannot retire an answer a
+    /// conversation's next turn leaves).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub session_keys: bool,
     /// Open loop instead of closed: Poisson arrivals at this many requests per second
     /// (shared-prefix; a trace has its own arrival times).
     #[arg(long)]
@@ -102,7 +107,8 @@ pub struct WorkloadOpts {
 #[derive(Clone)]
 pub enum Job {
     Chat(Vec<Value>),
-    Tokens(Vec<u32>, usize),
+    /// A prompt of token ids, its max_tokens and its session (a trace's `session_id`).
+    Tokens(Vec<u32>, usize, Option<u64>),
 }
 
 /// A workload built and checked: the requests, and a line stating every scaling applied.
@@ -115,6 +121,8 @@ pub struct Prepared {
     body: Body,
     pub(crate) max_tokens: usize,
     pub(crate) ignore_eos: bool,
+    /// Chats and agents send their id as `prompt_cache_key`.
+    pub(crate) session_keys: bool,
 }
 
 enum Body {
@@ -157,6 +165,7 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
         body,
         max_tokens: w.max_tokens,
         ignore_eos: !w.stop_at_eos,
+        session_keys: w.session_keys,
     })
 }
 
@@ -231,7 +240,7 @@ fn trace(w: &WorkloadOpts) -> Result<(String, Body)> {
         .into_iter()
         .map(|r| {
             let at = (!w.closed_loop).then_some(r.at_us);
-            (Job::Tokens(r.prompt, r.max_tokens), at)
+            (Job::Tokens(r.prompt, r.max_tokens, r.session), at)
         })
         .collect::<Vec<_>>();
     let arrivals = if w.closed_loop {
@@ -289,20 +298,29 @@ fn shared_prefix(w: &WorkloadOpts) -> Result<(String, Body)> {
 }
 
 /// Sends one streaming request; returns its outcome and the generated text.
-async fn send(c: &reqwest::Client, url: &str, job: &Job, p: &Prepared) -> (Outcome, String) {
-    let (path, body) = match job {
+async fn send(
+    c: &reqwest::Client,
+    url: &str,
+    job: &Job,
+    p: &Prepared,
+    session: Option<&str>,
+) -> (Outcome, String) {
+    let (path, mut body) = match job {
         Job::Chat(msgs) => (
             "/v1/chat/completions",
             json!({"messages": msgs, "max_tokens": p.max_tokens, "temperature": 0,
                    "ignore_eos": p.ignore_eos,
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
-        Job::Tokens(t, m) => (
+        Job::Tokens(t, m, _) => (
             "/v1/completions",
             json!({"prompt": t, "max_tokens": m, "temperature": 0, "ignore_eos": p.ignore_eos,
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
     };
+    if let Some(k) = session.filter(|_| p.session_keys) {
+        body["prompt_cache_key"] = json!(k);
+    }
     let (o, text, _) = stream_post(c, &format!("{url}{path}"), &body).await;
     (o, text)
 }
@@ -333,7 +351,8 @@ pub async fn drive(
         Body::Chats(convs) => drive_chats(c, &url, p, convs.len(), &prog, &sem).await?,
         Body::Agents(a) => {
             let answer = (p.max_tokens, p.ignore_eos);
-            crate::bench::agent::drive(c, &url, answer, a, &prog, &sem).await?
+            let keys = p.session_keys;
+            crate::bench::agent::drive(c, &url, answer, keys, a, &prog, &sem).await?
         }
         Body::Jobs(jobs) => drive_jobs(c, &url, p, jobs, t0, &prog, &sem).await?,
     };
@@ -371,7 +390,8 @@ async fn drive_chats(
             for turn in &conv.user_turns {
                 msgs.push(json!({"role": "user", "content": turn}));
                 let permit = sem.acquire().await.expect("semaphore open");
-                let (o, text) = send(&c, &url, &Job::Chat(msgs.clone()), &p).await;
+                let key = format!("conversation-{i}");
+                let (o, text) = send(&c, &url, &Job::Chat(msgs.clone()), &p, Some(&key)).await;
                 drop(permit);
                 msgs.push(json!({"role": "assistant", "content": text}));
                 out.push(o);
@@ -412,7 +432,11 @@ async fn drive_jobs(
             let Body::Jobs(jobs) = &p.body else {
                 unreachable!()
             };
-            let (o, _) = send(&c, &url, &jobs[i].0, &p).await;
+            let key = match jobs[i].0 {
+                Job::Tokens(_, _, Some(k)) => Some(format!("session-{k:016x}")),
+                _ => None,
+            };
+            let (o, _) = send(&c, &url, &jobs[i].0, &p, key.as_deref()).await;
             drop(permit);
             prog.tick();
             o
@@ -435,6 +459,7 @@ mod tests {
             seed: 1,
             max_tokens: 4,
             stop_at_eos: false,
+            session_keys: true,
             rate: None,
             clients: 3,
             rounds: 2,

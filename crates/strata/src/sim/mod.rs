@@ -86,6 +86,11 @@ pub struct SimArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, help_heading = "Cache")]
     cache_outputs: bool,
 
+    /// Replay the trace's `session_id`s as the requests' sessions (the API's
+    /// `prompt_cache_key`); `false`: as if no request named one.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, help_heading = "Cache")]
+    sessions: bool,
+
     /// Sweep the device capacity and print the miss-ratio curve with Belady's bound.
     #[arg(long, help_heading = "Sweep")]
     sweep: bool,
@@ -247,12 +252,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         };
         let r = replay(&reqs, &cfg, |n| tracing::debug!("{n} requests replayed"))?;
         print_row(p, &r);
-        if r.refused > 0 {
-            println!(
-                "       {} requests larger than the device tier were refused (as the engine would)",
-                r.refused
-            );
-        }
+        print_notes(&r);
     }
     let q = pt.queried_tokens();
     println!(
@@ -332,6 +332,9 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
     if a.limit > 0 {
         reqs.truncate(a.limit);
     }
+    if !a.sessions {
+        reqs.iter_mut().for_each(|r| r.session = None);
+    }
     let scaled_block = scale_like_bench(a, &mut reqs)?;
     let (block_tokens, vocab) = if a.ids_as_tokens {
         if a.page_size != 1 {
@@ -407,6 +410,15 @@ fn print_header(
         pt.queried_tokens(),
         distinct_tokens
     );
+    let named = reqs.iter().filter(|r| r.session.is_some()).count();
+    if named > 0 {
+        let sessions: std::collections::HashSet<u64> =
+            reqs.iter().filter_map(|r| r.session).collect();
+        println!(
+            "sessions: {named} requests name one of {} sessions (`session_id`; --sessions false ignores them)",
+            sessions.len()
+        );
+    }
     for (tier, t) in [
         ("device", base.device_tokens),
         ("host", base.host_tokens),
@@ -462,6 +474,22 @@ fn print_row(p: EvictionPolicy, r: &SimResult) {
         r.evict_nanos as f64 / r.evict_calls.max(1) as f64 / 1e3,
         r.metadata_bytes as f64 / r.tree_tokens as f64,
     );
+}
+
+/// The lines under a policy's row: answers sessions retired, requests refused.
+fn print_notes(r: &SimResult) {
+    if r.stats.session_retired_nodes > 0 {
+        println!(
+            "       sessions: {} answers their next turn left were retired ({} tokens, evicted first)",
+            r.stats.session_retired_nodes, r.stats.session_retired_tokens
+        );
+    }
+    if r.refused > 0 {
+        println!(
+            "       {} requests larger than the device tier were refused (as the engine would)",
+            r.refused
+        );
+    }
 }
 
 fn run_sweep(
