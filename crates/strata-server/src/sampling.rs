@@ -50,8 +50,8 @@ pub fn sampling(
 }
 
 /// The request's session for the prefix cache (`strata_kv` `cache/session.rs`): a hash of
-/// `prompt_cache_key`, else of `user`, keyed per process (clients cannot aim a key at another
-/// one's), each in its own namespace. An empty string is no session. The cache uses it only
+/// `prompt_cache_key`, else of `user`, keyed per process (no hash can be precomputed or
+/// collided on purpose; a key is as private as its string), each in its own namespace. An empty string is no session. The cache uses it only
 /// to find the session's previous request, and acts only when this prompt continues that
 /// one's, so a coarse key (a `user` with several chats) costs nothing.
 pub fn session(s: &Sampling) -> Option<u64> {

@@ -20,7 +20,7 @@
 //! one flag bit per node and half a byte per cached page (the two ghosts), beside
 //! GDSF's.
 
-use super::node::PROBATION;
+use super::node::{PROBATION, RETIRED};
 use super::RadixTree;
 use crate::policy::UNIT;
 
@@ -34,20 +34,22 @@ impl RadixTree {
         let n = &mut self.nodes[id as usize];
         if known > 0 {
             n.set(PROBATION, false);
-            self.gdsf[id as usize].freq = known.saturating_add(1).saturating_mul(UNIT);
+            self.set_freq(id, known.saturating_add(1).saturating_mul(UNIT));
         } else {
             n.set(PROBATION, true);
-            self.gdsf[id as usize].freq = self.adaptive.credit();
+            self.set_freq(id, self.adaptive.credit());
         }
     }
 
     /// `id` (its key `chain`, `pages` pages) leaves the tree: its accesses go to the history
     /// (a part access, the insertion's, counts whole), its key to the probation ghost if it
-    /// never earned one. Removals the operator asked for (a flush) teach the credit nothing.
+    /// never earned one. Removals the policy did not choose teach the credit nothing: those
+    /// the operator asked for (a flush), and retired answers (a session's signal, not the
+    /// newcomers' worth).
     pub(super) fn auto_removed(&mut self, id: u32, chain: u64, pages: usize) {
-        let accesses = self.gdsf[id as usize].freq.div_ceil(UNIT).max(1);
+        let accesses = self.freq(id).div_ceil(UNIT).max(1);
         self.history.record(chain, accesses);
-        if !self.flushing {
+        if !self.flushing && !self.nodes[id as usize].has(RETIRED) {
             let probation = self.nodes[id as usize].has(PROBATION);
             self.adaptive.removed(chain, probation, pages);
         }

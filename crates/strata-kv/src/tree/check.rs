@@ -115,10 +115,15 @@ impl RadixTree {
                 ));
             }
         }
-        if let Tokens::Wide(t) = n.tokens(ps) {
-            if t.iter().all(|&x| x <= u16::MAX as u32) {
-                return Err(format!("node {i}: 16-bit tokens stored wide"));
-            }
+        let t = n.tokens(ps);
+        let max = (0..t.len()).map(|k| t.get(k)).max().unwrap_or(0);
+        let narrower = match t {
+            Tokens::Wide(_) => max <= 0xFF_FFFF,
+            Tokens::Mid(_) => max <= 0xFFFF,
+            Tokens::Narrow(_) => false,
+        };
+        if narrower {
+            return Err(format!("node {i}: tokens stored wider than they need"));
         }
         if self.namespace.is_some() && self.hashes[i].len() != pages {
             return Err(format!(

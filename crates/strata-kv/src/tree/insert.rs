@@ -1,7 +1,7 @@
 //! Insertion: walking a token sequence into the tree, filling a slot's pages (and window
 //! pages) where nodes lack them, new leaves, and splitting nodes at page boundaries.
 
-use super::node::{Tokens, IN_STORAGE, LIVE, PROBATION, VISITED, WINDOWS};
+use super::node::{Tokens, IN_STORAGE, LIVE, PROBATION, RETIRED, VISITED, WINDOWS};
 use super::{
     chain_step, window_half, GdsfNode, Inserted, Node, NodeId, RadixTree, Slot, Windows, NO_PAGE,
     ROOT,
@@ -143,10 +143,8 @@ impl RadixTree {
         }
         if self.policy.has_history() {
             let chain = chain_step(self.gdsf[parent as usize].base, Tokens::Wide(&tokens[..ps]));
-            self.gdsf[id as usize] = GdsfNode {
-                base: chain,
-                freq: 0,
-            };
+            self.gdsf[id as usize] = GdsfNode { base: chain };
+            self.set_freq(id, 0);
         }
         match self.policy {
             // This insertion is an access too: a page that comes back after eviction then
@@ -154,7 +152,8 @@ impl RadixTree {
             // is detected.
             EvictionPolicy::Gdsf => {
                 let chain = self.gdsf[id as usize].base;
-                self.gdsf[id as usize].freq = self.history.take(chain).saturating_add(1);
+                let known = self.history.take(chain);
+                self.set_freq(id, known.saturating_add(1));
             }
             EvictionPolicy::Auto => {
                 let chain = self.gdsf[id as usize].base;
@@ -196,10 +195,12 @@ impl RadixTree {
     /// parent node). Eviction uses it to free just what is needed, keeping the more valuable
     /// head of a prefix. No-op when the node is not longer than that, or when it holds window
     /// pages: its head would become an inner node, whose window pages are evicted first as
-    /// state a sequence has moved past, while it is still the end a continuation reads.
+    /// state a sequence has moved past, while it is still the end a continuation reads; or
+    /// when it is retired (an answer its session left goes whole, not its tail only).
     pub fn split_tail(&mut self, id: NodeId, tail_pages: usize) {
         let node = &self.nodes[id.0 as usize];
-        if node.has(WINDOWS) {
+        // A retired answer goes whole (its head would be a live-looking leaf).
+        if node.has(WINDOWS) || node.has(RETIRED) {
             return;
         }
         let len = node.token_len(self.page_size);
@@ -274,10 +275,8 @@ impl RadixTree {
             // its key too; the suffix's key follows from that, and its base (its children's
             // keys) stays: O(1), whatever lies below.
             let start = self.chain_of(head);
-            self.gdsf[h] = GdsfNode {
-                base: start,
-                freq: self.gdsf[i].freq,
-            };
+            self.gdsf[h] = GdsfNode { base: start };
+            self.set_freq(head, self.freq(id));
         }
         if let Some(w) = self.windows.remove(&id) {
             let cut = |mut v: Vec<u32>| {

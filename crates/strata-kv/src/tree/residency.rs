@@ -321,8 +321,10 @@ impl RadixTree {
         pages
     }
 
+    /// GDSF's L rises to the victim's priority: only for victims the policy chose (a retired
+    /// leaf goes out of order; its priority says nothing of what the cache keeps).
     fn bump_inflation(&mut self, i: u32) {
-        if self.policy.is_gdsf() {
+        if self.policy.is_gdsf() && !self.nodes[i as usize].has(RETIRED) {
             self.inflation = self.inflation.max(self.prio[i as usize]);
         }
     }
@@ -338,7 +340,7 @@ impl RadixTree {
             // GDSF remembers the frequency; S3-FIFO's ghost only that the node was here.
             let chain = self.chain_of(i);
             match self.policy {
-                EvictionPolicy::Gdsf => self.history.record(chain, self.gdsf[i as usize].freq),
+                EvictionPolicy::Gdsf => self.history.record(chain, self.freq(i)),
                 EvictionPolicy::Auto => self.auto_removed(i, chain, pages),
                 _ => self.history.record(chain, 1),
             }

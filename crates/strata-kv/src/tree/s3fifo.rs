@@ -23,7 +23,7 @@ impl RadixTree {
         let ghost = self.history.take(chain) > 0;
         self.seq += 1;
         self.prio[id as usize] = self.seq | if ghost { MAIN } else { 0 };
-        self.gdsf[id as usize].freq = 0;
+        self.set_freq(id, 0);
     }
 
     pub(super) fn s3_small(&self, id: u32) -> bool {
@@ -32,8 +32,7 @@ impl RadixTree {
 
     /// A hit: one more (up to 3), no reordering.
     pub(super) fn s3_hit(&mut self, id: u32) {
-        let f = &mut self.gdsf[id as usize].freq;
-        *f = (*f + 1).min(MAX_FREQ);
+        self.set_freq(id, (self.freq(id) + 1).min(MAX_FREQ));
     }
 
     /// Pages of small nodes in `slot` change by `delta` pages of `id` (a no-op for main nodes).
@@ -57,7 +56,7 @@ impl RadixTree {
         }
         self.seq += 1;
         self.prio[id as usize] = self.seq | MAIN;
-        self.gdsf[id as usize].freq = freq;
+        self.set_freq(id, freq);
         self.refresh(id);
     }
 
@@ -83,7 +82,7 @@ impl RadixTree {
                 (None, None) => return None,
             };
             let id = key_id(&pick).0;
-            let freq = self.gdsf[id as usize].freq;
+            let freq = self.freq(id);
             if freq == 0 {
                 return Some(NodeId(id));
             }

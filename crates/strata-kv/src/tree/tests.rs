@@ -292,8 +292,8 @@ fn s3fifo_promotes_hit_small_leaves_and_recognises_ghosts() {
 }
 
 #[test]
-fn policy_state_is_12_bytes_a_node() {
-    assert_eq!(std::mem::size_of::<GdsfNode>(), 12);
+fn policy_state_is_8_bytes_a_node() {
+    assert_eq!(std::mem::size_of::<GdsfNode>(), 8);
 }
 
 #[test]

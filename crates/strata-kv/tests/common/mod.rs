@@ -98,7 +98,8 @@ pub fn assert_all_evictable(cache: &mut TieredCache) {
 
 /// Token sequences that share prefixes by group (`s % groups`) for their first `shared` tokens,
 /// so that nodes split and share; the rest is the sequence's own. Odd sequences have some
-/// tokens past 2^16 in their own part (nodes stored wide, splits into narrow and wide halves).
+/// tokens past 2^16 in their own part, and every fourth from the third some past 2^24 (nodes
+/// stored in three or four bytes a token, splits into narrower and wider halves).
 pub fn tokens(s: u8, len: u8, groups: u8, shared: u32) -> Vec<u32> {
     let g = (s % groups) as u32;
     (0..len as u32)
@@ -106,7 +107,11 @@ pub fn tokens(s: u8, len: u8, groups: u8, shared: u32) -> Vec<u32> {
             if i < shared {
                 g * 100 + i
             } else if s % 2 == 1 && i % 5 == 0 {
+                // Stored in three bytes a token.
                 100_000 + s as u32 * 100 + i
+            } else if s % 4 == 2 && i % 7 == 3 {
+                // Stored in four.
+                20_000_000 + s as u32 * 100 + i
             } else {
                 10_000 + s as u32 * 100 + i
             }
