@@ -216,8 +216,9 @@ pub struct PrefillRequest {
     pub held_hash: String,
     /// The request's session (the decode worker's keyed hash of the client's
     /// `prompt_cache_key` or `user`, opaque here): the prefill worker's cache retires the
-    /// session's previous answer the same way (`strata_kv` `cache/session.rs`).
-    #[serde(default)]
+    /// session's previous answer the same way (`strata_kv` `cache/session.rs`). Absent
+    /// when none (a worker of the version before sessions refuses unknown fields).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<u64>,
 }
 
@@ -363,5 +364,25 @@ mod tests {
         assert!(serde_json::from_str::<CacheEvents>(&bad).is_err());
         let bad = text.replace("remote", "elsewhere");
         assert!(serde_json::from_str::<CacheEvents>(&bad).is_err());
+    }
+
+    /// A prefill request carries its session only when it has one (so one without reads as
+    /// before), and round-trips with it.
+    #[test]
+    fn a_prefill_request_names_its_session_only_when_it_has_one() {
+        let mut r = PrefillRequest {
+            transfer_id: "00".repeat(16),
+            tokens: vec![1, 2, 3],
+            kv_target: "127.0.0.1:1".into(),
+            sampling: FirstTokenSampling::default(),
+            shared_prefix: 0,
+            held_tokens: 0,
+            held_hash: String::new(),
+            session: None,
+        };
+        assert!(!serde_json::to_string(&r).unwrap().contains("session"));
+        r.session = Some(u64::MAX);
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<PrefillRequest>(&text).unwrap(), r);
     }
 }
