@@ -197,6 +197,41 @@ pub fn read_trace(
 mod tests {
     use super::*;
 
+    /// `session_id`: a string or a non-negative integer, hashed stably (the same id, the same
+    /// key; a string and the integer it spells are different sessions); null or empty is none;
+    /// anything else, or an overlong string, is refused naming the line and the field.
+    #[test]
+    fn session_ids_are_hashed_or_refused() {
+        let line = |v: &str| {
+            let text = format!(
+                r#"{{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "session_id": {v}}}"#
+            );
+            parse_line(&text, 7, 512)
+        };
+        let key = |v: &str| line(v).unwrap().session;
+        assert_eq!(key(r#""conv-1""#), key(r#""conv-1""#));
+        assert!(key(r#""conv-1""#).is_some());
+        assert_ne!(key(r#""conv-1""#), key(r#""conv-2""#));
+        assert_ne!(key(r#""12""#), key("12"));
+        assert!(key("12").is_some());
+        assert_eq!(key("null"), None);
+        assert_eq!(key(r#""""#), None);
+        let long = format!("\"{}\"", "x".repeat(MAX_SESSION_ID_BYTES + 1));
+        for bad in ["-1", "1.5", "true", "[1]", r#"{"a": 1}"#, long.as_str()] {
+            let e = line(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("line 7") && e.contains("session_id"),
+                "{bad}: {e}"
+            );
+        }
+        let none = parse_line(
+            r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#,
+            1,
+            512,
+        );
+        assert_eq!(none.unwrap().session, None);
+    }
+
     #[test]
     fn parses_a_line() {
         let r = parse_line(

@@ -38,6 +38,20 @@ proptest! {
         let _ = read_trace(&bytes[..], bt);
     }
 
+    /// Any `session_id` (a string of any characters and length, any number, nested values)
+    /// gives a request or an error, never a panic.
+    #[test]
+    fn any_session_id_never_panics(v in prop_oneof![
+        ".{0,1100}".prop_map(serde_json::Value::String),
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<f64>().prop_map(serde_json::Value::from),
+        Just(serde_json::json!([1, {"a": null}])),
+    ]) {
+        let mut line: serde_json::Value = serde_json::from_str(VALID).unwrap();
+        line["session_id"] = v;
+        let _ = parse_line(&line.to_string(), 1, 512);
+    }
+
     #[test]
     fn mutated_valid_lines_never_panic(pos in 0usize..VALID.len(), with in any::<char>(), bt in 0usize..4096) {
         let mut s: Vec<char> = VALID.chars().collect();
