@@ -59,7 +59,9 @@ pub fn session(s: &Sampling) -> Option<u64> {
     static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
         std::sync::OnceLock::new();
     let key = KEY.get_or_init(Default::default);
-    let named = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
+    fn named(v: &Option<String>) -> Option<&str> {
+        v.as_deref().filter(|v| !v.is_empty())
+    }
     if let Some(k) = named(&s.prompt_cache_key) {
         Some(key.hash_one(("prompt_cache_key", k)))
     } else {

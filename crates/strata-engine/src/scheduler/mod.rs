@@ -280,10 +280,7 @@ impl Scheduler {
             if r.remote == Remote::No {
                 publish::observe(&mut self.cache, &self.cfg, r); // a remote one: in `park`
             }
-            lease.set_shared_prefix(r.params.shared_prefix);
-            if let Some(k) = r.params.session {
-                self.cache.set_session(&mut lease, k);
-            }
+            hint(&mut self.cache, &mut lease, &r.params);
             let mut r = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             tracing::debug!(
@@ -323,10 +320,7 @@ impl Scheduler {
             self.blocked_at = Some(self.progress);
             return false;
         };
-        lease.set_shared_prefix(r.params.shared_prefix);
-        if let Some(k) = r.params.session {
-            self.cache.set_session(&mut lease, k);
-        }
+        hint(&mut self.cache, &mut lease, &r.params);
         publish::observe(&mut self.cache, &self.cfg, r);
         let mut r = self.waiting.pop_front().expect("front exists");
         self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -674,4 +668,13 @@ fn stop_tokens(p: &SamplingParams, eos: &[u32]) -> Vec<u32> {
         v.extend_from_slice(eos);
     }
     v
+}
+
+/// A request's hints to the cache, on its lease once admitted: where its shared prefix ends,
+/// and its session.
+fn hint(cache: &mut TieredCache, lease: &mut Lease, p: &SamplingParams) {
+    lease.set_shared_prefix(p.shared_prefix);
+    if let Some(k) = p.session {
+        cache.set_session(lease, k);
+    }
 }
