@@ -120,7 +120,7 @@ pub fn verify_tree_bytes(cache: &TieredCache) {
             for (ci, c) in l.chunks().iter().enumerate() {
                 let want = expected_chunk(h, ci, c.bytes);
                 let window = c.class == Class::Window;
-                let dev_page = if window { dw } else { v.device.get(i).copied() };
+                let dev_page = if window { dw } else { v.device.try_get(i) };
                 if let Some(p) = dev_page {
                     let mut got = vec![0; c.bytes];
                     dev.read_chunk(c.kind, c.layer, c.plane, p, &mut got);
@@ -129,7 +129,7 @@ pub fn verify_tree_bytes(cache: &TieredCache) {
                 if window && hw.is_none() {
                     continue;
                 }
-                if let Some(&p) = v.host.get(i) {
+                if let Some(p) = v.host.try_get(i) {
                     let blob = &mut blob[..blob_len(l, hw)];
                     host.read_page(p, hw, blob);
                     assert_eq!(

@@ -247,7 +247,7 @@ impl TieredCache {
             if v.in_storage || v.host.is_empty() {
                 continue;
             }
-            host_pages.extend_from_slice(v.host);
+            v.host.extend_into(&mut host_pages);
             if self.has_window() {
                 let win = |i: usize| v.host_win.get(i).copied().filter(|&w| w != NO_PAGE);
                 windows.extend((0..v.host.len()).map(win));

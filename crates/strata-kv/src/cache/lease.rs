@@ -394,7 +394,7 @@ impl TieredCache {
         self.tree.path_into(h.lock, &mut path);
         let landed = path.iter().all(|&n| {
             let v = self.tree.view(n);
-            !v.device.iter().any(|p| self.loading.contains(p))
+            !v.device.iter().any(|p| self.loading.contains(&p))
                 && !v
                     .device_win
                     .iter()
@@ -465,7 +465,7 @@ impl TieredCache {
             if v.device.is_empty() || prefix.len() > keep {
                 break;
             }
-            prefix.extend_from_slice(v.device);
+            v.device.extend_into(&mut prefix);
         }
         // As far as the window pages on device allow (never below the reservation's count).
         let mut prefix_windows = Vec::new();

@@ -258,6 +258,9 @@ impl TieredCache {
         let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
+        // Page indices are below the pools' page counts: the page lists take 2 or 3 bytes an
+        // index where those fit (page size 1: as much as a token).
+        tree.set_page_bound((cfg.device_pages as usize).max(cfg.host_pages as usize));
         // GDSF's history: `gdsf_history` keys per cached page (the tree sizes it, LRU skips it).
         let pages = cfg.device_pages as usize + cfg.host_pages as usize;
         tree.set_history_cap(pages.saturating_mul(cfg.gdsf_history), pages);
@@ -646,8 +649,8 @@ impl TieredCache {
         };
         for n in self.tree.node_ids() {
             let v = self.tree.view(n);
-            dev.extend_from_slice(v.device);
-            host.extend_from_slice(v.host);
+            v.device.extend_into(&mut dev);
+            v.host.extend_into(&mut host);
             dwin.extend(real(v.device_win));
             hwin.extend(real(v.host_win));
         }

@@ -343,3 +343,39 @@ fn events_replayed_equal_the_snapshot() {
         }
     }
 }
+
+/// Pools past 65,536 pages: the nodes' page lists take three bytes an index, and every index
+/// comes back exactly through insertion, a split, and eviction to host.
+#[test]
+fn page_lists_of_pools_past_16_bits_round_trip() {
+    let mut cfg = CacheConfig::new(layout(), 70_000, 140_000);
+    cfg.with_data = false;
+    cfg.write_policy = WritePolicy::WriteBack;
+    let mut c = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+    let mut given = Vec::new();
+    for s in 0..100u32 {
+        // 690 pages of 4 tokens each, every sequence its own branch.
+        let t = seq(s * 10 + 1, 2_760);
+        let p = c.alloc_device(690).unwrap();
+        let last = c.insert(&t, &p, 0).last;
+        assert!(c.tree().view(last).device == p[..]);
+        given.push((t, p));
+    }
+    assert!(given.iter().any(|(_, p)| p.iter().any(|&x| x >= 65_536)));
+    // A match ending inside a node splits it: both halves keep their indices.
+    let (t, p) = &given[99];
+    let m = c.match_prefix(&t[..1_000]);
+    assert!(c.tree().view(m.last).device == p[..250]);
+    c.check().unwrap();
+    assert_eq!(c.evict_device(69_000), 69_000);
+    c.check().unwrap();
+    let mut host = Vec::new();
+    for id in c.tree().node_ids() {
+        let v = c.tree().view(id);
+        assert!(v.device.is_empty() && v.host.len() == v.tokens.len() / 4);
+        v.host.extend_into(&mut host);
+    }
+    host.sort_unstable();
+    host.dedup();
+    assert_eq!(host.len(), 69_000, "each host page held once");
+}

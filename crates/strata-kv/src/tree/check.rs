@@ -1,7 +1,8 @@
 //! [`RadixTree::check`]: the structural invariants, verified node by node, then the page
 //! counters, the edge map and the eviction sets.
 
-use super::node::{Tokens, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, RETIRED, WINDOWS};
+use super::node::{IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, RETIRED, WINDOWS};
+use super::packed::Tokens;
 use super::{child_hash, key_id, NodeId, RadixTree, NO_PAGE};
 use crate::hash::PageHash;
 
@@ -19,6 +20,7 @@ impl RadixTree {
         let (mut dp, mut hp, mut dw, mut hw) = (0, 0, 0, 0);
         let real = |v: &[u32]| v.iter().filter(|&&w| w != NO_PAGE).count();
         let mut below = vec![Below::default(); self.nodes.len()];
+        self.check_arena()?;
         let ids = self.node_ids();
         for &id in &ids {
             self.check_pages(id)?;
@@ -95,15 +97,15 @@ impl RadixTree {
 
     /// One node's shape: whole pages of tokens, some pages held, one page (and hash) per page.
     fn check_pages(&self, id: NodeId) -> Result<(), String> {
-        let ps = self.page_size;
+        let g = self.g();
         let i = id.0 as usize;
         let n = &self.nodes[i];
-        let pages = n.pages(ps);
+        let pages = n.pages(g);
         if pages == 0 {
             return Err(format!("node {i} holds no tokens"));
         }
-        n.check_block(ps).map_err(|e| format!("node {i}: {e}"))?;
-        let (device, host) = (n.device(ps), n.host(ps));
+        n.check_block(g).map_err(|e| format!("node {i}: {e}"))?;
+        let (device, host) = (n.device(g), n.host(g));
         if device.is_empty() && host.is_empty() {
             return Err(format!("node {i} holds no pages"));
         }
@@ -115,7 +117,7 @@ impl RadixTree {
                 ));
             }
         }
-        let t = n.tokens(ps);
+        let t = n.tokens(g);
         let max = (0..t.len()).map(|k| t.get(k)).max().unwrap_or(0);
         let narrower = match t {
             Tokens::Wide(_) => max <= 0xFF_FFFF,
@@ -146,8 +148,8 @@ impl RadixTree {
         if n.has(WINDOWS) && dwin.is_empty() && hwin.is_empty() {
             return Err(format!("node {i}: empty window lists kept"));
         }
-        let ps = self.page_size;
-        for (name, win, main) in [("device", dwin, n.device(ps)), ("host", hwin, n.host(ps))] {
+        let g = self.g();
+        for (name, win, main) in [("device", dwin, n.device(g)), ("host", hwin, n.host(g))] {
             if win.is_empty() {
                 continue;
             }
@@ -176,17 +178,18 @@ impl RadixTree {
     /// prefix-closed.
     fn check_links(&self, id: NodeId) -> Result<(), String> {
         let ps = self.page_size;
+        let g = self.g();
         let i = id.0 as usize;
         let n = &self.nodes[i];
         let p = &self.nodes[n.parent as usize];
         let found = self
             .edges
-            .find(child_hash(&self.nodes, ps, id.0), |&c| c == id.0);
+            .find(child_hash(&self.nodes, g, id.0), |&c| c == id.0);
         if !p.live() || found.is_none() {
             return Err(format!("node {i}: parent does not list it"));
         }
         // No sibling starts with the same page (a lookup finds this node).
-        let first = n.tokens(ps).slice(0, ps).to_vec();
+        let first = n.tokens(g).slice(0, ps).to_vec();
         if self.child_of(n.parent, &first) != Some(id.0) {
             return Err(format!("node {i}: a sibling starts with the same page"));
         }
@@ -199,15 +202,32 @@ impl RadixTree {
     /// One node's page hashes follow on from its parent's.
     fn check_chains(&self, id: NodeId) -> Result<(), String> {
         let ps = self.page_size;
+        let g = self.g();
         let i = id.0 as usize;
         let n = &self.nodes[i];
         if let Some(ns) = &self.namespace {
             let parent_hash = self.last_hash(NodeId(n.parent)).unwrap_or(PageHash::ROOT);
-            if ns.chain(parent_hash, &n.tokens(ps).to_vec(), ps)[..] != self.hashes[i][..] {
+            if ns.chain(parent_hash, &n.tokens(g).to_vec(), ps)[..] != self.hashes[i][..] {
                 return Err(format!(
                     "node {i}: page hashes do not chain from its parent"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The free slots are the arena's dead ones, each once, and its last slot is live.
+    fn check_arena(&self) -> Result<(), String> {
+        let mut free: Vec<u32> = self.free_ids.iter().map(|r| r.0).collect();
+        free.sort_unstable();
+        let dead: Vec<u32> = (0..self.nodes.len() as u32)
+            .filter(|&i| !self.nodes[i as usize].live())
+            .collect();
+        if free != dead {
+            return Err(format!("free slots {free:?}, dead slots {dead:?}"));
+        }
+        if self.nodes.last().is_none_or(|n| !n.live()) {
+            return Err("the arena ends in a dead slot".into());
         }
         Ok(())
     }
@@ -222,6 +242,8 @@ impl RadixTree {
             (&self.device_windows, "device window", IN_DWIN),
             (&self.host_windows, "host window", IN_HWIN),
         ] {
+            set.check()
+                .map_err(|e| format!("{name} eviction set: {e}"))?;
             for k in set {
                 let id = key_id(k).0;
                 let n = &self.nodes[id as usize];

@@ -1,7 +1,8 @@
 //! Insertion: walking a token sequence into the tree, filling a slot's pages (and window
 //! pages) where nodes lack them, new leaves, and splitting nodes at page boundaries.
 
-use super::node::{Tokens, IN_STORAGE, LIVE, PROBATION, RETIRED, VISITED, WINDOWS};
+use super::node::{IN_STORAGE, LIVE, PROBATION, RETIRED, VISITED, WINDOWS};
+use super::packed::{Pages, Tokens};
 use super::{
     chain_step, window_half, GdsfNode, Inserted, Node, NodeId, RadixTree, Slot, Windows, NO_PAGE,
     ROOT,
@@ -10,8 +11,12 @@ use crate::hash::PageHash;
 use crate::policy::EvictionPolicy;
 
 /// `v[a..b]`, or nothing when `v` is empty (a tier the node is not in).
-fn cut(v: &[u32], a: usize, b: usize) -> &[u32] {
-    v.get(a..b).unwrap_or(&[])
+fn cut(v: Pages<'_>, a: usize, b: usize) -> Pages<'_> {
+    if v.is_empty() {
+        Pages::EMPTY
+    } else {
+        v.slice(a, b)
+    }
 }
 
 impl RadixTree {
@@ -123,6 +128,7 @@ impl RadixTree {
         pages: &[u32],
     ) -> u32 {
         let ps = self.page_size;
+        let g = self.g();
         let hashes = match &self.namespace {
             Some(ns) => {
                 let p = self.last_hash(NodeId(parent)).unwrap_or(PageHash::ROOT);
@@ -134,7 +140,12 @@ impl RadixTree {
             Slot::Device => (pages, &[][..]),
             Slot::Host => (&[][..], pages),
         };
-        let mut node = Node::pack(Tokens::Wide(tokens), ps, device, host);
+        let mut node = Node::pack(
+            Tokens::Wide(tokens),
+            g,
+            Pages::Wide(device),
+            Pages::Wide(host),
+        );
         node.parent = parent;
         node.flags |= LIVE;
         let id = self.alloc_node(node);
@@ -173,7 +184,7 @@ impl RadixTree {
 
     /// Puts `node` in a free arena slot (or a new one) and returns its id.
     fn alloc_node(&mut self, node: Node) -> u32 {
-        match self.free_ids.pop() {
+        match self.free_ids.pop().map(|std::cmp::Reverse(i)| i) {
             Some(i) => {
                 self.nodes[i as usize] = node;
                 i
@@ -203,7 +214,7 @@ impl RadixTree {
         if node.has(WINDOWS) || node.has(RETIRED) {
             return;
         }
-        let len = node.token_len(self.page_size);
+        let len = node.token_len(self.g());
         let keep = tail_pages.saturating_mul(self.page_size);
         if tail_pages > 0 && keep < len {
             self.split(id.0, len - keep);
@@ -213,17 +224,18 @@ impl RadixTree {
     /// Splits `id` so that its first `at` tokens become a new parent node; returns that parent.
     pub(super) fn split(&mut self, id: u32, at: usize) -> u32 {
         let ps = self.page_size;
+        let g = self.g();
         let i = id as usize;
-        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[i].token_len(ps));
+        debug_assert!(at > 0 && at.is_multiple_of(ps) && at < self.nodes[i].token_len(g));
         let p = at / ps;
         let n = &self.nodes[i];
-        let (tokens, device, host) = (n.tokens(ps), n.device(ps), n.host(ps));
+        let (tokens, device, host) = n.parts(g);
         let len = tokens.len();
         let np = len / ps;
-        let mut head = Node::pack(tokens.slice(0, at), ps, cut(device, 0, p), cut(host, 0, p));
+        let mut head = Node::pack(tokens.slice(0, at), g, cut(device, 0, p), cut(host, 0, p));
         let tail = Node::pack(
             tokens.slice(at, len),
-            ps,
+            g,
             cut(device, p, np),
             cut(host, p, np),
         );

@@ -14,16 +14,18 @@
 //! and nothing with a non-zero `lock_ref` is evicted. Evictable leaves of each tier sit in an
 //! ordered set keyed by the policy's priority, so picking a victim is O(log n).
 
-use std::collections::BTreeSet;
-
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use crate::hash::{HashNamespace, PageHash};
 use crate::policy::{EvictionPolicy, FrequencyHistory};
 
-pub use node::Tokens;
-use node::{page_key, Node, LIVE};
+use keyset::KeySet;
+use node::{Geom, Node, LIVE};
+use packed::page_key;
+pub use packed::{Packed, Pages, Tokens};
 
 /// Index of a node in the arena. Stable while the node lives; a split keeps the id on the deeper
 /// half, so a lock taken on a node still covers the same tokens afterwards.
@@ -63,9 +65,9 @@ fn edge_hash(parent: u32, page_key: u64) -> u64 {
 }
 
 /// The edge hash of node `c` (from its parent and its first page).
-fn child_hash(nodes: &[Node], ps: usize, c: u32) -> u64 {
+fn child_hash(nodes: &[Node], g: Geom, c: u32) -> u64 {
     let n = &nodes[c as usize];
-    edge_hash(n.parent, n.tokens(ps).page_key(ps))
+    edge_hash(n.parent, n.tokens(g).page_key(g.ps))
 }
 
 /// Window pages of a node per tier (see `window.rs`).
@@ -128,8 +130,8 @@ pub struct NodeView<'a> {
     pub parent: NodeId,
     pub tokens: Tokens<'a>,
     pub hashes: &'a [PageHash],
-    pub device: &'a [u32],
-    pub host: &'a [u32],
+    pub device: Pages<'a>,
+    pub host: Pages<'a>,
     /// Window pages per tier (empty, or one per page with [`NO_PAGE`] gaps).
     pub device_win: &'a [u32],
     pub host_win: &'a [u32],
@@ -146,8 +148,11 @@ pub struct NodeView<'a> {
 /// Radix tree with per-tier residency.
 pub struct RadixTree {
     page_size: usize,
+    /// Bytes a page index takes in the nodes' page lists (see [`RadixTree::set_page_bound`]).
+    page_width: usize,
     nodes: Vec<Node>,
-    free_ids: Vec<u32>,
+    /// Free arena slots, lowest first (see [`RadixTree::release_id`]).
+    free_ids: BinaryHeap<Reverse<u32>>,
     /// Every parent → child edge: the child's id, found by [`edge_hash`] and compared by its
     /// parent and first page (4 bytes an edge).
     edges: HashTable<u32>,
@@ -159,11 +164,11 @@ pub struct RadixTree {
     prio: Vec<u64>,
     /// Per-node state of GDSF and S3-FIFO (the frequency, and the key of the history).
     gdsf: Vec<GdsfNode>,
-    device_leaves: BTreeSet<Key>,
-    host_leaves: BTreeSet<Key>,
+    device_leaves: KeySet,
+    host_leaves: KeySet,
     /// Unlocked nodes holding window pages, per tier (any node, not only leaves).
-    device_windows: BTreeSet<Key>,
-    host_windows: BTreeSet<Key>,
+    device_windows: KeySet,
+    host_windows: KeySet,
     /// Window pages referenced by nodes, per tier.
     device_win_pages: usize,
     host_win_pages: usize,
@@ -225,18 +230,19 @@ impl RadixTree {
         root.flags = LIVE;
         let mut t = RadixTree {
             page_size,
+            page_width: 4,
             nodes: vec![root],
-            free_ids: Vec::new(),
+            free_ids: BinaryHeap::new(),
             edges: HashTable::new(),
             hashes: Vec::new(),
             windows: FxHashMap::default(),
             prio: Vec::new(),
             gdsf: Vec::new(),
             splits: Vec::new(),
-            device_leaves: BTreeSet::new(),
-            host_leaves: BTreeSet::new(),
-            device_windows: BTreeSet::new(),
-            host_windows: BTreeSet::new(),
+            device_leaves: KeySet::new(),
+            host_leaves: KeySet::new(),
+            device_windows: KeySet::new(),
+            host_windows: KeySet::new(),
             device_win_pages: 0,
             host_win_pages: 0,
             clock: 0,
@@ -258,6 +264,28 @@ impl RadixTree {
 
     pub fn page_size(&self) -> usize {
         self.page_size
+    }
+
+    /// The nodes' shared shape: page size and page width.
+    #[inline]
+    fn g(&self) -> Geom {
+        Geom {
+            ps: self.page_size,
+            pw: self.page_width,
+        }
+    }
+
+    /// Declares every page index the tree will be given below `pages` (the larger pool's
+    /// page count), so that the nodes' page lists take 2 bytes a page index for pools of up
+    /// to 65,536 pages and 3 up to 2^24 (4 without it). At page size 1 that is 1 or 2 bytes
+    /// less per cached token. Only on an empty tree; a larger index given later panics.
+    pub fn set_page_bound(&mut self, pages: usize) {
+        assert_eq!(
+            self.node_count(),
+            1,
+            "the page bound is set on an empty tree"
+        );
+        self.page_width = Geom::page_width(pages);
     }
 
     pub fn policy(&self) -> EvictionPolicy {
@@ -301,9 +329,8 @@ impl RadixTree {
 
     /// Heap bytes of tree metadata: the node arena, each node's block (tokens and page lists),
     /// the edge map, hashes, window lists, the policy's per-node state, the eviction sets and
-    /// the GDSF history. Hash tables count a bucket per 7/8 of their capacity; ordered sets
-    /// 32 bytes an entry (16-byte keys in half-full B-tree leaves). The allocator's own
-    /// overhead per block is not counted.
+    /// the GDSF history. Hash tables count a bucket per 7/8 of their capacity; the eviction
+    /// sets their runs' capacity. The allocator's own overhead per block is not counted.
     pub fn metadata_bytes(&self) -> usize {
         let table = |cap: usize, entry: usize| (cap + cap / 7) * (entry + 1);
         let mut b = self.nodes.capacity() * std::mem::size_of::<Node>()
@@ -325,33 +352,32 @@ impl RadixTree {
         for w in self.windows.values() {
             b += (w.device.capacity() + w.host.capacity()) * 4;
         }
-        let sets = self.device_leaves.len()
-            + self.host_leaves.len()
-            + self.device_windows.len()
-            + self.host_windows.len();
+        let sets = self.device_leaves.bytes()
+            + self.host_leaves.bytes()
+            + self.device_windows.bytes()
+            + self.host_windows.bytes();
         let history = match self.policy {
             EvictionPolicy::Auto => self.history.bytes() + self.adaptive.bytes(),
             p if p.has_history() => self.history.bytes(),
             _ => 0,
         };
-        // A B-tree leaf of 11 keys (192 bytes) is about 6/11 full after appends (new keys
-        // mostly come last): 32 bytes an entry.
-        b + sets * 32 + history
+        b + sets + history
     }
 
+    #[inline]
     pub fn view(&self, id: NodeId) -> NodeView<'_> {
         let i = id.0 as usize;
         let n = &self.nodes[i];
         assert!(n.live(), "node {id:?} is not live");
-        let ps = self.page_size;
+        let (tokens, device, host) = n.parts(self.g());
         let (device_win, host_win) = self.windows_of(id.0);
         NodeView {
             id,
             parent: NodeId(n.parent),
-            tokens: n.tokens(ps),
+            tokens,
             hashes: self.hashes.get(i).map_or(&[], |h| h),
-            device: n.device(ps),
-            host: n.host(ps),
+            device,
+            host,
             device_win,
             host_win,
             in_storage: n.has(node::IN_STORAGE),
@@ -397,10 +423,10 @@ impl RadixTree {
 
     /// The child of `parent` whose first page is `page`.
     fn child_of(&self, parent: u32, page: &[u32]) -> Option<u32> {
-        let (nodes, ps) = (&self.nodes, self.page_size);
+        let (nodes, g) = (&self.nodes, self.g());
         let eq = |&c: &u32| {
             let n = &nodes[c as usize];
-            n.parent == parent && n.tokens(ps).slice(0, ps) == *page
+            n.parent == parent && n.tokens(g).slice(0, g.ps) == *page
         };
         self.edges
             .find(edge_hash(parent, page_key(page)), eq)
@@ -409,10 +435,9 @@ impl RadixTree {
 
     /// Files the edge to `c` (its parent and tokens set).
     fn add_edge(&mut self, c: u32) {
-        let (nodes, ps) = (&self.nodes, self.page_size);
-        let h = child_hash(nodes, ps, c);
-        self.edges
-            .insert_unique(h, c, |&x| child_hash(nodes, ps, x));
+        let (nodes, g) = (&self.nodes, self.g());
+        let h = child_hash(nodes, g, c);
+        self.edges.insert_unique(h, c, |&x| child_hash(nodes, g, x));
     }
 
     /// The edge entry of the child of `parent` starting with `page_key`, which must be `c`.
@@ -424,15 +449,15 @@ impl RadixTree {
 
     /// The tokens of `id`, as stored.
     fn tokens(&self, id: u32) -> Tokens<'_> {
-        self.nodes[id as usize].tokens(self.page_size)
+        self.nodes[id as usize].tokens(self.g())
     }
 
     /// `id`'s pages in `slot`.
-    pub(super) fn slot(&self, id: u32, slot: Slot) -> &[u32] {
-        let n = &self.nodes[id as usize];
+    pub(super) fn slot(&self, id: u32, slot: Slot) -> Pages<'_> {
+        let (n, g) = (&self.nodes[id as usize], self.g());
         match slot {
-            Slot::Device => n.device(self.page_size),
-            Slot::Host => n.host(self.page_size),
+            Slot::Device => n.device(g),
+            Slot::Host => n.host(g),
         }
     }
 
@@ -446,9 +471,11 @@ impl RadixTree {
 
     /// The history key of `id`: where it starts (its parent's base and its first page).
     fn chain_of(&self, id: u32) -> u64 {
-        let n = &self.nodes[id as usize];
-        let ps = self.page_size;
-        chain_step(self.gdsf[n.parent as usize].base, n.tokens(ps).slice(0, ps))
+        let (n, g) = (&self.nodes[id as usize], self.g());
+        chain_step(
+            self.gdsf[n.parent as usize].base,
+            n.tokens(g).slice(0, g.ps),
+        )
     }
 
     /// Longest cached whole-page prefix of `tokens`. Splits a node when the match ends inside
@@ -609,6 +636,36 @@ impl RadixTree {
             .collect()
     }
 
+    /// Gives the cleared slot `i` back. The lowest free slot is reused first, and free slots
+    /// at the arena's end are cut off, its capacity too once a third of it is spare: the
+    /// arena (and the side tables beside it) follows the live nodes down as well as up.
+    fn release_id(&mut self, i: u32) {
+        let mut len = self.nodes.len();
+        if i as usize + 1 < len {
+            self.free_ids.push(Reverse(i));
+            return;
+        }
+        while len > 1 && !self.nodes[len - 1].live() {
+            len -= 1;
+        }
+        self.nodes.truncate(len);
+        self.free_ids.retain(|&Reverse(f)| (f as usize) < len);
+        if self.free_ids.capacity() > 2 * self.free_ids.len() + 64 {
+            self.free_ids.shrink_to(self.free_ids.len() + 32);
+        }
+        if self.nodes.capacity() > len + len / 2 + 32 {
+            self.nodes.shrink_to(len + len / 4 + 16);
+        }
+        let cap = self.nodes.capacity();
+        fn cut<T>(v: &mut Vec<T>, len: usize, cap: usize) {
+            v.truncate(len);
+            v.shrink_to(cap);
+        }
+        cut(&mut self.hashes, len, cap);
+        cut(&mut self.prio, len, cap);
+        cut(&mut self.gdsf, len, cap);
+    }
+
     /// Makes the side tables cover node ids below `len`, with the arena's capacity.
     fn grow_side_tables(&mut self, len: usize) {
         let cap = self.nodes.capacity();
@@ -642,7 +699,9 @@ fn window_half(v: Vec<u32>) -> Vec<u32> {
 mod auto;
 mod check;
 mod insert;
+mod keyset;
 mod node;
+mod packed;
 mod residency;
 mod s3fifo;
 mod window;

@@ -4,16 +4,29 @@
 use super::node::{
     IN_ANY, IN_DEV, IN_DWIN, IN_HOST, IN_HWIN, IN_STORAGE, LIVE, RETIRED, VISITED, WINDOWS,
 };
-use super::{edge_hash, key_id, Key, Node, NodeId, RadixTree, Slot};
+use super::{edge_hash, key_id, Node, NodeId, RadixTree, Slot};
 use crate::policy::EvictionPolicy;
 
 impl RadixTree {
-    fn set_of(&mut self, flag: u16) -> &mut std::collections::BTreeSet<Key> {
+    fn set_of(&mut self, flag: u16) -> &mut super::KeySet {
         match flag {
             IN_DEV => &mut self.device_leaves,
             IN_HOST => &mut self.host_leaves,
             IN_DWIN => &mut self.device_windows,
             _ => &mut self.host_windows,
+        }
+    }
+
+    /// `id`'s pages leave tier 0 (device) or 1 (host): SIEVE's hand, if at its key, moves past
+    /// every key of its priority, so that the pieces of one insertion (the heads its splits
+    /// left, its parent when that becomes a leaf) are behind it, whatever ids the arena gave.
+    fn pass_hand(&mut self, tier: usize, id: u32) {
+        if self.policy != EvictionPolicy::Sieve {
+            return;
+        }
+        let k = self.key_of(id);
+        if self.hands[tier] == k {
+            self.hands[tier] = k | u32::MAX as u128;
         }
     }
 
@@ -66,16 +79,16 @@ impl RadixTree {
 
     /// Puts `pages` in `id`'s empty `slot`, keeping the page counters and eviction sets current.
     pub(super) fn fill(&mut self, id: u32, slot: Slot, pages: &[u32]) {
-        let ps = self.page_size;
+        let g = self.g();
         assert_eq!(
             pages.len(),
-            self.nodes[id as usize].pages(ps),
+            self.nodes[id as usize].pages(g),
             "one page per page"
         );
         debug_assert!(self.slot(id, slot).is_empty());
         match slot {
-            Slot::Device => self.nodes[id as usize].set_device(ps, pages),
-            Slot::Host => self.nodes[id as usize].set_host(ps, pages),
+            Slot::Device => self.nodes[id as usize].set_device(g, pages),
+            Slot::Host => self.nodes[id as usize].set_host(g, pages),
         }
         self.filled(id, slot, pages.len());
     }
@@ -268,6 +281,7 @@ impl RadixTree {
     /// the tree; that requires it to be childless (back it up first otherwise).
     pub fn take_device(&mut self, id: NodeId) -> Vec<u32> {
         let i = id.0;
+        self.pass_hand(0, i);
         let n = &self.nodes[i as usize];
         assert!(
             n.lock_ref == 0 && n.device_children == 0,
@@ -290,7 +304,8 @@ impl RadixTree {
         let parent = self.nodes[i as usize].parent;
         self.nodes[parent as usize].device_children -= 1;
         if self.on_host(i) {
-            self.nodes[i as usize].set_device(self.page_size, &[]);
+            let g = self.g();
+            self.nodes[i as usize].set_device(g, &[]);
             self.refresh(i);
         } else {
             // The node goes with its block: no need to cut the pages out first.
@@ -303,6 +318,7 @@ impl RadixTree {
     /// Removes `id` (off device, childless) and returns its host pages.
     pub fn take_host(&mut self, id: NodeId) -> Vec<u32> {
         let i = id.0;
+        self.pass_hand(1, i);
         let n = &self.nodes[i as usize];
         assert!(!self.on_device(i) && n.children == 0 && n.lock_ref == 0 && n.host_lock == 0);
         assert!(
@@ -332,10 +348,11 @@ impl RadixTree {
     /// Removes `i` (childless, its pages already counted out) from the tree.
     fn remove(&mut self, i: u32) {
         let ps = self.page_size;
+        let g = self.g();
         let n = &self.nodes[i as usize];
         debug_assert!(n.children == 0);
-        let hash = edge_hash(n.parent, n.tokens(ps).page_key(ps));
-        let (parent, pages) = (n.parent, n.pages(ps));
+        let hash = edge_hash(n.parent, n.tokens(g).page_key(ps));
+        let (parent, pages) = (n.parent, n.pages(g));
         if self.policy.has_history() {
             // GDSF remembers the frequency; S3-FIFO's ghost only that the node was here.
             let chain = self.chain_of(i);
@@ -356,6 +373,6 @@ impl RadixTree {
             *h = Box::default();
         }
         self.windows.remove(&i);
-        self.free_ids.push(i);
+        self.release_id(i);
     }
 }

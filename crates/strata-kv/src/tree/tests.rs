@@ -258,6 +258,35 @@ fn sieve_keeps_visited_leaves_in_place_and_sweeps_from_the_hand() {
     let _ = d;
 }
 
+/// A split's head (the older part of one insertion) is behind SIEVE's hand once its suffix is
+/// evicted, whichever of the two the arena gave the lower id: the same victims either way.
+#[test]
+fn sieve_puts_a_split_head_behind_the_hand_whatever_its_id() {
+    for head_low in [false, true] {
+        let mut t = tree(1, EvictionPolicy::Sieve);
+        // A freed slot below the node's gives its head the lower id.
+        let x = head_low.then(|| ins(&mut t, &[9], 20).last);
+        let a = ins(&mut t, &[1, 1, 1, 1], 0).last;
+        if let Some(x) = x {
+            t.take_device(x);
+        }
+        t.split_tail(a, 2);
+        let head = NodeId(t.view(a).parent.0);
+        assert_eq!(head.0 < a.0, head_low);
+        let newer = ins(&mut t, &[5, 5], 10).last;
+        assert_eq!(t.device_victim_excluding(&[]), Some(a));
+        t.take_device(a);
+        assert_eq!(
+            t.device_victim_excluding(&[]),
+            Some(newer),
+            "head low: {head_low}"
+        );
+        t.take_device(newer);
+        assert_eq!(t.device_victim_excluding(&[]), Some(head));
+        t.check().unwrap();
+    }
+}
+
 #[test]
 fn s3fifo_promotes_hit_small_leaves_and_recognises_ghosts() {
     let mut t = tree(1, EvictionPolicy::S3Fifo);

@@ -127,17 +127,17 @@ impl RadixTree {
             Slot::Device => &self.device_windows,
             Slot::Host => &self.host_windows,
         };
-        let ps = self.page_size;
+        let g = self.g();
         let mut out: FxHashMap<NodeId, usize> = FxHashMap::default();
         for n in set.iter().map(key_id) {
             let node = &self.nodes[n.0 as usize];
             if node.children > 0 {
                 continue;
             }
-            let mut need = span.saturating_sub(node.pages(ps));
+            let mut need = span.saturating_sub(node.pages(g));
             let mut p = node.parent;
             while need > 0 && p != 0 {
-                let pages = self.nodes[p as usize].pages(ps);
+                let pages = self.nodes[p as usize].pages(g);
                 let e = out.entry(NodeId(p)).or_default();
                 *e = (*e).max(need.min(pages));
                 need = need.saturating_sub(pages);
@@ -211,7 +211,7 @@ impl RadixTree {
             if pos >= keep {
                 break;
             }
-            let len = self.nodes[n.0 as usize].token_len(self.page_size);
+            let len = self.nodes[n.0 as usize].token_len(self.g());
             let node = if pos + len > keep {
                 NodeId(self.split(n.0, keep - pos))
             } else {
