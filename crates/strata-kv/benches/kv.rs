@@ -2,6 +2,7 @@
 //!
 //! * match_prefix / insert of an 8K-token prompt in a tree holding 1M tokens (page 16);
 //! * eviction of 10K pages;
+//! * churn at page size 1 with 200K leaves: one new leaf in, the policy's victim out;
 //! * device↔host copy of 64 MiB next to a plain memcpy of the same size and a contiguous
 //!   streaming copy;
 //! * the miss-ratio-curve sampler: one page reference (`mrc::Shards::access`), sampled at its
@@ -136,6 +137,50 @@ fn bench_evict(c: &mut Criterion) {
     g.finish();
 }
 
+/// Page size 1 at scale: a metadata-only cache full with 200,000 leaves of two tokens under
+/// 2,000 one-token parents, so that the eviction sets hold 200,000 keys; each step adds a new
+/// leaf, the policy evicting one to make room (admission and eviction, as a server at page
+/// size 1 with a large pool does them).
+fn bench_churn(c: &mut Criterion) {
+    const LEAVES: u64 = 200_000;
+    let mut g = c.benchmark_group("churn_page1_200k_leaves");
+    g.throughput(Throughput::Elements(1));
+    let leaf = |i: u64| {
+        [
+            (i % 2_000) as u32,
+            10_000 + (i % 40_000) as u32,
+            (i / 40_000) as u32,
+        ]
+    };
+    let step = |cache: &mut TieredCache, i: u64| {
+        let t = leaf(i);
+        let m = cache.match_prefix(&t);
+        let pages = cache.alloc_device(3 - m.device_tokens).unwrap();
+        cache.insert(&t, &pages, m.device_tokens);
+    };
+    for policy in [EvictionPolicy::Lru, EvictionPolicy::Auto] {
+        let layout = PageLayout::new(1, vec![PoolKind::kv("kv", 30, 3, 64, 2)]).unwrap();
+        let mut cfg = CacheConfig::new(layout, (2 * LEAVES + 2_000) as u32, 0);
+        cfg.with_data = false;
+        cfg.eviction = policy;
+        cfg.write_policy = WritePolicy::WriteThroughSelective {
+            threshold: u32::MAX,
+        };
+        let mut cache = TieredCache::new(cfg, &HeapAllocator, None).unwrap();
+        for i in 0..LEAVES {
+            step(&mut cache, i);
+        }
+        let mut i = LEAVES;
+        g.bench_function(BenchmarkId::new("insert_evict", policy.name()), |b| {
+            b.iter(|| {
+                i += 1;
+                step(&mut cache, black_box(i));
+            })
+        });
+    }
+    g.finish();
+}
+
 fn bench_copy(c: &mut Criterion) {
     let layout = Arc::new(layout());
     let pages = ((64usize << 20) / layout.page_bytes()) as u32; // 182 pages ≈ 64 MiB
@@ -192,6 +237,6 @@ fn bench_mrc(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
-    targets = bench_tree, bench_evict, bench_copy, bench_mrc
+    targets = bench_tree, bench_evict, bench_churn, bench_copy, bench_mrc
 }
 criterion_main!(benches);

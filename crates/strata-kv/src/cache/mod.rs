@@ -258,8 +258,6 @@ impl TieredCache {
         let hashing = cfg.hashing || storage.is_some();
         let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
-        // Page indices are below the pools' page counts: the page lists take 2 or 3 bytes an
-        // index where those fit (page size 1: as much as a token).
         tree.set_page_bound((cfg.device_pages as usize).max(cfg.host_pages as usize));
         // GDSF's history: `gdsf_history` keys per cached page (the tree sizes it, LRU skips it).
         let pages = cfg.device_pages as usize + cfg.host_pages as usize;

@@ -246,8 +246,11 @@ impl RadixTree {
                 .map_err(|e| format!("{name} eviction set: {e}"))?;
             for k in set {
                 let id = key_id(k).0;
-                let n = &self.nodes[id as usize];
-                if !n.live() || !n.has(flag) || self.key_of(id) != *k {
+                let stale = self
+                    .nodes
+                    .get(id as usize)
+                    .is_none_or(|n| !n.live() || !n.has(flag));
+                if stale || self.key_of(id) != *k {
                     return Err(format!(
                         "{name} eviction set holds stale entry for node {id}"
                     ));

@@ -52,6 +52,7 @@ impl RadixTree {
         assert!(ok, "one page index per whole page");
         let ok = windows.is_empty() || windows.len() == pages.len();
         assert!(ok, "one window entry per page");
+        self.check_page_bound(pages);
         let win = |a: usize, b: usize| windows.get(a..b).unwrap_or(&[]);
         let mut out = Inserted {
             last: ROOT,
@@ -180,26 +181,6 @@ impl RadixTree {
         self.refresh(parent);
         self.filled(id, slot, pages.len());
         id
-    }
-
-    /// Puts `node` in a free arena slot (or a new one) and returns its id.
-    fn alloc_node(&mut self, node: Node) -> u32 {
-        match self.free_ids.pop().map(|std::cmp::Reverse(i)| i) {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                if self.nodes.len() == self.nodes.capacity() {
-                    // Grow by a quarter, not twice: the arena's slack is metadata too.
-                    self.nodes.reserve_exact(self.nodes.len() / 4 + 16);
-                }
-                self.nodes.push(node);
-                let len = self.nodes.len();
-                self.grow_side_tables(len);
-                (len - 1) as u32
-            }
-        }
     }
 
     /// Splits `id` so that it keeps only its last `tail_pages` pages (its head becomes a new

@@ -275,6 +275,15 @@ impl RadixTree {
         }
     }
 
+    /// Panics, before anything changes, on a page index past [`RadixTree::set_page_bound`]'s
+    /// (the pools' allocators never give one: it would be a bug, not an input).
+    fn check_page_bound(&self, pages: &[u32]) {
+        assert!(
+            Pages::Wide(pages).width_needed() <= self.page_width,
+            "a page index beyond the tree's page bound"
+        );
+    }
+
     /// Declares every page index the tree will be given below `pages` (the larger pool's
     /// page count), so that the nodes' page lists take 2 bytes a page index for pools of up
     /// to 65,536 pages and 3 up to 2^24 (4 without it). At page size 1 that is 1 or 2 bytes
@@ -635,56 +644,6 @@ impl RadixTree {
             .map(NodeId)
             .collect()
     }
-
-    /// Gives the cleared slot `i` back. The lowest free slot is reused first, and free slots
-    /// at the arena's end are cut off, its capacity too once a third of it is spare: the
-    /// arena (and the side tables beside it) follows the live nodes down as well as up.
-    fn release_id(&mut self, i: u32) {
-        let mut len = self.nodes.len();
-        if i as usize + 1 < len {
-            self.free_ids.push(Reverse(i));
-            return;
-        }
-        while len > 1 && !self.nodes[len - 1].live() {
-            len -= 1;
-        }
-        self.nodes.truncate(len);
-        self.free_ids.retain(|&Reverse(f)| (f as usize) < len);
-        if self.free_ids.capacity() > 2 * self.free_ids.len() + 64 {
-            self.free_ids.shrink_to(self.free_ids.len() + 32);
-        }
-        if self.nodes.capacity() > len + len / 2 + 32 {
-            self.nodes.shrink_to(len + len / 4 + 16);
-        }
-        let cap = self.nodes.capacity();
-        fn cut<T>(v: &mut Vec<T>, len: usize, cap: usize) {
-            v.truncate(len);
-            v.shrink_to(cap);
-        }
-        cut(&mut self.hashes, len, cap);
-        cut(&mut self.prio, len, cap);
-        cut(&mut self.gdsf, len, cap);
-    }
-
-    /// Makes the side tables cover node ids below `len`, with the arena's capacity.
-    fn grow_side_tables(&mut self, len: usize) {
-        let cap = self.nodes.capacity();
-        fn grow<T: Clone>(v: &mut Vec<T>, len: usize, cap: usize, fill: T) {
-            if v.len() < len {
-                v.reserve_exact(cap - v.len());
-                v.resize(len, fill);
-            }
-        }
-        if self.namespace.is_some() {
-            grow(&mut self.hashes, len, cap, Box::default());
-        }
-        if self.policy != EvictionPolicy::Lru {
-            grow(&mut self.prio, len, cap, 0);
-        }
-        if self.policy.has_history() {
-            grow(&mut self.gdsf, len, cap, GdsfNode::default());
-        }
-    }
 }
 
 /// A window list cut from a node: empty when no page of it holds a window page.
@@ -696,6 +655,7 @@ fn window_half(v: Vec<u32>) -> Vec<u32> {
     }
 }
 
+mod arena;
 mod auto;
 mod check;
 mod insert;

@@ -79,6 +79,7 @@ impl RadixTree {
 
     /// Puts `pages` in `id`'s empty `slot`, keeping the page counters and eviction sets current.
     pub(super) fn fill(&mut self, id: u32, slot: Slot, pages: &[u32]) {
+        self.check_page_bound(pages);
         let g = self.g();
         assert_eq!(
             pages.len(),
