@@ -1,10 +1,11 @@
 //! The eviction sets' ordered set of keys: sorted runs of at most [`RUN`] keys, in a B-tree by
-//! a lower bound of each run's keys (above every key of the run before; a run's first key when
-//! it was made, 0 for the first run). A run that fills splits in two, except past the set's last key, where a new
-//! run starts (keys given in order, as the clock gives them, fill their runs whole); a run that
-//! falls under a quarter merges into a neighbour that has room. Removing a run's first key
-//! leaves its bound as it is, so draining the oldest run (LRU's pattern) touches only that run.
-//! Its memory is what [`KeySet::bytes`] reports: runs by capacity, the B-tree at 80 bytes a run.
+//! a lower bound of each run's keys (above every key of the run before: a run's first key when
+//! it was made, 0 for the first run). A run that fills splits in two, except past the set's
+//! last key, where a new run starts (keys given in order, as the clock gives them, fill their
+//! runs whole); a run that falls under a quarter merges into a neighbour that has room. Taking
+//! a run's first key leaves its bound as it is, so draining the oldest run (LRU's pattern)
+//! touches that run only. Its memory is what [`KeySet::bytes`] reports: runs by capacity, the
+//! B-tree at 80 bytes a run.
 
 use std::collections::BTreeMap;
 use std::ops::{Bound, RangeBounds};

@@ -51,8 +51,9 @@ pub(super) const IN_ANY: u16 = IN_DEV | IN_HOST | IN_DWIN | IN_HWIN;
 
 #[derive(Debug, Default)]
 pub(super) struct Node {
-    /// Tokens (packed), then device pages, then host pages. Its length, the flags and the
-    /// page size give the number of pages (see [`Node::pages`]).
+    /// Tokens (packed), then device pages, then host pages (in the tree's page width). Its
+    /// length, the flags, the page size and the page width give the number of pages (see
+    /// [`Node::pages`]).
     data: Box<[u32]>,
     /// Clock of the last access.
     pub stamp: u64,
