@@ -16,6 +16,13 @@ const RUN: usize = 64;
 /// runs half empty).
 const GROW: usize = 8;
 
+/// Gives back `run`'s spare capacity beyond [`GROW`] once it passes twice that.
+fn trim(run: &mut Vec<u128>) {
+    if run.capacity() - run.len() > 2 * GROW {
+        run.shrink_to(run.len() + GROW);
+    }
+}
+
 /// Room in `run` for one more key.
 fn room(run: &mut Vec<u128>) {
     if run.len() == run.capacity() {
@@ -98,8 +105,8 @@ impl KeySet {
         };
         run.remove(i);
         let (empty, short) = (run.is_empty(), run.len() < RUN / 4);
-        if !empty && !short && run.capacity() - run.len() > 2 * GROW {
-            run.shrink_to(run.len() + GROW);
+        if !empty && !short {
+            trim(run);
         }
         self.len -= 1;
         if empty {
@@ -128,10 +135,7 @@ impl KeySet {
             (Some((n, nl)), _) if len + nl <= RUN => (b, n),
             (_, Some((p, pl))) if len + pl <= RUN => (p, b),
             _ => {
-                let run = self.runs.get_mut(&b).expect("the run");
-                if run.capacity() - run.len() > 2 * GROW {
-                    run.shrink_to(run.len() + GROW);
-                }
+                trim(self.runs.get_mut(&b).expect("the run"));
                 return;
             }
         };

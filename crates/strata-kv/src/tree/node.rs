@@ -113,8 +113,10 @@ impl Node {
         let pages = len / g.ps;
         let fits = |v: Pages<'_>| v.is_empty() || v.len() == pages;
         assert!(fits(device) && fits(host), "one page index per page");
+        // The tree checks indices it is given before it changes (`check_page_bound`); a
+        // split copies lists already in the width.
         for v in [device, host] {
-            assert!(
+            debug_assert!(
                 v.width_needed() <= g.pw,
                 "a page index beyond the tree's page bound"
             );
@@ -199,7 +201,12 @@ impl Node {
 
     #[inline]
     pub fn tokens(&self, g: Geom) -> Tokens<'_> {
-        let len = self.pages(g) * g.ps;
+        self.tokens_of(self.pages(g) * g.ps)
+    }
+
+    /// The first `len` tokens (all of them, given the node's token count).
+    #[inline]
+    fn tokens_of(&self, len: usize) -> Tokens<'_> {
         match self.width() {
             4 => Tokens::Wide(&self.data[..len]),
             3 => Tokens::Mid(&bytemuck::cast_slice(&self.data)[..3 * len]),
@@ -215,13 +222,7 @@ impl Node {
     /// Where the device (`device`) or host page list lies in the block, in bytes (empty when
     /// the node is not in that tier).
     #[inline]
-    fn list_range(&self, g: Geom, device: bool) -> std::ops::Range<usize> {
-        self.list_range_of(g, self.pages(g), device)
-    }
-
-    /// [`Node::list_range`] given the node's page count `p`.
-    #[inline]
-    fn list_range_of(&self, g: Geom, p: usize, device: bool) -> std::ops::Range<usize> {
+    fn list_range(&self, g: Geom, p: usize, device: bool) -> std::ops::Range<usize> {
         let at = 4 * token_words(p * g.ps, self.width());
         let dn = if self.has(DEVICE) { p * g.pw } else { 0 };
         match device {
@@ -231,31 +232,32 @@ impl Node {
         }
     }
 
+    /// The device (`device`) or host page list, given the node's page count `p`.
     #[inline]
-    fn list(&self, g: Geom, device: bool) -> Pages<'_> {
+    fn list(&self, g: Geom, p: usize, device: bool) -> Pages<'_> {
         let bytes: &[u8] = bytemuck::cast_slice(&self.data);
-        view(&bytes[self.list_range(g, device)], g.pw)
+        view(&bytes[self.list_range(g, p, device)], g.pw)
     }
 
     #[inline]
     pub fn device(&self, g: Geom) -> Pages<'_> {
-        self.list(g, true)
+        self.list(g, self.pages(g), true)
+    }
+
+    #[inline]
+    pub fn host(&self, g: Geom) -> Pages<'_> {
+        self.list(g, self.pages(g), false)
     }
 
     /// The tokens, device pages and host pages at once (the page count computed once).
     #[inline]
     pub fn parts(&self, g: Geom) -> (Tokens<'_>, Pages<'_>, Pages<'_>) {
         let p = self.pages(g);
-        let width = self.width();
-        let bytes: &[u8] = bytemuck::cast_slice(&self.data);
-        let list = |device| view(&bytes[self.list_range_of(g, p, device)], g.pw);
-        let tokens = view(&bytes[..p * g.ps * width], width);
-        (tokens, list(true), list(false))
-    }
-
-    #[inline]
-    pub fn host(&self, g: Geom) -> Pages<'_> {
-        self.list(g, false)
+        (
+            self.tokens_of(p * g.ps),
+            self.list(g, p, true),
+            self.list(g, p, false),
+        )
     }
 
     /// Sets (or, with an empty list, clears) the device pages.
@@ -272,12 +274,12 @@ impl Node {
     /// list as stored.
     fn set_list(&mut self, g: Geom, device: bool, pages: &[u32]) {
         let new = Pages::Wide(pages);
-        assert!(
+        debug_assert!(
             new.width_needed() <= g.pw,
             "a page index beyond the tree's page bound"
         );
         let tw = self.token_words(g);
-        let kept = self.list_range(g, !device);
+        let kept = self.list_range(g, self.pages(g), !device);
         let (nn, kn) = (pages.len() * g.pw, kept.len());
         let mut data = vec![0u32; tw + (nn + kn).div_ceil(4)].into_boxed_slice();
         data[..tw].copy_from_slice(&self.data[..tw]);
