@@ -34,6 +34,8 @@ pub struct Snapshot {
     pub pools: Vec<PoolUsage>,
     /// The cache's live miss-ratio curve (None: it keeps none).
     pub curve: Option<strata_kv::cache::curve::Curve>,
+    /// What the `auto` eviction policy has learnt (None under another policy).
+    pub auto: Option<strata_kv::AutoLearning>,
     /// Device pages held by requests (not in the tree): their own pages.
     pub device_pages_held: u64,
     pub waiting: usize,

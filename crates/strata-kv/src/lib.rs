@@ -44,5 +44,5 @@ pub use cache::{
 pub use hash::{HashNamespace, PageHash};
 pub use layout::{Class, PageLayout, PoolKind};
 pub use policy::{EvictionPolicy, PrefetchPolicy, WritePolicy};
-pub use stats::{CacheStats, PoolUsage, TierUsage, Transfer};
+pub use stats::{AutoLearning, CacheStats, PoolUsage, TierUsage, Transfer};
 pub use tree::{NodeId, RadixTree, Slot, NO_PAGE, ROOT};

@@ -267,6 +267,9 @@ pub struct Newcomers {
     /// Pages removed since the credit last moved, and how many move it.
     since: usize,
     window: usize,
+    /// Pages removed and returned since the start, [on probation, otherwise] (not decayed).
+    removed_total: [u64; 2],
+    returned_total: [u64; 2],
 }
 
 impl Newcomers {
@@ -282,6 +285,19 @@ impl Newcomers {
             returned: [0.0; 2],
             since: 0,
             window: (cap / 8).max(MIN_WINDOW),
+            removed_total: [0; 2],
+            returned_total: [0; 2],
+        }
+    }
+
+    /// The credit and the evidence it was learnt from, since the start.
+    pub fn learning(&self) -> crate::stats::AutoLearning {
+        crate::stats::AutoLearning {
+            newcomer_credit: self.credit as f64 / UNIT as f64,
+            probation_removed_pages: self.removed_total[0],
+            probation_returned_pages: self.returned_total[0],
+            used_removed_pages: self.removed_total[1],
+            used_returned_pages: self.returned_total[1],
         }
     }
 
@@ -296,11 +312,13 @@ impl Newcomers {
 
     /// A new leaf under `key` with `pages` pages: a return if a ghost remembers the key.
     pub fn returned(&mut self, key: u64, pages: usize) {
-        match [0, 1].map(|k| self.ghosts[k].contains(key)) {
-            [true, false] => self.returned[0] += pages as f64,
-            [false, true] => self.returned[1] += pages as f64,
-            _ => {}
-        }
+        let k = match [0, 1].map(|k| self.ghosts[k].contains(key)) {
+            [true, false] => 0,
+            [false, true] => 1,
+            _ => return,
+        };
+        self.returned[k] += pages as f64;
+        self.returned_total[k] += pages as u64;
     }
 
     /// `pages` pages under `key` left the cache, `probation` if they never earned an access.
@@ -308,6 +326,7 @@ impl Newcomers {
         let k = usize::from(!probation);
         self.ghosts[k].insert(key);
         self.removed[k] += pages as f64;
+        self.removed_total[k] += pages as u64;
         self.generation += pages;
         if self.generation >= self.span {
             self.generation = 0;
@@ -441,6 +460,13 @@ mod tests {
             a.removed(1000 + k, false, 50);
         }
         assert_eq!(a.credit(), START + 6 * STEP);
+        let l = a.learning();
+        assert_eq!(l.newcomer_credit, (START + 6 * STEP) as f64 / UNIT as f64);
+        assert_eq!(
+            [l.probation_removed_pages, l.probation_returned_pages],
+            [300, 300]
+        );
+        assert_eq!([l.used_removed_pages, l.used_returned_pages], [300, 0]);
         // Pages that earned their place come back, newcomers removed on probation never do.
         for k in 0..1000u64 {
             a.removed(2000 + k, true, 50);
@@ -455,6 +481,8 @@ mod tests {
             a.removed(2_000_000 + k, false, 50);
         }
         assert_eq!(a.credit(), HI);
+        assert_eq!(a.learning().newcomer_credit, 1.0);
+        assert_eq!(a.learning().used_removed_pages, 300 + 2 * 50_000);
         assert_eq!(Newcomers::new(10).window, MIN_WINDOW);
     }
 
@@ -507,6 +535,9 @@ mod tests {
         a.removed(8, false, 1);
         a.returned(8, 5);
         assert_eq!(a.returned, [0.0, 5.0]);
+        let l = a.learning();
+        assert_eq!([l.probation_returned_pages, l.used_returned_pages], [0, 5]);
+        assert_eq!([l.probation_removed_pages, l.used_removed_pages], [1, 2]);
     }
 
     #[test]

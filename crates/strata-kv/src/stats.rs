@@ -101,6 +101,24 @@ impl CacheStats {
     }
 }
 
+/// What `auto` has learnt (`tree/auto.rs`), for metrics and `strata sim`: the credit a leaf new
+/// to the cache starts with, and the evidence it came from. Pages counted at the tree's page
+/// size since the cache was made; a removal is the policy's (flushes and retired answers are
+/// not counted); a new leaf that begins where a removed node of a class began, while the
+/// ghosts remember it (about one cache of removals), counts its pages as *returned* to that
+/// class: all of them, so a class may return more pages than it lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AutoLearning {
+    /// In accesses: between 0.25 and 1 (1 is GDSF's order).
+    pub newcomer_credit: f64,
+    /// Pages removed on probation (never hit), and how many came back.
+    pub probation_removed_pages: u64,
+    pub probation_returned_pages: u64,
+    /// Pages removed after earning an access, and how many came back.
+    pub used_removed_pages: u64,
+    pub used_returned_pages: u64,
+}
+
 /// Pages used and free in one tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TierUsage {

@@ -13,6 +13,7 @@ pub fn worker(st: &AppState) -> String {
     let s = st.engine.snapshot();
     let mut t = Text::new();
     cache_tiers(&mut t, st, &s);
+    auto_learning(&mut t, &s);
     copies(&mut t, &s);
     curve(&mut t, &s);
     l3(&mut t, st);
@@ -99,6 +100,29 @@ fn cache_tiers(t: &mut Text, st: &AppState, s: &Snapshot) {
         &[],
         c.session_retired_tokens as f64,
     );
+}
+
+/// What `auto` has learnt: its credit for newcomers and the removals and returns behind it.
+fn auto_learning(t: &mut Text, s: &Snapshot) {
+    if let Some(a) = &s.auto {
+        t.sample("strata_cache_auto_newcomer_credit", &[], a.newcomer_credit);
+        for (class, removed, returned) in [
+            (
+                "probation",
+                a.probation_removed_pages,
+                a.probation_returned_pages,
+            ),
+            ("used", a.used_removed_pages, a.used_returned_pages),
+        ] {
+            let l = [("class", class)];
+            t.sample("strata_cache_auto_removed_pages_total", &l, removed as f64);
+            t.sample(
+                "strata_cache_auto_returned_pages_total",
+                &l,
+                returned as f64,
+            );
+        }
+    }
 }
 
 /// Per pool kind: bytes per token and the bytes served from each tier.

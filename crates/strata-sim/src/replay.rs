@@ -85,6 +85,8 @@ pub struct SimResult {
     /// Tree metadata bytes at the end and the tokens it then held.
     pub metadata_bytes: u64,
     pub tree_tokens: u64,
+    /// What `auto` learnt by the end (None under another policy).
+    pub auto: Option<strata_kv::AutoLearning>,
 }
 
 impl SimResult {
@@ -240,6 +242,7 @@ pub fn replay(
         evict_calls: 0,
         metadata_bytes: 0,
         tree_tokens: 0,
+        auto: None,
     };
     for (i, q) in reqs.iter().enumerate() {
         if (i + 1) % 256 == 0 {
@@ -257,6 +260,7 @@ pub fn replay(
     let (bytes, tokens) = cache.tree_footprint();
     r.metadata_bytes = bytes as u64;
     r.tree_tokens = tokens.max(1) as u64;
+    r.auto = cache.auto_learning();
     Ok(r)
 }
 

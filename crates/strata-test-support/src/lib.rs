@@ -154,6 +154,8 @@ pub struct WorkerSpec {
     /// Committed prefixes keep window pages only at their end and every this many pages
     /// (0: every page).
     pub window_checkpoint_pages: usize,
+    /// The cache's eviction policy (`--eviction`).
+    pub eviction: strata_kv::EvictionPolicy,
     /// Start a KV listener (a decode worker under PD).
     pub kv_listener: bool,
     /// Prefill workers this worker may be told to use.
@@ -187,6 +189,7 @@ impl Default for WorkerSpec {
             host_pages: 128,
             window_pages: None,
             window_checkpoint_pages: 0,
+            eviction: strata_kv::EvictionPolicy::DEFAULT,
             kv_listener: false,
             prefill_workers: Vec::new(),
             pd_local_prefill_tokens: strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
@@ -244,6 +247,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
         (cc.device_window_pages, cc.host_window_pages) = (d, h);
     }
     cc.window_checkpoint_pages = spec.window_checkpoint_pages;
+    cc.eviction = spec.eviction;
     cc.model_id = "tiny".into();
     cc.hashing = true;
     let l3 = spec.storage.clone();

@@ -56,6 +56,14 @@ fn sim_reports_per_tier_hit_rates() {
     let lru = s.lines().find(|l| l.starts_with("lru ")).unwrap();
     let total: f64 = lru.split_whitespace().nth(4).unwrap().parse().unwrap();
     assert!(total > 40.0, "{lru}");
+    // `auto`'s row, and only it, says what it learnt.
+    let learnt: Vec<&str> = s
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("auto: newcomer credit "))
+        .collect();
+    assert_eq!(learnt.len(), 1, "{s}");
+    let credit: f64 = learnt[0].split(' ').next().unwrap().parse().unwrap();
+    assert!((0.25..=1.0).contains(&credit), "{}", learnt[0]);
 }
 
 #[test]

@@ -37,6 +37,7 @@ impl Scheduler {
         s.host = self.cache.host_usage();
         (s.device_window, s.host_window) = self.cache.window_usage();
         s.pools = self.cache.pool_usage();
+        s.auto = self.cache.auto_learning();
         if self.cache.curve_tick() != s.curve.as_ref().map(|c| c.version) {
             s.curve = self.cache.curve();
         }

@@ -230,6 +230,11 @@ impl TieredCache {
         self.host_alloc.alloc(n)
     }
 
+    /// What the `auto` eviction policy has learnt (`None` under another policy).
+    pub fn auto_learning(&self) -> Option<crate::AutoLearning> {
+        self.tree.auto_learning()
+    }
+
     /// Frees at least `n` device pages if possible (write-back victims free when their copy
     /// lands). Returns pages freed or scheduled.
     pub fn evict_device(&mut self, n: usize) -> usize {

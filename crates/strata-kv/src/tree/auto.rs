@@ -59,4 +59,9 @@ impl RadixTree {
     pub fn auto_credit(&self) -> f64 {
         self.adaptive.credit() as f64 / UNIT as f64
     }
+
+    /// What `auto` has learnt so far; `None` under another policy.
+    pub fn auto_learning(&self) -> Option<crate::stats::AutoLearning> {
+        (self.policy == crate::EvictionPolicy::Auto).then(|| self.adaptive.learning())
+    }
 }

@@ -476,8 +476,20 @@ fn print_row(p: EvictionPolicy, r: &SimResult) {
     );
 }
 
-/// The lines under a policy's row: answers sessions retired, requests refused.
+/// The lines under a policy's row: what `auto` learnt, answers sessions retired, requests
+/// refused.
 fn print_notes(r: &SimResult) {
+    if let Some(a) = &r.auto {
+        let back = |ret: u64, rem: u64| 100.0 * ret as f64 / rem.max(1) as f64;
+        println!(
+            "       auto: newcomer credit {:.2} accesses at the end; pages removed on probation {} ({:.1}% came back), used {} ({:.1}% came back)",
+            a.newcomer_credit,
+            a.probation_removed_pages,
+            back(a.probation_returned_pages, a.probation_removed_pages),
+            a.used_removed_pages,
+            back(a.used_returned_pages, a.used_removed_pages),
+        );
+    }
     if r.stats.session_retired_nodes > 0 {
         println!(
             "       sessions: {} answers their next turn left were retired ({} tokens, evicted first)",
