@@ -10,10 +10,24 @@ const CREDIT: &str = "strata_cache_auto_newcomer_credit";
 const REMOVED: &str = r#"strata_cache_auto_removed_pages_total{class="probation"}"#;
 const RETURNED: &str = r#"strata_cache_auto_returned_pages_total{class="probation"}"#;
 
+/// The sample `key` of the worker at `url` once `done` holds for it (the snapshot is published
+/// after the engine's step, which may end after the answer was sent); panics after 10 s.
+async fn once(url: &str, key: &str, done: impl Fn(f64) -> bool) -> f64 {
+    let t = std::time::Instant::now();
+    loop {
+        let v = sample(&metrics_of(url).await, key);
+        if done(v) {
+            return v;
+        }
+        assert!(t.elapsed().as_secs() < 10, "{key} stayed at {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// A prompt of its own, several pages long.
 fn prompt(i: usize) -> String {
     format!("Document {i}: ")
-        + &(0..24)
+        + &(0..8)
             .map(|w| format!("w{}x{}", i, w))
             .collect::<Vec<_>>()
             .join(" ")
@@ -47,29 +61,26 @@ async fn auto_reports_its_credit_and_the_removals_it_learns_from() {
     );
     assert_eq!((sample(&m, REMOVED), sample(&m, RETURNED)), (0.0, 0.0));
 
-    // One-off prompts until the oldest (prompt 0, on probation: never hit) leaves the tree.
     let tokens = send(0).await;
     assert!(
         tokens >= 48,
         "prompt 0 is {tokens} tokens: three pages at least"
     );
+    // One-off prompts until the oldest (prompt 0, on probation: never hit) leaves the tree
+    // (a snapshot one step late sends one prompt more: well within what the policy remembers).
     let mut i = 1;
     while sample(&metrics_of(&w.url).await, REMOVED) == 0.0 {
-        assert!(
-            i < 40,
-            "nothing was removed from 24 pages after {i} prompts"
-        );
+        assert!(i < 40, "nothing removed from 24 pages after {i} prompts");
         send(i).await;
         i += 1;
     }
-    // It comes back while the policy remembers removing it: a return of its class.
+    let removed = sample(&metrics_of(&w.url).await, REMOVED);
+    // It comes back while the policy remembers removing it: a return of its class (what was
+    // removed of it: eviction takes only the pages it needs, from a leaf's end).
     send(0).await;
+    once(&w.url, RETURNED, |v| v >= 1.0).await;
     let m = metrics_of(&w.url).await;
-    assert!(
-        sample(&m, RETURNED) >= 3.0,
-        "prompt 0's pages came back: {}",
-        sample(&m, RETURNED)
-    );
+    assert!(sample(&m, REMOVED) >= removed);
     let credit = sample(&m, CREDIT);
     assert!((0.25..=1.0).contains(&credit), "credit {credit}");
     for class in ["probation", "used"] {

@@ -55,12 +55,8 @@ impl RadixTree {
         }
     }
 
-    /// The credit a newcomer gets now, in accesses (for reports and tests).
-    pub fn auto_credit(&self) -> f64 {
-        self.adaptive.credit() as f64 / UNIT as f64
-    }
-
-    /// What `auto` has learnt so far; `None` under another policy.
+    /// What `auto` has learnt so far (the credit a newcomer gets now, and the removals and
+    /// returns it came from); `None` under another policy.
     pub fn auto_learning(&self) -> Option<crate::stats::AutoLearning> {
         (self.policy == crate::EvictionPolicy::Auto).then(|| self.adaptive.learning())
     }

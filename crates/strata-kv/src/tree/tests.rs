@@ -384,7 +384,7 @@ fn auto_puts_a_newcomer_on_probation_below_a_used_leaf_gdsf_would_evict() {
 #[test]
 fn auto_probation_splits_with_its_node_and_ends_with_a_hit() {
     let mut t = tree(1, EvictionPolicy::Auto);
-    assert_eq!(t.auto_credit(), 0.5);
+    assert_eq!(t.auto_learning().unwrap().newcomer_credit, 0.5);
     let a = ins(&mut t, &[7, 7, 7, 7], 0).last;
     assert!(t.nodes[a.0 as usize].has(PROBATION));
     // A second prompt sharing two tokens splits the node: both halves stay on probation,
