@@ -96,8 +96,10 @@ fn dropping_the_stream_cancels_and_frees_pages() {
     let before = e.snapshot().device.pages_used;
     let mut s = e.submit(prompt(40, 9), greedy(400)).unwrap();
     loop {
-        if let Some(Event::Token(_)) = s.events.blocking_recv() {
-            break;
+        match s.events.blocking_recv() {
+            Some(Event::Token(_)) => break,
+            Some(_) => continue,
+            None => panic!("the stream ended before its first token"),
         }
     }
     let t = Instant::now();

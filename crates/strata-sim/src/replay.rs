@@ -196,8 +196,20 @@ fn replay_one(
         cache.set_session(&mut lease, k);
     }
     let t1 = Instant::now();
+    // A lease alone in the cache needs only its copies landed (prefetched, loading back,
+    // ready); one still not ready with nothing in flight after every phase never will be,
+    // and is refused rather than waited on forever.
+    let mut idle = 0;
     while !cache.advance(&mut lease) {
-        cache.poll();
+        if cache.poll() > 0 || cache.in_flight() > 0 {
+            idle = 0;
+        } else if idle == 3 {
+            cache.release(lease);
+            r.refused += 1;
+            return;
+        } else {
+            idle += 1;
+        }
     }
     // Every prompt token and every output token but the last (whose K/V a further step
     // would compute) are computed.

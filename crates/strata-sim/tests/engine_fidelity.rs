@@ -87,7 +87,12 @@ fn run(e: &EngineHandle, prompt: Vec<u32>, max_tokens: usize, session: Option<u6
             _ => continue,
         }
     }
+    let t = std::time::Instant::now();
     while e.snapshot().copies_in_flight > 0 || e.snapshot().running > 0 {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "the engine settles after a request"
+        );
         std::thread::yield_now();
     }
 }
