@@ -73,6 +73,9 @@ pub struct SimResult {
     pub requests: u64,
     /// Requests larger than the device tier (an engine refuses them; nothing is counted).
     pub refused: u64,
+    /// Admitted requests whose lease never became ready, alone with nothing in flight (a
+    /// fault of the cache: released and counted, not waited on forever).
+    pub stuck: u64,
     /// match + insert + evict calls (an evict counted when a request had to evict).
     pub ops: u64,
     pub cache_nanos: u64,
@@ -198,14 +201,14 @@ fn replay_one(
     let t1 = Instant::now();
     // A lease alone in the cache needs only its copies landed (prefetched, loading back,
     // ready); one still not ready with nothing in flight after every phase never will be,
-    // and is refused rather than waited on forever.
+    // and is counted (`stuck`) rather than waited on forever.
     let mut idle = 0;
     while !cache.advance(&mut lease) {
         if cache.poll() > 0 || cache.in_flight() > 0 {
             idle = 0;
         } else if idle == 3 {
             cache.release(lease);
-            r.refused += 1;
+            r.stuck += 1;
             return;
         } else {
             idle += 1;
@@ -246,6 +249,7 @@ pub fn replay(
         stats: CacheStats::default(),
         requests: 0,
         refused: 0,
+        stuck: 0,
         ops: 0,
         cache_nanos: 0,
         match_nanos: 0,

@@ -502,6 +502,13 @@ fn print_notes(r: &SimResult) {
             r.refused
         );
     }
+    if r.stuck > 0 {
+        println!(
+            "       {} admitted requests never became ready with nothing in flight (a cache \
+             fault: released, not replayed)",
+            r.stuck
+        );
+    }
 }
 
 fn run_sweep(
