@@ -135,19 +135,6 @@ impl World {
         self.cache.commit(l.lease, &all, computed);
     }
 
-    /// Advances a lease as its copies land; false when, with every copy landed, it still
-    /// is not ready (the pages it needs are held by other leases).
-    fn until_ready(&mut self, lease: &mut Lease) -> bool {
-        // Prefetched, loading back, ready: each phase needs its copies landed.
-        for _ in 0..3 {
-            if self.cache.advance(lease) {
-                return true;
-            }
-            self.cache.wait_all();
-        }
-        self.cache.advance(lease)
-    }
-
     fn step(&mut self, op: &Op) {
         match *op {
             Op::Admit(s, len, new, session) => {
@@ -172,7 +159,7 @@ impl World {
                     // The pages it needs may be held by leases still live: it waits for
                     // them to finish (as the scheduler's requests do), and must be ready
                     // once none is left.
-                    while !self.until_ready(&mut lease) {
+                    while !common::ready_once_copies_land(&mut self.cache, &mut lease) {
                         let l = self.live.pop().expect("a lone lease becomes ready");
                         self.cache.release(l.lease);
                     }

@@ -27,15 +27,10 @@ fn run(c: &mut TieredCache, tokens: &[u32]) -> usize {
     let mut lease = c
         .admit(tokens, 1, true, PrefetchPolicy::WaitComplete)
         .expect("room");
-    // Prefetched, loading back, ready: each phase needs its copies landed, and a lone
-    // lease needs nothing else.
-    for _ in 0..3 {
-        if c.advance(&mut lease) {
-            break;
-        }
-        c.wait_all();
-    }
-    assert!(c.advance(&mut lease), "a lone lease becomes ready");
+    assert!(
+        common::ready_once_copies_land(c, &mut lease),
+        "a lone lease becomes ready"
+    );
     let start = lease.start();
     compute_in_chunks(c, &mut lease, tokens, (start, tokens.len()), 5);
     c.commit(lease, tokens, tokens.len());

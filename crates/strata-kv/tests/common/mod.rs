@@ -6,7 +6,9 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::storage::{MemoryStorage, Storage};
-use strata_kv::{CacheConfig, EvictionPolicy, PageLayout, PoolKind, TieredCache, WritePolicy};
+use strata_kv::{
+    CacheConfig, EvictionPolicy, Lease, PageLayout, PoolKind, TieredCache, WritePolicy,
+};
 
 /// A main KV kind and an indexer-like kind, so that pages have several chunks of two shapes.
 pub fn layout(ps: usize) -> PageLayout {
@@ -75,6 +77,20 @@ pub fn write_policy() -> impl Strategy<Value = WritePolicy> {
         Just(WritePolicy::WriteBack),
         (1u32..3).prop_map(|threshold| WritePolicy::WriteThroughSelective { threshold }),
     ]
+}
+
+/// Advances `lease` through its phases (prefetched, loading back, ready), each once its
+/// copies landed. False when it still is not ready: the pages it needs are held by other
+/// leases (a lease alone in the cache needs nothing else).
+#[allow(dead_code)] // not every test file uses every helper
+pub fn ready_once_copies_land(cache: &mut TieredCache, lease: &mut Lease) -> bool {
+    for _ in 0..3 {
+        if cache.advance(lease) {
+            return true;
+        }
+        cache.wait_all();
+    }
+    cache.advance(lease)
 }
 
 /// With nothing held any more everything is evictable: evicts it all and fails unless every
