@@ -387,7 +387,9 @@ fn requests_that_can_never_run_or_compile_are_refused_at_once() {
         resp.contains("n = 5 choices") && resp.contains("max_tokens"),
         "{resp}"
     );
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // At once, not after waiting for pages: the answer names the numbers, and the bound
+    // leaves room for a CI machine busy with the floods beside this test.
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     // The fitting request beside it runs.
     let (status, resp) = http(
         port,
@@ -413,7 +415,8 @@ fn requests_that_can_never_run_or_compile_are_refused_at_once() {
         let (status, resp) = http(port, "POST", "/v1/completions", "", &body);
         let took = t.elapsed();
         assert_eq!(status, 400, "{field}: {}", &resp[..resp.len().min(500)]);
-        assert!(took < Duration::from_secs(1), "{field}: {took:?}");
+        // Refused by its size before any compiling (the answer names the limit).
+        assert!(took < Duration::from_secs(3), "{field}: {took:?}");
         assert!(resp.len() < 2048, "{field}: a {}-byte answer", resp.len());
         for leak in ["panicked", "backtrace", "/src/", ".rs:"] {
             assert!(!resp.contains(leak), "{field} leaks `{leak}`: {resp}");
