@@ -260,36 +260,50 @@ impl TraceReplay {
             msg,
         };
         let f = std::fs::File::open(&self.path).map_err(|e| err(e.to_string()))?;
-        let trace = strata_sim::trace::read_trace(std::io::BufReader::new(f), self.block_tokens)
-            .map_err(|e| err(e.to_string()))?;
-        if trace.is_empty() {
-            return Err(err("no requests".into()));
-        }
+        let trace = strata_sim::trace::read_trace_first(
+            std::io::BufReader::new(f),
+            self.block_tokens,
+            self.limit,
+        )
+        .map_err(|e| err(e.to_string()))?;
         let t0 = trace[0].timestamp_ms;
-        let take = if self.limit == 0 {
-            trace.len()
-        } else {
-            self.limit.min(trace.len())
-        };
         // Scaled blocks keep the sharing structure: every block shrinks or grows alike.
         let block = ((self.block_tokens as f64 * self.length_scale).round() as usize).max(1);
-        Ok(trace[..take]
+        let max = strata_sim::trace::MAX_REQUEST_TOKENS;
+        let over = |what: String, n: usize| {
+            err(format!(
+                "{what} of {n} tokens after the length scale {}: at most {max}",
+                self.length_scale
+            ))
+        };
+        if block > max {
+            return Err(over("a block".into(), block));
+        }
+        trace
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let len = ((r.input_length as f64 * self.length_scale).round() as usize)
-                    .clamp(1, block * r.hash_ids.len().max(1));
-                let prompt =
-                    strata_sim::tokens::request_tokens(&r.hash_ids, len, block, self.vocab);
-                let us = ((r.timestamp_ms - t0) as f64 * self.time_scale * 1e3) as u64;
+                    .clamp(1, block.saturating_mul(r.hash_ids.len().max(1)));
                 let out = ((r.output_length as f64 * self.length_scale).round() as usize).max(1);
-                TimedRequest {
-                    at_us: us,
-                    prompt,
+                if len > max {
+                    return Err(over(format!("request {}: the prompt", i + 1), len));
+                }
+                let Some(dt) = r.timestamp_ms.checked_sub(t0) else {
+                    return Err(err(format!(
+                        "request {}: timestamp {} is before the first request's ({t0})",
+                        i + 1,
+                        r.timestamp_ms
+                    )));
+                };
+                Ok(TimedRequest {
+                    at_us: (dt as f64 * self.time_scale * 1e3) as u64,
+                    prompt: strata_sim::tokens::request_tokens(&r.hash_ids, len, block, self.vocab),
                     max_tokens: out.min(self.max_tokens),
                     session: r.session,
-                }
+                })
             })
-            .collect())
+            .collect()
     }
 }
 

@@ -23,16 +23,20 @@ const MAX_BYTES: usize = 256 << 10;
 
 /// The fleet's curves: one answer a second at most (later calls within it share it), each
 /// worker read at once.
-pub async fn curve(State(st): State<Arc<RouterState>>) -> Json<FleetCurve> {
+pub async fn curve(
+    State(st): State<Arc<RouterState>>,
+    uri: axum::http::Uri,
+) -> Result<Json<FleetCurve>, strata_server::ApiError> {
+    strata_server::error::query::<strata_server::error::NoQuery>(&uri)?;
     let mut last = st.curve.lock().await;
     if let Some((at, f)) = last.as_ref() {
         if at.elapsed() < Duration::from_secs(1) {
-            return Json(f.clone());
+            return Ok(Json(f.clone()));
         }
     }
     let f = read_fleet(&st).await;
     *last = Some((Instant::now(), f.clone()));
-    Json(f)
+    Ok(Json(f))
 }
 
 async fn read_fleet(st: &RouterState) -> FleetCurve {

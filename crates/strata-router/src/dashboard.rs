@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::json;
@@ -151,6 +151,7 @@ pub async fn data(State(st): St) -> Json<serde_json::Value> {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SinceQuery {
     since: Option<u64>,
 }
@@ -160,8 +161,9 @@ pub struct SinceQuery {
 /// workers.
 pub async fn history(
     State(st): St,
-    q: Query<SinceQuery>,
+    uri: axum::http::Uri,
 ) -> Result<axum::response::Response, strata_server::ApiError> {
+    let q: SinceQuery = strata_server::error::query(&uri)?;
     let since = q.since.unwrap_or(0);
     let (samples, next) = {
         let h = st.history.lock().expect("history lock");

@@ -144,13 +144,20 @@ async fn detokenize(State(st): St, body: Bytes) -> Response {
 
 /// `POST /flush_cache` on every worker (prefill and decode), with the caller's `Authorization`
 /// and query (`?tier=device`): 200 with each worker's answer when all flushed; else the first
-/// refusal as its worker gave it (a missing admin key is the worker's 401), or 502 naming a
-/// worker that did not answer.
+/// refusal as its worker gave it (a missing admin key is the worker's 401, an unknown
+/// parameter its 400), or 502 naming a worker that did not answer.
 async fn flush_cache(
     State(st): St,
     headers: axum::http::HeaderMap,
     uri: axum::http::Uri,
+    body: Bytes,
 ) -> Response {
+    // The workers check the query (the first refuses a parameter it does not take, before
+    // any flushes); a body would not reach them, so it is refused here.
+    if !body.is_empty() {
+        let msg = "/flush_cache takes no body: the tier goes in the query string (`?tier=device`)";
+        return ApiError::bad_request(msg, None).into_response();
+    }
     let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
     let mut answers = Vec::new();
     for w in st.indexed() {

@@ -109,6 +109,24 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
         "{e}"
     );
     assert!(used(&a) > 0, "nothing flushed without the key");
+    // A misspelt parameter (the workers refuse it) or the tier in a body (the router refuses
+    // it): a 400 in the API's shape, and nothing flushed.
+    for (q, body) in [("?tierr=device", ""), ("", r#"{"tier": "device"}"#)] {
+        let r = c
+            .post(format!("{r}/flush_cache{q}"))
+            .bearer_auth("op-key")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{q} {body}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    }
+    assert!(
+        used(&a) > 0 && used(&b) > 0,
+        "nothing flushed by a refused call"
+    );
     let ok = c
         .post(format!("{r}/flush_cache?tier=device"))
         .bearer_auth("op-key")

@@ -65,7 +65,7 @@ pub struct Sampling {
     /// vLLM's extension (prompt and output tokens).
     pub repetition_penalty: Option<f32>,
     /// Token id (as a string, OpenAI's shape) → bias added to its logit.
-    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     pub min_p: Option<f32>,
     pub min_tokens: Option<usize>,
     /// Chat: `true`/`false`; completions: how many alternatives (0 to 20).

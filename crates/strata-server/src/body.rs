@@ -64,6 +64,17 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// [`parse_json`] for a body already parsed: the error names the field at fault.
+pub fn from_value<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        ApiError::bad_request(
+            format!("invalid request body: {}", e.inner()),
+            (path != ".").then_some(path.as_str()),
+        )
+    })
+}
+
 /// serde loses the path of an error inside a flattened struct (the sampling fields): the
 /// field that fails on its own is the one to name.
 fn failing_sampling_field(bytes: &[u8]) -> Option<String> {

@@ -13,7 +13,11 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 /// The worker's curve, or 404 when it keeps none.
-pub async fn curve(State(st): State<Arc<AppState>>) -> Result<Json<CurveReport>, ApiError> {
+pub async fn curve(
+    State(st): State<Arc<AppState>>,
+    uri: axum::http::Uri,
+) -> Result<Json<CurveReport>, ApiError> {
+    crate::error::query::<crate::error::NoQuery>(&uri)?;
     let s = st.engine.snapshot();
     let Some(c) = &s.curve else {
         return Err(ApiError::new(

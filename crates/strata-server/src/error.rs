@@ -177,6 +177,27 @@ pub fn engine_error(msg: &str) -> ApiError {
     )
 }
 
+/// The query string of `uri` as `T`: a parameter `T` does not take (with
+/// `#[serde(deny_unknown_fields)]`), a repeated one or a bad value is a 400 in the API's error
+/// shape naming it, never axum's plain-text rejection, nor a parameter accepted and ignored.
+pub fn query<T: serde::de::DeserializeOwned>(uri: &axum::http::Uri) -> Result<T, ApiError> {
+    axum::extract::Query::<T>::try_from_uri(uri)
+        .map(|q| q.0)
+        .map_err(|e| {
+            let text = e.body_text();
+            let why = text
+                .strip_prefix("Failed to deserialize query string: ")
+                .unwrap_or(&text);
+            ApiError::bad_request(format!("query string: {why}"), None)
+        })
+}
+
+/// What an endpoint without parameters takes: nothing (any parameter is refused by
+/// [`query`]).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +216,34 @@ mod tests {
         assert!(secret_eq("abc", "abc"));
         assert!(!secret_eq("abc", "abd"));
         assert!(!secret_eq("ab", "abc"));
+    }
+
+    /// Query strings: what the type takes is parsed; an unknown, repeated or malformed
+    /// parameter is a 400 in the API's shape, saying what is wrong.
+    #[test]
+    fn query_strings_are_parsed_or_refused() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        struct Q {
+            since: Option<u64>,
+        }
+        let uri = |s: &str| s.parse::<axum::http::Uri>().unwrap();
+        assert_eq!(query::<Q>(&uri("/e?since=7")).unwrap().since, Some(7));
+        assert_eq!(query::<Q>(&uri("/e")).unwrap().since, None);
+        for (q, why) in [
+            ("/e?sinse=7", "unknown field `sinse`"),
+            ("/e?since=-1", "since"),
+            ("/e?since=1&since=2", "duplicate field `since`"),
+        ] {
+            let e = query::<Q>(&uri(q)).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{q}");
+            let msg = e.body()["error"]["message"].as_str().unwrap().to_string();
+            assert!(
+                msg.starts_with("query string: ") && msg.contains(why),
+                "{q}: {msg}"
+            );
+        }
+        assert!(query::<NoQuery>(&uri("/c")).is_ok());
+        assert!(query::<NoQuery>(&uri("/c?tier=host")).is_err());
     }
 }

@@ -36,13 +36,63 @@ impl On {
 pub enum Fate {
     /// Honoured as documented.
     Supported,
-    /// Accepted; it has no effect here, for the reason given.
-    NoOp(&'static str),
+    /// Accepted with a value of its type; it has no effect here, for the reason given.
+    NoOp(Shape, &'static str),
     /// Accepted with a value that changes nothing (the predicate); any other value is refused
     /// with the reason.
     Neutral(fn(&Value) -> bool, &'static str),
     /// Refused, for the reason given.
     Refused(&'static str),
+}
+
+/// The type a no-op field's value must have: it changes nothing, but a value of another type
+/// is a client's mistake, refused as any other field's would be. `null` is always taken.
+#[derive(Clone, Copy)]
+pub enum Shape {
+    Bool,
+    Str,
+    /// OpenAI's `metadata`: at most 16 pairs, keys of at most 64 characters, string values of
+    /// at most 512.
+    Tags,
+}
+
+impl Shape {
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Bool => "a boolean",
+            Shape::Str => "a string",
+            Shape::Tags => "an object of at most 16 string values",
+        }
+    }
+
+    /// Whether `v` is a value of this type (or null).
+    pub fn fits(self, v: &Value) -> bool {
+        match (self, v) {
+            (_, Value::Null) | (Shape::Bool, Value::Bool(_)) | (Shape::Str, Value::String(_)) => {
+                true
+            }
+            (Shape::Tags, Value::Object(o)) => {
+                o.len() <= 16
+                    && o.iter().all(|(k, v)| {
+                        k.chars().count() <= 64
+                            && v.as_str().is_some_and(|s| s.chars().count() <= 512)
+                    })
+            }
+            _ => false,
+        }
+    }
+}
+
+/// What a JSON value is, for an error message (the value itself may be large).
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object (or one past those limits)",
+    }
 }
 
 /// One request field.
@@ -141,11 +191,11 @@ pub const FIELDS: &[Field] = &[
     Field { name: "chat_template_kwargs", on: On::Chat, fate: Fate::Neutral(is_empty, NOT_YET), doc: "vLLM: extra template variables." },
     // Accounting and routing hints.
     Field { name: "user", on: On::Both, fate: Fate::Supported, doc: "An end-user id (a string): the prefix cache's session when `prompt_cache_key` is absent (see there); no per-user accounting." },
-    Field { name: "metadata", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Tags for stored completions." },
-    Field { name: "store", on: On::Chat, fate: Fate::NoOp("nothing is stored"), doc: "Store the completion." },
+    Field { name: "metadata", on: On::Chat, fate: Fate::NoOp(Shape::Tags, "nothing is stored"), doc: "Tags for stored completions (keys of at most 64 characters, values of at most 512)." },
+    Field { name: "store", on: On::Chat, fate: Fate::NoOp(Shape::Bool, "nothing is stored"), doc: "Store the completion." },
     Field { name: "service_tier", on: On::Chat, fate: Fate::Neutral(default_tier, "one service tier"), doc: "`auto` or `default`." },
     Field { name: "prompt_cache_key", on: On::Both, fate: Fate::Supported, doc: "A conversation or agent session (a string; empty: none). Prefixes are still matched by content; when a request's prompt begins with its session's previous prompt but not with the answer the cache holds after it, that answer is evicted first, on every tier, until something uses it (`strata_cache_session_retired_tokens_total`; docs/ARCHITECTURE.md, \"Sessions\")." },
-    Field { name: "safety_identifier", on: On::Chat, fate: Fate::NoOp("no per-user accounting"), doc: "An end-user id for abuse detection." },
+    Field { name: "safety_identifier", on: On::Chat, fate: Fate::NoOp(Shape::Str, "no per-user accounting"), doc: "An end-user id for abuse detection." },
     // Refused.
     Field { name: "audio", on: On::Chat, fate: Fate::Refused("only text output"), doc: "Audio output." },
     Field { name: "prediction", on: On::Chat, fate: Fate::Refused(NOT_YET), doc: "Predicted output." },
@@ -184,7 +234,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
     Field {
         name: "name",
         on: On::Chat,
-        fate: Fate::NoOp("the chat template does not render participant names"),
+        fate: Fate::NoOp(Shape::Str, "the chat template does not render participant names"),
         doc: "A participant's name.",
     },
     Field {
@@ -257,7 +307,14 @@ fn check_object(
             ));
         };
         match f.fate {
-            Fate::Supported | Fate::NoOp(_) => {}
+            Fate::Supported => {}
+            Fate::NoOp(shape, _) if shape.fits(v) => {}
+            Fate::NoOp(shape, _) => {
+                return Err(ApiError::bad_request(
+                    format!("`{name}`: expected {}, got {}", shape.name(), kind(v)),
+                    Some(&name),
+                ));
+            }
             Fate::Neutral(ok, _) if ok(v) => {}
             Fate::Neutral(_, why) | Fate::Refused(why) => {
                 return Err(ApiError::bad_request(
@@ -306,7 +363,7 @@ pub fn markdown() -> String {
             };
             let fate = match f.fate {
                 Fate::Supported => "supported".to_string(),
-                Fate::NoOp(why) => format!("no-op: {why}"),
+                Fate::NoOp(shape, why) => format!("no-op ({}): {why}", shape.name()),
                 Fate::Neutral(_, why) => format!("neutral values only; otherwise refused: {why}"),
                 Fate::Refused(why) => format!("refused: {why}"),
             };
@@ -394,6 +451,45 @@ mod tests {
             true
         )
         .is_err());
+    }
+
+    /// A no-op field changes nothing, but takes only a value of its type (and null).
+    #[test]
+    fn no_op_fields_take_only_their_type() {
+        let chat = |b: &str| code(check(b.as_bytes(), Endpoint::Chat, false));
+        for ok in [
+            r#"{"messages": [], "store": false, "metadata": {"a": "b"}, "safety_identifier": "u1"}"#,
+            r#"{"messages": [], "store": null, "metadata": null, "safety_identifier": null}"#,
+            r#"{"messages": [{"role": "user", "content": "x", "name": "ann"}]}"#,
+        ] {
+            assert_eq!(chat(ok), None, "{ok}");
+        }
+        let many: String = (0..17)
+            .map(|i| format!(r#""k{i}": "v""#))
+            .collect::<Vec<_>>()
+            .join(",");
+        let many = format!(r#"{{"messages": [], "metadata": {{{many}}}}}"#);
+        let long = format!(
+            r#"{{"messages": [], "metadata": {{"k": "{}"}}}}"#,
+            "v".repeat(513)
+        );
+        for (bad, field) in [
+            (r#"{"messages": [], "store": "yes"}"#, "store"),
+            (r#"{"messages": [], "metadata": 7}"#, "metadata"),
+            (r#"{"messages": [], "metadata": {"a": 1}}"#, "metadata"),
+            (many.as_str(), "metadata"),
+            (long.as_str(), "metadata"),
+            (
+                r#"{"messages": [], "safety_identifier": 5}"#,
+                "safety_identifier",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x", "name": 3}]}"#,
+                "messages[0].name",
+            ),
+        ] {
+            assert_eq!(chat(bad).as_deref(), Some(field), "{bad}");
+        }
     }
 
     #[test]

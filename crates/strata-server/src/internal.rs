@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -113,6 +113,7 @@ pub(crate) async fn health_generate(State(st): St) -> Result<Json<Value>, ApiErr
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct FlushQuery {
     tier: Option<String>,
 }
@@ -178,9 +179,16 @@ pub(crate) async fn flush_cache(
     State(st): St,
     headers: HeaderMap,
     uri: axum::http::Uri,
-    q: Query<FlushQuery>,
+    body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     check_admin(&st, &headers, &uri)?;
+    let q: FlushQuery = crate::error::query(&uri)?;
+    if !body.is_empty() {
+        return Err(ApiError::bad_request(
+            "/flush_cache takes no body: the tier goes in the query string (`?tier=device`)",
+            None,
+        ));
+    }
     let scope = match q.tier.as_deref() {
         None | Some("all") => FlushScope::All,
         Some("device") => FlushScope::Device,
@@ -236,6 +244,7 @@ pub(crate) async fn cache_info(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct SinceQuery {
     since: Option<u64>,
 }
@@ -246,9 +255,9 @@ pub(crate) async fn cache_events(
     State(st): St,
     headers: HeaderMap,
     uri: axum::http::Uri,
-    q: Query<SinceQuery>,
 ) -> Result<Json<CacheEvents>, ApiError> {
     check_cluster(&st, &headers, "GET", &uri)?;
+    let q: SinceQuery = crate::error::query(&uri)?;
     let since = q.since.unwrap_or(0);
     let page = st.engine.events_since(since, 10_000);
     let resync = page.events.is_none();

@@ -156,7 +156,7 @@ fn modifiers(s: &Sampling, p: &mut SamplingParams) -> Result<(), ApiError> {
                 Some("logit_bias"),
             ));
         }
-        p.logit_bias.push((id, v));
+        p.logit_bias.push((id, v as f32));
     }
     Ok(())
 }

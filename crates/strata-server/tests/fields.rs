@@ -98,11 +98,16 @@ async fn every_no_op_neutral_and_refused_field_behaves_as_documented() {
                 let name = f.name;
                 match f.fate {
                     Fate::Supported => continue,
-                    Fate::NoOp(_) => {
+                    Fate::NoOp(shape, _) => {
+                        // Taken with a value of its type, refused naming it with another.
                         for v in &candidates {
-                            let (b, _) = with(e, place, name, v);
-                            let (st, _, m) = send(&c, &w.url, e, &b).await;
-                            assert_eq!(st, 200, "no-op `{name}` = {v} refused: {m}");
+                            let (b, at) = with(e, place, name, v);
+                            let (st, p, m) = send(&c, &w.url, e, &b).await;
+                            if shape.fits(v) {
+                                assert_eq!(st, 200, "no-op `{name}` = {v} refused: {m}");
+                            } else {
+                                assert_eq!((st, p), (400, json!(at)), "`{name}` = {v}: {m}");
+                            }
                         }
                     }
                     Fate::Refused(_) => {

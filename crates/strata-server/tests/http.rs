@@ -266,6 +266,28 @@ async fn the_same_greedy_output_from_device_host_and_disk() {
     assert_eq!(denied.status(), 401);
     let e: Value = denied.json().await.unwrap();
     assert_eq!(e["error"]["type"], "authentication_error");
+    // A misspelt or repeated parameter, or the tier sent in a body: a 400 in the API's error
+    // shape, and nothing flushed (a flush of everything was what these once did).
+    let before = s.state.engine.snapshot().cached_device_tokens;
+    assert!(before > 0);
+    for (q, body) in [
+        ("tierr=device", ""),
+        ("tier=device&tier=all", ""),
+        ("", r#"{"tier": "device"}"#),
+    ] {
+        let r = client()
+            .post(format!("{}/flush_cache?{q}", s.url))
+            .bearer_auth("sekret")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "?{q} {body}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["type"], "invalid_request_error", "?{q} {body}");
+    }
+    // (The snapshot may still be catching up with the last answer: never fewer tokens.)
+    assert!(s.state.engine.snapshot().cached_device_tokens >= before);
     assert_eq!(flush("device", Some("sekret")).await.unwrap().status(), 200);
     let (_, host) = post(&url, greedy_chat(&p, 10)).await;
     assert_eq!(

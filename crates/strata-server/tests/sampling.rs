@@ -76,6 +76,17 @@ async fn logit_modifiers_steer_generation_and_bad_values_name_their_field() {
         assert_eq!(st, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], field, "{extra}: {e}");
     }
+    // The value as sent, not as it became in 32 bits (`inf`).
+    let (_, e) = post(
+        &url,
+        &completion(&prompt, 8, json!({"logit_bias": {"5": 1e39}})),
+    )
+    .await;
+    let msg = e["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("1000000000000000000000000000000000000000") || msg.contains("1e39"),
+        "{e}"
+    );
     let (st, _) = post(&url, &completion(&prompt, 2, json!({}))).await;
     assert_eq!(st, 200);
     w.stop().await;

@@ -34,7 +34,12 @@ impl PageTrace {
             .map(|r| {
                 let pages = r.input_length / page_size;
                 let v: Vec<u64> = (0..pages as u64)
-                    .map(|p| r.hash_ids[(p / per_block) as usize] * per_block + p % per_block)
+                    .map(|p| {
+                        // Ids are block counters or 64-bit hashes: past 2^64 / per_block the
+                        // product wraps, and two hashes alias as rarely as they collide.
+                        let id = r.hash_ids[(p / per_block) as usize];
+                        id.wrapping_mul(per_block).wrapping_add(p % per_block)
+                    })
                     .collect();
                 seen.extend(v.iter().copied());
                 (v, r.input_length)

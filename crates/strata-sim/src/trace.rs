@@ -4,6 +4,7 @@
 
 use std::io::BufRead;
 
+use serde::Deserialize;
 use serde_json::Value;
 use thiserror::Error;
 
@@ -18,10 +19,17 @@ pub enum TraceError {
         field: &'static str,
         msg: String,
     },
+    /// The cause is in the message, not a source too (a report would print it twice).
     #[error("cannot read trace: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("trace is empty")]
     Empty,
+}
+
+impl From<std::io::Error> for TraceError {
+    fn from(e: std::io::Error) -> TraceError {
+        TraceError::Io(e)
+    }
 }
 
 /// One request of a trace.
@@ -39,12 +47,21 @@ pub struct TraceRequest {
 /// Longest `session_id` string taken (the API takes any; a trace line is bounded anyway).
 pub const MAX_SESSION_ID_BYTES: usize = 1024;
 
+/// The fields a line may have; any other is refused by name (a misspelt `sesion_id` would
+/// otherwise replay without sessions), and so is a field given twice.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    timestamp: Option<Value>,
+    input_length: Option<Value>,
+    output_length: Option<Value>,
+    hash_ids: Option<Value>,
+    session_id: Option<Value>,
+}
+
 /// The `session_id` field, if any, as a stable hash (the same id in two traces, or two runs,
 /// gives the same key; strings and integers in separate namespaces).
-fn session_id(
-    obj: &serde_json::Map<String, Value>,
-    line: usize,
-) -> Result<Option<u64>, TraceError> {
+fn session_id(v: Option<&Value>, line: usize) -> Result<Option<u64>, TraceError> {
     let field = "session_id";
     let hash = |tag: u8, bytes: &[u8]| {
         let mut h = rustc_hash::FxHasher::default();
@@ -52,7 +69,7 @@ fn session_id(
         std::hash::Hasher::write(&mut h, bytes);
         std::hash::Hasher::finish(&h)
     };
-    match obj.get(field) {
+    match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) if s.is_empty() => Ok(None),
         Some(Value::String(s)) if s.len() <= MAX_SESSION_ID_BYTES => {
@@ -74,12 +91,8 @@ fn session_id(
     }
 }
 
-fn uint(
-    obj: &serde_json::Map<String, Value>,
-    line: usize,
-    field: &'static str,
-) -> Result<u64, TraceError> {
-    let v = obj.get(field).ok_or_else(|| TraceError::Field {
+fn uint(v: Option<&Value>, line: usize, field: &'static str) -> Result<u64, TraceError> {
+    let v = v.ok_or_else(|| TraceError::Field {
         line,
         field,
         msg: "missing".into(),
@@ -91,40 +104,76 @@ fn uint(
     })
 }
 
+/// Most tokens a request's prompt, or its output, may have (16,777,216: beyond any model's
+/// context), and the largest block: a longer one is an error naming it, not an allocation.
+pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
+
+/// A length field: at most [`MAX_REQUEST_TOKENS`].
+fn length(v: Option<&Value>, line: usize, field: &'static str) -> Result<usize, TraceError> {
+    let n = uint(v, line, field)?;
+    if n > MAX_REQUEST_TOKENS as u64 {
+        return Err(TraceError::Field {
+            line,
+            field,
+            msg: format!("{n} tokens, at most {MAX_REQUEST_TOKENS}"),
+        });
+    }
+    Ok(n as usize)
+}
+
 /// Parses one line (1-based `line` for messages).
 pub fn parse_line(
     text: &str,
     line: usize,
     block_tokens: usize,
 ) -> Result<TraceRequest, TraceError> {
-    if block_tokens == 0 {
+    if block_tokens == 0 || block_tokens > MAX_REQUEST_TOKENS {
         return Err(TraceError::Line {
             line,
-            msg: "blocks of 0 tokens".into(),
+            msg: format!("blocks of {block_tokens} tokens: expected 1 to {MAX_REQUEST_TOKENS}"),
         });
     }
-    let v: Value = serde_json::from_str(text).map_err(|e| TraceError::Line {
+    let l: Line = serde_json::from_str(text).map_err(|e| TraceError::Line {
         line,
-        msg: format!("not valid JSON: {e}"),
+        msg: match e.classify() {
+            serde_json::error::Category::Data => e.to_string(),
+            _ => format!("not valid JSON: {e}"),
+        },
     })?;
-    let obj = v.as_object().ok_or_else(|| TraceError::Line {
-        line,
-        msg: "expected a JSON object".into(),
-    })?;
-    let timestamp_ms = uint(obj, line, "timestamp")?;
-    let input_length = uint(obj, line, "input_length")? as usize;
-    let output_length = uint(obj, line, "output_length")? as usize;
+    let timestamp_ms = uint(l.timestamp.as_ref(), line, "timestamp")?;
+    let input_length = length(l.input_length.as_ref(), line, "input_length")?;
+    if input_length == 0 {
+        return Err(TraceError::Field {
+            line,
+            field: "input_length",
+            msg: "0: an empty prompt (the engine refuses one)".into(),
+        });
+    }
+    let output_length = length(l.output_length.as_ref(), line, "output_length")?;
     let field = "hash_ids";
-    let ids = obj.get(field).ok_or_else(|| TraceError::Field {
+    let ids = l.hash_ids.ok_or_else(|| TraceError::Field {
         line,
         field,
         msg: "missing".into(),
     })?;
-    let arr = ids.as_array().ok_or_else(|| TraceError::Field {
-        line,
-        field,
-        msg: "expected an array".into(),
-    })?;
+    let Value::Array(arr) = ids else {
+        return Err(TraceError::Field {
+            line,
+            field,
+            msg: "expected an array".into(),
+        });
+    };
+    let want = input_length.div_ceil(block_tokens);
+    if arr.len() != want {
+        return Err(TraceError::Field {
+            line,
+            field,
+            msg: format!(
+                "{} ids for input_length {input_length}; blocks of {block_tokens} tokens need {want}",
+                arr.len()
+            ),
+        });
+    }
     let mut hash_ids = Vec::with_capacity(arr.len());
     for (i, x) in arr.iter().enumerate() {
         hash_ids.push(x.as_u64().ok_or_else(|| TraceError::Field {
@@ -133,23 +182,12 @@ pub fn parse_line(
             msg: format!("element {i} is {x}, expected a non-negative integer"),
         })?);
     }
-    let want = input_length.div_ceil(block_tokens);
-    if hash_ids.len() != want {
-        return Err(TraceError::Field {
-            line,
-            field,
-            msg: format!(
-                "{} ids for input_length {input_length}; blocks of {block_tokens} tokens need {want}",
-                hash_ids.len()
-            ),
-        });
-    }
     Ok(TraceRequest {
         timestamp_ms,
         input_length,
         output_length,
         hash_ids,
-        session: session_id(obj, line)?,
+        session: session_id(l.session_id.as_ref(), line)?,
     })
 }
 
@@ -158,14 +196,20 @@ pub const MAX_LINE_BYTES: u64 = 16 << 20;
 
 /// Reads a whole trace; blank lines are skipped. A line longer than [`MAX_LINE_BYTES`] is an
 /// error, not an unbounded allocation.
-pub fn read_trace(
+pub fn read_trace(r: impl BufRead, block_tokens: usize) -> Result<Vec<TraceRequest>, TraceError> {
+    read_trace_first(r, block_tokens, 0)
+}
+
+/// Reads the first `limit` requests of a trace (0: all); what follows them is not read.
+pub fn read_trace_first(
     mut r: impl BufRead,
     block_tokens: usize,
+    limit: usize,
 ) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
     let mut buf = Vec::new();
     let mut i = 0;
-    loop {
+    while limit == 0 || out.len() < limit {
         buf.clear();
         i += 1;
         let n = std::io::Read::take(&mut r, MAX_LINE_BYTES + 1).read_until(b'\n', &mut buf)?;
@@ -230,6 +274,56 @@ mod tests {
             512,
         );
         assert_eq!(none.unwrap().session, None);
+    }
+
+    /// A field this parser does not read, or one given twice, is refused by name; lengths are
+    /// bounded before anything is built from them; an empty prompt is refused.
+    #[test]
+    fn unknown_repeated_overlong_and_empty_are_refused() {
+        let err = |text: &str| parse_line(text, 4, 512).unwrap_err().to_string();
+        let e = err(
+            r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "sesion_id": "a"}"#,
+        );
+        assert!(
+            e.starts_with("trace line 4: unknown field `sesion_id`"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"timestamp": 0, "timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#,
+        );
+        assert!(
+            e.starts_with("trace line 4: duplicate field `timestamp`"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"timestamp": 0, "input_length": 10, "output_length": 18446744073709551615, "hash_ids": [1]}"#,
+        );
+        assert!(e.starts_with("trace line 4, field `output_length`: 18446744073709551615 tokens, at most 16777216"), "{e}");
+        let e = err(
+            r#"{"timestamp": 0, "input_length": 16777217, "output_length": 1, "hash_ids": [1]}"#,
+        );
+        assert!(e.contains("field `input_length`: 16777217 tokens"), "{e}");
+        let e = err(r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#);
+        assert!(
+            e.contains("field `input_length`: 0: an empty prompt"),
+            "{e}"
+        );
+        let ok = r#"{"timestamp": 0, "input_length": 16777216, "output_length": 16777216, "hash_ids": [1]}"#;
+        assert!(parse_line(ok, 1, MAX_REQUEST_TOKENS).is_ok());
+        let e = parse_line(ok, 1, MAX_REQUEST_TOKENS + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("blocks of 16777217 tokens"), "{e}");
+    }
+
+    /// `read_trace_first` stops at its limit: a bad line after it is never read.
+    #[test]
+    fn a_limit_reads_no_further() {
+        let good = r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#;
+        let text = format!("{good}\n{good}\nnot json\n");
+        assert_eq!(read_trace_first(text.as_bytes(), 512, 2).unwrap().len(), 2);
+        assert!(read_trace_first(text.as_bytes(), 512, 3).is_err());
+        assert!(read_trace(text.as_bytes(), 512).is_err());
     }
 
     #[test]

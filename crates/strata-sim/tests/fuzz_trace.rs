@@ -17,6 +17,13 @@ fn hostile_corpus() {
         r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [1.5]}"#,
         r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": {"a": 1}}"#,
         "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
+        // Lengths that once reached an allocation (an output of 2^64 − 1 tokens, a prompt of
+        // 10^12 under a block as large), an empty prompt, a misspelt and a repeated field.
+        r#"{"timestamp": 0, "input_length": 1024, "output_length": 18446744073709551615, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 0, "input_length": 1000000000000, "output_length": 1, "hash_ids": [1]}"#,
+        r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#,
+        r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [1], "sesion_id": "a"}"#,
+        r#"{"timestamp": 0, "timestamp": 1, "input_length": 1, "output_length": 0, "hash_ids": [1]}"#,
         "null",
         "\u{0}\u{0}",
     ];
@@ -24,6 +31,10 @@ fn hostile_corpus() {
         assert!(parse_line(c, 1, 512).is_err(), "{c}");
     }
     assert!(parse_line(VALID, 1, 0).is_err(), "blocks of 0 tokens");
+    assert!(
+        parse_line(VALID, 1, 1_000_000_000_000).is_err(),
+        "blocks past any request"
+    );
     assert!(parse_line(VALID, 1, 512).is_ok());
     // A line past the limit is refused without reading it all into one line.
     let long = format!("{}\n", " ".repeat(17 << 20));

@@ -111,8 +111,7 @@ pub fn parse(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
         )),
         None => {
             m.retain(|k, _| FIELDS.contains(&k.as_str()));
-            serde_json::from_value(Value::Object(m))
-                .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+            crate::body::from_value(Value::Object(m))
         }
     }
 }
@@ -490,5 +489,17 @@ mod tests {
         let chat: Value = serde_json::from_slice(&chat).unwrap();
         assert!(chat.get("prompt_cache_key").is_none() && chat.get("user").is_none());
         assert!(parse(br#"{"input": "hi", "prompt_cache_key": 3}"#).is_err());
+        // A wrong type is refused naming the field (the parser's path), as chat's.
+        for (body, field) in [
+            (
+                &br#"{"input": "hi", "prompt_cache_key": ["x"]}"#[..],
+                "prompt_cache_key",
+            ),
+            (br#"{"input": "hi", "user": 5}"#, "user"),
+            (br#"{"input": "hi", "temperature": "hot"}"#, "temperature"),
+        ] {
+            let e = parse(body).unwrap_err().body();
+            assert_eq!(e["error"]["param"], field, "{e}");
+        }
     }
 }

@@ -13,7 +13,7 @@ use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{EvictionPolicy, PageLayout, PoolKind, WritePolicy};
 use strata_sim::belady::PageTrace;
 use strata_sim::replay::{replay, SimConfig, SimResult};
-use strata_sim::trace::{read_trace, TraceRequest};
+use strata_sim::trace::{read_trace_first, TraceRequest, MAX_REQUEST_TOKENS};
 use strata_sim::{plot, sweep};
 
 use crate::sim::advice::pct;
@@ -327,11 +327,8 @@ fn run_windowed(
 fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
     let f =
         File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
-    let mut reqs = read_trace(BufReader::new(f), a.block_tokens)
+    let mut reqs = read_trace_first(BufReader::new(f), a.block_tokens, a.limit)
         .with_context(|| format!("in {}", a.trace.display()))?;
-    if a.limit > 0 {
-        reqs.truncate(a.limit);
-    }
     if !a.sessions {
         reqs.iter_mut().for_each(|r| r.session = None);
     }
@@ -383,12 +380,26 @@ fn scale_like_bench(a: &SimArgs, reqs: &mut [TraceRequest]) -> Result<usize> {
         return Ok(a.block_tokens);
     }
     let block = ((a.block_tokens as f64 * a.length_scale).round() as usize).max(1);
-    for r in reqs.iter_mut() {
+    let over = |what: &str, n: usize| {
+        anyhow::anyhow!(
+            "{what} of {n} tokens after --length-scale {}: at most {MAX_REQUEST_TOKENS}",
+            a.length_scale
+        )
+    };
+    if block > MAX_REQUEST_TOKENS {
+        return Err(over("a block", block));
+    }
+    for (i, r) in reqs.iter_mut().enumerate() {
         let n = r.hash_ids.len().max(1);
         let cap = block.saturating_mul(n);
         r.input_length = ((r.input_length as f64 * a.length_scale).round() as usize).clamp(1, cap);
         let out = ((r.output_length as f64 * a.length_scale).round() as usize).max(1);
         r.output_length = a.max_tokens.map_or(out, |m| out.min(m));
+        for (what, n) in [("prompt", r.input_length), ("output", r.output_length)] {
+            if n > MAX_REQUEST_TOKENS {
+                return Err(over(&format!("request {}: the {what}", i + 1), n));
+            }
+        }
     }
     Ok(block)
 }
