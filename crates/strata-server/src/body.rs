@@ -47,8 +47,15 @@ pub fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<B
     })
 }
 
-/// A JSON body; the error names the field at fault.
+/// A JSON body, which is an object (serde would also take a struct's fields as an array, in
+/// order, past every check by name); the error names the field at fault.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if !bytes.trim_ascii_start().starts_with(b"{") {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -85,4 +92,31 @@ fn failing_sampling_field(bytes: &[u8]) -> Option<String> {
             serde_json::from_value::<crate::api::Sampling>(json!({ k.as_str(): val })).is_err()
         })
         .map(|(k, _)| k.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A body is an object: serde's array form of a struct (its fields in order, which the
+    /// field checks by name never see) is refused.
+    #[test]
+    fn a_body_is_an_object() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        struct B {
+            input: String,
+        }
+        assert_eq!(
+            parse_json::<B>(b" \n{\"input\": \"hi\"}").unwrap().input,
+            "hi"
+        );
+        for bad in [&b"[\"hi\"]"[..], b"\"hi\"", b"null", b""] {
+            let e = parse_json::<B>(bad).unwrap_err().body();
+            assert_eq!(
+                e["error"]["message"],
+                "the request body must be a JSON object"
+            );
+        }
+    }
 }

@@ -133,6 +133,13 @@ pub fn parse_line(
             msg: format!("blocks of {block_tokens} tokens: expected 1 to {MAX_REQUEST_TOKENS}"),
         });
     }
+    // An object, not serde's other form of a struct (an array of the fields in order).
+    if !text.trim_start().starts_with('{') {
+        return Err(TraceError::Line {
+            line,
+            msg: "expected a JSON object".into(),
+        });
+    }
     let l: Line = serde_json::from_str(text).map_err(|e| TraceError::Line {
         line,
         msg: match e.classify() {
