@@ -21,6 +21,9 @@ impl WritePolicy {
             "write_through_selective" => Some(WritePolicy::WriteThroughSelective { threshold: 2 }),
             _ => {
                 let n: u16 = s.strip_prefix("write_through_selective:")?.parse().ok()?;
+                if n == 0 {
+                    return None; // backed up once hit 0 times: write_through, said as such
+                }
                 Some(WritePolicy::WriteThroughSelective {
                     threshold: n as u32,
                 })

@@ -11,11 +11,18 @@ pub enum SizeError {
     BadUnit(String, String),
     #[error("size `{0}` is not a number followed by a unit")]
     BadNumber(String),
-    #[error("size `{0}` is too large")]
+    #[error("size `{0}` is too large: at most 1024TiB")]
     Overflow(String),
+    #[error("size `{0}` is not a whole number of bytes")]
+    Fraction(String),
 }
 
-/// Parses a byte size with a unit; decimals allowed (`1.5GiB`).
+/// The largest size taken (1024 TiB, 2^50 bytes): more than any machine's memory or disk, and
+/// small enough that sums and products of a few sizes and rank counts cannot overflow.
+pub const MAX_SIZE: u64 = 1 << 50;
+
+/// Parses a byte size with a unit; decimals allowed (`1.5GiB`), computed exactly: a size that
+/// is not a whole number of bytes (`0.5B`, `0.0001KB`) or is over [`MAX_SIZE`] is refused.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t
@@ -29,18 +36,36 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
         return Err(SizeError::NoUnit(s.into()));
     }
     let mult = multiplier(unit).ok_or_else(|| SizeError::BadUnit(s.into(), unit.into()))?;
-    let v: f64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
-    let bytes = v * mult as f64;
-    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if (whole.is_empty() && frac.is_empty()) || frac.contains('.') {
+        return Err(SizeError::BadNumber(s.into()));
+    }
+    // Digits past 18 after the point cannot make a whole byte of any unit here.
+    let digits = |d: &str| -> Result<u128, SizeError> {
+        if d.len() > 18 {
+            return Err(SizeError::Overflow(s.into()));
+        }
+        Ok(if d.is_empty() {
+            0
+        } else {
+            d.parse().map_err(|_| SizeError::BadNumber(s.into()))?
+        })
+    };
+    let frac = frac.trim_end_matches('0');
+    let scale = 10u128.pow(frac.len() as u32);
+    let scaled = digits(whole.trim_start_matches('0'))?
+        .checked_mul(scale)
+        .and_then(|w| w.checked_add(digits(frac).ok()?))
+        .and_then(|n| n.checked_mul(mult as u128))
+        .ok_or_else(|| SizeError::Overflow(s.into()))?;
+    if scaled % scale != 0 {
+        return Err(SizeError::Fraction(s.into()));
+    }
+    let bytes = scaled / scale;
+    if bytes > MAX_SIZE as u128 {
         return Err(SizeError::Overflow(s.into()));
     }
-    if num.contains('.') {
-        Ok(bytes.round() as u64)
-    } else {
-        let n: u64 = num.parse().map_err(|_| SizeError::BadNumber(s.into()))?;
-        n.checked_mul(mult)
-            .ok_or_else(|| SizeError::Overflow(s.into()))
-    }
+    Ok(bytes as u64)
 }
 
 /// The unit of a size as typed (`GB` of `150GB`, `GiB` of `140GiB`) and its multiplier.
@@ -72,9 +97,9 @@ fn multiplier(unit: &str) -> Option<u64> {
 pub fn in_unit_of(b: u64, typed: &str) -> String {
     match unit_of(typed) {
         Some((unit, mult)) => {
-            // Rounded down: advice "N fits" must never name more than fits.
-            let hundredths = (b as u128 * 100 / mult as u128) as u64;
-            if hundredths == 0 && b > 0 {
+            // Rounded down: advice "N fits" must never name more than fits. Bytes are whole.
+            let hundredths = b as u128 * 100 / mult as u128;
+            if mult == 1 || (hundredths == 0 && b > 0) {
                 return format!("{b}B");
             }
             let v = format!("{}.{:02}", hundredths / 100, hundredths % 100);
@@ -141,6 +166,41 @@ mod tests {
             parse_size("99999999999TiB"),
             Err(SizeError::Overflow(..))
         ));
+        // Exact decimals; whole bytes only; at most 1024TiB; one point, digits on a side.
+        assert_eq!(parse_size("1.1GB"), Ok(1_100_000_000));
+        assert_eq!(parse_size("0.001KB"), Ok(1));
+        assert_eq!(
+            parse_size("2.50B"),
+            Err(SizeError::Fraction("2.50B".into()))
+        );
+        assert_eq!(parse_size("1.000B"), Ok(1));
+        assert_eq!(parse_size("007GB"), Ok(7_000_000_000));
+        assert_eq!(parse_size(".5KiB"), Ok(512));
+        assert_eq!(parse_size("5.KiB"), Ok(5 << 10));
+        for bad in ["0.0001B", "1.5B", "0.0001KB"] {
+            assert_eq!(
+                parse_size(bad),
+                Err(SizeError::Fraction(bad.into())),
+                "{bad}"
+            );
+        }
+        assert_eq!(parse_size("1024TiB"), Ok(MAX_SIZE));
+        for big in ["1025TiB", "16777215TiB", "1125899906842625B", "1e30GB"] {
+            assert!(parse_size(big).is_err(), "{big}");
+        }
+        for bad in [".", "1.2.3GB", "..GB"] {
+            assert!(
+                matches!(
+                    parse_size(bad),
+                    Err(SizeError::BadNumber(..) | SizeError::NoUnit(..))
+                ),
+                "{bad}"
+            );
+        }
+        assert_eq!(parse_size("0GB"), Ok(0));
+        // In the unit typed, bytes whole, never truncated.
+        assert_eq!(in_unit_of(MAX_SIZE, "1B"), "1125899906842624B");
+        assert_eq!(in_unit_of(u64::MAX, "1KB"), "18446744073709551.61KB");
         assert_eq!(format_bytes(1536), "1.50 KiB (1536 bytes)");
     }
 }

@@ -155,7 +155,39 @@ fn bad_inputs_are_refused_before_anything_else() {
     assert!(matches!(make_plan(&r, &t), Err(PlanError::Fraction(_))));
     r.device = DeviceBudget::Bytes(GB);
     r.tp = 0;
-    assert_eq!(make_plan(&r, &t), Err(PlanError::Tp));
+    assert_eq!(make_plan(&r, &t), Err(PlanError::Tp(0)));
+    // Bounds that once overflowed or allocated per rank before any check.
+    r.tp = u32::MAX;
+    assert_eq!(make_plan(&r, &t), Err(PlanError::Tp(u32::MAX)));
+    r.tp = 1;
+    for bad in [1e30, 1000.5, -1.0, f64::INFINITY] {
+        r.host = Some(HostBudget::Ratio(bad));
+        assert!(
+            matches!(make_plan(&r, &t), Err(PlanError::Ratio(_))),
+            "{bad}"
+        );
+    }
+    // A host flag that asks for less than one page is an error, not a tier quietly off; 0 is
+    // off.
+    for host in [
+        HostBudget::PerRank(1),
+        HostBudget::Total(1000),
+        HostBudget::Ratio(1e-9),
+    ] {
+        r.host = Some(host);
+        let e = make_plan(&r, &t).unwrap_err();
+        assert!(matches!(e, PlanError::HostTooSmall { .. }), "{e}");
+    }
+    r.host = Some(HostBudget::PerRank(0));
+    assert!(make_plan(&r, &t).is_ok());
+    // A refusal never advises a size of nothing.
+    r.host = Some(HostBudget::PerRank(1 << 50));
+    r.device = DeviceBudget::Bytes(1 << 50);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(
+        !e.contains(" 0GB") && !e.contains("0B per rank fits"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -24,6 +24,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod url;
+pub use url::{check_url, redact};
+
 use redis::aio::ConnectionManager;
 use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
 use strata_kv::PageHash;
@@ -129,7 +132,7 @@ pub(crate) async fn within<T>(
     tokio::time::timeout(timeout, f)
         .await
         .map_err(|_| StorageError::Timeout(timeout))?
-        .map_err(|e| unavailable(format!("{whom}: {e}")))
+        .map_err(|e| unavailable(format!("{}: {e}", redact(whom))))
 }
 
 /// A reconnecting connection to `client`, made within `timeout`.
@@ -145,7 +148,7 @@ pub(crate) async fn manager(
 /// Seeds of `redis-cluster://[user:pass@]host:port,host:port,...`: the connection settings
 /// (from the first) and every `host:port`.
 fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), StorageError> {
-    let bad = |why: &str| unavailable(format!("{url}: {why}"));
+    let bad = |why: &str| unavailable(format!("{}: {why}", redact(url)));
     let rest = url
         .strip_prefix("redis-cluster://")
         .ok_or_else(|| bad("expected redis-cluster://HOST:PORT[,HOST:PORT...]"))?;
@@ -224,7 +227,7 @@ impl RedisStorage {
     /// Connects to one Redis and asks whether it is a cluster node.
     async fn single_or_cluster(url: &str, timeout: Duration) -> Result<Backend, StorageError> {
         let client = redis::Client::open(url)
-            .map_err(|e| StorageError::Unavailable(format!("{url}: {e}")))?;
+            .map_err(|e| StorageError::Unavailable(format!("{}: {e}", redact(url))))?;
         let info = client.get_connection_info().clone();
         let mut conn = manager(client, timeout, url).await?;
         let info_cluster: Result<String, _> = tokio::time::timeout(
@@ -241,17 +244,23 @@ impl RedisStorage {
                 let pong: String =
                     within(timeout, url, redis::cmd("PING").query_async(&mut conn)).await?;
                 if pong != "PONG" {
-                    return Err(unavailable(format!("{url}: PING answered {pong}")));
+                    return Err(unavailable(format!(
+                        "{}: PING answered {pong}",
+                        redact(url)
+                    )));
                 }
                 false
             }
-            Err(e) => return Err(StorageError::Unavailable(format!("{url}: {e}"))),
+            Err(e) => return Err(StorageError::Unavailable(format!("{}: {e}", redact(url)))),
         };
         if !cluster {
             return Ok(Backend::Single(conn));
         }
         let redis::ConnectionAddr::Tcp(h, p) = &info.addr else {
-            return Err(unavailable(format!("{url}: a cluster node over TCP")));
+            return Err(unavailable(format!(
+                "{}: a cluster node over TCP",
+                redact(url)
+            )));
         };
         let seed = format!("{h}:{p}");
         Ok(Backend::Cluster(

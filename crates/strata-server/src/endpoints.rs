@@ -166,6 +166,14 @@ pub async fn tokenize(
             ))
         }
     };
+    // Ids given as ids are checked as generation checks them (the text's own always fit).
+    let vocab = st.engine.info().vocab;
+    if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_request(
+            format!("token id {t} is outside the vocabulary ({vocab} tokens)"),
+            Some("prompt"),
+        ));
+    }
     let ctx = st.engine.info().context_length;
     let mut out = json!({"tokens": ids, "count": ids.len(), "max_model_len": ctx});
     if req.return_token_strs {

@@ -147,7 +147,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
     Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, token ids, a list of texts or a list of token-id lists (evaluation harnesses' default): a batch of up to 64 prompts (at most `--max-waiting`; their prompts and every candidate's answer at `max_tokens` within `--max-tokens-in-flight`: else a 400 before any runs), prompt p's choices at indices p·n to p·n + n − 1 (OpenAI's order), usage summed over the batch." },
     Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`; `null` is `false`." },
-    Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false." },
+    Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false. Only with `stream: true` (400 otherwise)." },
     // Length and stopping.
     Field { name: "max_tokens", on: On::Both, fate: Fate::Supported, doc: "At most this many tokens (default: the room the context and the device pool leave, capped by --default-max-tokens)." },
     Field { name: "max_completion_tokens", on: On::Chat, fate: Fate::Supported, doc: "Chat's newer name for max_tokens (wins over it)." },
@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts.",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`; any other key, or type, is a 400).",
     },
     Field {
         name: "name",

@@ -106,7 +106,9 @@ fn tool_parts<'a>(
         (Some(_), _) => bad(format!(
             "messages[{i}]: only tool messages have tool_call_id"
         )),
-        (None, "tool") => Ok(crate::tools::response_text(&text)),
+        (None, "tool") => bad(format!(
+            "messages[{i}]: a tool message needs tool_call_id (the call it answers)"
+        )),
         (None, _) => Ok(text),
     }
 }

@@ -50,6 +50,7 @@ async fn models_tokenize_detokenize_version_and_ids() {
     // Bad input: out-of-vocabulary ids, unknown fields, neither prompt nor messages.
     for (path, body, param) in [
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
+        ("/tokenize", json!({"prompt": [999_999]}), "prompt"),
         (
             "/tokenize",
             json!({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": false}),

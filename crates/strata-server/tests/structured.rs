@@ -252,6 +252,25 @@ async fn bad_constraints_are_refused_naming_their_field() {
         (400, Some("messages")),
         "{a}"
     );
+    // A tool message names the call it answers; a text part has only its type and text;
+    // stream_options comes with stream.
+    for (msgs, extra) in [
+        (
+            json!([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]),
+            json!({}),
+        ),
+        (
+            json!([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]),
+            json!({}),
+        ),
+        (
+            user("hi"),
+            json!({"stream_options": {"include_usage": true}}),
+        ),
+    ] {
+        let (st, a) = post(&url, &chat(msgs.clone(), extra.clone())).await;
+        assert_eq!(st, 400, "{msgs} {extra}: {a}");
+    }
     // The worker still serves.
     let (st, _) = post(&url, &chat(user("hi"), json!({"max_tokens": 2}))).await;
     assert_eq!(st, 200);

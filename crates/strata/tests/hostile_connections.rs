@@ -437,13 +437,38 @@ fn threads_zero_is_refused_and_an_unreachable_l3_is_a_warning_and_a_metric() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny_model(d.path());
     let m = model.display().to_string();
-    let mut p = start(&["serve", "--port", "0", "--model", &m, "--threads", "0"]);
-    assert_eq!(p.exit_code(30), Some(2));
-    assert!(
-        p.drain().iter().any(|l| l.contains("--threads 0")),
-        "{:?}",
-        p.log
-    );
+    // Each refused in the first phase (nothing allocated), exit 2, naming the flag: values
+    // that once panicked after the pools were made (durations past `Duration`'s range, the
+    // curve's pages), spawned threads without end, or were taken and left the server useless.
+    for bad in [
+        &["--threads", "0"][..],
+        &["--threads", "100000"],
+        &["--copy-threads", "0"],
+        &["--max-queue-time", "1e30"],
+        &["--shutdown-grace", "1e30"],
+        &["--kv-deadline", "1e30"],
+        &["--prefetch-ms-per-token", "NaN"],
+        &["--curve-pages", "4294967296"],
+        &["--max-waiting", "0"],
+        &["--default-max-tokens", "0"],
+        &["--body-limit", "0B"],
+        &["--l3", "redis://a:s3cret@127.0.0.1:1/xyz"],
+        &["--l3", "disk:"],
+        &["--admin-key", ""],
+        &["--record-trace", "/dev/full"],
+    ] {
+        let mut args = vec!["serve", "--port", "0", "--model", &m];
+        args.extend(bad);
+        let mut p = start(&args);
+        assert_eq!(p.exit_code(30), Some(2), "{bad:?}: {:?}", p.log);
+        let log = p.drain();
+        assert!(log.iter().any(|l| l.contains(bad[0])), "{bad:?}: {log:?}");
+        assert!(
+            log.iter()
+                .all(|l| !l.contains("s3cret") && !l.contains("panicked")),
+            "{log:?}"
+        );
+    }
     // Nothing listens on port 1.
     let (mut w, port) = serve(&model, &["--l3", "redis://127.0.0.1:1"]);
     assert!(

@@ -119,7 +119,20 @@ fn refusals_are_one_line_with_exit_code_2() {
         (vec!["--hicache-size", "150"], "has no unit"),
         (
             vec!["--hicache-ratio", "-1"],
-            "--hicache-ratio -1 must be a finite number ≥ 0",
+            "--hicache-ratio -1 must be a finite number in [0, 1000]",
+        ),
+        // Values that once overflowed or allocated per rank before any check.
+        (
+            vec!["--hicache-ratio", "1e30"],
+            "must be a finite number in [0, 1000]",
+        ),
+        (
+            vec!["--hicache-size", "16777215TiB"],
+            "too large: at most 1024TiB",
+        ),
+        (
+            vec!["--hicache-size", "1B"],
+            "less than one page of 64 tokens",
         ),
         (vec!["--numa-policy", "random"], "--numa-policy `random`"),
     ];

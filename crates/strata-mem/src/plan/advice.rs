@@ -22,7 +22,14 @@ pub(super) fn does_not_fit(
     let ht = req.host_text.as_deref();
     let fit = fitting_flag(req, room, s);
     let all_avail: u64 = topo.nodes.iter().map(|n| n.available_bytes).sum();
-    let mut alts = vec![format!("a smaller size ({fit} fits)")];
+    let mut alts = vec![match fit {
+        Some(fit) => format!("a smaller size ({fit} fits)"),
+        None if req.host.is_some() && req.device_in_host_memory => {
+            "no host tier fits beside the device pools in host memory: a smaller --device-mem"
+                .into()
+        }
+        None => "no smaller size: what the reserve leaves holds less than one page".into(),
+    }];
     if topo.nodes.len() > 1 && req.policy != NumaPolicy::Interleave {
         alts.push(format!(
             "--numa-policy interleave ({} available on all {} nodes, slower remote accesses)",
@@ -44,8 +51,9 @@ pub(super) fn does_not_fit(
     ))
 }
 
-/// The size that would fit, as the flag that was given, in the unit it was given in.
-fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
+/// The size that would fit, as the flag that was given, in the unit it was given in; `None`
+/// when not even one page fits (advice to type 0 would turn the tier off, or be refused).
+fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> Option<String> {
     let (tp, c) = (s.tp, &s.host_cost);
     let ht = req.host_text.as_deref();
     let fit_host_server = room.usable.saturating_sub(if req.device_in_host_memory {
@@ -54,8 +62,11 @@ fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
         0
     });
     let fit_tokens = c.tokens_for(fit_host_server / tp);
+    if req.host.is_some() && fit_tokens == 0 {
+        return None;
+    }
     // The advice names the flag that was given, in the unit it was given in.
-    match req.host {
+    Some(match req.host {
         Some(HostBudget::PerRank(_)) => {
             format!(
                 "--hicache-size {} per rank",
@@ -74,7 +85,11 @@ fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
         }
         None => {
             let d = &s.cost;
-            let dev_fit = d.bytes(d.tokens_for(room.usable / tp));
+            let dev_tokens = d.tokens_for(room.usable / tp);
+            if dev_tokens == 0 {
+                return None;
+            }
+            let dev_fit = d.bytes(dev_tokens);
             match req.device {
                 DeviceBudget::Bytes(_) => format!(
                     "--device-mem {} per rank",
@@ -86,7 +101,7 @@ fn fitting_flag(req: &PlanRequest, room: &Room, s: &Sizes) -> String {
                 ),
             }
         }
-    }
+    })
 }
 
 /// What the flags asked for, per rank and per server, as typed.

@@ -64,14 +64,16 @@ impl Cost {
                 } else {
                     (tokens / self.ps).div_ceil(k) * span
                 };
-                (fixed + checkpoints) * self.ps
+                fixed.saturating_add(checkpoints).saturating_mul(self.ps)
             }
         }
     }
 
-    /// Bytes of a pool of `tokens` main tokens.
+    /// Bytes of a pool of `tokens` main tokens (saturating: past 2^64 is past any machine).
     pub(crate) fn bytes(&self, tokens: u64) -> u64 {
-        tokens * self.main + self.window_tokens(tokens) * self.window
+        tokens
+            .saturating_mul(self.main)
+            .saturating_add(self.window_tokens(tokens).saturating_mul(self.window))
     }
 
     /// The most whole-page main tokens whose pool fits in `budget` bytes.

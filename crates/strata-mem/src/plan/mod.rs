@@ -12,6 +12,12 @@ pub use types::{
     PlanRequest, PoolPlan,
 };
 
+/// Most ranks one server runs (`--tp-size`): far past any machine's sockets and devices, and
+/// small enough that per-rank tables and sums stay small.
+pub const MAX_TP: u32 = 256;
+/// Largest `--hicache-ratio` (host tokens per device token).
+pub const MAX_RATIO: f64 = 1000.0;
+
 /// Share of a node below which a ratio-sized host pool is called out.
 pub const SMALL_POOL_SHARE: f64 = 0.10;
 
@@ -300,14 +306,17 @@ impl Sizes {
         let device_bytes = cost.bytes(device_tokens);
         let host_bytes = host_cost.bytes(host_tokens);
         // Every rank holds the same pages; a rank with fewer heads, fewer bytes.
-        let server_host = rank_costs.iter().map(|c| c.1.bytes(host_tokens)).sum();
-        let server_device = rank_costs.iter().map(|c| c.0.bytes(device_tokens)).sum();
-        let needed = server_host
-            + if req.device_in_host_memory {
-                server_device
-            } else {
-                0
-            };
+        // Saturating: a sum past 2^64 is past any machine, and the fit check says so.
+        let sum = |f: &dyn Fn(&(Cost, Cost)) -> u64| {
+            rank_costs.iter().fold(0u64, |a, c| a.saturating_add(f(c)))
+        };
+        let server_host = sum(&|c| c.1.bytes(host_tokens));
+        let server_device = sum(&|c| c.0.bytes(device_tokens));
+        let needed = server_host.saturating_add(if req.device_in_host_memory {
+            server_device
+        } else {
+            0
+        });
         Sizes {
             tp,
             cost: *cost,
@@ -326,8 +335,13 @@ impl Sizes {
 
 /// Rejects a request no plan can satisfy whatever the machine.
 fn validate(req: &PlanRequest) -> Result<(), PlanError> {
-    if req.tp == 0 {
-        return Err(PlanError::Tp);
+    if req.tp == 0 || req.tp > MAX_TP {
+        return Err(PlanError::Tp(req.tp));
+    }
+    if let Some(HostBudget::Ratio(r)) = req.host {
+        if !(r.is_finite() && (0.0..=MAX_RATIO).contains(&r)) {
+            return Err(PlanError::Ratio(r));
+        }
     }
     if req.page_size == 0 {
         return Err(PlanError::PageSize);
@@ -401,14 +415,15 @@ fn choose_nodes(
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(", ");
+    // A node named that does not exist is a mistake under any policy.
+    if let NumaChoice::Node(n) = req.numa {
+        if topo.node(n).is_none() {
+            return Err(PlanError::NoSuchNode { node: n, have });
+        }
+    }
     Ok(match (req.policy, &req.numa) {
         (NumaPolicy::Interleave, _) => (topo.ids(), None),
-        (_, &NumaChoice::Node(n)) => {
-            if topo.node(n).is_none() {
-                return Err(PlanError::NoSuchNode { node: n, have });
-            }
-            (vec![n], None)
-        }
+        (_, &NumaChoice::Node(n)) => (vec![n], None),
         // Answered by `ranks::rank_nodes` before.
         (_, NumaChoice::Ranks(each)) => (each.clone(), None),
         (_, NumaChoice::Auto) => {
@@ -504,7 +519,7 @@ fn host_tokens(
     let tp = req.tp as u64;
     let ps = req.page_size as u64;
     let ht = req.host_text.as_deref();
-    Ok(match req.host {
+    let tokens = match req.host {
         None => {
             decided.push(Decision {
                 what: "host tokens per rank".into(),
@@ -532,16 +547,30 @@ fn host_tokens(
             cost.tokens_for(b / tp)
         }
         Some(HostBudget::Ratio(r)) => {
-            if !(r.is_finite() && r >= 0.0) {
-                return Err(PlanError::Ratio(r));
-            }
             decided.push(Decision {
                 what: "host tokens per rank".into(),
                 by: format!("--hicache-ratio {r} × {device_tokens} device tokens per rank"),
             });
             ((device_tokens as f64 * r) as u64) / ps * ps
         }
-    })
+    };
+    // A flag that asks for a host tier gets one, or an error: never a tier quietly off.
+    let asked = match req.host {
+        Some(HostBudget::PerRank(b)) if b > 0 => Some(gbx(b, ht)),
+        Some(HostBudget::Total(b)) if b > 0 => Some(gbx(b / tp, ht)),
+        Some(HostBudget::Ratio(r)) if r > 0.0 => {
+            Some(format!("--hicache-ratio {r} × {device_tokens} tokens"))
+        }
+        _ => None,
+    };
+    if let (Some(budget), 0) = (asked, tokens) {
+        return Err(PlanError::HostTooSmall {
+            budget,
+            tokens,
+            page_size: req.page_size,
+        });
+    }
+    Ok(tokens)
 }
 
 /// Every pool kind's share of the device and host tokens.
@@ -580,10 +609,10 @@ fn pool_plans(
                     .collect(),
                 device_tokens,
                 device_pages: device_tokens / ps,
-                device_bytes: device_tokens * b,
+                device_bytes: device_tokens.saturating_mul(b),
                 host_tokens,
                 host_pages: host_tokens / ps,
-                host_bytes: host_tokens * b,
+                host_bytes: host_tokens.saturating_mul(b),
             }
         })
         .collect())

@@ -100,8 +100,8 @@ pub struct PlanRequest {
 /// A plan that cannot be carried out; each message is one line naming the fix.
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {
-    #[error("--tp-size must be at least 1")]
-    Tp,
+    #[error("--tp-size {0}: expected 1 to {max} ranks", max = crate::plan::MAX_TP)]
+    Tp(u32),
     #[error("--page-size must be at least 1 token")]
     PageSize,
     #[error("model `{0}` declares no pool kinds")]
@@ -110,8 +110,14 @@ pub enum PlanError {
     PageFit { page_size: usize, why: String },
     #[error("--device-mem-fraction {0} must be in (0, 1]")]
     Fraction(f64),
-    #[error("--hicache-ratio {0} must be a finite number ≥ 0")]
+    #[error("--hicache-ratio {0} must be a finite number in [0, {max}]", max = crate::plan::MAX_RATIO)]
     Ratio(f64),
+    #[error("host budget of {budget} per rank holds {tokens} tokens, less than one page of {page_size} tokens: give a larger --hicache-*, or none to turn the host tier off")]
+    HostTooSmall {
+        budget: String,
+        tokens: u64,
+        page_size: usize,
+    },
     #[error("--window-tokens-ratio {0} must be in (0, 1]")]
     WindowRatio(f64),
     #[error("--window-tokens-ratio {ratio}: model `{model}` has no window kinds (every kind is read for the whole prefix)")]

@@ -49,13 +49,15 @@ fn l3_storage(
             };
             match strata_redis::RedisStorage::connect(&cfg) {
                 Ok(r) => {
-                    tracing::info!(url = %spec, namespace = ns, "L3 remote tier (Redis) ready");
+                    let url = strata_redis::redact(spec);
+                    tracing::info!(url = %url, namespace = ns, "L3 remote tier (Redis) ready");
                     tiers.push(Arc::new(r));
                 }
                 Err(e) => {
                     left_out += 1;
-                    tracing::warn!(url = %spec, error = %e, "L3 remote tier unavailable at start: serving without it");
-                    say!("strata serve: L3 remote tier {spec} unavailable at start ({e}): serving without it");
+                    let url = strata_redis::redact(spec);
+                    tracing::warn!(url = %url, error = %e, "L3 remote tier unavailable at start: serving without it");
+                    say!("strata serve: L3 remote tier {url} unavailable at start ({e}): serving without it");
                 }
             }
         } else {
@@ -119,7 +121,7 @@ pub(super) fn build_cache(
     // The curve's answer: one more GiB per rank (a page holds every rank's part).
     cc.curve_step_bytes = (1u64 << 30) * plan.tp.max(1) as u64;
     cc.hashing = true;
-    cc.copy_threads = a.copy_threads.max(1);
+    cc.copy_threads = a.copy_threads;
     // Each kind from its rank's allocators (the layout holds the ranks' kinds in rank order).
     let per_rank = cc.layout.kinds().len() / rank_allocs.0.len().max(1);
     let (host, device) = (

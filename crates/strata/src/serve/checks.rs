@@ -69,36 +69,28 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         Eviction::S3fifo => EvictionPolicy::S3Fifo,
         Eviction::Auto => EvictionPolicy::Auto,
     };
-    let body_limit = parse_size(&a.body_limit).context("--body-limit")? as usize;
+    let body_limit = parse_size(&a.body_limit).context("--body-limit")?;
+    if !(1 << 10..=1 << 30).contains(&body_limit) {
+        bail!(
+            "--body-limit {}: expected 1KiB to 1GiB (a request body larger than that is not a prompt)",
+            a.body_limit
+        );
+    }
+    let body_limit = body_limit as usize;
     let role = a.sizing.role.name();
     let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
-    if !(a.kv_deadline > 0.0 && a.kv_deadline.is_finite()) {
-        bail!("--kv-deadline {}: expected seconds > 0", a.kv_deadline);
-    }
+    check_numbers(a)?;
     if a.sizing.machine.is_some() {
         bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
     }
     if a.sizing.tp_size == 0 {
         bail!("--tp-size 0: expected at least 1 rank");
     }
-    if a.threads == 0 {
-        bail!("--threads 0: expected at least 1 thread for matrix products and attention");
-    }
-    if !(a.shutdown_grace >= 0.0 && a.shutdown_grace.is_finite()) {
-        bail!(
-            "--shutdown-grace {}: expected seconds ≥ 0",
-            a.shutdown_grace
-        );
-    }
-    if !(a.max_queue_time >= 0.0 && a.max_queue_time.is_finite()) {
-        bail!(
-            "--max-queue-time {}: expected seconds ≥ 0 (0: no limit)",
-            a.max_queue_time
-        );
-    }
     if a.sizing.max_batch_tokens == 0 || a.sizing.max_running == 0 {
         bail!("--max-batch-tokens and --max-running must be at least 1");
     }
+    check_l3_specs(a)?;
+    prefetch_policy(a)?;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
@@ -124,6 +116,55 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     })
 }
 
+/// Longest duration flag, in seconds (a day): past it a value is a typo, and past `Duration`'s
+/// range one would panic where it is used.
+const MAX_SECONDS: f64 = 86_400.0;
+
+/// The numeric flags' ranges: durations, thread and connection counts, queue and token limits,
+/// the curve's pages (its memory), and the names and keys that must not be empty.
+fn check_numbers(a: &ServeArgs) -> Result<()> {
+    for (flag, v, zero_ok) in [
+        ("--kv-deadline", a.kv_deadline, false),
+        ("--shutdown-grace", a.shutdown_grace, true),
+        ("--max-queue-time", a.max_queue_time, true),
+    ] {
+        let low_ok = if zero_ok { v >= 0.0 } else { v > 0.0 };
+        if !(low_ok && v <= MAX_SECONDS) {
+            let low = if zero_ok { "≥ 0" } else { "> 0" };
+            bail!("{flag} {v}: expected seconds {low}, at most {MAX_SECONDS} (a day)");
+        }
+    }
+    let ms = a.prefetch_ms_per_token;
+    if !(0.0..=60_000.0).contains(&ms) {
+        bail!("--prefetch-ms-per-token {ms}: expected milliseconds in [0, 60000]");
+    }
+    let counts: [(&str, usize, usize); 6] = [
+        ("--threads", a.threads, 1024),
+        ("--copy-threads", a.copy_threads, 64),
+        ("--max-waiting", a.max_waiting, 1 << 20),
+        ("--default-max-tokens", a.default_max_tokens, 1 << 24),
+        ("--kv-max-connections", a.kv_max_connections, 1 << 16),
+        ("--curve-pages", a.curve_pages.max(1), MAX_CURVE_PAGES),
+    ];
+    for (flag, v, max) in counts {
+        if !(1..=max).contains(&v) {
+            bail!("{flag} {v}: expected 1 to {max}");
+        }
+    }
+    for (flag, v) in [
+        ("--served-model-name", &a.served_model_name),
+        ("--admin-key", &a.admin_key),
+    ] {
+        if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
+            bail!("{flag} is empty: give a value, or leave the flag out");
+        }
+    }
+    Ok(())
+}
+
+/// Most pages `--curve-pages` may track (about 180 bytes each: 720 MiB); 0 turns it off.
+const MAX_CURVE_PAGES: usize = 1 << 22;
+
 /// `--record-trace FILE` and its size, checked (the file is made once the flags all pass).
 fn record_trace(a: &ServeArgs) -> Result<u64> {
     let size = parse_size(&a.record_trace_size).context("--record-trace-size")?;
@@ -147,6 +188,12 @@ fn record_trace(a: &ServeArgs) -> Result<u64> {
         }
         if f.is_dir() {
             bail!("--record-trace {}: a directory, not a file", f.display());
+        }
+        if f.exists() && !f.is_file() {
+            bail!(
+                "--record-trace {}: not a regular file (a device or a pipe)",
+                f.display()
+            );
         }
     }
     Ok(size)
@@ -199,18 +246,38 @@ pub(super) fn is_redis(spec: &str) -> bool {
     spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
 }
 
-/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use.
-pub(super) fn check_l3_specs(l3: &[String]) -> Result<()> {
-    for spec in l3 {
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
+/// spec given twice, and a disk tier of no bytes; nothing is opened or connected here.
+fn check_l3_specs(a: &ServeArgs) -> Result<()> {
+    let l3 = &a.l3;
+    let cap = parse_size(&a.l3_size).context("--l3-size")?;
+    for (i, spec) in l3.iter().enumerate() {
+        if l3[..i].contains(spec) {
+            bail!("--l3 `{}` is given twice", strata_redis::redact(spec));
+        }
+        if let Some(path) = spec.strip_prefix("disk:") {
+            if path.is_empty() {
+                bail!("--l3 `disk:`: no path (disk:PATH)");
+            }
+            if cap == 0 {
+                bail!(
+                    "--l3-size {}: a disk tier of 0 bytes holds nothing",
+                    a.l3_size
+                );
+            }
+            continue;
+        }
+        if is_redis(spec) {
+            strata_redis::check_url(spec).map_err(|e| anyhow::anyhow!("--l3: {e}"))?;
+            continue;
+        }
         if spec.starts_with("rediss://") {
             bail!(
                 "--l3 `{spec}`: TLS to Redis is not built in; reach Redis over a private network \
                  or a TLS tunnel (e.g. stunnel) with redis://"
             );
         }
-        if !(spec.starts_with("disk:") || is_redis(spec)) {
-            bail!("--l3 `{spec}`: {L3_SPECS}");
-        }
+        bail!("--l3 `{}`: {L3_SPECS}", strata_redis::redact(spec));
     }
     Ok(())
 }
@@ -220,16 +287,9 @@ pub(super) fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPo
     Ok(match a.prefetch_policy {
         Prefetch::BestEffort => strata_engine::PrefetchPolicy::BestEffort,
         Prefetch::WaitComplete => strata_engine::PrefetchPolicy::WaitComplete,
-        Prefetch::Timeout
-            if a.prefetch_ms_per_token >= 0.0 && a.prefetch_ms_per_token.is_finite() =>
-        {
-            strata_engine::PrefetchPolicy::Timeout {
-                per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
-            }
-        }
-        Prefetch::Timeout => bail!(
-            "--prefetch-ms-per-token {}: expected milliseconds ≥ 0",
-            a.prefetch_ms_per_token
-        ),
+        // In range: `check_numbers`.
+        Prefetch::Timeout => strata_engine::PrefetchPolicy::Timeout {
+            per_token: Duration::from_secs_f64(a.prefetch_ms_per_token / 1e3),
+        },
     })
 }

@@ -31,7 +31,7 @@ use strata_server::AppState;
 
 use crate::sizing::SizingArgs;
 use cache::build_cache;
-use checks::{check_flags, check_l3_specs, check_staging_before_pools, prefetch_policy, Checked};
+use checks::{check_flags, check_staging_before_pools, prefetch_policy, Checked};
 
 #[derive(Args, Debug, Clone)]
 // A worker serves the model it loads: the sizing flags it would refuse are not offered (still
@@ -249,6 +249,17 @@ pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
     })
 }
 
+/// Phase one of [`run`] for `strata up`, before it starts any process: the flags checked and
+/// the memory plan made, nothing bound, loaded or allocated (the model's header is read).
+/// Returns the plan and the bytes it places in host memory.
+pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
+    check_flags(a)?;
+    let req = a.sizing.request()?;
+    let plan = make_plan(&req, &a.sizing.topology()?)?;
+    let needed = plan.numa.needed_bytes;
+    Ok((plan, needed))
+}
+
 pub fn run(mut a: ServeArgs) -> Result<()> {
     // Check everything cheap first.
     let mut c = check_flags(&a)?;
@@ -273,7 +284,6 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
     eprint!("{}", plan.render());
-    check_l3_specs(&a.l3)?;
     let prefetch = prefetch_policy(&a)?;
 
     // Model: tensor-parallel ranks placed by --numa-nodes.

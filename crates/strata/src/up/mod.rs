@@ -9,9 +9,12 @@
 //! - [`ports`]: the ports checked free before anything starts, the holder of a taken one.
 //! - [`key`]: the deployment's state directory and cluster key.
 //! - [`supervise`]: restarts with backoff while serving.
+//! - [`preflight`]: the deployment file read within a bound; every worker's flags and memory
+//!   plan checked, and their sum per NUMA node, before any process starts.
 
 mod key;
 mod ports;
+mod preflight;
 mod procs;
 mod supervise;
 
@@ -119,6 +122,10 @@ pub fn run(a: UpArgs) -> Result<()> {
         print!("{DEFAULT}");
         return Ok(());
     }
+    let t = a.startup_timeout;
+    if !(t > 0.0 && t <= 86_400.0) {
+        bail!("--startup-timeout {t}: expected seconds > 0, at most 86400 (a day)");
+    }
     let d = load_deployment(&a)?;
     let model = match (&a.model, d.model.as_str()) {
         (Some(p), _) => p.clone(),
@@ -149,6 +156,9 @@ pub fn run(a: UpArgs) -> Result<()> {
         key: key_file.display().to_string(),
         nodes,
     };
+    // Every worker's flags and memory plan, and the deployment's sum against this machine,
+    // before any process starts.
+    preflight::check(&w)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -190,9 +200,7 @@ pub fn run(a: UpArgs) -> Result<()> {
 /// The deployment of `--config`, or the embedded one.
 fn load_deployment(a: &UpArgs) -> Result<Deployment> {
     let text = match &a.config {
-        Some(p) => {
-            std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?
-        }
+        Some(p) => preflight::read_config(p)?,
         None => DEFAULT.to_string(),
     };
     let what = a
@@ -273,9 +281,9 @@ struct WorkerCtx<'a> {
 }
 
 impl WorkerCtx<'_> {
-    /// Starts `ROLE-I`, its NUMA node by default prefill 0, decode 1 on a machine with two or
-    /// more; a decode worker is told `prefill_urls`.
-    fn start(&self, role: &str, i: usize, w: &WorkerSpec, prefill_urls: &[String]) -> Result<Proc> {
+    /// The command line of `ROLE-I` (`serve ...`), its NUMA node by default prefill 0, decode
+    /// 1 on a machine with two or more; a decode worker is told `prefill_urls`.
+    fn args(&self, role: &str, w: &WorkerSpec, prefill_urls: &[String]) -> Vec<String> {
         let d = self.d;
         let default_node = if role == "prefill" { 0 } else { 1 };
         let node = w
@@ -321,9 +329,15 @@ impl WorkerCtx<'_> {
             args.extend(["--prefill-worker".into(), u.clone()]);
         }
         args.extend(w.args.iter().cloned());
+        args
+    }
+
+    /// Starts `ROLE-I` (see [`WorkerCtx::args`]).
+    fn start(&self, role: &str, i: usize, w: &WorkerSpec, prefill_urls: &[String]) -> Result<Proc> {
+        let args = self.args(role, w, prefill_urls);
         let name = format!("{role}-{i}");
-        say!("strata up: starting {name} on {}:{}", d.host, w.port);
-        Proc::start(name, args, &d.host, w.port)
+        say!("strata up: starting {name} on {}:{}", self.d.host, w.port);
+        Proc::start(name, args, &self.d.host, w.port)
     }
 }
 

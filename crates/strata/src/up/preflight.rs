@@ -1,0 +1,142 @@
+//! What `strata up` checks before it starts any process: the deployment file read within a
+//! bound, every worker's command line parsed and checked as `strata serve` would check it, and
+//! each worker's memory plan, summed per NUMA node against what this machine has (each plan
+//! alone may fit its node; together they may not).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use super::WorkerCtx;
+use crate::serve::ServeArgs;
+
+/// Largest deployment file read (a real one is a few kilobytes).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The deployment file's text: a regular file of at most [`MAX_CONFIG_BYTES`].
+pub(super) fn read_config(p: &Path) -> Result<String> {
+    let what = || format!("--config {}", p.display());
+    let meta = std::fs::metadata(p).with_context(what)?;
+    if !meta.is_file() {
+        bail!("{}: not a regular file", what());
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        bail!(
+            "{}: {} bytes, at most {MAX_CONFIG_BYTES}",
+            what(),
+            meta.len()
+        );
+    }
+    let mut text = String::new();
+    let f = std::fs::File::open(p).with_context(what)?;
+    std::io::Read::read_to_string(&mut std::io::Read::take(f, MAX_CONFIG_BYTES + 1), &mut text)
+        .with_context(what)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        bail!("{}: longer than {MAX_CONFIG_BYTES} bytes", what());
+    }
+    Ok(text)
+}
+
+/// `strata serve`'s flags, parsed from a worker's command line.
+#[derive(Parser)]
+#[command(name = "strata serve")]
+struct Serve {
+    #[command(flatten)]
+    a: ServeArgs,
+}
+
+/// Every worker checked and planned; the deployment's host memory summed per NUMA node.
+pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
+    let d = w.d;
+    // Decode workers are told the prefill workers' URLs; their ports may be 0 until they
+    // start, so any well-formed URL stands in here.
+    let prefill_urls: Vec<String> = (0..d.prefill.len())
+        .map(|i| format!("http://{}:{}", d.host, 1 + i))
+        .collect();
+    let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut reserve = 0u64;
+    for (role, list) in [("prefill", &d.prefill), ("decode", &d.decode)] {
+        for (i, spec) in list.iter().enumerate() {
+            let name = format!("{role}-{i}");
+            let urls: &[String] = if role == "decode" { &prefill_urls } else { &[] };
+            let args = w.args(role, spec, urls);
+            let s = Serve::try_parse_from(
+                std::iter::once("strata serve".to_string()).chain(args.into_iter().skip(1)),
+            )
+            .map_err(|e| {
+                let text = e.render().to_string();
+                let first = text.lines().next().unwrap_or_default();
+                anyhow::anyhow!("{name}: {}", first.trim_start_matches("error: "))
+            })?;
+            let (plan, needed) = crate::serve::preflight(&s.a).with_context(|| name.clone())?;
+            let nodes = &plan.numa.nodes;
+            for &n in nodes {
+                *per_node.entry(n).or_default() += needed / nodes.len().max(1) as u64;
+            }
+            reserve = reserve.max(plan.numa.reserve_bytes);
+        }
+    }
+    let topo = strata_mem::Topology::detect().context("reading this machine's NUMA nodes")?;
+    fits(&topo, &per_node, reserve)
+}
+
+/// The sum of the workers' pools on each node against its available memory less one reserve.
+fn fits(topo: &strata_mem::Topology, per_node: &BTreeMap<u32, u64>, reserve: u64) -> Result<()> {
+    for (&n, &needed) in per_node {
+        let Some(node) = topo.node(n) else { continue };
+        let room = node.available_bytes.saturating_sub(reserve);
+        if needed > room {
+            bail!(
+                "the deployment's workers place {} on NUMA node {n}, which has {} available less a {} reserve: fewer workers or smaller pools (each worker's plan alone fits; together they do not)",
+                strata_kv::units::format_bytes(needed),
+                strata_kv::units::format_bytes(node.available_bytes),
+                strata_kv::units::format_bytes(reserve),
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u32, gib: u64) -> strata_mem::Node {
+        strata_mem::Node {
+            id,
+            cpus: Vec::new(),
+            total_bytes: gib << 30,
+            available_bytes: gib << 30,
+            source: "test".into(),
+        }
+    }
+
+    /// Workers that each fit their node alone are refused together when their sum on a node
+    /// passes what it has less one reserve; other nodes' room does not count.
+    #[test]
+    fn the_workers_sum_per_node_must_fit() {
+        let topo = strata_mem::Topology {
+            nodes: vec![node(0, 16), node(1, 64)],
+        };
+        let per = |v: &[(u32, u64)]| v.iter().map(|&(n, g)| (n, g << 30)).collect();
+        assert!(fits(&topo, &per(&[(0, 14), (1, 60)]), 1 << 30).is_ok());
+        let e = fits(&topo, &per(&[(0, 16), (1, 10)]), 1 << 30).unwrap_err();
+        assert!(e.to_string().contains("NUMA node 0"), "{e}");
+        assert!(fits(&topo, &per(&[(1, 64)]), 1).is_err());
+    }
+
+    #[test]
+    fn a_config_is_a_bounded_regular_file() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(read_config(d.path()).is_err(), "a directory");
+        assert!(read_config(Path::new("/dev/zero")).is_err(), "a device");
+        let big = d.path().join("big.toml");
+        std::fs::write(&big, vec![b'#'; MAX_CONFIG_BYTES as usize + 1]).unwrap();
+        assert!(read_config(&big).is_err(), "over the bound");
+        let ok = d.path().join("ok.toml");
+        std::fs::write(&ok, "[router]\nport = 0\n").unwrap();
+        assert_eq!(read_config(&ok).unwrap(), "[router]\nport = 0\n");
+    }
+}
