@@ -19,7 +19,8 @@
 //! errors) until the cluster fails over to its replica and the slot map is fetched again.
 //!
 //! Modules: `cluster` (the cluster client), `slot` (key slots), `measure` (what the tier holds,
-//! measured in Redis).
+//! measured in Redis), `url` (`--l3` URLs checked before anything connects, and redacted for
+//! logs).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
