@@ -25,6 +25,16 @@ impl Message {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// The control tokens its source writes (its turn markers), found once per tokenizer.
+    markers: std::sync::OnceLock<TurnMarkers>,
+}
+
+/// The control tokens a template writes between turns (`<|im_start|>`, `<|im_end|>`, Llama
+/// 3's `<|start_header_id|>`, ...), matched at once: a message whose content writes one would
+/// be read as a turn boundary of the model's own, so a user could open a system turn.
+struct TurnMarkers {
+    texts: Vec<String>,
+    matcher: Option<aho_corasick::AhoCorasick>,
 }
 
 impl ChatTemplate {
@@ -34,8 +44,30 @@ impl ChatTemplate {
             .map_err(|e| ModelError::Template(e.to_string()))?;
         Ok(ChatTemplate {
             env,
+            markers: std::sync::OnceLock::new(),
             source: source.to_string(),
         })
+    }
+
+    /// The first turn marker of this template (a control token of `tk` its source writes)
+    /// found in `text`, if any. The markers are found on the first call (one tokenizer per
+    /// template).
+    pub fn turn_marker_in(&self, tk: &crate::ModelTokenizer, text: &str) -> Option<&str> {
+        let m = self.markers.get_or_init(|| {
+            let texts: Vec<String> = tk
+                .control_texts()
+                .iter()
+                .filter(|t| self.source.contains(t.as_str()))
+                .cloned()
+                .collect();
+            let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
+            TurnMarkers { texts, matcher }
+        });
+        if m.texts.is_empty() {
+            return None;
+        }
+        let hit = m.matcher.as_ref()?.find(text)?;
+        Some(m.texts[hit.pattern().as_usize()].as_str())
     }
 
     /// The template's Jinja source, as the GGUF holds it.

@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`; any other key, or type, is a 400).",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`; any other key, or type, is a 400). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text.",
     },
     Field {
         name: "name",

@@ -139,6 +139,7 @@ pub fn chat_ids_shared(
         ));
     };
     let msgs = template_messages(messages, tools)?;
+    check_turn_markers(tk, tpl, &msgs, messages.len())?;
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
@@ -148,6 +149,35 @@ pub fn chat_ids_shared(
         false => 0,
     };
     Ok((ids, n))
+}
+
+/// Refuses a message (or a tool's description) that writes one of the template's turn markers:
+/// tokenized with the rest, it would be the marker's own id, and a user could close their turn
+/// and open a system one. `given` is how many messages the request had (the tools' text is
+/// the first message when there is one more).
+fn check_turn_markers(
+    tk: &ModelTokenizer,
+    tpl: &ChatTemplate,
+    msgs: &[Message],
+    given: usize,
+) -> Result<(), ApiError> {
+    let shift = msgs.len() - given;
+    for (k, m) in msgs.iter().enumerate() {
+        if let Some(marker) = tpl.turn_marker_in(tk, &m.content) {
+            let at = match k.checked_sub(shift) {
+                Some(i) => format!("messages[{i}]"),
+                None => "tools".into(),
+            };
+            return Err(ApiError::bad_request(
+                format!(
+                    "{at} writes `{marker}`, a turn marker of the model's chat template: it would \
+                     be read as a turn boundary, not as text"
+                ),
+                Some(if shift > k { "tools" } else { "messages" }),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The tokens of `ids` (a rendered chat) that every conversation with the same leading

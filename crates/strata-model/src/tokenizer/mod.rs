@@ -88,6 +88,9 @@ pub struct ModelTokenizer {
     /// A SentencePiece vocabulary's tokenizer without the space it puts before a text: for
     /// fragments of output (None: `inner` serves).
     fragments: Option<Tokenizer>,
+    /// The control tokens' texts (`<|im_start|>`, `<|eot_id|>`, ...): written in a text,
+    /// each is its id (see [`crate::ChatTemplate::turn_marker_in`]).
+    control: Vec<String>,
 }
 
 fn err(e: impl std::fmt::Display) -> ModelError {
@@ -202,6 +205,12 @@ impl ModelTokenizer {
                 )))
             }
         };
+        let control: Vec<String> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(s, &t)| t == TOKEN_TYPE_CONTROL && !s.is_empty())
+            .map(|(s, _)| s.clone())
+            .collect();
         let specials: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
@@ -241,7 +250,13 @@ impl ModelTokenizer {
             add_bos,
             eos,
             stop,
+            control,
         })
+    }
+
+    /// The control tokens' texts.
+    pub fn control_texts(&self) -> &[String] {
+        &self.control
     }
 
     /// Token ids of `text` as it is (no BOS added); special tokens written in the text are
