@@ -44,6 +44,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .fallback(strata_server::body::not_found)
         .method_not_allowed_fallback(strata_server::body::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(strata_server::body::plain_bodies))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             front_door,

@@ -46,6 +46,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(crate::body::plain_bodies))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             count_outcome,

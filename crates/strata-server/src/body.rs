@@ -94,6 +94,33 @@ fn failing_sampling_field(bytes: &[u8]) -> Option<String> {
         .map(|(k, _)| k.clone())
 }
 
+/// Refuses a body in a content coding (`Content-Encoding: gzip`, ...) with a JSON 415: it
+/// would be read as if it were plain JSON, never decoded. `identity` passes.
+pub async fn plain_bodies(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let coded = req
+        .headers()
+        .get_all(axum::http::header::CONTENT_ENCODING)
+        .iter()
+        .find(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if let Some(v) = coded {
+        let msg = format!(
+            "Content-Encoding `{}` is not taken: send the body as it is",
+            String::from_utf8_lossy(v.as_bytes())
+        );
+        return ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            msg,
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

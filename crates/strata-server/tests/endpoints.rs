@@ -69,6 +69,22 @@ async fn models_tokenize_detokenize_version_and_ids() {
             assert_eq!(e["error"]["param"], param, "{e}");
         }
     }
+    // A body in a content coding is refused (it would be read as plain JSON); identity passes.
+    for (coding, want) in [("gzip", 415), ("identity", 200)] {
+        let r = reqwest::Client::new()
+            .post(format!("{u}/tokenize"))
+            .header("content-type", "application/json")
+            .header("content-encoding", coding)
+            .body(r#"{"prompt": "hi"}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), want, "{coding}");
+        if want == 415 {
+            let e: Value = r.json().await.unwrap();
+            assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        }
+    }
     // vLLM's fields: the text's own ids without special tokens, each token's text.
     let plain =
         json!({"prompt": "hello world", "add_special_tokens": false, "return_token_strs": true});
