@@ -247,7 +247,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "tool_calls",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "An assistant's tool calls, shown to the model as it writes them (`<tool_call>` blocks).",
+        doc: "An assistant's tool calls, shown to the model as it writes them (`<tool_call>` blocks); each with a name and an id no earlier call has (400 otherwise).",
     },
     Field {
         name: "tool_call_id",

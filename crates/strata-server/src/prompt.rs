@@ -89,6 +89,18 @@ fn tool_parts<'a>(
             if c.kind != "function" {
                 return bad(format!("messages[{i}].tool_calls[{j}].type: only function"));
             }
+            if c.function.name.is_empty() {
+                return bad(format!(
+                    "messages[{i}].tool_calls[{j}].function.name is empty"
+                ));
+            }
+            // A tool answer names its call: two calls of one id would make it ambiguous.
+            if c.id.is_empty() || call_ids.contains(&c.id.as_str()) {
+                return bad(format!(
+                    "messages[{i}].tool_calls[{j}].id `{}`: empty or given to an earlier call",
+                    c.id
+                ));
+            }
             if !text.is_empty() {
                 text.push('\n');
             }
