@@ -266,29 +266,20 @@ impl TraceReplay {
             self.limit,
         )
         .map_err(|e| err(e.to_string()))?;
-        let t0 = trace[0].timestamp_ms;
-        // Scaled blocks keep the sharing structure: every block shrinks or grows alike.
-        let block = ((self.block_tokens as f64 * self.length_scale).round() as usize).max(1);
-        let max = strata_sim::trace::MAX_REQUEST_TOKENS;
-        let over = |what: String, n: usize| {
-            err(format!(
-                "{what} of {n} tokens after the length scale {}: at most {max}",
-                self.length_scale
-            ))
-        };
-        if block > max {
-            return Err(over("a block".into(), block));
+        if !trace.unread_fields.is_empty() {
+            let names: Vec<&str> = trace.unread_fields.iter().map(String::as_str).collect();
+            eprintln!("strata bench: trace fields not read: {}", names.join(", "));
         }
+        let trace = trace.requests;
+        let t0 = trace[0].timestamp_ms;
+        let scale =
+            strata_sim::trace::Scale::new(self.block_tokens, self.length_scale).map_err(&err)?;
         trace
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let len = ((r.input_length as f64 * self.length_scale).round() as usize)
-                    .clamp(1, block.saturating_mul(r.hash_ids.len().max(1)));
-                let out = ((r.output_length as f64 * self.length_scale).round() as usize).max(1);
-                if len > max {
-                    return Err(over(format!("request {}: the prompt", i + 1), len));
-                }
+                let len = scale.prompt(i, r).map_err(&err)?;
+                let out = scale.output(r);
                 let Some(dt) = r.timestamp_ms.checked_sub(t0) else {
                     return Err(err(format!(
                         "request {}: timestamp {} is before the first request's ({t0})",
@@ -298,7 +289,12 @@ impl TraceReplay {
                 };
                 Ok(TimedRequest {
                     at_us: (dt as f64 * self.time_scale * 1e3) as u64,
-                    prompt: strata_sim::tokens::request_tokens(&r.hash_ids, len, block, self.vocab),
+                    prompt: strata_sim::tokens::request_tokens(
+                        &r.hash_ids,
+                        len,
+                        scale.block,
+                        self.vocab,
+                    ),
                     max_tokens: out.min(self.max_tokens),
                     session: r.session,
                 })

@@ -13,7 +13,7 @@ pub enum SizeError {
     BadNumber(String),
     #[error("size `{0}` is too large: at most 1024TiB")]
     Overflow(String),
-    #[error("size `{0}` is not a whole number of bytes")]
+    #[error("size `{0}` is a fraction of a byte")]
     Fraction(String),
 }
 
@@ -21,8 +21,10 @@ pub enum SizeError {
 /// small enough that sums and products of a few sizes and rank counts cannot overflow.
 pub const MAX_SIZE: u64 = 1 << 50;
 
-/// Parses a byte size with a unit; decimals allowed (`1.5GiB`), computed exactly: a size that
-/// is not a whole number of bytes (`0.5B`, `0.0001KB`) or is over [`MAX_SIZE`] is refused.
+/// Parses a byte size with a unit; decimals allowed (`1.5GiB`, `137.42GiB`), computed exactly
+/// and rounded down to whole bytes (so the plan's advice, in the unit typed, reads back as at
+/// most what it names). A fraction of a byte (`2.5B`), a size that rounds down to nothing
+/// (`0.0001KB`), and one over [`MAX_SIZE`] are refused.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t
@@ -40,28 +42,26 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     if (whole.is_empty() && frac.is_empty()) || frac.contains('.') {
         return Err(SizeError::BadNumber(s.into()));
     }
-    // Digits past 18 after the point cannot make a whole byte of any unit here.
-    let digits = |d: &str| -> Result<u128, SizeError> {
-        if d.len() > 18 {
-            return Err(SizeError::Overflow(s.into()));
-        }
-        Ok(if d.is_empty() {
-            0
-        } else {
-            d.parse().map_err(|_| SizeError::BadNumber(s.into()))?
-        })
-    };
-    let frac = frac.trim_end_matches('0');
+    // Digits past the 18th after the point are below a byte of any unit here: dropped.
+    let frac = &frac.trim_end_matches('0')[..frac.trim_end_matches('0').len().min(18)];
+    let whole = whole.trim_start_matches('0');
+    if whole.len() > 20 {
+        return Err(SizeError::Overflow(s.into()));
+    }
+    let digits = |d: &str| d.parse::<u128>().unwrap_or(0);
     let scale = 10u128.pow(frac.len() as u32);
-    let scaled = digits(whole.trim_start_matches('0'))?
+    let exact = digits(whole)
         .checked_mul(scale)
-        .and_then(|w| w.checked_add(digits(frac).ok()?))
+        .and_then(|w| w.checked_add(digits(frac)))
         .and_then(|n| n.checked_mul(mult as u128))
         .ok_or_else(|| SizeError::Overflow(s.into()))?;
-    if scaled % scale != 0 {
+    if mult == 1 && !frac.is_empty() {
         return Err(SizeError::Fraction(s.into()));
     }
-    let bytes = scaled / scale;
+    let bytes = exact / scale;
+    if bytes == 0 && exact > 0 {
+        return Err(SizeError::Fraction(s.into()));
+    }
     if bytes > MAX_SIZE as u128 {
         return Err(SizeError::Overflow(s.into()));
     }
@@ -166,18 +166,17 @@ mod tests {
             parse_size("99999999999TiB"),
             Err(SizeError::Overflow(..))
         ));
-        // Exact decimals; whole bytes only; at most 1024TiB; one point, digits on a side.
+        // Exact decimals, rounded down to whole bytes; no fraction of a byte; at most 1024TiB;
+        // one point, digits on a side.
         assert_eq!(parse_size("1.1GB"), Ok(1_100_000_000));
+        assert_eq!(parse_size("1.1GiB"), Ok(1_181_116_006));
         assert_eq!(parse_size("0.001KB"), Ok(1));
-        assert_eq!(
-            parse_size("2.50B"),
-            Err(SizeError::Fraction("2.50B".into()))
-        );
         assert_eq!(parse_size("1.000B"), Ok(1));
         assert_eq!(parse_size("007GB"), Ok(7_000_000_000));
         assert_eq!(parse_size(".5KiB"), Ok(512));
         assert_eq!(parse_size("5.KiB"), Ok(5 << 10));
-        for bad in ["0.0001B", "1.5B", "0.0001KB"] {
+        assert_eq!(parse_size("1.0000000000000000000001GB"), Ok(1_000_000_000));
+        for bad in ["2.5B", "0.0001B", "1.5B", "0.0001KB"] {
             assert_eq!(
                 parse_size(bad),
                 Err(SizeError::Fraction(bad.into())),
@@ -185,7 +184,13 @@ mod tests {
             );
         }
         assert_eq!(parse_size("1024TiB"), Ok(MAX_SIZE));
-        for big in ["1025TiB", "16777215TiB", "1125899906842625B", "1e30GB"] {
+        for big in [
+            "1025TiB",
+            "16777215TiB",
+            "1125899906842625B",
+            "1e30GB",
+            "99999999999999999999999GB",
+        ] {
             assert!(parse_size(big).is_err(), "{big}");
         }
         for bad in [".", "1.2.3GB", "..GB"] {
@@ -195,6 +200,20 @@ mod tests {
                     Err(SizeError::BadNumber(..) | SizeError::NoUnit(..))
                 ),
                 "{bad}"
+            );
+        }
+        // The advice, in the unit typed, reads back as at most what it names.
+        for (b, t) in [
+            (137_420_000_000u64 << 3, "1GiB"),
+            (147_573_952_589, "150GiB"),
+            (12_345, "1KB"),
+            (MAX_SIZE, "1TiB"),
+        ] {
+            let typed = in_unit_of(b, t);
+            let back = parse_size(&typed).unwrap();
+            assert!(
+                back <= b && b - back < (1 << 40) / 100 + 1,
+                "{b} {t} {typed} {back}"
             );
         }
         assert_eq!(parse_size("0GB"), Ok(0));

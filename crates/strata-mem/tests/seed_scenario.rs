@@ -180,14 +180,27 @@ fn bad_inputs_are_refused_before_anything_else() {
     }
     r.host = Some(HostBudget::PerRank(0));
     assert!(make_plan(&r, &t).is_ok());
-    // A refusal never advises a size of nothing.
-    r.host = Some(HostBudget::PerRank(1 << 50));
+    // A refusal never advises a size of nothing: device pools in host memory that leave no
+    // page for the host tier say so, and a reserve that leaves nothing says that.
+    r.host = Some(HostBudget::PerRank(1 << 40));
     r.device = DeviceBudget::Bytes(1 << 50);
+    let in_host = r.device_in_host_memory;
+    r.device_in_host_memory = true;
     let e = make_plan(&r, &t).unwrap_err().to_string();
     assert!(
-        !e.contains(" 0GB") && !e.contains("0B per rank fits"),
+        e.contains("no host tier fits beside the device pools") && !e.contains("fits)"),
         "{e}"
     );
+    r.device = DeviceBudget::Bytes(GB);
+    r.host = None;
+    r.reserve = Some(1 << 50);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(
+        e.contains("no smaller size: what the reserve leaves"),
+        "{e}"
+    );
+    r.reserve = None;
+    r.device_in_host_memory = in_host;
 }
 
 #[test]

@@ -63,11 +63,17 @@ impl ChatTemplate {
             let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
             TurnMarkers { texts, matcher }
         });
-        if m.texts.is_empty() {
-            return None;
+        match &m.matcher {
+            Some(ac) => ac
+                .find(text)
+                .map(|hit| m.texts[hit.pattern().as_usize()].as_str()),
+            // No matcher could be built: each marker looked for in turn (never no check).
+            None => m
+                .texts
+                .iter()
+                .find(|t| text.contains(t.as_str()))
+                .map(String::as_str),
         }
-        let hit = m.matcher.as_ref()?.find(text)?;
-        Some(m.texts[hit.pattern().as_usize()].as_str())
     }
 
     /// The template's Jinja source, as the GGUF holds it.

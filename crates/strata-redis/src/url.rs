@@ -25,15 +25,14 @@ pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(end);
-    match authority.rsplit_once('@') {
+    // The user information ends at the last `@` (a password may hold `/` or `@`).
+    match rest.rsplit_once('@') {
         Some((user, host)) => {
             let user = match user.split_once(':') {
                 Some((name, _)) => format!("{name}:***"),
                 None => user.to_string(),
             };
-            format!("{scheme}://{user}@{host}{path}")
+            format!("{scheme}://{user}@{host}")
         }
         None => url.to_string(),
     }
@@ -64,7 +63,11 @@ mod tests {
             assert!(check_url(bad).is_err(), "{bad}");
         }
         // An error never shows the password.
-        for bad in ["redis://u:s3cret@h:1/xyz", "redis-cluster://:s3cret@a:1,b"] {
+        for bad in [
+            "redis://u:s3cret@h:1/xyz",
+            "redis-cluster://:s3cret@a:1,b",
+            "redis://u:s3/cret@h:1",
+        ] {
             let e = check_url(bad).unwrap_err();
             assert!(!e.contains("s3cret"), "{e}");
         }

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::Json;
-use serde::Deserialize;
 use serde_json::json;
 use strata_server::auth::now_ms;
 use strata_server::metrics::LATENCY_BUCKETS;
@@ -150,12 +149,6 @@ pub async fn data(State(st): St) -> Json<serde_json::Value> {
     Json(json!({"policy": st.policy.name(), "now_ms": now_ms(), "workers": workers}))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SinceQuery {
-    since: Option<u64>,
-}
-
 /// Samples from sequence number `since` on, at most [`SAMPLES_PER_ANSWER`] (the page asks
 /// again from `next`). The lock is held only to copy pointers; the JSON is built off the async
 /// workers.
@@ -163,7 +156,7 @@ pub async fn history(
     State(st): St,
     uri: axum::http::Uri,
 ) -> Result<axum::response::Response, strata_server::ApiError> {
-    let q: SinceQuery = strata_server::error::query(&uri)?;
+    let q: strata_server::error::SinceQuery = strata_server::error::query(&uri)?;
     let since = q.since.unwrap_or(0);
     let (samples, next) = {
         let h = st.history.lock().expect("history lock");

@@ -186,10 +186,10 @@ pub enum Content {
     Parts(Vec<ContentPart>),
 }
 
-/// A text part (`{"type": "text", "text"}`); any other key (`cache_control`, an `image_url`
-/// beside the text) is refused by name, never ignored.
+/// A text part (`{"type": "text", "text"}`); its keys are checked by name beforehand
+/// (`fields::PART_FIELDS`: any other is refused, or under `--lenient-fields` logged and
+/// ignored).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,

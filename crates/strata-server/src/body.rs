@@ -57,29 +57,26 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         ));
     }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let param = if path != "." {
-            Some(path)
-        } else {
-            failing_sampling_field(bytes)
-        };
-        ApiError::bad_request(
-            format!("invalid request body: {}", e.inner()),
-            param.as_deref(),
-        )
-    })
+    serde_path_to_error::deserialize(de).map_err(|e| invalid(e, || failing_sampling_field(bytes)))
 }
 
 /// [`parse_json`] for a body already parsed: the error names the field at fault.
 pub fn from_value<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
-        ApiError::bad_request(
-            format!("invalid request body: {}", e.inner()),
-            (path != ".").then_some(path.as_str()),
-        )
-    })
+    serde_path_to_error::deserialize(v).map_err(|e| invalid(e, || None))
+}
+
+/// A body that does not deserialize: a 400 naming the field at its path (or, at the top,
+/// `otherwise`'s).
+fn invalid(
+    e: serde_path_to_error::Error<serde_json::Error>,
+    otherwise: impl FnOnce() -> Option<String>,
+) -> ApiError {
+    let path = e.path().to_string();
+    let param = if path != "." { Some(path) } else { otherwise() };
+    ApiError::bad_request(
+        format!("invalid request body: {}", e.inner()),
+        param.as_deref(),
+    )
 }
 
 /// serde loses the path of an error inside a flattened struct (the sampling fields): the

@@ -198,6 +198,14 @@ pub fn query<T: serde::de::DeserializeOwned>(uri: &axum::http::Uri) -> Result<T,
 #[serde(deny_unknown_fields)]
 pub struct NoQuery {}
 
+/// `?since=N`: where a log of events or samples is read from (`/cache/events`, the router's
+/// `/dashboard/history`).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinceQuery {
+    pub since: Option<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

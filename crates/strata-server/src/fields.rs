@@ -147,7 +147,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "messages", on: On::Chat, fate: Fate::Supported, doc: "Roles system, developer (as system), user, assistant, tool; content text or text parts (other parts refused)." },
     Field { name: "prompt", on: On::Completions, fate: Fate::Supported, doc: "A text, token ids, a list of texts or a list of token-id lists (evaluation harnesses' default): a batch of up to 64 prompts (at most `--max-waiting`; their prompts and every candidate's answer at `max_tokens` within `--max-tokens-in-flight`: else a 400 before any runs), prompt p's choices at indices p·n to p·n + n − 1 (OpenAI's order), usage summed over the batch." },
     Field { name: "stream", on: On::Both, fate: Fate::Supported, doc: "Server-sent events, ending with `data: [DONE]`; `null` is `false`." },
-    Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false. Only with `stream: true` (400 otherwise)." },
+    Field { name: "stream_options", on: On::Both, fate: Fate::Supported, doc: "`include_usage` (a last chunk with usage); `continuous_usage_stats` only false. Options given without `stream: true` are a 400." },
     // Length and stopping.
     Field { name: "max_tokens", on: On::Both, fate: Fate::Supported, doc: "At most this many tokens (default: the room the context and the device pool leave, capped by --default-max-tokens)." },
     Field { name: "max_completion_tokens", on: On::Chat, fate: Fate::Supported, doc: "Chat's newer name for max_tokens (wins over it)." },
@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`; any other key, or type, is a 400). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text.",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text.",
     },
     Field {
         name: "name",
@@ -247,7 +247,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "tool_calls",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "An assistant's tool calls, shown to the model as it writes them (`<tool_call>` blocks); each with a name and an id no earlier call has (400 otherwise).",
+        doc: "An assistant's tool calls, shown to the model as it writes them (`<tool_call>` blocks); each with a name and an id no unanswered call has (400 otherwise).",
     },
     Field {
         name: "tool_call_id",
@@ -266,6 +266,40 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         on: On::Chat,
         fate: Fate::Refused("only text"),
         doc: "An earlier audio answer.",
+    },
+];
+
+/// Fields of a content part (`messages[i].content[j]`).
+pub const PART_FIELDS: &[Field] = &[
+    Field {
+        name: "type",
+        on: On::Chat,
+        fate: Fate::Supported,
+        doc: "`text` only.",
+    },
+    Field {
+        name: "text",
+        on: On::Chat,
+        fate: Fate::Supported,
+        doc: "The part's text.",
+    },
+    Field {
+        name: "image_url",
+        on: On::Chat,
+        fate: Fate::Refused("only text parts are supported"),
+        doc: "An image.",
+    },
+    Field {
+        name: "input_audio",
+        on: On::Chat,
+        fate: Fate::Refused("only text parts are supported"),
+        doc: "Audio.",
+    },
+    Field {
+        name: "file",
+        on: On::Chat,
+        fate: Fate::Refused("only text parts are supported"),
+        doc: "A file.",
     },
 ];
 
@@ -335,11 +369,25 @@ pub fn check(bytes: &[u8], e: Endpoint, lenient: bool) -> Result<(), ApiError> {
     check_object(&body, FIELDS, e, "", lenient)?;
     if let Some(Value::Object(o)) = body.get("stream_options") {
         check_object(o, STREAM_OPTION_FIELDS, e, "stream_options.", lenient)?;
+        // Options of a stream, for a request that asks for none (`{}` asks for nothing).
+        if !o.is_empty() && body.get("stream") != Some(&Value::Bool(true)) {
+            return Err(ApiError::bad_request(
+                "stream_options is only taken with stream: true",
+                Some("stream_options"),
+            ));
+        }
     }
     if let (Endpoint::Chat, Some(Value::Array(msgs))) = (e, body.get("messages")) {
         for (i, m) in msgs.iter().enumerate() {
-            if let Value::Object(o) = m {
-                check_object(o, MESSAGE_FIELDS, e, &format!("messages[{i}]."), lenient)?;
+            let Value::Object(o) = m else { continue };
+            check_object(o, MESSAGE_FIELDS, e, &format!("messages[{i}]."), lenient)?;
+            if let Some(Value::Array(parts)) = o.get("content") {
+                for (j, p) in parts.iter().enumerate() {
+                    if let Value::Object(p) = p {
+                        let at = format!("messages[{i}].content[{j}].");
+                        check_object(p, PART_FIELDS, e, &at, lenient)?;
+                    }
+                }
             }
         }
     }
@@ -352,6 +400,10 @@ pub fn markdown() -> String {
     for (title, table) in [
         ("Request fields", FIELDS),
         ("Fields of a message (`messages[i]`)", MESSAGE_FIELDS),
+        (
+            "Fields of a content part (`messages[i].content[j]`)",
+            PART_FIELDS,
+        ),
         ("Fields of `stream_options`", STREAM_OPTION_FIELDS),
     ] {
         out += &format!("### {title}\n\n| field | endpoints | fate | notes |\n|---|---|---|---|\n");

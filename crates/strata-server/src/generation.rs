@@ -163,12 +163,6 @@ async fn start(
         let tokens = prompts.iter().map(|p| p.ids.len()).sum();
         check_prompt_logprobs(n, tokens, params.logprobs.unwrap_or(0))?;
     }
-    if s.stream_options.is_some() && !s.stream {
-        return Err(ApiError::bad_request(
-            "stream_options is only taken with stream: true",
-            Some("stream_options"),
-        ));
-    }
     let best_of = crate::choices::best_of(how.best_of, n, s.stream)?;
     let prefix = if kind == Kind::Chat {
         "chatcmpl"

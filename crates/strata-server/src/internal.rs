@@ -243,12 +243,6 @@ pub(crate) async fn cache_info(
     }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct SinceQuery {
-    since: Option<u64>,
-}
-
 /// Cache events (pages stored / removed per tier) from `since`; `resync: true` when they
 /// fell out of the log.
 pub(crate) async fn cache_events(
@@ -257,7 +251,7 @@ pub(crate) async fn cache_events(
     uri: axum::http::Uri,
 ) -> Result<Json<CacheEvents>, ApiError> {
     check_cluster(&st, &headers, "GET", &uri)?;
-    let q: SinceQuery = crate::error::query(&uri)?;
+    let q: crate::error::SinceQuery = crate::error::query(&uri)?;
     let since = q.since.unwrap_or(0);
     let page = st.engine.events_since(since, 10_000);
     let resync = page.events.is_none();

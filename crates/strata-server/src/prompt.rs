@@ -2,6 +2,8 @@
 //! router (to hash it as the worker will) both use, so the two can never disagree on roles,
 //! content parts or templates.
 
+use std::collections::HashMap;
+
 use strata_model::{ChatTemplate, Message, ModelTokenizer};
 
 use crate::api::{ChatMessage, Content, Prompt, ToolDef};
@@ -15,7 +17,8 @@ pub fn template_messages(
     tools: Option<&[ToolDef]>,
 ) -> Result<Vec<Message>, ApiError> {
     let mut msgs = Vec::with_capacity(messages.len() + 1);
-    let mut call_ids: Vec<&str> = Vec::new();
+    // Every call's id, and whether it is still unanswered.
+    let mut call_ids: HashMap<&str, bool> = HashMap::new();
     for (i, m) in messages.iter().enumerate() {
         if !matches!(
             m.role.as_str(),
@@ -76,7 +79,7 @@ fn tool_parts<'a>(
     i: usize,
     m: &'a ChatMessage,
     mut text: String,
-    call_ids: &mut Vec<&'a str>,
+    call_ids: &mut HashMap<&'a str, bool>,
 ) -> Result<String, ApiError> {
     let bad = |msg: String| Err(ApiError::bad_request(msg, Some("messages")));
     if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
@@ -94,10 +97,12 @@ fn tool_parts<'a>(
                     "messages[{i}].tool_calls[{j}].function.name is empty"
                 ));
             }
-            // A tool answer names its call: two calls of one id would make it ambiguous.
-            if c.id.is_empty() || call_ids.contains(&c.id.as_str()) {
+            // A tool answer names its call: two unanswered calls of one id would make it
+            // ambiguous (an id used again once answered is the next turn's, as some models
+            // number their calls per turn).
+            if c.id.is_empty() || call_ids.get(c.id.as_str()) == Some(&true) {
                 return bad(format!(
-                    "messages[{i}].tool_calls[{j}].id `{}`: empty or given to an earlier call",
+                    "messages[{i}].tool_calls[{j}].id `{}`: empty, or an unanswered call's",
                     c.id
                 ));
             }
@@ -105,11 +110,12 @@ fn tool_parts<'a>(
                 text.push('\n');
             }
             text += &crate::tools::call_text(&c.function.name, &c.function.arguments);
-            call_ids.push(&c.id);
+            call_ids.insert(&c.id, true);
         }
     }
     match (&m.tool_call_id, m.role.as_str()) {
-        (Some(id), "tool") if call_ids.contains(&id.as_str()) => {
+        (Some(id), "tool") if call_ids.contains_key(id.as_str()) => {
+            call_ids.insert(id, false);
             Ok(crate::tools::response_text(&text))
         }
         (Some(id), "tool") => bad(format!(
@@ -151,7 +157,7 @@ pub fn chat_ids_shared(
         ));
     };
     let msgs = template_messages(messages, tools)?;
-    check_turn_markers(tk, tpl, &msgs, messages.len())?;
+    check_turn_markers(tk, tpl, &msgs, messages.len(), tools.is_some())?;
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
@@ -166,17 +172,19 @@ pub fn chat_ids_shared(
 /// Refuses a message (or a tool's description) that writes one of the template's turn markers:
 /// tokenized with the rest, it would be the marker's own id, and a user could close their turn
 /// and open a system one. `given` is how many messages the request had (the tools' text is
-/// the first message when there is one more).
+/// the first message when there is one more, or in the first when it is a system message).
 fn check_turn_markers(
     tk: &ModelTokenizer,
     tpl: &ChatTemplate,
     msgs: &[Message],
     given: usize,
+    tools: bool,
 ) -> Result<(), ApiError> {
     let shift = msgs.len() - given;
     for (k, m) in msgs.iter().enumerate() {
         if let Some(marker) = tpl.turn_marker_in(tk, &m.content) {
             let at = match k.checked_sub(shift) {
+                Some(0) if tools && shift == 0 => "messages[0] (or the tools shown in it)".into(),
                 Some(i) => format!("messages[{i}]"),
                 None => "tools".into(),
             };

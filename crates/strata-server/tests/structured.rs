@@ -290,6 +290,29 @@ async fn bad_constraints_are_refused_naming_their_field() {
         let said = a["error"]["message"].as_str().unwrap_or_default();
         assert_eq!(marker, said.contains("turn marker"), "{said}");
     }
+    // Taken: an id used again once its call was answered (models that number calls per
+    // turn), and empty stream options on a request without a stream.
+    let again = json!([{"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "1"},
+        {"role": "assistant", "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "2"}]);
+    for (msgs, extra) in [
+        (again, json!({"max_tokens": 2})),
+        (user("hi"), json!({"max_tokens": 2, "stream_options": {}})),
+    ] {
+        let (st, a) = post(&url, &chat(msgs.clone(), extra.clone())).await;
+        assert_eq!(st, 200, "{msgs} {extra}: {a}");
+    }
+    // A part's key is named: an image is refused as such.
+    let img =
+        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
+    let (st, a) = post(&url, &chat(img, json!({}))).await;
+    assert_eq!(
+        (st, a["error"]["param"].as_str()),
+        (400, Some("messages[0].content[0].image_url")),
+        "{a}"
+    );
     // The worker still serves.
     let (st, _) = post(&url, &chat(user("hi"), json!({"max_tokens": 2}))).await;
     assert_eq!(st, 200);

@@ -73,6 +73,8 @@ pub struct SimResult {
     pub requests: u64,
     /// Requests larger than the device tier (an engine refuses them; nothing is counted).
     pub refused: u64,
+    /// Requests with an empty prompt (an engine refuses them too; nothing is counted).
+    pub empty: u64,
     /// Admitted requests whose lease never became ready, alone with nothing in flight (a
     /// fault of the cache: released and counted, not waited on forever).
     pub stuck: u64,
@@ -249,6 +251,7 @@ pub fn replay(
         stats: CacheStats::default(),
         requests: 0,
         refused: 0,
+        empty: 0,
         stuck: 0,
         ops: 0,
         cache_nanos: 0,
@@ -266,7 +269,7 @@ pub fn replay(
         }
         let tokens = request_tokens(&q.hash_ids, q.input_length, cfg.block_tokens, cfg.vocab);
         if tokens.is_empty() {
-            r.refused += 1; // an empty prompt: the engine refuses it
+            r.empty += 1; // the engine refuses an empty prompt
             continue;
         }
         replay_one(&mut cache, cfg, q, tokens, &mut r);
@@ -366,10 +369,10 @@ mod tests {
     }
 
     #[test]
-    fn empty_prompts_are_refused_not_a_panic() {
+    fn empty_prompts_are_counted_apart_not_a_panic() {
         let reqs = vec![req(&[], 0), req(&[1, 2], 16)];
         let r = replay(&reqs, &cfg(100), |_| {}).unwrap();
-        assert_eq!((r.refused, r.requests), (1, 1));
+        assert_eq!((r.empty, r.refused, r.requests), (1, 0, 1));
     }
 
     /// A page-aligned prompt cached in full, whose prompt and output fill the device tier:

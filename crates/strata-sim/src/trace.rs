@@ -47,16 +47,59 @@ pub struct TraceRequest {
 /// Longest `session_id` string taken (the API takes any; a trace line is bounded anyway).
 pub const MAX_SESSION_ID_BYTES: usize = 1024;
 
-/// The fields a line may have; any other is refused by name (a misspelt `sesion_id` would
-/// otherwise replay without sessions), and so is a field given twice.
+/// The fields a line is read for. A field given twice is refused; others (tools that write
+/// Mooncake-format traces add their own) are not read and are reported once by the reader,
+/// but one a letter or two from a field read (a misspelt `sesion_id` would replay without
+/// sessions) is refused by name.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Line {
     timestamp: Option<Value>,
     input_length: Option<Value>,
     output_length: Option<Value>,
     hash_ids: Option<Value>,
     session_id: Option<Value>,
+    #[serde(flatten)]
+    other: std::collections::BTreeMap<String, serde::de::IgnoredAny>,
+}
+
+/// The fields a line is read for.
+pub const FIELDS: [&str; 5] = [
+    "timestamp",
+    "input_length",
+    "output_length",
+    "hash_ids",
+    "session_id",
+];
+
+/// Edits (insert, delete, replace one character) between `a` and `b`, up to `most + 1`.
+fn edits(a: &str, b: &str, most: usize) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    if a.len().abs_diff(b.len()) > most {
+        return most + 1;
+    }
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()].min(most + 1)
+}
+
+/// A field not read: refused when it is within two edits of one that is (a misspelling),
+/// else returned for the reader to report.
+fn unread(name: &str, line: usize) -> Result<(), TraceError> {
+    match FIELDS.iter().find(|f| edits(name, f, 2) <= 2) {
+        Some(f) => Err(TraceError::Line {
+            line,
+            msg: format!("unknown field `{name}` (is it `{f}`?)"),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The `session_id` field, if any, as a stable hash (the same id in two traces, or two runs,
@@ -108,6 +151,50 @@ fn uint(v: Option<&Value>, line: usize, field: &'static str) -> Result<u64, Trac
 /// context), and the largest block: a longer one is an error naming it, not an allocation.
 pub const MAX_REQUEST_TOKENS: usize = 1 << 24;
 
+/// Lengths scaled by `--length-scale`, as `strata sim` and `strata bench` both scale them:
+/// every block alike (sharing keeps its structure), a prompt to at least one token and at most
+/// its blocks, an output to at least one token. A block or a prompt past
+/// [`MAX_REQUEST_TOKENS`] is an error naming it (an output is capped by the caller's
+/// `--max-tokens` first).
+#[derive(Clone, Copy, Debug)]
+pub struct Scale {
+    pub factor: f64,
+    /// The scaled block, in tokens.
+    pub block: usize,
+}
+
+impl Scale {
+    pub fn new(block_tokens: usize, factor: f64) -> Result<Scale, String> {
+        let block = ((block_tokens as f64 * factor).round() as usize).max(1);
+        let s = Scale { factor, block };
+        s.bounded("a block", block)?;
+        Ok(s)
+    }
+
+    /// Request `r`'s (the `i`-th, from 0) prompt length, scaled.
+    pub fn prompt(&self, i: usize, r: &TraceRequest) -> Result<usize, String> {
+        let cap = self.block.saturating_mul(r.hash_ids.len().max(1));
+        let n = ((r.input_length as f64 * self.factor).round() as usize).clamp(1, cap);
+        self.bounded(&format!("request {}: the prompt", i + 1), n)
+    }
+
+    /// Request `r`'s output length, scaled.
+    pub fn output(&self, r: &TraceRequest) -> usize {
+        ((r.output_length as f64 * self.factor).round() as usize).max(1)
+    }
+
+    /// `n` for `what`, or the error naming it past [`MAX_REQUEST_TOKENS`].
+    pub fn bounded(&self, what: &str, n: usize) -> Result<usize, String> {
+        if n > MAX_REQUEST_TOKENS {
+            return Err(format!(
+                "{what} of {n} tokens after the length scale {}: at most {MAX_REQUEST_TOKENS}",
+                self.factor
+            ));
+        }
+        Ok(n)
+    }
+}
+
 /// A length field: at most [`MAX_REQUEST_TOKENS`].
 fn length(v: Option<&Value>, line: usize, field: &'static str) -> Result<usize, TraceError> {
     let n = uint(v, line, field)?;
@@ -126,6 +213,16 @@ pub fn parse_line(
     text: &str,
     line: usize,
     block_tokens: usize,
+) -> Result<TraceRequest, TraceError> {
+    parse_line_reporting(text, line, block_tokens, &mut Default::default())
+}
+
+/// [`parse_line`], adding the names of fields not read to `unread_fields`.
+fn parse_line_reporting(
+    text: &str,
+    line: usize,
+    block_tokens: usize,
+    unread_fields: &mut std::collections::BTreeSet<String>,
 ) -> Result<TraceRequest, TraceError> {
     if block_tokens == 0 || block_tokens > MAX_REQUEST_TOKENS {
         return Err(TraceError::Line {
@@ -147,15 +244,15 @@ pub fn parse_line(
             _ => format!("not valid JSON: {e}"),
         },
     })?;
+    for name in l.other.keys() {
+        unread(name, line)?;
+        // A few names are enough to report (a hostile trace may have a new one a line).
+        if unread_fields.len() < 16 && !unread_fields.contains(name) {
+            unread_fields.insert(name.clone());
+        }
+    }
     let timestamp_ms = uint(l.timestamp.as_ref(), line, "timestamp")?;
     let input_length = length(l.input_length.as_ref(), line, "input_length")?;
-    if input_length == 0 {
-        return Err(TraceError::Field {
-            line,
-            field: "input_length",
-            msg: "0: an empty prompt (the engine refuses one)".into(),
-        });
-    }
     let output_length = length(l.output_length.as_ref(), line, "output_length")?;
     let field = "hash_ids";
     let ids = l.hash_ids.ok_or_else(|| TraceError::Field {
@@ -204,7 +301,15 @@ pub const MAX_LINE_BYTES: u64 = 16 << 20;
 /// Reads a whole trace; blank lines are skipped. A line longer than [`MAX_LINE_BYTES`] is an
 /// error, not an unbounded allocation.
 pub fn read_trace(r: impl BufRead, block_tokens: usize) -> Result<Vec<TraceRequest>, TraceError> {
-    read_trace_first(r, block_tokens, 0)
+    read_trace_first(r, block_tokens, 0).map(|t| t.requests)
+}
+
+/// A trace as read: its requests, and the names of fields its lines had that are not read (for
+/// the reader to report).
+#[derive(Debug)]
+pub struct Trace {
+    pub requests: Vec<TraceRequest>,
+    pub unread_fields: std::collections::BTreeSet<String>,
 }
 
 /// Reads the first `limit` requests of a trace (0: all); what follows them is not read.
@@ -212,7 +317,8 @@ pub fn read_trace_first(
     mut r: impl BufRead,
     block_tokens: usize,
     limit: usize,
-) -> Result<Vec<TraceRequest>, TraceError> {
+) -> Result<Trace, TraceError> {
+    let mut unread_fields = std::collections::BTreeSet::new();
     let mut out = Vec::new();
     let mut buf = Vec::new();
     let mut i = 0;
@@ -236,12 +342,20 @@ pub fn read_trace_first(
         if l.trim().is_empty() {
             continue;
         }
-        out.push(parse_line(l.trim_end(), i, block_tokens)?);
+        out.push(parse_line_reporting(
+            l.trim_end(),
+            i,
+            block_tokens,
+            &mut unread_fields,
+        )?);
     }
     if out.is_empty() {
         return Err(TraceError::Empty);
     }
-    Ok(out)
+    Ok(Trace {
+        requests: out,
+        unread_fields,
+    })
 }
 
 #[cfg(test)]
@@ -283,18 +397,21 @@ mod tests {
         assert_eq!(none.unwrap().session, None);
     }
 
-    /// A field this parser does not read, or one given twice, is refused by name; lengths are
-    /// bounded before anything is built from them; an empty prompt is refused.
+    /// A field given twice, or one a letter or two from a field read, is refused by name;
+    /// others are reported; lengths are bounded before anything is built from them; an empty
+    /// prompt parses (the replay counts it apart).
     #[test]
-    fn unknown_repeated_overlong_and_empty_are_refused() {
+    fn misspelt_repeated_overlong_are_refused_and_others_reported() {
         let err = |text: &str| parse_line(text, 4, 512).unwrap_err().to_string();
         let e = err(
             r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "sesion_id": "a"}"#,
         );
-        assert!(
-            e.starts_with("trace line 4: unknown field `sesion_id`"),
-            "{e}"
+        assert_eq!(
+            e,
+            "trace line 4: unknown field `sesion_id` (is it `session_id`?)"
         );
+        let e = err(r#"{"timestamp": 0, "input_length": 10, "output_lenght": 1, "hash_ids": [1]}"#);
+        assert!(e.contains("is it `output_length`?"), "{e}");
         let e = err(
             r#"{"timestamp": 0, "timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#,
         );
@@ -302,6 +419,9 @@ mod tests {
             e.starts_with("trace line 4: duplicate field `timestamp`"),
             "{e}"
         );
+        // serde's other form of a struct, its fields in order, is not a trace line.
+        let e = err(r#"[0, 10, 1, [1], null]"#);
+        assert_eq!(e, "trace line 4: expected a JSON object");
         let e = err(
             r#"{"timestamp": 0, "input_length": 10, "output_length": 18446744073709551615, "hash_ids": [1]}"#,
         );
@@ -310,17 +430,23 @@ mod tests {
             r#"{"timestamp": 0, "input_length": 16777217, "output_length": 1, "hash_ids": [1]}"#,
         );
         assert!(e.contains("field `input_length`: 16777217 tokens"), "{e}");
-        let e = err(r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#);
-        assert!(
-            e.contains("field `input_length`: 0: an empty prompt"),
-            "{e}"
-        );
         let ok = r#"{"timestamp": 0, "input_length": 16777216, "output_length": 16777216, "hash_ids": [1]}"#;
         assert!(parse_line(ok, 1, MAX_REQUEST_TOKENS).is_ok());
         let e = parse_line(ok, 1, MAX_REQUEST_TOKENS + 1)
             .unwrap_err()
             .to_string();
         assert!(e.contains("blocks of 16777217 tokens"), "{e}");
+        let empty = r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#;
+        assert_eq!(parse_line(empty, 1, 512).unwrap().input_length, 0);
+        // Fields other tools write are read past, and named once.
+        let other = r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "text_input": "x", "type": 2}"#;
+        let text = format!("{other}\n{other}\n");
+        let t = read_trace_first(text.as_bytes(), 512, 0).unwrap();
+        assert_eq!(t.requests.len(), 2);
+        assert_eq!(
+            t.unread_fields.iter().collect::<Vec<_>>(),
+            ["text_input", "type"]
+        );
     }
 
     /// `read_trace_first` stops at its limit: a bad line after it is never read.
@@ -328,7 +454,13 @@ mod tests {
     fn a_limit_reads_no_further() {
         let good = r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}"#;
         let text = format!("{good}\n{good}\nnot json\n");
-        assert_eq!(read_trace_first(text.as_bytes(), 512, 2).unwrap().len(), 2);
+        assert_eq!(
+            read_trace_first(text.as_bytes(), 512, 2)
+                .unwrap()
+                .requests
+                .len(),
+            2
+        );
         assert!(read_trace_first(text.as_bytes(), 512, 3).is_err());
         assert!(read_trace(text.as_bytes(), 512).is_err());
     }

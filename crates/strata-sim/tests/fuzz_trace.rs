@@ -18,10 +18,9 @@ fn hostile_corpus() {
         r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": {"a": 1}}"#,
         "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
         // Lengths that once reached an allocation (an output of 2^64 − 1 tokens, a prompt of
-        // 10^12 under a block as large), an empty prompt, a misspelt and a repeated field.
+        // 10^12 under a block as large), a misspelt and a repeated field.
         r#"{"timestamp": 0, "input_length": 1024, "output_length": 18446744073709551615, "hash_ids": [1, 2]}"#,
         r#"{"timestamp": 0, "input_length": 1000000000000, "output_length": 1, "hash_ids": [1]}"#,
-        r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#,
         r#"{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [1], "sesion_id": "a"}"#,
         r#"{"timestamp": 0, "timestamp": 1, "input_length": 1, "output_length": 0, "hash_ids": [1]}"#,
         "null",

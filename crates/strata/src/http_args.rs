@@ -7,6 +7,29 @@ use anyhow::{bail, Result};
 use clap::Args;
 use strata_server::listen::{raise_fd_limit, HttpLimits};
 
+/// Longest duration flag, in seconds (a day): past it a value is a typo, and past `Duration`'s
+/// range one would panic where it is used.
+pub const MAX_SECONDS: f64 = 86_400.0;
+
+/// A duration flag: from `lo` (taken when `lo_taken`, else only above it) to a day.
+pub fn check_seconds(flag: &str, v: f64, lo: f64, lo_taken: bool) -> Result<()> {
+    let above = if lo_taken { v >= lo } else { v > lo };
+    if !(above && v <= MAX_SECONDS) {
+        let op = if lo_taken { "≥" } else { ">" };
+        bail!("{flag} {v}: expected seconds {op} {lo}, at most {MAX_SECONDS} (a day)");
+    }
+    Ok(())
+}
+
+/// `--body-limit` (the same on `serve` and `route`): 1KiB to 1GiB.
+pub fn body_limit(v: &str) -> Result<usize> {
+    let b = strata_kv::units::parse_size(v).map_err(|e| anyhow::anyhow!("--body-limit: {e}"))?;
+    if !(1 << 10..=1 << 30).contains(&b) {
+        bail!("--body-limit {v}: expected 1KiB to 1GiB (a request body larger than that is not a prompt)");
+    }
+    Ok(b as usize)
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct HttpArgs {
     /// Seconds a request's headers may take to arrive, counted from the accept or from the
@@ -38,9 +61,7 @@ impl HttpArgs {
             ("--header-timeout", self.header_timeout),
             ("--body-timeout", self.body_timeout),
         ] {
-            if !(0.1..=86_400.0).contains(&v) {
-                bail!("{flag} {v}: expected seconds from 0.1 to 86400");
-            }
+            check_seconds(flag, v, 0.1, true)?;
         }
         strata_server::listen::cors(&self.allowed_origins).map_err(anyhow::Error::msg)?;
         let fds = raise_fd_limit();

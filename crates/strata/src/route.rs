@@ -88,23 +88,15 @@ pub fn run(a: RouteArgs) -> Result<()> {
     for u in a.prefill.iter().chain(&a.decode) {
         check_url(u)?;
     }
-    if !(a.health_interval > 0.0 && a.health_interval.is_finite()) {
-        bail!(
-            "--health-interval {}: expected seconds > 0",
-            a.health_interval
-        );
-    }
-    if !(a.stream_idle_timeout >= 0.1 && a.stream_idle_timeout.is_finite()) {
-        bail!(
-            "--stream-idle-timeout {}: expected seconds ≥ 0.1",
-            a.stream_idle_timeout
-        );
-    }
+    use crate::http_args::check_seconds;
+    check_seconds("--health-interval", a.health_interval, 0.0, false)?;
+    check_seconds("--stream-idle-timeout", a.stream_idle_timeout, 0.1, true)?;
+    check_seconds("--index-interval", a.index_interval, 0.0, false)?;
     let keys = api_keys(&a)?;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
-    let body_limit = strata_kv::units::parse_size(&a.body_limit).context("--body-limit")? as usize;
+    let body_limit = crate::http_args::body_limit(&a.body_limit)?;
     let limits = a.http.limits(body_limit)?;
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);
     st.api_keys = keys;

@@ -336,6 +336,10 @@ fn route_refuses_bad_flags_with_the_reason() {
             &["--stream-idle-timeout", "NaN"][..],
             "--stream-idle-timeout NaN",
         ),
+        // Past `Duration`'s range these panicked where they were used.
+        (&["--health-interval", "1e30"][..], "--health-interval"),
+        (&["--index-interval", "inf"][..], "--index-interval inf"),
+        (&["--body-limit", "0B"][..], "--body-limit 0B"),
     ] {
         let mut all = vec!["route", "--port", "0", "--decode", "http://127.0.0.1:9"];
         all.extend_from_slice(args);

@@ -1,5 +1,5 @@
-//! `strata up` with the tiny model: a refused flag stops everything once with the worker's
-//! message; a TP-2 prefill worker and a TP-1 decode worker answer the smoke test; a worker killed
+//! `strata up` with the tiny model: a worker whose plan cannot fit is refused before anything
+//! starts; a worker failing at start-up stops everything once with its message; a TP-2 prefill worker and a TP-1 decode worker answer the smoke test; a worker killed
 //! while serving is restarted and the router answers again; DeepSeek-V4 with a TP-2 prefill
 //! worker and a TP-1 decode worker chats as one TP-1 worker.
 
@@ -59,6 +59,29 @@ fn an_impossible_host_cache_stops_up_before_any_worker_starts() {
     assert!(text.contains("does not fit"), "{text}");
     assert!(!text.contains("starting prefill-0"), "{text}");
     assert!(!text.contains("restarted (pid"), "{text}");
+}
+
+/// A worker that fails once started (its L3 directory cannot be made, which no check before
+/// start-up can know) stops everything once, with the worker's own message and exit code.
+#[test]
+fn a_worker_failing_at_start_up_stops_up_once_with_its_message() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = config(d.path(), r#""--l3", "disk:/proc/strata-l3""#, 1);
+    let mut up = up(d.path(), &cfg);
+    let status = up.wait_exit(60);
+    let text = up.drain(200);
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("prefill-0 exited during start-up (exit code 2)"),
+        "{text}"
+    );
+    assert!(text.contains("--l3 disk:/proc/strata-l3"), "{text}");
+    assert_eq!(text.matches("starting prefill-0").count(), 1, "{text}");
+    assert!(!text.contains("restarted (pid"), "{text}");
+    assert!(
+        text.contains("nothing is restarted after a start-up failure"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -69,14 +69,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         Eviction::S3fifo => EvictionPolicy::S3Fifo,
         Eviction::Auto => EvictionPolicy::Auto,
     };
-    let body_limit = parse_size(&a.body_limit).context("--body-limit")?;
-    if !(1 << 10..=1 << 30).contains(&body_limit) {
-        bail!(
-            "--body-limit {}: expected 1KiB to 1GiB (a request body larger than that is not a prompt)",
-            a.body_limit
-        );
-    }
-    let body_limit = body_limit as usize;
+    let body_limit = crate::http_args::body_limit(&a.body_limit)?;
     let role = a.sizing.role.name();
     let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
     check_numbers(a)?;
@@ -116,10 +109,6 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     })
 }
 
-/// Longest duration flag, in seconds (a day): past it a value is a typo, and past `Duration`'s
-/// range one would panic where it is used.
-const MAX_SECONDS: f64 = 86_400.0;
-
 /// The numeric flags' ranges: durations, thread and connection counts, queue and token limits,
 /// the curve's pages (its memory), and the names and keys that must not be empty.
 fn check_numbers(a: &ServeArgs) -> Result<()> {
@@ -128,11 +117,7 @@ fn check_numbers(a: &ServeArgs) -> Result<()> {
         ("--shutdown-grace", a.shutdown_grace, true),
         ("--max-queue-time", a.max_queue_time, true),
     ] {
-        let low_ok = if zero_ok { v >= 0.0 } else { v > 0.0 };
-        if !(low_ok && v <= MAX_SECONDS) {
-            let low = if zero_ok { "≥ 0" } else { "> 0" };
-            bail!("{flag} {v}: expected seconds {low}, at most {MAX_SECONDS} (a day)");
-        }
+        crate::http_args::check_seconds(flag, v, 0.0, zero_ok)?;
     }
     let ms = a.prefetch_ms_per_token;
     if !(0.0..=60_000.0).contains(&ms) {

@@ -13,7 +13,7 @@ use strata_kv::units::{format_bytes, parse_size};
 use strata_kv::{EvictionPolicy, PageLayout, PoolKind, WritePolicy};
 use strata_sim::belady::PageTrace;
 use strata_sim::replay::{replay, SimConfig, SimResult};
-use strata_sim::trace::{read_trace_first, TraceRequest, MAX_REQUEST_TOKENS};
+use strata_sim::trace::{read_trace_first, Scale, TraceRequest};
 use strata_sim::{plot, sweep};
 
 use crate::sim::advice::pct;
@@ -327,8 +327,17 @@ fn run_windowed(
 fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
     let f =
         File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
-    let mut reqs = read_trace_first(BufReader::new(f), a.block_tokens, a.limit)
+    let t = read_trace_first(BufReader::new(f), a.block_tokens, a.limit)
         .with_context(|| format!("in {}", a.trace.display()))?;
+    if !t.unread_fields.is_empty() {
+        let names: Vec<&str> = t.unread_fields.iter().map(String::as_str).collect();
+        eprintln!(
+            "strata sim: trace fields not read (only {}): {}",
+            strata_sim::trace::FIELDS.join(", "),
+            names.join(", ")
+        );
+    }
+    let mut reqs = t.requests;
     if !a.sessions {
         reqs.iter_mut().for_each(|r| r.session = None);
     }
@@ -379,29 +388,16 @@ fn scale_like_bench(a: &SimArgs, reqs: &mut [TraceRequest]) -> Result<usize> {
     if a.ids_as_tokens || (a.length_scale == 1.0 && a.max_tokens.is_none()) {
         return Ok(a.block_tokens);
     }
-    let block = ((a.block_tokens as f64 * a.length_scale).round() as usize).max(1);
-    let over = |what: &str, n: usize| {
-        anyhow::anyhow!(
-            "{what} of {n} tokens after --length-scale {}: at most {MAX_REQUEST_TOKENS}",
-            a.length_scale
-        )
-    };
-    if block > MAX_REQUEST_TOKENS {
-        return Err(over("a block", block));
-    }
+    let s = Scale::new(a.block_tokens, a.length_scale).map_err(anyhow::Error::msg)?;
     for (i, r) in reqs.iter_mut().enumerate() {
-        let n = r.hash_ids.len().max(1);
-        let cap = block.saturating_mul(n);
-        r.input_length = ((r.input_length as f64 * a.length_scale).round() as usize).clamp(1, cap);
-        let out = ((r.output_length as f64 * a.length_scale).round() as usize).max(1);
-        r.output_length = a.max_tokens.map_or(out, |m| out.min(m));
-        for (what, n) in [("prompt", r.input_length), ("output", r.output_length)] {
-            if n > MAX_REQUEST_TOKENS {
-                return Err(over(&format!("request {}: the {what}", i + 1), n));
-            }
-        }
+        r.input_length = s.prompt(i, r).map_err(anyhow::Error::msg)?;
+        let out = s.output(r);
+        let out = a.max_tokens.map_or(out, |m| out.min(m));
+        r.output_length = s
+            .bounded(&format!("request {}: the output", i + 1), out)
+            .map_err(anyhow::Error::msg)?;
     }
-    Ok(block)
+    Ok(s.block)
 }
 
 /// The trace, the capacities and the cache settings, then the table's header.
@@ -511,6 +507,12 @@ fn print_notes(r: &SimResult) {
         println!(
             "       {} requests larger than the device tier were refused (as the engine would)",
             r.refused
+        );
+    }
+    if r.empty > 0 {
+        println!(
+            "       {} requests with an empty prompt were skipped (the engine refuses one)",
+            r.empty
         );
     }
     if r.stuck > 0 {

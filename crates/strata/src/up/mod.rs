@@ -122,10 +122,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         print!("{DEFAULT}");
         return Ok(());
     }
-    let t = a.startup_timeout;
-    if !(t > 0.0 && t <= 86_400.0) {
-        bail!("--startup-timeout {t}: expected seconds > 0, at most 86400 (a day)");
-    }
+    crate::http_args::check_seconds("--startup-timeout", a.startup_timeout, 0.0, false)?;
     let d = load_deployment(&a)?;
     let model = match (&a.model, d.model.as_str()) {
         (Some(p), _) => p.clone(),
