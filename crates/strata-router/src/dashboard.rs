@@ -40,7 +40,10 @@ async fn watch(state: Arc<RouterState>, w: Arc<Worker>, every: Duration) {
                 .await
                 .and_then(|r| r.error_for_status())
             {
-                if let Ok(text) = r.text().await {
+                // Bounded: a worker's /metrics is kilobytes; an endless one is cut.
+                let body = crate::upstream::body_within(r, 8 << 20, Duration::from_secs(2)).await;
+                if let Ok(body) = body {
+                    let text = String::from_utf8_lossy(&body);
                     let stats = WorkerStats::parse(&text);
                     state
                         .scraped

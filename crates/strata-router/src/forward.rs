@@ -258,13 +258,15 @@ pub(crate) fn request_to(
     req
 }
 
-/// The worker's answer relayed to the client; the in-flight guard lives as long as its body.
-fn relay(
+/// The worker's answer relayed to the client: a stream as it comes (guarded; the in-flight
+/// guard lives as long as it), any other answer read whole within bounds and passed on only
+/// when it is JSON.
+async fn relay(
     st: &Arc<RouterState>,
     r: reqwest::Response,
     guard: InFlight,
     decode: &Worker,
-) -> Response {
+) -> Result<Response, ApiError> {
     let status = r.status();
     if matches!(status.as_u16(), 502 | 503) {
         st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
@@ -277,10 +279,15 @@ fn relay(
     let body = if sse {
         Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard, st.clone()))
     } else {
-        Body::from_stream(r.bytes_stream().map(move |c| {
-            let _keep = &guard;
-            c
-        }))
+        use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
+        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle)
+            .await
+            .map_err(|e| {
+                decode.failures.fetch_add(1, Ordering::Relaxed);
+                crate::upstream::bad_gateway(format!("the worker's answer was cut: {e}"))
+            })?;
+        drop(guard);
+        Body::from(json_or_502(status.as_u16(), bytes, &decode.url)?)
     };
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -289,7 +296,7 @@ fn relay(
     }
     resp.extensions_mut()
         .insert(ChosenWorker(decode.url.clone()));
-    resp
+    Ok(resp)
 }
 
 async fn forward(
@@ -319,18 +326,36 @@ async fn forward(
         let guard = InFlight::start(both);
         st.front.added.observe(arrived.elapsed().as_secs_f64());
         let d = &pair.decode;
-        match req.send().await {
+        let Ok(sent) = tokio::time::timeout(st.request_timeout, req.send()).await else {
+            // Not retried: the worker may still be computing it.
+            st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+            d.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(decode = %d.url, "no answer within --request-timeout");
+            return Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "server_error",
+                format!(
+                    "the worker did not answer within {:.0} s (--request-timeout)",
+                    st.request_timeout.as_secs_f64()
+                ),
+            ));
+        };
+        match sent {
             // Worker-side failures before any token (bad gateway, unavailable) are retried.
             Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
                 st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
                 let status = r.status();
-                let text = r.text().await.unwrap_or_default();
+                let idle = st.stream_idle;
+                let text = crate::upstream::body_within(r, 64 << 10, idle)
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
                 // The worker's words go to the log, never to the client.
                 tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
                 d.failures.fetch_add(1, Ordering::Relaxed);
                 last_err = Some(format!("a worker answered {status}"));
             }
-            Ok(r) => return Ok(relay(&st, r, guard, d)),
+            Ok(r) => return relay(&st, r, guard, d).await,
             Err(e) => {
                 st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(decode = %d.url, error = %e, "worker unreachable; retrying on another pair");

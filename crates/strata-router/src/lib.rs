@@ -10,6 +10,7 @@
 //! * [`curve`]: `/cache/curve`, the workers' live miss-ratio curves and the fleet's per role.
 //! * [`routes`]: the HTTP API and the cache-event follower.
 //! * [`state`], [`worker`]: what the handlers share.
+//! * [`upstream`]: a worker's answer read within bounds (size, time, JSON).
 //! * [`responses`], [`response_owners`]: `/v1/responses`, a continuation routed to the worker
 //!   that stores its conversation.
 //!
@@ -28,6 +29,7 @@ pub mod responses;
 pub mod routes;
 pub mod scrape;
 pub mod state;
+pub mod upstream;
 pub mod worker;
 
 pub use dashboard::health_loop;

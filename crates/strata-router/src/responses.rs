@@ -89,7 +89,16 @@ pub async fn forward_responses(
     let rid = headers.get(strata_server::endpoints::REQUEST_ID);
     let req = crate::forward::request_to(&st, &w, prefill.as_deref(), "/v1/responses", &body, rid);
     let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill).collect());
-    let r = match req.send().await {
+    let Ok(sent) = tokio::time::timeout(st.request_timeout, req.send()).await else {
+        st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+        w.failures.fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "server_error",
+            "the worker did not answer within --request-timeout",
+        ));
+    };
+    let r = match sent {
         Ok(r) => r,
         Err(e) => {
             st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
@@ -101,20 +110,53 @@ pub async fn forward_responses(
             ));
         }
     };
+    answer(&st, r, guard, &w).await
+}
+
+/// The worker's answer to the client: a stream as it comes, any other whole, bounded and
+/// JSON (or the router's own error); either way the owner of the response id it names is
+/// recorded.
+async fn answer(
+    st: &Arc<RouterState>,
+    r: reqwest::Response,
+    guard: InFlight,
+    w: &Arc<crate::Worker>,
+) -> Result<Response, ApiError> {
     let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+    let sse = ctype
+        .as_ref()
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/event-stream"));
+    let record = |st: &RouterState, b: &[u8], url: &str| {
+        if let Some(id) = response_id(b) {
+            st.response_owners
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(id, url);
+            return true;
+        }
+        false
+    };
+    if !sse {
+        use crate::upstream::{bad_gateway, body_within, json_or_502, MAX_ANSWER_BYTES};
+        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle)
+            .await
+            .map_err(|e| bad_gateway(format!("the worker's answer was cut: {e}")))?;
+        let bytes = json_or_502(status.as_u16(), bytes, &w.url)?;
+        record(st, &bytes, &w.url);
+        drop(guard);
+        let json = [(header::CONTENT_TYPE, "application/json")];
+        let mut resp = axum::response::IntoResponse::into_response((status, json, bytes));
+        resp.extensions_mut().insert(ChosenWorker(w.url.clone()));
+        return Ok(resp);
+    }
     let url = w.url.clone();
     let (st2, mut seen) = (st.clone(), false);
     let body = r.bytes_stream().map(move |c| {
         let _keep = &guard;
         if let (Ok(b), false) = (&c, seen) {
-            if let Some(id) = response_id(b) {
-                seen = true;
-                st2.response_owners
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .record(id, &url);
-            }
+            seen = record(&st2, b, &url);
         }
         c
     });

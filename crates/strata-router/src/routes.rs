@@ -89,10 +89,12 @@ async fn pass(
     path: &str,
     body: Option<Bytes>,
 ) -> Response {
+    use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
     for w in st.decode.iter().filter(|w| w.is_healthy()) {
         let mut req = st
             .client
-            .request(method.clone(), format!("{}{path}", w.url));
+            .request(method.clone(), format!("{}{path}", w.url))
+            .timeout(PASS_TIMEOUT);
         if let Some(b) = &body {
             req = req
                 .header(header::CONTENT_TYPE, "application/json")
@@ -102,15 +104,17 @@ async fn pass(
             continue;
         };
         let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
-        let Ok(bytes) = r.bytes().await else {
-            continue;
+        let bytes = match body_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT).await {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(worker = %w.url, path, error = %e, "a worker's answer was cut");
+                continue;
+            }
         };
-        let mut resp = (status, bytes).into_response();
-        if let Some(c) = ctype {
-            resp.headers_mut().insert(header::CONTENT_TYPE, c);
-        }
-        return resp;
+        return match json_or_502(status.as_u16(), bytes, &w.url) {
+            Ok(b) => (status, [(header::CONTENT_TYPE, "application/json")], b).into_response(),
+            Err(e) => e.into_response(),
+        };
     }
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -119,6 +123,9 @@ async fn pass(
     )
     .into_response()
 }
+
+/// The longest a passed-through call (models, tokenize, version, ...) may take a worker.
+const PASS_TIMEOUT: Duration = Duration::from_secs(60);
 
 async fn models(State(st): St) -> Response {
     pass(&st, reqwest::Method::GET, "/v1/models", None).await
@@ -146,7 +153,8 @@ async fn detokenize(State(st): St, body: Bytes) -> Response {
 /// `POST /flush_cache` on every worker (prefill and decode), with the caller's `Authorization`
 /// and query (`?tier=device`): 200 with each worker's answer when all flushed; else the first
 /// refusal as its worker gave it (a missing admin key is the worker's 401, an unknown
-/// parameter its 400), or 502 naming a worker that did not answer.
+/// parameter its 400), or, once every worker that answers has flushed, 502 naming those that
+/// did not.
 async fn flush_cache(
     State(st): St,
     headers: axum::http::HeaderMap,
@@ -160,25 +168,50 @@ async fn flush_cache(
         return ApiError::bad_request(msg, None).into_response();
     }
     let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-    let mut answers = Vec::new();
+    let (mut answers, mut missed) = (Vec::new(), Vec::new());
     for w in st.indexed() {
-        let mut req = st.client.post(format!("{}/flush_cache{query}", w.url));
+        let mut req = st
+            .client
+            .post(format!("{}/flush_cache{query}", w.url))
+            .timeout(PASS_TIMEOUT);
         if let Some(a) = headers.get(header::AUTHORIZATION) {
             req = req.header(header::AUTHORIZATION, a.clone());
         }
-        let r = match req.send().await {
-            Ok(r) => r,
+        let answer = match req.send().await {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                crate::upstream::body_within(r, 1 << 20, PASS_TIMEOUT)
+                    .await
+                    .map(|b| (status, b))
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        let (status, body) = match answer {
+            Ok(a) => a,
+            // One worker unreachable: the others are still flushed, and it is named.
             Err(e) => {
-                let msg = format!("worker {} did not answer /flush_cache: {e}", w.url);
-                return ApiError::new(StatusCode::BAD_GATEWAY, "server_error", msg).into_response();
+                missed.push(format!("{} ({e})", w.url));
+                continue;
             }
         };
-        let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let body: serde_json::Value = r.json().await.unwrap_or(serde_json::Value::Null);
+        let body = match crate::upstream::json_or_502(status, body, &w.url) {
+            Ok(b) => serde_json::from_slice::<serde_json::Value>(&b).unwrap_or_default(),
+            Err(e) => return e.into_response(),
+        };
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
         if !status.is_success() {
             return (status, axum::Json(body)).into_response();
         }
         answers.push(serde_json::json!({"worker": w.url, "answer": body}));
+    }
+    if !missed.is_empty() {
+        let msg = format!(
+            "{} of the workers did not answer /flush_cache: {}; the other {} flushed",
+            missed.len(),
+            missed.join(", "),
+            answers.len()
+        );
+        return crate::upstream::bad_gateway(msg).into_response();
     }
     axum::Json(serde_json::json!({"workers": answers})).into_response()
 }

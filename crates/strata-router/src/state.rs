@@ -49,6 +49,9 @@ pub struct RouterState {
     /// A worker's answer stream silent this long is cut (the client gets an error event).
     /// Workers send a keep-alive comment every 15 s: keep it above that.
     pub stream_idle: Duration,
+    /// The longest a worker may take to start its answer to a generation request (a
+    /// non-streamed one is sent whole when done): past it the client gets a 504.
+    pub request_timeout: Duration,
     /// The last `/health_generate` answer (status, body) and when it came: concurrent and
     /// repeated calls within a second share it (the path is open, and each call costs a
     /// worker a generation).
@@ -105,6 +108,7 @@ impl RouterState {
             response_owners: Default::default(),
             front: Default::default(),
             stream_idle: Duration::from_secs(45),
+            request_timeout: Duration::from_secs(1800),
             health_generate: Default::default(),
             curve: Default::default(),
             request_log: true,

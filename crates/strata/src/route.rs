@@ -42,6 +42,10 @@ pub struct RouteArgs {
     /// stream with an error event (workers send a keep-alive every 15 s: keep it above that).
     #[arg(long, default_value_t = 45.0, help_heading = "Workers")]
     pub stream_idle_timeout: f64,
+    /// Seconds a worker may take to start answering a generation request (a non-streamed
+    /// answer comes whole when done); past it the client gets a 504 and the worker a failure.
+    #[arg(long, default_value_t = 1800.0, help_heading = "Workers")]
+    pub request_timeout: f64,
     /// A client API key (repeat); requests without a valid one get 401. Also $STRATA_API_KEY.
     #[arg(
         long,
@@ -92,6 +96,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     check_seconds("--health-interval", a.health_interval, 0.0, false)?;
     check_seconds("--stream-idle-timeout", a.stream_idle_timeout, 0.1, true)?;
     check_seconds("--index-interval", a.index_interval, 0.0, false)?;
+    check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
     let keys = api_keys(&a)?;
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
@@ -103,6 +108,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     st.body_limit = body_limit;
     st.request_log = !a.no_request_log;
     st.stream_idle = Duration::from_secs_f64(a.stream_idle_timeout);
+    st.request_timeout = Duration::from_secs_f64(a.request_timeout);
     if let Some(f) = &a.cluster_key_file {
         st.cluster_key =
             Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?);

@@ -88,7 +88,13 @@ impl DiskStorage {
                 let (Some(h), Ok(md)) = (PageHash::from_hex(hex), f.metadata()) else {
                     continue;
                 };
-                found.push((md.modified().ok(), h, md.len()));
+                // (The entry's own metadata: a link is not followed.) A regular file no
+                // larger than the store is indexed; anything else is left to a read, which
+                // removes it, and never counts against the cap (one huge file would
+                // otherwise evict every page at the next put).
+                if md.is_file() && md.len() <= cap_bytes {
+                    found.push((md.modified().ok(), h, md.len()));
+                }
             }
         }
         found.sort_by_key(|x| x.0);
@@ -112,6 +118,21 @@ impl DiskStorage {
         Ok(s)
     }
 
+    /// Removes `p`, a page's name in this store, whatever is there (a file, a link, a FIFO,
+    /// a directory tree), but only when its directory is a real one of the store: through a
+    /// symlinked subdirectory nothing outside is touched.
+    fn remove_in_store(&self, p: &Path) -> std::io::Result<()> {
+        let parent = p.parent().expect("page path has a parent");
+        if !fs::symlink_metadata(parent)?.is_dir() {
+            return Ok(());
+        }
+        match fs::symlink_metadata(p) {
+            Ok(m) if m.is_dir() => fs::remove_dir_all(p),
+            Ok(_) => fs::remove_file(p),
+            Err(e) => Err(e),
+        }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -122,9 +143,18 @@ impl DiskStorage {
         self
     }
 
-    /// Every page's payload has `bytes`: a file of any other size is not a page of this store.
+    /// Every page's payload has `bytes`: a file of any other size is not a page of this store
+    /// (those found at open are removed now, as corrupt, before the cap counts them).
     pub fn with_page_bytes(mut self, bytes: u64) -> DiskStorage {
         self.max_value = bytes + HEADER as u64;
+        let wrong = self.index().sized_otherwise(self.max_value);
+        for h in wrong {
+            self.index().remove(&h);
+            let _ = self.remove_in_store(&self.path_of(&h));
+            self.count(|s| s.corrupt += 1);
+        }
+        // Over the cap now only with pages of the right size: the oldest go.
+        let _ = self.enforce_cap(None);
         self
     }
 
@@ -195,7 +225,7 @@ impl DiskStorage {
                 v
             };
             let p = self.path_of(&victim);
-            match fs::remove_file(&p) {
+            match self.remove_in_store(&p) {
                 Ok(()) => self.count(|s| s.evictions += 1),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io(&p, e)),
@@ -224,11 +254,13 @@ impl Storage for DiskStorage {
                 if fs::symlink_metadata(&p).is_ok() {
                     // Something that is not a page file sits under a page's name.
                     self.count(|s| s.corrupt += 1);
-                    let _ = fs::remove_file(&p);
+                    let _ = self.remove_in_store(&p);
                 }
                 return Ok(None);
             }
             Err(e) => {
+                // Unreadable (permissions, I/O): not offered again until written anew.
+                self.index().remove(h);
                 self.count(|s| s.errors += 1);
                 return Err(io(&p, e));
             }
@@ -245,7 +277,7 @@ impl Storage for DiskStorage {
                     blob::Refused::OtherLayout => s.other_layout += 1,
                 });
                 self.index().remove(h);
-                let _ = fs::remove_file(&p);
+                let _ = self.remove_in_store(&p);
                 Ok(None)
             }
         }
@@ -271,7 +303,7 @@ impl Storage for DiskStorage {
         }
         if let Ok(m) = fs::symlink_metadata(&final_path) {
             if !m.is_file() {
-                let _ = fs::remove_file(&final_path);
+                let _ = self.remove_in_store(&final_path);
             }
         }
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -312,7 +344,7 @@ impl Storage for DiskStorage {
     fn delete(&self, h: &PageHash) -> Result<bool, StorageError> {
         let had = self.index().remove(h);
         let p = self.path_of(h);
-        match fs::remove_file(&p) {
+        match self.remove_in_store(&p) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let _ = had;
@@ -530,6 +562,74 @@ mod tests {
             0,
             "written outside"
         );
+    }
+
+    /// Through a symlinked subdirectory nothing outside the store is read or removed: not by a
+    /// read that refuses it, nor by a delete.
+    #[test]
+    fn nothing_outside_is_removed_through_a_symlinked_subdirectory() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"page").unwrap();
+        let p = s.path_of(&h(1));
+        let sub = p.parent().unwrap().to_path_buf();
+        let moved = outside.path().join("victim");
+        fs::rename(&sub, &moved).unwrap();
+        std::os::unix::fs::symlink(&moved, &sub).unwrap();
+        assert_eq!(s.get(&h(1)).unwrap(), None);
+        s.delete(&h(1)).unwrap();
+        assert!(
+            moved.join(p.file_name().unwrap()).exists(),
+            "removed outside"
+        );
+    }
+
+    /// A file found at open that no page of the store can be is not counted against the cap:
+    /// one larger than the store is not indexed, one of another size than a page is removed
+    /// once the page size is known. The pages stay.
+    #[test]
+    fn a_huge_or_odd_file_found_at_open_evicts_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false)
+            .unwrap()
+            .with_page_bytes(4);
+        for i in 1..=5 {
+            s.put(&h(i), b"page").unwrap();
+        }
+        drop(s);
+        let file = |i: u8| {
+            let hex = h(i).to_hex();
+            let dir = d.path().join(&hex[..2]);
+            fs::create_dir_all(&dir).unwrap();
+            dir.join(format!("{hex}.page"))
+        };
+        fs::File::create(file(9)).unwrap().set_len(1 << 30).unwrap();
+        fs::write(file(8), vec![0u8; 900_000]).unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false)
+            .unwrap()
+            .with_page_bytes(4);
+        assert_eq!(s.stats().entries, 5);
+        for i in 1..=5 {
+            assert_eq!(s.get(&h(i)).unwrap().as_deref(), Some(&b"page"[..]), "{i}");
+        }
+        s.put(&h(6), b"page").unwrap();
+        assert_eq!(s.stats().evictions, 0);
+    }
+
+    /// A directory under a page's name is a miss, removed, and the next put stores the page.
+    #[test]
+    fn a_directory_under_a_pages_name_is_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"page").unwrap();
+        let p = s.path_of(&h(1));
+        fs::remove_file(&p).unwrap();
+        fs::create_dir(&p).unwrap();
+        fs::write(p.join("x"), b"x").unwrap();
+        assert_eq!(s.get(&h(1)).unwrap(), None);
+        s.put(&h(1), b"page").unwrap();
+        assert_eq!(s.get(&h(1)).unwrap().as_deref(), Some(&b"page"[..]));
     }
 
     #[test]

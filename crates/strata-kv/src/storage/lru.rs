@@ -45,6 +45,15 @@ impl LruIndex {
         }
     }
 
+    /// Entries whose size is not `size`.
+    pub(crate) fn sized_otherwise(&self, size: u64) -> Vec<PageHash> {
+        self.map
+            .iter()
+            .filter(|(_, &(_, s))| s != size)
+            .map(|(h, _)| *h)
+            .collect()
+    }
+
     /// Least recently used entry.
     pub(crate) fn oldest(&self) -> Option<PageHash> {
         self.order.first_key_value().map(|(_, h)| *h)

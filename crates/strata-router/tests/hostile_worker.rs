@@ -1,0 +1,98 @@
+//! A worker (or whatever listens on its port) that answers badly: the router's memory, its
+//! clients' waits and what they are told stay the router's own. A mock worker answers HTML
+//! errors, bodies that are not JSON, bodies without end, and never.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use serde_json::Value;
+use strata_router::{router, Policy, RouterState};
+
+/// A mock worker: healthy, and each path answers as its name says.
+async fn mock() -> String {
+    let endless = || {
+        let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 16]);
+        let s = futures_util::stream::repeat(chunk).map(Ok::<_, std::io::Error>);
+        Response::new(Body::from_stream(s))
+    };
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "{}" }))
+        .route("/metrics", get(move || async move { endless() }))
+        .route("/version", get(move || async move { endless() }))
+        .route(
+            "/v1/completions",
+            post(|body: String| async move {
+                if body.contains("html") {
+                    let html = [(header::CONTENT_TYPE, "text/html")];
+                    return (
+                        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                        html,
+                        "<h1>stack trace</h1>",
+                    )
+                        .into_response();
+                }
+                if body.contains("broken") {
+                    let json = [(header::CONTENT_TYPE, "application/json")];
+                    return (json, "{\"choices\": [ not json").into_response();
+                }
+                // "never": no answer at all.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                "{}".into_response()
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, app).await });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_worker_gets_json_errors_bounded_reads_and_a_timeout() {
+    let w = mock().await;
+    let mut st = RouterState::new(&[], std::slice::from_ref(&w), Policy::RoundRobin);
+    st.request_timeout = Duration::from_secs(2);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+    let c = reqwest::Client::new();
+    let post = |prompt: &'static str| {
+        c.post(format!("{r}/v1/completions"))
+            .json(&serde_json::json!({"prompt": prompt, "max_tokens": 1}))
+            .timeout(Duration::from_secs(30))
+            .send()
+    };
+    // The worker's words never reach the client: an HTML 500, and a 200 that is not JSON.
+    for (prompt, want) in [("html", 502), ("broken", 502)] {
+        let a = post(prompt).await.unwrap();
+        assert_eq!(a.status().as_u16(), want, "{prompt}");
+        let e: Value = a.json().await.unwrap();
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(
+            !msg.contains("stack trace") && !msg.contains("choices"),
+            "{msg}"
+        );
+    }
+    // A worker that never answers: a 504 after --request-timeout, not a wait without end.
+    let t = std::time::Instant::now();
+    let a = post("never").await.unwrap();
+    assert_eq!(a.status().as_u16(), 504);
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // A body without end is cut at the router's bound: a JSON error, not gigabytes held.
+    let a = c
+        .get(format!("{r}/version"))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap();
+    assert!(a.status().is_server_error(), "{}", a.status());
+    let e: Value = a.json().await.unwrap();
+    assert!(e["error"]["message"].is_string(), "{e}");
+    // The router keeps serving.
+    let h = c.get(format!("{r}/health")).send().await.unwrap();
+    assert!(h.status().as_u16() < 600);
+}
