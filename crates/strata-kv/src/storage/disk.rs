@@ -143,15 +143,15 @@ impl DiskStorage {
         self
     }
 
-    /// Every page's payload has `bytes`: a file of any other size is not a page of this store
-    /// (those found at open are removed now, as corrupt, before the cap counts them).
+    /// Every page's payload has `bytes`: a file of any other size is not a page of this store.
+    /// Those found at open leave the index now, before the cap counts them: they are left on
+    /// disk (a worker of another page size or K/V dtype may share the directory; its pages
+    /// have other hashes), and one read under a hash of this store is removed as corrupt.
     pub fn with_page_bytes(mut self, bytes: u64) -> DiskStorage {
         self.max_value = bytes + HEADER as u64;
         let wrong = self.index().sized_otherwise(self.max_value);
         for h in wrong {
             self.index().remove(&h);
-            let _ = self.remove_in_store(&self.path_of(&h));
-            self.count(|s| s.corrupt += 1);
         }
         // Over the cap now only with pages of the right size: the oldest go.
         let _ = self.enforce_cap(None);
@@ -586,8 +586,9 @@ mod tests {
     }
 
     /// A file found at open that no page of the store can be is not counted against the cap:
-    /// one larger than the store is not indexed, one of another size than a page is removed
-    /// once the page size is known. The pages stay.
+    /// one larger than the store is not indexed, one of another size than a page leaves the
+    /// index once the page size is known (and stays on disk: another worker's). The pages
+    /// stay.
     #[test]
     fn a_huge_or_odd_file_found_at_open_evicts_nothing() {
         let d = tempfile::tempdir().unwrap();
