@@ -241,12 +241,16 @@ async fn get<T: serde::de::DeserializeOwned>(
             strata_server::auth::sign(k, &call),
         );
     }
-    req.send()
+    let r = req
+        .send()
         .await
         .map_err(|e| e.to_string())?
         .error_for_status()
-        .map_err(|e| e.to_string())?
-        .json::<T>()
+        .map_err(|e| e.to_string())?;
+    // A snapshot of a large host tier is megabytes; a worker's answer is still bounded.
+    let (idle, total) = (Duration::from_secs(5), Duration::from_secs(60));
+    let body = crate::upstream::body_within(r, crate::upstream::MAX_ANSWER_BYTES, idle, total)
         .await
-        .map_err(|e| format!("{path}: {e}"))
+        .map_err(|e| format!("{path}: {e}"))?;
+    serde_json::from_slice::<T>(&body).map_err(|e| format!("{path}: {e}"))
 }

@@ -41,7 +41,8 @@ async fn watch(state: Arc<RouterState>, w: Arc<Worker>, every: Duration) {
                 .and_then(|r| r.error_for_status())
             {
                 // Bounded: a worker's /metrics is kilobytes; an endless one is cut.
-                let body = crate::upstream::body_within(r, 8 << 20, Duration::from_secs(2)).await;
+                let two = Duration::from_secs(2);
+                let body = crate::upstream::body_within(r, 8 << 20, two, two).await;
                 if let Ok(body) = body {
                     let text = String::from_utf8_lossy(&body);
                     let stats = WorkerStats::parse(&text);

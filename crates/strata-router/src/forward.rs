@@ -280,7 +280,7 @@ async fn relay(
         Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard, st.clone()))
     } else {
         use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
-        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle)
+        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| {
                 decode.failures.fetch_add(1, Ordering::Relaxed);
@@ -291,9 +291,13 @@ async fn relay(
     };
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    if let Some(c) = ctype {
-        resp.headers_mut().insert(header::CONTENT_TYPE, c);
-    }
+    // A stream keeps its type; any other answer was checked as JSON and is said to be JSON
+    // (never the worker's `text/html`, which a browser would render).
+    let json = header::HeaderValue::from_static("application/json");
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        if sse { ctype.unwrap_or(json) } else { json },
+    );
     resp.extensions_mut()
         .insert(ChosenWorker(decode.url.clone()));
     Ok(resp)
@@ -346,7 +350,7 @@ async fn forward(
                 st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
                 let status = r.status();
                 let idle = st.stream_idle;
-                let text = crate::upstream::body_within(r, 64 << 10, idle)
+                let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
                     .await
                     .map(|b| String::from_utf8_lossy(&b).into_owned())
                     .unwrap_or_default();

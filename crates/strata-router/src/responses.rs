@@ -140,7 +140,7 @@ async fn answer(
     };
     if !sse {
         use crate::upstream::{bad_gateway, body_within, json_or_502, MAX_ANSWER_BYTES};
-        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle)
+        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| bad_gateway(format!("the worker's answer was cut: {e}")))?;
         let bytes = json_or_502(status.as_u16(), bytes, &w.url)?;

@@ -104,7 +104,7 @@ async fn pass(
             continue;
         };
         let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let bytes = match body_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT).await {
+        let bytes = match body_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT, PASS_TIMEOUT).await {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(worker = %w.url, path, error = %e, "a worker's answer was cut");
@@ -124,8 +124,9 @@ async fn pass(
     .into_response()
 }
 
-/// The longest a passed-through call (models, tokenize, version, ...) may take a worker.
-const PASS_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest a passed-through call (models, tokenize, version, ...) may take a worker: above
+/// the worker's own 60 s bound on `/health_generate`, so its answer (a 503 naming why) arrives.
+const PASS_TIMEOUT: Duration = Duration::from_secs(90);
 
 async fn models(State(st): St) -> Response {
     pass(&st, reqwest::Method::GET, "/v1/models", None).await
@@ -180,7 +181,7 @@ async fn flush_cache(
         let answer = match req.send().await {
             Ok(r) => {
                 let status = r.status().as_u16();
-                crate::upstream::body_within(r, 1 << 20, PASS_TIMEOUT)
+                crate::upstream::body_within(r, 1 << 20, PASS_TIMEOUT, PASS_TIMEOUT)
                     .await
                     .map(|b| (status, b))
             }
@@ -196,7 +197,10 @@ async fn flush_cache(
         };
         let body = match crate::upstream::json_or_502(status, body, &w.url) {
             Ok(b) => serde_json::from_slice::<serde_json::Value>(&b).unwrap_or_default(),
-            Err(e) => return e.into_response(),
+            Err(_) => {
+                missed.push(format!("{} (an answer that is not JSON)", w.url));
+                continue;
+            }
         };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
         if !status.is_success() {

@@ -12,15 +12,25 @@ use strata_server::ApiError;
 /// probabilities of a long prompt is megabytes; this is far above.
 pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 
-/// The body of `r`: at most `cap` bytes, each chunk within `idle` of the one before.
+/// The body of `r`: at most `cap` bytes, each chunk within `idle` of the one before, the
+/// whole within `total`.
 pub async fn body_within(
     mut r: reqwest::Response,
     cap: usize,
     idle: Duration,
+    total: Duration,
 ) -> Result<Bytes, String> {
+    let end = tokio::time::Instant::now() + total;
     let mut out = Vec::new();
     loop {
-        match tokio::time::timeout(idle, r.chunk()).await {
+        let left = end.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "an answer longer than {:.0} s",
+                total.as_secs_f64()
+            ));
+        }
+        match tokio::time::timeout(idle.min(left), r.chunk()).await {
             Err(_) => {
                 return Err(format!(
                     "no byte of its answer for {:.1} s",

@@ -45,11 +45,11 @@ impl LruIndex {
         }
     }
 
-    /// Entries whose size is not `size`.
-    pub(crate) fn sized_otherwise(&self, size: u64) -> Vec<PageHash> {
+    /// Entries larger than `size`.
+    pub(crate) fn larger_than(&self, size: u64) -> Vec<PageHash> {
         self.map
             .iter()
-            .filter(|(_, &(_, s))| s != size)
+            .filter(|(_, &(_, s))| s > size)
             .map(|(h, _)| *h)
             .collect()
     }
