@@ -150,9 +150,13 @@ impl DiskStorage {
     /// directory; its pages have other hashes).
     pub fn with_page_bytes(mut self, bytes: u64) -> DiskStorage {
         self.max_value = bytes + HEADER as u64;
-        for h in self.index().larger_than(self.max_value) {
-            self.index().remove(&h);
+        // (The list first: the index's lock is not held across the removals.)
+        let larger = self.index().larger_than(self.max_value);
+        let mut ix = self.index();
+        for h in larger {
+            ix.remove(&h);
         }
+        drop(ix);
         self
     }
 
