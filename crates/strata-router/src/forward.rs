@@ -9,7 +9,6 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
-use futures_util::StreamExt;
 use strata_server::state::PREFILL_HEADER;
 use strata_server::ApiError;
 
@@ -31,102 +30,6 @@ pub async fn forward_completions(
     body: Body_,
 ) -> Result<Response, ApiError> {
     forward(st, headers, body, "/v1/completions").await
-}
-
-/// The SSE event a client gets when the worker's stream broke before its end: an error in
-/// OpenAI's shape, then `[DONE]`, so that no client mistakes a truncated answer for a whole
-/// one.
-pub fn broken_stream_tail(why: &str) -> Bytes {
-    let e = ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "server_error",
-        format!("the worker's stream broke before the end of the answer: {why}"),
-    );
-    // A blank line first: the break may have cut an event in the middle of its line.
-    Bytes::from(format!("\n\ndata: {}\n\ndata: [DONE]\n\n", e.body()))
-}
-
-/// The worker's SSE body, passed through; if it fails (the worker died), ends without
-/// `[DONE]` or stays silent for the router's `stream_idle`, the client gets
-/// [`broken_stream_tail`] and a clean end of stream.
-fn guard_sse<S>(
-    upstream: S,
-    keep: InFlight,
-    st: Arc<RouterState>,
-) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
-where
-    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
-{
-    struct G<S> {
-        up: S,
-        done_seen: bool,
-        tail: [u8; 16],
-        over: bool,
-        _keep: InFlight,
-        st: Arc<RouterState>,
-    }
-    futures_util::stream::unfold(
-        G {
-            up: upstream,
-            done_seen: false,
-            // A newline: the stream's first line starts a line.
-            tail: {
-                let mut t = [0u8; 16];
-                t[15] = b'\n';
-                t
-            },
-            over: false,
-            _keep: keep,
-            st,
-        },
-        |mut g| async move {
-            if g.over {
-                return None;
-            }
-            let idle = g.st.stream_idle;
-            let next = match tokio::time::timeout(idle, g.up.next()).await {
-                Ok(n) => n,
-                Err(_) => {
-                    tracing::warn!(
-                        idle_s = idle.as_secs_f64(),
-                        "a worker's stream went silent; ending the client's stream with an error event"
-                    );
-                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
-                    g.over = true;
-                    let why = format!("no data from the worker for {:.1} s", idle.as_secs_f64());
-                    return Some((Ok(broken_stream_tail(&why)), g));
-                }
-            };
-            match next {
-                Some(Ok(b)) => {
-                    // The end of stream is a line `data: [DONE]` (model text inside an event is
-                    // JSON, never at a line's start). It may straddle two chunks: look at the
-                    // last bytes of both; the stream's start counts as a line start.
-                    let mut w = g.tail.to_vec();
-                    w.extend_from_slice(&b);
-                    if w.windows(13).any(|x| x == b"\ndata: [DONE]") {
-                        g.done_seen = true;
-                    }
-                    let n = w.len().min(16);
-                    g.tail = [0; 16];
-                    g.tail[16 - n..].copy_from_slice(&w[w.len() - n..]);
-                    Some((Ok(b), g))
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
-                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
-                    g.over = true;
-                    Some((Ok(broken_stream_tail("connection lost")), g))
-                }
-                None if !g.done_seen => {
-                    g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
-                    g.over = true;
-                    Some((Ok(broken_stream_tail("it ended without [DONE]")), g))
-                }
-                None => None,
-            }
-        },
-    )
 }
 
 /// The workers of one attempt: the decode worker (or the one worker), and the prefill worker
@@ -277,7 +180,12 @@ async fn relay(
         .and_then(|c| c.to_str().ok())
         .is_some_and(|c| c.starts_with("text/event-stream"));
     let body = if sse {
-        Body::from_stream(guard_sse(Box::pin(r.bytes_stream()), guard, st.clone()))
+        Body::from_stream(crate::sse::guard(
+            Box::pin(r.bytes_stream()),
+            crate::sse::Dialect::Chat,
+            guard,
+            st.clone(),
+        ))
     } else {
         use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
         let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)

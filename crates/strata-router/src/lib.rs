@@ -3,7 +3,8 @@
 //! * [`policy`]: the [`policy::LoadBalancingPolicy`] trait, one module per policy (round
 //!   robin, least load, cache aware).
 //! * [`cache_index`]: which worker holds which pages in which tier, from their cache events.
-//! * [`forward`]: picking a pair, retrying once before any token, relaying (SSE guarded).
+//! * [`forward`]: picking a pair, retrying once before any token, relaying.
+//! * [`sse`]: a worker's SSE answer relayed under guard (its end, an idle bound, an error tail).
 //! * [`front`]: the front door: answers counted, latencies, API keys.
 //! * [`metrics`]: the router's `/metrics`, rendered from a snapshot of its figures.
 //! * [`dashboard`], [`scrape`]: the workers' scraped figures, `/dashboard` and its history.
@@ -28,12 +29,12 @@ pub mod response_owners;
 pub mod responses;
 pub mod routes;
 pub mod scrape;
+pub mod sse;
 pub mod state;
 pub mod upstream;
 pub mod worker;
 
 pub use dashboard::health_loop;
-pub use forward::broken_stream_tail;
 pub use policy::Policy;
 pub use routes::{index_loop, router};
 pub use scrape::WorkerStats;

@@ -113,9 +113,9 @@ pub async fn forward_responses(
     answer(&st, r, guard, &w).await
 }
 
-/// The worker's answer to the client: a stream as it comes, any other whole, bounded and
-/// JSON (or the router's own error); either way the owner of the response id it names is
-/// recorded.
+/// The worker's answer to the client: a stream as it comes (guarded: `sse`), any other
+/// whole, bounded and JSON (or the router's own error); either way the owner of the response
+/// id it names is recorded.
 async fn answer(
     st: &Arc<RouterState>,
     r: reqwest::Response,
@@ -153,13 +153,14 @@ async fn answer(
     }
     let url = w.url.clone();
     let (st2, mut seen) = (st.clone(), false);
-    let body = r.bytes_stream().map(move |c| {
-        let _keep = &guard;
+    let events = r.bytes_stream().map(move |c| {
         if let (Ok(b), false) = (&c, seen) {
             seen = record(&st2, b, &url);
         }
         c
     });
+    let dialect = crate::sse::Dialect::Responses;
+    let body = crate::sse::guard(Box::pin(events), dialect, guard, st.clone());
     let mut resp = Response::new(Body::from_stream(body));
     *resp.status_mut() = status;
     if let Some(c) = ctype {

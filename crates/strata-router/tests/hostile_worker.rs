@@ -1,6 +1,6 @@
 //! A worker (or whatever listens on its port) that answers badly: the router's memory, its
 //! clients' waits and what they are told stay the router's own. A mock worker answers HTML
-//! errors, bodies that are not JSON, bodies without end, and never.
+//! errors, bodies that are not JSON, bodies without end, and never; streams that stop.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +22,7 @@ async fn mock() -> String {
     };
     let app = axum::Router::new()
         .route("/health", get(|| async { "{}" }))
+        .route("/v1/responses", post(responses_stream))
         .route("/version", get(move || async move { endless() }))
         .route(
             "/v1/completions",
@@ -48,6 +49,64 @@ async fn mock() -> String {
     let url = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(l, app).await });
     url
+}
+
+/// A `/v1/responses` stream: whole ("whole"), then silent ("silent"), or ending early.
+async fn responses_stream(body: String) -> Response {
+    let created = "event: response.created\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
+    let completed = "event: response.completed\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
+    let mut parts = vec![created.to_string()];
+    if body.contains("whole") {
+        parts.push(completed.to_string());
+    }
+    let silent = body.contains("silent");
+    let s = futures_util::stream::iter(parts)
+        .map(Ok::<_, std::io::Error>)
+        .chain(futures_util::stream::once(async move {
+            if silent {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            Ok(String::new())
+        }));
+    let sse = [(header::CONTENT_TYPE, "text/event-stream")];
+    (sse, Body::from_stream(s)).into_response()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_stream_that_stops_ends_with_an_error_event() {
+    let w = mock().await;
+    let mut st = RouterState::new(&[], std::slice::from_ref(&w), Policy::RoundRobin);
+    st.stream_idle = Duration::from_secs(1);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+    let c = reqwest::Client::new();
+    for (input, broke) in [
+        ("whole", None),
+        ("silent", Some("no data from the worker for 1.0 s")),
+        ("cut", Some("it ended before the answer's last event")),
+    ] {
+        let a = c
+            .post(format!("{r}/v1/responses"))
+            .json(&serde_json::json!({"input": input, "stream": true}))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(a.status().as_u16(), 200, "{input}");
+        let text = a.text().await.unwrap();
+        let last = text.trim_end().rsplit("\n\n").next().unwrap();
+        match broke {
+            None => assert!(last.starts_with("event: response.completed"), "{text}"),
+            Some(why) => {
+                assert!(last.starts_with("event: error\ndata: "), "{input}: {text}");
+                let e: Value = serde_json::from_str(&last[19..]).unwrap();
+                assert_eq!(e["type"], "error");
+                let msg = e["message"].as_str().unwrap();
+                assert!(msg.ends_with(why), "{input}: {msg}");
+            }
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

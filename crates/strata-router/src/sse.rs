@@ -1,0 +1,242 @@
+//! A worker's SSE answer relayed under guard. The stream passes through as it comes; if the
+//! worker's connection breaks, the stream ends before the answer's last event, or the worker
+//! stays silent for the router's `stream_idle` (a live worker sends a comment every 15 s), the
+//! client gets an error event in the API's own shape and a clean end, so that no client takes
+//! a truncated answer for a whole one.
+//!
+//! The answer's end is read from its lines, whatever the chunking: the line `data: [DONE]`
+//! for chat and completions; for `/v1/responses`, the blank line that closes a
+//! `response.completed`, `response.incomplete`, `response.failed` or `error` event.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use futures_util::StreamExt;
+use strata_server::ApiError;
+
+use crate::state::RouterState;
+
+/// Which API's stream: how it ends, and how an error is said in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// `/v1/chat/completions`, `/v1/completions`: `data:` lines, then `data: [DONE]`.
+    Chat,
+    /// `/v1/responses`: `event:` / `data:` pairs, the last a terminal event.
+    Responses,
+}
+
+/// The longest line start kept: enough for every marker.
+const LINE: usize = 40;
+
+impl Dialect {
+    /// What a client gets when the worker's stream broke before its end: an error in the API's
+    /// shape (then `[DONE]` for chat). A blank line first: the break may have cut an event in
+    /// the middle of its line.
+    pub fn broken_tail(self, why: &str) -> Bytes {
+        let message = format!("the worker's stream broke before the end of the answer: {why}");
+        match self {
+            Dialect::Chat => {
+                let e = ApiError::new(StatusCode::BAD_GATEWAY, "server_error", message);
+                Bytes::from(format!("\n\ndata: {}\n\ndata: [DONE]\n\n", e.body()))
+            }
+            Dialect::Responses => {
+                let e = serde_json::json!({
+                    "type": "error", "code": "server_error", "message": message, "param": null,
+                });
+                Bytes::from(format!("\n\nevent: error\ndata: {e}\n\n"))
+            }
+        }
+    }
+}
+
+/// Reads a stream's lines (only their first [`LINE`] bytes) to tell whether its end was seen.
+#[derive(Debug)]
+pub struct EndOfAnswer {
+    dialect: Dialect,
+    line: Vec<u8>,
+    /// The event being read is a terminal one (`Responses`).
+    terminal: bool,
+    done: bool,
+}
+
+impl EndOfAnswer {
+    pub fn new(dialect: Dialect) -> EndOfAnswer {
+        EndOfAnswer {
+            dialect,
+            line: Vec::with_capacity(LINE),
+            terminal: false,
+            done: false,
+        }
+    }
+
+    /// Whether the answer's end has been seen (including a last line with no newline yet).
+    pub fn done(&self) -> bool {
+        self.done || (self.dialect == Dialect::Chat && self.line_is_done())
+    }
+
+    fn line_is_done(&self) -> bool {
+        self.line.strip_suffix(b"\r").unwrap_or(&self.line) == b"data: [DONE]"
+    }
+
+    /// Reads the next bytes of the stream.
+    pub fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let (part, rest, ended) = match bytes.iter().position(|&b| b == b'\n') {
+                Some(i) => (&bytes[..i], &bytes[i + 1..], true),
+                None => (bytes, &bytes[..0], false),
+            };
+            let room = LINE - self.line.len();
+            self.line.extend_from_slice(&part[..part.len().min(room)]);
+            if ended {
+                self.line_ended();
+            }
+            bytes = rest;
+        }
+    }
+
+    fn line_ended(&mut self) {
+        let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+        match self.dialect {
+            Dialect::Chat => self.done |= self.line_is_done(),
+            Dialect::Responses if line.is_empty() => self.done |= self.terminal,
+            Dialect::Responses => {
+                if let Some(kind) = line.strip_prefix(b"event:") {
+                    let kind = kind.strip_prefix(b" ").unwrap_or(kind);
+                    self.terminal = matches!(
+                        kind,
+                        b"response.completed"
+                            | b"response.incomplete"
+                            | b"response.failed"
+                            | b"error"
+                    );
+                }
+            }
+        }
+        self.line.clear();
+    }
+}
+
+/// The worker's SSE body `upstream`, relayed under guard (module doc); `keep` (the in-flight
+/// guard) lives as long as the stream.
+pub fn guard<S, K>(
+    upstream: S,
+    dialect: Dialect,
+    keep: K,
+    st: Arc<RouterState>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
+where
+    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
+    K: Send + 'static,
+{
+    struct G<S, K> {
+        up: S,
+        end: EndOfAnswer,
+        over: bool,
+        _keep: K,
+        st: Arc<RouterState>,
+    }
+    let g = G {
+        up: upstream,
+        end: EndOfAnswer::new(dialect),
+        over: false,
+        _keep: keep,
+        st,
+    };
+    futures_util::stream::unfold(g, move |mut g| async move {
+        if g.over {
+            return None;
+        }
+        let idle = g.st.stream_idle;
+        let why = match tokio::time::timeout(idle, g.up.next()).await {
+            Ok(Some(Ok(b))) => {
+                g.end.feed(&b);
+                return Some((Ok(b), g));
+            }
+            Ok(None) if g.end.done() => return None,
+            Ok(None) => "it ended before the answer's last event".to_string(),
+            Ok(Some(Err(e))) => {
+                tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
+                "connection lost".to_string()
+            }
+            Err(_) => {
+                tracing::warn!(
+                    idle_s = idle.as_secs_f64(),
+                    "a worker's stream went silent; ending the client's stream with an error event"
+                );
+                format!("no data from the worker for {:.1} s", idle.as_secs_f64())
+            }
+        };
+        g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+        g.over = true;
+        Some((Ok(dialect.broken_tail(&why)), g))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHAT: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"data: [DONE]\"}}]}\n\n: keep-alive\n\ndata: [DONE]\n\n";
+    const RESPONSES: &[u8] = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\nevent: response.output_text.delta\ndata: {\"delta\":\"event: error\\n\\n\"}\n\n: keep-alive\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{}}\n\n";
+
+    fn done_after(d: Dialect, chunks: &[&[u8]]) -> bool {
+        let mut e = EndOfAnswer::new(d);
+        chunks.iter().for_each(|c| e.feed(c));
+        e.done()
+    }
+
+    #[test]
+    fn the_end_is_seen_whatever_the_chunking_and_never_before_it() {
+        for (d, s, end) in [
+            (Dialect::Chat, CHAT, CHAT.len() - 2),
+            (Dialect::Responses, RESPONSES, RESPONSES.len()),
+        ] {
+            for cut in 0..=s.len() {
+                assert!(done_after(d, &[&s[..cut], &s[cut..]]), "{d:?} cut at {cut}");
+                // Cut short anywhere before the end: not done.
+                let short = cut < end;
+                assert_eq!(done_after(d, &[&s[..cut]]), !short, "{d:?} {cut} bytes");
+            }
+            let bytes: Vec<&[u8]> = s.chunks(1).collect();
+            assert!(done_after(d, &bytes));
+        }
+    }
+
+    #[test]
+    fn terminal_events_and_line_ends() {
+        let r = Dialect::Responses;
+        for kind in ["response.incomplete", "response.failed", "error"] {
+            let s = format!("event: {kind}\r\ndata: {{}}\r\n\r\n");
+            assert!(done_after(r, &[s.as_bytes()]), "{kind}");
+        }
+        // A data line naming a terminal event is not one; nor is a long line starting alike.
+        assert!(!done_after(r, &[b"data: event: error\n\n"]));
+        assert!(!done_after(
+            r,
+            &[b"event: response.completed.not\ndata: {}\n\n"]
+        ));
+        assert!(!done_after(Dialect::Chat, &[b"data: [DONE] and more\n\n"]));
+        assert!(done_after(Dialect::Chat, &[b"data: [DONE]\r\n"]));
+    }
+
+    #[test]
+    fn tails_parse_in_their_dialect() {
+        let t = Dialect::Responses.broken_tail("why");
+        let s = std::str::from_utf8(&t).unwrap();
+        let mut e = EndOfAnswer::new(Dialect::Responses);
+        e.feed(b"event: response.created\ndata: {\"partial");
+        e.feed(&t);
+        assert!(e.done(), "{s}");
+        let data = s.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["type"], "error");
+        assert!(v["message"].as_str().unwrap().ends_with("why"));
+        let t = Dialect::Chat.broken_tail("why");
+        let mut e = EndOfAnswer::new(Dialect::Chat);
+        e.feed(b"data: {\"cut");
+        e.feed(&t);
+        assert!(e.done());
+    }
+}
