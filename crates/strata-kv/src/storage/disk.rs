@@ -7,7 +7,9 @@
 //!
 //! Nothing in the directory is trusted: a page is read only from a regular file (opened without
 //! following a symlink and without blocking, so a FIFO or a device is a miss, not a hang), in a
-//! subdirectory that is not a symlink, and of at most the largest value this store holds.
+//! subdirectory that is not a symlink, and of at most the largest value this store holds. Every
+//! read, removal and rename goes through handles of the store and the page's subdirectory
+//! (`at.rs`), so a subdirectory swapped for a link meanwhile leads nowhere outside.
 
 use std::fs;
 use std::io::Write;
@@ -19,25 +21,15 @@ use super::lru::LruIndex;
 use super::{Storage, StorageError, StorageStats};
 use crate::hash::PageHash;
 
+use super::at::StoreDir;
 use super::blob::{self, BlobKey, HEADER};
-
-/// Makes `d` a real directory: a symlink (or file) in its place is removed first, so nothing is
-/// ever written through a link out of the store.
-fn real_dir(d: &Path) -> std::io::Result<()> {
-    match fs::symlink_metadata(d) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => {
-            fs::remove_file(d)?;
-            fs::create_dir(d)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => fs::create_dir(d),
-        Err(e) => Err(e),
-    }
-}
 
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
     dir: PathBuf,
+    /// The store and its `tmp/`, held open.
+    root: StoreDir,
+    tmp: std::os::fd::OwnedFd,
     cap_bytes: u64,
     sync: bool,
     key: BlobKey,
@@ -64,12 +56,13 @@ impl DiskStorage {
         sync: bool,
     ) -> Result<DiskStorage, StorageError> {
         let dir = dir.into();
-        let tmp = dir.join("tmp");
+        let tmp_path = dir.join("tmp");
         fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-        real_dir(&tmp).map_err(|e| io(&tmp, e))?;
+        let root = StoreDir::open(&dir).map_err(|e| io(&dir, e))?;
+        let tmp = root.sub_made("tmp").map_err(|e| io(&tmp_path, e))?;
         // Leftovers of writes interrupted by a crash are never visible; clear them.
-        for e in fs::read_dir(&tmp).map_err(|e| io(&tmp, e))?.flatten() {
-            let _ = fs::remove_file(e.path());
+        for name in StoreDir::names(&tmp).map_err(|e| io(&tmp_path, e))? {
+            let _ = StoreDir::remove(&tmp, &name);
         }
         let mut found = Vec::new();
         for sub in fs::read_dir(&dir).map_err(|e| io(&dir, e))?.flatten() {
@@ -100,6 +93,8 @@ impl DiskStorage {
         found.sort_by_key(|x| x.0);
         let s = DiskStorage {
             dir,
+            root,
+            tmp,
             cap_bytes,
             sync,
             key: BlobKey::public(),
@@ -118,19 +113,20 @@ impl DiskStorage {
         Ok(s)
     }
 
-    /// Removes `p`, a page's name in this store, whatever is there (a file, a link, a FIFO,
-    /// a directory tree), but only when its directory is a real one of the store: through a
-    /// symlinked subdirectory nothing outside is touched.
-    fn remove_in_store(&self, p: &Path) -> std::io::Result<()> {
-        let parent = p.parent().expect("page path has a parent");
-        if !fs::symlink_metadata(parent)?.is_dir() {
-            // Not the store's: as if absent (nothing removed, nothing counted).
-            return Err(std::io::ErrorKind::NotFound.into());
-        }
-        match fs::symlink_metadata(p) {
-            Ok(m) if m.is_dir() => fs::remove_dir_all(p),
-            Ok(_) => fs::remove_file(p),
-            Err(e) => Err(e),
+    /// A page's subdirectory and file name.
+    fn loc(h: &PageHash) -> (String, String) {
+        let hex = h.to_hex();
+        (hex[..2].to_string(), format!("{hex}.page"))
+    }
+
+    /// Removes the page `h`'s name in this store, whatever is there (a file, a link, a FIFO, a
+    /// directory tree), only in a real subdirectory of the store: NotFound when absent, or
+    /// when its subdirectory is not one (nothing removed, nothing counted).
+    fn remove_page(&self, h: &PageHash) -> std::io::Result<()> {
+        let (sub, name) = Self::loc(h);
+        match self.root.sub(&sub)? {
+            Some(d) => StoreDir::remove(&d, &name),
+            None => Err(std::io::ErrorKind::NotFound.into()),
         }
     }
 
@@ -161,35 +157,21 @@ impl DiskStorage {
     }
 
     /// A page file's bytes, read only from a regular file of at most `max_value` bytes, in a
-    /// directory that is not a symlink. Ok(None): absent, or not something to read.
-    fn read_page_file(&self, p: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    /// real subdirectory of the store. Ok(None): absent; empty: something is under the page's
+    /// name that is not a page file (a link, a FIFO, a directory, a file of the wrong size).
+    fn read_page(&self, h: &PageHash) -> std::io::Result<Option<Vec<u8>>> {
         use std::io::Read;
-        #[cfg(unix)]
-        use std::os::unix::fs::OpenOptionsExt;
-        let parent = p.parent().expect("page path has a parent");
-        match fs::symlink_metadata(parent) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => return Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        }
-        let mut o = fs::OpenOptions::new();
-        o.read(true);
-        // No symlink followed; no blocking open of a FIFO (its reads then fail fast).
-        #[cfg(unix)]
-        o.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
-        let f = match o.open(p) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            // ELOOP: a symlink; ENXIO: a FIFO without writer and the like.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENXIO)) => {
-                return Ok(None)
-            }
-            Err(e) => return Err(e),
+        let (sub, name) = Self::loc(h);
+        let Some(d) = self.root.sub(&sub)? else {
+            return Ok(None);
+        };
+        let Some(f) = StoreDir::open_read(&d, &name)? else {
+            let present = StoreDir::entry(&d, &name)?.is_some();
+            return Ok(present.then(Vec::new));
         };
         let md = f.metadata()?;
         if !md.is_file() || md.len() > self.max_value || md.len() < HEADER as u64 {
-            return Ok(Some(Vec::new())); // present but not a page: corrupt
+            return Ok(Some(Vec::new()));
         }
         let mut bytes = Vec::with_capacity(md.len() as usize);
         // At most the size the file had: a file that grows meanwhile is cut, then refused.
@@ -226,11 +208,10 @@ impl DiskStorage {
                 ix.remove(&v);
                 v
             };
-            let p = self.path_of(&victim);
-            match self.remove_in_store(&p) {
+            match self.remove_page(&victim) {
                 Ok(()) => self.count(|s| s.evictions += 1),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io(&p, e)),
+                Err(e) => return Err(io(&self.path_of(&victim), e)),
             }
         }
     }
@@ -248,21 +229,15 @@ impl Storage for DiskStorage {
 
     fn get(&self, h: &PageHash) -> Result<Option<Vec<u8>>, StorageError> {
         self.count(|s| s.gets += 1);
-        let p = self.path_of(h);
-        let bytes = match self.read_page_file(&p) {
+        let bytes = match self.read_page(h) {
             Ok(Some(b)) => b,
             Ok(None) => {
                 self.index().remove(h);
-                if fs::symlink_metadata(&p).is_ok() {
-                    // Something that is not a page file sits under a page's name.
-                    self.count(|s| s.corrupt += 1);
-                    let _ = self.remove_in_store(&p);
-                }
                 return Ok(None);
             }
             Err(e) => {
                 self.count(|s| s.errors += 1);
-                return Err(io(&p, e));
+                return Err(io(&self.path_of(h), e));
             }
         };
         match blob::decode(&self.key, h, &bytes) {
@@ -277,7 +252,7 @@ impl Storage for DiskStorage {
                     blob::Refused::OtherLayout => s.other_layout += 1,
                 });
                 self.index().remove(h);
-                let _ = self.remove_in_store(&p);
+                let _ = self.remove_page(h);
                 Ok(None)
             }
         }
@@ -292,35 +267,29 @@ impl Storage for DiskStorage {
             });
         }
         self.count(|s| s.puts += 1);
-        let final_path = self.path_of(h);
+        let (sub, name) = Self::loc(h);
+        let d = match self.root.sub_made(&sub) {
+            Ok(d) => d,
+            Err(e) => {
+                self.count(|s| s.errors += 1);
+                return Err(io(&self.path_of(h), e));
+            }
+        };
         // Skipped only when a regular file of the right size is in place: anything else under
-        // the page's name (damaged, truncated, a FIFO or a link) is replaced.
-        let in_place =
-            fs::symlink_metadata(&final_path).is_ok_and(|m| m.is_file() && m.len() == total);
-        if self.index().contains(h) && in_place {
+        // the page's name (damaged, truncated, a FIFO, a link, a directory) is replaced.
+        let there = StoreDir::entry(&d, &name).ok().flatten();
+        if self.index().contains(h) && there.is_some_and(|e| e.file && e.len == total) {
             self.index().touch(*h, total);
             return Ok(());
         }
-        if let Ok(m) = fs::symlink_metadata(&final_path) {
-            if !m.is_file() {
-                let _ = self.remove_in_store(&final_path);
-            }
+        if there.is_some_and(|e| e.dir) {
+            let _ = StoreDir::remove(&d, &name);
         }
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp =
-            self.dir
-                .join("tmp")
-                .join(format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id()));
+        let tmp = format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id());
         let write = || -> std::io::Result<()> {
             // A new file, never through a link someone planted under the temporary name.
-            let mut o = fs::OpenOptions::new();
-            o.write(true).create_new(true);
-            #[cfg(unix)]
-            {
-                use std::os::unix::fs::OpenOptionsExt;
-                o.custom_flags(libc::O_NOFOLLOW);
-            }
-            let mut f = o.open(&tmp)?;
+            let mut f = StoreDir::create(&self.tmp, &tmp)?;
             f.write_all(&blob::header(&self.key, h, data))?;
             f.write_all(data)?;
             if self.sync {
@@ -328,29 +297,24 @@ impl Storage for DiskStorage {
             }
             Ok(())
         };
-        let parent = final_path.parent().expect("page path has a parent");
-        let res = write()
-            .and_then(|_| real_dir(parent))
-            .and_then(|_| fs::rename(&tmp, &final_path));
+        // The rename replaces a file, a link or a FIFO under the name (never what a link
+        // points to).
+        let res = write().and_then(|_| StoreDir::rename(&self.tmp, &tmp, &d, &name));
         if let Err(e) = res {
-            let _ = fs::remove_file(&tmp);
+            let _ = StoreDir::remove(&self.tmp, &tmp);
             self.count(|s| s.errors += 1);
-            return Err(io(&final_path, e));
+            return Err(io(&self.path_of(h), e));
         }
         self.index().touch(*h, total);
         self.enforce_cap(Some(*h))
     }
 
     fn delete(&self, h: &PageHash) -> Result<bool, StorageError> {
-        let had = self.index().remove(h);
-        let p = self.path_of(h);
-        match self.remove_in_store(&p) {
+        self.index().remove(h);
+        match self.remove_page(h) {
             Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let _ = had;
-                Ok(false)
-            }
-            Err(e) => Err(io(&p, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io(&self.path_of(h), e)),
         }
     }
 

@@ -4,6 +4,7 @@
 //! backend holds ([`Storage::prefix_len`]). Backends must never return bad bytes: a corrupt or
 //! truncated entry is a miss plus a counted error.
 
+mod at;
 pub mod blob;
 mod disk;
 mod lru;
