@@ -1,8 +1,10 @@
 //! A worker's SSE answer relayed under guard. The stream passes through as it comes; if the
-//! worker's connection breaks, the stream ends before the answer's last event, or the worker
-//! stays silent for the router's `stream_idle` (a live worker sends a comment every 15 s), the
-//! client gets an error event in the API's own shape and a clean end, so that no client takes
-//! a truncated answer for a whole one.
+//! worker's connection breaks, the stream ends before the answer's last event, the worker
+//! stays silent for the router's `stream_idle` (a live worker sends a comment every 15 s), or
+//! the answer outlasts `request_timeout` (a wedged worker whose keep-alive comments still flow
+//! is cut there), the client gets an error event in the API's own shape and a clean end, so
+//! that no client takes a truncated answer for a whole one. Once the answer's end has been
+//! relayed, whatever follows (a reset, silence) ends the stream quietly.
 //!
 //! The answer's end is read from its lines, whatever the chunking: the line `data: [DONE]`
 //! for chat and completions; for `/v1/responses`, the blank line that closes a
@@ -34,7 +36,8 @@ impl Dialect {
     /// What a client gets when the worker's stream broke before its end: an error in the API's
     /// shape (then `[DONE]` for chat). A blank line first: the break may have cut an event in
     /// the middle of its line.
-    pub fn broken_tail(self, why: &str) -> Bytes {
+    /// `events`: how many events the client has had (the Responses error's `sequence_number`).
+    pub fn broken_tail(self, why: &str, events: u64) -> Bytes {
         let message = format!("the worker's stream broke before the end of the answer: {why}");
         match self {
             Dialect::Chat => {
@@ -44,6 +47,7 @@ impl Dialect {
             Dialect::Responses => {
                 let e = serde_json::json!({
                     "type": "error", "code": "server_error", "message": message, "param": null,
+                    "sequence_number": events,
                 });
                 Bytes::from(format!("\n\nevent: error\ndata: {e}\n\n"))
             }
@@ -59,6 +63,8 @@ pub struct EndOfAnswer {
     /// The event being read is a terminal one (`Responses`).
     terminal: bool,
     done: bool,
+    /// `event:` lines read (`Responses`: the next event's sequence number).
+    events: u64,
 }
 
 impl EndOfAnswer {
@@ -68,7 +74,13 @@ impl EndOfAnswer {
             line: Vec::with_capacity(LINE),
             terminal: false,
             done: false,
+            events: 0,
         }
+    }
+
+    /// How many events were read.
+    pub fn events(&self) -> u64 {
+        self.events
     }
 
     /// Whether the answer's end has been seen (including a last line with no newline yet).
@@ -103,6 +115,7 @@ impl EndOfAnswer {
             Dialect::Responses if line.is_empty() => self.done |= self.terminal,
             Dialect::Responses => {
                 if let Some(kind) = line.strip_prefix(b"event:") {
+                    self.events += 1;
                     let kind = kind.strip_prefix(b" ").unwrap_or(kind);
                     self.terminal = matches!(
                         kind,
@@ -136,12 +149,14 @@ where
         over: bool,
         _keep: K,
         st: Arc<RouterState>,
+        deadline: tokio::time::Instant,
     }
     let g = G {
         up: upstream,
         end: EndOfAnswer::new(dialect),
         over: false,
         _keep: keep,
+        deadline: tokio::time::Instant::now() + st.request_timeout,
         st,
     };
     futures_util::stream::unfold(g, move |mut g| async move {
@@ -149,16 +164,26 @@ where
             return None;
         }
         let idle = g.st.stream_idle;
-        let why = match tokio::time::timeout(idle, g.up.next()).await {
+        let left = g
+            .deadline
+            .saturating_duration_since(tokio::time::Instant::now());
+        let next = tokio::time::timeout(idle.min(left), g.up.next()).await;
+        let why = match next {
             Ok(Some(Ok(b))) => {
                 g.end.feed(&b);
                 return Some((Ok(b), g));
             }
-            Ok(None) if g.end.done() => return None,
+            // The whole answer is out: an end, a reset or silence after it is no error.
+            _ if g.end.done() => return None,
             Ok(None) => "it ended before the answer's last event".to_string(),
             Ok(Some(Err(e))) => {
                 tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
                 "connection lost".to_string()
+            }
+            Err(_) if left <= idle => {
+                let total = g.st.request_timeout.as_secs_f64();
+                tracing::warn!(total_s = total, "a worker's stream outlasted --request-timeout; ending the client's stream with an error event");
+                format!("the answer took longer than the router's {total:.0} s")
             }
             Err(_) => {
                 tracing::warn!(
@@ -170,7 +195,7 @@ where
         };
         g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
         g.over = true;
-        Some((Ok(dialect.broken_tail(&why)), g))
+        Some((Ok(dialect.broken_tail(&why, g.end.events())), g))
     })
 }
 
@@ -223,7 +248,7 @@ mod tests {
 
     #[test]
     fn tails_parse_in_their_dialect() {
-        let t = Dialect::Responses.broken_tail("why");
+        let t = Dialect::Responses.broken_tail("why", 1);
         let s = std::str::from_utf8(&t).unwrap();
         let mut e = EndOfAnswer::new(Dialect::Responses);
         e.feed(b"event: response.created\ndata: {\"partial");
@@ -232,8 +257,10 @@ mod tests {
         let data = s.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
         let v: serde_json::Value = serde_json::from_str(data).unwrap();
         assert_eq!(v["type"], "error");
+        assert_eq!(v["sequence_number"], 1);
+        assert_eq!(e.events(), 2);
         assert!(v["message"].as_str().unwrap().ends_with("why"));
-        let t = Dialect::Chat.broken_tail("why");
+        let t = Dialect::Chat.broken_tail("why", 0);
         let mut e = EndOfAnswer::new(Dialect::Chat);
         e.feed(b"data: {\"cut");
         e.feed(&t);

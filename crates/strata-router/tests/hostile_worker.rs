@@ -51,7 +51,8 @@ async fn mock() -> String {
     url
 }
 
-/// A `/v1/responses` stream: whole ("whole"), then silent ("silent"), or ending early.
+/// A `/v1/responses` stream: whole ("whole"), whole then silent ("whole silent"), silent after
+/// its first event ("silent"), keep-alive comments only after it ("wedged"), or ending early.
 async fn responses_stream(body: String) -> Response {
     let created = "event: response.created\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
     let completed = "event: response.completed\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
@@ -60,7 +61,13 @@ async fn responses_stream(body: String) -> Response {
         parts.push(completed.to_string());
     }
     let silent = body.contains("silent");
+    let wedged = body.contains("wedged");
+    let comments = futures_util::stream::unfold((), move |()| async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        wedged.then_some((":\n\n".to_string(), ()))
+    });
     let s = futures_util::stream::iter(parts)
+        .chain(comments)
         .map(Ok::<_, std::io::Error>)
         .chain(futures_util::stream::once(async move {
             if silent {
@@ -77,13 +84,19 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
     let w = mock().await;
     let mut st = RouterState::new(&[], std::slice::from_ref(&w), Policy::RoundRobin);
     st.stream_idle = Duration::from_secs(1);
+    st.request_timeout = Duration::from_secs(3);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let r = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
     let c = reqwest::Client::new();
     for (input, broke) in [
         ("whole", None),
+        ("whole silent", None),
         ("silent", Some("no data from the worker for 1.0 s")),
+        (
+            "wedged",
+            Some("the answer took longer than the router's 3 s"),
+        ),
         ("cut", Some("it ended before the answer's last event")),
     ] {
         let a = c
@@ -102,6 +115,7 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
                 assert!(last.starts_with("event: error\ndata: "), "{input}: {text}");
                 let e: Value = serde_json::from_str(&last[19..]).unwrap();
                 assert_eq!(e["type"], "error");
+                assert_eq!(e["sequence_number"], 1, "the event after response.created");
                 let msg = e["message"].as_str().unwrap();
                 assert!(msg.ends_with(why), "{input}: {msg}");
             }

@@ -4,7 +4,7 @@
 //! swap a subdirectory for a link between a check and the act and so have the store read,
 //! write or delete outside itself.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
@@ -13,9 +13,11 @@ use std::path::Path;
 use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-/// Deepest directory tree under a page's name that is removed (anything planted deeper stays,
-/// and the page's name stays blocked: an error, not a stack exhausted).
+/// Deepest directory tree under a page's name that is removed, and most entries in it: anything
+/// planted deeper or larger stays, and the page's name stays blocked (an error, not a stack
+/// exhausted or a put that lists millions of names).
 const MAX_DEPTH: usize = 16;
+const MAX_ENTRIES: usize = 4096;
 
 /// The store's directory, held open.
 #[derive(Debug)]
@@ -29,6 +31,8 @@ pub(super) struct Entry {
     pub file: bool,
     pub dir: bool,
     pub len: u64,
+    /// Last modification, in nanoseconds since the epoch.
+    pub modified: i128,
 }
 
 const DIR: OFlags = OFlags::RDONLY
@@ -67,7 +71,8 @@ impl StoreDir {
             if let Some(fd) = self.sub(name)? {
                 return Ok(fd);
             }
-            match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o755)) {
+            // The umask decides (workers of one group may share a store).
+            match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o777)) {
                 Ok(()) | Err(Errno::EXIST) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -94,6 +99,7 @@ impl StoreDir {
                     file: t == FileType::RegularFile,
                     dir: t == FileType::Directory,
                     len: st.st_size as u64,
+                    modified: st.st_mtime as i128 * 1_000_000_000 + st.st_mtime_nsec as i128,
                 }))
             }
             Err(e) if absent(e) => Ok(None),
@@ -119,7 +125,7 @@ impl StoreDir {
             sub,
             name,
             flags | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o644),
+            Mode::from_raw_mode(0o666), // the umask decides
         )?;
         Ok(File::from(fd))
     }
@@ -131,31 +137,49 @@ impl StoreDir {
     }
 
     /// The names in `d` (`.` and `..` left out).
-    pub fn names(d: &OwnedFd) -> io::Result<Vec<String>> {
-        let mut names = Vec::new();
-        for e in Dir::read_from(d)? {
-            let e = e?;
-            if let Ok(n) = e.file_name().to_str() {
-                if n != "." && n != ".." {
-                    names.push(n.to_string());
-                }
-            }
-        }
-        Ok(names)
+    pub fn names(d: &OwnedFd) -> io::Result<Vec<OsString>> {
+        names_within(d, usize::MAX)
     }
 
     /// Removes `name` in `sub`, whatever it is (a file, a link itself, a FIFO, a directory
     /// tree up to [`MAX_DEPTH`]); NotFound when absent.
-    pub fn remove(sub: &OwnedFd, name: &str) -> io::Result<()> {
-        remove_at(sub, OsStr::new(name), 0)
+    pub fn remove(sub: &OwnedFd, name: impl AsRef<OsStr>) -> io::Result<()> {
+        remove_at(sub, name.as_ref(), 0, &mut MAX_ENTRIES.clone())
     }
 }
 
-fn remove_at(parent: &OwnedFd, name: &OsStr, depth: usize) -> io::Result<()> {
+/// The names in `d` (`.` and `..` left out), an error past `max`.
+fn names_within(d: &OwnedFd, max: usize) -> io::Result<Vec<OsString>> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut names = Vec::new();
+    for e in Dir::read_from(d)? {
+        let e = e?;
+        let n = e.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            if names.len() == max {
+                return Err(io::Error::other(
+                    "a directory larger than the store removes",
+                ));
+            }
+            names.push(OsStr::from_bytes(n).to_os_string());
+        }
+    }
+    Ok(names)
+}
+
+/// Removes `name` in `parent` and, if a directory, what it holds (within `depth` and `budget`
+/// entries in all).
+fn remove_at(parent: &OwnedFd, name: &OsStr, depth: usize, budget: &mut usize) -> io::Result<()> {
     match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
         Ok(()) => return Ok(()),
-        // A directory: its entries first.
-        Err(Errno::ISDIR) | Err(Errno::PERM) => {}
+        Err(Errno::ISDIR) => {}
+        // EPERM: a directory on some systems, or a file we may not remove (sticky, immutable).
+        Err(Errno::PERM) => {
+            let st = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)?;
+            if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+                return Err(Errno::PERM.into());
+            }
+        }
         Err(e) => return Err(e.into()),
     }
     if depth >= MAX_DEPTH {
@@ -164,17 +188,10 @@ fn remove_at(parent: &OwnedFd, name: &OsStr, depth: usize) -> io::Result<()> {
         ));
     }
     let fd = rustix::fs::openat(parent, name, DIR, Mode::empty())?;
-    let mut names = Vec::new();
-    for e in Dir::read_from(&fd)? {
-        let e = e?;
-        let n = e.file_name().to_bytes();
-        if n != b"." && n != b".." {
-            use std::os::unix::ffi::OsStrExt;
-            names.push(OsStr::from_bytes(n).to_os_string());
-        }
-    }
+    let names = names_within(&fd, *budget)?;
+    *budget -= names.len();
     for n in names {
-        match remove_at(&fd, &n, depth + 1) {
+        match remove_at(&fd, &n, depth + 1, budget) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -241,6 +258,14 @@ mod tests {
             deep = deep.join("d");
         }
         fs::create_dir_all(&deep).unwrap();
+        assert!(StoreDir::remove(&ab, "p.page").is_err());
+        assert!(page.exists());
+        // Wider than the bound: the same.
+        fs::remove_dir_all(&page).unwrap();
+        fs::create_dir_all(page.join("w")).unwrap();
+        for i in 0..=MAX_ENTRIES {
+            fs::write(page.join("w").join(i.to_string()), b"").unwrap();
+        }
         assert!(StoreDir::remove(&ab, "p.page").is_err());
         assert!(page.exists());
     }

@@ -62,34 +62,9 @@ impl DiskStorage {
         let tmp = root.sub_made("tmp").map_err(|e| io(&tmp_path, e))?;
         // Leftovers of writes interrupted by a crash are never visible; clear them.
         for name in StoreDir::names(&tmp).map_err(|e| io(&tmp_path, e))? {
-            let _ = StoreDir::remove(&tmp, &name);
+            let _ = StoreDir::remove(&tmp, name);
         }
-        let mut found = Vec::new();
-        for sub in fs::read_dir(&dir).map_err(|e| io(&dir, e))?.flatten() {
-            // Real subdirectories only: a symlinked one is not this store's.
-            if sub.file_name() == "tmp" || !sub.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            for f in fs::read_dir(sub.path())
-                .map_err(|e| io(&sub.path(), e))?
-                .flatten()
-            {
-                let name = f.file_name();
-                let Some(hex) = name.to_str().and_then(|n| n.strip_suffix(".page")) else {
-                    continue;
-                };
-                let (Some(h), Ok(md)) = (PageHash::from_hex(hex), f.metadata()) else {
-                    continue;
-                };
-                // (The entry's own metadata: a link is not followed.) A regular file no
-                // larger than the store is indexed; anything else is left to a read, which
-                // removes it, and never counts against the cap (one huge file would
-                // otherwise evict every page at the next put).
-                if md.is_file() && md.len() <= cap_bytes {
-                    found.push((md.modified().ok(), h, md.len()));
-                }
-            }
-        }
+        let mut found = Self::scan(&root, cap_bytes);
         found.sort_by_key(|x| x.0);
         let s = DiskStorage {
             dir,
@@ -111,6 +86,42 @@ impl DiskStorage {
         }
         s.enforce_cap(None)?;
         Ok(s)
+    }
+
+    /// The pages found in `root` (by handle: a subdirectory that is a link is not the store's),
+    /// each under the subdirectory its hash names: a regular file no larger than the store is
+    /// indexed; anything else is left to a read, which removes it, and never counts against
+    /// the cap (one huge file would otherwise evict every page at the next put). A
+    /// subdirectory that cannot be read is skipped, not a failure to start.
+    fn scan(root: &StoreDir, cap_bytes: u64) -> Vec<(i128, PageHash, u64)> {
+        let mut found = Vec::new();
+        for i in 0..=255u8 {
+            let sub = format!("{i:02x}");
+            let Ok(Some(d)) = root.sub(&sub) else {
+                continue;
+            };
+            let Ok(names) = StoreDir::names(&d) else {
+                continue;
+            };
+            for name in names {
+                let Some(n) = name.to_str() else { continue };
+                let Some(hex) = n.strip_suffix(".page") else {
+                    continue;
+                };
+                // Only a page's own name (lower-case hex, in its subdirectory): a read finds
+                // nothing else, so nothing else may count against the cap.
+                let own = |h: &PageHash| h.to_hex() == hex && hex.starts_with(&sub);
+                let Some(h) = PageHash::from_hex(hex).filter(own) else {
+                    continue;
+                };
+                if let Ok(Some(e)) = StoreDir::entry(&d, n) {
+                    if e.file && e.len <= cap_bytes {
+                        found.push((e.modified, h, e.len));
+                    }
+                }
+            }
+        }
+        found
     }
 
     /// A page's subdirectory and file name.
@@ -586,6 +597,30 @@ mod tests {
     }
 
     /// A directory under a page's name is a miss, removed, and the next put stores the page.
+    #[test]
+    fn only_what_a_read_would_find_is_indexed_at_open() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"page").unwrap();
+        let real = fs::read(s.path_of(&h(1))).unwrap();
+        drop(s);
+        let hex = h(2).to_hex();
+        // Another subdirectory, upper case, a linked subdirectory: none is where a read looks.
+        fs::create_dir_all(d.path().join("zz")).unwrap();
+        fs::write(d.path().join(format!("zz/{hex}.page")), &real).unwrap();
+        let up = h(0xab).to_hex().to_uppercase();
+        fs::create_dir_all(d.path().join("ab")).unwrap();
+        fs::write(d.path().join(format!("ab/{up}.page")), &real).unwrap();
+        let h3 = h(3).to_hex();
+        fs::write(outside.path().join(format!("{h3}.page")), &real).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join(&h3[..2])).unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        assert_eq!(s.stats().entries, 1);
+        assert_eq!(s.stats().bytes, real.len() as u64);
+        assert_eq!(s.exists(&[h(1), h(2), h(3)]).unwrap(), [true, false, false]);
+    }
+
     #[test]
     fn a_directory_under_a_pages_name_is_replaced() {
         let d = tempfile::tempdir().unwrap();
