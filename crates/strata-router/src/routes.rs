@@ -165,8 +165,7 @@ async fn flush_cache(
     // The workers check the query (the first refuses a parameter it does not take, before
     // any flushes); a body would not reach them, so it is refused here.
     if !body.is_empty() {
-        let msg = "/flush_cache takes no body: the tier goes in the query string (`?tier=device`)";
-        return ApiError::bad_request(msg, None).into_response();
+        return ApiError::flush_body().into_response();
     }
     let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
     let (mut answers, mut missed) = (Vec::new(), Vec::new());

@@ -35,6 +35,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// A body sent to `/flush_cache` (worker or router): the tier goes in the query string.
+    pub fn flush_body() -> ApiError {
+        let m = "/flush_cache takes no body: the tier goes in the query string (`?tier=device`)";
+        ApiError::bad_request(m, None)
+    }
+
     pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,

@@ -184,10 +184,7 @@ pub(crate) async fn flush_cache(
     check_admin(&st, &headers, &uri)?;
     let q: FlushQuery = crate::error::query(&uri)?;
     if !body.is_empty() {
-        return Err(ApiError::bad_request(
-            "/flush_cache takes no body: the tier goes in the query string (`?tier=device`)",
-            None,
-        ));
+        return Err(ApiError::flush_body());
     }
     let scope = match q.tier.as_deref() {
         None | Some("all") => FlushScope::All,
