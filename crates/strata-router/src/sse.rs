@@ -266,4 +266,69 @@ mod tests {
         e.feed(&t);
         assert!(e.done());
     }
+
+    /// Any bytes, cut anywhere: the same verdict as whole, and no panic (a fuzz harness of the
+    /// parser of what a worker sends).
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn event() -> impl Strategy<Value = String> {
+            let kinds = prop::sample::select(vec![
+                "response.created",
+                "response.output_text.delta",
+                "response.completed",
+                "error",
+            ]);
+            let data = "[ -~]{0,30}";
+            let eol = prop::sample::select(vec!["\n", "\r\n"]);
+            (kinds, data, eol, any::<bool>()).prop_map(|(k, d, e, space)| {
+                let sp = if space { " " } else { "" };
+                format!("event:{sp}{k}{e}data: {d}{e}{e}")
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            #[test]
+            fn chunking_never_changes_the_verdict(
+                bytes in prop::collection::vec(any::<u8>(), 0..300),
+                cuts in prop::collection::vec(0usize..300, 0..8),
+            ) {
+                for d in [Dialect::Chat, Dialect::Responses] {
+                    let whole = done_after(d, &[&bytes]);
+                    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+                    cuts.sort();
+                    let mut parts = Vec::new();
+                    let mut at = 0;
+                    for c in cuts {
+                        parts.push(&bytes[at..c]);
+                        at = c;
+                    }
+                    parts.push(&bytes[at..]);
+                    prop_assert_eq!(done_after(d, &parts), whole);
+                }
+            }
+
+            #[test]
+            fn a_responses_stream_is_done_exactly_after_its_terminal_event(
+                events in prop::collection::vec(event(), 1..6),
+            ) {
+                let s = events.concat();
+                let last_is_terminal = |e: &str| {
+                    let k = e.lines().next().unwrap().trim_start_matches("event:").trim();
+                    matches!(k, "response.completed" | "error")
+                };
+                // Done after the whole stream iff some event was terminal (the end is the first
+                // terminal event's blank line; what follows it changes nothing).
+                let any_terminal = events.iter().any(|e| last_is_terminal(e));
+                prop_assert_eq!(done_after(Dialect::Responses, &[s.as_bytes()]), any_terminal);
+                // Cut one byte short of the first terminal event's end: not done.
+                if let Some(i) = events.iter().position(|e| last_is_terminal(e)) {
+                    let end: usize = events[..=i].iter().map(String::len).sum();
+                    prop_assert!(!done_after(Dialect::Responses, &[&s.as_bytes()[..end - 1]]));
+                }
+            }
+        }
+    }
 }
