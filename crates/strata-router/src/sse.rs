@@ -65,6 +65,8 @@ pub struct EndOfAnswer {
     done: bool,
     /// `event:` lines read (`Responses`: the next event's sequence number).
     events: u64,
+    /// The last line read was blank (an event is closed: nothing is pending for a client).
+    blank: bool,
 }
 
 impl EndOfAnswer {
@@ -75,7 +77,14 @@ impl EndOfAnswer {
             terminal: false,
             done: false,
             events: 0,
+            blank: true,
         }
+    }
+
+    /// Whether the bytes read so far end with a closed event (a blank line), so that a client
+    /// has dispatched everything it was sent.
+    pub fn closed(&self) -> bool {
+        self.blank && self.line.is_empty()
     }
 
     /// How many events were read.
@@ -83,7 +92,13 @@ impl EndOfAnswer {
         self.events
     }
 
-    /// Whether the answer's end has been seen (including a last line with no newline yet).
+    /// Whether the answer's end has been seen, its line ended.
+    pub fn ended(&self) -> bool {
+        self.done
+    }
+
+    /// Whether the answer's end has been seen, or would be if the stream stopped here (a last
+    /// `data: [DONE]` with no newline yet).
     pub fn done(&self) -> bool {
         self.done || (self.dialect == Dialect::Chat && self.line_is_done())
     }
@@ -110,6 +125,7 @@ impl EndOfAnswer {
 
     fn line_ended(&mut self) {
         let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+        self.blank = line.is_empty();
         match self.dialect {
             Dialect::Chat => self.done |= self.line_is_done(),
             Dialect::Responses if line.is_empty() => self.done |= self.terminal,
@@ -163,18 +179,35 @@ where
         if g.over {
             return None;
         }
+        // The whole answer is out: nothing the worker sends after it is relayed (an end, a
+        // reset or silence after it is no error). A `[DONE]` line not yet closed by a blank
+        // line is closed here, or a client's parser would drop it.
+        let finish = |mut g: G<S, K>| {
+            g.over = true;
+            let close = dialect == Dialect::Chat && !g.end.closed();
+            close.then(|| (Ok(Bytes::from_static(b"\n\n")), g))
+        };
+        if g.end.ended() {
+            return finish(g);
+        }
         let idle = g.st.stream_idle;
         let left = g
             .deadline
             .saturating_duration_since(tokio::time::Instant::now());
-        let next = tokio::time::timeout(idle.min(left), g.up.next()).await;
+        // (Checked before polling: a worker whose bytes are always ready never lets a timeout
+        // fire.)
+        let next = match left.is_zero() {
+            true => Err(()),
+            false => tokio::time::timeout(idle.min(left), g.up.next())
+                .await
+                .map_err(|_| ()),
+        };
         let why = match next {
             Ok(Some(Ok(b))) => {
                 g.end.feed(&b);
                 return Some((Ok(b), g));
             }
-            // The whole answer is out: an end, a reset or silence after it is no error.
-            _ if g.end.done() => return None,
+            _ if g.end.done() => return finish(g),
             Ok(None) => "it ended before the answer's last event".to_string(),
             Ok(Some(Err(e))) => {
                 tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
@@ -183,7 +216,7 @@ where
             Err(_) if left <= idle => {
                 let total = g.st.request_timeout.as_secs_f64();
                 tracing::warn!(total_s = total, "a worker's stream outlasted --request-timeout; ending the client's stream with an error event");
-                format!("the answer took longer than the router's {total:.0} s")
+                format!("the answer took longer than the router's {total:.1} s")
             }
             Err(_) => {
                 tracing::warn!(
@@ -265,6 +298,38 @@ mod tests {
         e.feed(b"data: {\"cut");
         e.feed(&t);
         assert!(e.done());
+    }
+
+    /// The guard over a worker that sends `chunks` then stays silent: what the client gets.
+    async fn relayed(d: Dialect, chunks: &[&'static [u8]]) -> Vec<u8> {
+        let mut st = RouterState::new(&[], &[], crate::Policy::RoundRobin);
+        // (Short: an end line not yet ended waits out the idle bound, then ends quietly.)
+        st.stream_idle = std::time::Duration::from_millis(200);
+        let chunks: Vec<_> = chunks.iter().map(|c| Ok(Bytes::from_static(c))).collect();
+        let up = futures_util::stream::iter(chunks).chain(futures_util::stream::pending());
+        let out = guard(Box::pin(up), d, (), Arc::new(st));
+        let parts: Vec<_> = out.collect().await;
+        parts
+            .into_iter()
+            .flat_map(|p| p.unwrap().to_vec())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn nothing_is_relayed_after_the_end_and_the_end_is_closed() {
+        // Ends at once after the end (the worker's later bytes and silence are not waited on).
+        let out = relayed(
+            Dialect::Chat,
+            &[b"data: {}\n\ndata: [DONE]", b"\n\n", b"data: x\n\n"],
+        )
+        .await;
+        assert_eq!(out, b"data: {}\n\ndata: [DONE]\n\n");
+        // An end line not yet closed by a blank line is closed for the client.
+        let out = relayed(Dialect::Chat, &[b"data: [DONE]"]).await;
+        assert_eq!(out, b"data: [DONE]\n\n");
+        let r = b"event: response.completed\ndata: {}\n\n";
+        let out = relayed(Dialect::Responses, &[r, b": keep-alive\n\n"]).await;
+        assert_eq!(out, r);
     }
 
     /// Any bytes, cut anywhere: the same verdict as whole, and no panic (a fuzz harness of the

@@ -95,7 +95,7 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
         ("silent", Some("no data from the worker for 1.0 s")),
         (
             "wedged",
-            Some("the answer took longer than the router's 3 s"),
+            Some("the answer took longer than the router's 3.0 s"),
         ),
         ("cut", Some("it ended before the answer's last event")),
     ] {

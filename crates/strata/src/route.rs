@@ -42,8 +42,9 @@ pub struct RouteArgs {
     /// stream with an error event (workers send a keep-alive every 15 s: keep it above that).
     #[arg(long, default_value_t = 45.0, help_heading = "Workers")]
     pub stream_idle_timeout: f64,
-    /// Seconds a worker may take to start answering a generation request (a non-streamed
-    /// answer comes whole when done); past it the client gets a 504 and the worker a failure.
+    /// Seconds a worker may take to start answering a generation request, and then to finish
+    /// its answer (streamed or whole); past the first the client gets a 504 and the worker a
+    /// failure, past the second a stream ends with an error event and a whole answer is a 502.
     #[arg(long, default_value_t = 1800.0, help_heading = "Workers")]
     pub request_timeout: f64,
     /// A client API key (repeat); requests without a valid one get 401. Also $STRATA_API_KEY.

@@ -64,7 +64,7 @@ impl DiskStorage {
         for name in StoreDir::names(&tmp).map_err(|e| io(&tmp_path, e))? {
             let _ = StoreDir::remove(&tmp, name);
         }
-        let mut found = Self::scan(&root, cap_bytes);
+        let mut found = Self::scan(&root, cap_bytes).map_err(|e| io(&dir, e))?;
         found.sort_by_key(|x| x.0);
         let s = DiskStorage {
             dir,
@@ -92,16 +92,24 @@ impl DiskStorage {
     /// each under the subdirectory its hash names: a regular file no larger than the store is
     /// indexed; anything else is left to a read, which removes it, and never counts against
     /// the cap (one huge file would otherwise evict every page at the next put). A
-    /// subdirectory that cannot be read is skipped, not a failure to start.
-    fn scan(root: &StoreDir, cap_bytes: u64) -> Vec<(i128, PageHash, u64)> {
+    /// subdirectory the store may not read is skipped, not a failure to start.
+    fn scan(root: &StoreDir, cap_bytes: u64) -> std::io::Result<Vec<(i128, PageHash, u64)>> {
+        // Refused: skipped (someone else's); any other error (out of descriptors, memory) is
+        // the store's own failure, not a reason to start with a partial index.
+        let refused = |e: &std::io::Error| e.kind() == std::io::ErrorKind::PermissionDenied;
         let mut found = Vec::new();
         for i in 0..=255u8 {
             let sub = format!("{i:02x}");
-            let Ok(Some(d)) = root.sub(&sub) else {
-                continue;
+            let d = match root.sub(&sub) {
+                Ok(Some(d)) => d,
+                Ok(None) => continue,
+                Err(e) if refused(&e) => continue,
+                Err(e) => return Err(e),
             };
-            let Ok(names) = StoreDir::names(&d) else {
-                continue;
+            let names = match StoreDir::names(&d) {
+                Ok(n) => n,
+                Err(e) if refused(&e) => continue,
+                Err(e) => return Err(e),
             };
             for name in names {
                 let Some(n) = name.to_str() else { continue };
@@ -121,7 +129,7 @@ impl DiskStorage {
                 }
             }
         }
-        found
+        Ok(found)
     }
 
     /// A page's subdirectory and file name.
@@ -596,7 +604,6 @@ mod tests {
         assert_eq!(s.stats().evictions, 0);
     }
 
-    /// A directory under a page's name is a miss, removed, and the next put stores the page.
     #[test]
     fn only_what_a_read_would_find_is_indexed_at_open() {
         let d = tempfile::tempdir().unwrap();
@@ -621,6 +628,7 @@ mod tests {
         assert_eq!(s.exists(&[h(1), h(2), h(3)]).unwrap(), [true, false, false]);
     }
 
+    /// A directory under a page's name is a miss, removed, and the next put stores the page.
     #[test]
     fn a_directory_under_a_pages_name_is_replaced() {
         let d = tempfile::tempdir().unwrap();
