@@ -147,6 +147,43 @@ impl EndOfAnswer {
     }
 }
 
+/// How a worker's stream stopped before the answer's end.
+enum Broke {
+    Ended,
+    Lost(reqwest::Error),
+    Total(std::time::Duration),
+    Silent(std::time::Duration),
+}
+
+impl Broke {
+    /// What the client is told (and the log says).
+    fn why(self) -> String {
+        let warn = |what: &str| {
+            tracing::warn!(
+                "a worker's stream {what}; ending the client's stream with an error event"
+            )
+        };
+        match self {
+            Broke::Ended => "it ended before the answer's last event".to_string(),
+            Broke::Lost(e) => {
+                warn(&format!("broke ({e})"));
+                "connection lost".to_string()
+            }
+            Broke::Total(t) => {
+                warn("outlasted --request-timeout");
+                format!(
+                    "the answer took longer than the router's {:.1} s",
+                    t.as_secs_f64()
+                )
+            }
+            Broke::Silent(t) => {
+                warn("went silent");
+                format!("no data from the worker for {:.1} s", t.as_secs_f64())
+            }
+        }
+    }
+}
+
 /// The worker's SSE body `upstream`, relayed under guard (module doc); `keep` (the in-flight
 /// guard) lives as long as the stream.
 pub fn guard<S, K>(
@@ -208,24 +245,12 @@ where
                 return Some((Ok(b), g));
             }
             _ if g.end.done() => return finish(g),
-            Ok(None) => "it ended before the answer's last event".to_string(),
-            Ok(Some(Err(e))) => {
-                tracing::warn!(error = %e, "a worker's stream broke; ending the client's stream with an error event");
-                "connection lost".to_string()
-            }
-            Err(_) if left <= idle => {
-                let total = g.st.request_timeout.as_secs_f64();
-                tracing::warn!(total_s = total, "a worker's stream outlasted --request-timeout; ending the client's stream with an error event");
-                format!("the answer took longer than the router's {total:.1} s")
-            }
-            Err(_) => {
-                tracing::warn!(
-                    idle_s = idle.as_secs_f64(),
-                    "a worker's stream went silent; ending the client's stream with an error event"
-                );
-                format!("no data from the worker for {:.1} s", idle.as_secs_f64())
-            }
-        };
+            Ok(None) => Broke::Ended,
+            Ok(Some(Err(e))) => Broke::Lost(e),
+            Err(_) if left <= idle => Broke::Total(g.st.request_timeout),
+            Err(_) => Broke::Silent(idle),
+        }
+        .why();
         g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
         g.over = true;
         Some((Ok(dialect.broken_tail(&why, g.end.events())), g))
