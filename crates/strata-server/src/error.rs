@@ -22,6 +22,25 @@ pub fn secret_eq(given: &str, expected: &str) -> bool {
     constant_time_eq::constant_time_eq(given.as_bytes(), expected.as_bytes())
 }
 
+/// The most bytes of an error's message, and of its `param`: what a client sent (an id, a
+/// field's name, a value) is echoed in an error, never at any length (a 3 MB id came back
+/// whole).
+pub const MAX_MESSAGE: usize = 2048;
+pub const MAX_PARAM: usize = 256;
+
+/// `s` cut to at most `max` bytes at a character boundary, the cut said.
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut at = max - "… (cut)".len();
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+        s.push_str("… (cut)");
+    }
+    s
+}
+
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -45,8 +64,8 @@ impl ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
-            message: message.into(),
-            param: param.map(str::to_string),
+            message: clip(message.into(), MAX_MESSAGE),
+            param: param.map(|p| clip(p.to_string(), MAX_PARAM)),
             code: None,
             retry_after: None,
         }
@@ -56,7 +75,7 @@ impl ApiError {
         ApiError {
             status,
             kind,
-            message: message.into(),
+            message: clip(message.into(), MAX_MESSAGE),
             param: None,
             code: None,
             retry_after: None,
@@ -215,6 +234,17 @@ pub struct SinceQuery {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_client_sent_is_echoed_within_bounds() {
+        let id = "é".repeat(1_500_000); // 3 MB, two bytes a character
+        let e = ApiError::bad_request(format!("previous response `{id}` is not stored"), Some(&id));
+        assert!(e.message.len() <= MAX_MESSAGE && e.message.ends_with("… (cut)"));
+        assert!(e.message.starts_with("previous response `éé"));
+        assert!(e.param.as_ref().unwrap().len() <= MAX_PARAM);
+        let short = ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "as it is");
+        assert_eq!(short.message, "as it is");
+    }
 
     #[test]
     fn the_bearer_scheme_is_case_insensitive_and_keys_compare_whole() {

@@ -27,9 +27,9 @@ use super::blob::{self, BlobKey, HEADER};
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
     dir: PathBuf,
-    /// The store and its `tmp/`, held open.
+    /// The store, held open (its `tmp/` is opened for each write: one removed meanwhile is
+    /// made again, not written into while deleted).
     root: StoreDir,
-    tmp: std::os::fd::OwnedFd,
     cap_bytes: u64,
     sync: bool,
     key: BlobKey,
@@ -69,7 +69,6 @@ impl DiskStorage {
         let s = DiskStorage {
             dir,
             root,
-            tmp,
             cap_bytes,
             sync,
             key: BlobKey::public(),
@@ -304,11 +303,18 @@ impl Storage for DiskStorage {
         if there.is_some_and(|e| e.dir) {
             let _ = StoreDir::remove(&d, &name);
         }
+        let t = match self.root.sub_made("tmp") {
+            Ok(t) => t,
+            Err(e) => {
+                self.count(|s| s.errors += 1);
+                return Err(io(&self.dir.join("tmp"), e));
+            }
+        };
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
         let tmp = format!("{}.{}.{n}.tmp", h.to_hex(), std::process::id());
         let write = || -> std::io::Result<()> {
             // A new file, never through a link someone planted under the temporary name.
-            let mut f = StoreDir::create(&self.tmp, &tmp)?;
+            let mut f = StoreDir::create(&t, &tmp)?;
             f.write_all(&blob::header(&self.key, h, data))?;
             f.write_all(data)?;
             if self.sync {
@@ -318,9 +324,9 @@ impl Storage for DiskStorage {
         };
         // The rename replaces a file, a link or a FIFO under the name (never what a link
         // points to).
-        let res = write().and_then(|_| StoreDir::rename(&self.tmp, &tmp, &d, &name));
+        let res = write().and_then(|_| StoreDir::rename(&t, &tmp, &d, &name));
         if let Err(e) = res {
-            let _ = StoreDir::remove(&self.tmp, &tmp);
+            let _ = StoreDir::remove(&t, &tmp);
             self.count(|s| s.errors += 1);
             return Err(io(&self.path_of(h), e));
         }
@@ -602,6 +608,23 @@ mod tests {
         }
         s.put(&h(6), b"page").unwrap();
         assert_eq!(s.stats().evictions, 0);
+    }
+
+    #[test]
+    fn a_tmp_removed_while_running_is_made_again() {
+        let d = tempfile::tempdir().unwrap();
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        s.put(&h(1), b"one").unwrap();
+        fs::remove_dir_all(d.path().join("tmp")).unwrap();
+        s.put(&h(2), b"two").unwrap();
+        fs::remove_dir_all(d.path().join("tmp")).unwrap();
+        std::os::unix::fs::symlink(d.path().join("elsewhere"), d.path().join("tmp")).unwrap();
+        s.put(&h(3), b"three").unwrap();
+        assert!(fs::symlink_metadata(d.path().join("tmp")).unwrap().is_dir());
+        for (i, v) in [(1, &b"one"[..]), (2, b"two"), (3, b"three")] {
+            assert_eq!(s.get(&h(i)).unwrap().as_deref(), Some(v), "{i}");
+        }
+        assert_eq!(s.stats().errors, 0);
     }
 
     #[test]
