@@ -163,6 +163,9 @@ pub(crate) struct Scheduler {
     progress: u64,
     /// `progress` when the head of the queue was last refused admission.
     blocked_at: Option<u64>,
+    /// When failing L3 operations were last logged, and how many failed since.
+    l3_warned: Option<Instant>,
+    l3_failed: u64,
 }
 
 impl Scheduler {
@@ -185,6 +188,8 @@ impl Scheduler {
             snap: Snapshot::default(),
             progress: 0,
             blocked_at: None,
+            l3_warned: None,
+            l3_failed: 0,
         };
         s.publish();
         s

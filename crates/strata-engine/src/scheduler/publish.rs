@@ -32,7 +32,12 @@ impl Scheduler {
         }
         let s = &mut self.snap;
         s.cache = *self.cache.stats();
+        let failed_before = s.storage.map_or(0, |x| x.errors);
         s.storage = self.cache.storage().map(|st| st.stats());
+        let failed = s
+            .storage
+            .map_or(0, |x| x.errors)
+            .saturating_sub(failed_before);
         s.device = self.cache.device_usage();
         s.host = self.cache.host_usage();
         (s.device_window, s.host_window) = self.cache.window_usage();
@@ -51,5 +56,30 @@ impl Scheduler {
         s.tokens_in_flight = self.shared.tokens_in_flight.load(Ordering::SeqCst);
         s.copies_in_flight = self.cache.in_flight();
         *self.shared.snapshot.lock().expect("snapshot lock") = s.clone();
+        if failed > 0 {
+            self.l3_failing(failed);
+        }
+    }
+
+    /// L3 operations failed since the last snapshot: said in the log (at most once a minute;
+    /// `strata_l3_errors_total` counts each), so that a tier that stopped working is not only a
+    /// counter.
+    fn l3_failing(&mut self, failed: u64) {
+        self.l3_failed += failed;
+        let now = std::time::Instant::now();
+        if self
+            .l3_warned
+            .is_some_and(|t| now.duration_since(t).as_secs() < 60)
+        {
+            return;
+        }
+        let tier = self.cache.storage().map_or("l3", |st| st.tier());
+        tracing::warn!(
+            tier,
+            failed = self.l3_failed,
+            "L3 operations are failing (reads are misses, writes are lost); see strata_l3_errors_total by kind"
+        );
+        self.l3_warned = Some(now);
+        self.l3_failed = 0;
     }
 }
