@@ -9,8 +9,10 @@
 //! used. Every operation is bounded by a timeout; batches go
 //! in one pipelined round trip; an optional TTL lets Redis expire pages; Redis' own eviction
 //! (maxmemory) is simply a miss here. The connection reconnects by itself with backoff
-//! (redis' `ConnectionManager`); while Redis is down, operations fail fast as errors (counted)
-//! and the worker serves the affected prompts as misses.
+//! (redis' `ConnectionManager`); while Redis is down, operations fail as errors (counted) and
+//! the worker serves the affected prompts as misses. After a few round trips in a row without a
+//! reply, a breaker (`breaker`) fails batches at once for a backoff (1 s doubling to 16 s),
+//! then lets one probe through, so an outage does not put the timeout on every request's path.
 //!
 //! **Redis Cluster** (`cluster`): a `redis://` URL naming a cluster node, or
 //! `redis-cluster://` with seed nodes, spreads pages over the cluster's hash slots (the page
@@ -32,6 +34,7 @@ use redis::aio::ConnectionManager;
 use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
 use strata_kv::PageHash;
 
+mod breaker;
 mod cluster;
 mod measure;
 mod slot;
@@ -66,6 +69,8 @@ pub struct RedisStorage {
     stats: Mutex<StorageStats>,
     /// What Redis holds of this tier, measured in the background ([`measure`]).
     measured: Arc<Mutex<measure::Measured>>,
+    /// Batches fail at once while Redis does not reply ([`breaker`]).
+    breaker: breaker::Breaker,
 }
 
 /// The tier's own runtime. Dropped without waiting for its threads: the last holder of the
@@ -222,6 +227,7 @@ impl RedisStorage {
             max_value: cfg.max_value_bytes,
             stats: Mutex::new(StorageStats::default()),
             measured: Arc::default(),
+            breaker: breaker::Breaker::new(),
         })
     }
 
@@ -308,6 +314,10 @@ impl RedisStorage {
         }
         let timeout = self.timeout;
         let n = ops.len();
+        if let Err(why) = self.breaker.allow(std::time::Instant::now()) {
+            self.count(|s| s.errors += 1);
+            return (0..n).map(|_| Err(unavailable(&why))).collect();
+        }
         let out = match &self.backend {
             Backend::Cluster(c) => self.rt.block_on(c.batch(&ops)),
             Backend::Single(conn) => {
@@ -332,6 +342,9 @@ impl RedisStorage {
                 }
             }
         };
+        // Redis replied at all (a command's own error is a reply): the breaker stays closed.
+        let reached = out.iter().any(|r| r.is_ok());
+        self.breaker.record(reached, std::time::Instant::now());
         // A command's own server error (CLUSTERDOWN, LOADING, OOM, NOPERM...) is a failure
         // too; WRONGTYPE is a foreign key, counted as corrupt by the reader.
         let failed = out.iter().any(|r| match r {
