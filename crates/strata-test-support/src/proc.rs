@@ -58,11 +58,19 @@ impl Proc {
         &self.log
     }
 
-    /// The exit code, waiting up to `secs`.
+    /// The exit code, waiting up to `secs`; then every line the process wrote is in `log`
+    /// (its stderr read to the end: the reader may lag behind the exit).
     pub fn exit_code(&mut self, secs: u64) -> Option<i32> {
         let t = Instant::now();
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
+                let end = Instant::now() + Duration::from_secs(5);
+                while let Ok(l) = self
+                    .lines
+                    .recv_timeout(end.saturating_duration_since(Instant::now()))
+                {
+                    self.log.push(l);
+                }
                 return s.code();
             }
             assert!(t.elapsed() < Duration::from_secs(secs), "no exit");
