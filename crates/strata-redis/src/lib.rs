@@ -144,14 +144,25 @@ pub(crate) async fn within<T>(
         .map_err(|e| unavailable(format!("{}: {e}", redact(whom))))
 }
 
-/// A reconnecting connection to `client`, made within `timeout`.
+/// A reconnecting connection to `client`, made within `timeout`. The manager retries a
+/// refused connection until the timeout; then one plain try says why (connection refused, no
+/// such host) instead of only "timed out".
 pub(crate) async fn manager(
     client: redis::Client,
     timeout: Duration,
     whom: &str,
 ) -> Result<ConnectionManager, StorageError> {
-    let make = ConnectionManager::new_with_config(client, manager_config(timeout));
-    within(timeout, whom, make).await
+    let make = ConnectionManager::new_with_config(client.clone(), manager_config(timeout));
+    match within(timeout, whom, make).await {
+        Err(StorageError::Timeout(t)) => {
+            let once = client.get_multiplexed_async_connection();
+            match tokio::time::timeout(t, once).await {
+                Ok(Err(e)) => Err(unavailable(format!("{}: {e}", redact(whom)))),
+                _ => Err(StorageError::Timeout(t)),
+            }
+        }
+        r => r,
+    }
 }
 
 /// Seeds of `redis-cluster://[user:pass@]host:port,host:port,...`: the connection settings

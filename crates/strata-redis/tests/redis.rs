@@ -71,6 +71,8 @@ fn an_unreachable_or_silent_redis_fails_within_the_timeout() {
         .err()
         .unwrap();
     assert!(t.elapsed() < Duration::from_secs(3), "{e}");
+    // The cause, not only "timed out".
+    assert!(e.to_string().to_lowercase().contains("refused"), "{e}");
     // A peer that accepts and never answers.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let silent = l.local_addr().unwrap().port();
