@@ -19,6 +19,7 @@ use futures_util::StreamExt;
 use strata_server::ApiError;
 
 use crate::state::RouterState;
+use crate::worker::InFlight;
 
 /// Which API's stream: how it ends, and how an error is said in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,22 +186,21 @@ impl Broke {
 }
 
 /// The worker's SSE body `upstream`, relayed under guard (module doc); `keep` (the in-flight
-/// guard) lives as long as the stream.
-pub fn guard<S, K>(
+/// guard) lives as long as the stream, and a stream that breaks counts a failure on its worker.
+pub fn guard<S>(
     upstream: S,
     dialect: Dialect,
-    keep: K,
+    keep: InFlight,
     st: Arc<RouterState>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>>
 where
     S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
-    K: Send + 'static,
 {
-    struct G<S, K> {
+    struct G<S> {
         up: S,
         end: EndOfAnswer,
         over: bool,
-        _keep: K,
+        keep: InFlight,
         st: Arc<RouterState>,
         deadline: tokio::time::Instant,
     }
@@ -208,7 +208,7 @@ where
         up: upstream,
         end: EndOfAnswer::new(dialect),
         over: false,
-        _keep: keep,
+        keep,
         deadline: tokio::time::Instant::now() + st.request_timeout,
         st,
     };
@@ -219,7 +219,7 @@ where
         // The whole answer is out: nothing the worker sends after it is relayed (an end, a
         // reset or silence after it is no error). A `[DONE]` line not yet closed by a blank
         // line is closed here, or a client's parser would drop it.
-        let finish = |mut g: G<S, K>| {
+        let finish = |mut g: G<S>| {
             g.over = true;
             let close = dialect == Dialect::Chat && !g.end.closed();
             close.then(|| (Ok(Bytes::from_static(b"\n\n")), g))
@@ -252,6 +252,7 @@ where
         }
         .why();
         g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+        g.keep.failed();
         g.over = true;
         Some((Ok(dialect.broken_tail(&why, g.end.events())), g))
     })
@@ -332,7 +333,7 @@ mod tests {
         st.stream_idle = std::time::Duration::from_millis(200);
         let chunks: Vec<_> = chunks.iter().map(|c| Ok(Bytes::from_static(c))).collect();
         let up = futures_util::stream::iter(chunks).chain(futures_util::stream::pending());
-        let out = guard(Box::pin(up), d, (), Arc::new(st));
+        let out = guard(Box::pin(up), d, InFlight::start(Vec::new()), Arc::new(st));
         let parts: Vec<_> = out.collect().await;
         parts
             .into_iter()

@@ -55,6 +55,14 @@ impl InFlight {
         }
         InFlight(workers)
     }
+
+    /// The answer failed after it started (its stream broke, stalled or ran past its bound):
+    /// one failure on the worker that was answering (the first: the decode worker).
+    pub fn failed(&self) {
+        if let Some(w) = self.0.first() {
+            w.failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for InFlight {

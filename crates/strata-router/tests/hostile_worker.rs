@@ -121,6 +121,16 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
             }
         }
     }
+    // Each stream that broke is a failure of its worker; a whole one is not.
+    let w: Value = c
+        .get(format!("{r}/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(w["workers"][0]["failures"], 3, "{w}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
