@@ -5,6 +5,38 @@ pub const COPY_BUCKETS: [f64; 12] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
 
+/// Events counted between reports, reported at most once per period (a log line that whoever
+/// causes the events cannot make flood the log).
+#[derive(Debug)]
+pub struct Throttled {
+    every: std::time::Duration,
+    since: u64,
+    last: Option<std::time::Instant>,
+}
+
+impl Throttled {
+    pub fn new(every: std::time::Duration) -> Throttled {
+        Throttled {
+            every,
+            since: 0,
+            last: None,
+        }
+    }
+
+    /// Counts `n` more at `now`: Some(the count since the last report) when one is due.
+    pub fn add(&mut self, n: u64, now: std::time::Instant) -> Option<u64> {
+        self.since += n;
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < self.every)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.since))
+    }
+}
+
 /// Count, pages, bytes and time of one kind of transfer, with a duration histogram.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Transfer {
@@ -137,4 +169,20 @@ pub struct PoolUsage {
     pub tokens_total: u64,
     pub bytes_total: u64,
     pub bytes_used: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn throttled_reports_at_once_then_at_most_once_a_period_with_the_count() {
+        let t0 = std::time::Instant::now();
+        let s = std::time::Duration::from_secs;
+        let mut t = Throttled::new(s(60));
+        assert_eq!(t.add(2, t0), Some(2));
+        assert_eq!(t.add(3, t0 + s(10)), None);
+        assert_eq!(t.add(4, t0 + s(59)), None);
+        assert_eq!(t.add(1, t0 + s(60)), Some(8));
+    }
 }

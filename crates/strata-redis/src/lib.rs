@@ -73,7 +73,7 @@ pub struct RedisStorage {
     breaker: breaker::Breaker,
     /// Bad values dropped since they were last logged, and when that was (whoever can write
     /// to Redis must not be able to flood the log: at most a line a minute).
-    dropped: Mutex<(u64, Option<std::time::Instant>)>,
+    dropped: Mutex<strata_kv::stats::Throttled>,
 }
 
 /// The tier's own runtime. Dropped without waiting for its threads: the last holder of the
@@ -242,7 +242,7 @@ impl RedisStorage {
             stats: Mutex::new(StorageStats::default()),
             measured: Arc::default(),
             breaker: breaker::Breaker::new(),
-            dropped: Mutex::new((0, None)),
+            dropped: Mutex::new(strata_kv::stats::Throttled::new(Duration::from_secs(60))),
         })
     }
 
@@ -405,20 +405,14 @@ impl RedisStorage {
         if bad.is_empty() {
             return;
         }
-        {
-            let mut d = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
-            d.0 += bad.len() as u64;
-            let now = std::time::Instant::now();
-            if d.1
-                .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60))
-            {
-                tracing::warn!(
-                    pages = d.0,
-                    "corrupt, foreign or other-layout L3 values dropped from Redis (since the last such line; strata_l3_errors_total counts each)"
-                );
-                *d = (0, Some(now));
-            }
+        let mut d = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pages) = d.add(bad.len() as u64, std::time::Instant::now()) {
+            tracing::warn!(
+                pages,
+                "corrupt, foreign or other-layout L3 values dropped from Redis (since the last such line; strata_l3_errors_total counts each)"
+            );
         }
+        drop(d);
         let _ = self.batch(bad.iter().map(|h| self.op(h, "DEL")).collect());
     }
 

@@ -227,28 +227,18 @@ where
         if g.end.ended() {
             return finish(g);
         }
+        use crate::upstream::{next_within, Within};
         let idle = g.st.stream_idle;
-        let left = g
-            .deadline
-            .saturating_duration_since(tokio::time::Instant::now());
-        // (Checked before polling: a worker whose bytes are always ready never lets a timeout
-        // fire.)
-        let next = match left.is_zero() {
-            true => Err(()),
-            false => tokio::time::timeout(idle.min(left), g.up.next())
-                .await
-                .map_err(|_| ()),
-        };
-        let why = match next {
-            Ok(Some(Ok(b))) => {
+        let why = match next_within(g.deadline, idle, g.up.next()).await {
+            Within::Next(Some(Ok(b))) => {
                 g.end.feed(&b);
                 return Some((Ok(b), g));
             }
             _ if g.end.done() => return finish(g),
-            Ok(None) => Broke::Ended,
-            Ok(Some(Err(e))) => Broke::Lost(e),
-            Err(_) if left <= idle => Broke::Total(g.st.request_timeout),
-            Err(_) => Broke::Silent(idle),
+            Within::Next(None) => Broke::Ended,
+            Within::Next(Some(Err(e))) => Broke::Lost(e),
+            Within::Total => Broke::Total(g.st.request_timeout),
+            Within::Idle => Broke::Silent(idle),
         }
         .why();
         g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);

@@ -12,6 +12,33 @@ use strata_server::ApiError;
 /// probabilities of a long prompt is megabytes; this is far above.
 pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 
+/// What waiting for the next part of an answer within its bounds gave.
+pub enum Within<T> {
+    Next(T),
+    /// Nothing within the idle bound.
+    Idle,
+    /// The whole answer's time is up.
+    Total,
+}
+
+/// `next` awaited within `idle` and before `end`. The end is checked before polling: a source
+/// whose next part is always ready never lets a timeout fire.
+pub async fn next_within<T>(
+    end: tokio::time::Instant,
+    idle: Duration,
+    next: impl std::future::Future<Output = T>,
+) -> Within<T> {
+    let left = end.saturating_duration_since(tokio::time::Instant::now());
+    if left.is_zero() {
+        return Within::Total;
+    }
+    match tokio::time::timeout(idle.min(left), next).await {
+        Ok(t) => Within::Next(t),
+        Err(_) if left <= idle => Within::Total,
+        Err(_) => Within::Idle,
+    }
+}
+
 /// The body of `r`: at most `cap` bytes, each chunk within `idle` of the one before, the
 /// whole within `total`.
 pub async fn body_within(
@@ -23,23 +50,22 @@ pub async fn body_within(
     let end = tokio::time::Instant::now() + total;
     let mut out = Vec::new();
     loop {
-        let left = end.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            return Err(format!(
-                "an answer longer than {:.0} s",
-                total.as_secs_f64()
-            ));
-        }
-        match tokio::time::timeout(idle.min(left), r.chunk()).await {
-            Err(_) => {
+        match next_within(end, idle, r.chunk()).await {
+            Within::Total => {
+                return Err(format!(
+                    "an answer longer than {:.0} s",
+                    total.as_secs_f64()
+                ))
+            }
+            Within::Idle => {
                 return Err(format!(
                     "no byte of its answer for {:.1} s",
                     idle.as_secs_f64()
                 ))
             }
-            Ok(Err(e)) => return Err(e.to_string()),
-            Ok(Ok(None)) => return Ok(out.into()),
-            Ok(Ok(Some(c))) => {
+            Within::Next(Err(e)) => return Err(e.to_string()),
+            Within::Next(Ok(None)) => return Ok(out.into()),
+            Within::Next(Ok(Some(c))) => {
                 if out.len() + c.len() > cap {
                     return Err(format!("an answer over {cap} bytes"));
                 }

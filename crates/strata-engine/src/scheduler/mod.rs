@@ -163,9 +163,8 @@ pub(crate) struct Scheduler {
     progress: u64,
     /// `progress` when the head of the queue was last refused admission.
     blocked_at: Option<u64>,
-    /// When failing L3 operations were last logged, and how many failed since.
-    l3_warned: Option<Instant>,
-    l3_failed: u64,
+    /// Failing L3 operations, logged at most once a minute.
+    l3_failures: strata_kv::stats::Throttled,
 }
 
 impl Scheduler {
@@ -188,8 +187,7 @@ impl Scheduler {
             snap: Snapshot::default(),
             progress: 0,
             blocked_at: None,
-            l3_warned: None,
-            l3_failed: 0,
+            l3_failures: strata_kv::stats::Throttled::new(std::time::Duration::from_secs(60)),
         };
         s.publish();
         s

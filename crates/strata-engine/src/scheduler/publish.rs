@@ -65,21 +65,14 @@ impl Scheduler {
     /// `strata_l3_errors_total` counts each), so that a tier that stopped working is not only a
     /// counter.
     fn l3_failing(&mut self, failed: u64) {
-        self.l3_failed += failed;
-        let now = std::time::Instant::now();
-        if self
-            .l3_warned
-            .is_some_and(|t| now.duration_since(t).as_secs() < 60)
-        {
+        let Some(failed) = self.l3_failures.add(failed, std::time::Instant::now()) else {
             return;
-        }
+        };
         let tier = self.cache.storage().map_or("l3", |st| st.tier());
         tracing::warn!(
             tier,
-            failed = self.l3_failed,
+            failed,
             "L3 operations are failing (reads are misses, writes are lost); see strata_l3_errors_total by kind"
         );
-        self.l3_warned = Some(now);
-        self.l3_failed = 0;
     }
 }

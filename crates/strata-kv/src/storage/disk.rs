@@ -164,13 +164,10 @@ impl DiskStorage {
     /// directory; its pages have other hashes).
     pub fn with_page_bytes(mut self, bytes: u64) -> DiskStorage {
         self.max_value = bytes + HEADER as u64;
-        // (The list first: the index's lock is not held across the removals.)
-        let larger = self.index().larger_than(self.max_value);
-        let mut ix = self.index();
-        for h in larger {
+        let ix = self.index.get_mut().unwrap_or_else(|e| e.into_inner());
+        for h in ix.larger_than(self.max_value) {
             ix.remove(&h);
         }
-        drop(ix);
         self
     }
 
@@ -199,8 +196,8 @@ impl DiskStorage {
 
     /// Path of a page's file.
     pub fn path_of(&self, h: &PageHash) -> PathBuf {
-        let hex = h.to_hex();
-        self.dir.join(&hex[..2]).join(format!("{hex}.page"))
+        let (sub, name) = Self::loc(h);
+        self.dir.join(sub).join(name)
     }
 
     fn index(&self) -> std::sync::MutexGuard<'_, LruIndex> {
