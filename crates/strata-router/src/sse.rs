@@ -1,9 +1,10 @@
-//! A worker's SSE answer relayed under guard. The stream passes through as it comes; if the
-//! worker's connection breaks, the stream ends before the answer's last event, the worker
+//! A worker's SSE answer relayed under guard. The stream passes through event by event (a
+//! chunk's bytes up to its last closed event go at once; an event still open waits for the rest
+//! of it, up to [`HOLD`] bytes); if the worker's connection breaks, the stream ends before the answer's last event, the worker
 //! stays silent for the router's `stream_idle` (a live worker sends a comment every 15 s), or
 //! the answer outlasts `request_timeout` (a wedged worker whose keep-alive comments still flow
 //! is cut there), the client gets an error event in the API's own shape and a clean end, so
-//! that no client takes a truncated answer for a whole one. Once the answer's end has been
+//! that no client takes a truncated answer for a whole one, nor parses half an event. Once the answer's end has been
 //! relayed, whatever follows (a reset, silence) ends the stream quietly.
 //!
 //! The answer's end is read from its lines, whatever the chunking: the line `data: [DONE]`
@@ -32,6 +33,11 @@ pub enum Dialect {
 
 /// The longest line start kept: enough for every marker.
 const LINE: usize = 40;
+
+/// The most bytes of one open event held back (a `response.completed` carries the whole
+/// answer). An event larger than this passes through as it comes: a break in it may then reach
+/// a client as half an event before the error event.
+pub const HOLD: usize = 4 << 20;
 
 impl Dialect {
     /// What a client gets when the worker's stream broke before its end: an error in the API's
@@ -64,8 +70,10 @@ pub struct EndOfAnswer {
     /// The event being read is a terminal one (`Responses`).
     terminal: bool,
     done: bool,
-    /// `event:` lines read (`Responses`: the next event's sequence number).
+    /// Events closed that named their kind (`Responses`: the next event's sequence number).
     events: u64,
+    /// An `event:` line was read since the last blank line.
+    named: bool,
     /// The last line read was blank (an event is closed: nothing is pending for a client).
     blank: bool,
 }
@@ -78,22 +86,17 @@ impl EndOfAnswer {
             terminal: false,
             done: false,
             events: 0,
+            named: false,
             blank: true,
         }
     }
 
-    /// Whether the bytes read so far end with a closed event (a blank line), so that a client
-    /// has dispatched everything it was sent.
-    pub fn closed(&self) -> bool {
-        self.blank && self.line.is_empty()
-    }
-
-    /// How many events were read.
+    /// How many events were read whole (`Responses`: those that named their kind).
     pub fn events(&self) -> u64 {
         self.events
     }
 
-    /// Whether the answer's end has been seen, its line ended.
+    /// Whether the answer's end has been seen, its line ended (nothing more is read).
     pub fn ended(&self) -> bool {
         self.done
     }
@@ -108,31 +111,42 @@ impl EndOfAnswer {
         self.line.strip_suffix(b"\r").unwrap_or(&self.line) == b"data: [DONE]"
     }
 
-    /// Reads the next bytes of the stream.
-    pub fn feed(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() {
-            let (part, rest, ended) = match bytes.iter().position(|&b| b == b'\n') {
-                Some(i) => (&bytes[..i], &bytes[i + 1..], true),
-                None => (bytes, &bytes[..0], false),
+    /// Reads the next bytes of the stream, up to the answer's end (nothing after it is read).
+    /// Returns how many of them a client can be given whole: through the last blank line read,
+    /// or through the answer's end.
+    pub fn feed(&mut self, bytes: &[u8]) -> usize {
+        let (mut at, mut whole) = (0, 0);
+        while at < bytes.len() && !self.done {
+            let rest = &bytes[at..];
+            let (part, ended) = match rest.iter().position(|&b| b == b'\n') {
+                Some(i) => (&rest[..i], true),
+                None => (rest, false),
             };
             let room = LINE - self.line.len();
             self.line.extend_from_slice(&part[..part.len().min(room)]);
+            at += part.len() + usize::from(ended);
             if ended {
                 self.line_ended();
+                if self.blank || self.done {
+                    whole = at;
+                }
             }
-            bytes = rest;
         }
+        whole
     }
 
     fn line_ended(&mut self) {
         let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
         self.blank = line.is_empty();
+        if self.blank && std::mem::take(&mut self.named) {
+            self.events += 1;
+        }
         match self.dialect {
             Dialect::Chat => self.done |= self.line_is_done(),
             Dialect::Responses if line.is_empty() => self.done |= self.terminal,
             Dialect::Responses => {
                 if let Some(kind) = line.strip_prefix(b"event:") {
-                    self.events += 1;
+                    self.named = true;
                     let kind = kind.strip_prefix(b" ").unwrap_or(kind);
                     self.terminal = matches!(
                         kind,
@@ -185,6 +199,44 @@ impl Broke {
     }
 }
 
+/// One guarded stream's state.
+struct G<S> {
+    up: S,
+    end: EndOfAnswer,
+    /// The open event's bytes read so far (not yet relayed).
+    held: Vec<u8>,
+    over: bool,
+    keep: InFlight,
+    st: Arc<RouterState>,
+    deadline: tokio::time::Instant,
+}
+
+impl<S> G<S> {
+    /// The next bytes `b` from the worker: what of them (and of the bytes held before them)
+    /// goes to the client now, whole events only; the rest is held.
+    fn relay(&mut self, b: Bytes) -> Option<Bytes> {
+        let whole = self.end.feed(&b);
+        let out = if whole == 0 {
+            self.held.extend_from_slice(&b);
+            if self.held.len() <= HOLD {
+                return None;
+            }
+            // An event too large to hold passes through as it comes.
+            Bytes::from(std::mem::take(&mut self.held))
+        } else if self.held.is_empty() && whole == b.len() {
+            b // the common case: a chunk of whole events, relayed without a copy
+        } else {
+            let mut out = std::mem::take(&mut self.held);
+            out.extend_from_slice(&b[..whole]);
+            if !self.end.ended() {
+                self.held.extend_from_slice(&b[whole..]);
+            }
+            Bytes::from(out)
+        };
+        (!out.is_empty()).then_some(out)
+    }
+}
+
 /// The worker's SSE body `upstream`, relayed under guard (module doc); `keep` (the in-flight
 /// guard) lives as long as the stream, and a stream that breaks counts a failure on its worker.
 pub fn guard<S>(
@@ -196,17 +248,10 @@ pub fn guard<S>(
 where
     S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Send + Unpin + 'static,
 {
-    struct G<S> {
-        up: S,
-        end: EndOfAnswer,
-        over: bool,
-        keep: InFlight,
-        st: Arc<RouterState>,
-        deadline: tokio::time::Instant,
-    }
     let g = G {
         up: upstream,
         end: EndOfAnswer::new(dialect),
+        held: Vec::new(),
         over: false,
         keep,
         deadline: tokio::time::Instant::now() + st.request_timeout,
@@ -217,34 +262,42 @@ where
             return None;
         }
         // The whole answer is out: nothing the worker sends after it is relayed (an end, a
-        // reset or silence after it is no error). A `[DONE]` line not yet closed by a blank
-        // line is closed here, or a client's parser would drop it.
+        // reset or silence after it is no error). A `[DONE]` line is closed by a blank line
+        // here (held back if its line has not ended), or a client's parser would drop it.
         let finish = |mut g: G<S>| {
             g.over = true;
-            let close = dialect == Dialect::Chat && !g.end.closed();
-            close.then(|| (Ok(Bytes::from_static(b"\n\n")), g))
-        };
-        if g.end.ended() {
-            return finish(g);
-        }
-        use crate::upstream::{next_within, Within};
-        let idle = g.st.stream_idle;
-        let why = match next_within(g.deadline, idle, g.up.next()).await {
-            Within::Next(Some(Ok(b))) => {
-                g.end.feed(&b);
-                return Some((Ok(b), g));
+            let mut last = std::mem::take(&mut g.held);
+            if dialect == Dialect::Chat {
+                last.extend_from_slice(if g.end.ended() { b"\n" } else { b"\n\n" });
             }
-            _ if g.end.done() => return finish(g),
-            Within::Next(None) => Broke::Ended,
-            Within::Next(Some(Err(e))) => Broke::Lost(e),
-            Within::Total => Broke::Total(g.st.request_timeout),
-            Within::Idle => Broke::Silent(idle),
+            (!last.is_empty()).then(|| (Ok(Bytes::from(last)), g))
+        };
+        loop {
+            if g.end.ended() {
+                return finish(g);
+            }
+            use crate::upstream::{next_within, Within};
+            let idle = g.st.stream_idle;
+            let why = match next_within(g.deadline, idle, g.up.next()).await {
+                Within::Next(Some(Ok(b))) => {
+                    if let Some(whole) = g.relay(b) {
+                        return Some((Ok(whole), g));
+                    }
+                    continue;
+                }
+                _ if g.end.done() => return finish(g),
+                Within::Next(None) => Broke::Ended,
+                Within::Next(Some(Err(e))) => Broke::Lost(e),
+                Within::Total => Broke::Total(g.st.request_timeout),
+                Within::Idle => Broke::Silent(idle),
+            }
+            .why();
+            g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+            g.keep.failed();
+            g.over = true;
+            // The open event's part is dropped: the client's last event is a whole one.
+            return Some((Ok(dialect.broken_tail(&why, g.end.events())), g));
         }
-        .why();
-        g.st.front.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
-        g.keep.failed();
-        g.over = true;
-        Some((Ok(dialect.broken_tail(&why, g.end.events())), g))
     })
 }
 
@@ -257,7 +310,9 @@ mod tests {
 
     fn done_after(d: Dialect, chunks: &[&[u8]]) -> bool {
         let mut e = EndOfAnswer::new(d);
-        chunks.iter().for_each(|c| e.feed(c));
+        for c in chunks {
+            e.feed(c);
+        }
         e.done()
     }
 
@@ -317,12 +372,21 @@ mod tests {
     }
 
     /// The guard over a worker that sends `chunks` then stays silent: what the client gets.
-    async fn relayed(d: Dialect, chunks: &[&'static [u8]]) -> Vec<u8> {
+    async fn relayed(d: Dialect, chunks: &[&[u8]]) -> Vec<u8> {
+        relayed_then(d, chunks, false).await
+    }
+
+    /// The same, the worker's stream ending after `chunks` if `end`.
+    async fn relayed_then(d: Dialect, chunks: &[&[u8]], end: bool) -> Vec<u8> {
         let mut st = RouterState::new(&[], &[], crate::Policy::RoundRobin);
         // (Short: an end line not yet ended waits out the idle bound, then ends quietly.)
         st.stream_idle = std::time::Duration::from_millis(200);
-        let chunks: Vec<_> = chunks.iter().map(|c| Ok(Bytes::from_static(c))).collect();
-        let up = futures_util::stream::iter(chunks).chain(futures_util::stream::pending());
+        let chunks: Vec<_> = chunks.iter().map(|c| Ok(Bytes::from(c.to_vec()))).collect();
+        let then = match end {
+            true => futures_util::stream::empty().boxed(),
+            false => futures_util::stream::pending().boxed(),
+        };
+        let up = futures_util::stream::iter(chunks).chain(then);
         let out = guard(Box::pin(up), d, InFlight::start(Vec::new()), Arc::new(st));
         let parts: Vec<_> = out.collect().await;
         parts
@@ -346,6 +410,35 @@ mod tests {
         let r = b"event: response.completed\ndata: {}\n\n";
         let out = relayed(Dialect::Responses, &[r, b": keep-alive\n\n"]).await;
         assert_eq!(out, r);
+    }
+
+    #[tokio::test]
+    async fn a_break_anywhere_leaves_the_client_whole_events_then_the_error() {
+        let why = "it ended before the answer's last event";
+        for (d, s, end) in [
+            (Dialect::Chat, CHAT, CHAT.len() - 2),
+            (Dialect::Responses, RESPONSES, RESPONSES.len()),
+        ] {
+            for cut in 0..end {
+                let out = relayed_then(d, &[&s[..cut / 2], &s[cut / 2..cut]], true).await;
+                let whole = s[..cut].windows(2).rposition(|w| w == b"\n\n");
+                let whole = &s[..whole.map_or(0, |i| i + 2)];
+                let events = whole
+                    .split(|&b| b == b'\n')
+                    .filter(|l| l.starts_with(b"event:"));
+                let tail = d.broken_tail(why, events.count() as u64);
+                assert_eq!(out, [whole, &tail[..]].concat(), "{d:?} cut at {cut}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_event_too_large_to_hold_passes_through() {
+        let big = vec![b'x'; HOLD / 2 + 1];
+        let out = relayed_then(Dialect::Chat, &[b"data: ", &big, &big], true).await;
+        let tail = Dialect::Chat.broken_tail("it ended before the answer's last event", 0);
+        assert_eq!(out.len(), 6 + 2 * big.len() + tail.len());
+        assert!(out.ends_with(&tail));
     }
 
     /// Any bytes, cut anywhere: the same verdict as whole, and no panic (a fuzz harness of the

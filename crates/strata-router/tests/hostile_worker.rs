@@ -52,13 +52,19 @@ async fn mock() -> String {
 }
 
 /// A `/v1/responses` stream: whole ("whole"), whole then silent ("whole silent"), silent after
-/// its first event ("silent"), keep-alive comments only after it ("wedged"), or ending early.
+/// its first event ("silent"), keep-alive comments only after it ("wedged"), or ending early,
+/// after its first event ("cut") or in the middle of its second ("midway").
 async fn responses_stream(body: String) -> Response {
     let created = "event: response.created\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
     let completed = "event: response.completed\ndata: {\"response\":{\"id\":\"resp_a1\"}}\n\n";
     let mut parts = vec![created.to_string()];
     if body.contains("whole") {
         parts.push(completed.to_string());
+    }
+    if body.contains("midway") {
+        // Half an event, in two chunks, then the end of the stream.
+        parts.push("event: response.output_text.delta\n".to_string());
+        parts.push("data: {\"delta\":\"hal".to_string());
     }
     let silent = body.contains("silent");
     let wedged = body.contains("wedged");
@@ -98,6 +104,7 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
             Some("the answer took longer than the router's 3.0 s"),
         ),
         ("cut", Some("it ended before the answer's last event")),
+        ("midway", Some("it ended before the answer's last event")),
     ] {
         let a = c
             .post(format!("{r}/v1/responses"))
@@ -108,6 +115,11 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
             .unwrap();
         assert_eq!(a.status().as_u16(), 200, "{input}");
         let text = a.text().await.unwrap();
+        // Whole events only: every data line is JSON (half an event is never relayed).
+        for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            let v: Result<Value, _> = serde_json::from_str(data);
+            assert!(v.is_ok(), "{input}: {text}");
+        }
         let last = text.trim_end().rsplit("\n\n").next().unwrap();
         match broke {
             None => assert!(last.starts_with("event: response.completed"), "{text}"),
@@ -130,7 +142,7 @@ async fn a_responses_stream_that_stops_ends_with_an_error_event() {
         .json()
         .await
         .unwrap();
-    assert_eq!(w["workers"][0]["failures"], 3, "{w}");
+    assert_eq!(w["workers"][0]["failures"], 4, "{w}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
