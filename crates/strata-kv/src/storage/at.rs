@@ -141,6 +141,23 @@ impl StoreDir {
         names_within(d, usize::MAX)
     }
 
+    /// Empties `d`, [`StoreDir::remove`]-ing a bounded batch of its names at a time (memory
+    /// does not grow with what `d` holds); stops when it is empty or a batch removes nothing.
+    /// Returns how many entries went.
+    pub fn clear(d: &OwnedFd) -> io::Result<u64> {
+        let mut removed = 0;
+        loop {
+            let batch = names_upto(d, CLEAR_BATCH)?;
+            let before = removed;
+            for n in &batch {
+                removed += u64::from(Self::remove(d, n).is_ok());
+            }
+            if batch.is_empty() || removed == before {
+                return Ok(removed);
+            }
+        }
+    }
+
     /// Removes `name` in `sub`, whatever it is (a file, a link itself, a FIFO, a directory
     /// tree up to [`MAX_DEPTH`]); NotFound when absent.
     pub fn remove(sub: &OwnedFd, name: impl AsRef<OsStr>) -> io::Result<()> {
@@ -148,19 +165,31 @@ impl StoreDir {
     }
 }
 
+/// How many names [`StoreDir::clear`] reads at a time.
+const CLEAR_BATCH: usize = 4096;
+
 /// The names in `d` (`.` and `..` left out), an error past `max`.
 fn names_within(d: &OwnedFd, max: usize) -> io::Result<Vec<OsString>> {
+    let names = names_upto(d, max.saturating_add(1))?;
+    if names.len() > max {
+        return Err(io::Error::other(
+            "a directory larger than the store removes",
+        ));
+    }
+    Ok(names)
+}
+
+/// The first `max` names in `d` (`.` and `..` left out).
+fn names_upto(d: &OwnedFd, max: usize) -> io::Result<Vec<OsString>> {
     use std::os::unix::ffi::OsStrExt;
     let mut names = Vec::new();
     for e in Dir::read_from(d)? {
+        if names.len() == max {
+            break;
+        }
         let e = e?;
         let n = e.file_name().to_bytes();
         if n != b"." && n != b".." {
-            if names.len() == max {
-                return Err(io::Error::other(
-                    "a directory larger than the store removes",
-                ));
-            }
             names.push(OsStr::from_bytes(n).to_os_string());
         }
     }
@@ -268,5 +297,21 @@ mod tests {
         }
         assert!(StoreDir::remove(&ab, "p.page").is_err());
         assert!(page.exists());
+    }
+
+    #[test]
+    fn clear_empties_a_directory_larger_than_its_batch() {
+        let store = tempfile::tempdir().unwrap();
+        let s = StoreDir::open(store.path()).unwrap();
+        let t = s.sub_made("tmp").unwrap();
+        let n = CLEAR_BATCH + CLEAR_BATCH / 2;
+        for i in 0..n {
+            fs::write(store.path().join("tmp").join(i.to_string()), b"").unwrap();
+        }
+        fs::create_dir_all(store.path().join("tmp/d/e")).unwrap();
+        std::os::unix::fs::symlink("/", store.path().join("tmp/root")).unwrap();
+        assert_eq!(StoreDir::clear(&t).unwrap(), n as u64 + 2);
+        assert!(StoreDir::names(&t).unwrap().is_empty());
+        assert_eq!(StoreDir::clear(&t).unwrap(), 0);
     }
 }

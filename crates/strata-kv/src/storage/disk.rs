@@ -61,9 +61,7 @@ impl DiskStorage {
         let root = StoreDir::open(&dir).map_err(|e| io(&dir, e))?;
         let tmp = root.sub_made("tmp").map_err(|e| io(&tmp_path, e))?;
         // Leftovers of writes interrupted by a crash are never visible; clear them.
-        for name in StoreDir::names(&tmp).map_err(|e| io(&tmp_path, e))? {
-            let _ = StoreDir::remove(&tmp, name);
-        }
+        StoreDir::clear(&tmp).map_err(|e| io(&tmp_path, e))?;
         let mut found = Self::scan(&root, cap_bytes).map_err(|e| io(&dir, e))?;
         found.sort_by_key(|x| x.0);
         let s = DiskStorage {
