@@ -107,8 +107,10 @@ pub struct StructuredOutputs {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ResponseFormat {
-    Text,
-    JsonObject,
+    // Struct variants, not unit ones: serde refuses unknown keys only in a struct variant (a
+    // `json_schema` key under `type: json_object` would otherwise be dropped unseen).
+    Text {},
+    JsonObject {},
     JsonSchema { json_schema: JsonSchemaFormat },
 }
 
@@ -252,4 +254,34 @@ where
     T: Default + serde::Deserialize<'de>,
 {
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `response_format` of any type refuses a key it does not read (a schema sent under
+    /// `json_object` is not dropped unseen).
+    #[test]
+    fn a_response_format_refuses_keys_it_does_not_read() {
+        let rf = |v: serde_json::Value| serde_json::from_value::<ResponseFormat>(v);
+        assert_eq!(
+            rf(serde_json::json!({"type": "text"})).unwrap(),
+            ResponseFormat::Text {}
+        );
+        assert_eq!(
+            rf(serde_json::json!({"type": "json_object"})).unwrap(),
+            ResponseFormat::JsonObject {}
+        );
+        let schema = serde_json::json!({"name": "x", "schema": {"type": "object"}});
+        for t in ["text", "json_object"] {
+            let e = rf(serde_json::json!({"type": t, "json_schema": schema})).unwrap_err();
+            assert!(
+                e.to_string().contains("unknown field `json_schema`"),
+                "{t}: {e}"
+            );
+        }
+        let ok = rf(serde_json::json!({"type": "json_schema", "json_schema": schema}));
+        assert!(matches!(ok.unwrap(), ResponseFormat::JsonSchema { .. }));
+    }
 }

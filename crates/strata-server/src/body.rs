@@ -57,7 +57,13 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         ));
     }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| invalid(e, || failing_sampling_field(bytes)))
+    let v = serde_path_to_error::deserialize(&mut *de)
+        .map_err(|e| invalid(e, || failing_sampling_field(bytes)))?;
+    // One object, nothing after it but white space (a second object would be dropped unseen).
+    de.end().map_err(|e| {
+        ApiError::bad_request(format!("invalid request body: after the object: {e}"), None)
+    })?;
+    Ok(v)
 }
 
 /// [`parse_json`] for a body already parsed: the error names the field at fault.
@@ -141,6 +147,19 @@ mod tests {
                 e["error"]["message"],
                 "the request body must be a JSON object"
             );
+        }
+        // Nothing after the object but white space: a second object is not dropped unseen.
+        assert_eq!(
+            parse_json::<B>(b"{\"input\": \"a\"} \r\n").unwrap().input,
+            "a"
+        );
+        for bad in [
+            &b"{\"input\": \"a\"}{\"input\": \"b\"}"[..],
+            b"{\"input\": \"a\"} x",
+        ] {
+            let e = parse_json::<B>(bad).unwrap_err().body();
+            let m = e["error"]["message"].as_str().unwrap();
+            assert!(m.contains("after the object: trailing characters"), "{m}");
         }
     }
 }

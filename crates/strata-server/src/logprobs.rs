@@ -10,9 +10,12 @@ fn text(tk: &ModelTokenizer, id: u32) -> String {
     tk.decode_fragment(&[id]).unwrap_or_default()
 }
 
+/// A chat entry: the token's text and its own bytes (a part of a character, whose text is
+/// `�`, has its real bytes: joined, they are the output's UTF-8).
 fn chat_entry(tk: &ModelTokenizer, id: u32, lp: f32) -> Value {
     let t = text(tk, id);
-    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+    let bytes = tk.token_bytes(id).unwrap_or_else(|| t.as_bytes().to_vec());
+    json!({"token": t, "logprob": lp, "bytes": bytes})
 }
 
 /// The `logprobs` of a choice (or of one streamed chunk) covering `lps`, in the chat shape or

@@ -29,24 +29,37 @@ pub fn template_messages(
                     "messages[{i}].role `{}` is not one of system, user, assistant, developer, tool",
                     m.role
                 ),
-                Some("messages"),
+                Some(&format!("messages[{i}].role")),
             ));
         }
         let text = match &m.content {
-            None => String::new(),
+            // Only an assistant's turn may say nothing (its calls are what it said).
+            None if m.role == "assistant" => String::new(),
+            None => {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "messages[{i}].content: a {} message needs a content",
+                        m.role
+                    ),
+                    Some(&format!("messages[{i}].content")),
+                ))
+            }
             Some(Content::Text(t)) => t.clone(),
             Some(Content::Parts(p)) => {
                 let mut s = String::new();
                 for (j, part) in p.iter().enumerate() {
+                    let at = format!("messages[{i}].content[{j}]");
                     match (part.kind.as_str(), &part.text) {
                         ("text", Some(t)) => s.push_str(t),
-                        _ => {
-                            return Err(ApiError::bad_request(
-                                format!(
-                                    "messages[{i}].content[{j}]: only text parts are supported"
-                                ),
-                                Some("messages"),
-                            ))
+                        ("text", None) => {
+                            let msg = format!("{at}: a text part without its `text`");
+                            return Err(ApiError::bad_request(msg, Some(&format!("{at}.text"))));
+                        }
+                        (kind, _) => {
+                            let msg = format!(
+                                "{at}: a part of type `{kind}`: only text parts are supported"
+                            );
+                            return Err(ApiError::bad_request(msg, Some(&at)));
                         }
                     }
                 }

@@ -257,7 +257,7 @@ impl Answer {
                     FinishReason::Error(m) => out.push(Step::Failed(m.clone())),
                     _ => {}
                 }
-                let d = self.text.finish();
+                let d = self.text.finish(&self.st.tokenizer);
                 if !d.is_empty() || !self.logprobs.is_empty() {
                     out.push(self.text_step(d));
                 }

@@ -67,8 +67,8 @@ pub fn asked(
 ) -> Result<Option<Asked>, ApiError> {
     let mut all: Vec<Asked> = Vec::new();
     match format {
-        None | Some(ResponseFormat::Text) => {}
-        Some(ResponseFormat::JsonObject) => {
+        None | Some(ResponseFormat::Text {}) => {}
+        Some(ResponseFormat::JsonObject {}) => {
             all.push((OutputConstraint::JsonObject, "response_format"))
         }
         Some(ResponseFormat::JsonSchema { json_schema }) => {

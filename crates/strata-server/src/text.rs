@@ -69,10 +69,26 @@ impl TextStream {
         self.release()
     }
 
-    /// Text still held at the end of generation (no stop string came).
-    pub fn finish(&mut self) -> String {
+    /// Text still held at the end of generation (no stop string came), the last tokens'
+    /// included though they end in the middle of a character (its bytes shown as `�`, as a
+    /// whole decode shows them: generated and counted, never dropped).
+    pub fn finish(&mut self, tk: &ModelTokenizer) -> String {
         if self.stopped {
             return String::new();
+        }
+        if self.read < self.ids.len() {
+            // The tokens held back are the bytes of a character not complete: each maximal
+            // bad sequence is one `�` (a decoder's own fallback may say more: SentencePiece's
+            // takes a whole run of byte tokens as bad for one bad byte in it).
+            let bytes: Vec<u8> = self.ids[self.read..]
+                .iter()
+                .flat_map(|&id| tk.token_bytes(id).unwrap_or_default())
+                .collect();
+            self.held.push_str(&String::from_utf8_lossy(&bytes));
+            self.read = self.ids.len();
+            // A stop string in the tail still cuts it.
+            let out = self.release();
+            return out + &std::mem::take(&mut self.held);
         }
         std::mem::take(&mut self.held)
     }
@@ -137,7 +153,7 @@ mod tests {
         for id in ids {
             out += &s.push(tk, id);
         }
-        out += &s.finish();
+        out += &s.finish(tk);
         (out, s.stopped())
     }
 
@@ -196,7 +212,7 @@ mod tests {
             for &id in &ids {
                 out += &s.push(&tk, id);
             }
-            out += &s.finish();
+            out += &s.finish(&tk);
             out
         };
         assert_eq!(run(0), "one ");
@@ -205,5 +221,34 @@ mod tests {
             .find(|&n| tk.decode(&ids[..n]).unwrap().contains("two"))
             .unwrap();
         assert_eq!(run(first_two + 1), "one two one ");
+    }
+
+    /// A generation cut in the middle of a character ends with its bytes shown as `�`, not
+    /// with nothing: the text is the tokens' bytes, read as UTF-8 with each bad sequence a `�`.
+    #[test]
+    fn a_character_cut_at_the_end_is_shown_not_dropped() {
+        for spec in [TinySpec::default(), TinySpec::family("mistral").unwrap()] {
+            let (_d, tk) = tk_of(&spec);
+            let ids = tk.encode("ab 東京").unwrap();
+            for n in 1..ids.len() {
+                let mut s = TextStream::new(Vec::new());
+                let mut out = String::new();
+                for &id in &ids[..n] {
+                    out += &s.push(&tk, id);
+                }
+                out += &s.finish(&tk);
+                let bytes: Vec<u8> = ids[..n]
+                    .iter()
+                    .flat_map(|&i| tk.token_bytes(i).unwrap())
+                    .collect();
+                assert_eq!(out, String::from_utf8_lossy(&bytes), "{n} of {ids:?}");
+                if n == ids.len() - 1 {
+                    assert!(
+                        out.ends_with(" 東\u{fffd}"),
+                        "{out}: no cut character to test"
+                    );
+                }
+            }
+        }
     }
 }

@@ -447,7 +447,7 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
                 .await
                 .unwrap(),
             400,
-            Some("messages"),
+            Some("messages[0].role"),
         ),
         (
             raw(r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}"#)

@@ -39,6 +39,23 @@ async fn logprobs_follow_the_greedy_choice_whole_and_streamed() {
         );
         assert!(e["bytes"].is_array());
     }
+    // Each entry's bytes are its token's own: a whole text's UTF-8, or for a part of a
+    // character (its `token` alone is `�`) the part's bytes, never the encoding of `�`.
+    let entries = content.iter().chain(
+        content
+            .iter()
+            .flat_map(|e| e["top_logprobs"].as_array().unwrap().iter()),
+    );
+    for e in entries {
+        let bytes: Vec<u8> = serde_json::from_value(e["bytes"].clone()).unwrap();
+        match e["token"].as_str().unwrap() {
+            "\u{fffd}" => assert!(
+                !bytes.is_empty() && std::str::from_utf8(&bytes).is_err(),
+                "{e}"
+            ),
+            t => assert_eq!(bytes, t.as_bytes(), "{e}"),
+        }
+    }
     // Without logprobs the field is null.
     let mut plain = body.clone();
     plain.as_object_mut().unwrap().remove("logprobs");

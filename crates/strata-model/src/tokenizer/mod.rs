@@ -5,6 +5,7 @@
 //! they are, a BOS token first), `qwen2`, `deepseek-v3`), and control tokens as special
 //! tokens. tests/tokenizer_llama_cpp.rs checks the ids against llama.cpp's.
 
+mod bytes;
 pub(crate) mod spm;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -91,6 +92,10 @@ pub struct ModelTokenizer {
     /// The control tokens' texts (`<|im_start|>`, `<|eot_id|>`, ...): written in a text,
     /// each is its id (see [`crate::ChatTemplate::turn_marker_in`]).
     control: Vec<String>,
+    /// Each token's GGUF type (a byte: the types are 1 to 6), for [`ModelTokenizer::token_bytes`].
+    types: Vec<i8>,
+    /// The vocabulary is GPT-2's byte-level one (else SentencePiece's).
+    byte_level: bool,
 }
 
 fn err(e: impl std::fmt::Display) -> ModelError {
@@ -251,6 +256,8 @@ impl ModelTokenizer {
             eos,
             stop,
             control,
+            types: types.iter().map(|&t| t.clamp(0, 127) as i8).collect(),
+            byte_level: model == "gpt2",
         })
     }
 

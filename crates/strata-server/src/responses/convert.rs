@@ -123,6 +123,27 @@ fn bad(msg: impl Into<String>, field: &str) -> ApiError {
 /// Most input items one request may carry.
 const MAX_ITEMS: usize = 4096;
 
+/// A nested object's keys, each one this endpoint reads (or, as `id`, `status`, `annotations`
+/// and `logprobs` of an earlier answer's items sent back, one that asks for nothing): any
+/// other is refused by name, never dropped unseen.
+fn only_keys(o: &Value, keys: &[&str], what: &str, param: &str) -> Result<(), ApiError> {
+    let extra = o
+        .as_object()
+        .and_then(|m| m.keys().find(|k| !keys.contains(&k.as_str())));
+    match extra {
+        Some(k) => Err(bad(
+            format!("{what}: `{k}` is not served (it takes {})", keys.join(", ")),
+            param,
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A `type` (or `role`) as a message names it.
+fn kind(t: Option<&str>) -> String {
+    t.map_or("none".into(), |t| format!("`{t}`"))
+}
+
 /// A message item's text: a string, or its `input_text` / `output_text` parts joined.
 fn item_text(content: &Value) -> Result<String, ApiError> {
     match content {
@@ -131,12 +152,27 @@ fn item_text(content: &Value) -> Result<String, ApiError> {
             let mut out = String::new();
             for p in parts {
                 match (p["type"].as_str(), p["text"].as_str()) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => out += t,
+                    (Some("input_text" | "output_text" | "text"), Some(t)) => {
+                        let keys = ["type", "text", "annotations", "logprobs"];
+                        only_keys(p, &keys, "a text part", "input")?;
+                        for k in ["annotations", "logprobs"] {
+                            if p[k].as_array().is_some_and(|a| !a.is_empty()) {
+                                let msg = format!("a text part's `{k}`: only an empty list");
+                                return Err(bad(msg, "input"));
+                            }
+                        }
+                        out += t
+                    }
+                    (t @ Some("input_text" | "output_text" | "text"), None) => {
+                        let msg = format!("a content part of type {} has no `text`", kind(t));
+                        return Err(bad(msg, "input"));
+                    }
                     (t, _) => {
-                        return Err(bad(
-                            format!("input content part of type {t:?}: only text parts are served"),
-                            "input",
-                        ))
+                        let msg = format!(
+                            "input content part of type {}: only text parts are served",
+                            kind(t)
+                        );
+                        return Err(bad(msg, "input"));
                     }
                 }
             }
@@ -160,14 +196,28 @@ fn messages_of(items: &[Value], out: &mut Vec<Value>) -> Result<(), ApiError> {
     for it in items {
         match it["type"].as_str().unwrap_or("message") {
             "message" => {
+                only_keys(
+                    it,
+                    &["type", "role", "content", "id", "status"],
+                    "a message",
+                    "input",
+                )?;
                 let role = match it["role"].as_str() {
                     Some("developer" | "system") => "system",
                     Some(r @ ("user" | "assistant")) => r,
-                    r => return Err(bad(format!("an input message's role {r:?}"), "input")),
+                    r => {
+                        let msg = format!(
+                            "an input message's role {}: developer, system, user or assistant",
+                            kind(r)
+                        );
+                        return Err(bad(msg, "input"));
+                    }
                 };
                 out.push(json!({"role": role, "content": item_text(&it["content"])?}));
             }
             "function_call" => {
+                let keys = ["type", "call_id", "name", "arguments", "id", "status"];
+                only_keys(it, &keys, "a function_call item", "input")?;
                 let (Some(id), Some(name), Some(args)) = (
                     it["call_id"].as_str(),
                     it["name"].as_str(),
@@ -189,6 +239,8 @@ fn messages_of(items: &[Value], out: &mut Vec<Value>) -> Result<(), ApiError> {
                 }
             }
             "function_call_output" => {
+                let keys = ["type", "call_id", "output", "id", "status"];
+                only_keys(it, &keys, "a function_call_output item", "input")?;
                 let (Some(id), Some(output)) = (it["call_id"].as_str(), it["output"].as_str())
                 else {
                     return Err(bad(
@@ -215,6 +267,8 @@ fn tools_of(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
         .iter()
         .map(|t| match (t["type"].as_str(), t["name"].as_str()) {
             (Some("function"), Some(name)) => {
+                let keys = ["type", "name", "description", "parameters", "strict"];
+                only_keys(t, &keys, "a function tool", "tools")?;
                 let mut f = json!({"name": name});
                 for k in ["description", "parameters", "strict"] {
                     if !t[k].is_null() {
@@ -223,8 +277,13 @@ fn tools_of(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
                 }
                 Ok(json!({"type": "function", "function": f}))
             }
+            (Some("function"), None) if t["function"].is_object() => Err(bad(
+                "a function tool names itself at its top level here (`{\"type\": \"function\", \"name\": ...}`), not in a `function` object as in chat",
+                "tools",
+            )),
+            (Some("function"), None) => Err(bad("a function tool without a `name`", "tools")),
             (ty, _) => Err(bad(
-                format!("a tool of type {ty:?}: only function tools (with a name) are served"),
+                format!("a tool of type {}: only function tools are served", kind(ty)),
                 "tools",
             )),
         })
@@ -275,6 +334,7 @@ pub fn to_chat(
         body["tool_choice"] = match c {
             Value::String(_) => c.clone(),
             Value::Object(o) if o.get("type") == Some(&json!("function")) => {
+                only_keys(c, &["type", "name"], "tool_choice", "tool_choice")?;
                 json!({"type": "function", "function": {"name": o.get("name").cloned().unwrap_or(Value::Null)}})
             }
             _ => {
@@ -311,7 +371,13 @@ pub fn to_chat(
 
 /// `text.format` → chat's `response_format` (None: plain text).
 fn response_format(f: &Value) -> Result<Option<Value>, ApiError> {
-    Ok(match f["type"].as_str() {
+    let t = f["type"].as_str();
+    let keys: &[&str] = match t {
+        Some("json_schema") => &["type", "name", "schema", "strict", "description"],
+        _ => &["type"],
+    };
+    only_keys(f, keys, &format!("text.format of type {}", kind(t)), "text")?;
+    Ok(match t {
         Some("text") => None,
         Some("json_object") => Some(json!({"type": "json_object"})),
         Some("json_schema") => {
@@ -325,7 +391,10 @@ fn response_format(f: &Value) -> Result<Option<Value>, ApiError> {
         }
         t => {
             return Err(bad(
-                format!("text.format of type {t:?}: text, json_object or json_schema"),
+                format!(
+                    "text.format of type {}: text, json_object or json_schema",
+                    kind(t)
+                ),
                 "text",
             ))
         }
@@ -333,8 +402,11 @@ fn response_format(f: &Value) -> Result<Option<Value>, ApiError> {
 }
 
 /// A chat refusal's `param` in the Responses request's terms.
-pub fn rename_param(mut e: ApiError) -> ApiError {
+/// With `instructions`, they are the chat's first message: its refusal names them.
+pub fn rename_param(mut e: ApiError, instructions: bool) -> ApiError {
+    let first = instructions && e.message.starts_with("messages[0]");
     let renamed = match e.param.as_deref() {
+        Some("messages") if first => Some("instructions"),
         Some("messages" | "prompt") => Some("input"),
         Some("max_tokens") => Some("max_output_tokens"),
         Some("response_format") => Some("text"),
@@ -501,5 +573,61 @@ mod tests {
             let e = parse(body).unwrap_err().body();
             assert_eq!(e["error"]["param"], field, "{e}");
         }
+    }
+
+    fn chat_of(body: &str) -> Result<Value, ApiError> {
+        let (chat, _) = to_chat(&parse(body.as_bytes())?, None)?;
+        Ok(serde_json::from_slice(&chat).unwrap())
+    }
+
+    /// Every nested object's keys are read or refused by name, never dropped; an earlier
+    /// answer's items sent back (with their `id`, `status`, empty `annotations`) are taken.
+    #[test]
+    fn nested_keys_are_refused_by_name() {
+        let tool = r#"{"type": "function", "name": "f", "parameters": {"type": "object"}"#;
+        for (body, param, names) in [
+            (r#"{"input": [{"role": "user", "content": "hi", "foo": 1}]}"#.to_string(), "input", "foo"),
+            (r#"{"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi", "foo": 1}]}]}"#.into(), "input", "foo"),
+            (r#"{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "foo": 1}]}"#.into(), "input", "foo"),
+            (r#"{"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "bar": 2}]}"#.into(), "input", "bar"),
+            (format!(r#"{{"input": "hi", "tools": [{tool}, "foo": 1}}]}}"#), "tools", "foo"),
+            (format!(r#"{{"input": "hi", "tools": [{tool}}}], "tool_choice": {{"type": "function", "name": "f", "foo": 1}}}}"#), "tool_choice", "foo"),
+            (r#"{"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "foo": 1}}}"#.into(), "text", "foo"),
+            (r#"{"input": "hi", "text": {"format": {"type": "text", "schema": {"type": "object"}}}}"#.into(), "text", "schema"),
+            (r#"{"input": "hi", "text": {"format": {"type": "json_object", "name": "x"}}}"#.into(), "text", "name"),
+            (r#"{"input": [{"role": "user", "content": [{"type": "output_text", "text": "a", "annotations": [{"x": 1}]}]}]}"#.into(), "input", "annotations"),
+        ] {
+            let e = chat_of(&body).unwrap_err().body();
+            assert_eq!(e["error"]["param"], param, "{body}: {e}");
+            let m = e["error"]["message"].as_str().unwrap();
+            assert!(m.contains(&format!("`{names}`")), "{body}: {m}");
+        }
+        let earlier = r#"{"input": [
+            {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "a", "annotations": [], "logprobs": []}]},
+            {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "x"}]}"#;
+        let chat = chat_of(earlier).unwrap();
+        assert_eq!(chat["messages"].as_array().unwrap().len(), 3, "{chat}");
+        // Kinds are named as the request wrote them, and a chat-shaped tool is told why.
+        let e = chat_of(r#"{"input": [{"role": "tool", "content": "x"}]}"#)
+            .unwrap_err()
+            .body();
+        assert_eq!(
+            e["error"]["message"],
+            "an input message's role `tool`: developer, system, user or assistant"
+        );
+        let e = chat_of(
+            r#"{"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}"#,
+        )
+        .unwrap_err()
+        .body();
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not in a `function` object"),
+            "{e}"
+        );
     }
 }

@@ -63,7 +63,7 @@ pub async fn create(
     let (chat_body, conversation) = convert::to_chat(&req, earlier.as_deref().map(Vec::as_slice))?;
     let stream = req.stream == Some(true);
     let answer = crate::generation::chat_answer(st.clone(), prefill, chat_body).await;
-    let answer = answer.map_err(convert::rename_param)?;
+    let answer = answer.map_err(|e| convert::rename_param(e, req.instructions.is_some()))?;
     let echo = convert::Echo::of(&req, &st.model_name);
     let keep = req.store != Some(false);
     if stream {

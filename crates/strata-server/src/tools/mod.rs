@@ -59,6 +59,18 @@ fn choice_of(v: Option<&Value>) -> Result<Option<ToolChoice>, ApiError> {
             }
         }),
         Some(o) => {
+            // Every key read, or the choice refused: none is dropped unseen.
+            let extra = |o: &Value, keys: &[&str]| {
+                o.as_object()
+                    .and_then(|m| m.keys().find(|k| !keys.contains(&k.as_str())).cloned())
+            };
+            let key = extra(o, &["type", "function"]).or_else(|| extra(&o["function"], &["name"]));
+            if let Some(k) = key {
+                return Err(bad(
+                    format!("tool_choice: `{k}` is not served ({{\"type\": \"function\", \"function\": {{\"name\": ...}}}} only)"),
+                    f,
+                ));
+            }
             let name = (o.get("type") == Some(&json!("function")))
                 .then(|| o.pointer("/function/name").and_then(Value::as_str))
                 .flatten()
@@ -375,6 +387,20 @@ mod tests {
             {"type": "function", "function": {"name": "a"}}],
             "tool_choice": {"type": "function", "function": {"name": "b"}}}));
         assert_eq!(e.body()["error"]["param"], "tool_choice");
+        // A key of the named choice that is not read is refused by name.
+        for choice in [
+            json!({"type": "function", "function": {"name": "a", "foo": 1}}),
+            json!({"type": "function", "function": {"name": "a"}, "foo": 2}),
+        ] {
+            let e = bad(json!({"messages": [], "tools": [
+                {"type": "function", "function": {"name": "a"}}], "tool_choice": choice}));
+            let b = e.body();
+            assert_eq!(b["error"]["param"], "tool_choice");
+            assert!(
+                b["error"]["message"].as_str().unwrap().contains("`foo`"),
+                "{b}"
+            );
+        }
     }
 
     #[test]
