@@ -14,7 +14,10 @@
 //!   a new one begun (never an existing one): at most twice the cap on disk.
 //! * **Safe to point anywhere.** The file must be a regular file of this user with one link,
 //!   opened without following a symbolic link and without blocking (a FIFO is refused), and is
-//!   set to mode 0600 whatever it was.
+//!   set to mode 0600 whatever it was. An existing file is overwritten only if it is empty or a
+//!   trace (its first line begins as this recorder's do): a model, a config, anything else
+//!   named by mistake is refused, never truncated. One recording holds the file's lock: a second
+//!   process given the same file is refused.
 //! * **Off the request path.** The scheduler hashes a request's pages and hands the line to a
 //!   writer thread through a bounded queue: a slow disk drops lines (counted), never slows
 //!   decoding; a write that fails stops the recording (logged), never the engine.
@@ -66,12 +69,22 @@ impl std::fmt::Debug for TraceRecorder {
 const ID_BITS: u32 = 53;
 
 impl TraceRecorder {
-    /// Opens (or creates) `path` as [`open`] does and starts its writer; blocks are pages of
-    /// `page_size` tokens.
+    /// Opens (or creates) `path` as [`open_file`] does and starts its writer; blocks are pages
+    /// of `page_size` tokens.
     pub fn create(path: &Path, cap_bytes: u64, page_size: usize) -> std::io::Result<Self> {
+        Self::start(path, open_file(path)?, cap_bytes, page_size)
+    }
+
+    /// Starts the writer on `file`, opened by [`open_file`] (before anything was allocated).
+    pub fn start(
+        path: &Path,
+        file: File,
+        cap_bytes: u64,
+        page_size: usize,
+    ) -> std::io::Result<Self> {
         let mut key = [0u8; 32];
         getrandom::fill(&mut key).map_err(std::io::Error::other)?;
-        let file = open(path, false)?;
+        let file = Some(file);
         let (tx, rx) = sync_channel(QUEUE);
         let counts = Arc::new(Counts::default());
         let w = Writer {
@@ -194,13 +207,26 @@ impl Writer {
     }
 }
 
+/// How every line this recorder writes begins: an existing file that does not is no trace.
+const LINE_START: &[u8] = b"{\"timestamp\":";
+
+/// The trace file of `strata serve --record-trace`, opened (or created) before anything is
+/// allocated, emptied and locked, as [`open`] with `fresh` false does.
+pub fn open_file(path: &Path) -> std::io::Result<File> {
+    Ok(open(path, false)?.expect("open gives a file"))
+}
+
 /// Opens `path` for writing, truncated: never through a symbolic link, never blocking (a FIFO
 /// without a reader is refused), created with mode 0600 (`fresh`: only a new file, else an
-/// existing one too, which must be a regular file of this user with one link, and is set to
-/// 0600).
+/// existing one too, which must be a regular file of this user with one link, empty or a trace
+/// (never another file named by mistake), and is set to 0600), and locked (another process
+/// recording into it is refused).
 fn open(path: &Path, fresh: bool) -> std::io::Result<Option<File>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
     let mut o = OpenOptions::new();
-    o.write(true)
+    o.read(true)
+        .write(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC);
     if fresh {
@@ -217,6 +243,27 @@ fn open(path: &Path, fresh: bool) -> std::io::Result<Option<File>> {
             "{}: not a regular file of this user with one link",
             path.display()
         )));
+    }
+    if m.len() > 0 {
+        let mut start = [0u8; LINE_START.len()];
+        let n = f.read_at(&mut start, 0)?;
+        let trace =
+            LINE_START.starts_with(&start[..n]) && (n == start.len() || n as u64 == m.len());
+        if !trace {
+            return Err(std::io::Error::other(format!(
+                "{} holds {} bytes that are not a trace (a trace's lines begin `{{\"timestamp\":`): not overwritten; name a new file",
+                path.display(),
+                m.len()
+            )));
+        }
+    }
+    // SAFETY: flock(2) on this open file's descriptor, which outlives the call.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(
+            e.kind(),
+            format!("{}: another process records into it ({e})", path.display()),
+        ));
     }
     f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     f.set_len(0)?;
@@ -288,6 +335,7 @@ mod tests {
         let now = std::fs::metadata(&p).unwrap().len();
         let old = std::fs::metadata(d.path().join("t.jsonl.1")).unwrap().len();
         assert!(now <= 300 && old <= 300, "{now} {old}");
+        drop(r);
         let link = d.path().join("link.jsonl");
         std::os::unix::fs::symlink(d.path().join("elsewhere"), &link).unwrap();
         assert!(TraceRecorder::create(&link, 300, 16).is_err());
@@ -303,8 +351,58 @@ mod tests {
         assert!(TraceRecorder::create(&p, 300, 16).is_err());
         std::fs::remove_file(&linked).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let _r = TraceRecorder::create(&p, 300, 16).unwrap();
+        let _r = once_free(&p);
         let mode = std::fs::metadata(&p).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    /// A file that is not a trace (a model, a config named by mistake) is refused and left
+    /// whole; a trace or an empty file is taken; a second recording into one file is refused.
+    #[test]
+    fn only_a_trace_is_overwritten_and_one_recording_holds_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let model = d.path().join("model.gguf");
+        std::fs::write(&model, b"GGUF\x03\x00\x00\x00 weights").unwrap();
+        let e = TraceRecorder::create(&model, 300, 16).unwrap_err();
+        assert!(e.to_string().contains("not a trace"), "{e}");
+        assert_eq!(
+            std::fs::read(&model).unwrap(),
+            b"GGUF\x03\x00\x00\x00 weights"
+        );
+        let short = d.path().join("short");
+        std::fs::write(&short, b"{").unwrap();
+        assert!(
+            TraceRecorder::create(&short, 300, 16).is_ok(),
+            "a trace cut short"
+        );
+        let p = d.path().join("t.jsonl");
+        let mut r = TraceRecorder::create(&p, 1 << 20, 16).unwrap();
+        r.record(&[1; 16], 1, Instant::now());
+        r.sync();
+        // Another process's recording (a second open file description) is refused.
+        let e = open_file(&p).unwrap_err();
+        assert!(
+            e.to_string().contains("another process records into it"),
+            "{e}"
+        );
+        drop(r);
+        // Once the first is gone (its writer thread closes the file), its trace is taken.
+        let _r = once_free(&p);
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 0);
+    }
+
+    /// A recorder on `p` once the one before it has let the file go (its writer thread ends
+    /// after the recorder is dropped).
+    fn once_free(p: &Path) -> TraceRecorder {
+        for _ in 0..500 {
+            match TraceRecorder::create(p, 300, 16) {
+                Ok(r) => return r,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("{} still locked after 5 s", p.display());
     }
 }

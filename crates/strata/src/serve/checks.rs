@@ -58,6 +58,20 @@ pub(super) struct Checked {
     pub responses: strata_server::response_store::ResponseStore,
     /// `--record-trace-size` in bytes.
     pub record_trace_size: u64,
+    /// `--record-trace`'s file, opened (emptied, locked) by [`open_record_trace`] before
+    /// anything is allocated.
+    pub record_trace: Option<std::fs::File>,
+}
+
+/// Opens `--record-trace`'s file (made or emptied, locked), once every flag is good and
+/// before anything is allocated (`strata up`'s preflight checks the flags without it).
+pub(super) fn open_record_trace(a: &ServeArgs, c: &mut Checked) -> Result<()> {
+    if let Some(f) = &a.record_trace {
+        let file = strata_engine::record::open_file(f)
+            .with_context(|| format!("--record-trace {}", f.display()))?;
+        c.record_trace = Some(file);
+    }
+    Ok(())
 }
 
 /// Checks every flag that needs neither the model nor the plan.
@@ -106,6 +120,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         http,
         responses,
         record_trace_size,
+        record_trace: None,
     })
 }
 

@@ -263,6 +263,7 @@ pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
 pub fn run(mut a: ServeArgs) -> Result<()> {
     // Check everything cheap first.
     let mut c = check_flags(&a)?;
+    checks::open_record_trace(&a, &mut c)?;
     // Bind before loading anything: a port in use is a configuration error, said at once.
     let std_listener = std::net::TcpListener::bind(c.addr)
         .with_context(|| format!("cannot listen on {}", c.addr))?;
@@ -299,8 +300,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let (cache, l3) = build_cache(&a, &c, &path, &req, &plan, layout, &allocs)?;
     let gauges = tp::plan_gauges(&plan, &cache, &ranks);
     let mut ecfg = engine_config(&a, &path, &tk, prefetch);
-    if let Some(f) = &a.record_trace {
-        let r = TraceRecorder::create(f, c.record_trace_size, req.page_size)
+    if let (Some(f), Some(file)) = (&a.record_trace, c.record_trace.take()) {
+        let r = TraceRecorder::start(f, file, c.record_trace_size, req.page_size)
             .with_context(|| format!("--record-trace {}", f.display()))?;
         ecfg.record_trace = Some(Arc::new(Mutex::new(r)));
     }
