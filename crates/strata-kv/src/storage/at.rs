@@ -54,6 +54,16 @@ impl StoreDir {
         })
     }
 
+    /// The store's own descriptor.
+    pub fn fd(&self) -> &OwnedFd {
+        &self.fd
+    }
+
+    /// The first `max` names in `d` (`.` and `..` left out).
+    pub fn first_names(d: &OwnedFd, max: usize) -> io::Result<Vec<OsString>> {
+        names_upto(d, max)
+    }
+
     /// The subdirectory `name`, a real one (never through a link); None when absent or not a
     /// directory.
     pub fn sub(&self, name: &str) -> io::Result<Option<OwnedFd>> {

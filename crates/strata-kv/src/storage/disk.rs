@@ -23,6 +23,7 @@ use crate::hash::PageHash;
 
 use super::at::StoreDir;
 use super::blob::{self, BlobKey, HEADER};
+use super::marker::claim;
 
 /// One-file-per-page disk store with a byte cap.
 pub struct DiskStorage {
@@ -40,10 +41,10 @@ pub struct DiskStorage {
     seq: AtomicU64,
 }
 
-fn io(path: &Path, source: std::io::Error) -> StorageError {
+fn io(path: &Path, error: std::io::Error) -> StorageError {
     StorageError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     }
 }
 
@@ -59,6 +60,7 @@ impl DiskStorage {
         let tmp_path = dir.join("tmp");
         fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
         let root = StoreDir::open(&dir).map_err(|e| io(&dir, e))?;
+        claim(&root, &dir)?;
         let tmp = root.sub_made("tmp").map_err(|e| io(&tmp_path, e))?;
         // Leftovers of writes interrupted by a crash are never visible; clear them.
         StoreDir::clear(&tmp).map_err(|e| io(&tmp_path, e))?;
@@ -455,9 +457,13 @@ mod tests {
         assert_eq!(walk(d.path()), one);
     }
 
+    /// The bytes of the pages (every file but the marker) under `p`.
     fn walk(p: &Path) -> u64 {
         let mut n = 0;
         for e in fs::read_dir(p).unwrap().flatten() {
+            if e.file_name() == super::super::marker::MARKER {
+                continue;
+            }
             let md = e.metadata().unwrap();
             n += if md.is_dir() {
                 walk(&e.path())

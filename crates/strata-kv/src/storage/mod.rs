@@ -8,6 +8,7 @@ mod at;
 pub mod blob;
 mod disk;
 mod lru;
+mod marker;
 mod memory;
 
 pub use disk::DiskStorage;
@@ -20,12 +21,9 @@ use crate::hash::PageHash;
 /// A storage operation that failed (as opposed to a plain miss).
 #[derive(Debug, Error)]
 pub enum StorageError {
-    #[error("storage I/O error at {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    // The cause in the message, not also as a source (a report of the chain said it twice).
+    #[error("storage I/O error at {path}: {error}")]
+    Io { path: String, error: std::io::Error },
     #[error("entry of {bytes} bytes exceeds the storage capacity of {capacity} bytes")]
     TooLarge { bytes: u64, capacity: u64 },
     #[error("storage backend unavailable: {0}")]
