@@ -124,19 +124,52 @@ pub fn run(a: RouteArgs) -> Result<()> {
 }
 
 /// The client API keys of `--api-key` and `--api-key-file`.
+/// Largest `--api-key-file` read (a key a line: thousands of keys).
+const API_KEY_FILE_MAX: u64 = 1 << 20;
+
+/// The client keys: `--api-key` (each one not blank) and `--api-key-file`'s lines (a regular
+/// file, opened without blocking, at most [`API_KEY_FILE_MAX`], holding at least one key). A
+/// key asked for and not found is an error, never a router left open.
 fn api_keys(a: &RouteArgs) -> Result<HashSet<String>> {
-    let mut keys: HashSet<String> = a.api_key.iter().cloned().collect();
+    if let Some(k) = a.api_key.iter().find(|k| k.trim().is_empty()) {
+        bail!("--api-key `{k}` (or $STRATA_API_KEY): an empty key would refuse every client; give a key, or none for an open router");
+    }
+    let mut keys: HashSet<String> = a.api_key.iter().map(|k| k.trim().to_string()).collect();
     if let Some(f) = &a.api_key_file {
-        let text = std::fs::read_to_string(f)
-            .with_context(|| format!("--api-key-file {}", f.display()))?;
+        let text = read_key_file(f).with_context(|| format!("--api-key-file {}", f.display()))?;
+        let before = keys.len();
         keys.extend(
             text.lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty() && !l.starts_with('#'))
                 .map(str::to_string),
         );
+        if keys.len() == before && a.api_key.is_empty() {
+            bail!("--api-key-file {}: no key in it (a key a line; `#` starts a comment): the router would be open", f.display());
+        }
     }
     Ok(keys)
+}
+
+/// A key file's text: a regular file (a FIFO or a device is refused, not waited on or read
+/// without end), at most [`API_KEY_FILE_MAX`] bytes, UTF-8.
+fn read_key_file(f: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(f)?;
+    let m = file.metadata()?;
+    if !m.is_file() {
+        bail!("not a regular file");
+    }
+    let mut text = String::new();
+    file.take(API_KEY_FILE_MAX + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > API_KEY_FILE_MAX {
+        bail!("larger than {API_KEY_FILE_MAX} bytes: a key file is small");
+    }
+    Ok(text)
 }
 
 /// cache_aware: the index that hashes prompts as the workers do (their tokenizer and template).

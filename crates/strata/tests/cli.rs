@@ -325,6 +325,18 @@ fn sim_compares_host_sizes_and_advises_one() {
 /// `strata route` refuses bad flags at once, naming them (exit code 2), before it listens.
 #[test]
 fn route_refuses_bad_flags_with_the_reason() {
+    let d = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &[u8]| {
+        let p = d.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let (blank, empty) = (file("blank", b"\n  \n# a comment\n"), file("empty", b""));
+    let big = file("big", &vec![b'k'; (1 << 20) + 1]);
+    let fifo = d.path().join("fifo").to_str().unwrap().to_string();
+    let c = std::ffi::CString::new(fifo.clone()).unwrap();
+    // SAFETY: mkfifo(3) on a NUL-terminated path in this test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     for (args, want) in [
         (&["--policy", "random"][..], "--policy `random`"),
         (&["--health-interval", "0"][..], "--health-interval 0"),
@@ -340,6 +352,16 @@ fn route_refuses_bad_flags_with_the_reason() {
         (&["--health-interval", "1e30"][..], "--health-interval"),
         (&["--index-interval", "inf"][..], "--index-interval inf"),
         (&["--body-limit", "0B"][..], "--body-limit 0B"),
+        // Keys asked for and not given: an error, never a router left open (or shut to all).
+        (
+            &["--api-key", ""][..],
+            "an empty key would refuse every client",
+        ),
+        (&["--api-key-file", &blank][..], "no key in it"),
+        (&["--api-key-file", &empty][..], "no key in it"),
+        (&["--api-key-file", &fifo][..], "not a regular file"),
+        (&["--api-key-file", "/dev/zero"][..], "not a regular file"),
+        (&["--api-key-file", &big][..], "a key file is small"),
     ] {
         let mut all = vec!["route", "--port", "0", "--decode", "http://127.0.0.1:9"];
         all.extend_from_slice(args);
