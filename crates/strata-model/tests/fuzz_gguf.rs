@@ -197,3 +197,35 @@ fn a_tensor_the_pass_would_not_read_is_refused() {
         "{e}"
     );
 }
+
+/// What is not a regular file is refused at once, by name: a FIFO (a read would wait for a
+/// writer forever), a directory, a device.
+#[test]
+fn a_fifo_a_directory_or_a_device_is_refused_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let fifo = d.path().join("model.gguf");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a NUL-terminated path in this test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for (p, want) in [
+        (
+            fifo.as_path(),
+            "a FIFO, a socket or a device, not a regular file",
+        ),
+        (d.path(), "a directory, not a regular file"),
+        (
+            std::path::Path::new("/dev/zero"),
+            "a FIFO, a socket or a device",
+        ),
+    ] {
+        let e = Gguf::open(p).err().unwrap().to_string();
+        assert!(e.contains(want), "{}: {e}", p.display());
+        let e = strata_model::GgufHeader::open(p).err().unwrap().to_string();
+        assert!(e.contains(want), "{}: {e}", p.display());
+        let e = strata_model::deepseek4::load::read_dsv4_config(p)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(want), "{}: {e}", p.display());
+    }
+}

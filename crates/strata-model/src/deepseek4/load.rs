@@ -232,7 +232,7 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
     let h = meta::read(path)?;
     check_architecture(&p, &h.metadata)?;
     let cfg = config(path, &h.metadata)?;
-    let mut f = std::fs::File::open(path).map_err(open_err)?;
+    let mut f = crate::gguf::open_regular(path).map_err(open_err)?;
     let len = f.metadata().map_err(open_err)?.len();
     let mut extents = Vec::with_capacity(h.tensors.len());
     for (name, ne, ty, off) in &h.tensors {

@@ -126,7 +126,7 @@ pub(crate) fn read(path: &std::path::Path) -> Result<Header, crate::ModelError> 
         path: p.clone(),
         reason: e.to_string(),
     };
-    let f = std::fs::File::open(path).map_err(open_err)?;
+    let f = crate::gguf::open_regular(path).map_err(open_err)?;
     let len = f.metadata().map_err(open_err)?.len();
     let mut f = std::io::BufReader::new(f);
     let end = crate::gguf::scan::scan(&mut f, len).map_err(not_gguf)?;

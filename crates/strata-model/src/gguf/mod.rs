@@ -274,9 +274,29 @@ impl GgufHeader {
     }
 }
 
+/// Opens a model file: a regular file only (opened without blocking, so a FIFO given by
+/// mistake is refused at once, not waited on; a device or a directory is refused by name).
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let t = f.metadata()?.file_type();
+    if !t.is_file() {
+        let what = if t.is_dir() {
+            "a directory"
+        } else {
+            "a FIFO, a socket or a device"
+        };
+        return Err(std::io::Error::other(format!("{what}, not a regular file")));
+    }
+    Ok(f)
+}
+
 /// Reads the header of `path` (`p` for messages): the open file, its content and its length.
 fn read_header(path: &Path, p: &str) -> Result<(Content, BufReader<File>, u64), ModelError> {
-    let f = File::open(path).map_err(|e| ModelError::Open {
+    let f = open_regular(path).map_err(|e| ModelError::Open {
         path: p.into(),
         reason: first_line(&e),
     })?;
