@@ -34,6 +34,9 @@ pub enum ModelError {
     Forward(String),
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// A flag's value this model cannot take (the message names the flag).
+    #[error("{0}")]
+    Flag(String),
 }
 
 impl From<candle_core::Error> for ModelError {

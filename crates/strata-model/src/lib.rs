@@ -49,4 +49,5 @@ pub use gguf::{Config, Gguf, GgufHeader};
 pub use llama::tp::{RankPlacement, TpModel, TpOptions};
 pub use llama::{Model, SeqInput};
 pub use runtime::{load, LoadOptions, Loaded, Runtime};
+pub use shard::check_tp_split;
 pub use tokenizer::ModelTokenizer;

@@ -42,7 +42,7 @@ impl Part {
     /// rank gets one; else 32, and a K-quant down projection's slices are requantized to Q8_0),
     /// the vocabulary in even runs.
     pub fn split(c: &Config, tp: usize, ffn_block: usize) -> Result<Vec<Part>, ModelError> {
-        let bad = |reason: String| ModelError::Forward(format!("--tp-size {tp}: {reason}"));
+        let bad = |reason: String| ModelError::Flag(format!("--tp-size {tp}: {reason}"));
         if tp == 1 {
             return Ok(vec![Part::whole(c)]);
         }
@@ -140,4 +140,20 @@ impl Collective for Solo {
     fn gather_vocab(&self, part: Vec<f32>, _rows: usize) -> Option<Vec<f32>> {
         Some(part)
     }
+}
+
+/// Whether the model at `path` splits over `tp` ranks, read from its header alone, as loading
+/// it would split it (llama: [`Part::split`]; DeepSeek-V4: its own parts): `strata plan` and
+/// `strata up`'s preflight refuse what `strata serve` would. The reason names `--tp-size`.
+pub fn check_tp_split(path: &std::path::Path, tp: usize) -> Result<(), ModelError> {
+    let header = crate::GgufHeader::open(path)?;
+    let res = if header.architecture() == Some("deepseek4") {
+        let c = crate::deepseek4::load::read_dsv4_config(path)?;
+        crate::deepseek4::part::Dsv4Part::split(&c, tp).map(|_| ())
+    } else {
+        // 32-column runs: the block a down projection always allows (a K-quant's 256 is taken
+        // only where that also splits, so this accepts exactly what loading accepts).
+        Part::split(&crate::Gguf::open(path)?.config, tp, 32).map(|_| ())
+    };
+    res
 }

@@ -387,6 +387,11 @@ impl SizingArgs {
     /// Parses and checks every flag; nothing is allocated.
     pub fn request(&self) -> Result<PlanRequest> {
         let model = self.model_spec()?;
+        // The ranks must split the model as loading it would (else the plan "fits" what the
+        // worker then refuses).
+        if let Some(path) = &self.model {
+            strata_model::check_tp_split(path, self.tp_size as usize)?;
+        }
         let device = match (&self.device_mem, self.device_mem_fraction) {
             (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
             (None, Some(f)) => DeviceBudget::FractionOfFree(f),

@@ -49,13 +49,13 @@ impl Dsv4Part {
     /// The parts of `tp` ranks: heads, expert width and vocabulary in even runs.
     pub fn split(c: &Dsv4Config, tp: usize) -> Result<Vec<Dsv4Part>, ModelError> {
         let bad = |what: &str, n: usize| {
-            ModelError::Forward(format!(
+            ModelError::Flag(format!(
                 "--tp-size {tp}: DeepSeek-V4 splits its {n} {what} over the ranks, and each rank \
                  needs at least one"
             ))
         };
         if tp == 0 {
-            return Err(ModelError::Forward(
+            return Err(ModelError::Flag(
                 "--tp-size 0: a model needs at least one rank".into(),
             ));
         }
