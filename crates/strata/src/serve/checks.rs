@@ -248,9 +248,19 @@ pub(super) fn is_redis(spec: &str) -> bool {
 
 /// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
 /// spec given twice, and a disk tier of no bytes; nothing is opened or connected here.
+/// Longest `--l3-ttl` (10 years): Redis refuses an expiry past its clock's range, and every
+/// write would then fail at run time.
+const MAX_L3_TTL: u64 = 10 * 365 * 24 * 3600;
+
 fn check_l3_specs(a: &ServeArgs) -> Result<()> {
     let l3 = &a.l3;
     let cap = parse_size(&a.l3_size).context("--l3-size")?;
+    if a.l3_ttl > MAX_L3_TTL {
+        bail!(
+            "--l3-ttl {}: at most {MAX_L3_TTL} seconds (10 years; 0: pages never expire)",
+            a.l3_ttl
+        );
+    }
     for (i, spec) in l3.iter().enumerate() {
         if l3[..i].contains(spec) {
             bail!("--l3 `{}` is given twice", strata_redis::redact(spec));
