@@ -171,6 +171,26 @@ fn impossible_capacities_and_bad_flags_are_refused() {
         "{}",
         text(&o)
     );
+    let o = strata(&["sim", "--trace", t, "--vocab", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("--vocab 0: expected at least 2"),
+        "{}",
+        text(&o)
+    );
+    // A capacity past all the replay inserts is that much (memory follows the trace, not the
+    // flag; the byte figures do not overflow).
+    for huge in ["18446744073709551615", "1024TiB"] {
+        let o = strata(&["sim", "--trace", t, "--device", huge, "--storage", huge]);
+        assert!(o.status.success(), "{huge}: {}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "device capacity `{huge}` is more than the replay inserts"
+            )),
+            "{}",
+            text(&o)
+        );
+    }
 }
 
 /// The shared Mooncake trace at block granularity (fast in a debug build).

@@ -118,6 +118,18 @@ pub struct SimArgs {
     advice: crate::sim::advice::AdviceArgs,
 }
 
+/// The most tokens a replay of `reqs` inserts (every prompt and output whole, in whole pages):
+/// a capacity beyond it never evicts.
+fn most_tokens(reqs: &[TraceRequest], page: usize) -> u64 {
+    let page = page.max(1) as u64;
+    reqs.iter()
+        .map(|r| {
+            let t = (r.input_length as u64).saturating_add(r.output_length as u64);
+            t.div_ceil(page).saturating_add(1).saturating_mul(page)
+        })
+        .fold(0u64, u64::saturating_add)
+}
+
 /// Parses a capacity into tokens, in whole pages (what a tier of that size holds, as the
 /// engine and `strata plan` count it).
 fn capacity(s: &str, distinct_tokens: u64, bpt: usize, page: usize, what: &str) -> Result<u64> {
@@ -213,13 +225,23 @@ pub fn run(a: SimArgs) -> Result<()> {
     let pt = PageTrace::new(&reqs, block_tokens, a.page_size);
     let distinct_tokens = (pt.distinct_pages * a.page_size) as u64;
     log_trace(&reqs, &pt, a.page_size);
+    // A tier larger than all the replay inserts holds the same: capacities are cut there, so
+    // memory follows the trace, not the flag.
+    let most = most_tokens(&reqs, a.page_size);
+    let cap = |s: &str, what: &str| -> Result<u64> {
+        let t = capacity(s, distinct_tokens, bpt, a.page_size, what)?;
+        if t > most {
+            println!("{what:>8} capacity `{s}` is more than the replay inserts ({most} tokens): replayed as that");
+        }
+        Ok(t.min(most))
+    };
     let base = SimConfig {
         layout: layout.clone(),
         block_tokens,
         vocab,
-        device_tokens: capacity(&a.device, distinct_tokens, bpt, a.page_size, "device")?,
-        host_tokens: capacity(&a.host, distinct_tokens, bpt, a.page_size, "host")?,
-        storage_tokens: capacity(&a.storage, distinct_tokens, bpt, a.page_size, "storage")?,
+        device_tokens: cap(&a.device, "device")?,
+        host_tokens: cap(&a.host, "host")?,
+        storage_tokens: cap(&a.storage, "storage")?,
         write_policy: a.write_policy,
         eviction: evictions[0],
         gdsf_history: a.gdsf_history as usize,
@@ -356,6 +378,9 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
         }
         (1, 0)
     } else {
+        if a.vocab < 2 {
+            bail!("--vocab {}: expected at least 2 token ids", a.vocab);
+        }
         (scaled_block, a.vocab)
     };
     if !block_tokens.is_multiple_of(a.page_size) {
@@ -433,7 +458,7 @@ fn print_header(
     ] {
         println!(
             "{tier:>8} capacity: {t} tokens = {} at {bpt} B/token ({:.2}% of distinct)",
-            format_bytes(t * bpt),
+            format_bytes(t.saturating_mul(bpt)),
             pct(t, distinct_tokens)
         );
     }
