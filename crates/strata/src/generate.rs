@@ -48,13 +48,22 @@ pub struct ModelArgs {
     /// GGUF file; default: the reference model, fetched on first use.
     #[arg(long, help_heading = "Model")]
     pub model: Option<PathBuf>,
-    /// Threads for matrix products and attention.
-    #[arg(long, default_value_t = 2, help_heading = "Model")]
+    /// Threads for matrix products and attention (1 to 1024).
+    #[arg(long, default_value_t = 2, value_parser = threads, help_heading = "Model")]
     pub threads: usize,
     /// Keep f32 activations for decode steps too (default: 8-bit activations and integer
     /// dot products for calls of at most 8 rows).
     #[arg(long, help_heading = "Model")]
     pub f32_decode: bool,
+}
+
+/// `--threads`: 1 to 1024 (as `strata serve` takes; 0 was taken and meant 1, a huge count
+/// spawned threads until the process aborted).
+fn threads(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ 1..=1024) => Ok(n),
+        _ => Err(format!("`{s}`: expected a thread count from 1 to 1024")),
+    }
 }
 
 impl ModelArgs {
@@ -293,7 +302,7 @@ fn prefill_and_decode(
         .copied()
         .max()
         .unwrap_or(0)
-        .max(a.decode_context + a.decode_tokens);
+        .max(a.decode_context.saturating_add(a.decode_tokens));
     if max > m.context_length() {
         bail!(
             "--prefill {:?} / --decode-context {} + --decode-tokens {}: {max} tokens exceed the \
@@ -420,7 +429,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let total = prompt.len() + a.max_tokens;
+    let total = prompt.len().saturating_add(a.max_tokens);
     if total > m.config.context_length {
         bail!(
             "{} prompt tokens + --max-tokens {} exceed the context length {}",
