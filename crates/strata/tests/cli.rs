@@ -342,6 +342,29 @@ fn sim_compares_host_sizes_and_advises_one() {
     }
 }
 
+/// `strata bench workload` refuses a URL that is none, and a run in which every request
+/// failed is no success (it measured nothing).
+#[test]
+fn a_workload_that_measured_nothing_fails() {
+    let o = strata(&["bench", "workload", "--url", "notaurl"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("--url `notaurl`: expected http://HOST:PORT"),
+        "{}",
+        text(&o)
+    );
+    // A port nothing listens on (bound, then closed: refused at once).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let o = strata(&["bench", "workload", "--url", &url]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("requests failed against"), "{}", text(&o));
+}
+
 /// `strata route` refuses bad flags at once, naming them (exit code 2), before it listens.
 #[test]
 fn route_refuses_bad_flags_with_the_reason() {

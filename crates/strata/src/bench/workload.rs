@@ -195,8 +195,12 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
     if a.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
-    let p = Arc::new(prepare(&a.w)?);
     let url = a.url.trim_end_matches('/').to_string();
+    let parsed = reqwest::Url::parse(&url).ok();
+    if !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
+        bail!("--url `{}`: expected http://HOST:PORT", a.url);
+    }
+    let p = Arc::new(prepare(&a.w)?);
     let c = client()?;
     let before = if a.metrics_url.is_empty() {
         None
@@ -229,6 +233,13 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
         });
         std::fs::write(path, serde_json::to_string_pretty(&v)?)
             .with_context(|| format!("--json {}", path.display()))?;
+    }
+    // A run in which nothing was answered measured nothing: not a success.
+    if s.requests > 0 && s.failures == s.requests {
+        bail!(
+            "all {} requests failed against {url}: nothing was measured",
+            s.requests
+        );
     }
     Ok(())
 }
