@@ -365,6 +365,50 @@ fn a_workload_that_measured_nothing_fails() {
     assert!(text(&o).contains("requests failed against"), "{}", text(&o));
 }
 
+/// The benches' flags past what a bench can use are refused by name (exit code 2), before any
+/// buffer is built: they panicked on an overflow, or allocated until the kernel stopped them.
+#[test]
+fn bench_flags_past_their_bounds_are_refused() {
+    let max = "18446744073709551615";
+    for (args, want) in [
+        (&["transfer", "--pages", max][..], "past the bench's"),
+        (
+            &["transfer", "--pages", "100000", "--page-bytes", "1000000"],
+            "past the bench's",
+        ),
+        (
+            &["router", "--rate", "1e30"],
+            "--rate 1000000000000000000000000000000: expected",
+        ),
+        (
+            &["router-scale", "--workers", max],
+            "--workers 18446744073709551615: expected 1 to 4096",
+        ),
+        (
+            &["router-scale", "--index-interval", "0"],
+            "--index-interval 0: expected",
+        ),
+        (
+            &["l3", "--page-bytes", max],
+            "--page-bytes 18446744073709551615: at most",
+        ),
+        (
+            &["health", "--prompt-bytes", "1024TiB"],
+            "--prompt-bytes 1024TiB: at most 1GiB",
+        ),
+        (
+            &["workload", "--clients", max],
+            "--clients 18446744073709551615: at most",
+        ),
+    ] {
+        let mut all = vec!["bench"];
+        all.extend_from_slice(args);
+        let o = strata(&all);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
+    }
+}
+
 /// `strata route` refuses bad flags at once, naming them (exit code 2), before it listens.
 #[test]
 fn route_refuses_bad_flags_with_the_reason() {

@@ -35,7 +35,14 @@ pub struct HealthArgs {
 type Statuses = Arc<std::sync::Mutex<std::collections::BTreeMap<u16, u64>>>;
 
 pub async fn run(a: HealthArgs) -> Result<()> {
-    let bytes = parse_size(&a.prompt_bytes).context("--prompt-bytes")? as usize;
+    let bytes = parse_size(&a.prompt_bytes).context("--prompt-bytes")?;
+    // A worker takes bodies of at most its --body-limit (default 64 MiB); 1 GiB is past any.
+    if bytes > 1 << 30 {
+        bail!("--prompt-bytes {}: at most 1GiB", a.prompt_bytes);
+    }
+    let bytes = bytes as usize;
+    super::limits::at_most("--concurrency", a.concurrency, 1024)?;
+    super::limits::positive("--seconds", a.seconds, 86_400.0)?;
     if a.concurrency == 0 || !(a.seconds > 0.0 && a.seconds.is_finite()) || a.every_ms == 0 {
         bail!("--concurrency, --seconds and --every-ms must be positive");
     }

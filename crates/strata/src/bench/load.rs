@@ -135,6 +135,33 @@ enum Body {
 }
 
 /// Builds the workload; every bad parameter is refused here, before any request.
+/// The workload's sizes within what a bench sends (else a count overflowed, or prompts were
+/// built until the process was stopped).
+fn bounded(w: &WorkloadOpts) -> Result<()> {
+    use super::limits::at_most;
+    for (flag, v) in [
+        ("--clients", w.clients),
+        ("--rounds", w.rounds),
+        ("--steps", w.steps),
+        ("--groups", w.groups),
+        ("--per-group", w.per_group),
+    ] {
+        at_most(flag, v, 100_000)?;
+    }
+    for (flag, v) in [
+        ("--system-words", w.system_words),
+        ("--user-words", w.user_words),
+        ("--first-words", w.first_words),
+        ("--task-words", w.task_words),
+        ("--result-words", w.result_words),
+        ("--prefix-words", w.prefix_words),
+        ("--suffix-words", w.suffix_words),
+    ] {
+        at_most(flag, v, 1_000_000)?;
+    }
+    Ok(())
+}
+
 pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
     if w.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -144,6 +171,7 @@ pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
             bail!("--rate {r}: expected requests per second > 0");
         }
     }
+    bounded(w)?;
     let (scaling, body) = match w.workload.as_str() {
         "multi-turn" => multi_turn(w)?,
         "agent" => agent(w)?,

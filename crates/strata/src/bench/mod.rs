@@ -8,6 +8,7 @@ pub(crate) mod agent;
 pub(crate) mod compare;
 pub(crate) mod health;
 pub(crate) mod http;
+pub(crate) mod limits;
 pub(crate) mod load;
 pub(crate) mod report;
 pub(crate) mod router;
@@ -314,6 +315,8 @@ async fn transfer(a: TransferArgs) -> Result<()> {
     if a.pages == 0 || a.page_bytes == 0 || a.reps == 0 {
         bail!("--pages, --page-bytes and --reps must be at least 1");
     }
+    limits::at_most("--reps", a.reps, 1_000_000)?;
+    limits::buffers("--pages × --page-bytes", a.pages, a.page_bytes)?;
     let blobs: Vec<Vec<u8>> = (0..a.pages)
         .map(|i| (0..a.page_bytes).map(|j| (i * 31 + j) as u8).collect())
         .collect();
@@ -501,6 +504,13 @@ impl PlainPath {
 }
 
 async fn router_latency(a: RouterArgs) -> Result<()> {
+    limits::positive("--rate", a.rate, 1e6)?;
+    limits::positive("--seconds", a.seconds, 86_400.0)?;
+    limits::buffers(
+        "--rate × --seconds requests",
+        (a.rate * a.seconds) as usize,
+        64,
+    )?;
     if !(a.rate > 0.0 && a.seconds > 0.0) {
         bail!("--rate and --seconds must be > 0");
     }
@@ -597,6 +607,11 @@ async fn l3(a: L3Args) -> Result<()> {
     if a.batch == 0 || a.batches == 0 || a.page_bytes == 0 || a.single == 0 {
         bail!("--batch, --batches, --page-bytes and --single must be at least 1");
     }
+    // Redis takes values of at most 512 MB.
+    limits::at_most("--page-bytes", a.page_bytes, 512 << 20)?;
+    limits::buffers("--batch × --page-bytes", a.batch, a.page_bytes)?;
+    limits::at_most("--batches", a.batches, 1_000_000)?;
+    limits::at_most("--single", a.single, 1_000_000)?;
     tokio::task::spawn_blocking(move || -> Result<()> {
         let ns = format!("bench-{}", std::process::id());
         let s = strata_redis::RedisStorage::connect(&strata_redis::RedisConfig {

@@ -194,6 +194,24 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 pub async fn run(a: RouterScaleArgs) -> Result<()> {
+    use super::limits;
+    limits::count("--workers", a.workers, 4096)?;
+    limits::positive("--rate", a.rate, 1e6)?;
+    limits::positive("--seconds", a.seconds, 86_400.0)?;
+    limits::positive("--index-interval", a.index_interval, 3600.0)?;
+    if !(a.events_per_second >= 0.0 && a.events_per_second <= 1e6) {
+        bail!(
+            "--events-per-second {}: expected 0 to 1e6",
+            a.events_per_second
+        );
+    }
+    limits::count("--pages-per-event", a.pages_per_event, 1 << 16)?;
+    limits::at_most("--document-tokens", a.document_tokens, 1 << 20)?;
+    limits::buffers(
+        "--documents × --document-tokens",
+        a.documents,
+        a.document_tokens.saturating_mul(4),
+    )?;
     if a.workers == 0 || a.documents == 0 || a.document_tokens < PAGE {
         bail!("--workers and --documents must be at least 1, --document-tokens at least 16");
     }
