@@ -159,6 +159,43 @@ fn cache_equivalence_chunks_and_prefixes() {
     }
 }
 
+/// A prompt's last logits are the same bits whatever was cached before its rest: any prefix,
+/// down to the prompt's last token alone (prompt rows, not a decode step).
+#[test]
+fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
+    let (_d, _g, m) = load(&TinySpec::default());
+    let ps = 8;
+    let n = 37;
+    let toks = prompt(n);
+    let pl = pool(&m, ps, 64);
+    let seq = |tokens: &'_ [u32], pos: usize, pages: &'_ [u32]| -> Vec<f32> {
+        let s = SeqInput {
+            tokens,
+            pos,
+            pages,
+            windows: &[],
+            decode: false,
+        };
+        m.forward(&pl, &[s], false).unwrap().remove(0)
+    };
+    let a: Vec<u32> = (0..5).collect();
+    let whole = seq(&toks, 0, &a);
+    for cached in [1, 8, 20, n - 2, n - 1] {
+        let b: Vec<u32> = (20..25).collect();
+        seq(&toks[..cached], 0, &b);
+        let rest = seq(&toks[cached..], cached, &b);
+        let same = whole
+            .iter()
+            .zip(&rest)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "{cached} cached: max diff {}",
+            max_diff(&whole, &rest)
+        );
+    }
+}
+
 /// A batch of sequences decodes exactly like each one alone, and greedy continuations from a
 /// cached prefix equal those from a full recompute.
 #[test]

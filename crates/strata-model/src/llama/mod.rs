@@ -611,8 +611,10 @@ struct Batch<'a> {
     paths: &'a [Path],
 }
 
-/// Gathers the K/V of each sequence with several rows up to the last position this call
-/// attends to (single rows, decode steps, read the pages directly).
+/// Gathers the K/V of each sequence with several rows, or with prompt rows, up to the last
+/// position this call attends to (a decode step's single row reads the pages directly). A
+/// prompt's last token left alone after a cache hit takes the tile as every other prompt row
+/// does: its bits (the prompt's logits) do not depend on how much of the prompt was cached.
 fn gather(
     shape: attn::Shape,
     kp: attn::Plane,
@@ -628,7 +630,8 @@ fn gather(
     seqs.iter()
         .zip(&ctx)
         .map(|(s, &n)| {
-            (s.tokens.len() > 1).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
+            (s.tokens.len() > 1 || !s.decode)
+                .then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
         })
         .collect()
 }
