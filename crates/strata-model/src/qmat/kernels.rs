@@ -96,6 +96,7 @@ macro_rules! with_loader {
 mod simd {
     use super::super::avx2::{self, Unpack};
     use super::super::avx512;
+    use super::super::pick::OneRow;
     use super::*;
 
     /// Checks what an integer kernel call reads: the weight row, `out.len()` (1..=`most`)
@@ -144,7 +145,7 @@ mod simd {
     /// one-row kernel.
     pub(super) fn one_row_pick<U: Unpack>() -> Option<super::super::pick::Pick> {
         let bb = U::FLAT?;
-        if !avx512::available() {
+        if !avx512::available() || super::super::pick::mode() == OneRow::Invariant {
             return None;
         }
         debug_assert_eq!(bb, U::FORMAT.block_bytes());
@@ -194,7 +195,11 @@ mod simd {
         // SAFETY: the build targets x86-64-v3 (AVX2, FMA); the lengths were checked above.
         unsafe {
             match g {
-                1 if U::FLAT.is_some() => avx2::dot_int_flat::<U>(p, groups, x, r0, out),
+                // The one-row kernel's bits differ from a row's in a larger tile: only where
+                // a one-row kernel was asked for (not batch-invariant).
+                1 if U::FLAT.is_some() && super::super::pick::mode() != OneRow::Invariant => {
+                    avx2::dot_int_flat::<U>(p, groups, x, r0, out)
+                }
                 1 => avx2::dot_int::<U, 1>(p, groups, x, r0, out),
                 2 => avx2::dot_int::<U, 2>(p, groups, x, r0, out),
                 3 => avx2::dot_int::<U, 3>(p, groups, x, r0, out),

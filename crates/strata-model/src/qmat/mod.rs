@@ -89,6 +89,9 @@ pub fn kernel_description() -> String {
                 }
             })
             .collect();
+        if picks.is_empty() {
+            return format!("{} (batch-invariant)", kernel_name());
+        }
         return format!("{} (one row: {})", kernel_name(), picks.join(", "));
     }
     kernel_name().to_string()

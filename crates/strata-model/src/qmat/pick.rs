@@ -1,6 +1,13 @@
-//! Which kernel takes a single activation row of a flat format (Q4_0, Q4_1, Q8_0) where the CPU
-//! has AVX-512 VNNI: measured once per format (at start, or at first use), not assumed from
-//! the instruction set. AVX-512's kernel shares each weight group among up to 16 rows, which one row cannot
+//! Whether a single activation row of a flat format (Q4_0, Q4_1, Q8_0) may take a kernel of its
+//! own ([`mode`], `STRATA_ONE_ROW_KERNEL`). By default it does not: every row count takes the
+//! same kernel, whose per-row bits do not depend on the other rows, so a greedy or seeded
+//! answer is the same alone or under load (batch-invariant). `fastest` lets a one-row product
+//! take the fastest kernel, measured per format as below (on the machine of docs/BENCHMARKS.md,
+//! 4–7 % more single-stream decode tokens per second, and answers that follow the load);
+//! `avx2` takes AVX2's one-row kernel without measuring.
+//!
+//! Under `fastest`: where the CPU has AVX-512 VNNI, which kernel takes the row is measured once
+//! per format (at start, or at first use), not assumed from the instruction set. AVX-512's kernel shares each weight group among up to 16 rows, which one row cannot
 //! use; AVX2's one-row kernel (`avx2::dot_int_flat`) reduces eight groups at once and scales
 //! them with one conversion. Which is faster depends on the core: on AMD Zen 4 (512-bit
 //! operations issued as two 256-bit halves) the AVX2 one is 1.46× faster on Q4_1 blocks
@@ -24,6 +31,32 @@ use super::format::{Format, QActs, GROUP};
 /// spread of repeated measurements (on the machine of docs/BENCHMARKS.md, over six starts,
 /// Q4_1 1.45–1.55×, Q4_0 1.06–1.18×, Q8_0 1.03–1.11×).
 pub(crate) const MARGIN: f64 = 1.30;
+
+/// How a one-row product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OneRow {
+    /// The kernel of every row count (the default; also `STRATA_ONE_ROW_KERNEL=invariant` or
+    /// `avx512`).
+    Invariant,
+    /// The fastest kernel, measured (`STRATA_ONE_ROW_KERNEL=fastest`).
+    Fastest,
+    /// AVX2's one-row kernel (`STRATA_ONE_ROW_KERNEL=avx2`).
+    Avx2,
+}
+
+/// `STRATA_ONE_ROW_KERNEL`, read once.
+pub(crate) fn mode() -> OneRow {
+    static MODE: OnceLock<OneRow> = OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("STRATA_ONE_ROW_KERNEL").as_deref() {
+        Ok("fastest") => OneRow::Fastest,
+        Ok("avx2") => OneRow::Avx2,
+        Ok("invariant" | "avx512") | Err(_) => OneRow::Invariant,
+        Ok(other) => {
+            tracing::warn!(value = other, "STRATA_ONE_ROW_KERNEL: expected invariant, fastest or avx2; batch-invariant kernels are used");
+            OneRow::Invariant
+        }
+    })
+}
 
 /// The pick per format (indexed as `kernels::FORMATS`).
 static PICKS: [OnceLock<Pick>; 7] = [const { OnceLock::new() }; 7];
@@ -58,20 +91,20 @@ pub(crate) fn one_row(
     f: Format,
 ) -> Pick {
     *PICKS[index].get_or_init(|| {
-        match std::env::var("STRATA_ONE_ROW_KERNEL").as_deref() {
-            Ok("avx2") => {
+        match mode() {
+            OneRow::Avx2 => {
                 return Pick {
                     avx2: true,
                     ratio: None,
                 }
             }
-            Ok("avx512") => {
+            OneRow::Invariant => {
                 return Pick {
                     avx2: false,
                     ratio: None,
                 }
             }
-            _ => {}
+            OneRow::Fastest => {}
         }
         let (data, groups, x) = test_matrix(f);
         let (t512, t2) = best_of_alternating(

@@ -225,6 +225,45 @@ fn tiled_rows_do_not_depend_on_the_batch() {
     }
 }
 
+/// A decode row's integer product is the same bits whatever other rows share the call (a
+/// greedy or seeded answer must not depend on the server's load): the default, batch-invariant
+/// kernels, for every row count across the kernels' tiles and tails.
+#[test]
+fn decode_rows_do_not_depend_on_the_batch() {
+    if super::pick::mode() != super::pick::OneRow::Invariant {
+        return; // STRATA_ONE_ROW_KERNEL asked for the faster, batch-variant one-row kernel
+    }
+    for (d, f) in ALL {
+        let (rows, cols) = (45, cols_for(f));
+        let (m, _) = matrix(d, rows, cols, 7);
+        let n = 21;
+        let x = values(n * cols, 17);
+        // The integer products, and the f32 ones (`--f32-decode`, F16/F32 weights).
+        for f32 in [false, true] {
+            let mm = |x: &[f32]| {
+                if f32 {
+                    m.matmul_f32(x, 2)
+                } else {
+                    m.matmul_q(x, 2)
+                }
+            };
+            let all = mm(&x);
+            for (a, b) in [(0, 1), (4, 5), (20, 21), (3, 12), (5, 14), (1, 18), (2, 19)] {
+                let part = mm(&x[a * cols..b * cols]);
+                for r in a..b {
+                    for i in 0..rows {
+                        assert_eq!(
+                            part[(r - a) * rows + i].to_bits(),
+                            all[r * rows + i].to_bits(),
+                            "{f:?} (f32 {f32}) rows {a}..{b}: row {r} out {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Any bytes in the blocks (a hostile file: NaN and infinite scales, −128 weights, any Q6_K
 /// multipliers): every product runs without panicking, and where the scalar reference is
 /// finite the integer kernels agree with it.
@@ -391,7 +430,7 @@ fn matrices_sharing_one_input_give_their_own_products() {
 ))]
 #[test]
 fn the_one_row_kernel_is_picked_by_measured_speed() {
-    if !super::avx512::available() || std::env::var_os("STRATA_ONE_ROW_KERNEL").is_some() {
+    if !super::avx512::available() || super::pick::mode() != super::pick::OneRow::Fastest {
         return;
     }
     for f in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
