@@ -160,13 +160,13 @@ pub const FIELDS: &[Field] = &[
     Field { name: "top_p", on: On::Both, fate: Fate::Supported, doc: "(0, 1]: the smallest set of tokens whose probability reaches it." },
     Field { name: "top_k", on: On::Both, fate: Fate::Supported, doc: "vLLM: the k likeliest tokens (0 or -1: all)." },
     Field { name: "min_p", on: On::Both, fate: Fate::Supported, doc: "vLLM: [0, 1]; tokens less likely than min_p × the likeliest are dropped." },
-    Field { name: "seed", on: On::Both, fate: Fate::Supported, doc: "The request's generator seed: the same seed, the same tokens." },
+    Field { name: "seed", on: On::Both, fate: Fate::Supported, doc: "The request's generator seed: the same seed, the same tokens, alone or under load (the decode kernels are batch-invariant unless the worker runs with `STRATA_ONE_ROW_KERNEL=fastest`, docs/DEPLOY.md)." },
     Field { name: "frequency_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this × its count so far." },
     Field { name: "presence_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this once it appeared." },
     Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },
     Field { name: "logit_bias", on: On::Both, fate: Fate::Supported, doc: "Token id (a string) → [-100, 100] added to its logit; up to 1024 entries." },
     Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given). Under PD the prefill worker computes the prompt once and the decode worker continues the choices from its K/V." },
-    Field { name: "best_of", on: On::Completions, fate: Fate::Supported, doc: "n to 16 candidates (seed + index each), of which the n with the highest mean log probability per token are returned, likeliest first; the usage counts every candidate's tokens. Not streamed when best_of > n (400)." },
+    Field { name: "best_of", on: On::Completions, fate: Fate::Supported, doc: "n to 16 candidates (seed + index each), of which the n with the highest mean log probability per token are returned, likeliest first (best_of = n: every candidate, in order, as n alone gives them, and it may stream); the usage counts every candidate's tokens. Not streamed when best_of > n (400)." },
     // Output options.
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability; completions: a number of alternatives (0 to 20). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
     Field { name: "top_logprobs", on: On::Chat, fate: Fate::Supported, doc: "0 to 20 likeliest alternatives per token (needs `logprobs: true`)." },
@@ -350,6 +350,9 @@ fn check_object(
                 ));
             }
             Fate::Neutral(ok, _) if ok(v) => {}
+            // A refused field sent as null asks for nothing (clients send `reasoning_effort:
+            // null`): taken as absent, as every other field's null is.
+            Fate::Refused(_) if v.is_null() => {}
             Fate::Neutral(_, why) | Fate::Refused(why) => {
                 return Err(ApiError::bad_request(
                     format!("`{name}`: {why}"),
@@ -471,6 +474,21 @@ mod tests {
                 .as_deref(),
             Some("stream_options.x")
         );
+        // A refused field as null asks for nothing; with a value it is refused.
+        for f in [
+            "audio",
+            "prediction",
+            "reasoning_effort",
+            "web_search_options",
+        ] {
+            assert_eq!(
+                chat(&format!(r#"{{"messages": [], "{f}": null}}"#)),
+                None,
+                "{f}"
+            );
+            let v = chat(&format!(r#"{{"messages": [], "{f}": {{}}}}"#));
+            assert_eq!(v.as_deref(), Some(f));
+        }
         // A completions-only field on chat is unknown there.
         assert_eq!(
             chat(r#"{"messages": [], "suffix": ""}"#).as_deref(),

@@ -144,9 +144,12 @@ fn modifiers(s: &Sampling, p: &mut SamplingParams) -> Result<(), ApiError> {
         ));
     }
     for (k, v) in bias {
-        let Ok(id) = k.trim().parse::<u32>() else {
+        // A token id as its decimal digits, nothing else: `07042`, `+7042` or ` 7042` would
+        // name the same token as `7042`, and their biases would add up past the range.
+        let canonical = k.parse::<u32>().ok().filter(|id| id.to_string() == k);
+        let Some(id) = canonical else {
             return Err(ApiError::bad_request(
-                format!("logit_bias key `{k}` is not a token id"),
+                format!("logit_bias key `{k}` is not a token id (its decimal digits, no sign, space or leading zero)"),
                 Some("logit_bias"),
             ));
         };

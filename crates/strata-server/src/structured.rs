@@ -104,6 +104,17 @@ pub fn asked(
         all.push((OutputConstraint::Lark(g.clone()), "guided_grammar"));
     }
     all.extend(tools);
+    // A constrained answer ends when its grammar is complete: a length it must reach first
+    // could not be kept (it was taken and not honoured).
+    if let (Some(a), Some(m)) = (all.first(), s.min_tokens.filter(|&m| m > 0)) {
+        return Err(bad(
+            format!(
+                "min_tokens {m} with {}: a constrained answer ends when its grammar is complete",
+                a.1
+            ),
+            "min_tokens",
+        ));
+    }
     if all.len() > 1 {
         let names: Vec<&str> = all.iter().map(|a| a.1).collect();
         return Err(bad(

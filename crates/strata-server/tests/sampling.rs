@@ -65,6 +65,10 @@ async fn logit_modifiers_steer_generation_and_bad_values_name_their_field() {
     for (extra, field) in [
         (json!({"logit_bias": {"99999": 1}}), "logit_bias"),
         (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        // Another spelling of a token id (its biases would add up past the range).
+        (json!({"logit_bias": {"5": 100, "05": 100}}), "logit_bias"),
+        (json!({"logit_bias": {"+5": 1}}), "logit_bias"),
+        (json!({"logit_bias": {" 5": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
         (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
         (json!({"presence_penalty": -3}), "presence_penalty"),

@@ -233,6 +233,15 @@ async fn bad_constraints_are_refused_naming_their_field() {
             "tools",
         ),
         (json!({"tools": [{"type": "retrieval"}]}), "tools"),
+        // A constrained answer ends with its grammar: a length to reach first is refused.
+        (
+            json!({"guided_choice": ["yes", "no"], "min_tokens": 6}),
+            "min_tokens",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "min_tokens": 2}),
+            "min_tokens",
+        ),
     ];
     for (extra, field) in cases {
         let (st, a) = post(&url, &chat(user("hi"), extra.clone())).await;

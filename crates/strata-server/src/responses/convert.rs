@@ -97,6 +97,8 @@ pub fn parse(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
                 Value::Array(a) => a.is_empty(),
                 Value::Object(o) => o.is_empty(),
                 Value::Number(n) => n.as_f64() == Some(0.0),
+                // An end user's id asks for nothing of the answer (a no-op, as on chat).
+                Value::String(_) if k == "safety_identifier" => true,
                 Value::String(s) => k == "service_tier" && matches!(s.as_str(), "auto" | "default"),
             }
     };
@@ -524,8 +526,13 @@ pub fn from_chat(chat: &Value, echo: &Echo) -> (Value, Value) {
             "completed",
         ));
     }
+    let finish = choice["finish_reason"].as_str().unwrap_or("stop");
+    // The last item is the one `max_output_tokens` cut.
+    if let (Some(last), "length") = (output.last_mut(), finish) {
+        last["status"] = json!("incomplete");
+    }
     let mut r = echo.object();
-    status(choice["finish_reason"].as_str().unwrap_or("stop"), &mut r);
+    status(finish, &mut r);
     r["output"] = Value::Array(output);
     r["usage"] = usage(&chat["usage"]);
     let said = json!({"role": "assistant", "content": msg["content"].clone(),
@@ -629,5 +636,29 @@ mod tests {
                 .contains("not in a `function` object"),
             "{e}"
         );
+    }
+
+    /// An answer cut by `max_output_tokens`: the response is incomplete, and so is its last
+    /// item (the one cut), not the items before it.
+    #[test]
+    fn the_item_cut_by_the_token_limit_is_incomplete() {
+        let req = parse(br#"{"input": "hi"}"#).unwrap();
+        let echo = Echo::of(&req, "m");
+        let chat = |finish: &str| {
+            json!({"choices": [{"finish_reason": finish, "message": {
+            "content": "text", "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": "{\"a\":"}}]}}], "usage": {}})
+        };
+        let (r, _) = from_chat(&chat("length"), &echo);
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["output"][0]["status"], "completed", "{r}");
+        assert_eq!(r["output"][1]["status"], "incomplete", "{r}");
+        let (r, _) = from_chat(&chat("stop"), &echo);
+        assert_eq!(r["status"], "completed");
+        assert!(r["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| i["status"] == "completed"));
     }
 }

@@ -73,7 +73,7 @@ impl Translate {
         };
         let index = self.output.len();
         let part = json!({"type": "output_text", "text": text, "annotations": []});
-        let item = convert::message_item(&id, &text, "completed");
+        let item = convert::message_item(&id, &text, self.item_status());
         let ok = self.send("response.output_text.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})).await
             && self.send("response.content_part.done",
@@ -133,13 +133,22 @@ impl Translate {
         .await
     }
 
+    /// An item closed now: cut by `max_output_tokens` if the answer ended so (only the last
+    /// item closes after the finish reason came).
+    fn item_status(&self) -> &'static str {
+        match self.finish.as_str() {
+            "length" => "incomplete",
+            _ => "completed",
+        }
+    }
+
     async fn close_call(&mut self) -> bool {
         let Some((mut item, chat)) = self.call.take() else {
             return true;
         };
         let args = chat["function"]["arguments"].clone();
         item["arguments"] = args.clone();
-        item["status"] = json!("completed");
+        item["status"] = json!(self.item_status());
         let index = self.output.len();
         let ok = self
             .send(
