@@ -154,6 +154,9 @@ impl KindSpec {
 pub struct ModelSpec {
     pub name: String,
     pub kinds: Vec<KindSpec>,
+    /// The weights' bytes in host memory beside the pools (a model file: its size; a preset:
+    /// 0, its weights being on the accelerators it is planned for).
+    pub weights_bytes: u64,
 }
 
 impl ModelSpec {
@@ -215,6 +218,7 @@ impl ModelSpec {
         Ok(ModelSpec {
             name: self.name.clone(),
             kinds,
+            weights_bytes: self.weights_bytes,
         })
     }
 }
@@ -301,6 +305,7 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
         "smollm2-135m" => Some(ModelSpec {
             name: name.into(),
             kinds: vec![kind("kv", 30, 2, 3, 64, Dtype::F16, true)],
+            weights_bytes: 0,
         }),
         // Published configurations (docs/SIZING.md cites them): 1 K = V head of 512, window
         // 128, indexer keys of 128; caches in bf16 and compressor state in f32, as DeepSeek's
@@ -325,6 +330,7 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
                     cache_dtype: Dtype::Bf16,
                     state_dtype: Dtype::F32,
                 }),
+                weights_bytes: 0,
             })
         }
         "deepseek-v3.2" => Some(ModelSpec {
@@ -333,6 +339,7 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
                 kind("kv", 61, 1, 1, 576, Dtype::Bf16, false),
                 kind("indexer", 61, 1, 1, 128, Dtype::Fp8E4m3, false),
             ],
+            weights_bytes: 0,
         }),
         _ => None,
     }

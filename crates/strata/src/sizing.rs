@@ -310,6 +310,11 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
     let header = strata_model::GgufHeader::open(path)?;
+    // The weights, in host memory beside the pools: the file's bytes (its tensors, and a
+    // header of a few MiB at most).
+    let weights_bytes = std::fs::metadata(path)
+        .with_context(|| format!("--model {}", path.display()))?
+        .len();
     if header.architecture() == Some("deepseek4") {
         let c = strata_model::deepseek4::load::read_dsv4_config(path)?;
         let count = |r| c.ratios.iter().filter(|&&x| x == r).count();
@@ -323,7 +328,11 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
             cache_dtype: strata_kv::dtype::Dtype::F32,
             state_dtype: strata_kv::dtype::Dtype::F32,
         });
-        return Ok(ModelSpec { name, kinds });
+        return Ok(ModelSpec {
+            name,
+            kinds,
+            weights_bytes,
+        });
     }
     let g = strata_model::Gguf::open(path)?;
     let c = &g.config;
@@ -340,6 +349,7 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
             per: strata_mem::Per::Token,
             needed: strata_mem::Needed::Prefix,
         }],
+        weights_bytes,
     })
 }
 

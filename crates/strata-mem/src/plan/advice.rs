@@ -40,7 +40,7 @@ pub(super) fn does_not_fit(
     }
     let asked = asked_for(req, s);
     PlanError::DoesNotFit(format!(
-        "{asked}{} does not fit {where_} ({}): {} available ({source}) minus {} reserve leaves {}; alternatives: {}",
+        "{asked}{} does not fit {where_} ({}): {} available ({source}) minus {} reserve{weights} leaves {}; alternatives: {}",
         if req.device_in_host_memory && req.host.is_some() { format!(" + {} of device pools in host memory", typed_like(s.server_device, ht)) } else { String::new() },
         req.policy.name(),
         format_bytes(room.avail),
@@ -48,6 +48,11 @@ pub(super) fn does_not_fit(
         format_bytes(room.usable),
         alts.join("; "),
         source = room.source,
+        weights = if room.weights > 0 {
+            format!(" ({} of it the model's weights)", format_bytes(room.weights))
+        } else {
+            String::new()
+        },
     ))
 }
 

@@ -176,6 +176,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             available_bytes: room.avail,
             source: room.source,
             reserve_bytes: room.reserve,
+            weights_bytes: room.weights,
             needed_bytes: s.needed,
             headroom_bytes: room.usable - s.needed,
         },
@@ -270,7 +271,10 @@ struct Room {
     nodes: Vec<u32>,
     avail: u64,
     source: String,
+    /// The reserve, the model's weights included.
     reserve: u64,
+    /// The model's weights (in host memory beside the pools).
+    weights: u64,
     /// Available minus the reserve.
     usable: u64,
 }
@@ -381,13 +385,20 @@ fn numa_room(
         .collect::<Vec<_>>()
         .join("; ");
     // A reserve on each node that holds a rank's pools; else one for the nodes together.
-    let reserve = match req.numa {
+    let reserve: u64 = match req.numa {
         NumaChoice::Ranks(_) => nodes
             .iter()
             .map(|&n| ranks::node_reserve(req, topo.node(n).expect("checked").total_bytes))
             .sum(),
         _ => ranks::node_reserve(req, total),
     };
+    // The model's weights sit in host memory beside the pools: they are reserved too.
+    let weights = if req.device_in_host_memory {
+        req.model.weights_bytes
+    } else {
+        0
+    };
+    let reserve = reserve.saturating_add(weights);
     let usable = avail.saturating_sub(reserve);
     if let Some(why) = auto_why {
         decided.push(Decision {
@@ -400,6 +411,7 @@ fn numa_room(
         avail,
         source,
         reserve,
+        weights,
         usable,
     })
 }

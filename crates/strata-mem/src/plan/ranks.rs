@@ -85,7 +85,13 @@ pub(super) fn check_rank_nodes(
                     }
             })
             .sum();
-        let reserve = node_reserve(req, node.total_bytes);
+        // Each rank holds its share of the weights (a split of the model's parts).
+        let weights = if req.device_in_host_memory {
+            req.model.weights_bytes / u64::from(req.tp.max(1)) * ranks.len() as u64
+        } else {
+            0
+        };
+        let reserve = node_reserve(req, node.total_bytes).saturating_add(weights);
         let usable = node.available_bytes.saturating_sub(reserve);
         if need > usable {
             return Err(PlanError::DoesNotFit(format!(

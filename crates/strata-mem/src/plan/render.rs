@@ -40,11 +40,16 @@ impl Plan {
         let _ =
             writeln!(
             s,
-            "NUMA: {} on node(s) {}: {} available, {} reserve, this server needs {}, headroom {}",
+            "NUMA: {} on node(s) {}: {} available, {} reserve{}, this server needs {}, headroom {}",
             n.policy.name(),
             n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
             format_bytes(n.available_bytes),
             format_bytes(n.reserve_bytes),
+            if n.weights_bytes > 0 {
+                format!(" ({} of it the model's weights)", format_bytes(n.weights_bytes))
+            } else {
+                String::new()
+            },
             format_bytes(n.needed_bytes),
             format_bytes(n.headroom_bytes)
         );

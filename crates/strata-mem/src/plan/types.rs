@@ -188,7 +188,11 @@ pub struct NumaPlan {
     pub nodes: Vec<u32>,
     pub available_bytes: u64,
     pub source: String,
+    /// Kept out of the pools' reach: the default or `--host-mem-reserve` headroom, plus the
+    /// model's weights.
     pub reserve_bytes: u64,
+    /// The model's weights, part of the reserve (in host memory beside the pools).
+    pub weights_bytes: u64,
     /// Bytes this server places there (host pools, plus device pools when in host memory).
     pub needed_bytes: u64,
     pub headroom_bytes: u64,
