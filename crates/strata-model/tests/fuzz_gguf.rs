@@ -229,3 +229,70 @@ fn a_fifo_a_directory_or_a_device_is_refused_at_once() {
         assert!(e.contains(want), "{}: {e}", p.display());
     }
 }
+
+/// The tiny llama model with the 4-byte value of `key` (of GGUF type `ty`) replaced by `v`.
+fn llama_with(key: &str, ty: u32, v: [u8; 4]) -> Vec<u8> {
+    let mut b = valid();
+    let k = key.as_bytes();
+    let at = b
+        .windows(k.len())
+        .position(|w| w == k)
+        .expect("the key is in the file")
+        + k.len();
+    assert_eq!(b[at..at + 4], ty.to_le_bytes(), "{key}'s type");
+    b[at + 4..at + 8].copy_from_slice(&v);
+    b
+}
+
+/// Numbers that would make every logit NaN, or a special token the vocabulary lacks, are
+/// refused by name at load, not served as garbage.
+#[test]
+fn nonsense_numbers_and_special_tokens_are_refused_by_name() {
+    const F32: u32 = 6;
+    const U32: u32 = 4;
+    for (key, ty, v, want) in [
+        (
+            "llama.rope.freq_base",
+            F32,
+            f32::NAN.to_le_bytes(),
+            "rope.freq_base",
+        ),
+        (
+            "llama.rope.freq_base",
+            F32,
+            0.5f32.to_le_bytes(),
+            "rope.freq_base",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            F32,
+            f32::INFINITY.to_le_bytes(),
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            F32,
+            (-1f32).to_le_bytes(),
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            "tokenizer.ggml.eos_token_id",
+            U32,
+            u32::MAX.to_le_bytes(),
+            "eos_token_id 4294967295 is outside the vocabulary",
+        ),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.gguf");
+        std::fs::write(&p, llama_with(key, ty, v)).unwrap();
+        let g = Gguf::open(&p);
+        let e = match g {
+            Err(e) => e.to_string(),
+            Ok(g) => strata_model::ModelTokenizer::from_gguf(&g)
+                .err()
+                .expect("refused")
+                .to_string(),
+        };
+        assert!(e.contains(want), "{key}: {e}");
+    }
+}

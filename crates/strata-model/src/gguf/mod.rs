@@ -420,6 +420,22 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         ));
     }
     check_rope(md, &name, head_dim)?;
+    // Numbers that steer every product: a NaN or infinite base or epsilon would make every
+    // logit NaN without an error (llama.cpp's rms_norm adds the epsilon, which must be > 0).
+    let rope_base = md.float(&key("rope.freq_base")).unwrap_or(10_000.0);
+    if !(rope_base.is_finite() && rope_base > 1.0) {
+        return Err(md.err(
+            &key("rope.freq_base"),
+            format!("{rope_base}: expected a finite number above 1"),
+        ));
+    }
+    let rms_eps = md.float(&key("attention.layer_norm_rms_epsilon"))?;
+    if !(rms_eps.is_finite() && rms_eps > 0.0 && rms_eps < 1.0) {
+        return Err(md.err(
+            &key("attention.layer_norm_rms_epsilon"),
+            format!("{rms_eps}: expected a finite number in (0, 1)"),
+        ));
+    }
     let tokens_len = md
         .get("tokenizer.ggml.tokens")?
         .to_vec()
@@ -441,8 +457,8 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         head_dim,
         ffn: md.uint(&key("feed_forward_length"))?,
         context_length: md.uint(&key("context_length"))?,
-        rope_base: md.float(&key("rope.freq_base")).unwrap_or(10_000.0),
-        rms_eps: md.float(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_base,
+        rms_eps,
     })
 }
 

@@ -232,13 +232,24 @@ impl ModelTokenizer {
             .u32("tokenizer.ggml.eos_token_id")
             .ok_or_else(|| err("tokenizer.ggml.eos_token_id missing"))?;
         let bos = g.u32("tokenizer.ggml.bos_token_id");
+        // A special token outside the vocabulary would never end a generation (or start a
+        // prompt with an id the model has no row for).
+        let eot = g.u32("tokenizer.ggml.eot_token_id");
+        for (key, id) in [("eos", Some(eos)), ("bos", bos), ("eot", eot)] {
+            if let Some(id) = id.filter(|&id| id as usize >= tokens.len()) {
+                return Err(err(format!(
+                    "tokenizer.ggml.{key}_token_id {id} is outside the vocabulary of {} tokens",
+                    tokens.len()
+                )));
+            }
+        }
         let add_bos = match g.metadata.get("tokenizer.ggml.add_bos_token") {
             Some(v) => v.to_bool().map_err(err)?,
             None => default_bos,
         } && bos.is_some();
         let mut stop = vec![eos];
         // Llama 3's turns end with an end-of-turn token other than eos.
-        if let Some(id) = g.u32("tokenizer.ggml.eot_token_id") {
+        if let Some(id) = eot {
             if id != eos {
                 stop.push(id);
             }
