@@ -181,7 +181,10 @@ fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), Stor
         return Err(bad("only TCP seeds"));
     };
     seeds.push(format!("{h}:{p}"));
-    for s in others.split(',').filter(|s| !s.is_empty()) {
+    if rest.split(',').any(|s| s.trim().is_empty()) {
+        return Err(bad("an empty seed between commas"));
+    }
+    for s in others.split(',') {
         let (h, p) = s
             .rsplit_once(':')
             .filter(|(h, _)| !h.is_empty() && !h.contains('@') && !h.contains('/'))

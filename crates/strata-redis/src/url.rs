@@ -59,6 +59,8 @@ mod tests {
             "redis://[::1",
             "redis://a:b@127.0.0.1:1/xyz",
             "redis-cluster://a:1,b",
+            "redis-cluster://a:1,,b:2",
+            "redis-cluster://a:1,",
         ] {
             assert!(check_url(bad).is_err(), "{bad}");
         }

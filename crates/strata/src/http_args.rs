@@ -11,6 +11,26 @@ use strata_server::listen::{raise_fd_limit, HttpLimits};
 /// range one would panic where it is used.
 pub const MAX_SECONDS: f64 = 86_400.0;
 
+/// Worker URLs given to `flag`: each `http(s)://HOST[:PORT]` with a host, nothing else (a space,
+/// a bare `http://`), and none given twice.
+pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
+    for (i, u) in urls.iter().enumerate() {
+        let ok = reqwest::Url::parse(u).ok().is_some_and(|p| {
+            matches!(p.scheme(), "http" | "https")
+                && p.host_str().is_some_and(|h| !h.is_empty())
+                && !u.contains(char::is_whitespace)
+        });
+        if !ok {
+            anyhow::bail!("{flag} `{u}`: expected http://HOST:PORT");
+        }
+        let same = |v: &String| v.trim_end_matches('/') == u.trim_end_matches('/');
+        if urls[..i].iter().any(same) {
+            anyhow::bail!("{flag} `{u}` is given twice");
+        }
+    }
+    Ok(())
+}
+
 /// A duration flag: from `lo` (taken when `lo_taken`, else only above it) to a day.
 pub fn check_seconds(flag: &str, v: f64, lo: f64, lo_taken: bool) -> Result<()> {
     let above = if lo_taken { v >= lo } else { v > lo };

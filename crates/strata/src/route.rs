@@ -73,13 +73,6 @@ pub struct RouteArgs {
     pub http: crate::http_args::HttpArgs,
 }
 
-fn check_url(u: &str) -> Result<()> {
-    if !(u.starts_with("http://") || u.starts_with("https://")) || u.len() < 10 {
-        bail!("worker URL `{u}`: expected http://HOST:PORT");
-    }
-    Ok(())
-}
-
 pub fn run(a: RouteArgs) -> Result<()> {
     let Some(policy) = Policy::parse(&a.policy) else {
         bail!(
@@ -90,9 +83,8 @@ pub fn run(a: RouteArgs) -> Result<()> {
     if a.decode.is_empty() {
         bail!("no worker: give --decode URL (and --prefill URL for PD)");
     }
-    for u in a.prefill.iter().chain(&a.decode) {
-        check_url(u)?;
-    }
+    crate::http_args::check_worker_urls("--prefill", &a.prefill)?;
+    crate::http_args::check_worker_urls("--decode", &a.decode)?;
     use crate::http_args::check_seconds;
     check_seconds("--health-interval", a.health_interval, 0.0, false)?;
     check_seconds("--stream-idle-timeout", a.stream_idle_timeout, 0.1, true)?;

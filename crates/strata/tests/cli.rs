@@ -439,6 +439,18 @@ fn route_refuses_bad_flags_with_the_reason() {
         (&["--health-interval", "1e30"][..], "--health-interval"),
         (&["--index-interval", "inf"][..], "--index-interval inf"),
         (&["--body-limit", "0B"][..], "--body-limit 0B"),
+        (
+            &["--decode", "http://"][..],
+            "--decode `http://`: expected http://HOST:PORT",
+        ),
+        (
+            &["--decode", "http://a b:1"][..],
+            "expected http://HOST:PORT",
+        ),
+        (
+            &["--decode", "http://127.0.0.1:9/"][..],
+            "--decode `http://127.0.0.1:9/` is given twice",
+        ),
         // Keys asked for and not given: an error, never a router left open (or shut to all).
         (
             &["--api-key", ""][..],

@@ -102,11 +102,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         .parse()
         .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
     let cluster_key = cluster_key(a)?;
-    for u in &a.prefill_worker {
-        if !(u.starts_with("http://") || u.starts_with("https://")) {
-            bail!("--prefill-worker `{u}`: expected http://HOST:PORT");
-        }
-    }
+    crate::http_args::check_worker_urls("--prefill-worker", &a.prefill_worker)?;
     let http = a.http.limits(body_limit)?;
     let responses = response_store(a)?;
     let record_trace_size = record_trace(a)?;
