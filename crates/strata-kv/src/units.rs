@@ -9,6 +9,8 @@ pub enum SizeError {
     NoUnit(String),
     #[error("size `{0}`: unknown unit `{1}` (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")]
     BadUnit(String, String),
+    #[error("size `{0}`: `{1}` reads as bits (a capital prefix and a small b, as in Gb/s); sizes are bytes: write `{2}`")]
+    Bits(String, String, String),
     #[error("size `{0}` is not a number followed by a unit")]
     BadNumber(String),
     #[error("size `{0}` is too large: at most 1024TiB")]
@@ -36,6 +38,17 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     }
     if unit.is_empty() {
         return Err(SizeError::NoUnit(s.into()));
+    }
+    // `Gb`, `Mb`: the bits of network rates, not bytes (`gb` and `GB` are bytes).
+    if let Some(prefix) = unit
+        .strip_suffix('b')
+        .filter(|p| p.len() == 1 && p.chars().all(|c| c.is_ascii_uppercase()))
+    {
+        return Err(SizeError::Bits(
+            s.into(),
+            unit.into(),
+            format!("{num}{prefix}B"),
+        ));
     }
     let mult = multiplier(unit).ok_or_else(|| SizeError::BadUnit(s.into(), unit.into()))?;
     let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
@@ -161,6 +174,18 @@ mod tests {
         assert_eq!(parse_size(" 8 MiB "), Ok(8 << 20));
         assert_eq!(parse_size("150"), Err(SizeError::NoUnit("150".into())));
         assert!(matches!(parse_size("10XB"), Err(SizeError::BadUnit(..))));
+        // A capital prefix with a small b is bits; the error names the byte unit to write.
+        for bits in ["150Gb", "5Mb", "1Tb", "3Kb"] {
+            let e = parse_size(bits).unwrap_err();
+            assert!(matches!(e, SizeError::Bits(..)), "{bits}");
+            assert!(
+                e.to_string()
+                    .contains(&format!("write `{}B`", &bits[..bits.len() - 1])),
+                "{e}"
+            );
+        }
+        assert_eq!(parse_size("150gb"), Ok(150_000_000_000));
+        assert_eq!(parse_size("150GB"), Ok(150_000_000_000));
         assert!(matches!(parse_size("GiB"), Err(SizeError::BadNumber(..))));
         assert!(matches!(
             parse_size("99999999999TiB"),

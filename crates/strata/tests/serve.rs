@@ -45,8 +45,9 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn bad_flags_fail_once_with_the_reason() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
+        (&["--l3", "disk:/tmp/s", "--l3", "disk:/tmp/s/."], "--l3 `disk:/tmp/s/.` is given twice"),
         (&["--l3-ttl", "18446744073709551615"], "--l3-ttl 18446744073709551615: at most"),
         (&["--response-store-size", "0B"], "--response-store-size must be at least 1MiB"),
         (&["--response-store-size", "lots"], "--response-store-size"),

@@ -257,8 +257,20 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
             a.l3_ttl
         );
     }
+    // One store named two ways (`disk:/a/`, `disk:/a/.`) is the same store.
+    let same = |a: &str, b: &str| match (a.strip_prefix("disk:"), b.strip_prefix("disk:")) {
+        (Some(x), Some(y)) => {
+            let norm = |p: &str| {
+                std::path::Path::new(p)
+                    .components()
+                    .collect::<std::path::PathBuf>()
+            };
+            norm(x) == norm(y)
+        }
+        _ => a == b,
+    };
     for (i, spec) in l3.iter().enumerate() {
-        if l3[..i].contains(spec) {
+        if l3[..i].iter().any(|o| same(o, spec)) {
             bail!("--l3 `{}` is given twice", strata_redis::redact(spec));
         }
         if let Some(path) = spec.strip_prefix("disk:") {
