@@ -91,9 +91,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     check_seconds("--index-interval", a.index_interval, 0.0, false)?;
     check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
     let keys = api_keys(&a)?;
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
     let body_limit = crate::http_args::body_limit(&a.body_limit)?;
     let limits = a.http.limits(body_limit)?;
     let mut st = RouterState::new(&a.prefill, &a.decode, policy);

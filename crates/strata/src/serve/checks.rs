@@ -13,10 +13,28 @@ use strata_mem::Plan;
 use super::{kv_flags, Eviction, Prefetch, ServeArgs};
 
 fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    ip_of(host).is_some_and(|ip| ip.is_loopback())
+}
+
+/// A `--host` / `--kv-host` value as an address: an IP literal (IPv6 with or without brackets,
+/// `::1` or `[::1]`) or `localhost` (127.0.0.1).
+pub(crate) fn ip_of(host: &str) -> Option<std::net::IpAddr> {
+    if host == "localhost" {
+        return Some(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse().ok()
+}
+
+/// `host` and `port` as the socket address to bind (`flag` names the host's flag).
+pub(crate) fn socket_of(flag: &str, host: &str, port: u16) -> Result<SocketAddr> {
+    match ip_of(host) {
+        Some(ip) => Ok(SocketAddr::new(ip, port)),
+        None => bail!("{flag} `{host}`: not an IP address (or localhost)"),
+    }
 }
 
 /// `--kv-staging` against the longest prompt the planned pools can hold, before any pool is
@@ -98,9 +116,8 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     }
     check_l3_specs(a)?;
     prefetch_policy(a)?;
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    let addr = socket_of("--host", &a.host, a.port)?;
+    socket_of("--kv-host", &a.kv_host, a.kv_port)?;
     let cluster_key = cluster_key(a)?;
     crate::http_args::check_worker_urls("--prefill-worker", &a.prefill_worker)?;
     let http = a.http.limits(body_limit)?;

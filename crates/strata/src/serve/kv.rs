@@ -28,8 +28,8 @@ pub(crate) struct KvBound {
 /// Binds the KV-transfer listener and checks the address prefill workers are told: a port in
 /// use or an address they cannot reach is refused before the model or any pool is loaded.
 pub(crate) fn kv_bind(a: &KvFlags, keyed: bool) -> Result<KvBound> {
-    let kv_addr = format!("{}:{}", a.host, a.port);
-    let listener = std::net::TcpListener::bind(&kv_addr)
+    let kv_addr = super::checks::socket_of("--kv-host", a.host, a.port)?;
+    let listener = std::net::TcpListener::bind(kv_addr)
         .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
     let advertise = kv_advertise(a.advertise, listener.local_addr()?)?;
     if let Some(ad) = advertise {
