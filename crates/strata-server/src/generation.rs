@@ -40,6 +40,7 @@ pub(crate) async fn completions(
         echo,
         constraint,
         tools: None,
+        tools_forced: false,
         best_of: req.best_of,
         shared_prefix: 0,
     };
@@ -120,6 +121,7 @@ async fn chat_body(
         kind: Kind::Chat,
         echo: false,
         constraint,
+        tools_forced: tools.as_ref().is_some_and(|t| t.forced()),
         tools: tools.and_then(|t| t.callable()),
         best_of: None,
         shared_prefix,
@@ -136,6 +138,8 @@ struct How {
     echo: bool,
     constraint: Option<strata_engine::Constraint>,
     tools: Option<Vec<String>>,
+    /// The calls are forced (see `Job::tools_forced`).
+    tools_forced: bool,
     /// Completions' `best_of` (None: `n`).
     best_of: Option<usize>,
     /// Chat: where other conversations are expected to leave the prompt (0: unknown).
@@ -184,6 +188,7 @@ async fn start(
         prompt_logprobs,
         echo: None,
         tools: how.tools,
+        tools_forced: how.tools_forced,
     };
     if best_of > 1 || prompts.len() > 1 {
         let nb = (n, best_of);

@@ -51,6 +51,9 @@ pub(crate) struct Job {
     pub(crate) echo: Option<String>,
     /// Chat with tools: the functions whose calls are parsed out of the answer.
     pub(crate) tools: Option<Vec<String>>,
+    /// The calls are forced (`required`, a named function): the answer is calls only, and
+    /// a call cut short by `max_tokens` is dropped, never returned as text.
+    pub(crate) tools_forced: bool,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -367,7 +370,7 @@ pub(crate) fn choice_json(
     match job.kind {
         Kind::Chat if job.tools.is_some() => {
             let names = job.tools.clone().unwrap_or_default();
-            let (content, calls) = crate::tools::parse_all(text, names);
+            let (content, calls) = crate::tools::parse_all(text, names, job.tools_forced);
             let mut message = json!({"role": "assistant", "content": content});
             let reason = if calls.is_empty() {
                 reason
@@ -446,7 +449,10 @@ pub(crate) struct Streaming {
 impl Streaming {
     pub(crate) fn new(answer: Answer, job: Job, index: usize, owns_end: bool) -> Streaming {
         let tools = match job.kind {
-            Kind::Chat => job.tools.clone().map(crate::tools::ToolStream::new),
+            Kind::Chat => job
+                .tools
+                .clone()
+                .map(|n| crate::tools::ToolStream::new(n).forced(job.tools_forced)),
             Kind::Completion => None,
         };
         Streaming {

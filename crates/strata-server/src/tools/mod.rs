@@ -166,6 +166,11 @@ impl Tools {
         &self.defs
     }
 
+    /// Whether the answer must be calls (`required`, a named function: under a grammar).
+    pub fn forced(&self) -> bool {
+        matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_))
+    }
+
     /// The names of the functions the answer may call (None: the answer is not parsed).
     pub fn callable(&self) -> Option<Vec<String>> {
         (self.choice != ToolChoice::None)

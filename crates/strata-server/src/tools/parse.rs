@@ -243,6 +243,8 @@ pub struct ToolStream {
     after_call: bool,
     /// Calls begun.
     pub calls: usize,
+    /// Calls are forced: no text is content (what is not a call is a call's markup cut short).
+    forced: bool,
 }
 
 impl ToolStream {
@@ -253,7 +255,23 @@ impl ToolStream {
             mode: Mode::Text,
             after_call: false,
             calls: 0,
+            forced: false,
         }
+    }
+
+    /// Under a forced call (`required`, a named function) the grammar lets the answer be
+    /// calls only: anything else parsed out is a call cut short (`max_tokens`), dropped.
+    pub fn forced(mut self, on: bool) -> ToolStream {
+        self.forced = on;
+        self
+    }
+
+    /// `out` without its text when calls are forced.
+    fn only_calls(&self, mut out: Vec<ToolOut>) -> Vec<ToolOut> {
+        if self.forced {
+            out.retain(|o| !matches!(o, ToolOut::Content(_)));
+        }
+        out
     }
 
     fn content(&mut self, mut s: String, out: &mut Vec<ToolOut>) {
@@ -272,7 +290,7 @@ impl ToolStream {
         self.buf += delta;
         let mut out = Vec::new();
         while self.step(&mut out) {}
-        out
+        self.only_calls(out)
     }
 
     /// One step over the buffer; false when it needs more text.
@@ -416,7 +434,7 @@ impl ToolStream {
             Mode::Head | Mode::Whole => out.push(ToolOut::Content(format!("{OPEN}{rest}"))),
             Mode::Args(_) | Mode::Tail(_) => {}
         }
-        out
+        self.only_calls(out)
     }
 }
 
@@ -439,8 +457,8 @@ pub fn gather(outs: Vec<ToolOut>) -> (Option<String>, Vec<Call>) {
 }
 
 /// A whole answer's text → (content, calls).
-pub fn parse_all(text: &str, names: Vec<String>) -> (Option<String>, Vec<Call>) {
-    let mut ts = ToolStream::new(names);
+pub fn parse_all(text: &str, names: Vec<String>, forced: bool) -> (Option<String>, Vec<Call>) {
+    let mut ts = ToolStream::new(names).forced(forced);
     let mut outs = ts.push(text);
     outs.extend(ts.finish());
     gather(outs)

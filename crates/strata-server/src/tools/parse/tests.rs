@@ -30,7 +30,7 @@ fn calls_are_parsed_from_the_text_in_any_split() {
         ("get_weather", r#"{"city":"Paris","at":[1,2]}"#),
         ("add", r#"{"b":1,"a":2}"#),
     ];
-    let (content, calls) = parse_all(text, names());
+    let (content, calls) = parse_all(text, names(), false);
     assert_eq!(content.as_deref(), Some("Let me check."));
     assert_eq!(pairs(&calls), want);
     assert_eq!((calls[0].index, calls[1].index), (0, 1));
@@ -98,6 +98,7 @@ fn a_streamed_call_cut_by_the_length_limit_keeps_what_was_written() {
     let (content, calls) = parse_all(
         "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\"",
         names(),
+        false,
     );
     assert_eq!(content, None);
     assert_eq!(pairs(&calls), vec![("add", r#"{"a":1,"b""#)]);
@@ -105,6 +106,7 @@ fn a_streamed_call_cut_by_the_length_limit_keeps_what_was_written() {
     let (content, calls) = parse_all(
         "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1 </tool_call> then",
         names(),
+        false,
     );
     assert_eq!(content.as_deref(), Some("then"));
     assert_eq!(pairs(&calls), vec![("add", r#"{"a":1"#)]);
@@ -112,19 +114,22 @@ fn a_streamed_call_cut_by_the_length_limit_keeps_what_was_written() {
 
 #[test]
 fn text_that_is_no_call_stays_content() {
-    let (c, calls) = parse_all("a < b and <tool_ is not a tag", names());
+    let (c, calls) = parse_all("a < b and <tool_ is not a tag", names(), false);
     assert_eq!(c.as_deref(), Some("a < b and <tool_ is not a tag"));
     assert!(calls.is_empty());
     // An unknown function or broken JSON: the block stays as text.
     let t = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
-    assert_eq!(parse_all(t, names()), (Some(t.to_string()), vec![]));
-    let (c, calls) = parse_all("<tool_call>{\"name\": \"add\"", names());
+    assert_eq!(parse_all(t, names(), false), (Some(t.to_string()), vec![]));
+    let (c, calls) = parse_all("<tool_call>{\"name\": \"add\"", names(), false);
     assert_eq!(c.as_deref(), Some("<tool_call>{\"name\": \"add\""));
     assert!(calls.is_empty());
-    assert_eq!(parse_all("", names()), (None, vec![]));
+    assert_eq!(parse_all("", names(), false), (None, vec![]));
     // A head longer than a call's: read whole (here: no call).
     let long = format!("<tool_call>{{\"name\": \"{}\"</tool_call>", "x".repeat(400));
-    assert_eq!(parse_all(&long, names()), (Some(long.clone()), vec![]));
+    assert_eq!(
+        parse_all(&long, names(), false),
+        (Some(long.clone()), vec![])
+    );
 }
 
 #[test]
@@ -135,7 +140,7 @@ fn streamed_and_whole_answers_agree_on_long_heads_and_unclosed_calls() {
     );
     let unclosed = "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}\nDone.";
     for text in [padded.as_str(), unclosed] {
-        let whole = parse_all(text, names());
+        let whole = parse_all(text, names(), false);
         for step in [1, 7, 1000] {
             let (content, calls) = gather(streamed(text, step));
             assert_eq!(content, whole.0, "step {step}: {text}");
@@ -144,11 +149,33 @@ fn streamed_and_whole_answers_agree_on_long_heads_and_unclosed_calls() {
     }
     // A head past the limit is read whole (its arguments re-serialized).
     assert_eq!(
-        pairs(&parse_all(&padded, names()).1),
+        pairs(&parse_all(&padded, names(), false).1),
         vec![("add", r#"{"a":1.5}"#)]
     );
     // Text after a call that never closes is content.
-    let (content, calls) = parse_all(unclosed, names());
+    let (content, calls) = parse_all(unclosed, names(), false);
     assert_eq!(content.as_deref(), Some("Done."));
     assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)]);
+}
+
+/// Under a forced call the answer is calls only: a second call's head cut short by the
+/// length limit is dropped, not returned as text (whole or streamed).
+#[test]
+fn a_forced_answer_has_no_text() {
+    let text = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"ad";
+    let (content, calls) = parse_all(text, names(), false);
+    assert!(content.is_some_and(|c| c.contains("<tool_call>")));
+    assert_eq!(calls.len(), 1);
+    let (content, calls) = parse_all(text, names(), true);
+    assert_eq!(content, None);
+    assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)]);
+    for step in [1, 3, 7] {
+        let mut ts = ToolStream::new(names()).forced(true);
+        let mut outs = Vec::new();
+        for chunk in text.as_bytes().chunks(step) {
+            outs.extend(ts.push(std::str::from_utf8(chunk).unwrap()));
+        }
+        outs.extend(ts.finish());
+        assert_eq!(gather(outs).0, None, "step {step}");
+    }
 }
