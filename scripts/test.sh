@@ -74,3 +74,5 @@ timeout --kill-after=30s 50m cargo test --workspace
 echo "== the weight kernels again on AVX2 alone (where the CPU would pick AVX-512)"
 STRATA_NO_AVX512=1 cargo test -q -p strata-model --lib qmat
 STRATA_NO_AVX512=1 cargo test -q -p strata-model --test real_model
+echo "== the weight kernels with the measured one-row kernel (STRATA_ONE_ROW_KERNEL=fastest)"
+STRATA_ONE_ROW_KERNEL=fastest cargo test -q -p strata-model --lib qmat

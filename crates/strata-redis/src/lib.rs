@@ -184,7 +184,7 @@ fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), Stor
     if rest.split(',').any(|s| s.trim().is_empty()) {
         return Err(bad("an empty seed between commas"));
     }
-    for s in others.split(',') {
+    for s in others.split(',').filter(|s| !s.is_empty()) {
         let (h, p) = s
             .rsplit_once(':')
             .filter(|(h, _)| !h.is_empty() && !h.contains('@') && !h.contains('/'))

@@ -50,6 +50,7 @@ mod tests {
             "redis://:pw@h:6379",
             "redis://u:pw@h:6379/0",
             "redis-cluster://a:1,b:2",
+            "redis-cluster://a:1",
         ] {
             assert_eq!(check_url(ok), Ok(()), "{ok}");
         }

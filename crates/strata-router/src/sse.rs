@@ -35,9 +35,10 @@ pub enum Dialect {
 const LINE: usize = 40;
 
 /// The most bytes of one open event held back (a `response.completed` carries the whole
-/// answer). An event larger than this passes through as it comes: a break in it may then reach
-/// a client as half an event before the error event.
-pub const HOLD: usize = 4 << 20;
+/// answer; the bound is per stream, so many streams stay within memory). An event larger than
+/// this passes through as it comes from there to its end: a break in it may then reach a
+/// client as half an event before the error event.
+pub const HOLD: usize = 1 << 20;
 
 impl Dialect {
     /// What a client gets when the worker's stream broke before its end: an error in the API's
@@ -205,6 +206,8 @@ struct G<S> {
     end: EndOfAnswer,
     /// The open event's bytes read so far (not yet relayed).
     held: Vec<u8>,
+    /// The open event outgrew [`HOLD`]: it passes through as it comes until it closes.
+    passing: bool,
     over: bool,
     keep: InFlight,
     st: Arc<RouterState>,
@@ -216,16 +219,21 @@ impl<S> G<S> {
     /// goes to the client now, whole events only; the rest is held.
     fn relay(&mut self, b: Bytes) -> Option<Bytes> {
         let whole = self.end.feed(&b);
-        let out = if whole == 0 {
+        let out = if whole == 0 && self.passing {
+            b // the rest of an event too large to hold, as it comes
+        } else if whole == 0 {
             self.held.extend_from_slice(&b);
             if self.held.len() <= HOLD {
                 return None;
             }
-            // An event too large to hold passes through as it comes.
+            // An event too large to hold passes through from here to its end.
+            self.passing = true;
             Bytes::from(std::mem::take(&mut self.held))
         } else if self.held.is_empty() && whole == b.len() {
+            self.passing = false;
             b // the common case: a chunk of whole events, relayed without a copy
         } else {
+            self.passing = false;
             let mut out = std::mem::take(&mut self.held);
             out.extend_from_slice(&b[..whole]);
             if !self.end.ended() {
@@ -252,6 +260,7 @@ where
         up: upstream,
         end: EndOfAnswer::new(dialect),
         held: Vec::new(),
+        passing: false,
         over: false,
         keep,
         deadline: tokio::time::Instant::now() + st.request_timeout,
@@ -378,6 +387,11 @@ mod tests {
 
     /// The same, the worker's stream ending after `chunks` if `end`.
     async fn relayed_then(d: Dialect, chunks: &[&[u8]], end: bool) -> Vec<u8> {
+        pieces(d, chunks, end).await.concat()
+    }
+
+    /// What the client gets, piece by piece.
+    async fn pieces(d: Dialect, chunks: &[&[u8]], end: bool) -> Vec<Vec<u8>> {
         let mut st = RouterState::new(&[], &[], crate::Policy::RoundRobin);
         // (Short: an end line not yet ended waits out the idle bound, then ends quietly.)
         st.stream_idle = std::time::Duration::from_millis(200);
@@ -389,10 +403,7 @@ mod tests {
         let up = futures_util::stream::iter(chunks).chain(then);
         let out = guard(Box::pin(up), d, InFlight::start(Vec::new()), Arc::new(st));
         let parts: Vec<_> = out.collect().await;
-        parts
-            .into_iter()
-            .flat_map(|p| p.unwrap().to_vec())
-            .collect()
+        parts.into_iter().map(|p| p.unwrap().to_vec()).collect()
     }
 
     #[tokio::test]
@@ -439,6 +450,14 @@ mod tests {
         let tail = Dialect::Chat.broken_tail("it ended before the answer's last event", 0);
         assert_eq!(out.len(), 6 + 2 * big.len() + tail.len());
         assert!(out.ends_with(&tail));
+        // From there to its end the event goes as it comes; the next is held again.
+        let chunks: [&[u8]; 6] = [b"data: ", &big, &big, b"yy", b"\n\ndata: {", b"}\n\n"];
+        let p = pieces(Dialect::Chat, &chunks, true).await;
+        assert_eq!(p[0].len(), 6 + 2 * big.len());
+        assert_eq!(
+            (&p[1][..], &p[2][..], &p[3][..]),
+            (&b"yy"[..], &b"\n\n"[..], &b"data: {}\n\n"[..])
+        );
     }
 
     /// Any bytes, cut anywhere: the same verdict as whole, and no panic (a fuzz harness of the

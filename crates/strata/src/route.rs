@@ -113,7 +113,6 @@ pub fn run(a: RouteArgs) -> Result<()> {
     serve(&a, Arc::new(st), (policy, limits), addr, every, index_every)
 }
 
-/// The client API keys of `--api-key` and `--api-key-file`.
 /// Largest `--api-key-file` read (a key a line: thousands of keys).
 const API_KEY_FILE_MAX: u64 = 1 << 20;
 

@@ -47,8 +47,8 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 fn bad_flags_fail_once_with_the_reason() {
     let cases: [(&[&str], &str); 12] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
-        (&["--host", "bogus"], "--host `bogus`: not an IP address (or localhost)"),
-        (&["--kv-host", "bogus"], "--kv-host `bogus`: not an IP address (or localhost)"),
+        (&["--host", "not a host"], "--host `not a host`: not an IP address"),
+        (&["--kv-host", "not a host"], "--kv-host `not a host`: not an IP address"),
         (&["--l3", "disk:/tmp/s", "--l3", "disk:/tmp/s/."], "--l3 `disk:/tmp/s/.` is given twice"),
         (&["--l3-ttl", "18446744073709551615"], "--l3-ttl 18446744073709551615: at most"),
         (&["--response-store-size", "0B"], "--response-store-size must be at least 1MiB"),

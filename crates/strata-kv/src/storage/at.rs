@@ -151,18 +151,21 @@ impl StoreDir {
         names_within(d, usize::MAX)
     }
 
-    /// Empties `d`, [`StoreDir::remove`]-ing a bounded batch of its names at a time (memory
-    /// does not grow with what `d` holds); stops when it is empty or a batch removes nothing.
-    /// Returns how many entries went.
-    pub fn clear(d: &OwnedFd) -> io::Result<u64> {
+    /// Empties `d` of what was last modified before `before` (ns since the epoch: a write
+    /// another worker sharing the store has in progress stays), [`StoreDir::remove`]-ing a
+    /// bounded batch of names at a time (memory does not grow with what `d` holds); stops once
+    /// a read reaches the end of `d` or a batch removes nothing. Returns how many entries went.
+    pub fn clear(d: &OwnedFd, before: i128) -> io::Result<u64> {
         let mut removed = 0;
         loop {
             let batch = names_upto(d, CLEAR_BATCH)?;
-            let before = removed;
+            let was = removed;
             for n in &batch {
-                removed += u64::from(Self::remove(d, n).is_ok());
+                let Some(name) = n.to_str() else { continue };
+                let old = Self::entry(d, name)?.is_some_and(|e| e.modified < before);
+                removed += u64::from(old && Self::remove(d, n).is_ok());
             }
-            if batch.is_empty() || removed == before {
+            if batch.len() < CLEAR_BATCH || removed == was {
                 return Ok(removed);
             }
         }
@@ -173,6 +176,12 @@ impl StoreDir {
     pub fn remove(sub: &OwnedFd, name: impl AsRef<OsStr>) -> io::Result<()> {
         remove_at(sub, name.as_ref(), 0, &mut MAX_ENTRIES.clone())
     }
+}
+
+/// The instant `secs` seconds ago, in nanoseconds since the epoch ([`Entry::modified`]'s).
+pub(super) fn ago(secs: u64) -> i128 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    now.map_or(0, |d| d.as_nanos() as i128) - i128::from(secs) * 1_000_000_000
 }
 
 /// How many names [`StoreDir::clear`] reads at a time.
@@ -320,8 +329,13 @@ mod tests {
         }
         fs::create_dir_all(store.path().join("tmp/d/e")).unwrap();
         std::os::unix::fs::symlink("/", store.path().join("tmp/root")).unwrap();
-        assert_eq!(StoreDir::clear(&t).unwrap(), n as u64 + 2);
+        let later = i128::MAX;
+        assert_eq!(StoreDir::clear(&t, later).unwrap(), n as u64 + 2);
         assert!(StoreDir::names(&t).unwrap().is_empty());
-        assert_eq!(StoreDir::clear(&t).unwrap(), 0);
+        assert_eq!(StoreDir::clear(&t, later).unwrap(), 0);
+        // A write begun after the given instant (another worker's, in progress) stays.
+        fs::write(store.path().join("tmp/new.tmp"), b"").unwrap();
+        assert_eq!(StoreDir::clear(&t, 0).unwrap(), 0);
+        assert_eq!(StoreDir::names(&t).unwrap().len(), 1);
     }
 }

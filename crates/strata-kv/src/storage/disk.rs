@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::lru::LruIndex;
-use super::{Storage, StorageError, StorageStats};
+use super::{io, Storage, StorageError, StorageStats};
 use crate::hash::PageHash;
 
 use super::at::StoreDir;
@@ -41,13 +41,6 @@ pub struct DiskStorage {
     seq: AtomicU64,
 }
 
-fn io(path: &Path, error: std::io::Error) -> StorageError {
-    StorageError::Io {
-        path: path.display().to_string(),
-        error,
-    }
-}
-
 impl DiskStorage {
     /// Opens (or creates) `dir`, indexing the pages already there, oldest modification first.
     /// `sync` makes every put fsync before the rename (durable across power loss).
@@ -62,8 +55,9 @@ impl DiskStorage {
         let root = StoreDir::open(&dir).map_err(|e| io(&dir, e))?;
         claim(&root, &dir)?;
         let tmp = root.sub_made("tmp").map_err(|e| io(&tmp_path, e))?;
-        // Leftovers of writes interrupted by a crash are never visible; clear them.
-        StoreDir::clear(&tmp).map_err(|e| io(&tmp_path, e))?;
+        // Leftovers of writes a crash interrupted are never visible; clear them: what is older
+        // than a minute (a worker sharing the store may be writing now).
+        StoreDir::clear(&tmp, super::at::ago(60)).map_err(|e| io(&tmp_path, e))?;
         let mut found = Self::scan(&root, cap_bytes).map_err(|e| io(&dir, e))?;
         found.sort_by_key(|x| x.0);
         let s = DiskStorage {
@@ -387,6 +381,17 @@ mod tests {
             .join("tmp")
             .join(format!("{}.1.0.tmp", h(2).to_hex()));
         fs::write(&tmp, b"STRATAPG partial").unwrap();
+        // One begun a moment ago may be another worker's, in progress: it stays.
+        let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
+        assert!(tmp.exists());
+        drop(s);
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
+        fs::File::options()
+            .write(true)
+            .open(&tmp)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
         let s = DiskStorage::open(d.path(), 1 << 20, false).unwrap();
         assert!(!tmp.exists());
         assert_eq!(s.exists(&[h(1), h(2)]).unwrap(), vec![true, false]);

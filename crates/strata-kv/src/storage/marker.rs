@@ -7,14 +7,7 @@ use std::io::Write;
 use std::path::Path;
 
 use super::at::StoreDir;
-use super::StorageError;
-
-fn io(path: &Path, error: std::io::Error) -> StorageError {
-    StorageError::Io {
-        path: path.display().to_string(),
-        error,
-    }
-}
+use super::{io, StorageError};
 
 /// The file that makes a directory a store: nothing in a directory without it is touched.
 pub(super) const MARKER: &str = "STRATA-L3";
@@ -30,8 +23,11 @@ pub(super) fn claim(root: &StoreDir, dir: &Path) -> Result<(), StorageError> {
     if marked.is_some_and(|e| e.file) {
         return Ok(());
     }
+    // The store's names; the marker itself (another worker sharing the directory may make
+    // it meanwhile); a filesystem root's `lost+found` (a store on a volume of its own).
     let own = |n: &str| {
-        n == "tmp" || (n.len() == 2 && n.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        matches!(n, "tmp" | MARKER | "lost+found")
+            || (n.len() == 2 && n.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
     };
     let names = StoreDir::first_names(root.fd(), 512).map_err(|e| io(dir, e))?;
     if let Some(other) = names.iter().find(|n| !n.to_str().is_some_and(own)) {
@@ -72,7 +68,12 @@ mod tests {
         );
         assert_eq!(fs::read(home.join("tmp/precious.txt")).unwrap(), b"keep");
         // An empty directory, and a store from before the marker (its own names only).
-        for (name, made) in [("empty", &[][..]), ("old", &["ab", "tmp", "00"][..])] {
+        let volume = &["ab", "lost+found"][..];
+        for (name, made) in [
+            ("empty", &[][..]),
+            ("old", &["ab", "tmp", "00"][..]),
+            ("volume", volume),
+        ] {
             let p = d.path().join(name);
             fs::create_dir(&p).unwrap();
             for m in made {

@@ -32,6 +32,14 @@ pub enum StorageError {
     Timeout(std::time::Duration),
 }
 
+/// An I/O error at `path`.
+pub(crate) fn io(path: &std::path::Path, error: std::io::Error) -> StorageError {
+    StorageError::Io {
+        path: path.display().to_string(),
+        error,
+    }
+}
+
 /// Counters every backend keeps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StorageStats {

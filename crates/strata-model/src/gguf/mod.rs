@@ -420,22 +420,7 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         ));
     }
     check_rope(md, &name, head_dim)?;
-    // Numbers that steer every product: a NaN or infinite base or epsilon would make every
-    // logit NaN without an error (llama.cpp's rms_norm adds the epsilon, which must be > 0).
-    let rope_base = md.float(&key("rope.freq_base")).unwrap_or(10_000.0);
-    if !(rope_base.is_finite() && rope_base > 1.0) {
-        return Err(md.err(
-            &key("rope.freq_base"),
-            format!("{rope_base}: expected a finite number above 1"),
-        ));
-    }
-    let rms_eps = md.float(&key("attention.layer_norm_rms_epsilon"))?;
-    if !(rms_eps.is_finite() && rms_eps > 0.0 && rms_eps < 1.0) {
-        return Err(md.err(
-            &key("attention.layer_norm_rms_epsilon"),
-            format!("{rms_eps}: expected a finite number in (0, 1)"),
-        ));
-    }
+    let (rope_base, rms_eps) = rope_and_eps(md, &name)?;
     let tokens_len = md
         .get("tokenizer.ggml.tokens")?
         .to_vec()
@@ -460,6 +445,23 @@ fn read_config(md: &Meta) -> Result<Config, ModelError> {
         rope_base,
         rms_eps,
     })
+}
+
+/// The RoPE base and the RMS epsilon, which steer every product: a NaN or infinite one would
+/// make every logit NaN without an error (the norm adds the epsilon, which must be > 0).
+fn rope_and_eps(md: &Meta, arch: &str) -> Result<(f32, f32), ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let rope_base = md.float(&key("rope.freq_base")).unwrap_or(10_000.0);
+    if !(rope_base.is_finite() && rope_base > 1.0) {
+        let why = format!("{rope_base}: expected a finite number above 1");
+        return Err(md.err(&key("rope.freq_base"), why));
+    }
+    let rms_eps = md.float(&key("attention.layer_norm_rms_epsilon"))?;
+    if !(rms_eps.is_finite() && rms_eps > 0.0 && rms_eps < 1.0) {
+        let why = format!("{rms_eps}: expected a finite number in (0, 1)");
+        return Err(md.err(&key("attention.layer_norm_rms_epsilon"), why));
+    }
+    Ok((rope_base, rms_eps))
 }
 
 /// What this pass does not implement is refused, not ignored: RoPE scaling other than Llama

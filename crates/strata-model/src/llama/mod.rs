@@ -35,9 +35,9 @@ pub(crate) use kv::kv_kinds;
 /// 4- to 8-bit blocks.
 pub const QUANTIZED_MAX_ROWS: usize = 8;
 
-/// How a row's matrix products run, chosen per sequence (a prompt row's result does not
-/// depend on what else is in the batch; a decode row's, to rounding, on the kernel its batch
-/// size takes: `qmat`).
+/// How a row's matrix products run, chosen per sequence (a row's result does not depend on
+/// what else is in the batch: prompt rows by the panel product's construction, decode rows by
+/// the batch-invariant kernels, unless `STRATA_ONE_ROW_KERNEL=fastest`: `qmat::pick`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Path {
     /// Quantized activations, integer dot products (decode steps).

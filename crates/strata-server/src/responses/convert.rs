@@ -527,9 +527,21 @@ pub fn from_chat(chat: &Value, echo: &Echo) -> (Value, Value) {
         ));
     }
     let finish = choice["finish_reason"].as_str().unwrap_or("stop");
-    // The last item is the one `max_output_tokens` cut.
-    if let (Some(last), "length") = (output.last_mut(), finish) {
-        last["status"] = json!("incomplete");
+    if finish == "length" {
+        // The item `max_output_tokens` cut: a call whose arguments it broke off, else the
+        // text (the message holds all of it, wherever it was written), else the last item.
+        let broken = |i: &Value| {
+            i["type"] == "function_call"
+                && serde_json::from_str::<Value>(i["arguments"].as_str().unwrap_or("")).is_err()
+        };
+        let cut = output
+            .iter()
+            .position(broken)
+            .or_else(|| output.iter().position(|i| i["type"] == "message"))
+            .or(output.len().checked_sub(1));
+        if let Some(i) = cut {
+            output[i]["status"] = json!("incomplete");
+        }
     }
     let mut r = echo.object();
     status(finish, &mut r);
@@ -653,6 +665,12 @@ mod tests {
         assert_eq!(r["status"], "incomplete");
         assert_eq!(r["output"][0]["status"], "completed", "{r}");
         assert_eq!(r["output"][1]["status"], "incomplete", "{r}");
+        // A whole call and text cut: the message is the item cut.
+        let mut whole = chat("length");
+        whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = json!("{}");
+        let (r, _) = from_chat(&whole, &echo);
+        assert_eq!(r["output"][0]["status"], "incomplete", "{r}");
+        assert_eq!(r["output"][1]["status"], "completed", "{r}");
         let (r, _) = from_chat(&chat("stop"), &echo);
         assert_eq!(r["status"], "completed");
         assert!(r["output"]

@@ -134,7 +134,6 @@ enum Body {
     Jobs(Vec<(Job, Option<u64>)>),
 }
 
-/// Builds the workload; every bad parameter is refused here, before any request.
 /// The workload's sizes within what a bench sends (else a count overflowed, or prompts were
 /// built until the process was stopped).
 fn bounded(w: &WorkloadOpts) -> Result<()> {
@@ -162,6 +161,7 @@ fn bounded(w: &WorkloadOpts) -> Result<()> {
     Ok(())
 }
 
+/// Builds the workload; every bad parameter is refused here, before any request.
 pub fn prepare(w: &WorkloadOpts) -> Result<Prepared> {
     if w.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");

@@ -601,17 +601,22 @@ async fn start_router(backend: &str) -> Result<String> {
     Ok(front)
 }
 
-async fn l3(a: L3Args) -> Result<()> {
-    use strata_kv::storage::Storage;
-    use strata_kv::PageHash;
+/// `strata bench l3`'s flags: at least 1 each, pages Redis takes (at most 512 MB), batches
+/// within the benches' buffers.
+fn check_l3_args(a: &L3Args) -> Result<()> {
     if a.batch == 0 || a.batches == 0 || a.page_bytes == 0 || a.single == 0 {
         bail!("--batch, --batches, --page-bytes and --single must be at least 1");
     }
-    // Redis takes values of at most 512 MB.
     limits::at_most("--page-bytes", a.page_bytes, 512 << 20)?;
     limits::buffers("--batch × --page-bytes", a.batch, a.page_bytes)?;
     limits::at_most("--batches", a.batches, 1_000_000)?;
-    limits::at_most("--single", a.single, 1_000_000)?;
+    limits::at_most("--single", a.single, 1_000_000)
+}
+
+async fn l3(a: L3Args) -> Result<()> {
+    use strata_kv::storage::Storage;
+    use strata_kv::PageHash;
+    check_l3_args(&a)?;
     tokio::task::spawn_blocking(move || -> Result<()> {
         let ns = format!("bench-{}", std::process::id());
         let s = strata_redis::RedisStorage::connect(&strata_redis::RedisConfig {

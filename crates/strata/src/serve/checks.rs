@@ -29,11 +29,27 @@ pub(crate) fn ip_of(host: &str) -> Option<std::net::IpAddr> {
     bare.parse().ok()
 }
 
-/// `host` and `port` as the socket address to bind (`flag` names the host's flag).
+/// `host` and `port` as the socket address to bind (`flag` names the host's flag): an IP
+/// literal or `localhost`, else a name this machine resolves (its first address).
 pub(crate) fn socket_of(flag: &str, host: &str, port: u16) -> Result<SocketAddr> {
-    match ip_of(host) {
-        Some(ip) => Ok(SocketAddr::new(ip, port)),
-        None => bail!("{flag} `{host}`: not an IP address (or localhost)"),
+    if let Some(ip) = ip_of(host) {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    use std::net::ToSocketAddrs;
+    let name = !host.is_empty() && !host.contains(|c: char| c.is_whitespace() || c == '/');
+    let resolved = name
+        .then(|| {
+            (host, port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+        })
+        .flatten();
+    match resolved {
+        Some(a) => Ok(a),
+        None => {
+            bail!("{flag} `{host}`: not an IP address, localhost or a name this machine resolves")
+        }
     }
 }
 
@@ -259,12 +275,12 @@ pub(super) fn is_redis(spec: &str) -> bool {
     spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
 }
 
-/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
-/// spec given twice, and a disk tier of no bytes; nothing is opened or connected here.
 /// Longest `--l3-ttl` (10 years): Redis refuses an expiry past its clock's range, and every
 /// write would then fail at run time.
 const MAX_L3_TTL: u64 = 10 * 365 * 24 * 3600;
 
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
+/// spec given twice, and a disk tier of no bytes; nothing is opened or connected here.
 fn check_l3_specs(a: &ServeArgs) -> Result<()> {
     let l3 = &a.l3;
     let cap = parse_size(&a.l3_size).context("--l3-size")?;
