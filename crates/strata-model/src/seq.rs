@@ -24,6 +24,11 @@ pub struct SeqInput<'a> {
     /// else is in the call, so a prompt's logits (and first token) do not depend on how much
     /// of it was cached or how it was chunked.
     pub decode: bool,
+    /// The call's last token is the prompt's last (a prompt sequence): its attention takes the
+    /// decode row's path (flash-decoding over the pages, parallel over the context) whether it
+    /// comes alone (a prompt found cached but for it) or at the end of a chunk, so the
+    /// prompt's logits are the same bits either way, and a full prefix hit stays fast.
+    pub ends_prompt: bool,
 }
 
 impl SeqInput<'_> {

@@ -89,6 +89,7 @@ fn rows(
             pages,
             windows: pages,
             decode: n == 1,
+            ends_prompt: false,
         };
         let l = m.forward_rows(pool, &[seq], &[true]).unwrap().remove(0);
         out.extend(l.chunks_exact(v).map(<[f32]>::to_vec));
@@ -205,6 +206,7 @@ fn at_each_tp_size_batches_chunks_and_moved_prefixes_give_the_same_bits() {
                 pages: &pa,
                 windows: &pa,
                 decode: false,
+                ends_prompt: false,
             },
             SeqInput {
                 tokens: &b,
@@ -212,6 +214,7 @@ fn at_each_tp_size_batches_chunks_and_moved_prefixes_give_the_same_bits() {
                 pages: &pb,
                 windows: &pb,
                 decode: false,
+                ends_prompt: false,
             },
         ];
         let out = m.forward_rows(&pool, &seqs, &[false, true]).unwrap();
@@ -311,6 +314,7 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         pages: &pages,
         windows: &pages,
         decode: false,
+        ends_prompt: false,
     };
     let e = two
         .forward_rows(&p, &[seq], &[false])
@@ -336,6 +340,7 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         pages: &pages,
         windows: &pages,
         decode: false,
+        ends_prompt: false,
     };
     let e = half
         .forward_rows(&p, &[seq], &[false])

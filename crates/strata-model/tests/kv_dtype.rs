@@ -52,6 +52,7 @@ fn run(m: &dyn Runtime, pool: &DevicePool, toks: &[u32], pos: usize, pages: &[u3
         pages,
         windows: &[],
         decode: false,
+        ends_prompt: false,
     };
     m.forward_rows(pool, &[seq], &[true]).unwrap().concat()
 }

@@ -159,8 +159,9 @@ fn cache_equivalence_chunks_and_prefixes() {
     }
 }
 
-/// A prompt's last logits are the same bits whatever was cached before its rest: any prefix,
-/// down to the prompt's last token alone (prompt rows, not a decode step).
+/// A prompt's last logits are the same bits whatever was cached before its rest and however
+/// the rest was chunked: any prefix, down to the prompt's last token alone (prompt rows, the
+/// last one marked as the prompt's end, as the engine marks it).
 #[test]
 fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
     let (_d, _g, m) = load(&TinySpec::default());
@@ -175,6 +176,7 @@ fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
             pages,
             windows: &[],
             decode: false,
+            ends_prompt: pos + tokens.len() == n,
         };
         m.forward(&pl, &[s], false).unwrap().remove(0)
     };
@@ -183,7 +185,14 @@ fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
     for cached in [1, 8, 20, n - 2, n - 1] {
         let b: Vec<u32> = (20..25).collect();
         seq(&toks[..cached], 0, &b);
-        let rest = seq(&toks[cached..], cached, &b);
+        // The rest in chunks of 3: the prompt's end comes in the last one.
+        let mut at = cached;
+        let mut rest = Vec::new();
+        while at < n {
+            let end = (at + 3).min(n);
+            rest = seq(&toks[at..end], at, &b);
+            at = end;
+        }
         let same = whole
             .iter()
             .zip(&rest)
@@ -240,6 +249,7 @@ fn batched_decode_and_greedy_continuations_match() {
                 pages: &c_pages,
                 windows: &[],
                 decode: false,
+                ends_prompt: false,
             },
             SeqInput {
                 tokens: &q,
@@ -247,6 +257,7 @@ fn batched_decode_and_greedy_continuations_match() {
                 pages: &d_pages,
                 windows: &[],
                 decode: false,
+                ends_prompt: false,
             },
         ],
         false,
@@ -262,6 +273,7 @@ fn batched_decode_and_greedy_continuations_match() {
                     pages: &c_pages,
                     windows: &[],
                     decode: true,
+                    ends_prompt: false,
                 },
                 SeqInput {
                     tokens: &[7],
@@ -269,6 +281,7 @@ fn batched_decode_and_greedy_continuations_match() {
                     pages: &d_pages,
                     windows: &[],
                     decode: true,
+                    ends_prompt: false,
                 },
             ],
             false,
@@ -347,6 +360,7 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[0],
                 windows: &[],
                 decode: false,
+                ends_prompt: false,
             }],
             false,
         )
@@ -366,6 +380,7 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[0],
                 windows: &[],
                 decode: false,
+                ends_prompt: false,
             }],
             false,
         )
@@ -382,6 +397,7 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[99],
                 windows: &[],
                 decode: false,
+                ends_prompt: false,
             }],
             false,
         )

@@ -325,6 +325,7 @@ fn prefill_and_decode(
             pages: &page_list,
             windows,
             decode: toks.len() == 1 && pos > 0,
+            ends_prompt: false,
         };
         m.forward_rows(&pool, &[seq], &[false])?;
         Ok(())

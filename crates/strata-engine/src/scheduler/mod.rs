@@ -421,6 +421,7 @@ impl Scheduler {
                     pages: r.lease().pages(),
                     windows: r.lease().windows(),
                     decode: at >= r.prompt_len,
+                    ends_prompt: at < r.prompt_len && at + n == r.prompt_len,
                 }
             })
             .collect();

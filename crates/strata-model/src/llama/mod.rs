@@ -311,6 +311,7 @@ impl Model {
             pages,
             windows: &[],
             decode,
+            ends_prompt: false,
         };
         let mut v = self.forward(pool, &[seq], all_logits)?;
         Ok(v.remove(0))
@@ -563,8 +564,19 @@ impl Model {
             let mut r0 = 0;
             while r0 < n_rows {
                 let si = rows[first + r0].0;
+                let s = &seqs[si];
+                // A decode step's row, and the prompt's last token, read the pages alone.
+                let last = s.pos + s.tokens.len() - 1;
+                let alone = |r: usize| {
+                    rows[first + r].1 == last && (s.ends_prompt || gathered[si].is_none())
+                };
                 let mut r1 = r0 + 1;
-                while r1 < n_rows && r1 - r0 < attn::TILE_ROWS && rows[first + r1].0 == si {
+                while r1 < n_rows
+                    && r1 - r0 < attn::TILE_ROWS
+                    && rows[first + r1].0 == si
+                    && !alone(r0)
+                    && !alone(r1)
+                {
                     r1 += 1;
                 }
                 pos.clear();
@@ -572,11 +584,8 @@ impl Model {
                 let qs = &q[(first + r0) * h..(first + r1) * h];
                 let o = &mut chunk[r0 * h..r1 * h];
                 match &gathered[si] {
-                    Some(kv) => attn::tile(shape, kv, qs, &pos, o, scale),
-                    None => {
-                        let s = &seqs[si];
-                        attn::row(shape, kp, vp, s.pages, ps, qs, pos[0], o, scale)
-                    }
+                    Some(kv) if !alone(r0) => attn::tile(shape, kv, qs, &pos, o, scale),
+                    _ => attn::row(shape, kp, vp, s.pages, ps, qs, pos[0], o, scale),
                 }
                 r0 = r1;
             }
@@ -611,10 +620,10 @@ struct Batch<'a> {
     paths: &'a [Path],
 }
 
-/// Gathers the K/V of each sequence with several rows, or with prompt rows, up to the last
-/// position this call attends to (a decode step's single row reads the pages directly). A
-/// prompt's last token left alone after a cache hit takes the tile as every other prompt row
-/// does: its bits (the prompt's logits) do not depend on how much of the prompt was cached.
+/// Gathers the K/V of each sequence with rows for the tile up to the last position this call
+/// attends to: every row but a decode step's single row and the prompt's last token
+/// ([`SeqInput::ends_prompt`]), which read the pages directly (so a prompt's last token is
+/// computed the same way alone, after a cache hit, as at the end of a chunk).
 fn gather(
     shape: attn::Shape,
     kp: attn::Plane,
@@ -630,8 +639,12 @@ fn gather(
     seqs.iter()
         .zip(&ctx)
         .map(|(s, &n)| {
-            (s.tokens.len() > 1 || !s.decode)
-                .then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
+            let tiled = match s.decode {
+                true if s.tokens.len() == 1 => 0,
+                true => s.tokens.len(),
+                false => s.tokens.len() - usize::from(s.ends_prompt),
+            };
+            (tiled > 0).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
         })
         .collect()
 }

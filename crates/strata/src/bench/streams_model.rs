@@ -98,6 +98,7 @@ pub fn run(
         pages: &pages[s],
         windows: &[],
         decode,
+        ends_prompt: false,
     };
     let t = Instant::now();
     for group in (0..most).collect::<Vec<_>>().chunks(8) {
