@@ -105,15 +105,19 @@ proptest! {
 
 /// The file with the u32 value of metadata key `key` replaced by `v`.
 fn with_u32(key: &str, v: u32) -> Vec<u8> {
-    let mut b = valid_dsv4();
+    patched(valid_dsv4(), key, 4, v.to_le_bytes())
+}
+
+/// `b` (a GGUF) with the 4-byte value of `key` (of GGUF type `ty`) replaced by `v`.
+fn patched(mut b: Vec<u8>, key: &str, ty: u32, v: [u8; 4]) -> Vec<u8> {
     let k = key.as_bytes();
     let at = b
         .windows(k.len())
         .position(|w| w == k)
         .expect("the key is in the file")
         + k.len();
-    assert_eq!(b[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
-    b[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+    assert_eq!(b[at..at + 4], ty.to_le_bytes(), "{key}'s type");
+    b[at + 4..at + 8].copy_from_slice(&v);
     b
 }
 
@@ -230,20 +234,6 @@ fn a_fifo_a_directory_or_a_device_is_refused_at_once() {
     }
 }
 
-/// The tiny llama model with the 4-byte value of `key` (of GGUF type `ty`) replaced by `v`.
-fn llama_with(key: &str, ty: u32, v: [u8; 4]) -> Vec<u8> {
-    let mut b = valid();
-    let k = key.as_bytes();
-    let at = b
-        .windows(k.len())
-        .position(|w| w == k)
-        .expect("the key is in the file")
-        + k.len();
-    assert_eq!(b[at..at + 4], ty.to_le_bytes(), "{key}'s type");
-    b[at + 4..at + 8].copy_from_slice(&v);
-    b
-}
-
 /// Numbers that would make every logit NaN, or a special token the vocabulary lacks, are
 /// refused by name at load, not served as garbage.
 #[test]
@@ -284,7 +274,7 @@ fn nonsense_numbers_and_special_tokens_are_refused_by_name() {
     ] {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("f.gguf");
-        std::fs::write(&p, llama_with(key, ty, v)).unwrap();
+        std::fs::write(&p, patched(valid(), key, ty, v)).unwrap();
         let g = Gguf::open(&p);
         let e = match g {
             Err(e) => e.to_string(),

@@ -64,6 +64,17 @@ fn ceilings(m: &BenchModel, threads: usize) -> (f64, f64) {
 /// context in its own pages, all streams in one forward call per step) and prints tokens/s,
 /// FLOP/s and bytes/s next to the measured ceilings: each row's share of the kernel's is
 /// against the best of windows of it timed between the row's repetitions.
+/// `n` streams' tokens, `len` each: spread over the vocabulary, different per stream.
+fn stream_tokens(n: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|s| {
+            (0..len)
+                .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
+                .collect()
+        })
+        .collect()
+}
+
 pub fn run(
     m: &BenchModel,
     streams: &[usize],
@@ -85,13 +96,7 @@ pub fn run(
     let pages: Vec<Vec<u32>> = (0..most)
         .map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect())
         .collect();
-    let toks: Vec<Vec<u32>> = (0..most)
-        .map(|s| {
-            (0..ctx + steps)
-                .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
-                .collect()
-        })
-        .collect();
+    let toks = stream_tokens(most, ctx + steps, vocab);
     let seq = |s: usize, a: usize, b: usize, decode: bool| SeqInput {
         tokens: &toks[s][a..b],
         pos: a,
