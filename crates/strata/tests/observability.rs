@@ -530,6 +530,22 @@ fn attr_after<'a>(dom: &'a str, from: &str, name: &str) -> &'a str {
 fn check_history(router: u16, p: u16, dd: u16, prefill_pid: i32, tmp: &Path) {
     let url = format!("http://127.0.0.1:{router}/dashboard");
     let profile = tmp.join("chromium-history");
+    // Wait for the workers' device occupancy to hold still for longer than the router's
+    // one-second scrape (a lease released after the last answer moves it): the chart's last
+    // point is then the figure /metrics gives.
+    let used = |port: u16| {
+        let m = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);
+        value(&m, "strata_cache_pages{tier=\"device\",state=\"used\"}")
+    };
+    let mut last = (used(p), used(dd));
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(2500));
+        let now = (used(p), used(dd));
+        if now == last {
+            break;
+        }
+        last = now;
+    }
     let (dom, console) = dump(&url, &profile, 3000);
     assert!(
         console.is_empty(),
