@@ -222,17 +222,22 @@ fn stop_strings(s: &Sampling) -> Result<Vec<String>, ApiError> {
 /// default).
 fn max_tokens(st: &AppState, s: &Sampling, prompt_len: usize) -> Result<usize, ApiError> {
     let info = st.engine.info();
+    // The error names the field the request used.
+    let field = match s.max_completion_tokens {
+        Some(_) => "max_completion_tokens",
+        None => "max_tokens",
+    };
     match s.max_completion_tokens.or(s.max_tokens) {
         Some(0) => Err(ApiError::bad_request(
-            "max_tokens must be at least 1",
-            Some("max_tokens"),
+            format!("{field} must be at least 1"),
+            Some(field),
         )),
         Some(m) if m > info.context_length => Err(ApiError::bad_request(
             format!(
-                "max_tokens {m} exceeds the context length ({} tokens)",
+                "{field} {m} exceeds the context length ({} tokens)",
                 info.context_length
             ),
-            Some("max_tokens"),
+            Some(field),
         )
         .with_code("context_length_exceeded")),
         Some(m) => Ok(m),

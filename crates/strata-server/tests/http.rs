@@ -450,6 +450,14 @@ async fn malformed_requests_get_json_errors_and_the_server_stays_healthy() {
             Some("messages[0].role"),
         ),
         (
+            // The error names the field the request used.
+            raw(r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}"#)
+                .await
+                .unwrap(),
+            400,
+            Some("max_completion_tokens"),
+        ),
+        (
             raw(r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}"#)
                 .await
                 .unwrap(),

@@ -60,8 +60,14 @@ enum LogFormat {
 /// Logs to stderr; ANSI colours only when stderr is a terminal (a log file gets plain text).
 fn init_logs(format: LogFormat) {
     use std::io::IsTerminal;
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into());
+    // A $STRATA_LOG that does not parse is said (after the logger starts), not dropped unseen.
+    let (filter, bad) = match std::env::var("STRATA_LOG") {
+        Err(_) => (tracing_subscriber::EnvFilter::new("info"), None),
+        Ok(v) => match tracing_subscriber::EnvFilter::try_new(&v) {
+            Ok(f) => (f, None),
+            Err(e) => (tracing_subscriber::EnvFilter::new("info"), Some((v, e))),
+        },
+    };
     // A log line that cannot be written (stderr closed: a supervisor gone, a pipe nobody
     // reads) is dropped: the default would report it with eprintln!, which panics, and take
     // the request being logged down with it.
@@ -72,6 +78,9 @@ fn init_logs(format: LogFormat) {
     match format {
         LogFormat::Text => b.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => b.json().init(),
+    }
+    if let Some((v, e)) = bad {
+        tracing::warn!(value = %v, error = %e, "$STRATA_LOG does not parse (e.g. `info`, `strata=debug,warn`): logging at info");
     }
 }
 

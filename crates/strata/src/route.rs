@@ -88,6 +88,12 @@ pub fn run(a: RouteArgs) -> Result<()> {
     use crate::http_args::check_seconds;
     check_seconds("--health-interval", a.health_interval, 0.0, false)?;
     check_seconds("--stream-idle-timeout", a.stream_idle_timeout, 0.1, true)?;
+    if a.stream_idle_timeout <= 15.0 {
+        eprintln!(
+            "strata route: --stream-idle-timeout {} s is not above the workers' 15 s keep-alive: a stream with nothing to say for that long is cut",
+            a.stream_idle_timeout
+        );
+    }
     check_seconds("--index-interval", a.index_interval, 0.0, false)?;
     check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
     let keys = api_keys(&a)?;
