@@ -254,3 +254,24 @@ fn a_busy_port_is_refused_first_and_help_offers_only_what_serve_takes() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A disk tier smaller than one page is refused once the model says how large a page is,
+/// before any pool is allocated.
+#[test]
+fn a_disk_tier_that_holds_no_page_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("tiny.gguf");
+    strata_model::tiny::write_tiny(&model, &strata_model::tiny::TinySpec::default()).unwrap();
+    let disk = format!("disk:{}", d.path().join("l3").display());
+    let out = strata()
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .args(["--device-mem", "1MiB", "--l3", &disk, "--l3-size", "1KiB"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--l3-size 1KiB (1024 bytes): the disk tier would hold no page"),
+        "{err}"
+    );
+}

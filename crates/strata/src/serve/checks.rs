@@ -275,6 +275,24 @@ pub(super) fn is_redis(spec: &str) -> bool {
     spec.starts_with("redis://") || spec.starts_with("redis-cluster://")
 }
 
+/// A disk tier holds at least one page (with its header) of `page_bytes`, once the model's
+/// layout says how large a page is, before any pool is allocated: a smaller `--l3-size` would
+/// be a tier that stores nothing and says so only as misses.
+pub(super) fn check_l3_size(a: &ServeArgs, page_bytes: u64) -> Result<()> {
+    if !a.l3.iter().any(|s| s.starts_with("disk:")) {
+        return Ok(());
+    }
+    let cap = parse_size(&a.l3_size).context("--l3-size")?;
+    let one = page_bytes + strata_kv::storage::blob::HEADER as u64;
+    if cap < one {
+        bail!(
+            "--l3-size {} ({cap} bytes): the disk tier would hold no page (each takes {one} bytes with its header)",
+            a.l3_size
+        );
+    }
+    Ok(())
+}
+
 /// Longest `--l3-ttl` (10 years): Redis refuses an expiry past its clock's range, and every
 /// write would then fail at run time.
 const MAX_L3_TTL: u64 = 10 * 365 * 24 * 3600;

@@ -294,6 +294,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;
     tp::check_plan_layout(&plan, &layout)?;
+    checks::check_l3_size(&a, layout.page_bytes() as u64)?;
     if kv.is_some() {
         check_staging_before_pools(&a, &c, &*model, &plan, &layout)?;
     }
