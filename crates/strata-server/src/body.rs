@@ -66,6 +66,13 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     Ok(v)
 }
 
+/// The first key of the object `o` that is not among `keys` (a key a request sent that would
+/// be dropped unseen); None for a non-object.
+pub(crate) fn unread_key<'a>(o: &'a Value, keys: &[&str]) -> Option<&'a str> {
+    let m = o.as_object()?;
+    m.keys().map(String::as_str).find(|k| !keys.contains(k))
+}
+
 /// [`parse_json`] for a body already parsed: the error names the field at fault.
 pub fn from_value<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(v).map_err(|e| invalid(e, || None))

@@ -129,10 +129,7 @@ const MAX_ITEMS: usize = 4096;
 /// and `logprobs` of an earlier answer's items sent back, one that asks for nothing): any
 /// other is refused by name, never dropped unseen.
 fn only_keys(o: &Value, keys: &[&str], what: &str, param: &str) -> Result<(), ApiError> {
-    let extra = o
-        .as_object()
-        .and_then(|m| m.keys().find(|k| !keys.contains(&k.as_str())));
-    match extra {
+    match crate::body::unread_key(o, keys) {
         Some(k) => Err(bad(
             format!("{what}: `{k}` is not served (it takes {})", keys.join(", ")),
             param,

@@ -60,11 +60,9 @@ fn choice_of(v: Option<&Value>) -> Result<Option<ToolChoice>, ApiError> {
         }),
         Some(o) => {
             // Every key read, or the choice refused: none is dropped unseen.
-            let extra = |o: &Value, keys: &[&str]| {
-                o.as_object()
-                    .and_then(|m| m.keys().find(|k| !keys.contains(&k.as_str())).cloned())
-            };
-            let key = extra(o, &["type", "function"]).or_else(|| extra(&o["function"], &["name"]));
+            use crate::body::unread_key;
+            let key = unread_key(o, &["type", "function"])
+                .or_else(|| unread_key(&o["function"], &["name"]));
             if let Some(k) = key {
                 return Err(bad(
                     format!("tool_choice: `{k}` is not served ({{\"type\": \"function\", \"function\": {{\"name\": ...}}}} only)"),

@@ -72,7 +72,7 @@ pub(super) fn check_staging_before_pools(
     }
     let longest = model.context_length().min(device / ps * ps);
     super::kv::check_staging(
-        &kv_flags(a),
+        &kv_flags(a, c),
         c.kv_staging,
         longest,
         ps,
@@ -95,6 +95,8 @@ pub(super) struct Checked {
     /// `--record-trace`'s file, opened (emptied, locked) by [`open_record_trace`] before
     /// anything is allocated.
     pub record_trace: Option<std::fs::File>,
+    /// `--kv-host`:`--kv-port`, resolved once.
+    pub kv_addr: SocketAddr,
 }
 
 /// Opens `--record-trace`'s file (made or emptied, locked), once every flag is good and
@@ -133,7 +135,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     check_l3_specs(a)?;
     prefetch_policy(a)?;
     let addr = socket_of("--host", &a.host, a.port)?;
-    socket_of("--kv-host", &a.kv_host, a.kv_port)?;
+    let kv_addr = socket_of("--kv-host", &a.kv_host, a.kv_port)?;
     let cluster_key = cluster_key(a)?;
     crate::http_args::check_worker_urls("--prefill-worker", &a.prefill_worker)?;
     let http = a.http.limits(body_limit)?;
@@ -150,6 +152,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         responses,
         record_trace_size,
         record_trace: None,
+        kv_addr,
     })
 }
 

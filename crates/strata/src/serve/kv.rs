@@ -10,8 +10,8 @@ use strata_server::AppState;
 
 /// The `--kv-*` flags of `strata serve`.
 pub(crate) struct KvFlags<'a> {
-    pub host: &'a str,
-    pub port: u16,
+    /// `--kv-host`:`--kv-port`, resolved by the flag checks.
+    pub addr: std::net::SocketAddr,
     pub advertise: Option<&'a str>,
     /// `--kv-staging` as typed (for messages).
     pub staging_text: &'a str,
@@ -28,7 +28,7 @@ pub(crate) struct KvBound {
 /// Binds the KV-transfer listener and checks the address prefill workers are told: a port in
 /// use or an address they cannot reach is refused before the model or any pool is loaded.
 pub(crate) fn kv_bind(a: &KvFlags, keyed: bool) -> Result<KvBound> {
-    let kv_addr = super::checks::socket_of("--kv-host", a.host, a.port)?;
+    let kv_addr = a.addr;
     let listener = std::net::TcpListener::bind(kv_addr)
         .with_context(|| format!("cannot listen for KV transfers on {kv_addr}"))?;
     let advertise = kv_advertise(a.advertise, listener.local_addr()?)?;

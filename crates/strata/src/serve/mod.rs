@@ -273,7 +273,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let addr = std_listener.local_addr()?;
     // A decode worker's KV listener, likewise, and the address it announces.
     let kv = match c.role {
-        "decode" | "both" => Some(kv::kv_bind(&kv_flags(&a), c.cluster_key.is_some())?),
+        "decode" | "both" => Some(kv::kv_bind(&kv_flags(&a, &c), c.cluster_key.is_some())?),
         _ => None,
     };
     // The memory plan, printed before anything is allocated.
@@ -322,17 +322,22 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     configure(&mut st, &a, &mut c);
     if let Some(bound) = kv {
         let key = c.cluster_key.clone();
-        st.pd.kv = Some(kv::kv_start(bound, &kv_flags(&a), &st, c.kv_staging, key)?);
+        st.pd.kv = Some(kv::kv_start(
+            bound,
+            &kv_flags(&a, &c),
+            &st,
+            c.kv_staging,
+            key,
+        )?);
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
     serve_until_stopped(std_listener, addr, st, name, (c.role, c.http), grace)
 }
 
 /// The `--kv-*` flags.
-fn kv_flags(a: &ServeArgs) -> kv::KvFlags<'_> {
+fn kv_flags<'a>(a: &'a ServeArgs, c: &Checked) -> kv::KvFlags<'a> {
     kv::KvFlags {
-        host: &a.kv_host,
-        port: a.kv_port,
+        addr: c.kv_addr,
         advertise: a.kv_advertise.as_deref(),
         staging_text: &a.kv_staging,
         max_connections: a.kv_max_connections,
