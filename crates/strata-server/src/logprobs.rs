@@ -10,6 +10,11 @@ fn text(tk: &ModelTokenizer, id: u32) -> String {
     tk.decode_fragment(&[id]).unwrap_or_default()
 }
 
+/// Characters of the tokens' texts (what their `text_offset`s advance by).
+pub(crate) fn chars(tk: &ModelTokenizer, lps: &[TokenLogprobs]) -> usize {
+    lps.iter().map(|l| text(tk, l.token).chars().count()).sum()
+}
+
 /// A chat entry: the token's text and its own bytes (a part of a character, whose text is
 /// `�`, has its real bytes: joined, they are the output's UTF-8).
 fn chat_entry(tk: &ModelTokenizer, id: u32, lp: f32) -> Value {
@@ -90,6 +95,15 @@ pub(crate) fn render_prompt(tk: &ModelTokenizer, p: &PromptLogprobs) -> Value {
         }
     }
     v
+}
+
+/// The `text_offset` just past the last token of completions-shaped `logprobs` (None when it
+/// has none): where the tokens after them start, counted the way their own offsets are (a
+/// character split over two tokens counts once per token, as each token's text is `�`).
+pub(crate) fn after(v: &Value) -> Option<usize> {
+    let offset = v["text_offset"].as_array()?.last()?.as_u64()?;
+    let token = v["tokens"].as_array()?.last()?.as_str()?;
+    Some(offset as usize + token.chars().count())
 }
 
 /// Two completions-shaped `logprobs` one after the other.

@@ -140,8 +140,10 @@ pub(crate) struct Answer {
     prompt: usize,
     completion: usize,
     cached: CachedTokens,
-    /// Log probabilities of tokens whose text is not out yet.
+    /// Log probabilities of tokens whose text is not out yet, and how many went out before
+    /// them.
     logprobs: Vec<TokenLogprobs>,
+    logprobs_out: usize,
     /// The prompt's log probabilities (requests that asked for them), rendered once.
     prompt_lps: Option<Arc<Value>>,
     /// The request's log line, told of tokens and of the end (None once told).
@@ -161,6 +163,7 @@ impl Answer {
             completion: 0,
             cached: CachedTokens::default(),
             logprobs: Vec::new(),
+            logprobs_out: 0,
             prompt_lps: None,
             log: crate::request_log::current(),
         }
@@ -185,9 +188,19 @@ impl Answer {
         self.prompt_lps.as_deref()
     }
 
-    /// A text step with the log probabilities gathered for it.
+    /// A text step with the log probabilities of the tokens whose text it ends: a token's
+    /// entry goes out with the chunk that completes its text, so text held back (a possible
+    /// stop string, half a character) holds its tokens' entries too; at the end every entry
+    /// left goes (the tokens a stop string cut, and an evaluation's entry for the end token).
     fn text_step(&mut self, d: String) -> Step {
-        Step::Text(d, std::mem::take(&mut self.logprobs))
+        let n = match self.rs {
+            None => self.logprobs.len(),
+            Some(_) => {
+                (self.text.settled().saturating_sub(self.logprobs_out)).min(self.logprobs.len())
+            }
+        };
+        self.logprobs_out += n;
+        Step::Text(d, self.logprobs.drain(..n).collect())
     }
 
     fn usage(&self) -> Usage {
@@ -230,9 +243,6 @@ impl Answer {
                     l.token();
                 }
                 let d = self.text.push(&self.st.tokenizer, t);
-                if !d.is_empty() {
-                    out.push(self.text_step(d));
-                }
                 if self.text.stopped() {
                     self.rs = None;
                     self.st
@@ -240,7 +250,12 @@ impl Answer {
                         .e2e
                         .observe(self.started.elapsed().as_secs_f64());
                     self.log_end("stop");
+                    if !d.is_empty() || !self.logprobs.is_empty() {
+                        out.push(self.text_step(d));
+                    }
                     out.push(Step::End(End::Finished(FinishReason::Stop, true)));
+                } else if !d.is_empty() {
+                    out.push(self.text_step(d));
                 }
             }
             Some(Event::Done {
@@ -261,10 +276,10 @@ impl Answer {
                     _ => {}
                 }
                 let d = self.text.finish(&self.st.tokenizer);
+                self.rs = None;
                 if !d.is_empty() || !self.logprobs.is_empty() {
                     out.push(self.text_step(d));
                 }
-                self.rs = None;
                 self.log_end(finish_name(&reason, false));
                 out.push(Step::End(End::Finished(reason, false)));
             }
@@ -352,7 +367,8 @@ pub(crate) fn choice_json(
     let tk = &st.tokenizer;
     let logprobs = match (job.logprobs, prompt.filter(|_| job.prompt_logprobs)) {
         (true, Some(p)) => {
-            let at = job.echo.as_ref().map_or(0, |e| e.chars().count());
+            let at = crate::logprobs::after(&p);
+            let at = at.unwrap_or(job.echo.as_ref().map_or(0, |e| e.chars().count()));
             let gen = crate::logprobs::render(tk, false, lps, at);
             crate::logprobs::concat(p, gen)
         }
@@ -438,8 +454,10 @@ pub(crate) struct Streaming {
     owns_end: bool,
     /// A chat delta with the role was sent.
     started: bool,
-    /// Characters of text sent (completions' `text_offset`).
-    sent_chars: usize,
+    /// Characters before the next token's (completions' `text_offset`): the echo's, then each
+    /// token's own text, as a whole answer counts them (text held back for a stop string does
+    /// not shift them).
+    offset_chars: usize,
     /// Chat with tools: the answer's text → content and calls.
     tools: Option<crate::tools::ToolStream>,
     /// Completions' echo was sent.
@@ -461,7 +479,7 @@ impl Streaming {
             index,
             owns_end,
             started: false,
-            sent_chars: 0,
+            offset_chars: 0,
             tools,
             echoed: false,
         }
@@ -529,12 +547,12 @@ impl Streaming {
                         &st.tokenizer,
                         self.job.kind == Kind::Chat,
                         &lps,
-                        self.sent_chars,
+                        self.offset_chars,
                     ),
                     false => Value::Null,
                 };
                 out.push(self.chunk_with(Some(&d), None, lp));
-                self.sent_chars += d.chars().count();
+                self.offset_chars += crate::logprobs::chars(&st.tokenizer, &lps);
                 self.started = true;
             }
             Step::Failed(m) => {
@@ -582,8 +600,8 @@ impl Streaming {
             (true, None) if last => Value::Null,
             (true, None) => return,
         };
+        self.offset_chars += crate::logprobs::after(&lp).unwrap_or(e.chars().count());
         out.push(self.chunk_with(Some(&e), None, lp));
-        self.sent_chars += e.chars().count();
         self.echoed = true;
     }
 

@@ -17,6 +17,13 @@ pub struct TextStream {
     stopped: bool,
     /// Stop strings count only once this many tokens were generated (`min_tokens`).
     min_tokens: usize,
+    /// Bytes of text decoded and released so far, and where each token's text ends (tokens
+    /// counted, bytes decoded) for tokens not yet wholly released.
+    decoded: usize,
+    released: usize,
+    ends: std::collections::VecDeque<(usize, usize)>,
+    /// Tokens whose text is wholly out (released, or cut by a stop string).
+    settled: usize,
 }
 
 impl TextStream {
@@ -29,6 +36,10 @@ impl TextStream {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             stopped: false,
             min_tokens: 0,
+            decoded: 0,
+            released: 0,
+            ends: Default::default(),
+            settled: 0,
         }
     }
 
@@ -42,6 +53,12 @@ impl TextStream {
     /// True once a stop string was found: nothing more will be released.
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// Tokens whose text is wholly out: released, or past a stop string (every token once
+    /// stopped or finished). A token's log probability goes out with the text that ends it.
+    pub fn settled(&self) -> usize {
+        self.settled
     }
 
     /// Adds one token; returns the text that can be released now.
@@ -66,6 +83,8 @@ impl TextStream {
         self.prefix = self.read;
         self.read = self.ids.len();
         self.held.push_str(delta);
+        self.decoded += delta.len();
+        self.ends.push_back((self.read, self.decoded));
         self.release()
     }
 
@@ -73,6 +92,7 @@ impl TextStream {
     /// included though they end in the middle of a character (its bytes shown as `�`, as a
     /// whole decode shows them: generated and counted, never dropped).
     pub fn finish(&mut self, tk: &ModelTokenizer) -> String {
+        self.settle_all();
         if self.stopped {
             return String::new();
         }
@@ -93,7 +113,27 @@ impl TextStream {
         std::mem::take(&mut self.held)
     }
 
+    fn settle_all(&mut self) {
+        self.settled = self.ids.len();
+        self.ends.clear();
+    }
+
     fn release(&mut self) -> String {
+        let out = self.cut();
+        self.released += out.len();
+        while let Some(&(tokens, end)) = self.ends.front() {
+            if end > self.released {
+                break;
+            }
+            self.settled = tokens;
+            self.ends.pop_front();
+        }
+        out
+    }
+
+    /// The held text that can go out now (all of it, or what precedes a stop string or a
+    /// possible start of one).
+    fn cut(&mut self) -> String {
         if self.ids.len() < self.min_tokens {
             return std::mem::take(&mut self.held);
         }
@@ -104,6 +144,7 @@ impl TextStream {
             .min()
         {
             self.stopped = true;
+            self.settle_all();
             let out = self.held[..at].to_string();
             self.held.clear();
             return out;
@@ -250,5 +291,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A token is settled once all of its text is out: a possible stop string's start and
+    /// the first half of a character hold their tokens back; a stop string settles all.
+    #[test]
+    fn tokens_settle_when_their_text_is_out() {
+        let (_d, tk) = tk();
+        let ids = tk.encode("one 東 two").unwrap();
+        let mut s = TextStream::new(vec!["two!".into()]);
+        let (mut out, mut text) = (String::new(), String::new());
+        for (n, &id) in ids.iter().enumerate() {
+            out += &s.push(&tk, id);
+            text = tk.decode(&ids[..=n]).unwrap();
+            // Every settled token's text is out; the rest of the text is held or incomplete.
+            let settled = tk.decode(&ids[..s.settled()]).unwrap();
+            assert!(out.starts_with(&settled), "{settled:?} / {out:?}");
+            assert!(s.settled() <= n + 1);
+        }
+        assert!(
+            out.len() < text.len() && s.settled() < ids.len(),
+            "no text held back"
+        );
+        out += &s.finish(&tk);
+        assert_eq!((out, s.settled()), (text, ids.len()));
+        let mut s = TextStream::new(vec!["e 東".into()]);
+        for &id in &ids {
+            s.push(&tk, id);
+        }
+        assert!(s.stopped() && s.settled() == s.ids.len());
     }
 }

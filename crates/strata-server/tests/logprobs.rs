@@ -279,3 +279,132 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
     );
     w.stop().await;
 }
+
+/// A stop string holds text back; the entries of its tokens wait with it. Each streamed
+/// entry comes with (or after) the text of its token, never before it; all of them together,
+/// offsets included, are the whole answer's, which covers every generated token (the ones the
+/// stop string cut too, as `usage` counts them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_logprobs_wait_for_text_a_stop_string_holds() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let url = format!("{}/v1/completions", w.url);
+    let free = json!({"prompt": "one two three", "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 1});
+    let (st, f) = post(&url, &free).await;
+    assert_eq!(st, 200, "{f}");
+    let tokens: Vec<String> = entries(&f["choices"][0]["logprobs"])
+        .into_iter()
+        .map(|e| e.0)
+        .collect();
+    // A stop string that starts inside one token (its last character, held back when it
+    // comes) and ends with the next token: the first such pair whose texts are whole
+    // characters and whose stop string is not met earlier.
+    let whole: String = tokens.concat();
+    let (k, stop) = (1..tokens.len() - 1)
+        .find_map(|k| {
+            let (a, b) = (&tokens[k], &tokens[k + 1]);
+            let last = a.chars().last()?;
+            let stop = format!("{last}{b}");
+            let at: usize =
+                tokens[..k].iter().map(|t| t.len()).sum::<usize>() + a.len() - last.len_utf8();
+            let plain = |t: &str| !t.is_empty() && !t.contains('\u{fffd}');
+            (plain(a) && plain(b) && whole.find(&stop) == Some(at)).then_some((k, stop))
+        })
+        .unwrap_or_else(|| panic!("no stop string to hold back in {tokens:?}"));
+    let mut body = free.clone();
+    body["stop"] = json!([stop]);
+    body["max_tokens"] = json!(k + 4);
+    let (st, a) = post(&url, &body).await;
+    assert_eq!(st, 200, "{a}");
+    let c = &a["choices"][0];
+    assert_eq!(c["finish_reason"], "stop", "{a}");
+    let all = entries(&c["logprobs"]);
+    assert_eq!(
+        all.len(),
+        k + 2,
+        "every generated token, the stop's too: {a}"
+    );
+    assert_eq!(a["usage"]["completion_tokens"], k + 2, "{a}");
+    let text = c["text"].as_str().unwrap();
+    assert_eq!(format!("{text}{stop}"), tokens[..k + 2].concat());
+
+    body["stream"] = json!(true);
+    let chunks = sse(&post_text(&url, &body).await);
+    // (sent, said) after each chunk: the text so far, and the texts of the entries so far.
+    let mut seen = Vec::new();
+    let (mut sent, mut said) = (String::new(), String::new());
+    for ch in &chunks {
+        let choice = &ch["choices"][0];
+        sent += choice["text"].as_str().unwrap_or("");
+        if choice["logprobs"].is_object() {
+            for e in entries(&choice["logprobs"]) {
+                said += &e.0;
+            }
+        }
+        seen.push((sent.clone(), said.clone()));
+    }
+    // The last entries (the stop string's tokens) come with the end; every earlier entry
+    // came with its text or after it.
+    let last = seen.iter().position(|(_, s)| *s == said).unwrap();
+    for (sent, said) in &seen[..last] {
+        assert!(
+            sent.starts_with(said),
+            "an entry before its text: {said:?} / {sent:?}"
+        );
+    }
+    assert!(format!("{sent}{stop}").starts_with(&said), "{said:?}");
+    assert_eq!(sent, text);
+    let joined: Vec<Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["logprobs"])
+        .filter(|l| l.is_object())
+        .flat_map(|l| {
+            let n = l["tokens"].as_array().unwrap().len();
+            (0..n).map(|i| json!([l["tokens"][i], l["token_logprobs"][i], l["text_offset"][i]]))
+        })
+        .collect();
+    let whole_entries: Vec<Value> = (0..all.len())
+        .map(|i| {
+            let l = &c["logprobs"];
+            json!([l["tokens"][i], l["token_logprobs"][i], l["text_offset"][i]])
+        })
+        .collect();
+    assert_eq!(joined, whole_entries);
+    w.stop().await;
+}
+
+/// With a character split over prompt tokens (each part's text `�`), the completion's offsets
+/// go on from the prompt's, whole and streamed: they never go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_offsets_go_on_past_a_split_character() {
+    let d = tempfile::tempdir().unwrap();
+    let w = spawn_worker(&tiny_model(d.path()), WorkerSpec::default()).await;
+    let url = format!("{}/v1/completions", w.url);
+    let body = json!({"prompt": "tea 🙂 time", "max_tokens": 4, "temperature": 0,
+                      "ignore_eos": true, "echo": true, "logprobs": 1});
+    let (st, a) = post(&url, &body).await;
+    assert_eq!(st, 200, "{a}");
+    let l = &a["choices"][0]["logprobs"];
+    let all = entries(l);
+    assert!(
+        all.iter().any(|e| e.0 == "\u{fffd}"),
+        "no split character: {l}"
+    );
+    let offsets: Vec<usize> = serde_json::from_value(l["text_offset"].clone()).unwrap();
+    let mut at = 0;
+    for (o, e) in offsets.iter().zip(&all) {
+        assert_eq!(*o, at, "{l}");
+        at += e.0.chars().count();
+    }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let joined: Vec<Value> = sse(&post_text(&url, &streamed).await)
+        .iter()
+        .map(|c| &c["choices"][0]["logprobs"])
+        .filter(|l| l.is_object())
+        .flat_map(|l| l["text_offset"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(joined, l["text_offset"].as_array().unwrap().clone());
+    w.stop().await;
+}

@@ -286,6 +286,14 @@ fn what_if_machine_plans_the_seed_scenario_anywhere() {
     );
     assert!(e.contains("--numa-policy interleave"), "{e}");
     assert!(e.contains("split the cache over servers"), "{e}");
+    // A size per rank is echoed as typed, not as the whole pages it makes.
+    let o = strata(&["plan", "--hicache-size", "150GB", "--machine", "1x100GB"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = err(&o);
+    assert!(
+        e.contains("--hicache-size 150GB per rank × 1 rank = 150GB + "),
+        "{e}"
+    );
 }
 
 /// A device pool too big for the node: the advice names --device-mem (the flag given), in its

@@ -115,13 +115,15 @@ fn asked_for(req: &PlanRequest, s: &Sizes) -> String {
     let ht = req.host_text.as_deref();
     match req.host {
         Some(HostBudget::PerRank(b)) => format!(
-            "--hicache-size {} per rank × {tp} ranks = {}",
+            "--hicache-size {} per rank × {tp} {} = {}",
             typed_like(b, ht),
-            typed_like(s.server_host, ht)
+            ranks(tp),
+            typed_like(b.saturating_mul(tp), ht)
         ),
         Some(HostBudget::Total(b)) => format!(
-            "--hicache-total {} ({tp} ranks × {})",
+            "--hicache-total {} ({tp} {} × {})",
             typed_like(b, ht),
+            ranks(tp),
             typed_like(b / tp, ht)
         ),
         Some(HostBudget::Ratio(r)) => format!(
@@ -130,9 +132,18 @@ fn asked_for(req: &PlanRequest, s: &Sizes) -> String {
             gb(s.host_bytes)
         ),
         None => format!(
-            "--device-mem {} per rank × {tp} ranks",
-            typed_like(s.device_budget, req.device_text.as_deref())
+            "--device-mem {} per rank × {tp} {}",
+            typed_like(s.device_budget, req.device_text.as_deref()),
+            ranks(tp)
         ),
+    }
+}
+
+fn ranks(tp: u64) -> &'static str {
+    if tp == 1 {
+        "rank"
+    } else {
+        "ranks"
     }
 }
 
