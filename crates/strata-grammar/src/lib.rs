@@ -90,7 +90,13 @@ pub struct Grammars {
     factory: ParserFactory,
     /// The tokens that end a constrained output (the model's stop tokens).
     ends: Vec<u32>,
+    /// Hashes of constraints [`Grammars::check`] found valid (at most [`CHECKED`]).
+    checked: Mutex<std::collections::HashSet<u64>>,
+    keys: std::collections::hash_map::RandomState,
 }
+
+/// Valid constraints [`Grammars::check`] remembers; when full it forgets them all.
+pub const CHECKED: usize = 1024;
 
 impl Grammars {
     /// Builds the token trie of `tk` (a model of `vocab` tokens); its stop tokens end a
@@ -113,7 +119,12 @@ impl Grammars {
             verbose_errors: false,
             ..ParserLimits::default()
         };
-        Ok(Grammars { factory, ends })
+        Ok(Grammars {
+            factory,
+            ends,
+            checked: Mutex::default(),
+            keys: Default::default(),
+        })
     }
 
     /// Compiles a constraint; one beyond the size caps ([`limits`]) is refused before any
@@ -149,6 +160,29 @@ impl Grammars {
             parser: Mutex::new(parser),
             ends: self.ends.clone(),
         })
+    }
+}
+
+impl Grammars {
+    /// Whether a constraint compiles, for one the output is not held to (the schemas of
+    /// tools a model may call or not): it is compiled once, and a valid one is remembered,
+    /// as a client sends the same tools with every request.
+    pub fn check(&self, c: &OutputConstraint) -> Result<(), GrammarError> {
+        use std::hash::BuildHasher;
+        let key = self
+            .keys
+            .hash_one(serde_json::to_string(c).unwrap_or_default());
+        let checked = || self.checked.lock().unwrap_or_else(|p| p.into_inner());
+        if checked().contains(&key) {
+            return Ok(());
+        }
+        self.compile(c)?;
+        let mut set = checked();
+        if set.len() >= CHECKED {
+            set.clear();
+        }
+        set.insert(key);
+        Ok(())
     }
 }
 

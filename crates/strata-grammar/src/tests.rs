@@ -190,3 +190,24 @@ fn sentencepiece_tokens_map_to_their_bytes_and_constraints_hold() {
         assert!(t.as_bytes()[3] == b'-', "{t}");
     }
 }
+
+/// `check` compiles a constraint once: a valid one is remembered (a second check of the same
+/// one finds it), an invalid one is refused every time, and a full memory starts over.
+#[test]
+fn check_remembers_valid_constraints_only() {
+    let (g, _) = grammars();
+    let ok = OutputConstraint::JsonSchema(r#"{"type":"object"}"#.into());
+    let bad = OutputConstraint::JsonSchema(r##"{"$ref":"#/$defs/none"}"##.into());
+    let held = |g: &Grammars| g.checked.lock().unwrap().len();
+    for _ in 0..2 {
+        g.check(&ok).unwrap();
+        assert!(g.check(&bad).is_err());
+        assert_eq!(held(&g), 1);
+    }
+    for i in 0..CHECKED {
+        g.check(&OutputConstraint::Regex(format!("a{i}"))).unwrap();
+        assert!(held(&g) <= CHECKED);
+    }
+    // 1 + CHECKED valid ones: the last found the memory full and started it over.
+    assert_eq!(held(&g), 1);
+}

@@ -100,6 +100,9 @@ async fn chat_body(
         .and_then(|t| t.constraint())
         .map(|c| (c, "tool_choice"));
     let asked = crate::structured::asked(&req.sampling, req.response_format.as_ref(), forced)?;
+    if let Some(t) = &tools {
+        crate::structured::check_tool_schemas(&st, t.unheld_schemas()).await?;
+    }
     let shown = tools.as_ref().map(|t| t.shown().to_vec());
     let ChatRequest {
         messages, sampling, ..

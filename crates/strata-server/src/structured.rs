@@ -162,6 +162,27 @@ pub fn compile_now(
     }
 }
 
+/// Tool argument schemas the answer is not held to ([`crate::tools::Tools::unheld_schemas`]),
+/// each checked on a blocking thread (once per distinct schema: [`Grammars::check`]).
+pub async fn check_tool_schemas(
+    st: &Arc<AppState>,
+    schemas: Vec<(usize, OutputConstraint)>,
+) -> Result<(), ApiError> {
+    if schemas.is_empty() {
+        return Ok(());
+    }
+    off_async(st, move |st| {
+        let g = grammars(st).map_err(|m| bad(format!("tools: {m}"), "tools"))?;
+        for (i, c) in &schemas {
+            if let Err(GrammarError::Invalid(m) | GrammarError::Tokenizer(m)) = g.check(c) {
+                return Err(bad(format!("tools[{i}].function.parameters: {m}"), "tools"));
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
 /// What a request's constraint was compiled from (to send it to a prefill worker).
 pub fn spec_of(c: &Constraint) -> Option<OutputConstraint> {
     Compiled::of(c).map(|c| c.spec().clone())

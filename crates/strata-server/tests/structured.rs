@@ -654,3 +654,46 @@ async fn deep_and_cyclic_ref_chains_are_refused_and_the_worker_keeps_serving() {
     assert_eq!(st, 200, "still serving");
     w.stop().await;
 }
+
+/// A tool's schema is checked whatever `tool_choice` says (as OpenAI checks it): under `auto`
+/// and `none` too, where the answer is not held to it, an invalid one is refused naming the
+/// tool; valid tools, sent again, are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_tool_schema_is_refused_under_every_tool_choice() {
+    let (_d, w) = worker().await;
+    let url = format!("{}/v1/chat/completions", w.url);
+    let mut tools = weather_tools();
+    tools
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"type": "function", "function": {
+        "name": "broken", "parameters": {"type": "object",
+            "properties": {"a": {"$ref": "#/$defs/missing"}}}}}));
+    for choice in ["auto", "none", "required"] {
+        let body = chat(
+            user("x"),
+            json!({"tools": tools, "tool_choice": choice, "max_tokens": 2}),
+        );
+        let (st, e) = post(&url, &body).await;
+        assert_eq!(st, 400, "{choice}: {e}");
+        let field = if choice == "required" {
+            "tool_choice"
+        } else {
+            "tools"
+        };
+        assert_eq!(e["error"]["param"], field, "{choice}: {e}");
+        if choice != "required" {
+            let m = e["error"]["message"].as_str().unwrap();
+            assert!(m.starts_with("tools[2].function.parameters: "), "{m}");
+        }
+    }
+    for _ in 0..2 {
+        let body = chat(
+            user("x"),
+            json!({"tools": weather_tools(), "tool_choice": "auto", "max_tokens": 2}),
+        );
+        let (st, a) = post(&url, &body).await;
+        assert_eq!(st, 200, "{a}");
+    }
+    w.stop().await;
+}

@@ -175,6 +175,20 @@ impl Tools {
             .then(|| self.defs.iter().map(|d| d.function.name.clone()).collect())
     }
 
+    /// Each tool's argument schema the answer is not held to (`tool_choice` `none` or
+    /// `auto`; a forced choice compiles them into its grammar): still checked, so an invalid
+    /// one is refused, as OpenAI refuses it, rather than shown to the model.
+    pub fn unheld_schemas(&self) -> Vec<(usize, OutputConstraint)> {
+        if self.forced() {
+            return Vec::new();
+        }
+        let schema = |(i, d): (usize, &ToolDef)| {
+            let p = d.function.parameters.as_ref()?;
+            Some((i, OutputConstraint::JsonSchema(p.to_string())))
+        };
+        self.defs.iter().enumerate().filter_map(schema).collect()
+    }
+
     /// The grammar of the answer when calls are forced (`required`, a named function).
     pub fn constraint(&self) -> Option<OutputConstraint> {
         let (defs, many): (Vec<&ToolDef>, bool) = match &self.choice {
