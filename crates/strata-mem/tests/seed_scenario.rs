@@ -45,6 +45,7 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         window_checkpoint_pages: None,
         max_running: 32,
         max_batch_tokens: 512,
+        beside: Vec::new(),
     }
 }
 

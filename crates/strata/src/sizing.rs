@@ -472,6 +472,7 @@ impl SizingArgs {
             window_checkpoint_pages: self.window_checkpoint_pages,
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
+            beside: Vec::new(),
         })
     }
 }

@@ -55,6 +55,12 @@ fn every_kv_check_comes_before_the_pools() {
             vec!["--kv-cache-dtype", "q4_0"],
             "expected one of f16, q8_0, fp8_e4m3",
         ),
+        // Memory the flags let the server hold beside its pools is planned with them.
+        (vec!["--kv-staging", "1000TiB"], "reserve (of it: "),
+        (
+            vec!["--response-store-size", "1000TiB"],
+            "alternatives: a smaller --response-store-size (now 1000.00 TiB",
+        ),
     ];
     for (args, says) in cases {
         let (code, err) = serve(&model, &args);

@@ -30,6 +30,11 @@ pub(super) fn does_not_fit(
         }
         None => "no smaller size: what the reserve leaves holds less than one page".into(),
     }];
+    // What the server holds beside its pools, when without it the pools would fit: its flag.
+    let without = |b: u64| room.avail.saturating_sub(room.reserve.saturating_sub(b));
+    for (flag, b) in req.beside.iter().filter(|b| without(b.1) >= s.needed) {
+        alts.insert(0, format!("a smaller {flag} (now {})", format_bytes(*b)));
+    }
     if topo.nodes.len() > 1 && req.policy != NumaPolicy::Interleave {
         alts.push(format!(
             "--numa-policy interleave ({} available on all {} nodes, slower remote accesses)",
@@ -48,11 +53,7 @@ pub(super) fn does_not_fit(
         format_bytes(room.usable),
         alts.join("; "),
         source = room.source,
-        weights = if room.weights > 0 {
-            format!(" ({} of it the model's weights)", format_bytes(room.weights))
-        } else {
-            String::new()
-        },
+        weights = super::render::reserve_parts(room.weights, &req.beside),
     ))
 }
 

@@ -177,6 +177,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             source: room.source,
             reserve_bytes: room.reserve,
             weights_bytes: room.weights,
+            beside: req.beside.clone(),
             needed_bytes: s.needed,
             headroom_bytes: room.usable - s.needed,
         },
@@ -271,7 +272,7 @@ struct Room {
     nodes: Vec<u32>,
     avail: u64,
     source: String,
-    /// The reserve, the model's weights included.
+    /// The reserve, the model's weights and what the server holds beside its pools included.
     reserve: u64,
     /// The model's weights (in host memory beside the pools).
     weights: u64,
@@ -398,7 +399,8 @@ fn numa_room(
     } else {
         0
     };
-    let reserve = reserve.saturating_add(weights);
+    let beside = req.beside.iter().fold(0u64, |a, b| a.saturating_add(b.1));
+    let reserve = reserve.saturating_add(weights).saturating_add(beside);
     let usable = avail.saturating_sub(reserve);
     if let Some(why) = auto_why {
         decided.push(Decision {

@@ -45,11 +45,7 @@ impl Plan {
             n.nodes.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
             format_bytes(n.available_bytes),
             format_bytes(n.reserve_bytes),
-            if n.weights_bytes > 0 {
-                format!(" ({} of it the model's weights)", format_bytes(n.weights_bytes))
-            } else {
-                String::new()
-            },
+            reserve_parts(n.weights_bytes, &n.beside),
             format_bytes(n.needed_bytes),
             format_bytes(n.headroom_bytes)
         );
@@ -164,5 +160,20 @@ impl Plan {
             self.host_tokens_per_rank / self.page_size as u64,
             format_bytes(self.host_bytes_per_rank)
         );
+    }
+}
+
+/// What the reserve holds beside the OS's headroom: ` (of it: 1.00 GiB (…) the model's
+/// weights, 1.00 GiB (…) --kv-staging)`; empty when nothing.
+pub(super) fn reserve_parts(weights: u64, beside: &[(String, u64)]) -> String {
+    let weights = ("the model's weights".to_string(), weights);
+    let parts: Vec<String> = std::iter::once(&weights)
+        .chain(beside)
+        .filter(|p| p.1 > 0)
+        .map(|(what, b)| format!("{} {what}", format_bytes(*b)))
+        .collect();
+    match parts.is_empty() {
+        true => String::new(),
+        false => format!(" (of it: {})", parts.join(", ")),
     }
 }

@@ -95,6 +95,10 @@ pub struct PlanRequest {
     /// `--max-running` and `--max-batch-tokens`: what running requests' window rings need.
     pub max_running: u64,
     pub max_batch_tokens: u64,
+    /// Host memory the server may hold beside its pools and weights, each part named by the
+    /// flag that bounds it (`--kv-staging`, `--response-store-size`): reserved as the
+    /// weights are.
+    pub beside: Vec<(String, u64)>,
 }
 
 /// A plan that cannot be carried out; each message is one line naming the fix.
@@ -193,6 +197,8 @@ pub struct NumaPlan {
     pub reserve_bytes: u64,
     /// The model's weights, part of the reserve (in host memory beside the pools).
     pub weights_bytes: u64,
+    /// The other parts of the reserve the server itself holds (`PlanRequest::beside`).
+    pub beside: Vec<(String, u64)>,
     /// Bytes this server places there (host pools, plus device pools when in host memory).
     pub needed_bytes: u64,
     pub headroom_bytes: u64,

@@ -97,6 +97,9 @@ pub(super) struct Checked {
     pub record_trace: Option<std::fs::File>,
     /// `--kv-host`:`--kv-port`, resolved once.
     pub kv_addr: SocketAddr,
+    /// Host memory the flags let this server hold beside its pools and weights, by flag: the
+    /// plan reserves it (`PlanRequest::beside`).
+    pub beside: Vec<(String, u64)>,
 }
 
 /// Opens `--record-trace`'s file (made or emptied, locked), once every flag is good and
@@ -139,8 +142,12 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     let cluster_key = cluster_key(a)?;
     crate::http_args::check_worker_urls("--prefill-worker", &a.prefill_worker)?;
     let http = a.http.limits(body_limit)?;
-    let responses = response_store(a)?;
+    let (responses, response_bytes) = response_store(a)?;
     let record_trace_size = record_trace(a)?;
+    let mut beside = vec![("--response-store-size".to_string(), response_bytes)];
+    if matches!(role, "decode" | "both") {
+        beside.push(("--kv-staging".to_string(), kv_staging));
+    }
     Ok(Checked {
         eviction,
         body_limit,
@@ -153,6 +160,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         record_trace_size,
         record_trace: None,
         kv_addr,
+        beside,
     })
 }
 
@@ -231,8 +239,9 @@ fn record_trace(a: &ServeArgs) -> Result<u64> {
     Ok(size)
 }
 
-/// The `--response-store-*` bounds, checked (nothing is allocated until responses come).
-fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::ResponseStore> {
+/// The `--response-store-*` bounds, checked (nothing is allocated until responses come), and
+/// the store's bytes.
+fn response_store(a: &ServeArgs) -> Result<(strata_server::response_store::ResponseStore, u64)> {
     let size = parse_size(&a.response_store_size).context("--response-store-size")?;
     if size < 1 << 20 || a.response_store_max == 0 {
         bail!("--response-store-size must be at least 1MiB and --response-store-max at least 1 (a conversation over a quarter of the size is not kept; one the store cannot keep cannot be continued)");
@@ -241,11 +250,12 @@ fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::Respon
     if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
         bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
     }
-    Ok(strata_server::response_store::ResponseStore::new(
+    let store = strata_server::response_store::ResponseStore::new(
         a.response_store_max,
         usize::try_from(size).unwrap_or(usize::MAX),
         Duration::from_secs_f64(ttl),
-    ))
+    );
+    Ok((store, size))
 }
 
 /// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.

@@ -254,8 +254,9 @@ pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
 /// the memory plan made, nothing bound, loaded or allocated (the model's header is read).
 /// Returns the plan and the bytes it places in host memory.
 pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
-    check_flags(a)?;
-    let req = a.sizing.request()?;
+    let c = check_flags(a)?;
+    let mut req = a.sizing.request()?;
+    req.beside = c.beside;
     let plan = make_plan(&req, &a.sizing.topology()?)?;
     let needed = plan.numa.needed_bytes;
     Ok((plan, needed))
@@ -282,7 +283,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         None => ensure_model(&cache_dir(), |m| say!("{m}"))?,
     };
     a.sizing.model = Some(path.clone());
-    let req = a.sizing.request()?;
+    let mut req = a.sizing.request()?;
+    req.beside = std::mem::take(&mut c.beside);
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
     eprint!("{}", plan.render());

@@ -89,6 +89,7 @@ impl WindowSim<'_> {
             window_checkpoint_pages: k,
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
+            beside: Vec::new(),
         };
         // A machine as large as needed: the replay is about the pools, not the node.
         let topo = Topology {

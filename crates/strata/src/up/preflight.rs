@@ -72,9 +72,10 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
             })?;
             let (plan, needed) = crate::serve::preflight(&s.a).with_context(|| name.clone())?;
             let nodes = &plan.numa.nodes;
-            // Each worker holds its own copy of the weights: they add up as its pools do; the
-            // rest of the reserve is the node's once.
-            let weights = plan.numa.weights_bytes;
+            // Each worker holds its own copy of the weights (and its own staging and stores):
+            // they add up as its pools do; the rest of the reserve is the node's once.
+            let beside = plan.numa.beside.iter().map(|b| b.1);
+            let weights = beside.fold(plan.numa.weights_bytes, u64::saturating_add);
             for &n in nodes {
                 *per_node.entry(n).or_default() +=
                     needed.saturating_add(weights) / nodes.len().max(1) as u64;
@@ -93,7 +94,7 @@ fn fits(topo: &strata_mem::Topology, per_node: &BTreeMap<u32, u64>, reserve: u64
         let room = node.available_bytes.saturating_sub(reserve);
         if needed > room {
             bail!(
-                "the deployment's workers place {} (pools and each one's weights) on NUMA node {n}, which has {} available less a {} reserve: fewer workers or smaller pools (each worker's plan alone fits; together they do not)",
+                "the deployment's workers place {} (pools and each one's weights, staging and stores) on NUMA node {n}, which has {} available less a {} reserve: fewer workers or smaller pools (each worker's plan alone fits; together they do not)",
                 strata_kv::units::format_bytes(needed),
                 strata_kv::units::format_bytes(node.available_bytes),
                 strata_kv::units::format_bytes(reserve),
