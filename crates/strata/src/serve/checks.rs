@@ -375,3 +375,93 @@ pub(super) fn prefetch_policy(a: &ServeArgs) -> Result<strata_engine::PrefetchPo
         },
     })
 }
+
+/// `strata serve`'s flags alone, to read their defaults.
+#[derive(clap::Parser)]
+struct Defaults {
+    #[command(flatten)]
+    a: ServeArgs,
+}
+
+/// Flags set away from their defaults that do nothing in this worker's role (a deployment may
+/// pass one set of flags to every role): each named, with the roles it applies to, to be said
+/// before anything starts.
+pub(super) fn idle_flags(a: &ServeArgs) -> Vec<String> {
+    use clap::Parser;
+    let Ok(Defaults { a: d }) = Defaults::try_parse_from(["strata serve"]) else {
+        return Vec::new();
+    };
+    let role = a.sizing.role.name();
+    let listens = matches!(role, "decode" | "both");
+    let pd = role != "server";
+    let flags = [
+        ("--kv-host", a.kv_host != d.kv_host, listens),
+        ("--kv-port", a.kv_port != d.kv_port, listens),
+        ("--kv-advertise", a.kv_advertise.is_some(), listens),
+        ("--kv-staging", a.kv_staging != d.kv_staging, listens),
+        (
+            "--kv-max-connections",
+            a.kv_max_connections != d.kv_max_connections,
+            listens,
+        ),
+        ("--prefill-worker", !a.prefill_worker.is_empty(), listens),
+        (
+            "--pd-local-prefill-tokens",
+            a.pd_local_prefill_tokens != d.pd_local_prefill_tokens,
+            listens,
+        ),
+        (
+            "--pd-decode-reuse",
+            a.pd_decode_reuse != d.pd_decode_reuse,
+            listens,
+        ),
+        ("--kv-deadline", a.kv_deadline != d.kv_deadline, pd),
+    ];
+    flags
+        .iter()
+        .filter(|f| f.1 && !f.2)
+        .map(|f| {
+            let applies = if f.0 == "--kv-deadline" {
+                "PD roles (prefill, decode, both)"
+            } else {
+                "the roles that receive K/V (decode, both)"
+            };
+            format!(
+                "{} does nothing on a {role} worker: it applies to {applies}; ignored",
+                f.0
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn idle(args: &[&str]) -> Vec<String> {
+        let all = std::iter::once("strata serve").chain(args.iter().copied());
+        idle_flags(&Defaults::try_parse_from(all).unwrap().a)
+    }
+
+    #[test]
+    fn flags_a_role_does_not_use_are_named() {
+        let kv = ["--kv-staging", "2GiB", "--prefill-worker", "http://p:1"];
+        let both: Vec<&str> = kv.iter().copied().chain(["--kv-deadline", "5"]).collect();
+        let on = |role: &str| {
+            let mut a = vec!["--role", role];
+            a.extend(&both);
+            idle(&a)
+        };
+        assert!(on("decode").is_empty() && on("both").is_empty());
+        let prefill = on("prefill");
+        assert_eq!(prefill.len(), 2, "{prefill:?}");
+        assert!(prefill[0].starts_with("--kv-staging does nothing on a prefill worker"));
+        assert!(prefill[1].starts_with("--prefill-worker does nothing"));
+        let server = on("server");
+        assert_eq!(server.len(), 3, "{server:?}");
+        assert!(server[2].starts_with("--kv-deadline does nothing on a server worker"));
+        // A default given explicitly changes nothing, so nothing is said.
+        assert!(idle(&["--role", "prefill", "--kv-staging", "1GiB"]).is_empty());
+    }
+}

@@ -265,6 +265,10 @@ pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
 pub fn run(mut a: ServeArgs) -> Result<()> {
     // Check everything cheap first.
     let mut c = check_flags(&a)?;
+    for w in checks::idle_flags(&a) {
+        tracing::warn!("{w}");
+        say!("strata serve: {w}");
+    }
     checks::open_record_trace(&a, &mut c)?;
     // Bind before loading anything: a port in use is a configuration error, said at once.
     let std_listener = std::net::TcpListener::bind(c.addr)

@@ -297,19 +297,20 @@ impl WorkerCtx<'_> {
             w.port.to_string(),
             "--model".into(),
             self.model.display().to_string(),
-            "--kv-host".into(),
-            d.host.clone(),
             "--cluster-key-file".into(),
             self.key.clone(),
             "--kv-cache-dtype".into(),
             d.kv_cache_dtype.clone(),
         ];
-        // Every worker of `strata up` is on this machine: an unspecified listen address is
-        // reached through loopback.
-        match d.host.as_str() {
-            "0.0.0.0" => args.extend(["--kv-advertise".into(), "127.0.0.1".into()]),
-            "::" | "[::]" => args.extend(["--kv-advertise".into(), "::1".into()]),
-            _ => {}
+        // A worker that receives K/V listens on the deployment's host; every worker of
+        // `strata up` is on this machine, so an unspecified address is reached through loopback.
+        if role_flag != "prefill" {
+            args.extend(["--kv-host".into(), d.host.clone()]);
+            match d.host.as_str() {
+                "0.0.0.0" => args.extend(["--kv-advertise".into(), "127.0.0.1".into()]),
+                "::" | "[::]" => args.extend(["--kv-advertise".into(), "::1".into()]),
+                _ => {}
+            }
         }
         if let Some(tp) = w.tp_size {
             args.extend(["--tp-size".into(), tp.to_string()]);
