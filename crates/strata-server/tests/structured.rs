@@ -695,5 +695,20 @@ async fn an_invalid_tool_schema_is_refused_under_every_tool_choice() {
         let (st, a) = post(&url, &body).await;
         assert_eq!(st, 200, "{a}");
     }
+    // Valid JSON Schema the grammar engine does not implement is served under `auto` (nothing
+    // enforces it there) and refused where the answer is held to it.
+    let unusual = json!([{"type": "function", "function": {"name": "tag", "parameters":
+        {"type": "object", "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": true},
+            "when": {"type": "string", "format": "my-format"}},
+         "if": {"required": ["tags"]}, "then": {"required": ["when"]}}}}]);
+    for (choice, want) in [("auto", 200), ("none", 200), ("required", 400)] {
+        let body = chat(
+            user("x"),
+            json!({"tools": unusual, "tool_choice": choice, "max_tokens": 2}),
+        );
+        let (st, a) = post(&url, &body).await;
+        assert_eq!(st, want, "{choice}: {a}");
+    }
     w.stop().await;
 }

@@ -177,13 +177,22 @@ impl Tools {
 
     /// Each tool's argument schema the answer is not held to (`tool_choice` `none` or
     /// `auto`; a forced choice compiles them into its grammar): still checked, so an invalid
-    /// one is refused, as OpenAI refuses it, rather than shown to the model.
+    /// one (a `$ref` to nothing, a keyword of the wrong type, a bad `pattern`) is refused, as
+    /// OpenAI refuses it, rather than shown to the model. Checked leniently: a keyword or
+    /// `format` the grammar engine does not implement (`uniqueItems`, `not`, `if`) is valid
+    /// JSON Schema, and nothing here has to enforce it.
     pub fn unheld_schemas(&self) -> Vec<(usize, OutputConstraint)> {
         if self.forced() {
             return Vec::new();
         }
         let schema = |(i, d): (usize, &ToolDef)| {
-            let p = d.function.parameters.as_ref()?;
+            let mut p = d.function.parameters.clone()?;
+            if let Some(o) = p.as_object_mut() {
+                let g = o.entry("x-guidance").or_insert_with(|| json!({}));
+                if let Some(g) = g.as_object_mut() {
+                    g.insert("lenient".into(), json!(true));
+                }
+            }
             Some((i, OutputConstraint::JsonSchema(p.to_string())))
         };
         self.defs.iter().enumerate().filter_map(schema).collect()
