@@ -15,6 +15,12 @@ pub const DEVICE_WEIGHT: f64 = 1.0;
 pub const HOST_WEIGHT: f64 = 0.6;
 /// A page in the shared remote L3: reachable by every worker, but fetched over the network.
 pub const REMOTE_WEIGHT: f64 = 0.3;
+/// Most pages indexed per worker (about 170 MiB of index): more than a worker's tiers hold,
+/// so a worker that announces more is not believed (the pages past it are not indexed).
+pub const MAX_WORKER_PAGES: usize = 1 << 22;
+/// Most pages of the shared remote L3 remembered: Redis evicts without saying so, so the set
+/// only grows; when full it is forgotten and learnt again from the next writes.
+pub const MAX_REMOTE_PAGES: usize = 1 << 22;
 /// Tokens of cached prefix one request in flight is worth (the load term of the score).
 pub const LOAD_TOKENS: f64 = 256.0;
 
@@ -26,6 +32,8 @@ struct WorkerIndex {
     /// bit 0: device, bit 1: host.
     pages: HashMap<[u8; 16], u8>,
     resyncs: u64,
+    /// Pages announced past [`MAX_WORKER_PAGES`], not indexed.
+    unindexed: u64,
 }
 
 /// Tokenizer + namespace + per-worker indexes.
@@ -36,6 +44,8 @@ pub struct CacheIndex {
     workers: Vec<Mutex<WorkerIndex>>,
     /// Pages any worker wrote to the shared remote L3 (hints: Redis evicts silently).
     remote: Mutex<std::collections::HashSet<[u8; 16]>>,
+    /// [`MAX_WORKER_PAGES`] and [`MAX_REMOTE_PAGES`] (smaller in tests).
+    limits: (usize, usize),
 }
 
 impl CacheIndex {
@@ -52,6 +62,7 @@ impl CacheIndex {
                 .map(|_| Mutex::new(WorkerIndex::default()))
                 .collect(),
             remote: Mutex::new(std::collections::HashSet::new()),
+            limits: (MAX_WORKER_PAGES, MAX_REMOTE_PAGES),
         }
     }
 
@@ -142,6 +153,9 @@ impl CacheIndex {
             let mut r = self.remote.lock().expect("remote lock");
             for h in &e.hashes {
                 if e.stored {
+                    if r.len() >= self.limits.1 {
+                        r.clear();
+                    }
                     r.insert(h.0);
                 } else {
                     r.remove(&h.0);
@@ -153,7 +167,19 @@ impl CacheIndex {
         let mut idx = self.workers[w].lock().expect("index lock");
         for h in &e.hashes {
             if e.stored {
-                *idx.pages.entry(h.0).or_insert(0) |= bit;
+                let full = idx.pages.len() >= self.limits.0;
+                match idx.pages.get_mut(&h.0) {
+                    Some(b) => *b |= bit,
+                    None if !full => {
+                        idx.pages.insert(h.0, bit);
+                    }
+                    None => {
+                        if idx.unindexed == 0 {
+                            tracing::warn!(worker = w, max = self.limits.0, "a worker announces more cached pages than the index keeps: the rest are not indexed");
+                        }
+                        idx.unindexed += 1;
+                    }
+                }
             } else if let Some(b) = idx.pages.get_mut(&h.0) {
                 *b &= !bit;
                 if *b == 0 {
@@ -253,4 +279,49 @@ async fn get<T: serde::de::DeserializeOwned>(
         .await
         .map_err(|e| format!("{path}: {e}"))?;
     serde_json::from_slice::<T>(&body).map_err(|e| format!("{path}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_protocol::Hex;
+
+    fn event(tier: Tier, stored: bool, from: u32, n: u32) -> WireEvent {
+        let hashes = (from..from + n)
+            .map(|i| {
+                let mut h = [0u8; 16];
+                h[..4].copy_from_slice(&i.to_le_bytes());
+                Hex(h)
+            })
+            .collect();
+        WireEvent {
+            seq: None,
+            stored,
+            tier,
+            hashes,
+        }
+    }
+
+    /// A worker that announces more pages than its cap is not believed past it, and the
+    /// remote hints, which only grow, start over when full.
+    #[test]
+    fn the_index_is_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let g = strata_model::Gguf::open(&strata_test_support::tiny_model(d.path())).unwrap();
+        let tk = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
+        let mut idx = CacheIndex::new(tk, None, 1);
+        idx.limits = (100, 50);
+        idx.apply(0, &event(Tier::Device, true, 0, 150));
+        idx.apply(0, &event(Tier::Host, true, 0, 150));
+        let i = idx.workers[0].lock().unwrap();
+        assert_eq!((i.pages.len(), i.unindexed), (100, 100));
+        assert!(
+            i.pages.values().all(|&b| b == 3),
+            "pages indexed take both tiers"
+        );
+        drop(i);
+        idx.apply(0, &event(Tier::Remote, true, 0, 70));
+        assert_eq!(idx.remote.lock().unwrap().len(), 20);
+        assert_eq!(idx.footprint().0, 120);
+    }
 }

@@ -175,6 +175,7 @@ async fn relay(
         st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
     }
     let ctype = r.headers().get(header::CONTENT_TYPE).cloned();
+    let retry = crate::upstream::retry_after(&r);
     let sse = ctype
         .as_ref()
         .and_then(|c| c.to_str().ok())
@@ -206,6 +207,9 @@ async fn relay(
         header::CONTENT_TYPE,
         if sse { ctype.unwrap_or(json) } else { json },
     );
+    if let Some(v) = retry {
+        resp.headers_mut().insert(header::RETRY_AFTER, v);
+    }
     resp.extensions_mut()
         .insert(ChosenWorker(decode.url.clone()));
     Ok(resp)

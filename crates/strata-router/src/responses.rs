@@ -140,6 +140,7 @@ async fn answer(
     };
     if !sse {
         use crate::upstream::{bad_gateway, body_within, json_or_502, MAX_ANSWER_BYTES};
+        let retry = crate::upstream::retry_after(&r);
         let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| bad_gateway(format!("the worker's answer was cut: {e}")))?;
@@ -149,6 +150,9 @@ async fn answer(
         let json = [(header::CONTENT_TYPE, "application/json")];
         let mut resp = axum::response::IntoResponse::into_response((status, json, bytes));
         resp.extensions_mut().insert(ChosenWorker(w.url.clone()));
+        if let Some(v) = retry {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
         return Ok(resp);
     }
     let url = w.url.clone();

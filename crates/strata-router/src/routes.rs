@@ -133,14 +133,31 @@ async fn models(State(st): St) -> Response {
 }
 
 async fn model(State(st): St, Path(id): Path<String>) -> Response {
-    // The id travels in the path: only what a model id can be is passed on.
-    if id.is_empty() || id.len() > 256 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+    // The id travels in the path, as one segment: only what a model id can be, every byte
+    // but the unreserved ones percent-encoded (a `/`, `?` or `\\` the client encoded stays
+    // in the segment), and never a dot segment (which a URL resolves to the path above).
+    let dots = id == "." || id == "..";
+    if id.is_empty() || id.len() > 256 || !id.bytes().all(|b| b.is_ascii_graphic()) || dots {
         return strata_server::body::not_found(axum::http::Uri::from_static("/v1/models/"))
             .await
             .into_response();
     }
-    let path = format!("/v1/models/{id}");
+    let path = format!("/v1/models/{}", segment(&id));
     pass(&st, reqwest::Method::GET, &path, None).await
+}
+
+/// `s` as one path segment: every byte but ASCII letters, digits and `-._~` percent-encoded.
+fn segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
 }
 
 async fn tokenize(State(st): St, body: Bytes) -> Response {

@@ -88,6 +88,9 @@ impl RouterState {
             api_keys: HashSet::new(),
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(2))
+                // A worker's redirect is its answer, never followed: it could send a call
+                // (its body, its cluster signature) anywhere.
+                .redirect(reqwest::redirect::Policy::none())
                 // Idle connections are dropped before the workers' idle keep-alive limit
                 // (--header-timeout, 20 s by default) would close them under a request.
                 .pool_idle_timeout(Duration::from_secs(4))

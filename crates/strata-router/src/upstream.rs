@@ -12,6 +12,39 @@ use strata_server::ApiError;
 /// probabilities of a long prompt is megabytes; this is far above.
 pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 
+/// Most bytes of workers' answers the router holds at once, over all requests: past it an
+/// answer being read is cut (a 502), so answers at their cap from many workers or requests
+/// cannot take the router's memory.
+pub const MAX_HELD_BYTES: usize = 1 << 30;
+
+/// Bytes [`body_within`] holds now, over all answers.
+static HELD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One answer's share of [`HELD`], given back when its reading ends.
+struct Held(usize);
+
+impl Held {
+    /// Takes `n` more bytes, unless that would pass `limit` over all answers.
+    fn take(&mut self, n: usize, limit: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        let ok = HELD
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+                h.checked_add(n).filter(|&t| t <= limit)
+            })
+            .is_ok();
+        if ok {
+            self.0 += n;
+        }
+        ok
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        HELD.fetch_sub(self.0, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// What waiting for the next part of an answer within its bounds gave.
 pub enum Within<T> {
     Next(T),
@@ -40,15 +73,26 @@ pub async fn next_within<T>(
 }
 
 /// The body of `r`: at most `cap` bytes, each chunk within `idle` of the one before, the
-/// whole within `total`.
+/// whole within `total`, and all answers being read together within [`MAX_HELD_BYTES`].
 pub async fn body_within(
-    mut r: reqwest::Response,
+    r: reqwest::Response,
     cap: usize,
     idle: Duration,
     total: Duration,
 ) -> Result<Bytes, String> {
+    body_held(r, cap, idle, total, MAX_HELD_BYTES).await
+}
+
+async fn body_held(
+    mut r: reqwest::Response,
+    cap: usize,
+    idle: Duration,
+    total: Duration,
+    limit: usize,
+) -> Result<Bytes, String> {
     let end = tokio::time::Instant::now() + total;
     let mut out = Vec::new();
+    let mut held = Held(0);
     loop {
         match next_within(end, idle, r.chunk()).await {
             Within::Total => {
@@ -68,6 +112,11 @@ pub async fn body_within(
             Within::Next(Ok(Some(c))) => {
                 if out.len() + c.len() > cap {
                     return Err(format!("an answer over {cap} bytes"));
+                }
+                if !held.take(c.len(), limit) {
+                    return Err(format!(
+                        "the router holds {limit} bytes of answers being read; this one is cut"
+                    ));
                 }
                 out.extend_from_slice(&c);
             }
@@ -93,6 +142,14 @@ pub fn bad_gateway(msg: String) -> ApiError {
     ApiError::new(StatusCode::BAD_GATEWAY, "server_error", msg)
 }
 
+/// A worker's `Retry-After` (whole seconds, as the workers send it with a 429 or 503), to go
+/// back to the client with the answer; anything else in it is dropped.
+pub fn retry_after(r: &reqwest::Response) -> Option<axum::http::HeaderValue> {
+    let v = r.headers().get(reqwest::header::RETRY_AFTER)?.as_bytes();
+    let seconds = !v.is_empty() && v.len() <= 9 && v.iter().all(u8::is_ascii_digit);
+    seconds.then(|| axum::http::HeaderValue::from_bytes(v).ok())?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,5 +163,28 @@ mod tests {
             let msg = e.body()["error"]["message"].as_str().unwrap().to_string();
             assert!(!msg.contains("trace") && msg.contains("500"), "{msg}");
         }
+    }
+
+    /// Answers being read share one budget: one that would pass it is cut, and a share is
+    /// given back when its reading ends (this test's budgets are far below what any other
+    /// answer in this process holds at once, which is nothing).
+    #[tokio::test]
+    async fn answers_read_together_share_one_budget() {
+        let app = axum::Router::new().fallback(|| async { "x".repeat(4000) });
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        let get = || async { reqwest::get(&url).await.unwrap() };
+        let s = Duration::from_secs(5);
+        let limit = HELD.load(std::sync::atomic::Ordering::Acquire) + 10_000;
+        let mut other = Held(0);
+        assert!(other.take(7_000, limit));
+        let e = body_held(get().await, 1 << 20, s, s, limit)
+            .await
+            .unwrap_err();
+        assert!(e.contains("bytes of answers being read"), "{e}");
+        drop(other);
+        let b = body_held(get().await, 1 << 20, s, s, limit).await.unwrap();
+        assert_eq!(b.len(), 4000);
     }
 }

@@ -31,6 +31,23 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
     assert_eq!((st, &m["id"]), (200, &json!("tiny")), "{m}");
     let (st, e) = get("/v1/models/nope").await;
     assert_eq!((st, &e["error"]["code"]), (404, &json!("model_not_found")));
+    // A model id is one path segment at the worker: an encoded `/`, `\\` or `?` stays in it,
+    // and a dot segment is no id; none reaches another route of the worker.
+    for id in [
+        "..%2F..%2Fcache%2Finfo",
+        "..%2F..%2Fhealth_generate",
+        "..%5C..%5Ccache%5Cinfo",
+        "%2E%2E",
+        "..",
+        "x%3F..%2F..%2Fcache%2Finfo",
+    ] {
+        let (st, e) = get(&format!("/v1/models/{id}")).await;
+        assert_eq!(st, 404, "{id}: {e}");
+        assert!(
+            e["error"].is_object() && e.get("hash_key").is_none(),
+            "{id}: {e}"
+        );
+    }
     let (st, v) = get("/version").await;
     assert_eq!((st, &v["name"]), (200, &json!("strata")));
     let (st, e) = get("/no/such/route").await;
@@ -182,4 +199,47 @@ async fn a_responses_turn_goes_to_the_worker_storing_its_previous_response() {
     }
     a.stop().await;
     b.stop().await;
+}
+
+/// A worker's redirect is not followed (it could send the call, its body and any signature,
+/// to another host): the client gets a 502, and the place it pointed to is never asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_redirect_is_not_followed() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let asked = Arc::new(AtomicUsize::new(0));
+    let seen = asked.clone();
+    let elsewhere = axum::Router::new().fallback(move || {
+        seen.fetch_add(1, Ordering::SeqCst);
+        async { axum::Json(json!({"secret": true})) }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let there = format!("http://{}/secret", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, elsewhere).await });
+    let fake = axum::Router::new().fallback(move || {
+        let to = there.clone();
+        async move {
+            (
+                axum::http::StatusCode::TEMPORARY_REDIRECT,
+                [("location", to)],
+                "",
+            )
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let worker = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, fake).await });
+    let st = Arc::new(RouterState::new(&[], &[worker], Policy::RoundRobin));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    let (st, e) = post(
+        &format!("{r}/v1/completions"),
+        &json!({"prompt": "hi", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(st, 502, "{e}");
+    assert!(e.get("secret").is_none(), "{e}");
+    let m = reqwest::get(format!("{r}/v1/models/tiny")).await.unwrap();
+    assert_ne!(m.status(), 200);
+    assert_eq!(asked.load(Ordering::SeqCst), 0, "the redirect was followed");
 }

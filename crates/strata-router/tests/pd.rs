@@ -446,6 +446,17 @@ async fn router_api_keys_are_checked_in_the_openai_error_format() {
                 2.0,
                 "{m}"
             );
+        } else {
+            // The worker's Retry-After goes back with its 429.
+            let r = reqwest::Client::new()
+                .post(format!("{r2}/v1/chat/completions"))
+                .json(&chat("hi", 2))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 429);
+            let after = r.headers().get("retry-after").map(|v| v.to_str().unwrap());
+            assert!(after.is_some_and(|s| s.parse::<u32>().is_ok()), "{after:?}");
         }
     }
     busy.stop().await;

@@ -1,7 +1,7 @@
 //! The conversations `previous_response_id` continues: each stored response's messages (its
 //! input and its answer, without its instructions), in memory, bounded in count, bytes and
 //! age (`strata serve --response-store-{max,size,ttl}`). Past a bound the oldest go first; an id that is gone is a 400 naming the field (the
-//! client sends the conversation again). Ids are random (128 bits), so one client cannot
+//! client sends the conversation again). Ids are random (96 bits), so one client cannot
 //! reach another's conversation by guessing.
 
 use std::collections::{HashMap, VecDeque};

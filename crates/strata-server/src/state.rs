@@ -95,6 +95,9 @@ impl Default for PdSide {
             // Idle connections to prefill workers are dropped before their servers' idle
             // keep-alive limit (--header-timeout, 20 s by default) would close them.
             http: reqwest::Client::builder()
+                // A worker's redirect is its answer, never followed: it could send a call
+                // (its body, its cluster signature) anywhere.
+                .redirect(reqwest::redirect::Policy::none())
                 .pool_idle_timeout(Duration::from_secs(4))
                 .build()
                 .expect("HTTP client"),

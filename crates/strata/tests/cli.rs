@@ -106,6 +106,20 @@ fn malformed_trace_names_line_and_field() {
         "{}",
         text(&o)
     );
+    // A small file whose requests come to more pages than a replay holds is refused before
+    // anything is expanded (8 MiB of ids would otherwise take gigabytes).
+    let ids = vec!["0"; 32768].join(",");
+    let line = format!(
+        "{{\"timestamp\": 0, \"input_length\": 16777216, \"output_length\": 1, \"hash_ids\": [{ids}]}}\n"
+    );
+    std::fs::write(&p, line.repeat(40)).unwrap();
+    let o = strata(&["sim", "--trace", p.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("a replay holds at most 33554432"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]

@@ -391,8 +391,21 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
             a.length_scale
         );
     }
+    let pages = most_tokens(&reqs, a.page_size) / a.page_size.max(1) as u64;
+    if pages > MAX_REPLAY_PAGES {
+        bail!(
+            "the trace's {} requests come to {pages} pages of {} tokens: a replay holds at most {MAX_REPLAY_PAGES} (about 800 MiB of state); replay fewer with --limit, or use a larger --page-size",
+            reqs.len(),
+            a.page_size
+        );
+    }
     Ok((reqs, block_tokens, vocab))
 }
+
+/// Most pages a replay's requests may come to (prompts and outputs, in whole pages): its
+/// state is some 24 bytes a page, and a trace is a file anyone may hand in. The public traces
+/// at page 16 are a few million.
+const MAX_REPLAY_PAGES: u64 = 1 << 25;
 
 /// Scales lengths and the block size and caps outputs exactly as `strata bench`'s trace
 /// replay (`strata_bench::workload::TraceReplay`) does, so both send the same requests (a test
