@@ -4,7 +4,8 @@
 * every manifest validates against Kubernetes' own OpenAPI schemas (kubernetes-validate,
   strict: unknown fields are errors), and a broken copy of one is refused (the check can fail);
 * each worker's memory requests and limits equal `strata plan`'s per-server device + host pool
-  bytes for the flags the StatefulSet passes (from the ConfigMap) plus STRATA_RUNTIME_MEMORY,
+  bytes for the flags the StatefulSet passes (from the ConfigMap), plus what the plan reserves
+  beside the pools (the response store, a decode worker's K/V staging), plus STRATA_RUNTIME_MEMORY,
   its CPUs equal --threads, requests equal limits (Guaranteed QoS: the topology manager aligns
   only such pods to a NUMA node);
 * every $(VAR) an argument uses is defined; the router's and the decode workers' worker URLs
@@ -120,22 +121,29 @@ def check_worker(sts, config, strata):
     # (`strata serve` runs one rank: --tp-size is 1 and not a serve flag.)
     for k in ("role", "page-size", "device-mem", "hicache-size", "numa-node", "numa-policy"):
         plan_args += [f"--{k}", f[k][0]]
+    # What the worker holds beside its pools (the response store; a decode worker's K/V
+    # staging), as the pod sets it or by default: the plan reserves it, and so does the pod.
+    for k in ("kv-staging", "response-store-size"):
+        if k in f:
+            plan_args += [f"--{k}", f[k][0]]
     o = subprocess.run(plan_args, capture_output=True, text=True)
     if o.returncode != 0:
         fail(f"{name}: strata plan refused the pod's flags: {o.stderr.strip()}")
     plan = json.loads(o.stdout)
-    want = (plan["server_device_bytes"] + plan["server_host_bytes"]
+    beside = sum(b for _, b in plan["numa"]["beside"])
+    want = (plan["server_device_bytes"] + plan["server_host_bytes"] + beside
             + quantity(config["STRATA_RUNTIME_MEMORY"]))
     r = c["resources"]
     if r["requests"] != r["limits"]:
         fail(f"{name}: requests {r['requests']} differ from limits {r['limits']}")
     got = quantity(r["requests"]["memory"])
     if got != want:
-        fail(f"{name}: memory {got} bytes, but the plan's pools plus runtime are {want}")
+        fail(f"{name}: memory {got} bytes, but the plan's pools, what it reserves beside them "
+             f"and the runtime are {want}")
     if quantity(r["requests"]["cpu"]) != int(f["threads"][0]):
         fail(f"{name}: {r['requests']['cpu']} CPUs for --threads {f['threads'][0]}")
     print(f"{name}: memory {got} bytes = plan device {plan['server_device_bytes']} + host "
-          f"{plan['server_host_bytes']} + runtime; {f['threads'][0]} CPUs")
+          f"{plan['server_host_bytes']} + beside {beside} + runtime; {f['threads'][0]} CPUs")
     return f
 
 

@@ -219,6 +219,7 @@ impl CacheIndex {
             {
                 let mut i = self.workers[w].lock().expect("index lock");
                 i.pages.clear();
+                i.unindexed = 0;
                 i.epoch = snap.epoch;
                 i.next = snap.next;
                 i.synced = true;

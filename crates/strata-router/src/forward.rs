@@ -188,11 +188,13 @@ async fn relay(
             st.clone(),
         ))
     } else {
-        use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
-        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
+        use crate::upstream::{answer_within, json_or_502, BUDGET_CUT, MAX_ANSWER_BYTES};
+        let bytes = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| {
-                decode.failures.fetch_add(1, Ordering::Relaxed);
+                if !e.starts_with(BUDGET_CUT) {
+                    decode.failures.fetch_add(1, Ordering::Relaxed);
+                }
                 crate::upstream::bad_gateway(format!("the worker's answer was cut: {e}"))
             })?;
         drop(guard);

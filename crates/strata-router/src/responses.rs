@@ -139,9 +139,9 @@ async fn answer(
         false
     };
     if !sse {
-        use crate::upstream::{bad_gateway, body_within, json_or_502, MAX_ANSWER_BYTES};
+        use crate::upstream::{answer_within, bad_gateway, json_or_502, MAX_ANSWER_BYTES};
         let retry = crate::upstream::retry_after(&r);
-        let bytes = body_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
+        let bytes = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| bad_gateway(format!("the worker's answer was cut: {e}")))?;
         let bytes = json_or_502(status.as_u16(), bytes, &w.url)?;

@@ -89,7 +89,7 @@ async fn pass(
     path: &str,
     body: Option<Bytes>,
 ) -> Response {
-    use crate::upstream::{body_within, json_or_502, MAX_ANSWER_BYTES};
+    use crate::upstream::{answer_within, json_or_502, MAX_ANSWER_BYTES};
     for w in st.decode.iter().filter(|w| w.is_healthy()) {
         let mut req = st
             .client
@@ -104,7 +104,7 @@ async fn pass(
             continue;
         };
         let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let bytes = match body_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT, PASS_TIMEOUT).await {
+        let bytes = match answer_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT, PASS_TIMEOUT).await {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(worker = %w.url, path, error = %e, "a worker's answer was cut");

@@ -73,8 +73,23 @@ pub async fn next_within<T>(
 }
 
 /// The body of `r`: at most `cap` bytes, each chunk within `idle` of the one before, the
-/// whole within `total`, and all answers being read together within [`MAX_HELD_BYTES`].
+/// whole within `total` (the router's own reads: cache events, scrapes, flushes).
 pub async fn body_within(
+    r: reqwest::Response,
+    cap: usize,
+    idle: Duration,
+    total: Duration,
+) -> Result<Bytes, String> {
+    body_held(r, cap, idle, total, usize::MAX).await
+}
+
+/// How a [`answer_within`] cut for the shared budget begins (the router's limit, not the
+/// worker's fault: not counted against it).
+pub const BUDGET_CUT: &str = "the router holds";
+
+/// A worker's answer to a client, as [`body_within`] reads it, and within
+/// [`MAX_HELD_BYTES`] for all such answers being read at once.
+pub async fn answer_within(
     r: reqwest::Response,
     cap: usize,
     idle: Duration,
@@ -113,9 +128,9 @@ async fn body_held(
                 if out.len() + c.len() > cap {
                     return Err(format!("an answer over {cap} bytes"));
                 }
-                if !held.take(c.len(), limit) {
+                if limit < usize::MAX && !held.take(c.len(), limit) {
                     return Err(format!(
-                        "the router holds {limit} bytes of answers being read; this one is cut"
+                        "{BUDGET_CUT} {limit} bytes of answers being read; this one is cut"
                     ));
                 }
                 out.extend_from_slice(&c);

@@ -458,8 +458,10 @@ pub(crate) struct Streaming {
     /// token's own text, as a whole answer counts them (text held back for a stop string does
     /// not shift them).
     offset_chars: usize,
-    /// Chat with tools: the answer's text → content and calls.
+    /// Chat with tools: the answer's text → content and calls, and the log probabilities of
+    /// text the tool parser holds back (they go with the next chunk, or alone at the end).
     tools: Option<crate::tools::ToolStream>,
+    tool_lps: Vec<TokenLogprobs>,
     /// Completions' echo was sent.
     echoed: bool,
 }
@@ -481,6 +483,7 @@ impl Streaming {
             started: false,
             offset_chars: 0,
             tools,
+            tool_lps: Vec::new(),
             echoed: false,
         }
     }
@@ -606,21 +609,30 @@ impl Streaming {
     }
 
     /// Chat with tools: text (None: the end) → content chunks and tool-call deltas (a call's
-    /// id and name, then its arguments as written); log probabilities go with the first chunk
-    /// that carries text.
+    /// id and name, then its arguments as written); log probabilities go with the next chunk
+    /// out (text the parser holds keeps them until then), and at the end any left go alone.
     fn render_tools(&mut self, d: Option<&str>, lps: Vec<TokenLogprobs>, out: &mut Vec<SseEvent>) {
+        self.tool_lps.extend(lps);
         let ts = self.tools.as_mut().expect("a chat with tools");
         let outs = match d {
             Some(d) => ts.push(d),
             None => ts.finish(),
         };
-        let mut lps = Some(lps).filter(|l| !l.is_empty());
-        for o in outs {
-            let st = &self.answer.st;
-            let lp = match (self.job.logprobs, lps.take()) {
-                (true, Some(l)) => crate::logprobs::render(&st.tokenizer, true, &l, 0),
-                _ => Value::Null,
+        let rendered =
+            |lps: Vec<TokenLogprobs>, st: &AppState, on: bool| match on && !lps.is_empty() {
+                true => crate::logprobs::render(&st.tokenizer, true, &lps, 0),
+                false => Value::Null,
             };
+        if d.is_none() && outs.is_empty() && self.job.logprobs && !self.tool_lps.is_empty() {
+            let lp = rendered(std::mem::take(&mut self.tool_lps), &self.answer.st, true);
+            out.push(self.delta_chunk(json!({}), lp));
+        }
+        for o in outs {
+            let lp = rendered(
+                std::mem::take(&mut self.tool_lps),
+                &self.answer.st,
+                self.job.logprobs,
+            );
             match (&o, o.delta_json()) {
                 (crate::tools::ToolOut::Content(c), _) => {
                     out.push(self.chunk_with(Some(c), None, lp))

@@ -22,6 +22,11 @@ pub enum Role {
 }
 
 impl Role {
+    /// Whether this role receives K/V from prefill workers (and listens for it).
+    pub fn receives_kv(&self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Role::Prefill => "prefill",
@@ -161,6 +166,15 @@ pub struct SizingArgs {
     /// Requests computing at once (with window kinds, the plan keeps a window ring for each).
     #[arg(long, default_value_t = 32, help_heading = "Scheduling")]
     pub max_running: usize,
+
+    /// Conversations kept for /v1/responses' previous_response_id: at most this many bytes
+    /// (their JSON), with a unit; the oldest go first. The plan reserves it.
+    #[arg(long, default_value = "64MiB", help_heading = "Responses API")]
+    pub response_store_size: String,
+    /// Received K/V held at most before transfers are told to retry, with a unit. The plan of
+    /// a worker that receives K/V (decode, both) reserves it.
+    #[arg(long, default_value = "1GiB", help_heading = "PD disaggregation")]
+    pub kv_staging: String,
 
     /// NUMA node for the host cache: a number, or `auto` (the node of the CPUs this process may
     /// use, else the one with the most available memory).
@@ -394,6 +408,18 @@ impl SizingArgs {
         })
     }
 
+    /// What the server may hold beside its pools and weights, by flag (the plan reserves it):
+    /// the response store, and on a worker that receives K/V its staging.
+    pub fn beside(&self) -> Result<Vec<(String, u64)>> {
+        let store = size("response-store-size", &self.response_store_size)?;
+        let mut beside = vec![("--response-store-size".to_string(), store)];
+        if self.role.receives_kv() {
+            let staging = size("kv-staging", &self.kv_staging)?;
+            beside.push(("--kv-staging".to_string(), staging));
+        }
+        Ok(beside)
+    }
+
     /// Parses and checks every flag; nothing is allocated.
     pub fn request(&self) -> Result<PlanRequest> {
         let model = self.model_spec()?;
@@ -472,7 +498,7 @@ impl SizingArgs {
             window_checkpoint_pages: self.window_checkpoint_pages,
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
-            beside: Vec::new(),
+            beside: self.beside()?,
         })
     }
 }

@@ -56,7 +56,15 @@ fn every_kv_check_comes_before_the_pools() {
             "expected one of f16, q8_0, fp8_e4m3",
         ),
         // Memory the flags let the server hold beside its pools is planned with them.
-        (vec!["--kv-staging", "1000TiB"], "reserve (of it: "),
+        (
+            vec![
+                "--kv-staging",
+                "1000TiB",
+                "--prefill-worker",
+                "http://127.0.0.1:9",
+            ],
+            "alternatives: a smaller --kv-staging (now 1000.00 TiB",
+        ),
         (
             vec!["--response-store-size", "1000TiB"],
             "alternatives: a smaller --response-store-size (now 1000.00 TiB",

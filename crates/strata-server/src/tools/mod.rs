@@ -175,18 +175,22 @@ impl Tools {
             .then(|| self.defs.iter().map(|d| d.function.name.clone()).collect())
     }
 
-    /// Each tool's argument schema the answer is not held to (`tool_choice` `none` or
-    /// `auto`; a forced choice compiles them into its grammar): still checked, so an invalid
-    /// one (a `$ref` to nothing, a keyword of the wrong type, a bad `pattern`) is refused, as
-    /// OpenAI refuses it, rather than shown to the model. Checked leniently: a keyword or
-    /// `format` the grammar engine does not implement (`uniqueItems`, `not`, `if`) is valid
-    /// JSON Schema, and nothing here has to enforce it.
+    /// Each tool's argument schema the answer is not held to (every tool under `none` and
+    /// `auto`, the tools a named choice does not name; `required` compiles them all into its
+    /// grammar): still checked, so a broken one (a `$ref` to nothing, a keyword of the wrong
+    /// type) is refused, as OpenAI refuses it, rather than shown to the model. Checked
+    /// leniently: what the grammar engine does not implement (`uniqueItems`, `not`, `if`, a
+    /// custom `format`, a look-ahead in a `pattern`, as pydantic writes for decimals) is valid
+    /// JSON Schema, and nothing here has to enforce it; patterns are not checked.
     pub fn unheld_schemas(&self) -> Vec<(usize, OutputConstraint)> {
-        if self.forced() {
-            return Vec::new();
-        }
+        let held = |d: &ToolDef| match &self.choice {
+            ToolChoice::Required => true,
+            ToolChoice::Named(n) => &d.function.name == n,
+            ToolChoice::None | ToolChoice::Auto => false,
+        };
         let schema = |(i, d): (usize, &ToolDef)| {
-            let mut p = d.function.parameters.clone()?;
+            let mut p = d.function.parameters.clone().filter(|_| !held(d))?;
+            without_patterns(&mut p);
             if let Some(o) = p.as_object_mut() {
                 let g = o.entry("x-guidance").or_insert_with(|| json!({}));
                 if let Some(g) = g.as_object_mut() {
@@ -240,6 +244,30 @@ impl Tools {
             g += &format!("f{i}: %json {schema}\n");
         }
         Some(OutputConstraint::Lark(g))
+    }
+}
+
+/// A schema without its `pattern`s (a string's; `patternProperties` keeps its schemas, each
+/// under a plain key of its own): what a lenient check reads. The JSON a request body
+/// parses to nests at most 128 deep, so the walk is bounded.
+fn without_patterns(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            if o.get("pattern").is_some_and(Value::is_string) {
+                o.remove("pattern");
+            }
+            if let Some(Value::Object(pp)) = o.remove("patternProperties") {
+                let kept: serde_json::Map<String, Value> = pp
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (_, s))| (format!("^p{i}$"), s))
+                    .collect();
+                o.insert("patternProperties".into(), Value::Object(kept));
+            }
+            o.values_mut().for_each(without_patterns);
+        }
+        Value::Array(a) => a.iter_mut().for_each(without_patterns),
+        _ => {}
     }
 }
 

@@ -97,9 +97,6 @@ pub(super) struct Checked {
     pub record_trace: Option<std::fs::File>,
     /// `--kv-host`:`--kv-port`, resolved once.
     pub kv_addr: SocketAddr,
-    /// Host memory the flags let this server hold beside its pools and weights, by flag: the
-    /// plan reserves it (`PlanRequest::beside`).
-    pub beside: Vec<(String, u64)>,
 }
 
 /// Opens `--record-trace`'s file (made or emptied, locked), once every flag is good and
@@ -124,7 +121,7 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     };
     let body_limit = crate::http_args::body_limit(&a.body_limit)?;
     let role = a.sizing.role.name();
-    let kv_staging = parse_size(&a.kv_staging).context("--kv-staging")?;
+    let kv_staging = parse_size(&a.sizing.kv_staging).context("--kv-staging")?;
     check_numbers(a)?;
     if a.sizing.machine.is_some() {
         bail!("--machine plans for another machine; `strata serve` allocates on this one (use `strata plan --machine`)");
@@ -142,12 +139,8 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
     let cluster_key = cluster_key(a)?;
     crate::http_args::check_worker_urls("--prefill-worker", &a.prefill_worker)?;
     let http = a.http.limits(body_limit)?;
-    let (responses, response_bytes) = response_store(a)?;
+    let responses = response_store(a)?;
     let record_trace_size = record_trace(a)?;
-    let mut beside = vec![("--response-store-size".to_string(), response_bytes)];
-    if matches!(role, "decode" | "both") {
-        beside.push(("--kv-staging".to_string(), kv_staging));
-    }
     Ok(Checked {
         eviction,
         body_limit,
@@ -160,7 +153,6 @@ pub(super) fn check_flags(a: &ServeArgs) -> Result<Checked> {
         record_trace_size,
         record_trace: None,
         kv_addr,
-        beside,
     })
 }
 
@@ -239,10 +231,9 @@ fn record_trace(a: &ServeArgs) -> Result<u64> {
     Ok(size)
 }
 
-/// The `--response-store-*` bounds, checked (nothing is allocated until responses come), and
-/// the store's bytes.
-fn response_store(a: &ServeArgs) -> Result<(strata_server::response_store::ResponseStore, u64)> {
-    let size = parse_size(&a.response_store_size).context("--response-store-size")?;
+/// The `--response-store-*` bounds, checked (nothing is allocated until responses come).
+fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::ResponseStore> {
+    let size = parse_size(&a.sizing.response_store_size).context("--response-store-size")?;
     if size < 1 << 20 || a.response_store_max == 0 {
         bail!("--response-store-size must be at least 1MiB and --response-store-max at least 1 (a conversation over a quarter of the size is not kept; one the store cannot keep cannot be continued)");
     }
@@ -250,12 +241,11 @@ fn response_store(a: &ServeArgs) -> Result<(strata_server::response_store::Respo
     if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
         bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
     }
-    let store = strata_server::response_store::ResponseStore::new(
+    Ok(strata_server::response_store::ResponseStore::new(
         a.response_store_max,
         usize::try_from(size).unwrap_or(usize::MAX),
         Duration::from_secs_f64(ttl),
-    );
-    Ok((store, size))
+    ))
 }
 
 /// The key of `--cluster-key-file`; without one, only loopback addresses are accepted.
@@ -392,13 +382,14 @@ pub(super) fn idle_flags(a: &ServeArgs) -> Vec<String> {
         return Vec::new();
     };
     let role = a.sizing.role.name();
-    let listens = matches!(role, "decode" | "both");
+    let listens = a.sizing.role.receives_kv();
     let pd = role != "server";
+    let staging = |a: &ServeArgs| parse_size(&a.sizing.kv_staging).ok();
     let flags = [
         ("--kv-host", a.kv_host != d.kv_host, listens),
         ("--kv-port", a.kv_port != d.kv_port, listens),
         ("--kv-advertise", a.kv_advertise.is_some(), listens),
-        ("--kv-staging", a.kv_staging != d.kv_staging, listens),
+        ("--kv-staging", staging(a) != staging(&d), listens),
         (
             "--kv-max-connections",
             a.kv_max_connections != d.kv_max_connections,

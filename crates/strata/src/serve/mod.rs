@@ -82,10 +82,6 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Server")]
     pub cluster_key_file: Option<PathBuf>,
 
-    /// Conversations kept for /v1/responses' previous_response_id: at most this many bytes
-    /// (their JSON), with a unit; the oldest go first.
-    #[arg(long, default_value = "64MiB", help_heading = "Responses API")]
-    pub response_store_size: String,
     /// At most this many responses kept.
     #[arg(long, default_value_t = 10_000, help_heading = "Responses API")]
     pub response_store_max: usize,
@@ -190,9 +186,6 @@ pub struct ServeArgs {
     /// IP under Kubernetes).
     #[arg(long, help_heading = "PD disaggregation")]
     pub kv_advertise: Option<String>,
-    /// Received K/V held at most before transfers are told to retry, with a unit.
-    #[arg(long, default_value = "1GiB", help_heading = "PD disaggregation")]
-    pub kv_staging: String,
     /// Seconds a KV transfer may take end to end.
     #[arg(long, default_value_t = 30.0, help_heading = "PD disaggregation")]
     pub kv_deadline: f64,
@@ -254,12 +247,21 @@ pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
 /// the memory plan made, nothing bound, loaded or allocated (the model's header is read).
 /// Returns the plan and the bytes it places in host memory.
 pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
-    let c = check_flags(a)?;
-    let mut req = a.sizing.request()?;
-    req.beside = c.beside;
+    check_flags(a)?;
+    let req = request(a)?;
     let plan = make_plan(&req, &a.sizing.topology()?)?;
     let needed = plan.numa.needed_bytes;
     Ok((plan, needed))
+}
+
+/// The plan's request for these flags: a worker with no `--prefill-worker` receives no K/V
+/// (the header naming one is refused), so its plan reserves no staging for it.
+fn request(a: &ServeArgs) -> Result<strata_mem::PlanRequest> {
+    let mut req = a.sizing.request()?;
+    if a.prefill_worker.is_empty() {
+        req.beside.retain(|b| b.0 != "--kv-staging");
+    }
+    Ok(req)
 }
 
 pub fn run(mut a: ServeArgs) -> Result<()> {
@@ -277,9 +279,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // The port really bound (--port 0: any free one, said in the ready line).
     let addr = std_listener.local_addr()?;
     // A decode worker's KV listener, likewise, and the address it announces.
-    let kv = match c.role {
-        "decode" | "both" => Some(kv::kv_bind(&kv_flags(&a, &c), c.cluster_key.is_some())?),
-        _ => None,
+    let kv = match a.sizing.role.receives_kv() {
+        true => Some(kv::kv_bind(&kv_flags(&a, &c), c.cluster_key.is_some())?),
+        false => None,
     };
     // The memory plan, printed before anything is allocated.
     let path = match &a.sizing.model {
@@ -287,8 +289,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         None => ensure_model(&cache_dir(), |m| say!("{m}"))?,
     };
     a.sizing.model = Some(path.clone());
-    let mut req = a.sizing.request()?;
-    req.beside = std::mem::take(&mut c.beside);
+    let req = request(&a)?;
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
     eprint!("{}", plan.render());
@@ -345,7 +346,7 @@ fn kv_flags<'a>(a: &'a ServeArgs, c: &Checked) -> kv::KvFlags<'a> {
     kv::KvFlags {
         addr: c.kv_addr,
         advertise: a.kv_advertise.as_deref(),
-        staging_text: &a.kv_staging,
+        staging_text: &a.sizing.kv_staging,
         max_connections: a.kv_max_connections,
     }
 }
