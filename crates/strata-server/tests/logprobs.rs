@@ -3,16 +3,8 @@
 
 use serde_json::{json, Value};
 use strata_test_support::{
-    metrics_of, post, post_text, sample, spawn_worker, tiny_model, WorkerSpec,
+    metrics_of, post, post_text, sample, spawn_worker, sse_events, tiny_model, WorkerSpec,
 };
-
-fn sse(body: &str) -> Vec<Value> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_follow_the_greedy_choice_whole_and_streamed() {
@@ -68,7 +60,7 @@ async fn logprobs_follow_the_greedy_choice_whole_and_streamed() {
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let text = post_text(&chat_url, &streamed).await;
-    let entries: Vec<Value> = sse(&text)
+    let entries: Vec<Value> = sse_events(&text)
         .iter()
         .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
         .flatten()
@@ -188,7 +180,7 @@ async fn echo_with_logprobs_scores_the_prompt_whole_streamed_and_per_choice() {
     // whole answer's.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let chunks = sse(&post_text(&url, &streamed).await);
+    let chunks = sse_events(&post_text(&url, &streamed).await);
     assert_eq!(chunks[0]["choices"][0]["text"], prompt);
     assert_eq!(
         entries(&chunks[0]["choices"][0]["logprobs"]).len(),
@@ -330,7 +322,7 @@ async fn streamed_logprobs_wait_for_text_a_stop_string_holds() {
     assert_eq!(format!("{text}{stop}"), tokens[..k + 2].concat());
 
     body["stream"] = json!(true);
-    let chunks = sse(&post_text(&url, &body).await);
+    let chunks = sse_events(&post_text(&url, &body).await);
     // (sent, said) after each chunk: the text so far, and the texts of the entries so far.
     let mut seen = Vec::new();
     let (mut sent, mut said) = (String::new(), String::new());
@@ -399,7 +391,7 @@ async fn echoed_offsets_go_on_past_a_split_character() {
     }
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let joined: Vec<Value> = sse(&post_text(&url, &streamed).await)
+    let joined: Vec<Value> = sse_events(&post_text(&url, &streamed).await)
         .iter()
         .map(|c| &c["choices"][0]["logprobs"])
         .filter(|l| l.is_object())

@@ -4,23 +4,7 @@
 //! field.
 
 use serde_json::{json, Value};
-use strata_test_support::{
-    post, post_text, spawn_worker, tiny_model_with_context, TestWorker, WorkerSpec,
-};
-
-/// A worker on the tiny model with room for prompts that show tools (its tokenizer spends
-/// about a token per byte).
-async fn worker() -> (tempfile::TempDir, TestWorker) {
-    let d = tempfile::tempdir().unwrap();
-    let path = tiny_model_with_context(d.path(), 4096);
-    let spec = WorkerSpec {
-        device_pages: 512,
-        host_pages: 64,
-        ..WorkerSpec::default()
-    };
-    let w = spawn_worker(&path, spec).await;
-    (d, w)
-}
+use strata_test_support::{post, post_text, spawn_roomy_worker};
 
 fn person_schema() -> Value {
     json!({"type": "object", "properties": {
@@ -55,7 +39,7 @@ fn user(text: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_schema_answers_validate_twenty_times_out_of_twenty_at_temperature_one() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let format = json!({"type": "json_schema",
                         "json_schema": {"name": "person", "schema": person_schema(), "strict": true}});
@@ -109,7 +93,7 @@ async fn json_schema_answers_validate_twenty_times_out_of_twenty_at_temperature_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_constraint_field_is_honoured_on_both_endpoints() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let chat_url = format!("{}/v1/chat/completions", w.url);
     let comp_url = format!("{}/v1/completions", w.url);
     let rx = "[0-9]{3}-[a-z]{2}";
@@ -188,7 +172,7 @@ async fn every_constraint_field_is_honoured_on_both_endpoints() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_constraints_are_refused_naming_their_field() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let cases = [
         (
@@ -359,7 +343,7 @@ fn check_call(call: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_tool_calls_follow_the_tools_schemas_whole_and_streamed() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     for seed in 0..5 {
         let body = chat(
@@ -473,7 +457,7 @@ async fn forced_tool_calls_follow_the_tools_schemas_whole_and_streamed() {
 /// arguments follow the nested schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_call_with_nested_definitions_follows_them() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let tools = json!([{"type": "function", "function": {"name": "save_pet",
         "parameters": {
@@ -510,7 +494,7 @@ async fn a_forced_call_with_nested_definitions_follows_them() {
 /// model add keys, which a random model does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_strict_schema_takes_no_keys_beyond_its_properties() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let schema = json!({"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 6},
@@ -564,7 +548,7 @@ async fn a_strict_schema_takes_no_keys_beyond_its_properties() {
 /// naming the field, not a failed generation; the worker keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deep_and_cyclic_ref_chains_are_refused_and_the_worker_keeps_serving() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let n = 5000;
     let mut defs = serde_json::Map::new();
     for i in 0..n {

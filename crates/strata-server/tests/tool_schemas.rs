@@ -3,19 +3,7 @@
 //! carries every token's log probability, as the whole answer does.
 
 use serde_json::{json, Value};
-use strata_test_support::{post, post_text, spawn_worker, tiny_model_with_context, WorkerSpec};
-
-/// A worker on the tiny model with room for prompts that show tools.
-async fn worker() -> (tempfile::TempDir, strata_test_support::TestWorker) {
-    let d = tempfile::tempdir().unwrap();
-    let path = tiny_model_with_context(d.path(), 4096);
-    let spec = WorkerSpec {
-        device_pages: 512,
-        host_pages: 64,
-        ..WorkerSpec::default()
-    };
-    (d, spawn_worker(&path, spec).await)
-}
+use strata_test_support::{post, post_text, spawn_roomy_worker, sse_events};
 
 fn tool(name: &str, parameters: Value) -> Value {
     json!({"type": "function", "function": {"name": name, "parameters": parameters}})
@@ -36,7 +24,7 @@ fn chat(tools: &Value, choice: Value, extra: Value) -> Value {
 /// where nothing enforces it and refused where the answer is held to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_schemas_are_checked_under_every_choice() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let plain = tool(
         "add",
@@ -92,7 +80,7 @@ async fn tool_schemas_are_checked_under_every_choice() {
 /// a stop string.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_answer_with_tools_has_every_logprob() {
-    let (_d, w) = worker().await;
+    let (_d, w) = spawn_roomy_worker().await;
     let url = format!("{}/v1/chat/completions", w.url);
     let tools = json!([tool(
         "add",
@@ -115,11 +103,8 @@ async fn a_streamed_answer_with_tools_has_every_logprob() {
             let mut streamed = body.clone();
             streamed["stream"] = json!(true);
             let text = post_text(&url, &streamed).await;
-            let entries: Vec<Value> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("data: "))
-                .filter(|d| *d != "[DONE]")
-                .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            let entries: Vec<Value> = sse_events(&text)
+                .iter()
                 .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
                 .flatten()
                 .collect();

@@ -335,6 +335,21 @@ pub async fn post(url: &str, body: &Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap())
 }
 
+/// A worker on the tiny model with room for prompts that show tools (4096 tokens of context,
+/// 512 device pages, 64 host pages: its tokenizer spends about a token per byte), and the
+/// directory of its model.
+pub async fn spawn_roomy_worker() -> (tempfile::TempDir, TestWorker) {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model_with_context(d.path(), 4096);
+    let spec = WorkerSpec {
+        device_pages: 512,
+        host_pages: 64,
+        ..WorkerSpec::default()
+    };
+    let w = spawn_worker(&path, spec).await;
+    (d, w)
+}
+
 /// POSTs JSON; the answer's text (e.g. a server-sent event stream).
 pub async fn post_text(url: &str, body: &Value) -> String {
     reqwest::Client::new()
@@ -346,6 +361,15 @@ pub async fn post_text(url: &str, body: &Value) -> String {
         .text()
         .await
         .unwrap()
+}
+
+/// The JSON events of a server-sent event stream (its `data: ` lines but `[DONE]`).
+pub fn sse_events(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("an event is JSON"))
+        .collect()
 }
 
 /// The text of `url/metrics`.
