@@ -256,13 +256,13 @@ fn without_patterns(v: &mut Value) {
             if o.get("pattern").is_some_and(Value::is_string) {
                 o.remove("pattern");
             }
-            if let Some(Value::Object(pp)) = o.remove("patternProperties") {
-                let kept: serde_json::Map<String, Value> = pp
+            if let Some(Value::Object(pp)) = o.get_mut("patternProperties") {
+                let kept: serde_json::Map<String, Value> = std::mem::take(pp)
                     .into_iter()
                     .enumerate()
                     .map(|(i, (_, s))| (format!("^p{i}$"), s))
                     .collect();
-                o.insert("patternProperties".into(), Value::Object(kept));
+                *pp = kept;
             }
             o.values_mut().for_each(without_patterns);
         }
