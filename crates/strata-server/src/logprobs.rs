@@ -10,11 +10,6 @@ fn text(tk: &ModelTokenizer, id: u32) -> String {
     tk.decode_fragment(&[id]).unwrap_or_default()
 }
 
-/// Characters of the tokens' texts (what their `text_offset`s advance by).
-pub(crate) fn chars(tk: &ModelTokenizer, lps: &[TokenLogprobs]) -> usize {
-    lps.iter().map(|l| text(tk, l.token).chars().count()).sum()
-}
-
 /// A chat entry: the token's text and its own bytes (a part of a character, whose text is
 /// `�`, has its real bytes: joined, they are the output's UTF-8).
 fn chat_entry(tk: &ModelTokenizer, id: u32, lp: f32) -> Value {

@@ -554,8 +554,11 @@ impl Streaming {
                     ),
                     false => Value::Null,
                 };
+                // Completions' entries end where the next token's offset is (chat's have none).
+                if let Some(end) = crate::logprobs::after(&lp) {
+                    self.offset_chars = end;
+                }
                 out.push(self.chunk_with(Some(&d), None, lp));
-                self.offset_chars += crate::logprobs::chars(&st.tokenizer, &lps);
                 self.started = true;
             }
             Step::Failed(m) => {
