@@ -73,12 +73,15 @@ impl CacheIndex {
         if v.get("messages").is_some() {
             let req: strata_server::api::ChatRequest = serde_json::from_value(v).ok()?;
             let tools = strata_server::tools::tools_of(&req).ok()?;
-            let shown = tools.as_ref().map(|t| t.shown());
+            let shown = strata_server::prompt::Shown::of(
+                tools.as_ref().map(|t| t.shown()),
+                req.response_format.as_ref(),
+            );
             strata_server::prompt::chat_ids(
                 &self.tokenizer,
                 self.template.as_ref(),
                 &req.messages,
-                shown,
+                shown.as_ref(),
             )
             .ok()
         } else {

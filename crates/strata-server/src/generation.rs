@@ -103,7 +103,10 @@ async fn chat_body(
     if let Some(t) = &tools {
         crate::structured::check_tool_schemas(&st, t.unheld_schemas()).await?;
     }
-    let shown = tools.as_ref().map(|t| t.shown().to_vec());
+    let shown = crate::prompt::Shown::of(
+        tools.as_ref().map(|t| t.shown()),
+        req.response_format.as_ref(),
+    );
     let ChatRequest {
         messages, sampling, ..
     } = req;
@@ -113,7 +116,7 @@ async fn chat_body(
     let (ids, shared_prefix) = off_async(&st, move |st| {
         let tpl = st.template.as_deref();
         let tk = &st.tokenizer;
-        crate::prompt::chat_ids_shared(tk, tpl, &messages, shown.as_deref(), want_shared)
+        crate::prompt::chat_ids_shared(tk, tpl, &messages, shown.as_ref(), want_shared)
     })
     .await?;
     let constraint = match asked {

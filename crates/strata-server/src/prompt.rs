@@ -6,15 +6,52 @@ use std::collections::HashMap;
 
 use strata_model::{ChatTemplate, Message, ModelTokenizer};
 
-use crate::api::{ChatMessage, Content, Prompt, ToolDef};
+use crate::api::{ChatMessage, Content, Prompt, ResponseFormat, ToolDef};
 use crate::error::ApiError;
+
+/// What a chat request shows the model in its system message beside its messages, and the
+/// request fields it comes from (named in errors).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shown {
+    pub text: String,
+    pub from: &'static str,
+}
+
+impl Shown {
+    /// The tools (`crate::tools::system_text`), then a `json_schema` response format's
+    /// `description` (with its `name`), which OpenAI defines as what the model reads to answer
+    /// in that format. None when the request has neither.
+    pub fn of(tools: Option<&[ToolDef]>, format: Option<&ResponseFormat>) -> Option<Shown> {
+        let described = match format {
+            Some(ResponseFormat::JsonSchema { json_schema: f }) => f
+                .description
+                .as_deref()
+                .filter(|d| !d.trim().is_empty())
+                .map(|d| {
+                    format!(
+                        "# Response format\n\nAnswer in the JSON format `{}`: {d}",
+                        f.name
+                    )
+                }),
+            _ => None,
+        };
+        let (text, from) = match (tools.map(crate::tools::system_text), described) {
+            (Some(t), Some(d)) => (format!("{t}\n\n{d}"), "tools and response_format"),
+            (Some(t), None) => (t, "tools"),
+            (None, Some(d)) => (d, "response_format"),
+            (None, None) => return None,
+        };
+        Some(Shown { text, from })
+    }
+}
 
 /// The chat messages as the template sees them: roles checked (`developer` → `system`), text
 /// parts joined (any other part is refused), tool calls and tool answers in the generic tool
-/// format (`crate::tools`), the tools shown in the system message.
+/// format (`crate::tools`), and what else the request shows ([`Shown`]) in the system message: after the
+/// first message's text when it is a system one, else as a system message of its own.
 pub fn template_messages(
     messages: &[ChatMessage],
-    tools: Option<&[ToolDef]>,
+    shown: Option<&Shown>,
 ) -> Result<Vec<Message>, ApiError> {
     let mut msgs = Vec::with_capacity(messages.len() + 1);
     // Every call's id, and whether it is still unanswered.
@@ -74,13 +111,12 @@ pub fn template_messages(
         };
         msgs.push(Message::new(role, &text));
     }
-    if let Some(defs) = tools {
-        let shown = crate::tools::system_text(defs);
+    if let Some(shown) = shown {
         match msgs.first_mut() {
             Some(first) if first.role == "system" => {
-                first.content = format!("{}\n\n{shown}", first.content);
+                first.content = format!("{}\n\n{}", first.content, shown.text);
             }
-            _ => msgs.insert(0, Message::new("system", &shown)),
+            _ => msgs.insert(0, Message::new("system", &shown.text)),
         }
     }
     Ok(msgs)
@@ -149,9 +185,9 @@ pub fn chat_ids(
     tk: &ModelTokenizer,
     tpl: Option<&ChatTemplate>,
     messages: &[ChatMessage],
-    tools: Option<&[ToolDef]>,
+    shown: Option<&Shown>,
 ) -> Result<Vec<u32>, ApiError> {
-    chat_ids_shared(tk, tpl, messages, tools, false).map(|(ids, _)| ids)
+    chat_ids_shared(tk, tpl, messages, shown, false).map(|(ids, _)| ids)
 }
 
 /// [`chat_ids`], and where other conversations are expected to leave the prompt (see
@@ -160,7 +196,7 @@ pub fn chat_ids_shared(
     tk: &ModelTokenizer,
     tpl: Option<&ChatTemplate>,
     messages: &[ChatMessage],
-    tools: Option<&[ToolDef]>,
+    shown: Option<&Shown>,
     shared: bool,
 ) -> Result<(Vec<u32>, usize), ApiError> {
     let Some(tpl) = tpl else {
@@ -169,8 +205,8 @@ pub fn chat_ids_shared(
             Some("messages"),
         ));
     };
-    let msgs = template_messages(messages, tools)?;
-    check_turn_markers(tk, tpl, &msgs, messages.len(), tools.is_some())?;
+    let msgs = template_messages(messages, shown)?;
+    check_turn_markers(tk, tpl, &msgs, messages.len(), shown.map(|s| s.from))?;
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
@@ -182,31 +218,37 @@ pub fn chat_ids_shared(
     Ok((ids, n))
 }
 
-/// Refuses a message (or a tool's description) that writes one of the template's turn markers:
-/// tokenized with the rest, it would be the marker's own id, and a user could close their turn
-/// and open a system one. `given` is how many messages the request had (the tools' text is
-/// the first message when there is one more, or in the first when it is a system message).
+/// Refuses a message (or a tool's or the response format's description) that writes one of the
+/// template's turn markers: tokenized with the rest, it would be the marker's own id, and a user
+/// could close their turn and open a system one. `given` is how many messages the request had
+/// (what it shows beside them is the first message when there is one more, or in the first when
+/// it is a system message).
 fn check_turn_markers(
     tk: &ModelTokenizer,
     tpl: &ChatTemplate,
     msgs: &[Message],
     given: usize,
-    tools: bool,
+    shown: Option<&str>,
 ) -> Result<(), ApiError> {
     let shift = msgs.len() - given;
     for (k, m) in msgs.iter().enumerate() {
         if let Some(marker) = tpl.turn_marker_in(tk, &m.content) {
-            let at = match k.checked_sub(shift) {
-                Some(0) if tools && shift == 0 => "messages[0] (or the tools shown in it)".into(),
-                Some(i) => format!("messages[{i}]"),
-                None => "tools".into(),
+            let at = match (k.checked_sub(shift), shown) {
+                (Some(0), Some(from)) if shift == 0 => {
+                    format!("messages[0] (or the {from} shown in it)")
+                }
+                (Some(i), _) => format!("messages[{i}]"),
+                (None, from) => from.unwrap_or("tools").into(),
             };
             return Err(ApiError::bad_request(
                 format!(
                     "{at} writes `{marker}`, a turn marker of the model's chat template: it would \
                      be read as a turn boundary, not as text"
                 ),
-                Some(if shift > k { "tools" } else { "messages" }),
+                Some(match shown {
+                    Some(from) if shift > k => from,
+                    _ => "messages",
+                }),
             ));
         }
     }
@@ -266,4 +308,66 @@ pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
 pub fn decode_ids(tk: &ModelTokenizer, ids: &[u32]) -> Result<String, ApiError> {
     tk.decode(ids)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::JsonSchemaFormat;
+
+    fn format(description: Option<&str>) -> ResponseFormat {
+        ResponseFormat::JsonSchema {
+            json_schema: JsonSchemaFormat {
+                name: "person".into(),
+                description: description.map(Into::into),
+                schema: None,
+                strict: None,
+            },
+        }
+    }
+
+    fn tool() -> ToolDef {
+        serde_json::from_str(r#"{"type": "function", "function": {"name": "f"}}"#).unwrap()
+    }
+
+    #[test]
+    fn what_a_request_shows_names_where_it_comes_from() {
+        assert_eq!(Shown::of(None, None), None);
+        assert_eq!(Shown::of(None, Some(&ResponseFormat::JsonObject {})), None);
+        assert_eq!(Shown::of(None, Some(&format(None))), None);
+        assert_eq!(Shown::of(None, Some(&format(Some(" \n")))), None);
+        let d = Shown::of(None, Some(&format(Some("Who was asked about.")))).unwrap();
+        assert_eq!(d.from, "response_format");
+        assert_eq!(
+            d.text,
+            "# Response format\n\nAnswer in the JSON format `person`: Who was asked about."
+        );
+        let tools = [tool()];
+        let t = Shown::of(Some(&tools), None).unwrap();
+        assert_eq!(
+            (t.from, t.text.clone()),
+            ("tools", crate::tools::system_text(&tools))
+        );
+        let both = Shown::of(Some(&tools), Some(&format(Some("Who was asked about.")))).unwrap();
+        assert_eq!(both.from, "tools and response_format");
+        assert_eq!(both.text, format!("{}\n\n{}", t.text, d.text));
+    }
+
+    #[test]
+    fn what_a_request_shows_goes_in_the_system_message() {
+        let shown = Shown::of(None, Some(&format(Some("Who.")))).unwrap();
+        let user: ChatMessage =
+            serde_json::from_str(r#"{"role": "user", "content": "hi"}"#).unwrap();
+        let sys: ChatMessage =
+            serde_json::from_str(r#"{"role": "developer", "content": "Be brief."}"#).unwrap();
+        let alone = template_messages(std::slice::from_ref(&user), Some(&shown)).unwrap();
+        assert_eq!(alone.len(), 2);
+        assert_eq!(
+            (alone[0].role.as_str(), alone[0].content.as_str()),
+            ("system", shown.text.as_str())
+        );
+        let joined = template_messages(&[sys, user], Some(&shown)).unwrap();
+        assert_eq!(joined.len(), 2);
+        assert_eq!(joined[0].content, format!("Be brief.\n\n{}", shown.text));
+    }
 }
