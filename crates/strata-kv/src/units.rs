@@ -13,6 +13,8 @@ pub enum SizeError {
     Bits(String, String, String),
     #[error("size `{0}` is not a number followed by a unit")]
     BadNumber(String),
+    #[error("size `{0}` is negative: a size counts bytes, from 0")]
+    Negative(String),
     #[error("size `{0}` is too large: at most 1024TiB")]
     Overflow(String),
     #[error("size `{0}` is a fraction of a byte")]
@@ -29,6 +31,9 @@ pub const MAX_SIZE: u64 = 1 << 50;
 /// (`0.0001KB`), and one over [`MAX_SIZE`] are refused.
 pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
+    if t.starts_with('-') && t[1..].starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+        return Err(SizeError::Negative(s.into()));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
@@ -187,6 +192,14 @@ mod tests {
         assert_eq!(parse_size("150gb"), Ok(150_000_000_000));
         assert_eq!(parse_size("150GB"), Ok(150_000_000_000));
         assert!(matches!(parse_size("GiB"), Err(SizeError::BadNumber(..))));
+        for neg in ["-1GB", " -0.5GiB", "-.5KB"] {
+            assert_eq!(
+                parse_size(neg),
+                Err(SizeError::Negative(neg.into())),
+                "{neg}"
+            );
+        }
+        assert!(matches!(parse_size("-GB"), Err(SizeError::BadNumber(..))));
         assert!(matches!(
             parse_size("99999999999TiB"),
             Err(SizeError::Overflow(..))

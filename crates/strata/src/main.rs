@@ -20,6 +20,7 @@ macro_rules! say {
 }
 
 mod advise_from;
+mod argv;
 mod bench;
 mod generate;
 mod http_args;
@@ -30,7 +31,7 @@ mod sim;
 mod sizing;
 mod up;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Strata: LLM serving with a hierarchical KV cache (device → host → disk/remote).
 #[derive(Parser)]
@@ -111,7 +112,8 @@ enum Command {
 }
 
 fn main() {
-    let cli = match Cli::try_parse() {
+    let args = argv::join_negative_values(&Cli::command(), std::env::args_os().collect());
+    let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(),
         Err(e) => {
