@@ -30,8 +30,9 @@ impl Plan {
         self.pool_table(&mut s);
         let _ = writeln!(
             s,
-            "per server ({} ranks): device {}, host {}",
+            "per server ({} rank{}): device {}, host {}",
             self.tp,
+            if self.tp == 1 { "" } else { "s" },
             format_bytes(self.server_device_bytes),
             format_bytes(self.server_host_bytes)
         );
