@@ -7,6 +7,10 @@ use strata_kv::PrefetchPolicy;
 
 use crate::record::TraceRecorder;
 
+/// Most prompt tokens per model call, over all requests that want their log probabilities:
+/// the logits of every such row come back from the call (the memory plan reserves them).
+pub const PROMPT_LOGPROB_ROWS: usize = 256;
+
 /// Scheduling limits.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {

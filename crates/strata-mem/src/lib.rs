@@ -15,5 +15,6 @@ pub use model::{dsv4_kinds, preset, Dsv4Shape, KindSpec, ModelSpec, Needed, Per,
 pub use numa::{NumaAllocator, Placement};
 pub use plan::{
     make_plan, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError, PlanRequest,
+    Scratch,
 };
 pub use topology::{Node, Topology};

@@ -46,6 +46,7 @@ fn req(role: &str, node: u32, host: Option<HostBudget>) -> PlanRequest {
         max_running: 32,
         max_batch_tokens: 512,
         beside: Vec::new(),
+        scratch: Default::default(),
     }
 }
 
@@ -325,4 +326,57 @@ fn ranks_on_their_own_nodes_fit_node_by_node() {
     r.policy = NumaPolicy::Interleave;
     let e = make_plan(&r, &t).unwrap_err().to_string();
     assert!(e.contains("--numa-policy interleave"), "{e}");
+}
+
+/// The forward pass's scratch (`PlanRequest::scratch`): reserved on every rank (its part per
+/// device token counted on the device pool the plan gives), named in the report, named in a
+/// refusal that it alone causes, checked node by node with `--numa-nodes`; nothing where the
+/// device pools are not in host memory.
+#[test]
+fn the_forward_pass_is_reserved_on_every_rank() {
+    let (_d, t) = topo();
+    let mut r = req("server", 0, Some(HostBudget::PerRank(100 * GB)));
+    r.model = preset("smollm2-135m").unwrap();
+    r.page_size = 16;
+    r.tp = 2;
+    r.device_in_host_memory = true;
+    let without = make_plan(&r, &t).unwrap();
+    r.scratch = Scratch {
+        fixed: GB,
+        per_device_token: 100,
+    };
+    let p = make_plan(&r, &t).unwrap();
+    let each = GB + 100 * p.device_tokens_per_rank;
+    let label = Scratch::LABEL.to_string();
+    assert_eq!(p.numa.beside.last(), Some(&(label, 2 * each)));
+    assert_eq!(p.numa.reserve_bytes, without.numa.reserve_bytes + 2 * each);
+    assert_eq!(
+        p.numa.headroom_bytes,
+        without.numa.headroom_bytes - 2 * each
+    );
+    assert!(p.render().contains("--max-batch-tokens (the forward pass)"));
+    // Pools that fit only without it: the refusal names it.
+    let room = without.numa.headroom_bytes;
+    r.scratch.fixed = room / 2 + GB;
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(
+        e.contains("a smaller --max-batch-tokens (the forward pass)"),
+        "{e}"
+    );
+    // One rank per node: each node holds its rank's scratch.
+    r.scratch.fixed = 80 * GB;
+    r.host = Some(HostBudget::PerRank(150 * GB));
+    r.numa = NumaChoice::Ranks(vec![0, 1]);
+    let e = make_plan(&r, &t).unwrap_err().to_string();
+    assert!(e.contains("node 0: ranks [0] need"), "{e}");
+    // Device pools elsewhere (an accelerator plan): nothing reserved.
+    r.device_in_host_memory = false;
+    r.numa = NumaChoice::Node(0);
+    r.host = Some(HostBudget::PerRank(100 * GB));
+    let p = make_plan(&r, &t).unwrap();
+    assert!(
+        p.numa.beside.iter().all(|b| b.0 != Scratch::LABEL),
+        "{:?}",
+        p.numa.beside
+    );
 }

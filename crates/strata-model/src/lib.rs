@@ -23,7 +23,7 @@
 //! * [`chat`]: the GGUF's chat template, rendered with minijinja; [`error`]: the runtime's
 //!   errors.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
-//!   compute and memory ceilings.
+//!   compute and memory ceilings; [`scratch`]: what a forward call allocates beside the pools.
 //! * [`tiny`]: small random-weight GGUF files (tests, `strata model tiny`): the llama family,
 //!   [`tiny::deepseek4`], `tiny::spm` (SentencePiece vocabularies).
 
@@ -38,6 +38,7 @@ pub mod llama;
 pub mod peak;
 pub mod qmat;
 pub mod runtime;
+pub mod scratch;
 mod seq;
 mod shard;
 mod split_check;

@@ -8,7 +8,8 @@
 //! * `sim/`: `strata sim` (replay, sweeps, sizing advice, window residency).
 //! * `bench/`: `strata bench`, one file per subcommand and the pieces they share.
 //! * `generate`: `strata model fetch|tiny|bench` and `strata generate`.
-//! * `http_args`: the HTTP listener's bounds, shared by `serve` and `route`.
+//! * `http_args`: the HTTP listener's bounds, shared by `serve` and `route`; `argv`: the
+//!   command line before clap reads it (a negative value joined to its option).
 
 /// `eprintln!` for processes that keep serving: a stderr nobody reads any more (a closed pipe)
 /// loses the line instead of panicking the thread that said it.

@@ -9,8 +9,9 @@ use strata_kv::dtype::Dtype;
 use strata_kv::units::parse_size;
 use strata_mem::{
     preset, DeviceBudget, HostBudget, KindSpec, ModelSpec, NumaChoice, NumaPolicy, PlanRequest,
-    Topology, PRESETS,
+    Scratch, Topology, PRESETS,
 };
+use strata_model::scratch::{forward_scratch, CallLimits};
 
 /// What a server does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -39,6 +40,8 @@ impl Role {
 
 /// The device pool per rank when no device flag is given.
 const DEFAULT_DEVICE_MEM: &str = "1GiB";
+/// `strata serve --threads` when not given (the plan's forward scratch assumes it).
+pub const DEFAULT_THREADS: usize = 2;
 
 /// `--model-preset`'s help, from the table the planner uses (every preset it knows).
 fn preset_help() -> String {
@@ -420,8 +423,9 @@ impl SizingArgs {
         Ok(beside)
     }
 
-    /// Parses and checks every flag; nothing is allocated.
-    pub fn request(&self) -> Result<PlanRequest> {
+    /// Parses and checks every flag; nothing is allocated. `threads`: the worker's compute
+    /// threads (`--threads`), which the forward pass's scratch counts.
+    pub fn request(&self, threads: usize) -> Result<PlanRequest> {
         let model = self.model_spec()?;
         // The ranks must split the model as loading it would (else the plan "fits" what the
         // worker then refuses).
@@ -439,21 +443,7 @@ impl SizingArgs {
             (_, _, Some(r)) => Some(HostBudget::Ratio(r)),
             _ => None,
         };
-        let numa = if !self.numa_nodes.is_empty() {
-            let n = &self.numa_nodes;
-            NumaChoice::Ranks(if n.len() == 1 {
-                vec![n[0]; self.tp_size as usize]
-            } else {
-                n.clone()
-            })
-        } else {
-            match self.numa_node.as_str() {
-                "auto" => NumaChoice::Auto,
-                n => NumaChoice::Node(n.parse().with_context(|| {
-                    format!("--numa-node `{n}`: expected a node number or `auto`")
-                })?),
-            }
-        };
+        let numa = self.numa_choice()?;
         let Some(policy) = NumaPolicy::parse(&self.numa_policy) else {
             bail!(
                 "--numa-policy `{}`: expected bind, interleave or preferred",
@@ -499,6 +489,47 @@ impl SizingArgs {
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
             beside: self.beside()?,
+            scratch: self.scratch(threads)?,
+        })
+    }
+
+    /// `--numa-nodes` (one node for every rank, or one per rank), else `--numa-node`.
+    fn numa_choice(&self) -> Result<NumaChoice> {
+        if !self.numa_nodes.is_empty() {
+            let n = &self.numa_nodes;
+            return Ok(NumaChoice::Ranks(if n.len() == 1 {
+                vec![n[0]; self.tp_size as usize]
+            } else {
+                n.clone()
+            }));
+        }
+        Ok(match self.numa_node.as_str() {
+            "auto" => NumaChoice::Auto,
+            n => {
+                NumaChoice::Node(n.parse().with_context(|| {
+                    format!("--numa-node `{n}`: expected a node number or `auto`")
+                })?)
+            }
+        })
+    }
+
+    /// What each rank's forward calls allocate under the batch limits, with `threads` computing
+    /// (read from `--model`'s header; nothing for a preset, whose runtime is not this one).
+    fn scratch(&self, threads: usize) -> Result<Scratch> {
+        let Some(path) = &self.model else {
+            return Ok(Scratch::default());
+        };
+        let limits = CallLimits {
+            tokens: self.max_batch_tokens as u64,
+            sequences: self.max_running as u64,
+            all_logit_rows: strata_engine::PROMPT_LOGPROB_ROWS as u64,
+            threads: threads as u64,
+        };
+        let s = forward_scratch(path, u64::from(self.tp_size), limits)
+            .with_context(|| format!("--model {}", path.display()))?;
+        Ok(Scratch {
+            fixed: s.fixed,
+            per_device_token: s.per_device_token,
         })
     }
 }

@@ -15,7 +15,7 @@ use super::Req;
 /// Most prompt tokens per step, over all requests that want their log probabilities: the
 /// logits of every such row are kept for the step (ROWS × vocabulary floats: 48 MiB at a
 /// 49 152-token vocabulary).
-pub(super) const ROWS: usize = 256;
+pub(super) const ROWS: usize = crate::config::PROMPT_LOGPROB_ROWS;
 
 /// Sends `r`'s prompt log probabilities (positions 1..), gathered here or imported.
 pub(super) fn send(r: &Req, tokens: Vec<crate::request::TokenLogprobs>) {

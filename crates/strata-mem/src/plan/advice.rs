@@ -32,7 +32,7 @@ pub(super) fn does_not_fit(
     }];
     // What the server holds beside its pools, when without it the pools would fit: its flag.
     let without = |b: u64| room.avail.saturating_sub(room.reserve.saturating_sub(b));
-    for (flag, b) in req.beside.iter().filter(|b| without(b.1) >= s.needed) {
+    for (flag, b) in room.beside.iter().filter(|b| without(b.1) >= s.needed) {
         alts.insert(0, format!("a smaller {flag} (now {})", format_bytes(*b)));
     }
     if topo.nodes.len() > 1 && req.policy != NumaPolicy::Interleave {
@@ -53,7 +53,7 @@ pub(super) fn does_not_fit(
         format_bytes(room.usable),
         alts.join("; "),
         source = room.source,
-        weights = super::render::reserve_parts(room.weights, &req.beside),
+        weights = super::render::reserve_parts(room.weights, &room.beside),
     ))
 }
 

@@ -9,7 +9,7 @@ use crate::topology::Topology;
 
 pub use types::{
     Decision, DeviceBudget, HostBudget, NumaChoice, NumaPlan, NumaPolicy, Plan, PlanError,
-    PlanRequest, PoolPlan,
+    PlanRequest, PoolPlan, Scratch,
 };
 
 /// Most ranks one server runs (`--tp-size`): far past any machine's sockets and devices, and
@@ -118,7 +118,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let (mut decided, mut window_warnings) = (Vec::new(), Vec::new());
 
     // NUMA placement first: the fraction-of-free device budget needs it.
-    let room = numa_room(req, topo, &mut decided)?;
+    let mut room = numa_room(req, topo, &mut decided)?;
 
     let (device_budget, device_tokens, host_tokens, wplan) =
         budgets(req, &base, room.avail, &mut decided, &mut window_warnings)?;
@@ -128,6 +128,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         host_cost.window_tokens(host_tokens),
     );
     window_decisions(req, device_tokens, dw, &mut decided)?;
+    room.hold(Scratch::LABEL, scratch_bytes(req, device_tokens));
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw))?;
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
@@ -177,7 +178,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
             source: room.source,
             reserve_bytes: room.reserve,
             weights_bytes: room.weights,
-            beside: req.beside.clone(),
+            beside: room.beside,
             needed_bytes: s.needed,
             headroom_bytes: room.usable - s.needed,
         },
@@ -278,6 +279,30 @@ struct Room {
     weights: u64,
     /// Available minus the reserve.
     usable: u64,
+    /// The reserve's parts beside the weights and the OS's headroom.
+    beside: Vec<(String, u64)>,
+}
+
+impl Room {
+    /// Reserves `bytes` more, for `what`.
+    fn hold(&mut self, what: &str, bytes: u64) {
+        if bytes > 0 {
+            self.reserve = self.reserve.saturating_add(bytes);
+            self.usable = self.avail.saturating_sub(self.reserve);
+            self.beside.push((what.to_string(), bytes));
+        }
+    }
+}
+
+/// The forward pass's scratch on every rank (in host memory only where the device pools are).
+fn scratch_bytes(req: &PlanRequest, device_tokens: u64) -> u64 {
+    match req.device_in_host_memory {
+        true => req
+            .scratch
+            .bytes(device_tokens)
+            .saturating_mul(u64::from(req.tp)),
+        false => 0,
+    }
 }
 
 /// The per-rank and per-server numbers the budgets came to.
@@ -415,6 +440,7 @@ fn numa_room(
         reserve,
         weights,
         usable,
+        beside: req.beside.clone(),
     })
 }
 

@@ -85,9 +85,12 @@ pub(super) fn check_rank_nodes(
                     }
             })
             .sum();
-        // Each rank holds its share of the weights (a split of the model's parts).
+        // Each rank holds its share of the weights (a split of the model's parts) and its
+        // forward calls' scratch.
         let weights = if req.device_in_host_memory {
-            req.model.weights_bytes / u64::from(req.tp.max(1)) * ranks.len() as u64
+            let each = req.model.weights_bytes / u64::from(req.tp.max(1))
+                + req.scratch.bytes(device_tokens);
+            each.saturating_mul(ranks.len() as u64)
         } else {
             0
         };

@@ -99,6 +99,29 @@ pub struct PlanRequest {
     /// flag that bounds it (`--kv-staging`, `--response-store-size`): reserved as the
     /// weights are.
     pub beside: Vec<(String, u64)>,
+    /// What each rank's forward calls allocate (`strata_model::scratch`), reserved beside the
+    /// weights when the device pools are in host memory.
+    pub scratch: Scratch,
+}
+
+/// Host memory one rank's forward calls may hold beside its pools and weights: `fixed` bytes
+/// for the batch limits (`--max-batch-tokens`, `--max-running`) and `per_device_token` for
+/// each token of its device pool (K/V attention copies out of the pages).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scratch {
+    pub fixed: u64,
+    pub per_device_token: u64,
+}
+
+impl Scratch {
+    /// What the plan reserves for it: the label its part of the reserve goes under.
+    pub const LABEL: &'static str = "--max-batch-tokens (the forward pass)";
+
+    /// Bytes of one rank with `device_tokens` in its device pool.
+    pub fn bytes(&self, device_tokens: u64) -> u64 {
+        self.fixed
+            .saturating_add(self.per_device_token.saturating_mul(device_tokens))
+    }
 }
 
 /// A plan that cannot be carried out; each message is one line naming the fix.
@@ -197,7 +220,8 @@ pub struct NumaPlan {
     pub reserve_bytes: u64,
     /// The model's weights, part of the reserve (in host memory beside the pools).
     pub weights_bytes: u64,
-    /// The other parts of the reserve the server itself holds (`PlanRequest::beside`).
+    /// The other parts of the reserve the server itself holds (`PlanRequest::beside`, then
+    /// the forward pass's scratch on every rank, under [`Scratch::LABEL`]).
     pub beside: Vec<(String, u64)>,
     /// Bytes this server places there (host pools, plus device pools when in host memory).
     pub needed_bytes: u64,

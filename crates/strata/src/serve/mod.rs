@@ -90,7 +90,7 @@ pub struct ServeArgs {
     pub response_store_ttl: f64,
 
     /// Threads for matrix products and attention (split evenly over --tp-size ranks).
-    #[arg(long, default_value_t = 2, help_heading = "Compute")]
+    #[arg(long, default_value_t = crate::sizing::DEFAULT_THREADS, help_heading = "Compute")]
     pub threads: usize,
     /// Keep f32 activations for decode steps too (default: 8-bit activations, integer dot
     /// products). llama models only: DeepSeek-V4 always computes in f32.
@@ -257,7 +257,7 @@ pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
 /// The plan's request for these flags: a worker with no `--prefill-worker` receives no K/V
 /// (the header naming one is refused), so its plan reserves no staging for it.
 fn request(a: &ServeArgs) -> Result<strata_mem::PlanRequest> {
-    let mut req = a.sizing.request()?;
+    let mut req = a.sizing.request(a.threads)?;
     if a.prefill_worker.is_empty() {
         req.beside.retain(|b| b.0 != "--kv-staging");
     }

@@ -90,6 +90,7 @@ impl WindowSim<'_> {
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
             beside: Vec::new(),
+            scratch: Default::default(),
         };
         // A machine as large as needed: the replay is about the pools, not the node.
         let topo = Topology {
