@@ -344,16 +344,14 @@ fn the_forward_pass_is_reserved_on_every_rank() {
     r.scratch = Scratch {
         fixed: GB,
         per_device_token: 100,
+        gathering: 7,
     };
     let p = make_plan(&r, &t).unwrap();
-    let each = GB + 100 * p.device_tokens_per_rank;
+    let all = 2 * (GB + 100 * p.device_tokens_per_rank) + 7;
     let label = Scratch::LABEL.to_string();
-    assert_eq!(p.numa.beside.last(), Some(&(label, 2 * each)));
-    assert_eq!(p.numa.reserve_bytes, without.numa.reserve_bytes + 2 * each);
-    assert_eq!(
-        p.numa.headroom_bytes,
-        without.numa.headroom_bytes - 2 * each
-    );
+    assert_eq!(p.numa.beside.last(), Some(&(label, all)));
+    assert_eq!(p.numa.reserve_bytes, without.numa.reserve_bytes + all);
+    assert_eq!(p.numa.headroom_bytes, without.numa.headroom_bytes - all);
     assert!(p.render().contains("--max-batch-tokens (the forward pass)"));
     // Pools that fit only without it: the refusal names it.
     let room = without.numa.headroom_bytes;

@@ -530,6 +530,7 @@ impl SizingArgs {
         Ok(Scratch {
             fixed: s.fixed,
             per_device_token: s.per_device_token,
+            gathering: s.gathering,
         })
     }
 }

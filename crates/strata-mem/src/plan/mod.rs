@@ -297,10 +297,7 @@ impl Room {
 /// The forward pass's scratch on every rank (in host memory only where the device pools are).
 fn scratch_bytes(req: &PlanRequest, device_tokens: u64) -> u64 {
     match req.device_in_host_memory {
-        true => req
-            .scratch
-            .bytes(device_tokens)
-            .saturating_mul(u64::from(req.tp)),
+        true => req.scratch.bytes(req.tp, device_tokens),
         false => 0,
     }
 }

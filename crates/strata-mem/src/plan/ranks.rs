@@ -88,9 +88,11 @@ pub(super) fn check_rank_nodes(
         // Each rank holds its share of the weights (a split of the model's parts) and its
         // forward calls' scratch.
         let weights = if req.device_in_host_memory {
-            let each = req.model.weights_bytes / u64::from(req.tp.max(1))
-                + req.scratch.bytes(device_tokens);
-            each.saturating_mul(ranks.len() as u64)
+            let share = req.model.weights_bytes / u64::from(req.tp.max(1));
+            ranks
+                .iter()
+                .map(|&r| share.saturating_add(req.scratch.rank_bytes(r, device_tokens)))
+                .fold(0, u64::saturating_add)
         } else {
             0
         };
