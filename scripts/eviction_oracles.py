@@ -11,7 +11,10 @@ capacity, the request's own ids last), with static priorities:
   rate+death     the same, and 0 once the block has seen its last access: also knows *when*
   next           the next access (Belady's order without bypass)
 
-Usage: scripts/eviction_oracles.py TRACE [--capacity 5]
+With --by-gap, also where each policy's hits come from: by how many times the block was used
+before and how many requests ago it was last used.
+
+Usage: scripts/eviction_oracles.py TRACE [--capacity 5] [--by-gap]
 (docs/BENCHMARKS.md, "Eviction that learns the workload", quotes its output.)
 """
 import argparse
@@ -21,10 +24,15 @@ import heapq
 import json
 
 
-def replay(reqs, cap, prio):
-    """Hit rate (of ids) with priority `prio(id, t)` (lowest evicted first)."""
+GAPS = (10, 100, 1000)
+
+
+def replay(reqs, cap, prio, by_gap=None):
+    """Hit rate (of ids) with priority `prio(id, t)` (lowest evicted first); `by_gap`, a
+    Counter, gets each hit under (earlier uses (4 = 4 or more), gap bucket)."""
     parent, cached, kids = {}, set(), collections.Counter()
     heap, ver = [], {}
+    seen, last_t = collections.Counter(), {}
     hits = total = 0
     for t, r in enumerate(reqs):
         ids = r["hash_ids"]
@@ -33,7 +41,13 @@ def replay(reqs, cap, prio):
         while k < len(ids) and ids[k] in cached:
             k += 1
         hits += k
+        if by_gap is not None:
+            for n in ids[:k]:
+                gap = t - last_t[n]
+                by_gap[(min(seen[n], 4), sum(gap > g for g in GAPS))] += 1
         for i, n in enumerate(ids):
+            seen[n] += 1
+            last_t[n] = t
             if i > 0:
                 parent[n] = ids[i - 1]
             if n not in cached:
@@ -68,6 +82,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--capacity", type=float, default=5.0, help="%% of distinct ids")
+    ap.add_argument("--by-gap", action="store_true", help="hits by earlier uses and gap")
     a = ap.parse_args()
     reqs = [json.loads(line) for line in open(a.trace) if line.strip()]
     uses = collections.defaultdict(list)
@@ -95,8 +110,17 @@ def main():
         return -(u[j] if j < len(u) else float("inf"))
 
     print(f"{a.trace}: {len(reqs)} requests, {len(uses)} distinct ids, capacity {cap} ids")
+    total = sum(len(r["hash_ids"]) for r in reqs)
     for name, p in [("lru", lru), ("rate", rate), ("rate+death", rate_death), ("next", nxt)]:
-        print(f"{name:12} {100 * replay(reqs, cap, p):6.2f} % of prompt ids hit")
+        by_gap = collections.Counter() if a.by_gap else None
+        print(f"{name:12} {100 * replay(reqs, cap, p, by_gap):6.2f} % of prompt ids hit")
+        if by_gap is None:
+            continue
+        heads = ["<= 10", "11-100", "101-1000", "> 1000"]
+        print(f"  {'used before':12}" + "".join(f"{h + ' ago':>14}" for h in heads))
+        for before in range(1, 5):
+            cells = "".join(f"{100 * by_gap[(before, g)] / total:14.2f}" for g in range(4))
+            print(f"  {str(before) + ('+' if before == 4 else ''):12}{cells}")
 
 
 if __name__ == "__main__":
