@@ -5,7 +5,9 @@
   strict: unknown fields are errors), and a broken copy of one is refused (the check can fail);
 * each worker's memory requests and limits equal `strata plan`'s per-server device + host pool
   bytes for the flags the StatefulSet passes (from the ConfigMap), plus what the plan reserves
-  beside the pools (the response store, a decode worker's K/V staging), plus STRATA_RUNTIME_MEMORY,
+  beside the pools (the response store, a decode worker's K/V staging), plus STRATA_RUNTIME_MEMORY
+  (the weights, the forward pass's scratch and the process: the plan here is a preset's, which
+  counts neither; `strata serve --model` reserves both, 94 MiB + 181 MiB for SmolLM2),
   its CPUs equal --threads, requests equal limits (Guaranteed QoS: the topology manager aligns
   only such pods to a NUMA node);
 * every $(VAR) an argument uses is defined; the router's and the decode workers' worker URLs

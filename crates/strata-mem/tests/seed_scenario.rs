@@ -328,10 +328,10 @@ fn ranks_on_their_own_nodes_fit_node_by_node() {
     assert!(e.contains("--numa-policy interleave"), "{e}");
 }
 
-/// The forward pass's scratch (`PlanRequest::scratch`): reserved on every rank (its part per
-/// device token counted on the device pool the plan gives), named in the report, named in a
-/// refusal that it alone causes, checked node by node with `--numa-nodes`; nothing where the
-/// device pools are not in host memory.
+/// The forward pass's scratch (`PlanRequest::scratch`): reserved on every rank (the gathered
+/// logits on rank 0 only), named in the report, named in a refusal that it alone causes,
+/// checked node by node with `--numa-nodes`; nothing where the device pools are not in host
+/// memory.
 #[test]
 fn the_forward_pass_is_reserved_on_every_rank() {
     let (_d, t) = topo();
@@ -343,24 +343,20 @@ fn the_forward_pass_is_reserved_on_every_rank() {
     let without = make_plan(&r, &t).unwrap();
     r.scratch = Scratch {
         fixed: GB,
-        per_device_token: 100,
         gathering: 7,
     };
     let p = make_plan(&r, &t).unwrap();
-    let all = 2 * (GB + 100 * p.device_tokens_per_rank) + 7;
+    let all = 2 * GB + 7;
     let label = Scratch::LABEL.to_string();
     assert_eq!(p.numa.beside.last(), Some(&(label, all)));
     assert_eq!(p.numa.reserve_bytes, without.numa.reserve_bytes + all);
     assert_eq!(p.numa.headroom_bytes, without.numa.headroom_bytes - all);
-    assert!(p.render().contains("--max-batch-tokens (the forward pass)"));
+    assert!(p.render().contains(Scratch::LABEL));
     // Pools that fit only without it: the refusal names it.
     let room = without.numa.headroom_bytes;
     r.scratch.fixed = room / 2 + GB;
     let e = make_plan(&r, &t).unwrap_err().to_string();
-    assert!(
-        e.contains("a smaller --max-batch-tokens (the forward pass)"),
-        "{e}"
-    );
+    assert!(e.contains(&format!("a smaller {}", Scratch::LABEL)), "{e}");
     // One rank per node: each node holds its rank's scratch.
     r.scratch.fixed = 80 * GB;
     r.host = Some(HostBudget::PerRank(150 * GB));

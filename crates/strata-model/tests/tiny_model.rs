@@ -424,3 +424,45 @@ fn quantized_decode_stays_close_to_f32() {
     let d = max_diff(&f32_step, &q8_step);
     assert!(d > 0.0 && d < 0.5, "Q8_0 decode differs by {d}");
 }
+
+/// Attention gathers sequences' K/V in groups under a byte budget: sequences sharing a prefix's
+/// pages, each computing a chunk after it (with a decode row among them), give the same bits
+/// in one group as each in a group of its own.
+#[test]
+fn attention_groups_do_not_change_a_rows_bits() {
+    let (_d, _g, mut m) = load(&TinySpec::default());
+    let ps = 4;
+    let pl = pool(&m, ps, 128);
+    let p = prompt(40);
+    let prefix: Vec<u32> = (0..8).collect();
+    m.forward_one(&pl, &p[..32], 0, &prefix, false).unwrap();
+    // Four sequences on the shared 32-token prefix, each with its own pages after it.
+    let pages: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            prefix
+                .iter()
+                .copied()
+                .chain(40 + 4 * i..44 + 4 * i)
+                .collect()
+        })
+        .collect();
+    let chunks: Vec<Vec<u32>> = (0..4).map(|i| prompt(40 + i)[32..].to_vec()).collect();
+    let call = |m: &Model| {
+        let seqs: Vec<SeqInput> = (0..4)
+            .map(|i| SeqInput {
+                tokens: if i == 2 { &chunks[i][..1] } else { &chunks[i] },
+                pos: 32,
+                pages: &pages[i],
+                windows: &[],
+                decode: i == 2,
+                ends_prompt: false,
+            })
+            .collect();
+        m.forward(&pl, &seqs, true).unwrap()
+    };
+    let one_group = call(&m);
+    m.set_gather_budget(0);
+    let alone = call(&m);
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.concat().iter().map(|x| x.to_bits()).collect() };
+    assert_eq!(bits(&one_group), bits(&alone));
+}

@@ -9,12 +9,11 @@ use strata_model::{ChatTemplate, Message, ModelTokenizer};
 use crate::api::{ChatMessage, Content, Prompt, ResponseFormat, ToolDef};
 use crate::error::ApiError;
 
-/// What a chat request shows the model in its system message beside its messages, and the
-/// request fields it comes from (named in errors).
+/// What a chat request shows the model in its system message beside its messages: each part
+/// with the request field it comes from (named in errors).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Shown {
-    pub text: String,
-    pub from: &'static str,
+    parts: Vec<(&'static str, String)>,
 }
 
 impl Shown {
@@ -22,26 +21,36 @@ impl Shown {
     /// `description` (with its `name`), which OpenAI defines as what the model reads to answer
     /// in that format. None when the request has neither.
     pub fn of(tools: Option<&[ToolDef]>, format: Option<&ResponseFormat>) -> Option<Shown> {
-        let described = match format {
-            Some(ResponseFormat::JsonSchema { json_schema: f }) => f
-                .description
-                .as_deref()
-                .filter(|d| !d.trim().is_empty())
-                .map(|d| {
-                    format!(
-                        "# Response format\n\nAnswer in the JSON format `{}`: {d}",
-                        f.name
-                    )
-                }),
-            _ => None,
-        };
-        let (text, from) = match (tools.map(crate::tools::system_text), described) {
-            (Some(t), Some(d)) => (format!("{t}\n\n{d}"), "tools and response_format"),
-            (Some(t), None) => (t, "tools"),
-            (None, Some(d)) => (d, "response_format"),
-            (None, None) => return None,
-        };
-        Some(Shown { text, from })
+        let mut parts = Vec::new();
+        if let Some(defs) = tools {
+            parts.push(("tools", crate::tools::system_text(defs)));
+        }
+        if let Some(ResponseFormat::JsonSchema { json_schema: f }) = format {
+            if let Some(d) = f.description.as_deref().filter(|d| !d.trim().is_empty()) {
+                let text = format!(
+                    "# Response format\n\nAnswer in the JSON format `{}`: {d}",
+                    f.name
+                );
+                parts.push(("response_format", text));
+            }
+        }
+        (!parts.is_empty()).then_some(Shown { parts })
+    }
+
+    /// The text shown: the parts, a blank line between them.
+    pub fn text(&self) -> String {
+        let parts: Vec<&str> = self.parts.iter().map(|p| p.1.as_str()).collect();
+        parts.join("\n\n")
+    }
+
+    /// Refuses a part that writes one of the template's turn markers, naming its field.
+    fn check(&self, tk: &ModelTokenizer, tpl: &ChatTemplate) -> Result<(), ApiError> {
+        for (from, text) in &self.parts {
+            if let Some(marker) = tpl.turn_marker_in(tk, text) {
+                return Err(turn_marker(from, marker, from));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -112,11 +121,12 @@ pub fn template_messages(
         msgs.push(Message::new(role, &text));
     }
     if let Some(shown) = shown {
+        let text = shown.text();
         match msgs.first_mut() {
             Some(first) if first.role == "system" => {
-                first.content = format!("{}\n\n{}", first.content, shown.text);
+                first.content = format!("{}\n\n{text}", first.content);
             }
-            _ => msgs.insert(0, Message::new("system", &shown.text)),
+            _ => msgs.insert(0, Message::new("system", &text)),
         }
     }
     Ok(msgs)
@@ -205,8 +215,11 @@ pub fn chat_ids_shared(
             Some("messages"),
         ));
     };
+    if let Some(shown) = shown {
+        shown.check(tk, tpl)?;
+    }
     let msgs = template_messages(messages, shown)?;
-    check_turn_markers(tk, tpl, &msgs, messages.len(), shown.map(|s| s.from))?;
+    check_turn_markers(tk, tpl, &msgs, messages.len())?;
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
@@ -218,41 +231,38 @@ pub fn chat_ids_shared(
     Ok((ids, n))
 }
 
-/// Refuses a message (or a tool's or the response format's description) that writes one of the
-/// template's turn markers: tokenized with the rest, it would be the marker's own id, and a user
-/// could close their turn and open a system one. `given` is how many messages the request had
-/// (what it shows beside them is the first message when there is one more, or in the first when
-/// it is a system message).
+/// Refuses a message that writes one of the template's turn markers: tokenized with the rest,
+/// it would be the marker's own id, and a user could close their turn and open a system one.
+/// `given` is how many messages the request had (one more: what the request shows, checked
+/// on its own by [`Shown::check`], is a message of its own at the start).
 fn check_turn_markers(
     tk: &ModelTokenizer,
     tpl: &ChatTemplate,
     msgs: &[Message],
     given: usize,
-    shown: Option<&str>,
 ) -> Result<(), ApiError> {
     let shift = msgs.len() - given;
-    for (k, m) in msgs.iter().enumerate() {
+    for (k, m) in msgs.iter().enumerate().skip(shift) {
         if let Some(marker) = tpl.turn_marker_in(tk, &m.content) {
-            let at = match (k.checked_sub(shift), shown) {
-                (Some(0), Some(from)) if shift == 0 => {
-                    format!("messages[0] (or the {from} shown in it)")
-                }
-                (Some(i), _) => format!("messages[{i}]"),
-                (None, from) => from.unwrap_or("tools").into(),
-            };
-            return Err(ApiError::bad_request(
-                format!(
-                    "{at} writes `{marker}`, a turn marker of the model's chat template: it would \
-                     be read as a turn boundary, not as text"
-                ),
-                Some(match shown {
-                    Some(from) if shift > k => from,
-                    _ => "messages",
-                }),
+            return Err(turn_marker(
+                &format!("messages[{}]", k - shift),
+                marker,
+                "messages",
             ));
         }
     }
     Ok(())
+}
+
+/// The 400 for `at` writing `marker`.
+fn turn_marker(at: &str, marker: &str, param: &str) -> ApiError {
+    ApiError::bad_request(
+        format!(
+            "{at} writes `{marker}`, a turn marker of the model's chat template: it would be \
+             read as a turn boundary, not as text"
+        ),
+        Some(param),
+    )
 }
 
 /// The tokens of `ids` (a rendered chat) that every conversation with the same leading
@@ -337,20 +347,20 @@ mod tests {
         assert_eq!(Shown::of(None, Some(&format(None))), None);
         assert_eq!(Shown::of(None, Some(&format(Some(" \n")))), None);
         let d = Shown::of(None, Some(&format(Some("Who was asked about.")))).unwrap();
-        assert_eq!(d.from, "response_format");
         assert_eq!(
-            d.text,
-            "# Response format\n\nAnswer in the JSON format `person`: Who was asked about."
+            d.parts,
+            [(
+                "response_format",
+                "# Response format\n\nAnswer in the JSON format `person`: Who was asked about."
+                    .to_string()
+            )]
         );
         let tools = [tool()];
         let t = Shown::of(Some(&tools), None).unwrap();
-        assert_eq!(
-            (t.from, t.text.clone()),
-            ("tools", crate::tools::system_text(&tools))
-        );
+        assert_eq!(t.parts, [("tools", crate::tools::system_text(&tools))]);
         let both = Shown::of(Some(&tools), Some(&format(Some("Who was asked about.")))).unwrap();
-        assert_eq!(both.from, "tools and response_format");
-        assert_eq!(both.text, format!("{}\n\n{}", t.text, d.text));
+        assert_eq!(both.parts, [t.parts[0].clone(), d.parts[0].clone()]);
+        assert_eq!(both.text(), format!("{}\n\n{}", t.text(), d.text()));
     }
 
     #[test]
@@ -364,10 +374,10 @@ mod tests {
         assert_eq!(alone.len(), 2);
         assert_eq!(
             (alone[0].role.as_str(), alone[0].content.as_str()),
-            ("system", shown.text.as_str())
+            ("system", shown.text().as_str())
         );
         let joined = template_messages(&[sys, user], Some(&shown)).unwrap();
         assert_eq!(joined.len(), 2);
-        assert_eq!(joined[0].content, format!("Be brief.\n\n{}", shown.text));
+        assert_eq!(joined[0].content, format!("Be brief.\n\n{}", shown.text()));
     }
 }

@@ -1,39 +1,43 @@
 //! The command line before clap reads it: an option's value that starts with `-` and a digit
-//! (`--hicache-size -1GB`, `--hicache-ratio -2`) is the option's, not a short flag. Clap would
+//! (`--hicache-size -1GB`, `--max-running -3`) is the option's, not a short flag. Clap would
 //! read `-1` as an unknown flag ("unexpected argument '-1' found"); joined as
 //! `--hicache-size=-1GB` it reaches the option's own check, which names what is wrong with it.
+//! Which options take a value is the (sub)command's own: the words naming subcommands are
+//! followed as clap follows them.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
 
-/// Long names (without `--`) of every option, in any subcommand, that takes a value.
-fn valued_longs(cmd: &clap::Command, out: &mut HashSet<String>) {
-    for a in cmd.get_arguments() {
-        if let Some(long) = a.get_long() {
-            if a.get_action().takes_values() {
-                out.insert(long.to_string());
-            }
-        }
-    }
-    for s in cmd.get_subcommands() {
-        valued_longs(s, out);
-    }
+/// Long names (without `--`) of the options of `cmd` that take a value.
+fn valued_longs(cmd: &clap::Command) -> HashSet<String> {
+    cmd.get_arguments()
+        .filter(|a| a.get_action().takes_values())
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect()
 }
 
-/// `args` with each `--NAME VALUE` where NAME takes a value and VALUE reads as a negative
-/// number (`-` then a digit or a point) written `--NAME=VALUE`. Nothing else changes, and
-/// nothing after `--` does.
+/// Whether `v` reads as a negative number: `-` then a digit or a point.
+fn negative(v: &OsString) -> bool {
+    let b = v.as_encoded_bytes();
+    b.len() > 1 && b[0] == b'-' && (b[1].is_ascii_digit() || b[1] == b'.')
+}
+
+/// `args` (the program's name first) with each `--NAME VALUE` where NAME takes a value in the
+/// subcommand it is given to and VALUE reads as a negative number written `--NAME=VALUE`.
+/// Nothing else changes, and nothing after `--` does.
 pub fn join_negative_values(cmd: &clap::Command, args: Vec<OsString>) -> Vec<OsString> {
-    let mut valued = HashSet::new();
-    valued_longs(cmd, &mut valued);
-    let negative = |v: &OsString| {
-        let b = v.as_encoded_bytes();
-        b.len() > 1 && b[0] == b'-' && (b[1].is_ascii_digit() || b[1] == b'.')
-    };
+    let mut cmd = cmd.clone();
+    cmd.build();
+    let mut at = &cmd;
+    let mut valued = valued_longs(at);
     let mut out: Vec<OsString> = Vec::with_capacity(args.len());
     let mut rest = false;
     for arg in args {
-        let joined = match out.last().and_then(|p| p.to_str()) {
+        let prev = out
+            .last()
+            .and_then(|p| p.to_str())
+            .filter(|_| out.len() > 1);
+        let joined = match prev {
             Some(prev) if !rest && negative(&arg) => prev
                 .strip_prefix("--")
                 .filter(|name| !name.contains('=') && valued.contains(*name))
@@ -45,13 +49,21 @@ pub fn join_negative_values(cmd: &clap::Command, args: Vec<OsString>) -> Vec<OsS
                 }),
             _ => None,
         };
-        match joined {
-            Some(j) => *out.last_mut().expect("a previous argument") = j,
-            None => {
-                rest |= arg == "--";
-                out.push(arg);
-            }
+        if let Some(j) = joined {
+            *out.last_mut().expect("a previous argument") = j;
+            continue;
         }
+        rest |= arg == "--";
+        // A word naming a subcommand of the one being read: its options from here on.
+        let sub = arg
+            .to_str()
+            .filter(|_| !rest && !out.is_empty())
+            .and_then(|w| at.find_subcommand(w));
+        if let Some(sub) = sub {
+            at = sub;
+            valued = valued_longs(at);
+        }
+        out.push(arg);
     }
     out
 }
@@ -62,12 +74,14 @@ mod tests {
     use clap::{Arg, ArgAction, Command};
 
     fn cmd() -> Command {
-        Command::new("t").subcommand(
-            Command::new("plan")
-                .arg(Arg::new("size").long("hicache-size"))
-                .arg(Arg::new("flag").long("dry-run").action(ArgAction::SetTrue))
-                .arg(Arg::new("n").short('n').allow_negative_numbers(true)),
-        )
+        Command::new("t")
+            .subcommand(
+                Command::new("plan")
+                    .arg(Arg::new("size").long("hicache-size"))
+                    .arg(Arg::new("flag").long("dry-run").action(ArgAction::SetTrue))
+                    .arg(Arg::new("n").short('n').allow_negative_numbers(true)),
+            )
+            .subcommand(Command::new("bench").arg(Arg::new("dry").long("dry-run")))
     }
 
     fn run(args: &[&str]) -> Vec<String> {
@@ -83,6 +97,10 @@ mod tests {
         assert_eq!(
             run(&["t", "plan", "--hicache-size", "-1GB"]),
             ["t", "plan", "--hicache-size=-1GB"]
+        );
+        assert_eq!(
+            run(&["t", "bench", "--dry-run", "-1"]),
+            ["t", "bench", "--dry-run=-1"]
         );
         assert_eq!(
             run(&["t", "plan", "--hicache-size", "-.5GB"]),
@@ -101,6 +119,10 @@ mod tests {
             &["t", "plan", "--unknown", "-1"],
             &["t", "plan", "--", "--hicache-size", "-1GB"],
             &["t", "plan", "-n", "-1"],
+            // A flag in `plan` that takes a value in another subcommand.
+            &["t", "plan", "--dry-run", "-1"],
+            // Before any subcommand, nothing takes a value.
+            &["t", "--hicache-size", "-1GB"],
         ] {
             assert_eq!(run(args), args, "{args:?}");
         }

@@ -55,7 +55,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             pd_total: a.pd_total.as_deref(),
         });
     }
-    let req = a.sizing.request(crate::sizing::DEFAULT_THREADS)?;
+    let req = a.sizing.request()?;
     let topo = a.sizing.topology()?;
     let plan = make_plan(&req, &topo)?;
     if !a.json {

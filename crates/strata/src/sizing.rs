@@ -40,8 +40,8 @@ impl Role {
 
 /// The device pool per rank when no device flag is given.
 const DEFAULT_DEVICE_MEM: &str = "1GiB";
-/// `strata serve --threads` when not given (the plan's forward scratch assumes it).
-pub const DEFAULT_THREADS: usize = 2;
+/// Most `--threads`.
+pub const MAX_THREADS: usize = 1024;
 
 /// `--model-preset`'s help, from the table the planner uses (every preset it knows).
 fn preset_help() -> String {
@@ -169,6 +169,10 @@ pub struct SizingArgs {
     /// Requests computing at once (with window kinds, the plan keeps a window ring for each).
     #[arg(long, default_value_t = 32, help_heading = "Scheduling")]
     pub max_running: usize,
+    /// Threads for matrix products and attention (split evenly over --tp-size ranks); the
+    /// plan counts the forward pass's scratch for them.
+    #[arg(long, default_value_t = 2, help_heading = "Scheduling")]
+    pub threads: usize,
 
     /// Conversations kept for /v1/responses' previous_response_id: at most this many bytes
     /// (their JSON), with a unit; the oldest go first. The plan reserves it.
@@ -423,9 +427,8 @@ impl SizingArgs {
         Ok(beside)
     }
 
-    /// Parses and checks every flag; nothing is allocated. `threads`: the worker's compute
-    /// threads (`--threads`), which the forward pass's scratch counts.
-    pub fn request(&self, threads: usize) -> Result<PlanRequest> {
+    /// Parses and checks every flag; nothing is allocated.
+    pub fn request(&self) -> Result<PlanRequest> {
         let model = self.model_spec()?;
         // The ranks must split the model as loading it would (else the plan "fits" what the
         // worker then refuses).
@@ -489,7 +492,7 @@ impl SizingArgs {
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
             beside: self.beside()?,
-            scratch: self.scratch(threads)?,
+            scratch: self.scratch()?,
         })
     }
 
@@ -513,9 +516,12 @@ impl SizingArgs {
         })
     }
 
-    /// What each rank's forward calls allocate under the batch limits, with `threads` computing
-    /// (read from `--model`'s header; nothing for a preset, whose runtime is not this one).
-    fn scratch(&self, threads: usize) -> Result<Scratch> {
+    /// What the forward calls allocate under the batch limits and `--threads` (read from
+    /// `--model`'s header; nothing for a preset, whose runtime is not this one).
+    fn scratch(&self) -> Result<Scratch> {
+        if !(1..=MAX_THREADS).contains(&self.threads) {
+            bail!("--threads {}: expected 1 to {MAX_THREADS}", self.threads);
+        }
         let Some(path) = &self.model else {
             return Ok(Scratch::default());
         };
@@ -523,13 +529,12 @@ impl SizingArgs {
             tokens: self.max_batch_tokens as u64,
             sequences: self.max_running as u64,
             all_logit_rows: strata_engine::PROMPT_LOGPROB_ROWS as u64,
-            threads: threads as u64,
+            threads: self.threads as u64,
         };
         let s = forward_scratch(path, u64::from(self.tp_size), limits)
             .with_context(|| format!("--model {}", path.display()))?;
         Ok(Scratch {
             fixed: s.fixed,
-            per_device_token: s.per_device_token,
             gathering: s.gathering,
         })
     }

@@ -104,36 +104,32 @@ pub struct PlanRequest {
     pub scratch: Scratch,
 }
 
-/// Host memory the forward calls may hold beside the pools and weights: on every rank `fixed`
-/// bytes for the batch limits (`--max-batch-tokens`, `--max-running`) and `per_device_token`
-/// for each token of its device pool (K/V attention copies out of the pages); on rank 0, which
-/// gathers the logits and hands them back, `gathering` more.
+/// Host memory the forward calls may hold beside the pools and weights
+/// (`strata_model::scratch`): `fixed` bytes on every rank for the batch limits
+/// (`--max-batch-tokens`, `--max-running`), and `gathering` more on rank 0, which gathers the
+/// logits and hands them back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Scratch {
     pub fixed: u64,
-    pub per_device_token: u64,
     pub gathering: u64,
 }
 
 impl Scratch {
     /// What the plan reserves for it: the label its part of the reserve goes under.
-    pub const LABEL: &'static str = "--max-batch-tokens (the forward pass)";
+    pub const LABEL: &'static str = "--max-batch-tokens/--max-running (the forward pass)";
 
-    /// Bytes of rank `rank` with `device_tokens` in its device pool.
-    pub fn rank_bytes(&self, rank: usize, device_tokens: u64) -> u64 {
-        let each = self
-            .fixed
-            .saturating_add(self.per_device_token.saturating_mul(device_tokens));
+    /// Bytes of rank `rank`.
+    pub fn rank_bytes(&self, rank: usize) -> u64 {
         match rank {
-            0 => each.saturating_add(self.gathering),
-            _ => each,
+            0 => self.fixed.saturating_add(self.gathering),
+            _ => self.fixed,
         }
     }
 
-    /// Bytes of `ranks` ranks with `device_tokens` in each one's device pool.
-    pub fn bytes(&self, ranks: u32, device_tokens: u64) -> u64 {
+    /// Bytes of `ranks` ranks.
+    pub fn bytes(&self, ranks: u32) -> u64 {
         (0..ranks.max(1) as usize)
-            .map(|r| self.rank_bytes(r, device_tokens))
+            .map(|r| self.rank_bytes(r))
             .fold(0, u64::saturating_add)
     }
 }

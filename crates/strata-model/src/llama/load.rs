@@ -79,6 +79,7 @@ impl Model {
             sin,
             threads: 2,
             quantized_decode: true,
+            gather_budget: super::attend::GATHER_BYTES,
             kind: part.kind,
             k_dtype: strata_kv::dtype::Dtype::F16,
             v_dtype: strata_kv::dtype::Dtype::F16,

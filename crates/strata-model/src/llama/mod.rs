@@ -17,7 +17,6 @@ use strata_kv::dtype::Dtype;
 use strata_kv::pool::DevicePool;
 use strata_kv::PoolKind;
 
-use crate::attn;
 use crate::error::ModelError;
 use crate::gguf::Config;
 use crate::qmat::{QMatrix, PAR_MIN_ELEMS};
@@ -25,6 +24,7 @@ pub(crate) use crate::seq::check_seq;
 pub use crate::seq::SeqInput;
 use crate::shard::{Collective, Solo};
 
+pub(crate) mod attend;
 mod kv;
 mod load;
 
@@ -77,6 +77,9 @@ pub struct Model {
     sin: Vec<f32>,
     threads: usize,
     quantized_decode: bool,
+    /// Most bytes of gathered K/V a group of sequences holds in attention
+    /// (`attend::GATHER_BYTES`; smaller in tests, to run many groups).
+    gather_budget: usize,
     /// This model's tensor-parallel rank (0 alone): its kinds come after the lower ranks'.
     kind: usize,
     /// How K and V are stored in their pages (`f16`, or quantized: [`crate::kvcodec`]); in
@@ -222,6 +225,13 @@ impl Model {
             }
         }
         out
+    }
+
+    /// Sets the most bytes of gathered K/V one group of sequences holds in attention (tests:
+    /// a row's bits must not depend on its group).
+    #[doc(hidden)]
+    pub fn set_gather_budget(&mut self, bytes: usize) {
+        self.gather_budget = bytes;
     }
 
     /// Quantize the activations of sequences with at most [`QUANTIZED_MAX_ROWS`] tokens in a
@@ -529,85 +539,6 @@ impl Model {
         }
         Some(out)
     }
-
-    /// Causal attention of every row over its sequence's pages ([`crate::attn`]): each
-    /// sequence's K/V are gathered once per layer, rows go in tiles of one sequence, and rows
-    /// are split across threads by work.
-    fn attention(
-        &self,
-        pool: &DevicePool,
-        layer: usize,
-        seqs: &[SeqInput],
-        rows: &[(usize, usize)],
-        q: &[f32],
-    ) -> Vec<f32> {
-        let c = &self.config;
-        let shape = attn::Shape {
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-        };
-        // A row of queries (and of outputs): every head.
-        let h = c.heads * c.head_dim;
-        let ps = pool.layout().page_size();
-        let (kp, vp) = (self.plane(pool, layer, 0), self.plane(pool, layer, 1));
-        let gathered = gather(shape, kp, vp, ps, seqs, rows);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mut out = vec![0f32; rows.len() * h];
-        // Splitting only pays on enough work (a single decode row is done inline).
-        let work: usize = rows.iter().map(|r| r.1 + 1).sum();
-        let threads = if work < 1024 { 1 } else { self.threads };
-        let gathered = &gathered;
-        let run = |first: usize, chunk: &mut [f32]| {
-            let n_rows = chunk.len() / h;
-            let mut pos = Vec::with_capacity(attn::TILE_ROWS);
-            let mut r0 = 0;
-            while r0 < n_rows {
-                let si = rows[first + r0].0;
-                let s = &seqs[si];
-                // A decode step's row, and the prompt's last token, read the pages alone.
-                let last = s.pos + s.tokens.len() - 1;
-                let alone = |r: usize| {
-                    rows[first + r].1 == last && (s.ends_prompt || gathered[si].is_none())
-                };
-                let mut r1 = r0 + 1;
-                while r1 < n_rows
-                    && r1 - r0 < attn::TILE_ROWS
-                    && rows[first + r1].0 == si
-                    && !alone(r0)
-                    && !alone(r1)
-                {
-                    r1 += 1;
-                }
-                pos.clear();
-                pos.extend((r0..r1).map(|r| rows[first + r].1));
-                let qs = &q[(first + r0) * h..(first + r1) * h];
-                let o = &mut chunk[r0 * h..r1 * h];
-                match &gathered[si] {
-                    Some(kv) if !alone(r0) => attn::tile(shape, kv, qs, &pos, o, scale),
-                    _ => attn::row(shape, kp, vp, s.pages, ps, qs, pos[0], o, scale),
-                }
-                r0 = r1;
-            }
-        };
-        if threads == 1 {
-            run(0, &mut out);
-        } else {
-            // On the pool the pass runs on (no thread started per call).
-            let bounds = split_by_work(rows, threads, work);
-            let run = &run;
-            rayon::scope(|sc| {
-                let mut rest: &mut [f32] = &mut out;
-                for w in bounds.windows(2) {
-                    let (chunk, tail) = rest.split_at_mut((w[1] - w[0]) * h);
-                    rest = tail;
-                    let first = w[0];
-                    sc.spawn(move |_| run(first, chunk));
-                }
-            });
-        }
-        out
-    }
 }
 
 /// The sequences, rows and per-row inputs of one forward call, shared by its layers.
@@ -618,49 +549,4 @@ struct Batch<'a> {
     positions: &'a [usize],
     /// The product each row takes (see `Model::mm`).
     paths: &'a [Path],
-}
-
-/// Gathers the K/V of each sequence with rows for the tile up to the last position this call
-/// attends to: every row but a decode step's single row and the prompt's last token
-/// ([`SeqInput::ends_prompt`]), which read the pages directly (so a prompt's last token is
-/// computed the same way alone, after a cache hit, as at the end of a chunk).
-fn gather(
-    shape: attn::Shape,
-    kp: attn::Plane,
-    vp: attn::Plane,
-    ps: usize,
-    seqs: &[SeqInput],
-    rows: &[(usize, usize)],
-) -> Vec<Option<attn::SeqKv>> {
-    let mut ctx = vec![0usize; seqs.len()];
-    for &(si, p) in rows {
-        ctx[si] = ctx[si].max(p + 1);
-    }
-    seqs.iter()
-        .zip(&ctx)
-        .map(|(s, &n)| {
-            let tiled = match s.decode {
-                true if s.tokens.len() == 1 => 0,
-                true => s.tokens.len(),
-                false => s.tokens.len() - usize::from(s.ends_prompt),
-            };
-            (tiled > 0).then(|| attn::SeqKv::gather(shape, kp, vp, s.pages, ps, n))
-        })
-        .collect()
-}
-
-/// Splits rows so each of `threads` gets the same attention work (a row's work grows with
-/// its position, so equal row counts would leave the last thread the most); returns the
-/// boundaries, first 0 and last `rows.len()`.
-fn split_by_work(rows: &[(usize, usize)], threads: usize, work: usize) -> Vec<usize> {
-    let mut bounds = vec![0];
-    let mut acc = 0;
-    for (i, r) in rows.iter().enumerate() {
-        acc += r.1 + 1;
-        if acc * threads >= work * bounds.len() && bounds.len() < threads {
-            bounds.push(i + 1);
-        }
-    }
-    bounds.push(rows.len());
-    bounds
 }

@@ -171,7 +171,7 @@ fn check_numbers(a: &ServeArgs) -> Result<()> {
         bail!("--prefetch-ms-per-token {ms}: expected milliseconds in [0, 60000]");
     }
     let counts: [(&str, usize, usize); 6] = [
-        ("--threads", a.threads, 1024),
+        ("--threads", a.sizing.threads, crate::sizing::MAX_THREADS),
         ("--copy-threads", a.copy_threads, 64),
         ("--max-waiting", a.max_waiting, 1 << 20),
         ("--default-max-tokens", a.default_max_tokens, 1 << 24),

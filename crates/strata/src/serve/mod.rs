@@ -89,9 +89,6 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 3600.0, help_heading = "Responses API")]
     pub response_store_ttl: f64,
 
-    /// Threads for matrix products and attention (split evenly over --tp-size ranks).
-    #[arg(long, default_value_t = crate::sizing::DEFAULT_THREADS, help_heading = "Compute")]
-    pub threads: usize,
     /// Keep f32 activations for decode steps too (default: 8-bit activations, integer dot
     /// products). llama models only: DeepSeek-V4 always computes in f32.
     #[arg(long, help_heading = "Compute")]
@@ -257,7 +254,7 @@ pub fn preflight(a: &ServeArgs) -> Result<(strata_mem::Plan, u64)> {
 /// The plan's request for these flags: a worker with no `--prefill-worker` receives no K/V
 /// (the header naming one is refused), so its plan reserves no staging for it.
 fn request(a: &ServeArgs) -> Result<strata_mem::PlanRequest> {
-    let mut req = a.sizing.request(a.threads)?;
+    let mut req = a.sizing.request()?;
     if a.prefill_worker.is_empty() {
         req.beside.retain(|b| b.0 != "--kv-staging");
     }
@@ -296,7 +293,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let prefetch = prefetch_policy(&a)?;
 
     // Model: tensor-parallel ranks placed by --numa-nodes.
-    let (model, tk, template, ranks) = tp::load_model(&a.sizing, a.threads, !a.f32_decode, &topo)?;
+    let (model, tk, template, ranks) =
+        tp::load_model(&a.sizing, a.sizing.threads, !a.f32_decode, &topo)?;
 
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;

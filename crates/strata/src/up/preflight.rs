@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 use super::WorkerCtx;
 use crate::serve::ServeArgs;
@@ -62,10 +62,13 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
             let name = format!("{role}-{i}");
             let urls: &[String] = if role == "decode" { &prefill_urls } else { &[] };
             let args = w.args(role, spec, urls);
-            let s = Serve::try_parse_from(
-                std::iter::once("strata serve".to_string()).chain(args.into_iter().skip(1)),
-            )
-            .map_err(|e| {
+            // As `strata serve` reads its own command line (a negative value joined to its flag).
+            let argv = std::iter::once("strata serve".to_string())
+                .chain(args.into_iter().skip(1))
+                .map(Into::into)
+                .collect();
+            let argv = crate::argv::join_negative_values(&Serve::command(), argv);
+            let s = Serve::try_parse_from(argv).map_err(|e| {
                 let text = e.render().to_string();
                 let first = text.lines().next().unwrap_or_default();
                 anyhow::anyhow!("{name}: {}", first.trim_start_matches("error: "))
@@ -94,7 +97,7 @@ fn fits(topo: &strata_mem::Topology, per_node: &BTreeMap<u32, u64>, reserve: u64
         let room = node.available_bytes.saturating_sub(reserve);
         if needed > room {
             bail!(
-                "the deployment's workers place {} (pools and each one's weights, staging and stores) on NUMA node {n}, which has {} available less a {} reserve: fewer workers or smaller pools (each worker's plan alone fits; together they do not)",
+                "the deployment's workers place {} (pools and each one's weights, forward pass, staging and stores) on NUMA node {n}, which has {} available less a {} reserve: fewer workers or smaller pools (each worker's plan alone fits; together they do not)",
                 strata_kv::units::format_bytes(needed),
                 strata_kv::units::format_bytes(node.available_bytes),
                 strata_kv::units::format_bytes(reserve),
