@@ -175,45 +175,29 @@ fn forward_calls_stay_within_the_planned_scratch() {
         ],
         vec![(120, 0, true), (80, 30, false)],
     ];
-    let llama = d.path().join("llama.gguf");
-    let spec = TinySpec {
-        hidden: 128,
-        heads: 4,
+    // A llama model whose layers are the larger phase; narrow layers, where the logits of every
+    // row weigh as much (one head of 32 values a rank at TP 2); DeepSeek-V4.
+    let llama = |hidden, heads, ffn| TinySpec {
+        hidden,
+        heads,
         kv_heads: 2,
-        ffn: 384,
+        ffn,
         ..TinySpec::default()
     };
-    write_tiny(&llama, &spec).unwrap();
-    for ranks in [1, 2] {
-        let (most, bound) = check(&llama, ranks, &calls);
-        assert!(
-            bound <= 3 * most,
-            "llama, {ranks} ranks: bound {bound}, measured {most}"
-        );
-    }
-    // Narrow layers, where the logits of every row weigh as much as a layer (one head of 32
-    // values a rank at TP 2).
-    let narrow = d.path().join("narrow.gguf");
-    let spec = TinySpec {
-        hidden: 64,
-        heads: 2,
-        kv_heads: 2,
-        ffn: 64,
-        ..TinySpec::default()
-    };
-    write_tiny(&narrow, &spec).unwrap();
-    for ranks in [1, 2] {
-        let (most, bound) = check(&narrow, ranks, &calls);
-        let at = format!("narrow llama, {ranks} ranks: bound {bound}, measured {most}");
-        assert!(bound <= 3 * most, "{at}");
+    let mut models = Vec::new();
+    for (name, spec) in [("llama", llama(128, 4, 384)), ("narrow", llama(64, 2, 64))] {
+        let path = d.path().join(format!("{name}.gguf"));
+        write_tiny(&path, &spec).unwrap();
+        models.push(path);
     }
     let dsv4 = d.path().join("dsv4.gguf");
     write_tiny_dsv4(&dsv4, &TinyDsv4Spec::default()).unwrap();
-    for ranks in [1, 2] {
-        let (most, bound) = check(&dsv4, ranks, &calls);
-        assert!(
-            bound <= 3 * most,
-            "dsv4, {ranks} ranks: bound {bound}, measured {most}"
-        );
+    models.push(dsv4);
+    for path in &models {
+        for ranks in [1, 2] {
+            let (most, bound) = check(path, ranks, &calls);
+            let at = format!("{}, {ranks} ranks", path.display());
+            assert!(bound <= 3 * most, "{at}: bound {bound}, measured {most}");
+        }
     }
 }

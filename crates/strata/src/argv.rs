@@ -73,15 +73,20 @@ mod tests {
     use super::*;
     use clap::{Arg, ArgAction, Command};
 
+    /// A command named `name` (a clap command, not a program started).
+    fn named(name: &'static str) -> Command {
+        Command::new(name)
+    }
+
     fn cmd() -> Command {
-        Command::new("t")
+        named("t")
             .subcommand(
-                Command::new("plan")
+                named("plan")
                     .arg(Arg::new("size").long("hicache-size"))
                     .arg(Arg::new("flag").long("dry-run").action(ArgAction::SetTrue))
                     .arg(Arg::new("n").short('n').allow_negative_numbers(true)),
             )
-            .subcommand(Command::new("bench").arg(Arg::new("dry").long("dry-run")))
+            .subcommand(named("bench").arg(Arg::new("dry").long("dry-run")))
     }
 
     fn run(args: &[&str]) -> Vec<String> {
