@@ -14,7 +14,7 @@ pub mod topology;
 pub use model::{dsv4_kinds, preset, Dsv4Shape, KindSpec, ModelSpec, Needed, Per, PRESETS};
 pub use numa::{NumaAllocator, Placement};
 pub use plan::{
-    make_plan, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError, PlanRequest,
-    Scratch,
+    make_plan, Copies, DeviceBudget, HostBudget, NumaChoice, NumaPolicy, Plan, PlanError,
+    PlanRequest, Scratch,
 };
 pub use topology::{Node, Topology};

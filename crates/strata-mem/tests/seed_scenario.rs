@@ -342,11 +342,22 @@ fn the_forward_pass_is_reserved_on_every_rank() {
     r.device_in_host_memory = true;
     let without = make_plan(&r, &t).unwrap();
     r.scratch = Scratch {
-        fixed: GB,
+        layer: GB,
+        logits: GB / 2,
+        panels: 3,
         gathering: 7,
+        copies: Copies {
+            per_position: 100,
+            block: 32,
+            budget: 1000,
+            context: 1 << 40,
+            sequences: 32,
+        },
     };
     let p = make_plan(&r, &t).unwrap();
-    let all = 2 * GB + 7;
+    // The copies: one sequence of the whole device pool (over the budget), on each rank.
+    let copies = 100 * p.device_tokens_per_rank.div_ceil(32) * 32;
+    let all = 2 * (GB + copies + 3) + 7;
     let label = Scratch::LABEL.to_string();
     assert_eq!(p.numa.beside.last(), Some(&(label, all)));
     assert_eq!(p.numa.reserve_bytes, without.numa.reserve_bytes + all);
@@ -354,11 +365,11 @@ fn the_forward_pass_is_reserved_on_every_rank() {
     assert!(p.render().contains(Scratch::LABEL));
     // Pools that fit only without it: the refusal names it.
     let room = without.numa.headroom_bytes;
-    r.scratch.fixed = room / 2 + GB;
+    r.scratch.layer = room / 2 + GB;
     let e = make_plan(&r, &t).unwrap_err().to_string();
     assert!(e.contains(&format!("a smaller {}", Scratch::LABEL)), "{e}");
     // One rank per node: each node holds its rank's scratch.
-    r.scratch.fixed = 80 * GB;
+    r.scratch.layer = 80 * GB;
     r.host = Some(HostBudget::PerRank(150 * GB));
     r.numa = NumaChoice::Ranks(vec![0, 1]);
     let e = make_plan(&r, &t).unwrap_err().to_string();

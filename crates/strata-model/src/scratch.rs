@@ -1,27 +1,20 @@
-//! What a forward call allocates beside the pools and the weights: its activations, the logits
-//! it returns and the K/V attention copies out of the pages (at most `llama::attend`'s group
-//! budget, or one sequence's whole context), as an upper bound the memory plan reserves
-//! (`strata plan`, `strata serve`). The bound follows the code of each forward pass
-//! (`llama::Model::layer` and `logits`, `deepseek4::Dsv4::token` and `head`);
+//! What a forward call allocates beside the pools and the weights, as the upper bound the
+//! memory plan reserves (`strata_mem::Scratch`: `strata plan`, `strata serve`): its
+//! activations, the logits it returns, each thread's weight panel, and llama's f32 K/V copies
+//! in attention (in groups of at most `llama::attend`'s budget, one longer sequence alone).
+//! The bound follows the code of each forward pass (`llama::Model::layer` and `logits`,
+//! `llama::attend`, `deepseek4::Dsv4::token` and `head`, the ranks' `forward_part`s);
 //! tests/forward_scratch.rs measures every allocation of real calls against it.
 
 use std::path::Path;
 
-use crate::attn::Shape;
+use strata_mem::{Copies, Scratch};
+
 use crate::deepseek4::config::Dsv4Config;
 use crate::error::ModelError;
 use crate::gguf::{Config, Gguf, GgufHeader};
-use crate::llama::attend::{gathered_bytes, GATHER_BYTES};
+use crate::llama::attend::GATHER_BYTES;
 use crate::shard::Part;
-
-/// The most one forward call may hold at once beside the pools and weights.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ForwardScratch {
-    /// Bytes on every rank for the batch limits given.
-    pub fixed: u64,
-    /// Bytes on the one rank that gathers the logits and hands them back (rank 0).
-    pub gathering: u64,
-}
 
 /// The batch limits a forward call runs under (the engine's scheduling flags).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +26,7 @@ pub struct CallLimits {
     /// Rows per call whose every logits come back (prompt log probabilities), beside each
     /// sequence's last row.
     pub all_logit_rows: u64,
-    /// Threads computing one call's sequences side by side (DeepSeek-V4's pass).
+    /// Threads computing a call (`--threads`).
     pub threads: u64,
 }
 
@@ -55,11 +48,7 @@ fn mul3(a: u64, b: u64, c: u64) -> u64 {
 }
 
 /// The scratch of the model in `path` over `ranks` tensor-parallel ranks.
-pub fn forward_scratch(
-    path: &Path,
-    ranks: u64,
-    limits: CallLimits,
-) -> Result<ForwardScratch, ModelError> {
+pub fn forward_scratch(path: &Path, ranks: u64, limits: CallLimits) -> Result<Scratch, ModelError> {
     let header = GgufHeader::open(path)?;
     if header.architecture() == Some("deepseek4") {
         let c = crate::deepseek4::load::read_dsv4_config(path)?;
@@ -71,94 +60,84 @@ pub fn forward_scratch(
 /// The widest rank of `ranks` (query heads, KV heads, feed-forward columns, vocabulary rows),
 /// as the model is split (in 256- or 32-column feed-forward runs, whichever its down
 /// projection takes).
-fn widest(c: &Config, ranks: u64) -> (usize, usize, usize, usize) {
+fn widest(c: &Config, ranks: u64) -> [u64; 4] {
     let parts: Vec<Part> = [256, 32]
         .iter()
         .filter_map(|&b| Part::split(c, ranks as usize, b).ok())
         .flatten()
         .collect();
     let most = |f: &dyn Fn(&Part) -> usize, even: usize| {
-        parts
-            .iter()
-            .map(f)
-            .max()
-            .unwrap_or(even.div_ceil(ranks as usize))
+        let m = parts.iter().map(f).max();
+        m.unwrap_or(even.div_ceil(ranks as usize)) as u64
     };
-    (
+    [
         most(&|p| p.heads.q.len(), c.heads),
         most(&|p| p.heads.kv.len(), c.kv_heads),
         most(&|p| p.ffn.len(), c.ffn),
         most(&|p| p.vocab.len(), c.vocab),
-    )
+    ]
 }
 
-/// The llama family, the larger of its two phases on every rank: a layer at its peak (the
-/// feed-forward's down product: per row the residual, both norms' outputs, Q, K, V,
-/// attention's output and projection, gate, up and their product, the product's output and
-/// the panel outputs it is assembled from, a mixed batch's copies, the 8-bit activations, and
-/// attention's f32 K/V copies: a group's budget or one sequence's whole context, and never more
-/// than a whole context per sequence), or the
-/// logits (beside the residual: the rows asked for and their norm, this rank's vocabulary part
-/// and a mixed batch's copy of it, the panel outputs it is assembled from (at most 16 MiB a
-/// batch of panels), a rank's last all-reduce); each thread's dequantized weight panel. The
-/// gathering rank also holds the logits handed back, and with several ranks the gathered rows.
-pub fn llama(c: &Config, ranks: u64, limits: CallLimits) -> ForwardScratch {
+/// The llama family on every rank: a layer at its peak (the feed-forward's down product: per
+/// row the residual, both norms' outputs, Q, K, V, attention's output and projection, gate, up
+/// and their product, the product's output and the panel outputs it is assembled from, a mixed
+/// batch's copies, the 8-bit activations, a rank's all-reduce; and attention's K/V copies), or
+/// the logits (beside the residual: the rows asked for and their norm, this rank's vocabulary
+/// part and a mixed batch's copy of it, the panel outputs it is assembled from (at most 16 MiB
+/// a batch of panels)); each thread's dequantized weight panel. Rank 0 also holds the logits
+/// handed back, and with several ranks the gathered rows.
+pub fn llama(c: &Config, ranks: u64, limits: CallLimits) -> Scratch {
     let ranks = ranks.max(1);
-    let (heads, kv_heads, ffn, vr) = widest(c, ranks);
+    let [heads, kv_heads, ffn, vr] = widest(c, ranks);
     let hd = c.head_dim as u64;
     let (h, vocab) = (c.hidden as u64, c.vocab as u64);
-    let (qd, kvd, ffn, vr) = (
-        heads as u64 * hd,
-        kv_heads as u64 * hd,
-        ffn as u64,
-        vr as u64,
-    );
-    let (n, m) = (limits.tokens, limits.logit_rows());
+    let (qd, kvd) = (heads.saturating_mul(hd), kv_heads.saturating_mul(hd));
+    let (n, m, threads) = (limits.tokens, limits.logit_rows(), limits.threads.max(1));
     // A tensor-parallel rank's all-reduce holds one more row of the residual.
     let comm = if ranks > 1 { h } else { 0 };
-    let row = (8 * h + 2 * qd + 2 * kvd + 4 * ffn + comm) * F32 + (ffn + h) + 64;
-    let shape = Shape {
-        heads,
-        kv_heads,
-        head_dim: c.head_dim,
-    };
-    // A group's copies stay within the budget, or one sequence's whole context alone; and a
-    // call copies at most one context per sequence it computes rows of.
-    let one = gathered_bytes(shape, c.context_length) as u64;
-    let copies = (GATHER_BYTES as u64)
-        .max(one)
-        .min(limits.sequences.min(n).saturating_mul(one));
-    let layer = n.saturating_mul(row).saturating_add(copies);
-    let panel_outputs =
-        mul3(m, vr, F32).min((16u64 << 20).max(mul3(limits.threads.max(1) * 4, m, PANEL * F32)));
-    let logits = mul3(m, 3 * h + 2 * vr, F32)
-        .saturating_add(mul3(n, h + comm, F32))
-        .saturating_add(panel_outputs);
-    let panels = mul3(limits.threads.max(1), h.max(ffn), PANEL * F32);
+    let floats = [8 * h, 2 * qd, 2 * kvd, 4 * ffn, comm]
+        .iter()
+        .fold(0u64, |a, &b| a.saturating_add(b));
+    let row = floats.saturating_mul(F32).saturating_add(ffn + h + 64);
+    let panel_outputs = mul3(m, vr, F32).min((16u64 << 20).max(mul3(threads * 4, m, PANEL * F32)));
     let gathered = if ranks > 1 { vocab } else { 0 };
-    ForwardScratch {
-        fixed: layer.max(logits).saturating_add(panels),
-        gathering: mul3(m, vocab + gathered, F32),
+    Scratch {
+        layer: n.saturating_mul(row),
+        logits: mul3(m, 3 * h + 2 * vr, F32)
+            .saturating_add(mul3(n, h + comm, F32))
+            .saturating_add(panel_outputs),
+        panels: mul3(threads, h.max(ffn), PANEL * F32),
+        gathering: mul3(m, vocab.saturating_add(gathered), F32),
+        copies: Copies {
+            per_position: mul3(2, kvd, F32),
+            block: crate::attn::KB as u64,
+            budget: GATHER_BYTES as u64,
+            context: c.context_length as u64,
+            sequences: limits.sequences.min(n),
+        },
     }
 }
 
 /// DeepSeek-V4 (computed token by token, `threads` sequences side by side): per sequence in
 /// flight, one token's vectors (the streams, the query and its heads, the experts' products)
 /// and what grows with its context (the indexer's scores over every compressed block, the
-/// attention's keys and their logits over the window and the blocks it reads), and the logits
-/// of every row asked for (held until the call returns, in vectors that may double as they
-/// grow). Tensor-parallel ranks go layer by layer over every sequence of the call: each keeps
-/// its streams, its half layer's outputs and their sum, and the logits pass through this rank's
-/// rows, their flat copy and the gathered rows. Attention reads the pages in place.
-pub fn dsv4(c: &Dsv4Config, ranks: u64, limits: CallLimits) -> ForwardScratch {
+/// attention's keys and their logits over the window and the blocks it reads). Rank 0 holds
+/// the logits of every row asked for (in vectors that may double as they grow; with ranks, the
+/// gathered rows and each sequence's copy). Tensor-parallel ranks go layer by layer over every
+/// sequence of the call: each keeps its streams, its half layer's outputs and their sum, and
+/// its logits rows (which may double as they grow) and their flat copy. Attention reads the
+/// pages in place: no copies.
+pub fn dsv4(c: &Dsv4Config, ranks: u64, limits: CallLimits) -> Scratch {
     let u = |n: usize| n as u64;
     let ctx = u(c.context);
-    let token = 16 * (u(c.hc) * u(c.embd) + u(c.heads) * u(c.head_dim))
-        + 8 * (u(c.q_lora_rank)
-            + u(c.experts)
-            + u(c.expert_ffn)
-            + u(c.out_groups) * u(c.out_lora_rank))
-        + 4 * u(c.indexer_heads) * u(c.indexer_dim);
+    let token = [
+        16 * (u(c.hc) * u(c.embd) + u(c.heads) * u(c.head_dim)),
+        8 * (u(c.q_lora_rank) + u(c.experts) + u(c.expert_ffn)),
+        8 * u(c.out_groups) * u(c.out_lora_rank),
+        4 * u(c.indexer_heads) * u(c.indexer_dim),
+    ]
+    .iter()
+    .fold(0u64, |a, &b| a.saturating_add(b));
     // Keys a head reads (a 16-byte reference and a logit each): the window and the blocks of
     // a ratio-4 (the indexer's choice) or ratio-128 layer (all of them).
     let read = u(c.window) + u(c.indexer_top_k).max(ctx / 128) + 1;
@@ -168,29 +147,20 @@ pub fn dsv4(c: &Dsv4Config, ranks: u64, limits: CallLimits) -> ForwardScratch {
         .saturating_add(u(c.vocab))
         .saturating_mul(F32);
     let (m, vocab) = (limits.logit_rows(), u(c.vocab));
-    // With several ranks: every sequence's streams and half layer, this rank's logits rows
-    // (which may double as they grow) and their flat copy.
     let tp = match ranks.max(1) {
         1 => 0,
         r => {
             let (hc, e) = (u(c.hc), u(c.embd));
-            mul3(
-                limits.sequences,
-                2 * hc * e + 3 * e + 2 * hc * (hc + 1),
-                F32,
-            )
-            .saturating_add(mul3(m, 3 * vocab.div_ceil(r), F32))
+            let streams = 2 * hc * e + 3 * e + 2 * hc * (hc + 1);
+            mul3(limits.sequences, streams, F32).saturating_add(mul3(m, 3 * vocab.div_ceil(r), F32))
         }
     };
-    ForwardScratch {
-        fixed: limits
-            .threads
-            .max(1)
-            .min(limits.sequences.max(1))
-            .saturating_mul(per_seq)
-            .saturating_add(tp),
-        // The rows handed back (alone: vectors that may double as they grow; with ranks: the
-        // gathered rows and each sequence's copy).
+    let in_flight = limits.threads.max(1).min(limits.sequences.max(1));
+    Scratch {
+        layer: in_flight.saturating_mul(per_seq).saturating_add(tp),
+        logits: 0,
+        panels: 0,
         gathering: mul3(m, 2 * vocab, F32),
+        copies: Copies::default(),
     }
 }

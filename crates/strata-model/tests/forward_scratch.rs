@@ -55,6 +55,8 @@ fn peak_of<T>(f: impl FnOnce() -> T) -> (T, u64) {
 }
 
 const PAGE: usize = 16;
+/// Tokens of the device pool the calls run over.
+const POOL_TOKENS: u64 = 1024;
 
 fn pool(m: &dyn Runtime, pages: u32) -> DevicePool {
     let layout = PageLayout::new(PAGE, m.pool_kinds(PAGE).unwrap()).unwrap();
@@ -81,7 +83,7 @@ fn check(path: &Path, ranks: usize, calls: &[Call]) -> (u64, u64) {
         .build()
         .unwrap();
     let windows = m.architecture() == "deepseek4";
-    let pool = pool(&*m, 64);
+    let pool = pool(&*m, (POOL_TOKENS / PAGE as u64) as u32);
     let (mut most, mut most_bound) = (0, 0);
     for call in calls {
         // Each sequence's pages: its own run of the pool (windows: the same pages).
@@ -126,7 +128,7 @@ fn check(path: &Path, ranks: usize, calls: &[Call]) -> (u64, u64) {
             threads: 2,
         };
         let s = forward_scratch(path, ranks as u64, limits).unwrap();
-        let bound = s.fixed * ranks as u64 + s.gathering;
+        let bound = s.bytes(ranks as u32, POOL_TOKENS);
         assert!(
             used <= bound,
             "{} ranks {ranks}, call {call:?}: {used} bytes allocated, bound {bound}",

@@ -426,8 +426,8 @@ fn quantized_decode_stays_close_to_f32() {
 }
 
 /// Attention gathers sequences' K/V in groups under a byte budget: sequences sharing a prefix's
-/// pages, each computing a chunk after it (with a decode row among them), give the same bits
-/// in one group as each in a group of its own.
+/// pages, each computing a chunk after it (with a decode row among them, and a chunk that ends
+/// its prompt), give the same bits in one group as each in a group of its own.
 #[test]
 fn attention_groups_do_not_change_a_rows_bits() {
     let (_d, _g, mut m) = load(&TinySpec::default());
@@ -455,7 +455,7 @@ fn attention_groups_do_not_change_a_rows_bits() {
                 pages: &pages[i],
                 windows: &[],
                 decode: i == 2,
-                ends_prompt: false,
+                ends_prompt: i == 3,
             })
             .collect();
         m.forward(&pl, &seqs, true).unwrap()

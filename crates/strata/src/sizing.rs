@@ -531,11 +531,7 @@ impl SizingArgs {
             all_logit_rows: strata_engine::PROMPT_LOGPROB_ROWS as u64,
             threads: self.threads as u64,
         };
-        let s = forward_scratch(path, u64::from(self.tp_size), limits)
-            .with_context(|| format!("--model {}", path.display()))?;
-        Ok(Scratch {
-            fixed: s.fixed,
-            gathering: s.gathering,
-        })
+        forward_scratch(path, u64::from(self.tp_size), limits)
+            .with_context(|| format!("--model {}", path.display()))
     }
 }

@@ -8,7 +8,7 @@ use crate::model::KindSpec;
 use crate::topology::Topology;
 
 pub use types::{
-    Decision, DeviceBudget, HostBudget, NumaChoice, NumaPlan, NumaPolicy, Plan, PlanError,
+    Copies, Decision, DeviceBudget, HostBudget, NumaChoice, NumaPlan, NumaPolicy, Plan, PlanError,
     PlanRequest, PoolPlan, Scratch,
 };
 
@@ -118,7 +118,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
     let (mut decided, mut window_warnings) = (Vec::new(), Vec::new());
 
     // NUMA placement first: the fraction-of-free device budget needs it.
-    let room = numa_room(req, topo, &mut decided)?;
+    let mut room = numa_room(req, topo, &mut decided)?;
 
     let (device_budget, device_tokens, host_tokens, wplan) =
         budgets(req, &base, room.avail, &mut decided, &mut window_warnings)?;
@@ -128,6 +128,7 @@ pub fn make_plan(req: &PlanRequest, topo: &Topology) -> Result<Plan, PlanError> 
         host_cost.window_tokens(host_tokens),
     );
     window_decisions(req, device_tokens, dw, &mut decided)?;
+    room.hold(Scratch::LABEL, scratch_bytes(req, device_tokens));
 
     let pools = pool_plans(req, &kinds, ps, (device_tokens, dw), (host_tokens, hw))?;
     kinds_decision(&cost, kinds.len(), ps, &mut decided);
@@ -294,9 +295,9 @@ impl Room {
 }
 
 /// The forward pass's scratch on every rank (in host memory only where the device pools are).
-fn scratch_bytes(req: &PlanRequest) -> u64 {
+fn scratch_bytes(req: &PlanRequest, device_tokens: u64) -> u64 {
     match req.device_in_host_memory {
-        true => req.scratch.bytes(req.tp),
+        true => req.scratch.bytes(req.tp, device_tokens),
         false => 0,
     }
 }
@@ -429,7 +430,7 @@ fn numa_room(
             by: why,
         });
     }
-    let mut room = Room {
+    Ok(Room {
         nodes,
         avail,
         source,
@@ -437,9 +438,7 @@ fn numa_room(
         weights,
         usable,
         beside: req.beside.clone(),
-    };
-    room.hold(Scratch::LABEL, scratch_bytes(req));
-    Ok(room)
+    })
 }
 
 /// The nodes `--numa-node` and `--numa-policy` select; for `auto`, also why.

@@ -91,7 +91,7 @@ pub(super) fn check_rank_nodes(
             let share = req.model.weights_bytes / u64::from(req.tp.max(1));
             ranks
                 .iter()
-                .map(|&r| share.saturating_add(req.scratch.rank_bytes(r)))
+                .map(|&r| share.saturating_add(req.scratch.rank_bytes(r, device_tokens)))
                 .fold(0, u64::saturating_add)
         } else {
             0

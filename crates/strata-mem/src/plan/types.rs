@@ -105,31 +105,73 @@ pub struct PlanRequest {
 }
 
 /// Host memory the forward calls may hold beside the pools and weights
-/// (`strata_model::scratch`): `fixed` bytes on every rank for the batch limits
-/// (`--max-batch-tokens`, `--max-running`), and `gathering` more on rank 0, which gathers the
-/// logits and hands them back.
+/// (`strata_model::scratch` fills it in), for the batch limits (`--max-batch-tokens`,
+/// `--max-running`, `--threads`): a call is in a layer's phase or in the logits phase, each on
+/// every rank, and rank 0 also holds the logits it gathers and hands back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Scratch {
-    pub fixed: u64,
+    /// A layer's phase, beside attention's K/V copies.
+    pub layer: u64,
+    /// The logits phase.
+    pub logits: u64,
+    /// Both phases (each thread's dequantized weight panel).
+    pub panels: u64,
+    /// More on rank 0.
     pub gathering: u64,
+    /// Attention's f32 K/V copies in a layer's phase (none where attention reads the pages).
+    pub copies: Copies,
+}
+
+/// Attention's f32 copies of the K/V of the sequences a call computes several rows of: in
+/// groups of at most `budget` bytes, a sequence over it alone, at most one whole sequence a
+/// sequence of the call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Copies {
+    /// Bytes a position copies (0: none), counted in blocks of `block` positions.
+    pub per_position: u64,
+    pub block: u64,
+    pub budget: u64,
+    /// Most positions a sequence has: the model's context (and at most the device pool's).
+    pub context: u64,
+    /// Most sequences one call copies.
+    pub sequences: u64,
+}
+
+impl Copies {
+    /// The most bytes copied at once with `device_tokens` in the device pool.
+    pub fn bytes(&self, device_tokens: u64) -> u64 {
+        if self.per_position == 0 {
+            return 0;
+        }
+        let block = self.block.max(1);
+        let positions = self
+            .context
+            .min(device_tokens)
+            .div_ceil(block)
+            .saturating_mul(block);
+        let one = self.per_position.saturating_mul(positions);
+        self.budget.max(one).min(self.sequences.saturating_mul(one))
+    }
 }
 
 impl Scratch {
     /// What the plan reserves for it: the label its part of the reserve goes under.
     pub const LABEL: &'static str = "--max-batch-tokens/--max-running (the forward pass)";
 
-    /// Bytes of rank `rank`.
-    pub fn rank_bytes(&self, rank: usize) -> u64 {
+    /// Bytes of rank `rank` with `device_tokens` in its device pool.
+    pub fn rank_bytes(&self, rank: usize, device_tokens: u64) -> u64 {
+        let layer = self.layer.saturating_add(self.copies.bytes(device_tokens));
+        let each = layer.max(self.logits).saturating_add(self.panels);
         match rank {
-            0 => self.fixed.saturating_add(self.gathering),
-            _ => self.fixed,
+            0 => each.saturating_add(self.gathering),
+            _ => each,
         }
     }
 
-    /// Bytes of `ranks` ranks.
-    pub fn bytes(&self, ranks: u32) -> u64 {
+    /// Bytes of `ranks` ranks with `device_tokens` in each one's device pool.
+    pub fn bytes(&self, ranks: u32, device_tokens: u64) -> u64 {
         (0..ranks.max(1) as usize)
-            .map(|r| self.rank_bytes(r))
+            .map(|r| self.rank_bytes(r, device_tokens))
             .fold(0, u64::saturating_add)
     }
 }

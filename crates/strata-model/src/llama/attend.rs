@@ -67,9 +67,13 @@ impl Model {
     ) {
         let h = shape.heads * shape.head_dim;
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        // Splitting only pays on enough work (a single decode row is done inline).
+        // Splitting only pays on enough work (a single decode row is done inline), and over
+        // no more threads than the rows fill tiles for.
         let work: usize = rows[span.clone()].iter().map(|r| r.1 + 1).sum();
-        let threads = if work < 1024 { 1 } else { self.threads };
+        let threads = match work < 1024 {
+            true => 1,
+            false => self.threads.min(span.len().div_ceil(attn::TILE_ROWS)),
+        };
         let run = |first: usize, chunk: &mut [f32]| {
             let n_rows = chunk.len() / h;
             let mut pos = Vec::with_capacity(attn::TILE_ROWS);
@@ -144,7 +148,7 @@ fn tiled(s: &SeqInput) -> bool {
 }
 
 /// Bytes of a sequence's gathered K/V over `n` positions.
-pub(crate) fn gathered_bytes(shape: attn::Shape, n: usize) -> usize {
+fn gathered_bytes(shape: attn::Shape, n: usize) -> usize {
     n.div_ceil(attn::KB)
         * attn::KB
         * shape.kv_heads
