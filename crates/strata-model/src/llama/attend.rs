@@ -68,11 +68,17 @@ impl Model {
         let h = shape.heads * shape.head_dim;
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         // Splitting only pays on enough work (a single decode row is done inline), and over
-        // no more threads than the rows fill tiles for.
+        // no more threads than there are pieces: whole tiles of the rows of gathered
+        // sequences, and single rows of the others.
         let work: usize = rows[span.clone()].iter().map(|r| r.1 + 1).sum();
+        let tiled = rows[span.clone()]
+            .iter()
+            .filter(|r| gathered[r.0].is_some())
+            .count();
+        let pieces = tiled.div_ceil(attn::TILE_ROWS) + (span.len() - tiled);
         let threads = match work < 1024 {
             true => 1,
-            false => self.threads.min(span.len().div_ceil(attn::TILE_ROWS)),
+            false => self.threads.min(pieces),
         };
         let run = |first: usize, chunk: &mut [f32]| {
             let n_rows = chunk.len() / h;

@@ -293,8 +293,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let prefetch = prefetch_policy(&a)?;
 
     // Model: tensor-parallel ranks placed by --numa-nodes.
-    let (model, tk, template, ranks) =
-        tp::load_model(&a.sizing, a.sizing.threads, !a.f32_decode, &topo)?;
+    let (model, tk, template, ranks) = tp::load_model(&a.sizing, !a.f32_decode, &topo)?;
 
     // Pools, as planned (the plan's kinds are the model's, byte for byte); the engine over them.
     let layout = PageLayout::new(req.page_size, model.pool_kinds(req.page_size)?)?;

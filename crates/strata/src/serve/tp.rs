@@ -94,11 +94,10 @@ pub type LoadedModel = (
 /// `--numa-nodes` (each rank's line logged and printed).
 pub fn load_model(
     sizing: &crate::sizing::SizingArgs,
-    threads: usize,
     quantized_decode: bool,
     topo: &strata_mem::Topology,
 ) -> Result<LoadedModel> {
-    let tp = sizing.tp_size as usize;
+    let (tp, threads) = (sizing.tp_size as usize, sizing.threads);
     let allowed = crate::sizing::allowed_cpus();
     let ranks = placements(&sizing.numa_nodes, tp, topo, &allowed)?;
     std::env::set_var("RAYON_NUM_THREADS", threads.max(1).to_string());
