@@ -47,14 +47,32 @@ fn mul3(a: u64, b: u64, c: u64) -> u64 {
     a.saturating_mul(b).saturating_mul(c)
 }
 
-/// The scratch of the model in `path` over `ranks` tensor-parallel ranks.
-pub fn forward_scratch(path: &Path, ranks: u64, limits: CallLimits) -> Result<Scratch, ModelError> {
-    let header = GgufHeader::open(path)?;
-    if header.architecture() == Some("deepseek4") {
-        let c = crate::deepseek4::load::read_dsv4_config(path)?;
-        return Ok(dsv4(&c, ranks, limits));
+/// A model file's hyper-parameters, by architecture (read from its header once, for the pools
+/// and the scratch both).
+#[derive(Clone, Debug)]
+pub enum ModelShape {
+    Llama(Config),
+    Dsv4(Dsv4Config),
+}
+
+impl ModelShape {
+    pub fn read(path: &Path) -> Result<ModelShape, ModelError> {
+        let header = GgufHeader::open(path)?;
+        if header.architecture() == Some("deepseek4") {
+            return Ok(ModelShape::Dsv4(crate::deepseek4::load::read_dsv4_config(
+                path,
+            )?));
+        }
+        Ok(ModelShape::Llama(Gguf::open(path)?.config))
     }
-    Ok(llama(&Gguf::open(path)?.config, ranks, limits))
+
+    /// The scratch over `ranks` tensor-parallel ranks.
+    pub fn scratch(&self, ranks: u64, limits: CallLimits) -> Scratch {
+        match self {
+            ModelShape::Llama(c) => llama(c, ranks, limits),
+            ModelShape::Dsv4(c) => dsv4(c, ranks, limits),
+        }
+    }
 }
 
 /// The widest rank of `ranks` (query heads, KV heads, feed-forward columns, vocabulary rows),

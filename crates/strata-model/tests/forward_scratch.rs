@@ -15,7 +15,7 @@ use std::sync::Arc;
 use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
-use strata_model::scratch::{forward_scratch, CallLimits};
+use strata_model::scratch::{CallLimits, ModelShape};
 use strata_model::tiny::deepseek4::{write_tiny_dsv4, TinyDsv4Spec};
 use strata_model::tiny::{write_tiny, TinySpec};
 use strata_model::*;
@@ -127,7 +127,9 @@ fn check(path: &Path, ranks: usize, calls: &[Call]) -> (u64, u64) {
             all_logit_rows: (logit_rows - call.len()) as u64,
             threads: 2,
         };
-        let s = forward_scratch(path, ranks as u64, limits).unwrap();
+        let s = ModelShape::read(path)
+            .unwrap()
+            .scratch(ranks as u64, limits);
         let bound = s.bytes(ranks as u32, POOL_TOKENS);
         assert!(
             used <= bound,

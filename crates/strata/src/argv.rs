@@ -25,8 +25,7 @@ fn negative(v: &OsString) -> bool {
 /// `args` (the program's name first) with each `--NAME VALUE` where NAME takes a value in the
 /// subcommand it is given to and VALUE reads as a negative number written `--NAME=VALUE`.
 /// Nothing else changes, and nothing after `--` does.
-pub fn join_negative_values(cmd: &clap::Command, args: Vec<OsString>) -> Vec<OsString> {
-    let mut cmd = cmd.clone();
+pub fn join_negative_values(mut cmd: clap::Command, args: Vec<OsString>) -> Vec<OsString> {
     cmd.build();
     let mut at = &cmd;
     let mut valued = valued_longs(at);
@@ -91,7 +90,7 @@ mod tests {
 
     fn run(args: &[&str]) -> Vec<String> {
         let v = args.iter().map(OsString::from).collect();
-        join_negative_values(&cmd(), v)
+        join_negative_values(cmd(), v)
             .into_iter()
             .map(|s| s.into_string().unwrap())
             .collect()
@@ -137,7 +136,7 @@ mod tests {
     fn the_real_command_line_reads_a_negative_size_as_the_sizes() {
         use clap::{CommandFactory, Parser};
         let args = ["strata", "plan", "--hicache-size", "-1GB"].map(OsString::from);
-        let joined = join_negative_values(&crate::Cli::command(), args.to_vec());
+        let joined = join_negative_values(crate::Cli::command(), args.to_vec());
         assert_eq!(joined[2], "--hicache-size=-1GB");
         assert!(crate::Cli::try_parse_from(joined).is_ok());
     }

@@ -113,7 +113,7 @@ enum Command {
 }
 
 fn main() {
-    let args = argv::join_negative_values(&Cli::command(), std::env::args_os().collect());
+    let args = argv::join_negative_values(Cli::command(), std::env::args_os().collect());
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(),

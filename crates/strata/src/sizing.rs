@@ -11,7 +11,7 @@ use strata_mem::{
     preset, DeviceBudget, HostBudget, KindSpec, ModelSpec, NumaChoice, NumaPolicy, PlanRequest,
     Scratch, Topology, PRESETS,
 };
-use strata_model::scratch::{forward_scratch, CallLimits};
+use strata_model::scratch::{CallLimits, ModelShape};
 
 /// What a server does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -326,40 +326,37 @@ pub(crate) fn allowed_cpus() -> Vec<u32> {
 /// the KV heads split over TP ranks; for DeepSeek-V4, every state kind in f32, as the engine
 /// keeps them.
 pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
+    Ok(model_file(path)?.0)
+}
+
+/// A model file's pools (as [`model_spec_of`] says) and its hyper-parameters, from one read of
+/// its header.
+fn model_file(path: &std::path::Path) -> Result<(ModelSpec, ModelShape)> {
     let name = path
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let header = strata_model::GgufHeader::open(path)?;
+    let shape = ModelShape::read(path)?;
     // The weights, in host memory beside the pools: the file's bytes (its tensors, and a
     // header of a few MiB at most).
     let weights_bytes = std::fs::metadata(path)
         .with_context(|| format!("--model {}", path.display()))?
         .len();
-    if header.architecture() == Some("deepseek4") {
-        let c = strata_model::deepseek4::load::read_dsv4_config(path)?;
-        let count = |r| c.ratios.iter().filter(|&&x| x == r).count();
-        let kinds = strata_mem::dsv4_kinds(&strata_mem::Dsv4Shape {
-            layers: c.ratios.len(),
-            csa_layers: count(4),
-            hca_layers: count(128),
-            head_dim: c.head_dim,
-            indexer_dim: c.indexer_dim,
-            window: c.window,
-            cache_dtype: strata_kv::dtype::Dtype::F32,
-            state_dtype: strata_kv::dtype::Dtype::F32,
-        });
-        return Ok(ModelSpec {
-            name,
-            kinds,
-            weights_bytes,
-        });
-    }
-    let g = strata_model::Gguf::open(path)?;
-    let c = &g.config;
-    Ok(ModelSpec {
-        name,
-        kinds: vec![KindSpec {
+    let kinds = match &shape {
+        ModelShape::Dsv4(c) => {
+            let count = |r| c.ratios.iter().filter(|&&x| x == r).count();
+            strata_mem::dsv4_kinds(&strata_mem::Dsv4Shape {
+                layers: c.ratios.len(),
+                csa_layers: count(4),
+                hca_layers: count(128),
+                head_dim: c.head_dim,
+                indexer_dim: c.indexer_dim,
+                window: c.window,
+                cache_dtype: strata_kv::dtype::Dtype::F32,
+                state_dtype: strata_kv::dtype::Dtype::F32,
+            })
+        }
+        ModelShape::Llama(c) => vec![KindSpec {
             name: "kv".into(),
             layers: c.layers,
             planes: 2,
@@ -370,8 +367,13 @@ pub fn model_spec_of(path: &std::path::Path) -> Result<ModelSpec> {
             per: strata_mem::Per::Token,
             needed: strata_mem::Needed::Prefix,
         }],
+    };
+    let spec = ModelSpec {
+        name,
+        kinds,
         weights_bytes,
-    })
+    };
+    Ok((spec, shape))
 }
 
 impl SizingArgs {
@@ -391,17 +393,20 @@ impl SizingArgs {
         })
     }
 
-    /// The pools of `--model` (read from the GGUF) or of `--model-preset`, K/V in the dtypes
-    /// asked for.
-    fn model_spec(&self) -> Result<ModelSpec> {
-        let model = self.model_spec_f16()?;
-        self.kv_dtype.apply(model)
+    /// The pools of `--model` (read from the GGUF, with its hyper-parameters) or of
+    /// `--model-preset` (none), K/V in the dtypes asked for.
+    fn model_spec(&self) -> Result<(ModelSpec, Option<ModelShape>)> {
+        let (model, shape) = self.model_spec_f16()?;
+        Ok((self.kv_dtype.apply(model)?, shape))
     }
 
-    fn model_spec_f16(&self) -> Result<ModelSpec> {
-        Ok(match &self.model {
-            Some(path) => model_spec_of(path)?,
-            None => preset(&self.model_preset).with_context(|| {
+    fn model_spec_f16(&self) -> Result<(ModelSpec, Option<ModelShape>)> {
+        if let Some(path) = &self.model {
+            let (spec, shape) = model_file(path)?;
+            return Ok((spec, Some(shape)));
+        }
+        Ok((
+            preset(&self.model_preset).with_context(|| {
                 let renamed = match self.model_preset.as_str() {
                     "dsv4-like" => " (`dsv4-like` was DeepSeek-V3.2's shape: now `deepseek-v3.2`; DeepSeek-V4 is `deepseek-v4-pro` / `deepseek-v4-flash`)",
                     _ => "",
@@ -412,7 +417,8 @@ impl SizingArgs {
                     PRESETS.join(", ")
                 )
             })?,
-        })
+            None,
+        ))
     }
 
     /// What the server may hold beside its pools and weights, by flag (the plan reserves it):
@@ -429,7 +435,7 @@ impl SizingArgs {
 
     /// Parses and checks every flag; nothing is allocated.
     pub fn request(&self) -> Result<PlanRequest> {
-        let model = self.model_spec()?;
+        let (model, shape) = self.model_spec()?;
         // The ranks must split the model as loading it would (else the plan "fits" what the
         // worker then refuses).
         if let Some(path) = &self.model {
@@ -492,7 +498,7 @@ impl SizingArgs {
             max_running: self.max_running as u64,
             max_batch_tokens: self.max_batch_tokens as u64,
             beside: self.beside()?,
-            scratch: self.scratch()?,
+            scratch: self.scratch(shape.as_ref())?,
         })
     }
 
@@ -516,13 +522,13 @@ impl SizingArgs {
         })
     }
 
-    /// What the forward calls allocate under the batch limits and `--threads` (read from
-    /// `--model`'s header; nothing for a preset, whose runtime is not this one).
-    fn scratch(&self) -> Result<Scratch> {
+    /// What the forward calls of the model file's `shape` allocate under the batch limits and
+    /// `--threads` (nothing for a preset, whose runtime is not this one).
+    fn scratch(&self, shape: Option<&ModelShape>) -> Result<Scratch> {
         if !(1..=MAX_THREADS).contains(&self.threads) {
             bail!("--threads {}: expected 1 to {MAX_THREADS}", self.threads);
         }
-        let Some(path) = &self.model else {
+        let Some(shape) = shape else {
             return Ok(Scratch::default());
         };
         let limits = CallLimits {
@@ -531,7 +537,6 @@ impl SizingArgs {
             all_logit_rows: strata_engine::PROMPT_LOGPROB_ROWS as u64,
             threads: self.threads as u64,
         };
-        forward_scratch(path, u64::from(self.tp_size), limits)
-            .with_context(|| format!("--model {}", path.display()))
+        Ok(shape.scratch(u64::from(self.tp_size), limits))
     }
 }

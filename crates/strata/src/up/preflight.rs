@@ -67,7 +67,7 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
                 .chain(args.into_iter().skip(1))
                 .map(Into::into)
                 .collect();
-            let argv = crate::argv::join_negative_values(&Serve::command(), argv);
+            let argv = crate::argv::join_negative_values(Serve::command(), argv);
             let s = Serve::try_parse_from(argv).map_err(|e| {
                 let text = e.render().to_string();
                 let first = text.lines().next().unwrap_or_default();
