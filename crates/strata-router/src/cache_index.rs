@@ -9,6 +9,7 @@ use std::time::Duration;
 use strata_kv::{HashNamespace, PageHash};
 use strata_model::{ChatTemplate, ModelTokenizer};
 use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Tier, WireEvent};
+use strata_server::auth::Peers;
 
 /// Weight of a cached page by tier: a host page must be loaded back first.
 pub const DEVICE_WEIGHT: f64 = 1.0;
@@ -198,7 +199,7 @@ impl CacheIndex {
     pub async fn poll(
         &self,
         client: &reqwest::Client,
-        key: Option<&strata_kv::auth::ClusterKey>,
+        key: Option<(&strata_kv::auth::ClusterKey, &Peers)>,
         w: usize,
         url: &str,
     ) -> Result<(), String> {
@@ -249,31 +250,30 @@ impl CacheIndex {
     }
 }
 
-/// A typed GET of a worker's cache endpoint (signed with the cluster key when there is one).
+/// A typed GET of a worker's cache endpoint (signed with the cluster key when there is one, for
+/// the worker's instance as `peers` knows it).
 async fn get<T: serde::de::DeserializeOwned>(
     client: &reqwest::Client,
-    key: Option<&strata_kv::auth::ClusterKey>,
+    key: Option<(&strata_kv::auth::ClusterKey, &Peers)>,
     url: &str,
     path: &str,
 ) -> Result<T, String> {
-    let mut req = client
-        .get(format!("{url}{path}"))
-        .timeout(Duration::from_secs(5));
-    if let Some(k) = key {
-        let call = strata_server::auth::Call {
-            method: "GET",
-            target: path,
-            body: b"",
-            prefill: None,
-        };
-        req = req.header(
-            strata_server::auth::AUTH_HEADER,
-            strata_server::auth::sign(k, &call),
-        );
-    }
-    let r = req
-        .send()
-        .await
+    let build = || {
+        client
+            .get(format!("{url}{path}"))
+            .timeout(Duration::from_secs(5))
+    };
+    let call = strata_server::auth::Call {
+        method: "GET",
+        target: path,
+        body: b"",
+        prefill: None,
+    };
+    let sent = match key {
+        Some((k, peers)) => strata_server::auth::send(peers, Some(k), url, &call, build).await,
+        None => build().send().await,
+    };
+    let r = sent
         .map_err(|e| e.to_string())?
         .error_for_status()
         .map_err(|e| e.to_string())?;

@@ -23,14 +23,21 @@ use crate::worker::Worker;
 /// One worker's watch: its `/health` marks it up or down, its `/metrics` feeds the dashboard.
 async fn watch(state: Arc<RouterState>, w: Arc<Worker>, every: Duration) {
     loop {
-        let ok = state
+        let ok = match state
             .client
             .get(format!("{}/health", w.url))
             .timeout(Duration::from_secs(2))
             .send()
             .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false);
+        {
+            Ok(r) => {
+                // A worker names its instance on every answer: the first signed call to it
+                // (or the first after it restarted) then needs no second try.
+                state.peers.learn(&w.url, &r);
+                r.status().is_success()
+            }
+            Err(_) => false,
+        };
         if ok {
             if let Ok(r) = state
                 .client

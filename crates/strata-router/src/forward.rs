@@ -106,59 +106,51 @@ pub(crate) async fn off_async<T: Send + 'static>(
     picked.unwrap_or_else(|_| fallback())
 }
 
-/// The request to the pair's decode worker, signed when the deployment has a cluster key.
-fn request(
+/// Sends the request to the pair's decode worker, signed when the deployment has a cluster key.
+async fn send(
     st: &RouterState,
     pair: &Pair,
     path: &str,
     body: &Bytes,
     request_id: Option<&axum::http::HeaderValue>,
-) -> reqwest::RequestBuilder {
-    request_to(
-        st,
-        &pair.decode,
-        pair.prefill.as_deref(),
-        path,
-        body,
-        request_id,
-    )
+) -> reqwest::Result<reqwest::Response> {
+    let prefill = pair.prefill.as_deref();
+    send_to(st, &pair.decode, prefill, path, body, request_id).await
 }
 
-/// The request to `decode` (with `prefill` named under PD), signed when the deployment has a
-/// cluster key.
-pub(crate) fn request_to(
+/// Sends the request to `decode` (with `prefill` named under PD), signed when the deployment
+/// has a cluster key (for the worker's instance: [`strata_server::auth::send`]).
+pub(crate) async fn send_to(
     st: &RouterState,
     decode: &Worker,
     prefill: Option<&Worker>,
     path: &str,
     body: &Bytes,
     request_id: Option<&axum::http::HeaderValue>,
-) -> reqwest::RequestBuilder {
-    let mut req = st
-        .client
-        .post(format!("{}{path}", decode.url))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body.clone());
-    if let Some(p) = prefill {
-        req = req.header(PREFILL_HEADER, &p.url);
-    }
-    // The worker logs and echoes the same id as the router.
-    if let Some(id) = request_id {
-        req = req.header(strata_server::endpoints::REQUEST_ID, id.clone());
-    }
-    if let Some(k) = &st.cluster_key {
-        let call = strata_server::auth::Call {
-            method: "POST",
-            target: path,
-            body,
-            prefill: prefill.map(|w| w.url.as_str()),
-        };
-        req = req.header(
-            strata_server::auth::AUTH_HEADER,
-            strata_server::auth::sign(k, &call),
-        );
-    }
-    req
+) -> reqwest::Result<reqwest::Response> {
+    let build = || {
+        let mut req = st
+            .client
+            .post(format!("{}{path}", decode.url))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
+        if let Some(p) = prefill {
+            req = req.header(PREFILL_HEADER, &p.url);
+        }
+        // The worker logs and echoes the same id as the router.
+        if let Some(id) = request_id {
+            req = req.header(strata_server::endpoints::REQUEST_ID, id.clone());
+        }
+        req
+    };
+    let call = strata_server::auth::Call {
+        method: "POST",
+        target: path,
+        body,
+        prefill: prefill.map(|w| w.url.as_str()),
+    };
+    let key = st.cluster_key.as_ref();
+    strata_server::auth::send(&st.peers, key, &decode.url, &call, build).await
 }
 
 /// The worker's answer relayed to the client: a stream as it comes (guarded; the in-flight
@@ -238,13 +230,13 @@ async fn forward(
             ));
         };
         let rid = headers.get(strata_server::endpoints::REQUEST_ID);
-        let req = request(&st, &pair, path, &body, rid);
+        let sending = send(&st, &pair, path, &body, rid);
         let mut both = vec![pair.decode.clone()];
         both.extend(pair.prefill.clone());
         let guard = InFlight::start(both);
         st.front.added.observe(arrived.elapsed().as_secs_f64());
         let d = &pair.decode;
-        let Ok(sent) = tokio::time::timeout(st.request_timeout, req.send()).await else {
+        let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
             // Not retried: the worker may still be computing it.
             st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
             d.failures.fetch_add(1, Ordering::Relaxed);

@@ -87,9 +87,10 @@ pub async fn forward_responses(
             .or_else(|| LeastLoad.pick(&st.prefill, None, None)),
     };
     let rid = headers.get(strata_server::endpoints::REQUEST_ID);
-    let req = crate::forward::request_to(&st, &w, prefill.as_deref(), "/v1/responses", &body, rid);
-    let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill).collect());
-    let Ok(sent) = tokio::time::timeout(st.request_timeout, req.send()).await else {
+    let path = "/v1/responses";
+    let sending = crate::forward::send_to(&st, &w, prefill.as_deref(), path, &body, rid);
+    let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill.clone()).collect());
+    let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
         st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
         w.failures.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::new(

@@ -60,12 +60,10 @@ pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
     let Some(index) = state.index().cloned() else {
         return;
     };
+    let key = state.cluster_key.as_ref().map(|k| (k, &state.peers));
     loop {
         for w in state.indexed() {
-            if let Err(e) = index
-                .poll(&state.client, state.cluster_key.as_ref(), w.slot, &w.url)
-                .await
-            {
+            if let Err(e) = index.poll(&state.client, key, w.slot, &w.url).await {
                 tracing::debug!(worker = %w.url, error = %e, "cache events not read");
             }
         }

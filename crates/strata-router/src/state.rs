@@ -40,6 +40,8 @@ pub struct RouterState {
     pub health_every: Duration,
     /// The deployment's cluster key: every call to a worker carries proof of it.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// The workers' instances, learnt from their answers (cluster MACs name them).
+    pub peers: strata_server::auth::Peers,
     /// Bounds the prompt hashing of cache-aware routing (CPU work, off the async workers).
     pub cpu_gate: Arc<tokio::sync::Semaphore>,
     /// Which decode worker stores which `/v1/responses` response.
@@ -107,6 +109,7 @@ impl RouterState {
             history: Default::default(),
             health_every: Duration::from_secs(1),
             cluster_key: None,
+            peers: Default::default(),
             cpu_gate: strata_server::state::cpu_gate(),
             response_owners: Default::default(),
             front: Default::default(),

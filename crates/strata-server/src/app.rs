@@ -55,7 +55,26 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.request_log,
             logged_request,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            name_instance,
+        ))
         .with_state(state)
+}
+
+/// With a cluster key, every answer names this process's instance: what a peer signs its calls
+/// for ([`crate::auth`]).
+async fn name_instance(
+    State(st): St,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let mut r = next.run(req).await;
+    if st.cluster_key.is_some() {
+        let name = crate::auth::INSTANCE_HEADER;
+        r.headers_mut().insert(name, st.replay.instance().header());
+    }
+    r
 }
 
 /// The listener with TCP_NODELAY on every accepted connection: without it a streamed token

@@ -1,15 +1,23 @@
 //! Cluster authentication of HTTP calls between Strata processes (router → worker, decode
-//! worker → prefill worker): the header `x-strata-cluster-auth: v2.<unix ms>.<nonce>.<MAC>`,
-//! the MAC (keyed with the deployment's cluster key) covering the method, the path with its
-//! query, the time, the nonce, a hash of the body and the `x-strata-prefill` header. A header is
-//! valid for [`SKEW`] either side of the receiver's clock, and once: the receiver remembers the
-//! nonces it accepted within the window, so a captured call cannot be replayed. The key
-//! itself never travels.
+//! worker → prefill worker): the header
+//! `x-strata-cluster-auth: v3.<unix ms>.<nonce>.<instance>.<MAC>`, the MAC (keyed with the
+//! deployment's cluster key) covering the method, the path with its query, the time, the nonce,
+//! the receiver's instance, a hash of the body and the `x-strata-prefill` header. A header is
+//! valid for [`SKEW`] either side of the receiver's clock, at one receiver, and once: the
+//! receiver remembers the nonces it accepted within the window, so a captured call cannot be
+//! replayed to it, and refuses a call signed for another instance, so neither can it be replayed
+//! to another worker of the deployment or to this one after a restart (which forgets the
+//! nonces). The key itself never travels.
+//!
+//! An instance is 16 random bytes a process draws at start; it is not secret. A worker names
+//! it on every answer ([`INSTANCE_HEADER`], with a cluster key); a sender remembers each peer's
+//! ([`Peers`]) and, when a call comes back 401 signed for another instance (the first call to a
+//! peer, or the peer restarted), learns the new one and sends the call once more ([`send`]).
 //!
 //! Without a cluster key, workers listen on loopback only, and these surfaces are open to local
 //! processes (stated at start-up).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -20,9 +28,11 @@ use crate::error::ApiError;
 
 /// The header carrying a cluster MAC.
 pub const AUTH_HEADER: &str = "x-strata-cluster-auth";
+/// The header naming the instance of the worker that answers (with a cluster key).
+pub const INSTANCE_HEADER: &str = "x-strata-instance";
 /// How far apart the two clocks may be.
 pub const SKEW: Duration = Duration::from_secs(60);
-const CONTEXT: &str = "strata cluster http v2";
+const CONTEXT: &str = "strata cluster http v3";
 /// Nonces remembered at most (beyond: the oldest are forgotten early; a replay then still
 /// needs a nonce older than the rest of the window).
 const MAX_NONCES: usize = 1 << 20;
@@ -46,7 +56,41 @@ pub struct Call<'a> {
     pub prefill: Option<&'a str>,
 }
 
-fn mac(key: &ClusterKey, c: &Call, ts: u64, nonce: &[u8]) -> [u8; 32] {
+/// One process's identity for the life of the process: random, never all zeros (the instance a
+/// sender signs for before it has learnt its peer's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Instance([u8; 16]);
+
+impl Instance {
+    const UNKNOWN: Instance = Instance([0; 16]);
+
+    fn draw() -> Instance {
+        loop {
+            let mut b = [0u8; 16];
+            getrandom::fill(&mut b).expect("the operating system's random source");
+            if b != [0; 16] {
+                return Instance(b);
+            }
+        }
+    }
+
+    /// 32 hex digits.
+    pub fn hex(&self) -> String {
+        hex(&self.0)
+    }
+
+    /// From 32 hex digits.
+    pub fn parse(s: &str) -> Option<Instance> {
+        unhex(s).and_then(|b| b.try_into().ok()).map(Instance)
+    }
+
+    /// [`INSTANCE_HEADER`]'s value.
+    pub fn header(&self) -> HeaderValue {
+        HeaderValue::from_str(&self.hex()).expect("hex is ASCII")
+    }
+}
+
+fn mac(key: &ClusterKey, c: &Call, ts: u64, nonce: &[u8], to: Instance) -> [u8; 32] {
     key.mac(
         CONTEXT,
         &[
@@ -54,31 +98,110 @@ fn mac(key: &ClusterKey, c: &Call, ts: u64, nonce: &[u8]) -> [u8; 32] {
             c.target.as_bytes(),
             &ts.to_le_bytes(),
             nonce,
+            &to.0,
             blake3::hash(c.body).as_bytes(),
             c.prefill.unwrap_or("").as_bytes(),
         ],
     )
 }
 
-/// The header value for `call`.
-pub fn sign(key: &ClusterKey, call: &Call) -> HeaderValue {
+/// The header value for `call` to the process `to` (`None`: not learnt yet, and refused by
+/// every receiver, which then names its instance).
+pub fn sign(key: &ClusterKey, to: Option<Instance>, call: &Call) -> HeaderValue {
     let ts = now_ms();
     let mut nonce = [0u8; 16];
     getrandom::fill(&mut nonce).expect("the operating system's random source");
-    let m = mac(key, call, ts, &nonce);
-    HeaderValue::from_str(&format!("v2.{ts}.{}.{}", hex(&nonce), hex(&m))).expect("ASCII")
+    let to = to.unwrap_or(Instance::UNKNOWN);
+    let m = mac(key, call, ts, &nonce, to);
+    let v = format!("v3.{ts}.{}.{}.{}", hex(&nonce), to.hex(), hex(&m));
+    HeaderValue::from_str(&v).expect("ASCII")
+}
+
+/// The instances of the processes this one calls, by base URL (the URLs come from flags, so
+/// the map is as large as the deployment).
+#[derive(Default)]
+pub struct Peers {
+    known: Mutex<HashMap<String, Instance>>,
+}
+
+impl Peers {
+    fn of(&self, base: &str) -> Option<Instance> {
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        known.get(base.trim_end_matches('/')).copied()
+    }
+
+    /// Remembers the instance `r` names (any answer of a peer with a cluster key names it).
+    pub fn learn(&self, base: &str, r: &reqwest::Response) -> Option<Instance> {
+        let i = r
+            .headers()
+            .get(INSTANCE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(Instance::parse)
+            .filter(|i| *i != Instance::UNKNOWN)?;
+        let base = base.trim_end_matches('/');
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        if known.get(base) != Some(&i) {
+            known.insert(base.to_string(), i);
+        }
+        Some(i)
+    }
+}
+
+/// Sends `call` to the peer at `base` (`build` makes the request without the cluster header,
+/// so it can be made twice), signed when there is a key. A 401 that names an instance other
+/// than the one signed for (a first call, or the peer restarted) is learnt from, and the call
+/// sent once more, signed for it; any other answer is returned as it is.
+pub async fn send(
+    peers: &Peers,
+    key: Option<&ClusterKey>,
+    base: &str,
+    call: &Call<'_>,
+    build: impl Fn() -> reqwest::RequestBuilder,
+) -> reqwest::Result<reqwest::Response> {
+    let Some(key) = key else {
+        return build().send().await;
+    };
+    let mut to = peers.of(base);
+    let mut tries = 0;
+    loop {
+        let r = build()
+            .header(AUTH_HEADER, sign(key, to, call))
+            .send()
+            .await?;
+        tries += 1;
+        let named = peers.learn(base, &r);
+        let other = named.is_some() && named != to;
+        if r.status() != reqwest::StatusCode::UNAUTHORIZED || !other || tries == 2 {
+            return Ok(r);
+        }
+        to = named;
+    }
 }
 
 /// Nonces seen, and (time, nonce) in the order they came.
 type Seen = (HashSet<[u8; 16]>, VecDeque<(u64, [u8; 16])>);
 
-/// Nonces accepted within the window (per receiving process).
-#[derive(Default)]
+/// What a receiving process keeps: its instance, and the nonces it accepted within the window.
 pub struct ReplayGuard {
+    instance: Instance,
     seen: Mutex<Seen>,
 }
 
+impl Default for ReplayGuard {
+    fn default() -> Self {
+        ReplayGuard {
+            instance: Instance::draw(),
+            seen: Mutex::default(),
+        }
+    }
+}
+
 impl ReplayGuard {
+    /// This process's instance.
+    pub fn instance(&self) -> Instance {
+        self.instance
+    }
+
     /// Records `nonce` (sent at `ts`); false if it was seen already.
     fn fresh(&self, ts: u64, nonce: [u8; 16]) -> bool {
         let mut g = self.seen.lock().unwrap_or_else(|p| p.into_inner());
@@ -112,8 +235,10 @@ pub fn verify(
         .to_str()
         .map_err(|_| format!("{AUTH_HEADER} is not ASCII"))?;
     let parts: Vec<&str> = v.split('.').collect();
-    let ["v2", ts, nonce, given] = parts.as_slice() else {
-        return Err(format!("{AUTH_HEADER} is not v2.<ms>.<nonce>.<mac>"));
+    let ["v3", ts, nonce, to, given] = parts.as_slice() else {
+        return Err(format!(
+            "{AUTH_HEADER} is not v3.<ms>.<nonce>.<instance>.<mac>"
+        ));
     };
     let ts: u64 = ts.parse().map_err(|_| format!("{AUTH_HEADER}: bad time"))?;
     let skew = now_ms().abs_diff(ts);
@@ -127,8 +252,16 @@ pub fn verify(
     let nonce: [u8; 16] = unhex(nonce)
         .and_then(|n| n.try_into().ok())
         .ok_or_else(|| format!("{AUTH_HEADER}: the nonce is not 32 hex digits"))?;
+    let to = Instance::parse(to)
+        .ok_or_else(|| format!("{AUTH_HEADER}: the instance is not 32 hex digits"))?;
+    if to != replay.instance {
+        return Err(format!(
+            "{AUTH_HEADER} is signed for another instance (this worker's is in {INSTANCE_HEADER}: \
+             a first call, a restart, or a call meant for another worker)"
+        ));
+    }
     let given = unhex(given).ok_or_else(|| format!("{AUTH_HEADER}: the MAC is not hex"))?;
-    let want = mac(key, call, ts, &nonce);
+    let want = mac(key, call, ts, &nonce, to);
     if !constant_time_eq::constant_time_eq(&want, &given) {
         return Err(format!(
             "{AUTH_HEADER}: wrong MAC (another cluster key, or the call was altered)"
@@ -171,7 +304,7 @@ mod tests {
         let g = ReplayGuard::default();
         let c = call("POST", "/pd/prefill", b"{\"a\":1}");
         let mut h = HeaderMap::new();
-        h.insert(AUTH_HEADER, sign(&k, &c));
+        h.insert(AUTH_HEADER, sign(&k, Some(g.instance()), &c));
         // Anything altered: refused (and the nonce is not spent by a failed check).
         for other in [
             call("GET", "/pd/prefill", b"{\"a\":1}"),
@@ -193,11 +326,91 @@ mod tests {
         // An old header is refused.
         let ts = now_ms() - 120_000;
         let nonce = [9u8; 16];
-        let m = mac(&k, &c, ts, &nonce);
-        h.insert(
-            AUTH_HEADER,
-            HeaderValue::from_str(&format!("v2.{ts}.{}.{}", hex(&nonce), hex(&m))).unwrap(),
-        );
+        let m = mac(&k, &c, ts, &nonce, g.instance());
+        let old = format!("v3.{ts}.{}.{}.{}", hex(&nonce), g.instance().hex(), hex(&m));
+        h.insert(AUTH_HEADER, HeaderValue::from_str(&old).unwrap());
         assert!(verify(&k, &g, &h, &c).unwrap_err().contains("away from"));
+    }
+
+    #[test]
+    fn a_call_verifies_only_at_the_instance_it_was_signed_for() {
+        let k = ClusterKey::from_secret(&[3; 32]).unwrap();
+        let (a, b) = (ReplayGuard::default(), ReplayGuard::default());
+        assert_ne!(a.instance(), b.instance());
+        let c = call("POST", "/pd/prefill", b"{}");
+        let mut h = HeaderMap::new();
+        h.insert(AUTH_HEADER, sign(&k, Some(a.instance()), &c));
+        // Another worker (or this one restarted: a new guard) refuses it, naming why, and
+        // the nonce is not spent at either.
+        let e = verify(&k, &b, &h, &c).unwrap_err();
+        assert!(e.contains("another instance"), "{e}");
+        assert_eq!(verify(&k, &a, &h, &c), Ok(()));
+        // Before a sender has learnt the instance, every receiver refuses.
+        h.insert(AUTH_HEADER, sign(&k, None, &c));
+        assert!(verify(&k, &a, &h, &c)
+            .unwrap_err()
+            .contains("another instance"));
+        // The instance is part of what the MAC covers: naming another one breaks it.
+        let good = sign(&k, Some(b.instance()), &c);
+        let good = good.to_str().unwrap();
+        let forged = good.replace(&b.instance().hex(), &a.instance().hex());
+        h.insert(AUTH_HEADER, HeaderValue::from_str(&forged).unwrap());
+        assert!(verify(&k, &a, &h, &c).unwrap_err().contains("wrong MAC"));
+    }
+
+    /// A peer that verifies calls as a worker does, with an instance a "restart" replaces.
+    struct Peer {
+        key: ClusterKey,
+        guard: Mutex<std::sync::Arc<ReplayGuard>>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    async fn peer(
+        st: axum::extract::State<std::sync::Arc<Peer>>,
+        h: HeaderMap,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        st.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let g = st.guard.lock().unwrap().clone();
+        let status = match verify(&st.key, &g, &h, &call("GET", "/x", b"")) {
+            Ok(()) => StatusCode::OK,
+            Err(_) => StatusCode::UNAUTHORIZED,
+        };
+        (status, [(INSTANCE_HEADER, g.instance().header())]).into_response()
+    }
+
+    #[tokio::test]
+    async fn a_sender_learns_the_instance_once_and_again_after_a_restart() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let key = ClusterKey::from_secret(&[5; 32]).unwrap();
+        let st = std::sync::Arc::new(Peer {
+            key: key.clone(),
+            guard: Mutex::new(Default::default()),
+            calls: Default::default(),
+        });
+        let app = axum::Router::new()
+            .route("/x", axum::routing::get(peer))
+            .with_state(st.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        let (client, peers) = (reqwest::Client::new(), Peers::default());
+        let build = || client.get(format!("{base}/x"));
+        let c = call("GET", "/x", b"");
+        let send_once = async |k: &ClusterKey| {
+            let before = st.calls.load(SeqCst);
+            let r = send(&peers, Some(k), &base, &c, build).await.unwrap();
+            (r.status().as_u16(), st.calls.load(SeqCst) - before)
+        };
+        // First call: refused for the unknown instance, learnt, sent again.
+        assert_eq!(send_once(&key).await, (200, 2));
+        // Known: one call.
+        assert_eq!(send_once(&key).await, (200, 1));
+        // The peer restarts (a new instance, its nonces forgotten): learnt again.
+        *st.guard.lock().unwrap() = Default::default();
+        assert_eq!(send_once(&key).await, (200, 2));
+        // Another key: refused for a reason the instance does not explain, not sent again.
+        let other = ClusterKey::from_secret(&[6; 32]).unwrap();
+        assert_eq!(send_once(&other).await, (401, 1));
     }
 }

@@ -45,7 +45,8 @@ pub struct AppState {
     /// The deployment's cluster key: worker-to-worker and router-to-worker calls must prove
     /// they hold it. None: this worker listens on loopback only.
     pub cluster_key: Option<strata_kv::auth::ClusterKey>,
-    /// Cluster-call nonces seen (replays are refused).
+    /// This process's instance and the cluster-call nonces it accepted (replays, and calls
+    /// signed for another worker or an earlier start, are refused).
     pub replay: crate::auth::ReplayGuard,
     /// Prefill/decode disaggregation: the KV listener, the prefill workers, PD metrics.
     pub pd: PdSide,
@@ -70,6 +71,8 @@ pub struct PdSide {
     pub kv_deadline: Duration,
     /// Client for calls to prefill workers.
     pub http: reqwest::Client,
+    /// The prefill workers' instances, learnt from their answers (cluster MACs name them).
+    pub peers: crate::auth::Peers,
     /// Prefill workers this decode worker may be told to use (`x-strata-prefill`).
     pub prefill_workers: Vec<String>,
     /// A PD request whose prompt this decode worker's cache holds but for at most this many
@@ -101,6 +104,7 @@ impl Default for PdSide {
                 .pool_idle_timeout(Duration::from_secs(4))
                 .build()
                 .expect("HTTP client"),
+            peers: Default::default(),
             prefill_workers: Vec::new(),
             local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
             decode_reuse: true,

@@ -396,22 +396,41 @@ fn the_kv_listener_drops_hostile_peers_and_keeps_serving_pd() {
     );
 
     // The next legitimate PD request (the router's header, with its proof) succeeds.
+    // A proof is for one worker's instance: signed before the sender knows it, it is refused,
+    // and the refusal names it.
     let body =
         r#"{"messages":[{"role":"user","content":"hello there"}],"max_tokens":3,"temperature":0}"#;
-    let sig = strata_server::auth::sign(
-        &ck,
-        &strata_server::auth::Call {
-            method: "POST",
-            target: "/v1/chat/completions",
-            body: body.as_bytes(),
-            prefill: Some(&pre_url),
-        },
+    let chat = strata_server::auth::Call {
+        method: "POST",
+        target: "/v1/chat/completions",
+        body: body.as_bytes(),
+        prefill: Some(&pre_url),
+    };
+    let signed = |to| {
+        let sig = strata_server::auth::sign(&ck, to, &chat);
+        format!(
+            "x-strata-prefill: {pre_url}\r\n{}: {}\r\n",
+            strata_server::auth::AUTH_HEADER,
+            sig.to_str().unwrap()
+        )
+    };
+    let (status, resp) = http(
+        dec_port,
+        "POST",
+        "/v1/chat/completions",
+        &signed(None),
+        body,
     );
-    let headers = format!(
-        "x-strata-prefill: {pre_url}\r\n{}: {}\r\n",
-        strata_server::auth::AUTH_HEADER,
-        sig.to_str().unwrap()
-    );
+    assert_eq!(status, 401, "{resp}");
+    assert!(resp.contains("another instance"), "{resp}");
+    let dec_instance = instance_of(&resp);
+    let headers = signed(Some(dec_instance));
+    // Sent to another worker of the deployment (same key), it is refused there and stays
+    // good for the worker it was meant for.
+    let (status, resp) = http(pre_port, "POST", "/v1/chat/completions", &headers, body);
+    assert_eq!(status, 401, "{resp}");
+    assert!(resp.contains("another instance"), "{resp}");
+    assert_ne!(instance_of(&resp), dec_instance);
     let (status, resp) = http(dec_port, "POST", "/v1/chat/completions", &headers, body);
     assert_eq!(status, 200, "{resp}");
     assert_eq!(body_of(&resp)["usage"]["completion_tokens"], 3, "{resp}");
@@ -434,16 +453,28 @@ fn the_kv_listener_drops_hostile_peers_and_keeps_serving_pd() {
             sig.to_str().unwrap()
         )
     };
+    let to = Some(dec_instance);
     let wrong = headers(strata_server::auth::sign(
         &ck,
+        to,
         &call("/v1/chat/completions"),
     ));
     let (status, resp) = http(dec_port, "POST", "/v1/responses", &wrong, body);
     assert_eq!(status, 401, "a proof for another path: {resp}");
-    let right = headers(strata_server::auth::sign(&ck, &call("/v1/responses")));
+    let right = headers(strata_server::auth::sign(&ck, to, &call("/v1/responses")));
     let (status, resp) = http(dec_port, "POST", "/v1/responses", &right, body);
     assert_eq!(status, 200, "{resp}");
     assert_eq!(body_of(&resp)["object"], "response", "{resp}");
+}
+
+/// The instance a worker's raw HTTP answer names (`x-strata-instance`).
+fn instance_of(resp: &str) -> strata_server::auth::Instance {
+    let name = strata_server::auth::INSTANCE_HEADER;
+    let line = resp
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(':')))
+        .unwrap_or_else(|| panic!("no {name} header: {resp}"));
+    strata_server::auth::Instance::parse(line.trim()).expect("32 hex digits")
 }
 
 /// Streams a long answer from a worker through a router (with `router_args`), does `to_worker`

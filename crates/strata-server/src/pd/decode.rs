@@ -209,22 +209,18 @@ async fn call_prefill(
     body: &PrefillRequest,
 ) -> Result<PrefillResponse, ApiError> {
     let url = format!("{}/pd/prefill", prefill_url.trim_end_matches('/'));
-    let bytes = serde_json::to_vec(body).expect("a prefill request serializes");
-    let mut req = st
-        .pd
-        .http
-        .post(&url)
-        .timeout(st.pd.kv_deadline + Duration::from_secs(600))
-        .header(reqwest::header::CONTENT_TYPE, "application/json");
-    if let Some(k) = &st.cluster_key {
-        req = req.header(
-            crate::auth::AUTH_HEADER,
-            crate::auth::sign(k, &prefill_call(&bytes)),
-        );
-    }
-    let req = req.body(bytes);
-    let r = req
-        .send()
+    let bytes =
+        axum::body::Bytes::from(serde_json::to_vec(body).expect("a prefill request serializes"));
+    let build = || {
+        st.pd
+            .http
+            .post(&url)
+            .timeout(st.pd.kv_deadline + Duration::from_secs(600))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(bytes.clone())
+    };
+    let (peers, key) = (&st.pd.peers, st.cluster_key.as_ref());
+    let r = crate::auth::send(peers, key, prefill_url, &prefill_call(&bytes), build)
         .await
         .map_err(|e| bad_gateway(format!("prefill worker {prefill_url}: {e}")))?;
     let status = r.status();
