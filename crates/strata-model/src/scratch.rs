@@ -96,10 +96,11 @@ fn widest(c: &Config, ranks: u64) -> [u64; 4] {
     ]
 }
 
-/// The llama family on every rank: a layer at its peak (the feed-forward's down product: per
-/// row the residual, both norms' outputs, Q, K, V, attention's output and projection, gate, up
-/// and their product, the product's output and the panel outputs it is assembled from, a mixed
-/// batch's copies, the 8-bit activations, a rank's all-reduce; and attention's K/V copies), or
+/// The llama family on every rank: a layer at its peak (per row, the largest of its phases,
+/// each vector dropped once read for the last time: Q, K and V's products beside the residual
+/// and the norm's output; attention's output projection; gate and up; the down product; each
+/// with its products' panel outputs, a mixed batch's copies, the 8-bit activations and a rank's
+/// all-reduce; and attention's K/V copies), or
 /// the logits (beside the residual: the rows asked for and their norm, this rank's vocabulary
 /// part and a mixed batch's copy of it, the panel outputs it is assembled from (at most 16 MiB
 /// a batch of panels)); each thread's dequantized weight panel. Rank 0 also holds the logits
@@ -113,9 +114,20 @@ pub fn llama(c: &Config, ranks: u64, limits: CallLimits) -> Scratch {
     let (n, m, threads) = (limits.tokens, limits.logit_rows(), limits.threads.max(1));
     // A tensor-parallel rank's all-reduce holds one more row of the residual.
     let comm = if ranks > 1 { h } else { 0 };
-    let floats = [8 * h, 2 * qd, 2 * kvd, 4 * ffn, comm]
-        .iter()
-        .fold(0u64, |a, &b| a.saturating_add(b));
+    let sum = |v: &[u64]| v.iter().fold(0u64, |a, &b| a.saturating_add(b));
+    // The residual, the norm's output and a mixed batch's copy of it, each product and the
+    // panel outputs it is assembled from (`llama::Model::layer`, `mm`, `mm_shared`).
+    let floats = [
+        sum(&[3 * h, 2 * qd, 4 * kvd]),
+        // The residual, attention's output and its copy, the projection, its panels and copy.
+        sum(&[4 * h, 2 * qd, comm]),
+        sum(&[3 * h, 4 * ffn]),
+        // The residual, the activations and their copy, the product, its panels and copy.
+        sum(&[4 * h, 2 * ffn, comm]),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
     let row = floats.saturating_mul(F32).saturating_add(ffn + h + 64);
     let panel_outputs = mul3(m, vr, F32).min((16u64 << 20).max(mul3(threads * 4, m, PANEL * F32)));
     let gathered = if ranks > 1 { vocab } else { 0 };

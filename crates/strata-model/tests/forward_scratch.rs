@@ -12,6 +12,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use candle_core::quantized::GgmlDType;
+
 use strata_kv::memory::HeapAllocator;
 use strata_kv::pool::DevicePool;
 use strata_kv::PageLayout;
@@ -189,7 +191,16 @@ fn forward_calls_stay_within_the_planned_scratch() {
         ..TinySpec::default()
     };
     let mut models = Vec::new();
-    for (name, spec) in [("llama", llama(128, 4, 384)), ("narrow", llama(64, 2, 64))] {
+    // And 8-bit weights, whose decode rows take the integer kernels (8-bit activations).
+    let q8 = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..llama(128, 4, 384)
+    };
+    for (name, spec) in [
+        ("llama", llama(128, 4, 384)),
+        ("narrow", llama(64, 2, 64)),
+        ("q8", q8),
+    ] {
         let path = d.path().join(format!("{name}.gguf"));
         write_tiny(&path, &spec).unwrap();
         models.push(path);

@@ -438,21 +438,30 @@ impl Model {
         x: &mut [f32],
         comm: &dyn Collective,
     ) {
+        // Each vector is dropped once read for the last time (a shadowing `let` would keep it
+        // to the end of the layer): the plan's per-row bound (`crate::scratch::llama`) counts
+        // what is alive at each phase's peak.
         let c = &self.config;
         let hn = self.rmsnorm(x, &w.attn_norm);
         let [mut q, mut k, mut v] = self.mm_shared(&hn, batch.paths, [&w.wq, &w.wk, &w.wv]);
+        drop(hn);
         self.qkv_extras(w, &mut q, &mut k, &mut v);
         self.rope(&mut q, c.heads, batch.positions);
         self.rope(&mut k, c.kv_heads, batch.positions);
         self.write_kv(pool, l, batch, &k, &v);
+        drop((k, v));
         let attn = self.attention(pool, l, batch.seqs, batch.rows, &q);
+        drop(q);
         let mut o = self.mm(&attn, batch.paths, &w.wo, false);
+        drop(attn);
         comm.all_reduce(&mut o);
         for (a, b) in x.iter_mut().zip(&o) {
             *a += b;
         }
+        drop(o);
         let hn = self.rmsnorm(x, &w.ffn_norm);
         let [g, u] = self.mm_shared(&hn, batch.paths, [&w.wg, &w.wu]);
+        drop(hn);
         // SiLU(g) · u, element by element (the same bits on any number of threads).
         let act: Vec<f32> = g
             .par_iter()
@@ -460,7 +469,9 @@ impl Model {
             .with_min_len(PAR_MIN_ELEMS)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
+        drop((g, u));
         let mut d = self.mm(&act, batch.paths, &w.wd, false);
+        drop(act);
         comm.all_reduce(&mut d);
         for (a, b) in x.iter_mut().zip(&d) {
             *a += b;
