@@ -115,20 +115,33 @@ pub fn llama(c: &Config, ranks: u64, limits: CallLimits) -> Scratch {
     // A tensor-parallel rank's all-reduce holds one more row of the residual.
     let comm = if ranks > 1 { h } else { 0 };
     let sum = |v: &[u64]| v.iter().fold(0u64, |a, &b| a.saturating_add(b));
-    // The residual, the norm's output and a mixed batch's copy of it, each product and the
-    // panel outputs it is assembled from (`llama::Model::layer`, `mm`, `mm_shared`).
+    // Per row at each phase's peak (`llama::Model::layer`; `mm`, whose mixed batch holds the
+    // output, a copy of its rows' input and their product with its panels; `mm_shared`):
     let floats = [
-        sum(&[3 * h, 2 * qd, 4 * kvd]),
-        // The residual, attention's output and its copy, the projection, its panels and copy.
+        // Q, K, V one after another: the residual, the norm's output and its copy, Q and Q's
+        // product with its panels, or Q, K and V's product with its panels.
+        sum(&[3 * h, qd, (2 * qd).max(4 * kvd)]),
+        // The residual, attention's output and its copy, the projection with its panels.
         sum(&[4 * h, 2 * qd, comm]),
+        // The residual, the norm's output and its copy, the gate, up's product and panels.
         sum(&[3 * h, 4 * ffn]),
-        // The residual, the activations and their copy, the product, its panels and copy.
+        // The residual, the activations and their copy, the product with its panels.
         sum(&[4 * h, 2 * ffn, comm]),
     ]
     .into_iter()
     .max()
     .unwrap_or(0);
-    let row = floats.saturating_mul(F32).saturating_add(ffn + h + 64);
+    // The 8-bit activations of the widest input (3.25 bytes an element: values, scales and
+    // their spread copies, `QActs`), and the integer kernels' bookkeeping (`passes_many`: up
+    // to 4 jobs a thread for each of 3 matrices, each listing its output segment of every row
+    // in 16 bytes, and each thread's tile of 16 outputs a row).
+    let acts = (13 * h.max(qd).max(ffn)).div_ceil(4);
+    let bookkeeping = threads.saturating_mul(3 * 4 * 16 + 16 * F32);
+    let row = floats
+        .saturating_mul(F32)
+        .saturating_add(acts)
+        .saturating_add(bookkeeping)
+        .saturating_add(64);
     let panel_outputs = mul3(m, vr, F32).min((16u64 << 20).max(mul3(threads * 4, m, PANEL * F32)));
     let gathered = if ranks > 1 { vocab } else { 0 };
     Scratch {

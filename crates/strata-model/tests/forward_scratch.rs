@@ -196,10 +196,23 @@ fn forward_calls_stay_within_the_planned_scratch() {
         dtype: GgmlDType::Q8_0,
         ..llama(128, 4, 384)
     };
+    // Shapes where another phase of a layer is its peak: eight query heads a K/V head, wider
+    // than the hidden size (Q, K and V's products), and 8-bit weights with a feed-forward
+    // narrower than the hidden size (the output projection).
+    let q8_narrow_ffn = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..llama(128, 4, 64)
+    };
+    let gqa8 = TinySpec {
+        head_dim: Some(32),
+        ..llama(128, 16, 64)
+    };
     for (name, spec) in [
         ("llama", llama(128, 4, 384)),
         ("narrow", llama(64, 2, 64)),
         ("q8", q8),
+        ("gqa8", gqa8),
+        ("q8-narrow-ffn", q8_narrow_ffn),
     ] {
         let path = d.path().join(format!("{name}.gguf"));
         write_tiny(&path, &spec).unwrap();

@@ -209,6 +209,58 @@ async fn relay(
     Ok(resp)
 }
 
+/// The decode worker did not answer within `--request-timeout`: counted, logged, the 504.
+fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
+    st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+    d.failures.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(decode = %d.url, "no answer within --request-timeout");
+    ApiError::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        "server_error",
+        format!(
+            "the worker did not answer within {:.0} s (--request-timeout)",
+            st.request_timeout.as_secs_f64()
+        ),
+    )
+}
+
+/// A worker's failure before any token (to be retried on another pair): counted, and its
+/// words go to the log, never to the client; what the client may be told.
+async fn failed_before_any_token(st: &RouterState, pair: &Pair, r: reqwest::Response) -> String {
+    let d = &pair.decode;
+    st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+    let status = r.status();
+    let idle = st.stream_idle;
+    let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
+    d.failures.fetch_add(1, Ordering::Relaxed);
+    format!("a worker answered {status}")
+}
+
+/// A worker's 401 to the router: its words go to the log; the client gets the router's 502.
+pub(crate) async fn refused_the_router(
+    st: &RouterState,
+    d: &Worker,
+    r: reqwest::Response,
+) -> ApiError {
+    st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+    d.failures.fetch_add(1, Ordering::Relaxed);
+    let idle = st.stream_idle;
+    let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    tracing::warn!(decode = %d.url, %text, "the worker refused the router's authentication");
+    crate::upstream::bad_gateway(
+        "a worker refused the router's authentication (another --cluster-key-file, or a worker \
+         --api-key)"
+            .into(),
+    )
+}
+
 async fn forward(
     State(st): St,
     headers: HeaderMap,
@@ -238,32 +290,18 @@ async fn forward(
         let d = &pair.decode;
         let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
             // Not retried: the worker may still be computing it.
-            st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
-            d.failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(decode = %d.url, "no answer within --request-timeout");
-            return Err(ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "server_error",
-                format!(
-                    "the worker did not answer within {:.0} s (--request-timeout)",
-                    st.request_timeout.as_secs_f64()
-                ),
-            ));
+            return Err(timed_out(&st, d));
         };
         match sent {
-            // Worker-side failures before any token (bad gateway, unavailable) are retried.
-            Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 502 | 503) => {
-                st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
-                let status = r.status();
-                let idle = st.stream_idle;
-                let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
-                    .await
-                    .map(|b| String::from_utf8_lossy(&b).into_owned())
-                    .unwrap_or_default();
-                // The worker's words go to the log, never to the client.
-                tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
-                d.failures.fetch_add(1, Ordering::Relaxed);
-                last_err = Some(format!("a worker answered {status}"));
+            // The worker refused the router itself (the router sends no client credentials:
+            // another cluster key, or a worker --api-key): never the client's error.
+            Ok(r) if r.status() == StatusCode::UNAUTHORIZED && attempt == 1 => {
+                return Err(refused_the_router(&st, d, r).await);
+            }
+            // Worker-side failures before any token (bad gateway, unavailable, a refusal of
+            // the router) are retried.
+            Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 401 | 502 | 503) => {
+                last_err = Some(failed_before_any_token(&st, &pair, r).await);
             }
             Ok(r) => return relay(&st, r, guard, d).await,
             Err(e) => {

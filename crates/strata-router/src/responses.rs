@@ -111,6 +111,9 @@ pub async fn forward_responses(
             ));
         }
     };
+    if r.status() == StatusCode::UNAUTHORIZED {
+        return Err(crate::forward::refused_the_router(&st, &w, r).await);
+    }
     answer(&st, r, guard, &w).await
 }
 

@@ -340,8 +340,8 @@ mod tests {
         let c = call("POST", "/pd/prefill", b"{}");
         let mut h = HeaderMap::new();
         h.insert(AUTH_HEADER, sign(&k, Some(a.instance()), &c));
-        // Another worker (or this one restarted: a new guard) refuses it, naming why, and
-        // the nonce is not spent at either.
+        // Another worker (or this one restarted: a new guard) refuses it, naming why; the
+        // worker it was signed for takes it after that.
         let e = verify(&k, &b, &h, &c).unwrap_err();
         assert!(e.contains("another instance"), "{e}");
         assert_eq!(verify(&k, &a, &h, &c), Ok(()));
@@ -363,6 +363,8 @@ mod tests {
         key: ClusterKey,
         guard: Mutex<std::sync::Arc<ReplayGuard>>,
         calls: std::sync::atomic::AtomicUsize,
+        /// A new instance on every call: no sender can ever sign for it.
+        restarts_every_call: bool,
     }
 
     async fn peer(
@@ -371,7 +373,10 @@ mod tests {
     ) -> axum::response::Response {
         use axum::response::IntoResponse;
         st.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let g = st.guard.lock().unwrap().clone();
+        let mut g = st.guard.lock().unwrap().clone();
+        if st.restarts_every_call {
+            g = Default::default();
+        }
         let status = match verify(&st.key, &g, &h, &call("GET", "/x", b"")) {
             Ok(()) => StatusCode::OK,
             Err(_) => StatusCode::UNAUTHORIZED,
@@ -379,21 +384,47 @@ mod tests {
         (status, [(INSTANCE_HEADER, g.instance().header())]).into_response()
     }
 
+    /// Serves `st` on a port the OS picks; its base URL.
+    async fn serve_peer(st: std::sync::Arc<Peer>) -> String {
+        let app = axum::Router::new()
+            .route("/x", axum::routing::get(peer))
+            .with_state(st);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        base
+    }
+
+    fn new_peer(key: &ClusterKey, restarts_every_call: bool) -> std::sync::Arc<Peer> {
+        std::sync::Arc::new(Peer {
+            key: key.clone(),
+            guard: Mutex::new(Default::default()),
+            calls: Default::default(),
+            restarts_every_call,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_call_is_sent_at_most_twice() {
+        let key = ClusterKey::from_secret(&[5; 32]).unwrap();
+        let st = new_peer(&key, true);
+        let base = serve_peer(st.clone()).await;
+        let client = reqwest::Client::new();
+        let build = || client.get(format!("{base}/x"));
+        let c = call("GET", "/x", b"");
+        let r = send(&Peers::default(), Some(&key), &base, &c, build)
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+        assert_eq!(st.calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
     #[tokio::test]
     async fn a_sender_learns_the_instance_once_and_again_after_a_restart() {
         use std::sync::atomic::Ordering::SeqCst;
         let key = ClusterKey::from_secret(&[5; 32]).unwrap();
-        let st = std::sync::Arc::new(Peer {
-            key: key.clone(),
-            guard: Mutex::new(Default::default()),
-            calls: Default::default(),
-        });
-        let app = axum::Router::new()
-            .route("/x", axum::routing::get(peer))
-            .with_state(st.clone());
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", l.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(l, app).await });
+        let st = new_peer(&key, false);
+        let base = serve_peer(st.clone()).await;
         let (client, peers) = (reqwest::Client::new(), Peers::default());
         let build = || client.get(format!("{base}/x"));
         let c = call("GET", "/x", b"");

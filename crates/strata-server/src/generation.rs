@@ -29,6 +29,8 @@ pub(crate) async fn completions(
     crate::fields::check(&bytes, Endpoint::Completions, st.lenient_fields)?;
     let req: CompletionRequest = parse_json(&bytes)?;
     check_model(&st, req.model.as_deref())?;
+    // The router's proof first: nothing is tokenized or compiled for a call that fails it.
+    let prefill = prefill_worker(&st, &headers, Kind::Completion, &bytes)?;
     let echo = req.echo == Some(true);
     let prompts = batch(&st, req.prompt, echo).await?;
     let constraint = match crate::structured::asked(&req.sampling, None, None)? {
@@ -44,7 +46,6 @@ pub(crate) async fn completions(
         best_of: req.best_of,
         shared_prefix: 0,
     };
-    let prefill = prefill_worker(&st, &headers, Kind::Completion, &bytes)?;
     // The engine names a prompt that does not fit `messages` (chat's field); here it is
     // `prompt`.
     start(st, prompts, &req.sampling, how, prefill)

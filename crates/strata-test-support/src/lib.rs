@@ -171,6 +171,9 @@ pub struct WorkerSpec {
     pub storage_tier: &'static str,
     /// Bearer token of the admin endpoints (None: open).
     pub admin_key: Option<String>,
+    /// The deployment's cluster key (`--cluster-key-file`): calls between processes and the
+    /// K/V transfer prove it.
+    pub cluster_key: Option<strata_kv::auth::ClusterKey>,
     /// Largest request body (None: the server's default).
     pub body_limit: Option<usize>,
     /// How long a graceful stop waits for requests in flight.
@@ -198,6 +201,7 @@ impl Default for WorkerSpec {
             storage: None,
             storage_tier: "disk",
             admin_key: None,
+            cluster_key: None,
             body_limit: None,
             grace: Duration::from_secs(5),
             tp: 1,
@@ -267,6 +271,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     st.storage_tier = spec.storage_tier.into();
     st.l3 = l3;
     st.admin_key = spec.admin_key;
+    st.cluster_key = spec.cluster_key;
     if let Some(limit) = spec.body_limit {
         st.body_limit = limit;
     }
@@ -287,7 +292,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
             info.hello(),
             info.page_bytes as u64,
             limits,
-            None,
+            st.cluster_key.clone(),
         ));
     }
     st

@@ -1,0 +1,74 @@
+//! PD with a cluster key over real sockets: the router's and the decode worker's signed calls
+//! learn each receiver's instance on their first call and go through; a router with another
+//! key gets the router's own 502, never the worker's 401.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use strata_kv::auth::ClusterKey;
+use strata_router::{router, Policy, RouterState};
+use strata_test_support::{post, spawn_worker, TestWorker, WorkerSpec};
+
+async fn worker(path: &std::path::Path, key: &ClusterKey, prefill: Option<&str>) -> TestWorker {
+    let spec = WorkerSpec {
+        kv_listener: prefill.is_some(),
+        prefill_workers: prefill.map(String::from).into_iter().collect(),
+        // Every PD request through the prefill worker: the decode worker's signed call too.
+        pd_local_prefill_tokens: 0,
+        cluster_key: Some(key.clone()),
+        ..WorkerSpec::default()
+    };
+    spawn_worker(path, spec).await
+}
+
+async fn router_with(key: &ClusterKey, prefill: &str, decode: &str) -> String {
+    let mut rs = RouterState::new(&[prefill.into()], &[decode.into()], Policy::RoundRobin);
+    rs.cluster_key = Some(key.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(rs))).await });
+    url
+}
+
+fn chat(content: &str) -> Value {
+    json!({"messages": [{"role": "user", "content": content}],
+           "max_tokens": 3, "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_calls_learn_each_instance_and_another_key_is_the_routers_502() {
+    let d = tempfile::tempdir().unwrap();
+    let path = strata_test_support::tiny_model(d.path());
+    let key = ClusterKey::from_secret(&[7; 32]).unwrap();
+    let prefill = worker(&path, &key, None).await;
+    let decode = worker(&path, &key, Some(&prefill.url)).await;
+    let r = router_with(&key, &prefill.url, &decode.url).await;
+    // The first calls are signed before the router (and the decode worker) know their
+    // receivers' instances: each is refused once, learnt from, and sent again.
+    for q in ["the first question", "another question"] {
+        let (status, v) = post(&format!("{r}/v1/chat/completions"), &chat(q)).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    }
+    let body = json!({"input": "a responses turn", "max_output_tokens": 3, "temperature": 0});
+    let (status, v) = post(&format!("{r}/v1/responses"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        decode.state.engine.snapshot().transferred_prompt_tokens > 0,
+        "the prompts went through the prefill worker"
+    );
+
+    // A router with another key: the worker's refusal stays in the router's log; the client
+    // gets the router's 502 saying what to check, on both routes.
+    let other = ClusterKey::from_secret(&[8; 32]).unwrap();
+    let wrong = router_with(&other, &prefill.url, &decode.url).await;
+    let answers = [
+        post(&format!("{wrong}/v1/chat/completions"), &chat("hi")).await,
+        post(&format!("{wrong}/v1/responses"), &body).await,
+    ];
+    for (status, v) in answers {
+        assert_eq!(status, 502, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("refused the router's authentication"), "{v}");
+    }
+}
