@@ -16,14 +16,77 @@ pub const DEVICE_WEIGHT: f64 = 1.0;
 pub const HOST_WEIGHT: f64 = 0.6;
 /// A page in the shared remote L3: reachable by every worker, but fetched over the network.
 pub const REMOTE_WEIGHT: f64 = 0.3;
-/// Most pages indexed per worker (about 170 MiB of index): more than a worker's tiers hold,
-/// so a worker that announces more is not believed (the pages past it are not indexed).
-pub const MAX_WORKER_PAGES: usize = 1 << 22;
-/// Most pages of the shared remote L3 remembered: Redis evicts without saying so, so the set
-/// only grows; when full it is forgotten and learnt again from the next writes.
-pub const MAX_REMOTE_PAGES: usize = 1 << 22;
+/// `--cache-index-memory` by default: the most heap the index's maps may take, split evenly
+/// between the workers and the shared remote set (at 1 worker, 7.3 million pages each; at 4,
+/// 3.7 million; at 8, 1.8 million).
+pub const DEFAULT_INDEX_MEMORY: u64 = 1 << 30;
+/// Fewest pages a worker's share must hold (else `--cache-index-memory` is refused).
+pub const MIN_WORKER_PAGES: usize = 1024;
+
+/// How many pages the index keeps: per worker (a worker that announces more is not believed
+/// past it: the pages past it are not indexed) and of the shared remote L3 (Redis evicts
+/// without saying so, so the set only grows; when full it is forgotten and learnt again from
+/// the next writes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexLimits {
+    pub worker_pages: usize,
+    pub remote_pages: usize,
+}
+
+/// A worker map's entry (key and tier bits) and hashbrown's control byte.
+const WORKER_SLOT: u64 = std::mem::size_of::<([u8; 16], u8)>() as u64 + 1;
+/// A remote set's entry and its control byte.
+const REMOTE_SLOT: u64 = 16 + 1;
+
+/// The slots of a hashbrown table of `capacity` (it keeps 1 in 8 free from 8 slots up).
+fn slots(capacity: usize) -> u64 {
+    match capacity {
+        0 => 0,
+        1..8 => capacity as u64 + 1,
+        c => (c as u64 * 8 / 7).next_power_of_two(),
+    }
+}
+
+impl IndexLimits {
+    /// The limits whose maps stay within `bytes` over `workers` workers and the remote set.
+    /// A map of at most `7/8 · B` entries (B a power of two) has B slots, or 2B after
+    /// hashbrown grows a table full of tombstones (it rehashes in place from then on), so each
+    /// share holds the entries of the largest B with 2B slots within it. None: a worker's
+    /// share holds fewer than [`MIN_WORKER_PAGES`].
+    pub fn within(bytes: u64, workers: usize) -> Option<IndexLimits> {
+        let share = bytes / (workers as u64 + 1);
+        let pages = |slot: u64| -> usize {
+            let slots = share / (2 * slot);
+            match slots {
+                0..8 => 0,
+                s => (1u64 << s.ilog2()) as usize / 8 * 7,
+            }
+        };
+        let limits = IndexLimits {
+            worker_pages: pages(WORKER_SLOT),
+            remote_pages: pages(REMOTE_SLOT),
+        };
+        (limits.worker_pages >= MIN_WORKER_PAGES).then_some(limits)
+    }
+
+    /// The most heap the maps of `workers` workers and the remote set may take.
+    pub fn bytes(&self, workers: usize) -> u64 {
+        let most = |pages: usize| 2 * slots(pages);
+        most(self.worker_pages) * WORKER_SLOT * workers as u64
+            + most(self.remote_pages) * REMOTE_SLOT
+    }
+}
 /// Tokens of cached prefix one request in flight is worth (the load term of the score).
 pub const LOAD_TOKENS: f64 = 256.0;
+
+/// What the index holds and may hold (`strata_router_index_*` on `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    pub pages: usize,
+    pub bytes: u64,
+    pub limit_bytes: u64,
+    pub unindexed: u64,
+}
 
 #[derive(Default)]
 struct WorkerIndex {
@@ -33,7 +96,7 @@ struct WorkerIndex {
     /// bit 0: device, bit 1: host.
     pages: HashMap<[u8; 16], u8>,
     resyncs: u64,
-    /// Pages announced past [`MAX_WORKER_PAGES`], not indexed.
+    /// Pages announced past [`IndexLimits::worker_pages`], not indexed.
     unindexed: u64,
 }
 
@@ -45,15 +108,16 @@ pub struct CacheIndex {
     workers: Vec<Mutex<WorkerIndex>>,
     /// Pages any worker wrote to the shared remote L3 (hints: Redis evicts silently).
     remote: Mutex<std::collections::HashSet<[u8; 16]>>,
-    /// [`MAX_WORKER_PAGES`] and [`MAX_REMOTE_PAGES`] (smaller in tests).
-    limits: (usize, usize),
+    limits: IndexLimits,
 }
 
 impl CacheIndex {
+    /// The index of `workers` workers within `limits` (e.g. [`IndexLimits::within`]).
     pub fn new(
         tokenizer: Arc<ModelTokenizer>,
         template: Option<ChatTemplate>,
         workers: usize,
+        limits: IndexLimits,
     ) -> CacheIndex {
         CacheIndex {
             tokenizer,
@@ -63,7 +127,7 @@ impl CacheIndex {
                 .map(|_| Mutex::new(WorkerIndex::default()))
                 .collect(),
             remote: Mutex::new(std::collections::HashSet::new()),
-            limits: (MAX_WORKER_PAGES, MAX_REMOTE_PAGES),
+            limits,
         }
     }
 
@@ -128,20 +192,29 @@ impl CacheIndex {
         (dev, host, rem)
     }
 
-    /// Pages indexed (over every worker and the remote set) and the heap bytes their maps
-    /// take: each map's capacity times its entry plus hashbrown's control byte.
-    pub fn footprint(&self) -> (usize, usize) {
-        let entry = std::mem::size_of::<([u8; 16], u8)>() + 1;
-        let (mut pages, mut bytes) = (0, 0);
+    /// Pages indexed (over every worker and the remote set), the heap bytes their maps take
+    /// (each map's capacity times its entry plus hashbrown's control byte), the most they may
+    /// take, and the pages workers announced past their limit (not indexed).
+    pub fn footprint(&self) -> Footprint {
+        let mut f = Footprint {
+            limit_bytes: self.limits.bytes(self.workers.len()),
+            ..Footprint::default()
+        };
         for w in &self.workers {
             let i = w.lock().expect("index lock");
-            pages += i.pages.len();
-            bytes += i.pages.capacity() * entry;
+            f.pages += i.pages.len();
+            f.bytes += slots(i.pages.capacity()) * WORKER_SLOT;
+            f.unindexed += i.unindexed;
         }
         let r = self.remote.lock().expect("remote lock");
-        pages += r.len();
-        bytes += r.capacity() * (std::mem::size_of::<[u8; 16]>() + 1);
-        (pages, bytes)
+        f.pages += r.len();
+        f.bytes += slots(r.capacity()) * REMOTE_SLOT;
+        f
+    }
+
+    /// The pages it keeps per worker and of the remote set.
+    pub fn limits(&self) -> IndexLimits {
+        self.limits
     }
 
     /// Resynchronisations so far (gaps, restarts).
@@ -157,7 +230,7 @@ impl CacheIndex {
             let mut r = self.remote.lock().expect("remote lock");
             for h in &e.hashes {
                 if e.stored {
-                    if r.len() >= self.limits.1 {
+                    if r.len() >= self.limits.remote_pages {
                         r.clear();
                     }
                     r.insert(h.0);
@@ -171,7 +244,7 @@ impl CacheIndex {
         let mut idx = self.workers[w].lock().expect("index lock");
         for h in &e.hashes {
             if e.stored {
-                let full = idx.pages.len() >= self.limits.0;
+                let full = idx.pages.len() >= self.limits.worker_pages;
                 match idx.pages.get_mut(&h.0) {
                     Some(b) => *b |= bit,
                     None if !full => {
@@ -179,7 +252,7 @@ impl CacheIndex {
                     }
                     None => {
                         if idx.unindexed == 0 {
-                            tracing::warn!(worker = w, max = self.limits.0, "a worker announces more cached pages than the index keeps: the rest are not indexed");
+                            tracing::warn!(worker = w, max = self.limits.worker_pages, "a worker announces more cached pages than the index keeps (--cache-index-memory): the rest are not indexed");
                         }
                         idx.unindexed += 1;
                     }
@@ -313,8 +386,11 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let g = strata_model::Gguf::open(&strata_test_support::tiny_model(d.path())).unwrap();
         let tk = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
-        let mut idx = CacheIndex::new(tk, None, 1);
-        idx.limits = (100, 50);
+        let limits = IndexLimits {
+            worker_pages: 100,
+            remote_pages: 50,
+        };
+        let idx = CacheIndex::new(tk, None, 1, limits);
         idx.apply(0, &event(Tier::Device, true, 0, 150));
         idx.apply(0, &event(Tier::Host, true, 0, 150));
         let i = idx.workers[0].lock().unwrap();
@@ -326,6 +402,50 @@ mod tests {
         drop(i);
         idx.apply(0, &event(Tier::Remote, true, 0, 70));
         assert_eq!(idx.remote.lock().unwrap().len(), 20);
-        assert_eq!(idx.footprint().0, 120);
+        let f = idx.footprint();
+        assert_eq!((f.pages, f.unindexed), (120, 100));
+        assert!(f.bytes <= f.limit_bytes, "{f:?}");
+    }
+
+    /// Maps filled to their limits, and churned (removals leave tombstones that make
+    /// hashbrown grow a table whose entries are fewer than its capacity), stay within the
+    /// memory the limits were derived from.
+    #[test]
+    fn limits_keep_the_maps_within_their_memory() {
+        assert_eq!(IndexLimits::within(1 << 20, 64), None, "16 KiB a worker");
+        for (bytes, workers) in [(1u64 << 30, 1), (1 << 30, 4), (1 << 30, 8), (24 << 20, 3)] {
+            let l = IndexLimits::within(bytes, workers).unwrap();
+            assert!(
+                l.bytes(workers) <= bytes,
+                "{l:?} over {bytes} for {workers}"
+            );
+            assert!(
+                l.bytes(workers) > bytes / 4,
+                "{l:?} wastes {bytes} for {workers}"
+            );
+        }
+        let l = IndexLimits::within(1 << 30, 1).unwrap();
+        assert_eq!(l.worker_pages, 7 << 20, "7.3 million pages");
+        // A small budget, filled the index's way (insert while below the limit), then churned.
+        let small = IndexLimits::within(3 << 20, 2).unwrap();
+        let mut m: HashMap<[u8; 16], u8> = HashMap::new();
+        let key = |i: u64| {
+            let mut k = [0u8; 16];
+            k[..8].copy_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
+            k
+        };
+        let mut most = 0;
+        for round in 0..8u64 {
+            for i in 0..small.worker_pages as u64 {
+                if m.len() < small.worker_pages {
+                    m.insert(key(round << 32 | i), 1);
+                }
+            }
+            most = most.max(m.capacity());
+            // Half removed, half kept: the next round's inserts meet tombstones.
+            m.retain(|k, _| k[0] & 1 == 0);
+        }
+        let bound = 2 * (small.worker_pages as u64 * 8 / 7).next_power_of_two();
+        assert!(slots(most) <= bound, "{} slots, bound {bound}", slots(most));
     }
 }

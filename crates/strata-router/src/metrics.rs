@@ -95,8 +95,8 @@ pub struct RouterView {
     pub retries: u64,
     pub cache: CacheAwareStats,
     pub resyncs: u64,
-    /// Pages in the cache index and the bytes it takes (None: no index).
-    pub index: Option<(usize, usize)>,
+    /// What the cache index holds and may hold (None: no index).
+    pub index: Option<crate::cache_index::Footprint>,
     pub workers: Vec<WorkerView>,
 }
 
@@ -131,9 +131,12 @@ pub fn render(v: &RouterView, front: &FrontMetrics) -> String {
         c.decode_hits as f64,
     );
     t.sample("strata_router_retries_total", &[], v.retries as f64);
-    if let Some((pages, bytes)) = v.index {
-        t.sample("strata_router_index_pages", &[], pages as f64);
-        t.sample("strata_router_index_bytes", &[], bytes as f64);
+    if let Some(f) = v.index {
+        t.sample("strata_router_index_pages", &[], f.pages as f64);
+        t.sample("strata_router_index_bytes", &[], f.bytes as f64);
+        t.sample("strata_router_index_limit_bytes", &[], f.limit_bytes as f64);
+        let unindexed = f.unindexed as f64;
+        t.sample("strata_router_index_unindexed_pages", &[], unindexed);
     }
     for w in &v.workers {
         let l = [("worker", w.url.as_str()), ("worker_role", w.role.as_str())];

@@ -527,6 +527,18 @@ async fn a_repeat_goes_back_to_the_decode_worker_that_holds_it() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Within its memory, every page announced indexed.
+    let m = metrics_of(&r).await;
+    let (bytes, limit) = (
+        sample(&m, "strata_router_index_bytes"),
+        sample(&m, "strata_router_index_limit_bytes"),
+    );
+    assert!(bytes > 0.0 && bytes <= limit, "{m}");
+    assert_eq!(
+        sample(&m, "strata_router_index_unindexed_pages"),
+        0.0,
+        "{m}"
+    );
     let before = moved(0) + moved(1);
     for t in talks.iter().chain(&talks) {
         let (st, v) = post(&format!("{r}/v1/completions"), t).await;
@@ -592,7 +604,7 @@ async fn cache_aware_router(
     prefill: &[String],
     decode: &[String],
 ) -> String {
-    use strata_router::cache_index::CacheIndex;
+    use strata_router::cache_index::{CacheIndex, IndexLimits, DEFAULT_INDEX_MEMORY};
     use strata_router::index_loop;
     let g = Gguf::open(path).unwrap();
     let tk = ModelTokenizer::from_gguf(&g).unwrap();
@@ -601,6 +613,7 @@ async fn cache_aware_router(
         Arc::new(tk),
         Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
         prefill.len() + decode.len(),
+        IndexLimits::within(DEFAULT_INDEX_MEMORY, prefill.len() + decode.len()).unwrap(),
     )));
     let rs = Arc::new(rs);
     tokio::spawn(index_loop(rs.clone(), Duration::from_millis(20)));

@@ -90,12 +90,13 @@ async fn a_prefix_computed_by_one_worker_is_a_remote_hit_for_the_other() {
     // The router's index sees the prefix in a's own tiers and, for b, in the shared remote
     // tier (at its lower weight).
     {
-        use strata_router::cache_index::CacheIndex;
+        use strata_router::cache_index::{CacheIndex, IndexLimits, DEFAULT_INDEX_MEMORY};
         let g = Gguf::open(&path).unwrap();
         let idx = CacheIndex::new(
             Arc::new(ModelTokenizer::from_gguf(&g).unwrap()),
             Some(ChatTemplate::new(TINY_TEMPLATE).unwrap()),
             3,
+            IndexLimits::within(DEFAULT_INDEX_MEMORY, 3).unwrap(),
         );
         let client = reqwest::Client::new();
         idx.poll(&client, None, 0, &a).await.unwrap();

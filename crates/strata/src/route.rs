@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use strata_router::cache_index::IndexLimits;
 use strata_router::{health_loop, index_loop, router, Policy, RouterState};
 
 #[derive(Args, Debug, Clone)]
@@ -35,6 +36,12 @@ pub struct RouteArgs {
     /// Seconds between reads of the workers' cache events (cache_aware).
     #[arg(long, default_value_t = 0.05, help_heading = "Workers")]
     pub index_interval: f64,
+    /// The most memory the cache index may take (cache_aware), with a unit: split evenly
+    /// between the workers and the shared remote tier's pages; a worker announcing more pages
+    /// than its share holds is indexed up to it. Default: 1 GiB (7.3 million pages a worker
+    /// at 1 worker, 1.8 million at 8).
+    #[arg(long, help_heading = "Workers")]
+    pub cache_index_memory: Option<String>,
     /// Seconds between health checks of every worker.
     #[arg(long, default_value_t = 1.0, help_heading = "Workers")]
     pub health_interval: f64,
@@ -112,6 +119,8 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     if policy == Policy::CacheAware {
         add_cache_index(&a, &mut st)?;
+    } else if a.cache_index_memory.is_some() {
+        bail!("--cache-index-memory sizes the index of --policy cache_aware, which this router does not use");
     }
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let every = Duration::from_secs_f64(a.health_interval);
@@ -178,17 +187,42 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
             a.index_interval
         );
     }
+    let n = st.indexed().count();
+    let limits = index_limits(a.cache_index_memory.as_deref(), n)?;
     // The header alone: the tokenizer and template of a model of any architecture.
     let g = strata_model::GgufHeader::open(path)?;
     let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
     let tpl = g.chat_template()?;
-    let n = st.indexed().count();
-    st.set_index(Arc::new(strata_router::cache_index::CacheIndex::new(
-        Arc::new(tk),
-        tpl,
-        n,
-    )));
+    let index = strata_router::cache_index::CacheIndex::new(Arc::new(tk), tpl, n, limits);
+    st.set_index(Arc::new(index));
     Ok(())
+}
+
+/// The cache index's limits within `--cache-index-memory` (`typed`, else the default) over
+/// `workers` workers; said at start.
+fn index_limits(typed: Option<&str>, workers: usize) -> Result<IndexLimits> {
+    use strata_kv::units::{echo_size, format_bytes, parse_size};
+    use strata_router::cache_index::{DEFAULT_INDEX_MEMORY, MIN_WORKER_PAGES};
+    let (bytes, said) = match typed {
+        Some(t) => {
+            let b = parse_size(t).map_err(|e| anyhow::anyhow!("--cache-index-memory: {e}"))?;
+            (b, echo_size(b, t))
+        }
+        None => (
+            DEFAULT_INDEX_MEMORY,
+            format!("{}, the default", format_bytes(DEFAULT_INDEX_MEMORY)),
+        ),
+    };
+    let Some(limits) = IndexLimits::within(bytes, workers) else {
+        bail!("--cache-index-memory {said}: too small for {workers} worker(s) and the remote tier (each share must hold {MIN_WORKER_PAGES} pages)");
+    };
+    eprintln!(
+        "strata route: cache index: up to {} pages a worker ({workers} workers) and {} remote pages, at most {} (--cache-index-memory {said})",
+        limits.worker_pages,
+        limits.remote_pages,
+        format_bytes(limits.bytes(workers)),
+    );
+    Ok(limits)
 }
 
 /// Listens on `addr` and routes until SIGTERM / Ctrl-C, checking the workers' health and

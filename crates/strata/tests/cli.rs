@@ -475,6 +475,33 @@ fn route_refuses_bad_flags_with_the_reason() {
         (&["--api-key-file", &fifo][..], "not a regular file"),
         (&["--api-key-file", "/dev/zero"][..], "not a regular file"),
         (&["--api-key-file", &big][..], "a key file is small"),
+        // The index's memory: only with the index, and enough for a share of pages.
+        (
+            &["--cache-index-memory", "1GiB"][..],
+            "--cache-index-memory sizes the index of --policy cache_aware",
+        ),
+        (
+            &[
+                "--policy",
+                "cache_aware",
+                "--model",
+                "/nonexistent.gguf",
+                "--cache-index-memory",
+                "64KiB",
+            ][..],
+            "--cache-index-memory 64KiB (65536 bytes): too small for 1 worker(s)",
+        ),
+        (
+            &[
+                "--policy",
+                "cache_aware",
+                "--model",
+                "/nonexistent.gguf",
+                "--cache-index-memory",
+                "-1GB",
+            ][..],
+            "--cache-index-memory: size `-1GB` is negative",
+        ),
     ] {
         let mut all = vec!["route", "--port", "0", "--decode", "http://127.0.0.1:9"];
         all.extend_from_slice(args);

@@ -14,13 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use axum::extract::{Query, State};
 use axum::routing::{get, post};
 use clap::Args;
 use serde_json::{json, Value};
 use strata_kv::{HashNamespace, PageHash, PageLayout, PoolKind};
 use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Hex, Tier, WireEvent};
+use strata_router::cache_index::{IndexLimits, DEFAULT_INDEX_MEMORY};
 
 #[derive(Args, Debug)]
 pub struct RouterScaleArgs {
@@ -233,7 +234,7 @@ pub async fn run(a: RouterScaleArgs) -> Result<()> {
     let a = Arc::new(a);
     // Let the router read every worker's documents before the load starts.
     let t0 = Instant::now();
-    while index.footprint().0 < a.documents * (a.document_tokens / PAGE) {
+    while index.footprint().pages < a.documents * (a.document_tokens / PAGE) {
         if t0.elapsed() > Duration::from_secs(30) {
             bail!("the router did not index the workers' documents in 30 s");
         }
@@ -285,7 +286,8 @@ fn report(
             t + s.other.load(Ordering::Relaxed),
         )
     });
-    let (pages, bytes) = index.footprint();
+    let f = index.footprint();
+    let (pages, bytes) = (f.pages, f.bytes);
     let absorbed = served - served0;
     let offered = (published - published0) as u64;
     json!({
@@ -359,6 +361,8 @@ fn router_index(
         Arc::new(tk),
         None,
         workers,
+        IndexLimits::within(DEFAULT_INDEX_MEMORY, workers)
+            .context("too many workers for the index")?,
     )))
 }
 
