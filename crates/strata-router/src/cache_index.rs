@@ -2,7 +2,6 @@
 //! workers' cache events (`GET /cache/events`, resynchronised from `/cache/snapshot` on a gap or
 //! a restart), and the cache-aware score of a prompt on each worker.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,18 +24,24 @@ pub const MIN_WORKER_PAGES: usize = 1024;
 
 /// How many pages the index keeps: per worker (a worker that announces more is not believed
 /// past it: the pages past it are not indexed) and of the shared remote L3 (Redis evicts
-/// without saying so, so the set only grows; when full it is forgotten and learnt again from
-/// the next writes).
+/// without saying so, so the set is told only of writes; when full it is forgotten and learnt
+/// again from the next writes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexLimits {
     pub worker_pages: usize,
     pub remote_pages: usize,
 }
 
-/// A worker map's entry (key and tier bits) and hashbrown's control byte.
+/// The maps (hashbrown's, whose allocation is known: `allocation_size`).
+type Pages = hashbrown::HashMap<[u8; 16], u8, std::hash::RandomState>;
+type RemotePages = hashbrown::HashSet<[u8; 16], std::hash::RandomState>;
+
+/// A worker map's entry (key and tier bits) and its control byte.
 const WORKER_SLOT: u64 = std::mem::size_of::<([u8; 16], u8)>() as u64 + 1;
 /// A remote set's entry and its control byte.
 const REMOTE_SLOT: u64 = 16 + 1;
+/// What a table takes beyond a slot's bytes (a group of control bytes, alignment).
+const TABLE_EXTRA: u64 = 64;
 
 /// The slots of a hashbrown table of `capacity` (it keeps 1 in 8 free from 8 slots up).
 fn slots(capacity: usize) -> u64 {
@@ -48,16 +53,17 @@ fn slots(capacity: usize) -> u64 {
 }
 
 impl IndexLimits {
-    /// The limits whose maps stay within `bytes` over `workers` workers and the remote set.
-    /// A map of at most `7/8 · B` entries (B a power of two) has B slots, or 2B after
-    /// hashbrown grows a table full of tombstones (it rehashes in place from then on), so each
-    /// share holds the entries of the largest B with 2B slots within it. None: a worker's
-    /// share holds fewer than [`MIN_WORKER_PAGES`].
+    /// The limits whose maps stay within `bytes` over `workers` workers and the remote set, at
+    /// every moment. A map of at most 7/8·B entries (B a power of two) has B slots, or 2B once
+    /// hashbrown grows a table full of tombstones (from there it rehashes in place). Growing
+    /// holds the old table beside the new one for a moment, and the index's updates come from
+    /// one task (`index_loop`), so one table grows at a time: `bytes` is split into a share
+    /// for each map and one more for that. None: a worker's share holds fewer than
+    /// [`MIN_WORKER_PAGES`].
     pub fn within(bytes: u64, workers: usize) -> Option<IndexLimits> {
-        let share = bytes / (workers as u64 + 1);
+        let share = bytes / (workers as u64 + 2);
         let pages = |slot: u64| -> usize {
-            let slots = share / (2 * slot);
-            match slots {
+            match share.saturating_sub(TABLE_EXTRA) / (2 * slot) {
                 0..8 => 0,
                 s => (1u64 << s.ilog2()) as usize / 8 * 7,
             }
@@ -69,13 +75,16 @@ impl IndexLimits {
         (limits.worker_pages >= MIN_WORKER_PAGES).then_some(limits)
     }
 
-    /// The most heap the maps of `workers` workers and the remote set may take.
+    /// The most heap the maps of `workers` workers and the remote set may take: each at 2B
+    /// slots, and the old half of one growing table.
     pub fn bytes(&self, workers: usize) -> u64 {
-        let most = |pages: usize| 2 * slots(pages);
-        most(self.worker_pages) * WORKER_SLOT * workers as u64
-            + most(self.remote_pages) * REMOTE_SLOT
+        let table = |pages: usize, slot: u64| 2 * slots(pages) * slot + TABLE_EXTRA;
+        let worker = table(self.worker_pages, WORKER_SLOT);
+        let remote = table(self.remote_pages, REMOTE_SLOT);
+        worker * workers as u64 + remote + worker.max(remote) / 2
     }
 }
+
 /// Tokens of cached prefix one request in flight is worth (the load term of the score).
 pub const LOAD_TOKENS: f64 = 256.0;
 
@@ -94,7 +103,7 @@ struct WorkerIndex {
     next: u64,
     synced: bool,
     /// bit 0: device, bit 1: host.
-    pages: HashMap<[u8; 16], u8>,
+    pages: Pages,
     resyncs: u64,
     /// Pages announced past [`IndexLimits::worker_pages`], not indexed.
     unindexed: u64,
@@ -107,7 +116,7 @@ pub struct CacheIndex {
     ns: Mutex<Option<(HashNamespace, usize)>>,
     workers: Vec<Mutex<WorkerIndex>>,
     /// Pages any worker wrote to the shared remote L3 (hints: Redis evicts silently).
-    remote: Mutex<std::collections::HashSet<[u8; 16]>>,
+    remote: Mutex<RemotePages>,
     limits: IndexLimits,
 }
 
@@ -126,7 +135,7 @@ impl CacheIndex {
             workers: (0..workers)
                 .map(|_| Mutex::new(WorkerIndex::default()))
                 .collect(),
-            remote: Mutex::new(std::collections::HashSet::new()),
+            remote: Mutex::new(RemotePages::default()),
             limits,
         }
     }
@@ -193,8 +202,8 @@ impl CacheIndex {
     }
 
     /// Pages indexed (over every worker and the remote set), the heap bytes their maps take
-    /// (each map's capacity times its entry plus hashbrown's control byte), the most they may
-    /// take, and the pages workers announced past their limit (not indexed).
+    /// (their tables' allocations), the most they may take, and the announcements of pages
+    /// past a worker's limit (not indexed; a page per tier).
     pub fn footprint(&self) -> Footprint {
         let mut f = Footprint {
             limit_bytes: self.limits.bytes(self.workers.len()),
@@ -203,18 +212,13 @@ impl CacheIndex {
         for w in &self.workers {
             let i = w.lock().expect("index lock");
             f.pages += i.pages.len();
-            f.bytes += slots(i.pages.capacity()) * WORKER_SLOT;
+            f.bytes += i.pages.allocation_size() as u64;
             f.unindexed += i.unindexed;
         }
         let r = self.remote.lock().expect("remote lock");
         f.pages += r.len();
-        f.bytes += slots(r.capacity()) * REMOTE_SLOT;
+        f.bytes += r.allocation_size() as u64;
         f
-    }
-
-    /// The pages it keeps per worker and of the remote set.
-    pub fn limits(&self) -> IndexLimits {
-        self.limits
     }
 
     /// Resynchronisations so far (gaps, restarts).
@@ -381,11 +385,15 @@ mod tests {
 
     /// A worker that announces more pages than its cap is not believed past it, and the
     /// remote hints, which only grow, start over when full.
-    #[test]
-    fn the_index_is_bounded() {
+    fn tokenizer() -> Arc<ModelTokenizer> {
         let d = tempfile::tempdir().unwrap();
         let g = strata_model::Gguf::open(&strata_test_support::tiny_model(d.path())).unwrap();
-        let tk = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
+        Arc::new(ModelTokenizer::from_gguf(&g).unwrap())
+    }
+
+    #[test]
+    fn the_index_is_bounded() {
+        let tk = tokenizer();
         let limits = IndexLimits {
             worker_pages: 100,
             remote_pages: 50,
@@ -426,26 +434,37 @@ mod tests {
         }
         let l = IndexLimits::within(1 << 30, 1).unwrap();
         assert_eq!(l.worker_pages, 7 << 20, "7.3 million pages");
-        // A small budget, filled the index's way (insert while below the limit), then churned.
-        let small = IndexLimits::within(3 << 20, 2).unwrap();
-        let mut m: HashMap<[u8; 16], u8> = HashMap::new();
-        let key = |i: u64| {
-            let mut k = [0u8; 16];
-            k[..8].copy_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
-            k
-        };
-        let mut most = 0;
-        for round in 0..8u64 {
-            for i in 0..small.worker_pages as u64 {
-                if m.len() < small.worker_pages {
-                    m.insert(key(round << 32 | i), 1);
-                }
+        // A small index, filled by events, then churned: a quarter of its pages removed and
+        // new ones stored up to the limit, round after round. Tombstones use up the table's
+        // empty slots until hashbrown grows it with fewer entries than its limit; the remote
+        // set fills and starts over. Measured by the tables' allocations.
+        let small = IndexLimits::within(4 << 20, 1).unwrap();
+        let idx = CacheIndex::new(tokenizer(), None, 1, small);
+        let table = |slot: u64| 2 * slots(small.worker_pages) * slot + TABLE_EXTRA;
+        let (mut most, mut next) = (0u64, 0u32);
+        for _ in 0..12 {
+            let held = idx.workers[0].lock().unwrap().pages.len() as u32;
+            let n = small.worker_pages as u32 - held;
+            idx.apply(0, &event(Tier::Device, true, next, n));
+            idx.apply(0, &event(Tier::Remote, true, next, n));
+            most = most.max(idx.workers[0].lock().unwrap().pages.allocation_size() as u64);
+            next += n;
+            // Every fourth page stored so far (some already gone).
+            for p in (0..next).step_by(4) {
+                idx.apply(0, &event(Tier::Device, false, p, 1));
             }
-            most = most.max(m.capacity());
-            // Half removed, half kept: the next round's inserts meet tombstones.
-            m.retain(|k, _| k[0] & 1 == 0);
         }
-        let bound = 2 * (small.worker_pages as u64 * 8 / 7).next_power_of_two();
-        assert!(slots(most) <= bound, "{} slots, bound {bound}", slots(most));
+        let f = idx.footprint();
+        assert_eq!(f.unindexed, 0);
+        assert!(f.bytes <= f.limit_bytes, "{f:?}");
+        assert!(
+            most <= table(WORKER_SLOT),
+            "{most} bytes, bound {}",
+            table(WORKER_SLOT)
+        );
+        assert!(
+            most > table(WORKER_SLOT) / 2,
+            "the churn never grew the table past B slots ({most} bytes): the test shows nothing"
+        );
     }
 }

@@ -210,7 +210,7 @@ async fn relay(
 }
 
 /// The decode worker did not answer within `--request-timeout`: counted, logged, the 504.
-fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
+pub(crate) fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
     st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
     d.failures.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(decode = %d.url, "no answer within --request-timeout");
@@ -224,35 +224,36 @@ fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
     )
 }
 
-/// A worker's failure before any token (to be retried on another pair): counted, and its
-/// words go to the log, never to the client; what the client may be told.
-async fn failed_before_any_token(st: &RouterState, pair: &Pair, r: reqwest::Response) -> String {
-    let d = &pair.decode;
+/// A worker's answer that is not passed on: counted against it; its status and its words
+/// (read within bounds), which go to the log, never to the client.
+async fn not_passed_on(st: &RouterState, d: &Worker, r: reqwest::Response) -> (StatusCode, String) {
     st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
-    let status = r.status();
+    d.failures.fetch_add(1, Ordering::Relaxed);
+    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let idle = st.stream_idle;
     let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
         .await
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
+    (status, text)
+}
+
+/// A worker's failure before any token (to be retried on another pair): logged; what the
+/// client may be told.
+async fn failed_before_any_token(st: &RouterState, pair: &Pair, r: reqwest::Response) -> String {
+    let d = &pair.decode;
+    let (status, text) = not_passed_on(st, d, r).await;
     tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
-    d.failures.fetch_add(1, Ordering::Relaxed);
     format!("a worker answered {status}")
 }
 
-/// A worker's 401 to the router: its words go to the log; the client gets the router's 502.
+/// A worker's 401 to the router: logged; the client gets the router's 502.
 pub(crate) async fn refused_the_router(
     st: &RouterState,
     d: &Worker,
     r: reqwest::Response,
 ) -> ApiError {
-    st.front.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
-    d.failures.fetch_add(1, Ordering::Relaxed);
-    let idle = st.stream_idle;
-    let text = crate::upstream::body_within(r, 64 << 10, idle, idle)
-        .await
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-        .unwrap_or_default();
+    let (_, text) = not_passed_on(st, d, r).await;
     tracing::warn!(decode = %d.url, %text, "the worker refused the router's authentication");
     crate::upstream::bad_gateway(
         "a worker refused the router's authentication (another --cluster-key-file, or a worker \

@@ -91,13 +91,7 @@ pub async fn forward_responses(
     let sending = crate::forward::send_to(&st, &w, prefill.as_deref(), path, &body, rid);
     let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill.clone()).collect());
     let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
-        st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
-        w.failures.fetch_add(1, Ordering::Relaxed);
-        return Err(ApiError::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "server_error",
-            "the worker did not answer within --request-timeout",
-        ));
+        return Err(crate::forward::timed_out(&st, &w));
     };
     let r = match sent {
         Ok(r) => r,

@@ -101,7 +101,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_router_index_pages", "gauge", "Pages in the cache-aware router's index, over every worker and the shared remote tier."),
     ("strata_router_index_bytes", "gauge", "Heap bytes the cache-aware router's index takes for those pages."),
     ("strata_router_index_limit_bytes", "gauge", "The most heap bytes the cache-aware router's index may take (--cache-index-memory, split between the workers and the remote tier)."),
-    ("strata_router_index_unindexed_pages", "gauge", "Pages workers announce past their share of the cache-aware router's index, not indexed (since each worker's last resynchronisation)."),
+    ("strata_router_index_unindexed_pages", "gauge", "Page announcements (a page once per tier) past a worker's share of the cache-aware router's index, not indexed, since that worker's last resynchronisation."),
     // Node health.
     ("strata_numa_node_memory_bytes", "gauge", "Memory of a NUMA node by state (total, available), from sysfs."),
     ("strata_process_resident_memory_bytes", "gauge", "Resident memory of this process."),

@@ -103,6 +103,9 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     check_seconds("--index-interval", a.index_interval, 0.0, false)?;
     check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
+    if policy != Policy::CacheAware && a.cache_index_memory.is_some() {
+        bail!("--cache-index-memory sizes the index of --policy cache_aware, which this router does not use");
+    }
     let keys = api_keys(&a)?;
     let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
     let body_limit = crate::http_args::body_limit(&a.body_limit)?;
@@ -119,8 +122,6 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     if policy == Policy::CacheAware {
         add_cache_index(&a, &mut st)?;
-    } else if a.cache_index_memory.is_some() {
-        bail!("--cache-index-memory sizes the index of --policy cache_aware, which this router does not use");
     }
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let every = Duration::from_secs_f64(a.health_interval);
@@ -188,19 +189,25 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
         );
     }
     let n = st.indexed().count();
-    let limits = index_limits(a.cache_index_memory.as_deref(), n)?;
+    let (limits, said) = index_limits(a.cache_index_memory.as_deref(), n)?;
     // The header alone: the tokenizer and template of a model of any architecture.
     let g = strata_model::GgufHeader::open(path)?;
     let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
     let tpl = g.chat_template()?;
     let index = strata_router::cache_index::CacheIndex::new(Arc::new(tk), tpl, n, limits);
     st.set_index(Arc::new(index));
+    eprintln!(
+        "strata route: cache index: up to {} pages a worker ({n} worker(s)) and {} remote pages, at most {} (--cache-index-memory {said})",
+        limits.worker_pages,
+        limits.remote_pages,
+        strata_kv::units::format_bytes(limits.bytes(n)),
+    );
     Ok(())
 }
 
 /// The cache index's limits within `--cache-index-memory` (`typed`, else the default) over
-/// `workers` workers; said at start.
-fn index_limits(typed: Option<&str>, workers: usize) -> Result<IndexLimits> {
+/// `workers` workers, and the flag's value as said at start.
+fn index_limits(typed: Option<&str>, workers: usize) -> Result<(IndexLimits, String)> {
     use strata_kv::units::{echo_size, format_bytes, parse_size};
     use strata_router::cache_index::{DEFAULT_INDEX_MEMORY, MIN_WORKER_PAGES};
     let (bytes, said) = match typed {
@@ -216,13 +223,7 @@ fn index_limits(typed: Option<&str>, workers: usize) -> Result<IndexLimits> {
     let Some(limits) = IndexLimits::within(bytes, workers) else {
         bail!("--cache-index-memory {said}: too small for {workers} worker(s) and the remote tier (each share must hold {MIN_WORKER_PAGES} pages)");
     };
-    eprintln!(
-        "strata route: cache index: up to {} pages a worker ({workers} workers) and {} remote pages, at most {} (--cache-index-memory {said})",
-        limits.worker_pages,
-        limits.remote_pages,
-        format_bytes(limits.bytes(workers)),
-    );
-    Ok(limits)
+    Ok((limits, said))
 }
 
 /// Listens on `addr` and routes until SIGTERM / Ctrl-C, checking the workers' health and
