@@ -80,7 +80,20 @@ pub struct RouteArgs {
     pub http: crate::http_args::HttpArgs,
 }
 
-pub fn run(a: RouteArgs) -> Result<()> {
+/// `strata route`'s flags, every one checked (nothing started, the model file not opened).
+pub struct Checked {
+    policy: Policy,
+    keys: HashSet<String>,
+    addr: SocketAddr,
+    body_limit: usize,
+    limits: strata_server::listen::HttpLimits,
+    cluster_key: Option<strata_kv::auth::ClusterKey>,
+    /// cache_aware: the model file, the index's limits and `--cache-index-memory` as said.
+    index: Option<(PathBuf, IndexLimits, String)>,
+}
+
+/// Checks every flag and combination (`strata up` does too, before any worker starts).
+pub fn check(a: &RouteArgs) -> Result<Checked> {
     let Some(policy) = Policy::parse(&a.policy) else {
         bail!(
             "--policy `{}`: expected round_robin, least_load or cache_aware",
@@ -95,38 +108,61 @@ pub fn run(a: RouteArgs) -> Result<()> {
     use crate::http_args::check_seconds;
     check_seconds("--health-interval", a.health_interval, 0.0, false)?;
     check_seconds("--stream-idle-timeout", a.stream_idle_timeout, 0.1, true)?;
+    check_seconds("--index-interval", a.index_interval, 0.0, false)?;
+    check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
+    let index = match policy {
+        Policy::CacheAware => Some(index_flags(a)?),
+        _ if a.cache_index_memory.is_some() => bail!("--cache-index-memory sizes the index of --policy cache_aware, which this router does not use"),
+        _ => None,
+    };
+    let keys = api_keys(a)?;
+    let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
+    let body_limit = crate::http_args::body_limit(&a.body_limit)?;
+    let limits = a.http.limits(body_limit)?;
+    let cluster_key = match &a.cluster_key_file {
+        Some(f) => Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?),
+        None => None,
+    };
+    Ok(Checked {
+        policy,
+        keys,
+        addr,
+        body_limit,
+        limits,
+        cluster_key,
+        index,
+    })
+}
+
+pub fn run(a: RouteArgs) -> Result<()> {
+    let c = check(&a)?;
     if a.stream_idle_timeout <= 15.0 {
         eprintln!(
             "strata route: --stream-idle-timeout {} s is not above the workers' 15 s keep-alive: a stream with nothing to say for that long is cut",
             a.stream_idle_timeout
         );
     }
-    check_seconds("--index-interval", a.index_interval, 0.0, false)?;
-    check_seconds("--request-timeout", a.request_timeout, 0.0, false)?;
-    if policy != Policy::CacheAware && a.cache_index_memory.is_some() {
-        bail!("--cache-index-memory sizes the index of --policy cache_aware, which this router does not use");
-    }
-    let keys = api_keys(&a)?;
-    let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
-    let body_limit = crate::http_args::body_limit(&a.body_limit)?;
-    let limits = a.http.limits(body_limit)?;
-    let mut st = RouterState::new(&a.prefill, &a.decode, policy);
-    st.api_keys = keys;
-    st.body_limit = body_limit;
+    let mut st = RouterState::new(&a.prefill, &a.decode, c.policy);
+    st.api_keys = c.keys;
+    st.body_limit = c.body_limit;
     st.request_log = !a.no_request_log;
     st.stream_idle = Duration::from_secs_f64(a.stream_idle_timeout);
     st.request_timeout = Duration::from_secs_f64(a.request_timeout);
-    if let Some(f) = &a.cluster_key_file {
-        st.cluster_key =
-            Some(strata_kv::auth::ClusterKey::from_file(f).context("--cluster-key-file")?);
-    }
-    if policy == Policy::CacheAware {
-        add_cache_index(&a, &mut st)?;
+    st.cluster_key = c.cluster_key;
+    if let Some(index) = c.index {
+        add_cache_index(index, &mut st)?;
     }
     let index_every = Duration::from_secs_f64(a.index_interval.max(0.001));
     let every = Duration::from_secs_f64(a.health_interval);
     st.health_every = every;
-    serve(&a, Arc::new(st), (policy, limits), addr, every, index_every)
+    serve(
+        &a,
+        Arc::new(st),
+        (c.policy, c.limits),
+        c.addr,
+        every,
+        index_every,
+    )
 }
 
 /// Largest `--api-key-file` read (a key a line: thousands of keys).
@@ -177,8 +213,9 @@ fn read_key_file(f: &std::path::Path) -> Result<String> {
     Ok(text)
 }
 
-/// cache_aware: the index that hashes prompts as the workers do (their tokenizer and template).
-fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
+/// cache_aware's flags: the model file (opened at start), the index interval, and the
+/// index's limits over the workers it follows.
+fn index_flags(a: &RouteArgs) -> Result<(PathBuf, IndexLimits, String)> {
     let Some(path) = &a.model else {
         bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
     };
@@ -188,10 +225,19 @@ fn add_cache_index(a: &RouteArgs, st: &mut RouterState) -> Result<()> {
             a.index_interval
         );
     }
+    let workers = a.prefill.len() + a.decode.len();
+    let (limits, said) = index_limits(a.cache_index_memory.as_deref(), workers)?;
+    Ok((path.clone(), limits, said))
+}
+
+/// cache_aware: the index that hashes prompts as the workers do (their tokenizer and template).
+fn add_cache_index(
+    (path, limits, said): (PathBuf, IndexLimits, String),
+    st: &mut RouterState,
+) -> Result<()> {
     let n = st.indexed().count();
-    let (limits, said) = index_limits(a.cache_index_memory.as_deref(), n)?;
     // The header alone: the tokenizer and template of a model of any architecture.
-    let g = strata_model::GgufHeader::open(path)?;
+    let g = strata_model::GgufHeader::open(&path)?;
     let tk = strata_model::ModelTokenizer::from_gguf(&g)?;
     let tpl = g.chat_template()?;
     let index = strata_router::cache_index::CacheIndex::new(Arc::new(tk), tpl, n, limits);

@@ -61,6 +61,28 @@ fn an_impossible_host_cache_stops_up_before_any_worker_starts() {
     assert!(!text.contains("restarted (pid"), "{text}");
 }
 
+/// The router's flags are checked with the workers', before any process starts.
+#[test]
+fn a_bad_router_flag_stops_up_before_any_worker_starts() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = config(d.path(), "", 1);
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "[router]\nport = 0\n",
+        "[router]\nport = 0\npolicy = \"cache_aware\"\nargs = [\"--cache-index-memory\", \"64KiB\"]\n",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let mut up = up(d.path(), &cfg);
+    let status = up.wait_exit(60);
+    let text = up.drain(200);
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(text.contains("router"), "{text}");
+    assert!(
+        text.contains("--cache-index-memory 64KiB (65536 bytes): too small"),
+        "{text}"
+    );
+    assert!(!text.contains("starting prefill-0"), "{text}");
+}
+
 /// A worker that fails once started (its L3 directory cannot be made, which no check before
 /// start-up can know) stops everything once, with the worker's own message and exit code.
 #[test]

@@ -178,7 +178,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         procs.push(w.start("decode", i, s, &prefill_urls)?);
     }
     procs::wait_healthy(&rt, &client, &mut procs, first, deadline)?;
-    let rargs = router_command(&d, &model, &w.key, &procs);
+    let rargs = router_command(&d, &model, &w.key, &targets(&procs));
     say!("strata up: starting router on {}:{}", d.host, d.router.port);
     let n = procs.len();
     procs.push(Proc::start("router".into(), rargs, &d.host, d.router.port)?);
@@ -339,8 +339,23 @@ impl WorkerCtx<'_> {
     }
 }
 
-/// `strata route` arguments for the router in front of the started workers.
-fn router_command(d: &Deployment, model: &Path, key_arg: &str, workers: &[Proc]) -> Vec<String> {
+/// The started workers as the router is told them: each its flag and URL.
+fn targets(procs: &[Proc]) -> Vec<(&'static str, String)> {
+    let flag = |p: &Proc| match p.name.starts_with("prefill") {
+        true => "--prefill",
+        false => "--decode",
+    };
+    procs.iter().map(|p| (flag(p), p.url())).collect()
+}
+
+/// `strata route` arguments for the router in front of `workers` (each its flag, `--prefill`
+/// or `--decode`, and its URL).
+fn router_command(
+    d: &Deployment,
+    model: &Path,
+    key_arg: &str,
+    workers: &[(&str, String)],
+) -> Vec<String> {
     let mut rargs: Vec<String> = vec![
         "route".into(),
         "--host".into(),
@@ -354,14 +369,9 @@ fn router_command(d: &Deployment, model: &Path, key_arg: &str, workers: &[Proc])
         "--cluster-key-file".into(),
         key_arg.to_string(),
     ];
-    for p in workers {
-        let flag = if p.name.starts_with("prefill") {
-            "--prefill"
-        } else {
-            "--decode"
-        };
-        rargs.push(flag.into());
-        rargs.push(p.url());
+    for (flag, url) in workers {
+        rargs.push(flag.to_string());
+        rargs.push(url.clone());
     }
     rargs.extend(d.router.args.iter().cloned());
     rargs

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 
 use super::WorkerCtx;
 use crate::serve::ServeArgs;
@@ -47,32 +47,38 @@ struct Serve {
     a: ServeArgs,
 }
 
-/// Every worker checked and planned; the deployment's host memory summed per NUMA node.
+/// `strata route`'s flags, parsed from the router's command line.
+#[derive(Parser)]
+#[command(name = "strata route")]
+struct Route {
+    #[command(flatten)]
+    a: crate::route::RouteArgs,
+}
+
+/// Every worker checked and planned, the deployment's host memory summed per NUMA node, and
+/// the router's flags checked.
 pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
     let d = w.d;
-    // Decode workers are told the prefill workers' URLs; their ports may be 0 until they
-    // start, so any well-formed URL stands in here.
-    let prefill_urls: Vec<String> = (0..d.prefill.len())
-        .map(|i| format!("http://{}:{}", d.host, 1 + i))
+    // Decode workers are told the prefill workers' URLs, and the router every worker's; their
+    // ports may be 0 until they start, so well-formed URLs stand in here.
+    let stand_in = |i: usize| format!("http://{}:{}", d.host, 1 + i);
+    let prefill_urls: Vec<String> = (0..d.prefill.len()).map(stand_in).collect();
+    let workers: Vec<(&str, String)> = (0..d.prefill.len() + d.decode.len())
+        .map(|i| match i < d.prefill.len() {
+            true => ("--prefill", stand_in(i)),
+            false => ("--decode", stand_in(i)),
+        })
         .collect();
+    let rargs = super::router_command(d, w.model, &w.key, &workers);
+    let route = parse::<Route>("router", "strata route", rargs)?;
+    crate::route::check(&route.a).context("router")?;
     let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reserve = 0u64;
     for (role, list) in [("prefill", &d.prefill), ("decode", &d.decode)] {
         for (i, spec) in list.iter().enumerate() {
             let name = format!("{role}-{i}");
             let urls: &[String] = if role == "decode" { &prefill_urls } else { &[] };
-            let args = w.args(role, spec, urls);
-            // As `strata serve` reads its own command line (a negative value joined to its flag).
-            let argv = std::iter::once("strata serve".to_string())
-                .chain(args.into_iter().skip(1))
-                .map(Into::into)
-                .collect();
-            let argv = crate::argv::join_negative_values(Serve::command(), argv);
-            let s = Serve::try_parse_from(argv).map_err(|e| {
-                let text = e.render().to_string();
-                let first = text.lines().next().unwrap_or_default();
-                anyhow::anyhow!("{name}: {}", first.trim_start_matches("error: "))
-            })?;
+            let s = parse::<Serve>(&name, "strata serve", w.args(role, spec, urls))?;
             let (plan, needed) = crate::serve::preflight(&s.a).with_context(|| name.clone())?;
             let nodes = &plan.numa.nodes;
             // Each worker holds its own copy of the weights (and its own staging and stores):
@@ -88,6 +94,21 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
     }
     let topo = strata_mem::Topology::detect().context("reading this machine's NUMA nodes")?;
     fits(&topo, &per_node, reserve)
+}
+
+/// A process's command line (`args`, its subcommand first) read as `program` reads its own
+/// (a negative value joined to its flag); an error names the process (`name`).
+fn parse<P: Parser>(name: &str, program: &str, args: Vec<String>) -> Result<P> {
+    let argv = std::iter::once(program.to_string())
+        .chain(args.into_iter().skip(1))
+        .map(Into::into)
+        .collect();
+    let argv = crate::argv::join_negative_values(P::command(), argv);
+    P::try_parse_from(argv).map_err(|e| {
+        let text = e.render().to_string();
+        let first = text.lines().next().unwrap_or_default();
+        anyhow::anyhow!("{name}: {}", first.trim_start_matches("error: "))
+    })
 }
 
 /// The sum of the workers' pools on each node against its available memory less one reserve.
