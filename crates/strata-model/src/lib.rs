@@ -19,7 +19,8 @@
 //! * [`attn`]: paged causal attention (online softmax, micro-kernels); `seq`: one sequence of a
 //!   forward call and the checks every forward pass runs on it; `shard`: a tensor-parallel
 //!   rank's share of a llama-family model and what its forward pass asks of the other ranks;
-//!   `split_check`: whether a model file splits over a number of ranks, from its header.
+//!   `split_check`: whether a model splits over a number of ranks, from its header
+//!   (`ModelShape::check_tp_split`).
 //! * [`chat`]: the GGUF's chat template, rendered with minijinja; [`error`]: the runtime's
 //!   errors.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
@@ -52,5 +53,4 @@ pub use gguf::{Config, Gguf, GgufHeader};
 pub use llama::tp::{RankPlacement, TpModel, TpOptions};
 pub use llama::{Model, SeqInput};
 pub use runtime::{load, LoadOptions, Loaded, Runtime};
-pub use split_check::check_tp_split;
 pub use tokenizer::ModelTokenizer;

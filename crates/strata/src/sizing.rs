@@ -437,9 +437,9 @@ impl SizingArgs {
     pub fn request(&self) -> Result<PlanRequest> {
         let (model, shape) = self.model_spec()?;
         // The ranks must split the model as loading it would (else the plan "fits" what the
-        // worker then refuses).
-        if let Some(path) = &self.model {
-            strata_model::check_tp_split(path, self.tp_size as usize)?;
+        // worker then refuses): from the header read once for the pools.
+        if let Some(shape) = &shape {
+            shape.check_tp_split(self.tp_size as usize)?;
         }
         let device = match (&self.device_mem, self.device_mem_fraction) {
             (Some(s), _) => DeviceBudget::Bytes(size("device-mem", s)?),
