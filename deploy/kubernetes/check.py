@@ -6,8 +6,10 @@
 * each worker's memory requests and limits equal `strata plan`'s per-server device + host pool
   bytes for the flags the StatefulSet passes (from the ConfigMap), plus what the plan reserves
   beside the pools (the response store, a decode worker's K/V staging), plus STRATA_RUNTIME_MEMORY
-  (the weights, the forward pass's scratch and the process: the plan here is a preset's, which
-  counts neither; `strata serve --model` reserves both, 94 MiB + 181 MiB for SmolLM2),
+  (the weights, the forward pass's scratch and the process); with --model-dir holding the model
+  file the pods name, the plan is the file's (`strata serve`'s: its weights and forward pass for
+  the pod's --threads and batch limits, 94 MiB + 182 MiB for SmolLM2) and STRATA_RUNTIME_MEMORY
+  must cover both, else a preset's with the same pools (which counts neither),
   its CPUs equal --threads, requests equal limits (Guaranteed QoS: the topology manager aligns
   only such pods to a NUMA node);
 * every $(VAR) an argument uses is defined; the router's and the decode workers' worker URLs
@@ -15,7 +17,8 @@
 * the Grafana dashboards ConfigMap holds exactly deploy/grafana/dashboards/*.json
   (`check.py --write` regenerates it).
 
-Usage: check.py --strata PATH/TO/strata [--write]  (e.g. --strata ./target/release/strata)
+Usage: check.py --strata PATH/TO/strata [--model-dir DIR] [--write]
+  (e.g. --strata ./target/release/strata --model-dir ~/.cache/strata/models)
 Needs kubernetes-validate and PyYAML (scripts/requirements-test.txt).
 """
 
@@ -107,7 +110,27 @@ def check_flags(what, args, strata):
             fail(f"{what}: `strata {args[0]}` has no flag --{name}")
 
 
-def check_worker(sts, config, strata):
+# The plan's line for the forward pass (strata_mem::Scratch::LABEL): in the runtime memory.
+FORWARD = "--max-batch-tokens/--max-running (the forward pass)"
+
+
+def plan_source(name, f, model_dir):
+    """`strata plan` arguments for the worker's model: the file itself when `model_dir` holds
+    it (with the pod's --threads and batch limits), else the preset with the same pools."""
+    model = pathlib.Path(f["model"][0]).name
+    path = model_dir / model if model_dir else None
+    if path and path.is_file():
+        args = ["--model", str(path)]
+        for k in ("threads", "max-batch-tokens", "max-running"):
+            if k in f:
+                args += [f"--{k}", f[k][0]]
+        return args, True
+    if model not in PRESETS:
+        fail(f"{name}: no plan preset for model file {model}")
+    return ["--model-preset", PRESETS[model]], False
+
+
+def check_worker(sts, config, strata, model_dir=None):
     name = sts["metadata"]["name"]
     c = sts["spec"]["template"]["spec"]["containers"][0]
     check_flags(name, c["args"], strata)
@@ -115,11 +138,8 @@ def check_worker(sts, config, strata):
     for e in c.get("env", []):
         env[e["name"]] = "10.0.0.1" if "valueFrom" in e else e["value"]
     f = flags(c["args"], env)
-    model = pathlib.Path(f["model"][0]).name
-    if model not in PRESETS:
-        fail(f"{name}: no plan preset for model file {model}")
-    plan_args = [strata, "plan", "--machine", "1x64GB", "--model-preset", PRESETS[model],
-                 "--json"]
+    source, real = plan_source(name, f, model_dir)
+    plan_args = [strata, "plan", "--machine", "1x64GB", *source, "--json"]
     # (`strata serve` runs one rank: --tp-size is 1 and not a serve flag.)
     for k in ("role", "page-size", "device-mem", "hicache-size", "numa-node", "numa-policy"):
         plan_args += [f"--{k}", f[k][0]]
@@ -132,9 +152,17 @@ def check_worker(sts, config, strata):
     if o.returncode != 0:
         fail(f"{name}: strata plan refused the pod's flags: {o.stderr.strip()}")
     plan = json.loads(o.stdout)
-    beside = sum(b for _, b in plan["numa"]["beside"])
-    want = (plan["server_device_bytes"] + plan["server_host_bytes"] + beside
-            + quantity(config["STRATA_RUNTIME_MEMORY"]))
+    beside = sum(b for what, b in plan["numa"]["beside"] if what != FORWARD)
+    runtime = quantity(config["STRATA_RUNTIME_MEMORY"])
+    if real:
+        forward = sum(b for what, b in plan["numa"]["beside"] if what == FORWARD)
+        weights = plan["numa"]["weights_bytes"]
+        if weights + forward > runtime:
+            fail(f"{name}: STRATA_RUNTIME_MEMORY {runtime} bytes does not cover the weights "
+                 f"({weights}) and the forward pass ({forward}) that `strata serve` reserves")
+        print(f"{name}: runtime {runtime} bytes covers the weights {weights} + forward pass "
+              f"{forward} (from {f['model'][0]})")
+    want = plan["server_device_bytes"] + plan["server_host_bytes"] + beside + runtime
     r = c["resources"]
     if r["requests"] != r["limits"]:
         fail(f"{name}: requests {r['requests']} differ from limits {r['limits']}")
@@ -169,6 +197,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--strata", required=True)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--model-dir", type=pathlib.Path,
+                    help="where the model file the pods name lies (its plan, not a preset's)")
     a = ap.parse_args()
     target = HERE / "grafana-dashboards.yaml"
     if a.write:
@@ -192,8 +222,8 @@ def main():
     config = by[("ConfigMap", "strata-config")]["data"]
     prefill = by[("StatefulSet", "strata-prefill")]
     decode = by[("StatefulSet", "strata-decode")]
-    check_worker(prefill, config, a.strata)
-    df = check_worker(decode, config, a.strata)
+    check_worker(prefill, config, a.strata, a.model_dir)
+    df = check_worker(decode, config, a.strata, a.model_dir)
     if df["prefill-worker"] != pod_urls(prefill):
         fail(f"decode --prefill-worker {df['prefill-worker']} are not the prefill pods")
     rc = by[("Deployment", "strata-router")]["spec"]["template"]["spec"]["containers"][0]
