@@ -106,18 +106,6 @@ pub(crate) async fn off_async<T: Send + 'static>(
     picked.unwrap_or_else(|_| fallback())
 }
 
-/// Sends the request to the pair's decode worker, signed when the deployment has a cluster key.
-async fn send(
-    st: &RouterState,
-    pair: &Pair,
-    path: &str,
-    body: &Bytes,
-    request_id: Option<&axum::http::HeaderValue>,
-) -> reqwest::Result<reqwest::Response> {
-    let prefill = pair.prefill.as_deref();
-    send_to(st, &pair.decode, prefill, path, body, request_id).await
-}
-
 /// Sends the request to `decode` (with `prefill` named under PD), signed when the deployment
 /// has a cluster key (for the worker's instance: [`strata_server::auth::send`]).
 pub(crate) async fn send_to(
@@ -283,7 +271,8 @@ async fn forward(
             ));
         };
         let rid = headers.get(strata_server::endpoints::REQUEST_ID);
-        let sending = send(&st, &pair, path, &body, rid);
+        let prefill = pair.prefill.as_deref();
+        let sending = send_to(&st, &pair.decode, prefill, path, &body, rid);
         let mut both = vec![pair.decode.clone()];
         both.extend(pair.prefill.clone());
         let guard = InFlight::start(both);

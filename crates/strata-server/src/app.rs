@@ -72,7 +72,8 @@ async fn name_instance(
     let mut r = next.run(req).await;
     if st.cluster_key.is_some() {
         let name = crate::auth::INSTANCE_HEADER;
-        r.headers_mut().insert(name, st.replay.instance().header());
+        r.headers_mut()
+            .insert(name, st.replay.instance_header().clone());
     }
     r
 }

@@ -184,13 +184,17 @@ type Seen = (HashSet<[u8; 16]>, VecDeque<(u64, [u8; 16])>);
 /// What a receiving process keeps: its instance, and the nonces it accepted within the window.
 pub struct ReplayGuard {
     instance: Instance,
+    /// [`INSTANCE_HEADER`]'s value, made once (it goes on every answer).
+    header: HeaderValue,
     seen: Mutex<Seen>,
 }
 
 impl Default for ReplayGuard {
     fn default() -> Self {
+        let instance = Instance::draw();
         ReplayGuard {
-            instance: Instance::draw(),
+            instance,
+            header: instance.header(),
             seen: Mutex::default(),
         }
     }
@@ -200,6 +204,11 @@ impl ReplayGuard {
     /// This process's instance.
     pub fn instance(&self) -> Instance {
         self.instance
+    }
+
+    /// [`INSTANCE_HEADER`]'s value naming this process's instance.
+    pub fn instance_header(&self) -> &HeaderValue {
+        &self.header
     }
 
     /// Records `nonce` (sent at `ts`); false if it was seen already.

@@ -235,6 +235,7 @@ fn add_cache_index(
     (path, limits, said): (PathBuf, IndexLimits, String),
     st: &mut RouterState,
 ) -> Result<()> {
+    // The workers it follows, as `index_flags` counted them for the limits.
     let n = st.indexed().count();
     // The header alone: the tokenizer and template of a model of any architecture.
     let g = strata_model::GgufHeader::open(&path)?;
