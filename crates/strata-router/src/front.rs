@@ -86,13 +86,17 @@ pub async fn front_door(
     Response::from_parts(parts, body)
 }
 
-/// The API key check of a request's head: a 401 for a path that is not open and a missing
-/// or wrong key.
+/// The key check of a request's head: for a path that is not open, a client API key (a 401 if
+/// missing or wrong), or for `/flush_cache` the router's admin key ([`crate::flush::check_admin`]).
 fn refusal(st: &RouterState, path: &str, headers: &HeaderMap) -> Option<Response> {
     if OPEN_PATHS.contains(&path) {
         return None;
     }
-    let e = check_key(st, headers).err()?;
+    // The admin endpoint takes the router's admin key, not a client's.
+    let e = match path {
+        "/flush_cache" => crate::flush::check_admin(st, headers).err()?,
+        _ => check_key(st, headers).err()?,
+    };
     Some(e.into_response())
 }
 
@@ -103,7 +107,8 @@ pub fn gate(st: Arc<RouterState>) -> strata_server::listen::Gate {
     Arc::new(move |parts| {
         let path = parts.uri.path();
         let r = refusal(&st, path, &parts.headers)?;
-        st.front.answered(&known_route(path), 401, "none");
+        st.front
+            .answered(&known_route(path), r.status().as_u16(), "none");
         Some(r)
     })
 }

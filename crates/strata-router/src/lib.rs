@@ -6,6 +6,7 @@
 //! * [`forward`]: picking a pair, retrying once before any token, relaying.
 //! * [`sse`]: a worker's SSE answer relayed under guard (its end, an idle bound, an error tail).
 //! * [`front`]: the front door: answers counted, latencies, API keys.
+//! * [`flush`]: `/flush_cache`, the router's admin endpoint (its `--admin-key`), on every worker.
 //! * [`metrics`]: the router's `/metrics`, rendered from a snapshot of its figures.
 //! * [`dashboard`], [`scrape`]: the workers' scraped figures, `/dashboard` and its history.
 //! * [`curve`]: `/cache/curve`, the workers' live miss-ratio curves and the fleet's per role.
@@ -21,6 +22,7 @@
 pub mod cache_index;
 pub mod curve;
 pub mod dashboard;
+pub mod flush;
 pub mod forward;
 pub mod front;
 pub mod metrics;

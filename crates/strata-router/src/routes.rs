@@ -31,7 +31,7 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/tokenizer_info", get(tokenizer_info))
-        .route("/flush_cache", post(flush_cache))
+        .route("/flush_cache", post(crate::flush::flush_cache))
         .route("/version", get(version))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
@@ -164,74 +164,6 @@ async fn tokenize(State(st): St, body: Bytes) -> Response {
 
 async fn detokenize(State(st): St, body: Bytes) -> Response {
     pass(&st, reqwest::Method::POST, "/detokenize", Some(body)).await
-}
-
-/// `POST /flush_cache` on every worker (prefill and decode), with the caller's `Authorization`
-/// and query (`?tier=device`): 200 with each worker's answer when all flushed; else the first
-/// refusal as its worker gave it (a missing admin key is the worker's 401, an unknown
-/// parameter its 400), or, once every worker that answers has flushed, 502 naming those that
-/// did not.
-async fn flush_cache(
-    State(st): St,
-    headers: axum::http::HeaderMap,
-    uri: axum::http::Uri,
-    body: Bytes,
-) -> Response {
-    // The workers check the query (the first refuses a parameter it does not take, before
-    // any flushes); a body would not reach them, so it is refused here.
-    if !body.is_empty() {
-        return ApiError::flush_body().into_response();
-    }
-    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-    let (mut answers, mut missed) = (Vec::new(), Vec::new());
-    for w in st.indexed() {
-        let mut req = st
-            .client
-            .post(format!("{}/flush_cache{query}", w.url))
-            .timeout(PASS_TIMEOUT);
-        if let Some(a) = headers.get(header::AUTHORIZATION) {
-            req = req.header(header::AUTHORIZATION, a.clone());
-        }
-        let answer = match req.send().await {
-            Ok(r) => {
-                let status = r.status().as_u16();
-                crate::upstream::body_within(r, 1 << 20, PASS_TIMEOUT, PASS_TIMEOUT)
-                    .await
-                    .map(|b| (status, b))
-            }
-            Err(e) => Err(e.to_string()),
-        };
-        let (status, body) = match answer {
-            Ok(a) => a,
-            // One worker unreachable: the others are still flushed, and it is named.
-            Err(e) => {
-                missed.push(format!("{} ({e})", w.url));
-                continue;
-            }
-        };
-        let body = match crate::upstream::json_or_502(status, body, &w.url) {
-            Ok(b) => serde_json::from_slice::<serde_json::Value>(&b).unwrap_or_default(),
-            Err(_) => {
-                missed.push(format!("{} (an answer that is not JSON)", w.url));
-                continue;
-            }
-        };
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-        if !status.is_success() {
-            return (status, axum::Json(body)).into_response();
-        }
-        answers.push(serde_json::json!({"worker": w.url, "answer": body}));
-    }
-    if !missed.is_empty() {
-        let msg = format!(
-            "{} of the workers did not answer /flush_cache: {}; the other {} flushed",
-            missed.len(),
-            missed.join(", "),
-            answers.len()
-        );
-        return crate::upstream::bad_gateway(msg).into_response();
-    }
-    axum::Json(serde_json::json!({"workers": answers})).into_response()
 }
 
 async fn tokenizer_info(State(st): St) -> Response {

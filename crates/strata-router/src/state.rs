@@ -23,6 +23,8 @@ pub struct RouterState {
     /// The policy at work (cache-aware needs the index: see [`RouterState::set_index`]).
     balancer: Box<dyn LoadBalancingPolicy>,
     pub api_keys: HashSet<String>,
+    /// The bearer token `/flush_cache` needs (`--admin-key`); None: the router flushes nothing.
+    pub admin_key: Option<String>,
     pub client: reqwest::Client,
     pub retries: AtomicU64,
     /// Requests forwarded (first attempts).
@@ -88,6 +90,7 @@ impl RouterState {
             policy,
             balancer,
             api_keys: HashSet::new(),
+            admin_key: None,
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(2))
                 // A worker's redirect is its answer, never followed: it could send a call

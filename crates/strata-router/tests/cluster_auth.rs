@@ -1,6 +1,7 @@
 //! PD with a cluster key over real sockets: the router's and the decode worker's signed calls
 //! learn each receiver's instance on their first call and go through; a router with another
-//! key gets the router's own 502, never the worker's 401.
+//! key gets the router's own 502, never the worker's 401. The router's admin flushes the
+//! workers by signed calls.
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ async fn worker(path: &std::path::Path, key: &ClusterKey, prefill: Option<&str>)
 async fn router_with(key: &ClusterKey, prefill: &str, decode: &str) -> String {
     let mut rs = RouterState::new(&[prefill.into()], &[decode.into()], Policy::RoundRobin);
     rs.cluster_key = Some(key.clone());
+    rs.admin_key = Some("op".into());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(l, router(Arc::new(rs))).await });
@@ -70,5 +72,20 @@ async fn signed_calls_learn_each_instance_and_another_key_is_the_routers_502() {
         assert_eq!(status, 502, "{v}");
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains("refused the router's authentication"), "{v}");
+    }
+
+    // The router's admin flushes both workers (which have no admin key) by signed calls; the
+    // router with another cluster key flushes neither.
+    let flush = |router: &str| {
+        let url = format!("{router}/flush_cache?tier=device");
+        reqwest::Client::new().post(url).bearer_auth("op").send()
+    };
+    let refused = flush(&wrong).await.unwrap();
+    assert_eq!(refused.status(), 502);
+    assert!(prefill.state.engine.snapshot().device.pages_used > 0);
+    let ok = flush(&r).await.unwrap();
+    assert_eq!(ok.status(), 200);
+    for w in [&prefill, &decode] {
+        assert_eq!(w.state.engine.snapshot().device.pages_used, 0, "{}", w.url);
     }
 }

@@ -77,28 +77,40 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
     w.stop().await;
 }
 
-/// `/tokenizer_info` passes to a worker; `/flush_cache` reaches every worker with the
-/// caller's admin key, and a worker's refusal comes back as it gave it.
+/// A router on the workers with admin key `admin` (None: without `--admin-key`).
+async fn router_on(workers: &[String], admin: Option<&str>) -> String {
+    let mut st = RouterState::new(&[], workers, Policy::RoundRobin);
+    st.admin_key = admin.map(String::from);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+    r
+}
+
+/// `/tokenizer_info` passes to a worker; `/flush_cache` is the router's admin endpoint: refused
+/// by a router without `--admin-key` and to a caller without it (even where a worker would take
+/// anything: a keyless loopback worker), and with it every worker is reached with the router's
+/// credential; a worker's refusal of the query comes back as it gave it, its refusal of the
+/// router's credential is the router's 502 naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_model(d.path());
-    let spec = || WorkerSpec {
+    let keyed = WorkerSpec {
         admin_key: Some("op-key".into()),
         ..WorkerSpec::default()
     };
+    // `a` wants the admin key; `b` has no key at all (open to local processes).
     let (a, b) = (
-        spawn_worker(&path, spec()).await,
-        spawn_worker(&path, spec()).await,
+        spawn_worker(&path, keyed).await,
+        spawn_worker(&path, WorkerSpec::default()).await,
     );
-    let st = Arc::new(RouterState::new(
-        &[],
-        &[a.url.clone(), b.url.clone()],
-        Policy::RoundRobin,
-    ));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let r = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    let urls = [a.url.clone(), b.url.clone()];
+    let (open, r, other) = (
+        router_on(&urls, None).await,
+        router_on(&urls, Some("op-key")).await,
+        router_on(&urls, Some("not-the-workers")).await,
+    );
     let info: Value = reqwest::get(format!("{r}/tokenizer_info"))
         .await
         .unwrap()
@@ -115,41 +127,64 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
     let used = |w: &strata_test_support::TestWorker| w.state.engine.snapshot().device.pages_used;
     assert!(used(&a) > 0 && used(&b) > 0);
     let c = reqwest::Client::new();
-    let no_key = c.post(format!("{r}/flush_cache")).send().await.unwrap();
-    assert_eq!(no_key.status(), 401);
-    let e: Value = no_key.json().await.unwrap();
+    let flush = |router: &str, key: Option<&str>, q: &str, body: &str| {
+        let mut req = c
+            .post(format!("{router}/flush_cache{q}"))
+            .body(body.to_string());
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        req.send()
+    };
+    let refused = [
+        (
+            flush(&open, Some("op-key"), "", "").await.unwrap(),
+            403,
+            "--admin-key",
+        ),
+        (flush(&r, None, "", "").await.unwrap(), 401, "admin key"),
+        (
+            flush(&r, Some("a-client-key"), "", "").await.unwrap(),
+            401,
+            "admin key",
+        ),
+    ];
+    for (answer, status, says) in refused {
+        assert_eq!(answer.status(), status);
+        let e: Value = answer.json().await.unwrap();
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{e}");
+    }
     assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("admin key"),
-        "{e}"
+        used(&a) > 0 && used(&b) > 0,
+        "nothing flushed without the router's admin key, not even the keyless worker"
     );
-    assert!(used(&a) > 0, "nothing flushed without the key");
     // A misspelt parameter (the workers refuse it) or the tier in a body (the router refuses
     // it): a 400 in the API's shape, and nothing flushed.
     for (q, body) in [("?tierr=device", ""), ("", r#"{"tier": "device"}"#)] {
-        let r = c
-            .post(format!("{r}/flush_cache{q}"))
-            .bearer_auth("op-key")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400, "{q} {body}");
-        let e: Value = r.json().await.unwrap();
+        let answer = flush(&r, Some("op-key"), q, body).await.unwrap();
+        assert_eq!(answer.status(), 400, "{q} {body}");
+        let e: Value = answer.json().await.unwrap();
         assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
     }
     assert!(
         used(&a) > 0 && used(&b) > 0,
         "nothing flushed by a refused call"
     );
-    let ok = c
-        .post(format!("{r}/flush_cache?tier=device"))
-        .bearer_auth("op-key")
-        .send()
+    // A router whose admin key the keyed worker does not share: named in the router's 502
+    // (the keyless worker flushes).
+    let answer = flush(&other, Some("not-the-workers"), "?tier=device", "")
         .await
         .unwrap();
+    assert_eq!(answer.status(), 502);
+    let e: Value = answer.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&a.url) && msg.contains("refused the router's credential"),
+        "{e}"
+    );
+    assert!(used(&a) > 0, "the keyed worker kept its cache");
+    let ok = flush(&r, Some("op-key"), "?tier=device", "").await.unwrap();
     assert_eq!(ok.status(), 200);
     let v: Value = ok.json().await.unwrap();
     assert_eq!(v["workers"].as_array().unwrap().len(), 2, "{v}");

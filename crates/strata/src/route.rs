@@ -65,6 +65,15 @@ pub struct RouteArgs {
     /// A file of client API keys, one per line.
     #[arg(long, help_heading = "Access")]
     pub api_key_file: Option<PathBuf>,
+    /// Bearer token for the router's admin endpoint (`/flush_cache`, which empties every
+    /// worker's cache); without it the router refuses to flush. Also $STRATA_ADMIN_KEY.
+    #[arg(
+        long,
+        env = "STRATA_ADMIN_KEY",
+        hide_env_values = true,
+        help_heading = "Access"
+    )]
+    pub admin_key: Option<String>,
     /// The deployment's cluster key file (as given to the workers): every call to a worker
     /// carries proof of it.
     #[arg(long, help_heading = "Access")]
@@ -84,6 +93,7 @@ pub struct RouteArgs {
 pub struct Checked {
     policy: Policy,
     keys: HashSet<String>,
+    admin_key: Option<String>,
     addr: SocketAddr,
     body_limit: usize,
     limits: strata_server::listen::HttpLimits,
@@ -116,6 +126,9 @@ pub fn check(a: &RouteArgs) -> Result<Checked> {
         _ => None,
     };
     let keys = api_keys(a)?;
+    if a.admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!("--admin-key (or $STRATA_ADMIN_KEY) is empty: give a key, or leave the flag out (the router then refuses /flush_cache)");
+    }
     let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
     let body_limit = crate::http_args::body_limit(&a.body_limit)?;
     let limits = a.http.limits(body_limit)?;
@@ -126,6 +139,7 @@ pub fn check(a: &RouteArgs) -> Result<Checked> {
     Ok(Checked {
         policy,
         keys,
+        admin_key: a.admin_key.as_ref().map(|k| k.trim().to_string()),
         addr,
         body_limit,
         limits,
@@ -144,6 +158,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     let mut st = RouterState::new(&a.prefill, &a.decode, c.policy);
     st.api_keys = c.keys;
+    st.admin_key = c.admin_key;
     st.body_limit = c.body_limit;
     st.request_log = !a.no_request_log;
     st.stream_idle = Duration::from_secs_f64(a.stream_idle_timeout);
