@@ -6,8 +6,6 @@
 //! client's credential never travels to the workers, so a worker that would take anything (a
 //! loopback worker with no key) is reached only by the router's admin.
 
-use std::sync::atomic::Ordering;
-
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -16,55 +14,34 @@ use serde_json::{json, Value};
 use strata_server::ApiError;
 
 use crate::state::RouterState;
+use crate::upstream::PASS_TIMEOUT;
 use crate::worker::Worker;
 
 type St = State<std::sync::Arc<RouterState>>;
 
-/// How long one worker may take to flush and answer.
-const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
-
-/// The admin check of `/flush_cache`'s head: 403 on a router without `--admin-key` (no
-/// credential would do), 401 for a missing or wrong one.
-pub fn check_admin(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(key) = &st.admin_key else {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            "this router flushes nothing: start it with --admin-key to flush every worker \
-             through it, or call each worker's /flush_cache",
-        ));
-    };
-    let given = strata_server::error::bearer(headers);
-    if given.is_some_and(|g| strata_server::error::secret_eq(g, key)) {
-        return Ok(());
-    }
-    st.front.auth_failures.fetch_add(1, Ordering::Relaxed);
-    Err(ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "authentication_error",
-        "/flush_cache needs the router's admin key: Authorization: Bearer <key>",
-    )
-    .with_code("invalid_api_key"))
-}
-
 /// Every worker (prefill and decode) flushed with the caller's query (`?tier=device`): 200 with
-/// each worker's answer when all flushed; a worker's refusal of the query (its 400) as it gave
-/// it, before any later worker is called; a worker that refuses the router's credential, or,
-/// once every worker that answers has flushed, those that did not: the router's 502 naming
-/// them.
-pub async fn flush_cache(State(st): St, uri: axum::http::Uri, body: Bytes) -> Response {
+/// each worker's answer when all flushed; the first worker's refusal of the query (its 4xx,
+/// before anything flushed) as it gave it; else the router's 502 naming each worker that did
+/// not flush (unreachable, refusing the router's credential, or failing), once every other
+/// worker has.
+pub async fn flush_cache(
+    State(st): St,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    body: Bytes,
+) -> Response {
+    // The front door checked already; a router assembled without it is still shut.
+    if let Err(e) = crate::front::check_admin(&st, &headers) {
+        return e.into_response();
+    }
     // The workers check the query (the first refuses a parameter it does not take, before
     // any flushes); a body would not reach them, so it is refused here.
     if !body.is_empty() {
         return ApiError::flush_body().into_response();
     }
-    let target = match uri.query() {
-        Some(q) => format!("/flush_cache?{q}"),
-        None => "/flush_cache".to_string(),
-    };
     let (mut answers, mut missed) = (Vec::new(), Vec::new());
     for w in st.indexed() {
-        let (status, body) = match flush_one(&st, w, &target).await {
+        let (status, body) = match flush_one(&st, w, uri.query()).await {
             Ok(a) => a,
             // One worker unreachable: the others are still flushed, and it is named.
             Err(e) => {
@@ -73,10 +50,11 @@ pub async fn flush_cache(State(st): St, uri: axum::http::Uri, body: Bytes) -> Re
             }
         };
         if matches!(status, 401 | 403) {
-            tracing::warn!(worker = %w.url, status, "a worker refused the router's flush");
+            let text = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
+            tracing::warn!(worker = %w.url, status, answer = %text, "a worker refused the router's flush");
             missed.push(format!(
-                "{} (refused the router's credential: another --cluster-key-file, or, without one, \
-                 another --admin-key)",
+                "{} (refused the router's credential, e.g. another --cluster-key-file, or without \
+                 one another --admin-key; its answer is in the router's log)",
                 w.url
             ));
             continue;
@@ -88,11 +66,17 @@ pub async fn flush_cache(State(st): St, uri: axum::http::Uri, body: Bytes) -> Re
                 continue;
             }
         };
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-        if !status.is_success() {
-            return (status, axum::Json(body)).into_response();
+        let code = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+        if code.is_success() {
+            answers.push(json!({"worker": w.url, "answer": body}));
+        } else if code.is_client_error() && answers.is_empty() && missed.is_empty() {
+            // The query refused before anything flushed: the client's to mend, as said.
+            return (code, axum::Json(body)).into_response();
+        } else {
+            let said = body["error"]["message"].as_str().unwrap_or_default();
+            let said: String = said.chars().take(200).collect();
+            missed.push(format!("{} (answered {status}: {said})", w.url));
         }
-        answers.push(json!({"worker": w.url, "answer": body}));
     }
     if !missed.is_empty() {
         let msg = format!(
@@ -107,11 +91,22 @@ pub async fn flush_cache(State(st): St, uri: axum::http::Uri, body: Bytes) -> Re
 }
 
 /// One worker's `/flush_cache` call with the router's credential: its status and body (at most
-/// 1 MiB), or why there is none.
-async fn flush_one(st: &RouterState, w: &Worker, target: &str) -> Result<(u16, Bytes), String> {
-    let url = format!("{}{target}", w.url);
+/// 1 MiB), or why there is none. The MAC covers the target as it goes on the wire (the URL
+/// parser's encoding of the query, not the client's spelling of it).
+async fn flush_one(
+    st: &RouterState,
+    w: &Worker,
+    query: Option<&str>,
+) -> Result<(u16, Bytes), String> {
+    let mut url =
+        reqwest::Url::parse(&format!("{}/flush_cache", w.url)).map_err(|e| e.to_string())?;
+    url.set_query(query);
+    let target = match url.query() {
+        Some(q) => format!("{}?{q}", url.path()),
+        None => url.path().to_string(),
+    };
     let build = || {
-        let req = st.client.post(&url).timeout(FLUSH_TIMEOUT);
+        let req = st.client.post(url.clone()).timeout(PASS_TIMEOUT);
         match (&st.cluster_key, &st.admin_key) {
             (None, Some(k)) => req.header(header::AUTHORIZATION, format!("Bearer {k}")),
             _ => req,
@@ -119,7 +114,7 @@ async fn flush_one(st: &RouterState, w: &Worker, target: &str) -> Result<(u16, B
     };
     let call = strata_server::auth::Call {
         method: "POST",
-        target,
+        target: &target,
         body: b"",
         prefill: None,
     };
@@ -128,7 +123,7 @@ async fn flush_one(st: &RouterState, w: &Worker, target: &str) -> Result<(u16, B
         .await
         .map_err(|e| e.to_string())?;
     let status = r.status().as_u16();
-    crate::upstream::body_within(r, 1 << 20, FLUSH_TIMEOUT, FLUSH_TIMEOUT)
+    crate::upstream::body_within(r, 1 << 20, PASS_TIMEOUT, PASS_TIMEOUT)
         .await
         .map(|b| (status, b))
 }

@@ -87,14 +87,14 @@ pub async fn front_door(
 }
 
 /// The key check of a request's head: for a path that is not open, a client API key (a 401 if
-/// missing or wrong), or for `/flush_cache` the router's admin key ([`crate::flush::check_admin`]).
+/// missing or wrong), or for `/flush_cache` the router's admin key ([`check_admin`]).
 fn refusal(st: &RouterState, path: &str, headers: &HeaderMap) -> Option<Response> {
     if OPEN_PATHS.contains(&path) {
         return None;
     }
     // The admin endpoint takes the router's admin key, not a client's.
     let e = match path {
-        "/flush_cache" => crate::flush::check_admin(st, headers).err()?,
+        "/flush_cache" => check_admin(st, headers).err()?,
         _ => check_key(st, headers).err()?,
     };
     Some(e.into_response())
@@ -177,6 +177,31 @@ impl Drop for End {
             );
         }
     }
+}
+
+/// The admin check of `/flush_cache`'s head: the admin key, or a 401. A router without
+/// `--admin-key` answers 403 (no credential would do), to a client it knows only: one without
+/// a client key gets the 401 of every other keyed path.
+pub fn check_admin(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &st.admin_key else {
+        check_key(st, headers)?;
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "this router flushes nothing: start it with --admin-key to flush every worker \
+             through it, or call each worker's /flush_cache",
+        ));
+    };
+    if strata_server::error::bearer_is(headers, key) {
+        return Ok(());
+    }
+    st.front.auth_failures.fetch_add(1, Ordering::Relaxed);
+    Err(ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "/flush_cache needs the router's admin key: Authorization: Bearer <key>",
+    )
+    .with_code("invalid_api_key"))
 }
 
 pub fn check_key(st: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {

@@ -16,6 +16,7 @@ use strata_server::ApiError;
 use crate::forward::{forward_chat, forward_completions};
 use crate::front::front_door;
 use crate::state::RouterState;
+use crate::upstream::PASS_TIMEOUT;
 
 type St = State<Arc<RouterState>>;
 
@@ -121,10 +122,6 @@ async fn pass(
     )
     .into_response()
 }
-
-/// The longest a passed-through call (models, tokenize, version, ...) may take a worker: above
-/// the worker's own 60 s bound on `/health_generate`, so its answer (a 503 naming why) arrives.
-const PASS_TIMEOUT: Duration = Duration::from_secs(90);
 
 async fn models(State(st): St) -> Response {
     pass(&st, reqwest::Method::GET, "/v1/models", None).await

@@ -96,6 +96,9 @@ impl RouterState {
                 // A worker's redirect is its answer, never followed: it could send a call
                 // (its body, its cluster signature) anywhere.
                 .redirect(reqwest::redirect::Policy::none())
+                // Straight to the worker URLs the flags name: never through a proxy that
+                // `$HTTP_PROXY` names (the calls carry cluster signatures and admin keys).
+                .no_proxy()
                 // Idle connections are dropped before the workers' idle keep-alive limit
                 // (--header-timeout, 20 s by default) would close them under a request.
                 .pool_idle_timeout(Duration::from_secs(4))

@@ -152,6 +152,10 @@ pub fn json_or_502(status: u16, body: Bytes, worker: &str) -> Result<Bytes, ApiE
     )))
 }
 
+/// The longest a passed-through call (models, tokenize, version, a flush, ...) may take a
+/// worker: above the worker's own 60 s bound on `/health_generate`, so its answer (a 503 naming
+/// why) arrives.
+pub const PASS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
 /// A JSON 502 saying what went wrong upstream.
 pub fn bad_gateway(msg: String) -> ApiError {
     ApiError::new(StatusCode::BAD_GATEWAY, "server_error", msg)

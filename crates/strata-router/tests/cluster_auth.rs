@@ -75,17 +75,48 @@ async fn signed_calls_learn_each_instance_and_another_key_is_the_routers_502() {
     }
 
     // The router's admin flushes both workers (which have no admin key) by signed calls; the
-    // router with another cluster key flushes neither.
+    // router with another cluster key flushes neither, and names both.
+    let used = |w: &TestWorker| w.state.engine.snapshot().device.pages_used;
     let flush = |router: &str| {
         let url = format!("{router}/flush_cache?tier=device");
         reqwest::Client::new().post(url).bearer_auth("op").send()
     };
     let refused = flush(&wrong).await.unwrap();
     assert_eq!(refused.status(), 502);
-    assert!(prefill.state.engine.snapshot().device.pages_used > 0);
+    let e: Value = refused.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains(&prefill.url) && msg.contains(&decode.url),
+        "{e}"
+    );
+    assert!(used(&prefill) > 0 && used(&decode) > 0);
+    // A query the URL parser spells otherwise on the wire (a quote, a non-ASCII letter): the
+    // MAC covers what is sent, so the worker reads it and refuses the tier, not the router.
+    let (status, answer) = raw_flush(&r, "?tier='d\u{e9}vice'").await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("expected `device` or `all`"), "{answer}");
+    assert!(used(&prefill) > 0 && used(&decode) > 0);
     let ok = flush(&r).await.unwrap();
     assert_eq!(ok.status(), 200);
     for w in [&prefill, &decode] {
-        assert_eq!(w.state.engine.snapshot().device.pages_used, 0, "{}", w.url);
+        assert_eq!(used(w), 0, "{}", w.url);
     }
+}
+
+/// `POST /flush_cache{query}` with the admin key, the query sent byte for byte as given (an
+/// HTTP client would encode it first): the status and the whole answer.
+async fn raw_flush(router: &str, query: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = router.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /flush_cache{query} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer op\r\n\
+         content-length: 0\r\nconnection: close\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let out = String::from_utf8_lossy(&out).into_owned();
+    let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
+    (status, out)
 }

@@ -77,10 +77,12 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
     w.stop().await;
 }
 
-/// A router on the workers with admin key `admin` (None: without `--admin-key`).
-async fn router_on(workers: &[String], admin: Option<&str>) -> String {
+/// A router on the workers with admin key `admin` (None: without `--admin-key`) and client
+/// API key `client` (None: open).
+async fn router_on(workers: &[String], admin: Option<&str>, client: Option<&str>) -> String {
     let mut st = RouterState::new(&[], workers, Policy::RoundRobin);
     st.admin_key = admin.map(String::from);
+    st.api_keys.extend(client.map(String::from));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let r = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
@@ -106,10 +108,11 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
         spawn_worker(&path, WorkerSpec::default()).await,
     );
     let urls = [a.url.clone(), b.url.clone()];
-    let (open, r, other) = (
-        router_on(&urls, None).await,
-        router_on(&urls, Some("op-key")).await,
-        router_on(&urls, Some("not-the-workers")).await,
+    let (open, r, other, keyed) = (
+        router_on(&urls, None, None).await,
+        router_on(&urls, Some("op-key"), None).await,
+        router_on(&urls, Some("not-the-workers"), None).await,
+        router_on(&urls, Some("op-key"), Some("a-client-key")).await,
     );
     let info: Value = reqwest::get(format!("{r}/tokenizer_info"))
         .await
@@ -145,6 +148,12 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
         (flush(&r, None, "", "").await.unwrap(), 401, "admin key"),
         (
             flush(&r, Some("a-client-key"), "", "").await.unwrap(),
+            401,
+            "admin key",
+        ),
+        // A client key is no admin key, on a router that has both.
+        (
+            flush(&keyed, Some("a-client-key"), "", "").await.unwrap(),
             401,
             "admin key",
         ),
@@ -184,7 +193,9 @@ async fn the_router_answers_tokenizer_info_and_flushes_every_worker() {
         "{e}"
     );
     assert!(used(&a) > 0, "the keyed worker kept its cache");
-    let ok = flush(&r, Some("op-key"), "?tier=device", "").await.unwrap();
+    let ok = flush(&keyed, Some("op-key"), "?tier=device", "")
+        .await
+        .unwrap();
     assert_eq!(ok.status(), 200);
     let v: Value = ok.json().await.unwrap();
     assert_eq!(v["workers"].as_array().unwrap().len(), 2, "{v}");

@@ -17,6 +17,11 @@ pub fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// Whether `headers` carry `Authorization: Bearer <key>` (compared with [`secret_eq`]).
+pub fn bearer_is(headers: &axum::http::HeaderMap, key: &str) -> bool {
+    bearer(headers).is_some_and(|g| secret_eq(g, key))
+}
+
 /// Compares a secret in time that does not depend on where the inputs differ.
 pub fn secret_eq(given: &str, expected: &str) -> bool {
     constant_time_eq::constant_time_eq(given.as_bytes(), expected.as_bytes())

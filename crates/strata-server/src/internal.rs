@@ -161,8 +161,7 @@ pub(crate) fn check_admin(
     let Some(key) = &st.admin_key else {
         return Ok(());
     };
-    let given = crate::error::bearer(headers);
-    if given.is_some_and(|g| crate::error::secret_eq(g, key)) {
+    if crate::error::bearer_is(headers, key) {
         Ok(())
     } else {
         Err(ApiError::new(

@@ -96,7 +96,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_router_request_duration_seconds", "histogram", "Time from a request's arrival at the router to the end of its answer (streams included)."),
     ("strata_router_added_latency_seconds", "histogram", "The router's own part of a request: arrival to the upstream request sent (key check, routing, prompt hashing)."),
     ("strata_router_upstream_errors_total", "counter", "Upstream failures by kind (connect: worker unreachable; status: a worker answered 502/503; stream: a worker's stream broke or went silent)."),
-    ("strata_router_auth_failures_total", "counter", "Requests refused for a missing or wrong API key."),
+    ("strata_router_auth_failures_total", "counter", "Requests refused for a missing or wrong key: a client API key, or the admin key of /flush_cache."),
     ("strata_router_in_flight_requests", "gauge", "Requests the router is answering now."),
     ("strata_router_index_pages", "gauge", "Pages in the cache-aware router's index, over every worker and the shared remote tier."),
     ("strata_router_index_bytes", "gauge", "Heap bytes the cache-aware router's index takes for those pages."),

@@ -101,6 +101,9 @@ impl Default for PdSide {
                 // A worker's redirect is its answer, never followed: it could send a call
                 // (its body, its cluster signature) anywhere.
                 .redirect(reqwest::redirect::Policy::none())
+                // Straight to the worker URLs the flags name: never through a proxy that
+                // `$HTTP_PROXY` names (the calls carry cluster signatures and admin keys).
+                .no_proxy()
                 .pool_idle_timeout(Duration::from_secs(4))
                 .build()
                 .expect("HTTP client"),

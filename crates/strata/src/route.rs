@@ -126,8 +126,11 @@ pub fn check(a: &RouteArgs) -> Result<Checked> {
         _ => None,
     };
     let keys = api_keys(a)?;
-    if a.admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-        bail!("--admin-key (or $STRATA_ADMIN_KEY) is empty: give a key, or leave the flag out (the router then refuses /flush_cache)");
+    if let Some(k) = &a.admin_key {
+        crate::serve::check_admin_key(k)?;
+        if keys.contains(k) {
+            bail!("--admin-key (or $STRATA_ADMIN_KEY) is also a client API key: every client holding it could flush every worker; give the admin its own key");
+        }
     }
     let addr: SocketAddr = crate::serve::socket_of("--host", &a.host, a.port)?;
     let body_limit = crate::http_args::body_limit(&a.body_limit)?;
@@ -139,7 +142,7 @@ pub fn check(a: &RouteArgs) -> Result<Checked> {
     Ok(Checked {
         policy,
         keys,
-        admin_key: a.admin_key.as_ref().map(|k| k.trim().to_string()),
+        admin_key: a.admin_key.clone(),
         addr,
         body_limit,
         limits,

@@ -475,6 +475,16 @@ fn route_refuses_bad_flags_with_the_reason() {
         (&["--api-key-file", &fifo][..], "not a regular file"),
         (&["--api-key-file", "/dev/zero"][..], "not a regular file"),
         (&["--api-key-file", &big][..], "a key file is small"),
+        // The admin key: not blank, nothing at its ends a header would lose, not a client's.
+        (
+            &["--admin-key", " "][..],
+            "--admin-key (or $STRATA_ADMIN_KEY) is empty",
+        ),
+        (&["--admin-key", "op\n"][..], "white space at an end"),
+        (
+            &["--admin-key", "sesame", "--api-key", "sesame"][..],
+            "is also a client API key",
+        ),
         // The index's memory: only with the index, and enough for a share of pages.
         (
             &["--cache-index-memory", "1GiB"][..],

@@ -348,6 +348,20 @@ fn a_slow_body_gets_408_and_the_router_keys_every_endpoint_but_the_open_ones() {
         let (status, resp) = http(rport, "GET", path, "", "");
         assert_eq!(status, 200, "{path} is open: {resp}");
     }
+    // `/flush_cache` is the admin's, and this router has no admin key: a stranger gets the 401
+    // of every keyed path, a client the 403 saying how to turn it on; each counted once.
+    let (status, resp) = http(rport, "POST", "/flush_cache", "", "");
+    assert_eq!(status, 401, "{resp}");
+    let (status, resp) = http(rport, "POST", "/flush_cache", auth, "");
+    assert_eq!(status, 403, "{resp}");
+    assert!(resp.contains("--admin-key"), "{resp}");
+    let m = http(rport, "GET", "/metrics", "", "").1;
+    for code in ["401", "403"] {
+        let line = format!(
+            r#"strata_router_http_requests_total{{route="/flush_cache",code="{code}",worker="none"}}"#
+        );
+        assert_eq!(sample(&m, &line), 1.0, "{code}: {m}");
+    }
     // A body announced and never finished: 408 after the body deadline, and the connection
     // is closed.
     let mut s = TcpStream::connect(("127.0.0.1", wport)).unwrap();
@@ -455,6 +469,7 @@ fn threads_zero_is_refused_and_an_unreachable_l3_is_a_warning_and_a_metric() {
         &["--l3", "redis://a:s3cret@127.0.0.1:1/xyz"],
         &["--l3", "disk:"],
         &["--admin-key", ""],
+        &["--admin-key", "key\n"],
         &["--record-trace", "/dev/full"],
     ] {
         let mut args = vec!["serve", "--port", "0", "--model", &m];

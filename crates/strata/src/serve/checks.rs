@@ -183,13 +183,27 @@ fn check_numbers(a: &ServeArgs) -> Result<()> {
             bail!("{flag} {v}: expected 1 to {max}");
         }
     }
-    for (flag, v) in [
-        ("--served-model-name", &a.served_model_name),
-        ("--admin-key", &a.admin_key),
-    ] {
-        if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
-            bail!("{flag} is empty: give a value, or leave the flag out");
-        }
+    if a.served_model_name
+        .as_deref()
+        .is_some_and(|v| v.trim().is_empty())
+    {
+        bail!("--served-model-name is empty: give a value, or leave the flag out");
+    }
+    if let Some(k) = &a.admin_key {
+        check_admin_key(k)?;
+    }
+    Ok(())
+}
+
+/// An admin key (`strata serve` and `strata route`, `--admin-key` or `$STRATA_ADMIN_KEY`): not
+/// blank, and nothing at its ends that a bearer header would lose (a key file's newline), so
+/// that the router and the workers given the same variable agree on it.
+pub(crate) fn check_admin_key(k: &str) -> Result<()> {
+    if k.trim().is_empty() {
+        bail!("--admin-key (or $STRATA_ADMIN_KEY) is empty: give a key, or leave the flag out");
+    }
+    if k.trim() != k {
+        bail!("--admin-key (or $STRATA_ADMIN_KEY) has white space at an end (a key file's newline?): no Authorization header could carry it; remove it");
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ use strata_server::AppState;
 
 use crate::sizing::SizingArgs;
 use cache::build_cache;
-pub(crate) use checks::socket_of;
+pub(crate) use checks::{check_admin_key, socket_of};
 use checks::{check_flags, check_staging_before_pools, prefetch_policy, Checked};
 
 #[derive(Args, Debug, Clone)]
