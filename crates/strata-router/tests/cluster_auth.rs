@@ -120,3 +120,38 @@ async fn raw_flush(router: &str, query: &str) -> (u16, String) {
     let status = out.get(9..12).and_then(|x| x.parse().ok()).unwrap_or(0);
     (status, out)
 }
+
+/// With a cluster key the router's flush carries its MAC and nothing else: the admin key stays
+/// at the router (a stand-in worker records what arrives).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_flush_carries_no_admin_key() {
+    use axum::http::HeaderMap;
+    use std::sync::Mutex;
+    let seen: Arc<Mutex<Vec<HeaderMap>>> = Arc::default();
+    let record = seen.clone();
+    let stub = axum::Router::new().route(
+        "/flush_cache",
+        axum::routing::post(move |h: HeaderMap| {
+            record.lock().unwrap().push(h);
+            async { axum::Json(json!({"flushed": "all"})) }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let worker = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, stub).await });
+    let key = ClusterKey::from_secret(&[7; 32]).unwrap();
+    let r = router_with(&key, &worker, &worker).await;
+    let ok = reqwest::Client::new()
+        .post(format!("{r}/flush_cache"))
+        .bearer_auth("op")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2, "the worker is both prefill and decode here");
+    for h in seen.iter() {
+        assert!(h.contains_key("x-strata-cluster-auth"), "{h:?}");
+        assert!(!h.contains_key("authorization"), "{h:?}");
+    }
+}
