@@ -148,13 +148,10 @@ impl Grammars {
             }
         };
         // A constraint that admits nothing (`{"$ref": "#"}`, two definitions naming each
-        // other) fails its first mask: refused here, not as a failed generation.
-        if let Err(e) = Matcher::new(Ok(parser.deep_clone())).compute_mask_or_eos() {
-            return Err(GrammarError::Invalid(format!(
-                "the constraint admits no output ({})",
-                first_line(&e.to_string())
-            )));
-        }
+        // other) fails its first mask; some of the grammar engine's limits show only once
+        // output is taken (a rule of 2,000 alternatives, a schema that forces endless output):
+        // both refused here, not as a failed generation.
+        self.probe(&parser)?;
         Ok(Compiled {
             spec: c.clone(),
             parser: Mutex::new(parser),
@@ -163,7 +160,37 @@ impl Grammars {
     }
 }
 
+/// Tokens [`Grammars::probe`] takes along a constraint's lowest allowed path.
+const PROBE_TOKENS: usize = 4;
+
 impl Grammars {
+    /// Takes up to [`PROBE_TOKENS`] tokens along the lowest allowed path of a fresh copy of
+    /// `parser` (stop tokens aside), each mask computed and each token consumed as generation
+    /// would: an error on the way refuses the constraint.
+    fn probe(&self, parser: &TokenParser) -> Result<(), GrammarError> {
+        let fail = |taken: usize, e: &dyn std::fmt::Display| {
+            let m = first_line(&e.to_string());
+            GrammarError::Invalid(match taken {
+                0 => format!("the constraint admits no output ({m})"),
+                n => {
+                    format!("the constraint fails after {n} token(s) of output ({m}); simplify it")
+                }
+            })
+        };
+        let mut m = Matcher::new(Ok(parser.deep_clone()));
+        for taken in 0..PROBE_TOKENS {
+            if m.is_stopped() {
+                break;
+            }
+            let mask = m.compute_mask_or_eos().map_err(|e| fail(taken, &e))?;
+            let Some(t) = mask.iter().find(|t| !self.ends.contains(t)) else {
+                break;
+            };
+            m.consume_token(t).map_err(|e| fail(taken + 1, &e))?;
+        }
+        Ok(())
+    }
+
     /// Whether a constraint compiles, for one the output is not held to (the schemas of
     /// tools a model may call or not): it is compiled once, and a valid one is remembered,
     /// as a client sends the same tools with every request.

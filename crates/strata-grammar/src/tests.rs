@@ -146,6 +146,34 @@ fn invalid_constraints_are_refused_with_the_reason() {
     }
 }
 
+/// Limits of the grammar engine that show only once output is taken (a rule of 2,000
+/// alternatives; a schema whose output never ends) are refused at compile time, not met by a
+/// failing generation; just under them compiles.
+#[test]
+fn constraints_that_fail_on_their_first_tokens_are_refused() {
+    let (g, _) = grammars();
+    let alternatives = |n: usize| {
+        let alts: Vec<String> = (0..n).map(|i| format!("\"a{i}\"")).collect();
+        OutputConstraint::Lark(format!("start: {}", alts.join(" | ")))
+    };
+    let endless = [
+        r##"{"type":"array","items":{"$ref":"#"},"minItems":1}"##,
+        r##"{"type":"object","properties":{"a":{"$ref":"#"}},"required":["a"]}"##,
+    ];
+    let bad = endless
+        .iter()
+        .map(|s| OutputConstraint::JsonSchema(s.to_string()))
+        .chain([alternatives(2000)]);
+    for c in bad {
+        match g.compile(&c) {
+            Err(GrammarError::Invalid(m)) => assert!(m.contains("fails after"), "{m}"),
+            Err(e) => panic!("wrong error {e}"),
+            Ok(_) => panic!("{:.80} compiled", format!("{c:?}")),
+        }
+    }
+    assert!(g.compile(&alternatives(1999)).is_ok());
+}
+
 #[test]
 fn a_compiled_constraint_starts_fresh_for_every_request() {
     let (g, tk) = grammars();

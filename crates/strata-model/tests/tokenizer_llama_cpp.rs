@@ -49,6 +49,12 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
             // Text as it is: llama.cpp's ids without specials added; a prompt: with them (BOS
             // exactly where the vocabulary adds one).
             assert_eq!(tk.encode(t).unwrap(), ids(&want["plain"]), "{pre}: {t:?}");
+            // The bound a prompt is refused by before tokenizing never exceeds the count.
+            let text_twice = t.repeat(2);
+            for x in [*t, &text_twice] {
+                let n = tk.encode(x).unwrap().len();
+                assert!(tk.fewest_tokens(x) <= n, "{pre}: {x:?} has {n} tokens");
+            }
             let prompt = tk.encode_prompt(t).unwrap();
             assert_eq!(prompt, ids(&want["special"]), "{pre}: prompt {t:?}");
         }

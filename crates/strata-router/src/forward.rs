@@ -262,6 +262,9 @@ async fn forward(
     st.forwarded.fetch_add(1, Ordering::Relaxed);
     let mut last_err = None;
     let mut previous: Option<Pair> = None;
+    // One pair at most: a retry would go back to the same workers (a queue that timed out
+    // would be waited on twice), so their answer is the answer.
+    let alone = st.decode.len() == 1 && st.prefill.len() <= 1;
     for attempt in 0..2 {
         let Some(pair) = pick_pair(&st, &body, previous.as_ref()).await else {
             return Err(ApiError::new(
@@ -285,12 +288,12 @@ async fn forward(
         match sent {
             // The worker refused the router itself (the router sends no client credentials:
             // another cluster key, or a worker --api-key): never the client's error.
-            Ok(r) if r.status() == StatusCode::UNAUTHORIZED && attempt == 1 => {
+            Ok(r) if r.status() == StatusCode::UNAUTHORIZED && (attempt == 1 || alone) => {
                 return Err(refused_the_router(&st, d, r).await);
             }
             // Worker-side failures before any token (bad gateway, unavailable, a refusal of
-            // the router) are retried.
-            Ok(r) if attempt == 0 && matches!(r.status().as_u16(), 401 | 502 | 503) => {
+            // the router) are retried on another pair.
+            Ok(r) if attempt == 0 && !alone && matches!(r.status().as_u16(), 401 | 502 | 503) => {
                 last_err = Some(failed_before_any_token(&st, &pair, r).await);
             }
             Ok(r) => return relay(&st, r, guard, d).await,

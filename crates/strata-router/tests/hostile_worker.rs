@@ -194,3 +194,50 @@ async fn a_hostile_worker_gets_json_errors_bounded_reads_and_a_timeout() {
         .to_string();
     assert!(ctype.starts_with("application/json"), "{ctype}");
 }
+
+/// A worker whose queue timed out (503 with `Retry-After`) and no other to try: its answer goes
+/// back at once, not after a second wait on the same queue; with two such workers, each is
+/// asked once and the second's answer goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_workers_503_is_not_sent_again_to_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let busy = || async {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            post(move || {
+                c.fetch_add(1, Ordering::SeqCst);
+                async {
+                    let body = r#"{"error":{"message":"waited past --max-queue-time","type":"service_unavailable"}}"#;
+                    let h = [(header::CONTENT_TYPE, "application/json"), (header::RETRY_AFTER, "7")];
+                    (axum::http::StatusCode::SERVICE_UNAVAILABLE, h, body).into_response()
+                }
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        (url, calls)
+    };
+    let chat =
+        serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let ((a, a_calls), (b, b_calls)) = (busy().await, busy().await);
+    for workers in [vec![a.clone()], vec![a, b]] {
+        let st = RouterState::new(&[], &workers, Policy::RoundRobin);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let r = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+        let answer = reqwest::Client::new()
+            .post(format!("{r}/v1/chat/completions"))
+            .json(&chat)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status().as_u16(), 503);
+        assert_eq!(answer.headers()[header::RETRY_AFTER], "7");
+    }
+    // Alone: once; then the pair of them: once each (the second's answer is the answer).
+    assert_eq!(a_calls.load(Ordering::SeqCst), 2);
+    assert_eq!(b_calls.load(Ordering::SeqCst), 1);
+}

@@ -175,7 +175,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "echo", on: On::Chat, fate: Fate::Neutral(is_false, "echo is not supported on chat"), doc: "vLLM: the last message repeated before the answer." },
     Field { name: "suffix", on: On::Completions, fate: Fate::Neutral(is_empty, "insertion (suffix) is not supported"), doc: "Text after the completion (insertion)." },
     Field { name: "include_stop_str_in_output", on: On::Both, fate: Fate::Neutral(is_false, NOT_YET), doc: "vLLM: the stop string kept in the text." },
-    Field { name: "skip_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: special tokens left out of the text (they are)." },
+    Field { name: "skip_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: special tokens left out of the text (they are: control tokens, such as the end of a turn, leave no text; their log probabilities stay)." },
     Field { name: "spaces_between_special_tokens", on: On::Both, fate: Fate::Neutral(is_true, NOT_YET), doc: "vLLM: detokenizer spacing." },
     Field { name: "response_format", on: On::Chat, fate: Fate::Supported, doc: "`text`, `json_object` (any JSON object), or `json_schema` (`{\"name\", \"schema\", \"strict\", \"description\"}`: the output validates against the schema; `strict: true` closes every object that lists its properties, as OpenAI's strict mode: no keys beyond them; a `description` is shown to the model at the end of the system message, after any tools, as ``# Response format`` / ``Answer in the JSON format `NAME`: DESCRIPTION``). Generated under a grammar (llguidance), compact: no whitespace between JSON tokens unless the schema's `x-guidance` asks. An invalid schema is a 400." },
     Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
@@ -332,7 +332,7 @@ fn check_object(
         let name = format!("{at}{k}");
         let Some(f) = table.iter().find(|f| f.name == k && f.on.covers(e)) else {
             if lenient {
-                tracing::warn!(field = %name, "unknown request field ignored (--lenient-fields)");
+                tracing::warn!(field = ?name, "unknown request field ignored (--lenient-fields)");
                 continue;
             }
             return Err(ApiError::bad_request(

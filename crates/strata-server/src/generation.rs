@@ -104,6 +104,12 @@ async fn chat_body(
     if let Some(t) = &tools {
         crate::structured::check_tool_schemas(&st, t.unheld_schemas()).await?;
     }
+    // Compiled before the prompt is tokenized: an invalid constraint is named before a prompt
+    // too long for the context (a tool's schema is shown in the prompt too).
+    let constraint = match asked {
+        Some(a) => Some(crate::structured::compile(&st, a).await?),
+        None => None,
+    };
     let shown = crate::prompt::Shown::of(
         tools.as_ref().map(|t| t.shown()),
         req.response_format.as_ref(),
@@ -114,16 +120,13 @@ async fn chat_body(
     // Only a model whose window state is kept where a continuation starts uses the shared
     // prefix (it costs a second rendering of the system part).
     let want_shared = st.engine.info().window_tokens > 0;
+    let context = Some(st.engine.info().context_length);
     let (ids, shared_prefix) = off_async(&st, move |st| {
         let tpl = st.template.as_deref();
-        let tk = &st.tokenizer;
-        crate::prompt::chat_ids_shared(tk, tpl, &messages, shown.as_ref(), want_shared)
+        let (tk, shown) = (&st.tokenizer, shown.as_ref());
+        crate::prompt::chat_ids_shared(tk, tpl, &messages, shown, want_shared, context)
     })
     .await?;
-    let constraint = match asked {
-        Some(a) => Some(crate::structured::compile(&st, a).await?),
-        None => None,
-    };
     let how = How {
         kind: Kind::Chat,
         echo: false,
@@ -258,7 +261,9 @@ async fn batch(
                     Prompt::Texts(v) => v,
                     _ => unreachable!("token prompts are matched above"),
                 };
-                let one = |t: &String| crate::prompt::encode(&st.tokenizer, t);
+                let context = Some(st.engine.info().context_length);
+                let one =
+                    |t: &String| crate::prompt::encode_within(&st.tokenizer, t, context, "prompt");
                 texts.iter().map(one).collect::<Result<Vec<_>, _>>()
             })
             .await?

@@ -197,7 +197,7 @@ pub fn chat_ids(
     messages: &[ChatMessage],
     shown: Option<&Shown>,
 ) -> Result<Vec<u32>, ApiError> {
-    chat_ids_shared(tk, tpl, messages, shown, false).map(|(ids, _)| ids)
+    chat_ids_shared(tk, tpl, messages, shown, false, None).map(|(ids, _)| ids)
 }
 
 /// [`chat_ids`], and where other conversations are expected to leave the prompt (see
@@ -208,6 +208,7 @@ pub fn chat_ids_shared(
     messages: &[ChatMessage],
     shown: Option<&Shown>,
     shared: bool,
+    context: Option<usize>,
 ) -> Result<(Vec<u32>, usize), ApiError> {
     let Some(tpl) = tpl else {
         return Err(ApiError::bad_request(
@@ -223,7 +224,7 @@ pub fn chat_ids_shared(
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-    let ids = encode(tk, &text)?;
+    let ids = encode_within(tk, &text, context, "messages")?;
     let n = match shared {
         true => shared_prefix(tk, tpl, &msgs, &ids).unwrap_or(0),
         false => 0,
@@ -307,6 +308,26 @@ fn several(n: usize) -> ApiError {
         format!("{n} prompts in one request: send one prompt per request"),
         Some("prompt"),
     )
+}
+
+/// [`encode`], for a prompt to run within `context` tokens: a text that cannot fit (its bytes
+/// alone say so, [`ModelTokenizer::fewest_tokens`]) is refused before it is tokenized, naming
+/// `field`.
+pub fn encode_within(
+    tk: &ModelTokenizer,
+    text: &str,
+    context: Option<usize>,
+    field: &str,
+) -> Result<Vec<u32>, ApiError> {
+    let fewest = tk.fewest_tokens(text);
+    if let Some(c) = context.filter(|&c| fewest > c) {
+        let m = format!(
+            "the prompt ({} bytes) has at least {fewest} tokens; the context length is {c}",
+            text.len()
+        );
+        return Err(ApiError::bad_request(m, Some(field)).with_code("context_length_exceeded"));
+    }
+    encode(tk, text)
 }
 
 pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {

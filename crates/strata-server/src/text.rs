@@ -1,12 +1,18 @@
 //! Generated ids → text deltas, as they come: multi-byte characters split over tokens are held
 //! until complete, and text that may be the start of a stop string is held until it is known
-//! not to be (a stop string found ends the text before it).
+//! not to be (a stop string found ends the text before it). Control tokens (`<|im_end|>`,
+//! `<|endoftext|>`: generated past the end with `ignore_eos`, or forced by `logit_bias`) are
+//! counted and leave no text, as `skip_special_tokens` says; their log probabilities still go
+//! out.
 
 use strata_model::ModelTokenizer;
 
 /// Incremental detokenizer for one completion.
 pub struct TextStream {
+    /// The tokens whose text is decoded (control tokens left out).
     ids: Vec<u32>,
+    /// Every token pushed, control tokens included.
+    total: usize,
     /// Decoding restarts at `prefix` (a few tokens back, for context) and text from `read`
     /// onwards is new.
     prefix: usize,
@@ -30,6 +36,7 @@ impl TextStream {
     pub fn new(stops: Vec<String>) -> TextStream {
         TextStream {
             ids: Vec::new(),
+            total: 0,
             prefix: 0,
             read: 0,
             held: String::new(),
@@ -66,6 +73,15 @@ impl TextStream {
         if self.stopped {
             return String::new();
         }
+        self.total += 1;
+        if tk.is_control(id) {
+            // No text: settled once the text before it is out.
+            if self.read == self.ids.len() {
+                self.ends.push_back((self.total, self.decoded));
+                return self.release();
+            }
+            return String::new();
+        }
         self.ids.push(id);
         let before = tk
             .decode_fragment(&self.ids[self.prefix..self.read])
@@ -84,7 +100,7 @@ impl TextStream {
         self.read = self.ids.len();
         self.held.push_str(delta);
         self.decoded += delta.len();
-        self.ends.push_back((self.read, self.decoded));
+        self.ends.push_back((self.total, self.decoded));
         self.release()
     }
 
@@ -114,7 +130,7 @@ impl TextStream {
     }
 
     fn settle_all(&mut self) {
-        self.settled = self.ids.len();
+        self.settled = self.total;
         self.ends.clear();
     }
 
@@ -134,7 +150,7 @@ impl TextStream {
     /// The held text that can go out now (all of it, or what precedes a stop string or a
     /// possible start of one).
     fn cut(&mut self) -> String {
-        if self.ids.len() < self.min_tokens {
+        if self.total < self.min_tokens {
             return std::mem::take(&mut self.held);
         }
         if let Some(at) = self
@@ -196,6 +212,43 @@ mod tests {
         }
         out += &s.finish(tk);
         (out, s.stopped())
+    }
+
+    /// Control tokens leave no text (`skip_special_tokens`), wherever they come: first, between
+    /// the bytes of one character, last; every token is still settled, and counts toward
+    /// `min_tokens`.
+    #[test]
+    fn control_tokens_leave_no_text_and_are_settled() {
+        let (_d, tk) = tk();
+        let end = tk.token_to_id("<|im_end|>").or(tk.bos).unwrap();
+        assert!(tk.is_control(end));
+        let text = "héllo 東京";
+        let ids = tk.encode(text).unwrap();
+        // A multi-byte character split over tokens: the control token between its bytes.
+        let split = (1..ids.len())
+            .find(|&i| tk.decode_fragment(&ids[..i]).unwrap().ends_with('\u{fffd}'))
+            .unwrap_or(1);
+        let mut with: Vec<u32> = vec![end];
+        with.extend(&ids[..split]);
+        with.push(end);
+        with.extend(&ids[split..]);
+        with.push(end);
+        let mut s = TextStream::new(vec![]);
+        let mut out = String::new();
+        for &id in &with {
+            out += &s.push(&tk, id);
+        }
+        out += &s.finish(&tk);
+        assert_eq!(out, tk.decode_fragment(&ids).unwrap());
+        assert!(!out.contains("<|"), "{out}");
+        assert_eq!(s.settled(), with.len());
+        // Stop strings wait for `min_tokens` counted with the control tokens.
+        let mut s = TextStream::new(vec!["llo".into()]).with_min_tokens(2);
+        let mut out = s.push(&tk, end);
+        for &id in &ids {
+            out += &s.push(&tk, id);
+        }
+        assert!(s.stopped() && out.starts_with("hé"), "{out}");
     }
 
     #[test]

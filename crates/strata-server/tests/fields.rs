@@ -163,5 +163,24 @@ async fn a_null_stream_is_false_and_a_long_prompt_is_named_by_its_own_field() {
         json!({"messages": [{"role": "user", "content": "hi ".repeat(context)}], "max_tokens": 1});
     let (st, p, m) = send(&c, &w.url, Endpoint::Chat, &b).await;
     assert_eq!((st, p), (400, json!("messages")), "{m}");
+    // A text whose bytes alone say it cannot fit is refused before it is tokenized.
+    let huge = "9".repeat(context * 256);
+    assert!(w.state.tokenizer.fewest_tokens(&huge) > context);
+    for (e, b, field) in [
+        (
+            Endpoint::Completions,
+            json!({"prompt": huge, "max_tokens": 1}),
+            "prompt",
+        ),
+        (
+            Endpoint::Chat,
+            json!({"messages": [{"role": "user", "content": huge}], "max_tokens": 1}),
+            "messages",
+        ),
+    ] {
+        let (st, p, m) = send(&c, &w.url, e, &b).await;
+        assert_eq!((st, p), (400, json!(field)), "{m}");
+        assert!(m.contains("has at least"), "{m}");
+    }
     w.stop().await;
 }

@@ -102,6 +102,14 @@ pub struct Checked {
     index: Option<(PathBuf, IndexLimits, String)>,
 }
 
+impl Checked {
+    /// One of the client API keys, if the router asks for one (`strata up`'s smoke test sends
+    /// it).
+    pub fn a_client_key(&self) -> Option<String> {
+        self.keys.iter().min().cloned()
+    }
+}
+
 /// Checks every flag and combination (`strata up` does too, before any worker starts).
 pub fn check(a: &RouteArgs) -> Result<Checked> {
     let Some(policy) = Policy::parse(&a.policy) else {

@@ -153,7 +153,8 @@ fn a_tp2_prefill_and_tp1_decode_answer_and_a_killed_worker_is_restarted() {
 }
 
 /// A decode worker whose engine thread dies (fault injection: a prompt starting with token 7)
-/// exits 70 and is restarted; the router answers again. Then the worker is killed and its port
+/// exits 70 and is restarted; the router (with a client key: the smoke test sends it)
+/// answers again. Then the worker is killed and its port
 /// taken: the restart fails with a configuration error (exit 2), and `up` stops everything
 /// with the reason instead of a restart loop.
 #[test]
@@ -163,6 +164,7 @@ fn a_dead_engine_is_restarted_and_a_configuration_error_stops_up() {
 smoke_test = true
 [router]
 port = 0
+args = ["--api-key", "up-client"]
 [[prefill]]
 port = 0
 args = ["--device-mem", "16MiB"]
@@ -186,6 +188,8 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
                 "%{http_code}",
                 "-H",
                 "content-type: application/json",
+                "-H",
+                "authorization: Bearer up-client",
             ])
             .arg("-d")
             .arg(body)

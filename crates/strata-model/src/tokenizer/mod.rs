@@ -96,6 +96,10 @@ pub struct ModelTokenizer {
     types: Vec<i8>,
     /// The vocabulary is GPT-2's byte-level one (else SentencePiece's).
     byte_level: bool,
+    /// The most bytes of text one token stands for: no token's stored form is shorter than the
+    /// text it covers (a byte-level token's form spells each byte as a character of one or
+    /// two bytes; SentencePiece writes a space as `▁`, three), see [`ModelTokenizer::fewest_tokens`].
+    longest: usize,
 }
 
 fn err(e: impl std::fmt::Display) -> ModelError {
@@ -254,11 +258,7 @@ impl ModelTokenizer {
                 stop.push(id);
             }
         }
-        if let Some(id) = tk.token_to_id("<|im_end|>") {
-            if id != eos {
-                stop.push(id);
-            }
-        }
+        stop.extend(tk.token_to_id("<|im_end|>").filter(|&id| id != eos));
         Ok(ModelTokenizer {
             inner: tk,
             fragments,
@@ -269,7 +269,21 @@ impl ModelTokenizer {
             control,
             types: types.iter().map(|&t| t.clamp(0, 127) as i8).collect(),
             byte_level: model == "gpt2",
+            longest: tokens.iter().map(String::len).max().unwrap_or(1).max(1),
         })
+    }
+
+    /// A lower bound on the tokens `text` encodes to, without encoding it: its bytes over the
+    /// most any token covers (a text far over the context is refused at once, not after
+    /// seconds of tokenizing).
+    pub fn fewest_tokens(&self, text: &str) -> usize {
+        text.len().div_ceil(self.longest)
+    }
+
+    /// Whether `id` is a control token (`<|im_end|>`, `<|endoftext|>`, ...): output text
+    /// leaves it out.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.types.get(id as usize).map(|&t| i32::from(t)) == Some(TOKEN_TYPE_CONTROL)
     }
 
     /// The control tokens' texts.

@@ -155,7 +155,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     };
     // Every worker's flags and memory plan, and the deployment's sum against this machine,
     // before any process starts.
-    preflight::check(&w)?;
+    let client_key = preflight::check(&w)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -185,7 +185,7 @@ pub fn run(a: UpArgs) -> Result<()> {
     procs::wait_healthy(&rt, &client, &mut procs, n, deadline)?;
     let router_url = procs[n].url();
     if d.smoke_test {
-        if let Err(e) = smoke_test(&rt, &client, &router_url) {
+        if let Err(e) = smoke_test(&rt, &client, &router_url, client_key.as_deref()) {
             terminate(&mut procs);
             return Err(e);
         }
@@ -377,15 +377,20 @@ fn router_command(
     rargs
 }
 
-/// One chat request through the router; an error says why it failed.
+/// One chat request through the router (with a client key of its, if it asks for one); an
+/// error says why it failed.
 fn smoke_test(
     rt: &tokio::runtime::Runtime,
     client: &reqwest::Client,
     router_url: &str,
+    key: Option<&str>,
 ) -> Result<()> {
     let answer = rt.block_on(async {
-        let r = client
-            .post(format!("{router_url}/v1/chat/completions"))
+        let mut r = client.post(format!("{router_url}/v1/chat/completions"));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        let r = r
             .json(
                 &serde_json::json!({"messages": [{"role": "user", "content": "say OK"}],
                                       "max_tokens": 16, "temperature": 0}),

@@ -56,8 +56,8 @@ struct Route {
 }
 
 /// Every worker checked and planned, the deployment's host memory summed per NUMA node, and
-/// the router's flags checked.
-pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
+/// the router's flags checked; a client API key of the router's, if it asks for one.
+pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
     let d = w.d;
     // Decode workers are told the prefill workers' URLs, and the router every worker's; their
     // ports may be 0 until they start, so well-formed URLs stand in here.
@@ -71,7 +71,9 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
         .collect();
     let rargs = super::router_command(d, w.model, &w.key, &workers);
     let route = parse::<Route>("router", "strata route", rargs)?;
-    crate::route::check(&route.a).context("router")?;
+    let client_key = crate::route::check(&route.a)
+        .context("router")?
+        .a_client_key();
     let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reserve = 0u64;
     for (role, list) in [("prefill", &d.prefill), ("decode", &d.decode)] {
@@ -93,7 +95,8 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<()> {
         }
     }
     let topo = strata_mem::Topology::detect().context("reading this machine's NUMA nodes")?;
-    fits(&topo, &per_node, reserve)
+    fits(&topo, &per_node, reserve)?;
+    Ok(client_key)
 }
 
 /// A process's command line (`args`, its subcommand first) read as `program` reads its own
