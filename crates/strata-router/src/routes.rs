@@ -127,10 +127,15 @@ async fn models(State(st): St) -> Response {
     pass(&st, reqwest::Method::GET, "/v1/models", None).await
 }
 
-async fn model(State(st): St, Path(id): Path<String>) -> Response {
+async fn model(
+    State(st): St,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
     // The id travels in the path, as one segment: only what a model id can be, every byte
     // but the unreserved ones percent-encoded (a `/`, `?` or `\\` the client encoded stays
-    // in the segment), and never a dot segment (which a URL resolves to the path above).
+    // in the segment), and never a dot segment (which a URL resolves to the path above). One
+    // that is not UTF-8 is no model's: the JSON 404 too.
+    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
     let dots = id == "." || id == "..";
     if id.is_empty() || id.len() > 256 || !id.bytes().all(|b| b.is_ascii_graphic()) || dots {
         return strata_server::body::not_found(axum::http::Uri::from_static("/v1/models/"))

@@ -40,6 +40,8 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
         "%2E%2E",
         "..",
         "x%3F..%2F..%2Fcache%2Finfo",
+        "%ff",
+        "caf%C3",
     ] {
         let (st, e) = get(&format!("/v1/models/{id}")).await;
         assert_eq!(st, 404, "{id}: {e}");
@@ -48,6 +50,13 @@ async fn the_router_passes_models_tokenize_version_and_request_ids() {
             "{id}: {e}"
         );
     }
+    // An id that is not UTF-8, at the worker itself: its JSON 404 too.
+    let x = reqwest::get(format!("{}/v1/models/%ff", w.url))
+        .await
+        .unwrap();
+    assert_eq!(x.status(), 404);
+    let e: Value = x.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "model_not_found", "{e}");
     let (st, v) = get("/version").await;
     assert_eq!((st, &v["name"]), (200, &json!("strata")));
     let (st, e) = get("/no/such/route").await;

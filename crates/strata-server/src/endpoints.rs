@@ -66,8 +66,13 @@ pub async fn models(State(st): St) -> Json<Value> {
     Json(json!({"object": "list", "data": [model_card(&st)]}))
 }
 
-/// `GET /v1/models/{id}`: the served model, or a 404 naming what is served.
-pub async fn model(State(st): St, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+/// `GET /v1/models/{id}`: the served model, or a 404 naming what is served (an id that is not
+/// UTF-8 too, in the API's error shape).
+pub async fn model(
+    State(st): St,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let id = id.map_or_else(|_| "(not UTF-8)".to_string(), |Path(id)| id);
     if id != st.model_name {
         return Err(ApiError::new(
             axum::http::StatusCode::NOT_FOUND,
