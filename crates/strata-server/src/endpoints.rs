@@ -72,19 +72,24 @@ pub async fn model(
     State(st): St,
     id: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let id = id.map_or_else(|_| "(not UTF-8)".to_string(), |Path(id)| id);
-    if id != st.model_name {
-        return Err(ApiError::new(
-            axum::http::StatusCode::NOT_FOUND,
-            "not_found_error",
-            format!(
-                "the model `{id}` does not exist; this server serves `{}`",
-                st.model_name
-            ),
-        )
-        .with_code("model_not_found"));
+    match id {
+        Ok(Path(id)) if id == st.model_name => Ok(Json(model_card(&st))),
+        Ok(Path(id)) => Err(no_such_model(&st, &format!("`{id}`"))),
+        Err(_) => Err(no_such_model(&st, "named by an id that is not UTF-8")),
     }
-    Ok(Json(model_card(&st)))
+}
+
+/// The 404 of a model this server does not serve (`which`: how to name it).
+fn no_such_model(st: &AppState, which: &str) -> ApiError {
+    ApiError::new(
+        axum::http::StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!(
+            "the model {which} does not exist; this server serves `{}`",
+            st.model_name
+        ),
+    )
+    .with_code("model_not_found")
 }
 
 pub async fn version() -> Json<Value> {
