@@ -35,6 +35,41 @@ pub struct ChatTemplate {
 struct TurnMarkers {
     texts: Vec<String>,
     matcher: Option<aho_corasick::AhoCorasick>,
+    /// What a rendered prompt is split at before its text is tokenized: the markers and the
+    /// vocabulary's user-defined tokens (leftmost, longest first, as the tokenizer's own
+    /// search for special tokens).
+    splits: Splits,
+}
+
+/// Texts searched for leftmost-longest, each standing for its token.
+struct Splits {
+    texts: Vec<String>,
+    matcher: Option<aho_corasick::AhoCorasick>,
+}
+
+impl Splits {
+    fn new(texts: Vec<String>) -> Splits {
+        let matcher = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&texts)
+            .ok();
+        Splits { texts, matcher }
+    }
+
+    /// The first split at or after `from`: its start, end and text.
+    fn next(&self, text: &str, from: usize) -> Option<(usize, usize, &str)> {
+        if let Some(ac) = &self.matcher {
+            let hit = ac.find(aho_corasick::Input::new(text).span(from..text.len()))?;
+            let t = self.texts[hit.pattern().as_usize()].as_str();
+            return Some((hit.start(), hit.end(), t));
+        }
+        // No matcher could be built: each text looked for in turn (never no split).
+        self.texts
+            .iter()
+            .filter_map(|t| text[from..].find(t.as_str()).map(|at| (from + at, t)))
+            .min_by_key(|&(at, t)| (at, std::cmp::Reverse(t.len())))
+            .map(|(at, t)| (at, at + t.len(), t.as_str()))
+    }
 }
 
 impl ChatTemplate {
@@ -53,16 +88,7 @@ impl ChatTemplate {
     /// found in `text`, if any. The markers are found on the first call (one tokenizer per
     /// template).
     pub fn turn_marker_in(&self, tk: &crate::ModelTokenizer, text: &str) -> Option<&str> {
-        let m = self.markers.get_or_init(|| {
-            let texts: Vec<String> = tk
-                .control_texts()
-                .iter()
-                .filter(|t| self.source.contains(t.as_str()))
-                .cloned()
-                .collect();
-            let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
-            TurnMarkers { texts, matcher }
-        });
+        let m = self.markers(tk);
         match &m.matcher {
             Some(ac) => ac
                 .find(text)
@@ -74,6 +100,58 @@ impl ChatTemplate {
                 .find(|t| text.contains(t.as_str()))
                 .map(String::as_str),
         }
+    }
+
+    /// The markers of this template for `tk`, found on the first call.
+    fn markers(&self, tk: &crate::ModelTokenizer) -> &TurnMarkers {
+        self.markers.get_or_init(|| {
+            let texts: Vec<String> = tk
+                .control_texts()
+                .iter()
+                .filter(|t| self.source.contains(t.as_str()))
+                .cloned()
+                .collect();
+            let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
+            let mut split: Vec<String> = texts.clone();
+            split.extend(tk.user_defined_texts().iter().cloned());
+            TurnMarkers {
+                texts,
+                matcher,
+                splits: Splits::new(split),
+            }
+        })
+    }
+
+    /// The token ids of `text`, a conversation this template rendered, as a prompt (BOS first
+    /// where the vocabulary adds one): the template's turn markers are their tokens, and every
+    /// other special token written in the text (`<|endoftext|>` in a message) is read as text,
+    /// so what a message says cannot become a control token. Refuses text that still
+    /// tokenizes to a control token (a vocabulary whose merges make one).
+    pub fn encode(&self, tk: &crate::ModelTokenizer, text: &str) -> Result<Vec<u32>, ModelError> {
+        let splits = &self.markers(tk).splits;
+        let mut ids = Vec::new();
+        let mut at = 0;
+        while at < text.len() {
+            let next = splits.next(text, at);
+            let end = next.map_or(text.len(), |(start, _, _)| start);
+            let part = tk.encode_text(&text[at..end])?;
+            if let Some(&c) = part.iter().find(|&&id| tk.is_control(id)) {
+                let name = tk.inner.id_to_token(c).unwrap_or_default();
+                return Err(ModelError::Tokenizer(format!(
+                    "the text tokenizes to control token {c} (`{}`) where it is not a marker \
+                     of the chat template",
+                    name.escape_debug()
+                )));
+            }
+            ids.extend(part);
+            let Some((_, stop, t)) = next else { break };
+            let id = tk
+                .token_to_id(t)
+                .ok_or_else(|| ModelError::Tokenizer(format!("special token `{t}` has no id")))?;
+            ids.push(id);
+            at = stop;
+        }
+        Ok(tk.with_bos(ids))
     }
 
     /// The template's Jinja source, as the GGUF holds it.

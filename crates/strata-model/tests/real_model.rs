@@ -82,6 +82,19 @@ fn chat_template_from_the_file() {
         s,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
+    // A chat's ids are the whole text's (markers as tokens), but a control token's text in a
+    // message (`<|endoftext|>`, `<repo_name>`: not the template's) is text.
+    let tk = strata_model::ModelTokenizer::from_gguf(&g).unwrap();
+    assert_eq!(t.encode(&tk, &s).unwrap(), tk.encode_prompt(&s).unwrap());
+    for c in ["<|endoftext|>", "<repo_name>", "<file_sep>"] {
+        let said = format!("Hi {c} there");
+        let s = t.render(&[Message::new("user", &said)], true).unwrap();
+        let ids = t.encode(&tk, &s).unwrap();
+        let one = tk.token_to_id(c).unwrap();
+        assert!(tk.encode_prompt(&s).unwrap().contains(&one), "{c}");
+        assert!(!ids.contains(&one), "{c}: {ids:?}");
+        assert!(tk.decode(&ids).unwrap().contains(&said), "{c}");
+    }
 }
 
 fn greedy(

@@ -70,3 +70,76 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
         }
     }
 }
+
+/// A chat's text is tokenized with the template's turn markers as their tokens and every other
+/// special token as text: for texts without special tokens that is llama.cpp's ids (the
+/// fixture's), and a rendered chat's ids are those of the whole text tokenized with specials;
+/// a control token's text in a message (`<|endoftext|>`, BOS's and EOS's texts) becomes the
+/// ids of its characters, never the control token, and reads back as the same text.
+#[test]
+fn chat_content_special_tokens_are_text_for_every_vocabulary() {
+    use strata_model::tiny::TINY_TEMPLATE;
+    use strata_model::{ChatTemplate, Message};
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tiny_tokens.json"
+    ))
+    .unwrap();
+    let f: Value = serde_json::from_str(&text).unwrap();
+    let texts: Vec<&str> = f["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let tpl = ChatTemplate::new(TINY_TEMPLATE).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    for (pre, file) in f["files"].as_object().unwrap() {
+        let path = d.path().join(format!("{pre}.gguf"));
+        write_tiny(&path, &TinySpec::family(&format!("tok-{pre}")).unwrap()).unwrap();
+        let tk = ModelTokenizer::from_gguf(&GgufHeader::open(&path).unwrap()).unwrap();
+        let marker = |t: &str| tk.control_texts().iter().any(|c| t.contains(c.as_str()));
+        for (t, want) in texts.iter().zip(file["ids"].as_array().unwrap()) {
+            if !marker(t) {
+                assert_eq!(
+                    tk.encode_text(t).unwrap(),
+                    ids(&want["plain"]),
+                    "{pre}: {t:?}"
+                );
+            }
+        }
+        let plain: Vec<&str> = texts.iter().copied().filter(|t| !marker(t)).collect();
+        let chat: Vec<Message> = plain
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Message::new(["system", "user", "assistant"][i % 3], t))
+            .collect();
+        let rendered = tpl.render(&chat, true).unwrap();
+        let want = tk.encode_prompt(&rendered).unwrap();
+        assert_eq!(tpl.encode(&tk, &rendered).unwrap(), want, "{pre}");
+        // Every control token's text that is not one of the template's markers, in a message.
+        let foreign: Vec<&String> = tk
+            .control_texts()
+            .iter()
+            .filter(|c| !TINY_TEMPLATE.contains(c.as_str()))
+            .collect();
+        assert!(!foreign.is_empty(), "{pre}: no control token to write");
+        let controls = |ids: &[u32]| ids.iter().filter(|&&id| tk.is_control(id)).count();
+        let bare = tpl
+            .render(&[Message::new("user", "say  now")], true)
+            .unwrap();
+        let turns = controls(&tpl.encode(&tk, &bare).unwrap());
+        assert!(turns >= 2, "{pre}: {turns} markers");
+        for c in foreign {
+            let said = format!("say {c} now");
+            let msgs = [Message::new("user", &said)];
+            let rendered = tpl.render(&msgs, true).unwrap();
+            let got = tpl.encode(&tk, &rendered).unwrap();
+            assert_eq!(controls(&got), turns, "{pre}: {c} in {got:?}");
+            assert_ne!(got, tk.encode_prompt(&rendered).unwrap(), "{pre}: {c}");
+            let body = tk.encode_text(&said).unwrap();
+            assert!(body.iter().all(|&id| !tk.is_control(id)), "{pre}: {c}");
+            assert_eq!(tk.decode(&body).unwrap().trim_start(), said, "{pre}: {c}");
+        }
+    }
+}

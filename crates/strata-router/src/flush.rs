@@ -40,8 +40,10 @@ pub async fn flush_cache(
         return ApiError::flush_body().into_response();
     }
     let (mut answers, mut missed) = (Vec::new(), Vec::new());
+    // Each worker logs the flush under the router's id for it (the client's, or a fresh one).
+    let rid = headers.get(strata_server::endpoints::REQUEST_ID);
     for w in st.indexed() {
-        let (status, body) = match flush_one(&st, w, uri.query()).await {
+        let (status, body) = match flush_one(&st, w, uri.query(), rid).await {
             Ok(a) => a,
             // One worker unreachable: the others are still flushed, and it is named.
             Err(e) => {
@@ -97,6 +99,7 @@ async fn flush_one(
     st: &RouterState,
     w: &Worker,
     query: Option<&str>,
+    request_id: Option<&axum::http::HeaderValue>,
 ) -> Result<(u16, Bytes), String> {
     let mut url =
         reqwest::Url::parse(&format!("{}/flush_cache", w.url)).map_err(|e| e.to_string())?;
@@ -106,7 +109,10 @@ async fn flush_one(
         None => url.path().to_string(),
     };
     let build = || {
-        let req = st.client.post(url.clone()).timeout(PASS_TIMEOUT);
+        let mut req = st.client.post(url.clone()).timeout(PASS_TIMEOUT);
+        if let Some(id) = request_id {
+            req = req.header(strata_server::endpoints::REQUEST_ID, id.clone());
+        }
         match (&st.cluster_key, &st.admin_key) {
             (None, Some(k)) => req.header(header::AUTHORIZATION, format!("Bearer {k}")),
             _ => req,

@@ -122,7 +122,8 @@ async fn raw_flush(router: &str, query: &str) -> (u16, String) {
 }
 
 /// With a cluster key the router's flush carries its MAC and nothing else: the admin key stays
-/// at the router (a stand-in worker records what arrives).
+/// at the router (a stand-in worker records what arrives). Each call carries the caller's
+/// `X-Request-Id`, so the workers log the flush under it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signed_flush_carries_no_admin_key() {
     use axum::http::HeaderMap;
@@ -144,6 +145,7 @@ async fn a_signed_flush_carries_no_admin_key() {
     let ok = reqwest::Client::new()
         .post(format!("{r}/flush_cache"))
         .bearer_auth("op")
+        .header("x-request-id", "flush-42")
         .send()
         .await
         .unwrap();
@@ -153,5 +155,6 @@ async fn a_signed_flush_carries_no_admin_key() {
     for h in seen.iter() {
         assert!(h.contains_key("x-strata-cluster-auth"), "{h:?}");
         assert!(!h.contains_key("authorization"), "{h:?}");
+        assert_eq!(h.get("x-request-id").unwrap(), "flush-42", "{h:?}");
     }
 }

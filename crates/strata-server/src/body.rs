@@ -73,6 +73,52 @@ pub(crate) fn unread_key<'a>(o: &'a Value, keys: &[&str]) -> Option<&'a str> {
     m.keys().map(String::as_str).find(|k| !keys.contains(k))
 }
 
+/// Refuses an array where `paths` (a dotted path from the body, `[]` for every element of
+/// an array there) name an object: serde reads a struct from an array of its fields in order
+/// (`"stream_options": [true]`), past every check of the object's keys by name. The 400
+/// names the place (`messages[2].tool_calls[0]`).
+pub fn objects_at(body: &Value, paths: &[&str]) -> Result<(), ApiError> {
+    paths
+        .iter()
+        .try_for_each(|p| object_at(body, p, String::new()))
+}
+
+/// [`objects_at`] for one path, below `v` (found at `at`).
+fn object_at(v: &Value, path: &str, at: String) -> Result<(), ApiError> {
+    let (step, rest) = path.split_once('.').unwrap_or((path, ""));
+    let (key, every) = match step.strip_suffix("[]") {
+        Some(k) => (k, true),
+        None => (step, false),
+    };
+    let Some(v) = v.get(key) else { return Ok(()) };
+    let at = if at.is_empty() {
+        key.to_string()
+    } else {
+        format!("{at}.{key}")
+    };
+    let items: Vec<(String, &Value)> = match (every, v) {
+        (true, Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| (format!("{at}[{i}]"), x))
+            .collect(),
+        (true, _) => return Ok(()), // not an array: serde names it
+        (false, _) => vec![(at, v)],
+    };
+    for (at, x) in items {
+        if x.is_array() {
+            return Err(ApiError::bad_request(
+                format!("`{at}`: expected an object, got an array"),
+                Some(&at),
+            ));
+        }
+        if !rest.is_empty() {
+            object_at(x, rest, at)?;
+        }
+    }
+    Ok(())
+}
+
 /// [`parse_json`] for a body already parsed: the error names the field at fault.
 pub fn from_value<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(v).map_err(|e| invalid(e, || None))

@@ -165,7 +165,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "presence_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this once it appeared." },
     Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },
     Field { name: "logit_bias", on: On::Both, fate: Fate::Supported, doc: "Token id (a string) → [-100, 100] added to its logit; up to 1024 entries." },
-    Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given). Under PD the prefill worker computes the prompt once and the decode worker continues the choices from its K/V." },
+    Field { name: "n", on: On::Both, fate: Fate::Supported, doc: "1 to 16 choices at the cost of one prefill: the prompt is computed once, each choice continues from it cached (seed + index when a seed is given, wrapping past 2^64 − 1). Under PD the prefill worker computes the prompt once and the decode worker continues the choices from its K/V." },
     Field { name: "best_of", on: On::Completions, fate: Fate::Supported, doc: "n to 16 candidates (seed + index each), of which the n with the highest mean log probability per token are returned, likeliest first (best_of = n: every candidate, in order, as n alone gives them, and it may stream); the usage counts every candidate's tokens. Not streamed when best_of > n (400)." },
     // Output options.
     Field { name: "logprobs", on: On::Both, fate: Fate::Supported, doc: "Chat: `true` for each token's log probability (a number N, as vLLM takes it, is `true` with N alternatives; not with `top_logprobs`); completions: a number of alternatives (0 to 20; `true` is 0). From the distribution the choice was made from (after penalties, bias and temperature), streamed too." },
@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text.",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text. Any other special token written in it (`<|endoftext|>`, ...) is tokenized as text, never as its token (a completion's prompt reads special tokens as tokens).",
     },
     Field {
         name: "name",
@@ -253,7 +253,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "tool_call_id",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "The call a tool message answers: an earlier assistant tool call's id (400 otherwise).",
+        doc: "The call a tool message answers: an earlier assistant tool call's id that no earlier tool message answered (400 otherwise).",
     },
     Field {
         name: "function_call",
@@ -364,12 +364,30 @@ fn check_object(
     Ok(())
 }
 
+/// Where a body holds an object (a struct of `api`), never the array serde would read as one.
+const OBJECTS: &[&str] = &[
+    "stream_options",
+    "structured_outputs",
+    "response_format",
+    "response_format.json_schema",
+    "tools[]",
+    "tools[].function",
+    "messages[]",
+    "messages[].content[]",
+    "messages[].tool_calls[]",
+    "messages[].tool_calls[].function",
+];
+
 /// Checks a request body's fields (the body's JSON errors are `parse_json`'s to report).
 pub fn check(bytes: &[u8], e: Endpoint, lenient: bool) -> Result<(), ApiError> {
-    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(bytes) else {
+    let Ok(whole) = serde_json::from_slice::<Value>(bytes) else {
         return Ok(());
     };
-    check_object(&body, FIELDS, e, "", lenient)?;
+    let Value::Object(body) = &whole else {
+        return Ok(());
+    };
+    check_object(body, FIELDS, e, "", lenient)?;
+    crate::body::objects_at(&whole, OBJECTS)?;
     if let Some(Value::Object(o)) = body.get("stream_options") {
         check_object(o, STREAM_OPTION_FIELDS, e, "stream_options.", lenient)?;
         // Options of a stream, for a request that asks for none (`{}` asks for nothing).
@@ -440,6 +458,42 @@ mod tests {
                 .unwrap_or("")
                 .to_string()
         })
+    }
+
+    /// An object sent as an array of its fields (which serde would read in order, past the
+    /// checks by name) is a 400 naming where, at every depth; the object form passes.
+    #[test]
+    fn an_array_for_an_object_is_refused_naming_where() {
+        let chat = |b: &str| code(check(b.as_bytes(), Endpoint::Chat, false));
+        let call =
+            r#"{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}"#;
+        let said = format!(r#"{{"role": "assistant", "tool_calls": [{call}]}}"#);
+        let tool = r#"{"type": "function", "function": {"name": "f"}}"#;
+        let fine = format!(r#"{{"messages": [{said}], "tools": [{tool}]}}"#);
+        assert_eq!(chat(&fine), None);
+        for (body, at) in [
+            (r#"{"messages": [], "stream": true, "stream_options": [true]}"#.to_string(), "stream_options"),
+            (r#"{"messages": [], "stream_options": []}"#.to_string(), "stream_options"),
+            (r#"{"messages": [["user", "hi"]]}"#.to_string(), "messages[0]"),
+            (r#"{"messages": [{"role": "user", "content": [["text", "hi"]]}]}"#.to_string(), "messages[0].content[0]"),
+            (fine.replace(call, r#"["c", "function", {"name": "f", "arguments": "{}"}]"#), "messages[0].tool_calls[0]"),
+            (fine.replace(r#"{"name": "f", "arguments": "{}"}"#, r#"["f", "{}"]"#), "messages[0].tool_calls[0].function"),
+            (fine.replace(tool, r#"["function", {"name": "f"}]"#), "tools[0]"),
+            (fine.replace(r#"{"name": "f"}"#, r#"["f", null, null, null]"#), "tools[0].function"),
+            (r#"{"messages": [], "response_format": ["text"]}"#.to_string(), "response_format"),
+            (r#"{"messages": [], "response_format": {"type": "json_schema", "json_schema": ["n", null, null, null]}}"#.to_string(), "response_format.json_schema"),
+            (r#"{"messages": [], "structured_outputs": [null, "a+"]}"#.to_string(), "structured_outputs"),
+        ] {
+            assert_eq!(chat(&body).as_deref(), Some(at), "{body}");
+        }
+        // What serde alone makes of the first: include_usage, from the array.
+        let r: crate::api::ChatRequest =
+            serde_json::from_str(r#"{"messages": [], "stream": true, "stream_options": [true]}"#)
+                .unwrap();
+        assert_eq!(
+            r.sampling.stream_options.map(|o| o.include_usage),
+            Some(true)
+        );
     }
 
     #[test]

@@ -173,10 +173,14 @@ fn tool_parts<'a>(
         }
     }
     match (&m.tool_call_id, m.role.as_str()) {
-        (Some(id), "tool") if call_ids.contains_key(id.as_str()) => {
+        (Some(id), "tool") if call_ids.get(id.as_str()) == Some(&true) => {
             call_ids.insert(id, false);
             Ok(crate::tools::response_text(&text))
         }
+        // Two answers to one call: which one the model should read is not said.
+        (Some(id), "tool") if call_ids.contains_key(id.as_str()) => bad(format!(
+            "messages[{i}].tool_call_id `{id}` answers a call an earlier tool message answered"
+        )),
         (Some(id), "tool") => bad(format!(
             "messages[{i}].tool_call_id `{id}` answers no earlier tool call"
         )),
@@ -224,7 +228,10 @@ pub fn chat_ids_shared(
     let text = tpl
         .render(&msgs, true)
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-    let ids = encode_within(tk, &text, context, "messages")?;
+    check_fits(tk, &text, context, "messages")?;
+    let ids = tpl
+        .encode(tk, &text)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
     let n = match shared {
         true => shared_prefix(tk, tpl, &msgs, &ids).unwrap_or(0),
         false => 0,
@@ -285,7 +292,7 @@ pub fn shared_prefix(
     let mut probe = msgs[..lead].to_vec();
     probe.push(Message::new(&next.role, ""));
     let text = tpl.render(&probe, false).ok()?;
-    let p = tk.encode_prompt(&text).ok()?;
+    let p = tpl.encode(tk, &text).ok()?;
     Some(p.iter().zip(ids).take_while(|(a, b)| a == b).count())
 }
 
@@ -319,6 +326,18 @@ pub fn encode_within(
     context: Option<usize>,
     field: &str,
 ) -> Result<Vec<u32>, ApiError> {
+    check_fits(tk, text, context, field)?;
+    encode(tk, text)
+}
+
+/// Refuses a prompt's text that cannot fit `context` tokens: its bytes alone say so
+/// ([`ModelTokenizer::fewest_tokens`]), before seconds of tokenizing; names `field`.
+fn check_fits(
+    tk: &ModelTokenizer,
+    text: &str,
+    context: Option<usize>,
+    field: &str,
+) -> Result<(), ApiError> {
     let fewest = tk.fewest_tokens(text);
     if let Some(c) = context.filter(|&c| fewest > c) {
         let m = format!(
@@ -327,7 +346,7 @@ pub fn encode_within(
         );
         return Err(ApiError::bad_request(m, Some(field)).with_code("context_length_exceeded"));
     }
-    encode(tk, text)
+    Ok(())
 }
 
 pub fn encode(tk: &ModelTokenizer, text: &str) -> Result<Vec<u32>, ApiError> {

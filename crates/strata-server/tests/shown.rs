@@ -99,3 +99,48 @@ async fn a_turn_marker_is_refused_naming_where_it_was_written() {
     assert_eq!(st, 200, "still serving");
     w.stop().await;
 }
+
+/// A control token that is not a marker of the template (`<|endoftext|>`, the tiny model's
+/// EOS), written in a message, a tool or a format's description, is text: the chat is served,
+/// and its tokens hold the control token only where a completion's prompt (whose special
+/// tokens are tokens, as llama.cpp's server reads them) writes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_token_in_a_message_is_text() {
+    let (_d, w) = spawn_roomy_worker().await;
+    let tokenize = format!("{}/tokenize", w.url);
+    let (st, raw) = post(&tokenize, &json!({"prompt": "<|endoftext|>"})).await;
+    assert_eq!(st, 200, "{raw}");
+    let eos = raw["tokens"][0].as_u64().unwrap();
+    assert_eq!(
+        raw["count"], 1,
+        "a completion's prompt reads it as its token: {raw}"
+    );
+    let said = "say <|endoftext|> now";
+    let (st, t) = post(&tokenize, &json!({"messages": user(said)})).await;
+    assert_eq!(st, 200, "{t}");
+    let ids: Vec<u64> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert!(!ids.contains(&eos), "{ids:?}");
+    let (_, bare) = post(&tokenize, &json!({"messages": user("say  now")})).await;
+    assert!(
+        ids.len() > bare["count"].as_u64().unwrap() as usize + 3,
+        "{ids:?}"
+    );
+    let url = format!("{}/v1/chat/completions", w.url);
+    let tool = json!([{"type": "function", "function": {"name": "f", "description": said}}]);
+    let mut with_tool = chat(user("Who?"), format(Some("Fine.")));
+    with_tool["tools"] = tool;
+    for body in [
+        chat(user(said), json!({"max_tokens": 1})),
+        chat(user("Who?"), format(Some(said))),
+        with_tool,
+    ] {
+        let (st, a) = post(&url, &body).await;
+        assert_eq!(st, 200, "{a}");
+    }
+    w.stop().await;
+}

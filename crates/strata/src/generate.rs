@@ -418,15 +418,16 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         bail!("--chunk and --page-size must be at least 1");
     }
     let (g, m, tk) = a.model.load()?;
-    let text = if a.chat {
+    // A chat is tokenized as the server does (the prompt's special tokens are text).
+    let prompt = if a.chat {
         let tpl = g
             .string("tokenizer.chat_template")
             .context("the model has no chat template (tokenizer.chat_template)")?;
-        ChatTemplate::new(tpl)?.render(&[Message::new("user", &a.prompt)], true)?
+        let tpl = ChatTemplate::new(tpl)?;
+        tpl.encode(&tk, &tpl.render(&[Message::new("user", &a.prompt)], true)?)?
     } else {
-        a.prompt.clone()
+        tk.encode_prompt(&a.prompt)?
     };
-    let prompt = tk.encode_prompt(&text)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }

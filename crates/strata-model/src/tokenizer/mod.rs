@@ -92,6 +92,8 @@ pub struct ModelTokenizer {
     /// The control tokens' texts (`<|im_start|>`, `<|eot_id|>`, ...): written in a text,
     /// each is its id (see [`crate::ChatTemplate::turn_marker_in`]).
     control: Vec<String>,
+    /// The user-defined tokens' texts (read as their ids in any text, as llama.cpp does).
+    user_defined: Vec<String>,
     /// Each token's GGUF type (a byte: the types are 1 to 6), for [`ModelTokenizer::token_bytes`].
     types: Vec<i8>,
     /// The vocabulary is GPT-2's byte-level one (else SentencePiece's).
@@ -194,6 +196,32 @@ fn vocabulary(g: &GgufHeader) -> Result<(Vec<String>, Vec<i32>), ModelError> {
     Ok((tokens, types))
 }
 
+/// The control tokens' texts, the user-defined tokens' texts, and every token the tokenizer
+/// reads as special (unknown, control and user-defined: written in a text, each is its id).
+fn special_tokens(tokens: &[String], types: &[i32]) -> (Vec<String>, Vec<String>, Vec<AddedToken>) {
+    let of = |kind: i32| -> Vec<String> {
+        tokens
+            .iter()
+            .zip(types)
+            .filter(|(s, &t)| t == kind && !s.is_empty())
+            .map(|(s, _)| s.clone())
+            .collect()
+    };
+    let specials = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, &t)| {
+            t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED || t == TOKEN_TYPE_UNKNOWN
+        })
+        .map(|(s, _)| AddedToken::from(s.clone(), true))
+        .collect();
+    (
+        of(TOKEN_TYPE_CONTROL),
+        of(TOKEN_TYPE_USER_DEFINED),
+        specials,
+    )
+}
+
 impl ModelTokenizer {
     pub fn from_gguf(g: &GgufHeader) -> Result<ModelTokenizer, ModelError> {
         let model = g.string("tokenizer.ggml.model").unwrap_or("");
@@ -214,20 +242,7 @@ impl ModelTokenizer {
                 )))
             }
         };
-        let control: Vec<String> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(s, &t)| t == TOKEN_TYPE_CONTROL && !s.is_empty())
-            .map(|(s, _)| s.clone())
-            .collect();
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| {
-                t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED || t == TOKEN_TYPE_UNKNOWN
-            })
-            .map(|(s, _)| AddedToken::from(s.clone(), true))
-            .collect();
+        let (control, user_defined, specials) = special_tokens(&tokens, &types);
         tk.add_special_tokens(&specials);
         if let Some(f) = &mut fragments {
             f.add_special_tokens(&specials);
@@ -267,6 +282,7 @@ impl ModelTokenizer {
             eos,
             stop,
             control,
+            user_defined,
             types: types.iter().map(|&t| t.clamp(0, 127) as i8).collect(),
             byte_level: model == "gpt2",
             longest: tokens.iter().map(String::len).max().unwrap_or(1).max(1),
@@ -302,6 +318,51 @@ impl ModelTokenizer {
             .to_vec())
     }
 
+    /// Token ids of `text` with every special token written in it read as text, as llama.cpp
+    /// tokenizes with `parse_special = false`: `<|endoftext|>` in a chat message's content is
+    /// the ids of its characters, not the control token (see [`crate::ChatTemplate::encode`],
+    /// which splits the template's own markers off first). The tokenizer's normalizer,
+    /// pre-tokenizer and model, without its search for special tokens.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        use tokenizers::{Model, Normalizer, OffsetReferential, OffsetType, PreTokenizer};
+        if text.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut s = tokenizers::PreTokenizedString::from(text);
+        if let Some(n) = self.inner.get_normalizer() {
+            s.normalize(|x| n.normalize(x)).map_err(err)?;
+        }
+        if let Some(p) = self.inner.get_pre_tokenizer() {
+            p.pre_tokenize(&mut s).map_err(err)?;
+        }
+        let model = self.inner.get_model();
+        s.tokenize(|x| model.tokenize(x.get())).map_err(err)?;
+        Ok(s.get_splits(OffsetReferential::Original, OffsetType::None)
+            .into_iter()
+            .flat_map(|(_, _, tokens)| tokens.iter().flatten().map(|t| t.id))
+            .collect())
+    }
+
+    /// `ids` of a prompt with the BOS token first where the vocabulary adds one (and `ids` do
+    /// not already start with it), as [`ModelTokenizer::encode_prompt`] has it.
+    pub fn with_bos(&self, ids: Vec<u32>) -> Vec<u32> {
+        match self.bos {
+            Some(b) if self.add_bos && ids.first() != Some(&b) => {
+                let mut v = Vec::with_capacity(ids.len() + 1);
+                v.push(b);
+                v.extend(ids);
+                v
+            }
+            _ => ids,
+        }
+    }
+
+    /// The user-defined tokens' texts: llama.cpp reads them as their ids even where special
+    /// tokens are text.
+    pub fn user_defined_texts(&self) -> &[String] {
+        &self.user_defined
+    }
+
     /// Token ids of a fragment of output text (a grammar's forced bytes): as [`encode`], but a
     /// SentencePiece vocabulary puts no space before it.
     ///
@@ -319,16 +380,7 @@ impl ModelTokenizer {
     /// text that starts with the BOS token's own text gets no second one, where llama.cpp
     /// would add it and warn).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ModelError> {
-        let ids = self.encode(text)?;
-        match self.bos {
-            Some(b) if self.add_bos && ids.first() != Some(&b) => {
-                let mut v = Vec::with_capacity(ids.len() + 1);
-                v.push(b);
-                v.extend(ids);
-                Ok(v)
-            }
-            _ => Ok(ids),
-        }
+        Ok(self.with_bos(self.encode(text)?))
     }
 
     /// Text of `ids` (special tokens included), as a whole text: a SentencePiece vocabulary's

@@ -113,7 +113,9 @@ pub fn parse(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
         )),
         None => {
             m.retain(|k, _| FIELDS.contains(&k.as_str()));
-            crate::body::from_value(Value::Object(m))
+            let m = Value::Object(m);
+            crate::body::objects_at(&m, &["text"])?;
+            crate::body::from_value(m)
         }
     }
 }
@@ -598,6 +600,14 @@ mod tests {
 
     /// Every nested object's keys are read or refused by name, never dropped; an earlier
     /// answer's items sent back (with their `id`, `status`, empty `annotations`) are taken.
+    /// `text` as an array (serde would read `format` from it) is refused by name.
+    #[test]
+    fn text_options_as_an_array_are_refused() {
+        let e = parse(br#"{"input": "hi", "text": [{"type": "json_object"}]}"#).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "text", "{}", e.body());
+        assert!(parse(br#"{"input": "hi", "text": {"format": {"type": "text"}}}"#).is_ok());
+    }
+
     #[test]
     fn nested_keys_are_refused_by_name() {
         let tool = r#"{"type": "function", "name": "f", "parameters": {"type": "object"}"#;
