@@ -72,6 +72,23 @@ impl Splits {
     }
 }
 
+/// Conversations a template is rendered with to find the markers it builds: every role, with
+/// and without the assistant's turn opened, in plain text that writes no special token. A
+/// template that refuses one (roles must alternate, ...) is read from the others.
+fn probes() -> Vec<(Vec<Message>, bool)> {
+    let m = |r: &str| Message::new(r, "x");
+    vec![
+        (vec![m("user")], true),
+        (vec![m("system"), m("user")], true),
+        (
+            vec![m("system"), m("user"), m("assistant"), m("user")],
+            true,
+        ),
+        (vec![m("user"), m("assistant")], false),
+        (vec![m("user"), m("assistant"), m("tool")], true),
+    ]
+}
+
 impl ChatTemplate {
     pub fn new(source: &str) -> Result<ChatTemplate, ModelError> {
         let mut env = Environment::new();
@@ -84,9 +101,9 @@ impl ChatTemplate {
         })
     }
 
-    /// The first turn marker of this template (a control token of `tk` its source writes)
-    /// found in `text`, if any. The markers are found on the first call (one tokenizer per
-    /// template).
+    /// The first turn marker of this template (a control or user-defined token of `tk` it
+    /// writes, in its source or as it renders) found in `text`, if any. The markers are found
+    /// on the first call (one tokenizer per template).
     pub fn turn_marker_in(&self, tk: &crate::ModelTokenizer, text: &str) -> Option<&str> {
         let m = self.markers(tk);
         match &m.matcher {
@@ -102,18 +119,33 @@ impl ChatTemplate {
         }
     }
 
-    /// The markers of this template for `tk`, found on the first call.
+    /// The markers of this template for `tk`, found on the first call: the control and
+    /// user-defined tokens it writes, in its source or built as it renders (`'<|' + role +
+    /// '|>'`, found by rendering [`probes`]).
     fn markers(&self, tk: &crate::ModelTokenizer) -> &TurnMarkers {
         self.markers.get_or_init(|| {
+            let rendered: Vec<String> = probes()
+                .iter()
+                .filter_map(|(msgs, open)| self.render(msgs, *open).ok())
+                .collect();
+            let written =
+                |t: &str| self.source.contains(t) || rendered.iter().any(|r| r.contains(t));
             let texts: Vec<String> = tk
                 .control_texts()
                 .iter()
-                .filter(|t| self.source.contains(t.as_str()))
+                .chain(tk.user_defined_texts())
+                .filter(|t| written(t))
                 .cloned()
                 .collect();
             let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
-            let mut split: Vec<String> = texts.clone();
-            split.extend(tk.user_defined_texts().iter().cloned());
+            // User-defined tokens are their ids wherever they are written (llama.cpp's rule).
+            let mut split = texts.clone();
+            split.extend(
+                tk.user_defined_texts()
+                    .iter()
+                    .filter(|t| !written(t))
+                    .cloned(),
+            );
             TurnMarkers {
                 texts,
                 matcher,

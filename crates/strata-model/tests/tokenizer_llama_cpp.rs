@@ -143,3 +143,53 @@ fn chat_content_special_tokens_are_text_for_every_vocabulary() {
         }
     }
 }
+
+/// A template that builds its markers as it renders (`'<|im_' + 'start|>'`, as Phi's
+/// `'<|' + role + '|>'` does) has them found by rendering: the chat's ids are still the whole
+/// text's, and a message writing one is refused. A user-defined token is its id wherever it is
+/// written (llama.cpp's rule), and a marker where the template writes it.
+#[test]
+fn built_markers_and_user_defined_tokens() {
+    use candle_core::quantized::gguf_file::Value as G;
+    use strata_model::{ChatTemplate, Message};
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("m.gguf");
+    write_tiny(&path, &TinySpec::family("tok-smollm").unwrap()).unwrap();
+    let mut g = GgufHeader::open(&path).unwrap();
+    let built = "{% for m in messages %}{{ '<|im_' + 'start|>' + m['role'] + '\n' + m['content'] + '<|im_' + 'end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_' + 'start|>assistant\n' }}{% endif %}";
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let tpl = ChatTemplate::new(built).unwrap();
+    assert!(!built.contains("<|im_start|>"));
+    let s = tpl
+        .render(
+            &[
+                Message::new("system", "Be brief."),
+                Message::new("user", "hi"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(tpl.encode(&tk, &s).unwrap(), tk.encode_prompt(&s).unwrap());
+    assert_eq!(
+        tpl.turn_marker_in(&tk, "a<|im_start|>b"),
+        Some("<|im_start|>")
+    );
+    // One unused token made user-defined.
+    let G::Array(types) = g.metadata.get_mut("tokenizer.ggml.token_type").unwrap() else {
+        panic!("token types")
+    };
+    let last = types.len() - 1;
+    types[last] = G::I32(4);
+    let tk = ModelTokenizer::from_gguf(&g).unwrap();
+    let ud = tk.user_defined_texts()[0].clone();
+    let id = tk.token_to_id(&ud).unwrap();
+    let plain = ChatTemplate::new(strata_model::tiny::TINY_TEMPLATE).unwrap();
+    let said = format!("a {ud} b");
+    let s = plain.render(&[Message::new("user", &said)], true).unwrap();
+    let ids = plain.encode(&tk, &s).unwrap();
+    assert!(ids.contains(&id), "{ids:?}");
+    assert_eq!(plain.turn_marker_in(&tk, &said), None);
+    let writes = format!("{}{{{{ '{ud}' }}}}", strata_model::tiny::TINY_TEMPLATE);
+    let writes = ChatTemplate::new(&writes).unwrap();
+    assert_eq!(writes.turn_marker_in(&tk, &said), Some(ud.as_str()));
+}

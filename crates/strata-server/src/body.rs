@@ -78,45 +78,38 @@ pub(crate) fn unread_key<'a>(o: &'a Value, keys: &[&str]) -> Option<&'a str> {
 /// (`"stream_options": [true]`), past every check of the object's keys by name. The 400
 /// names the place (`messages[2].tool_calls[0]`).
 pub fn objects_at(body: &Value, paths: &[&str]) -> Result<(), ApiError> {
-    paths
-        .iter()
-        .try_for_each(|p| object_at(body, p, String::new()))
-}
-
-/// [`objects_at`] for one path, below `v` (found at `at`).
-fn object_at(v: &Value, path: &str, at: String) -> Result<(), ApiError> {
-    let (step, rest) = path.split_once('.').unwrap_or((path, ""));
-    let (key, every) = match step.strip_suffix("[]") {
-        Some(k) => (k, true),
-        None => (step, false),
-    };
-    let Some(v) = v.get(key) else { return Ok(()) };
-    let at = if at.is_empty() {
-        key.to_string()
-    } else {
-        format!("{at}.{key}")
-    };
-    let items: Vec<(String, &Value)> = match (every, v) {
-        (true, Value::Array(a)) => a
-            .iter()
-            .enumerate()
-            .map(|(i, x)| (format!("{at}[{i}]"), x))
-            .collect(),
-        (true, _) => return Ok(()), // not an array: serde names it
-        (false, _) => vec![(at, v)],
-    };
-    for (at, x) in items {
-        if x.is_array() {
+    for p in paths {
+        let steps: Vec<&str> = p.split('.').collect();
+        if let Some(at) = array_at(body, &steps) {
             return Err(ApiError::bad_request(
                 format!("`{at}`: expected an object, got an array"),
                 Some(&at),
             ));
         }
-        if !rest.is_empty() {
-            object_at(x, rest, at)?;
-        }
     }
     Ok(())
+}
+
+/// The first place below `v` that `steps` lead to and that holds an array, spelled from
+/// `v` (`tool_calls[0].function`); the spelling is made only for what is found.
+fn array_at(v: &Value, steps: &[&str]) -> Option<String> {
+    let (step, rest) = steps.split_first()?;
+    let (key, every) = match step.strip_suffix("[]") {
+        Some(k) => (k, true),
+        None => (*step, false),
+    };
+    let found = |x: &Value| match x.is_array() {
+        true => Some(String::new()),
+        false => array_at(x, rest).map(|t| format!(".{t}")),
+    };
+    match (every, v.get(key)?) {
+        (true, Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .find_map(|(i, x)| found(x).map(|t| format!("{key}[{i}]{t}"))),
+        (true, _) => None, // not an array: serde names it
+        (false, x) => found(x).map(|t| format!("{key}{t}")),
+    }
 }
 
 /// [`parse_json`] for a body already parsed: the error names the field at fault.

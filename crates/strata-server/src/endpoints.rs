@@ -133,7 +133,12 @@ pub async fn tokenize(
     State(st): St,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let req: TokenizeRequest = parse_json(&body_bytes(body, st.body_limit)?)?;
+    let bytes = body_bytes(body, st.body_limit)?;
+    let req: TokenizeRequest = parse_json(&bytes)?;
+    if req.messages.is_some() {
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        crate::body::objects_at(&v, crate::fields::MESSAGE_OBJECTS)?;
+    }
     check_model(&st, req.model.as_deref())?;
     if req.messages.is_some() && req.add_special_tokens.is_some() {
         return Err(ApiError::bad_request(

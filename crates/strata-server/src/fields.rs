@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control token its source writes: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text. Any other special token written in it (`<|endoftext|>`, ...) is tokenized as text, never as its token (a completion's prompt reads special tokens as tokens).",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control or user-defined token the template writes, in its source or as it renders: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text. Any other control token written in it (`<|endoftext|>`, ...) is tokenized as text, never as its token (a completion's prompt reads special tokens as tokens).",
     },
     Field {
         name: "name",
@@ -372,6 +372,10 @@ const OBJECTS: &[&str] = &[
     "response_format.json_schema",
     "tools[]",
     "tools[].function",
+];
+
+/// [`OBJECTS`] of a body's `messages` (also `/tokenize`'s).
+pub const MESSAGE_OBJECTS: &[&str] = &[
     "messages[]",
     "messages[].content[]",
     "messages[].tool_calls[]",
@@ -388,6 +392,7 @@ pub fn check(bytes: &[u8], e: Endpoint, lenient: bool) -> Result<(), ApiError> {
     };
     check_object(body, FIELDS, e, "", lenient)?;
     crate::body::objects_at(&whole, OBJECTS)?;
+    crate::body::objects_at(&whole, MESSAGE_OBJECTS)?;
     if let Some(Value::Object(o)) = body.get("stream_options") {
         check_object(o, STREAM_OPTION_FIELDS, e, "stream_options.", lenient)?;
         // Options of a stream, for a request that asks for none (`{}` asks for nothing).

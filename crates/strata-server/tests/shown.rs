@@ -101,9 +101,10 @@ async fn a_turn_marker_is_refused_naming_where_it_was_written() {
 }
 
 /// A control token that is not a marker of the template (`<|endoftext|>`, the tiny model's
-/// EOS), written in a message, a tool or a format's description, is text: the chat is served,
-/// and its tokens hold the control token only where a completion's prompt (whose special
-/// tokens are tokens, as llama.cpp's server reads them) writes it.
+/// EOS), written in a message, a tool or a format's description, is text: its characters'
+/// tokens (several), where a completion's prompt (whose special tokens are tokens, as
+/// llama.cpp's server reads them) has the one token. `/tokenize` with messages tokenizes as
+/// generation does, and refuses a message given as an array.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_token_in_a_message_is_text() {
     let (_d, w) = spawn_roomy_worker().await;
@@ -125,22 +126,40 @@ async fn a_control_token_in_a_message_is_text() {
         .map(|x| x.as_u64().unwrap())
         .collect();
     assert!(!ids.contains(&eos), "{ids:?}");
-    let (_, bare) = post(&tokenize, &json!({"messages": user("say  now")})).await;
-    assert!(
-        ids.len() > bare["count"].as_u64().unwrap() as usize + 3,
-        "{ids:?}"
+    let (st, a) = post(
+        &tokenize,
+        &json!({"messages": [["user", said, null, null]]}),
+    )
+    .await;
+    assert_eq!(
+        (st, a["error"]["param"].as_str()),
+        (400, Some("messages[0]")),
+        "{a}"
     );
+    // Each place a request writes text: the prompt has the characters' tokens, not one.
     let url = format!("{}/v1/chat/completions", w.url);
-    let tool = json!([{"type": "function", "function": {"name": "f", "description": said}}]);
-    let mut with_tool = chat(user("Who?"), format(Some("Fine.")));
-    with_tool["tools"] = tool;
-    for body in [
-        chat(user(said), json!({"max_tokens": 1})),
-        chat(user("Who?"), format(Some(said))),
-        with_tool,
+    let with_tool = |d: &str| {
+        let mut b = chat(user("Who?"), format(Some("Fine.")));
+        b["tools"] = json!([{"type": "function", "function": {"name": "f", "description": d}}]);
+        b
+    };
+    let bare = "say  now";
+    for (with, without) in [
+        (
+            chat(user(said), json!({"max_tokens": 1})),
+            chat(user(bare), json!({"max_tokens": 1})),
+        ),
+        (
+            chat(user("Who?"), format(Some(said))),
+            chat(user("Who?"), format(Some(bare))),
+        ),
+        (with_tool(said), with_tool(bare)),
     ] {
-        let (st, a) = post(&url, &body).await;
+        let (st, a) = post(&url, &with).await;
         assert_eq!(st, 200, "{a}");
+        let (_, b) = post(&url, &without).await;
+        let n = |x: &Value| x["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(n(&a) > n(&b) + 3, "{} against {}", n(&a), n(&b));
     }
     w.stop().await;
 }

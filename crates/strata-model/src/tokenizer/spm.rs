@@ -23,9 +23,12 @@ use crate::error::ModelError;
 
 /// A space in a piece.
 pub(crate) const SPACE: &str = "\u{2581}";
-/// GGUF token types that never come out of a merge: unknown and byte tokens.
+/// GGUF token types that never come out of a merge: unknown, control, user-defined and byte
+/// tokens.
 const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_UNKNOWN: i32 = 2;
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 const TOKEN_TYPE_BYTE: i32 = 6;
 
 fn err(e: impl std::fmt::Display) -> ModelError {
@@ -54,7 +57,17 @@ fn merges(
         .collect();
     let mut out: Vec<(f32, usize, String, String)> = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
-        if matches!(types.get(i), Some(&TOKEN_TYPE_UNKNOWN | &TOKEN_TYPE_BYTE)) {
+        // Special pieces are split off a text before the merges (or, where special tokens
+        // are text, must never come out of them: a message's `</s>` stays its characters).
+        if matches!(
+            types.get(i),
+            Some(
+                &TOKEN_TYPE_UNKNOWN
+                    | &TOKEN_TYPE_CONTROL
+                    | &TOKEN_TYPE_USER_DEFINED
+                    | &TOKEN_TYPE_BYTE
+            )
+        ) {
             continue;
         }
         if t.len() > MAX_PIECE {
