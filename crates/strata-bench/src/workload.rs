@@ -10,7 +10,7 @@ use thiserror::Error;
 pub enum WorkloadError {
     #[error("{what} must be at least 1 (got {got})")]
     Zero { what: &'static str, got: usize },
-    #[error("{what} must be a finite number > 0 (got {got})")]
+    #[error("{what} must be a number > 0 and at most {MAX_SCALE} (got {got:e})")]
     Scale { what: &'static str, got: f64 },
     #[error("trace {path}: {msg}")]
     Trace { path: String, msg: String },
@@ -236,6 +236,11 @@ pub struct TimedRequest {
     pub session: Option<u64>,
 }
 
+/// Largest length or time scale (past it a value is a typo).
+const MAX_SCALE: f64 = 1e6;
+/// Latest arrival a replay waits for, in µs (a week).
+const MAX_REPLAY_US: f64 = 7.0 * 86_400.0 * 1e6;
+
 impl TraceReplay {
     pub fn check(&self) -> Result<(), WorkloadError> {
         nonzero("block tokens", self.block_tokens)?;
@@ -245,7 +250,7 @@ impl TraceReplay {
             ("length scale", self.length_scale),
             ("time scale", self.time_scale),
         ] {
-            if !(got > 0.0 && got.is_finite()) {
+            if !(got > 0.0 && got <= MAX_SCALE) {
                 return Err(WorkloadError::Scale { what, got });
             }
         }
@@ -287,8 +292,19 @@ impl TraceReplay {
                         r.timestamp_ms
                     )));
                 };
+                let at_us = dt as f64 * self.time_scale * 1e3;
+                if at_us > MAX_REPLAY_US {
+                    return Err(err(format!(
+                        "request {}: timestamp {} arrives {:.0} s after the first request's \
+                         ({t0}) × the time scale: a replay lasts at most a week (timestamps are \
+                         milliseconds)",
+                        i + 1,
+                        r.timestamp_ms,
+                        at_us / 1e6
+                    )));
+                }
                 Ok(TimedRequest {
-                    at_us: (dt as f64 * self.time_scale * 1e3) as u64,
+                    at_us: at_us as u64,
                     prompt: strata_sim::tokens::request_tokens(
                         &r.hash_ids,
                         len,
@@ -435,6 +451,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("trace /nonexistent"));
+        let huge = TraceReplay {
+            time_scale: 1e300,
+            ..t.clone()
+        };
+        let e = huge.requests().unwrap_err().to_string();
+        assert!(
+            e.starts_with("time scale must be a number > 0 and at most"),
+            "{e}"
+        );
+        // A timestamp a replay would wait on for ever (584,000 years at 2^64 - 1 ms).
+        let d = std::env::temp_dir().join(format!("strata-bench-late-{}", std::process::id()));
+        std::fs::write(
+            &d,
+            "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+             {\"timestamp\": 18446744073709551615, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        )
+        .unwrap();
+        let late = TraceReplay {
+            path: d.clone(),
+            ..t
+        };
+        let e = late.requests().unwrap_err().to_string();
+        std::fs::remove_file(&d).unwrap();
+        assert!(
+            e.contains("request 2: timestamp 18446744073709551615 arrives"),
+            "{e}"
+        );
     }
 
     #[test]

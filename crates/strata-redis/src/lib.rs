@@ -71,9 +71,6 @@ pub struct RedisStorage {
     measured: Arc<Mutex<measure::Measured>>,
     /// Batches fail at once while Redis does not reply ([`breaker`]).
     breaker: breaker::Breaker,
-    /// Bad values dropped since they were last logged, and when that was (whoever can write
-    /// to Redis must not be able to flood the log: at most a line a minute).
-    dropped: Mutex<strata_kv::stats::Throttled>,
 }
 
 /// The tier's own runtime. Dropped without waiting for its threads: the last holder of the
@@ -106,6 +103,40 @@ enum Backend {
 pub(crate) struct Op {
     pub key: String,
     pub cmd: redis::Cmd,
+    /// What the command answers when it works.
+    pub reply: Reply,
+}
+
+/// The kind of reply a command gives when it works: another (from something that is not
+/// Redis, or a proxy in between) is a failed operation, counted, never a miss said quietly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// `EXISTS`, `DEL`.
+    Int,
+    /// `GETRANGE` (a missing key: empty; `Nil` taken too).
+    Bytes,
+    /// `SET`: `OK`.
+    Done,
+}
+
+impl Reply {
+    fn of(command: &str) -> Reply {
+        match command {
+            "EXISTS" | "DEL" => Reply::Int,
+            "GETRANGE" => Reply::Bytes,
+            _ => Reply::Done,
+        }
+    }
+
+    /// Whether `v` is this kind of reply (a server error is judged apart).
+    fn fits(self, v: &redis::Value) -> bool {
+        use redis::Value as V;
+        match self {
+            Reply::Int => matches!(v, V::Int(_)),
+            Reply::Bytes => matches!(v, V::BulkString(_) | V::Nil),
+            Reply::Done => matches!(v, V::Okay) || matches!(v, V::SimpleString(s) if s == "OK"),
+        }
+    }
 }
 
 pub(crate) fn unavailable(e: impl std::fmt::Display) -> StorageError {
@@ -245,7 +276,6 @@ impl RedisStorage {
             stats: Mutex::new(StorageStats::default()),
             measured: Arc::default(),
             breaker: breaker::Breaker::new(),
-            dropped: Mutex::new(strata_kv::stats::Throttled::new(Duration::from_secs(60))),
         })
     }
 
@@ -332,6 +362,7 @@ impl RedisStorage {
         }
         let timeout = self.timeout;
         let n = ops.len();
+        let expected: Vec<Reply> = ops.iter().map(|o| o.reply).collect();
         if let Err(why) = self.breaker.allow(std::time::Instant::now()) {
             self.count(|s| s.errors += 1);
             return (0..n).map(|_| Err(unavailable(&why))).collect();
@@ -364,11 +395,12 @@ impl RedisStorage {
         let reached = out.iter().any(|r| r.is_ok());
         self.breaker.record(reached, std::time::Instant::now());
         // A command's own server error (CLUSTERDOWN, LOADING, OOM, NOPERM...) is a failure
-        // too; WRONGTYPE is a foreign key, counted as corrupt by the reader.
-        let failed = out.iter().any(|r| match r {
+        // too, and so is a reply of another kind than the command's; WRONGTYPE is a foreign
+        // key, counted as corrupt by the reader.
+        let failed = out.iter().zip(&expected).any(|(r, want)| match r {
             Err(_) => true,
             Ok(redis::Value::ServerError(e)) => e.code() != "WRONGTYPE",
-            Ok(_) => false,
+            Ok(v) => !want.fits(v),
         });
         let timed_out = out
             .iter()
@@ -386,7 +418,8 @@ impl RedisStorage {
         let key = self.key(h);
         let mut cmd = redis::cmd(name);
         cmd.arg(&key);
-        Op { key, cmd }
+        let reply = Reply::of(name);
+        Op { key, cmd, reply }
     }
 
     fn set_ops(&self, pages: &[(PageHash, &[u8])]) -> Vec<Op> {
@@ -408,14 +441,6 @@ impl RedisStorage {
         if bad.is_empty() {
             return;
         }
-        let mut d = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(pages) = d.add(bad.len() as u64, std::time::Instant::now()) {
-            tracing::warn!(
-                pages,
-                "corrupt, foreign or other-layout L3 values dropped from Redis (since the last such line; strata_l3_errors_total counts each)"
-            );
-        }
-        drop(d);
         let _ = self.batch(bad.iter().map(|h| self.op(h, "DEL")).collect());
     }
 
@@ -469,11 +494,11 @@ fn int_reply(r: Result<redis::Value, StorageError>) -> Result<i64, StorageError>
     }
 }
 
-/// `OK` (or any reply that is not an error), or the command's error.
+/// `OK`, or the command's error (another reply too: the page was not stored as asked).
 fn ok_reply(r: Result<redis::Value, StorageError>) -> Result<(), StorageError> {
     match r? {
-        v @ redis::Value::ServerError(_) => Err(reply_error(&v)),
-        _ => Ok(()),
+        v if Reply::Done.fits(&v) => Ok(()),
+        v => Err(reply_error(&v)),
     }
 }
 

@@ -252,3 +252,53 @@ fn the_tier_can_be_dropped_inside_an_async_runtime() {
     let _ = s.stats(); // starts a measurement in the tier's runtime
     outer.block_on(async move { drop(s) });
 }
+
+/// A peer that speaks the protocol but answers every page command with a reply of another
+/// kind (an array: a proxy or a server that is not Redis): each operation fails and is counted,
+/// never a quiet miss or a write taken as stored.
+#[test]
+fn replies_of_the_wrong_kind_are_counted_failures() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming().take(4) {
+            let Ok(conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut w = conn.try_clone().unwrap();
+                let mut r = BufReader::new(conn);
+                let mut line = String::new();
+                // One command: `*N` then N bulk strings; the first names it.
+                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
+                    let n: usize = line.trim()[1..].parse().unwrap_or(0);
+                    let mut args = Vec::new();
+                    for _ in 0..n {
+                        line.clear();
+                        r.read_line(&mut line).unwrap();
+                        let len: usize = line.trim()[1..].parse().unwrap();
+                        let mut b = vec![0; len + 2];
+                        r.read_exact(&mut b).unwrap();
+                        args.push(String::from_utf8_lossy(&b[..len]).to_uppercase());
+                    }
+                    line.clear();
+                    let reply: &[u8] = match args.first().map(String::as_str) {
+                        Some("CLIENT") => b"+OK\r\n",
+                        Some("INFO") => b"$0\r\n\r\n",
+                        _ => b"*1\r\n$3\r\nabc\r\n",
+                    };
+                    if w.write_all(reply).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let s = RedisStorage::connect(&cfg(&format!("redis://127.0.0.1:{port}"))).unwrap();
+    assert!(s.exists(&[h(1), h(2)]).is_err());
+    assert!(s.put(&h(1), &[1; 100]).is_err());
+    let got = s.get(&h(1));
+    assert!(got.is_err(), "{got:?}");
+    let st = s.stats();
+    assert_eq!((st.hits, st.corrupt), (0, 0));
+    assert!(st.errors >= 3, "{st:?}");
+}

@@ -11,22 +11,34 @@ use strata_server::listen::{raise_fd_limit, HttpLimits};
 /// range one would panic where it is used.
 pub const MAX_SECONDS: f64 = 86_400.0;
 
-/// Worker URLs given to `flag`: each `http(s)://HOST[:PORT]` with a host, nothing else (a space,
-/// a bare `http://`), and none given twice.
+/// Worker URLs given to `flag`: each `http(s)://HOST[:PORT]` with a host and nothing else (a
+/// space, a bare `http://`, a user or password: it would be sent as Basic auth and shown on
+/// `/workers` and `/metrics`; a path, query or fragment: the router appends its own paths, so
+/// calls would go elsewhere), and no worker given twice, however spelled (`http://h:80` is
+/// `http://h`).
 pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
-    for (i, u) in urls.iter().enumerate() {
-        let ok = reqwest::Url::parse(u).ok().is_some_and(|p| {
+    let mut seen = Vec::with_capacity(urls.len());
+    for u in urls {
+        let p = reqwest::Url::parse(u).ok().filter(|p| {
             matches!(p.scheme(), "http" | "https")
                 && p.host_str().is_some_and(|h| !h.is_empty())
                 && !u.contains(char::is_whitespace)
         });
-        if !ok {
-            anyhow::bail!("{flag} `{u}`: expected http://HOST:PORT");
+        let Some(p) = p else {
+            bail!("{flag} `{u}`: expected http://HOST:PORT");
+        };
+        if !p.username().is_empty() || p.password().is_some() {
+            // Not echoed: it holds a credential.
+            bail!("{flag}: a worker URL with a user or password: expected http://HOST:PORT (workers are reached with the cluster key)");
         }
-        let same = |v: &String| v.trim_end_matches('/') == u.trim_end_matches('/');
-        if urls[..i].iter().any(same) {
-            anyhow::bail!("{flag} `{u}` is given twice");
+        if !matches!(p.path(), "" | "/") || p.query().is_some() || p.fragment().is_some() {
+            bail!("{flag} `{u}`: a path, query or fragment: expected http://HOST:PORT (the router adds its own paths)");
         }
+        let origin = p.origin().ascii_serialization();
+        if seen.contains(&origin) {
+            bail!("{flag} `{u}` is given twice");
+        }
+        seen.push(origin);
     }
     Ok(())
 }

@@ -123,8 +123,8 @@ fn main() {
             let text = e.render().to_string();
             let first = text.lines().next().unwrap_or("error: invalid arguments");
             match text.lines().find(|l| l.contains("[possible values:")) {
-                Some(v) => eprintln!("{first} {}", v.trim()),
-                None => eprintln!("{first}"),
+                Some(v) => eprintln!("{} {}", cut(first), v.trim()),
+                None => eprintln!("{}", cut(first)),
             }
             std::process::exit(2);
         }
@@ -149,7 +149,32 @@ fn main() {
         Command::Up(a) => up::run(a),
     };
     if let Err(e) = res {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", cut(&format!("{e:#}")));
         std::process::exit(2);
     }
+}
+
+/// Most bytes of one line of an error shown: what a flag, a file or a trace held is echoed in
+/// it, and a 200 KB line (a TOML value, its column marker) would bury the reason.
+const LINE_SHOWN: usize = 512;
+
+/// `text` with every line over [`LINE_SHOWN`] bytes cut in its middle (its start and its end
+/// kept, where a parser's marker and reason are), the cut said.
+fn cut(text: &str) -> String {
+    let half = LINE_SHOWN / 2;
+    let line = |l: &str| -> String {
+        if l.len() <= LINE_SHOWN {
+            return l.to_string();
+        }
+        let mut a = half;
+        while !l.is_char_boundary(a) {
+            a -= 1;
+        }
+        let mut b = l.len() - half;
+        while !l.is_char_boundary(b) {
+            b += 1;
+        }
+        format!("{} … ({} bytes cut) … {}", &l[..a], b - a, &l[b..])
+    };
+    text.split('\n').map(line).collect::<Vec<_>>().join("\n")
 }

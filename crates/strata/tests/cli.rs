@@ -465,6 +465,28 @@ fn route_refuses_bad_flags_with_the_reason() {
             &["--decode", "http://127.0.0.1:9/"][..],
             "--decode `http://127.0.0.1:9/` is given twice",
         ),
+        // A user or password (not echoed), a path, a query, a fragment; one worker spelled two ways.
+        (
+            &["--decode", "http://user:secretpw@127.0.0.1:8"][..],
+            "--decode: a worker URL with a user or password",
+        ),
+        (
+            &["--decode", "http://127.0.0.1:8/../x?y=1"][..],
+            "a path, query or fragment",
+        ),
+        (
+            &["--decode", "http://127.0.0.1:8#f"][..],
+            "a path, query or fragment",
+        ),
+        (
+            &[
+                "--decode",
+                "http://LOCALHOST:80",
+                "--decode",
+                "http://localhost",
+            ][..],
+            "--decode `http://localhost` is given twice",
+        ),
         // Keys asked for and not given: an error, never a router left open (or shut to all).
         (
             &["--api-key", ""][..],
@@ -518,6 +540,11 @@ fn route_refuses_bad_flags_with_the_reason() {
         let o = strata(&all);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
         assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
+        assert!(
+            !text(&o).contains("secretpw"),
+            "a password echoed: {}",
+            text(&o)
+        );
     }
 }
 

@@ -194,8 +194,9 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
         redis_set(redis.port, k, &blob::encode(&q8_key, &h, &payload));
     }
 
-    // The f16 worker again: every planted page is a counted miss, the answer the cold one.
-    let f16 = serve(&model, "f16", Some(&disk), &redis);
+    // The f16 worker again: every planted page is a counted miss, the answer the cold one,
+    // and the log says pages were dropped.
+    let mut f16 = serve(&model, "f16", Some(&disk), &redis);
     let (again, cached) = f16.ask();
     assert_eq!(cached, 0, "a page of another dtype was used");
     assert_eq!(again, cold);
@@ -206,6 +207,7 @@ fn pages_of_another_kv_dtype_are_counted_misses_never_misread() {
         let k = format!("strata_l3_errors_total{{kind=\"corrupt\",tier=\"{tier}\"}}");
         assert_eq!(sample(&m, &k), 0.0, "{k}");
     }
+    f16._proc.wait_for("L3 pages that did not verify", 30);
     drop(f16);
 
     // The q8_0 pages themselves: a prefix from the disk tier and the same prefix from Redis

@@ -45,8 +45,13 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn bad_flags_fail_once_with_the_reason() {
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 17] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
+        (&["--l3", "disk:/dev/null"], "--l3 `disk:/dev/null`: /dev/null is a device, not a directory"),
+        (&["--l3", "disk:/tmp/a", "--l3", "disk:/tmp/b"], "--l3: 2 disk tiers and 0 Redis: at most one of each"),
+        (&["--l3", "redis://127.0.0.1:1", "--l3", "redis://127.0.0.1:2"], "--l3: 0 disk tiers and 2 Redis"),
+        (&["--l3-timeout-ms", "0"], "--l3-timeout-ms 0: between 1 and 10000"),
+        (&["--l3-timeout-ms", "18446744073709551615"], "--l3-timeout-ms 18446744073709551615: between"),
         (&["--host", "not a host"], "--host `not a host`: not an IP address"),
         (&["--kv-host", "not a host"], "--kv-host `not a host`: not an IP address"),
         (&["--l3", "disk:/tmp/s", "--l3", "disk:/tmp/s/."], "--l3 `disk:/tmp/s/.` is given twice"),

@@ -163,8 +163,10 @@ pub(crate) struct Scheduler {
     progress: u64,
     /// `progress` when the head of the queue was last refused admission.
     blocked_at: Option<u64>,
-    /// Failing L3 operations, logged at most once a minute.
+    /// Failing L3 operations, and L3 pages that did not verify: each logged at most once a
+    /// minute.
     l3_failures: strata_kv::stats::Throttled,
+    l3_dropped: strata_kv::stats::Throttled,
 }
 
 impl Scheduler {
@@ -188,6 +190,7 @@ impl Scheduler {
             progress: 0,
             blocked_at: None,
             l3_failures: strata_kv::stats::Throttled::new(std::time::Duration::from_secs(60)),
+            l3_dropped: strata_kv::stats::Throttled::new(std::time::Duration::from_secs(60)),
         };
         s.publish();
         s

@@ -32,12 +32,15 @@ impl Scheduler {
         }
         let s = &mut self.snap;
         s.cache = *self.cache.stats();
-        let failed_before = s.storage.map_or(0, |x| x.errors);
+        let bad = |x: &strata_kv::storage::StorageStats| x.corrupt + x.other_layout;
+        let (failed_before, dropped_before) = s.storage.map_or((0, 0), |x| (x.errors, bad(&x)));
         s.storage = self.cache.storage().map(|st| st.stats());
-        let failed = s
-            .storage
-            .map_or(0, |x| x.errors)
-            .saturating_sub(failed_before);
+        let (failed, dropped) = s.storage.map_or((0, 0), |x| {
+            (
+                x.errors.saturating_sub(failed_before),
+                bad(&x).saturating_sub(dropped_before),
+            )
+        });
         s.device = self.cache.device_usage();
         s.host = self.cache.host_usage();
         (s.device_window, s.host_window) = self.cache.window_usage();
@@ -59,6 +62,25 @@ impl Scheduler {
         if failed > 0 {
             self.l3_failing(failed);
         }
+        if dropped > 0 {
+            self.l3_dropping(dropped);
+        }
+    }
+
+    /// L3 pages read back that did not verify (corrupt, truncated, forged, another layout's):
+    /// each was a miss, recomputed, and removed from the tier; said in the log at most once a
+    /// minute (`strata_l3_errors_total{kind="corrupt"|"other_layout"}` counts each), since a
+    /// tier that holds damaged pages is something to look at.
+    fn l3_dropping(&mut self, dropped: u64) {
+        let Some(pages) = self.l3_dropped.add(dropped, std::time::Instant::now()) else {
+            return;
+        };
+        let tier = self.cache.storage().map_or("l3", |st| st.tier());
+        tracing::warn!(
+            tier,
+            pages,
+            "L3 pages that did not verify (corrupt, foreign or of another layout) were dropped and recomputed; see strata_l3_errors_total by kind"
+        );
     }
 
     /// L3 operations failed since the last snapshot: said in the log (at most once a minute;

@@ -320,6 +320,9 @@ fn check(a: &CompareArgs) -> Result<Vec<Config>> {
     if a.concurrency.is_empty() || a.concurrency.contains(&0) {
         bail!("--concurrency: every level must be at least 1");
     }
+    for &c in &a.concurrency {
+        super::limits::count("--concurrency", c, super::limits::MAX_CONCURRENCY)?;
+    }
     let dtype_flags = ["--kv-cache-dtype", "--cache-type-k", "--cache-type-v"];
     if let Some(f) = a.serve_arg.iter().find(|s| {
         dtype_flags

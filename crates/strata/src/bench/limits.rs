@@ -8,6 +8,10 @@ use anyhow::{bail, Result};
 /// Most bytes of buffers one bench builds (pages × page bytes, a prompt's text, ...).
 pub const MAX_BUFFER_BYTES: u64 = 8 << 30;
 
+/// Most requests in flight one bench keeps (`--concurrency`): past it a bench client would
+/// hold more sockets than a worker admits, and a value near 2^61 panicked tokio's semaphore.
+pub const MAX_CONCURRENCY: usize = 4096;
+
 /// A count of at least 1 and at most `max`.
 pub fn count(flag: &str, v: usize, max: usize) -> Result<()> {
     if !(1..=max).contains(&v) {

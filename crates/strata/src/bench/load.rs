@@ -368,9 +368,7 @@ pub async fn drive(
     concurrency: usize,
     label: &str,
 ) -> Result<RunResult> {
-    if concurrency == 0 {
-        bail!("--concurrency must be at least 1");
-    }
+    super::limits::count("--concurrency", concurrency, super::limits::MAX_CONCURRENCY)?;
     let url = url.trim_end_matches('/').to_string();
     let t0 = Instant::now();
     let prog = Arc::new(Progress::new(p.requests, label, t0));

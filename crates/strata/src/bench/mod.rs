@@ -269,6 +269,9 @@ async fn streams(a: StreamsArgs) -> Result<()> {
     if a.concurrency.contains(&0) || a.max_tokens == 0 {
         bail!("--concurrency levels and --max-tokens must be at least 1");
     }
+    for &c in &a.concurrency {
+        limits::count("--concurrency", c, limits::MAX_CONCURRENCY)?;
+    }
     let c = client();
     let url = a.target.url.trim_end_matches('/').to_string();
     one_token(&c, &url, &prompt_ids(2000, 32)).await?;

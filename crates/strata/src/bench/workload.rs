@@ -192,9 +192,11 @@ pub fn tiers_json(t: &TierCounts) -> Value {
 }
 
 pub async fn run(a: WorkloadArgs) -> Result<()> {
-    if a.concurrency == 0 {
-        bail!("--concurrency must be at least 1");
-    }
+    super::limits::count(
+        "--concurrency",
+        a.concurrency,
+        super::limits::MAX_CONCURRENCY,
+    )?;
     let url = a.url.trim_end_matches('/').to_string();
     let parsed = reqwest::Url::parse(&url).ok();
     if !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {

@@ -314,17 +314,59 @@ pub(super) fn check_l3_size(a: &ServeArgs, page_bytes: u64) -> Result<()> {
 /// write would then fail at run time.
 const MAX_L3_TTL: u64 = 10 * 365 * 24 * 3600;
 
-/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
-/// spec given twice, and a disk tier of no bytes; nothing is opened or connected here.
-fn check_l3_specs(a: &ServeArgs) -> Result<()> {
-    let l3 = &a.l3;
-    let cap = parse_size(&a.l3_size).context("--l3-size")?;
+/// What a path that is not a directory is, for an error.
+fn kind_of(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "a file"
+    }
+}
+
+/// Longest `--l3-timeout-ms`: a Redis that stalls holds the scheduler for up to this per
+/// operation until the breaker opens, so more than seconds is an outage, not a bound.
+const MAX_L3_TIMEOUT_MS: u64 = 10_000;
+
+/// `--l3-ttl` and `--l3-timeout-ms` in range; one disk tier and one Redis at most.
+fn check_l3_bounds(a: &ServeArgs) -> Result<()> {
     if a.l3_ttl > MAX_L3_TTL {
         bail!(
             "--l3-ttl {}: at most {MAX_L3_TTL} seconds (10 years; 0: pages never expire)",
             a.l3_ttl
         );
     }
+    if !(1..=MAX_L3_TIMEOUT_MS).contains(&a.l3_timeout_ms) {
+        bail!(
+            "--l3-timeout-ms {}: between 1 and {MAX_L3_TIMEOUT_MS} (a Redis operation past it is \
+             a failure; a stalled Redis holds the scheduler this long per operation until the \
+             tier is skipped)",
+            a.l3_timeout_ms
+        );
+    }
+    let disks = a.l3.iter().filter(|s| s.starts_with("disk:")).count();
+    let redises = a.l3.iter().filter(|s| is_redis(s)).count();
+    if disks > 1 || redises > 1 {
+        bail!(
+            "--l3: {disks} disk tiers and {redises} Redis: at most one of each (a Redis Cluster \
+             is one: redis-cluster://H:P,H:P,...)"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses an `--l3` spec that is neither `disk:PATH` nor a Redis URL this build can use, a
+/// spec given twice, more than one disk tier or one Redis (their metrics would be one series
+/// twice), a disk path that is there and not a directory, a disk tier of no bytes, and an
+/// operation bound out of range; nothing is opened or connected here.
+fn check_l3_specs(a: &ServeArgs) -> Result<()> {
+    let l3 = &a.l3;
+    let cap = parse_size(&a.l3_size).context("--l3-size")?;
     // One store named two ways (`disk:/a/`, `disk:/a/.`) is the same store.
     let same = |a: &str, b: &str| match (a.strip_prefix("disk:"), b.strip_prefix("disk:")) {
         (Some(x), Some(y)) => {
@@ -344,6 +386,12 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
         if let Some(path) = spec.strip_prefix("disk:") {
             if path.is_empty() {
                 bail!("--l3 `disk:`: no path (disk:PATH)");
+            }
+            if let Some(m) = std::fs::metadata(path).ok().filter(|m| !m.is_dir()) {
+                bail!(
+                    "--l3 `disk:{path}`: {path} is {}, not a directory",
+                    kind_of(&m)
+                );
             }
             if cap == 0 {
                 bail!(
@@ -365,7 +413,7 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
         }
         bail!("--l3 `{}`: {L3_SPECS}", strata_redis::redact(spec));
     }
-    Ok(())
+    check_l3_bounds(a)
 }
 
 /// The engine's prefetch policy from `--prefetch-policy` and `--prefetch-ms-per-token`.

@@ -70,6 +70,48 @@ pub(super) fn cluster_key(named: Option<&Path>, state: &Path) -> Result<PathBuf>
     Ok(f)
 }
 
+/// The key file a deployment's flags are checked with before anything of it is made: its own
+/// (named, or made by an earlier run), else a stand-in made in a directory of its own under
+/// the temporary directory and removed when the [`StandIn`] drops, so that a deployment whose
+/// flags are refused leaves no state directory or key behind.
+pub(super) fn key_for_checks(named: Option<&Path>, state: &Path) -> Result<(PathBuf, StandIn)> {
+    if let Some(f) = named {
+        return Ok((f.to_path_buf(), StandIn(None)));
+    }
+    let f = state.join("cluster.key");
+    if f.exists() {
+        return Ok((f, StandIn(None)));
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "strata-up-check-{}-{}",
+        std::process::id(),
+        strata_server::ids::fresh_id()
+    ));
+    let mut b = std::fs::DirBuilder::new();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        b.mode(0o700);
+    }
+    b.create(&dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
+    let stand_in = StandIn(Some(dir.clone()));
+    let k = dir.join("cluster.key");
+    strata_kv::auth::ClusterKey::load_or_create(&k).context("a stand-in cluster key")?;
+    Ok((k, stand_in))
+}
+
+/// A stand-in key's directory, removed on drop.
+pub(super) struct StandIn(Option<PathBuf>);
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        if let Some(d) = &self.0 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -146,16 +146,19 @@ pub fn run(a: UpArgs) -> Result<()> {
         &d.host,
         d.router.port,
     )?;
-    let key_file = key::cluster_key(d.cluster_key_file.as_deref(), &state)?;
-    let w = WorkerCtx {
+    // Every worker's flags and memory plan, and the deployment's sum against this machine,
+    // before any process starts or anything of the deployment is made (its key included).
+    let (check_key, stand_in) = key::key_for_checks(d.cluster_key_file.as_deref(), &state)?;
+    let mut w = WorkerCtx {
         d: &d,
         model: &model,
-        key: key_file.display().to_string(),
+        key: check_key.display().to_string(),
         nodes,
     };
-    // Every worker's flags and memory plan, and the deployment's sum against this machine,
-    // before any process starts.
     let client_key = preflight::check(&w)?;
+    drop(stand_in);
+    let key_file = key::cluster_key(d.cluster_key_file.as_deref(), &state)?;
+    w.key = key_file.display().to_string();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1,0 +1,80 @@
+//! Refusals that must stay readable and leave nothing behind: an error echoing a huge input is
+//! cut (its reason kept), and `strata up` whose flags are refused makes no state or key.
+
+use std::process::{Command, Output};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// An error that echoes a 200 KB line of a config file shows its start, its end and the
+/// reason, not the whole line (nor a column marker 200,000 spaces wide); a flag's huge value
+/// likewise.
+#[test]
+fn an_error_echoing_a_huge_line_is_cut_and_keeps_its_reason() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("up.toml");
+    std::fs::write(&f, format!("x = [{}\n", "1,".repeat(100_000))).unwrap();
+    let o = strata(&["up", "--config", f.to_str().unwrap()]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.len() < 4096, "{} bytes", t.len());
+    assert!(t.contains("bytes cut") && t.contains("expected `]`"), "{t}");
+    let huge = "9".repeat(100_000);
+    let o = strata(&[
+        "route",
+        "--port",
+        "0",
+        "--decode",
+        &format!("http://127.0.0.1:{huge}"),
+    ]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.len() < 4096 && t.contains("bytes cut"),
+        "{} bytes",
+        t.len()
+    );
+}
+
+/// `strata up` whose worker flags are refused leaves nothing behind: no state directory, no
+/// cluster key (its flags were checked with a stand-in key, removed too).
+#[test]
+fn up_with_refused_flags_makes_no_state_or_key() {
+    let d = tempfile::tempdir().unwrap();
+    let model = strata_test_support::tiny_model(d.path());
+    let state = d.path().join("state");
+    let f = d.path().join("up.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "model = {model:?}\nstate_dir = {state:?}\nsmoke_test = false\n[router]\nport = 0\n\
+             [[prefill]]\nport = 0\nargs = []\n[[decode]]\nport = 0\nargs = [\"--device-mem\", \"1e400GB\"]\n"
+        ),
+    )
+    .unwrap();
+    let tmp = d.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["up", "--config", f.to_str().unwrap()])
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("--device-mem"), "{t}");
+    assert!(!state.exists(), "{t}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
