@@ -32,6 +32,8 @@ pub enum KeyError {
 
 /// Bytes of secret a key file must hold at least (after trimming whitespace).
 pub const MIN_KEY_BYTES: usize = 32;
+/// Fewest distinct bytes a key file's secret has (see [`ClusterKey::from_file`]).
+const MIN_DISTINCT: usize = 8;
 
 impl ClusterKey {
     /// A key from secret material (e.g. a file's content) of at least [`MIN_KEY_BYTES`].
@@ -68,6 +70,18 @@ impl ClusterKey {
         }
         let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
         let secret = bytes.trim_ascii();
+        // A placeholder (`000…`, `abab…`): random hex has 16 distinct digits in 64, a random
+        // secret of 32 bytes about 30; fewer than 8 is no secret.
+        let mut seen = [false; 256];
+        secret.iter().for_each(|&b| seen[b as usize] = true);
+        let distinct = seen.iter().filter(|&&x| x).count();
+        if secret.len() >= MIN_KEY_BYTES && distinct < MIN_DISTINCT {
+            return Err(err(format!(
+                "{distinct} distinct characters in {} bytes: a placeholder, not a secret (make \
+                 one: python3 -c 'import secrets; print(secrets.token_hex(32))')",
+                secret.len()
+            )));
+        }
         ClusterKey::from_secret(secret).ok_or_else(|| {
             err(format!(
                 "{} bytes of secret: at least {MIN_KEY_BYTES} are needed (e.g. 64 hex digits)",
@@ -196,6 +210,25 @@ mod tests {
         std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600)).unwrap();
         let e = ClusterKey::from_file(&short).unwrap_err().to_string();
         assert!(e.contains("at least 32"), "{e}");
+        // A placeholder of the right length is no secret; a phrase of a few words is taken.
+        for (text, ok) in [
+            ("0".repeat(64), false),
+            ("6e".repeat(32), false),
+            ("0123456".repeat(10), false),
+            ("01234567".repeat(8), true),
+            (
+                "correct horse battery staple of the harbour".to_string(),
+                true,
+            ),
+        ] {
+            std::fs::write(&short, &text).unwrap();
+            let r = ClusterKey::from_file(&short);
+            assert_eq!(r.is_ok(), ok, "{text}: {:?}", r.err());
+            if !ok {
+                let e = r.err().unwrap().to_string();
+                assert!(e.contains("a placeholder, not a secret"), "{e}");
+            }
+        }
         assert_eq!(unhex(&hex(&[0, 255, 16])), Some(vec![0, 255, 16]));
         assert_eq!(unhex("zz"), None);
     }

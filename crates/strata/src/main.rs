@@ -156,7 +156,7 @@ fn main() {
 
 /// Most bytes of one line of an error shown: what a flag, a file or a trace held is echoed in
 /// it, and a 200 KB line (a TOML value, its column marker) would bury the reason.
-const LINE_SHOWN: usize = 512;
+const LINE_SHOWN: usize = 4096;
 
 /// `text` with every line over [`LINE_SHOWN`] bytes cut in its middle (its start and its end
 /// kept, where a parser's marker and reason are), the cut said.

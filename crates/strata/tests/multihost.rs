@@ -92,7 +92,7 @@ fn strata(bed: &Bed, host: &str, args: &[String]) -> ChildGuard {
 fn key_file(dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let p = dir.join("cluster.key");
-    std::fs::write(&p, "6e".repeat(32)).unwrap();
+    std::fs::write(&p, "6e3f9a1c7b2d08e5".repeat(4)).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p
 }

@@ -329,8 +329,8 @@ fn kind_of(m: &std::fs::Metadata) -> &'static str {
     }
 }
 
-/// Longest `--l3-timeout-ms`: a Redis that stalls holds the scheduler for up to this per
-/// operation until the breaker opens, so more than seconds is an outage, not a bound.
+/// Longest `--l3-timeout-ms`: a request whose prefix is read from a Redis that stalls waits up
+/// to this per read until the breaker opens, so more than seconds is an outage, not a bound.
 const MAX_L3_TIMEOUT_MS: u64 = 10_000;
 
 /// `--l3-ttl` and `--l3-timeout-ms` in range; one disk tier and one Redis at most.
@@ -344,8 +344,7 @@ fn check_l3_bounds(a: &ServeArgs) -> Result<()> {
     if !(1..=MAX_L3_TIMEOUT_MS).contains(&a.l3_timeout_ms) {
         bail!(
             "--l3-timeout-ms {}: between 1 and {MAX_L3_TIMEOUT_MS} (a Redis operation past it is \
-             a failure; a stalled Redis holds the scheduler this long per operation until the \
-             tier is skipped)",
+             a failure)",
             a.l3_timeout_ms
         );
     }

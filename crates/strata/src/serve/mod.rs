@@ -153,8 +153,9 @@ pub struct ServeArgs {
     /// eviction still applies).
     #[arg(long, default_value_t = 0, help_heading = "Cache")]
     pub l3_ttl: u64,
-    /// Bound on every remote (Redis) operation, in milliseconds (1 to 10000: a Redis that
-    /// stalls holds the scheduler this long per operation until the tier is skipped).
+    /// Bound on every remote (Redis) page read and write, in milliseconds (1 to 10000). The
+    /// check of which pages Redis holds, asked as a request is admitted while every running
+    /// stream waits, is bounded by the lesser of this and 100 ms.
     #[arg(long, default_value_t = 500, help_heading = "Cache")]
     pub l3_timeout_ms: u64,
     /// How long admission waits for L3 → host prefetch: best_effort (not at all),
