@@ -6,8 +6,7 @@
 //! Redis never meet, and neither deletes the other's pages as corrupt) and stored in the
 //! shared page format (header with format version, length, keyed MAC, the page hash and the
 //! layout tag): a corrupt, foreign or other-layout value is a miss, counted and deleted, never
-//! used. Every operation is bounded by a timeout (the existence probe asked as a request is
-//! admitted by at most [`PROBE_TIMEOUT`]); batches go
+//! used. Every operation is bounded by a timeout; batches go
 //! in one pipelined round trip; an optional TTL lets Redis expire pages; Redis' own eviction
 //! (maxmemory) is simply a miss here. The connection reconnects by itself with backoff
 //! (redis' `ConnectionManager`); while Redis is down, operations fail as errors (counted) and
@@ -99,13 +98,6 @@ enum Backend {
     Single(ConnectionManager),
     Cluster(Arc<cluster::Cluster>),
 }
-
-/// Longest wait for which pages Redis holds (`EXISTS`, asked on the scheduler's thread as a
-/// request is admitted, every running stream waiting): a healthy Redis answers a batch of
-/// thousands of keys in a few milliseconds; one that stalls costs each stream at most this
-/// per admission until the breaker skips it. Page reads and writes (copy threads) keep
-/// `--l3-timeout-ms`.
-pub const PROBE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// One command of a batch and the key it is routed by (in a cluster: the key's slot).
 pub(crate) struct Op {
@@ -365,18 +357,10 @@ impl RedisStorage {
     /// error (`Value::ServerError`) for its own command. A batch with failed commands counts
     /// one error (and one timeout if any timed out).
     fn batch(&self, ops: Vec<Op>) -> Vec<Result<redis::Value, StorageError>> {
-        self.batch_within(ops, self.timeout)
-    }
-
-    /// [`RedisStorage::batch`] within `timeout`.
-    fn batch_within(
-        &self,
-        ops: Vec<Op>,
-        timeout: Duration,
-    ) -> Vec<Result<redis::Value, StorageError>> {
         if ops.is_empty() {
             return Vec::new();
         }
+        let timeout = self.timeout;
         let n = ops.len();
         let expected: Vec<Reply> = ops.iter().map(|o| o.reply).collect();
         if let Err(why) = self.breaker.allow(std::time::Instant::now()) {
@@ -384,16 +368,7 @@ impl RedisStorage {
             return (0..n).map(|_| Err(unavailable(&why))).collect();
         }
         let out = match &self.backend {
-            Backend::Cluster(c) => self.rt.block_on(async {
-                // The cluster bounds its own round trips by the operation timeout; a probe's
-                // shorter bound cuts them off.
-                match tokio::time::timeout(timeout, c.batch(&ops)).await {
-                    Ok(v) => v,
-                    Err(_) => (0..n)
-                        .map(|_| Err(StorageError::Timeout(timeout)))
-                        .collect(),
-                }
-            }),
+            Backend::Cluster(c) => self.rt.block_on(c.batch(&ops)),
             Backend::Single(conn) => {
                 let mut conn = conn.clone();
                 let mut p = redis::pipe();
@@ -535,10 +510,7 @@ impl Storage for RedisStorage {
     /// A key whose master cannot be reached is reported absent (the error is counted); only
     /// when every key failed is the answer an error.
     fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, StorageError> {
-        // The cache asks this on the scheduler's thread, as a request is admitted: every
-        // running stream waits for the answer, so it is bounded tighter than a page's read.
-        let ops = hashes.iter().map(|h| self.op(h, "EXISTS")).collect();
-        let replies = self.batch_within(ops, self.timeout.min(PROBE_TIMEOUT));
+        let replies = self.batch(hashes.iter().map(|h| self.op(h, "EXISTS")).collect());
         let (mut first_err, mut failed) = (None, 0);
         let out: Vec<bool> = replies
             .into_iter()

@@ -302,34 +302,3 @@ fn replies_of_the_wrong_kind_are_counted_failures() {
     assert_eq!((st.hits, st.corrupt), (0, 0));
     assert!(st.errors >= 3, "{st:?}");
 }
-
-/// A Redis that stalls (stopped, its connections open): the existence probe asked as a request
-/// is admitted gives up within `PROBE_TIMEOUT`, not the operation timeout every running stream
-/// would wait out, while a page read keeps the operation timeout.
-#[test]
-fn a_stalled_redis_holds_the_admission_probe_briefly() {
-    let r = Redis::start();
-    let mut c = cfg(&r.url());
-    c.timeout = Duration::from_millis(1500);
-    let s = RedisStorage::connect(&c).unwrap();
-    s.put(&h(1), &[1; 100]).unwrap();
-    assert_eq!(s.prefix_len(&[h(1), h(2)]).unwrap(), 1);
-    r.pause();
-    let t = Instant::now();
-    assert!(s.prefix_len(&[h(1), h(2)]).is_err());
-    let probe = t.elapsed();
-    let t = Instant::now();
-    assert!(s.get(&h(1)).is_err());
-    let read = t.elapsed();
-    r.resume();
-    assert!(
-        probe < Duration::from_millis(500),
-        "the probe took {probe:?}"
-    );
-    assert!(
-        read >= Duration::from_millis(1400),
-        "the read gave up after {read:?}"
-    );
-    let st = s.stats();
-    assert!(st.errors >= 2 && st.timeouts >= 1, "{st:?}");
-}

@@ -67,25 +67,8 @@ impl Redis {
     }
     /// Kills it (a test of Redis going away).
     pub fn kill(&mut self) {
-        self.resume();
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-
-    /// Stops it without closing anything (a Redis that stalls: connections stay open, nothing
-    /// is answered) until [`Redis::resume`].
-    pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
-    }
-
-    /// Lets a paused Redis run again.
-    pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's pid with a valid signal; no memory is touched.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
     }
 }
 

@@ -54,7 +54,10 @@ pub fn run(a: &AdviseFrom) -> Result<()> {
 fn fetch(url: &str) -> Result<Vec<u8>> {
     let url = url.trim_end_matches('/');
     if !(url.starts_with("http://") || url.starts_with("https://")) {
-        bail!("--advise-from `{url}`: expected http://HOST:PORT (a worker or a router)");
+        bail!(
+            "--advise-from `{}`: expected http://HOST:PORT (a worker or a router)",
+            crate::http_args::shown_url(url)
+        );
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -25,7 +25,7 @@ pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
                 && !u.contains(char::is_whitespace)
         });
         let Some(p) = p else {
-            bail!("{flag} `{u}`: expected http://HOST:PORT");
+            bail!("{flag} `{}`: expected http://HOST:PORT", shown_url(u));
         };
         if !p.username().is_empty() || p.password().is_some() {
             // Not echoed: it holds a credential.
@@ -41,6 +41,20 @@ pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
         seen.push(origin);
     }
     Ok(())
+}
+
+/// `u` as an error may echo it: a user and password before the host (`http://user:pw@h`)
+/// shown as `…@`, whether or not the rest parses.
+pub fn shown_url(u: &str) -> String {
+    let (scheme, rest) = u.split_once("://").unwrap_or(("", u));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) => {
+            let sep = if scheme.is_empty() { "" } else { "://" };
+            format!("{scheme}{sep}…{}", &rest[at..])
+        }
+        None => u.to_string(),
+    }
 }
 
 /// A duration flag: from `lo` (taken when `lo_taken`, else only above it) to a day.
@@ -124,5 +138,26 @@ impl HttpArgs {
             l.max_connections_per_ip = n;
         }
         Ok(l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_is_echoed_without_its_credentials() {
+        for (u, shown) in [
+            ("http://user:pw@h:1/x", "http://…@h:1/x"),
+            ("http://u:p@ss@h", "http://…@h"),
+            ("rediss://:pw@h:6380", "rediss://…@h:6380"),
+            ("user:pw@h", "…@h"),
+            ("http://h:1/a@b", "http://h:1/a@b"),
+            ("http://a b:1", "http://a b:1"),
+        ] {
+            assert_eq!(shown_url(u), shown, "{u}");
+        }
+        let e = check_worker_urls("--decode", &["http://u:secret@a b".into()]).unwrap_err();
+        assert!(!e.to_string().contains("secret"), "{e}");
     }
 }

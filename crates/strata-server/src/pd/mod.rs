@@ -380,13 +380,7 @@ pub fn check_prefill_header(
             ))
         })?;
     }
-    let url = url.trim_end_matches('/');
-    if !st
-        .pd
-        .prefill_workers
-        .iter()
-        .any(|w| w.trim_end_matches('/') == url)
-    {
+    if !st.pd.prefill_workers.iter().any(|w| same_worker(w, url)) {
         return Err(ApiError::bad_request(
             format!(
                 "{} names no prefill worker this decode worker is configured with (--prefill-worker)",
@@ -414,9 +408,27 @@ fn unwire(l: WireLogprobs) -> TokenLogprobs {
     }
 }
 
+/// Whether two worker URLs name one worker however spelled (`http://H:80` is `http://h/`), as
+/// the flags naming workers are checked.
+fn same_worker(a: &str, b: &str) -> bool {
+    let origin = |u: &str| reqwest::Url::parse(u).ok().map(|p| p.origin());
+    match (origin(a), origin(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => a.trim_end_matches('/') == b.trim_end_matches('/'),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_worker_however_spelled() {
+        assert!(same_worker("http://H:80", "http://h/"));
+        assert!(same_worker("http://10.0.0.1:8100", "http://10.0.0.1:8100/"));
+        assert!(!same_worker("http://h:8100", "http://h:8101"));
+        assert!(!same_worker("http://h:8100", "https://h:8100"));
+    }
 
     #[test]
     fn the_answer_cap_fits_the_largest_honest_answer() {

@@ -329,8 +329,9 @@ fn kind_of(m: &std::fs::Metadata) -> &'static str {
     }
 }
 
-/// Longest `--l3-timeout-ms`: a request whose prefix is read from a Redis that stalls waits up
-/// to this per read until the breaker opens, so more than seconds is an outage, not a bound.
+/// Longest `--l3-timeout-ms`: a Redis that stalls holds the scheduler (and every running
+/// stream) up to this per admission until its breaker opens, so more than seconds is an
+/// outage, not a bound.
 const MAX_L3_TIMEOUT_MS: u64 = 10_000;
 
 /// `--l3-ttl` and `--l3-timeout-ms` in range; one disk tier and one Redis at most.
@@ -406,8 +407,9 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
         }
         if spec.starts_with("rediss://") {
             bail!(
-                "--l3 `{spec}`: TLS to Redis is not built in; reach Redis over a private network \
-                 or a TLS tunnel (e.g. stunnel) with redis://"
+                "--l3 `{}`: TLS to Redis is not built in; reach Redis over a private network \
+                 or a TLS tunnel (e.g. stunnel) with redis://",
+                crate::http_args::shown_url(spec)
             );
         }
         bail!("--l3 `{}`: {L3_SPECS}", strata_redis::redact(spec));

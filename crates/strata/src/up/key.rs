@@ -93,8 +93,11 @@ pub(super) fn key_for_checks(named: Option<&Path>, state: &Path) -> Result<(Path
         use std::os::unix::fs::DirBuilderExt;
         b.mode(0o700);
     }
-    b.create(&dir)
-        .with_context(|| format!("cannot create {}", dir.display()))?;
+    // No temporary directory to write in (a read-only one): the deployment's own key is made
+    // first, as it would be anyway.
+    if b.create(&dir).is_err() {
+        return Ok((cluster_key(None, state)?, StandIn(None)));
+    }
     let stand_in = StandIn(Some(dir.clone()));
     let k = dir.join("cluster.key");
     strata_kv::auth::ClusterKey::load_or_create(&k).context("a stand-in cluster key")?;

@@ -13,7 +13,8 @@
 //!
 //! A store directory removed while the worker runs (a clean-up script, an operator) is made
 //! again at the next write, empty, and its index emptied with it: the tier goes on, and its
-//! gauges never describe files that are gone.
+//! gauges never describe files that are gone. Pages the cache had stored before are misses
+//! there; their prefixes are stored again once recomputed.
 
 use std::fs;
 use std::io::Write;
@@ -158,23 +159,41 @@ impl DiskStorage {
     /// After a write found no directory to write in: when the store's own directory was
     /// removed (its handle names a directory with no links left), it is made again at its
     /// path, claimed as a store, and the index emptied (every page it listed went with it).
-    /// True when the store was made again (the write is worth one more try).
+    /// Only a real directory of the store's owner is taken (made here, or by another worker
+    /// sharing the path), never a link or another user's directory planted at the path, and
+    /// it is the one opened (same device and inode). Checked and swapped under the write lock,
+    /// so concurrent writes remake it once. True when the write is worth one more try (the
+    /// store was made again, here or by a concurrent write).
     fn remake(&self) -> bool {
-        let gone = {
-            let root = self.root();
-            let f = root.fd().try_clone().map(fs::File::from);
-            f.and_then(|f| f.metadata())
-                .is_ok_and(|m| std::os::unix::fs::MetadataExt::nlink(&m) == 0)
+        use std::os::unix::fs::MetadataExt;
+        let meta = |r: &StoreDir| r.fd().try_clone().map(fs::File::from)?.metadata();
+        let mut root = self.root.write().unwrap_or_else(|e| e.into_inner());
+        let Ok(old) = meta(&root) else { return false };
+        if old.nlink() != 0 {
+            return true;
+        }
+        if let Some(parent) = self.dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = fs::create_dir_all(parent);
+        }
+        match fs::create_dir(&self.dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(_) => return false,
+        }
+        let Ok(m) = fs::symlink_metadata(&self.dir) else {
+            return false;
         };
-        if !gone {
+        if !m.is_dir() || m.uid() != old.uid() {
             return false;
         }
-        let made = fs::create_dir_all(&self.dir)
-            .and_then(|_| StoreDir::open(&self.dir))
-            .map_err(|e| io(&self.dir, e))
-            .and_then(|r| claim(&r, &self.dir).map(|_| r));
-        let Ok(r) = made else { return false };
-        *self.root.write().unwrap_or_else(|e| e.into_inner()) = r;
+        let Ok(new) = StoreDir::open(&self.dir) else {
+            return false;
+        };
+        let same = meta(&new).is_ok_and(|n| (n.dev(), n.ino()) == (m.dev(), m.ino()));
+        if !same || claim(&new, &self.dir).is_err() {
+            return false;
+        }
+        *root = new;
         *self.index() = LruIndex::default();
         true
     }

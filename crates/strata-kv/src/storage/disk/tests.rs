@@ -371,3 +371,24 @@ fn a_store_removed_while_running_is_made_again_with_an_empty_index() {
     let s = DiskStorage::open(&dir, 1 << 20, false).unwrap();
     assert_eq!(s.exists(&[h(1), h(2)]).unwrap(), vec![false, true]);
 }
+
+#[test]
+fn a_link_planted_where_the_store_was_is_not_taken() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("l3");
+    let elsewhere = d.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    let s = DiskStorage::open(&dir, 1 << 20, false).unwrap();
+    s.put(&h(1), b"first page").unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
+    assert!(s.put(&h(2), b"second page").is_err());
+    assert!(
+        fs::read_dir(&elsewhere).unwrap().next().is_none(),
+        "written through a link"
+    );
+    // Once the link is gone, the next write makes the store again.
+    fs::remove_file(&dir).unwrap();
+    s.put(&h(3), b"third page").unwrap();
+    assert_eq!(s.exists(&[h(1), h(3)]).unwrap(), vec![false, true]);
+}
