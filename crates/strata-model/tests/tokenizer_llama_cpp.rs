@@ -18,20 +18,25 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
+/// tests/fixtures/tiny_tokens.json: the texts and, per vocabulary, llama.cpp's ids.
+fn fixture() -> Value {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/tiny_tokens.json"
     ))
     .unwrap();
-    let f: Value = serde_json::from_str(&text).unwrap();
-    let texts: Vec<&str> = f["texts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn texts(f: &Value) -> Vec<&str> {
+    let all = f["texts"].as_array().unwrap();
+    all.iter().map(|t| t.as_str().unwrap()).collect()
+}
+
+#[test]
+fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
+    let f = fixture();
+    let texts = texts(&f);
     let d = tempfile::tempdir().unwrap();
     let files = f["files"].as_object().unwrap();
     assert_eq!(files.len(), 6);
@@ -80,18 +85,8 @@ fn token_ids_equal_llama_cpps_for_every_pre_tokenizer() {
 fn chat_content_special_tokens_are_text_for_every_vocabulary() {
     use strata_model::tiny::TINY_TEMPLATE;
     use strata_model::{ChatTemplate, Message};
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/tiny_tokens.json"
-    ))
-    .unwrap();
-    let f: Value = serde_json::from_str(&text).unwrap();
-    let texts: Vec<&str> = f["texts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
+    let f = fixture();
+    let texts = texts(&f);
     let tpl = ChatTemplate::new(TINY_TEMPLATE).unwrap();
     let d = tempfile::tempdir().unwrap();
     for (pre, file) in f["files"].as_object().unwrap() {

@@ -398,6 +398,15 @@ pub fn sample(metrics: &str, key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// What a finished program said, its standard output then its standard error, as text.
+pub fn said(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// A loopback port free a moment ago, for a program that cannot bind port 0 and report it
 /// (redis-server). Where the program can, bind port 0 instead: this races with other binds.
 pub fn free_port() -> u16 {

@@ -3,19 +3,13 @@
 
 use std::process::{Command, Output};
 
-fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .output()
-        .expect("run strata")
-}
+use strata_test_support::said as text;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+/// `strata ARGS`, run to its end.
+fn strata(args: &[&str], env: &[(&str, &std::path::Path)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.args(args).envs(env.iter().copied());
+    c.output().expect("run strata")
 }
 
 /// An error that echoes a 200 KB line of a config file shows its start, its end and the
@@ -26,19 +20,14 @@ fn an_error_echoing_a_huge_line_is_cut_and_keeps_its_reason() {
     let d = tempfile::tempdir().unwrap();
     let f = d.path().join("up.toml");
     std::fs::write(&f, format!("x = [{}\n", "1,".repeat(100_000))).unwrap();
-    let o = strata(&["up", "--config", f.to_str().unwrap()]);
+    let o = strata(&["up", "--config", f.to_str().unwrap()], &[]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(t.len() < 12_000, "{} bytes", t.len());
     assert!(t.contains("bytes cut") && t.contains("expected `]`"), "{t}");
     let huge = "9".repeat(100_000);
-    let o = strata(&[
-        "route",
-        "--port",
-        "0",
-        "--decode",
-        &format!("http://127.0.0.1:{huge}"),
-    ]);
+    let url = format!("http://127.0.0.1:{huge}");
+    let o = strata(&["route", "--port", "0", "--decode", &url], &[]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(
@@ -66,11 +55,10 @@ fn up_with_refused_flags_makes_no_state_or_key() {
     .unwrap();
     let tmp = d.path().join("tmp");
     std::fs::create_dir(&tmp).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["up", "--config", f.to_str().unwrap()])
-        .env("TMPDIR", &tmp)
-        .output()
-        .unwrap();
+    let o = strata(
+        &["up", "--config", f.to_str().unwrap()],
+        &[("TMPDIR", &tmp)],
+    );
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(t.contains("--device-mem"), "{t}");
