@@ -101,8 +101,8 @@ impl ChatTemplate {
         })
     }
 
-    /// The first turn marker of this template (a control or user-defined token of `tk` it
-    /// writes, in its source or as it renders) found in `text`, if any. The markers are found
+    /// The first turn marker of this template (a control token of `tk` it writes, in its
+    /// source or as it renders) found in `text`, if any. The markers are found
     /// on the first call (one tokenizer per template).
     pub fn turn_marker_in(&self, tk: &crate::ModelTokenizer, text: &str) -> Option<&str> {
         let m = self.markers(tk);
@@ -119,9 +119,9 @@ impl ChatTemplate {
         }
     }
 
-    /// The markers of this template for `tk`, found on the first call: the control and
-    /// user-defined tokens it writes, in its source or built as it renders (`'<|' + role +
-    /// '|>'`, found by rendering [`probes`]).
+    /// The markers of this template for `tk`, found on the first call: the control tokens it
+    /// writes, in its source or built as it renders (`'<|' + role + '|>'`, found by rendering
+    /// [`probes`]).
     fn markers(&self, tk: &crate::ModelTokenizer) -> &TurnMarkers {
         self.markers.get_or_init(|| {
             let rendered: Vec<String> = probes()
@@ -133,19 +133,15 @@ impl ChatTemplate {
             let texts: Vec<String> = tk
                 .control_texts()
                 .iter()
-                .chain(tk.user_defined_texts())
                 .filter(|t| written(t))
                 .cloned()
                 .collect();
             let matcher = aho_corasick::AhoCorasick::new(&texts).ok();
-            // User-defined tokens are their ids wherever they are written (llama.cpp's rule).
+            // User-defined tokens are their ids wherever they are written (llama.cpp's rule),
+            // and no marker: the server writes some itself in messages (a Qwen vocabulary's
+            // `<tool_call>`, around a call in the history).
             let mut split = texts.clone();
-            split.extend(
-                tk.user_defined_texts()
-                    .iter()
-                    .filter(|t| !written(t))
-                    .cloned(),
-            );
+            split.extend(tk.user_defined_texts().iter().cloned());
             TurnMarkers {
                 texts,
                 matcher,

@@ -142,7 +142,7 @@ fn chat_content_special_tokens_are_text_for_every_vocabulary() {
 /// A template that builds its markers as it renders (`'<|im_' + 'start|>'`, as Phi's
 /// `'<|' + role + '|>'` does) has them found by rendering: the chat's ids are still the whole
 /// text's, and a message writing one is refused. A user-defined token is its id wherever it is
-/// written (llama.cpp's rule), and a marker where the template writes it.
+/// written (llama.cpp's rule), and never a marker.
 #[test]
 fn built_markers_and_user_defined_tokens() {
     use candle_core::quantized::gguf_file::Value as G;
@@ -184,7 +184,12 @@ fn built_markers_and_user_defined_tokens() {
     let ids = plain.encode(&tk, &s).unwrap();
     assert!(ids.contains(&id), "{ids:?}");
     assert_eq!(plain.turn_marker_in(&tk, &said), None);
+    // Not a marker even where the template writes it (the server writes such tokens in
+    // messages itself: a Qwen vocabulary's `<tool_call>`), still its id.
     let writes = format!("{}{{{{ '{ud}' }}}}", strata_model::tiny::TINY_TEMPLATE);
     let writes = ChatTemplate::new(&writes).unwrap();
-    assert_eq!(writes.turn_marker_in(&tk, &said), Some(ud.as_str()));
+    assert_eq!(writes.turn_marker_in(&tk, &said), None);
+    let s = writes.render(&[Message::new("user", &said)], true).unwrap();
+    let ids = writes.encode(&tk, &s).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == id).count(), 2, "{ids:?}");
 }

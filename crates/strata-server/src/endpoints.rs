@@ -133,12 +133,10 @@ pub async fn tokenize(
     State(st): St,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let bytes = body_bytes(body, st.body_limit)?;
-    let req: TokenizeRequest = parse_json(&bytes)?;
-    if req.messages.is_some() {
-        let v: Value = serde_json::from_slice(&bytes).unwrap_or_default();
-        crate::body::objects_at(&v, crate::fields::MESSAGE_OBJECTS)?;
-    }
+    // Read once as JSON: messages given as arrays are refused before serde reads them.
+    let v: Value = parse_json(&body_bytes(body, st.body_limit)?)?;
+    crate::body::objects_at(&v, crate::fields::MESSAGE_OBJECTS)?;
+    let req: TokenizeRequest = crate::body::from_value(v)?;
     check_model(&st, req.model.as_deref())?;
     if req.messages.is_some() && req.add_special_tokens.is_some() {
         return Err(ApiError::bad_request(

@@ -229,7 +229,7 @@ pub const MESSAGE_FIELDS: &[Field] = &[
         name: "content",
         on: On::Chat,
         fate: Fate::Supported,
-        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control or user-defined token the template writes, in its source or as it renders: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text. Any other control token written in it (`<|endoftext|>`, ...) is tokenized as text, never as its token (a completion's prompt reads special tokens as tokens).",
+        doc: "Text, or text parts (`{\"type\": \"text\", \"text\"}`: below). A content (or a tool's description) that writes a turn marker of the chat template (a control token the template writes, in its source or as it renders: `<|im_start|>`, `<|eot_id|>`, ...) is a 400: it would be read as a turn boundary, not as text. Any other control token written in it (`<|endoftext|>`, ...) is tokenized as text, never as its token (a completion's prompt reads special tokens as tokens).",
     },
     Field {
         name: "name",
