@@ -19,6 +19,9 @@ pub const REMOTE_WEIGHT: f64 = 0.3;
 /// between the workers and the shared remote set (at 1 worker, 7.3 million pages each; at 4,
 /// 3.7 million; at 8, 1.8 million).
 pub const DEFAULT_INDEX_MEMORY: u64 = 1 << 30;
+/// Largest page size a worker's `/cache/info` may report (a worker's own `--page-size` is
+/// smaller: pages of more tokens would be one page of a whole prompt).
+const MAX_PAGE_SIZE: usize = 1 << 16;
 /// Fewest pages a worker's share must hold (else `--cache-index-memory` is refused).
 pub const MIN_WORKER_PAGES: usize = 1024;
 
@@ -107,6 +110,8 @@ struct WorkerIndex {
     resyncs: u64,
     /// Pages announced past [`IndexLimits::worker_pages`], not indexed.
     unindexed: u64,
+    /// Its `/cache/info` names another namespace than the index's: not indexed (said once).
+    foreign: bool,
 }
 
 /// Tokenizer + namespace + per-worker indexes.
@@ -166,19 +171,52 @@ impl CacheIndex {
 
     /// Chained page hashes of whole pages of `tokens` (empty until a worker told the namespace).
     pub fn hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
-        match &*self.ns.lock().expect("ns lock") {
-            Some((ns, ps)) => ns.chain(PageHash::ROOT, tokens, *ps),
+        match self.ns() {
+            Some((ns, ps)) => ns.chain(PageHash::ROOT, tokens, ps),
             None => Vec::new(),
         }
     }
 
+    /// The page-hash namespace and page size the workers told, if one has.
+    fn ns(&self) -> Option<(HashNamespace, usize)> {
+        self.ns.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// A worker's `/cache/info`: a page size in range, and the namespace every other worker
+    /// has (the first to answer sets it). A worker of another namespace (another model, page
+    /// size or layout, or one that lies) is not indexed: its events would never match a
+    /// prompt, or match what they should not. Said once in the log per worker until it agrees.
+    fn check_namespace(&self, w: usize, url: &str, info: &CacheInfo) -> Result<(), String> {
+        let hash_key = info.hash_key.ok_or("the worker computes no page hashes")?;
+        if !(1..=MAX_PAGE_SIZE).contains(&info.page_size) {
+            return Err(format!(
+                "page size {} (expected 1 to {MAX_PAGE_SIZE})",
+                info.page_size
+            ));
+        }
+        let mut ns = self.ns.lock().unwrap_or_else(|p| p.into_inner());
+        let same = match &*ns {
+            None => {
+                *ns = Some((HashNamespace::from_key(hash_key.0), info.page_size));
+                true
+            }
+            Some((have, ps)) => have.key() == hash_key.0 && *ps == info.page_size,
+        };
+        drop(ns);
+        let mut i = self.workers[w].lock().expect("index lock");
+        if same {
+            i.foreign = false;
+            return Ok(());
+        }
+        if !i.foreign {
+            tracing::warn!(worker = %url, page_size = info.page_size, "a worker's page hashes are of another namespace than the first worker's (another model, page size or K/V layout): its cache is not indexed");
+        }
+        i.foreign = true;
+        Err("another page-hash namespace".into())
+    }
+
     pub fn page_size(&self) -> usize {
-        self.ns
-            .lock()
-            .expect("ns lock")
-            .as_ref()
-            .map(|x| x.1)
-            .unwrap_or(0)
+        self.ns().map_or(0, |x| x.1)
     }
 
     /// (device, host, remote) pages of the prefix of `hashes` worker `w` can use, page by page
@@ -283,16 +321,14 @@ impl CacheIndex {
         if w >= self.workers.len() {
             return Err(format!("the index has {} places", self.workers.len()));
         }
-        if self.ns.lock().expect("ns lock").is_none() {
-            let info: CacheInfo = get(client, key, url, "/cache/info").await?;
-            let hash_key = info.hash_key.ok_or("the worker computes no page hashes")?;
-            *self.ns.lock().expect("ns lock") =
-                Some((HashNamespace::from_key(hash_key.0), info.page_size));
-        }
         let (since, epoch, synced) = {
             let i = self.workers[w].lock().expect("index lock");
             (i.next, i.epoch, i.synced)
         };
+        if !synced || self.ns().is_none() {
+            let info: CacheInfo = get(client, key, url, "/cache/info").await?;
+            self.check_namespace(w, url, &info)?;
+        }
         let ev: CacheEvents =
             get(client, key, url, &format!("/cache/events?since={since}")).await?;
         if !synced || ev.epoch != epoch || ev.resync {
@@ -413,6 +449,41 @@ mod tests {
         let f = idx.footprint();
         assert_eq!((f.pages, f.unindexed), (120, 100));
         assert!(f.bytes <= f.limit_bytes, "{f:?}");
+    }
+
+    /// A worker's `/cache/info` with a page size out of range is refused (a page size of 0
+    /// divided by zero, under the namespace lock, at every pick); one of another namespace than
+    /// the first worker's is not indexed; the first sets it; hashing stays sane.
+    #[test]
+    fn a_worker_of_no_or_another_namespace_is_not_indexed() {
+        let limits = IndexLimits {
+            worker_pages: 100,
+            remote_pages: 50,
+        };
+        let idx = CacheIndex::new(tokenizer(), None, 2, limits);
+        let info = |page_size: usize, key: u8| CacheInfo {
+            model_id: "m".into(),
+            page_size,
+            hash_key: Some(Hex([key; 32])),
+            epoch: 1,
+            next: 0,
+        };
+        for ps in [0, (1 << 16) + 1, usize::MAX] {
+            let e = idx
+                .check_namespace(0, "http://w0", &info(ps, 1))
+                .unwrap_err();
+            assert!(e.contains("page size"), "{e}");
+        }
+        assert!(idx.hashes(&[1, 2, 3, 4]).is_empty(), "no namespace yet");
+        idx.check_namespace(0, "http://w0", &info(2, 1)).unwrap();
+        assert_eq!(idx.hashes(&[1, 2, 3, 4, 5]).len(), 2);
+        for other in [info(2, 9), info(4, 1)] {
+            assert!(idx.check_namespace(1, "http://w1", &other).is_err());
+            assert!(idx.workers[1].lock().unwrap().foreign);
+        }
+        idx.check_namespace(1, "http://w1", &info(2, 1)).unwrap();
+        assert!(!idx.workers[1].lock().unwrap().foreign);
+        assert_eq!(idx.page_size(), 2);
     }
 
     /// Maps filled to their limits, and churned (removals leave tombstones that make

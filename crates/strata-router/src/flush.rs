@@ -53,7 +53,7 @@ pub async fn flush_cache(
         };
         if matches!(status, 401 | 403) {
             let text = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
-            tracing::warn!(worker = %w.url, status, answer = %text, "a worker refused the router's flush");
+            tracing::warn!(worker = %w.url, status, answer = ?text, "a worker refused the router's flush");
             missed.push(format!(
                 "{} (refused the router's credential, e.g. another --cluster-key-file, or without \
                  one another --admin-key; its answer is in the router's log)",

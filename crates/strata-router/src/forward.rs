@@ -168,8 +168,10 @@ async fn relay(
             st.clone(),
         ))
     } else {
-        use crate::upstream::{answer_within, json_or_502, BUDGET_CUT, MAX_ANSWER_BYTES};
-        let bytes = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
+        use crate::upstream::{
+            answer_within, held_body, json_or_502, BUDGET_CUT, MAX_ANSWER_BYTES,
+        };
+        let (bytes, share) = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| {
                 if !e.starts_with(BUDGET_CUT) {
@@ -178,7 +180,11 @@ async fn relay(
                 crate::upstream::bad_gateway(format!("the worker's answer was cut: {e}"))
             })?;
         drop(guard);
-        Body::from(json_or_502(status.as_u16(), bytes, &decode.url)?)
+        // An answer that is not JSON counts against the worker (`/workers`' failures).
+        let checked = json_or_502(status.as_u16(), bytes, &decode.url).inspect_err(|_| {
+            decode.failures.fetch_add(1, Ordering::Relaxed);
+        })?;
+        held_body(checked, share)
     };
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -231,7 +237,7 @@ async fn not_passed_on(st: &RouterState, d: &Worker, r: reqwest::Response) -> (S
 async fn failed_before_any_token(st: &RouterState, pair: &Pair, r: reqwest::Response) -> String {
     let d = &pair.decode;
     let (status, text) = not_passed_on(st, d, r).await;
-    tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, %text, "retrying on another pair");
+    tracing::warn!(decode = %d.url, prefill = ?pair.prefill.as_ref().map(|w| &w.url), %status, text = ?text, "retrying on another pair");
     format!("a worker answered {status}")
 }
 
@@ -242,7 +248,7 @@ pub(crate) async fn refused_the_router(
     r: reqwest::Response,
 ) -> ApiError {
     let (_, text) = not_passed_on(st, d, r).await;
-    tracing::warn!(decode = %d.url, %text, "the worker refused the router's authentication");
+    tracing::warn!(decode = %d.url, text = ?text, "the worker refused the router's authentication");
     crate::upstream::bad_gateway(
         "a worker refused the router's authentication (another --cluster-key-file, or a worker \
          --api-key)"
@@ -305,6 +311,18 @@ async fn forward(
                     d.healthy.store(false, Ordering::Relaxed);
                 }
                 last_err = Some("a worker was unreachable".into());
+                // A lone pair is not asked twice: it may have run the request already (an
+                // answer the transport refused), and would run it again.
+                if alone {
+                    return Err(ApiError::new(
+                        StatusCode::BAD_GATEWAY,
+                        "server_error",
+                        format!(
+                            "the worker {} could not be reached or answered unreadably: {e}",
+                            d.url
+                        ),
+                    ));
+                }
             }
         }
         st.retries.fetch_add(1, Ordering::Relaxed);

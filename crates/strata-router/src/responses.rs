@@ -137,16 +137,19 @@ async fn answer(
         false
     };
     if !sse {
-        use crate::upstream::{answer_within, bad_gateway, json_or_502, MAX_ANSWER_BYTES};
+        use crate::upstream::{
+            answer_within, bad_gateway, held_body, json_or_502, MAX_ANSWER_BYTES,
+        };
         let retry = crate::upstream::retry_after(&r);
-        let bytes = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
+        let (bytes, share) = answer_within(r, MAX_ANSWER_BYTES, st.stream_idle, st.request_timeout)
             .await
             .map_err(|e| bad_gateway(format!("the worker's answer was cut: {e}")))?;
         let bytes = json_or_502(status.as_u16(), bytes, &w.url)?;
         record(st, &bytes, &w.url);
         drop(guard);
         let json = [(header::CONTENT_TYPE, "application/json")];
-        let mut resp = axum::response::IntoResponse::into_response((status, json, bytes));
+        let body = held_body(bytes, share);
+        let mut resp = axum::response::IntoResponse::into_response((status, json, body));
         resp.extensions_mut().insert(ChosenWorker(w.url.clone()));
         if let Some(v) = retry {
             resp.headers_mut().insert(header::RETRY_AFTER, v);

@@ -88,7 +88,7 @@ async fn pass(
     path: &str,
     body: Option<Bytes>,
 ) -> Response {
-    use crate::upstream::{answer_within, json_or_502, MAX_ANSWER_BYTES};
+    use crate::upstream::{answer_within, held_body, json_or_502, MAX_ANSWER_BYTES};
     for w in st.decode.iter().filter(|w| w.is_healthy()) {
         let mut req = st
             .client
@@ -103,15 +103,19 @@ async fn pass(
             continue;
         };
         let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let bytes = match answer_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT, PASS_TIMEOUT).await {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(worker = %w.url, path, error = %e, "a worker's answer was cut");
-                continue;
-            }
-        };
+        let (bytes, share) =
+            match answer_within(r, MAX_ANSWER_BYTES / 4, PASS_TIMEOUT, PASS_TIMEOUT).await {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(worker = %w.url, path, error = %e, "a worker's answer was cut");
+                    continue;
+                }
+            };
         return match json_or_502(status.as_u16(), bytes, &w.url) {
-            Ok(b) => (status, [(header::CONTENT_TYPE, "application/json")], b).into_response(),
+            Ok(b) => {
+                let json = [(header::CONTENT_TYPE, "application/json")];
+                (status, json, held_body(b, share)).into_response()
+            }
             Err(e) => e.into_response(),
         };
     }

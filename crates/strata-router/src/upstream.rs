@@ -80,7 +80,7 @@ pub async fn body_within(
     idle: Duration,
     total: Duration,
 ) -> Result<Bytes, String> {
-    body_held(r, cap, idle, total, usize::MAX).await
+    body_held(r, cap, idle, total, usize::MAX, &mut Held(0)).await
 }
 
 /// How a [`answer_within`] cut for the shared budget begins (the router's limit, not the
@@ -88,14 +88,59 @@ pub async fn body_within(
 pub const BUDGET_CUT: &str = "the router holds";
 
 /// A worker's answer to a client, as [`body_within`] reads it, and within
-/// [`MAX_HELD_BYTES`] for all such answers being read at once.
+/// [`MAX_HELD_BYTES`] for all such answers the router holds at once: its share is kept until
+/// the client has the answer ([`held_body`]), so clients that read slowly or never cannot
+/// pile answers up in the router's memory past the budget.
 pub async fn answer_within(
     r: reqwest::Response,
     cap: usize,
     idle: Duration,
     total: Duration,
-) -> Result<Bytes, String> {
-    body_held(r, cap, idle, total, MAX_HELD_BYTES).await
+) -> Result<(Bytes, Share), String> {
+    let mut held = Held(0);
+    let bytes = body_held(r, cap, idle, total, MAX_HELD_BYTES, &mut held).await?;
+    Ok((bytes, Share { _held: held }))
+}
+
+/// An answer's share of [`MAX_HELD_BYTES`], given back when dropped.
+pub struct Share {
+    _held: Held,
+}
+
+/// `bytes` (an answer read by [`answer_within`], as checked) as a response body that holds
+/// its share until the body is dropped: written to the client, or the client gone. Its length
+/// is said (`Content-Length`), as a plain body's.
+pub fn held_body(bytes: Bytes, share: Share) -> axum::body::Body {
+    axum::body::Body::new(HeldBody {
+        bytes: Some(bytes),
+        _share: share,
+    })
+}
+
+/// [`held_body`]'s body: the bytes in one frame, the share kept for the body's life.
+struct HeldBody {
+    bytes: Option<Bytes>,
+    _share: Share,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.bytes.take().map(|b| Ok(http_body::Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.bytes.as_ref().map_or(0, |b| b.len() as u64))
+    }
 }
 
 async fn body_held(
@@ -104,10 +149,10 @@ async fn body_held(
     idle: Duration,
     total: Duration,
     limit: usize,
+    held: &mut Held,
 ) -> Result<Bytes, String> {
     let end = tokio::time::Instant::now() + total;
     let mut out = Vec::new();
-    let mut held = Held(0);
     loop {
         match next_within(end, idle, r.chunk()).await {
             Within::Total => {
@@ -146,7 +191,7 @@ pub fn json_or_502(status: u16, body: Bytes, worker: &str) -> Result<Bytes, ApiE
         return Ok(body);
     }
     let head = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-    tracing::warn!(worker, status, body = %head, "a worker's answer is not JSON");
+    tracing::warn!(worker, status, body = ?head, "a worker's answer is not JSON");
     Err(bad_gateway(format!(
         "a worker answered {status} with a body that is not JSON"
     )))
@@ -198,12 +243,31 @@ mod tests {
         let limit = HELD.load(std::sync::atomic::Ordering::Acquire) + 10_000;
         let mut other = Held(0);
         assert!(other.take(7_000, limit));
-        let e = body_held(get().await, 1 << 20, s, s, limit)
+        let e = body_held(get().await, 1 << 20, s, s, limit, &mut Held(0))
             .await
             .unwrap_err();
         assert!(e.contains("bytes of answers being read"), "{e}");
         drop(other);
-        let b = body_held(get().await, 1 << 20, s, s, limit).await.unwrap();
+        let mut held = Held(0);
+        let b = body_held(get().await, 1 << 20, s, s, limit, &mut held)
+            .await
+            .unwrap();
         assert_eq!(b.len(), 4000);
+        // The share stays taken while the client's body lives (a client that reads slowly or
+        // never keeps it), and is given back when the body is dropped.
+        let before = HELD.load(std::sync::atomic::Ordering::Acquire);
+        let body = held_body(b, Share { _held: held });
+        assert_eq!(http_body::Body::size_hint(&body).exact(), Some(4000));
+        let mut other = Held(0);
+        assert!(
+            !other.take(7_000, limit),
+            "the answer's share was given back early"
+        );
+        drop(body);
+        assert_eq!(
+            HELD.load(std::sync::atomic::Ordering::Acquire),
+            before - 4000
+        );
+        assert!(other.take(7_000, limit));
     }
 }

@@ -241,3 +241,57 @@ async fn a_lone_workers_503_is_not_sent_again_to_it() {
     assert_eq!(a_calls.load(Ordering::SeqCst), 2);
     assert_eq!(b_calls.load(Ordering::SeqCst), 1);
 }
+
+/// A lone worker whose answer the transport refuses (a header with a bare CR), after it read
+/// the request: the router does not send the request to it again (it would run twice), and
+/// says what happened, not "two worker pairs".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_workers_unreadable_answer_is_not_sent_again() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut got = Vec::new();
+                // The whole request (headers and the small body), then a broken answer.
+                while !String::from_utf8_lossy(&got).contains("\"max_tokens\"") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                c.fetch_add(1, Ordering::SeqCst);
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nx-bad: a\rb\r\ncontent-length: 2\r\n\r\n{}")
+                    .await;
+            });
+        }
+    });
+    let st = RouterState::new(&[], &[url], Policy::RoundRobin);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+    let chat =
+        serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let answer = reqwest::Client::new()
+        .post(format!("{r}/v1/chat/completions"))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 502);
+    let body: serde_json::Value = answer.json().await.unwrap();
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(!msg.contains("two worker pairs"), "{msg}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "sent to the lone worker twice"
+    );
+}
