@@ -108,6 +108,18 @@ pub(crate) async fn off_async<T: Send + 'static>(
 
 /// Sends the request to `decode` (with `prefill` named under PD), signed when the deployment
 /// has a cluster key (for the worker's instance: [`strata_server::auth::send`]).
+/// The 502 for a lone worker that could not be reached or whose answer could not be read.
+fn unreadable(d: &Worker, e: &reqwest::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        format!(
+            "the worker {} could not be reached or answered unreadably: {e}",
+            d.url
+        ),
+    )
+}
+
 pub(crate) async fn send_to(
     st: &RouterState,
     decode: &Worker,
@@ -314,14 +326,7 @@ async fn forward(
                 // A lone pair is not asked twice: it may have run the request already (an
                 // answer the transport refused), and would run it again.
                 if alone {
-                    return Err(ApiError::new(
-                        StatusCode::BAD_GATEWAY,
-                        "server_error",
-                        format!(
-                            "the worker {} could not be reached or answered unreadably: {e}",
-                            d.url
-                        ),
-                    ));
+                    return Err(unreadable(d, &e));
                 }
             }
         }
