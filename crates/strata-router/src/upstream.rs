@@ -187,6 +187,17 @@ async fn body_held(
 /// `body` when it is JSON; else the router's JSON 502 naming the worker's status (its words
 /// go to the log, never to the client).
 pub fn json_or_502(status: u16, body: Bytes, worker: &str) -> Result<Bytes, ApiError> {
+    // A success or an error of HTTP's own range; a redirect (never followed), an
+    // informational status as a final answer, or a number past 599 is not an answer a
+    // client can act on.
+    if !matches!(status, 200..=299 | 400..=599) {
+        tracing::warn!(
+            worker,
+            status,
+            "a worker answered a status the router does not pass on"
+        );
+        return Err(bad_gateway(format!("a worker answered status {status}")));
+    }
     if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok() {
         return Ok(body);
     }
@@ -226,6 +237,16 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_GATEWAY);
             let msg = e.body()["error"]["message"].as_str().unwrap().to_string();
             assert!(!msg.contains("trace") && msg.contains("500"), "{msg}");
+        }
+        // JSON under a status a client cannot act on is the router's 502; HTTP's successes
+        // and errors pass.
+        let json = || Bytes::from_static(b"{\"error\": {}}");
+        for odd in [100, 101, 199, 301, 307, 399, 600, 999] {
+            let e = json_or_502(odd, json(), "w").unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_GATEWAY, "{odd}");
+        }
+        for fine in [200, 201, 299, 400, 429, 500, 503, 599] {
+            assert!(json_or_502(fine, json(), "w").is_ok(), "{fine}");
         }
     }
 
