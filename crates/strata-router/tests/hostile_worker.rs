@@ -195,6 +195,17 @@ async fn a_hostile_worker_gets_json_errors_bounded_reads_and_a_timeout() {
     assert!(ctype.starts_with("application/json"), "{ctype}");
 }
 
+/// `chat` sent through a round-robin router of its own in front of `workers` (decode only).
+async fn chat_through_router(workers: &[String], chat: &serde_json::Value) -> reqwest::Response {
+    let st = RouterState::new(&[], workers, Policy::RoundRobin);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
+    let client = reqwest::Client::new();
+    let url = format!("{r}/v1/chat/completions");
+    client.post(url).json(chat).send().await.unwrap()
+}
+
 /// A worker whose queue timed out (503 with `Retry-After`) and no other to try: its answer goes
 /// back at once, not after a second wait on the same queue; with two such workers, each is
 /// asked once and the second's answer goes back.
@@ -224,16 +235,7 @@ async fn a_lone_workers_503_is_not_sent_again_to_it() {
         serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
     let ((a, a_calls), (b, b_calls)) = (busy().await, busy().await);
     for workers in [vec![a.clone()], vec![a, b]] {
-        let st = RouterState::new(&[], &workers, Policy::RoundRobin);
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let r = format!("http://{}", l.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
-        let answer = reqwest::Client::new()
-            .post(format!("{r}/v1/chat/completions"))
-            .json(&chat)
-            .send()
-            .await
-            .unwrap();
+        let answer = chat_through_router(&workers, &chat).await;
         assert_eq!(answer.status().as_u16(), 503);
         assert_eq!(answer.headers()[header::RETRY_AFTER], "7");
     }
@@ -273,18 +275,9 @@ async fn a_lone_workers_unreadable_answer_is_not_sent_again() {
             });
         }
     });
-    let st = RouterState::new(&[], &[url], Policy::RoundRobin);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let r = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(l, router(Arc::new(st))).await });
     let chat =
         serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
-    let answer = reqwest::Client::new()
-        .post(format!("{r}/v1/chat/completions"))
-        .json(&chat)
-        .send()
-        .await
-        .unwrap();
+    let answer = chat_through_router(&[url], &chat).await;
     assert_eq!(answer.status().as_u16(), 502);
     let body: serde_json::Value = answer.json().await.unwrap();
     let msg = body["error"]["message"].as_str().unwrap_or_default();
