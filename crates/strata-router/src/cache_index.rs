@@ -112,7 +112,33 @@ struct WorkerIndex {
     unindexed: u64,
     /// Its `/cache/info` names another namespace than the index's: not indexed (said once).
     foreign: bool,
+    /// When its last snapshot was read, and how long the next asked-for resync waits: a
+    /// worker that asks for one on every poll (a snapshot of hundreds of MB each time) would
+    /// keep a router core busy and hold up the other workers' polls.
+    last_resync: Option<std::time::Instant>,
+    resync_wait: Duration,
+    /// "More pages than the index keeps" was said for this worker (once, not per resync).
+    said_full: bool,
 }
+
+/// The wait before a worker's next asked-for resync, after one at `now` that followed the one
+/// before at `prev`: none when they were apart, else doubling from 1 s to a minute while they
+/// keep coming within [`RESYNC_CALM`].
+fn next_resync_wait(
+    prev: Option<std::time::Instant>,
+    wait: Duration,
+    now: std::time::Instant,
+) -> Duration {
+    match prev {
+        Some(p) if now.duration_since(p) < RESYNC_CALM + wait => {
+            (wait * 2).clamp(Duration::from_secs(1), Duration::from_secs(60))
+        }
+        _ => Duration::ZERO,
+    }
+}
+
+/// Resyncs further apart than this (beyond the wait) are normal: a worker restarted.
+const RESYNC_CALM: Duration = Duration::from_secs(10);
 
 /// Tokenizer + namespace + per-worker indexes.
 pub struct CacheIndex {
@@ -293,8 +319,9 @@ impl CacheIndex {
                         idx.pages.insert(h.0, bit);
                     }
                     None => {
-                        if idx.unindexed == 0 {
+                        if !idx.said_full {
                             tracing::warn!(worker = w, max = self.limits.worker_pages, "a worker announces more cached pages than the index keeps (--cache-index-memory): the rest are not indexed");
+                            idx.said_full = true;
                         }
                         idx.unindexed += 1;
                     }
@@ -332,6 +359,14 @@ impl CacheIndex {
         let ev: CacheEvents =
             get(client, key, url, &format!("/cache/events?since={since}")).await?;
         if !synced || ev.epoch != epoch || ev.resync {
+            let now = std::time::Instant::now();
+            {
+                // A worker asking again soon after the last one waits (its index as it was).
+                let i = self.workers[w].lock().expect("index lock");
+                if synced && i.last_resync.is_some_and(|t| now < t + i.resync_wait) {
+                    return Ok(());
+                }
+            }
             let snap: CacheSnapshot = get(client, key, url, "/cache/snapshot").await?;
             {
                 let mut i = self.workers[w].lock().expect("index lock");
@@ -341,6 +376,8 @@ impl CacheIndex {
                 i.next = snap.next;
                 i.synced = true;
                 i.resyncs += 1;
+                i.resync_wait = next_resync_wait(i.last_resync, i.resync_wait, now);
+                i.last_resync = Some(now);
             }
             for t in &snap.tiers {
                 self.apply(w, t);
@@ -484,6 +521,25 @@ mod tests {
         idx.check_namespace(1, "http://w1", &info(2, 1)).unwrap();
         assert!(!idx.workers[1].lock().unwrap().foreign);
         assert_eq!(idx.page_size(), 2);
+    }
+
+    /// Resyncs a worker asks for back to back wait 1 s, doubling to a minute; one well apart
+    /// from the last (a restart) waits nothing.
+    #[test]
+    fn resyncs_asked_back_to_back_back_off() {
+        let t0 = std::time::Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(next_resync_wait(None, Duration::ZERO, t0), Duration::ZERO);
+        let mut wait = Duration::ZERO;
+        let mut at = t0;
+        let mut prev = None;
+        for want in [0, 1, 2, 4, 8, 16, 32, 60, 60] {
+            wait = next_resync_wait(prev, wait, at);
+            assert_eq!(wait, s(want));
+            prev = Some(at);
+            at += wait + s(2);
+        }
+        assert_eq!(next_resync_wait(prev, wait, at + s(71)), Duration::ZERO);
     }
 
     /// Maps filled to their limits, and churned (removals leave tombstones that make
