@@ -17,8 +17,7 @@ pub const MAX_SECONDS: f64 = 86_400.0;
 /// calls would go elsewhere), and no worker given twice, however spelled (`http://h:80` is
 /// `http://h`).
 pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
-    let mut seen = Vec::with_capacity(urls.len());
-    for u in urls {
+    for (i, u) in urls.iter().enumerate() {
         let p = reqwest::Url::parse(u).ok().filter(|p| {
             matches!(p.scheme(), "http" | "https")
                 && p.host_str().is_some_and(|h| !h.is_empty())
@@ -34,11 +33,12 @@ pub fn check_worker_urls(flag: &str, urls: &[String]) -> Result<()> {
         if !matches!(p.path(), "" | "/") || p.query().is_some() || p.fragment().is_some() {
             bail!("{flag} `{u}`: a path, query or fragment: expected http://HOST:PORT (the router adds its own paths)");
         }
-        let origin = p.origin().ascii_serialization();
-        if seen.contains(&origin) {
+        if urls[..i]
+            .iter()
+            .any(|o| strata_server::pd::same_worker(o, u))
+        {
             bail!("{flag} `{u}` is given twice");
         }
-        seen.push(origin);
     }
     Ok(())
 }

@@ -408,9 +408,10 @@ fn unwire(l: WireLogprobs) -> TokenLogprobs {
     }
 }
 
-/// Whether two worker URLs name one worker however spelled (`http://H:80` is `http://h/`), as
-/// the flags naming workers are checked.
-fn same_worker(a: &str, b: &str) -> bool {
+/// Whether two worker URLs name one worker however spelled (`http://H:80` is `http://h/`): the
+/// decode worker's check of the router's prefill URL, and the checks of the flags naming
+/// workers.
+pub fn same_worker(a: &str, b: &str) -> bool {
     let origin = |u: &str| reqwest::Url::parse(u).ok().map(|p| p.origin());
     match (origin(a), origin(b)) {
         (Some(x), Some(y)) => x == y,

@@ -49,14 +49,7 @@ pub(super) fn cluster_key(named: Option<&Path>, state: &Path) -> Result<PathBuf>
         );
         return Ok(f.to_path_buf());
     }
-    let mut b = std::fs::DirBuilder::new();
-    b.recursive(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        b.mode(0o700);
-    }
-    b.create(state)
+    private_dir(state, true)
         .with_context(|| format!("cannot create the state directory {}", state.display()))?;
     let f = state.join("cluster.key");
     let (_, made) =
@@ -87,21 +80,27 @@ pub(super) fn key_for_checks(named: Option<&Path>, state: &Path) -> Result<(Path
         std::process::id(),
         strata_server::ids::fresh_id()
     ));
-    let mut b = std::fs::DirBuilder::new();
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        b.mode(0o700);
-    }
     // No temporary directory to write in (a read-only one): the deployment's own key is made
     // first, as it would be anyway.
-    if b.create(&dir).is_err() {
+    if private_dir(&dir, false).is_err() {
         return Ok((cluster_key(None, state)?, StandIn(None)));
     }
     let stand_in = StandIn(Some(dir.clone()));
     let k = dir.join("cluster.key");
     strata_kv::auth::ClusterKey::load_or_create(&k).context("a stand-in cluster key")?;
     Ok((k, stand_in))
+}
+
+/// Makes `dir` (and, when `parents`, what is above it) readable by its owner only (mode 700).
+fn private_dir(dir: &Path, parents: bool) -> std::io::Result<()> {
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(parents);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        b.mode(0o700);
+    }
+    b.create(dir)
 }
 
 /// A stand-in key's directory, removed on drop.
