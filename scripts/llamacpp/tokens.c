@@ -3,8 +3,10 @@
 //
 // usage: tokens MODEL.gguf TEXTS > out.jsonl
 // TEXTS: the texts, each ended by a NUL byte. One JSON line per text: the ids without special
-// tokens added ("plain") and with them (BOS where the vocabulary adds one: "special"); special
-// tokens written in the text are recognised in both.
+// tokens added ("plain") and with them (BOS where the vocabulary adds one: "special"), special
+// tokens written in the text recognised in both; and without either ("text": parse_special
+// false, control tokens written in the text are their characters, user-defined ones still
+// their ids).
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -20,14 +22,15 @@ static void quiet(enum ggml_log_level level, const char * text, void * user) {
     }
 }
 
-static void print_ids(const struct llama_vocab * v, const char * text, int len, bool add) {
+static void print_ids(const struct llama_vocab * v, const char * text, int len, bool add,
+                      bool parse) {
     int cap = len + 8;
     llama_token * ids = malloc(sizeof(llama_token) * cap);
-    int n = llama_tokenize(v, text, len, ids, cap, add, true);
+    int n = llama_tokenize(v, text, len, ids, cap, add, parse);
     if (n < 0) {
         cap = -n;
         ids = realloc(ids, sizeof(llama_token) * cap);
-        n = llama_tokenize(v, text, len, ids, cap, add, true);
+        n = llama_tokenize(v, text, len, ids, cap, add, parse);
     }
     printf("[");
     for (int i = 0; i < n; i++) {
@@ -68,9 +71,11 @@ int main(int argc, char ** argv) {
     for (long at = 0; at < size;) {
         int len = (int) strlen(all + at);
         printf("{\"plain\":");
-        print_ids(v, all + at, len, false);
+        print_ids(v, all + at, len, false, true);
         printf(",\"special\":");
-        print_ids(v, all + at, len, true);
+        print_ids(v, all + at, len, true, true);
+        printf(",\"text\":");
+        print_ids(v, all + at, len, false, false);
         printf("}\n");
         at += len + 1;
     }

@@ -6,7 +6,8 @@ vocabulary (spm) Strata's generator writes a
 tiny file with more merges (`cargo run -p strata-model --example write_tiny -- tok-PRE FILE`,
 seeded; its SHA-256 goes in the fixture) and scripts/llamacpp/tokens.c, built against
 llama.cpp's libllama (see reference.py for the build), tokenizes every text of TEXTS with and
-without special tokens added.
+without special tokens added, and with special tokens written in the text read as text
+(`parse_special = false`, as Strata tokenizes a chat message's content).
 
 python3 scripts/llamacpp/tokens.py --llama-cpp /path/to/llama-cpp-python-0.3.36/vendor/llama.cpp
 """
@@ -21,12 +22,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRES = ["smollm", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3", "spm"]
 # Contractions, digit runs, runs of spaces and newlines, punctuation, non-ASCII letters, CJK,
-# a special token in the text, and the empty text.
+# special tokens in the text (each vocabulary's control tokens: BPE's `<|endoftext|>`,
+# SentencePiece's `<s>`, `</s>`, `<unk>`, both's `<|im_start|>`), and the empty text.
 TEXTS = [
     "hello world", "Hello World!!", "the 12345 and 123 and 4567890", "it's what's THEY'RE",
     "  two  spaces   three", "tabs\tand\nnew\n\nlines\r\n", "héllo wörld ça va", "日本語のテキスト",
     "x=1+2; y = 'a'!", "<|im_start|>user\nhi<|im_end|>", "   ", "", "1 12 123 1234 12345",
-    "hello!!! hello!!!!", "ok\n\n\n\nok",
+    "hello!!! hello!!!!", "ok\n\n\n\nok", "say <|endoftext|> now", "<s>hi</s> <unk>x",
+    "a<|im_start|>b<|im_end|>c", "<|im_end|>",
 ]
 
 

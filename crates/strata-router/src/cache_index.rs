@@ -59,8 +59,9 @@ impl IndexLimits {
     /// The limits whose maps stay within `bytes` over `workers` workers and the remote set, at
     /// every moment. A map of at most 7/8·B entries (B a power of two) has B slots, or 2B once
     /// hashbrown grows a table full of tombstones (from there it rehashes in place). Growing
-    /// holds the old table beside the new one for a moment, and the index's updates come from
-    /// one task (`index_loop`), so one table grows at a time: `bytes` is split into a share
+    /// holds the old table beside the new one for a moment, and the index applies one worker's
+    /// answer at a time (`CacheIndex::applying`; the answers are read concurrently), so one
+    /// table grows at a time: `bytes` is split into a share
     /// for each map and one more for that. None: a worker's share holds fewer than
     /// [`MIN_WORKER_PAGES`].
     pub fn within(bytes: u64, workers: usize) -> Option<IndexLimits> {
@@ -149,6 +150,10 @@ pub struct CacheIndex {
     /// Pages any worker wrote to the shared remote L3 (hints: Redis evicts silently).
     remote: Mutex<RemotePages>,
     limits: IndexLimits,
+    /// Held while a worker's answer is applied: the workers are polled concurrently (a slow
+    /// one holds up no other), their answers applied one at a time, so at most one map grows
+    /// at a moment ([`IndexLimits::within`]).
+    applying: Mutex<()>,
 }
 
 impl CacheIndex {
@@ -168,6 +173,7 @@ impl CacheIndex {
                 .collect(),
             remote: Mutex::new(RemotePages::default()),
             limits,
+            applying: Mutex::new(()),
         }
     }
 
@@ -368,6 +374,7 @@ impl CacheIndex {
                 }
             }
             let snap: CacheSnapshot = get(client, key, url, "/cache/snapshot").await?;
+            let one = self.applying();
             {
                 let mut i = self.workers[w].lock().expect("index lock");
                 i.pages.clear();
@@ -382,21 +389,29 @@ impl CacheIndex {
             for t in &snap.tiers {
                 self.apply(w, t);
             }
+            drop(one);
             // Remote writes are not in snapshots (L3 is not indexed by the tree): take them
             // from the events the worker still holds.
             let path = format!("/cache/events?since={}", ev.first);
             if let Ok(all) = get::<CacheEvents>(client, key, url, &path).await {
+                let _one = self.applying();
                 for e in all.events.iter().filter(|e| e.tier == Tier::Remote) {
                     self.apply(w, e);
                 }
             }
             return Ok(());
         }
+        let _one = self.applying();
         for e in &ev.events {
             self.apply(w, e);
         }
         self.workers[w].lock().expect("index lock").next = ev.next;
         Ok(())
+    }
+
+    /// The right to apply a worker's answer (one at a time; see `applying`).
+    fn applying(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.applying.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

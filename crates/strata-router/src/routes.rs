@@ -56,20 +56,27 @@ pub fn router(state: Arc<RouterState>) -> Router {
         .with_state(state)
 }
 
-/// Follows the cache events of every worker, every `every`.
+/// Follows the cache events of every worker, every `every`: each worker by a task of its own,
+/// so one that answers slowly (up to its timeouts: seconds, a minute for a snapshot) delays
+/// no other's updates. Ends (with its tasks) when dropped.
 pub async fn index_loop(state: Arc<RouterState>, every: Duration) {
     let Some(index) = state.index().cloned() else {
         return;
     };
-    let key = state.cluster_key.as_ref().map(|k| (k, &state.peers));
-    loop {
-        for w in state.indexed() {
-            if let Err(e) = index.poll(&state.client, key, w.slot, &w.url).await {
-                tracing::debug!(worker = %w.url, error = %e, "cache events not read");
+    let mut polls = tokio::task::JoinSet::new();
+    for w in state.indexed().cloned().collect::<Vec<_>>() {
+        let (state, index) = (state.clone(), index.clone());
+        polls.spawn(async move {
+            let key = state.cluster_key.as_ref().map(|k| (k, &state.peers));
+            loop {
+                if let Err(e) = index.poll(&state.client, key, w.slot, &w.url).await {
+                    tracing::debug!(worker = %w.url, error = %e, "cache events not read");
+                }
+                tokio::time::sleep(every).await;
             }
-        }
-        tokio::time::sleep(every).await;
+        });
     }
+    while polls.join_next().await.is_some() {}
 }
 
 async fn metrics(State(st): St) -> Response {

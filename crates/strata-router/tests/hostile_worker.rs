@@ -288,3 +288,100 @@ async fn a_lone_workers_unreadable_answer_is_not_sent_again() {
         "sent to the lone worker twice"
     );
 }
+
+/// Workers that never answer `/cache/events` (each call waits out its timeout) delay no other
+/// worker's index updates: each worker is polled by a task of its own. Six stalled workers in
+/// front of a good one held its first update for half a minute when they were polled in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_worker_does_not_hold_up_the_others_index_updates() {
+    use strata_protocol::{CacheEvents, CacheInfo, CacheSnapshot, Hex, Tier, WireEvent};
+    use strata_router::cache_index::{CacheIndex, IndexLimits, DEFAULT_INDEX_MEMORY};
+    let info = CacheInfo {
+        model_id: "tiny".into(),
+        page_size: 16,
+        hash_key: Some(Hex([7; 32])),
+        epoch: 1,
+        next: 1,
+    };
+    let info = serde_json::to_string(&info).unwrap();
+    let serve = |app: axum::Router| async move {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        url
+    };
+    let json = |s: String| ([(header::CONTENT_TYPE, "application/json")], s);
+    let i = info.clone();
+    let stalled = axum::Router::new()
+        .route(
+            "/cache/info",
+            get(move || std::future::ready(json(i.clone()))),
+        )
+        .route(
+            "/cache/events",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                "{}"
+            }),
+        );
+    let mut workers = Vec::new();
+    for _ in 0..6 {
+        workers.push(serve(stalled.clone()).await);
+    }
+    let pages: Vec<Hex<16>> = (0..5u8).map(|b| Hex([b; 16])).collect();
+    let snapshot = CacheSnapshot {
+        epoch: 1,
+        next: 1,
+        tiers: vec![WireEvent {
+            seq: None,
+            stored: true,
+            tier: Tier::Device,
+            hashes: pages,
+        }],
+    };
+    let snapshot = serde_json::to_string(&snapshot).unwrap();
+    let events = CacheEvents {
+        epoch: 1,
+        first: 0,
+        next: 1,
+        resync: false,
+        events: Vec::new(),
+    };
+    let events = serde_json::to_string(&events).unwrap();
+    let good = axum::Router::new()
+        .route(
+            "/cache/info",
+            get(move || std::future::ready(json(info.clone()))),
+        )
+        .route(
+            "/cache/events",
+            get(move || std::future::ready(json(events.clone()))),
+        )
+        .route(
+            "/cache/snapshot",
+            get(move || std::future::ready(json(snapshot.clone()))),
+        );
+    workers.push(serve(good).await);
+    let d = tempfile::tempdir().unwrap();
+    let g = strata_model::Gguf::open(&strata_test_support::tiny_model(d.path())).unwrap();
+    let tk = strata_model::ModelTokenizer::from_gguf(&g).unwrap();
+    let mut rs = RouterState::new(&[], &workers, Policy::CacheAware);
+    let limits = IndexLimits::within(DEFAULT_INDEX_MEMORY, workers.len()).unwrap();
+    let index = Arc::new(CacheIndex::new(Arc::new(tk), None, workers.len(), limits));
+    rs.set_index(index.clone());
+    tokio::spawn(strata_router::index_loop(
+        Arc::new(rs),
+        Duration::from_millis(20),
+    ));
+    // Ready when the good worker's five pages are indexed; polled in turn, not before 30 s.
+    let t = std::time::Instant::now();
+    while index.footprint().pages < 5 {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "the good worker's pages not indexed after {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(index.footprint().pages, 5);
+}
