@@ -10,7 +10,7 @@ use thiserror::Error;
 pub enum WorkloadError {
     #[error("{what} must be at least 1 (got {got})")]
     Zero { what: &'static str, got: usize },
-    #[error("{what} must be a number > 0 and at most {MAX_SCALE} (got {got:e})")]
+    #[error("{what} must be a number > 0 and at most {MAX_SCALE} (got {})", strata_kv::units::shown_number(*.got))]
     Scale { what: &'static str, got: f64 },
     #[error("trace {path}: {msg}")]
     Trace { path: String, msg: String },

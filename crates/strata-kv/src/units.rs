@@ -137,6 +137,18 @@ pub fn echo_size(b: u64, typed: &str) -> String {
     format!("{} ({b} bytes)", in_unit_of(b, typed))
 }
 
+/// A number as an operator would type it back: as Rust writes it where that is short (`0.5`,
+/// `86400`, `0.30000000000000004`), in exponent form where that would be long (`1e300`,
+/// `-1e-300`, not three hundred digits). Flags' errors echo numbers so.
+pub fn shown_number(v: f64) -> String {
+    let plain = v.to_string();
+    if plain.len() <= 24 {
+        plain
+    } else {
+        format!("{v:e}")
+    }
+}
+
 /// `12.00 GiB (12884901888 bytes)`: binary units, with exact bytes.
 pub fn format_bytes(b: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -152,6 +164,22 @@ pub fn format_bytes(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_are_shown_short() {
+        for (v, want) in [
+            (0.5, "0.5"),
+            (86400.0, "86400"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (1e300, "1e300"),
+            (-1e-300, "-1e-300"),
+            (1.5e30, "1.5e30"),
+            (f64::NAN, "NaN"),
+            (f64::INFINITY, "inf"),
+        ] {
+            assert_eq!(shown_number(v), want);
+        }
+    }
 
     #[test]
     fn sizes_are_echoed_in_the_unit_typed() {

@@ -26,7 +26,8 @@ pub struct AdviseFrom<'a> {
 
 pub fn run(a: &AdviseFrom) -> Result<()> {
     if !(a.target > 0.0 && a.target <= 1.0) {
-        bail!("--target {}: a fraction in (0, 1]", a.target);
+        let t = strata_kv::units::shown_number(a.target);
+        bail!("--target {t}: a fraction in (0, 1]");
     }
     let total = a
         .pd_total

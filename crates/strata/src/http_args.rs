@@ -62,6 +62,7 @@ pub fn check_seconds(flag: &str, v: f64, lo: f64, lo_taken: bool) -> Result<()> 
     let above = if lo_taken { v >= lo } else { v > lo };
     if !(above && v <= MAX_SECONDS) {
         let op = if lo_taken { "≥" } else { ">" };
+        let v = strata_kv::units::shown_number(v);
         bail!("{flag} {v}: expected seconds {op} {lo}, at most {MAX_SECONDS} (a day)");
     }
     Ok(())

@@ -246,10 +246,8 @@ fn index_flags(a: &RouteArgs) -> Result<(PathBuf, IndexLimits, String)> {
         bail!("--policy cache_aware needs --model GGUF (to hash prompts as the workers do)");
     };
     if !(a.index_interval > 0.0 && a.index_interval.is_finite()) {
-        bail!(
-            "--index-interval {}: expected seconds > 0",
-            a.index_interval
-        );
+        let v = strata_kv::units::shown_number(a.index_interval);
+        bail!("--index-interval {v}: expected seconds > 0");
     }
     let workers = a.prefill.len() + a.decode.len();
     let (limits, said) = index_limits(a.cache_index_memory.as_deref(), workers)?;

@@ -37,6 +37,36 @@ fn an_error_echoing_a_huge_line_is_cut_and_keeps_its_reason() {
     );
 }
 
+/// A number flag's value is echoed as it could be typed back: `1e300`, not three hundred
+/// digits, whichever flag (a duration, a ratio, a fraction, a bench's) is refused.
+#[test]
+fn a_refused_number_is_echoed_in_exponent_form() {
+    for (args, flag) in [
+        (&["serve", "--kv-deadline"][..], "--kv-deadline"),
+        (&["serve", "--hicache-ratio"], "--hicache-ratio"),
+        (&["serve", "--device-mem-fraction"], "--device-mem-fraction"),
+        (
+            &["serve", "--prefetch-ms-per-token"],
+            "--prefetch-ms-per-token",
+        ),
+        (&["bench", "health", "--seconds"], "--seconds"),
+        (
+            &["bench", "compare", "--startup-timeout"],
+            "--startup-timeout",
+        ),
+    ] {
+        for v in ["1e300", "-1e-300"] {
+            let mut all = args.to_vec();
+            all.push(v);
+            let o = strata(&all, &[]);
+            let t = text(&o);
+            assert_eq!(o.status.code(), Some(2), "{t}");
+            assert!(t.contains(&format!("{flag} {v}")), "{t}");
+            assert!(!t.contains("0000000000"), "{t}");
+        }
+    }
+}
+
 /// `strata up` whose worker flags are refused leaves nothing behind: no state directory, no
 /// cluster key (its flags were checked with a stand-in key, removed too).
 #[test]

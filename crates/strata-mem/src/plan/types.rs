@@ -2,6 +2,7 @@
 //! ([`Plan`]) and why a request cannot be planned ([`PlanError`]).
 
 use serde::Serialize;
+use strata_kv::units::shown_number;
 use thiserror::Error;
 
 use crate::model::ModelSpec;
@@ -187,9 +188,9 @@ pub enum PlanError {
     NoPools(String),
     #[error("--page-size {page_size}: {why}")]
     PageFit { page_size: usize, why: String },
-    #[error("--device-mem-fraction {0} must be in (0, 1]")]
+    #[error("--device-mem-fraction {} must be in (0, 1]", shown_number(*.0))]
     Fraction(f64),
-    #[error("--hicache-ratio {0} must be a finite number in [0, {max}]", max = crate::plan::MAX_RATIO)]
+    #[error("--hicache-ratio {} must be a finite number in [0, {max}]", shown_number(*.0), max = crate::plan::MAX_RATIO)]
     Ratio(f64),
     #[error("host budget of {budget} per rank holds {tokens} tokens, less than one page of {page_size} tokens: give a larger --hicache-*, or none to turn the host tier off")]
     HostTooSmall {
@@ -197,9 +198,9 @@ pub enum PlanError {
         tokens: u64,
         page_size: usize,
     },
-    #[error("--window-tokens-ratio {0} must be in (0, 1]")]
+    #[error("--window-tokens-ratio {} must be in (0, 1]", shown_number(*.0))]
     WindowRatio(f64),
-    #[error("--window-tokens-ratio {ratio}: model `{model}` has no window kinds (every kind is read for the whole prefix)")]
+    #[error("--window-tokens-ratio {}: model `{model}` has no window kinds (every kind is read for the whole prefix)", shown_number(*.ratio))]
     NoWindowKinds { ratio: f64, model: String },
     #[error("--window-checkpoint-pages {k}: model `{model}` has no window kinds (every kind is read for the whole prefix)")]
     CheckpointsWithoutWindowKinds { k: u64, model: String },
@@ -209,7 +210,7 @@ pub enum PlanError {
         ring: u64,
         bytes: String,
     },
-    #[error("--window-tokens-ratio {ratio} leaves {tokens} window tokens per rank on device, less than one page of {page_size}")]
+    #[error("--window-tokens-ratio {} leaves {tokens} window tokens per rank on device, less than one page of {page_size}", shown_number(*.ratio))]
     NoWindowPage {
         ratio: f64,
         tokens: u64,

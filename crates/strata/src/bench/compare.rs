@@ -331,12 +331,9 @@ fn check(a: &CompareArgs) -> Result<Vec<Config>> {
     }) {
         bail!("--serve-arg {f}: give the K/V dtype as --kv-cache-dtype (every configuration gets it; pd's deployment once)");
     }
-    if !(a.sample_interval > 0.0 && a.sample_interval.is_finite()) {
-        bail!(
-            "--sample-interval {}: expected seconds > 0",
-            a.sample_interval
-        );
-    }
+    // Unchecked, a NaN startup timeout waited for ever on a deployment that never came up.
+    crate::http_args::check_seconds("--startup-timeout", a.startup_timeout, 0.0, false)?;
+    crate::http_args::check_seconds("--sample-interval", a.sample_interval, 0.0, false)?;
     for (flag, v) in [
         ("--device-mem", &a.device_mem),
         ("--hicache-size", &a.hicache_size),

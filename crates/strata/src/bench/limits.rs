@@ -31,6 +31,7 @@ pub fn at_most(flag: &str, v: usize, max: usize) -> Result<()> {
 /// A finite number above 0 and at most `max` (seconds, a rate).
 pub fn positive(flag: &str, v: f64, max: f64) -> Result<()> {
     if !(v > 0.0 && v <= max) {
+        let v = strata_kv::units::shown_number(v);
         bail!("{flag} {v}: expected a number above 0 and at most {max}");
     }
     Ok(())

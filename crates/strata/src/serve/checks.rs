@@ -168,6 +168,7 @@ fn check_numbers(a: &ServeArgs) -> Result<()> {
     }
     let ms = a.prefetch_ms_per_token;
     if !(0.0..=60_000.0).contains(&ms) {
+        let ms = strata_kv::units::shown_number(ms);
         bail!("--prefetch-ms-per-token {ms}: expected milliseconds in [0, 60000]");
     }
     let counts: [(&str, usize, usize); 6] = [
@@ -253,6 +254,7 @@ fn response_store(a: &ServeArgs) -> Result<strata_server::response_store::Respon
     }
     let ttl = a.response_store_ttl;
     if !(ttl > 0.0 && ttl <= 7.0 * 86_400.0) {
+        let ttl = strata_kv::units::shown_number(ttl);
         bail!("--response-store-ttl {ttl}: expected seconds > 0, at most a week");
     }
     Ok(strata_server::response_store::ResponseStore::new(

@@ -203,7 +203,8 @@ pub fn advise(
     (bpt, label): (usize, &str),
 ) -> Result<()> {
     if !(a.target > 0.0 && a.target <= 1.0) {
-        bail!("--target {}: a fraction in (0, 1]", a.target);
+        let t = strata_kv::units::shown_number(a.target);
+        bail!("--target {t}: a fraction in (0, 1]");
     }
     if let Some(f) = fractions.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
         bail!("--fractions: {f} is not in (0, 1]");
