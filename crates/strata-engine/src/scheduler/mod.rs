@@ -214,7 +214,8 @@ impl Scheduler {
             if idle || parked {
                 // Wake for commands; poll copies (backups) while some are in flight, and
                 // waiting requests' clients (one that left frees its pages).
-                let wait = match (self.cache.in_flight(), idle) {
+                let out = self.cache.in_flight() + self.cache.probes_in_flight();
+                let wait = match (out, idle) {
                     (0, true) => 500,
                     (0, false) => 20,
                     _ => 2,
@@ -270,6 +271,12 @@ impl Scheduler {
             let (new, prefetch) = (r.params.max_tokens, self.cfg.prefetch);
             // Prompt log probabilities need every prompt position's logits: computed whole.
             let use_prefix = self.cfg.prefix_cache && r.params.prompt_logprobs.is_none();
+            if use_prefix && !self.cache.probe_ready(prompt) {
+                // L3 is asked which of its pages it holds, off this thread: the others run
+                // meanwhile; its answer counts as progress at a poll.
+                self.blocked_at = Some(self.progress);
+                break;
+            }
             let mut lease = self.cache.admit(prompt, new, use_prefix, prefetch);
             if lease.is_none() && use_prefix && self.active.is_empty() {
                 // On an idle engine only the request's own locked prefix can keep it out (a

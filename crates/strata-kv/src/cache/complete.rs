@@ -27,10 +27,11 @@ impl TieredCache {
         !self.pending.contains_key(&t.0)
     }
 
-    /// Acknowledges finished copies without blocking; returns how many.
+    /// Acknowledges finished copies (and answers from L3 about prompts' pages) without
+    /// blocking; returns how many.
     pub fn poll(&mut self) -> usize {
         self.release_dropped();
-        let mut k = 0;
+        let mut k = self.absorb_probes();
         while let Some(d) = self.engine.as_ref().and_then(CopyEngine::try_recv) {
             self.complete(d);
             k += 1;

@@ -200,6 +200,8 @@ pub struct TieredCache {
     checkpoint_pages: usize,
     planes: Planes,
     engine: Option<CopyEngine>,
+    /// Asks L3 off this thread (with a copy engine and L3: `probe.rs`).
+    prober: Option<probe::Prober>,
     pending: FxHashMap<u64, Pending>,
     next_ticket: u64,
     /// Pages handed to callers and not yet inserted or freed.
@@ -287,6 +289,7 @@ impl TieredCache {
         let engine = cfg
             .with_data
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
+        let prober = (planes.storage.clone()).filter(|_| engine.is_some());
         let curve = curve::CurveState::of(cfg.curve_pages, cfg.eviction, cfg.curve_step_bytes)?;
         Ok(TieredCache {
             tree,
@@ -300,6 +303,7 @@ impl TieredCache {
             layout,
             planes,
             engine,
+            prober: prober.map(probe::Prober::start),
             pending: FxHashMap::default(),
             next_ticket: 1,
             held_device: 0,
@@ -500,13 +504,8 @@ impl TieredCache {
                 let ns = self.tree.namespace().expect("storage implies hashing");
                 let parent = self.tree.last_hash(m.last).unwrap_or(PageHash::ROOT);
                 let mut hashes = ns.chain(parent, &tokens[start..whole], ps);
-                match st.prefix_len(&hashes) {
-                    Ok(k) => hashes.truncate(k),
-                    Err(_) => {
-                        self.stats.storage_errors += 1;
-                        hashes.clear();
-                    }
-                }
+                let k = self.storage_prefix(st.as_ref(), start / ps, &hashes);
+                hashes.truncate(k);
                 m.storage_tokens = hashes.len() * ps;
                 m.storage_hashes = hashes;
             }
@@ -685,6 +684,7 @@ mod complete;
 pub mod curve;
 mod lease;
 mod movement;
+mod probe;
 mod ring;
 mod session;
 pub use session::MAX_SESSIONS;

@@ -379,3 +379,104 @@ fn page_lists_of_pools_past_16_bits_round_trip() {
     host.dedup();
     assert_eq!(host.len(), 69_000, "each host page held once");
 }
+
+/// An L3 whose `exists` waits while its gate is shut (at most 5 s, then a timeout): a Redis
+/// that stalls.
+struct Gated {
+    inner: MemoryStorage,
+    shut: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    asked: std::sync::atomic::AtomicUsize,
+}
+
+impl Gated {
+    fn set(&self, shut: bool) {
+        *self.shut.lock().unwrap() = shut;
+        self.cv.notify_all();
+    }
+    fn asked(&self) -> usize {
+        self.asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Storage for Gated {
+    fn tier(&self) -> &'static str {
+        "remote"
+    }
+    fn exists(&self, hashes: &[PageHash]) -> Result<Vec<bool>, crate::storage::StorageError> {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let wait = std::time::Duration::from_secs(5);
+        let g = self.shut.lock().unwrap();
+        let (g, t) = self.cv.wait_timeout_while(g, wait, |s| *s).unwrap();
+        drop(g);
+        if t.timed_out() {
+            return Err(crate::storage::StorageError::Timeout(wait));
+        }
+        self.inner.exists(hashes)
+    }
+    fn get(&self, h: &PageHash) -> Result<Option<Vec<u8>>, crate::storage::StorageError> {
+        self.inner.get(h)
+    }
+    fn put(&self, h: &PageHash, d: &[u8]) -> Result<(), crate::storage::StorageError> {
+        self.inner.put(h, d)
+    }
+    fn delete(&self, h: &PageHash) -> Result<bool, crate::storage::StorageError> {
+        self.inner.delete(h)
+    }
+    fn stats(&self) -> crate::storage::StorageStats {
+        self.inner.stats()
+    }
+}
+
+/// With a copy engine, L3 is asked which pages of a prompt it holds off the caller's thread:
+/// while the tier stalls, `probe_ready` says "not yet" and a match counts no L3 pages (it does
+/// not ask again on its own thread); the answer, once in, is what admission uses; past 64
+/// questions out the tier counts as stalled and admissions go on without asking.
+#[test]
+fn l3_is_asked_off_the_callers_thread() {
+    let st = Arc::new(Gated {
+        inner: MemoryStorage::new(u64::MAX, 1000),
+        shut: std::sync::Mutex::new(false),
+        cv: std::sync::Condvar::new(),
+        asked: Default::default(),
+    });
+    let mut f = Fx::new(4, 8, WritePolicy::WriteThrough, Some(st.clone()));
+    for i in 1..5 {
+        f.run(&seq(i, 16));
+        f.cache.wait_all();
+    }
+    assert_eq!(f.cache.tree().peek(&seq(1, 16)), (0, 0));
+    st.set(true);
+    let before = st.asked();
+    assert!(!f.cache.probe_ready(&seq(1, 16)), "the tier is shut");
+    assert!(!f.cache.probe_ready(&seq(1, 16)), "asked once, not again");
+    let m = f.cache.match_prefix(&seq(1, 16));
+    assert_eq!(m.storage_tokens, 0, "no L3 pages while the question is out");
+    assert_eq!(f.cache.probes_in_flight(), 1);
+    st.set(false);
+    let t = std::time::Instant::now();
+    while f.cache.poll() == 0 {
+        assert!(t.elapsed().as_secs() < 60, "no answer");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(f.cache.probe_ready(&seq(1, 16)));
+    let m = f.cache.match_prefix(&seq(1, 16));
+    assert_eq!(m.storage_tokens, 16, "the answer: every page in L3");
+    assert_eq!(
+        st.asked(),
+        before + 1,
+        "asked once, on the probe thread only"
+    );
+    // Stalled: 64 questions out, then admissions go on without asking.
+    st.set(true);
+    for i in 0..64 {
+        assert!(!f.cache.probe_ready(&seq(100 + i, 16)));
+    }
+    assert!(
+        f.cache.probe_ready(&seq(200, 16)),
+        "a stalled tier is not waited on"
+    );
+    assert_eq!(f.cache.match_prefix(&seq(200, 16)).storage_tokens, 0);
+    st.set(false);
+    f.cache.wait_all();
+}

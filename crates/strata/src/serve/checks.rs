@@ -331,9 +331,9 @@ fn kind_of(m: &std::fs::Metadata) -> &'static str {
     }
 }
 
-/// Longest `--l3-timeout-ms`: a Redis that stalls holds the scheduler (and every running
-/// stream) up to this per admission until its breaker opens, so more than seconds is an
-/// outage, not a bound.
+/// Longest `--l3-timeout-ms`: a Redis that stalls holds each request being admitted (asked
+/// off the scheduler's thread: the running streams go on) up to this until its breaker
+/// opens, so more than seconds is an outage, not a bound.
 const MAX_L3_TIMEOUT_MS: u64 = 10_000;
 
 /// `--l3-ttl` and `--l3-timeout-ms` in range; one disk tier and one Redis at most.

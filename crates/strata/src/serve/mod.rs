@@ -153,10 +153,10 @@ pub struct ServeArgs {
     /// eviction still applies).
     #[arg(long, default_value_t = 0, help_heading = "Cache")]
     pub l3_ttl: u64,
-    /// Bound on every remote (Redis) operation, in milliseconds (1 to 10000). The check of
-    /// which pages Redis holds is asked as a request is admitted, while the running streams
-    /// wait: a Redis that stalls puts up to this between their tokens, three times, before the
-    /// tier is skipped (a lower bound keeps a hiccup short).
+    /// Bound on every remote (Redis) operation, in milliseconds (1 to 10000). Which pages
+    /// Redis holds is asked as a request is admitted, off the scheduler's thread: a Redis that
+    /// stalls delays that request's first token by up to this, three times, before the tier
+    /// is skipped; the running streams go on (a lower bound keeps a hiccup short).
     #[arg(long, default_value_t = 500, help_heading = "Cache")]
     pub l3_timeout_ms: u64,
     /// How long admission waits for L3 → host prefetch: best_effort (not at all),
