@@ -30,6 +30,10 @@ const FRESH: Duration = Duration::from_secs(1);
 /// Questions unanswered at once past which the tier is taken as stalled: admissions go on
 /// without L3 pages instead of queueing more questions.
 const MAX_IN_FLIGHT: usize = 64;
+/// How long a question may stay unanswered before admission goes on without it: the longest
+/// bound a tier puts on an operation (`--l3-timeout-ms` at most 10 s). A tier that never
+/// answers (its own bound failed) delays a request by this, once.
+const GIVE_UP: Duration = Duration::from_secs(10);
 /// Answers kept at most (past it they are all dropped: asked again when needed).
 const MAX_ANSWERS: usize = 4096;
 
@@ -37,7 +41,9 @@ const MAX_ANSWERS: usize = 4096;
 /// names every token before it).
 #[derive(Clone, Copy, Debug)]
 enum Answer {
-    Asked,
+    Asked {
+        at: Instant,
+    },
     /// From page `from` on, `held` pages in a row are held.
     Held {
         from: usize,
@@ -56,6 +62,8 @@ pub(super) struct Prober {
     thread: Option<std::thread::JoinHandle<()>>,
     answers: FxHashMap<PageHash, Answer>,
     asked: usize,
+    /// The thread ended (a tier that panicked): the tier counts as stalled from then on.
+    dead: bool,
 }
 
 impl Prober {
@@ -78,6 +86,7 @@ impl Prober {
             thread: Some(thread),
             answers: FxHashMap::default(),
             asked: 0,
+            dead: false,
         }
     }
 
@@ -94,11 +103,23 @@ impl Prober {
     /// Answers that arrived, recorded; how many.
     fn absorb(&mut self, errors: &mut u64) -> usize {
         let mut k = 0;
-        while let Ok(r) = self.done.try_recv() {
-            self.record(r, errors);
+        loop {
+            match self.done.try_recv() {
+                Ok(r) => self.record(r, errors),
+                Err(crossbeam_channel::TryRecvError::Empty) => return k,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    self.dead = true;
+                    return k;
+                }
+            }
             k += 1;
         }
-        k
+    }
+
+    /// Whether admission goes on without asking: the thread is gone, or too many questions
+    /// are out.
+    fn stalled(&self) -> bool {
+        self.dead || self.asked >= MAX_IN_FLIGHT
     }
 
     /// Drops stale answers; past [`MAX_ANSWERS`], every answer (questions out stay).
@@ -106,7 +127,7 @@ impl Prober {
         let full = self.answers.len() > MAX_ANSWERS;
         self.answers.retain(|_, a| match a {
             Answer::Held { at, .. } => !full && at.elapsed() < FRESH,
-            Answer::Asked => true,
+            Answer::Asked { .. } => true,
         });
     }
 
@@ -136,9 +157,10 @@ impl Drop for Prober {
 impl TieredCache {
     /// Whether admission can match `tokens` now without asking L3 on this thread: true when
     /// L3 is not asked off-thread, when no whole page past the tree's match is left to ask
-    /// about, when a fresh answer covers them, when the tier is taken as stalled, or when the
-    /// question asked now is answered within [`PROBE_WAIT`]. False: the question is out; ask
-    /// again after [`TieredCache::poll`] counts its answer.
+    /// about, when a fresh answer covers them, when the tier is taken as stalled, when the
+    /// question asked now is answered within [`PROBE_WAIT`], or when it has gone unanswered
+    /// for [`GIVE_UP`]. False: the question is out; ask again after [`TieredCache::poll`]
+    /// counts its answer.
     pub fn probe_ready(&mut self, tokens: &[u32]) -> bool {
         let Some(p) = &mut self.prober else {
             return true;
@@ -156,18 +178,21 @@ impl TieredCache {
         let mut hashes = ns.chain(PageHash::ROOT, &tokens[..whole * ps], ps);
         let key = hashes[whole - 1];
         match p.answers.get(&key) {
-            Some(Answer::Asked) => return false,
+            // Not answered yet: wait, up to a bound (then admitted without L3 pages).
+            Some(Answer::Asked { at }) => return p.dead || at.elapsed() >= GIVE_UP,
             Some(_) if p.held_from(&key, from).is_some() => return true,
-            _ if p.asked >= MAX_IN_FLIGHT => return true,
+            _ if p.stalled() => return true,
             _ => {}
         }
         hashes.drain(..from);
         let tx = p.tx.as_ref().expect("running");
         if tx.send((key, from, hashes)).is_err() {
+            p.dead = true;
             return true;
         }
         p.asked += 1;
-        p.answers.insert(key, Answer::Asked);
+        let at = Instant::now();
+        p.answers.insert(key, Answer::Asked { at });
         // A healthy tier answers within the wait: admission goes on in this same pass.
         let deadline = Instant::now() + PROBE_WAIT;
         loop {
@@ -179,7 +204,12 @@ impl TieredCache {
                         return true;
                     }
                 }
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return false,
+                Err(RecvTimeoutError::Timeout) => return false,
+                // The thread is gone: nothing will answer.
+                Err(RecvTimeoutError::Disconnected) => {
+                    p.dead = true;
+                    return true;
+                }
             }
         }
     }
@@ -217,7 +247,7 @@ impl TieredCache {
                 p.answers.remove(key);
                 return held.min(hashes.len());
             }
-            if p.asked >= MAX_IN_FLIGHT || matches!(p.answers.get(key), Some(Answer::Asked)) {
+            if p.stalled() || matches!(p.answers.get(key), Some(Answer::Asked { .. })) {
                 return 0;
             }
         }

@@ -480,3 +480,40 @@ fn l3_is_asked_off_the_callers_thread() {
     st.set(false);
     f.cache.wait_all();
 }
+
+/// An L3 whose `exists` panics: the probe thread ends, and admission goes on without L3 pages
+/// (no request waits for an answer that cannot come).
+#[test]
+fn a_probe_thread_that_ends_leaves_no_request_waiting() {
+    struct Panics(MemoryStorage);
+    impl Storage for Panics {
+        fn tier(&self) -> &'static str {
+            "remote"
+        }
+        fn exists(&self, _: &[PageHash]) -> Result<Vec<bool>, crate::storage::StorageError> {
+            panic!("a tier that panics (this test)")
+        }
+        fn get(&self, h: &PageHash) -> Result<Option<Vec<u8>>, crate::storage::StorageError> {
+            self.0.get(h)
+        }
+        fn put(&self, h: &PageHash, d: &[u8]) -> Result<(), crate::storage::StorageError> {
+            self.0.put(h, d)
+        }
+        fn delete(&self, h: &PageHash) -> Result<bool, crate::storage::StorageError> {
+            self.0.delete(h)
+        }
+        fn stats(&self) -> crate::storage::StorageStats {
+            self.0.stats()
+        }
+    }
+    let st = Arc::new(Panics(MemoryStorage::new(u64::MAX, 1000)));
+    let mut f = Fx::new(4, 8, WritePolicy::WriteThrough, Some(st));
+    let t = std::time::Instant::now();
+    while !f.cache.probe_ready(&seq(1, 16)) {
+        assert!(t.elapsed().as_secs() < 60, "waits for ever");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        f.cache.poll();
+    }
+    assert_eq!(f.cache.match_prefix(&seq(1, 16)).storage_tokens, 0);
+    assert!(f.cache.probe_ready(&seq(2, 16)));
+}
