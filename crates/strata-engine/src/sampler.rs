@@ -110,8 +110,13 @@ pub fn sample_with_logprobs(
     (t, p.logprobs.map(|k| logprobs(l, p.temperature, t, k)))
 }
 
+/// The least log probability reported (OpenAI's floor): below it, at a temperature near 0,
+/// the value would be minus infinity, which JSON cannot carry (it went out as `null`).
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
 /// Log-softmax of `logits / temperature` (temperature 1 when greedy): the chosen token's
-/// value and the `k` largest (of the tokens that could be chosen).
+/// value and the `k` largest (of the tokens that could be chosen); none below
+/// [`LOGPROB_FLOOR`].
 pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> TokenLogprobs {
     let t = if temperature > 0.0 {
         temperature as f64
@@ -120,7 +125,7 @@ pub fn logprobs(logits: &[f32], temperature: f32, chosen: u32, k: usize) -> Toke
     };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let z: f64 = logits.iter().map(|&x| ((x as f64 - max) / t).exp()).sum();
-    let lp = |x: f32| ((x as f64 - max) / t - z.ln()) as f32;
+    let lp = |x: f32| (((x as f64 - max) / t - z.ln()) as f32).max(LOGPROB_FLOOR);
     let mut top: Vec<u32> = (0..logits.len() as u32).collect();
     let by = |a: &u32, b: &u32| {
         logits[*b as usize]
@@ -433,6 +438,14 @@ mod tests {
             &h,
         );
         assert_eq!(t, 4, "a stop token is out while the output may not end");
+    }
+
+    #[test]
+    fn a_temperature_near_zero_gives_finite_logprobs() {
+        let lp = logprobs(&[1.0, 2.0, 3.0], 1e-45, 2, 3);
+        assert_eq!(lp.logprob, 0.0);
+        let alts: Vec<f32> = lp.top.iter().map(|&(_, v)| v).collect();
+        assert_eq!(alts, [0.0, LOGPROB_FLOOR, LOGPROB_FLOOR]);
     }
 
     #[test]

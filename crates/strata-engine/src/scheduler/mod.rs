@@ -27,12 +27,16 @@ use crate::state::{Shared, Snapshot};
 mod commands;
 mod constrained;
 mod export;
+mod imported;
 mod prompt_logprobs;
 mod publish;
 mod remote;
 
 use constrained::{commit, masks_of};
 use remote::{localize, Remote};
+
+/// Waiting requests behind the front asked about in L3 while the front waits for its answer.
+const PROBE_AHEAD: usize = 8;
 
 pub(crate) struct NewReq {
     pub id: u64,
@@ -167,6 +171,8 @@ pub(crate) struct Scheduler {
     /// minute.
     l3_failures: strata_kv::stats::Throttled,
     l3_dropped: strata_kv::stats::Throttled,
+    /// The L3 probe thread's end was logged (once).
+    said_probe_ended: bool,
 }
 
 impl Scheduler {
@@ -191,6 +197,7 @@ impl Scheduler {
             blocked_at: None,
             l3_failures: strata_kv::stats::Throttled::new(std::time::Duration::from_secs(60)),
             l3_dropped: strata_kv::stats::Throttled::new(std::time::Duration::from_secs(60)),
+            said_probe_ended: false,
         };
         s.publish();
         s
@@ -273,7 +280,13 @@ impl Scheduler {
             let use_prefix = self.cfg.prefix_cache && r.params.prompt_logprobs.is_none();
             if use_prefix && !self.cache.probe_ready(prompt) {
                 // L3 is asked which of its pages it holds, off this thread: the others run
-                // meanwhile; its answer counts as progress at a poll.
+                // meanwhile; its answer counts as progress at a poll. The requests behind it
+                // are asked about now, so their answers are in when they reach the front.
+                for r in self.waiting.iter().skip(1).take(PROBE_AHEAD) {
+                    if r.import.is_none() && r.params.prompt_logprobs.is_none() {
+                        self.cache.probe_ask(&r.tokens[..r.prompt_len]);
+                    }
+                }
                 self.blocked_at = Some(self.progress);
                 break;
             }
@@ -305,66 +318,6 @@ impl Scheduler {
             r.lease = Some(lease);
             self.active.push(r);
         }
-    }
-
-    /// Admits the waiting request at the front, whose K/V arrived from a prefill worker:
-    /// reserves its pages, writes the K/V, and starts decoding after the first token. False
-    /// when the pages cannot be reserved now.
-    fn admit_imported(&mut self) -> bool {
-        if let Err(e) = self.localize_import() {
-            let r = self.waiting.pop_front().expect("front exists");
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            self.finish(r, Some(FinishReason::Error(e)));
-            return true;
-        }
-        let r = self.waiting.front().expect("front exists");
-        let kv = r.import.as_ref().expect("imported request");
-        let new = r.params.max_tokens;
-        let Some(mut lease) = self.cache.admit_computed(r.prompt_len, new, &kv.pages) else {
-            if self.active.is_empty() && self.cache.in_flight() == 0 {
-                // Nothing running frees pages: it never fits (it would block the queue).
-                let r = self.waiting.pop_front().expect("front exists");
-                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-                let e = "the transferred prompt needs more device or window pages than this \
-                         worker's pool holds";
-                self.finish(r, Some(FinishReason::Error(e.into())));
-                return true;
-            }
-            self.blocked_at = Some(self.progress);
-            return false;
-        };
-        hint(&mut self.cache, &mut lease, &r.params);
-        publish::observe(&mut self.cache, &self.cfg, r);
-        let mut r = self.waiting.pop_front().expect("front exists");
-        self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-        let mut kv = r.import.take().expect("imported request");
-        if r.import_local == Some(false) {
-            crate::transfer::recycle(std::mem::take(&mut kv.pages));
-        }
-        r.lease = Some(lease);
-        r.computed = r.prompt_len;
-        r.cached = kv.cached;
-        r.running = true;
-        self.snap.prompt_tokens += r.prompt_len as u64;
-        self.snap.transferred_prompt_tokens += r.prompt_len as u64;
-        self.begin_decode(r, kv);
-        true
-    }
-
-    /// The front request's imported pages in this server's layout: a transfer carries the
-    /// model's wire layout ([`Runtime::wire_kinds`]: tensor-parallel ranks re-shard). Once.
-    fn localize_import(&mut self) -> Result<(), String> {
-        let r = self.waiting.front_mut().expect("front exists");
-        if r.import_local.is_some() {
-            return Ok(());
-        }
-        let kv = r.import.as_mut().expect("imported request");
-        r.import_local = Some(localize(
-            self.model.as_ref(),
-            self.cache.page_size(),
-            &mut kv.pages,
-        )?);
-        Ok(())
     }
 
     /// Moves requests whose copies landed forward: prefetched → loaded back → running.

@@ -65,6 +65,10 @@ impl Scheduler {
         if dropped > 0 {
             self.l3_dropping(dropped);
         }
+        if self.cache.probe_thread_ended() && !self.said_probe_ended {
+            self.said_probe_ended = true;
+            tracing::error!("the thread that asks L3 which pages it holds has ended (the tier panicked): requests are admitted without L3 pages until this worker restarts");
+        }
     }
 
     /// L3 pages read back that did not verify (corrupt, truncated, forged, another layout's):

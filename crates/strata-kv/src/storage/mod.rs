@@ -62,7 +62,8 @@ pub struct StorageStats {
 }
 
 /// A page store keyed by page hash. Implementations are thread-safe; the cache calls them from
-/// its copy workers.
+/// its copy workers and its probe thread (`cache/probe.rs`), or in place without a copy
+/// engine (the simulator).
 pub trait Storage: Send + Sync {
     /// Metric tier label: `disk`, `remote`, ...
     fn tier(&self) -> &'static str;

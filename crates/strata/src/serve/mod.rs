@@ -66,7 +66,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "4MiB", help_heading = "Server")]
     pub body_limit: String,
     /// Log and ignore request fields this server does not know instead of refusing them
-    /// (docs/API.md lists the fields it knows; refused ones stay refused).
+    /// (docs/API.md lists the fields it knows; refused ones stay refused, as do the other
+    /// endpoint's: `response_format` on completions).
     #[arg(long, help_heading = "Server")]
     pub lenient_fields: bool,
     /// No log line per finished request (by default one at info under `strata::request`: id,
@@ -155,8 +156,9 @@ pub struct ServeArgs {
     pub l3_ttl: u64,
     /// Bound on every remote (Redis) operation, in milliseconds (1 to 10000). Which pages
     /// Redis holds is asked as a request is admitted, off the scheduler's thread: a Redis that
-    /// stalls delays that request's first token by up to this, three times, before the tier
-    /// is skipped; the running streams go on (a lower bound keeps a hiccup short).
+    /// stalls delays that request's first token by up to this (and the requests queued
+    /// behind it), three times, before the tier is skipped; the running streams go on (a
+    /// lower bound keeps a hiccup short).
     #[arg(long, default_value_t = 500, help_heading = "Cache")]
     pub l3_timeout_ms: u64,
     /// How long admission waits for L3 → host prefetch: best_effort (not at all),
