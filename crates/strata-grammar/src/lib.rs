@@ -160,13 +160,18 @@ impl Grammars {
     }
 }
 
-/// Tokens [`Grammars::probe`] takes along a constraint's lowest allowed path.
+/// Tokens [`Grammars::probe`] chooses along a constraint's lowest allowed path.
 const PROBE_TOKENS: usize = 4;
+/// Tokens the grammar forces (a forced tool call's `<tool_call>` and its name, a constant)
+/// that [`Grammars::probe`] takes on the way, free, at most.
+const PROBE_FORCED: usize = 256;
 
 impl Grammars {
     /// Takes up to [`PROBE_TOKENS`] tokens along the lowest allowed path of a fresh copy of
     /// `parser` (stop tokens aside), each mask computed and each token consumed as generation
-    /// would: an error on the way refuses the constraint.
+    /// would, and before each the tokens the grammar forces (up to [`PROBE_FORCED`] in all:
+    /// a constant start, such as a forced call's wrapper, does not use the probe up before
+    /// the part that can fail): an error on the way refuses the constraint.
     fn probe(&self, parser: &TokenParser) -> Result<(), GrammarError> {
         let fail = |taken: usize, e: &dyn std::fmt::Display| {
             let m = first_line(&e.to_string());
@@ -178,7 +183,18 @@ impl Grammars {
             })
         };
         let mut m = Matcher::new(Ok(parser.deep_clone()));
-        for taken in 0..PROBE_TOKENS {
+        let mut taken = 0;
+        for _ in 0..PROBE_TOKENS {
+            let mut forced = m.compute_ff_tokens();
+            if let Some(e) = m.get_error() {
+                return Err(fail(taken, &e));
+            }
+            forced.truncate(PROBE_FORCED.saturating_sub(taken));
+            if !forced.is_empty() {
+                m.consume_tokens(&forced)
+                    .map_err(|e| fail(taken + forced.len(), &e))?;
+                taken += forced.len();
+            }
             if m.is_stopped() {
                 break;
             }
@@ -187,6 +203,7 @@ impl Grammars {
                 break;
             };
             m.consume_token(t).map_err(|e| fail(taken + 1, &e))?;
+            taken += 1;
         }
         Ok(())
     }

@@ -172,6 +172,24 @@ fn constraints_that_fail_on_their_first_tokens_are_refused() {
         }
     }
     assert!(g.compile(&alternatives(1999)).is_ok());
+    // A long constant start (a forced tool call's wrapper) before the part that fails: the
+    // forced tokens are taken on the way, and the failure is still found.
+    let call = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_the_weather_now"},
+            "arguments": {"$ref": "#/properties/arguments"},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": false,
+        "x-guidance": {"whitespace_flexible": false},
+    });
+    let wrapped = format!("start: \"<tool_call>\\n\" f0 \"\\n</tool_call>\"\nf0: %json {call}");
+    match g.compile(&OutputConstraint::Lark(wrapped)) {
+        Err(GrammarError::Invalid(m)) => assert!(m.contains("fails after"), "{m}"),
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("the wrapped endless schema compiled"),
+    }
 }
 
 #[test]

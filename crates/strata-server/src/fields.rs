@@ -153,8 +153,8 @@ pub const FIELDS: &[Field] = &[
     Field { name: "max_completion_tokens", on: On::Chat, fate: Fate::Supported, doc: "Chat's newer name for max_tokens (wins over it)." },
     Field { name: "stop", on: On::Both, fate: Fate::Supported, doc: "Up to 16 stop strings of 1 to 256 bytes; the text ends before the first one found." },
     Field { name: "stop_token_ids", on: On::Both, fate: Fate::Supported, doc: "vLLM: up to 64 token ids that end generation (not returned)." },
-    Field { name: "ignore_eos", on: On::Both, fate: Fate::Supported, doc: "vLLM: the model's end-of-sequence tokens do not end generation." },
-    Field { name: "min_tokens", on: On::Both, fate: Fate::Supported, doc: "vLLM: stop tokens and stop strings count only after this many tokens (at most max_tokens)." },
+    Field { name: "ignore_eos", on: On::Both, fate: Fate::Supported, doc: "vLLM: the model's end-of-sequence tokens do not end generation. Refused with an output constraint (its answer ends when its grammar is complete)." },
+    Field { name: "min_tokens", on: On::Both, fate: Fate::Supported, doc: "vLLM: stop tokens and stop strings count only after this many tokens (at most max_tokens). Refused above 0 with an output constraint (its answer ends when its grammar is complete)." },
     // Sampling.
     Field { name: "temperature", on: On::Both, fate: Fate::Supported, doc: "[0, 2]; 0 is greedy (default 1)." },
     Field { name: "top_p", on: On::Both, fate: Fate::Supported, doc: "(0, 1]: the smallest set of tokens whose probability reaches it." },
@@ -180,9 +180,9 @@ pub const FIELDS: &[Field] = &[
     Field { name: "response_format", on: On::Chat, fate: Fate::Supported, doc: "`text`, `json_object` (any JSON object), or `json_schema` (`{\"name\", \"schema\", \"strict\", \"description\"}`: the output validates against the schema; `strict: true` closes every object that lists its properties, as OpenAI's strict mode: no keys beyond them; a `description` is shown to the model at the end of the system message, after any tools, as ``# Response format`` / ``Answer in the JSON format `NAME`: DESCRIPTION``). Generated under a grammar (llguidance), compact: no whitespace between JSON tokens unless the schema's `x-guidance` asks. An invalid schema is a 400." },
     Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
     // Tools.
-    Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`. Each `parameters` schema is compiled whatever `tool_choice` says: an invalid one is a 400 naming the tool (a keyword the grammar engine does not implement, such as `uniqueItems`, and a string's `pattern` or `format` are checked only where calls are forced: elsewhere the schema is only shown)." },
+    Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`. Each `parameters` schema describes a JSON object (`\"type\": \"object\"`, or `{}`, or `properties` without a type; any other is a 400: a call's arguments are an object) and is compiled whatever `tool_choice` says: an invalid one is a 400 naming the tool (a keyword the grammar engine does not implement, such as `uniqueItems`, and a string's `pattern` or `format` are checked only where calls are forced: elsewhere the schema is only shown)." },
     Field { name: "tool_choice", on: On::Chat, fate: Fate::Supported, doc: "`none` (tools shown, nothing parsed), `auto` (default: calls the model writes are parsed), `required` (at least one call) or `{\"type\": \"function\", \"function\": {\"name\"}}` (one call of it); the last two are generated under a grammar: the arguments validate against the tool's parameters." },
-    Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::Supported, doc: "Default true; false: `required` makes exactly one call." },
+    Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::Supported, doc: "Default true; false: at most one call (`required` makes exactly one, by its grammar; under `auto` the answer keeps its first call, a later one is neither a call nor content)." },
     Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tools." },
     Field { name: "function_call", on: On::Chat, fate: Fate::Neutral(no_tool_choice, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tool_choice." },
     // Chat template.
@@ -320,7 +320,8 @@ pub const STREAM_OPTION_FIELDS: &[Field] = &[
 ];
 
 /// Checks one object's keys against a table; `at` prefixes the field names in errors.
-/// Unknown keys: a 400, or (lenient) a warning and nothing.
+/// Unknown keys: a 400, or (lenient) a warning and nothing, unless another endpoint takes
+/// the key (then a 400 in either mode).
 fn check_object(
     obj: &Map<String, Value>,
     table: &[Field],
@@ -331,7 +332,9 @@ fn check_object(
     for (k, v) in obj {
         let name = format!("{at}{k}");
         let Some(f) = table.iter().find(|f| f.name == k && f.on.covers(e)) else {
-            if lenient {
+            // Lenient: only names the API does not know are dropped; one of the other endpoint
+            // (`response_format` on completions) would change the answer, and is refused.
+            if lenient && !table.iter().any(|f| f.name == k) {
                 tracing::warn!(field = ?name, "unknown request field ignored (--lenient-fields)");
                 continue;
             }
@@ -583,6 +586,17 @@ mod tests {
     }
 
     /// A no-op field changes nothing, but takes only a value of its type (and null).
+    /// Lenient: a name no endpoint knows is dropped; one of the other endpoint is refused.
+    #[test]
+    fn lenient_drops_only_unknown_names() {
+        let completion = |b: &str| code(check(b.as_bytes(), Endpoint::Completions, true));
+        assert_eq!(completion(r#"{"prompt": "a", "x_vendor_hint": 1}"#), None);
+        for f in ["response_format", "tools", "top_logprobs"] {
+            let body = format!(r#"{{"prompt": "a", "{f}": {{}}}}"#);
+            assert_eq!(completion(&body).as_deref(), Some(f), "{f}");
+        }
+    }
+
     #[test]
     fn no_op_fields_take_only_their_type() {
         let chat = |b: &str| code(check(b.as_bytes(), Endpoint::Chat, false));

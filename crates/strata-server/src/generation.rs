@@ -42,7 +42,7 @@ pub(crate) async fn completions(
         echo,
         constraint,
         tools: None,
-        tools_forced: false,
+        tool_rules: Default::default(),
         best_of: req.best_of,
         shared_prefix: 0,
     };
@@ -131,7 +131,7 @@ async fn chat_body(
         kind: Kind::Chat,
         echo: false,
         constraint,
-        tools_forced: tools.as_ref().is_some_and(|t| t.forced()),
+        tool_rules: tools.as_ref().map(|t| t.rules()).unwrap_or_default(),
         tools: tools.and_then(|t| t.callable()),
         best_of: None,
         shared_prefix,
@@ -148,8 +148,8 @@ struct How {
     echo: bool,
     constraint: Option<strata_engine::Constraint>,
     tools: Option<Vec<String>>,
-    /// The calls are forced (see `Job::tools_forced`).
-    tools_forced: bool,
+    /// How the calls are read (see `Job::tool_rules`).
+    tool_rules: crate::tools::CallRules,
     /// Completions' `best_of` (None: `n`).
     best_of: Option<usize>,
     /// Chat: where other conversations are expected to leave the prompt (0: unknown).
@@ -198,7 +198,7 @@ async fn start(
         prompt_logprobs,
         echo: None,
         tools: how.tools,
-        tools_forced: how.tools_forced,
+        tool_rules: how.tool_rules,
     };
     if best_of > 1 || prompts.len() > 1 {
         let nb = (n, best_of);

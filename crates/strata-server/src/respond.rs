@@ -52,8 +52,9 @@ pub(crate) struct Job {
     /// Chat with tools: the functions whose calls are parsed out of the answer.
     pub(crate) tools: Option<Vec<String>>,
     /// The calls are forced (`required`, a named function): the answer is calls only, and
-    /// a call cut short by `max_tokens` is dropped, never returned as text.
-    pub(crate) tools_forced: bool,
+    /// a call cut short by `max_tokens` is dropped, never returned as text; and whether only
+    /// the first call counts (`parallel_tool_calls: false`).
+    pub(crate) tool_rules: crate::tools::CallRules,
 }
 
 /// Waits for a request's first event before any status is sent, so that a request refused
@@ -386,7 +387,7 @@ pub(crate) fn choice_json(
     match job.kind {
         Kind::Chat if job.tools.is_some() => {
             let names = job.tools.clone().unwrap_or_default();
-            let (content, calls) = crate::tools::parse_all(text, names, job.tools_forced);
+            let (content, calls) = crate::tools::parse_all(text, names, job.tool_rules);
             let mut message = json!({"role": "assistant", "content": content});
             let reason = if calls.is_empty() {
                 reason
@@ -472,7 +473,7 @@ impl Streaming {
             Kind::Chat => job
                 .tools
                 .clone()
-                .map(|n| crate::tools::ToolStream::new(n).forced(job.tools_forced)),
+                .map(|n| crate::tools::ToolStream::new(n).ruled(job.tool_rules)),
             Kind::Completion => None,
         };
         Streaming {

@@ -226,6 +226,34 @@ async fn bad_constraints_are_refused_naming_their_field() {
             json!({"response_format": {"type": "json_object"}, "min_tokens": 2}),
             "min_tokens",
         ),
+        // Nor an end-of-sequence to pass: the grammar, once complete, allows only the end.
+        (
+            json!({"guided_choice": ["abc"], "ignore_eos": true}),
+            "ignore_eos",
+        ),
+        // A tool's arguments are a JSON object: a call of `1` or `"Paris"` is no call.
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"type": "integer"}}}], "tool_choice": "required"}),
+            "tools",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"enum": [1]}}}]}),
+            "tools",
+        ),
+        // A forced call's arguments that admit nothing: refused, not a failed generation
+        // (the probe takes the call's wrapper, which the grammar forces, on the way).
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"type": "object", "$ref": "#"}}}], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"$ref": "#"}}}], "tool_choice": "required"}),
+            "tools",
+        ),
     ];
     for (extra, field) in cases {
         let (st, a) = post(&url, &chat(user("hi"), extra.clone())).await;

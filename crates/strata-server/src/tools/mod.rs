@@ -15,7 +15,7 @@ use crate::api::{ChatRequest, ToolDef};
 use crate::error::ApiError;
 
 mod parse;
-pub use parse::{parse_all, Call, ToolOut, ToolStream};
+pub use parse::{parse_all, Call, CallRules, ToolOut, ToolStream};
 
 /// Most tools one request may define.
 pub const MAX_TOOLS: usize = 128;
@@ -110,9 +110,24 @@ fn check_def(i: usize, d: &ToolDef, seen: &mut Vec<String>) -> Result<(), ApiErr
     }
     seen.push(n.clone());
     if let Some(p) = &d.function.parameters {
-        if !p.is_object() {
+        let Some(o) = p.as_object() else {
             return Err(bad(
                 format!("tools[{i}].function.parameters: a JSON schema object"),
+                f,
+            ));
+        };
+        // The arguments are a JSON object (OpenAI refuses any other schema): a call whose
+        // arguments were `1` or `"Paris"` could not be returned as one.
+        let object = match o.get("type") {
+            Some(t) => t == "object",
+            None => o.is_empty() || o.contains_key("properties"),
+        };
+        if !object {
+            let got = o
+                .get("type")
+                .map_or("no type".into(), |t| format!("type {t}"));
+            return Err(bad(
+                format!("tools[{i}].function.parameters: the arguments are a JSON object: give a schema of type \"object\" ({got})"),
                 f,
             ));
         }
@@ -167,6 +182,16 @@ impl Tools {
     /// Whether the answer must be calls (`required`, a named function: under a grammar).
     pub fn forced(&self) -> bool {
         matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_))
+    }
+
+    /// How the answer's calls are read: forced or not, and the first only where
+    /// `parallel_tool_calls` is false (under `auto` the model may write more: they are
+    /// dropped; `required` and a named choice make one by their grammar).
+    pub fn rules(&self) -> CallRules {
+        CallRules {
+            forced: self.forced(),
+            one: !self.parallel,
+        }
     }
 
     /// The names of the functions the answer may call (None: the answer is not parsed).
@@ -231,6 +256,10 @@ impl Tools {
                 .parameters
                 .clone()
                 .unwrap_or_else(|| json!({"type": "object"}));
+            // `{}` or properties without a type: an object all the same (`check_def`).
+            if let Some(o) = args.as_object_mut() {
+                o.entry("type").or_insert_with(|| json!("object"));
+            }
             closed(&mut args, 0);
             let defs = hoist_defs(&mut args);
             let mut schema = json!({

@@ -239,12 +239,33 @@ pub struct ToolStream {
     names: Vec<String>,
     buf: String,
     mode: Mode,
-    /// Whitespace after a call is no content.
+    /// Whitespace after a call is no content unless text follows it (then it separates that
+    /// text from the text before the call, where there was some): held here meanwhile.
     after_call: bool,
+    held_ws: String,
+    /// Some content went out.
+    said: bool,
     /// Calls begun.
     pub calls: usize,
     /// Calls are forced: no text is content (what is not a call is a call's markup cut short).
     forced: bool,
+    /// `parallel_tool_calls: false`: the first call only (later ones are neither calls nor
+    /// content).
+    one: bool,
+}
+
+/// How an answer's calls are read: forced (`required`, a named function: calls only), and at
+/// most one (`parallel_tool_calls: false`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallRules {
+    pub forced: bool,
+    pub one: bool,
+}
+
+impl From<bool> for CallRules {
+    fn from(forced: bool) -> CallRules {
+        CallRules { forced, one: false }
+    }
 }
 
 impl ToolStream {
@@ -254,8 +275,11 @@ impl ToolStream {
             buf: String::new(),
             mode: Mode::Text,
             after_call: false,
+            held_ws: String::new(),
+            said: false,
             calls: 0,
             forced: false,
+            one: false,
         }
     }
 
@@ -266,22 +290,46 @@ impl ToolStream {
         self
     }
 
-    /// `out` without its text when calls are forced.
+    /// The rules' settings ([`ToolStream::forced`], and the first call only).
+    pub fn ruled(mut self, r: CallRules) -> ToolStream {
+        self.forced = r.forced;
+        self.one = r.one;
+        self
+    }
+
+    /// `out` without its text when calls are forced, without the calls after the first when
+    /// only one is asked for.
     fn only_calls(&self, mut out: Vec<ToolOut>) -> Vec<ToolOut> {
         if self.forced {
             out.retain(|o| !matches!(o, ToolOut::Content(_)));
+        }
+        if self.one {
+            out.retain(|o| match o {
+                ToolOut::Call(c) => c.index == 0,
+                ToolOut::Args { index, .. } => *index == 0,
+                ToolOut::Content(_) => true,
+            });
         }
         out
     }
 
     fn content(&mut self, mut s: String, out: &mut Vec<ToolOut>) {
         if self.after_call {
-            s = s.trim_start().to_string();
-            if !s.is_empty() {
-                self.after_call = false;
+            self.held_ws += &s;
+            let text = self.held_ws.trim_start();
+            if text.is_empty() {
+                return;
             }
+            // "It is sunny. <tool_call>…</tool_call>\nThen…": the text on both sides of the
+            // call keeps the whitespace after it between them.
+            let ws = self.held_ws.len() - text.len();
+            let from = if self.said { 0 } else { ws };
+            s = self.held_ws[from..].to_string();
+            self.held_ws.clear();
+            self.after_call = false;
         }
         if !s.is_empty() {
+            self.said = true;
             out.push(ToolOut::Content(s));
         }
     }
@@ -420,7 +468,10 @@ impl ToolStream {
                 self.after_call = true;
                 out.push(ToolOut::Call(c));
             }
-            None => out.push(ToolOut::Content(format!("{OPEN}{body}{CLOSE}"))),
+            None => {
+                self.said = true;
+                out.push(ToolOut::Content(format!("{OPEN}{body}{CLOSE}")));
+            }
         }
         true
     }
@@ -457,8 +508,12 @@ pub fn gather(outs: Vec<ToolOut>) -> (Option<String>, Vec<Call>) {
 }
 
 /// A whole answer's text → (content, calls).
-pub fn parse_all(text: &str, names: Vec<String>, forced: bool) -> (Option<String>, Vec<Call>) {
-    let mut ts = ToolStream::new(names).forced(forced);
+pub fn parse_all(
+    text: &str,
+    names: Vec<String>,
+    rules: impl Into<CallRules>,
+) -> (Option<String>, Vec<Call>) {
+    let mut ts = ToolStream::new(names).ruled(rules.into());
     let mut outs = ts.push(text);
     outs.extend(ts.finish());
     gather(outs)

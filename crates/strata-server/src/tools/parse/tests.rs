@@ -179,3 +179,58 @@ fn a_forced_answer_has_no_text() {
         assert_eq!(gather(outs).0, None, "step {step}");
     }
 }
+
+/// Text on both sides of a call keeps the whitespace after the call between them (not
+/// "sunny.Then"); whitespace after a last call, or before a first, is no content.
+#[test]
+fn text_around_a_call_keeps_a_separator() {
+    let call = "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":1}}\n</tool_call>";
+    for (text, want) in [
+        (
+            format!("It is sunny. {call}\nThen more."),
+            Some("It is sunny.\nThen more."),
+        ),
+        (format!("It is sunny.\n{call}\n\n"), Some("It is sunny.")),
+        (format!("{call}\n  Then more."), Some("Then more.")),
+        (format!("{call}\n{call} Done"), Some("Done")),
+    ] {
+        let (content, calls) = parse_all(&text, names(), false);
+        assert_eq!(content.as_deref(), want, "{text:?}");
+        assert!(!calls.is_empty());
+        for step in 1..12 {
+            let (c, _) = gather(streamed(&text, step));
+            assert_eq!(c.as_deref(), want, "step {step}: {text:?}");
+        }
+    }
+}
+
+/// `parallel_tool_calls: false`: the first call only, whole and streamed; a later block is
+/// neither a call nor content.
+#[test]
+fn at_most_one_call_keeps_the_first() {
+    let call = |a: u32| {
+        format!("<tool_call>\n{{\"name\":\"add\",\"arguments\":{{\"a\":{a}}}}}\n</tool_call>")
+    };
+    let text = format!("Sure. {}\n{}", call(1), call(2));
+    let one = CallRules {
+        forced: false,
+        one: true,
+    };
+    let (content, calls) = parse_all(&text, names(), one);
+    assert_eq!(content.as_deref(), Some("Sure."));
+    assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)]);
+    for step in 1..12 {
+        let mut ts = ToolStream::new(names()).ruled(one);
+        let chars: Vec<char> = text.chars().collect();
+        let mut outs = Vec::new();
+        for piece in chars.chunks(step) {
+            outs.extend(ts.push(&piece.iter().collect::<String>()));
+        }
+        outs.extend(ts.finish());
+        let (c, calls) = gather(outs);
+        assert_eq!(c.as_deref(), Some("Sure."), "step {step}");
+        assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)], "step {step}");
+    }
+    let (_, calls) = parse_all(&text, names(), false);
+    assert_eq!(calls.len(), 2);
+}
