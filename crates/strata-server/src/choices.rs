@@ -120,8 +120,8 @@ async fn one_each(
     finish(st, job, answers, (1, 1), (prompt_tokens, None)).await
 }
 
-/// A batch's prompts are queued together (each computed at once; a prompt's further candidates
-/// follow one by one): more prompts than the queue takes (`--max-waiting`), or prompts and
+/// A batch's prompts are queued together (each computed at once; a prompt's candidates
+/// follow, up to half the queue at a time): more prompts than the queue takes (`--max-waiting`), or prompts and
 /// candidates at their longest beyond the in-flight bound, could never be accepted together
 /// (the last would be refused with 429 while the first run): a 400 before any runs.
 fn check_batch(
@@ -230,22 +230,32 @@ pub(crate) async fn answer(
             echo: p.echo,
             ..job.clone()
         };
-        for i in 0..best_of {
-            let sp = SamplingParams {
-                seed: params.seed.map(|s| s.wrapping_add(i as u64)),
-                // Computed once above; each choice finds the prompt cached.
-                prompt_logprobs: None,
-                ..params.clone()
-            };
-            let mut rs = submit(&st, p.ids.clone(), sp, None).await?;
-            let first = first_event(&mut rs).await?;
-            let a = Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
-            answers.push(Candidate {
-                answer: a,
-                job: job.clone(),
-                prompt: pi,
-                rendered: rendered.clone(),
-            });
+        // A window of candidates is submitted before any is awaited: admitted together, their
+        // last pages computed in one batch (awaited one by one, each waited for the step the
+        // one before it ran in: 16 choices took 16 steps). At most half the queue at once.
+        let window = (st.engine.info().max_waiting / 2).clamp(1, MAX_CHOICES);
+        for start in (0..best_of).step_by(window) {
+            let mut streams = Vec::with_capacity(window);
+            for i in start..(start + window).min(best_of) {
+                let sp = SamplingParams {
+                    seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+                    // Computed once above; each choice finds the prompt cached.
+                    prompt_logprobs: None,
+                    ..params.clone()
+                };
+                streams.push(submit(&st, p.ids.clone(), sp, None).await?);
+            }
+            for mut rs in streams {
+                let first = first_event(&mut rs).await?;
+                let a =
+                    Answer::new(st.clone(), rs, &job, first).with_prompt_logprobs(rendered.clone());
+                answers.push(Candidate {
+                    answer: a,
+                    job: job.clone(),
+                    prompt: pi,
+                    rendered: rendered.clone(),
+                });
+            }
         }
     }
     finish(

@@ -153,7 +153,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "max_completion_tokens", on: On::Chat, fate: Fate::Supported, doc: "Chat's newer name for max_tokens (wins over it)." },
     Field { name: "stop", on: On::Both, fate: Fate::Supported, doc: "Up to 16 stop strings of 1 to 256 bytes; the text ends before the first one found." },
     Field { name: "stop_token_ids", on: On::Both, fate: Fate::Supported, doc: "vLLM: up to 64 token ids that end generation (not returned)." },
-    Field { name: "ignore_eos", on: On::Both, fate: Fate::Supported, doc: "vLLM: the model's end-of-sequence tokens do not end generation. Refused with an output constraint (its answer ends when its grammar is complete)." },
+    Field { name: "ignore_eos", on: On::Both, fate: Fate::Supported, doc: "vLLM: the model's end-of-sequence tokens do not end generation. Under an output constraint, only while the grammar allows more (more forced calls, a longer string); a complete answer still ends." },
     Field { name: "min_tokens", on: On::Both, fate: Fate::Supported, doc: "vLLM: stop tokens and stop strings count only after this many tokens (at most max_tokens). Refused above 0 with an output constraint (its answer ends when its grammar is complete)." },
     // Sampling.
     Field { name: "temperature", on: On::Both, fate: Fate::Supported, doc: "[0, 2]; 0 is greedy (default 1)." },
@@ -334,14 +334,21 @@ fn check_object(
         let Some(f) = table.iter().find(|f| f.name == k && f.on.covers(e)) else {
             // Lenient: only names the API does not know are dropped; one of the other endpoint
             // (`response_format` on completions) would change the answer, and is refused.
-            if lenient && !table.iter().any(|f| f.name == k) {
+            let elsewhere = table.iter().any(|f| f.name == k);
+            if lenient && !elsewhere {
                 tracing::warn!(field = ?name, "unknown request field ignored (--lenient-fields)");
                 continue;
             }
-            return Err(ApiError::bad_request(
-                format!("unknown field `{name}`: see docs/API.md for the fields this server takes"),
-                Some(&name),
-            ));
+            let msg = if elsewhere {
+                let other = match e {
+                    Endpoint::Chat => "/v1/completions",
+                    Endpoint::Completions => "/v1/chat/completions",
+                };
+                format!("`{name}` is a field of {other}, not of this endpoint (docs/API.md)")
+            } else {
+                format!("unknown field `{name}`: see docs/API.md for the fields this server takes")
+            };
+            return Err(ApiError::bad_request(msg, Some(&name)));
         };
         match f.fate {
             Fate::Supported => {}

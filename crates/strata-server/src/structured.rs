@@ -115,16 +115,6 @@ pub fn asked(
             "min_tokens",
         ));
     }
-    // Nor is an end-of-sequence it must pass: the grammar, once complete, allows only the end.
-    if let (Some(a), Some(true)) = (all.first(), s.ignore_eos) {
-        return Err(bad(
-            format!(
-                "ignore_eos with {}: a constrained answer ends when its grammar is complete",
-                a.1
-            ),
-            "ignore_eos",
-        ));
-    }
     if all.len() > 1 {
         let names: Vec<&str> = all.iter().map(|a| a.1).collect();
         return Err(bad(

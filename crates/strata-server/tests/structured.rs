@@ -226,11 +226,6 @@ async fn bad_constraints_are_refused_naming_their_field() {
             json!({"response_format": {"type": "json_object"}, "min_tokens": 2}),
             "min_tokens",
         ),
-        // Nor an end-of-sequence to pass: the grammar, once complete, allows only the end.
-        (
-            json!({"guided_choice": ["abc"], "ignore_eos": true}),
-            "ignore_eos",
-        ),
         // A tool's arguments are a JSON object: a call of `1` or `"Paris"` is no call.
         (
             json!({"tools": [{"type": "function", "function": {"name": "f",
