@@ -233,11 +233,22 @@ impl Grammars {
 /// The first line of an error, at most 300 bytes: llguidance's messages can carry a
 /// backtrace or an assertion with source paths after it.
 fn first_line(m: &str) -> String {
-    let line = m
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim();
+    let mut lines = m.lines().map(str::trim).filter(|l| !l.is_empty());
+    let mut line = lines.next().unwrap_or("").to_string();
+    // A line that only announces the reason ("regex parse error:", then the pattern, a caret
+    // and "error: unclosed group") gets the reason: the line that starts with `error:`, else
+    // the next.
+    if line.ends_with(':') {
+        let rest: Vec<&str> = lines.collect();
+        let reason = rest
+            .iter()
+            .find(|l| l.starts_with("error:"))
+            .or(rest.first());
+        if let Some(r) = reason {
+            line = format!("{line} {}", r.trim_start_matches("error:").trim_start());
+        }
+    }
+    let line = line.as_str();
     let mut end = line.len().min(300);
     while !line.is_char_boundary(end) {
         end -= 1;

@@ -257,3 +257,21 @@ fn check_remembers_valid_constraints_only() {
     // 1 + CHECKED valid ones: the last found the memory full and started it over.
     assert_eq!(held(&g), 1);
 }
+
+/// An error whose first line only announces its reason ("regex parse error:") keeps the
+/// reason.
+#[test]
+fn a_regex_error_keeps_its_reason() {
+    let (g, _) = grammars();
+    match g.compile(&OutputConstraint::Regex("(unclosed".into())) {
+        Err(GrammarError::Invalid(m)) => {
+            assert!(!m.trim_end().ends_with(':'), "{m}");
+            assert!(m.len() > "regex parse error:".len() + 3, "{m}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    assert_eq!(
+        super::first_line("regex parse error:\n    (a\n    ^\nerror: unclosed group\n"),
+        "regex parse error: unclosed group"
+    );
+}

@@ -124,7 +124,17 @@ fn invalid(
     otherwise: impl FnOnce() -> Option<String>,
 ) -> ApiError {
     let path = e.path().to_string();
-    let param = if path != "." { Some(path) } else { otherwise() };
+    // A field the body lacks: serde's path is the body itself; its message names it.
+    let missing = || {
+        let m = e.inner().to_string();
+        let rest = m.strip_prefix("missing field `")?;
+        rest.split('`').next().map(str::to_string)
+    };
+    let param = if path != "." {
+        Some(path)
+    } else {
+        missing().or_else(otherwise)
+    };
     ApiError::bad_request(
         format!("invalid request body: {}", e.inner()),
         param.as_deref(),

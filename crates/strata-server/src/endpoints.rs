@@ -166,6 +166,9 @@ pub async fn tokenize(
             })
             .await?
         }
+        (None, Some(m)) if m.is_empty() => {
+            return Err(ApiError::bad_request("messages is empty", Some("messages")));
+        }
         (None, Some(m)) => {
             off_async(&st, move |st| {
                 crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &m, None)

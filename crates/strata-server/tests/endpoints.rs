@@ -62,6 +62,11 @@ async fn models_tokenize_detokenize_version_and_ids() {
             "add_bos",
         ),
         ("/tokenize", json!({}), "prompt"),
+        // As chat refuses them: no messages.
+        ("/tokenize", json!({"messages": []}), "messages"),
+        // A field the body lacks is named.
+        ("/v1/chat/completions", json!({"max_tokens": 1}), "messages"),
+        ("/v1/completions", json!({"max_tokens": 1}), "prompt"),
     ] {
         let (st, e) = post(&format!("{u}{path}"), &body).await;
         assert_eq!(st, 400, "{path} {body}: {e}");
