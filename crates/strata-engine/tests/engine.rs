@@ -95,13 +95,7 @@ fn dropping_the_stream_cancels_and_frees_pages() {
     let e = start(&path, 64, 0, None, EngineConfig::default());
     let before = e.snapshot().device.pages_used;
     let mut s = e.submit(prompt(40, 9), greedy(400)).unwrap();
-    loop {
-        match s.events.blocking_recv() {
-            Some(Event::Token(_)) => break,
-            Some(_) => continue,
-            None => panic!("the stream ended before its first token"),
-        }
-    }
+    first_token(&mut s);
     let t = Instant::now();
     while e.snapshot().device_pages_held == 0 {
         assert!(

@@ -90,13 +90,7 @@ fn a_stalled_l3_holds_up_no_running_request() {
     let st = Gated::new();
     let e = start(&path, 64, 64, Some(st.clone()), EngineConfig::default());
     let mut a = e.submit(prompt(8, 1), greedy(500)).unwrap();
-    loop {
-        match a.events.blocking_recv() {
-            Some(Event::Token(_)) => break,
-            Some(_) => continue,
-            None => panic!("no first token"),
-        }
-    }
+    first_token(&mut a);
     st.set(true);
     let b = std::thread::spawn({
         let e = e.clone();

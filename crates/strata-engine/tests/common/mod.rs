@@ -53,6 +53,17 @@ pub fn greedy(max_tokens: usize) -> SamplingParams {
     }
 }
 
+/// Waits for the stream's first token (the events before it skipped).
+pub fn first_token(s: &mut RequestStream) {
+    loop {
+        match s.events.blocking_recv() {
+            Some(Event::Token(_)) => return,
+            Some(_) => continue,
+            None => panic!("the stream ended before its first token"),
+        }
+    }
+}
+
 /// Runs a request to the end: (tokens, cached tokens, finish reason).
 pub fn run(
     e: &EngineHandle,

@@ -249,16 +249,10 @@ impl TieredCache {
         if cfg.device_pages == 0 {
             return Err(CacheError::NoDevicePages);
         }
-        let has_window = cfg.layout.has_window();
-        if has_window && cfg.device_window_pages == 0 {
-            return Err(CacheError::NoDeviceWindowPages);
-        }
-        if !has_window && (cfg.device_window_pages > 0 || cfg.host_window_pages > 0) {
-            return Err(CacheError::WindowPagesWithoutWindowKinds);
-        }
+        window::check_pages(&cfg)?;
         let layout = Arc::new(cfg.layout);
-        let hashing = cfg.hashing || storage.is_some();
-        let ns = hashing.then(|| HashNamespace::new(&cfg.model_id, &layout));
+        let ns =
+            (cfg.hashing || storage.is_some()).then(|| HashNamespace::new(&cfg.model_id, &layout));
         let mut tree = RadixTree::new(layout.page_size(), cfg.eviction, ns);
         tree.set_page_bound((cfg.device_pages as usize).max(cfg.host_pages as usize));
         // GDSF's history: `gdsf_history` keys per cached page (the tree sizes it, LRU skips it).
@@ -289,7 +283,6 @@ impl TieredCache {
         let engine = cfg
             .with_data
             .then(|| CopyEngine::start(planes.clone(), cfg.copy_threads));
-        let prober = (planes.storage.clone()).filter(|_| engine.is_some());
         let curve = curve::CurveState::of(cfg.curve_pages, cfg.eviction, cfg.curve_step_bytes)?;
         Ok(TieredCache {
             tree,
@@ -301,9 +294,9 @@ impl TieredCache {
             window: layout.window_tokens(),
             checkpoint_pages: cfg.window_checkpoint_pages,
             layout,
+            prober: probe::Prober::of(&planes, engine.is_some()),
             planes,
             engine,
-            prober: prober.map(probe::Prober::start),
             pending: FxHashMap::default(),
             next_ticket: 1,
             held_device: 0,

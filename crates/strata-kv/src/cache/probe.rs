@@ -71,7 +71,13 @@ pub(super) struct Prober {
 }
 
 impl Prober {
-    pub(super) fn start(storage: std::sync::Arc<dyn Storage>) -> Prober {
+    /// The prober of a cache with these planes: where it has L3 and a copy engine (a
+    /// serving cache; the simulator asks in place).
+    pub(super) fn of(planes: &crate::copy::Planes, engine: bool) -> Option<Prober> {
+        planes.storage.clone().filter(|_| engine).map(Prober::start)
+    }
+
+    fn start(storage: std::sync::Arc<dyn Storage>) -> Prober {
         let (tx, rx) = crossbeam_channel::unbounded::<Question>();
         let (dtx, done) = crossbeam_channel::unbounded();
         std::thread::Builder::new()

@@ -33,6 +33,19 @@ use crate::tree::{NodeId, Slot, TreeMatch, NO_PAGE};
 
 use super::{CacheMatch, TieredCache};
 
+/// A configuration's window pages against its layout: device window pages where the layout
+/// has window kinds, none where it has not.
+pub(super) fn check_pages(cfg: &super::CacheConfig) -> Result<(), super::CacheError> {
+    let has_window = cfg.layout.has_window();
+    if has_window && cfg.device_window_pages == 0 {
+        return Err(super::CacheError::NoDeviceWindowPages);
+    }
+    if !has_window && (cfg.device_window_pages > 0 || cfg.host_window_pages > 0) {
+        return Err(super::CacheError::WindowPagesWithoutWindowKinds);
+    }
+    Ok(())
+}
+
 impl TieredCache {
     /// Whether the layout has window kinds (and so window pages).
     pub fn has_window(&self) -> bool {
