@@ -56,6 +56,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             None,
         ));
     }
+    no_duplicate_keys(bytes)?;
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     let v = serde_path_to_error::deserialize(&mut *de)
         .map_err(|e| invalid(e, || failing_sampling_field(bytes)))?;
@@ -64,6 +65,82 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         ApiError::bad_request(format!("invalid request body: after the object: {e}"), None)
     })?;
     Ok(v)
+}
+
+/// Refuses a body in which an object has a key twice, at any depth (`{"42": 100, "42":
+/// -100}` in `logit_bias`, two `type`s in a schema): serde keeps the last one silently, where
+/// a struct's own fields are refused. The 400 names the place. Malformed JSON passes here (the
+/// body's own parse reports it).
+fn no_duplicate_keys(bytes: &[u8]) -> Result<(), ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    match serde_path_to_error::deserialize::<_, Unique>(de) {
+        Err(e) if e.inner().to_string().starts_with(DUPLICATE) => {
+            let m = e.inner().to_string();
+            let key = m.split('`').nth(1).unwrap_or_default().to_string();
+            // The object's place; at the top, the key itself.
+            let path = e.path().to_string();
+            let param = Some(if path == "." { key } else { path });
+            Err(ApiError::bad_request(
+                format!("invalid request body: {}", e.inner()),
+                param.as_deref(),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+const DUPLICATE: &str = "a key given twice";
+
+/// Any JSON value, read only to find a key given twice in one of its objects.
+struct Unique;
+
+impl<'de> serde::Deserialize<'de> for Unique {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Unique, D::Error> {
+        d.deserialize_any(UniqueVisitor)
+    }
+}
+
+struct UniqueVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
+    type Value = Unique;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_unit<E>(self) -> Result<Unique, E> {
+        Ok(Unique)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Unique, A::Error> {
+        while a.next_element::<Unique>()?.is_some() {}
+        Ok(Unique)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Unique, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(k) = a.next_key::<String>()? {
+            if seen.contains(&k) {
+                return Err(serde::de::Error::custom(format!("{DUPLICATE}: `{k}`")));
+            }
+            a.next_value::<Unique>()?;
+            seen.insert(k);
+        }
+        Ok(Unique)
+    }
 }
 
 /// The first key of the object `o` that is not among `keys` (a key a request sent that would
@@ -217,5 +294,30 @@ mod tests {
             let m = e["error"]["message"].as_str().unwrap();
             assert!(m.contains("after the object: trailing characters"), "{m}");
         }
+    }
+
+    /// A key given twice in any object is refused, naming the object (the key at the top);
+    /// serde would keep the last silently (`logit_bias`, a schema's `type`).
+    #[test]
+    fn a_key_given_twice_is_refused_where_it_is() {
+        for (body, param) in [
+            (r#"{"max_tokens": 1, "max_tokens": 2}"#, "max_tokens"),
+            (r#"{"logit_bias": {"42": 100, "42": -100}}"#, "logit_bias"),
+            (
+                r#"{"messages": [{"role": "user", "content": "a", "role": "system"}]}"#,
+                "messages[0]",
+            ),
+            (
+                r#"{"response_format": {"json_schema": {"schema": {"type": "integer", "type": "string"}}}}"#,
+                "response_format.json_schema.schema",
+            ),
+        ] {
+            let e = parse_json::<Value>(body.as_bytes()).unwrap_err().body();
+            assert_eq!(e["error"]["param"], param, "{body}: {e}");
+            let m = e["error"]["message"].as_str().unwrap();
+            assert!(m.contains("a key given twice"), "{m}");
+        }
+        let fine = r#"{"a": {"x": 1}, "b": {"x": 2}, "c": [{"x": 1}, {"x": 2}]}"#;
+        assert!(parse_json::<Value>(fine.as_bytes()).is_ok());
     }
 }
