@@ -195,6 +195,14 @@ fn messages_of(items: &[Value], out: &mut Vec<Value>) -> Result<(), ApiError> {
         ));
     }
     for it in items {
+        // An item given back as a response listed it: its status is one of the three.
+        if let Some(s) = it.get("status") {
+            if !matches!(s.as_str(), Some("in_progress" | "completed" | "incomplete")) {
+                let msg =
+                    format!("an input item's status {s}: in_progress, completed or incomplete");
+                return Err(bad(msg, "input"));
+            }
+        }
         match it["type"].as_str().unwrap_or("message") {
             "message" => {
                 only_keys(
@@ -453,6 +461,8 @@ impl Echo {
                 "truncation": "disabled",
                 "store": req.store != Some(false),
                 "metadata": req.metadata.clone().unwrap_or_default(),
+                "user": req.user,
+                "prompt_cache_key": req.prompt_cache_key,
             }),
         }
     }
@@ -579,6 +589,21 @@ mod tests {
         let chat: Value = serde_json::from_slice(&chat).unwrap();
         assert!(chat.get("prompt_cache_key").is_none() && chat.get("user").is_none());
         assert!(parse(br#"{"input": "hi", "prompt_cache_key": 3}"#).is_err());
+        // And the response object says them, as it says the other settings.
+        let echo = Echo::of(&req, "m").object();
+        assert_eq!(
+            (&echo["user"], &echo["prompt_cache_key"]),
+            (&json!("alice"), &json!("conv-1"))
+        );
+        // An input item's status is one a response gives.
+        let item = |s: &str| {
+            format!(
+                r#"{{"input": [{{"type": "message", "role": "user", "content": "hi", "status": "{s}"}}]}}"#
+            )
+        };
+        assert!(chat_of(&item("completed")).is_ok());
+        let e = chat_of(&item("bogus")).unwrap_err().body();
+        assert_eq!(e["error"]["param"], "input", "{e}");
         // A wrong type is refused naming the field (the parser's path), as chat's.
         for (body, field) in [
             (
