@@ -104,6 +104,10 @@ struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<Prompt>,
     messages: Option<Vec<ChatMessage>>,
+    /// With messages, as chat shows them to the model (the prompt counted as generation's).
+    tools: Option<Vec<crate::api::ToolDef>>,
+    tool_choice: Option<Value>,
+    response_format: Option<crate::api::ResponseFormat>,
     /// A text prompt with the model's BOS (as generation adds it; default) or without.
     add_special_tokens: Option<bool>,
     /// Each token's text beside its id (`token_strs`).
@@ -145,6 +149,22 @@ pub async fn tokenize(
             Some("add_special_tokens"),
         ));
     }
+    let shown_fields = req.tools.is_some() || req.response_format.is_some();
+    if req.messages.is_none() && (shown_fields || req.tool_choice.is_some()) {
+        return Err(ApiError::bad_request(
+            "tools, tool_choice and response_format apply to messages",
+            Some(match (&req.tools, &req.tool_choice) {
+                (Some(_), _) => "tools",
+                (None, Some(_)) => "tool_choice",
+                (None, None) => "response_format",
+            }),
+        ));
+    }
+    let tools = crate::tools::tools_from(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
+    let shown = crate::prompt::Shown::of(
+        tools.as_ref().map(|t| t.shown()),
+        req.response_format.as_ref(),
+    );
     let special = req.add_special_tokens.unwrap_or(true);
     let ids = match (req.prompt, req.messages) {
         (Some(Prompt::Tokens(t)), None) => t,
@@ -171,7 +191,8 @@ pub async fn tokenize(
         }
         (None, Some(m)) => {
             off_async(&st, move |st| {
-                crate::prompt::chat_ids(&st.tokenizer, st.template.as_deref(), &m, None)
+                let tpl = st.template.as_deref();
+                crate::prompt::chat_ids(&st.tokenizer, tpl, &m, shown.as_ref())
             })
             .await?
         }

@@ -47,6 +47,30 @@ async fn models_tokenize_detokenize_version_and_ids() {
     let chat = json!({"messages": [{"role": "user", "content": "hello world"}]});
     let (_, c) = post(&format!("{u}/tokenize"), &chat).await;
     assert!(c["count"].as_u64().unwrap() > ids.len() as u64, "{c}");
+    // With tools and a described format: the prompt chat generates from, counted the same.
+    let mut with = chat.clone();
+    with["tools"] = json!([{"type": "function", "function": {"name": "f",
+        "description": "does f", "parameters": {"type": "object"}}}]);
+    with["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "a",
+        "description": "an answer", "schema": {"type": "object"}}});
+    let (st, tools) = post(&format!("{u}/tokenize"), &with).await;
+    assert_eq!(st, 200, "{tools}");
+    assert!(tools["count"].as_u64() > c["count"].as_u64(), "{tools}");
+    let mut gen = with.clone();
+    gen["max_tokens"] = json!(1);
+    let (st, a) = post(&format!("{u}/v1/chat/completions"), &gen).await;
+    // The tiny model's context is shorter than the tools' text: chat's refusal counts it.
+    let counted = match st {
+        200 => a["usage"]["prompt_tokens"].as_u64(),
+        _ => a["error"]["message"].as_str().and_then(|m| {
+            m.strip_prefix("the prompt has ")?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        }),
+    };
+    assert_eq!(counted, tools["count"].as_u64(), "{a}");
     // Bad input: out-of-vocabulary ids, unknown fields, neither prompt nor messages.
     for (path, body, param) in [
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
@@ -64,6 +88,7 @@ async fn models_tokenize_detokenize_version_and_ids() {
         ("/tokenize", json!({}), "prompt"),
         // As chat refuses them: no messages.
         ("/tokenize", json!({"messages": []}), "messages"),
+        ("/tokenize", json!({"prompt": "a", "tools": []}), "tools"),
         // A field the body lacks is named.
         ("/v1/chat/completions", json!({"max_tokens": 1}), "messages"),
         ("/v1/completions", json!({"max_tokens": 1}), "prompt"),

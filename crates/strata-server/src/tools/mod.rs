@@ -137,8 +137,21 @@ fn check_def(i: usize, d: &ToolDef, seen: &mut Vec<String>) -> Result<(), ApiErr
 
 /// The request's tools, checked (None: no tools and no tool choice that needs them).
 pub fn tools_of(req: &ChatRequest) -> Result<Option<Tools>, ApiError> {
-    let defs = req.tools.clone().unwrap_or_default();
-    let choice = choice_of(req.tool_choice.as_ref())?;
+    tools_from(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )
+}
+
+/// [`tools_of`] from the fields themselves (`/tokenize` takes them too).
+pub fn tools_from(
+    defs: Option<&[ToolDef]>,
+    choice: Option<&Value>,
+    parallel: Option<bool>,
+) -> Result<Option<Tools>, ApiError> {
+    let defs = defs.map(<[ToolDef]>::to_vec).unwrap_or_default();
+    let choice = choice_of(choice)?;
     if defs.is_empty() {
         return match choice {
             None | Some(ToolChoice::None | ToolChoice::Auto) => Ok(None),
@@ -167,7 +180,7 @@ pub fn tools_of(req: &ChatRequest) -> Result<Option<Tools>, ApiError> {
     Ok(Some(Tools {
         defs,
         choice,
-        parallel: req.parallel_tool_calls.unwrap_or(true),
+        parallel: parallel.unwrap_or(true),
     }))
 }
 
