@@ -49,6 +49,17 @@ impl TokenMask {
         }
     }
 
+    /// Whether a token other than `ends` may come (the answer can go on).
+    pub fn allows_besides(&self, ends: &[u32]) -> bool {
+        self.words.iter().enumerate().any(|(i, &w)| {
+            let held = ends
+                .iter()
+                .filter(|&&t| t as usize / 32 == i)
+                .fold(0u32, |m, &t| m | 1 << (t % 32));
+            w & !held != 0
+        })
+    }
+
     /// Whether any token at all may come (a stop token counts when the output may end).
     pub fn any(&self) -> bool {
         self.can_end || self.words.iter().any(|&w| w != 0)

@@ -16,7 +16,9 @@ use crate::request::{SamplingParams, TokenLogprobs};
 pub struct History<'a> {
     pub prompt: &'a [u32],
     pub output: &'a [u32],
-    /// End-of-sequence and `stop_token_ids` (masked until `min_tokens`).
+    /// End-of-sequence and `stop_token_ids` (masked until `min_tokens`), or under a mask with
+    /// `ignore_eos` the end-of-sequence tokens (masked while the mask allows another token:
+    /// the caller passes them only then).
     pub stops: &'a [u32],
     /// A constraint's mask of the tokens allowed next (applied first), and the tokens that
     /// end the output (allowed when the mask says it may end).
@@ -41,7 +43,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Applies the logit modifiers of `p` (see the module docs) to `logits`.
 pub fn modify(logits: &mut [f32], p: &SamplingParams, h: &History) {
     let n = logits.len();
-    if h.output.len() < p.min_tokens {
+    if h.output.len() < p.min_tokens || (p.ignore_eos && h.mask.is_some()) {
         for &t in h.stops {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l = f32::NEG_INFINITY;

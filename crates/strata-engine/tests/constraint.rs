@@ -142,3 +142,79 @@ fn a_failing_constraint_fails_its_request_and_the_engine_serves_on() {
     let (out, reason) = run(&e, script(&[1, 2]), 0.0);
     assert_eq!((out, reason), (vec![1, 2], FinishReason::Stop));
 }
+
+/// Allows token 5 or the end (token 3) at every step.
+struct FiveOrEnd;
+
+struct FiveOrEndRunning(bool);
+
+impl TokenConstraint for FiveOrEndRunning {
+    fn mask(&mut self) -> Result<TokenMask, String> {
+        let mut words = vec![0u32; 9];
+        words[0] = 1 << 5 | 1 << 3;
+        Ok(TokenMask {
+            words,
+            can_end: true,
+        })
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        self.0 |= token == 3;
+        Ok(())
+    }
+    fn is_finished(&self) -> bool {
+        self.0
+    }
+}
+
+impl ConstraintSource for FiveOrEnd {
+    fn start(&self) -> Box<dyn TokenConstraint> {
+        Box::new(FiveOrEndRunning(false))
+    }
+    fn describe(&self) -> String {
+        "five or end".into()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// `ignore_eos` under a constraint: the end-of-sequence token is not chosen while the
+/// constraint allows another (even biased far above it); without it, it ends the answer.
+#[test]
+fn ignore_eos_holds_the_end_while_the_constraint_allows_more() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("tiny.gguf");
+    write_tiny(&p, &TinySpec::default()).unwrap();
+    let m = Model::load(&mut Gguf::open(&p).unwrap()).unwrap();
+    let layout = PageLayout::new(16, vec![m.pool_kind()]).unwrap();
+    let cache = TieredCache::new(CacheConfig::new(layout, 64, 0), &HeapAllocator, None).unwrap();
+    let cfg = EngineConfig {
+        stop_token_ids: vec![3],
+        ..EngineConfig::default()
+    };
+    let e = Engine::start(m, cache, cfg);
+    for ignore_eos in [true, false] {
+        let params = SamplingParams {
+            max_tokens: 6,
+            ignore_eos,
+            logit_bias: vec![(3, 100.0)],
+            constraint: Some(Constraint(Arc::new(FiveOrEnd))),
+            ..SamplingParams::default()
+        };
+        let mut rs = e.submit((1..40).collect(), params).unwrap();
+        let mut out = Vec::new();
+        let reason = loop {
+            match rs.events.blocking_recv() {
+                Some(Event::Token(t)) => out.push(t),
+                Some(Event::Done { reason, .. }) => break reason,
+                Some(_) => {}
+                None => panic!("no Done"),
+            }
+        };
+        if ignore_eos {
+            assert_eq!((out, reason), (vec![5; 6], FinishReason::Length));
+        } else {
+            assert_eq!((out, reason), (vec![], FinishReason::Stop));
+        }
+    }
+}

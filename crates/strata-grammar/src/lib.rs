@@ -183,17 +183,24 @@ impl Grammars {
             })
         };
         let mut m = Matcher::new(Ok(parser.deep_clone()));
-        let mut taken = 0;
-        for _ in 0..PROBE_TOKENS {
-            let mut forced = m.compute_ff_tokens();
-            if let Some(e) = m.get_error() {
-                return Err(fail(taken, &e));
-            }
-            forced.truncate(PROBE_FORCED.saturating_sub(taken));
-            if !forced.is_empty() {
-                m.consume_tokens(&forced)
-                    .map_err(|e| fail(taken + forced.len(), &e))?;
-                taken += forced.len();
+        // Tokens taken, and chosen; while `forcing`, forced runs are taken free before each
+        // choice. Where the engine cannot say what is forced (a run past its own cap, a panic
+        // in it), the walk goes on token by token from where it was, up to
+        // `PROBE_FORCED` tokens: what it could not force is not taken as a failure.
+        let (mut taken, mut chosen, mut forcing) = (0, 0, true);
+        while chosen < PROBE_TOKENS && taken < PROBE_FORCED + PROBE_TOKENS {
+            if forcing && taken < PROBE_FORCED {
+                let before = m.deep_clone();
+                let mut forced = m.compute_ff_tokens();
+                if m.get_error().is_some() {
+                    m = before;
+                    forcing = false;
+                } else if !forced.is_empty() {
+                    forced.truncate(PROBE_FORCED - taken);
+                    m.consume_tokens(&forced)
+                        .map_err(|e| fail(taken + forced.len(), &e))?;
+                    taken += forced.len();
+                }
             }
             if m.is_stopped() {
                 break;
@@ -204,6 +211,9 @@ impl Grammars {
             };
             m.consume_token(t).map_err(|e| fail(taken + 1, &e))?;
             taken += 1;
+            if forcing || taken >= PROBE_FORCED {
+                chosen += 1;
+            }
         }
         Ok(())
     }

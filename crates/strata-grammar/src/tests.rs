@@ -275,3 +275,14 @@ fn a_regex_error_keeps_its_reason() {
         "regex parse error: unclosed group"
     );
 }
+
+/// A long forced run that is valid (a constant repeated thousands of times) compiles: the
+/// probe takes at most 256 forced tokens, and what the engine cannot force is walked token by
+/// token, never taken as a failure.
+#[test]
+fn a_long_valid_forced_run_compiles() {
+    let (g, _) = grammars();
+    let long = r#"{"type":"array","items":{"const":"abc"},"minItems":3000,"maxItems":3000}"#;
+    let c = OutputConstraint::JsonSchema(long.into());
+    assert!(g.compile(&c).is_ok(), "{:?}", g.compile(&c).err());
+}

@@ -71,7 +71,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 /// -100}` in `logit_bias`, two `type`s in a schema): serde keeps the last one silently, where
 /// a struct's own fields are refused. The 400 names the place. Malformed JSON passes here (the
 /// body's own parse reports it).
-fn no_duplicate_keys(bytes: &[u8]) -> Result<(), ApiError> {
+pub(crate) fn no_duplicate_keys(bytes: &[u8]) -> Result<(), ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     match serde_path_to_error::deserialize::<_, Unique>(de) {
         Err(e) if e.inner().to_string().starts_with(DUPLICATE) => {

@@ -108,6 +108,9 @@ struct TokenizeRequest {
     tools: Option<Vec<crate::api::ToolDef>>,
     tool_choice: Option<Value>,
     response_format: Option<crate::api::ResponseFormat>,
+    /// Taken for chat's sake: it does not change the prompt.
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<bool>,
     /// A text prompt with the model's BOS (as generation adds it; default) or without.
     add_special_tokens: Option<bool>,
     /// Each token's text beside its id (`token_strs`).
@@ -133,6 +136,27 @@ pub async fn tokenizer_info(State(st): St) -> Json<Value> {
     }))
 }
 
+/// What chat shows beside a tokenize request's messages: its tools and its format's
+/// description (fields that apply to messages only).
+fn shown_of(req: &TokenizeRequest) -> Result<Option<crate::prompt::Shown>, ApiError> {
+    let asked = [
+        ("tools", req.tools.is_some()),
+        ("tool_choice", req.tool_choice.is_some()),
+        ("response_format", req.response_format.is_some()),
+    ];
+    if let (None, Some((field, _))) = (&req.messages, asked.iter().find(|a| a.1)) {
+        return Err(ApiError::bad_request(
+            "tools, tool_choice and response_format apply to messages",
+            Some(field),
+        ));
+    }
+    let tools = crate::tools::tools_from(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
+    Ok(crate::prompt::Shown::of(
+        tools.as_ref().map(|t| t.shown()),
+        req.response_format.as_ref(),
+    ))
+}
+
 pub async fn tokenize(
     State(st): St,
     body: Result<Bytes, BytesRejection>,
@@ -140,6 +164,7 @@ pub async fn tokenize(
     // Read once as JSON: messages given as arrays are refused before serde reads them.
     let v: Value = parse_json(&body_bytes(body, st.body_limit)?)?;
     crate::body::objects_at(&v, crate::fields::MESSAGE_OBJECTS)?;
+    crate::body::objects_at(&v, crate::fields::OBJECTS)?;
     let req: TokenizeRequest = crate::body::from_value(v)?;
     check_model(&st, req.model.as_deref())?;
     if req.messages.is_some() && req.add_special_tokens.is_some() {
@@ -149,22 +174,7 @@ pub async fn tokenize(
             Some("add_special_tokens"),
         ));
     }
-    let shown_fields = req.tools.is_some() || req.response_format.is_some();
-    if req.messages.is_none() && (shown_fields || req.tool_choice.is_some()) {
-        return Err(ApiError::bad_request(
-            "tools, tool_choice and response_format apply to messages",
-            Some(match (&req.tools, &req.tool_choice) {
-                (Some(_), _) => "tools",
-                (None, Some(_)) => "tool_choice",
-                (None, None) => "response_format",
-            }),
-        ));
-    }
-    let tools = crate::tools::tools_from(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
-    let shown = crate::prompt::Shown::of(
-        tools.as_ref().map(|t| t.shown()),
-        req.response_format.as_ref(),
-    );
+    let shown = shown_of(&req)?;
     let special = req.add_special_tokens.unwrap_or(true);
     let ids = match (req.prompt, req.messages) {
         (Some(Prompt::Tokens(t)), None) => t,

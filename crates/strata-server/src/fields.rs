@@ -180,7 +180,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "response_format", on: On::Chat, fate: Fate::Supported, doc: "`text`, `json_object` (any JSON object), or `json_schema` (`{\"name\", \"schema\", \"strict\", \"description\"}`: the output validates against the schema; `strict: true` closes every object that lists its properties, as OpenAI's strict mode: no keys beyond them; a `description` is shown to the model at the end of the system message, after any tools, as ``# Response format`` / ``Answer in the JSON format `NAME`: DESCRIPTION``). Generated under a grammar (llguidance), compact: no whitespace between JSON tokens unless the schema's `x-guidance` asks. An invalid schema is a 400." },
     Field { name: "modalities", on: On::Chat, fate: Fate::Neutral(text_modality, "only text output"), doc: "`[\"text\"]` only." },
     // Tools.
-    Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`. Each `parameters` schema describes a JSON object (`\"type\": \"object\"`, or `{}`, or `properties` without a type; any other is a 400: a call's arguments are an object) and is compiled whatever `tool_choice` says: an invalid one is a 400 naming the tool (a keyword the grammar engine does not implement, such as `uniqueItems`, and a string's `pattern` or `format` are checked only where calls are forced: elsewhere the schema is only shown)." },
+    Field { name: "tools", on: On::Chat, fate: Fate::Supported, doc: "Up to 128 functions (`{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model in the system message in the generic tool format (docs/API.md); calls in the answer come back as `tool_calls`. Each `parameters` schema describes a JSON object (a `type` other than `\"object\"`, or an `enum` or `const` at its root, is a 400: a call's arguments are an object) and is compiled whatever `tool_choice` says: an invalid one is a 400 naming the tool (a keyword the grammar engine does not implement, such as `uniqueItems`, and a string's `pattern` or `format` are checked only where calls are forced: elsewhere the schema is only shown)." },
     Field { name: "tool_choice", on: On::Chat, fate: Fate::Supported, doc: "`none` (tools shown, nothing parsed), `auto` (default: calls the model writes are parsed), `required` (at least one call) or `{\"type\": \"function\", \"function\": {\"name\"}}` (one call of it); the last two are generated under a grammar: the arguments validate against the tool's parameters." },
     Field { name: "parallel_tool_calls", on: On::Chat, fate: Fate::Supported, doc: "Default true; false: at most one call (`required` makes exactly one, by its grammar; under `auto` the answer keeps its first call, a later one is neither a call nor content)." },
     Field { name: "functions", on: On::Chat, fate: Fate::Neutral(is_empty, DEPRECATED_FUNCTIONS), doc: "The deprecated form of tools." },
@@ -334,8 +334,13 @@ fn check_object(
         let Some(f) = table.iter().find(|f| f.name == k && f.on.covers(e)) else {
             // Lenient: only names the API does not know are dropped; one of the other endpoint
             // (`response_format` on completions) would change the answer, and is refused.
-            let elsewhere = table.iter().any(|f| f.name == k);
-            if lenient && !elsewhere {
+            let other = table.iter().find(|f| f.name == k);
+            let elsewhere = other.is_some();
+            // A value that asks for nothing (null, or one the other endpoint takes as neutral)
+            // changes no answer: lenient drops it too.
+            let asks_nothing = v.is_null()
+                || other.is_some_and(|f| matches!(f.fate, Fate::Neutral(ok, _) if ok(v)));
+            if lenient && (!elsewhere || asks_nothing) {
                 tracing::warn!(field = ?name, "unknown request field ignored (--lenient-fields)");
                 continue;
             }
@@ -375,7 +380,7 @@ fn check_object(
 }
 
 /// Where a body holds an object (a struct of `api`), never the array serde would read as one.
-const OBJECTS: &[&str] = &[
+pub const OBJECTS: &[&str] = &[
     "stream_options",
     "structured_outputs",
     "response_format",
@@ -601,6 +606,9 @@ mod tests {
         for f in ["response_format", "tools", "top_logprobs"] {
             let body = format!(r#"{{"prompt": "a", "{f}": {{}}}}"#);
             assert_eq!(completion(&body).as_deref(), Some(f), "{f}");
+            // Null asks for nothing: dropped.
+            let body = format!(r#"{{"prompt": "a", "{f}": null}}"#);
+            assert_eq!(completion(&body), None, "{f}");
         }
     }
 

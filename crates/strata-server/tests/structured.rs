@@ -247,7 +247,7 @@ async fn bad_constraints_are_refused_naming_their_field() {
         (
             json!({"tools": [{"type": "function", "function": {"name": "f",
                    "parameters": {"$ref": "#"}}}], "tool_choice": "required"}),
-            "tools",
+            "tool_choice",
         ),
     ];
     for (extra, field) in cases {

@@ -530,7 +530,15 @@ impl Scheduler {
         };
         // A constraint that allows only the end wins over min_tokens.
         let only_end = mask.is_some_and(|m| m.words.iter().all(|&w| w == 0));
-        let stops: &[u32] = if early && !only_end { &ends } else { &[] };
+        // `ignore_eos` under a constraint: the end-of-sequence tokens are not chosen while the
+        // grammar allows anything else (a complete answer still ends).
+        let eos = &self.cfg.stop_token_ids;
+        let hold_eos = r.params.ignore_eos && mask.is_some_and(|m| m.allows_besides(eos));
+        let stops: &[u32] = match (early && !only_end, hold_eos) {
+            (true, _) => &ends,
+            (false, true) => eos,
+            (false, false) => &[],
+        };
         let h = History {
             prompt: &r.tokens[..r.prompt_len],
             output: &r.tokens[r.prompt_len..],

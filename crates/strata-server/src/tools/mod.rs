@@ -118,9 +118,11 @@ fn check_def(i: usize, d: &ToolDef, seen: &mut Vec<String>) -> Result<(), ApiErr
         };
         // The arguments are a JSON object (OpenAI refuses any other schema): a call whose
         // arguments were `1` or `"Paris"` could not be returned as one.
+        // No type: an object all the same (`{}`, properties alone, a root `$ref` of pydantic's
+        // recursive models) unless it names the values (`enum`, `const`).
         let object = match o.get("type") {
-            Some(t) => t == "object",
-            None => o.is_empty() || o.contains_key("properties"),
+            Some(t) => t == "object" || *t == json!(["object"]),
+            None => !o.contains_key("enum") && !o.contains_key("const"),
         };
         if !object {
             let got = o

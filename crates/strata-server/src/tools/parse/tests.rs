@@ -227,6 +227,13 @@ fn at_most_one_call_keeps_the_first() {
             outs.extend(ts.push(&piece.iter().collect::<String>()));
         }
         outs.extend(ts.finish());
+        // Nothing of the dropped call goes out: no head, no argument delta.
+        let later = |o: &ToolOut| match o {
+            ToolOut::Call(c) => c.index > 0,
+            ToolOut::Args { index, .. } => *index > 0,
+            ToolOut::Content(_) => false,
+        };
+        assert!(!outs.iter().any(later), "step {step}");
         let (c, calls) = gather(outs);
         assert_eq!(c.as_deref(), Some("Sure."), "step {step}");
         assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)], "step {step}");
