@@ -370,10 +370,12 @@ struct Guided {
 
 impl TokenConstraint for Guided {
     fn mask(&mut self) -> Result<TokenMask, String> {
-        let vob = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| format!("the output constraint failed: {e}"))?;
+        let vob = self.matcher.compute_mask_or_eos().map_err(|e| {
+            format!(
+                "the output constraint failed: {}",
+                first_line(&e.to_string())
+            )
+        })?;
         let can_end = self.ends.iter().any(|&t| vob.is_allowed(t));
         Ok(TokenMask {
             words: vob.as_slice().to_vec(),
@@ -382,9 +384,10 @@ impl TokenConstraint for Guided {
     }
 
     fn commit(&mut self, token: u32) -> Result<(), String> {
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| format!("the output constraint refused token {token}: {e}"))
+        self.matcher.consume_token(token).map_err(|e| {
+            let e = first_line(&e.to_string());
+            format!("the output constraint refused token {token}: {e}")
+        })
     }
 
     fn is_finished(&self) -> bool {
