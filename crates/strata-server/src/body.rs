@@ -207,7 +207,10 @@ fn invalid(
         let rest = m.strip_prefix("missing field `")?;
         rest.split('`').next().map(str::to_string)
     };
-    let param = if path != "." {
+    // "." is the body itself; "?" a key serde could not read (a body cut short): the place
+    // is the object holding it.
+    let path = path.strip_suffix(".?").unwrap_or(&path).to_string();
+    let param = if path != "." && path != "?" {
         Some(path)
     } else {
         missing().or_else(otherwise)
@@ -316,6 +319,23 @@ mod tests {
             assert_eq!(e["error"]["param"], param, "{body}: {e}");
             let m = e["error"]["message"].as_str().unwrap();
             assert!(m.contains("a key given twice"), "{m}");
+        }
+        // A body cut short (a Content-Length shorter than what was sent): no "?" for a place.
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct M {
+            messages: Vec<Value>,
+        }
+        for (cut, param) in [
+            (
+                &br#"{"messages": [{"role": "user", "#[..],
+                json!("messages[0]"),
+            ),
+            (br#"{"messages": [], "ma"#, Value::Null),
+            (br#"{"mess"#, Value::Null),
+        ] {
+            let e = parse_json::<M>(cut).unwrap_err().body();
+            assert_eq!(e["error"]["param"], param, "{e}");
         }
         let fine = r#"{"a": {"x": 1}, "b": {"x": 2}, "c": [{"x": 1}, {"x": 2}]}"#;
         assert!(parse_json::<Value>(fine.as_bytes()).is_ok());

@@ -186,6 +186,28 @@ pub(crate) struct OnePrompt {
     pub(crate) echo: Option<String>,
 }
 
+/// Each prompt's candidates at their longest fit the pool and the in-flight bound together
+/// (the engine's check; its message names best_of where best_of is the count).
+fn fits_together(
+    st: &AppState,
+    prompts: &[OnePrompt],
+    max_tokens: usize,
+    (n, best_of): (usize, usize),
+) -> Result<(), ApiError> {
+    for p in prompts {
+        st.engine
+            .check_choices(p.ids.len(), max_tokens, best_of)
+            .map_err(|e| match &e {
+                strata_engine::SubmitError::ChoicesTooLarge { .. } if best_of > n => {
+                    let m = e.to_string().replacen("n = ", "best_of = ", 1);
+                    ApiError::bad_request(m, Some("max_tokens"))
+                }
+                _ => ApiError::from_submit(&e),
+            })?;
+    }
+    Ok(())
+}
+
 /// Answers a request for `n` choices out of `best_of` candidates for each of its prompts
 /// (completions take a batch: prompt `p`'s choices are indices `p·n ..`, OpenAI's order).
 pub(crate) async fn answer(
@@ -203,11 +225,7 @@ pub(crate) async fn answer(
     // All candidates of a prompt at their longest must fit together, and all of a batch's
     // in the queue at once: refused now, before any is computed.
     check_batch(&st, &prompts, params.max_tokens, best_of)?;
-    for p in &prompts {
-        st.engine
-            .check_choices(p.ids.len(), params.max_tokens, best_of)
-            .map_err(|e| ApiError::from_submit(&e))?;
-    }
+    fits_together(&st, &prompts, params.max_tokens, (n, best_of))?;
     if best_of == 1 {
         return one_each(st, prompts, params, job, prefill).await;
     }

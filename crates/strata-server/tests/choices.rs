@@ -132,6 +132,15 @@ async fn best_of_returns_the_likeliest_candidates() {
         let (st, e) = post(&url, &body).await;
         assert_eq!((st, &e["error"]["param"]), (400, &json!("best_of")), "{e}");
     }
+    // Candidates that cannot fit together: the refusal counts them as best_of's.
+    let (st, e) = post(
+        &url,
+        &json!({"prompt": "a", "best_of": 16, "max_tokens": 500}),
+    )
+    .await;
+    let m = e["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(st, 400, "{e}");
+    assert!(m.starts_with("best_of = 16 "), "{m}");
     // best_of = n streams (nothing to choose).
     let ok = json!({"prompt": "a", "n": 2, "best_of": 2, "max_tokens": 2, "stream": true});
     assert!(post_text(&url, &ok).await.contains("[DONE]"));
