@@ -335,16 +335,15 @@ fn check_object(
             // Lenient: only names the API does not know are dropped; one of the other endpoint
             // (`response_format` on completions) would change the answer, and is refused.
             let other = table.iter().find(|f| f.name == k);
-            let elsewhere = other.is_some();
             // A value that asks for nothing (null, or one the other endpoint takes as neutral)
             // changes no answer: lenient drops it too.
             let asks_nothing = v.is_null()
                 || other.is_some_and(|f| matches!(f.fate, Fate::Neutral(ok, _) if ok(v)));
-            if lenient && (!elsewhere || asks_nothing) {
+            if lenient && (other.is_none() || asks_nothing) {
                 tracing::warn!(field = ?name, "unknown request field ignored (--lenient-fields)");
                 continue;
             }
-            let msg = if elsewhere {
+            let msg = if other.is_some() {
                 let other = match e {
                     Endpoint::Chat => "/v1/completions",
                     Endpoint::Completions => "/v1/chat/completions",

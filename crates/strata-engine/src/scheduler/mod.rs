@@ -276,14 +276,13 @@ impl Scheduler {
             }
             let prompt = &r.tokens[..r.prompt_len];
             let (new, prefetch) = (r.params.max_tokens, self.cfg.prefetch);
-            // Prompt log probabilities need every prompt position's logits: computed whole.
-            let use_prefix = self.cfg.prefix_cache && r.params.prompt_logprobs.is_none();
+            let use_prefix = matches_prefix(&self.cfg, r);
             if use_prefix && !self.cache.probe_ready(prompt) {
                 // L3 is asked which of its pages it holds, off this thread: the others run
                 // meanwhile; its answer counts as progress at a poll. The requests behind it
                 // are asked about now, so their answers are in when they reach the front.
                 for r in self.waiting.iter().skip(1).take(PROBE_AHEAD) {
-                    if r.import.is_none() && r.params.prompt_logprobs.is_none() {
+                    if r.import.is_none() && matches_prefix(&self.cfg, r) {
                         self.cache.probe_ask(&r.tokens[..r.prompt_len]);
                     }
                 }
@@ -633,6 +632,12 @@ impl Scheduler {
             });
         }
     }
+}
+
+/// Whether request `r` is matched against the prefix cache: prompt log probabilities need
+/// every prompt position's logits (computed whole).
+fn matches_prefix(cfg: &EngineConfig, r: &Req) -> bool {
+    cfg.prefix_cache && r.params.prompt_logprobs.is_none()
 }
 
 /// The tokens that end a request: its `stop_token_ids`, and the model's end-of-sequence tokens

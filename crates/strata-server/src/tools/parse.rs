@@ -283,14 +283,9 @@ impl ToolStream {
         }
     }
 
-    /// Under a forced call (`required`, a named function) the grammar lets the answer be
-    /// calls only: anything else parsed out is a call cut short (`max_tokens`), dropped.
-    pub fn forced(mut self, on: bool) -> ToolStream {
-        self.forced = on;
-        self
-    }
-
-    /// The rules' settings ([`ToolStream::forced`], and the first call only).
+    /// The rules' settings: under a forced call (`required`, a named function) the grammar
+    /// lets the answer be calls only, so anything else parsed out is a call cut short
+    /// (`max_tokens`), dropped; with `one`, the first call only.
     pub fn ruled(mut self, r: CallRules) -> ToolStream {
         self.forced = r.forced;
         self.one = r.one;

@@ -170,7 +170,7 @@ fn a_forced_answer_has_no_text() {
     assert_eq!(content, None);
     assert_eq!(pairs(&calls), vec![("add", r#"{"a":1}"#)]);
     for step in [1, 3, 7] {
-        let mut ts = ToolStream::new(names()).forced(true);
+        let mut ts = ToolStream::new(names()).ruled(true.into());
         let mut outs = Vec::new();
         for chunk in text.as_bytes().chunks(step) {
             outs.extend(ts.push(std::str::from_utf8(chunk).unwrap()));
