@@ -8,11 +8,12 @@
 
 use std::path::Path;
 
+use candle_core::quantized::gguf_file::Value;
 use strata_mem::{Copies, Scratch};
 
 use crate::deepseek4::config::Dsv4Config;
 use crate::error::ModelError;
-use crate::gguf::{Config, Gguf, GgufHeader};
+use crate::gguf::{Config, Gguf};
 use crate::llama::attend::GATHER_BYTES;
 use crate::shard::Part;
 
@@ -57,13 +58,16 @@ pub enum ModelShape {
 
 impl ModelShape {
     pub fn read(path: &Path) -> Result<ModelShape, ModelError> {
-        let header = GgufHeader::open(path)?;
-        if header.architecture() == Some("deepseek4") {
-            return Ok(ModelShape::Dsv4(crate::deepseek4::load::read_dsv4_config(
-                path,
-            )?));
+        let (header, file, len) = crate::gguf::meta::read_with_file(path)?;
+        if let Some(Value::String(a)) = header.metadata.get("general.architecture") {
+            if a == "deepseek4" {
+                let c = crate::deepseek4::load::dsv4_config(path, &header.metadata)?;
+                return Ok(ModelShape::Dsv4(c));
+            }
         }
-        Ok(ModelShape::Llama(Gguf::open(path)?.config))
+        Ok(ModelShape::Llama(
+            Gguf::from_header(path, header, file, len)?.config,
+        ))
     }
 
     /// The scratch over `ranks` tensor-parallel ranks.

@@ -286,3 +286,38 @@ fn nonsense_numbers_and_special_tokens_are_refused_by_name() {
         assert!(e.contains(want), "{key}: {e}");
     }
 }
+
+/// A metadata key or a tensor name given twice is refused by name, by the loader and by the
+/// header readers `strata serve` sizes with (keeping the last, as a map would, lets one file
+/// say two things: which one a tool reads depends on the tool).
+#[test]
+fn a_key_or_a_tensor_given_twice_is_refused() {
+    for (from, to, want) in [
+        (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.bos_token_id",
+            "metadata key `tokenizer.ggml.bos_token_id` appears twice",
+        ),
+        (
+            "blk.0.attn_k.weight",
+            "blk.0.attn_q.weight",
+            "tensor `blk.0.attn_q.weight` appears twice",
+        ),
+    ] {
+        let mut b = valid();
+        let at = b
+            .windows(from.len())
+            .position(|w| w == from.as_bytes())
+            .expect("the name is in the file");
+        b[at..at + to.len()].copy_from_slice(to.as_bytes());
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.gguf");
+        std::fs::write(&p, &b).unwrap();
+        let e = Gguf::open(&p).err().expect("refused").to_string();
+        assert!(e.contains(want), "{e}");
+        let e = strata_model::GgufHeader::open(&p).err().unwrap().to_string();
+        assert!(e.contains(want), "{e}");
+        let e = strata_model::scratch::ModelShape::read(&p).unwrap_err();
+        assert!(e.to_string().contains(want), "{e}");
+    }
+}

@@ -172,9 +172,16 @@ fn config(path: &Path, m: &HashMap<String, Value>) -> Result<Dsv4Config, ModelEr
 /// The hyper-parameters of a DeepSeek-V4 GGUF from its header alone (sizing a model of any
 /// size without reading its weights).
 pub fn read_dsv4_config(path: &Path) -> Result<Dsv4Config, ModelError> {
-    let h = meta::read(path)?;
-    check_architecture(&path.display().to_string(), &h.metadata)?;
-    config(path, &h.metadata)
+    dsv4_config(path, &meta::read(path)?.metadata)
+}
+
+/// [`read_dsv4_config`] from a header already read (`m`, of the file at `path`).
+pub(crate) fn dsv4_config(
+    path: &Path,
+    m: &HashMap<String, Value>,
+) -> Result<Dsv4Config, ModelError> {
+    check_architecture(&path.display().to_string(), m)?;
+    config(path, m)
 }
 
 fn check_architecture(p: &str, meta: &HashMap<String, Value>) -> Result<(), ModelError> {

@@ -5,7 +5,10 @@
 
 use std::collections::HashMap;
 
-use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::gguf_file::{
+    Content, TensorInfo as CandleTensor, Value, VersionedMagic,
+};
+use candle_core::quantized::GgmlDType;
 
 /// A tensor's name, `ne` (fastest first), GGML type and offset in the data section.
 pub(crate) type TensorInfo = (String, Vec<usize>, u32, u64);
@@ -90,11 +93,18 @@ pub(crate) fn parse(b: &[u8]) -> Result<Header, String> {
     for _ in 0..n_kv {
         let k = r.string()?;
         let ty = r.u32()?;
-        metadata.insert(k, r.value(ty)?);
+        let v = r.value(ty)?;
+        if metadata.insert(k.clone(), v).is_some() {
+            return Err(format!("metadata key `{k}` appears twice"));
+        }
     }
     let mut tensors = Vec::new();
+    let mut names = std::collections::HashSet::new();
     for _ in 0..n_tensors {
         let name = r.string()?;
+        if !names.insert(name.clone()) {
+            return Err(format!("tensor `{name}` appears twice"));
+        }
         let nd = r.u32()? as usize;
         let mut ne = Vec::with_capacity(nd.min(4));
         for _ in 0..nd {
@@ -116,6 +126,13 @@ pub(crate) fn parse(b: &[u8]) -> Result<Header, String> {
 
 /// Reads and parses the header of the file at `path` alone (at most as long as the file).
 pub(crate) fn read(path: &std::path::Path) -> Result<Header, crate::ModelError> {
+    read_with_file(path).map(|(h, _, _)| h)
+}
+
+/// [`read`], and the open file with its length (for reading tensors after the header).
+pub(crate) fn read_with_file(
+    path: &std::path::Path,
+) -> Result<(Header, std::io::BufReader<std::fs::File>, u64), crate::ModelError> {
     use std::io::{Read, Seek};
     let p = path.display().to_string();
     let not_gguf = |reason: String| crate::ModelError::NotGguf {
@@ -133,5 +150,53 @@ pub(crate) fn read(path: &std::path::Path) -> Result<Header, crate::ModelError> 
     let mut b = vec![0u8; end as usize];
     f.seek(std::io::SeekFrom::Start(0)).map_err(open_err)?;
     f.read_exact(&mut b).map_err(open_err)?;
-    parse(&b).map_err(not_gguf)
+    Ok((parse(&b).map_err(not_gguf)?, f, len))
+}
+
+/// GGML's tensor type numbers for the formats candle reads.
+const GGML_TYPES: [(u32, GgmlDType); 15] = [
+    (0, GgmlDType::F32),
+    (1, GgmlDType::F16),
+    (2, GgmlDType::Q4_0),
+    (3, GgmlDType::Q4_1),
+    (6, GgmlDType::Q5_0),
+    (7, GgmlDType::Q5_1),
+    (8, GgmlDType::Q8_0),
+    (9, GgmlDType::Q8_1),
+    (10, GgmlDType::Q2K),
+    (11, GgmlDType::Q3K),
+    (12, GgmlDType::Q4K),
+    (13, GgmlDType::Q5K),
+    (14, GgmlDType::Q6K),
+    (15, GgmlDType::Q8K),
+    (30, GgmlDType::BF16),
+];
+
+impl Header {
+    /// The header as candle's reader would have returned it (tensor shapes slowest
+    /// dimension first), for reading tensors through candle: a tensor of a type candle does
+    /// not know is an error naming it.
+    pub(crate) fn into_content(self) -> Result<Content, String> {
+        let mut tensor_infos = HashMap::with_capacity(self.tensors.len());
+        for (name, mut ne, ty, offset) in self.tensors {
+            let Some(&(_, ggml_dtype)) = GGML_TYPES.iter().find(|(t, _)| *t == ty) else {
+                return Err(format!(
+                    "tensor `{name}` has GGML type {ty}, which is not read here"
+                ));
+            };
+            ne.reverse();
+            let info = CandleTensor {
+                ggml_dtype,
+                shape: candle_core::Shape::from(ne),
+                offset,
+            };
+            tensor_infos.insert(name, info);
+        }
+        Ok(Content {
+            magic: VersionedMagic::GgufV3,
+            metadata: self.metadata,
+            tensor_infos,
+            tensor_data_offset: self.data_start as u64,
+        })
+    }
 }

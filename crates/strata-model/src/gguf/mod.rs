@@ -1,5 +1,5 @@
-//! GGUF loading and validation (the llama family: llama, qwen2, qwen3), through candle's
-//! reader.
+//! GGUF loading and validation (the llama family: llama, qwen2, qwen3): the header through
+//! `meta` (after `scan` bounded it), tensors through candle.
 
 pub(crate) mod meta;
 pub mod scan;
@@ -135,8 +135,24 @@ impl Gguf {
     /// Opens `path`, reads the header and checks architecture, metadata, every tensor's
     /// presence, shape and that its data lies inside the file. Never panics on bad input.
     pub fn open(path: &Path) -> Result<Gguf, ModelError> {
+        let (header, file, len) = meta::read_with_file(path)?;
+        Gguf::from_header(path, header, file, len)
+    }
+
+    /// [`Gguf::open`] from the header `meta::read_with_file` read, its open file and length.
+    pub(crate) fn from_header(
+        path: &Path,
+        header: meta::Header,
+        file: BufReader<File>,
+        len: u64,
+    ) -> Result<Gguf, ModelError> {
         let p = path.display().to_string();
-        let (mut content, file, len) = read_header(path, &p)?;
+        let mut content = header
+            .into_content()
+            .map_err(|reason| ModelError::NotGguf {
+                path: p.clone(),
+                reason,
+            })?;
         let config = read_config(&Meta {
             content: &content,
             path: &p,
@@ -292,39 +308,6 @@ pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
         return Err(std::io::Error::other(format!("{what}, not a regular file")));
     }
     Ok(f)
-}
-
-/// Reads the header of `path` (`p` for messages): the open file, its content and its length.
-fn read_header(path: &Path, p: &str) -> Result<(Content, BufReader<File>, u64), ModelError> {
-    let f = open_regular(path).map_err(|e| ModelError::Open {
-        path: p.into(),
-        reason: first_line(&e),
-    })?;
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut file = BufReader::new(f);
-    // Every length and count in the header must fit in the file before candle's reader
-    // allocates for it (a hostile length would abort the process, not fail).
-    crate::gguf::scan::scan(&mut file, len).map_err(|reason| ModelError::NotGguf {
-        path: p.into(),
-        reason,
-    })?;
-    file.seek(std::io::SeekFrom::Start(0))
-        .map_err(|e| ModelError::Open {
-            path: p.into(),
-            reason: first_line(&e),
-        })?;
-    // candle's reader may panic on some malformed headers; turn that into an error too.
-    let content =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut file)))
-            .map_err(|_| ModelError::NotGguf {
-                path: p.into(),
-                reason: "malformed header".into(),
-            })?
-            .map_err(|e| ModelError::NotGguf {
-                path: p.into(),
-                reason: first_line(&e),
-            })?;
-    Ok((content, file, len))
 }
 
 /// Typed reads of the header metadata; errors name the file and the key.
