@@ -137,6 +137,21 @@ pub fn echo_size(b: u64, typed: &str) -> String {
     format!("{} ({b} bytes)", in_unit_of(b, typed))
 }
 
+/// A URL as a message or a log may show it: its user information (`user:password@`, up to the
+/// last `@`, since a password may hold `/` or `@`) shown as `…@`, whether or not the rest
+/// parses. An `@` later in the URL (a path's, a query's) hides more than it needs to: never
+/// less. Every URL a flag takes (worker URLs, `--l3` Redis URLs) is echoed through this.
+pub fn shown_url(u: &str) -> String {
+    let (scheme, rest) = u.split_once("://").unwrap_or(("", u));
+    match rest.rfind('@') {
+        Some(at) => {
+            let sep = if scheme.is_empty() { "" } else { "://" };
+            format!("{scheme}{sep}…{}", &rest[at..])
+        }
+        None => u.to_string(),
+    }
+}
+
 /// A number as an operator would type it back: as Rust writes it where that is short (`0.5`,
 /// `86400`, `0.30000000000000004`), in exponent form where that would be long (`1e300`,
 /// `-1e-300`, not three hundred digits). Flags' errors echo numbers so.
@@ -164,6 +179,26 @@ pub fn format_bytes(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_is_shown_without_its_credentials() {
+        for (u, shown) in [
+            ("http://user:pw@h:1/x", "http://…@h:1/x"),
+            ("http://u:p@ss@h", "http://…@h"),
+            ("rediss://:pw@h:6380", "rediss://…@h:6380"),
+            ("redis://u:pw@h:1/0", "redis://…@h:1/0"),
+            // A Redis password may hold `/`: the user information ends at the last `@`.
+            ("redis://:p/w@h:1", "redis://…@h:1"),
+            ("redis-cluster://:pw@a:1,b:2", "redis-cluster://…@a:1,b:2"),
+            ("user:pw@h", "…@h"),
+            // An `@` in a path hides the host too: more than needed, never less.
+            ("http://h:1/a@b", "http://…@b"),
+            ("http://a b:1", "http://a b:1"),
+            ("redis://h:1", "redis://h:1"),
+        ] {
+            assert_eq!(shown_url(u), shown, "{u}");
+        }
+    }
 
     #[test]
     fn numbers_are_shown_short() {

@@ -315,7 +315,10 @@ fn a_key_or_a_tensor_given_twice_is_refused() {
         std::fs::write(&p, &b).unwrap();
         let e = Gguf::open(&p).err().expect("refused").to_string();
         assert!(e.contains(want), "{e}");
-        let e = strata_model::GgufHeader::open(&p).err().unwrap().to_string();
+        let e = strata_model::GgufHeader::open(&p)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains(want), "{e}");
         let e = strata_model::scratch::ModelShape::read(&p).unwrap_err();
         assert!(e.to_string().contains(want), "{e}");

@@ -21,18 +21,19 @@
 //! errors) until the cluster fails over to its replica and the slot map is fetched again.
 //!
 //! Modules: `cluster` (the cluster client), `slot` (key slots), `measure` (what the tier holds,
-//! measured in Redis), `url` (`--l3` URLs checked before anything connects, and redacted for
-//! logs).
+//! measured in Redis), `url` (`--l3` URLs checked before anything connects; logs show them through
+//! `strata_kv::units::shown_url`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-mod url;
-pub use url::{check_url, redact};
-
 use redis::aio::ConnectionManager;
 use strata_kv::storage::{blob, Storage, StorageError, StorageStats};
+use strata_kv::units::shown_url;
 use strata_kv::PageHash;
+
+mod url;
+pub use url::check_url;
 
 mod breaker;
 mod cluster;
@@ -172,7 +173,7 @@ pub(crate) async fn within<T>(
     tokio::time::timeout(timeout, f)
         .await
         .map_err(|_| StorageError::Timeout(timeout))?
-        .map_err(|e| unavailable(format!("{}: {e}", redact(whom))))
+        .map_err(|e| unavailable(format!("{}: {e}", shown_url(whom))))
 }
 
 /// A reconnecting connection to `client`, made within `timeout`. The manager retries a
@@ -188,7 +189,7 @@ pub(crate) async fn manager(
         Err(StorageError::Timeout(t)) => {
             let once = client.get_multiplexed_async_connection();
             match tokio::time::timeout(t, once).await {
-                Ok(Err(e)) => Err(unavailable(format!("{}: {e}", redact(whom)))),
+                Ok(Err(e)) => Err(unavailable(format!("{}: {e}", shown_url(whom)))),
                 _ => Err(StorageError::Timeout(t)),
             }
         }
@@ -199,7 +200,7 @@ pub(crate) async fn manager(
 /// Seeds of `redis-cluster://[user:pass@]host:port,host:port,...`: the connection settings
 /// (from the first) and every `host:port`.
 fn cluster_seeds(url: &str) -> Result<(redis::ConnectionInfo, Vec<String>), StorageError> {
-    let bad = |why: &str| unavailable(format!("{}: {why}", redact(url)));
+    let bad = |why: &str| unavailable(format!("{}: {why}", shown_url(url)));
     let rest = url
         .strip_prefix("redis-cluster://")
         .ok_or_else(|| bad("expected redis-cluster://HOST:PORT[,HOST:PORT...]"))?;
@@ -282,7 +283,7 @@ impl RedisStorage {
     /// Connects to one Redis and asks whether it is a cluster node.
     async fn single_or_cluster(url: &str, timeout: Duration) -> Result<Backend, StorageError> {
         let client = redis::Client::open(url)
-            .map_err(|e| StorageError::Unavailable(format!("{}: {e}", redact(url))))?;
+            .map_err(|e| StorageError::Unavailable(format!("{}: {e}", shown_url(url))))?;
         let info = client.get_connection_info().clone();
         let mut conn = manager(client, timeout, url).await?;
         let info_cluster: Result<String, _> = tokio::time::timeout(
@@ -301,12 +302,17 @@ impl RedisStorage {
                 if pong != "PONG" {
                     return Err(unavailable(format!(
                         "{}: PING answered {pong}",
-                        redact(url)
+                        shown_url(url)
                     )));
                 }
                 false
             }
-            Err(e) => return Err(StorageError::Unavailable(format!("{}: {e}", redact(url)))),
+            Err(e) => {
+                return Err(StorageError::Unavailable(format!(
+                    "{}: {e}",
+                    shown_url(url)
+                )))
+            }
         };
         if !cluster {
             return Ok(Backend::Single(conn));
@@ -314,7 +320,7 @@ impl RedisStorage {
         let redis::ConnectionAddr::Tcp(h, p) = &info.addr else {
             return Err(unavailable(format!(
                 "{}: a cluster node over TCP",
-                redact(url)
+                shown_url(url)
             )));
         };
         let seed = format!("{h}:{p}");

@@ -2,6 +2,8 @@
 //! configuration error, not a tier "unavailable at start"), and written to logs without their
 //! password.
 
+use strata_kv::units::shown_url;
+
 use crate::cluster_seeds;
 
 /// `Ok` when `url` is a `redis://` URL of a TCP host and port (a database number, user and
@@ -11,30 +13,13 @@ pub fn check_url(url: &str) -> Result<(), String> {
     if url.starts_with("redis-cluster://") {
         return cluster_seeds(url).map(|_| ()).map_err(|e| e.to_string());
     }
-    let info: redis::ConnectionInfo = url.parse().map_err(|e| format!("{}: {e}", redact(url)))?;
+    let info: redis::ConnectionInfo = url
+        .parse()
+        .map_err(|e| format!("{}: {e}", shown_url(url)))?;
     match &info.addr {
         redis::ConnectionAddr::Tcp(h, p) if !h.is_empty() && *p > 0 => Ok(()),
-        redis::ConnectionAddr::Tcp(..) => Err(format!("{}: no host or port", redact(url))),
-        _ => Err(format!("{}: only TCP (redis://HOST:PORT)", redact(url))),
-    }
-}
-
-/// `url` with the password of its user information (`redis://user:PASSWORD@host`) replaced
-/// by `***`: what logs and messages show.
-pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The user information ends at the last `@` (a password may hold `/` or `@`).
-    match rest.rsplit_once('@') {
-        Some((user, host)) => {
-            let user = match user.split_once(':') {
-                Some((name, _)) => format!("{name}:***"),
-                None => user.to_string(),
-            };
-            format!("{scheme}://{user}@{host}")
-        }
-        None => url.to_string(),
+        redis::ConnectionAddr::Tcp(..) => Err(format!("{}: no host or port", shown_url(url))),
+        _ => Err(format!("{}: only TCP (redis://HOST:PORT)", shown_url(url))),
     }
 }
 
@@ -74,17 +59,5 @@ mod tests {
             let e = check_url(bad).unwrap_err();
             assert!(!e.contains("s3cret"), "{e}");
         }
-    }
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("redis://u:pw@h:1/0"), "redis://u:***@h:1/0");
-        assert_eq!(redact("redis://:pw@h:1"), "redis://:***@h:1");
-        assert_eq!(redact("redis://u@h:1"), "redis://u@h:1");
-        assert_eq!(redact("redis://h:1"), "redis://h:1");
-        assert_eq!(
-            redact("redis-cluster://:pw@a:1,b:2"),
-            "redis-cluster://:***@a:1,b:2"
-        );
     }
 }

@@ -57,7 +57,7 @@ fn fetch(url: &str) -> Result<Vec<u8>> {
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         bail!(
             "--advise-from `{}`: expected http://HOST:PORT (a worker or a router)",
-            crate::http_args::shown_url(url)
+            strata_kv::units::shown_url(url)
         );
     }
     let rt = tokio::runtime::Builder::new_current_thread()

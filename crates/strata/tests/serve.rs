@@ -45,7 +45,7 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn bad_flags_fail_once_with_the_reason() {
-    let cases: [(&[&str], &str); 17] = [
+    let cases: [(&[&str], &str); 19] = [
         (&["--l3", "tape:/x"], "--l3 `tape:/x`: expected disk:PATH"),
         (&["--l3", "disk:/dev/null"], "--l3 `disk:/dev/null`: /dev/null is a device, not a directory"),
         (&["--l3", "disk:/tmp/a", "--l3", "disk:/tmp/b"], "--l3: 2 disk tiers and 0 Redis: at most one of each"),
@@ -60,6 +60,9 @@ fn bad_flags_fail_once_with_the_reason() {
         (&["--response-store-size", "lots"], "--response-store-size"),
         (&["--response-store-ttl", "inf"], "--response-store-ttl inf: expected seconds > 0"),
         (&["--l3", "rediss://h:6380"], "TLS to Redis is not built in"),
+        // A password with a `/` (as Redis allows) is not echoed.
+        (&["--l3", "rediss://:se/cretpw@h:6380"], "`rediss://…@h:6380`: TLS"),
+        (&["--l3", "ftp://u:se/cretpw@h"], "--l3 `ftp://…@h`"),
         (
             &["--write-policy", "sometimes"],
             "invalid value 'sometimes' for '--write-policy <WRITE_POLICY>': expected write_through, write_through_selective[:N]",
@@ -76,6 +79,7 @@ fn bad_flags_fail_once_with_the_reason() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("cretpw"), "a password echoed: {err}");
     }
 }
 

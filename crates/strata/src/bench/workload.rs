@@ -200,7 +200,7 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
     let url = a.url.trim_end_matches('/').to_string();
     let parsed = reqwest::Url::parse(&url).ok();
     if !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
-        let shown = crate::http_args::shown_url(&a.url);
+        let shown = strata_kv::units::shown_url(&a.url);
         bail!("--url `{shown}`: expected http://HOST:PORT");
     }
     let p = Arc::new(prepare(&a.w)?);

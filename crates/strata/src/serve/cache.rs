@@ -49,13 +49,13 @@ fn l3_storage(
             };
             match strata_redis::RedisStorage::connect(&cfg) {
                 Ok(r) => {
-                    let url = strata_redis::redact(spec);
+                    let url = strata_kv::units::shown_url(spec);
                     tracing::info!(url = %url, namespace = ns, "L3 remote tier (Redis) ready");
                     tiers.push(Arc::new(r));
                 }
                 Err(e) => {
                     left_out += 1;
-                    let url = strata_redis::redact(spec);
+                    let url = strata_kv::units::shown_url(spec);
                     tracing::warn!(url = %url, error = %e, "L3 remote tier unavailable at start: serving without it");
                     say!("strata serve: L3 remote tier {url} unavailable at start ({e}): serving without it");
                 }

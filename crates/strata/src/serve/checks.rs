@@ -383,7 +383,10 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
     };
     for (i, spec) in l3.iter().enumerate() {
         if l3[..i].iter().any(|o| same(o, spec)) {
-            bail!("--l3 `{}` is given twice", strata_redis::redact(spec));
+            bail!(
+                "--l3 `{}` is given twice",
+                strata_kv::units::shown_url(spec)
+            );
         }
         if let Some(path) = spec.strip_prefix("disk:") {
             if path.is_empty() {
@@ -411,10 +414,10 @@ fn check_l3_specs(a: &ServeArgs) -> Result<()> {
             bail!(
                 "--l3 `{}`: TLS to Redis is not built in; reach Redis over a private network \
                  or a TLS tunnel (e.g. stunnel) with redis://",
-                crate::http_args::shown_url(spec)
+                strata_kv::units::shown_url(spec)
             );
         }
-        bail!("--l3 `{}`: {L3_SPECS}", strata_redis::redact(spec));
+        bail!("--l3 `{}`: {L3_SPECS}", strata_kv::units::shown_url(spec));
     }
     check_l3_bounds(a)
 }
