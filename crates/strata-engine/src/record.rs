@@ -11,7 +11,10 @@
 //!   curve's order: admission), with its arrival time (never before the line above it) and
 //!   its output budget (`max_tokens`) as `output_length`.
 //! * **Bounded.** Past `cap_bytes` the file is renamed `FILE.1` (replacing the one before) and
-//!   a new one begun (never an existing one): at most twice the cap on disk.
+//!   a new one begun (never an existing one): at most twice the cap on disk. A path that no
+//!   longer names the file written (moved away and replaced) is not rotated: the recording
+//!   stops. (A file swapped in between that check and the rename is still renamed to
+//!   `FILE.1`: the new file is then created only where no file is, or the recording stops.)
 //! * **Safe to point anywhere.** The file must be a regular file of this user with one link,
 //!   opened without following a symbolic link and without blocking (a FIFO is refused), and is
 //!   set to mode 0600 whatever it was. An existing file is overwritten only if it is empty or a
@@ -194,6 +197,7 @@ impl Writer {
 
     fn write(&mut self, line: &[u8]) -> std::io::Result<()> {
         if self.written > 0 && self.written + line.len() as u64 > self.cap_bytes {
+            self.still_ours()?;
             let mut old = self.path.clone().into_os_string();
             old.push(".1");
             std::fs::rename(&self.path, &old)?;
@@ -204,6 +208,25 @@ impl Writer {
         f.write_all(line)?;
         self.written += line.len() as u64;
         Ok(())
+    }
+
+    /// An error unless the path still names the file being written: one moved away and
+    /// replaced (by an operator, another program) is not renamed over `FILE.1` and written
+    /// after; the recording stops instead.
+    fn still_ours(&self) -> std::io::Result<()> {
+        let f = self
+            .file
+            .as_ref()
+            .expect("checked by the caller")
+            .metadata()?;
+        let named = std::fs::symlink_metadata(&self.path);
+        match named {
+            Ok(m) if (m.dev(), m.ino()) == (f.dev(), f.ino()) => Ok(()),
+            _ => Err(std::io::Error::other(format!(
+                "{} is no longer the file this recording writes (moved or replaced): not rotated",
+                self.path.display()
+            ))),
+        }
     }
 }
 
@@ -354,6 +377,26 @@ mod tests {
         let _r = once_free(&p);
         let mode = std::fs::metadata(&p).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    /// A trace file moved away and replaced by another file is not rotated over `FILE.1`:
+    /// the other file is left whole, the recording stops (lines counted as dropped).
+    #[test]
+    fn a_replaced_file_is_not_rotated() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.jsonl");
+        let mut r = TraceRecorder::create(&p, 300, 16).unwrap();
+        r.record(&[1; 64], 1, Instant::now());
+        r.sync();
+        std::fs::rename(&p, d.path().join("moved.jsonl")).unwrap();
+        std::fs::write(&p, b"someone else's").unwrap();
+        for i in 0..40u32 {
+            r.record(&[i; 64], 1, Instant::now());
+        }
+        r.sync();
+        assert_eq!(std::fs::read(&p).unwrap(), b"someone else's");
+        assert!(!d.path().join("t.jsonl.1").exists());
+        assert!(r.counts().dropped.load(Ordering::Relaxed) > 0);
     }
 
     /// A file that is not a trace (a model, a config named by mistake) is refused and left
