@@ -15,7 +15,9 @@
 * every $(VAR) an argument uses is defined; the router's and the decode workers' worker URLs
   name the StatefulSets' pods;
 * the Grafana dashboards ConfigMap holds exactly deploy/grafana/dashboards/*.json
-  (`check.py --write` regenerates it).
+  (`check.py --write` regenerates it);
+* a worker with a liveness probe has a startup probe of at least 10 minutes (a model loading
+  answers no probe).
 
 Usage: check.py --strata PATH/TO/strata [--model-dir DIR] [--write]
   (e.g. --strata ./target/release/strata --model-dir ~/.cache/strata/models)
@@ -172,6 +174,13 @@ def check_worker(sts, config, strata, model_dir=None):
              f"and the runtime are {want}")
     if quantity(r["requests"]["cpu"]) != int(f["threads"][0]):
         fail(f"{name}: {r['requests']['cpu']} CPUs for --threads {f['threads'][0]}")
+    # Loading answers no probe: a liveness probe without a startup probe that waits long
+    # enough restarts a worker still loading a large model, for ever.
+    s = c.get("startupProbe", {})
+    waits = s.get("periodSeconds", 10) * s.get("failureThreshold", 3)
+    if "livenessProbe" in c and waits < 600:
+        fail(f"{name}: a liveness probe with a startup probe of {waits} s: a large model's "
+             "load (minutes) would be restarted; give startupProbe at least 600 s")
     print(f"{name}: memory {got} bytes = plan device {plan['server_device_bytes']} + host "
           f"{plan['server_host_bytes']} + beside {beside} + runtime; {f['threads'][0]} CPUs")
     return f

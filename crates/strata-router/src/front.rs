@@ -105,12 +105,27 @@ fn refusal(st: &RouterState, path: &str, headers: &HeaderMap) -> Option<Response
 /// counted by route as the front door counts answers.
 pub fn gate(st: Arc<RouterState>) -> strata_server::listen::Gate {
     Arc::new(move |parts| {
+        // A browser's CORS preflight carries no key: the CORS layer answers it where
+        // `--allowed-origins` lists origins, else the front door refuses it as any request
+        // without a key.
+        if is_preflight(parts) {
+            return None;
+        }
         let path = parts.uri.path();
         let r = refusal(&st, path, &parts.headers)?;
         st.front
             .answered(&known_route(path), r.status().as_u16(), "none");
         Some(r)
     })
+}
+
+/// `OPTIONS` with `Origin` and `Access-Control-Request-Method`: what browsers send before a
+/// cross-origin request, never with credentials.
+fn is_preflight(parts: &axum::http::request::Parts) -> bool {
+    use axum::http::header::{ACCESS_CONTROL_REQUEST_METHOD, ORIGIN};
+    parts.method == axum::http::Method::OPTIONS
+        && parts.headers.contains_key(ORIGIN)
+        && parts.headers.contains_key(ACCESS_CONTROL_REQUEST_METHOD)
 }
 
 /// The route label of a path (a bounded set: unknown paths are "other").

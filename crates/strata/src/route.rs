@@ -167,6 +167,12 @@ pub fn run(a: RouteArgs) -> Result<()> {
             a.stream_idle_timeout
         );
     }
+    if c.keys.is_empty() && !c.addr.ip().is_loopback() {
+        eprintln!(
+            "strata route: no --api-key and listening on {}: any client that reaches this address is served (give keys, or keep it on loopback behind a proxy that authenticates)",
+            c.addr.ip()
+        );
+    }
     let mut st = RouterState::new(&a.prefill, &a.decode, c.policy);
     st.api_keys = c.keys;
     st.admin_key = c.admin_key;

@@ -643,6 +643,33 @@ fn cors_is_off_by_default_and_allows_only_the_listed_origins() {
     let rp = port_after(&r.wait_for("ready on http://", 60), "http://");
     let pre = with_origin(rp, "OPTIONS", "/v1/completions", "https://any.example");
     assert!(pre.contains("access-control-allow-origin: *"), "{pre}");
+    drop(r);
+    // A router with client keys: a browser's preflight carries no key and is answered; the
+    // request itself still needs one. Without --allowed-origins a preflight is a 401 as
+    // any keyless request.
+    for (origins, pre_ok) in [(&["--allowed-origins", "*"][..], true), (&[][..], false)] {
+        let mut args = vec!["route", "--port", "0", "--decode", &url, "--api-key", "k3y"];
+        args.extend_from_slice(origins);
+        let mut r = start(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+        let rp = port_after(&r.wait_for("ready on http://", 60), "http://");
+        let pre = with_origin(rp, "OPTIONS", "/v1/completions", "https://any.example");
+        assert_eq!(pre.starts_with("http/1.1 200"), pre_ok, "{pre}");
+        assert_eq!(
+            pre.contains("access-control-allow-origin: *"),
+            pre_ok,
+            "{pre}"
+        );
+        let post = with_origin(rp, "POST", "/v1/completions", "https://any.example");
+        assert!(post.starts_with("http/1.1 401"), "{post}");
+    }
+    // A router without keys on a non-loopback address says at start that it is open.
+    let mut r = start(
+        &[
+            "route", "--host", "0.0.0.0", "--port", "0", "--decode", &url,
+        ]
+        .map(String::from),
+    );
+    r.wait_for("no --api-key and listening on 0.0.0.0: any client", 60);
     // A path or another scheme is not an origin: refused before anything starts.
     for bad in ["https://app.example/x", "ftp://a", "*,https://a.example"] {
         let o = Command::new(env!("CARGO_BIN_EXE_strata"))

@@ -63,6 +63,23 @@ fn the_manifests_validate_and_match_the_plan() {
         text.contains("STRATA_RUNTIME_MEMORY 209715200 bytes does not cover the weights"),
         "{text}"
     );
+    std::fs::copy(root.join("deploy/kubernetes/configmap.yaml"), &cm).unwrap();
+
+    // A liveness probe that would restart a worker still loading a large model is refused.
+    let sts = d.path().join("deploy/kubernetes/decode.yaml");
+    let text = std::fs::read_to_string(&sts).unwrap();
+    let short = text.replace("failureThreshold: 180", "failureThreshold: 3");
+    assert_ne!(
+        short, text,
+        "the decode workers' startup probe waits 180 periods"
+    );
+    std::fs::write(&sts, short).unwrap();
+    let (o, text) = check(d.path());
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        text.contains("strata-decode: a liveness probe with a startup probe of 30 s"),
+        "{text}"
+    );
 }
 
 /// `from` copied to `to`, recursively (the manifests and dashboards: small files).

@@ -79,7 +79,7 @@ pub struct ServeArgs {
     pub shutdown_grace: f64,
     /// The deployment's cluster key (a file of ≥ 32 secret bytes, mode 600; `strata up`
     /// makes one). It authenticates the router and the other workers (KV transfer, /pd/prefill,
-    /// /cache/*) and keys L3 page checksums. Without it the worker listens on loopback only.
+    /// /cache/info, /cache/events, /cache/snapshot) and keys L3 page checksums. Without it the worker listens on loopback only.
     #[arg(long, help_heading = "Server")]
     pub cluster_key_file: Option<PathBuf>,
 
