@@ -21,6 +21,18 @@ impl Message {
     }
 }
 
+/// Instructions one render may run (minijinja's fuel): an allowance, and more per message.
+/// A template comes from a file (a hostile boundary): nested loops each under minijinja's
+/// own caps (`range` of 100,000, twice: 10^10 steps) would hold a CPU for hours. The 39
+/// templates of llama.cpp's `models/templates` that render plain messages take 94–301
+/// instructions and 35–80 a message (DeepSeek-V4's the most): the allowance is 60 times
+/// that (5 million run in 0.15 s in a debug build).
+const FUEL: u64 = 5_000_000;
+const FUEL_PER_MESSAGE: u64 = 5_000;
+
+/// How a render that ran out of instructions is reported.
+const OUT_OF_FUEL: &str = "the chat template ran past its budget of";
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -90,15 +102,29 @@ fn probes() -> Vec<(Vec<Message>, bool)> {
 }
 
 impl ChatTemplate {
+    /// Compiles `source` and renders the [`probes`] with it: a template that runs out of
+    /// instructions on a conversation of a few short messages is refused here, when the
+    /// model is opened, not on a client's request.
     pub fn new(source: &str) -> Result<ChatTemplate, ModelError> {
         let mut env = Environment::new();
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
-        Ok(ChatTemplate {
+        let t = ChatTemplate {
             env,
             markers: std::sync::OnceLock::new(),
             source: source.to_string(),
-        })
+        };
+        for (msgs, open) in probes() {
+            if let Err(ModelError::Template(e)) = t.render(&msgs, open) {
+                if e.starts_with(OUT_OF_FUEL) {
+                    return Err(ModelError::Template(format!(
+                        "{e} (rendering {} short messages): the chat template loops too long",
+                        msgs.len()
+                    )));
+                }
+            }
+        }
+        Ok(t)
     }
 
     /// The first turn marker of this template (a control token of `tk` it writes, in its
@@ -193,11 +219,58 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
-        let t = self
-            .env
+        let mut env = self.env.clone();
+        let fuel = FUEL.saturating_add(FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64));
+        env.set_fuel(Some(fuel));
+        let t = env
             .get_template("chat")
             .map_err(|e| ModelError::Template(e.to_string()))?;
         t.render(context! { messages => messages, add_generation_prompt => add_generation_prompt, bos_token => "", eos_token => "" })
-            .map_err(|e| ModelError::Template(e.to_string()))
+            .map_err(|e| match e.kind() {
+                minijinja::ErrorKind::OutOfFuel => ModelError::Template(format!(
+                    "{OUT_OF_FUEL} {fuel} instructions for {} messages",
+                    messages.len()
+                )),
+                _ => ModelError::Template(e.to_string()),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nested loops each under minijinja's own caps: refused when the model is opened, in
+    /// about the allowance's time (not the 10^10 steps').
+    #[test]
+    fn a_template_that_loops_too_long_is_refused_when_opened() {
+        let t0 = std::time::Instant::now();
+        let src =
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let e = ChatTemplate::new(src).err().expect("refused").to_string();
+        assert!(e.contains("ran past its budget"), "{e}");
+        assert!(e.contains("the chat template loops too long"), "{e}");
+        eprintln!("refused in {:?}", t0.elapsed());
+    }
+
+    /// A template whose work grows with the conversation is refused for the conversation
+    /// that takes it past the budget (an error for that request), not for short ones; a real
+    /// template renders a conversation of tens of thousands of messages.
+    #[test]
+    fn the_budget_grows_with_the_conversation() {
+        let per = "{% for m in messages %}{% for i in range(100000) %}{% endfor %}{{ m['content'] }}{% endfor %}";
+        let t = ChatTemplate::new(per).unwrap();
+        let msgs = |n: usize| vec![Message::new("user", "x"); n];
+        assert!(t.render(&msgs(4), true).is_ok());
+        let e = t.render(&msgs(400), true).unwrap_err().to_string();
+        assert!(
+            e.contains("ran past its budget of 7000000 instructions for 400 messages"),
+            "{e}"
+        );
+        let t0 = std::time::Instant::now();
+        let t = ChatTemplate::new(crate::tiny::TINY_TEMPLATE).unwrap();
+        let out = t.render(&msgs(50_000), true).unwrap();
+        assert_eq!(out.matches("<|im_start|>user").count(), 50_000);
+        eprintln!("50,000 messages in {:?}", t0.elapsed());
     }
 }

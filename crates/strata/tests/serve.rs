@@ -284,3 +284,45 @@ fn a_disk_tier_that_holds_no_page_is_refused() {
         "{err}"
     );
 }
+
+/// A GGUF whose chat template loops too long (nested `range`s, each under the template
+/// engine's caps: 10^10 steps) is refused when the model is opened, by the worker and by the
+/// cache-aware router that renders prompts with it: a client's chat request would otherwise
+/// hold a CPU for hours.
+#[test]
+fn a_chat_template_that_loops_too_long_is_refused_at_start() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("tiny.gguf");
+    strata_model::tiny::write_tiny(&model, &strata_model::tiny::TinySpec::default()).unwrap();
+    let mut b = std::fs::read(&model).unwrap();
+    let t = strata_model::tiny::TINY_TEMPLATE.as_bytes();
+    let at = b.windows(t.len()).position(|w| w == t).unwrap();
+    let hostile =
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+    let padded = format!("{hostile:<width$}", width = t.len());
+    b[at..at + t.len()].copy_from_slice(padded.as_bytes());
+    std::fs::write(&model, b).unwrap();
+    let m = model.to_str().unwrap();
+    for args in [
+        &["serve", "--model", m, "--port", "0"][..],
+        &[
+            "route",
+            "--port",
+            "0",
+            "--decode",
+            "http://127.0.0.1:9",
+            "--policy",
+            "cache_aware",
+            "--model",
+            m,
+        ][..],
+    ] {
+        let out = strata().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("the chat template loops too long"),
+            "{args:?}: {err}"
+        );
+    }
+}
