@@ -545,6 +545,24 @@ impl Expectation {
     }
 }
 
+impl Expectation {
+    /// Resolves once the transfer has failed (the receiving side gave up: a peer silent too
+    /// long, a bad frame), with why; pending while it is expected, arriving or arrived.
+    pub async fn failed(&self) -> String {
+        loop {
+            let n = self.inbox.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            match self.inbox.lock().get(&self.id) {
+                Some(Slot::Failed(why)) => return why.clone(),
+                None => return "the transfer was dropped unclaimed".into(),
+                Some(_) => {}
+            }
+            n.await;
+        }
+    }
+}
+
 impl Drop for Expectation {
     /// Forgets the transfer. Bytes held for received pages are released here; pages still
     /// arriving keep their reservation until the receiving thread ends (it releases them), so

@@ -158,6 +158,10 @@ pub struct WorkerSpec {
     pub eviction: strata_kv::EvictionPolicy,
     /// Start a KV listener (a decode worker under PD).
     pub kv_listener: bool,
+    /// `--kv-deadline` (5 s by default here: a failing transfer ends a test soon).
+    pub kv_deadline: Duration,
+    /// The address announced to prefill workers for K/V (None: the listener's own).
+    pub kv_advertise: Option<std::net::SocketAddr>,
     /// Prefill workers this worker may be told to use.
     pub prefill_workers: Vec<String>,
     /// `--pd-local-prefill-tokens` of a decode worker (0: every PD request goes through the
@@ -194,6 +198,8 @@ impl Default for WorkerSpec {
             window_checkpoint_pages: 0,
             eviction: strata_kv::EvictionPolicy::DEFAULT,
             kv_listener: false,
+            kv_advertise: None,
+            kv_deadline: Duration::from_secs(5),
             prefill_workers: Vec::new(),
             pd_local_prefill_tokens: strata_server::state::DEFAULT_LOCAL_PREFILL_TOKENS,
             pd_decode_reuse: true,
@@ -264,7 +270,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
     let engine = Engine::start(m, cache, cfg);
     let mut st = AppState::new(engine, Arc::new(tk), "tiny".into());
     st.template = Some(Arc::new(ChatTemplate::new(TINY_TEMPLATE).unwrap()));
-    st.pd.kv_deadline = Duration::from_secs(5);
+    st.pd.kv_deadline = spec.kv_deadline;
     st.pd.prefill_workers = spec.prefill_workers;
     st.pd.local_prefill_tokens = spec.pd_local_prefill_tokens;
     st.pd.decode_reuse = spec.pd_decode_reuse;
@@ -285,6 +291,7 @@ pub fn app_state(path: &Path, spec: WorkerSpec) -> AppState {
             page_size: info.page_size as u32,
             max_tokens: info.context_length,
             main_page_bytes: info.main_page_bytes(),
+            advertise: spec.kv_advertise,
             ..KvLimits::default()
         };
         st.pd.kv = Some(KvInbox::start(

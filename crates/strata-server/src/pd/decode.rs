@@ -88,7 +88,13 @@ async fn fetch(
         },
         sampling: first_token_sampling(params),
     };
-    let mut pr = call_prefill(st, prefill_url, &body).await?;
+    // The prefill worker answers once its transfer ends; a transfer this side already gave
+    // up on (a link gone silent) fails the request now, not when the sender's own timeouts
+    // end it (up to `--kv-deadline` later).
+    let mut pr = tokio::select! {
+        r = call_prefill(st, prefill_url, &body) => r?,
+        why = exp.failed() => return Err(bad_gateway(format!("KV transfer: {why}"))),
+    };
     let got = exp
         .take(st.pd.kv_deadline)
         .await
