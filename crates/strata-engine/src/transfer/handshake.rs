@@ -96,7 +96,17 @@ pub fn handshake_accept_if(
     key: Option<&ClusterKey>,
     keep: &mut dyn FnMut() -> bool,
 ) -> Result<Hello, TransferError> {
-    let (peer, theirs) = match read_frame(link, HANDSHAKE_MAX_FRAME)? {
+    let hello = match read_frame(link, HANDSHAKE_MAX_FRAME) {
+        // Another protocol version (a worker of another release, mid-upgrade): told so, so
+        // that it fails at once naming both versions instead of reconnecting until its
+        // deadline. Nothing else is said to a peer not yet authenticated.
+        Err(TransferError::Refused(why)) => {
+            let _ = write_frame(link, &Frame::Refuse(why.clone()));
+            return Err(TransferError::Refused(why));
+        }
+        r => r?,
+    };
+    let (peer, theirs) = match hello {
         Frame::Hello { hello, nonce } => (hello, nonce),
         f => {
             return Err(TransferError::Protocol(format!(

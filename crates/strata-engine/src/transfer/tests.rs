@@ -118,6 +118,33 @@ fn a_mismatched_handshake_is_refused_naming_the_field_not_the_values() {
     assert!(rx.join().unwrap().to_string().contains("page size"));
 }
 
+/// A sender of another protocol version is told so in a `Refuse`: it fails at once, naming
+/// both versions (a bare close would have it reconnect until its deadline).
+#[test]
+fn another_protocol_version_is_refused_in_words() {
+    let (mut c, mut s) = pair();
+    let rx = std::thread::spawn(move || handshake_accept(&mut s, &hello(1), Some(&key(1))));
+    let mut f = Frame::Hello {
+        hello: hello(1),
+        nonce: [7; 16],
+    }
+    .encode();
+    // The version follows the length, the kind and the 8-byte magic.
+    f[13..17].copy_from_slice(&(VERSION - 1).to_le_bytes());
+    let mut h = Xxh3::new();
+    let end = f.len() - 16;
+    h.update(&f[4..end]);
+    let sum = h.digest128().to_le_bytes();
+    f[end..].copy_from_slice(&sum);
+    c.write_all(&f).unwrap();
+    let want = format!("protocol version {}, this worker speaks {VERSION}", VERSION - 1);
+    match read_frame(&mut c, HANDSHAKE_MAX_FRAME).unwrap() {
+        Frame::Refuse(why) => assert_eq!(why, want),
+        f => panic!("{}", f.name()),
+    }
+    assert!(rx.join().unwrap().unwrap_err().to_string().contains(&want));
+}
+
 #[test]
 fn a_peer_without_the_cluster_key_is_refused_both_ways() {
     // Sender with another key: the receiver refuses it, and the sender sees the receiver
