@@ -324,3 +324,40 @@ fn a_key_or_a_tensor_given_twice_is_refused() {
         assert!(e.to_string().contains(want), "{e}");
     }
 }
+
+/// `b` (a GGUF) with the data offset of tensor `name` replaced by `f(offset)`.
+fn moved(mut b: Vec<u8>, name: &str, f: impl Fn(u64) -> u64) -> Vec<u8> {
+    let n = name.as_bytes();
+    let mut at = b
+        .windows(n.len() + 8)
+        .position(|w| w[8..] == *n && w[..8] == (n.len() as u64).to_le_bytes())
+        .expect("the tensor is in the file")
+        + 8
+        + n.len();
+    let dims = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+    at += 4 + 8 * dims + 4;
+    let off = u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    b[at..at + 8].copy_from_slice(&f(off).to_le_bytes());
+    b
+}
+
+/// Tensor data that overlaps another tensor's, or does not start at a multiple of the
+/// alignment, is refused by name (both were served as nonsense weights).
+#[test]
+fn overlapping_or_unaligned_tensor_data_is_refused() {
+    let name = "blk.0.ffn_down.weight";
+    for (b, dsv4, want) in [
+        (moved(valid(), name, |_| 0), false, "overlaps"),
+        (moved(valid(), name, |o| o + 1), false, "is not aligned to 32 bytes"),
+        (moved(valid_dsv4(), "output_norm.weight", |_| 0), true, "overlaps"),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.gguf");
+        std::fs::write(&p, &b).unwrap();
+        let e = match dsv4 {
+            false => Gguf::open(&p).err().expect("refused").to_string(),
+            true => load_dsv4(&p).err().expect("refused").to_string(),
+        };
+        assert!(e.contains(want), "{e}");
+    }
+}

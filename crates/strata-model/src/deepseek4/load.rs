@@ -242,6 +242,7 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
     let mut f = crate::gguf::open_regular(path).map_err(open_err)?;
     let len = f.metadata().map_err(open_err)?.len();
     let mut extents = Vec::with_capacity(h.tensors.len());
+    let mut placed = Vec::with_capacity(h.tensors.len());
     for (name, ne, ty, off) in &h.tensors {
         let terr = |reason: String| ModelError::Tensor {
             path: p.clone(),
@@ -261,19 +262,11 @@ pub fn load_dsv4_part(path: &Path, part: impl Into<Option<Dsv4Part>>) -> Result<
             return Err(terr("its data lies past the end of the file".into()));
         };
         extents.push((start, end));
+        placed.push((name.as_str(), *off, end - start));
     }
-    // Tensors of a real file do not overlap: their data together fits in the file (else a few
-    // bytes of header could make every tensor the whole file, and the weights its square).
-    let total = extents
-        .iter()
-        .map(|(s, e)| e - s)
-        .fold(0u64, u64::saturating_add);
-    if total > len {
-        return Err(ModelError::NotGguf {
-            path: p.clone(),
-            reason: format!("its tensors claim {total} bytes of data, more than the file's {len}"),
-        });
-    }
+    // Tensors of a real file do not overlap (else a few bytes of header could make every
+    // tensor the whole file, and the weights its square).
+    crate::gguf::check_extents(&p, h.align, placed)?;
     check_shapes(&p, &cfg, &h.tensors)?;
     let part = part.unwrap_or_else(|| Dsv4Part::whole(&cfg));
     part.check(&cfg).map_err(ModelError::Forward)?;

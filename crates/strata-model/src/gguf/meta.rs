@@ -13,11 +13,13 @@ use candle_core::quantized::GgmlDType;
 /// A tensor's name, `ne` (fastest first), GGML type and offset in the data section.
 pub(crate) type TensorInfo = (String, Vec<usize>, u32, u64);
 
-/// The metadata, the tensor infos and where the data section starts.
+/// The metadata, the tensor infos, where the data section starts and the alignment of every
+/// tensor's data in it.
 pub(crate) struct Header {
     pub metadata: HashMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
     pub data_start: usize,
+    pub align: u64,
 }
 
 struct Reader<'a> {
@@ -113,14 +115,18 @@ pub(crate) fn parse(b: &[u8]) -> Result<Header, String> {
         let ty = r.u32()?;
         tensors.push((name, ne, ty, r.u64()?));
     }
+    // As llama.cpp reads it: a u32 power of two, 32 when absent.
     let align = match metadata.get("general.alignment") {
-        Some(Value::U32(a)) if *a > 0 => *a as usize,
-        _ => 32,
+        None => 32,
+        Some(Value::U32(a)) if a.is_power_of_two() => *a as usize,
+        Some(Value::U32(a)) => return Err(format!("general.alignment {a}: not a power of two")),
+        Some(_) => return Err("general.alignment is not a u32".into()),
     };
     Ok(Header {
         metadata,
         tensors,
         data_start: r.pos.div_ceil(align) * align,
+        align: align as u64,
     })
 }
 
@@ -198,5 +204,40 @@ impl Header {
             tensor_infos,
             tensor_data_offset: self.data_start as u64,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header of no tensor and one metadata entry, `general.alignment` of type `ty` and
+    /// value `v`.
+    fn with_alignment(ty: u32, v: u32) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        let k = b"general.alignment";
+        b.extend((k.len() as u64).to_le_bytes());
+        b.extend(k);
+        b.extend(ty.to_le_bytes());
+        b.extend(v.to_le_bytes());
+        b
+    }
+
+    /// The alignment is a u32 power of two, as llama.cpp reads it: 0 (a division by zero in
+    /// candle's reader), 3 (every tensor read shifted) or another type is refused.
+    #[test]
+    fn the_alignment_is_a_u32_power_of_two() {
+        assert_eq!(parse(&with_alignment(4, 64)).unwrap().align, 64);
+        for (ty, v, want) in [
+            (4, 0, "general.alignment 0: not a power of two"),
+            (4, 3, "general.alignment 3: not a power of two"),
+            (5, 32, "general.alignment is not a u32"),
+        ] {
+            let e = parse(&with_alignment(ty, v)).err().expect("refused");
+            assert_eq!(e, want);
+        }
     }
 }

@@ -147,6 +147,7 @@ impl Gguf {
         len: u64,
     ) -> Result<Gguf, ModelError> {
         let p = path.display().to_string();
+        let align = header.align;
         let mut content = header
             .into_content()
             .map_err(|reason| ModelError::NotGguf {
@@ -159,6 +160,12 @@ impl Gguf {
         })?;
         check_bounds(&content, &config, &p)?;
         check_tensors(&content, &config, &p)?;
+        let extents = content.tensor_infos.iter().map(|(name, info)| {
+            let d = info.ggml_dtype;
+            let bytes = (info.shape.elem_count() / d.block_size()).saturating_mul(d.type_size());
+            (name.as_str(), info.offset, bytes as u64)
+        });
+        check_extents(&p, align, extents.collect())?;
         let end = data_end(&content);
         if end > len {
             return Err(ModelError::Truncated {
@@ -610,6 +617,35 @@ fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelErro
 
 /// The end of the last tensor's data: the file must be at least this long. Saturating, so a
 /// hostile offset or size reads as "beyond the file" instead of overflowing.
+/// Every tensor's data (name, offset in the data section, bytes) starts at a multiple of the
+/// file's alignment and overlaps no other tensor's, as llama.cpp's reader requires: tensors
+/// that overlap would read one tensor's bytes as another's weights (nonsense served, not an
+/// error).
+pub(crate) fn check_extents(
+    p: &str,
+    align: u64,
+    mut t: Vec<(&str, u64, u64)>,
+) -> Result<(), ModelError> {
+    let bad = |name: &str, reason: String| ModelError::Tensor {
+        path: p.into(),
+        name: name.into(),
+        reason,
+    };
+    t.sort_unstable_by_key(|&(_, at, _)| at);
+    let mut end = (0u64, "");
+    for (name, at, bytes) in t {
+        if !at.is_multiple_of(align) {
+            return Err(bad(name, format!("its data at {at} is not aligned to {align} bytes")));
+        }
+        if at < end.0 {
+            let reason = format!("its data at {at} overlaps `{}`'s, which ends at {}", end.1, end.0);
+            return Err(bad(name, reason));
+        }
+        end = (at.saturating_add(bytes), name);
+    }
+    Ok(())
+}
+
 fn data_end(content: &Content) -> u64 {
     let mut end = 0u64;
     for info in content.tensor_infos.values() {
