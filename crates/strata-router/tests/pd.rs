@@ -174,6 +174,15 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
     .await;
     assert_eq!(st, 200);
 
+    // An empty prompt is named as such.
+    let (st, e) = post(
+        &format!("{}/pd/prefill", prefill.url),
+        &json!({"transfer_id": "00000000000000000000000000000003", "tokens": [],
+                "kv_target": fake_addr}),
+    )
+    .await;
+    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("tokens")), "{e}");
+
     // A decode worker with another page size: the handshake is refused, with the reason.
     let other = worker(&path, 32, true, &[]).await;
     let (st, e) = post(

@@ -196,6 +196,12 @@ fn prefill_request(
         shared_prefix: req.shared_prefix,
         session: req.session,
     };
+    if req.tokens.is_empty() {
+        return Err(ApiError::bad_request(
+            "tokens is empty: a prompt has at least one token",
+            Some("tokens"),
+        ));
+    }
     if req.shared_prefix > req.tokens.len() {
         return Err(ApiError::bad_request(
             format!(
