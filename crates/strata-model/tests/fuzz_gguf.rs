@@ -348,8 +348,16 @@ fn overlapping_or_unaligned_tensor_data_is_refused() {
     let name = "blk.0.ffn_down.weight";
     for (b, dsv4, want) in [
         (moved(valid(), name, |_| 0), false, "overlaps"),
-        (moved(valid(), name, |o| o + 1), false, "is not aligned to 32 bytes"),
-        (moved(valid_dsv4(), "output_norm.weight", |_| 0), true, "overlaps"),
+        (
+            moved(valid(), name, |o| o + 1),
+            false,
+            "is not aligned to 32 bytes",
+        ),
+        (
+            moved(valid_dsv4(), "output_norm.weight", |_| 0),
+            true,
+            "overlaps",
+        ),
     ] {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("f.gguf");

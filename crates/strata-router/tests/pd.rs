@@ -181,7 +181,11 @@ async fn pd_output_equals_one_worker_and_failures_are_clean() {
                 "kv_target": fake_addr}),
     )
     .await;
-    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("tokens")), "{e}");
+    assert_eq!(
+        (st, e["error"]["param"].as_str()),
+        (400, Some("tokens")),
+        "{e}"
+    );
 
     // A decode worker with another page size: the handshake is refused, with the reason.
     let other = worker(&path, 32, true, &[]).await;

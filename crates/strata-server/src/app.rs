@@ -93,12 +93,12 @@ pub fn no_delay(
 }
 
 /// Serves until `signal` resolves; then refuses new requests (503), lets running ones finish
-/// for up to `grace`, aborts the rest and returns. Connections are bounded by `limits`
-/// ([`crate::listen`]).
+/// for up to `grace`, aborts the rest, writes out their answers for up to the grace again
+/// (2 to 30 s) and returns. Connections are bounded by `limits` ([`crate::listen`]).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
-    limits: crate::listen::HttpLimits,
+    mut limits: crate::listen::HttpLimits,
     signal: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
@@ -112,6 +112,10 @@ pub async fn serve(
         );
         let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
     };
+    // Once the engine stopped, what is left is writing answers out (and work before the
+    // engine: a tokenization, a template render): an operator who chose a short grace gets
+    // a short stop.
+    limits.drain = grace.clamp(Duration::from_secs(2), Duration::from_secs(30));
     crate::listen::serve(listener, router(state), (limits, None), stats, stop).await
 }
 

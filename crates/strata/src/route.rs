@@ -317,7 +317,7 @@ fn serve(
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let r = rt.block_on(async move {
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
@@ -342,5 +342,7 @@ fn serve(
         )
         .await?;
         Ok(())
-    })
+    });
+    crate::serve::drop_runtime(rt);
+    r
 }

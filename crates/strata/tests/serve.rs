@@ -112,6 +112,33 @@ fn thread_cpus(pid: u32, name: &str) -> Option<String> {
     None
 }
 
+/// The port of a server's ready line on `err` (its stderr), and what it wrote up to it.
+fn ready_port(err: &mut impl BufRead) -> (u16, String) {
+    let t = Instant::now();
+    let mut log = String::new();
+    loop {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap() == 0 {
+            panic!("serve exited before it was ready:\n{log}");
+        }
+        log.push_str(&line);
+        if let Some(at) = line.find("ready on http://") {
+            let addr = line[at + "ready on http://".len()..]
+                .split_whitespace()
+                .next();
+            let port = addr.and_then(|a| a.rsplit(':').next()).map(|p| {
+                p.trim_end_matches(|c: char| !c.is_ascii_digit())
+                    .parse::<u16>()
+            });
+            match port {
+                Some(Ok(p)) if p != 0 => return (p, log),
+                _ => panic!("no port in the ready line: {line}"),
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "not ready:\n{log}");
+    }
+}
+
 /// Serves the real model with `extra` flags, asks it a question, checks the ranks' pinning
 /// (with `--tp-size`), stops it with SIGTERM.
 fn serve_real_model(extra: &[&str]) {
@@ -132,29 +159,7 @@ fn serve_real_model(extra: &[&str]) {
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut child = Guard(child);
-    let t = Instant::now();
-    let mut log = String::new();
-    let port = loop {
-        let mut line = String::new();
-        if err.read_line(&mut line).unwrap() == 0 {
-            panic!("serve exited before it was ready:\n{log}");
-        }
-        log.push_str(&line);
-        if let Some(at) = line.find("ready on http://") {
-            let addr = line[at + "ready on http://".len()..]
-                .split_whitespace()
-                .next();
-            let port = addr.and_then(|a| a.rsplit(':').next()).map(|p| {
-                p.trim_end_matches(|c: char| !c.is_ascii_digit())
-                    .parse::<u16>()
-            });
-            match port {
-                Some(Ok(p)) if p != 0 => break p,
-                _ => panic!("no port in the ready line: {line}"),
-            }
-        }
-        assert!(t.elapsed() < Duration::from_secs(120), "not ready:\n{log}");
-    };
+    let (port, log) = ready_port(&mut err);
     // The plan was printed before serving.
     assert!(
         log.contains("decided: host tokens per rank ← --hicache-size"),
@@ -292,16 +297,10 @@ fn a_disk_tier_that_holds_no_page_is_refused() {
 #[test]
 fn a_chat_template_that_loops_too_long_is_refused_at_start() {
     let d = tempfile::tempdir().unwrap();
-    let model = d.path().join("tiny.gguf");
-    strata_model::tiny::write_tiny(&model, &strata_model::tiny::TinySpec::default()).unwrap();
-    let mut b = std::fs::read(&model).unwrap();
-    let t = strata_model::tiny::TINY_TEMPLATE.as_bytes();
-    let at = b.windows(t.len()).position(|w| w == t).unwrap();
-    let hostile =
-        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
-    let padded = format!("{hostile:<width$}", width = t.len());
-    b[at..at + t.len()].copy_from_slice(padded.as_bytes());
-    std::fs::write(&model, b).unwrap();
+    let model = with_template(
+        d.path(),
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    );
     let m = model.to_str().unwrap();
     for args in [
         &["serve", "--model", m, "--port", "0"][..],
@@ -325,4 +324,67 @@ fn a_chat_template_that_loops_too_long_is_refused_at_start() {
             "{args:?}: {err}"
         );
     }
+}
+
+/// The tiny model with chat template `src` (no longer than the tiny one's), in `dir`.
+fn with_template(dir: &std::path::Path, src: &str) -> std::path::PathBuf {
+    let model = dir.join("tiny.gguf");
+    strata_model::tiny::write_tiny(&model, &strata_model::tiny::TinySpec::default()).unwrap();
+    let mut b = std::fs::read(&model).unwrap();
+    let t = strata_model::tiny::TINY_TEMPLATE.as_bytes();
+    let at = b.windows(t.len()).position(|w| w == t).unwrap();
+    let padded = format!("{src:<width$}", width = t.len());
+    b[at..at + t.len()].copy_from_slice(padded.as_bytes());
+    std::fs::write(&model, b).unwrap();
+    model
+}
+
+/// SIGTERM stops a worker within its grace and a second, even while a template render (here
+/// one that takes its whole budget: seconds in a debug build) holds a blocking thread: the
+/// runtime does not wait for it.
+#[test]
+fn a_stop_does_not_wait_for_a_render_in_flight() {
+    let d = tempfile::tempdir().unwrap();
+    let slow = "{% for m in messages %}{% for i in range(100000) %}{% endfor %}{% endfor %}";
+    let model = with_template(d.path(), slow);
+    let mut child = strata()
+        .args(["serve", "--port", "0", "--shutdown-grace", "0.1", "--model"])
+        .arg(&model)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut child = Guard(child);
+    let (port, _) = ready_port(&mut err);
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    // 120,000 messages: a budget of 605 million template instructions (tens of seconds in
+    // a debug build).
+    let msgs = vec![r#"{"role":"user","content":"x"}"#; 120_000].join(",");
+    let body = format!(r#"{{"messages":[{msgs}],"max_tokens":1}}"#);
+    std::thread::spawn(move || http(port, "POST", "/v1/chat/completions", &body));
+    std::thread::sleep(Duration::from_millis(1500));
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "still running");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    // The grace (0.1 s), the answers' drain (2 s at least) and the runtime's second.
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "stopped after {:?}",
+        t.elapsed()
+    );
 }

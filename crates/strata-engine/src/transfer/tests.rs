@@ -137,7 +137,10 @@ fn another_protocol_version_is_refused_in_words() {
     let sum = h.digest128().to_le_bytes();
     f[end..].copy_from_slice(&sum);
     c.write_all(&f).unwrap();
-    let want = format!("protocol version {}, this worker speaks {VERSION}", VERSION - 1);
+    let want = format!(
+        "protocol version {}, this worker speaks {VERSION}",
+        VERSION - 1
+    );
     match read_frame(&mut c, HANDSHAKE_MAX_FRAME).unwrap() {
         Frame::Refuse(why) => assert_eq!(why, want),
         f => panic!("{}", f.name()),

@@ -635,10 +635,16 @@ pub(crate) fn check_extents(
     let mut end = (0u64, "");
     for (name, at, bytes) in t {
         if !at.is_multiple_of(align) {
-            return Err(bad(name, format!("its data at {at} is not aligned to {align} bytes")));
+            return Err(bad(
+                name,
+                format!("its data at {at} is not aligned to {align} bytes"),
+            ));
         }
         if at < end.0 {
-            let reason = format!("its data at {at} overlaps `{}`'s, which ends at {}", end.1, end.0);
+            let reason = format!(
+                "its data at {at} overlaps `{}`'s, which ends at {}",
+                end.1, end.0
+            );
             return Err(bad(name, reason));
         }
         end = (at.saturating_add(bytes), name);

@@ -38,6 +38,9 @@ pub struct HttpLimits {
     pub max_connections_per_ip: usize,
     /// Origins whose browsers may call the API (CORS; `*`: any); empty: no CORS headers.
     pub allowed_origins: Vec<String>,
+    /// How long a stopping listener waits for its connections' requests to finish (their
+    /// answers written out; a client that stops reading does not hold the process).
+    pub drain: Duration,
 }
 
 impl HttpLimits {
@@ -52,6 +55,7 @@ impl HttpLimits {
             max_connections: total,
             max_connections_per_ip: (total / 4).max(16),
             allowed_origins: Vec::new(),
+            drain: Duration::from_secs(30),
         }
     }
 }
@@ -232,7 +236,7 @@ pub async fn serve(
         };
         acc.spawner.spawn(stream, peer);
     }
-    let open = acc.spawner.open.clone();
+    let (open, drain) = (acc.spawner.open.clone(), acc.spawner.limits.drain);
     drop(acc);
     let _ = stop_tx.send(true);
     // Requests in progress finish; a client that stops reading does not hold the process.
@@ -245,18 +249,15 @@ pub async fn serve(
             n.await;
         }
     };
-    if tokio::time::timeout(DRAIN, drained).await.is_err() {
+    if tokio::time::timeout(drain, drained).await.is_err() {
         tracing::warn!(
             connections = open.0.load(Ordering::SeqCst),
             "connections still open {} s after the stop: closing them",
-            DRAIN.as_secs()
+            drain.as_secs_f64()
         );
     }
     Ok(())
 }
-
-/// How long a stopping listener waits for its connections' requests to finish.
-const DRAIN: Duration = Duration::from_secs(30);
 
 /// Bytes of request bodies received at once, in all: 256 MiB, or 16 bodies at the limit.
 fn body_budget(body_limit: usize) -> usize {

@@ -74,7 +74,8 @@ pub struct ServeArgs {
     /// route, status, prompt / cached / output tokens, time to first token, duration).
     #[arg(long, help_heading = "Server")]
     pub no_request_log: bool,
-    /// Seconds running requests may take to finish after SIGTERM / Ctrl-C.
+    /// Seconds running requests may take to finish after SIGTERM / Ctrl-C (then their answers
+    /// are written out for as long again, 2 to 30 s, and the process exits).
     #[arg(long, default_value_t = 30.0, help_heading = "Server")]
     pub shutdown_grace: f64,
     /// The deployment's cluster key (a file of ≥ 32 secret bytes, mode 600; `strata up`
@@ -411,7 +412,7 @@ fn serve_until_stopped(
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let r = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(std_listener)
             .with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(url = %format!("http://{addr}"), model = %name, "serving");
@@ -445,7 +446,16 @@ fn serve_until_stopped(
         }
         tracing::info!("stopped");
         Ok(())
-    })
+    });
+    drop_runtime(rt);
+    r
+}
+
+/// Ends a server's runtime once it stopped serving: work still on its blocking threads (a
+/// tokenization, a template render: each bounded, but seconds for the largest body) is not
+/// waited for past a second, so a stop is never longer than the grace by more than that.
+pub fn drop_runtime(rt: tokio::runtime::Runtime) {
+    rt.shutdown_timeout(Duration::from_secs(1));
 }
 
 /// Exit code of a worker whose engine thread died (EX_SOFTWARE): not a configuration error,
