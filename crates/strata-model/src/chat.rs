@@ -39,6 +39,8 @@ pub struct ChatTemplate {
     source: String,
     /// The control tokens its source writes (its turn markers), found once per tokenizer.
     markers: std::sync::OnceLock<TurnMarkers>,
+    /// The [`probes`] it renders.
+    probed: Vec<String>,
 }
 
 /// The control tokens a template writes between turns (`<|im_start|>`, `<|im_end|>`, Llama
@@ -109,19 +111,22 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
-        let t = ChatTemplate {
+        let mut t = ChatTemplate {
             env,
             markers: std::sync::OnceLock::new(),
             source: source.to_string(),
+            probed: Vec::new(),
         };
         for (msgs, open) in probes() {
-            if let Err(ModelError::Template(e)) = t.render(&msgs, open) {
-                if e.starts_with(OUT_OF_FUEL) {
+            match t.render(&msgs, open) {
+                Ok(text) => t.probed.push(text),
+                Err(ModelError::Template(e)) if e.starts_with(OUT_OF_FUEL) => {
                     return Err(ModelError::Template(format!(
                         "{e} (rendering {} short messages): the chat template loops too long",
                         msgs.len()
                     )));
                 }
+                Err(_) => {} // a conversation this template refuses (`probes`)
             }
         }
         Ok(t)
@@ -150,12 +155,8 @@ impl ChatTemplate {
     /// [`probes`]).
     fn markers(&self, tk: &crate::ModelTokenizer) -> &TurnMarkers {
         self.markers.get_or_init(|| {
-            let rendered: Vec<String> = probes()
-                .iter()
-                .filter_map(|(msgs, open)| self.render(msgs, *open).ok())
-                .collect();
             let written =
-                |t: &str| self.source.contains(t) || rendered.iter().any(|r| r.contains(t));
+                |t: &str| self.source.contains(t) || self.probed.iter().any(|r| r.contains(t));
             let texts: Vec<String> = tk
                 .control_texts()
                 .iter()

@@ -112,6 +112,20 @@ fn thread_cpus(pid: u32, name: &str) -> Option<String> {
     None
 }
 
+/// Starts `cmd` (a server) with its stderr piped; once it is ready, the process, its port and
+/// what it wrote until then (the rest of its stderr is drained on a thread).
+fn start_ready(cmd: &mut Command) -> (Guard, u16, String) {
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let child = Guard(child);
+    let (port, log) = ready_port(&mut err);
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (child, port, log)
+}
+
 /// The port of a server's ready line on `err` (its stderr), and what it wrote up to it.
 fn ready_port(err: &mut impl BufRead) -> (u16, String) {
     let t = Instant::now();
@@ -149,26 +163,18 @@ fn serve_real_model(extra: &[&str]) {
         model.display()
     );
     // Port 0: the server binds a port the OS picks and says which (no pick-then-bind race).
-    let mut child = strata()
-        .args(["serve", "--device-mem", "64MiB", "--hicache-size", "128MiB"])
-        .args(extra)
-        .args(["--port", "0", "--model"])
-        .arg(&model)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut child = Guard(child);
-    let (port, log) = ready_port(&mut err);
+    let (mut child, port, log) = start_ready(
+        strata()
+            .args(["serve", "--device-mem", "64MiB", "--hicache-size", "128MiB"])
+            .args(extra)
+            .args(["--port", "0", "--model"])
+            .arg(&model),
+    );
     // The plan was printed before serving.
     assert!(
         log.contains("decided: host tokens per rank ← --hicache-size"),
         "{log}"
     );
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
     let (status, body) = http(
         port,
         "POST",
@@ -347,19 +353,11 @@ fn a_stop_does_not_wait_for_a_render_in_flight() {
     let d = tempfile::tempdir().unwrap();
     let slow = "{% for m in messages %}{% for i in range(100000) %}{% endfor %}{% endfor %}";
     let model = with_template(d.path(), slow);
-    let mut child = strata()
-        .args(["serve", "--port", "0", "--shutdown-grace", "0.1", "--model"])
-        .arg(&model)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut child = Guard(child);
-    let (port, _) = ready_port(&mut err);
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
+    let (mut child, port, _) = start_ready(
+        strata()
+            .args(["serve", "--port", "0", "--shutdown-grace", "0.1", "--model"])
+            .arg(&model),
+    );
     // 120,000 messages: a budget of 605 million template instructions (tens of seconds in
     // a debug build).
     let msgs = vec![r#"{"role":"user","content":"x"}"#; 120_000].join(",");
