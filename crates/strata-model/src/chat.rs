@@ -25,10 +25,13 @@ impl Message {
 /// A template comes from a file (a hostile boundary): nested loops each under minijinja's
 /// own caps (`range` of 100,000, twice: 10^10 steps) would hold a CPU for hours. The 39
 /// templates of llama.cpp's `models/templates` that render plain messages take 94–301
-/// instructions and 35–80 a message (DeepSeek-V4's the most): the allowance is 60 times
-/// that (5 million run in 0.15 s in a debug build).
+/// instructions and 35–80 a message (DeepSeek-V4's the most): the allowance is 12 times
+/// that, and at most 50 million (625,000 of DeepSeek-V4's messages, more than a body holds).
+/// A template that spends it all holds a CPU for 0.13 s (5 million) to 1.3 s (50 million;
+/// docs/BENCHMARKS.md, "Chat templates on a budget").
 const FUEL: u64 = 5_000_000;
-const FUEL_PER_MESSAGE: u64 = 5_000;
+const FUEL_PER_MESSAGE: u64 = 1_000;
+const FUEL_MAX: u64 = 50_000_000;
 
 /// How a render that ran out of instructions is reported.
 const OUT_OF_FUEL: &str = "the chat template ran past its budget of";
@@ -221,7 +224,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
         let mut env = self.env.clone();
-        let fuel = FUEL.saturating_add(FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64));
+        let per_message = FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64);
+        let fuel = FUEL.saturating_add(per_message).min(FUEL_MAX);
         env.set_fuel(Some(fuel));
         let t = env
             .get_template("chat")
@@ -265,7 +269,13 @@ mod tests {
         assert!(t.render(&msgs(4), true).is_ok());
         let e = t.render(&msgs(400), true).unwrap_err().to_string();
         assert!(
-            e.contains("ran past its budget of 7000000 instructions for 400 messages"),
+            e.contains("ran past its budget of 5400000 instructions for 400 messages"),
+            "{e}"
+        );
+        // However long the conversation, at most 50 million.
+        let e = t.render(&msgs(120_000), true).unwrap_err().to_string();
+        assert!(
+            e.contains("budget of 50000000 instructions for 120000 messages"),
             "{e}"
         );
         let t0 = std::time::Instant::now();
