@@ -17,7 +17,7 @@
 * the Grafana dashboards ConfigMap holds exactly deploy/grafana/dashboards/*.json
   (`check.py --write` regenerates it);
 * a worker with a liveness probe has a startup probe of at least 10 minutes (a model loading
-  answers no probe).
+  answers no probe), and a pod's terminationGracePeriodSeconds covers a stop (61 s).
 
 Usage: check.py --strata PATH/TO/strata [--model-dir DIR] [--write]
   (e.g. --strata ./target/release/strata --model-dir ~/.cache/strata/models)
@@ -178,6 +178,10 @@ def check_worker(sts, config, strata, model_dir=None):
     # enough restarts a worker still loading a large model, for ever.
     s = c.get("startupProbe", {})
     waits = s.get("periodSeconds", 10) * s.get("failureThreshold", 3)
+    pod = sts["spec"]["template"]["spec"]
+    if pod.get("terminationGracePeriodSeconds", 30) < 61:
+        fail(f"{name}: terminationGracePeriodSeconds under 61: a worker's stop takes its grace "
+             "(30 s), as long again to write answers out, and a second")
     if "livenessProbe" in c and waits < 600:
         fail(f"{name}: a liveness probe with a startup probe of {waits} s: a large model's "
              "load (minutes) would be restarted; give startupProbe at least 600 s")

@@ -119,13 +119,22 @@ pub fn gate(st: Arc<RouterState>) -> strata_server::listen::Gate {
     })
 }
 
-/// `OPTIONS` with `Origin` and `Access-Control-Request-Method`: what browsers send before a
-/// cross-origin request, never with credentials.
+/// `OPTIONS` with `Origin` and `Access-Control-Request-Method` and no body: what browsers
+/// send before a cross-origin request, never with credentials. (A body would be read, and
+/// held in the listener's budget for bodies, before any key is checked.)
 fn is_preflight(parts: &axum::http::request::Parts) -> bool {
-    use axum::http::header::{ACCESS_CONTROL_REQUEST_METHOD, ORIGIN};
+    use axum::http::header::{
+        ACCESS_CONTROL_REQUEST_METHOD, CONTENT_LENGTH, ORIGIN, TRANSFER_ENCODING,
+    };
+    let h = &parts.headers;
+    let no_body = !h.contains_key(TRANSFER_ENCODING)
+        && h.get_all(CONTENT_LENGTH)
+            .iter()
+            .all(|v| v.as_bytes() == b"0");
     parts.method == axum::http::Method::OPTIONS
-        && parts.headers.contains_key(ORIGIN)
-        && parts.headers.contains_key(ACCESS_CONTROL_REQUEST_METHOD)
+        && h.contains_key(ORIGIN)
+        && h.contains_key(ACCESS_CONTROL_REQUEST_METHOD)
+        && no_body
 }
 
 /// The route label of a path (a bounded set: unknown paths are "other").

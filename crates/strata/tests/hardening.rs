@@ -661,6 +661,16 @@ fn cors_is_off_by_default_and_allows_only_the_listed_origins() {
         );
         let post = with_origin(rp, "POST", "/v1/completions", "https://any.example");
         assert!(post.starts_with("http/1.1 401"), "{post}");
+        // A "preflight" with a body is no preflight: refused on its head, its body unread.
+        let mut s = TcpStream::connect(("127.0.0.1", rp)).unwrap();
+        write!(
+            s,
+            "OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://any.example\r\nAccess-Control-Request-Method: POST\r\nContent-Length: 10\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 401"), "{out}");
     }
     // A router without keys on a non-loopback address says at start that it is open.
     let mut r = start(

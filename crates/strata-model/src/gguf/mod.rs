@@ -615,8 +615,6 @@ fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelErro
     Ok(())
 }
 
-/// The end of the last tensor's data: the file must be at least this long. Saturating, so a
-/// hostile offset or size reads as "beyond the file" instead of overflowing.
 /// Every tensor's data (name, offset in the data section, bytes) starts at a multiple of the
 /// file's alignment and overlaps no other tensor's, as llama.cpp's reader requires: tensors
 /// that overlap would read one tensor's bytes as another's weights (nonsense served, not an
@@ -631,7 +629,8 @@ pub(crate) fn check_extents(
         name: name.into(),
         reason,
     };
-    t.sort_unstable_by_key(|&(_, at, _)| at);
+    // An empty tensor where another's data begins overlaps nothing: it sorts first.
+    t.sort_unstable_by_key(|&(_, at, bytes)| (at, bytes));
     let mut end = (0u64, "");
     for (name, at, bytes) in t {
         if !at.is_multiple_of(align) {
@@ -652,6 +651,8 @@ pub(crate) fn check_extents(
     Ok(())
 }
 
+/// The end of the last tensor's data: the file must be at least this long. Saturating, so a
+/// hostile offset or size reads as "beyond the file" instead of overflowing.
 fn data_end(content: &Content) -> u64 {
     let mut end = 0u64;
     for info in content.tensor_infos.values() {

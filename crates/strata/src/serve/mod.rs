@@ -453,7 +453,8 @@ fn serve_until_stopped(
 
 /// Ends a server's runtime once it stopped serving: work still on its blocking threads (a
 /// tokenization, a template render: each bounded, but seconds for the largest body) is not
-/// waited for past a second, so a stop is never longer than the grace by more than that.
+/// waited for past a second. A worker's stop takes at most its grace, the answers' drain
+/// (the grace again, 2 to 30 s) and that second.
 pub fn drop_runtime(rt: tokio::runtime::Runtime) {
     rt.shutdown_timeout(Duration::from_secs(1));
 }
