@@ -4,7 +4,10 @@
 //! (found by bisecting the budget) and a render's time with and without instruction counting;
 //! then how long a template that spends the whole budget holds a CPU.
 //!
-//! `cargo run --release -p strata-model --example template_budget -- TEMPLATE.jinja ...`
+//! With `--sandbox STRATA` first, also a render's time in this process and through a child of
+//! the `strata` program at that path ([`strata_model::template_sandbox`]), as `strata` renders.
+//!
+//! `cargo run --release -p strata-model --example template_budget -- [--sandbox target/release/strata] TEMPLATE.jinja ...`
 
 use std::time::Instant;
 
@@ -72,7 +75,13 @@ fn main() {
             sources.push(("SmolLM2 (the reference model)".to_string(), t.to_string()));
         }
     }
-    for p in std::env::args().skip(1) {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().is_some_and(|a| a == "--sandbox") {
+        let program = args.get(1).expect("--sandbox STRATA").clone();
+        args.drain(..2);
+        sandboxed(&sources, program.into());
+    }
+    for p in args {
         let src = std::fs::read_to_string(&p).expect("a template file");
         sources.push((p, src));
     }
@@ -129,4 +138,34 @@ fn main() {
         "the same per message, 120,000 messages, refused in {:?}: {e}",
         t0.elapsed()
     );
+}
+
+/// A render's time (best of 5) in this process and through a child of `program`, for the
+/// reference model's template: 16 and 4,096 messages.
+fn sandboxed(sources: &[(String, String)], program: std::path::PathBuf) {
+    let Some((_, src)) = sources.first() else {
+        return;
+    };
+    let here = ChatTemplate::new(src).expect("the template");
+    strata_model::template_sandbox::enable(program);
+    let child = ChatTemplate::new(src).expect("the template, through a child");
+    for (n, reps) in [(16usize, 200), (4096, 5)] {
+        let msgs: Vec<Message> = (0..n)
+            .map(|i| Message::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello there"))
+            .collect();
+        let mut best = [f64::MAX; 2];
+        for _ in 0..5 {
+            for (k, t) in [&here, &child].into_iter().enumerate() {
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    t.render(&msgs, true).expect("renders");
+                }
+                best[k] = best[k].min(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+            }
+        }
+        println!(
+            "{n} messages: in this process {:.1} µs, through a child {:.1} µs",
+            best[0], best[1]
+        );
+    }
 }

@@ -1,12 +1,14 @@
-//! The chat template stored in the GGUF, rendered with a real Jinja engine.
+//! The chat template stored in the GGUF, rendered with a real Jinja engine, on an instruction
+//! budget, in a child process of its own where the program enabled it
+//! ([`crate::template_sandbox`]).
 
 use minijinja::{context, Environment};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::ModelError;
 
 /// One chat message.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Message {
     pub role: String,
     pub content: String,
@@ -33,12 +35,15 @@ const FUEL: u64 = 5_000_000;
 const FUEL_PER_MESSAGE: u64 = 1_000;
 const FUEL_MAX: u64 = 50_000_000;
 
-/// How a render that ran out of instructions is reported.
-const OUT_OF_FUEL: &str = "the chat template ran past its budget of";
+/// How a render that ran past one of its limits (instructions, and in a child process
+/// memory, time, output) is reported.
+pub(crate) const RAN_PAST: &str = "the chat template ran past";
 
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// Where renders run when the program enabled child processes.
+    sandbox: Option<crate::template_sandbox::Sandbox>,
     source: String,
     /// The control tokens its source writes (its turn markers), found once per tokenizer.
     markers: std::sync::OnceLock<TurnMarkers>,
@@ -107,15 +112,13 @@ fn probes() -> Vec<(Vec<Message>, bool)> {
 }
 
 impl ChatTemplate {
-    /// Compiles `source` and renders the [`probes`] with it: a template that runs out of
-    /// instructions on a conversation of a few short messages is refused here, when the
-    /// model is opened, not on a client's request.
+    /// Compiles `source` and renders the [`probes`] with it: a template that runs past a
+    /// limit on a conversation of a few short messages is refused here, when the model is
+    /// opened, not on a client's request.
     pub fn new(source: &str) -> Result<ChatTemplate, ModelError> {
-        let mut env = Environment::new();
-        env.add_template_owned("chat", source.to_string())
-            .map_err(|e| ModelError::Template(e.to_string()))?;
         let mut t = ChatTemplate {
-            env,
+            env: compile(source)?,
+            sandbox: crate::template_sandbox::Sandbox::new(source),
             markers: std::sync::OnceLock::new(),
             source: source.to_string(),
             probed: Vec::new(),
@@ -123,7 +126,7 @@ impl ChatTemplate {
         for (msgs, open) in probes() {
             match t.render(&msgs, open) {
                 Ok(text) => t.probed.push(text),
-                Err(ModelError::Template(e)) if e.starts_with(OUT_OF_FUEL) => {
+                Err(ModelError::Template(e)) if e.starts_with(RAN_PAST) => {
                     return Err(ModelError::Template(format!(
                         "{e} (rendering {} short messages): the chat template loops too long",
                         msgs.len()
@@ -223,22 +226,42 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
-        let mut env = self.env.clone();
-        let per_message = FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64);
-        let fuel = FUEL.saturating_add(per_message).min(FUEL_MAX);
-        env.set_fuel(Some(fuel));
-        let t = env
-            .get_template("chat")
-            .map_err(|e| ModelError::Template(e.to_string()))?;
-        t.render(context! { messages => messages, add_generation_prompt => add_generation_prompt, bos_token => "", eos_token => "" })
-            .map_err(|e| match e.kind() {
-                minijinja::ErrorKind::OutOfFuel => ModelError::Template(format!(
-                    "{OUT_OF_FUEL} {fuel} instructions for {} messages",
-                    messages.len()
-                )),
-                _ => ModelError::Template(e.to_string()),
-            })
+        match &self.sandbox {
+            Some(s) => s.render(messages, add_generation_prompt),
+            None => render_fueled(&self.env, messages, add_generation_prompt),
+        }
     }
+}
+
+/// `source` compiled as the template `chat`.
+pub(crate) fn compile(source: &str) -> Result<Environment<'static>, ModelError> {
+    let mut env = Environment::new();
+    env.add_template_owned("chat", source.to_string())
+        .map_err(|e| ModelError::Template(e.to_string()))?;
+    Ok(env)
+}
+
+/// Renders `messages` with `env`'s template `chat` on the instruction budget.
+pub(crate) fn render_fueled(
+    env: &Environment<'static>,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<String, ModelError> {
+    let mut env = env.clone();
+    let per_message = FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64);
+    let fuel = FUEL.saturating_add(per_message).min(FUEL_MAX);
+    env.set_fuel(Some(fuel));
+    let t = env
+        .get_template("chat")
+        .map_err(|e| ModelError::Template(e.to_string()))?;
+    t.render(context! { messages => messages, add_generation_prompt => add_generation_prompt, bos_token => "", eos_token => "" })
+        .map_err(|e| match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => ModelError::Template(format!(
+                "{RAN_PAST} its budget of {fuel} instructions for {} messages",
+                messages.len()
+            )),
+            _ => ModelError::Template(e.to_string()),
+        })
 }
 
 #[cfg(test)]

@@ -21,8 +21,9 @@
 //!   rank's share of a llama-family model and what its forward pass asks of the other ranks;
 //!   `split_check`: whether a model splits over a number of ranks, from its header
 //!   (`ModelShape::check_tp_split`).
-//! * [`chat`]: the GGUF's chat template, rendered with minijinja; [`error`]: the runtime's
-//!   errors.
+//! * [`chat`]: the GGUF's chat template, rendered with minijinja on an instruction budget;
+//!   [`template_sandbox`]: renders in child processes under a memory limit and a deadline;
+//!   [`error`]: the runtime's errors.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
 //!   compute and memory ceilings; [`scratch`]: what a forward call allocates beside the pools.
 //! * [`tiny`]: small random-weight GGUF files (tests, `strata model tiny`): the llama family,
@@ -43,6 +44,7 @@ pub mod scratch;
 mod seq;
 mod shard;
 mod split_check;
+pub mod template_sandbox;
 #[doc(hidden)]
 pub mod tiny;
 pub mod tokenizer;

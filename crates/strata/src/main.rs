@@ -113,6 +113,14 @@ enum Command {
 }
 
 fn main() {
+    // A chat template renderer (this program, started by itself): nothing else of it runs.
+    let sandbox = strata_model::template_sandbox::CHILD_ARG;
+    if std::env::args_os().nth(1).is_some_and(|a| a == sandbox) {
+        strata_model::template_sandbox::child_main();
+    }
+    // Chat templates render in children of this program under a memory limit and a deadline
+    // (`/proc/self/exe`: still this program after its file is replaced by an upgrade).
+    strata_model::template_sandbox::enable("/proc/self/exe".into());
     let args = argv::join_negative_values(Cli::command(), std::env::args_os().collect());
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,

@@ -395,3 +395,60 @@ fn a_stop_with_a_short_grace_does_not_wait_for_a_client_that_does_not_read() {
     );
     drop(s);
 }
+
+/// Chat templates render in child processes under a memory limit and a deadline: the
+/// instruction budget does not count a built-in filter's work (`range(99999)|sum`) nor a
+/// value's memory (100 MB doubled 9 times). A template that exhausts either with a few
+/// short messages is refused at start; one that does so for a longer conversation fails that
+/// request (a 400 naming the limit) and the worker serves the next.
+#[test]
+fn a_template_past_its_memory_or_time_fails_its_request_not_the_worker() {
+    let d = tempfile::tempdir().unwrap();
+    let double = "{% set n = namespace(s='x' * 100000000) %}{% for i in range(9) %}{% set n.s = n.s ~ n.s %}{% endfor %}";
+    let model = with_template(d.path(), double);
+    let out = strata()
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("the chat template ran past its memory of 1 GiB"),
+        "{err}"
+    );
+
+    let chat = |port: u16, n: usize| {
+        let msgs = vec![r#"{"role":"user","content":"x"}"#; n].join(",");
+        http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            &format!(r#"{{"messages":[{msgs}],"max_tokens":1}}"#),
+        )
+    };
+    let past = [
+        (
+            "{% if messages|length > 4 %}{% set n = namespace(s='x' * 100000000) %}{% for i in range(9) %}{% set n.s = n.s ~ n.s %}{% endfor %}{% endif %}",
+            "the chat template ran past its memory of 1 GiB",
+        ),
+        (
+            "{% if messages|length > 4 %}{% for i in range(99999) %}{{ range(99999)|sum }}{% endfor %}{% endif %}",
+            "the chat template ran past its time of 5 s",
+        ),
+    ];
+    for (when, want) in past {
+        let src = format!("{when}{{% for m in messages %}}{{{{ m['content'] }}}}{{% endfor %}}");
+        let model = with_template(d.path(), &src);
+        let (_w, port, _) = start_ready(
+            strata()
+                .args(["serve", "--port", "0", "--model"])
+                .arg(&model),
+        );
+        let (status, body) = chat(port, 6);
+        assert_eq!(status, 400, "{body}");
+        assert!(body.contains(want), "{body}");
+        let (status, body) = chat(port, 1);
+        assert_eq!(status, 200, "{body}");
+    }
+}
