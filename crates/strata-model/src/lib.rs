@@ -21,8 +21,9 @@
 //!   rank's share of a llama-family model and what its forward pass asks of the other ranks;
 //!   `split_check`: whether a model splits over a number of ranks, from its header
 //!   (`ModelShape::check_tp_split`).
-//! * [`chat`]: the GGUF's chat template, rendered with minijinja on an instruction budget;
-//!   [`template_sandbox`]: renders in child processes under a memory limit and a deadline;
+//! * [`chat`]: the GGUF's chat template (its turn markers, its prompt's tokens); `jinja`: a
+//!   render with minijinja on an instruction budget; [`template_sandbox`]: renders in child
+//!   processes under a memory limit and a deadline;
 //!   [`error`]: the runtime's errors.
 //! * [`fetch`]: the reference model from PyPI, checksum-verified, cached; [`peak`]: measured
 //!   compute and memory ceilings; [`scratch`]: what a forward call allocates beside the pools.
@@ -35,6 +36,7 @@ pub mod deepseek4;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+mod jinja;
 pub mod kvcodec;
 pub mod llama;
 pub mod peak;

@@ -1,5 +1,5 @@
 //! Chat templates rendered in child processes. A template comes from the model file (a hostile
-//! boundary), and the instruction budget of [`crate::chat`] counts template instructions, not
+//! boundary), and the instruction budget of [`crate::jinja`] counts template instructions, not
 //! the work of one built-in filter (`range(100000)|sum` is a few instructions) nor the memory
 //! of a value (a string doubled 40 times is a terabyte). A child renders under an
 //! address-space limit ([`MEMORY`]) and within a deadline ([`DEADLINE`]); one that runs past
@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::chat::{Message, RAN_PAST};
 use crate::error::ModelError;
+use crate::jinja::{Message, RAN_PAST};
 
 /// A child's address space (`RLIMIT_AS`): the program, and a conversation as large as a body
 /// may be (4 MiB by default) rendered many times over.
@@ -227,7 +227,7 @@ pub fn child_main() -> ! {
     };
     let env = String::from_utf8(source)
         .map_err(|e| ModelError::Template(e.to_string()))
-        .and_then(|s| crate::chat::compile(&s));
+        .and_then(|s| crate::jinja::compile(&s));
     let (ask_tx, ask_rx) = std::sync::mpsc::channel::<Vec<u8>>();
     let (answer_tx, answer_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -255,7 +255,7 @@ fn answer(
 ) -> Result<String, String> {
     match (env, serde_json::from_slice::<Ask>(frame)) {
         (Ok(env), Ok(a)) => {
-            crate::chat::render_fueled(env, &a.messages, a.open).map_err(|e| match e {
+            crate::jinja::render_fueled(env, &a.messages, a.open).map_err(|e| match e {
                 ModelError::Template(s) => s,
                 other => other.to_string(),
             })
