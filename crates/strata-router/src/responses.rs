@@ -32,9 +32,11 @@ fn response_id(bytes: &[u8]) -> Option<String> {
         .then(|| id.to_string())
 }
 
-/// The decode worker for a request: the one storing its previous response when known and
-/// healthy, else the router's policy's (without the prompt: the conversation is the worker's).
-fn pick(st: &RouterState, body: &Bytes) -> Option<Arc<Worker>> {
+/// The decode worker for a request: the one storing its previous response when known (Err
+/// naming the response when that worker is down now: another would answer that it stores no
+/// such response, which is false), else the router's policy's (without the prompt: the
+/// conversation is the worker's).
+fn pick(st: &RouterState, body: &Bytes) -> Result<Option<Arc<Worker>>, String> {
     #[derive(serde::Deserialize)]
     struct Previous {
         previous_response_id: Option<String>,
@@ -48,18 +50,17 @@ fn pick(st: &RouterState, body: &Bytes) -> Option<Arc<Worker>> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&id);
-        if let Some(w) = owner.and_then(|u| {
-            st.decode
-                .iter()
-                .find(|w| w.url == u && w.is_healthy())
-                .cloned()
-        }) {
-            return Some(w);
+        if let Some(w) = owner.and_then(|u| st.decode.iter().find(|w| w.url == u).cloned()) {
+            return match w.is_healthy() {
+                true => Ok(Some(w)),
+                false => Err(id),
+            };
         }
     }
-    st.balancer()
+    Ok(st
+        .balancer()
         .pick(&st.decode, None, None)
-        .or_else(|| LeastLoad.pick(&st.decode, None, None))
+        .or_else(|| LeastLoad.pick(&st.decode, None, None)))
 }
 
 pub async fn forward_responses(
@@ -71,13 +72,30 @@ pub async fn forward_responses(
     st.forwarded.fetch_add(1, Ordering::Relaxed);
     // Reading the body is CPU work (up to --body-limit): off the async workers.
     let b = body.clone();
-    let fallback = || LeastLoad.pick(&st.decode, None, None);
-    let Some(w) = crate::forward::off_async(&st, move |st| pick(st, &b), fallback).await else {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "no healthy worker to route to",
-        ));
+    let fallback = || Ok(LeastLoad.pick(&st.decode, None, None));
+    let picked = crate::forward::off_async(&st, move |st| pick(st, &b), fallback).await;
+    let w = match picked {
+        Ok(Some(w)) => w,
+        Ok(None) => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no healthy worker to route to",
+            ))
+        }
+        Err(id) => {
+            return Err(ApiError {
+                retry_after: Some(5),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    format!(
+                        "the worker storing previous response `{id}` is unavailable now: retry, \
+                         or send the whole conversation without previous_response_id"
+                    ),
+                )
+            })
+        }
     };
     let prefill = match st.prefill.is_empty() {
         true => None,

@@ -77,3 +77,40 @@ async fn a_responses_turn_is_prefilled_by_the_prefill_worker_and_continued_on_it
     );
     assert_eq!(decode.state.engine.snapshot().pd_local_prefills, 1);
 }
+
+/// A continuation whose response is stored on a decode worker that is down now is a 503
+/// naming it (retry later), not sent to another worker, which would answer that no such
+/// response is stored; once the worker is back, the continuation goes to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_waits_for_the_worker_storing_its_response() {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_model(d.path());
+    let a = spawn_worker(&path, WorkerSpec::default()).await;
+    let b = spawn_worker(&path, WorkerSpec::default()).await;
+    let st = Arc::new(strata_router::RouterState::new(
+        &[],
+        &[a.url.clone(), b.url.clone()],
+        strata_router::Policy::RoundRobin,
+    ));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    let app = strata_router::router(st.clone());
+    tokio::spawn(async move { axum::serve(l, app).await });
+
+    let (s, first) = post(&format!("{r}/v1/responses"), &turn("hello", None)).await;
+    assert_eq!(s, 200, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+    let owner = st.response_owners.lock().unwrap().get(&id).unwrap();
+    let w = st.decode.iter().find(|w| w.url == owner).unwrap().clone();
+    w.healthy.store(false, Ordering::Relaxed);
+    for _ in 0..2 {
+        let (s, e) = post(&format!("{r}/v1/responses"), &turn("and?", Some(&id))).await;
+        assert_eq!(s, 503, "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(&id), "{e}");
+    }
+    w.healthy.store(true, Ordering::Relaxed);
+    let (s, next) = post(&format!("{r}/v1/responses"), &turn("and?", Some(&id))).await;
+    assert_eq!(s, 200, "{next}");
+}

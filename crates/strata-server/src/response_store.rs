@@ -2,10 +2,12 @@
 //! input and its answer, without its instructions), in memory, bounded in count, bytes and
 //! age (`strata serve --response-store-{max,size,ttl}`). Past a bound the oldest go first; an id that is gone is a 400 naming the field (the
 //! client sends the conversation again). Ids are random (96 bits), so one client cannot
-//! reach another's conversation by guessing.
+//! reach another's conversation by guessing. A conversation is kept as its JSON text (parsed
+//! again when it is continued), so the bytes counted are the bytes held: parsed, a message of
+//! a few bytes of JSON takes hundreds (the bound let a 64 MiB store hold 1.3 GB).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -19,9 +21,13 @@ pub const TTL: Duration = Duration::from_secs(3600);
 
 struct Kept {
     at: Instant,
+    /// What the entry holds: its JSON, its id (twice: the map and the order) and the rest.
     bytes: usize,
-    messages: Arc<Vec<Value>>,
+    json: std::sync::Arc<str>,
 }
+
+/// Bytes an entry holds beside its JSON and its id: the map's slot, the order's, `Kept`.
+const ENTRY: usize = 128;
 
 #[derive(Default)]
 struct Inner {
@@ -57,7 +63,7 @@ impl ResponseStore {
     }
 
     /// The conversation kept under `id`, unless it expired.
-    pub fn get(&self, id: &str) -> Option<Arc<Vec<Value>>> {
+    pub fn get(&self, id: &str) -> Option<Vec<Value>> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let k = g.map.get(id)?;
         if k.at.elapsed() > self.ttl {
@@ -66,13 +72,20 @@ impl ResponseStore {
             g.bytes -= b;
             return None;
         }
-        Some(k.messages.clone())
+        let json = k.json.clone();
+        drop(g);
+        // Written by `put` from values: it parses.
+        serde_json::from_str(&json).ok()
     }
 
     /// Keeps `messages` under `id`; the oldest (and the expired) go past the bounds. A
     /// conversation larger than a quarter of the byte bound is not kept.
     pub fn put(&self, id: &str, messages: Vec<Value>) {
-        let bytes = serde_json::to_vec(&messages).map_or(usize::MAX, |v| v.len());
+        let Ok(json) = serde_json::to_string(&messages) else {
+            return;
+        };
+        drop(messages);
+        let bytes = json.len() + 2 * id.len() + ENTRY;
         if bytes > self.max_bytes / 4 {
             return;
         }
@@ -80,7 +93,7 @@ impl ResponseStore {
         let kept = Kept {
             at: Instant::now(),
             bytes,
-            messages: Arc::new(messages),
+            json: json.into(),
         };
         if let Some(old) = g.map.insert(id.to_string(), kept) {
             g.bytes -= old.bytes;
@@ -163,8 +176,8 @@ mod tests {
         assert_eq!(s.size().0, 3);
         assert_eq!(s.inner.lock().unwrap().evicted, 2);
         assert!(s.get("r0").is_none() && s.get("r1").is_none() && s.get("r4").is_some());
-        let s = ResponseStore::new(100, 200, Duration::from_secs(3600));
-        s.put("big", vec![json!({"content": "x".repeat(100)})]);
+        let s = ResponseStore::new(100, 2000, Duration::from_secs(3600));
+        s.put("big", vec![json!({"content": "x".repeat(600)})]);
         assert!(
             s.get("big").is_none(),
             "over a quarter of the bytes: not kept"
@@ -172,7 +185,8 @@ mod tests {
         for i in 0..20 {
             s.put(&format!("r{i}"), vec![json!({"c": i})]);
         }
-        assert!(s.size().1 <= 200, "{:?}", s.size());
+        assert!(s.size().1 <= 2000, "{:?}", s.size());
+        assert!(s.size().0 > 5, "{:?}", s.size());
         let s = ResponseStore::new(10, 1 << 20, Duration::from_millis(1));
         s.put("a", vec![json!(1)]);
         std::thread::sleep(Duration::from_millis(5));
@@ -188,5 +202,21 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         s.render(&mut crate::metrics::Text::new());
         assert_eq!(s.size(), (0, 0));
+    }
+
+    /// What is counted is what is held: the conversation's JSON text (1,200 empty messages
+    /// are 28 bytes of JSON each; parsed, hundreds), its id and an entry's fixed part; it
+    /// comes back as it went in.
+    #[test]
+    fn a_conversation_is_held_as_its_json() {
+        let s = ResponseStore::default();
+        let msgs = vec![json!({"role": "user", "content": ""}); 1200];
+        let json = serde_json::to_string(&msgs).unwrap();
+        s.put("resp_1", msgs.clone());
+        assert_eq!(s.size(), (1, json.len() + 2 * "resp_1".len() + ENTRY));
+        let g = s.inner.lock().unwrap();
+        assert_eq!(&*g.map["resp_1"].json, json.as_str());
+        drop(g);
+        assert_eq!(s.get("resp_1").unwrap(), msgs);
     }
 }

@@ -228,15 +228,7 @@ fn api_keys(a: &RouteArgs) -> Result<HashSet<String>> {
 /// without end), at most [`API_KEY_FILE_MAX`] bytes, UTF-8.
 fn read_key_file(f: &std::path::Path) -> Result<String> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(f)?;
-    let m = file.metadata()?;
-    if !m.is_file() {
-        bail!("not a regular file");
-    }
+    let file = strata_model::gguf::open_regular(f)?;
     let mut text = String::new();
     file.take(API_KEY_FILE_MAX + 1).read_to_string(&mut text)?;
     if text.len() as u64 > API_KEY_FILE_MAX {

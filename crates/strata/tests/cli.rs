@@ -120,6 +120,14 @@ fn malformed_trace_names_line_and_field() {
         "{}",
         text(&o)
     );
+    // A FIFO is refused at once (it waited for a writer for ever).
+    let fifo = d.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a NUL-terminated path in this test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let o = strata(&["sim", "--trace", fifo.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
 }
 
 #[test]

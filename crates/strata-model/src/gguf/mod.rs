@@ -297,9 +297,10 @@ impl GgufHeader {
     }
 }
 
-/// Opens a model file: a regular file only (opened without blocking, so a FIFO given by
-/// mistake is refused at once, not waited on; a device or a directory is refused by name).
-pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
+/// Opens a file to read (a model, a trace, a key file): a regular file only (opened without
+/// blocking, so a FIFO given by mistake is refused at once, not waited on; a device or a
+/// directory is refused by name).
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)

@@ -60,7 +60,7 @@ pub async fn create(
         })?),
         None => None,
     };
-    let (chat_body, conversation) = convert::to_chat(&req, earlier.as_deref().map(Vec::as_slice))?;
+    let (chat_body, conversation) = convert::to_chat(&req, earlier.as_deref())?;
     let stream = req.stream == Some(true);
     let answer = crate::generation::chat_answer(st.clone(), prefill, chat_body).await;
     let answer = answer.map_err(|e| convert::rename_param(e, req.instructions.is_some()))?;

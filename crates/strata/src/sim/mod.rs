@@ -3,7 +3,6 @@
 pub(crate) mod advice;
 pub(crate) mod windows;
 
-use std::fs::File;
 use std::io::BufReader;
 use std::path::PathBuf;
 
@@ -213,6 +212,15 @@ pub fn run(a: SimArgs) -> Result<()> {
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
+    // Checked before the trace is read (it may take seconds and gigabytes).
+    for &f in &a.fractions {
+        if !(f > 0.0 && f <= 1.0) {
+            bail!(
+                "--fractions: {} is not in (0, 1]",
+                strata_kv::units::shown_number(f)
+            );
+        }
+    }
     let advising = a.advice.advise || !a.advice.compare.is_empty();
     if advising {
         advice_flags(&a)?;
@@ -347,8 +355,9 @@ fn run_windowed(
 /// Reads the trace (block granularity with `--ids-as-tokens`); with the block size in tokens
 /// and the vocabulary the replay uses.
 fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
-    let f =
-        File::open(&a.trace).with_context(|| format!("cannot open trace {}", a.trace.display()))?;
+    // Not waited on if it is a FIFO: a trace is a regular file.
+    let f = strata_model::gguf::open_regular(&a.trace)
+        .with_context(|| format!("cannot open trace {}", a.trace.display()))?;
     let t = read_trace_first(BufReader::new(f), a.block_tokens, a.limit)
         .with_context(|| format!("in {}", a.trace.display()))?;
     if !t.unread_fields.is_empty() {
@@ -568,11 +577,6 @@ fn run_sweep(
     base: &SimConfig,
     ev: &[EvictionPolicy],
 ) -> Result<()> {
-    for &f in &a.fractions {
-        if !(f > 0.0 && f <= 1.0) {
-            bail!("--fractions: {f} is not in (0, 1]");
-        }
-    }
     let pts = sweep::sweep(reqs, base, &a.fractions, ev, |m| info!("{m}"))?;
     println!("miss-ratio curve: {} ({} requests), page size {}, device tier only; hit rates in % of prompt tokens", a.trace.display(), reqs.len(), a.page_size);
     print!("{:>9} {:>12}", "capacity", "tokens");

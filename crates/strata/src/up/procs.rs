@@ -31,6 +31,16 @@ pub(super) struct Proc {
     pub next_restart: Option<Instant>,
     /// When it crashed, within the last [`super::supervise::CRASH_WINDOW`].
     pub crashes: VecDeque<Instant>,
+    /// What its `/health` last said.
+    pub health: Health,
+}
+
+/// What `up` last heard from a serving process's `/health`: when it asked, and since when
+/// no healthy answer came.
+#[derive(Default)]
+pub(super) struct Health {
+    pub asked: Option<Instant>,
+    pub silent_since: Option<Instant>,
 }
 
 impl Proc {
@@ -47,6 +57,7 @@ impl Proc {
             restarts: 0,
             next_restart: None,
             crashes: VecDeque::new(),
+            health: Default::default(),
         })
     }
 

@@ -1,5 +1,7 @@
 //! `strata up` while serving: a process that crashes is restarted with backoff; one that exits
-//! with a configuration error, or crashes too often, stops everything.
+//! with a configuration error, or crashes too often, stops everything. A process that stops
+//! answering `/health` (hung, stopped; a worker whose engine stalled) for [`HUNG_AFTER`] is
+//! killed, and restarted as a crash.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::procs::{reason, spawn, terminate, Proc};
+use super::procs::{reason, spawn, terminate, Health, Proc};
 
 /// Crashes of one process within [`CRASH_WINDOW`] after which `up` gives up.
 const MAX_CRASHES: usize = 5;
@@ -16,6 +18,13 @@ pub(super) const CRASH_WINDOW: Duration = Duration::from_secs(600);
 /// restarting cannot help.
 const CONFIG_EXIT: i32 = 2;
 
+/// How often a serving process's `/health` is asked, and how long it may take to answer.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a process may go without a healthy answer before it is killed (a worker's own
+/// `/health` turns 503 after its scheduler stalled 60 s).
+const HUNG_AFTER: Duration = Duration::from_secs(30);
+
 /// What to do about a process that exited while serving.
 #[derive(Debug, PartialEq, Eq)]
 enum Crash {
@@ -23,10 +32,17 @@ enum Crash {
     GiveUp(String),
 }
 
-/// Exit code 2 is a configuration error: never restarted. Other crashes restart with
-/// exponential backoff (1, 2, 4 … 32 s) until [`MAX_CRASHES`] within [`CRASH_WINDOW`].
-fn on_exit(code: Option<i32>, crashes: &mut VecDeque<Instant>, now: Instant) -> Crash {
-    if code == Some(CONFIG_EXIT) {
+/// Exit code 2 is a configuration error: never restarted, unless the process served before
+/// with the same flags (`restarted`: a restart that found its port taken meanwhile is a
+/// crash, not the configuration's fault). Other crashes restart with exponential backoff (1,
+/// 2, 4 … 32 s) until [`MAX_CRASHES`] within [`CRASH_WINDOW`].
+fn on_exit(
+    code: Option<i32>,
+    restarted: bool,
+    crashes: &mut VecDeque<Instant>,
+    now: Instant,
+) -> Crash {
+    if code == Some(CONFIG_EXIT) && !restarted {
         return Crash::GiveUp(format!(
             "it exited with code {CONFIG_EXIT} (a configuration error): restarting cannot help"
         ));
@@ -67,7 +83,8 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                 if let Some(status) = p.child.try_wait()? {
                     std::thread::sleep(Duration::from_millis(100)); // its last lines
                     let why = reason(&p.out);
-                    match on_exit(status.code(), &mut p.crashes, Instant::now()) {
+                    let restarted = p.restarts > 0;
+                    match on_exit(status.code(), restarted, &mut p.crashes, Instant::now()) {
                         Crash::Restart { after } => {
                             p.restarts += 1;
                             say!(
@@ -84,7 +101,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                                 "strata up: not restarting {}: {because}; stopping everything",
                                 p.name
                             );
-                            let code = if status.code() == Some(CONFIG_EXIT) {
+                            let code = if status.code() == Some(CONFIG_EXIT) && !restarted {
                                 CONFIG_EXIT
                             } else {
                                 1
@@ -99,7 +116,11 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                 p.child = child;
                 p.out = out;
                 p.next_restart = None;
+                p.health = Health::default();
                 say!("strata up: {} restarted (pid {})", p.name, p.child.id());
+            }
+            if p.next_restart.is_none() {
+                watch_health(p);
             }
         }
         if let Some(code) = give_up {
@@ -114,6 +135,62 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
     Ok(())
 }
 
+/// Asks a serving process's `/health` every [`PROBE_EVERY`] (once its ready line came: a
+/// process loading its model answers nothing); one without a healthy answer for
+/// [`HUNG_AFTER`] is killed (the loop then restarts it as a crash). A router's 503 (no
+/// healthy worker pair) is an answer: only a worker's own 503 is unhealthy.
+fn watch_health(p: &mut Proc) {
+    let now = Instant::now();
+    let ready = p
+        .out
+        .lock()
+        .map(|o| o.ready_port.is_some())
+        .unwrap_or(false);
+    if !ready
+        || p.health
+            .asked
+            .is_some_and(|t| now.duration_since(t) < PROBE_EVERY)
+    {
+        return;
+    }
+    p.health.asked = Some(now);
+    let healthy = match health_status(&p.host, p.port) {
+        Some(code) => code < 500 || p.name == "router",
+        None => false,
+    };
+    if healthy {
+        p.health.silent_since = None;
+        return;
+    }
+    let since = *p.health.silent_since.get_or_insert(now);
+    if now.duration_since(since) >= HUNG_AFTER {
+        say!(
+            "strata up: {} has not answered /health healthily for {} s: killing it",
+            p.name,
+            HUNG_AFTER.as_secs()
+        );
+        let _ = p.child.kill();
+        p.health = Health::default();
+    }
+}
+
+/// The status of `GET /health` at `host:port`, or None without an answer in
+/// [`PROBE_TIMEOUT`].
+fn health_status(host: &str, port: u16) -> Option<u16> {
+    use std::io::{Read, Write};
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .ok()?
+        .next()?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).ok()?;
+    s.set_read_timeout(Some(PROBE_TIMEOUT)).ok()?;
+    s.set_write_timeout(Some(PROBE_TIMEOUT)).ok()?;
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: up\r\nconnection: close\r\n\r\n")
+        .ok()?;
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,8 +199,13 @@ mod tests {
     fn a_configuration_error_is_never_restarted() {
         let mut c = VecDeque::new();
         assert!(matches!(
-            on_exit(Some(2), &mut c, Instant::now()),
+            on_exit(Some(2), false, &mut c, Instant::now()),
             Crash::GiveUp(m) if m.contains("configuration error")
+        ));
+        // A restart that finds its port taken meanwhile: a crash, tried again.
+        assert!(matches!(
+            on_exit(Some(2), true, &mut c, Instant::now()),
+            Crash::Restart { .. }
         ));
     }
 
@@ -133,14 +215,14 @@ mod tests {
         let t0 = Instant::now();
         let mut waits = Vec::new();
         for i in 0..MAX_CRASHES - 1 {
-            match on_exit(Some(70), &mut c, t0 + Duration::from_secs(i as u64)) {
+            match on_exit(Some(70), false, &mut c, t0 + Duration::from_secs(i as u64)) {
                 Crash::Restart { after } => waits.push(after.as_secs()),
                 g => panic!("{g:?}"),
             }
         }
         assert_eq!(waits, vec![1, 2, 4, 8]);
         assert!(matches!(
-            on_exit(None, &mut c, t0 + Duration::from_secs(10)),
+            on_exit(None, false, &mut c, t0 + Duration::from_secs(10)),
             Crash::GiveUp(m) if m.contains("5 times")
         ));
         // Crashes spread beyond the window restart again.
@@ -148,7 +230,7 @@ mod tests {
         for i in 0..10u64 {
             let at = t0 + CRASH_WINDOW * i as u32 + Duration::from_secs(i);
             assert!(matches!(
-                on_exit(Some(1), &mut c, at),
+                on_exit(Some(1), false, &mut c, at),
                 Crash::Restart { .. }
             ));
         }

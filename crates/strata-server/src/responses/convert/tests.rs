@@ -137,3 +137,16 @@ fn the_item_cut_by_the_token_limit_is_incomplete() {
         .iter()
         .all(|i| i["status"] == "completed"));
 }
+
+/// A temperature or top_p beyond f32 reaches chat's own check as given (it was read as an
+/// f32, became infinite, was written as `null` and served with the default).
+#[test]
+fn an_out_of_range_sampling_value_reaches_chat_as_given() {
+    for field in ["temperature", "top_p"] {
+        let body = format!(r#"{{"input": "hi", "{field}": 1e39}}"#);
+        let req = parse(body.as_bytes()).unwrap();
+        let (chat, _) = to_chat(&req, None).unwrap();
+        let chat: Value = serde_json::from_slice(&chat).unwrap();
+        assert_eq!(chat[field], json!(1e39), "{field}: {chat}");
+    }
+}
