@@ -205,22 +205,26 @@ fn advice_flags(a: &SimArgs) -> Result<()> {
     Ok(())
 }
 
+/// The block size and the sweep's fractions, checked before the trace is read (it may take
+/// seconds and gigabytes).
+fn check_numbers(a: &SimArgs) -> Result<()> {
+    if a.block_tokens == 0 {
+        bail!("--block-tokens must be at least 1");
+    }
+    for &f in &a.fractions {
+        if !(f > 0.0 && f <= 1.0) {
+            let f = strata_kv::units::shown_number(f);
+            bail!("--fractions: {f} is not in (0, 1]");
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: SimArgs) -> Result<()> {
     let evictions = policies(&a.eviction)?;
     let (bpt, bpt_label) =
         crate::sim::advice::bytes_per_token(&a.advice, a.bytes_per_token, a.page_size)?;
-    if a.block_tokens == 0 {
-        bail!("--block-tokens must be at least 1");
-    }
-    // Checked before the trace is read (it may take seconds and gigabytes).
-    for &f in &a.fractions {
-        if !(f > 0.0 && f <= 1.0) {
-            bail!(
-                "--fractions: {} is not in (0, 1]",
-                strata_kv::units::shown_number(f)
-            );
-        }
-    }
+    check_numbers(&a)?;
     let advising = a.advice.advise || !a.advice.compare.is_empty();
     if advising {
         advice_flags(&a)?;
