@@ -61,7 +61,7 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
     let d = w.d;
     // Decode workers are told the prefill workers' URLs, and the router every worker's; their
     // ports may be 0 until they start, so well-formed URLs stand in here.
-    let stand_in = |i: usize| format!("http://{}:{}", d.host, 1 + i);
+    let stand_in = |i: usize| super::procs::http_url(&d.host, 1 + i as u16);
     let prefill_urls: Vec<String> = (0..d.prefill.len()).map(stand_in).collect();
     let workers: Vec<(&str, String)> = (0..d.prefill.len() + d.decode.len())
         .map(|i| match i < d.prefill.len() {

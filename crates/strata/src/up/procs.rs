@@ -18,6 +18,23 @@ pub(super) struct Output {
     pub ready_port: Option<u16>,
 }
 
+/// The deployment's `host` without the brackets an IPv6 address may be written in (`[::1]`).
+pub(super) fn bare_host(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+/// `http://HOST:PORT` for the deployment's `host`, an IPv6 address in brackets whether or not
+/// the configuration wrote them (`::1` and `[::1]` alike).
+pub(super) fn http_url(host: &str, port: u16) -> String {
+    let h = bare_host(host);
+    match h.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => format!("http://[{h}]:{port}"),
+        Err(_) => format!("http://{h}:{port}"),
+    }
+}
+
 /// One supervised process.
 pub(super) struct Proc {
     pub name: String,
@@ -62,7 +79,7 @@ impl Proc {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}:{}", self.host, self.port)
+        http_url(&self.host, self.port)
     }
 
     /// The port its ready line named, once it came. A process given port 0 adopts it (and is
@@ -262,6 +279,16 @@ fn startup_exit(procs: &mut Vec<Proc>, i: usize, code: Option<i32>) -> ! {
 
 #[cfg(test)]
 mod tests {
+    /// An IPv6 host is bracketed in URLs (`host = "::1"` gave `http://::1:1`, refused) and
+    /// bare where a socket is opened.
+    #[test]
+    fn ipv6_hosts_are_bracketed_in_urls() {
+        assert_eq!(super::http_url("::1", 8), "http://[::1]:8");
+        assert_eq!(super::http_url("[::1]", 8), "http://[::1]:8");
+        assert_eq!(super::http_url("10.0.0.1", 8), "http://10.0.0.1:8");
+        assert_eq!(super::bare_host("[::]"), "::");
+    }
+
     use super::ready_port;
 
     #[test]

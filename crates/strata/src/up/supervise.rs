@@ -178,6 +178,7 @@ fn watch_health(p: &mut Proc) {
 /// [`PROBE_TIMEOUT`].
 fn health_status(host: &str, port: u16) -> Option<u16> {
     use std::io::{Read, Write};
+    let host = super::procs::bare_host(host);
     let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
         .ok()?
         .next()?;
