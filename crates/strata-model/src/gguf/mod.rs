@@ -165,8 +165,8 @@ impl Gguf {
             let bytes = (info.shape.elem_count() / d.block_size()).saturating_mul(d.type_size());
             (name.as_str(), info.offset, bytes as u64)
         });
-        check_extents(&p, align, extents.collect())?;
-        let end = data_end(&content);
+        let data = check_extents(&p, align, extents.collect())?;
+        let end = content.tensor_data_offset.saturating_add(data);
         if end > len {
             return Err(ModelError::Truncated {
                 path: p,
@@ -619,12 +619,13 @@ fn check_tensors(content: &Content, c: &Config, p: &str) -> Result<(), ModelErro
 /// Every tensor's data (name, offset in the data section, bytes) starts at a multiple of the
 /// file's alignment and overlaps no other tensor's, as llama.cpp's reader requires: tensors
 /// that overlap would read one tensor's bytes as another's weights (nonsense served, not an
-/// error).
+/// error). The end of the last tensor's data in the data section (saturating: a hostile
+/// offset or size reads as beyond the file, not as an overflow).
 pub(crate) fn check_extents(
     p: &str,
     align: u64,
     mut t: Vec<(&str, u64, u64)>,
-) -> Result<(), ModelError> {
+) -> Result<u64, ModelError> {
     let bad = |name: &str, reason: String| ModelError::Tensor {
         path: p.into(),
         name: name.into(),
@@ -647,23 +648,8 @@ pub(crate) fn check_extents(
             );
             return Err(bad(name, reason));
         }
+        // Not before the last end (checked above): the last end is the greatest.
         end = (at.saturating_add(bytes), name);
     }
-    Ok(())
-}
-
-/// The end of the last tensor's data: the file must be at least this long. Saturating, so a
-/// hostile offset or size reads as "beyond the file" instead of overflowing.
-fn data_end(content: &Content) -> u64 {
-    let mut end = 0u64;
-    for info in content.tensor_infos.values() {
-        let n = info.shape.elem_count();
-        let bytes = (n / info.ggml_dtype.block_size()).saturating_mul(info.ggml_dtype.type_size());
-        let tensor_end = content
-            .tensor_data_offset
-            .saturating_add(info.offset)
-            .saturating_add(bytes as u64);
-        end = end.max(tensor_end);
-    }
-    end
+    Ok(end.0)
 }

@@ -194,7 +194,7 @@ pub fn run(a: UpArgs) -> Result<()> {
         }
     }
     print_ready(&router_url, &key_file, &procs);
-    supervise::supervise(&rt, procs)
+    supervise::supervise(&rt, &client, procs)
 }
 
 /// The deployment of `--config`, or the embedded one.

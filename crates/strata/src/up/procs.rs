@@ -19,7 +19,7 @@ pub(super) struct Output {
 }
 
 /// The deployment's `host` without the brackets an IPv6 address may be written in (`[::1]`).
-pub(super) fn bare_host(host: &str) -> &str {
+fn bare_host(host: &str) -> &str {
     host.strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host)
@@ -194,13 +194,20 @@ pub fn stop_all<'a>(children: impl IntoIterator<Item = &'a mut Child>, grace: Du
 }
 
 pub async fn healthy(client: &reqwest::Client, url: &str) -> bool {
+    health_status(client, url)
+        .await
+        .is_some_and(|s| (200..300).contains(&s))
+}
+
+/// The status of `GET URL/health`, or None without an answer within 2 s.
+pub(super) async fn health_status(client: &reqwest::Client, url: &str) -> Option<u16> {
     client
         .get(format!("{url}/health"))
         .timeout(Duration::from_secs(2))
         .send()
         .await
-        .map(|r| r.status().is_success())
-        .unwrap_or(false)
+        .map(|r| r.status().as_u16())
+        .ok()
 }
 
 /// The last stderr line that says what went wrong.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::procs::{reason, spawn, terminate, Health, Proc};
+use super::procs::{health_status, reason, spawn, terminate, Health, Proc};
 
 /// Crashes of one process within [`CRASH_WINDOW`] after which `up` gives up.
 const MAX_CRASHES: usize = 5;
@@ -18,9 +18,8 @@ pub(super) const CRASH_WINDOW: Duration = Duration::from_secs(600);
 /// restarting cannot help.
 const CONFIG_EXIT: i32 = 2;
 
-/// How often a serving process's `/health` is asked, and how long it may take to answer.
+/// How often a serving process's `/health` is asked (it may take 2 s to answer).
 const PROBE_EVERY: Duration = Duration::from_secs(5);
-const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a process may go without a healthy answer before it is killed (a worker's own
 /// `/health` turns 503 after its scheduler stalled 60 s).
 const HUNG_AFTER: Duration = Duration::from_secs(30);
@@ -69,7 +68,11 @@ fn on_exit(
 /// Restarts crashed processes with backoff until Ctrl-C / SIGTERM, then stops them all. A
 /// process that exits with a configuration error, or crashes too often, stops everything
 /// with the reason (exit code 2, or 1).
-pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> Result<()> {
+pub(super) fn supervise(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    mut procs: Vec<Proc>,
+) -> Result<()> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s = stop.clone();
     rt.spawn(async move {
@@ -120,7 +123,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
                 say!("strata up: {} restarted (pid {})", p.name, p.child.id());
             }
             if p.next_restart.is_none() {
-                watch_health(p);
+                watch_health(rt, client, p);
             }
         }
         if let Some(code) = give_up {
@@ -139,7 +142,7 @@ pub(super) fn supervise(rt: &tokio::runtime::Runtime, mut procs: Vec<Proc>) -> R
 /// process loading its model answers nothing); one without a healthy answer for
 /// [`HUNG_AFTER`] is killed (the loop then restarts it as a crash). A router's 503 (no
 /// healthy worker pair) is an answer: only a worker's own 503 is unhealthy.
-fn watch_health(p: &mut Proc) {
+fn watch_health(rt: &tokio::runtime::Runtime, client: &reqwest::Client, p: &mut Proc) {
     let now = Instant::now();
     let ready = p
         .out
@@ -154,7 +157,7 @@ fn watch_health(p: &mut Proc) {
         return;
     }
     p.health.asked = Some(now);
-    let healthy = match health_status(&p.host, p.port) {
+    let healthy = match rt.block_on(health_status(client, &p.url())) {
         Some(code) => code < 500 || p.name == "router",
         None => false,
     };
@@ -172,24 +175,6 @@ fn watch_health(p: &mut Proc) {
         let _ = p.child.kill();
         p.health = Health::default();
     }
-}
-
-/// The status of `GET /health` at `host:port`, or None without an answer in
-/// [`PROBE_TIMEOUT`].
-fn health_status(host: &str, port: u16) -> Option<u16> {
-    use std::io::{Read, Write};
-    let host = super::procs::bare_host(host);
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
-        .ok()?
-        .next()?;
-    let mut s = std::net::TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).ok()?;
-    s.set_read_timeout(Some(PROBE_TIMEOUT)).ok()?;
-    s.set_write_timeout(Some(PROBE_TIMEOUT)).ok()?;
-    s.write_all(b"GET /health HTTP/1.1\r\nhost: up\r\nconnection: close\r\n\r\n")
-        .ok()?;
-    let mut head = [0u8; 12];
-    s.read_exact(&mut head).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
 }
 
 #[cfg(test)]
