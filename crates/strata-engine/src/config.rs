@@ -11,6 +11,35 @@ use crate::record::TraceRecorder;
 /// the logits of every such row come back from the call (the memory plan reserves them).
 pub const PROMPT_LOGPROB_ROWS: usize = 256;
 
+/// What a finished request's answer leaves in the prefix cache. A later prompt that extends
+/// it (the next turn of a conversation, an agent's next call) reuses what is cached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheOutputs {
+    /// The answer's positions computed again as prompt rows once it is done (after the
+    /// client has it), then cached: a later prompt reads the K/V a fresh computation of it
+    /// makes, bit for bit, for the cost of a prefill of the answer. Models whose decode
+    /// steps store the prompt rows' bits ([`strata_model::Runtime::decode_rows_differ`])
+    /// cache the answer as computed.
+    Exact,
+    /// The answer cached as its decode steps computed it: no extra work, but a later prompt
+    /// that extends it gets other bits in its last places than an uncached worker's.
+    AsDecoded,
+    /// Prompts only: a later prompt computes the answer again itself.
+    Off,
+}
+
+impl CacheOutputs {
+    /// The flag's value (`--cache-outputs`).
+    pub fn parse(s: &str) -> Option<CacheOutputs> {
+        match s {
+            "exact" => Some(CacheOutputs::Exact),
+            "as-decoded" => Some(CacheOutputs::AsDecoded),
+            "off" => Some(CacheOutputs::Off),
+            _ => None,
+        }
+    }
+}
+
 /// Scheduling limits.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -31,6 +60,8 @@ pub struct EngineConfig {
     /// Reuse cached prefixes. `false` (a baseline for benchmarks): every prompt is computed in
     /// full and nothing joins the tree; hits stay zero and misses count every prompt token.
     pub prefix_cache: bool,
+    /// What a finished request's generated tokens leave in the cache (with `prefix_cache`).
+    pub cache_outputs: CacheOutputs,
     /// A request still waiting for admission after this long is answered
     /// [`crate::FinishReason::QueueTimeout`] (None: it waits as long as it takes).
     pub max_queue_time: Option<Duration>,
@@ -56,6 +87,7 @@ impl Default for EngineConfig {
             model_id: String::new(),
             prefetch: PrefetchPolicy::WaitComplete,
             prefix_cache: true,
+            cache_outputs: CacheOutputs::Exact,
             max_queue_time: None,
             stall_after: Duration::from_secs(60),
             fault_panic_token: None,

@@ -26,7 +26,7 @@ pub mod scheduler;
 mod state;
 pub mod transfer;
 
-pub use config::PROMPT_LOGPROB_ROWS;
+pub use config::{CacheOutputs, PROMPT_LOGPROB_ROWS};
 pub use constraint::{Constraint, ConstraintSource, TokenConstraint, TokenMask};
 pub use handle::{Engine, EngineConfig, EngineHandle, EventLog, Snapshot};
 pub use request::{

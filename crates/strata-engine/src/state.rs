@@ -64,6 +64,9 @@ pub struct Snapshot {
     /// the decode worker during the prefill, not after it).
     pub pd_overlapped_pages: u64,
     pub generated_tokens: u64,
+    /// Generated positions computed again as prompt rows before their answer was cached
+    /// (`CacheOutputs::Exact`).
+    pub settled_tokens: u64,
     pub finished: Finished,
 }
 

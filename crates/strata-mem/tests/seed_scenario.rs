@@ -142,7 +142,7 @@ fn bad_inputs_are_refused_before_anything_else() {
     let mut r = req("prefill", 7, Some(HostBudget::Total(GB)));
     assert_eq!(
         make_plan(&r, &t).unwrap_err().to_string(),
-        "--numa-node 7: no such NUMA node (this machine has 0, 1)"
+        "--numa-node 7: no such NUMA node (this machine's nodes: 0, 1)"
     );
     r.numa = NumaChoice::Node(0);
     r.host = Some(HostBudget::Ratio(f64::NAN));

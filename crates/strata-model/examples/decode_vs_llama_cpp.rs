@@ -80,7 +80,6 @@ fn compare(m: &dyn Runtime, prompts: &[Vec<u32>], text: &str, f32_decode: bool) 
                 pages: &pages,
                 windows: &[],
                 decode: pos > 0,
-                ends_prompt: false,
             };
             m.forward_rows(&pool, &[seq], &[false]).unwrap().remove(0)
         };

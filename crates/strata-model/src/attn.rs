@@ -111,25 +111,51 @@ fn round_trip(dtype: Option<Dtype>, x: &mut [f32], buf: &mut Vec<u8>) {
     crate::kvcodec::decode(d, buf, x);
 }
 
+/// Blocks of positions one job of a gather copies (a context longer than this is copied by
+/// several threads).
+const GATHER_SPAN: usize = 32;
+
 impl SeqKv {
-    /// Gathers positions `0..n` from the K/V planes.
+    /// Gathers positions `0..n` from the K/V planes: spans of [`GATHER_SPAN`] blocks on the
+    /// pool (a copy: the same values however it is split).
     pub fn gather(shape: Shape, kp: Plane, vp: Plane, pages: &[u32], ps: usize, n: usize) -> Self {
+        use rayon::prelude::*;
         let (hd, kvd) = (shape.head_dim, shape.kvd());
         let blocks = n.div_ceil(KB);
         let mut kt = vec![0f32; shape.kv_heads * blocks * hd * KB];
         let mut v = vec![0f32; blocks * KB * kvd];
-        let mut row = vec![0f32; kvd];
-        for t in 0..n {
-            let slot = pages[t / ps] as usize * ps + t % ps;
-            kp.read(slot, kvd, 0, &mut row);
-            let (b, j) = (t / KB, t % KB);
-            for g in 0..shape.kv_heads {
-                let dst = ((g * blocks + b) * hd) * KB + j;
-                for (d, &x) in row[g * hd..(g + 1) * hd].iter().enumerate() {
-                    kt[dst + d * KB] = x;
-                }
+        // Each job's part of every KV head's transposed K, and its part of V.
+        let jobs = blocks.div_ceil(GATHER_SPAN).max(1);
+        let mut ks: Vec<Vec<&mut [f32]>> = (0..jobs).map(|_| Vec::new()).collect();
+        for head in kt.chunks_mut((blocks * hd * KB).max(1)) {
+            for (j, part) in head.chunks_mut(GATHER_SPAN * hd * KB).enumerate() {
+                ks[j].push(part);
             }
-            vp.read(slot, kvd, 0, &mut v[t * kvd..(t + 1) * kvd]);
+        }
+        let span = |(j, (mut k, v)): (usize, (Vec<&mut [f32]>, &mut [f32]))| {
+            let t0 = j * GATHER_SPAN * KB;
+            let mut row = vec![0f32; kvd];
+            for t in t0..n.min(t0 + GATHER_SPAN * KB) {
+                let slot = pages[t / ps] as usize * ps + t % ps;
+                kp.read(slot, kvd, 0, &mut row);
+                let (b, i) = ((t - t0) / KB, t % KB);
+                for (g, kg) in k.iter_mut().enumerate() {
+                    let kg = &mut kg[b * hd * KB..(b + 1) * hd * KB];
+                    for (d, &x) in row[g * hd..(g + 1) * hd].iter().enumerate() {
+                        kg[d * KB + i] = x;
+                    }
+                }
+                vp.read(slot, kvd, 0, &mut v[(t - t0) * kvd..(t - t0 + 1) * kvd]);
+            }
+        };
+        let vs = v.chunks_mut(GATHER_SPAN * KB * kvd);
+        if jobs == 1 {
+            ks.into_iter().zip(vs).enumerate().for_each(span);
+        } else {
+            ks.into_par_iter()
+                .zip(vs.collect::<Vec<_>>())
+                .enumerate()
+                .for_each(span);
         }
         SeqKv {
             kt,
@@ -143,6 +169,37 @@ impl SeqKv {
 /// Attention for a tile of rows of one sequence. `q` holds the tile's rows (`heads * head_dim`
 /// each), `pos` their positions, `out` receives their outputs (same layout as `q`).
 pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32], scale: f32) {
+    if pos.len() == 1 && pos[0] >= LONE_PARALLEL_FROM && shape.kv_heads > 1 {
+        // A lone row over a long context (a prompt's last token after a full prefix hit): its
+        // KV heads on the pool, each computed as the loop computes it (the same bits).
+        use rayon::prelude::*;
+        let part = shape.group() * shape.head_dim;
+        out[..shape.heads * shape.head_dim]
+            .par_chunks_mut(part)
+            .enumerate()
+            .for_each(|(g, o)| {
+                let mut row = vec![0f32; shape.heads * shape.head_dim];
+                tile_heads(shape, kv, q, pos, &mut row, scale, g..g + 1);
+                o.copy_from_slice(&row[g * part..(g + 1) * part]);
+            });
+        return;
+    }
+    tile_heads(shape, kv, q, pos, out, scale, 0..shape.kv_heads)
+}
+
+/// A lone row attending to at least this many positions splits its KV heads over threads.
+const LONE_PARALLEL_FROM: usize = 1024;
+
+/// [`tile`] for the KV heads `heads` (the outputs of their query heads in `out`).
+fn tile_heads(
+    shape: Shape,
+    kv: &SeqKv,
+    q: &[f32],
+    pos: &[usize],
+    out: &mut [f32],
+    scale: f32,
+    heads: std::ops::Range<usize>,
+) {
     let (hd, group) = (shape.head_dim, shape.group());
     let nq = pos.len() * group;
     let pmax = *pos.iter().max().expect("non-empty tile");
@@ -151,7 +208,7 @@ pub fn tile(shape: Shape, kv: &SeqKv, q: &[f32], pos: &[usize], out: &mut [f32],
     let mut m = vec![f32::NEG_INFINITY; nq];
     let mut l = vec![0f32; nq];
     let mut o = vec![0f32; nq * hd];
-    for g in 0..shape.kv_heads {
+    for g in heads {
         scaled_queries(shape, g, q, scale, kv.q_round, &mut qb);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
@@ -511,6 +568,48 @@ mod tests {
 
     /// The tiled kernels against a plain softmax(QKᵀ)V, for odd tiles, positions on and off
     /// block boundaries, and every micro-kernel width.
+    /// A long context is gathered by several jobs, each value where one job would put it; a
+    /// lone row over it (its KV heads on the pool) gets the bits it gets as the last row of a
+    /// tile (computed head after head).
+    #[test]
+    fn a_lone_rows_heads_in_parallel_are_the_tiles_bits() {
+        let shape = Shape {
+            heads: 6,
+            kv_heads: 3,
+            head_dim: 16,
+        };
+        let (kvd, h, ps) = (48, 96, 16usize);
+        let n = LONE_PARALLEL_FROM + 77;
+        let mut seed = 11;
+        let pages: Vec<u32> = (0..n.div_ceil(ps) as u32).collect();
+        let slots = pages.len() * ps;
+        let kp: Vec<f16> = (0..slots * kvd)
+            .map(|_| f16::from_f32(rand(&mut seed) * 4.0))
+            .collect();
+        let vp: Vec<f16> = (0..slots * kvd)
+            .map(|_| f16::from_f32(rand(&mut seed)))
+            .collect();
+        let kv = SeqKv::gather(shape, Plane::F16(&kp), Plane::F16(&vp), &pages, ps, n);
+        // The gather (several spans here, on the pool) put every value where it belongs.
+        let blocks = n.div_ceil(KB);
+        for t in 0..n {
+            let slot = pages[t / ps] as usize * ps + t % ps;
+            for c in 0..kvd {
+                let (g, d) = (c / 16, c % 16);
+                let k = kv.kt[((g * blocks + t / KB) * 16 + d) * KB + t % KB];
+                assert_eq!(k, kp[slot * kvd + c].to_f32(), "K of position {t}");
+                assert_eq!(kv.v[t * kvd + c], vp[slot * kvd + c].to_f32(), "V of {t}");
+            }
+        }
+        let q: Vec<f32> = (0..2 * h).map(|_| rand(&mut seed) * 4.0).collect();
+        let mut two = vec![0f32; 2 * h];
+        tile(shape, &kv, &q, &[n - 2, n - 1], &mut two, 0.25);
+        let mut one = vec![0f32; h];
+        tile(shape, &kv, &q[h..], &[n - 1], &mut one, 0.25);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&one), bits(&two[h..]));
+    }
+
     #[test]
     fn tile_matches_naive_attention() {
         let shape = Shape {

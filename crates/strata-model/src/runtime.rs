@@ -42,6 +42,13 @@ pub trait Runtime: Send + Sync {
     ) -> Result<Option<Vec<u8>>, ModelError> {
         Ok(None)
     }
+    /// Whether a decode step stores other bits for its position's K/V than a prompt row would
+    /// (its products and attention take other kernels): then a later prompt that extends a
+    /// cached answer would read K/V a fresh computation never makes, and the engine computes
+    /// an answer's positions again as prompt rows before caching them
+    /// (`EngineConfig::cache_outputs`). No default: each model says (a wrapper that forgot
+    /// to forward it would cache answers as decoded).
+    fn decode_rows_differ(&self) -> bool;
     /// Computes the sequences' new tokens into their pages; per sequence the logits of its
     /// last token, or (`all[i]`) of every new token, row after row.
     fn forward_rows(
@@ -65,6 +72,9 @@ impl Runtime for Model {
     fn pool_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         Ok(Model::pool_kinds(self))
     }
+    fn decode_rows_differ(&self) -> bool {
+        true
+    }
     fn forward_rows(
         &self,
         pool: &DevicePool,
@@ -87,6 +97,11 @@ impl Runtime for Dsv4 {
     }
     fn pool_kinds(&self, page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         Dsv4::pool_kinds(self, page_size)
+    }
+    /// Its pass never looks at `SeqInput::decode`: a generated position is computed as a
+    /// prompt's would be.
+    fn decode_rows_differ(&self) -> bool {
+        false
     }
     fn forward_rows(
         &self,
@@ -119,6 +134,9 @@ impl<R: Runtime + ?Sized> Runtime for Box<R> {
     }
     fn page_from_wire(&self, ps: usize, blob: &[u8]) -> Result<Option<Vec<u8>>, ModelError> {
         (**self).page_from_wire(ps, blob)
+    }
+    fn decode_rows_differ(&self) -> bool {
+        (**self).decode_rows_differ()
     }
     fn forward_rows(
         &self,

@@ -23,12 +23,10 @@ pub struct SeqInput<'a> {
     /// tokens always take the f32 panel product, which gives a row the same bits whatever
     /// else is in the call, so a prompt's logits (and first token) do not depend on how much
     /// of it was cached or how it was chunked.
+    /// Their attention too: every prompt row takes the tile (a prompt's last token alone after
+    /// a full prefix hit included), so a position's K/V are the same bits whether it ended an
+    /// earlier prompt or sits inside a longer one.
     pub decode: bool,
-    /// The call's last token is the prompt's last (a prompt sequence): its attention takes the
-    /// decode row's path (flash-decoding over the pages, parallel over the context) whether it
-    /// comes alone (a prompt found cached but for it) or at the end of a chunk, so the
-    /// prompt's logits are the same bits either way, and a full prefix hit stays fast.
-    pub ends_prompt: bool,
 }
 
 impl SeqInput<'_> {

@@ -55,7 +55,6 @@ fn paged(
             pages,
             windows,
             decode: false,
-            ends_prompt: false,
         };
         out.extend(m.forward_rows(pool, &[seq], &[true]).unwrap().remove(0));
         at += n;
@@ -105,7 +104,6 @@ fn a_batch_gives_each_sequence_its_own_logits() {
             pages: &pa,
             windows: &pa,
             decode: false,
-            ends_prompt: false,
         },
         SeqInput {
             tokens: &b,
@@ -113,7 +111,6 @@ fn a_batch_gives_each_sequence_its_own_logits() {
             pages: &pb,
             windows: &pb,
             decode: false,
-            ends_prompt: false,
         },
     ];
     let out = m.forward_rows(&pool, &seqs, &[false, true]).unwrap();
@@ -174,7 +171,6 @@ fn a_prefix_moved_through_the_host_layout_resumes_exactly() {
             pages: &moved,
             windows: &moved_w,
             decode: false,
-            ends_prompt: false,
         };
         let got = m.forward_rows(&pool, &[seq], &[true]).unwrap().remove(0);
         assert!(
@@ -220,7 +216,6 @@ fn page_sizes_that_split_a_block_are_refused() {
         pages: &[0],
         windows: &[0],
         decode: false,
-        ends_prompt: false,
     };
     assert!(m.forward_rows(&other, &[seq], &[false]).is_ok());
     assert!(m.forward_rows(&wrong, &[seq], &[false]).is_err());

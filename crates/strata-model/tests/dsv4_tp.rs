@@ -89,7 +89,6 @@ fn rows(
             pages,
             windows: pages,
             decode: n == 1,
-            ends_prompt: false,
         };
         let l = m.forward_rows(pool, &[seq], &[true]).unwrap().remove(0);
         out.extend(l.chunks_exact(v).map(<[f32]>::to_vec));
@@ -206,7 +205,6 @@ fn at_each_tp_size_batches_chunks_and_moved_prefixes_give_the_same_bits() {
                 pages: &pa,
                 windows: &pa,
                 decode: false,
-                ends_prompt: false,
             },
             SeqInput {
                 tokens: &b,
@@ -214,7 +212,6 @@ fn at_each_tp_size_batches_chunks_and_moved_prefixes_give_the_same_bits() {
                 pages: &pb,
                 windows: &pb,
                 decode: false,
-                ends_prompt: false,
             },
         ];
         let out = m.forward_rows(&pool, &seqs, &[false, true]).unwrap();
@@ -314,7 +311,6 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         pages: &pages,
         windows: &pages,
         decode: false,
-        ends_prompt: false,
     };
     let e = two
         .forward_rows(&p, &[seq], &[false])
@@ -340,7 +336,6 @@ fn sizes_the_model_cannot_split_are_refused_by_name() {
         pages: &pages,
         windows: &pages,
         decode: false,
-        ends_prompt: false,
     };
     let e = half
         .forward_rows(&p, &[seq], &[false])

@@ -162,7 +162,6 @@ fn seq_input<'a>(
         pages,
         windows: if windows { pages } else { &[] },
         decode,
-        ends_prompt: false,
     }
 }
 

@@ -52,7 +52,6 @@ fn run(m: &dyn Runtime, pool: &DevicePool, toks: &[u32], pos: usize, pages: &[u3
         pages,
         windows: &[],
         decode: false,
-        ends_prompt: false,
     };
     m.forward_rows(pool, &[seq], &[true]).unwrap().concat()
 }

@@ -197,7 +197,6 @@ fn logits_along(m: &dyn Runtime, prompt: &[u32], answer: &[u32]) -> Vec<Vec<f32>
             pages: &pages,
             windows: &[],
             decode: pos > 0,
-            ends_prompt: false,
         };
         m.forward_rows(&pool, &[seq], &[false]).unwrap().remove(0)
     };

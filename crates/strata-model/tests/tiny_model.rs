@@ -160,8 +160,8 @@ fn cache_equivalence_chunks_and_prefixes() {
 }
 
 /// A prompt's last logits are the same bits whatever was cached before its rest and however
-/// the rest was chunked: any prefix, down to the prompt's last token alone (prompt rows, the
-/// last one marked as the prompt's end, as the engine marks it).
+/// the rest was chunked: any prefix, down to the prompt's last token alone (prompt rows, in
+/// the tile however few).
 #[test]
 fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
     let (_d, _g, m) = load(&TinySpec::default());
@@ -176,7 +176,6 @@ fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
             pages,
             windows: &[],
             decode: false,
-            ends_prompt: pos + tokens.len() == n,
         };
         m.forward(&pl, &[s], false).unwrap().remove(0)
     };
@@ -200,6 +199,46 @@ fn a_prompts_logits_are_the_same_bits_whatever_was_cached() {
         assert!(
             same,
             "{cached} cached: max diff {}",
+            max_diff(&whole, &rest)
+        );
+    }
+}
+
+/// A prompt that extends an earlier, shorter prompt (its K/V cached, the earlier prompt's last
+/// token computed as that prompt's end, alone in its tile when only it was left) gets the bits
+/// of the prompt computed alone: a prompt's last token stores the K/V an inner token would
+/// (it read the pages as a decode row did, and every later layer's K/V of that position
+/// differed).
+#[test]
+fn a_prompt_extending_an_earlier_prompt_gets_the_same_bits() {
+    let (_d, _g, m) = load(&TinySpec::default());
+    let ps = 8;
+    let n = 37;
+    let toks = prompt(n);
+    let pl = pool(&m, ps, 64);
+    let seq = |tokens: &'_ [u32], pos: usize, pages: &'_ [u32]| -> Vec<f32> {
+        let s = SeqInput {
+            tokens,
+            pos,
+            pages,
+            windows: &[],
+            decode: false,
+        };
+        m.forward(&pl, &[s], false).unwrap().remove(0)
+    };
+    let a: Vec<u32> = (0..5).collect();
+    let whole = seq(&toks, 0, &a);
+    for earlier in [1, 8, 16, 20, n - 1] {
+        let b: Vec<u32> = (20..25).collect();
+        seq(&toks[..earlier], 0, &b);
+        let rest = seq(&toks[earlier..], earlier, &b);
+        let same = whole
+            .iter()
+            .zip(&rest)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "an earlier prompt of {earlier}: max diff {}",
             max_diff(&whole, &rest)
         );
     }
@@ -249,7 +288,6 @@ fn batched_decode_and_greedy_continuations_match() {
                 pages: &c_pages,
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             },
             SeqInput {
                 tokens: &q,
@@ -257,7 +295,6 @@ fn batched_decode_and_greedy_continuations_match() {
                 pages: &d_pages,
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             },
         ],
         false,
@@ -273,7 +310,6 @@ fn batched_decode_and_greedy_continuations_match() {
                     pages: &c_pages,
                     windows: &[],
                     decode: true,
-                    ends_prompt: false,
                 },
                 SeqInput {
                     tokens: &[7],
@@ -281,7 +317,6 @@ fn batched_decode_and_greedy_continuations_match() {
                     pages: &d_pages,
                     windows: &[],
                     decode: true,
-                    ends_prompt: false,
                 },
             ],
             false,
@@ -360,7 +395,6 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[0],
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             }],
             false,
         )
@@ -380,7 +414,6 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[0],
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             }],
             false,
         )
@@ -397,7 +430,6 @@ fn bad_forward_inputs_are_errors() {
                 pages: &[99],
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             }],
             false,
         )
@@ -455,7 +487,6 @@ fn attention_groups_do_not_change_a_rows_bits() {
                 pages: &pages[i],
                 windows: &[],
                 decode: i == 2,
-                ends_prompt: i == 3,
             })
             .collect();
         m.forward(&pl, &seqs, true).unwrap()

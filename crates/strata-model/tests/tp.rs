@@ -61,7 +61,6 @@ fn run(m: &dyn Runtime, steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
                 pages: &pages[i],
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             })
             .collect();
         last = m.forward_rows(&pool, &seqs, &[false, false]).unwrap();
@@ -76,7 +75,6 @@ fn run(m: &dyn Runtime, steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
                 pages: &pages[i],
                 windows: &[],
                 decode: true,
-                ends_prompt: false,
             })
             .collect();
         let out = m.forward_rows(&pool, &seqs, &[false, false]).unwrap();
@@ -158,7 +156,6 @@ fn pages_reshard_to_the_whole_model_and_back() {
                 pages: &[0],
                 windows: &[],
                 decode: false,
-                ends_prompt: false,
             };
             r.forward_rows(&pool, &[seq], &[false]).unwrap();
             let mut blob = vec![0u8; pool.layout().page_bytes()];
@@ -212,7 +209,6 @@ fn bad_splits_layouts_and_placements_are_refused() {
         pages: &[0],
         windows: &[],
         decode: false,
-        ends_prompt: false,
     };
     let e = m
         .forward_rows(&wrong, &[seq], &[false])

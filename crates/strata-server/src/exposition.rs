@@ -348,6 +348,7 @@ fn serving(t: &mut Text, st: &AppState, s: &Snapshot) {
         &[],
         s.generated_tokens as f64,
     );
+    t.sample("strata_settled_tokens_total", &[], s.settled_tokens as f64);
     t.histogram("strata_time_to_first_token_seconds", &m.ttft);
     t.histogram("strata_inter_token_latency_seconds", &m.itl);
     t.histogram("strata_request_duration_seconds", &m.e2e);

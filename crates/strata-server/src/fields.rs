@@ -71,16 +71,19 @@ impl Shape {
             (_, Value::Null) | (Shape::Bool, Value::Bool(_)) | (Shape::Str, Value::String(_)) => {
                 true
             }
-            (Shape::Tags, Value::Object(o)) => {
-                o.len() <= 16
-                    && o.iter().all(|(k, v)| {
-                        k.chars().count() <= 64
-                            && v.as_str().is_some_and(|s| s.chars().count() <= 512)
-                    })
-            }
+            (Shape::Tags, Value::Object(o)) => tags_fit(o),
             _ => false,
         }
     }
+}
+
+/// Tags within OpenAI's bounds: at most 16, keys of at most 64 characters, string values of
+/// at most 512 (chat's and the Responses API's `metadata`).
+pub fn tags_fit(o: &serde_json::Map<String, Value>) -> bool {
+    o.len() <= 16
+        && o.iter().all(|(k, v)| {
+            k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512)
+        })
 }
 
 /// What a JSON value is, for an error message (the value itself may be large).

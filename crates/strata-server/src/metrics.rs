@@ -65,6 +65,11 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ("strata_tokens_in_flight", "gauge", "Prompt + max_tokens of accepted unfinished requests."),
     ("strata_cache_copies_in_flight", "gauge", "Copies between cache tiers under way (load-backs, backups to host, L3 writes and prefetches); one that stays high says a tier does not keep up."),
     ("strata_generation_tokens_total", "counter", "Tokens generated."),
+    (
+        "strata_settled_tokens_total",
+        "counter",
+        "Generated positions computed again as prompt rows before their answer was cached (--cache-outputs exact).",
+    ),
     ("strata_time_to_first_token_seconds", "histogram", "Time from receiving a request to its first token."),
     ("strata_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request."),
     ("strata_request_duration_seconds", "histogram", "Time from receiving a request to its last token."),

@@ -188,7 +188,7 @@ impl Scale {
         if n > MAX_REQUEST_TOKENS {
             return Err(format!(
                 "{what} of {n} tokens after the length scale {}: at most {MAX_REQUEST_TOKENS}",
-                self.factor
+                strata_kv::units::shown_number(self.factor)
             ));
         }
         Ok(n)

@@ -326,7 +326,6 @@ fn prefill_and_decode(
             pages: &page_list,
             windows,
             decode: toks.len() == 1 && pos > 0,
-            ends_prompt: false,
         };
         m.forward_rows(&pool, &[seq], &[false])?;
         Ok(())

@@ -9,7 +9,8 @@
 //! * `bench/`: `strata bench`, one file per subcommand and the pieces they share.
 //! * `generate`: `strata model fetch|tiny|bench` and `strata generate`.
 //! * `http_args`: the HTTP listener's bounds, shared by `serve` and `route`; `argv`: the
-//!   command line before clap reads it (a negative value joined to its option).
+//!   command line before clap reads it (a negative value joined to its option); `outputs`: a
+//!   file written when the work is done, checked before it starts.
 
 /// `eprintln!` for processes that keep serving: a stderr nobody reads any more (a closed pipe)
 /// loses the line instead of panicking the thread that said it.
@@ -25,6 +26,7 @@ mod argv;
 mod bench;
 mod generate;
 mod http_args;
+mod outputs;
 mod plan;
 mod route;
 mod serve;

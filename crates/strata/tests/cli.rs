@@ -142,6 +142,28 @@ fn impossible_capacities_and_bad_flags_are_refused() {
         "{}",
         text(&o)
     );
+    // An output that cannot be written is a flag error before the trace is read (it was
+    // found when the sweep was done).
+    for plot in [d.path().to_str().unwrap(), "/nonexistent/dir/plot.svg"] {
+        let o = strata(&[
+            "sim",
+            "--trace",
+            "/nonexistent/trace.jsonl",
+            "--sweep",
+            "--plot",
+            plot,
+        ]);
+        assert_eq!(o.status.code(), Some(2));
+        assert!(
+            text(&o).contains(&format!("--plot {plot}: ")),
+            "{}",
+            text(&o)
+        );
+    }
+    // A tiny scale is shown as written, not as 300 digits.
+    let o = strata(&["sim", "--trace", t, "--length-scale", "1e-300"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("--length-scale 1e-300)"), "{}", text(&o));
     let o = strata(&["sim", "--trace", t, "--device", "0"]);
     assert!(
         text(&o).contains("device capacity of 0 tokens"),

@@ -153,7 +153,7 @@ fn refusals_are_one_line_with_exit_code_2() {
     a.extend(["--hicache-total", "1GB"]);
     let o = strata(&a);
     assert!(
-        err(&o).contains("--numa-node 5: no such NUMA node (this machine has 0, 1)"),
+        err(&o).contains("--numa-node 5: no such NUMA node (this machine's nodes: 0, 1)"),
         "{}",
         err(&o)
     );

@@ -84,6 +84,49 @@ fn a_bad_router_flag_stops_up_before_any_worker_starts() {
     assert!(!text.contains("starting prefill-0"), "{text}");
 }
 
+/// A worker's `--kv-port` is one of the deployment's ports: given twice, or held by another
+/// process, it is refused before any process starts (it was found only when the second
+/// worker could not listen, after the first had started).
+#[test]
+fn a_kv_port_given_twice_or_taken_stops_up_before_any_worker_starts() {
+    let d = tempfile::tempdir().unwrap();
+    let held = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let worker = |kv: u16| {
+        format!(
+            "[[decode]]\nport = 0\nargs = [\"--device-mem\", \"16MiB\", \"--kv-port\", \"{kv}\"]\n"
+        )
+    };
+    let head = "host = \"127.0.0.1\"\nsmoke_test = false\n[router]\nport = 0\n";
+    let cases = [
+        (
+            format!("{head}{}{}", worker(port + 1), worker(port + 1)),
+            format!(
+                "port {} is given to both decode-0's --kv-port and decode-1's --kv-port",
+                port + 1
+            ),
+        ),
+        (
+            format!("{head}{}", worker(port)),
+            format!(
+                "port {port} (decode-0's --kv-port) on 127.0.0.1 is already in use by pid {}",
+                std::process::id()
+            ),
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let cfg = d.path().join(format!("kv{i}.toml"));
+        std::fs::write(&cfg, text).unwrap();
+        let mut up = up(d.path(), &cfg);
+        let status = up.wait_exit(60);
+        let out = up.drain(200);
+        assert_eq!(status.code(), Some(2), "{out}");
+        assert!(out.contains(want.as_str()), "{want}: {out}");
+        assert!(!out.contains("starting decode-0"), "{out}");
+    }
+    drop(held);
+}
+
 /// A worker that fails once started (its L3 directory cannot be made, which no check before
 /// start-up can know) stops everything once, with the worker's own message and exit code.
 #[test]
@@ -273,6 +316,11 @@ args = ["--device-mem", "16MiB", "--fault-panic-token", "7"]
     assert!(text.contains("not restarting decode-0"), "{text}");
     assert!(text.contains("crashed 5 times"), "{text}");
     assert!(text.contains("cannot listen"), "{text}");
+    // A death by signal is said as such, not with the last line the worker logged before it.
+    assert!(
+        text.contains("decode-0 crashed (signal: 9 (SIGKILL)); restart"),
+        "{text}"
+    );
     // Restarted after the engine died, after the kill, and twice more after restarts that
     // could not listen.
     assert_eq!(text.matches("decode-0 restarted").count(), 4, "{text}");

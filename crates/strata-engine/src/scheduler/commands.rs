@@ -98,7 +98,8 @@ impl Scheduler {
         }
         let mut i = 0;
         while i < self.active.len() {
-            if self.active[i].tx.is_closed() {
+            // A settling request's client has its answer and may have gone.
+            if self.active[i].tx.is_closed() && self.active[i].settling.is_none() {
                 let r = self.active.swap_remove(i);
                 self.finish(r, None);
             } else {

@@ -31,6 +31,7 @@ mod imported;
 mod prompt_logprobs;
 mod publish;
 mod remote;
+mod settle;
 
 use constrained::{commit, masks_of};
 use remote::{localize, Remote};
@@ -110,6 +111,9 @@ struct Req {
     constraint: Option<Box<dyn TokenConstraint>>,
     /// The prompt's log probabilities so far (requests that asked for them).
     prompt_lps: Vec<crate::request::TokenLogprobs>,
+    /// Answered: its generated positions are being computed again as prompt rows before they
+    /// are cached and its client is told it is done (`settle.rs`).
+    settling: Option<settle::Settling>,
 }
 
 impl Req {
@@ -142,6 +146,7 @@ impl Req {
             arrived: Instant::now(),
             constraint: r.constraint,
             prompt_lps: Vec::new(),
+            settling: None,
         }
     }
 
@@ -383,7 +388,6 @@ impl Scheduler {
                     pages: r.lease().pages(),
                     windows: r.lease().windows(),
                     decode: at >= r.prompt_len,
-                    ends_prompt: at < r.prompt_len && at + n == r.prompt_len,
                 }
             })
             .collect();
@@ -491,6 +495,10 @@ impl Scheduler {
             if r.computed < r.tokens.len() {
                 continue; // a prefill chunk that did not reach the end of the prompt
             }
+            if r.settling.is_some() {
+                done.push((i, FinishReason::Stop)); // its answer computed again: cached now
+                continue;
+            }
             let mask = match masks[k].take().transpose() {
                 Ok(m) => m,
                 Err(e) => {
@@ -585,6 +593,9 @@ impl Scheduler {
     /// Ends a request: on success its whole pages join the tree; everything else it holds
     /// returns to the pool. `None` = cancelled by the client (no event is sent).
     fn finish(&mut self, mut r: Req, mut reason: Option<FinishReason>) {
+        if let Some(s) = r.settling.take() {
+            return self.settled(r, s, reason);
+        }
         self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if ok && r.export.is_some() && r.running && r.computed >= r.prompt_len {
@@ -596,16 +607,15 @@ impl Scheduler {
             }
         }
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
-        if let Some(lease) = r.lease.take() {
-            if ok && r.running && self.cfg.prefix_cache {
-                self.cache.commit(lease, &r.tokens, r.computed);
-            } else {
-                self.cache.release(lease);
-            }
+        if let Some(reason) = reason.clone().filter(|_| ok && self.settles(&r)) {
+            return self.settle(r, reason);
         }
-        self.shared
-            .tokens_in_flight
-            .fetch_sub(r.budget, Ordering::SeqCst);
+        self.keep(&mut r, ok);
+        self.report(r, reason);
+    }
+
+    /// Counts `r`'s end and tells its client (`Done`; nothing for a cancelled request).
+    fn report(&mut self, r: Req, reason: Option<FinishReason>) {
         let f = &mut self.snap.finished;
         match &reason {
             None => f.cancelled += 1,

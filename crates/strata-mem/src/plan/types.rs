@@ -223,7 +223,7 @@ pub enum PlanError {
         page_size: usize,
         bpt: u64,
     },
-    #[error("--numa-node {node}: no such NUMA node (this machine has {have})")]
+    #[error("--numa-node {node}: no such NUMA node (this machine's nodes: {have})")]
     NoSuchNode { node: u32, have: String },
     #[error("--numa-nodes {0}")]
     RankNodes(String),

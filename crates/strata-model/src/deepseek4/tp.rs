@@ -198,6 +198,10 @@ impl crate::Runtime for Dsv4Tp {
     fn architecture(&self) -> &'static str {
         "deepseek4"
     }
+    /// As one rank's ([`crate::Runtime`] for `Dsv4`).
+    fn decode_rows_differ(&self) -> bool {
+        false
+    }
     fn context_length(&self) -> usize {
         self.config().context
     }

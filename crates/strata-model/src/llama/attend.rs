@@ -87,11 +87,11 @@ impl Model {
             while r0 < n_rows {
                 let si = rows[first + r0].0;
                 let s = &seqs[si];
-                // A decode step's row, and the prompt's last token, read the pages alone.
+                // A decode step's row reads the pages alone; every prompt row (its last token
+                // too, alone after a full prefix hit) takes the tile, so a position's K/V are
+                // the same bits whether or not it ended an earlier prompt.
                 let last = s.pos + s.tokens.len() - 1;
-                let alone = |r: usize| {
-                    rows[first + r].1 == last && (s.ends_prompt || gathered[si].is_none())
-                };
+                let alone = |r: usize| rows[first + r].1 == last && gathered[si].is_none();
                 let mut r1 = r0 + 1;
                 while r1 < n_rows
                     && r1 - r0 < attn::TILE_ROWS
@@ -140,17 +140,12 @@ fn contexts(seqs: &[SeqInput], rows: &[(usize, usize)]) -> Vec<usize> {
     ctx
 }
 
-/// Whether a sequence has rows for the tile: every row but a decode step's single row and the
-/// prompt's last token ([`SeqInput::ends_prompt`]), which read the pages directly (so a
-/// prompt's last token is computed the same way alone, after a cache hit, as at the end of a
-/// chunk).
+/// Whether a sequence has rows for the tile: every row but a decode step's single row, which
+/// reads the pages directly. Prompt rows always do, however few: a row's bits, and so the K/V
+/// later layers store for its position, are the tile's whether it is a prompt's last token,
+/// alone after a full prefix hit, or inside a longer prompt that extends it.
 fn tiled(s: &SeqInput) -> bool {
-    let n = match s.decode {
-        true if s.tokens.len() == 1 => 0,
-        true => s.tokens.len(),
-        false => s.tokens.len() - usize::from(s.ends_prompt),
-    };
-    n > 0
+    !(s.decode && s.tokens.len() == 1)
 }
 
 /// Bytes of a sequence's gathered K/V over `n` positions.
@@ -248,7 +243,6 @@ mod tests {
             pages: &[],
             windows: &[],
             decode,
-            ends_prompt: false,
         };
         // Two prefills that fit together; a third over the budget with them, and a decode row
         // (nothing gathered) with it; one larger than the budget, alone.

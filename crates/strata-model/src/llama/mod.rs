@@ -321,7 +321,6 @@ impl Model {
             pages,
             windows: &[],
             decode,
-            ends_prompt: false,
         };
         let mut v = self.forward(pool, &[seq], all_logits)?;
         Ok(v.remove(0))

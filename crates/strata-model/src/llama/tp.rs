@@ -209,6 +209,9 @@ impl crate::Runtime for TpModel {
     fn pool_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         Ok(self.models.iter().flat_map(|m| m.pool_kinds()).collect())
     }
+    fn decode_rows_differ(&self) -> bool {
+        true
+    }
     fn wire_kinds(&self, _page_size: usize) -> Result<Vec<PoolKind>, ModelError> {
         let c = &self.config;
         let (k, v) = self.models[0].kv_dtypes();

@@ -318,12 +318,14 @@ pub fn to_chat(
             "truncation",
         ));
     }
-    if req
-        .metadata
-        .as_ref()
-        .is_some_and(|m| m.len() > 16 || m.values().any(|v| !v.is_string()))
-    {
-        return Err(bad("metadata: at most 16 string values", "metadata"));
+    if let Some(m) = &req.metadata {
+        if !crate::fields::tags_fit(m) {
+            return Err(bad(
+                "metadata: at most 16 string values, keys of at most 64 characters, values \
+                 of at most 512",
+                "metadata",
+            ));
+        }
     }
     let mut conversation: Vec<Value> = earlier.map(<[Value]>::to_vec).unwrap_or_default();
     match &req.input {

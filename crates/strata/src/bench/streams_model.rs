@@ -103,7 +103,6 @@ pub fn run(
         pages: &pages[s],
         windows: &[],
         decode,
-        ends_prompt: false,
     };
     let t = Instant::now();
     for group in (0..most).collect::<Vec<_>>().chunks(8) {

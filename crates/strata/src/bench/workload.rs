@@ -203,6 +203,9 @@ pub async fn run(a: WorkloadArgs) -> Result<()> {
         let shown = strata_kv::units::shown_url(&a.url);
         bail!("--url `{shown}`: expected http://HOST:PORT");
     }
+    if let Some(path) = &a.json {
+        crate::outputs::check_writable("--json", path)?;
+    }
     let p = Arc::new(prepare(&a.w)?);
     let c = client()?;
     let before = if a.metrics_url.is_empty() {

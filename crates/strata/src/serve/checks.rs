@@ -475,15 +475,20 @@ pub(super) fn idle_flags(a: &ServeArgs) -> Vec<String> {
             listens,
         ),
         ("--kv-deadline", a.kv_deadline != d.kv_deadline, pd),
+        (
+            "--cache-outputs",
+            a.cache_outputs != d.cache_outputs,
+            role != "prefill",
+        ),
     ];
     flags
         .iter()
         .filter(|f| f.1 && !f.2)
         .map(|f| {
-            let applies = if f.0 == "--kv-deadline" {
-                "PD roles (prefill, decode, both)"
-            } else {
-                "the roles that receive K/V (decode, both)"
+            let applies = match f.0 {
+                "--kv-deadline" => "PD roles (prefill, decode, both)",
+                "--cache-outputs" => "the roles that decode answers (server, decode, both)",
+                _ => "the roles that receive K/V (decode, both)",
             };
             format!(
                 "{} does nothing on a {role} worker: it applies to {applies}; ignored",
@@ -507,6 +512,10 @@ mod tests {
     fn flags_a_role_does_not_use_are_named() {
         let kv = ["--kv-staging", "2GiB", "--prefill-worker", "http://p:1"];
         let both: Vec<&str> = kv.iter().copied().chain(["--kv-deadline", "5"]).collect();
+        let answers = idle(&["--role", "prefill", "--cache-outputs", "off"]);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert!(answers[0].starts_with("--cache-outputs does nothing on a prefill worker"));
+        assert!(idle(&["--role", "decode", "--cache-outputs", "off"]).is_empty());
         let on = |role: &str| {
             let mut a = vec!["--role", role];
             a.extend(&both);

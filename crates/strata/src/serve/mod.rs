@@ -173,6 +173,14 @@ pub struct ServeArgs {
     /// pools are still allocated as planned).
     #[arg(long, help_heading = "Cache")]
     pub disable_prefix_cache: bool,
+    /// What a finished answer leaves in the cache for a later prompt that extends it (a
+    /// conversation's next turn): `exact` computes its positions again as prompt rows once
+    /// the client has it, then caches them (a later prompt's answer is the same bits as an
+    /// uncached worker's; costs a prefill of each answer, `strata_settled_tokens_total`);
+    /// `as-decoded` caches them as the decode steps computed them (no extra work; the later
+    /// answer differs from an uncached worker's in its last bits); `off` caches prompts only.
+    #[arg(long, default_value = "exact", value_parser = cache_outputs, help_heading = "Cache")]
+    pub cache_outputs: strata_engine::CacheOutputs,
     /// Threads copying pages between tiers.
     #[arg(long, default_value_t = 1, help_heading = "Cache")]
     pub copy_threads: usize,
@@ -244,6 +252,11 @@ pub fn write_policy(s: &str) -> Result<WritePolicy, String> {
         "expected write_through, write_through_selective[:N] (N: hits, default 2) or write_back"
             .to_string()
     })
+}
+
+/// `--cache-outputs`: what [`strata_engine::CacheOutputs::parse`] accepts.
+fn cache_outputs(s: &str) -> Result<strata_engine::CacheOutputs, String> {
+    strata_engine::CacheOutputs::parse(s).ok_or_else(|| "expected exact, as-decoded or off".into())
 }
 
 /// Phase one of [`run`] for `strata up`, before it starts any process: the flags checked and
@@ -386,6 +399,7 @@ fn engine_config(
         model_id: model_id(path),
         prefetch,
         prefix_cache: !a.disable_prefix_cache,
+        cache_outputs: a.cache_outputs,
         max_queue_time: (a.max_queue_time > 0.0).then(|| Duration::from_secs_f64(a.max_queue_time)),
         fault_panic_token: a.fault_panic_token,
         ..EngineConfig::default()

@@ -205,8 +205,8 @@ fn advice_flags(a: &SimArgs) -> Result<()> {
     Ok(())
 }
 
-/// The block size and the sweep's fractions, checked before the trace is read (it may take
-/// seconds and gigabytes).
+/// The block size, the sweep's fractions and the plot's path, checked before the trace is
+/// read (it may take seconds and gigabytes) and the sweep run.
 fn check_numbers(a: &SimArgs) -> Result<()> {
     if a.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
@@ -216,6 +216,9 @@ fn check_numbers(a: &SimArgs) -> Result<()> {
             let f = strata_kv::units::shown_number(f);
             bail!("--fractions: {f} is not in (0, 1]");
         }
+    }
+    if a.sweep || a.advice.advise {
+        crate::outputs::check_writable("--plot", &a.plot)?;
     }
     Ok(())
 }
@@ -401,7 +404,7 @@ fn load_trace(a: &SimArgs) -> Result<(Vec<TraceRequest>, usize, u32)> {
             "--page-size {} must divide the block of {block_tokens} tokens (--block-tokens {} × --length-scale {})",
             a.page_size,
             a.block_tokens,
-            a.length_scale
+            strata_kv::units::shown_number(a.length_scale)
         );
     }
     let pages = most_tokens(&reqs, a.page_size) / a.page_size.max(1) as u64;
@@ -427,7 +430,7 @@ fn scale_like_bench(a: &SimArgs, reqs: &mut [TraceRequest]) -> Result<usize> {
     if !(a.length_scale > 0.0 && a.length_scale <= 1000.0) {
         bail!(
             "--length-scale {}: expected a number in (0, 1000]",
-            a.length_scale
+            strata_kv::units::shown_number(a.length_scale)
         );
     }
     if a.max_tokens == Some(0) {

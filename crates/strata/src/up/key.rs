@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 /// The deployment's state directory: the one given (`--state-dir`, or `state_dir` in the
 /// file), else `$XDG_STATE_HOME/strata/up/HOST_PORT` (`~/.local/state/...`), named by the
@@ -12,6 +12,9 @@ use anyhow::{Context, Result};
 /// port 0 has no stable address: that run gets a directory of its own (`HOST_0-PID`).
 pub(super) fn state_dir(given: Option<&Path>, host: &str, router_port: u16) -> Result<PathBuf> {
     if let Some(d) = given {
+        if d.exists() && !d.is_dir() {
+            bail!("--state-dir {}: not a directory", d.display());
+        }
         return Ok(d.to_path_buf());
     }
     let base = std::env::var_os("XDG_STATE_HOME")
@@ -145,5 +148,10 @@ mod tests {
         assert_eq!(state_dir(Some(given), "h", 1).unwrap(), given);
         let any = state_dir(None, "::", 0).unwrap();
         assert!(any.to_string_lossy().contains("--_0-"), "{}", any.display());
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let e = state_dir(Some(file.path()), "h", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with(": not a directory"), "{e}");
     }
 }

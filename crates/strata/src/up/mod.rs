@@ -237,12 +237,7 @@ fn load_deployment(a: &UpArgs) -> Result<Deployment> {
             );
         }
     }
-    let ports = d.ports();
-    for (i, (who, p)) in ports.iter().enumerate() {
-        if let Some((other, _)) = ports[..i].iter().find(|(_, q)| *q == *p && *p != 0) {
-            bail!("{what}: port {p} is given to both {other} and {who}");
-        }
-    }
+    ports::distinct(&what, &d.ports())?;
     Ok(d)
 }
 

@@ -5,6 +5,17 @@ use std::net::TcpListener;
 
 use anyhow::{bail, Result};
 
+/// No nonzero port given to two of `ports` (each named by who wants it); the error names
+/// `what` (the deployment file), the port and both.
+pub(super) fn distinct(what: &str, ports: &[(String, u16)]) -> Result<()> {
+    for (i, (who, p)) in ports.iter().enumerate() {
+        if let Some((other, _)) = ports[..i].iter().find(|(_, q)| *q == *p && *p != 0) {
+            bail!("{what}: port {p} is given to both {other} and {who}");
+        }
+    }
+    Ok(())
+}
+
 /// Binds each nonzero port on `host` (and lets go at once); the first one in use is an error
 /// naming it, who in the deployment wanted it, and the process listening on it.
 pub(super) fn check_free(host: &str, ports: &[(String, u16)]) -> Result<()> {

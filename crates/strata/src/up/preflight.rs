@@ -76,11 +76,17 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
         .a_client_key();
     let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reserve = 0u64;
+    // Every port the deployment's processes listen on: HTTP, and the KV listeners a worker's
+    // args fix (`--kv-port`; 0, any free one, unless given).
+    let mut listens = d.ports();
     for (role, list) in [("prefill", &d.prefill), ("decode", &d.decode)] {
         for (i, spec) in list.iter().enumerate() {
             let name = format!("{role}-{i}");
             let urls: &[String] = if role == "decode" { &prefill_urls } else { &[] };
             let s = parse::<Serve>(&name, "strata serve", w.args(role, spec, urls))?;
+            if s.a.sizing.role.receives_kv() && s.a.kv_port != 0 {
+                listens.push((format!("{name}'s --kv-port"), s.a.kv_port));
+            }
             let (plan, needed) = crate::serve::preflight(&s.a).with_context(|| name.clone())?;
             let nodes = &plan.numa.nodes;
             // Each worker holds its own copy of the weights (and its own staging and stores):
@@ -94,6 +100,9 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
             reserve = reserve.max(plan.numa.reserve_bytes.saturating_sub(weights));
         }
     }
+    super::ports::distinct("the deployment", &listens)?;
+    let kv = &listens[d.ports().len()..];
+    super::ports::check_free(&d.host, kv)?;
     let topo = strata_mem::Topology::detect().context("reading this machine's NUMA nodes")?;
     fits(&topo, &per_node, reserve)?;
     Ok(client_key)

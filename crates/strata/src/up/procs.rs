@@ -210,16 +210,23 @@ pub(super) async fn health_status(client: &reqwest::Client, url: &str) -> Option
         .ok()
 }
 
-/// The last stderr line that says what went wrong.
-pub(super) fn reason(out: &Mutex<Output>) -> String {
+/// What a process that exited said went wrong, as `: LINE`: its last stderr line that begins
+/// with `error` or tells of a panic; without one, its last line when it exited with a code
+/// (`coded`), nothing when a signal ended it (its last line is only what it logged before,
+/// a request served or its ready line).
+pub(super) fn reason(out: &Mutex<Output>, coded: bool) -> String {
     let q = out.lock().expect("output lock");
-    q.tail
+    let said = q
+        .tail
         .iter()
         .rev()
-        .find(|l| l.starts_with("error"))
-        .or(q.tail.back())
-        .cloned()
-        .unwrap_or_else(|| "(no output)".into())
+        .find(|l| l.starts_with("error") || l.contains("panicked at"))
+        .or(q.tail.back().filter(|_| coded));
+    match said {
+        Some(l) => format!(": {l}"),
+        None if coded => ": (no output)".into(),
+        None => String::new(),
+    }
 }
 
 /// Waits until every process from `procs[first..]` has said it is ready on its own port and
@@ -266,7 +273,7 @@ pub(super) fn wait_healthy(
 fn startup_exit(procs: &mut Vec<Proc>, i: usize, code: Option<i32>) -> ! {
     std::thread::sleep(Duration::from_millis(100)); // let its last lines arrive
     let p = &procs[i];
-    let mut why = reason(&p.out);
+    let mut why = reason(&p.out, code.is_some());
     if why.contains("in use") && p.port != 0 {
         if let Some((pid, cmd)) = super::ports::holder(p.port) {
             why = format!("{why} (port {} is held by pid {pid}: {cmd})", p.port);
@@ -274,7 +281,7 @@ fn startup_exit(procs: &mut Vec<Proc>, i: usize, code: Option<i32>) -> ! {
     }
     let code = code.filter(|&c| c != 0).unwrap_or(1);
     say!(
-        "strata up: {} exited during start-up (exit code {code}): {why}",
+        "strata up: {} exited during start-up (exit code {code}){why}",
         p.name
     );
     say!("strata up: stopping everything; nothing is restarted after a start-up failure");

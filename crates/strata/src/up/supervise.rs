@@ -85,13 +85,13 @@ pub(super) fn supervise(
             if p.next_restart.is_none() {
                 if let Some(status) = p.child.try_wait()? {
                     std::thread::sleep(Duration::from_millis(100)); // its last lines
-                    let why = reason(&p.out);
+                    let why = reason(&p.out, status.code().is_some());
                     let restarted = p.restarts > 0;
                     match on_exit(status.code(), restarted, &mut p.crashes, Instant::now()) {
                         Crash::Restart { after } => {
                             p.restarts += 1;
                             say!(
-                                "strata up: {} crashed ({status}: {why}); restart #{} in {} s",
+                                "strata up: {} crashed ({status}{why}); restart #{} in {} s",
                                 p.name,
                                 p.restarts,
                                 after.as_secs()
@@ -99,7 +99,7 @@ pub(super) fn supervise(
                             p.next_restart = Some(Instant::now() + after);
                         }
                         Crash::GiveUp(because) => {
-                            say!("strata up: {} exited ({status}): {why}", p.name);
+                            say!("strata up: {} exited ({status}){why}", p.name);
                             say!(
                                 "strata up: not restarting {}: {because}; stopping everything",
                                 p.name

@@ -150,3 +150,25 @@ fn an_out_of_range_sampling_value_reaches_chat_as_given() {
         assert_eq!(chat[field], json!(1e39), "{field}: {chat}");
     }
 }
+
+/// `metadata` has chat's bounds: 16 tags, keys of 64 characters, values of 512 (a 3 MB value
+/// was accepted and echoed).
+#[test]
+fn metadata_past_openais_bounds_is_refused() {
+    let long = "v".repeat(513);
+    let key = "k".repeat(65);
+    for body in [
+        format!(r#"{{"input": "hi", "metadata": {{"a": "{long}"}}}}"#),
+        format!(r#"{{"input": "hi", "metadata": {{"{key}": "v"}}}}"#),
+        r#"{"input": "hi", "metadata": {"a": 1}}"#.to_string(),
+    ] {
+        let e = chat_of(&body).unwrap_err().body();
+        assert_eq!(e["error"]["param"], "metadata", "{e}");
+    }
+    let fits = format!(
+        r#"{{"input": "hi", "metadata": {{"{}": "{}"}}}}"#,
+        &key[1..],
+        &long[1..]
+    );
+    chat_of(&fits).unwrap();
+}
