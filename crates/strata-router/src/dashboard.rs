@@ -62,8 +62,7 @@ async fn watch(state: Arc<RouterState>, w: Arc<Worker>, every: Duration) {
                 }
             }
         }
-        let was = w.healthy.swap(ok, Ordering::Relaxed);
-        if was != ok {
+        if w.checked(ok) {
             if ok {
                 tracing::info!(worker = %w.url, "worker up");
             } else {

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -216,6 +217,47 @@ async fn relay(
 }
 
 /// The decode worker did not answer within `--request-timeout`: counted, logged, the 504.
+/// Waits for a worker's answer to begin: at most `--request-timeout`, and no longer than the
+/// worker keeps failing its health checks ([`give_up_after`]): hung or stopped, it would
+/// hold its clients for the whole timeout (30 minutes by default).
+pub(crate) async fn answer_of(
+    st: &RouterState,
+    d: &Worker,
+    sending: impl std::future::Future<Output = reqwest::Result<reqwest::Response>>,
+) -> Result<reqwest::Result<reqwest::Response>, ApiError> {
+    let after = give_up_after(st);
+    let failing = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if d.failing_for().is_some_and(|t| t >= after) {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        sent = tokio::time::timeout(st.request_timeout, sending) => {
+            sent.map_err(|_| timed_out(st, d))
+        }
+        _ = failing => {
+            st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
+            d.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(decode = %d.url, "the worker failed its health checks for {} s; its request is given up", after.as_secs());
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                format!("the worker answering this request failed its health checks for {} s (hung or stopped); send it again", after.as_secs()),
+            ))
+        }
+    }
+}
+
+/// How long a worker fails its health checks before the answers it owes are given up: three
+/// checks, and at least 10 s (a worker's `/health` fails after its engine stalled for a minute,
+/// or when it is stopped or hung; a blip is not a verdict).
+pub(crate) fn give_up_after(st: &RouterState) -> Duration {
+    (st.health_every * 3).max(Duration::from_secs(10))
+}
+
 pub(crate) fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
     st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
     d.failures.fetch_add(1, Ordering::Relaxed);
@@ -299,10 +341,8 @@ async fn forward(
         let guard = InFlight::start(both);
         st.front.added.observe(arrived.elapsed().as_secs_f64());
         let d = &pair.decode;
-        let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
-            // Not retried: the worker may still be computing it.
-            return Err(timed_out(&st, d));
-        };
+        // Not retried: the worker may still be computing it.
+        let sent = answer_of(&st, d, sending).await?;
         match sent {
             // The worker refused the router itself (the router sends no client credentials:
             // another cluster key, or a worker --api-key): never the client's error.

@@ -108,9 +108,7 @@ pub async fn forward_responses(
     let path = "/v1/responses";
     let sending = crate::forward::send_to(&st, &w, prefill.as_deref(), path, &body, rid);
     let guard = InFlight::start(std::iter::once(w.clone()).chain(prefill.clone()).collect());
-    let Ok(sent) = tokio::time::timeout(st.request_timeout, sending).await else {
-        return Err(crate::forward::timed_out(&st, &w));
-    };
+    let sent = crate::forward::answer_of(&st, &w, sending).await?;
     let r = match sent {
         Ok(r) => r,
         Err(e) => {

@@ -9,6 +9,10 @@ pub struct Worker {
     /// Its place in the router's cache index.
     pub slot: usize,
     pub healthy: AtomicBool,
+    /// Unix milliseconds of the first of the health checks it has failed in a row (0: its
+    /// last check passed). Only the checks set it: a refused connection marks a worker down
+    /// for routing, not for giving up on the answers it owes.
+    failing_since_ms: AtomicU64,
     /// Unix milliseconds of the last successful scrape of its `/metrics` (0: never).
     pub last_seen_ms: AtomicU64,
     pub in_flight: AtomicUsize,
@@ -27,6 +31,7 @@ impl Worker {
             url: url.trim_end_matches('/').to_string(),
             slot,
             healthy: AtomicBool::new(true),
+            failing_since_ms: AtomicU64::new(0),
             last_seen_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
@@ -36,6 +41,28 @@ impl Worker {
 
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Records a health check's verdict; whether it changed the worker's state.
+    pub fn checked(&self, ok: bool) -> bool {
+        let was = self.healthy.swap(ok, Ordering::Relaxed);
+        if ok {
+            self.failing_since_ms.store(0, Ordering::Relaxed);
+        } else if self.failing_since_ms.load(Ordering::Relaxed) == 0 {
+            let now = strata_server::auth::now_ms().max(1);
+            self.failing_since_ms.store(now, Ordering::Relaxed);
+        }
+        was != ok
+    }
+
+    /// How long it has failed its health checks in a row (None: its last one passed).
+    pub fn failing_for(&self) -> Option<std::time::Duration> {
+        match self.failing_since_ms.load(Ordering::Relaxed) {
+            0 => None,
+            t => Some(std::time::Duration::from_millis(
+                strata_server::auth::now_ms().saturating_sub(t),
+            )),
+        }
     }
 
     pub fn load(&self) -> usize {

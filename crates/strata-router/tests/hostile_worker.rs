@@ -385,3 +385,64 @@ async fn a_stalled_worker_does_not_hold_up_the_others_index_updates() {
     }
     assert_eq!(index.footprint().pages, 5);
 }
+
+/// A worker that stops passing its health checks (stopped, hung, its engine stalled) while it
+/// owes an answer: the client gets a 503 once it has failed them for 10 s, not after
+/// --request-timeout (30 minutes by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_owed_by_a_worker_failing_its_health_checks_is_given_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stalled = Arc::new(AtomicBool::new(false));
+    let (s1, s2) = (stalled.clone(), stalled.clone());
+    let app = axum::Router::new()
+        .route(
+            "/health",
+            get(move || {
+                let s = s1.clone();
+                async move {
+                    match s.load(Ordering::SeqCst) {
+                        true => axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        false => axum::http::StatusCode::OK,
+                    }
+                }
+            }),
+        )
+        .route(
+            "/v1/completions",
+            post(move || {
+                let s = s2.clone();
+                async move {
+                    s.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    "{}"
+                }
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let w = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let mut st = RouterState::new(&[], std::slice::from_ref(&w), Policy::RoundRobin);
+    st.request_timeout = Duration::from_secs(600);
+    let every = Duration::from_millis(200);
+    st.health_every = every;
+    let st = Arc::new(st);
+    tokio::spawn(strata_router::health_loop(st.clone(), every));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let r = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, router(st)).await });
+    let t = std::time::Instant::now();
+    let a = reqwest::Client::new()
+        .post(format!("{r}/v1/completions"))
+        .json(&serde_json::json!({"prompt": "x", "max_tokens": 1}))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status().as_u16(), 503);
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_secs(10), "{waited:?}");
+    assert!(waited < Duration::from_secs(60), "{waited:?}");
+    let e: Value = a.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("failed its health checks for 10 s"), "{msg}");
+}

@@ -42,7 +42,9 @@ pub struct RouteArgs {
     /// at 1 worker, 1.8 million at 8).
     #[arg(long, help_heading = "Workers")]
     pub cache_index_memory: Option<String>,
-    /// Seconds between health checks of every worker.
+    /// Seconds between health checks of every worker. A worker that fails them for three
+    /// intervals, and at least 10 s (stopped, hung, its engine stalled), has the answers it
+    /// owes given up: their clients get a 503 instead of waiting --request-timeout.
     #[arg(long, default_value_t = 1.0, help_heading = "Workers")]
     pub health_interval: f64,
     /// Seconds a worker's answer stream may stay silent before the router ends the client's
