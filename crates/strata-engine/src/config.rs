@@ -15,9 +15,10 @@ pub const PROMPT_LOGPROB_ROWS: usize = 256;
 /// it (the next turn of a conversation, an agent's next call) reuses what is cached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheOutputs {
-    /// The answer's positions computed again as prompt rows once it is done (after the
-    /// client has it), then cached: a later prompt reads the K/V a fresh computation of it
-    /// makes, bit for bit, for the cost of a prefill of the answer. Models whose decode
+    /// The answer's positions computed again as prompt rows once its last token is chosen,
+    /// then cached, then its client told it is done (`Done` waits for that prefill): a later
+    /// prompt reads the K/V a fresh computation of it makes, bit for bit, for the cost of a
+    /// prefill of the answer. Models whose decode
     /// steps store the prompt rows' bits ([`strata_model::Runtime::decode_rows_differ`])
     /// cache the answer as computed.
     Exact,

@@ -12,9 +12,15 @@ use common::*;
 
 /// Runs `p` to its end: its tokens, the log probability of each, and its cached tokens.
 fn turn(e: &EngineHandle, p: &[u32], n: usize) -> (Vec<u32>, Vec<u32>, usize) {
+    turn_with(e, p, greedy(n))
+}
+
+/// [`turn`] with `params` (log probabilities asked for); `Done` names the request's own
+/// prompt and answer, not the positions computed again.
+fn turn_with(e: &EngineHandle, p: &[u32], params: SamplingParams) -> (Vec<u32>, Vec<u32>, usize) {
     let params = SamplingParams {
         logprobs: Some(0),
-        ..greedy(n)
+        ..params
     };
     let mut s = e.submit(p.to_vec(), params).unwrap();
     let (mut toks, mut lps, mut cached) = (Vec::new(), Vec::new(), 0);
@@ -23,7 +29,14 @@ fn turn(e: &EngineHandle, p: &[u32], n: usize) -> (Vec<u32>, Vec<u32>, usize) {
             Event::Admitted { cached: c } => cached = c.total(),
             Event::Token(t) => toks.push(t),
             Event::Logprobs(l) => lps.push(l.logprob.to_bits()),
-            Event::Done { .. } => break,
+            Event::Done {
+                prompt_tokens,
+                completion_tokens,
+                ..
+            } => {
+                assert_eq!((prompt_tokens, completion_tokens), (p.len(), toks.len()));
+                break;
+            }
             _ => {}
         }
     }
@@ -84,4 +97,69 @@ fn the_next_turn_over_a_cached_answer_is_the_uncached_bits_only_when_settled() {
     let ((_, lps, cached), _) = conversation(CacheOutputs::Off);
     assert_eq!(cached, 32, "the prompt's whole pages only");
     assert_eq!(lps, fresh.1);
+}
+
+/// An answer ended by a stop token (every generated position has K/V: all are computed
+/// again), and one whose client left before `Done` (computed again and cached all the same):
+/// the next turn over either is the uncached bits.
+#[test]
+fn a_stopped_answer_and_one_whose_client_left_are_settled_too() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let fresh = start(
+        &path,
+        64,
+        64,
+        None,
+        EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    );
+    let e = start(&path, 64, 64, None, EngineConfig::default());
+    let p = prompt(37, 2);
+    let (long, _, _) = turn(&fresh, &p, 30);
+    let stop = long[12];
+    let params = SamplingParams {
+        stop_token_ids: vec![stop],
+        ..greedy(30)
+    };
+    let (answer, _, _) = turn_with(&e, &p, params.clone());
+    assert_eq!(turn_with(&fresh, &p, params).0, answer);
+    assert!(answer.len() <= 12 && !answer.contains(&stop), "{answer:?}");
+    assert_eq!(e.snapshot().settled_tokens, answer.len() as u64);
+    let mut next = p.clone();
+    next.extend(&answer);
+    next.extend(prompt(9, 4));
+    let (toks, lps, cached) = turn(&e, &next, 8);
+    assert_eq!(cached, (p.len() + answer.len()) / 16 * 16);
+    assert_eq!((toks, lps), {
+        let (t, l, _) = turn(&fresh, &next, 8);
+        (t, l)
+    });
+    // A client that leaves after its last token, before `Done`.
+    let q = prompt(41, 9);
+    let before = e.snapshot().settled_tokens;
+    let mut s = e.submit(q.clone(), greedy(20)).unwrap();
+    let mut answer = Vec::new();
+    while answer.len() < 20 {
+        if let Some(Event::Token(t)) = s.events.blocking_recv() {
+            answer.push(t);
+        }
+    }
+    drop(s);
+    let t = std::time::Instant::now();
+    while e.snapshot().settled_tokens < before + 19 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the answer was never settled"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut next = q.clone();
+    next.extend(&answer);
+    let (_, _, cached) = turn(&e, &next, 4);
+    assert_eq!(cached, (q.len() + 19) / 16 * 16);
+    e.shutdown(Duration::from_secs(5));
+    fresh.shutdown(Duration::from_secs(5));
 }

@@ -231,9 +231,12 @@ impl PageLayout {
 
     /// 16 bytes naming this layout (page size, kinds, their dtypes), without the model: what
     /// every L3 page header carries, so a page written for another layout is told apart from
-    /// ours.
+    /// ours. Its version also names how the K/V were computed: v2 since every prompt row takes
+    /// the attention tile and answers are cached as prompt rows (stop 73), so a disk L3 kept
+    /// from an earlier build, whose pages hold other bits for the same tokens, is refused as
+    /// another layout rather than read.
     pub fn tag(&self) -> [u8; 16] {
-        let mut h = blake3::Hasher::new_derive_key("strata 2026 page layout v1");
+        let mut h = blake3::Hasher::new_derive_key("strata 2026 page layout v2");
         self.hash_into(&mut h);
         let mut out = [0u8; 16];
         out.copy_from_slice(&h.finalize().as_bytes()[..16]);

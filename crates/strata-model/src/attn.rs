@@ -566,8 +566,6 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
-    /// The tiled kernels against a plain softmax(QKᵀ)V, for odd tiles, positions on and off
-    /// block boundaries, and every micro-kernel width.
     /// A long context is gathered by several jobs, each value where one job would put it; a
     /// lone row over it (its KV heads on the pool) gets the bits it gets as the last row of a
     /// tile (computed head after head).
@@ -610,6 +608,8 @@ mod tests {
         assert_eq!(bits(&one), bits(&two[h..]));
     }
 
+    /// The tiled kernels against a plain softmax(QKᵀ)V, for odd tiles, positions on and off
+    /// block boundaries, and every micro-kernel width.
     #[test]
     fn tile_matches_naive_attention() {
         let shape = Shape {

@@ -72,7 +72,7 @@ pub const CATALOGUE: &[(&str, &str, &str)] = &[
     ),
     ("strata_time_to_first_token_seconds", "histogram", "Time from receiving a request to its first token."),
     ("strata_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request."),
-    ("strata_request_duration_seconds", "histogram", "Time from receiving a request to its last token."),
+    ("strata_request_duration_seconds", "histogram", "Time from receiving a request to its end (with --cache-outputs exact, after its answer was computed again for the cache)."),
     ("strata_response_store_responses", "gauge", "Responses kept for /v1/responses' previous_response_id (bounded by --response-store-max, --response-store-size and --response-store-ttl)."),
     ("strata_response_store_bytes", "gauge", "Bytes of the conversations kept for previous_response_id (their JSON)."),
     ("strata_response_store_evictions_total", "counter", "Responses dropped before their time to keep the store within its bounds (their next turn is a 400: the client sends the conversation again)."),

@@ -1,38 +1,42 @@
 //! A file a command writes when its work is done (`sim --plot`, `bench workload --json`),
 //! checked before the work starts: a path that cannot be written is a flag error in a
-//! fraction of a second, not the end of a sweep that ran for minutes. Nothing is written or
-//! truncated by the check.
+//! fraction of a second, not the end of a sweep that ran for minutes. The check touches
+//! nothing: it asks the kernel whether this user may write there (`access(2)`).
 
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use anyhow::{bail, Result};
 
-/// `path` (the value of `flag`) can be written: an existing regular file this user may open
-/// for writing (not truncated here), or a new name in an existing directory (made and removed
-/// again, to learn that it may be).
+/// `path` (the value of `flag`) can be written: anything but a directory that this user may
+/// write (a file, `/dev/stdout`, a pipe), or a new name in a directory this user may write.
 pub fn check_writable(flag: &str, path: &Path) -> Result<()> {
     let shown = path.display();
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => bail!("{flag} {shown}: not a regular file"),
-        Ok(_) => match std::fs::OpenOptions::new().append(true).open(path) {
-            Ok(_) => Ok(()),
-            Err(e) => bail!("{flag} {shown}: cannot write it: {e}"),
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(path)
-            {
-                Ok(_) => {
-                    let _ = std::fs::remove_file(path);
-                    Ok(())
-                }
-                Err(e) => bail!("{flag} {shown}: cannot create it: {e}"),
-            }
-        }
-        Err(e) => bail!("{flag} {shown}: {e}"),
+    if path.is_dir() {
+        bail!("{flag} {shown}: a directory, not a file");
     }
+    // An existing file (through its links), or else the directory a new one goes in.
+    let target = match std::fs::metadata(path) {
+        Ok(_) => path.to_path_buf(),
+        Err(_) => {
+            let parent = match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            if !parent.is_dir() {
+                bail!("{flag} {shown}: {} is not a directory", parent.display());
+            }
+            parent.to_path_buf()
+        }
+    };
+    let c = CString::new(target.as_os_str().as_bytes())?;
+    // SAFETY: access(2) on a NUL-terminated path; it reads the path and nothing else.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
+        let e = std::io::Error::last_os_error();
+        bail!("{flag} {shown}: cannot write {}: {e}", target.display());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -40,18 +44,20 @@ mod tests {
     use super::check_writable;
 
     #[test]
-    fn a_directory_or_a_missing_directory_is_refused_and_nothing_is_left_behind() {
+    fn a_directory_or_a_missing_directory_is_refused_and_nothing_is_touched() {
         let d = tempfile::tempdir().unwrap();
         let e = check_writable("--plot", d.path()).unwrap_err().to_string();
-        assert!(e.ends_with("not a regular file"), "{e}");
+        assert!(e.ends_with("a directory, not a file"), "{e}");
         let missing = d.path().join("no/such/dir/plot.svg");
         let e = check_writable("--plot", &missing).unwrap_err().to_string();
-        assert!(e.contains("cannot create it"), "{e}");
+        assert!(e.contains("is not a directory"), "{e}");
         let fresh = d.path().join("plot.svg");
         check_writable("--plot", &fresh).unwrap();
-        assert!(!fresh.exists(), "the check left a file behind");
+        assert!(!fresh.exists(), "the check made a file");
         std::fs::write(&fresh, "kept").unwrap();
         check_writable("--plot", &fresh).unwrap();
         assert_eq!(std::fs::read_to_string(&fresh).unwrap(), "kept");
+        // Not regular files, but written as before.
+        check_writable("--json", std::path::Path::new("/dev/null")).unwrap();
     }
 }

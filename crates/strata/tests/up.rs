@@ -92,6 +92,8 @@ fn a_kv_port_given_twice_or_taken_stops_up_before_any_worker_starts() {
     let d = tempfile::tempdir().unwrap();
     let held = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port();
+    // Any port for the pair given twice (refused before anything binds it).
+    let twice = port.checked_add(1).unwrap_or(port - 1);
     let worker = |kv: u16| {
         format!(
             "[[decode]]\nport = 0\nargs = [\"--device-mem\", \"16MiB\", \"--kv-port\", \"{kv}\"]\n"
@@ -100,11 +102,8 @@ fn a_kv_port_given_twice_or_taken_stops_up_before_any_worker_starts() {
     let head = "host = \"127.0.0.1\"\nsmoke_test = false\n[router]\nport = 0\n";
     let cases = [
         (
-            format!("{head}{}{}", worker(port + 1), worker(port + 1)),
-            format!(
-                "port {} is given to both decode-0's --kv-port and decode-1's --kv-port",
-                port + 1
-            ),
+            format!("{head}{}{}", worker(twice), worker(twice)),
+            format!("port {twice} is given to both decode-0's --kv-port and decode-1's --kv-port"),
         ),
         (
             format!("{head}{}", worker(port)),

@@ -458,7 +458,19 @@ impl Scheduler {
         }
         // Rows whose every logits come back (prompt log probabilities): at most ROWS a step.
         let mut rows = prompt_logprobs::ROWS;
-        for (i, r) in self.active.iter().enumerate() {
+        // Prompts first, then answers computed again (`settle.rs`) with what is left: a
+        // waiting client's first token before a finished answer's caching.
+        let prompts = self
+            .active
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.settling.is_none());
+        let settling = self
+            .active
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.settling.is_some());
+        for (i, r) in prompts.chain(settling) {
             if r.running && r.computed < r.prompt_len && budget > 0 {
                 let mut n = (r.prompt_len - r.computed).min(budget);
                 if prompt_logprobs::wants_rows(r, r.computed) {
@@ -596,7 +608,6 @@ impl Scheduler {
         if let Some(s) = r.settling.take() {
             return self.settled(r, s, reason);
         }
-        self.progress += 1;
         let ok = matches!(reason, Some(FinishReason::Stop | FinishReason::Length));
         if ok && r.export.is_some() && r.running && r.computed >= r.prompt_len {
             match self.export_rest(&mut r) {
@@ -610,6 +621,7 @@ impl Scheduler {
         if let Some(reason) = reason.clone().filter(|_| ok && self.settles(&r)) {
             return self.settle(r, reason);
         }
+        self.progress += 1;
         self.keep(&mut r, ok);
         self.report(r, reason);
     }

@@ -25,12 +25,16 @@ pub(super) struct Settling {
 
 impl Scheduler {
     /// Whether `r`, answered, computes its answer again before it is cached.
+    /// Not once shutdown has begun (the work would be aborted with the rest), nor for a
+    /// request with window pages: its positions cannot be computed twice (no model with window
+    /// kinds says its decode rows differ).
     pub(super) fn settles(&self, r: &Req) -> bool {
         r.running
+            && self.deadline.is_none()
             && self.cfg.prefix_cache
             && self.cfg.cache_outputs == CacheOutputs::Exact
             && r.computed > r.prompt_len
-            && r.lease.is_some()
+            && r.lease.as_ref().is_some_and(|l| l.windows().is_empty())
             && self.model.decode_rows_differ()
     }
 

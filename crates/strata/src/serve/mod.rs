@@ -174,11 +174,13 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Cache")]
     pub disable_prefix_cache: bool,
     /// What a finished answer leaves in the cache for a later prompt that extends it (a
-    /// conversation's next turn): `exact` computes its positions again as prompt rows once
-    /// the client has it, then caches them (a later prompt's answer is the same bits as an
-    /// uncached worker's; costs a prefill of each answer, `strata_settled_tokens_total`);
-    /// `as-decoded` caches them as the decode steps computed them (no extra work; the later
-    /// answer differs from an uncached worker's in its last bits); `off` caches prompts only.
+    /// conversation's next turn): `exact` computes its positions again as prompt rows once its
+    /// last token is chosen and caches them before telling the client it is done (a later
+    /// prompt's answer is the same bits as an uncached worker's; costs a prefill of each
+    /// answer, which its end, usage and a non-streamed body wait for;
+    /// `strata_settled_tokens_total`); `as-decoded` caches them as the decode steps computed
+    /// them (no extra work; the later answer differs from an uncached worker's in its last
+    /// bits); `off` caches prompts only.
     #[arg(long, default_value = "exact", value_parser = cache_outputs, help_heading = "Cache")]
     pub cache_outputs: strata_engine::CacheOutputs,
     /// Threads copying pages between tiers.

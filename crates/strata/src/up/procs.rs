@@ -210,18 +210,18 @@ pub(super) async fn health_status(client: &reqwest::Client, url: &str) -> Option
         .ok()
 }
 
-/// What a process that exited said went wrong, as `: LINE`: its last stderr line that begins
-/// with `error` or tells of a panic; without one, its last line when it exited with a code
-/// (`coded`), nothing when a signal ended it (its last line is only what it logged before,
-/// a request served or its ready line).
+/// What a process that exited said went wrong, as `: LINE`. One that exited with a code
+/// (`coded`): its last stderr line that begins with `error` or tells of a panic, else its last
+/// line. One a signal ended: its last line only if that is such a line (a panic aborting it),
+/// else nothing (what it logged before, a request served, a panic it caught and survived, is
+/// not why it died).
 pub(super) fn reason(out: &Mutex<Output>, coded: bool) -> String {
     let q = out.lock().expect("output lock");
-    let said = q
-        .tail
-        .iter()
-        .rev()
-        .find(|l| l.starts_with("error") || l.contains("panicked at"))
-        .or(q.tail.back().filter(|_| coded));
+    let why = |l: &&String| l.starts_with("error") || l.contains("panicked at");
+    let said = match coded {
+        true => q.tail.iter().rev().find(why).or(q.tail.back()),
+        false => q.tail.back().filter(why),
+    };
     match said {
         Some(l) => format!(": {l}"),
         None if coded => ": (no output)".into(),
