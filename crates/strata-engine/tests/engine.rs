@@ -88,13 +88,16 @@ fn prefix_from_device_host_and_disk_gives_identical_tokens() {
     e.shutdown(Duration::from_secs(5));
 }
 
+/// A client that leaves: its request ends, its pages are freed but for its prompt's whole
+/// pages, which join the cache (a client that retries finds them).
 #[test]
 fn dropping_the_stream_cancels_and_frees_pages() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_file(d.path());
     let e = start(&path, 64, 0, None, EngineConfig::default());
     let before = e.snapshot().device.pages_used;
-    let mut s = e.submit(prompt(40, 9), greedy(400)).unwrap();
+    let p = prompt(40, 9);
+    let mut s = e.submit(p.clone(), greedy(400)).unwrap();
     first_token(&mut s);
     let t = Instant::now();
     while e.snapshot().device_pages_held == 0 {
@@ -112,8 +115,10 @@ fn dropping_the_stream_cancels_and_frees_pages() {
     }
     let snap = e.snapshot();
     assert_eq!(snap.device_pages_held, 0);
-    assert_eq!(snap.device.pages_used, before);
+    assert_eq!(snap.device.pages_used, before + 2, "the prompt's 2 whole pages");
     assert_eq!(snap.finished.cancelled, 1);
+    let (_, c, _) = run(&e, &p, greedy(4));
+    assert_eq!(c.device, 32, "the retry finds them");
     e.shutdown(Duration::from_secs(5));
 }
 

@@ -622,7 +622,7 @@ impl Scheduler {
             return self.settle(r, reason);
         }
         self.progress += 1;
-        self.keep(&mut r, ok);
+        self.keep(&mut r, ok, reason.is_none());
         self.report(r, reason);
     }
 

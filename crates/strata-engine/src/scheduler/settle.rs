@@ -38,15 +38,19 @@ impl Scheduler {
             && self.model.decode_rows_differ()
     }
 
-    /// `r` ends: its whole pages join the tree (with `ok`: up to its prompt's end under
-    /// [`CacheOutputs::Off`]), the rest return to the pool, and its tokens leave the bound.
-    pub(super) fn keep(&mut self, r: &mut Req, ok: bool) {
+    /// `r` ends (`ok`: answered; `cancelled`: its client left): its whole pages join the tree,
+    /// the rest return to the pool, and its tokens leave the bound. An answer's pages join up
+    /// to its end (its prompt's under [`CacheOutputs::Off`]); a cancelled request's up to its
+    /// prompt's end, as far as it was computed (a client that retries finds them; its
+    /// generated positions are not the bits a prompt row stores); a failed one's not at all.
+    pub(super) fn keep(&mut self, r: &mut Req, ok: bool, cancelled: bool) {
         if let Some(lease) = r.lease.take() {
-            if ok && r.running && self.cfg.prefix_cache {
-                let upto = match self.cfg.cache_outputs {
-                    CacheOutputs::Off => r.computed.min(r.prompt_len),
-                    _ => r.computed,
-                };
+            let upto = match (ok, cancelled, self.cfg.cache_outputs) {
+                (true, _, CacheOutputs::Off) | (false, true, _) => r.computed.min(r.prompt_len),
+                (true, _, _) => r.computed,
+                (false, false, _) => 0,
+            };
+            if upto > 0 && r.running && self.cfg.prefix_cache {
                 self.cache.commit(lease, &r.tokens, upto);
             } else {
                 self.cache.release(lease);
@@ -82,7 +86,7 @@ impl Scheduler {
         if ok {
             self.snap.settled_tokens += (r.prompt_len - s.prompt_len) as u64;
         }
-        self.keep(&mut r, ok);
+        self.keep(&mut r, ok, false);
         r.prompt_len = s.prompt_len;
         self.report(r, Some(s.reason));
     }
