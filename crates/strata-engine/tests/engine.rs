@@ -115,7 +115,11 @@ fn dropping_the_stream_cancels_and_frees_pages() {
     }
     let snap = e.snapshot();
     assert_eq!(snap.device_pages_held, 0);
-    assert_eq!(snap.device.pages_used, before + 2, "the prompt's 2 whole pages");
+    assert_eq!(
+        snap.device.pages_used,
+        before + 2,
+        "the prompt's 2 whole pages"
+    );
     assert_eq!(snap.finished.cancelled, 1);
     let (_, c, _) = run(&e, &p, greedy(4));
     assert_eq!(c.device, 32, "the retry finds them");
