@@ -337,7 +337,10 @@ async fn a_client_that_disconnects_frees_its_pages() {
         let snap = s.state.engine.snapshot();
         if snap.running == 0 {
             assert_eq!(snap.device_pages_held, 0);
-            assert_eq!(snap.device.pages_used, before);
+            // All but the prompt's whole pages (16 tokens), which stay cached for a retry.
+            let kept = snap.prompt_tokens / 16;
+            assert!(kept > 0);
+            assert_eq!(snap.device.pages_used, before + kept);
             assert_eq!(snap.finished.cancelled, 1);
             break;
         }
