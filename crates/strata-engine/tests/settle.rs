@@ -43,16 +43,12 @@ fn turn_with(e: &EngineHandle, p: &[u32], params: SamplingParams) -> (Vec<u32>, 
     (toks, lps, cached)
 }
 
-/// Turn one, then turn two = turn one's prompt, its answer and more, on an engine with the
-/// given `cache_outputs`: turn two's tokens and log-probability bits, its cached tokens, and
-/// the engine's settled tokens.
-fn conversation(mode: CacheOutputs) -> ((Vec<u32>, Vec<u32>, usize), u64) {
+/// Turn one, then turn two = turn one's prompt, its answer and more, on an engine with
+/// `cfg`: turn two's tokens and log-probability bits, its cached tokens, and the engine's
+/// settled tokens.
+fn conversation(cfg: EngineConfig) -> ((Vec<u32>, Vec<u32>, usize), u64) {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_file(d.path());
-    let cfg = EngineConfig {
-        cache_outputs: mode,
-        ..EngineConfig::default()
-    };
     let e = start(&path, 64, 64, None, cfg);
     let p = prompt(37, 1);
     let (answer, _, _) = turn(&e, &p, 30);
@@ -65,36 +61,30 @@ fn conversation(mode: CacheOutputs) -> ((Vec<u32>, Vec<u32>, usize), u64) {
     (two, settled)
 }
 
+/// An engine's configuration: no prefix cache (`None`), or one caching answers so.
+fn config(mode: Option<CacheOutputs>) -> EngineConfig {
+    EngineConfig {
+        prefix_cache: mode.is_some(),
+        cache_outputs: mode.unwrap_or(CacheOutputs::Exact),
+        ..EngineConfig::default()
+    }
+}
+
 #[test]
 fn the_next_turn_over_a_cached_answer_is_the_uncached_bits_only_when_settled() {
-    let fresh = {
-        let d = tempfile::tempdir().unwrap();
-        let path = tiny_file(d.path());
-        let cfg = EngineConfig {
-            prefix_cache: false,
-            ..EngineConfig::default()
-        };
-        let e = start(&path, 64, 64, None, cfg);
-        let mut next = prompt(37, 1);
-        let (answer, _, _) = turn(&e, &next, 30);
-        next.extend(&answer);
-        next.extend(prompt(9, 4));
-        let two = turn(&e, &next, 12);
-        e.shutdown(Duration::from_secs(5));
-        two
-    };
-    let ((toks, lps, cached), settled) = conversation(CacheOutputs::Exact);
+    let (fresh, _) = conversation(config(None));
+    let ((toks, lps, cached), settled) = conversation(config(Some(CacheOutputs::Exact)));
     // The answer's whole pages were cached: 37 + 30 computed positions, 4 pages of 16.
     assert_eq!(cached, 64);
     assert_eq!(settled, 29 + 11, "each turn's generated positions with K/V");
     assert_eq!((toks, lps), (fresh.0.clone(), fresh.1.clone()));
-    let ((_, lps, cached), settled) = conversation(CacheOutputs::AsDecoded);
+    let ((_, lps, cached), settled) = conversation(config(Some(CacheOutputs::AsDecoded)));
     assert_eq!((cached, settled), (64, 0));
     assert_ne!(
         lps, fresh.1,
         "cached as decoded, the answer's K/V are other bits"
     );
-    let ((_, lps, cached), _) = conversation(CacheOutputs::Off);
+    let ((_, lps, cached), _) = conversation(config(Some(CacheOutputs::Off)));
     assert_eq!(cached, 32, "the prompt's whole pages only");
     assert_eq!(lps, fresh.1);
 }
@@ -106,16 +96,7 @@ fn the_next_turn_over_a_cached_answer_is_the_uncached_bits_only_when_settled() {
 fn a_stopped_answer_and_one_whose_client_left_are_settled_too() {
     let d = tempfile::tempdir().unwrap();
     let path = tiny_file(d.path());
-    let fresh = start(
-        &path,
-        64,
-        64,
-        None,
-        EngineConfig {
-            prefix_cache: false,
-            ..EngineConfig::default()
-        },
-    );
+    let fresh = start(&path, 64, 64, None, config(None));
     let e = start(&path, 64, 64, None, EngineConfig::default());
     let p = prompt(37, 2);
     let (long, _, _) = turn(&fresh, &p, 30);

@@ -566,6 +566,17 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    /// Random K (within ±2) and V (within ±0.5) planes of `slots` slots of `kvd` values.
+    fn planes(seed: &mut u64, slots: usize, kvd: usize) -> (Vec<f16>, Vec<f16>) {
+        let kp = (0..slots * kvd)
+            .map(|_| f16::from_f32(rand(seed) * 4.0))
+            .collect();
+        let vp = (0..slots * kvd)
+            .map(|_| f16::from_f32(rand(seed)))
+            .collect();
+        (kp, vp)
+    }
+
     /// A long context is gathered by several jobs, each value where one job would put it; a
     /// lone row over it (its KV heads on the pool) gets the bits it gets as the last row of a
     /// tile (computed head after head).
@@ -580,13 +591,7 @@ mod tests {
         let n = LONE_PARALLEL_FROM + 77;
         let mut seed = 11;
         let pages: Vec<u32> = (0..n.div_ceil(ps) as u32).collect();
-        let slots = pages.len() * ps;
-        let kp: Vec<f16> = (0..slots * kvd)
-            .map(|_| f16::from_f32(rand(&mut seed) * 4.0))
-            .collect();
-        let vp: Vec<f16> = (0..slots * kvd)
-            .map(|_| f16::from_f32(rand(&mut seed)))
-            .collect();
+        let (kp, vp) = planes(&mut seed, pages.len() * ps, kvd);
         let kv = SeqKv::gather(shape, Plane::F16(&kp), Plane::F16(&vp), &pages, ps, n);
         // The gather (several spans here, on the pool) put every value where it belongs.
         let blocks = n.div_ceil(KB);
@@ -622,13 +627,7 @@ mod tests {
         let mut seed = 7;
         // Pages in a scrambled order, to check the gather follows the page table.
         let pages: Vec<u32> = (0..n.div_ceil(ps) as u32).rev().collect();
-        let slots = pages.len() * ps;
-        let kp: Vec<f16> = (0..slots * kvd)
-            .map(|_| f16::from_f32(rand(&mut seed) * 4.0))
-            .collect();
-        let vp: Vec<f16> = (0..slots * kvd)
-            .map(|_| f16::from_f32(rand(&mut seed)))
-            .collect();
+        let (kp, vp) = planes(&mut seed, pages.len() * ps, kvd);
         let kv = SeqKv::gather(shape, Plane::F16(&kp), Plane::F16(&vp), &pages, ps, n);
         let at = |t: usize| (pages[t / ps] as usize * ps + t % ps) * kvd;
         for rows in [1usize, 2, 5, 8] {

@@ -602,8 +602,10 @@ impl Scheduler {
         }
     }
 
-    /// Ends a request: on success its whole pages join the tree; everything else it holds
-    /// returns to the pool. `None` = cancelled by the client (no event is sent).
+    /// Ends a request: an answer whose positions are computed again first stays for that
+    /// (`settle.rs`); then its whole pages join the tree and everything else it holds returns
+    /// to the pool (`keep`), and its client is told (`report`). `None` = cancelled by the
+    /// client (no event is sent).
     fn finish(&mut self, mut r: Req, mut reason: Option<FinishReason>) {
         if let Some(s) = r.settling.take() {
             return self.settled(r, s, reason);

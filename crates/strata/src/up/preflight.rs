@@ -79,6 +79,7 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
     // Every port the deployment's processes listen on: HTTP, and the KV listeners a worker's
     // args fix (`--kv-port`; 0, any free one, unless given).
     let mut listens = d.ports();
+    let http = listens.len();
     for (role, list) in [("prefill", &d.prefill), ("decode", &d.decode)] {
         for (i, spec) in list.iter().enumerate() {
             let name = format!("{role}-{i}");
@@ -101,7 +102,7 @@ pub(super) fn check(w: &WorkerCtx<'_>) -> Result<Option<String>> {
         }
     }
     super::ports::distinct("the deployment", &listens)?;
-    let kv = &listens[d.ports().len()..];
+    let kv = &listens[http..];
     super::ports::check_free(&d.host, kv)?;
     let topo = strata_mem::Topology::detect().context("reading this machine's NUMA nodes")?;
     fits(&topo, &per_node, reserve)?;
