@@ -144,3 +144,39 @@ fn a_stopped_answer_and_one_whose_client_left_are_settled_too() {
     e.shutdown(Duration::from_secs(5));
     fresh.shutdown(Duration::from_secs(5));
 }
+
+/// An answer computed again takes a share of each step's prefill budget however long the
+/// prompts beside it: its client's `Done` does not wait for another request's prefill (here a
+/// 480-token prompt, 8 tokens a step: the answer's `Done` comes before that prompt's first
+/// token).
+#[test]
+fn a_long_prompt_beside_it_does_not_hold_up_an_answers_end() {
+    let d = tempfile::tempdir().unwrap();
+    let path = tiny_file(d.path());
+    let cfg = EngineConfig {
+        max_batch_tokens: 8,
+        ..EngineConfig::default()
+    };
+    let e = start(&path, 64, 64, None, cfg);
+    let mut a = e.submit(prompt(8, 3), greedy(24)).unwrap();
+    let mut b = e.submit(prompt(480, 5), greedy(2)).unwrap();
+    loop {
+        match b.events.blocking_recv() {
+            Some(Event::Token(_)) => break,
+            Some(_) => {}
+            None => panic!("the long prompt ended without a token"),
+        }
+    }
+    // A's end was sent before B's first token: it is in A's channel now.
+    let mut done = false;
+    while let Ok(ev) = a.events.try_recv() {
+        done |= matches!(ev, Event::Done { .. });
+    }
+    assert!(
+        done,
+        "the answer's end waited for the long prompt's prefill"
+    );
+    assert_eq!(e.snapshot().settled_tokens, 23);
+    drop((a, b));
+    e.shutdown(Duration::from_secs(5));
+}

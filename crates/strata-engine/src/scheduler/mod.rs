@@ -456,33 +456,48 @@ impl Scheduler {
                 budget -= 1;
             }
         }
+        // Answers computed again (`settle.rs`) first, within a quarter of what is left (their
+        // clients wait for them to end; their slots and pages are freed by it), then prompts,
+        // then those answers again with whatever prompts leave.
+        let pending: Vec<usize> = (0..self.active.len())
+            .filter(|&i| {
+                self.active[i].running && self.active[i].computed < self.active[i].prompt_len
+            })
+            .collect();
+        let settling = |i: usize| self.active[i].settling.is_some();
+        let mut share = (budget / 4).max(1).min(budget);
+        let mut first = Vec::new();
+        for &i in pending.iter().filter(|&&i| settling(i)) {
+            let r = &self.active[i];
+            let n = (r.prompt_len - r.computed).min(share);
+            if n == 0 {
+                break;
+            }
+            plan.push((i, r.computed, n));
+            (share, budget) = (share - n, budget - n);
+            first.push(i);
+        }
+        let prompts = pending.iter().filter(|&&i| !settling(i));
+        let rest = pending
+            .iter()
+            .filter(|&&i| settling(i) && !first.contains(&i));
         // Rows whose every logits come back (prompt log probabilities): at most ROWS a step.
         let mut rows = prompt_logprobs::ROWS;
-        // Prompts first, then answers computed again (`settle.rs`) with what is left: a
-        // waiting client's first token before a finished answer's caching.
-        let prompts = self
-            .active
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.settling.is_none());
-        let settling = self
-            .active
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.settling.is_some());
-        for (i, r) in prompts.chain(settling) {
-            if r.running && r.computed < r.prompt_len && budget > 0 {
-                let mut n = (r.prompt_len - r.computed).min(budget);
-                if prompt_logprobs::wants_rows(r, r.computed) {
-                    if rows == 0 {
-                        continue;
-                    }
-                    n = n.min(rows);
-                    rows -= n;
-                }
-                plan.push((i, r.computed, n));
-                budget -= n;
+        for &i in prompts.chain(rest) {
+            let r = &self.active[i];
+            if budget == 0 {
+                break;
             }
+            let mut n = (r.prompt_len - r.computed).min(budget);
+            if prompt_logprobs::wants_rows(r, r.computed) {
+                if rows == 0 {
+                    continue;
+                }
+                n = n.min(rows);
+                rows -= n;
+            }
+            plan.push((i, r.computed, n));
+            budget -= n;
         }
         plan
     }
