@@ -240,6 +240,9 @@ pub(crate) async fn answer(
         let (cached, prompt_lps) = c?;
         prompt_tokens += p.ids.len();
         cached_tokens += cached.total();
+        if let Some(l) = crate::request_log::current() {
+            l.prompts_found(cached_tokens);
+        }
         // The same for every choice of the prompt: rendered once.
         let rendered = prompt_lps
             .as_deref()

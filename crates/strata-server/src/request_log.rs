@@ -24,6 +24,9 @@ pub struct RequestLog {
     status: AtomicU16,
     prompt: AtomicUsize,
     cached: AtomicUsize,
+    /// `cached` was counted when the prompts were computed, once for all choices (`n` > 1):
+    /// the choices, which find the prompt the request itself computed, do not count.
+    cached_once: std::sync::atomic::AtomicBool,
     output: AtomicUsize,
     /// Microseconds from the start to the first token, plus one (0: none yet).
     first_token_us: AtomicU64,
@@ -40,6 +43,7 @@ impl RequestLog {
             status: AtomicU16::new(0),
             prompt: AtomicUsize::new(0),
             cached: AtomicUsize::new(0),
+            cached_once: std::sync::atomic::AtomicBool::new(false),
             output: AtomicUsize::new(0),
             first_token_us: AtomicU64::new(0),
             finish: Mutex::new(None),
@@ -65,11 +69,21 @@ impl RequestLog {
         }
     }
 
+    /// The request's prompts were computed once for all its choices and found `cached`
+    /// tokens cached (what its usage says); its choices' own counts are not the request's.
+    pub fn prompts_found(&self, cached: usize) {
+        self.cached.store(cached, Ordering::Relaxed);
+        self.cached_once.store(true, Ordering::Relaxed);
+    }
+
     /// One answer ended (`n` > 1: each of them): its prompt and cached tokens (the largest
-    /// counts), its output tokens (added), how it ended (the first end says).
+    /// counts, unless [`Self::prompts_found`] said), its output tokens (added), how it ended
+    /// (the first end says).
     pub fn ended(&self, prompt: usize, cached: usize, output: usize, finish: &'static str) {
         self.prompt.fetch_max(prompt, Ordering::Relaxed);
-        self.cached.fetch_max(cached, Ordering::Relaxed);
+        if !self.cached_once.load(Ordering::Relaxed) {
+            self.cached.fetch_max(cached, Ordering::Relaxed);
+        }
         self.output.fetch_add(output, Ordering::Relaxed);
         let mut f = self.finish.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(finish);
@@ -135,6 +149,12 @@ mod tests {
         })
         .await;
         assert_eq!(l.output.load(Ordering::Relaxed), 5);
+        assert_eq!(l.cached.load(Ordering::Relaxed), 4);
+        // Choices of a prompt computed once: the request's count is the computation's.
+        let once = RequestLog::new("r2", "POST", "/v1/completions");
+        once.prompts_found(0);
+        once.ended(10, 8, 1, "stop");
+        assert_eq!(once.cached.load(Ordering::Relaxed), 0);
         assert_eq!(l.prompt.load(Ordering::Relaxed), 10);
         assert_eq!(*l.finish.lock().unwrap(), Some("stop"));
         assert!(l.first_token_us.load(Ordering::Relaxed) > 0);

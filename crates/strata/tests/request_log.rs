@@ -87,9 +87,16 @@ fn every_finished_request_gets_one_line() {
         ),
         "400"
     );
-    let lines = request_lines(&mut p, 3);
-    assert_eq!(lines.len(), 3, "{lines:#?}");
+    // Two choices of a new prompt: it is computed once, and each choice finds it cached; the
+    // request found nothing cached, as its usage says (the line said what the choices found).
+    let words = "a new prompt of many words that fill two pages or more ".repeat(4);
+    let two = format!(r#"{{"prompt":"{words}","max_tokens":2,"n":2,"temperature":0.9,"seed":3}}"#);
+    assert_eq!(curl(port, "/v1/completions", &[], Some(&two)), "200");
+    let lines = request_lines(&mut p, 4);
+    assert_eq!(lines.len(), 4, "{lines:#?}");
     let (whole, stream, refused) = (&lines[0], &lines[1], &lines[2]);
+    assert_eq!(field(&lines[3], "cached_tokens"), "0", "{}", lines[3]);
+    assert!(field(&lines[3], "prompt_tokens").parse::<u32>().unwrap() > 32);
     assert_eq!(field(whole, "request_id"), "trace-42", "{whole}");
     for l in [whole, stream, refused] {
         assert_eq!(field(l, "route"), "/v1/chat/completions", "{l}");
