@@ -216,7 +216,6 @@ async fn relay(
     Ok(resp)
 }
 
-/// The decode worker did not answer within `--request-timeout`: counted, logged, the 504.
 /// Waits for a worker's answer to begin: at most `--request-timeout`, and no longer than the
 /// worker keeps failing its health checks ([`give_up_after`]): hung or stopped, it would
 /// hold its clients for the whole timeout (30 minutes by default).
@@ -238,16 +237,12 @@ pub(crate) async fn answer_of(
         sent = tokio::time::timeout(st.request_timeout, sending) => {
             sent.map_err(|_| timed_out(st, d))
         }
-        _ = failing => {
-            st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
-            d.failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(decode = %d.url, "the worker failed its health checks for {} s; its request is given up", after.as_secs());
-            Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                format!("the worker answering this request failed its health checks for {} s (hung or stopped); send it again", after.as_secs()),
-            ))
-        }
+        _ = failing => Err(given_up(
+            st,
+            d,
+            (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable"),
+            format!("the worker answering this request failed its health checks for {} s (hung or stopped); send it again", after.as_secs()),
+        )),
     }
 }
 
@@ -258,18 +253,29 @@ pub(crate) fn give_up_after(st: &RouterState) -> Duration {
     (st.health_every * 3).max(Duration::from_secs(10))
 }
 
+/// The decode worker did not answer within `--request-timeout`: counted, logged, the 504.
 pub(crate) fn timed_out(st: &RouterState, d: &Worker) -> ApiError {
+    let within = st.request_timeout.as_secs_f64();
+    given_up(
+        st,
+        d,
+        (StatusCode::GATEWAY_TIMEOUT, "server_error"),
+        format!("the worker did not answer within {within:.0} s (--request-timeout)"),
+    )
+}
+
+/// An answer the router stopped waiting for: counted against the worker, logged, and the
+/// client's error (`status` and its type) saying why.
+fn given_up(
+    st: &RouterState,
+    d: &Worker,
+    (status, kind): (StatusCode, &'static str),
+    why: String,
+) -> ApiError {
     st.front.upstream_errors[0].fetch_add(1, Ordering::Relaxed);
     d.failures.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(decode = %d.url, "no answer within --request-timeout");
-    ApiError::new(
-        StatusCode::GATEWAY_TIMEOUT,
-        "server_error",
-        format!(
-            "the worker did not answer within {:.0} s (--request-timeout)",
-            st.request_timeout.as_secs_f64()
-        ),
-    )
+    tracing::warn!(decode = %d.url, "{why}");
+    ApiError::new(status, kind, why)
 }
 
 /// A worker's answer that is not passed on: counted against it; its status and its words
